@@ -1,0 +1,104 @@
+"""Settings: one JSON file (``--config FILE`` or ``MOEBUS_CONFIG``) with environment overrides
+``MOEBUS_<KEY>``, nested with ``__`` (``MOEBUS_API__PORT=8080``). Read once at the entry point and
+passed down; processes derive their own copies with ``model_copy(update=...)``."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
+
+from moebus.common.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VisionSettings(_Section):
+    lazy: bool = True
+    idle_s: float = Field(60.0, gt=0)
+    vram_mib: list[int] | None = None  # None: the default for the GPU count (see docs/config.md)
+
+
+class ApiSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    workers: int = Field(1, ge=1)  # WSGI worker processes (the api is stateless)
+    threads: int = Field(16, ge=1)  # threads per WSGI worker
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+
+
+class BrokerSettings(_Section):
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "ipc://{run_dir}/backend.sock"  # {run_dir}: a private directory per serve
+    heartbeat_s: float = Field(1.0, gt=0)
+    heartbeat_liveness: int = Field(3, ge=1)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MOEBUS_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    model: str | None = None  # a Hugging Face model directory; None: the embedded demo model
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    gpus: list[int] = Field(default_factory=lambda: [0])
+    emulated_vram_mib: list[int] = Field(default_factory=lambda: [160])
+    layer_split: list[int] | None = None
+    vram_elastic: bool = True
+    vram_reserve_mib: list[int] = Field(default_factory=list)
+    segment_mib: int = Field(2, ge=1)
+    vision: VisionSettings = Field(default_factory=VisionSettings)
+    max_batch: int = Field(16, ge=1)
+    max_context: int = Field(2048, ge=16)
+    max_queue: int = Field(256, ge=0)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+
+    @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split")
+    @classmethod
+    def _non_negative(cls, value):
+        if value is not None and any(v < 0 for v in value):
+            raise ValueError("values must be >= 0")
+        return value
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_settings(config_file: str | os.PathLike | None = None, **overrides) -> Settings:
+    """Settings from defaults < JSON file < environment < ``overrides`` (command-line flags).
+    ``overrides`` with value None are ignored. Raises ConfigError naming the key and value."""
+    path = config_file or os.environ.get("MOEBUS_CONFIG")
+    if path and not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path:
+        try:
+            json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from e
+
+    class _FromFile(Settings):
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_):
+            sources = [init_settings, env_settings]
+            if path:
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+            return tuple(sources)
+
+    cli = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        merged = _FromFile(**cli)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+    return Settings.model_validate(merged.model_dump())

@@ -1,0 +1,99 @@
+"""Tokenizer of a model directory: ``tokenizer.json`` through the ``tokenizers`` library, the chat
+template of ``tokenizer_config.json`` rendered with jinja2 (sandboxed), and the stop ids from
+``generation_config.json`` / ``config.json``. A directory without a chat template still serves
+token-id and plain-text prompts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from moebus.common.errors import CheckpointError, RequestError
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message):
+    raise RequestError(f"chat template: {message}", param="messages")
+
+
+class TextTokenizer:
+    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found (moebus reads fast tokenizers only)")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+        gen_cfg = _read_json(model_dir / "generation_config.json")
+        self.bos_token = _token_text(tok_cfg.get("bos_token"))
+        self.eos_token = _token_text(tok_cfg.get("eos_token"))
+        self.chat_template = self._pick_template(tok_cfg.get("chat_template"), model_dir)
+        stop = set(eos_token_ids)
+        gen_eos = gen_cfg.get("eos_token_id")
+        stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if self.eos_token and self.tokenizer.token_to_id(self.eos_token) is not None:
+            stop.add(self.tokenizer.token_to_id(self.eos_token))
+        self.stop_ids = frozenset(int(i) for i in stop)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.globals["raise_exception"] = _raise
+        self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
+
+    @staticmethod
+    def _pick_template(value, model_dir: Path) -> str | None:
+        if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in value}
+            value = named.get("default") or next(iter(named.values()), None)
+        if value is None and (model_dir / "chat_template.jinja").is_file():
+            value = (model_dir / "chat_template.jinja").read_text()
+        return value
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            raise RequestError("this model has no chat template; use /v1/completions", param="messages")
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 tail."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text if text.startswith(self.emitted) else self.emitted
+        return delta

@@ -1,0 +1,67 @@
+"""Device backends: the ops that a stage calls, on numpy (``cpu``) or numba.cuda (``cuda``).
+
+Both take and return their own array type (numpy arrays / device arrays); the stage only moves data
+across with ``upload`` and ``to_host``. Weights are prepared once at load with ``weight``; the
+``cpu`` backend keeps dense weights as float32 copies (numpy has no bf16 matmul, and converting per
+call would dominate a CPU decode step) while experts stay in their stored dtype in the arena."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
+from moebus.cuda.dtypes import to_f32
+
+
+class CpuBackend:
+    """The numpy reference of every op, as the ``cpu`` device."""
+
+    name = "cpu"
+
+    def begin_step(self) -> None:
+        pass
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(to_f32(array))
+
+    def table(self, array: np.ndarray) -> np.ndarray:
+        """A weight read by row (embedding), kept in its stored dtype."""
+        return np.asarray(array)
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array)
+
+    def to_host(self, array) -> np.ndarray:
+        return np.asarray(array)
+
+    def zeros(self, shape, dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def synchronize(self) -> None:
+        pass
+
+    embedding = staticmethod(embedding.embedding_ref)
+    rmsnorm = staticmethod(rmsnorm.rmsnorm_ref)
+    linear = staticmethod(linear.linear_ref)
+    add = staticmethod(elementwise.add_ref)
+    swiglu = staticmethod(elementwise.swiglu_ref)
+    rope = staticmethod(rope.rope_ref)
+    kv_store = staticmethod(attention.kv_store_ref)
+    attention = staticmethod(attention.attention_ref)
+    topk_softmax = staticmethod(moe.topk_softmax_ref)
+    expert_ffn = staticmethod(moe.expert_ffn_ref)
+    combine = staticmethod(moe.combine_ref)
+    sample = staticmethod(sampling.sample_ref)
+
+
+def make_backend(device: str):
+    """'cpu' or 'cuda' (the cuda backend imports numba.cuda only when asked for)."""
+    if device == "cpu":
+        return CpuBackend()
+    if device == "cuda":
+        from moebus.cuda.backend_cuda import CudaBackend
+
+        return CudaBackend()
+    raise ValueError(f"unknown device {device!r}")

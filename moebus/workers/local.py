@@ -1,0 +1,70 @@
+"""All stages of a model in this process, run in order: the in-process path behind the fidelity
+tests, benchmarks and ``moebus generate --local``. The service does the same across processes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moebus.common.checkpoint import Checkpoint
+from moebus.cuda.backend import make_backend
+from moebus.workers.batch import StepBatch
+from moebus.workers.stage import Stage
+
+
+def split_layers(num_layers: int, parts: list[int] | int) -> list[range]:
+    """Contiguous layer ranges: ``parts`` is a count (even split) or explicit layer counts."""
+    if isinstance(parts, int):
+        base, extra = divmod(num_layers, parts)
+        parts = [base + (1 if i < extra else 0) for i in range(parts)]
+    if sum(parts) != num_layers or any(p <= 0 for p in parts):
+        raise ValueError(f"layer split {parts} does not cover {num_layers} layers")
+    bounds = np.cumsum([0] + list(parts))
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class LocalModel:
+    def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
+                 max_context: int = 1024):
+        self.ckpt = Checkpoint(model_dir)
+        self.backend = make_backend(device)
+        self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context)
+                       for r in split_layers(self.ckpt.config.num_layers, parts)]
+
+    def step(self, batch: StepBatch, want_logits: bool = False):
+        hidden = None
+        for stage in self.stages[:-1]:
+            hidden = stage.forward(batch, hidden).hidden
+        return self.stages[-1].forward(batch, hidden, want_logits=want_logits)
+
+    def prefill_logits(self, prompts: list[list[int]]) -> np.ndarray:
+        """Last-position logits (S, V) of a batch of prompts of any lengths, one slot each."""
+        batch = StepBatch(slots=np.arange(len(prompts)), starts=np.zeros(len(prompts)),
+                          lengths=[len(p) for p in prompts], tokens=np.concatenate(prompts))
+        return self.step(batch, want_logits=True).logits
+
+    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_ids=(), slot: int = 0) -> Generation:
+        rng = np.random.default_rng(seed)
+        out = Generation()
+        tokens, start = list(prompt), 0
+        while len(out.tokens) < max_tokens:
+            batch = StepBatch(slots=[slot], starts=[start], lengths=[len(tokens)], tokens=tokens,
+                              temperature=[temperature], top_k=[top_k], top_p=[top_p], u=[rng.random()])
+            result = self.step(batch)
+            token = int(result.tokens[0])
+            out.tokens.append(token)
+            out.logprobs.append(float(result.logprobs[0]))
+            start += len(tokens)
+            tokens = [token]
+            if token in stop_ids:
+                out.finish_reason = "stop"
+                break
+        return out

@@ -1,0 +1,140 @@
+"""A stage: a contiguous range of decoder layers on one device. The first stage embeds tokens, the
+last applies the final norm and lm_head and samples; every stage keeps the KV cache of its layers
+and reads its experts from an arena through a (layer, expert) -> slot table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebus.cuda.rope import rope_tables
+from moebus.cuda.sampling import top_logprobs_ref
+from moebus.workers.batch import StepBatch
+from moebus.workers.kv_cache import KVCache
+from moebus.workers.resident_experts import ResidentExperts
+
+
+@dataclass
+class StageOutput:
+    hidden: np.ndarray | None = None  # (T, D) float32, from a stage that is not last
+    tokens: np.ndarray | None = None  # (S,) int32 sampled ids, from the last stage
+    logprobs: np.ndarray | None = None  # (S,) float32 log p of each sampled id (raw logits)
+    top_ids: np.ndarray | None = None  # (S, n) int32 when batch.top_logprobs = n
+    top_logprobs: np.ndarray | None = None  # (S, n) float32
+    logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
+
+
+class Stage:
+    def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None):
+        cfg = self.cfg = ckpt.config
+        if not (0 <= layers.start < layers.stop <= cfg.num_layers):
+            raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
+        self.ops = backend
+        self.layer_range = layers
+        self.is_first = layers.start == 0
+        self.is_last = layers.stop == cfg.num_layers
+        self.max_context = max_context
+        if self.is_first:
+            self.embed = backend.table(ckpt.embedding())
+        if self.is_last:
+            self.final_norm = backend.weight(ckpt.final_norm())
+            self.lm_head = backend.weight(ckpt.lm_head())
+        self.layers = {i: self._load_layer(ckpt, i) for i in layers}
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
+        self.cos, self.sin = backend.upload(cos), backend.upload(sin)
+        self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
+        self.experts = experts if experts is not None else ResidentExperts(ckpt, layers, backend)
+
+    def _load_layer(self, ckpt, i: int) -> dict:
+        w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}
+        if self.cfg.is_moe_layer(i):
+            w["router"] = self.ops.weight(ckpt.router(i))
+        else:
+            w.update({"mlp_" + k: self.ops.weight(v) for k, v in ckpt.dense_mlp(i).items()})
+        return w
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, batch: StepBatch, hidden: np.ndarray | None = None, want_logits: bool = False) -> StageOutput:
+        """Run this stage's layers over one step. ``hidden`` (T, D) comes from the previous stage."""
+        ops = self.ops
+        ops.begin_step()
+        if int((batch.starts + batch.lengths).max()) > self.max_context:
+            raise ValueError(f"a sequence exceeds max_context {self.max_context}")
+        token_slot = ops.upload(batch.token_slots())
+        token_pos = ops.upload(batch.token_positions())
+        if self.is_first:
+            x = ops.embedding(self.embed, ops.upload(batch.tokens))
+        else:
+            x = ops.upload(np.ascontiguousarray(hidden, dtype=np.float32))
+        try:
+            for n, i in enumerate(self.layer_range):
+                x = self._layer(n, i, x, token_slot, token_pos)
+        finally:
+            self.experts.release()
+        if not self.is_last:
+            return StageOutput(hidden=ops.to_host(x))
+        return self._sample(batch, x, want_logits)
+
+    def _layer(self, n: int, i: int, x, token_slot, token_pos):
+        ops, cfg, w = self.ops, self.cfg, self.layers[i]
+        num_tokens = x.shape[0]
+        hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        h = ops.rmsnorm(x, w["attn_norm"], eps)
+        q = ops.linear(h, w["q"])
+        k = ops.linear(h, w["k"])
+        v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
+        if cfg.qk_norm:
+            q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps)
+            k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps)
+        q = ops.rope(q.reshape(num_tokens, heads, hd), token_pos, self.cos, self.sin)
+        k = ops.rope(k.reshape(num_tokens, kv_heads, hd), token_pos, self.cos, self.sin)
+        ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
+        a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
+        x = ops.add(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]))
+        h = ops.rmsnorm(x, w["mlp_norm"], eps)
+        if cfg.is_moe_layer(i):
+            y = self._moe(i, w, h)
+        else:
+            y = ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
+        return ops.add(x, y)
+
+    def _moe(self, layer: int, w: dict, h):
+        ops, cfg = self.ops, self.cfg
+        num_tokens, top_k = h.shape[0], cfg.top_k
+        ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), top_k, cfg.norm_topk_prob)
+        pair_expert = ops.to_host(ids).ravel()  # the one host round trip per layer: which experts
+        unique = np.unique(pair_expert)
+        slots, ready = self.experts.acquire(layer, unique)
+        where = np.searchsorted(unique, pair_expert)
+        pair_slot, pair_ready = slots[where], ready[where]
+        pair_token = np.repeat(np.arange(num_tokens, dtype=np.int32), top_k)
+        out = ops.empty((num_tokens * top_k, cfg.hidden_size), np.float32)
+        # Resident experts compute while missing ones are still being copied in; then the rest.
+        for is_ready in (True, False):
+            pairs = np.nonzero(pair_ready == is_ready)[0].astype(np.int32)
+            if len(pairs) == 0:
+                continue
+            if not is_ready:
+                self.experts.wait()
+            pairs = pairs[np.argsort(pair_slot[pairs], kind="stable")]  # same expert back to back
+            table = ops.upload(np.stack([pair_token[pairs], pair_slot[pairs], pairs]))
+            ops.expert_ffn(h, table[0], table[1], table[2], self.experts.arena, cfg.hidden_size,
+                           cfg.moe_intermediate_size, out)
+        return ops.combine(out, weights)
+
+    def _sample(self, batch: StepBatch, x, want_logits: bool) -> StageOutput:
+        ops = self.ops
+        last = ops.embedding(x, ops.upload(batch.last_token_index()))
+        logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+        temperature, top_k, top_p, u = (ops.upload(a) for a in batch.sampling_arrays())
+        tokens, logprobs = ops.sample(logits, temperature, top_k, top_p, u)
+        out = StageOutput(tokens=ops.to_host(tokens), logprobs=ops.to_host(logprobs))
+        if want_logits or batch.top_logprobs:
+            host_logits = ops.to_host(logits)
+            out.logits = host_logits if want_logits else None
+            if batch.top_logprobs:
+                tops = [top_logprobs_ref(row, batch.top_logprobs) for row in host_logits]
+                out.top_ids = np.stack([t[0] for t in tops])
+                out.top_logprobs = np.stack([t[1] for t in tops])
+        return out
