@@ -1,7 +1,8 @@
 """Device backends: the ops that a stage calls, on numpy (``cpu``) or numba.cuda (``cuda``).
 
 Both take and return their own array type (numpy arrays / device arrays); the stage only moves data
-across with ``upload`` and ``to_host``. Weights are prepared once at load with ``weight``; the
+across with ``upload`` / ``persist`` and ``to_host``. Every op's result is per-step scratch: valid
+until the next ``begin_step()``, so a backend can recycle buffers instead of allocating per call. Weights are prepared once at load with ``weight``; the
 ``cpu`` backend keeps dense weights as float32 copies (numpy has no bf16 matmul, and converting per
 call would dominate a CPU decode step) while experts stay in their stored dtype in the arena."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ class CpuBackend:
     name = "cpu"
 
     def begin_step(self) -> None:
-        pass
+        """Start of a forward pass: per-step buffers of the previous step may be reused."""
 
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(to_f32(array))
@@ -27,16 +28,23 @@ class CpuBackend:
         """A weight read by row (embedding), kept in its stored dtype."""
         return np.asarray(array)
 
+    def persist(self, array: np.ndarray) -> np.ndarray:
+        """A device copy that lives as long as its owner (rope tables, an arena)."""
+        return np.ascontiguousarray(array)
+
     def upload(self, array: np.ndarray) -> np.ndarray:
+        """A per-step input, valid until the next begin_step()."""
         return np.ascontiguousarray(array)
 
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
+        """A persistent zeroed buffer (KV cache)."""
         return np.zeros(shape, dtype=dtype)
 
     def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        """Per-step scratch, valid until the next begin_step()."""
         return np.empty(shape, dtype=dtype)
 
     def synchronize(self) -> None:

@@ -20,7 +20,7 @@ class ResidentExperts:
             for e in range(cfg.num_experts):
                 gate, up, down = ckpt.expert(layer, e)
                 host[base + e] = np.concatenate([gate.ravel(), up.ravel(), down.ravel()])
-        self.arena = backend.upload(host)
+        self.arena = backend.persist(host)
 
     def acquire(self, layer: int, expert_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Arena slots of ``expert_ids`` of ``layer`` and which are ready now (here: all)."""

@@ -41,7 +41,7 @@ class Stage:
             self.lm_head = backend.weight(ckpt.lm_head())
         self.layers = {i: self._load_layer(ckpt, i) for i in layers}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
-        self.cos, self.sin = backend.upload(cos), backend.upload(sin)
+        self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
         self.experts = experts if experts is not None else ResidentExperts(ckpt, layers, backend)
 
