@@ -5,3 +5,25 @@ import os
 
 if os.environ.get("MOEBUS_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """name -> directory of each tiny test model (made once per session)."""
+    from tests.models import make_hf_model, make_init_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "init_qwen3": make_init_model(root / "init_qwen3", "qwen3_moe"),
+        "init_mixtral": make_init_model(root / "init_mixtral", "mixtral"),
+        "hf_qwen3_bf16": make_hf_model(root / "hf_qwen3_bf16", "qwen3_moe", "bf16"),
+        "hf_qwen3_f32": make_hf_model(root / "hf_qwen3_f32", "qwen3_moe", "f32"),
+        "hf_mixtral_bf16": make_hf_model(root / "hf_mixtral_bf16", "mixtral", "bf16"),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dirs):
+    return model_dirs["init_qwen3"]

@@ -1,0 +1,46 @@
+import json
+
+import pytest
+
+from moebus.common.errors import ConfigError
+from moebus.common.settings import load_settings
+
+
+def test_defaults_file_env_and_flags_in_order(tmp_path, monkeypatch):
+    cfg = tmp_path / "moebus.json"
+    cfg.write_text(json.dumps({"max_batch": 4, "api": {"port": 9000, "host": "0.0.0.0"}, "vision": {"idle_s": 5}}))
+    monkeypatch.setenv("MOEBUS_API__PORT", "8080")
+    s = load_settings(cfg, max_batch=None, device="cpu")
+    assert (s.max_batch, s.api.port, s.api.host, s.vision.idle_s, s.device) == (4, 8080, "0.0.0.0", 5, "cpu")
+    assert load_settings(cfg, max_batch=2).max_batch == 2
+
+
+def test_config_from_environment_variable_and_lists(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"emulated_vram_mib": [64, 32]}))
+    monkeypatch.setenv("MOEBUS_CONFIG", str(cfg))
+    assert load_settings().emulated_vram_mib == [64, 32]
+    monkeypatch.setenv("MOEBUS_VRAM_RESERVE_MIB", "[10, 20]")
+    assert load_settings().vram_reserve_mib == [10, 20]
+
+
+@pytest.mark.parametrize("env,key", [("MOEBUS_API__PORT", "api.port"), ("MOEBUS_DEVICE", "device"),
+                                     ("MOEBUS_MAX_BATCH", "max_batch")])
+def test_bad_values_name_key_and_value(monkeypatch, env, key):
+    monkeypatch.setenv(env, "bogus-value")
+    with pytest.raises(ConfigError, match=rf"'{key}'.*bogus-value"):
+        load_settings()
+
+
+def test_unknown_key_and_bad_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"max_bacth": 3}))
+    with pytest.raises(ConfigError, match="max_bacth"):
+        load_settings(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_settings(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="vram_reserve_mib"):
+        load_settings(vram_reserve_mib=[-1])

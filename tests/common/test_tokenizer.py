@@ -1,0 +1,40 @@
+import json
+
+import pytest
+
+from moebus.common.errors import RequestError
+from moebus.common.tokenizer import StreamDecoder, TextTokenizer
+
+
+def test_encode_decode_chat_template_and_stop_ids(tiny_model):
+    tok = TextTokenizer(tiny_model)
+    ids = tok.encode("the expert cache")
+    assert tok.decode(ids) == "the expert cache"
+    text = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    parts = tok.render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert "ab<|im_end|>" in parts
+    im_end = tok.tokenizer.token_to_id("<|im_end|>")
+    assert im_end in tok.stop_ids
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[0] == tok.tokenizer.token_to_id("<|im_start|>")
+
+
+def test_directory_without_chat_template_serves_text(tmp_path, tiny_model):
+    for f in ("tokenizer.json", "config.json"):
+        (tmp_path / f).write_bytes((tiny_model / f).read_bytes())
+    cfg = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = TextTokenizer(tmp_path)
+    assert tok.encode("hello")
+    with pytest.raises(RequestError, match="no chat template"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_stream_decoder_emits_whole_characters(tiny_model):
+    tok = TextTokenizer(tiny_model)
+    ids = tok.encode("naïve café ✓ done")
+    dec = StreamDecoder(tok)
+    text = "".join(dec.push(i) for i in ids)
+    assert text == "naïve café ✓ done"
+    assert "\ufffd" not in text

@@ -1,0 +1,40 @@
+"""Tiny models for tests: made by moebus' own init-model, and made and saved by transformers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from moebus.common.tiny_model import init_model
+
+HF_SHAPES = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=1024)
+
+
+def make_hf_model(out_dir: Path, arch: str, dtype: str = "bf16", seed: int = 0) -> Path:
+    """A model built by transformers, weights scaled for clear logit margins, saved by save_pretrained."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**HF_SHAPES, head_dim=16, num_experts=8, moe_intermediate_size=32,
+                             intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1])
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = MixtralConfig(**HF_SHAPES, num_local_experts=6, intermediate_size=32)
+        model = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                fan_in = p.shape[-1]
+                scale = 4.0 if "lm_head" in name else 2.0 if ("gate.weight" in name and "proj" not in name) else 1.0
+                p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else scale / fan_in ** 0.5))
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def make_init_model(out_dir: Path, arch: str, preset: str = "tiny", seed: int = 0) -> Path:
+    return init_model(out_dir, arch, preset, seed=seed)
