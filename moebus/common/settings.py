@@ -38,6 +38,7 @@ class BrokerSettings(_Section):
     backend: str = "ipc://{run_dir}/backend.sock"  # {run_dir}: a private directory per serve
     heartbeat_s: float = Field(1.0, gt=0)
     heartbeat_liveness: int = Field(3, ge=1)
+    drain_s: float = Field(10.0, ge=0)  # on SIGTERM: time running requests get to finish
 
 
 class Settings(BaseSettings):
@@ -57,6 +58,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(16, ge=1)
     max_context: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0)
+    max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 

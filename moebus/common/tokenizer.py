@@ -94,6 +94,14 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text if text.startswith(self.emitted) else self.emitted
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The rest of the text at the end of a sequence, an incomplete character included."""
+        return self._advance(self.tokenizer.decode(self.ids))
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.emitted):  # a merge changed earlier text: emit nothing twice
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
         return delta

@@ -73,3 +73,12 @@ def make_backend(device: str):
 
         return CudaBackend()
     raise ValueError(f"unknown device {device!r}")
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """True for errors after which the device (CUDA context) cannot be trusted any more."""
+    if isinstance(exc, MemoryError):
+        return True
+    module = type(exc).__module__ or ""
+    return module.startswith("numba.cuda.cudadrv") or module.startswith("numba_cuda") or \
+        type(exc).__name__ in ("CudaAPIError", "CudaSupportError", "CudaDriverError")

@@ -11,7 +11,7 @@ from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
 from moebus.workers.batch import StepBatch
 from moebus.workers.kv_cache import KVCache
-from moebus.workers.resident_experts import ResidentExperts
+from moebus.workers.experts import build_expert_cache
 
 
 @dataclass
@@ -25,7 +25,8 @@ class StageOutput:
 
 
 class Stage:
-    def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None):
+    def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
+                 progress=iter):
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -39,11 +40,11 @@ class Stage:
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = backend.weight(ckpt.lm_head())
-        self.layers = {i: self._load_layer(ckpt, i) for i in layers}
+        self.layers = {i: self._load_layer(ckpt, i) for i in progress(layers)}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
-        self.experts = experts if experts is not None else ResidentExperts(ckpt, layers, backend)
+        self.experts = experts if experts is not None else build_expert_cache(ckpt, layers, backend)
 
     def _load_layer(self, ckpt, i: int) -> dict:
         w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}
@@ -105,22 +106,28 @@ class Stage:
         ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), top_k, cfg.norm_topk_prob)
         pair_expert = ops.to_host(ids).ravel()  # the one host round trip per layer: which experts
         unique = np.unique(pair_expert)
-        slots, ready = self.experts.acquire(layer, unique)
-        where = np.searchsorted(unique, pair_expert)
-        pair_slot, pair_ready = slots[where], ready[where]
+        pair_group_index = np.searchsorted(unique, pair_expert)
         pair_token = np.repeat(np.arange(num_tokens, dtype=np.int32), top_k)
         out = ops.empty((num_tokens * top_k, cfg.hidden_size), np.float32)
-        # Resident experts compute while missing ones are still being copied in; then the rest.
-        for is_ready in (True, False):
-            pairs = np.nonzero(pair_ready == is_ready)[0].astype(np.int32)
-            if len(pairs) == 0:
-                continue
-            if not is_ready:
-                self.experts.wait()
-            pairs = pairs[np.argsort(pair_slot[pairs], kind="stable")]  # same expert back to back
-            table = ops.upload(np.stack([pair_token[pairs], pair_slot[pairs], pairs]))
-            ops.expert_ffn(h, table[0], table[1], table[2], self.experts.arena, cfg.hidden_size,
-                           cfg.moe_intermediate_size, out)
+        group = max(1, self.experts.num_slots)  # a cache smaller than the layer's experts: in groups
+        for first in range(0, len(unique), group):
+            slots, ready = self.experts.acquire(layer, unique[first : first + group])
+            members = np.nonzero((pair_group_index >= first) & (pair_group_index < first + group))[0]
+            member_slot = slots[pair_group_index[members] - first]
+            member_ready = ready[pair_group_index[members] - first]
+            # Resident experts compute while missing ones are still being copied in; then the rest.
+            for is_ready in (True, False):
+                pairs = members[member_ready == is_ready].astype(np.int32)
+                if len(pairs) == 0:
+                    continue
+                if not is_ready:
+                    self.experts.wait()
+                pair_slot = member_slot[member_ready == is_ready]
+                order = np.argsort(pair_slot, kind="stable")  # same expert back to back
+                table = ops.upload(np.stack([pair_token[pairs[order]], pair_slot[order], pairs[order]]))
+                ops.expert_ffn(h, table[0], table[1], table[2], self.experts.array, cfg.hidden_size,
+                               cfg.moe_intermediate_size, out)
+        self.experts.release()
         return ops.combine(out, weights)
 
     def _sample(self, batch: StepBatch, x, want_logits: bool) -> StageOutput:

@@ -1,0 +1,83 @@
+"""Child processes of the broker (GPU workers, the api server): started with the parent-death signal
+set, so that no child outlives a SIGKILLed parent, restarted with back-off when they die."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("moebus.broker")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    os.setpgrp()  # a Ctrl-C in the terminal reaches the parent only; the parent stops the children
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, restart: bool = True):
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.restart = restart
+        self.proc: subprocess.Popen | None = None
+        self.started_s = 0.0
+        self.next_start_s = 0.0
+        self.backoff_s = 0.5
+        self.restarts = 0
+
+    def start(self) -> None:
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.started_s = time.monotonic()
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exited(self) -> int | None:
+        """The exit status once, the first time the process is seen dead; else None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        status, self.proc = self.proc.returncode, None
+        quick = time.monotonic() - self.started_s < 30
+        self.backoff_s = min(self.backoff_s * 2, 10.0) if quick else 0.5
+        self.next_start_s = time.monotonic() + self.backoff_s
+        return status
+
+    def maybe_restart(self) -> bool:
+        if self.restart and self.proc is None and time.monotonic() >= self.next_start_s:
+            self.restarts += 1
+            self.start()
+            return True
+        return False
+
+    def kill(self) -> None:
+        if self.is_running():
+            self.proc.kill()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if not self.is_running():
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def python_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moebus.cli", *args]

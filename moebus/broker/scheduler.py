@@ -1,0 +1,96 @@
+"""FIFO admission and continuous batching. Each step takes every running sequence once: decoding
+ones feed their last token, prefilling ones the next chunk of their prompt within the step's token
+budget. A sequence keeps its KV slot from admission to its end."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebus.broker.sequence import Sequence
+from moebus.common.errors import ServerBusy
+
+
+@dataclass
+class PlannedStep:
+    seqs: list[Sequence]
+    samples: list[bool]  # does this step end the sequence's feed (so its sampled token counts)?
+    slots: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    tokens: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    u: np.ndarray
+    top_logprobs: int
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_queue: int, max_step_tokens: int):
+        self.max_queue = max_queue
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.free_slots = list(range(max_batch))[::-1]
+
+    def submit(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise ServerBusy(f"server busy: {len(self.waiting)} requests waiting (max_queue)")
+        self.waiting.append(seq)
+
+    def find(self, seq_id: str) -> Sequence | None:
+        return self.running.get(seq_id) or next((s for s in self.waiting if s.id == seq_id), None)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished, cancelled or failed sequence and free its slot."""
+        if self.running.pop(seq.id, None) is not None:
+            self.free_slots.append(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or (bool(self.waiting) and bool(self.free_slots))
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running[seq.id] = seq
+
+    def plan(self) -> PlannedStep | None:
+        self._admit()
+        decoding = [s for s in self.running.values() if not s.is_prefilling]
+        prefilling = [s for s in self.running.values() if s.is_prefilling]
+        budget = max(self.max_step_tokens - len(decoding), 0)
+        chosen, feeds = [], []
+        for seq in decoding + prefilling:
+            feed = seq.next_feed(budget if seq.is_prefilling else 1)
+            if not feed:
+                continue
+            if seq.is_prefilling:
+                budget -= len(feed)
+            chosen.append(seq)
+            feeds.append(feed)
+        if not chosen:
+            return None
+        samples = [seq.fed + len(feed) >= len(seq.prompt) for seq, feed in zip(chosen, feeds)]
+        sp = [seq.sampling for seq in chosen]
+        return PlannedStep(
+            seqs=chosen, samples=samples,
+            slots=np.array([s.slot for s in chosen], np.int32),
+            starts=np.array([s.fed for s in chosen], np.int32),
+            lengths=np.array([len(f) for f in feeds], np.int32),
+            tokens=np.array([t for f in feeds for t in f], np.int32),
+            temperature=np.array([p.temperature for p in sp], np.float32),
+            top_k=np.array([p.top_k for p in sp], np.int32),
+            top_p=np.array([p.top_p for p in sp], np.float32),
+            # the draw is consumed only when the token counts, so chunking never shifts a seed's stream
+            u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
+            top_logprobs=max(p.logprobs for p in sp))
+
+    def advance(self, step: PlannedStep) -> None:
+        """The step's tokens are now in every stage's KV cache."""
+        for seq, length in zip(step.seqs, step.lengths):
+            seq.fed += int(length)

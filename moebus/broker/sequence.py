@@ -1,0 +1,74 @@
+"""One request's state in the broker: prompt, sampling RNG, generated tokens, streamed text and the
+stop rules. ``accept`` takes one sampled token and says what to stream and whether it finished."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moebus.common.protocol import Sampling
+from moebus.common.tokenizer import StreamDecoder
+
+
+@dataclass
+class Sequence:
+    id: str
+    client: bytes
+    prompt: list[int]
+    sampling: Sampling
+    decoder: StreamDecoder
+    stop_ids: frozenset
+    max_context: int
+    arrived_s: float = field(default_factory=time.monotonic)
+    slot: int = -1
+    fed: int = 0  # tokens whose keys and values are in the KV cache
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_chars: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.sampling.seed)
+        self.hold_back = max((len(s) for s in self.sampling.stop), default=1) - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    def next_feed(self, budget: int) -> list[int]:
+        """The tokens to feed this step: the next prompt chunk, or the last sampled token."""
+        if self.is_prefilling:
+            return self.prompt[self.fed : self.fed + budget]
+        return [self.generated[-1]]
+
+    def accept(self, token: int, now: float) -> str:
+        """Record a sampled token; returns the text to stream now (stop strings held back)."""
+        self.first_token_s = self.first_token_s or now
+        self.last_token_s = now
+        self.generated.append(token)
+        s = self.sampling
+        if (token in self.stop_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            self.finish_reason = "stop"
+        else:
+            self.text += self.decoder.push(token)
+            self._apply_stop_strings()
+        if self.finish_reason is None and s.max_tokens is not None and len(self.generated) >= s.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is None and len(self.prompt) + len(self.generated) >= self.max_context:
+            self.finish_reason = "length"
+        if self.finish_reason == "length":
+            self.text += self.decoder.flush()
+        end = len(self.text) if self.finish_reason else max(self.emitted_chars, len(self.text) - self.hold_back)
+        delta = self.text[self.emitted_chars : end]
+        self.emitted_chars = end
+        return delta
+
+    def _apply_stop_strings(self) -> None:
+        search_from = max(0, self.emitted_chars - self.hold_back)
+        hits = [i for i in (self.text.find(stop, search_from) for stop in self.sampling.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"

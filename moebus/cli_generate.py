@@ -1,0 +1,92 @@
+"""``moebus generate``: through a running broker (--connect), through a private broker and its
+workers started for this one call (the default), or in this process (--local)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from moebus.broker.children import python_argv
+from moebus.common.errors import Unavailable
+
+
+def _sampling(args) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+
+
+def _prompt(args) -> dict:
+    if args.prompt_tokens is not None:
+        return {"prompt_tokens": [int(t) for t in args.prompt_tokens.split(",") if t.strip()]}
+    return {"prompt": args.prompt}
+
+
+def _local(args) -> dict:
+    from moebus.common.demo_model import demo_model_dir
+    from moebus.common.tokenizer import TextTokenizer
+    from moebus.cuda.devices import resolve_device
+    from moebus.workers.local import LocalModel
+
+    model_dir = args.model or str(demo_model_dir())
+    model = LocalModel(model_dir, device=resolve_device(args.device or "auto"))
+    tokenizer = TextTokenizer(model_dir, model.ckpt.config.eos_token_ids)
+    prompt = _prompt(args).get("prompt_tokens") or tokenizer.encode(args.prompt)
+    s = _sampling(args)
+    gen = model.generate(prompt, s["max_tokens"], s["temperature"], s["top_k"], s["top_p"], s["seed"],
+                         stop_ids=tokenizer.stop_ids)
+    text_ids = [t for t in gen.tokens if t not in tokenizer.stop_ids]
+    return {"tokens": gen.tokens, "text": tokenizer.decode(text_ids), "logprobs": gen.logprobs,
+            "finish_reason": gen.finish_reason}
+
+
+def _through(address: str, args) -> dict:
+    from moebus.client import Client
+
+    client = Client(address)
+    try:
+        result = client.generate(**_prompt(args), **_sampling(args)).collect()
+    finally:
+        client.close()
+    return {k: result[k] for k in ("tokens", "text", "logprobs", "finish_reason")}
+
+
+def _wait_ready(address: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    from moebus.client import Client
+
+    client = Client(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not client.ping(timeout_s=1.0):
+            if proc.poll() is not None:
+                raise Unavailable(f"the broker exited with status {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise Unavailable("the broker did not become ready")
+    finally:
+        client.close()
+
+
+def generate(args) -> dict:
+    if args.local:
+        return _local(args)
+    if args.connect:
+        return _through(args.connect, args)
+    with tempfile.TemporaryDirectory(prefix="moebus-gen-") as tmp:
+        address = f"ipc://{Path(tmp) / 'frontend.sock'}"
+        argv = python_argv("broker")
+        for flag in ("config", "model", "device"):
+            if getattr(args, flag, None):
+                argv += [f"--{flag}", getattr(args, flag)]
+        env = dict(os.environ, MOEBUS_BROKER__FRONTEND=address)
+        proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL if not args.verbose else None)
+        try:
+            _wait_ready(address, proc)
+            return _through(address, args)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()

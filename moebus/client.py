@@ -1,0 +1,235 @@
+"""The ZeroMQ client of moebus (also what the api uses). ``Client(address)`` talks to the broker's
+frontend; it is safe to use from many threads: one IO thread owns the DEALER socket, callers hand
+messages to it over per-thread inproc sockets and read replies from their own queues.
+
+    client = Client("tcp://127.0.0.1:5555")
+    for part in client.generate(prompt="Hello", max_tokens=16, temperature=0):
+        print(part.text, end="")
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+import uuid
+
+import zmq
+
+from moebus.common import transport, wire
+from moebus.common.errors import RequestError, ServerBusy, Unavailable
+from moebus.common.protocol import (Cancel, Error, Final, Generate, Info, InfoReply, Message, Partial, Ping, Pong,
+                                    Sampling, Vram, VramReply)
+
+_ids = itertools.count()
+
+
+def error_from_message(msg: Error) -> RequestError:
+    cls = ServerBusy if msg.status == 503 and msg.type == "server_busy" else \
+        Unavailable if msg.status == 503 else RequestError
+    err = cls(msg.message, param=msg.param, code=msg.code)
+    err.http_status = msg.status
+    err.kind = msg.type
+    return err
+
+
+class Stream:
+    """Iterate to get Partial messages; afterwards ``final`` holds the Final. Raises RequestError
+    (with http_status) when the broker answers ERROR. Closing it early cancels the request."""
+
+    def __init__(self, client: "Client", request_id: str, replies: queue.Queue, timeout_s: float):
+        self.client = client
+        self.id = request_id
+        self._replies = replies
+        self._timeout_s = timeout_s
+        self.final: Final | None = None
+        self._done = False
+        self._last_s = time.monotonic()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Partial:
+        if self._done:
+            raise StopIteration
+        try:
+            msg = self._replies.get(timeout=self._timeout_s)
+        except queue.Empty:
+            self._silent()
+        return self._take(msg)
+
+    def poll(self, wait_s: float) -> Partial | None:
+        """Like next(), but None when nothing came within ``wait_s`` (the request goes on), so that
+        a caller can check on its own client meanwhile (the api: has the HTTP client gone?)."""
+        if self._done:
+            raise StopIteration
+        try:
+            msg = self._replies.get(timeout=wait_s)
+        except queue.Empty:
+            if time.monotonic() - self._last_s > self._timeout_s:
+                self._silent()
+            return None
+        return self._take(msg)
+
+    def _silent(self):
+        self.close()
+        raise Unavailable(f"no answer from the broker in {self._timeout_s:.0f} s") from None
+
+    def _take(self, msg) -> Partial:
+        self._last_s = time.monotonic()
+        if isinstance(msg, Partial):
+            return msg
+        self._finish()
+        if isinstance(msg, Final):
+            self.final = msg
+            raise StopIteration
+        raise error_from_message(msg)
+
+    def _finish(self) -> None:
+        self._done = True
+        self.client._forget(self.id)
+
+    def close(self) -> None:
+        """Cancel the request if it has not finished."""
+        if not self._done:
+            self._finish()
+            self.client.cancel(self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def collect(self) -> dict:
+        tokens, logprobs, text, top = [], [], [], []
+        for part in self:
+            tokens += part.tokens
+            logprobs += part.logprobs
+            text.append(part.text)
+            top += part.top_logprobs or []
+        return {"id": self.id, "tokens": tokens, "logprobs": logprobs, "text": "".join(text),
+                "top_logprobs": top, "finish_reason": self.final.finish_reason,
+                "prompt_tokens": self.final.prompt_tokens, "completion_tokens": self.final.completion_tokens}
+
+
+class Client:
+    def __init__(self, address: str, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._inproc = f"inproc://moebus-client-{os.getpid()}-{next(_ids)}"
+        self._pull = transport.make_socket(self._ctx, zmq.PULL)
+        self._pull.bind(self._inproc)
+        self._local = threading.local()
+        self._pushes: list = []
+        self._queues: dict[str, queue.Queue] = {}
+        self._control = queue.Queue()
+        self._control_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name="moebus-client", daemon=True)
+        self._thread.start()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
+                 messages: list[dict] | None = None, request_id: str | None = None, **sampling) -> Stream:
+        """Start a request and stream it. ``sampling``: fields of protocol.Sampling."""
+        request_id = request_id or uuid.uuid4().hex
+        message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
+                           sampling=Sampling(**sampling))
+        replies: queue.Queue = queue.Queue()
+        with self._lock:
+            self._queues[request_id] = replies
+        self._send(message)
+        return Stream(self, request_id, replies, self.timeout_s)
+
+    def chat(self, messages: list[dict], **sampling) -> Stream:
+        return self.generate(messages=messages, **sampling)
+
+    def cancel(self, request_id: str) -> None:
+        self._send(Cancel(id=request_id))
+
+    def info(self, timeout_s: float | None = None) -> dict:
+        return self._call(Info(), InfoReply, timeout_s).stats
+
+    def ping(self, timeout_s: float = 2.0) -> bool:
+        """True when the broker answers and every worker is ready."""
+        try:
+            return self._call(Ping(), Pong, timeout_s).ready
+        except Unavailable:
+            return False
+
+    def vram(self, reserve_mib: list[float] | None = None, query: bool = False) -> dict:
+        """Apply per-GPU reserves (None: back to start-up sizes) or, with query, only report."""
+        reply = self._call(Vram(reserve_mib=reserve_mib, query=query), VramReply)
+        return reply.model_dump(exclude={"error"} if reply.error is None else set())
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        for sock in self._pushes:
+            sock.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _call(self, message: Message, expect: type, timeout_s: float | None = None):
+        with self._control_lock:  # control replies carry no id: one in flight at a time
+            while not self._control.empty():
+                self._control.get_nowait()
+            self._send(message)
+            try:
+                reply = self._control.get(timeout=timeout_s or self.timeout_s)
+            except queue.Empty:
+                raise Unavailable(f"no answer from the broker at {self.address}") from None
+        if isinstance(reply, Error):
+            raise error_from_message(reply)
+        if not isinstance(reply, expect):
+            raise Unavailable(f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def _send(self, message: Message) -> None:
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._local.push = transport.make_socket(self._ctx, zmq.PUSH)
+            push.connect(self._inproc)
+            with self._lock:
+                self._pushes.append(push)
+        transport.send(push, message)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    def _io_loop(self) -> None:
+        dealer = transport.make_socket(self._ctx, zmq.DEALER)
+        dealer.connect(self.address)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closed.is_set():
+            events = dict(poller.poll(100))
+            if self._pull in events:
+                while self._pull.poll(0):
+                    dealer.send_multipart(self._pull.recv_multipart(copy=False), copy=False)
+            if dealer in events:
+                while dealer.poll(0):
+                    self._route(dealer.recv_multipart(copy=False))
+        dealer.close()
+        self._pull.close()
+
+    def _route(self, frames) -> None:
+        try:
+            msg = wire.decode([f.buffer for f in frames])
+        except wire.WireError:
+            return
+        request_id = getattr(msg, "id", None)
+        if request_id is None:
+            self._control.put(msg)
+            return
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            target.put(msg)

@@ -1,0 +1,207 @@
+"""Every message moebus sends between processes, as data. On the wire a message is
+``[type][msgpack header][raw tensor frames...]`` (see wire.py); tensors are raw frames named in the
+header, never inside msgpack, never pickled. Each class validates its header when decoded.
+
+Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING from the client;
+PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG from the broker.
+Broker <-> worker (DEALER identity gpu<i> -> ROUTER, backend): READY, HEARTBEAT, STEP_REPLY,
+VRAM_REPLY, INFO_REPLY, ERROR from a worker; STEP, VRAM, INFO, HEARTBEAT, SHUTDOWN from the broker."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_TOKENS_PER_PROMPT = 1 << 20
+MAX_STOP_STRINGS = 16
+
+
+class Message(BaseModel):
+    """Base: ``TYPE`` is the first frame; fields named in ``TENSORS`` travel as raw frames."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, strict=False)
+    TYPE: ClassVar[bytes] = b""
+    TENSORS: ClassVar[tuple[str, ...]] = ()
+
+
+# -- client <-> broker ----------------------------------------------------------------------------
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the context
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    ignore_eos: bool = False
+    logprobs: int = Field(0, ge=0, le=20)  # also return the n most likely tokens per position
+
+
+class Generate(Message):
+    """Start a request. Exactly one of prompt (text), prompt_tokens or messages (chat)."""
+
+    TYPE = b"GENERATE"
+    id: str = Field(min_length=1, max_length=128)
+    prompt: str | None = None
+    prompt_tokens: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_PROMPT)
+    messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+    @field_validator("prompt_tokens")
+    @classmethod
+    def _non_negative_ids(cls, ids):
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+
+class Cancel(Message):
+    TYPE = b"CANCEL"
+    id: str = Field(min_length=1, max_length=128)
+
+
+class Partial(Message):
+    """New tokens of a request: ids, their text, logprobs, and top logprobs when asked for. With
+    logprobs asked for, also each token's own text and that of each top token (so that a client
+    without the tokenizer, such as the api, can name them)."""
+
+    TYPE = b"PARTIAL"
+    id: str
+    tokens: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    token_texts: list[str] | None = None
+    top_texts: list[list[str]] | None = None
+
+
+class Final(Message):
+    TYPE = b"FINAL"
+    id: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Error(Message):
+    """A request (id) or a message (id None) failed; status is the HTTP status the api answers."""
+
+    TYPE = b"ERROR"
+    id: str | None = None
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    status: int = 400
+
+
+class Vram(Message):
+    """Client: reserve_mib per GPU in worker order (None: bare VRAM, back to start-up sizes);
+    query=True reports without changing anything. Broker -> worker: one value (None: bare)."""
+
+    TYPE = b"VRAM"
+    reserve_mib: list[float] | float | None = None
+    query: bool = False
+
+
+class VramReply(Message):
+    """Worker: one value each. Broker -> client: one list entry per GPU, and the text ``line``."""
+
+    TYPE = b"VRAM_REPLY"
+    reserve_mib: list[float] | float
+    free_mib: list[float] | float
+    expert_slots: list[int] | int
+    expert_cache_mib: list[float] | float
+    line: str = ""
+    error: str | None = None
+
+
+class Info(Message):
+    TYPE = b"INFO"
+
+
+class InfoReply(Message):
+    TYPE = b"INFO_REPLY"
+    stats: dict[str, Any]
+
+
+class Ping(Message):
+    TYPE = b"PING"
+
+
+class Pong(Message):
+    TYPE = b"PONG"
+    ready: bool
+
+
+# -- broker <-> worker ----------------------------------------------------------------------------
+
+class Ready(Message):
+    """A worker has loaded its stage. ``generation`` is new for every worker process start."""
+
+    TYPE = b"READY"
+    gpu: int
+    generation: str
+    layers: tuple[int, int]
+    device: str
+    expert_slots: int = 0
+    pid: int = 0
+
+
+class Heartbeat(Message):
+    TYPE = b"HEARTBEAT"
+    generation: str = ""
+
+
+class Step(Message):
+    """One forward step through a stage (see workers/batch.py). ``hidden`` for stages after the first,
+    ``tokens`` for the first; sampling arrays are used by the last stage."""
+
+    TYPE = b"STEP"
+    TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u")
+    step_id: int
+    top_logprobs: int = 0
+    slots: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    tokens: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    temperature: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    u: np.ndarray | None = None
+
+
+class StepReply(Message):
+    TYPE = b"STEP_REPLY"
+    TENSORS = ("hidden", "tokens", "logprobs", "top_ids", "top_logprobs")
+    step_id: int
+    generation: str
+    hidden: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+class WorkerError(Message):
+    """A worker could not run a step; fatal=True: it is exiting (e.g. a poisoned CUDA context)."""
+
+    TYPE = b"WORKER_ERROR"
+    generation: str
+    step_id: int | None = None
+    message: str
+    fatal: bool = False
+
+
+class Shutdown(Message):
+    TYPE = b"SHUTDOWN"
+
+
+MESSAGES: dict[bytes, type[Message]] = {
+    cls.TYPE: cls for cls in (Generate, Cancel, Partial, Final, Error, Vram, VramReply, Info, InfoReply, Ping,
+                              Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown)
+}

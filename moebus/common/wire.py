@@ -1,0 +1,101 @@
+"""The wire codec: ``[type][msgpack header][raw frames...]``. Decoding is defensive: explicit size
+limits on every frame and msgpack container, a known type, a validated header, tensor frames whose
+byte size matches the declared dtype and shape. Anything else raises WireError; the loop that
+received it answers ERROR (or drops and counts) and goes on."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+from pydantic import ValidationError
+
+from moebus.common.protocol import MESSAGES, Message
+
+TENSOR_DTYPES = {"float32", "int32", "uint8", "uint16", "float16", "int64"}
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_TENSOR_FRAMES = 16
+MAX_TENSOR_DIMS = 4
+TENSORS_KEY = "_tensors"
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; ``msg_type`` is set when the type frame was readable."""
+
+    def __init__(self, message: str, msg_type: bytes | None = None):
+        super().__init__(message)
+        self.msg_type = msg_type
+
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    header = message.model_dump(exclude=set(message.TENSORS), exclude_none=True)
+    frames: list = []
+    tensors = {}
+    for name in message.TENSORS:
+        array = getattr(message, name)
+        if array is None:
+            continue
+        array = np.ascontiguousarray(array)
+        tensors[name] = [len(frames), array.dtype.name, list(array.shape)]
+        frames.append(memoryview(array).cast("B"))
+    if tensors:
+        header[TENSORS_KEY] = tensors
+    return [message.TYPE, msgpack.packb(header, use_bin_type=True)] + frames
+
+
+def _unpack_header(raw: bytes) -> dict:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                 max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_array_len=1 << 20,
+                                 max_map_len=1 << 16, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"header is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise WireError("header must be a msgpack map")
+    return header
+
+
+def _tensor(frames: list, spec) -> np.ndarray:
+    if not (isinstance(spec, list) and len(spec) == 3):
+        raise WireError("tensor spec must be [frame, dtype, shape]")
+    index, dtype, shape = spec
+    if not (isinstance(index, int) and 0 <= index < len(frames)):
+        raise WireError(f"tensor frame {index!r} does not exist")
+    if dtype not in TENSOR_DTYPES:
+        raise WireError(f"tensor dtype {dtype!r} is not allowed")
+    if not (isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS
+            and all(isinstance(n, int) and 0 <= n < 1 << 31 for n in shape)):
+        raise WireError(f"bad tensor shape {shape!r}")
+    frame = frames[index]
+    dtype = np.dtype(dtype)
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(frame):
+        raise WireError(f"tensor frame of {len(frame)} bytes does not hold {dtype.name}{shape}")
+    return np.frombuffer(frame, dtype=dtype).reshape(shape)
+
+
+def decode(frames: list) -> Message:
+    """A validated message from raw frames (bytes or zmq.Frame buffers)."""
+    if len(frames) < 2:
+        raise WireError(f"expected at least 2 frames, got {len(frames)}")
+    msg_type = bytes(frames[0])
+    cls = MESSAGES.get(msg_type)
+    if cls is None:
+        raise WireError(f"unknown message type {msg_type[:32]!r}")
+    raw_tensors = [memoryview(f) if not isinstance(f, (bytes, memoryview)) else f for f in frames[2:]]
+    if len(raw_tensors) > MAX_TENSOR_FRAMES:
+        raise WireError(f"{len(raw_tensors)} tensor frames exceed {MAX_TENSOR_FRAMES}", msg_type)
+    header = _unpack_header(bytes(frames[1]))
+    specs = header.pop(TENSORS_KEY, {})
+    if not isinstance(specs, dict) or not set(specs) <= set(cls.TENSORS):
+        raise WireError(f"{msg_type.decode()}: unexpected tensors {sorted(specs) if isinstance(specs, dict) else specs}",
+                        msg_type)
+    if len(specs) != len(raw_tensors):
+        raise WireError(f"{msg_type.decode()}: {len(raw_tensors)} tensor frames for {len(specs)} tensors", msg_type)
+    for name, spec in specs.items():
+        header[name] = _tensor(raw_tensors, spec)
+    try:
+        return cls.model_validate(header)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise WireError(f"{msg_type.decode()}: {where}: {first['msg']}", msg_type) from None

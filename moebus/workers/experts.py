@@ -1,0 +1,45 @@
+"""Build a stage's expert cache for its device: host store, arena and copier. Without a capacity,
+the arena holds every expert of the stage (no eviction ever happens)."""
+from __future__ import annotations
+
+from moebus.cuda.arena import HostArena, plan_segments
+from moebus.workers.expert_cache import ExpertCache
+from moebus.workers.host_store import HostStore
+
+DEFAULT_SEGMENT_BYTES = 2 << 20
+
+
+def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
+                       segment_bytes: int = DEFAULT_SEGMENT_BYTES, elastic: bool = False, gpu=None,
+                       startup_reserve_mib: float = 0.0, progress=iter) -> ExpertCache:
+    """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage).
+    ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
+    requests can release (else one segment)."""
+    on_cuda = backend.name == "cuda"
+    store = HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress)
+    total = min(capacity_bytes, store.total_bytes) if capacity_bytes is not None else store.total_bytes
+    total = max(total, store.blob_bytes * ckpt.config.top_k)
+    if elastic:
+        segments = plan_segments(_round_up(total), segment_bytes)
+    else:  # one segment; VRAM is mapped in 2 MiB granules, host memory need not be
+        segments = [_round_up(total) if on_cuda else total]
+    if on_cuda:
+        from moebus.cuda.vmm import StreamCopier, make_device_arena
+
+        arena = make_device_arena(store.blob_bytes, store.dtype, segments, elastic)
+        copier = StreamCopier(arena, backend)
+    else:
+        arena = HostArena(store.blob_bytes, store.dtype, segments, gpu=gpu)
+        copier = None
+    arena.grow()
+    return ExpertCache(store, arena, copier, startup_reserve_mib=startup_reserve_mib, min_slots=ckpt.config.top_k)
+
+
+def _round_up(num_bytes: int, granule: int = 2 << 20) -> int:
+    return -(-num_bytes // granule) * granule
+
+
+def _np_empty(shape, dtype):
+    import numpy as np
+
+    return np.empty(shape, dtype)

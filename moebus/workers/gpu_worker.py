@@ -1,0 +1,98 @@
+"""The GPU worker process: loads one stage (a contiguous range of layers) on its device, registers
+with the broker (READY) and serves STEP / VRAM / INFO / SHUTDOWN until told to stop. A fatal device
+error ends the process with a non-zero status: a poisoned CUDA context must not keep serving."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from tqdm import tqdm
+
+from moebus.common.checkpoint import Checkpoint
+from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, StepReply, Vram, VramReply,
+                                    WorkerError)
+from moebus.cuda.backend import is_fatal_device_error, make_backend
+from moebus.workers.batch import StepBatch
+from moebus.workers.link import BrokerLink
+from moebus.workers.stage import Stage
+
+log = logging.getLogger("moebus.worker")
+
+
+class GpuWorker:
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int):
+        self.stage = stage
+        self.link = link
+        self.gpu = gpu
+        self.steps_served = 0
+        self.busy_s = 0.0
+
+    def serve(self) -> int:
+        """The worker loop: recv -> handle -> reply. Returns the process exit status."""
+        while True:
+            message = self.link.recv(timeout_s=1.0)
+            if message is None:
+                continue
+            if isinstance(message, Shutdown):
+                return 0
+            try:
+                self.link.send(self.handle(message))
+            except Exception as e:  # noqa: BLE001 - every failure is reported to the broker
+                fatal = is_fatal_device_error(e)
+                log.exception("step failed%s", " (fatal device error, exiting)" if fatal else "")
+                self.link.send(WorkerError(generation=self.link.generation, message=f"{type(e).__name__}: {e}",
+                                           step_id=getattr(message, "step_id", None), fatal=fatal))
+                if fatal:
+                    return 3
+
+    def handle(self, message):
+        if isinstance(message, Step):
+            return self.step(message)
+        if isinstance(message, Info):
+            return InfoReply(stats=self.stats())
+        if isinstance(message, Vram):
+            return self.vram(message)
+        raise ValueError(f"unexpected message {type(message).__name__}")
+
+    def step(self, msg: Step) -> StepReply:
+        started = time.perf_counter()
+        batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
+                          temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
+                          top_logprobs=msg.top_logprobs)
+        out = self.stage.forward(batch, msg.hidden)
+        self.steps_served += 1
+        self.busy_s += time.perf_counter() - started
+        return StepReply(step_id=msg.step_id, generation=self.link.generation, hidden=out.hidden, tokens=out.tokens,
+                         logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+
+    def vram(self, msg: Vram) -> VramReply:
+        experts = self.stage.experts
+        if not hasattr(experts, "resize"):
+            return VramReply(reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
+                             error="this worker's expert cache is not elastic")
+        return VramReply(**experts.resize(msg.reserve_mib, query=msg.query))
+
+    def stats(self) -> dict:
+        stats = {"gpu": self.gpu, "steps": self.steps_served, "busy_s": self.busy_s,
+                 "dropped_messages": self.link.dropped_messages}
+        if hasattr(self.stage.experts, "stats"):
+            stats.update(self.stage.experts.stats())
+        return stats
+
+
+def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, device: str) -> int:
+    """Load the stage, register, serve. ``device`` is 'cpu' or 'cuda' (already resolved)."""
+    ckpt = Checkpoint(model_dir)
+    backend = make_backend(device)
+    bar = lambda it: tqdm(it, desc=f"gpu{gpu} loading layers {layers.start}-{layers.stop - 1}", unit="layer")  # noqa: E731
+    stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
+                  progress=bar)
+    link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
+    link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
+                     pid=os.getpid()))
+    log.info("gpu%d ready: layers [%d, %d) on %s", gpu, layers.start, layers.stop, device)
+    try:
+        return GpuWorker(stage, link, gpu).serve()
+    finally:
+        link.close()

@@ -1,0 +1,144 @@
+"""ExpertCache over the cpu arena and an emulated GPU's ledger: exact slots, eviction order, and a
+hypothesis state machine over lookups, pins, shrinks, grows and bare resets."""
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from moebus.cuda.arena import HostArena
+from moebus.cuda.ledger import MIB, EmulatedGpu
+from moebus.workers.expert_cache import EMPTY, ExpertCache
+
+BLOB_ELEMS = 256 * 1024  # 512 KiB of bf16 bits: 4 slots per 2 MiB segment
+NUM_LAYERS, NUM_EXPERTS = 3, 6
+
+
+class FakeStore:
+    """A host store of random blobs (the real one is tested through the model)."""
+
+    def __init__(self, seed=0):
+        rng = np.random.default_rng(seed)
+        self.num_experts = NUM_EXPERTS
+        self.dtype = np.dtype(np.uint16)
+        self.blob_bytes = BLOB_ELEMS * 2
+        self.blobs = rng.integers(0, 1 << 16, size=(NUM_LAYERS * NUM_EXPERTS, BLOB_ELEMS), dtype=np.uint16)
+
+    def key(self, layer, expert):
+        return layer * NUM_EXPERTS + int(expert)
+
+    def blob(self, key):
+        return self.blobs[key]
+
+
+def make_cache(tmp_path, capacity_mib=12, segments=4, reserve_mib=4.0):
+    gpu = EmulatedGpu(tmp_path / "gpu0", capacity_mib=capacity_mib)
+    arena = HostArena(BLOB_ELEMS * 2, np.uint16, [2 * MIB] * segments, gpu=gpu)
+    arena.grow()
+    return ExpertCache(FakeStore(), arena, startup_reserve_mib=reserve_mib, min_slots=2), gpu
+
+
+def test_hits_misses_and_lru_eviction_order(tmp_path):
+    cache, _ = make_cache(tmp_path, segments=1)  # 4 slots
+    slots, ready = cache.acquire(0, [0, 1, 2, 3])
+    assert list(slots) == [0, 1, 2, 3] and ready.all() and cache.misses == 4
+    cache.acquire(0, [0])  # touch expert 0: expert 1 is now the oldest
+    slots, _ = cache.acquire(1, [5])
+    assert slots[0] == 1 and cache.key_slot.get(1) is None  # (0, 1) was evicted
+    slots, _ = cache.acquire(0, [2, 4])  # 2 hits, 4 misses and must not evict 2 (pinned)
+    assert cache.slot_key[slots[0]] == 2 and cache.slot_key[slots[1]] == 4
+    assert (cache.hits, cache.misses, cache.h2d_bytes) == (2, 6, 6 * BLOB_ELEMS * 2)
+
+
+def test_shrink_releases_whole_segments_to_the_ledger_and_bare_regrows(tmp_path):
+    cache, gpu = make_cache(tmp_path)  # 8 MiB mapped of 12: 4 MiB free
+    cache.acquire(0, list(range(6)))
+    cache.release()
+    report = cache.resize(5.0)  # 1 MiB short: still a whole 2 MiB segment goes
+    assert report["free_mib"] == 6.0 and report["expert_slots"] == 12 and report["expert_cache_mib"] == 6.0
+    other = EmulatedGpu(tmp_path / "gpu0")
+    other.allocate(6 * MIB, "vision")
+    with pytest.raises(MemoryError):
+        other.allocate(1, "more")
+    other.release(6 * MIB, "vision")
+    assert cache.resize(None)["expert_cache_mib"] == 8.0
+    assert gpu.memory_info()[0] == 4 * MIB
+
+
+def test_grow_only_while_the_reserve_allows(tmp_path):
+    cache, _ = make_cache(tmp_path)
+    cache.resize(9.0)  # needs 5 MiB more: 3 segments go, 2 MiB mapped
+    assert cache.report()["expert_cache_mib"] == 2.0
+    report = cache.resize(7.0)  # 10 MiB free, 7 reserved: 3 spare, so one 2 MiB segment comes back
+    assert (report["expert_cache_mib"], report["free_mib"]) == (4.0, 8.0)
+    assert cache.resize(7.0)["expert_cache_mib"] == 4.0  # 1 MiB spare: less than a segment
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        import tempfile
+        from pathlib import Path
+
+        self.tmp = Path(tempfile.mkdtemp())
+        self.cache, self.gpu = make_cache(self.tmp)
+        self.startup_bytes = self.cache.arena.mapped_bytes
+        self.last_group: list[tuple[int, int]] = []
+
+    @rule(layer=st.integers(0, NUM_LAYERS - 1), experts=st.sets(st.integers(0, NUM_EXPERTS - 1), min_size=1))
+    def acquire(self, layer, experts):
+        experts = sorted(experts)[: self.cache.num_slots]
+        slots, ready = self.cache.acquire(layer, experts)
+        assert ready.all()
+        for e, s in zip(experts, slots):  # every pinned expert of the group is where it was said to be
+            assert self.cache.slot_key[s] == self.cache.store.key(layer, e)
+            assert s in self.cache.pinned
+        self.last_group = [(self.cache.store.key(layer, e), s) for e, s in zip(experts, slots)]
+
+    @rule()
+    def release(self):
+        self.cache.release()
+
+    @precondition(lambda self: not self.cache.pinned)
+    @rule(reserve=st.floats(0, 14))
+    def resize(self, reserve):
+        report = self.cache.resize(reserve)
+        free = self.gpu.memory_info()[0]
+        if free < reserve * MIB:  # could not free enough: only because the minimum was reached
+            assert self.cache.arena.slots_after_shrink(1) < self.cache.min_slots or not self.cache.arena.mapped
+        assert report["expert_slots"] == self.cache.num_slots
+
+    @precondition(lambda self: not self.cache.pinned)
+    @rule()
+    def bare(self):
+        self.cache.resize(None)
+        assert self.cache.arena.mapped_bytes == self.startup_bytes
+
+    @invariant()
+    def mapped_never_exceeds_startup(self):
+        assert self.cache.arena.mapped_bytes <= self.startup_bytes
+        assert self.gpu.held("expert-cache") == self.cache.arena.mapped_bytes
+
+    @invariant()
+    def tables_are_a_bijection_within_mapped_slots(self):
+        c = self.cache
+        resident = np.nonzero(c.slot_key != EMPTY)[0]
+        assert len(resident) == len(c.key_slot)
+        for slot in resident:
+            assert slot < c.num_slots and c.key_slot[int(c.slot_key[slot])] == slot
+        assert set(c.free).isdisjoint(set(resident.tolist())) and all(s < c.num_slots for s in c.free)
+
+    @invariant()
+    def resident_bytes_equal_host_copies(self):
+        c = self.cache
+        for key, slot in c.key_slot.items():
+            assert np.array_equal(c.arena.array[slot], c.store.blob(key))
+
+    @invariant()
+    def pinned_experts_stay_resident(self):
+        for key, slot in self.last_group:
+            if slot in self.cache.pinned:
+                assert self.cache.slot_key[slot] == key
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
