@@ -38,6 +38,7 @@ class InflightStep:
     plan: PlannedStep
     stage: int
     started_s: float
+    compute_s: float = 0.0  # summed over the stages
 
 
 class Broker:
@@ -285,6 +286,7 @@ class Broker:
         if step is None or msg.step_id != step.step_id or worker.gpu != step.stage:
             self.stats.count("invalid_messages_total")
             return  # a stale reply (its step was aborted)
+        step.compute_s += msg.compute_s
         if step.stage + 1 < len(self.pool):
             step.stage += 1
             self._send_step(msg.hidden)
@@ -293,6 +295,7 @@ class Broker:
         now = time.monotonic()
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
+        self.stats.observe("step_compute_seconds", step.compute_s)
         self.scheduler.advance(step.plan)
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:

@@ -53,7 +53,8 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     config = load_config(model_dir)
     ranges = layer_ranges(settings, config.num_layers, device)
     run_dir = Path(tempfile.mkdtemp(prefix="moebus-"))
-    settings = settings.model_copy(update={"model": model_dir, "device": device})
+    settings = settings.model_copy(update={"model": model_dir, "device": device,
+                                           "emulated_vram_dir": settings.emulated_vram_dir or str(run_dir / "vram")})
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(settings.model_dump(mode="json"), indent=2))
     backend = settings.broker.backend.format(run_dir=run_dir)

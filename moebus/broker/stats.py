@@ -29,7 +29,8 @@ class Stats:
                          "requests_finished_total": 0, "requests_failed_total": 0, "requests_cancelled_total": 0,
                          "invalid_messages_total": 0, "worker_restarts_total": 0, "steps_total": 0}
         self.histograms = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram(),
-                           "e2e_request_latency_seconds": Histogram(), "step_seconds": Histogram()}
+                           "e2e_request_latency_seconds": Histogram(), "step_seconds": Histogram(),
+                           "step_compute_seconds": Histogram()}
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n

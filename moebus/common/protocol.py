@@ -180,6 +180,7 @@ class StepReply(Message):
     TENSORS = ("hidden", "tokens", "logprobs", "top_ids", "top_logprobs")
     step_id: int
     generation: str
+    compute_s: float = 0.0  # time the stage spent on the step, so the broker can tell its own overhead
     hidden: np.ndarray | None = None
     tokens: np.ndarray | None = None
     logprobs: np.ndarray | None = None

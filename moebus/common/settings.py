@@ -50,6 +50,7 @@ class Settings(BaseSettings):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     gpus: list[int] = Field(default_factory=lambda: [0])
     emulated_vram_mib: list[int] = Field(default_factory=lambda: [160])
+    emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
     layer_split: list[int] | None = None
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)

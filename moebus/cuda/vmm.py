@@ -41,6 +41,12 @@ def _wrap(ptr: int, size: int, shape, dtype) -> "cuda.devicearray.DeviceNDArray"
     return DeviceNDArray(shape, strides, dtype, gpu_data=mem)
 
 
+def device_memory_info() -> tuple[int, int]:
+    """(free, total) bytes of this process's GPU (cuMemGetInfo)."""
+    info = cuda.current_context().get_memory_info()
+    return int(info[0]), int(info[1])
+
+
 class VmmArena(Arena):
     def __init__(self, slot_bytes: int, dtype, startup_segments: list[int]):
         from cuda.bindings import driver as cu
@@ -86,8 +92,7 @@ class VmmArena(Arena):
         _check(cu.cuMemRelease(self._handles.pop()))
 
     def memory_info(self) -> tuple[int, int]:
-        info = self._ctx.get_memory_info()
-        return int(info.free), int(info.total)
+        return device_memory_info()
 
     def close(self) -> None:
         super().close()
@@ -114,8 +119,7 @@ class DeviceArena(Arena):
         pass
 
     def memory_info(self) -> tuple[int, int]:
-        info = cuda.current_context().get_memory_info()
-        return int(info[0]), int(info[1])
+        return device_memory_info()
 
     def write(self, slot: int, blob, stream=0) -> None:
         self.array[slot].copy_to_device(blob, stream=stream)

@@ -13,7 +13,11 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.cuda.backend import is_fatal_device_error, make_backend
+from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch
+from moebus.workers.cache_sizing import (emulated_gpu, reserve_for, stage_dense_bytes, startup_capacity_bytes,
+                                         step_scratch_bytes)
+from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.stage import Stage
 
@@ -62,8 +66,10 @@ class GpuWorker:
                           top_logprobs=msg.top_logprobs)
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
-        self.busy_s += time.perf_counter() - started
-        return StepReply(step_id=msg.step_id, generation=self.link.generation, hidden=out.hidden, tokens=out.tokens,
+        compute_s = time.perf_counter() - started
+        self.busy_s += compute_s
+        return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
+                         hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
 
     def vram(self, msg: Vram) -> VramReply:
@@ -85,14 +91,36 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
     """Load the stage, register, serve. ``device`` is 'cpu' or 'cuda' (already resolved)."""
     ckpt = Checkpoint(model_dir)
     backend = make_backend(device)
-    bar = lambda it: tqdm(it, desc=f"gpu{gpu} loading layers {layers.start}-{layers.stop - 1}", unit="layer")  # noqa: E731
+    label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                  progress=bar)
+                  experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
+                  progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
-                     pid=os.getpid()))
-    log.info("gpu%d ready: layers [%d, %d) on %s", gpu, layers.start, layers.stop, device)
+                     expert_slots=stage.experts.num_slots, pid=os.getpid()))
+    log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
+             stage.experts.report())
     try:
         return GpuWorker(stage, link, gpu).serve()
     finally:
         link.close()
+
+
+def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
+    """The stage's elastic expert cache, sized from what VRAM is left (see cache_sizing.py)."""
+    ledger = None
+    kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
+    if stage.ops.name == "cpu":
+        ledger = emulated_gpu(settings, gpu)
+        ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes), "dense")
+        free, _ = ledger.memory_info()
+    else:
+        from moebus.cuda.vmm import device_memory_info
+
+        free, _ = device_memory_info()
+    reserve = reserve_for(settings, gpu)
+    capacity = startup_capacity_bytes(free, reserve, step_scratch_bytes(ckpt.config, settings.max_step_tokens))
+    return build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=capacity,
+                              segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
+                              startup_reserve_mib=reserve,
+                              progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))

@@ -44,7 +44,10 @@ class Stage:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
-        self.experts = experts if experts is not None else build_expert_cache(ckpt, layers, backend)
+        # experts last: an elastic cache is sized from the VRAM left after dense weights and KV cache
+        if experts is None:
+            experts = build_expert_cache(ckpt, layers, backend)
+        self.experts = experts(self) if callable(experts) else experts
 
     def _load_layer(self, ckpt, i: int) -> dict:
         w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}

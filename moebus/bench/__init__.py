@@ -1,0 +1,21 @@
+"""``moebus bench WHAT``: benchmarks that print figures (medians of repeated runs).
+
+decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
+         and the broker's added latency per step
+kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)
+vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in bandwidth
+"""
+from __future__ import annotations
+
+
+def run_bench(what: str, argv: list[str]) -> int:
+    if what == "decode":
+        from moebus.bench.decode import main
+    elif what == "kernels":
+        from moebus.cuda.bench_kernels import main
+    elif what == "vram":
+        from moebus.bench.vram import main
+    else:
+        print(__doc__)
+        return 2
+    return main(argv) or 0
