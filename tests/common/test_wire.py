@@ -1,0 +1,85 @@
+"""Every message type round-trips through the wire codec; garbage is refused with WireError."""
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+
+from moebus.common import protocol as p
+from moebus.common import wire
+
+SAMPLES = [
+    p.Generate(id="r1", prompt="hi", sampling=p.Sampling(max_tokens=4, temperature=0.5, stop=["\n"], logprobs=2)),
+    p.Generate(id="r2", prompt_tokens=[1, 2, 3]),
+    p.Generate(id="r3", messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}]),
+    p.Cancel(id="r1"),
+    p.Partial(id="r1", tokens=[5], text="a", logprobs=[-0.5], top_logprobs=[[(5, -0.5), (7, -1.0)]]),
+    p.Final(id="r1", finish_reason="length", prompt_tokens=3, completion_tokens=4),
+    p.Error(id="r1", message="bad", param="max_tokens", status=400),
+    p.Vram(reserve_mib=[1700, 600]), p.Vram(), p.Vram(reserve_mib=12.5), p.Vram(query=True),
+    p.VramReply(reserve_mib=[1, 2], free_mib=[3, 4], expert_slots=[5, 6], expert_cache_mib=[7, 8], line="x"),
+    p.Info(), p.InfoReply(stats={"a": 1, "b": [1, 2]}), p.Ping(), p.Pong(ready=True),
+    p.Ready(gpu=1, generation="g", layers=(2, 4), device="cpu", expert_slots=10, pid=5),
+    p.Heartbeat(generation="g"), p.Shutdown(),
+    p.Step(step_id=3, slots=np.array([0, 1], np.int32), starts=np.array([0, 5], np.int32),
+           lengths=np.array([3, 1], np.int32), tokens=np.arange(4, dtype=np.int32),
+           temperature=np.zeros(2, np.float32), u=np.array([0.1, 0.2], np.float32)),
+    p.Step(step_id=4, slots=np.zeros(1, np.int32), starts=np.zeros(1, np.int32), lengths=np.ones(1, np.int32),
+           hidden=np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)),
+    p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
+                logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
+                top_logprobs=np.zeros((2, 3), np.float32)),
+    p.WorkerError(generation="g", step_id=3, message="boom", fatal=True),
+]
+
+
+def test_every_message_type_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(p.MESSAGES.values())
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    frames = [bytes(f) for f in wire.encode(message)]
+    back = wire.decode(frames)
+    assert type(back) is type(message)
+    for name in type(message).model_fields:
+        a, b = getattr(message, name), getattr(back, name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        else:
+            assert a == b or (isinstance(a, tuple) and list(a) == list(b))
+
+
+def test_tensors_are_raw_frames_not_msgpack():
+    step = SAMPLES[-3]
+    frames = wire.encode(step)
+    header = msgpack.unpackb(bytes(frames[1]))
+    assert "hidden" not in header and header["_tensors"]["hidden"][1:] == ["float32", [1, 8]]
+    assert bytes(frames[2 + header["_tensors"]["hidden"][0]]) == step.hidden.tobytes()
+
+
+@pytest.mark.parametrize("frames,match", [
+    ([b"GENERATE"], "at least 2 frames"),
+    ([b"NOPE", b"\x80"], "unknown message type"),
+    ([b"GENERATE", pickle.dumps({"id": "x"})], "not valid msgpack"),
+    ([b"GENERATE", b"\xff\xfe\xfd"], "not valid msgpack"),
+    ([b"GENERATE", msgpack.packb([1, 2])], "must be a msgpack map"),
+    ([b"GENERATE", msgpack.packb({"id": "x", "evil": 1})], "evil"),
+    ([b"GENERATE", msgpack.packb({"id": 5})], "id"),
+    ([b"GENERATE", msgpack.packb({"id": "x"})] + [b""] * 40, "tensor frames exceed"),
+    ([b"STEP", msgpack.packb({"step_id": 1, "_tensors": {"slots": [0, "float32", [3]]}}), b"\0" * 8],
+     "does not hold"),
+    ([b"STEP", msgpack.packb({"step_id": 1, "_tensors": {"slots": [0, "object", [1]]}}), b"\0" * 8],
+     "not allowed"),
+    ([b"STEP", msgpack.packb({"step_id": 1, "_tensors": {"bogus": [0, "int32", [1]]}}), b"\0" * 4],
+     "unexpected tensors"),
+    ([b"GENERATE", msgpack.packb({"id": "x", "sampling": {"max_tokens": 0}})], "max_tokens"),
+])
+def test_garbage_is_refused(frames, match):
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode(frames)
+
+
+def test_huge_header_is_refused():
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.decode([b"GENERATE", b"\x00" * (wire.MAX_HEADER_BYTES + 1)])
