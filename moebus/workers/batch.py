@@ -52,3 +52,41 @@ class StepBatch:
         top_p = np.ones(s, np.float32) if self.top_p is None else np.asarray(self.top_p, np.float32)
         u = np.zeros(s, np.float32) if self.u is None else np.asarray(self.u, np.float32)
         return temperature, top_k, top_p, u
+
+
+def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.ndarray, np.ndarray, slice]]:
+    """Consecutive pieces of at most ``max_tokens`` tokens, in token order (a sequence may span
+    pieces; its KV is written by one piece before the next reads it). Each piece comes with the
+    original index of each of its sequences, whether that sequence ends in it, and its token slice."""
+    temperature, top_k, top_p, u = batch.sampling_arrays()
+    pieces, rows, first_token = [], [], 0
+
+    def flush():
+        nonlocal rows, first_token
+        if not rows:
+            return
+        idx = np.array([r[0] for r in rows])
+        lengths = np.array([r[2] for r in rows], np.int32)
+        tokens = None if batch.tokens is None else np.concatenate([r[3] for r in rows])
+        piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
+                          tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
+                          top_logprobs=batch.top_logprobs)
+        count = int(lengths.sum())
+        pieces.append((piece, idx, np.array([r[4] for r in rows]), slice(first_token, first_token + count)))
+        first_token += count
+        rows = []
+
+    offset = 0
+    for i, (start, length) in enumerate(zip(batch.starts, batch.lengths)):
+        done = 0
+        while done < length:
+            room = max_tokens - sum(r[2] for r in rows)
+            take = min(room, int(length) - done)
+            toks = None if batch.tokens is None else batch.tokens[offset + done : offset + done + take]
+            rows.append((i, int(start) + done, take, toks, done + take == length))
+            done += take
+            if sum(r[2] for r in rows) >= max_tokens:
+                flush()
+        offset += int(length)
+    flush()
+    return pieces

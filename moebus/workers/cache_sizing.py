@@ -26,11 +26,24 @@ def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_byt
     return total
 
 
-def step_scratch_bytes(cfg, max_tokens: int) -> int:
-    """Activations of one step of ``max_tokens`` tokens (float32), with room for the pool's reuse."""
-    per_token = (8 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
-                 + cfg.top_k * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size) + 2 * cfg.num_experts)
-    return 2 * 4 * per_token * max_tokens + 4 * cfg.vocab_size * 64
+class ScratchBudget:
+    """Activation memory of a step: a standing part sized for ``tokens`` (decode of a full batch)
+    and, per token beyond, float32 activations with room for the pool's reuse."""
+
+    def __init__(self, cfg, tokens: int):
+        self.tokens = tokens
+        self.per_token_bytes = 2 * 4 * (8 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
+                                        + cfg.top_k * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size)
+                                        + 2 * cfg.num_experts)
+        self.fixed_bytes = 4 * cfg.vocab_size * 64  # logits of the sampled rows
+        self.standing_bytes = self.bytes_for(tokens)
+
+    def bytes_for(self, tokens: int) -> int:
+        return self.fixed_bytes + self.per_token_bytes * tokens
+
+    def tokens_within(self, extra_bytes: int) -> int:
+        """Tokens one piece may have with ``extra_bytes`` lent on top of the standing scratch."""
+        return self.tokens + extra_bytes // self.per_token_bytes
 
 
 def reserve_for(settings, gpu: int) -> float:

@@ -47,6 +47,7 @@ class ExpertCache:
         self.key_slot: dict[int, int] = {}
         self.free: list[int] = list(range(arena.num_slots))[::-1]
         self.pinned: set[int] = set()
+        self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
 
     @property
@@ -56,7 +57,32 @@ class ExpertCache:
 
     @property
     def num_slots(self) -> int:
-        return self.arena.num_slots
+        """Slots in service: mapped, and not lent to a prefill."""
+        mapped = self.arena.num_slots
+        return mapped if self.loaned_from is None else min(mapped, self.loaned_from)
+
+    # -- the prompt-path loan ---------------------------------------------------------------------
+
+    def lend(self, num_bytes: int) -> tuple[int, int]:
+        """Lend tail slots to a long prefill as scratch; returns the lent slot range [lo, hi).
+        At least ``min_slots`` stay in service. The loan is computed against the cache as it is
+        now, so it never covers memory that a shrink handed back."""
+        assert self.loaned_from is None and not self.pinned
+        wanted = -(-num_bytes // self.arena.slot_bytes)
+        count = max(0, min(wanted, self.num_slots - self.min_slots))
+        hi = self.num_slots
+        lo = hi - count
+        for slot in range(lo, hi):
+            if self.slot_key[slot] != EMPTY:
+                self._evict(slot)
+        self.free = [s for s in self.free if s < lo]
+        self.loaned_from = lo
+        return lo, hi
+
+    def end_loan(self) -> None:
+        if self.loaned_from is not None:
+            lo, self.loaned_from = self.loaned_from, None
+            self.free = list(range(self.num_slots - 1, lo - 1, -1)) + self.free
 
     # -- the forward pass -------------------------------------------------------------------------
 
@@ -119,7 +145,7 @@ class ExpertCache:
     def resize(self, reserve_mib: float | None, query: bool = False) -> dict:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
-        assert not self.pinned, "resize while a step holds experts"
+        assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
         if query:
             return self.report()
         if reserve_mib is None:

@@ -15,8 +15,8 @@ from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, Step
 from moebus.cuda.backend import is_fatal_device_error, make_backend
 from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch
-from moebus.workers.cache_sizing import (emulated_gpu, reserve_for, stage_dense_bytes, startup_capacity_bytes,
-                                         step_scratch_bytes)
+from moebus.workers.cache_sizing import (ScratchBudget, emulated_gpu, reserve_for, stage_dense_bytes,
+                                         startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.stage import Stage
@@ -108,19 +108,24 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
 
 def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
     """The stage's elastic expert cache, sized from what VRAM is left (see cache_sizing.py)."""
+    # standing scratch covers a decode step of a full batch; long prefills borrow from the cache
+    stage.scratch = ScratchBudget(ckpt.config, settings.max_batch)
     ledger = None
-    kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
-    if stage.ops.name == "cpu":
+    if stage.ops.name == "cpu":  # charge the emulated GPU as VRAM would be charged
         ledger = emulated_gpu(settings, gpu)
+        kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
         ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes), "dense")
+        ledger.allocate(stage.scratch.standing_bytes, "scratch")
         free, _ = ledger.memory_info()
+        scratch_to_keep = 0
     else:
         from moebus.cuda.vmm import device_memory_info
 
         free, _ = device_memory_info()
+        scratch_to_keep = stage.scratch.standing_bytes
     reserve = reserve_for(settings, gpu)
-    capacity = startup_capacity_bytes(free, reserve, step_scratch_bytes(ckpt.config, settings.max_step_tokens))
-    return build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=capacity,
+    return build_expert_cache(ckpt, stage.layer_range, stage.ops,
+                              capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
                               segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
                               startup_reserve_mib=reserve,
                               progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))

@@ -9,7 +9,7 @@ import numpy as np
 
 from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
-from moebus.workers.batch import StepBatch
+from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
 
@@ -35,6 +35,7 @@ class Stage:
         self.is_first = layers.start == 0
         self.is_last = layers.stop == cfg.num_layers
         self.max_context = max_context
+        self.scratch = None  # a ScratchBudget when activations must fit a VRAM budget (workers)
         if self.is_first:
             self.embed = backend.table(ckpt.embedding())
         if self.is_last:
@@ -60,7 +61,37 @@ class Stage:
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, batch: StepBatch, hidden: np.ndarray | None = None, want_logits: bool = False) -> StageOutput:
-        """Run this stage's layers over one step. ``hidden`` (T, D) comes from the previous stage."""
+        """Run this stage's layers over one step. ``hidden`` (T, D) comes from the previous stage.
+        A step longer than the standing scratch covers borrows scratch from the expert cache (the
+        prompt-path loan) and, if the loan is short, runs in pieces of as many tokens as fit."""
+        if self.scratch is None or batch.num_tokens <= self.scratch.tokens:
+            return self._forward(batch, hidden, want_logits)
+        try:
+            extra = self.scratch.bytes_for(batch.num_tokens) - self.scratch.standing_bytes
+            lo, hi = self.experts.lend(extra)
+            limit = self.scratch.tokens_within((hi - lo) * self.experts.arena.slot_bytes)
+            if limit >= batch.num_tokens:
+                return self._forward(batch, hidden, want_logits)
+            return self._forward_pieces(batch, hidden, want_logits, limit)
+        finally:
+            self.experts.end_loan()
+
+    def _forward_pieces(self, batch, hidden, want_logits: bool, limit: int) -> StageOutput:
+        outs = [(self._forward(piece, None if hidden is None else hidden[tokens], want_logits), idx, ends)
+                for piece, idx, ends, tokens in split_tokens(batch, limit)]
+        if not self.is_last:
+            return StageOutput(hidden=np.concatenate([o.hidden for o, _, _ in outs]))
+        merged = StageOutput()
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "logits"):
+            parts = [(getattr(o, name), idx, ends) for o, idx, ends in outs if getattr(o, name) is not None]
+            if parts:
+                full = np.empty((batch.num_seqs,) + parts[0][0].shape[1:], parts[0][0].dtype)
+                for values, idx, ends in parts:
+                    full[idx[ends]] = values[ends]
+                setattr(merged, name, full)
+        return merged
+
+    def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
         ops = self.ops
         ops.begin_step()
         if int((batch.starts + batch.lengths).max()) > self.max_context:
