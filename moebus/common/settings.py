@@ -49,14 +49,14 @@ class Settings(BaseSettings):
     model: str | None = None  # a Hugging Face model directory; None: the embedded demo model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     gpus: list[int] = Field(default_factory=lambda: [0])
-    emulated_vram_mib: list[int] = Field(default_factory=lambda: [160])
+    emulated_vram_mib: list[int] = Field(default_factory=lambda: [72, 72])  # the embedded demo: 2 GPUs
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
     layer_split: list[int] | None = None
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
     segment_mib: int = Field(2, ge=1)
     vision: VisionSettings = Field(default_factory=VisionSettings)
-    max_batch: int = Field(16, ge=1)
+    max_batch: int = Field(8, ge=1)
     max_context: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0)
     max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
