@@ -1,0 +1,281 @@
+"""The one place where kernels meet numba.cuda, so that the same kernel source runs on a GPU and in
+numba's simulator (NUMBA_ENABLE_CUDASIM=1, how the tests run on CPU).
+
+What differs between the two, and only that, lives here:
+- bit reinterpretation (GPU: libdevice ``int_as_float`` / ``double_as_longlong``; the simulator has
+  no libdevice, so numpy scalar views),
+- warp and block reductions (GPU: ``shfl_xor_sync`` butterflies, every lane gets the same bits; the
+  simulator has no shuffles, so a shared-memory buffer between two ``syncthreads``),
+- block and grid sizes (the simulator runs every CUDA thread as a Python thread, so it gets small
+  blocks and few blocks; kernels are written grid-stride so any size is correct).
+
+**Rule for every kernel that uses a reduction** (warp_* and block_*): blocks are 1-D
+with a multiple of 32 threads, and every thread of the block calls each reduction the same number
+of times, in the same order, with no early return before it (a whole block may return early). On the
+GPU a shuffle needs all 32 lanes; in the simulator the emulation is a block-wide barrier. Loops
+over rows therefore run the same trip count in every warp and clamp the row instead of skipping it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):  # numpy 2.5 removed it; numba-cuda 0.30 still calls it when compiling
+    np.row_stack = np.vstack
+
+from numba import cuda, float32, float64, int32, int64, uint32, uint64  # noqa: E402,F401
+from numba.cuda.core import config as _numba_config  # noqa: E402
+
+SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+MAX_BLOCK_THREADS = 1024
+MAX_WARPS = MAX_BLOCK_THREADS // 32
+MAX_SUM_MANY = 16  # most values one warp_sum_many call reduces (simulator buffer width)
+SIM_MAX_THREADS = 64  # simulator: Python threads per block
+SIM_MAX_BLOCKS = 2  # simulator: blocks of a grid-stride kernel
+
+
+def threads(preferred: int) -> int:
+    """Threads per block for a grid-stride kernel (a multiple of 32)."""
+    return min(preferred, SIM_MAX_THREADS) if SIMULATOR else preferred
+
+
+def blocks(needed: int) -> int:
+    """Blocks for a grid-stride kernel that would like ``needed`` of them."""
+    needed = max(int(needed), 1)
+    return min(needed, SIM_MAX_BLOCKS) if SIMULATOR else needed
+
+
+def device(fn):
+    """A device function, inlined on the GPU. In the simulator a function that does not touch
+    ``cuda`` stays plain Python (the device-function wrapper costs a lock per call); one that does
+    gets the wrapper, which swaps in the simulated ``cuda`` module while it runs."""
+    if not SIMULATOR:
+        return cuda.jit(device=True, forceinline=True)(fn)
+    return cuda.jit(device=True)(fn) if "cuda" in fn.__code__.co_names else fn
+
+
+def data_ptr(array) -> int:
+    """Address of the first element of a device (or, in the simulator, host) array."""
+    iface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(iface["data"][0])
+
+
+def is_contiguous(array) -> bool:
+    if hasattr(array, "is_c_contiguous"):
+        return bool(array.is_c_contiguous())
+    return bool(array.flags.c_contiguous)
+
+
+if SIMULATOR:
+    # Plain Python: they need no fake `cuda` module, and skipping the device-function wrapper
+    # keeps the simulator fast. Values arrive as numpy scalars.
+    def bits_as_f32(bits):
+        """float32 whose bit pattern is the low 32 bits of an integer."""
+        return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
+
+    def f64_bits(value):
+        """uint64 bit pattern of a float64 (a complex128 half read as 8 raw bytes)."""
+        return np.float64(value).view(np.uint64)
+
+    @cuda.jit(device=True)
+    def warp_sum(value):
+        """Sum over the 32 lanes of the warp; every lane gets the result."""
+        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        tid = cuda.threadIdx.x
+        buf[tid] = value
+        cuda.syncthreads()
+        base = tid - tid % WARP
+        total = buf[base : base + WARP].sum(dtype=np.float32)
+        cuda.syncthreads()  # nobody writes buf again before every lane has read it
+        return total
+
+    @cuda.jit(device=True)
+    def warp_max(value):
+        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        tid = cuda.threadIdx.x
+        buf[tid] = value
+        cuda.syncthreads()
+        base = tid - tid % WARP
+        best = buf[base : base + WARP].max()
+        cuda.syncthreads()
+        return best
+
+    @cuda.jit(device=True)
+    def warp_argmax(value, index):
+        """(max value, lowest index holding it) over the warp; every lane gets the result."""
+        vals = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        idxs = cuda.shared.array(MAX_BLOCK_THREADS, int64)
+        tid = cuda.threadIdx.x
+        vals[tid] = value
+        idxs[tid] = index
+        cuda.syncthreads()
+        base = tid - tid % WARP
+        best, best_index = _argmax_of(vals[base : base + WARP], idxs[base : base + WARP])
+        cuda.syncthreads()
+        return best, best_index
+
+    def _argmax_of(values, indices):
+        best = values.max()
+        return best, indices[values == best].min()
+
+    @cuda.jit(device=True)
+    def warp_sum_many(values, count):
+        """values[i] = warp sum of values[i] for i < count (<= MAX_SUM_MANY), with one barrier pair."""
+        buf = cuda.shared.array((MAX_BLOCK_THREADS, MAX_SUM_MANY), float32)
+        tid = cuda.threadIdx.x
+        for i in range(count):
+            buf[tid, i] = values[i]
+        cuda.syncthreads()
+        base = tid - tid % WARP
+        for i in range(count):
+            values[i] = buf[base : base + WARP, i].sum(dtype=np.float32)
+        cuda.syncthreads()
+
+else:
+
+    @device
+    def bits_as_f32(bits):
+        """float32 whose bit pattern is the low 32 bits of an integer."""
+        return cuda.libdevice.int_as_float(int32(bits))
+
+    @device
+    def f64_bits(value):
+        """uint64 bit pattern of a float64 (a complex128 half read as 8 raw bytes)."""
+        return uint64(cuda.libdevice.double_as_longlong(value))
+
+    @device
+    def warp_sum(value):
+        """Sum over the 32 lanes of the warp; every lane gets the same bits (xor butterfly)."""
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 16)
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 8)
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 4)
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 2)
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 1)
+        return value
+
+    @device
+    def warp_max(value):
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 16))
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 8))
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 4))
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 2))
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1))
+        return value
+
+    @device
+    def _argmax_step(value, index, offset):
+        other = cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        other_index = cuda.shfl_xor_sync(FULL_MASK, index, offset)
+        if other > value or (other == value and other_index < index):
+            return other, other_index
+        return value, index
+
+    @device
+    def warp_argmax(value, index):
+        """(max value, lowest index holding it) over the warp; every lane gets the result."""
+        index = int64(index)
+        value, index = _argmax_step(value, index, 16)
+        value, index = _argmax_step(value, index, 8)
+        value, index = _argmax_step(value, index, 4)
+        value, index = _argmax_step(value, index, 2)
+        value, index = _argmax_step(value, index, 1)
+        return value, index
+
+    @device
+    def warp_sum_many(values, count):
+        """values[i] = warp sum of values[i] for i < count."""
+        for i in range(count):
+            values[i] = warp_sum(values[i])
+
+
+# -- block reductions -----------------------------------------------------------------------------
+# On the GPU: warp partials through shared memory, then every warp reduces the same partials in
+# the same order, so every thread gets the same bits without a broadcast barrier. The simulator's
+# versions do the same with one shared buffer and two barriers instead of six (its barriers are
+# what costs); tests run the tree versions under the simulator too.
+
+@cuda.jit(device=True)
+def tree_block_sum(value):
+    partial = cuda.shared.array(MAX_WARPS, float32)
+    tid = cuda.threadIdx.x
+    value = warp_sum(value)
+    cuda.syncthreads()  # the previous call's readers are done with `partial`
+    if tid % WARP == 0:
+        partial[tid // WARP] = value
+    cuda.syncthreads()
+    lane = tid % WARP
+    value = partial[lane] if lane < cuda.blockDim.x // WARP else float32(0.0)
+    return warp_sum(value)
+
+
+@cuda.jit(device=True)
+def tree_block_max(value):
+    partial = cuda.shared.array(MAX_WARPS, float32)
+    tid = cuda.threadIdx.x
+    value = warp_max(value)
+    cuda.syncthreads()
+    if tid % WARP == 0:
+        partial[tid // WARP] = value
+    cuda.syncthreads()
+    lane = tid % WARP
+    value = partial[lane] if lane < cuda.blockDim.x // WARP else partial[0]
+    return warp_max(value)
+
+
+@cuda.jit(device=True)
+def tree_block_argmax(value, index):
+    """(max, lowest index holding it) over the block."""
+    partial = cuda.shared.array(MAX_WARPS, float32)
+    partial_index = cuda.shared.array(MAX_WARPS, int64)
+    tid = cuda.threadIdx.x
+    value, index = warp_argmax(value, index)
+    cuda.syncthreads()
+    if tid % WARP == 0:
+        partial[tid // WARP] = value
+        partial_index[tid // WARP] = index
+    cuda.syncthreads()
+    lane = tid % WARP
+    if lane < cuda.blockDim.x // WARP:
+        value, index = partial[lane], partial_index[lane]
+    else:
+        value, index = partial[0], partial_index[0]
+    return warp_argmax(value, index)
+
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def block_sum(value):
+        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        tid = cuda.threadIdx.x
+        buf[tid] = value
+        cuda.syncthreads()
+        total = buf[: cuda.blockDim.x].sum(dtype=np.float32)
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def block_max(value):
+        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        tid = cuda.threadIdx.x
+        buf[tid] = value
+        cuda.syncthreads()
+        best = buf[: cuda.blockDim.x].max()
+        cuda.syncthreads()
+        return best
+
+    @cuda.jit(device=True)
+    def block_argmax(value, index):
+        vals = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        idxs = cuda.shared.array(MAX_BLOCK_THREADS, int64)
+        tid = cuda.threadIdx.x
+        vals[tid] = value
+        idxs[tid] = index
+        cuda.syncthreads()
+        best, best_index = _argmax_of(vals[: cuda.blockDim.x], idxs[: cuda.blockDim.x])
+        cuda.syncthreads()
+        return best, best_index
+
+else:
+    block_sum, block_max, block_argmax = tree_block_sum, tree_block_max, tree_block_argmax
