@@ -1,0 +1,165 @@
+"""Expert FFNs from the arena: out[pair_out[j]] = down(silu(gate x) * up x) for each listed pair j,
+with x = x[pair_token[j]] and the expert in arena slot pair_slot[j] (see moe.py for the layout and
+``expert_ffn_ref``, the reference).
+
+Two kernels, both warp-per-output-row GEMVs like linear.py: gate|up (rows of I, writes the
+activation h (J, I) to scratch) then down (rows of D). Pairs are cut into *runs*: consecutive pairs
+on the same slot inside one aligned chunk of ``chunk`` pairs; the block of a run's first pair
+computes the whole run, so an expert's rows are read once for all its tokens in the chunk (the
+stage sorts pairs by slot), and blocks of other pairs return at once. A pair's arithmetic is the
+same whatever else is in its run, so results depend neither on the batch nor on the slot."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum_many
+from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_of
+
+MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
+WARPS = 4
+MAX_PAIRS = 65535  # grid y
+
+
+@cuda.jit(device=True)
+def _run_length(pair_slot, j, chunk):
+    """Pairs in the run that starts at pair j, or 0 when j does not start one."""
+    slot = pair_slot[j]
+    if j % chunk != 0 and pair_slot[j - 1] == slot:
+        return 0
+    n = 1
+    while n < chunk and j + n < pair_slot.shape[0] and (j + n) % chunk != 0 and pair_slot[j + n] == slot:
+        n += 1
+    return n
+
+
+@functools.cache
+def _gate_up_kernel(storage: str, wide: bool, chunk: int):
+    read_weight, width = chunk_reader(storage, wide)
+    read_x, _ = chunk_reader("f32", wide)
+
+    @cuda.jit
+    def expert_gate_up(x, pair_token, pair_slot, arena, hidden_words, inter, h):
+        j = cuda.blockIdx.y
+        run = _run_length(pair_slot, j, chunk)
+        if run == 0:
+            return  # the whole block: no reduction is skipped by part of it
+        slot = pair_slot[j]
+        lane = cuda.threadIdx.x % WARP
+        warps = cuda.blockDim.x // WARP
+        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
+        stride = cuda.gridDim.x * warps
+        up_base = inter * hidden_words
+        tokens = cuda.local.array(chunk, int32)
+        for t in range(chunk):  # past the run: recompute its last pair, never store it
+            tokens[t] = pair_token[j + min(t, run - 1)]
+        acc_gate = cuda.local.array(chunk, float32)
+        acc_up = cuda.local.array(chunk, float32)
+        gate_buf = cuda.local.array(width, float32)
+        up_buf = cuda.local.array(width, float32)
+        x_buf = cuda.local.array(width, float32)
+        for start in range(0, inter, stride):
+            row = min(start + first, inter - 1)
+            for t in range(chunk):
+                acc_gate[t] = float32(0.0)
+                acc_up[t] = float32(0.0)
+            for word in range(lane, hidden_words, WARP):
+                read_weight(arena, slot, row * hidden_words + word, gate_buf)
+                read_weight(arena, slot, up_base + row * hidden_words + word, up_buf)
+                for t in range(chunk):
+                    read_x(x, tokens[t], word, x_buf)
+                    g = acc_gate[t]
+                    u = acc_up[t]
+                    for c in range(width):
+                        g += x_buf[c] * gate_buf[c]
+                        u += x_buf[c] * up_buf[c]
+                    acc_gate[t] = g
+                    acc_up[t] = u
+            warp_sum_many(acc_gate, chunk)
+            warp_sum_many(acc_up, chunk)
+            if start + first < inter:
+                for t in range(chunk):
+                    if lane == t and t < run:
+                        g = acc_gate[t]
+                        h[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc_up[t]
+
+    return expert_gate_up
+
+
+@functools.cache
+def _down_kernel(storage: str, wide: bool, chunk: int):
+    read_weight, width = chunk_reader(storage, wide)
+    read_h, _ = chunk_reader("f32", wide)
+
+    @cuda.jit
+    def expert_down(h, pair_slot, pair_out, arena, hidden, inter_words, out):
+        j = cuda.blockIdx.y
+        run = _run_length(pair_slot, j, chunk)
+        if run == 0:
+            return
+        slot = pair_slot[j]
+        lane = cuda.threadIdx.x % WARP
+        warps = cuda.blockDim.x // WARP
+        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
+        stride = cuda.gridDim.x * warps
+        down_base = 2 * hidden * inter_words
+        rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
+        for t in range(chunk):
+            rows[t] = j + min(t, run - 1)
+        acc = cuda.local.array(chunk, float32)
+        w_buf = cuda.local.array(width, float32)
+        h_buf = cuda.local.array(width, float32)
+        for start in range(0, hidden, stride):
+            row = min(start + first, hidden - 1)
+            for t in range(chunk):
+                acc[t] = float32(0.0)
+            for word in range(lane, inter_words, WARP):
+                read_weight(arena, slot, down_base + row * inter_words + word, w_buf)
+                for t in range(chunk):
+                    read_h(h, rows[t], word, h_buf)
+                    total = acc[t]
+                    for c in range(width):
+                        total += h_buf[c] * w_buf[c]
+                    acc[t] = total
+            warp_sum_many(acc, chunk)
+            if start + first < hidden:
+                for t in range(chunk):
+                    if lane == t and t < run:
+                        out[pair_out[j + t], row] = acc[t]
+
+    return expert_down
+
+
+def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0):
+    """expert_ffn_ref on device arrays. ``scratch``: a (J, inter) float32 device array for the
+    activations between the two kernels. Slots and tokens must be in range (the stage's tables)."""
+    num_tokens = x.shape[0]
+    num_pairs = pair_slot.shape[0]
+    require("x", x, np.float32, shape=(None, hidden))
+    for name, table in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
+        require(name, table, np.int32, shape=(num_pairs,))
+    require("arena", arena, WEIGHT_DTYPES, ndim=2)
+    if arena.shape[1] < 3 * hidden * inter:
+        raise ValueError(f"arena slots of {arena.shape[1]} elements cannot hold 3 x {hidden} x {inter}")
+    require("out", out, np.float32, shape=(None, hidden))
+    require("scratch", scratch, np.float32, shape=(None, inter))
+    if num_pairs > min(MAX_PAIRS, scratch.shape[0]):
+        raise ValueError(f"{num_pairs} pairs: more than the scratch rows or {MAX_PAIRS}")
+    if num_pairs == 0:
+        return out
+    wide = can_read_wide(arena, hidden, inter) and can_read_wide(x) and can_read_wide(scratch)
+    width = 4 if wide else 1
+    chunk = min(MAX_CHUNK, num_tokens)  # one token's pairs have distinct experts: runs <= tokens
+    storage = storage_of(arena)
+    h = scratch[:num_pairs]
+    block = threads(WARPS * WARP)
+    per_block = block // WARP
+    arena_view = reader_view(arena, wide)
+    _gate_up_kernel(storage, wide, chunk)[(blocks(ceil_div(inter, per_block)), num_pairs), block, stream](
+        reader_view(x, wide), pair_token, pair_slot, arena_view, hidden // width, inter, h)
+    _down_kernel(storage, wide, chunk)[(blocks(ceil_div(hidden, per_block)), num_pairs), block, stream](
+        reader_view(h, wide), pair_slot, pair_out, arena_view, hidden, inter // width, out)
+    return out
