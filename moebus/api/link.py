@@ -1,0 +1,62 @@
+"""The api's way to the broker: one ZeroMQ ``Client`` per WSGI worker process, made on first use,
+so that no socket or IO thread exists before gunicorn forks its workers."""
+from __future__ import annotations
+
+import os
+import threading
+
+from flask import current_app
+
+from moebus.client import Client
+
+PING_TIMEOUT_S = 2.0
+INFO_TIMEOUT_S = 10.0
+
+
+def connect_address(frontend: str) -> str:
+    """The broker may bind a wildcard (``tcp://*:5555``, ``tcp://0.0.0.0:5555``); connect to loopback."""
+    for wildcard, local in (("tcp://*:", "tcp://127.0.0.1:"), ("tcp://0.0.0.0:", "tcp://127.0.0.1:"),
+                            ("tcp://[::]:", "tcp://[::1]:")):
+        if frontend.startswith(wildcard):
+            return local + frontend[len(wildcard):]
+    return frontend
+
+
+class BrokerLink:
+    def __init__(self, frontend: str):
+        self.address = connect_address(frontend)
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._pid: int | None = None
+        self._model: dict | None = None
+
+    @property
+    def client(self) -> Client:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():  # a forked copy must not share sockets
+                self._client, self._pid, self._model = Client(self.address), os.getpid(), None
+            return self._client
+
+    def info(self) -> dict:
+        return self.client.info(timeout_s=INFO_TIMEOUT_S)
+
+    def is_ready(self) -> bool:
+        return self.client.ping(timeout_s=PING_TIMEOUT_S)
+
+    def model(self) -> dict:
+        """The served model's name and context, asked once: it does not change while a broker lives."""
+        if self._model is None:
+            info = self.info()
+            self._model = {"name": info["model"], "max_context": info["max_context"]}
+        return self._model
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.close()
+            self._client = None
+
+
+def current_link() -> BrokerLink:
+    """The link of the app serving the current request."""
+    return current_app.extensions["moebus"]

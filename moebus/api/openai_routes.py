@@ -1,0 +1,58 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+from __future__ import annotations
+
+from flask import Blueprint, request
+
+from moebus.api.link import current_link as link
+from moebus.api.responses import ChatFormatter, CompletionFormatter
+from moebus.api.schemas import ChatRequest, CompletionRequest, parse_body
+from moebus.api.streaming import answer
+from moebus.common.errors import NotFound
+
+bp = Blueprint("openai", __name__)
+
+
+def _socket():
+    """The connection's socket under gunicorn (to notice a client that left); None elsewhere."""
+    return request.environ.get("gunicorn.socket")
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    req = parse_body(ChatRequest)
+    formatter = ChatFormatter(link().model()["name"], req.top_n, req.include_usage)
+    # logprobs: true asks the broker for at least one top token, which brings the tokens' texts too
+    logprobs = max(req.top_n, 1) if req.top_n is not None else 0
+    sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
+    stream = link().client.chat([m.to_broker() for m in req.messages], request_id=formatter.id, **sampling)
+    return answer(stream, formatter, _socket(), req.stream)
+
+
+@bp.post("/v1/completions")
+def completions():
+    req = parse_body(CompletionRequest)
+    formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage)
+    logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
+    stream = link().client.generate(**req.prompt_kwargs(), request_id=formatter.id,
+                                    **req.sampling(req.max_tokens, logprobs))
+    return answer(stream, formatter, _socket(), req.stream)
+
+
+def _model_card() -> dict:
+    model = link().model()
+    return {"id": model["name"], "object": "model", "created": 0, "owned_by": "moebus",
+            "max_model_len": model["max_context"]}
+
+
+@bp.get("/v1/models")
+def models():
+    return {"object": "list", "data": [_model_card()]}
+
+
+@bp.get("/v1/models/<path:name>")
+def model(name: str):
+    card = _model_card()
+    if name != card["id"]:
+        raise NotFound(f"the model {name!r} does not exist (this server serves {card['id']!r})",
+                       param="model", code="model_not_found")
+    return card
