@@ -50,16 +50,19 @@ def alive(pid: int) -> bool:
 class Service:
     """``moebus serve`` (or ``broker``) as a subprocess with its own config file."""
 
-    def __init__(self, tmp: Path, model: Path, command: str = "serve", **settings):
+    def __init__(self, tmp: Path, model: Path | None, command: str = "serve", env: dict | None = None, **settings):
+        """``model`` None: the embedded demo model. ``settings`` override the defaults below; the
+        ``api`` and ``broker`` sections are merged key by key. ``env``: extra environment."""
         self.http_port = free_port()
         self.zmq_port = free_port()
-        self.config = {"model": str(model), "device": "cpu", "max_context": 256,
-                       "api": {"port": self.http_port, "threads": 16},
-                       "broker": {"frontend": f"tcp://127.0.0.1:{self.zmq_port}", "drain_s": 2.0}, **settings}
+        api = {"port": self.http_port, "threads": 16, **settings.pop("api", {})}
+        broker = {"frontend": f"tcp://127.0.0.1:{self.zmq_port}", "drain_s": 2.0, **settings.pop("broker", {})}
+        self.config = {"model": str(model) if model else None, "device": "cpu", "max_context": 256,
+                       "api": api, "broker": broker, **settings}
         self.config_file = tmp / f"moebus-{self.http_port}.json"
         self.config_file.write_text(json.dumps(self.config))
         self.log = open(tmp / f"moebus-{self.http_port}.log", "w+")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("NUMBA_ENABLE_CUDASIM", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", command, "--config", str(self.config_file)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -1,0 +1,31 @@
+"""Shared by the api and e2e tests: read /metrics, wait for a condition."""
+from __future__ import annotations
+
+import time
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Every sample of /metrics by name, labels folded in: ``name{gpu="0"}``."""
+    response = requests.get(base_url + "/metrics", timeout=10)
+    response.raise_for_status()
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return samples
+
+
+def wait_for(condition, timeout_s: float = 10.0, every_s: float = 0.05):
+    """condition()'s first truthy value within timeout_s, else AssertionError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout_s} s: {condition}")
+        time.sleep(every_s)
