@@ -4,18 +4,22 @@ numba's simulator (NUMBA_ENABLE_CUDASIM=1, how the tests run on CPU).
 What differs between the two, and only that, lives here:
 - bit reinterpretation (GPU: libdevice ``int_as_float`` / ``double_as_longlong``; the simulator has
   no libdevice, so numpy scalar views),
-- warp and block reductions (GPU: ``shfl_xor_sync`` butterflies, every lane gets the same bits; the
-  simulator has no shuffles, so a shared-memory buffer between two ``syncthreads``),
+- warp reductions (GPU: ``shfl_xor_sync`` butterflies, every lane gets the same bits; the simulator
+  has no shuffles, so the warp's 32 Python threads meet at a barrier of their own) and block
+  reductions (warp partials through shared memory; in the simulator one shared buffer),
 - block and grid sizes (the simulator runs every CUDA thread as a Python thread, so it gets small
-  blocks and few blocks; kernels are written grid-stride so any size is correct).
+  blocks and few blocks; kernels are written grid-stride so any size is correct),
+- a lock around the simulator's first allocation of a static shared array (its own is racy).
 
-**Rule for every kernel that uses a reduction** (warp_* and block_*): blocks are 1-D
-with a multiple of 32 threads, and every thread of the block calls each reduction the same number
-of times, in the same order, with no early return before it (a whole block may return early). On the
-GPU a shuffle needs all 32 lanes; in the simulator the emulation is a block-wide barrier. Loops
-over rows therefore run the same trip count in every warp and clamp the row instead of skipping it.
+**Rules for kernels that reduce.** Blocks are 1-D with a multiple of 32 threads. Every lane of a warp
+calls each ``warp_*`` reduction the same number of times in the same order (no lane may return or
+skip ahead before it); every thread of the block calls each ``block_*`` reduction likewise. A whole
+block may return early. Loops over rows therefore run the same trip count in every warp and clamp
+the row instead of skipping it, storing only when the row is real.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -67,9 +71,39 @@ def is_contiguous(array) -> bool:
     return bool(array.flags.c_contiguous)
 
 
+def _make_shared_allocation_thread_safe() -> None:
+    """The simulator creates a static shared array on the first call from its source line, without
+    a lock: two threads that get there together can end up with different arrays (and read each
+    other's stale data). Same keying (caller's file and line), under a lock."""
+    import sys
+
+    from numba.cuda import types
+    from numba.cuda.np.numpy_support import as_dtype
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    lock = threading.Lock()
+    unsafe_array = FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory: no first-use race
+            return unsafe_array(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(key)
+            if found is None:
+                dtype = as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+
+    FakeCUDAShared.array = array
+
+
 if SIMULATOR:
-    # Plain Python: they need no fake `cuda` module, and skipping the device-function wrapper
-    # keeps the simulator fast. Values arrive as numpy scalars.
+    _make_shared_allocation_thread_safe()
+
+    # Plain Python: nothing here touches the fake `cuda` module, and skipping the device-function
+    # wrapper keeps the simulator fast. Values arrive as numpy scalars.
     def bits_as_f32(bits):
         """float32 whose bit pattern is the low 32 bits of an integer."""
         return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
@@ -78,59 +112,90 @@ if SIMULATOR:
         """uint64 bit pattern of a float64 (a complex128 half read as 8 raw bytes)."""
         return np.float64(value).view(np.uint64)
 
-    @cuda.jit(device=True)
+    # Warp reductions: the 32 lanes of a warp (Python threads) meet at a barrier of their own,
+    # cheaper than the simulator's block-wide syncthreads. Exchange buffers alternate between two
+    # halves, so one barrier per call is enough: a lane can only come back to a half after every
+    # lane passed the barrier in between, i.e. finished reading it.
+    _warp_lock = threading.Lock()
+    WARP_BARRIER_TIMEOUT_S = 60.0  # a lane that raised never arrives: fail instead of hanging
+
+    class _LaneBarrier:
+        """A barrier of the warp's lanes on one raw lock per lane: the last lane to arrive opens
+        every other lane's gate. (threading.Barrier wakes its waiters one after another through a
+        shared lock, which costs a thread switch interval each.)"""
+
+        def __init__(self):
+            self._arrived = 0
+            self._mutex = threading.Lock()
+            self._gates = [threading.Lock() for _ in range(WARP)]
+            for gate in self._gates:
+                gate.acquire()
+
+        def wait(self, lane: int) -> None:
+            with self._mutex:
+                self._arrived += 1
+                is_last = self._arrived == WARP
+                if is_last:
+                    self._arrived = 0
+            if is_last:
+                for other, gate in enumerate(self._gates):
+                    if other != lane:
+                        gate.release()
+            elif not self._gates[lane].acquire(timeout=WARP_BARRIER_TIMEOUT_S):
+                raise RuntimeError("a lane of this warp never reached the reduction")
+
+    class _Warp:
+        def __init__(self):
+            self.barrier = _LaneBarrier()
+            self.values = np.zeros((2, WARP, MAX_SUM_MANY), np.float32)
+            self.indices = np.zeros((2, WARP), np.int64)
+
+    def _exchange():
+        """(this lane, its warp's state, the buffer half for this call)."""
+        thread = threading.current_thread()
+        warp = getattr(thread, "moebus_warp", None)
+        if warp is None:
+            with _warp_lock:  # one state per (block, warp): the block manager is per block
+                warps = thread._manager.__dict__.setdefault("moebus_warps", {})
+                warp = thread.moebus_warp = warps.setdefault(thread.thread_id // WARP, _Warp())
+            thread.moebus_half = 0
+        half = thread.moebus_half = 1 - thread.moebus_half
+        return thread.thread_id % WARP, warp, half
+
     def warp_sum(value):
         """Sum over the 32 lanes of the warp; every lane gets the result."""
-        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        tid = cuda.threadIdx.x
-        buf[tid] = value
-        cuda.syncthreads()
-        base = tid - tid % WARP
-        total = buf[base : base + WARP].sum(dtype=np.float32)
-        cuda.syncthreads()  # nobody writes buf again before every lane has read it
-        return total
+        lane, warp, half = _exchange()
+        warp.values[half, lane, 0] = value
+        warp.barrier.wait(lane)
+        return warp.values[half, :, 0].sum(dtype=np.float32)
 
-    @cuda.jit(device=True)
     def warp_max(value):
-        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        tid = cuda.threadIdx.x
-        buf[tid] = value
-        cuda.syncthreads()
-        base = tid - tid % WARP
-        best = buf[base : base + WARP].max()
-        cuda.syncthreads()
-        return best
-
-    @cuda.jit(device=True)
-    def warp_argmax(value, index):
-        """(max value, lowest index holding it) over the warp; every lane gets the result."""
-        vals = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        idxs = cuda.shared.array(MAX_BLOCK_THREADS, int64)
-        tid = cuda.threadIdx.x
-        vals[tid] = value
-        idxs[tid] = index
-        cuda.syncthreads()
-        base = tid - tid % WARP
-        best, best_index = _argmax_of(vals[base : base + WARP], idxs[base : base + WARP])
-        cuda.syncthreads()
-        return best, best_index
+        lane, warp, half = _exchange()
+        warp.values[half, lane, 0] = value
+        warp.barrier.wait(lane)
+        return warp.values[half, :, 0].max()
 
     def _argmax_of(values, indices):
         best = values.max()
         return best, indices[values == best].min()
 
-    @cuda.jit(device=True)
+    def warp_argmax(value, index):
+        """(max value, lowest index holding it) over the warp; every lane gets the result."""
+        lane, warp, half = _exchange()
+        warp.values[half, lane, 0] = value
+        warp.indices[half, lane] = index
+        warp.barrier.wait(lane)
+        return _argmax_of(warp.values[half, :, 0], warp.indices[half])
+
     def warp_sum_many(values, count):
-        """values[i] = warp sum of values[i] for i < count (<= MAX_SUM_MANY), with one barrier pair."""
-        buf = cuda.shared.array((MAX_BLOCK_THREADS, MAX_SUM_MANY), float32)
-        tid = cuda.threadIdx.x
+        """values[i] = warp sum of values[i] for i < count (<= MAX_SUM_MANY), with one barrier."""
+        lane, warp, half = _exchange()
         for i in range(count):
-            buf[tid, i] = values[i]
-        cuda.syncthreads()
-        base = tid - tid % WARP
+            warp.values[half, lane, i] = values[i]
+        warp.barrier.wait(lane)
+        totals = warp.values[half, :, :count].sum(axis=0, dtype=np.float32)
         for i in range(count):
-            values[i] = buf[base : base + WARP, i].sum(dtype=np.float32)
-        cuda.syncthreads()
+            values[i] = totals[i]
 
 else:
 
@@ -245,37 +310,37 @@ def tree_block_argmax(value, index):
 
 if SIMULATOR:
 
+    def _block_half():
+        # same two-halves trick as the warps: one syncthreads per block reduction
+        thread = threading.current_thread()
+        half = thread.moebus_block_half = 1 - getattr(thread, "moebus_block_half", 0)
+        return half
+
     @cuda.jit(device=True)
     def block_sum(value):
-        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        tid = cuda.threadIdx.x
-        buf[tid] = value
+        buf = cuda.shared.array((2, MAX_BLOCK_THREADS), float32)
+        half = _block_half()
+        buf[half, cuda.threadIdx.x] = value
         cuda.syncthreads()
-        total = buf[: cuda.blockDim.x].sum(dtype=np.float32)
-        cuda.syncthreads()
-        return total
+        return buf[half, : cuda.blockDim.x].sum(dtype=np.float32)
 
     @cuda.jit(device=True)
     def block_max(value):
-        buf = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        tid = cuda.threadIdx.x
-        buf[tid] = value
+        buf = cuda.shared.array((2, MAX_BLOCK_THREADS), float32)
+        half = _block_half()
+        buf[half, cuda.threadIdx.x] = value
         cuda.syncthreads()
-        best = buf[: cuda.blockDim.x].max()
-        cuda.syncthreads()
-        return best
+        return buf[half, : cuda.blockDim.x].max()
 
     @cuda.jit(device=True)
     def block_argmax(value, index):
-        vals = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-        idxs = cuda.shared.array(MAX_BLOCK_THREADS, int64)
-        tid = cuda.threadIdx.x
-        vals[tid] = value
-        idxs[tid] = index
+        vals = cuda.shared.array((2, MAX_BLOCK_THREADS), float32)
+        idxs = cuda.shared.array((2, MAX_BLOCK_THREADS), int64)
+        half = _block_half()
+        vals[half, cuda.threadIdx.x] = value
+        idxs[half, cuda.threadIdx.x] = index
         cuda.syncthreads()
-        best, best_index = _argmax_of(vals[: cuda.blockDim.x], idxs[: cuda.blockDim.x])
-        cuda.syncthreads()
-        return best, best_index
+        return _argmax_of(vals[half, : cuda.blockDim.x], idxs[half, : cuda.blockDim.x])
 
 else:
     block_sum, block_max, block_argmax = tree_block_sum, tree_block_max, tree_block_argmax

@@ -1,0 +1,128 @@
+"""The ``cuda`` device: the stage's ops as numba.cuda kernels, all on one stream, with no host round
+trip except ``to_host``. Same interface and return conventions as ``CpuBackend`` (backend.py).
+
+Per-step buffers (op results, ``empty``, ``upload``) come from pools that ``begin_step()`` recycles,
+so a steady decode loop allocates nothing; persistent arrays (``weight``, ``table``, ``persist``,
+``zeros``) are plain device allocations owned by the caller."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+from moebus.cuda.compat import cuda
+from moebus.cuda.step_pool import StepPool
+
+
+class CudaBackend:
+    """numba.cuda kernels on the current device."""
+
+    name = "cuda"
+
+    def __init__(self):
+        self.stream = cuda.stream()  # also the compute stream that the expert copier fences against
+        self.device_pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
+        # uploads go through pinned staging so the copy is truly async; kept until the next step
+        self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Start of a forward pass: per-step buffers of the previous step may be reused."""
+        self.stream.synchronize()  # the previous step's kernels and copies no longer touch them
+        self.device_pool.recycle()
+        self.staging_pool.recycle()
+
+    def weight(self, array: np.ndarray):
+        """Dense weights stay in their stored dtype (bf16 bits, f16, f32); kernels convert in registers."""
+        return cuda.to_device(np.ascontiguousarray(array), stream=self.stream)
+
+    def table(self, array: np.ndarray):
+        """A weight read by row (embedding), kept in its stored dtype."""
+        return self.weight(array)
+
+    def persist(self, array: np.ndarray):
+        """A device copy that lives as long as its owner (rope tables, an arena)."""
+        return self.weight(array)
+
+    def upload(self, array: np.ndarray):
+        """A per-step input, valid until the next begin_step()."""
+        host = np.ascontiguousarray(array)
+        staged = self.staging_pool.take(host.shape, host.dtype)
+        staged[...] = host
+        out = self.device_pool.take(host.shape, host.dtype)
+        if host.size:
+            out.copy_to_device(staged, stream=self.stream)
+        return out
+
+    def to_host(self, array) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array
+        host = array.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def zeros(self, shape, dtype=np.float32):
+        """A persistent zeroed buffer (KV cache)."""
+        out = cuda.device_array(shape, dtype=dtype, stream=self.stream)
+        return elementwise.fill_cuda(out, 0, stream=self.stream)
+
+    def empty(self, shape, dtype=np.float32):
+        """Per-step scratch, valid until the next begin_step()."""
+        return self.device_pool.take(tuple(shape), dtype)
+
+    def host_empty(self, shape, dtype):
+        """Pinned host memory (the expert host store), so copies to the arena run at full speed."""
+        return cuda.pinned_array(shape, dtype=dtype)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def embedding(self, table, ids):
+        out = self.empty((ids.shape[0], table.shape[1]))
+        return embedding.embedding_cuda(table, ids, out, stream=self.stream)
+
+    def rmsnorm(self, x, weight, eps: float):
+        return rmsnorm.rmsnorm_cuda(x, weight, eps, self.empty(x.shape), stream=self.stream)
+
+    def linear(self, x, weight):
+        out = self.empty((x.shape[0], weight.shape[0]))
+        return linear.linear_cuda(x, weight, out, stream=self.stream)
+
+    def add(self, x, y):
+        return elementwise.add_cuda(x, y, self.empty(x.shape), stream=self.stream)
+
+    def swiglu(self, gate, up):
+        return elementwise.swiglu_cuda(gate, up, self.empty(gate.shape), stream=self.stream)
+
+    def rope(self, x, positions, cos, sin):
+        return rope.rope_cuda(x, positions, cos, sin, self.empty(x.shape), stream=self.stream)
+
+    def kv_store(self, k_cache, v_cache, k, v, token_slot, token_pos) -> None:
+        attention.kv_store_cuda(k_cache, v_cache, k, v, token_slot, token_pos, stream=self.stream)
+
+    def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0):
+        out = self.empty(q.shape)
+        return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out,
+                                        stream=self.stream)
+
+    def topk_softmax(self, logits, top_k: int, normalize: bool):
+        shape = (logits.shape[0], top_k)
+        ids, weights = self.empty(shape, np.int32), self.empty(shape, np.float32)
+        return moe.topk_softmax_cuda(logits, top_k, normalize, ids, weights, stream=self.stream)
+
+    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out):
+        scratch = self.empty((pair_slot.shape[0], inter))
+        return moe_ffn.expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, scratch,
+                                       stream=self.stream)
+
+    def combine(self, y_pair, weights):
+        out = self.empty((weights.shape[0], y_pair.shape[1]))
+        return moe.combine_cuda(y_pair, weights, out, stream=self.stream)
+
+    def sample(self, logits, temperature, top_k, top_p, u):
+        num_rows = logits.shape[0]
+        tokens, logprobs = self.empty((num_rows,), np.int32), self.empty((num_rows,), np.float32)
+        return sampling.sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs,
+                                    self.empty(logits.shape), stream=self.stream)

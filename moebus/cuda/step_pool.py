@@ -1,0 +1,64 @@
+"""Per-step buffers that are all taken back at once: the backend's answer to "every op result is
+valid until the next begin_step()". Raw byte buffers come in power-of-two size classes, so prefills
+of many lengths share a few buffers; each buffer keeps the typed views made of it, and the i-th take
+of a size class in a step gets the buffer that the i-th take had in the step before, so a steady
+decode loop neither allocates nor builds array objects."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+MIN_BYTES = 256  # also the alignment every view starts at (wide loads need 8)
+MAX_VIEWS = 16  # views cached per buffer; more shapes than this and the cache starts over
+
+
+class _Buffer:
+    def __init__(self, raw):
+        self.raw = raw
+        self.views = {}
+
+    def view(self, shape: tuple, dtype: np.dtype):
+        key = (shape, dtype.str)
+        array = self.views.get(key)
+        if array is None:
+            if len(self.views) >= MAX_VIEWS:
+                self.views.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            array = self.views[key] = self.raw[:nbytes].view(dtype).reshape(shape)
+        return array
+
+
+class StepPool:
+    def __init__(self, allocate):
+        """``allocate(shape, dtype)``: a new C-contiguous array (device or pinned host)."""
+        self._allocate = allocate
+        self._free: dict[int, list[_Buffer]] = defaultdict(list)
+        self._used: list[tuple[int, _Buffer]] = []
+
+    def take(self, shape, dtype):
+        """An uninitialised C-contiguous array, valid until recycle()."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return self._allocate(shape, dtype)
+        size = max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
+        free = self._free[size]
+        buffer = free.pop() if free else _Buffer(self._allocate((size,), np.uint8))
+        self._used.append((size, buffer))
+        return buffer.view(shape, dtype)
+
+    def recycle(self) -> None:
+        """Every array handed out so far may be handed out again."""
+        for size, buffer in reversed(self._used):  # pop() then returns them in this step's order
+            self._free[size].append(buffer)
+        self._used.clear()
+
+    def release(self) -> None:
+        """Drop the free buffers (memory goes back once nothing else holds them)."""
+        self._free.clear()
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(size * len(buffers) for size, buffers in self._free.items()) + sum(s for s, _ in self._used)
