@@ -125,8 +125,6 @@ class Client:
         self._local = threading.local()
         self._pushes: list = []
         self._queues: dict[str, queue.Queue] = {}
-        self._control = queue.Queue()
-        self._control_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._io_loop, name="moebus-client", daemon=True)
@@ -176,14 +174,18 @@ class Client:
     # -- internals ------------------------------------------------------------------------------
 
     def _call(self, message: Message, expect: type, timeout_s: float | None = None):
-        with self._control_lock:  # control replies carry no id: one in flight at a time
-            while not self._control.empty():
-                self._control.get_nowait()
+        """Send a control message with a fresh id and wait for the reply that echoes it."""
+        message.id = uuid.uuid4().hex
+        replies: queue.Queue = queue.Queue()
+        with self._lock:
+            self._queues[message.id] = replies
+        try:
             self._send(message)
-            try:
-                reply = self._control.get(timeout=timeout_s or self.timeout_s)
-            except queue.Empty:
-                raise Unavailable(f"no answer from the broker at {self.address}") from None
+            reply = replies.get(timeout=timeout_s or self.timeout_s)
+        except queue.Empty:
+            raise Unavailable(f"no answer from the broker at {self.address}") from None
+        finally:
+            self._forget(message.id)
         if isinstance(reply, Error):
             raise error_from_message(reply)
         if not isinstance(reply, expect):
@@ -226,9 +228,6 @@ class Client:
         except wire.WireError:
             return
         request_id = getattr(msg, "id", None)
-        if request_id is None:
-            self._control.put(msg)
-            return
         with self._lock:
             target = self._queues.get(request_id)
         if target is not None:

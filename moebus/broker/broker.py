@@ -132,7 +132,7 @@ class Broker:
             msg = wire.decode(frames)
         except wire.WireError as e:
             self.stats.count("invalid_messages_total")
-            self._reply(client, Error(message=f"invalid message: {e}"))
+            self._reply(client, Error(id=e.request_id, message=f"invalid message: {e}"))
             return
         try:
             self._handle_client(client, msg)
@@ -160,11 +160,11 @@ class Broker:
             reserves = per_gpu_reserves(msg, len(self.pool))
             if not self.settings.vram_elastic and not msg.query:
                 raise RequestError("the expert cache is not elastic (vram_elastic is false)", param="reserve_mib")
-            self.vram_queue.append(VramFanout(client, reserves, msg.query))
+            self.vram_queue.append(VramFanout(client, reserves, msg.query, msg.id))
         elif isinstance(msg, Info):
-            self._reply(client, InfoReply(stats=self.info()))
+            self._reply(client, InfoReply(id=msg.id, stats=self.info()))
         elif isinstance(msg, Ping):
-            self._reply(client, Pong(ready=self.pool.all_ready()))
+            self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
         else:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
 
@@ -355,6 +355,6 @@ class Broker:
             self.vram_inflight = None
             reply = fanout.aggregate()
             if reply.error and all(r.error for r in fanout.replies.values()):
-                self._reply(fanout.client, Error(message=reply.error, param="reserve_mib", status=400))
+                self._reply(fanout.client, Error(id=fanout.request_id, message=reply.error, param="reserve_mib", status=400))
             else:
                 self._reply(fanout.client, reply)

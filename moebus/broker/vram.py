@@ -39,6 +39,7 @@ class VramFanout:
     client: bytes
     reserves: list[float | None]
     query: bool
+    request_id: str | None = None
     replies: dict[int, VramReply] = field(default_factory=dict)
 
     def complete(self, num_gpus: int) -> bool:
@@ -48,4 +49,4 @@ class VramFanout:
         gpus = sorted(self.replies)
         errors = [f"gpu{g}: {self.replies[g].error}" for g in gpus if self.replies[g].error]
         values = {k: [getattr(self.replies[g], k) for g in gpus] for k in FIELDS}
-        return VramReply(**values, line=format_line(values), error="; ".join(errors) or None)
+        return VramReply(id=self.request_id, **values, line=format_line(values), error="; ".join(errors) or None)

@@ -103,6 +103,7 @@ class Vram(Message):
     query=True reports without changing anything. Broker -> worker: one value (None: bare)."""
 
     TYPE = b"VRAM"
+    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
     reserve_mib: list[float] | float | None = None
     query: bool = False
 
@@ -111,6 +112,7 @@ class VramReply(Message):
     """Worker: one value each. Broker -> client: one list entry per GPU, and the text ``line``."""
 
     TYPE = b"VRAM_REPLY"
+    id: str | None = None
     reserve_mib: list[float] | float
     free_mib: list[float] | float
     expert_slots: list[int] | int
@@ -121,19 +123,23 @@ class VramReply(Message):
 
 class Info(Message):
     TYPE = b"INFO"
+    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
 
 
 class InfoReply(Message):
     TYPE = b"INFO_REPLY"
+    id: str | None = None
     stats: dict[str, Any]
 
 
 class Ping(Message):
     TYPE = b"PING"
+    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
 
 
 class Pong(Message):
     TYPE = b"PONG"
+    id: str | None = None
     ready: bool
 
 

@@ -18,11 +18,13 @@ TENSORS_KEY = "_tensors"
 
 
 class WireError(ValueError):
-    """A message that cannot be decoded; ``msg_type`` is set when the type frame was readable."""
+    """A message that cannot be decoded; ``msg_type`` is set when the type frame was readable and
+    ``request_id`` when the header named one (so the error can reach the waiting request)."""
 
-    def __init__(self, message: str, msg_type: bytes | None = None):
+    def __init__(self, message: str, msg_type: bytes | None = None, request_id: str | None = None):
         super().__init__(message)
         self.msg_type = msg_type
+        self.request_id = request_id
 
 
 def encode(message: Message) -> list[bytes | memoryview]:
@@ -85,6 +87,15 @@ def decode(frames: list) -> Message:
     if len(raw_tensors) > MAX_TENSOR_FRAMES:
         raise WireError(f"{len(raw_tensors)} tensor frames exceed {MAX_TENSOR_FRAMES}", msg_type)
     header = _unpack_header(bytes(frames[1]))
+    try:
+        return _validate(cls, msg_type, header, raw_tensors)
+    except WireError as e:
+        request_id = header.get("id")
+        e.request_id = request_id if isinstance(request_id, str) and len(request_id) <= 128 else None
+        raise
+
+
+def _validate(cls, msg_type: bytes, header: dict, raw_tensors: list) -> Message:
     specs = header.pop(TENSORS_KEY, {})
     if not isinstance(specs, dict) or not set(specs) <= set(cls.TENSORS):
         raise WireError(f"{msg_type.decode()}: unexpected tensors {sorted(specs) if isinstance(specs, dict) else specs}",

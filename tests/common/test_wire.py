@@ -83,3 +83,10 @@ def test_garbage_is_refused(frames, match):
 def test_huge_header_is_refused():
     with pytest.raises(wire.WireError, match="exceeds"):
         wire.decode([b"GENERATE", b"\x00" * (wire.MAX_HEADER_BYTES + 1)])
+
+
+def test_a_refused_request_keeps_its_id_so_the_error_reaches_it():
+    frames = [b"GENERATE", msgpack.packb({"id": "req-7", "prompt": "x", "sampling": {"temperature": 1e9}})]
+    with pytest.raises(wire.WireError) as info:
+        wire.decode(frames)
+    assert info.value.request_id == "req-7"
