@@ -163,7 +163,7 @@ class Client:
     def vram(self, reserve_mib: list[float] | None = None, query: bool = False) -> dict:
         """Apply per-GPU reserves (None: back to start-up sizes) or, with query, only report."""
         reply = self._call(Vram(reserve_mib=reserve_mib, query=query), VramReply)
-        return reply.model_dump(exclude={"error"} if reply.error is None else set())
+        return reply.model_dump(exclude={"id", "error"} if reply.error is None else {"id"})
 
     def close(self) -> None:
         self._closed.set()

@@ -27,3 +27,11 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_dirs):
     return model_dirs["init_qwen3"]
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The embedded demo model (~100 MB of experts), made once per session."""
+    from moebus.common.tiny_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("demo") / "demo", "qwen3_moe", "demo", seed=0)
