@@ -162,12 +162,20 @@ if SIMULATOR:
         half = thread.moebus_half = 1 - thread.moebus_half
         return thread.thread_id % WARP, warp, half
 
+    _PARTNERS = [np.arange(WARP) ^ offset for offset in (16, 8, 4, 2, 1)]
+
+    def _butterfly_sum(values):
+        """The GPU's xor-butterfly order, column by column: the same bits as shfl_xor_sync gives."""
+        for partner in _PARTNERS:
+            values = values + values[partner]
+        return values[0]
+
     def warp_sum(value):
         """Sum over the 32 lanes of the warp; every lane gets the result."""
         lane, warp, half = _exchange()
         warp.values[half, lane, 0] = value
         warp.barrier.wait(lane)
-        return warp.values[half, :, 0].sum(dtype=np.float32)
+        return _butterfly_sum(warp.values[half, :, 0])
 
     def warp_max(value):
         lane, warp, half = _exchange()
@@ -193,7 +201,7 @@ if SIMULATOR:
         for i in range(count):
             warp.values[half, lane, i] = values[i]
         warp.barrier.wait(lane)
-        totals = warp.values[half, :, :count].sum(axis=0, dtype=np.float32)
+        totals = _butterfly_sum(warp.values[half, :, :count])
         for i in range(count):
             values[i] = totals[i]
 

@@ -1,0 +1,27 @@
+"""LocalModel on the cuda device (numba's simulator here) against the cpu device. The simulator runs
+every CUDA thread as a Python thread, so the model is smaller than the "tiny" preset (which takes
+about 80 s for three tokens): 2 layers, hidden 32, 4 experts, vocabulary 128."""
+import numpy as np
+import pytest
+
+from moebus.common import tiny_model
+from moebus.workers.local import LocalModel
+
+MICRO = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32,
+             max_position_embeddings=64, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(tiny_model.PRESETS, "micro", MICRO)
+        return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
+
+
+def test_greedy_tokens_and_logprobs_match_the_cpu_device(micro_model):
+    prompt = [5, 17, 42, 9, 77]
+    cpu = LocalModel(micro_model, device="cpu", max_context=32).generate(prompt, 3)
+    cuda = LocalModel(micro_model, device="cuda", max_context=32).generate(prompt, 3)
+    assert cuda.tokens == cpu.tokens
+    np.testing.assert_allclose(cuda.logprobs, cpu.logprobs, atol=1e-4)

@@ -1,0 +1,40 @@
+import numpy as np
+import pytest
+
+from moebus.cuda.linear import MAX_TOKENS, linear_cuda, linear_ref
+from tests.cuda.conftest import STORAGES, device, nmse, poisoned, stored
+
+
+def _run(x, weight):
+    out = poisoned((x.shape[0], weight.shape[0]))
+    linear_cuda(device(x), device(weight), out)
+    return out.copy_to_host()
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("num_tokens, dim_in, dim_out", [(1, 40, 9), (3, 16, 6), (MAX_TOKENS + 3, 12, 5)])
+def test_linear_matches_ref(rng, storage, num_tokens, dim_in, dim_out):
+    # wide reads (dim_in % 4 == 0); MAX_TOKENS + 3 runs two token chunks, the second one partial
+    x = rng.standard_normal((num_tokens, dim_in), dtype=np.float32)
+    weight = stored(rng.standard_normal((dim_out, dim_in), dtype=np.float32), storage)
+    np.testing.assert_allclose(_run(x, weight), linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_linear_narrow_reads_when_rows_are_not_whole_words(rng, storage):
+    x = rng.standard_normal((2, 13), dtype=np.float32)
+    weight = stored(rng.standard_normal((5, 13), dtype=np.float32), storage)
+    assert nmse(_run(x, weight), linear_ref(x, weight)) < 1e-12
+
+
+def test_linear_row_does_not_depend_on_the_rest_of_the_batch(rng):
+    x = rng.standard_normal((MAX_TOKENS + 2, 16), dtype=np.float32)
+    weight = stored(rng.standard_normal((6, 16), dtype=np.float32), "bf16")
+    alone = _run(x[-1:], weight)
+    together = _run(x, weight)
+    np.testing.assert_array_equal(alone[0], together[-1])  # bit for bit
+
+
+def test_linear_rejects_mismatched_inner_dim():
+    with pytest.raises(ValueError, match="weight"):
+        linear_cuda(device(np.zeros((1, 8), np.float32)), device(np.zeros((4, 6), np.float32)), poisoned((1, 4)))

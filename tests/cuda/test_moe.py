@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+from moebus.cuda.moe import combine_cuda, combine_ref, expert_ffn_ref, topk_softmax_cuda, topk_softmax_ref
+from moebus.cuda.moe_ffn import expert_ffn_cuda
+from tests.cuda.conftest import STORAGES, device, poisoned, stored
+
+HIDDEN, INTER = 16, 8
+
+
+@pytest.mark.parametrize("num_experts, top_k, normalize", [(8, 2, True), (40, 5, False)])
+def test_topk_softmax_matches_ref_with_ties_to_the_lower_id(rng, num_experts, top_k, normalize):
+    logits = rng.standard_normal((3, num_experts), dtype=np.float32) * 2
+    logits[0, [2, 6]] = logits[0].max() + 1  # a tie at the top
+    logits[1, num_experts - 1] = logits[1].max() + 1  # the best expert in the last lane's second slot
+    ids, weights = poisoned((3, top_k), np.int32), poisoned((3, top_k))
+    topk_softmax_cuda(device(logits), top_k, normalize, ids, weights)
+    ref_ids, ref_weights = topk_softmax_ref(logits, top_k, normalize)
+    np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+    np.testing.assert_allclose(weights.copy_to_host(), ref_weights, rtol=1e-6)
+
+
+def test_combine_matches_ref(rng):
+    y = rng.standard_normal((6, 10), dtype=np.float32)
+    weights = rng.random((3, 2), dtype=np.float32)
+    out = poisoned((3, 10))
+    combine_cuda(device(y), device(weights), out)
+    np.testing.assert_allclose(out.copy_to_host(), combine_ref(y, weights), rtol=1e-6, atol=1e-7)
+
+
+def _arena(rng, storage, num_slots=4):
+    blobs = rng.standard_normal((num_slots, 3 * INTER * HIDDEN), dtype=np.float32) * 0.3
+    return stored(blobs, storage)
+
+
+def _ffn(x, table, arena, out):
+    token, slot, pair = (np.ascontiguousarray(c, dtype=np.int32) for c in table)
+    expert_ffn_cuda(device(x), device(token), device(slot), device(pair), arena, HIDDEN, INTER, out,
+                    poisoned((len(pair), INTER)))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_expert_ffn_hits_then_misses_into_one_output(rng, storage):
+    # 2 tokens x top-2 = 4 pairs; slot 1 serves both tokens (one run of two pairs), pair 3 is a
+    # "miss" computed by a second call; no pair is left unwritten
+    x = rng.standard_normal((2, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, storage)
+    hits = [(0, 1, 0), (1, 1, 2), (0, 3, 1)]  # (token, slot, pair), sorted by slot as the stage does
+    misses = [(1, 0, 3)]
+    out, expected = poisoned((4, HIDDEN)), np.full((4, HIDDEN), np.nan, np.float32)
+    dev_arena = device(arena)
+    for part in (hits, misses):
+        _ffn(x, np.array(part).T, dev_arena, out)
+        expert_ffn_ref(x, *np.array(part, np.int32).T, arena, HIDDEN, INTER, expected)
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_ffn_result_depends_neither_on_the_slot_nor_the_other_pairs(rng):
+    x = rng.standard_normal((2, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, "bf16")
+    arena[2] = arena[0]  # the same expert in two slots
+    dev_arena = device(arena)
+    together, alone = poisoned((2, HIDDEN)), poisoned((2, HIDDEN))
+    _ffn(x, np.array([(0, 0, 0), (1, 0, 1)]).T, dev_arena, together)  # one run of two pairs
+    _ffn(x, np.array([(1, 2, 1)]).T, dev_arena, alone)
+    np.testing.assert_array_equal(alone.copy_to_host()[1], together.copy_to_host()[1])
