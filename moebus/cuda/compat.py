@@ -59,6 +59,15 @@ def device(fn):
     return cuda.jit(device=True)(fn) if "cuda" in fn.__code__.co_names else fn
 
 
+def device_with_shared(fn):
+    """A device function that declares shared memory (or calls one that does). On the GPU it is
+    inlined at the numba IR level: compiled on its own, its shared array becomes a global that NVVM
+    sees twice (and rejects) when two callers of one kernel both link the function."""
+    if SIMULATOR:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, inline="always")(fn)
+
+
 def data_ptr(array) -> int:
     """Address of the first element of a device (or, in the simulator, host) array."""
     iface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
@@ -268,7 +277,7 @@ else:
 # versions do the same with one shared buffer and two barriers instead of six (its barriers are
 # what costs); tests run the tree versions under the simulator too.
 
-@cuda.jit(device=True)
+@device_with_shared
 def tree_block_sum(value):
     partial = cuda.shared.array(MAX_WARPS, float32)
     tid = cuda.threadIdx.x
@@ -282,7 +291,7 @@ def tree_block_sum(value):
     return warp_sum(value)
 
 
-@cuda.jit(device=True)
+@device_with_shared
 def tree_block_max(value):
     partial = cuda.shared.array(MAX_WARPS, float32)
     tid = cuda.threadIdx.x
@@ -296,7 +305,7 @@ def tree_block_max(value):
     return warp_max(value)
 
 
-@cuda.jit(device=True)
+@device_with_shared
 def tree_block_argmax(value, index):
     """(max, lowest index holding it) over the block."""
     partial = cuda.shared.array(MAX_WARPS, float32)

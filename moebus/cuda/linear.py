@@ -60,9 +60,9 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int):
                         total += x_buf[c] * w_buf[c]
                     acc[t] = total
             warp_sum_many(acc, num_tokens)
-            if start + first < num_rows:
+            if lane == 0 and start + first < num_rows:  # constant indices keep acc in registers
                 for t in range(num_tokens):
-                    if lane == t and t0 + t < total_tokens:
+                    if t0 + t < total_tokens:
                         out[t0 + t, row] = acc[t]
 
     return linear_rows

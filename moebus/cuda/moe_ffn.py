@@ -80,9 +80,9 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
                     acc_up[t] = u
             warp_sum_many(acc_gate, chunk)
             warp_sum_many(acc_up, chunk)
-            if start + first < inter:
+            if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
                 for t in range(chunk):
-                    if lane == t and t < run:
+                    if t < run:
                         g = acc_gate[t]
                         h[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc_up[t]
 
@@ -125,9 +125,9 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
                         total += h_buf[c] * w_buf[c]
                     acc[t] = total
             warp_sum_many(acc, chunk)
-            if start + first < hidden:
+            if lane == 0 and start + first < hidden:
                 for t in range(chunk):
-                    if lane == t and t < run:
+                    if t < run:
                         out[pair_out[j + t], row] = acc[t]
 
     return expert_down

@@ -14,10 +14,12 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, float32, int32, threads
+from moebus.cuda.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device_with_shared,
+                                 float32, int32, threads)
 from moebus.cuda.launch import require
 
 MAX_THREADS = 1024
+MAX_WARPS = MAX_THREADS // 32
 NEG_INF = float32(-np.inf)
 
 ONE_BITS = int(np.float32(1.0).view(np.int32))
@@ -78,11 +80,11 @@ def top_logprobs_ref(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray
 # One block per row. Integer reductions (counts, ids) go through float32 block reductions: exact
 # while the vocabulary stays below 2^24.
 
-@cuda.jit(device=True)
+@device_with_shared
 def _exclusive_scan(value):
     """(sum of ``value`` over lower thread ids, block total), in a fixed order."""
     items = cuda.shared.array(MAX_THREADS, float32)
-    warp_prefix = cuda.shared.array(MAX_THREADS // WARP, float32)
+    warp_prefix = cuda.shared.array(MAX_WARPS, float32)
     block_total = cuda.shared.array(1, float32)
     tid = cuda.threadIdx.x
     cuda.syncthreads()  # the previous call's readers are done
@@ -107,7 +109,7 @@ def _exclusive_scan(value):
     return items[tid] + warp_prefix[tid // WARP], block_total[0]
 
 
-@cuda.jit(device=True)
+@device_with_shared
 def _bisect(probs, row, by_mass, need):
     """Bits of the largest tau in [0, 1] with count(p >= tau) >= need (or mass when ``by_mass``),
     probing float32 bit patterns as sample_row_ref does."""
@@ -128,7 +130,7 @@ def _bisect(probs, row, by_mass, need):
     return bits_as_f32(lo)
 
 
-@cuda.jit(device=True)
+@device_with_shared
 def _inverse_cdf(probs, row, tau, u):
     """First id whose running sum of kept p (p >= tau, in id order) exceeds u x kept mass; the
     last kept id if rounding leaves none. Each thread scans one contiguous span of ids."""

@@ -1,0 +1,179 @@
+"""Compile every kernel variant the cuda backend launches to PTX for a real GPU (sm_90 by default),
+with NVVM but without a GPU, driver or NVRTC: the simulator tests cannot see GPU-only code (libdevice,
+shuffles, numba's typing of them). Each launch wrapper runs on numpy arrays with launches intercepted;
+every kernel it would launch is compiled for the argument types it would get. Then the PTX is
+checked for double-precision arithmetic (a float64 literal slipped into a float32 kernel) and for
+local-memory traffic (a per-thread array that did not end up in registers).
+
+    python -m tests.cuda.ptx_check [--cuda-home /usr/local/cuda] [--cc 9.0] [--dump DIR]
+
+Must run in a process where numba has not been imported with NUMBA_ENABLE_CUDASIM=1."""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+from collections import namedtuple
+from types import SimpleNamespace
+
+import numpy as np
+
+F64_OP = re.compile(r"^\s*(add|sub|mul|fma|div|sqrt|rcp|ex2|lg2|max|min|neg|abs)(\.[a-z]+)*\.f64\b", re.M)
+LOCAL_OP = re.compile(r"^\s*(ld|st)\.local\b", re.M)
+
+
+def find_cuda_home() -> str | None:
+    for root in [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                 *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]:
+        if root and glob.glob(os.path.join(root, "nvvm/libdevice/libdevice*.bc")) and _libnvvm(root):
+            return root
+    return None
+
+
+def _libnvvm(root: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(root, "lib*/libnvvm.so*")) + glob.glob(os.path.join(root, "nvvm/lib64/libnvvm.so*")))
+    return found[0] if found else None
+
+
+def _offline_numba(cuda_home: str, cc: tuple[int, int]):
+    """numba.cuda set up to compile with this toolkit's NVVM for ``cc``, no driver involved."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        raise SystemExit("ptx_check needs the real numba.cuda: unset NUMBA_ENABLE_CUDASIM")
+    from moebus.cuda import compat  # noqa: F401 - numpy shims first
+    from numba.cuda import cuda_paths
+    import numba.cuda.compiler as compiler
+    import numba.cuda.dispatcher as dispatcher
+    from numba.cuda.cudadrv import nvrtc
+
+    path = namedtuple("path", "by info")
+    libdevice = sorted(glob.glob(os.path.join(cuda_home, "nvvm/libdevice/libdevice*.bc")))[0]
+    lib = os.path.dirname(_libnvvm(cuda_home))
+    cuda_paths.get_cuda_paths._cached_result = {
+        "nvrtc": path("ptx_check", None), "nvvm": path("ptx_check", _libnvvm(cuda_home)),
+        "libdevice": path("ptx_check", libdevice), "cudalib_dir": path("ptx_check", lib),
+        "static_cudalib_dir": path("ptx_check", lib), "include_dir": path("ptx_check", os.path.join(cuda_home, "include"))}
+    nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"
+    device = SimpleNamespace(compute_capability=cc)
+    dispatcher.get_current_device = compiler.get_current_device = lambda: device
+    return dispatcher.CUDADispatcher
+
+
+def _numba_type(arg) -> str:
+    if isinstance(arg, np.ndarray):
+        if not arg.flags.c_contiguous:
+            raise TypeError("kernels only take C-contiguous arrays")
+        return f"{arg.dtype.name}[{', '.join([':'] * (arg.ndim - 1) + ['::1'])}]"
+    if isinstance(arg, (bool, np.bool_)):
+        return "boolean"
+    if isinstance(arg, np.generic):
+        return arg.dtype.name
+    if isinstance(arg, int):
+        return "int64"
+    if isinstance(arg, float):
+        return "float64"
+    raise TypeError(f"no kernel argument type for {type(arg)}")
+
+
+class Compiler:
+    def __init__(self, cc, dump_dir=None):
+        self.cc = cc
+        self.dump_dir = dump_dir
+        self.results = {}  # (kernel, signature) -> (ptx or None, error)
+
+    def launch(self, kernel, args):
+        from numba import cuda
+
+        signature = f"void({', '.join(_numba_type(a) for a in args)})"
+        key = (kernel.py_func.__qualname__, signature, id(kernel))
+        if key in self.results:
+            return
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=self.cc)
+            self.results[key] = (ptx, None)
+        except Exception as exc:  # report every kernel, not just the first failure
+            self.results[key] = (None, f"{type(exc).__name__}: {exc}")
+        if self.dump_dir and self.results[key][0]:
+            name = re.sub(r"\W+", "_", f"{key[0]}_{len(self.results)}")
+            with open(os.path.join(self.dump_dir, name + ".ptx"), "w") as f:
+                f.write(f"// {signature}\n{ptx}")
+
+
+def exercise(rng) -> None:
+    """Every launch wrapper at the compile-time specialisations a Qwen3-30B-A3B stage uses
+    (head_dim 128, 8 query heads per kv head, 128 experts, 1..8 tokens per pass), small sizes."""
+    from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+    from moebus.cuda.dtypes import f32_to_bf16
+
+    def f32(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def empty(*shape, dtype=np.float32):
+        return np.empty(shape, dtype)
+
+    for storage in (lambda a: f32_to_bf16(a), lambda a: a.astype(np.float16), lambda a: a):
+        for tokens in (1, 2, 8, 9):
+            linear.linear_cuda(f32(tokens, 64), storage(f32(24, 64)), empty(tokens, 24))
+        linear.linear_cuda(f32(2, 13), storage(f32(5, 13)), empty(2, 5))  # narrow reads
+        embedding.embedding_cuda(storage(f32(10, 16)), np.array([1, 2], np.int32), empty(2, 16))
+        rmsnorm.rmsnorm_cuda(f32(3, 128), storage(f32(128)), 1e-6, empty(3, 128))
+        arena = storage(f32(4, 3 * 32 * 64))
+        for tokens in (1, 8):
+            pairs = np.arange(tokens * 2, dtype=np.int32)
+            moe_ffn.expert_ffn_cuda(f32(tokens, 64), pairs // 2, pairs % 4, pairs, arena, 64, 32,
+                                    empty(tokens * 2, 64), empty(tokens * 2, 32))
+        moe_ffn.expert_ffn_cuda(f32(1, 13), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+                                storage(f32(2, 3 * 13 * 6)), 13, 6, empty(1, 13), empty(1, 6))
+    elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
+    elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
+    elementwise.fill_cuda(empty(4), 0)
+    elementwise.fill_cuda(empty(4, dtype=np.int32), 0)
+    cos, sin = rope.rope_tables(128, 1e6, 16)
+    positions = np.array([3, 4], np.int32)
+    rope.rope_cuda(f32(2, 32, 128), positions, cos, sin, empty(2, 32, 128))
+    k_cache, v_cache = f32(2, 4, 16, 128), f32(2, 4, 16, 128)
+    slots = np.array([0, 1], np.int32)
+    attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
+    attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128))
+    moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
+    moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
+    rows = 2
+    sampling.sample_cuda(f32(rows, 1000), np.ones(rows, np.float32), np.zeros(rows, np.int32),
+                         np.ones(rows, np.float32), np.zeros(rows, np.float32), empty(rows, dtype=np.int32),
+                         empty(rows), empty(rows, 1000))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cuda-home", default=None)
+    parser.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 for H100/H200")
+    parser.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
+    args = parser.parse_args(argv)
+    cuda_home = args.cuda_home or find_cuda_home()
+    if cuda_home is None:
+        print("no CUDA toolkit with NVVM and libdevice found (set CUDA_HOME)")
+        return 2
+    cc = tuple(int(p) for p in args.cc.split("."))
+    dispatcher_class = _offline_numba(cuda_home, cc)
+    compiler = Compiler(cc, args.dump)
+    dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: compiler.launch(kernel, a))
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+    exercise(np.random.default_rng(0))
+    failures = 0
+    for (name, signature, _), (ptx, error) in sorted(compiler.results.items()):
+        if error:
+            failures += 1
+            print(f"FAIL {name}{signature}\n     {error.splitlines()[0][:300]}")
+            continue
+        f64, local = len(F64_OP.findall(ptx)), len(LOCAL_OP.findall(ptx))
+        failures += bool(f64)
+        flag = "F64 " if f64 else ("LOCAL" if local else "ok  ")
+        print(f"{flag} {name:<40} f64 ops {f64:3d}  local ld/st {local:3d}  {signature}")
+    print(f"{len(compiler.results)} kernel variants, {failures} with problems")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
