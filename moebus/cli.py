@@ -1,4 +1,4 @@
-"""moebus serve | broker | worker | api | generate | vram | init-model | bench"""
+"""moebus serve | broker | worker | api | generate | vram | keys | init-model | bench"""
 from __future__ import annotations
 
 import argparse
@@ -78,12 +78,22 @@ def cmd_generate(args) -> int:
 def cmd_vram(args) -> int:
     from moebus.client import Client
 
-    client = Client(args.connect, timeout_s=args.timeout)
+    settings = _settings(args)
+    client = Client(args.connect or settings.broker.frontend, timeout_s=args.timeout,
+                    server_key=settings.broker.curve_public_key)
     try:
         reply = client.vram(None if args.query else (args.reserve_mib or None), query=args.query)
     finally:
         client.close()
     print(json.dumps(reply) if args.json else reply["line"])
+    return 0
+
+
+def cmd_keys(args) -> int:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    print(json.dumps({"curve_public_key": public.decode(), "curve_secret_key": secret.decode()}, indent=2))
     return 0
 
 
@@ -154,10 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("vram", help="shrink the expert caches to leave RESERVE MiB free per GPU; bare: regrow")
     sp.add_argument("reserve_mib", nargs="*", type=float)
     sp.add_argument("--query", action="store_true", help="report without changing anything")
-    sp.add_argument("--connect", default="tcp://127.0.0.1:5555")
+    sp.add_argument("--connect", help="the broker's frontend (default: broker.frontend of the settings)")
+    sp.add_argument("--config", help="JSON settings file (else $MOEBUS_CONFIG)")
     sp.add_argument("--timeout", type=float, default=60.0)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_vram, verbose=False)
+
+    sp = sub.add_parser("keys", help="print a new CURVE key pair for broker.curve_public_key / curve_secret_key")
+    sp.set_defaults(func=cmd_keys, verbose=False)
 
     sp = sub.add_parser("init-model", help="write a Hugging Face model directory with random weights")
     sp.add_argument("dir")

@@ -42,10 +42,10 @@ def _local(args) -> dict:
             "finish_reason": gen.finish_reason}
 
 
-def _through(address: str, args) -> dict:
+def _through(address: str, args, server_key: str | None = None) -> dict:
     from moebus.client import Client
 
-    client = Client(address)
+    client = Client(address, server_key=server_key)
     try:
         result = client.generate(**_prompt(args), **_sampling(args)).collect()
     finally:
@@ -72,7 +72,9 @@ def generate(args) -> dict:
     if args.local:
         return _local(args)
     if args.connect:
-        return _through(args.connect, args)
+        from moebus.common.settings import load_settings
+
+        return _through(args.connect, args, load_settings(args.config).broker.curve_public_key)
     with tempfile.TemporaryDirectory(prefix="moebus-gen-") as tmp:
         address = f"ipc://{Path(tmp) / 'frontend.sock'}"
         argv = python_argv("broker")

@@ -115,8 +115,10 @@ class Stream:
 
 
 class Client:
-    def __init__(self, address: str, timeout_s: float = 600.0):
+    def __init__(self, address: str, timeout_s: float = 600.0, server_key: str | None = None):
+        """``server_key``: the broker's public CURVE key, needed for a non-loopback tcp address."""
         self.address = address
+        self.server_key = server_key
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._inproc = f"inproc://moebus-client-{os.getpid()}-{next(_ids)}"
@@ -127,6 +129,10 @@ class Client:
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # made here so that a bad address or a missing key fails the constructor, not the IO thread;
+        # from now on only the IO thread touches it (starting the thread is the memory barrier)
+        self._dealer = transport.make_socket(self._ctx, zmq.DEALER)
+        transport.secure_connect(self._dealer, address, server_key)
         self._thread = threading.Thread(target=self._io_loop, name="moebus-client", daemon=True)
         self._thread.start()
 
@@ -206,8 +212,7 @@ class Client:
             self._queues.pop(request_id, None)
 
     def _io_loop(self) -> None:
-        dealer = transport.make_socket(self._ctx, zmq.DEALER)
-        dealer.connect(self.address)
+        dealer = self._dealer
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)

@@ -38,3 +38,15 @@ def make_hf_model(out_dir: Path, arch: str, dtype: str = "bf16", seed: int = 0) 
 
 def make_init_model(out_dir: Path, arch: str, preset: str = "tiny", seed: int = 0) -> Path:
     return init_model(out_dir, arch, preset, seed=seed)
+
+
+def hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation, going on past end-of-sequence tokens (its eos handling is
+    switched off rather than suppressed with min_new_tokens, which would mask those tokens)."""
+    import torch
+
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()

@@ -23,8 +23,9 @@ def connect_address(frontend: str) -> str:
 
 
 class BrokerLink:
-    def __init__(self, frontend: str):
+    def __init__(self, frontend: str, server_key: str | None = None):
         self.address = connect_address(frontend)
+        self.server_key = server_key
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._pid: int | None = None
@@ -34,7 +35,7 @@ class BrokerLink:
     def client(self) -> Client:
         with self._lock:
             if self._client is None or self._pid != os.getpid():  # a forked copy must not share sockets
-                self._client, self._pid, self._model = Client(self.address), os.getpid(), None
+                self._client, self._pid, self._model = Client(self.address, server_key=self.server_key), os.getpid(), None
             return self._client
 
     def info(self) -> dict:

@@ -53,10 +53,11 @@ class Broker:
         self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens)
         self.stats = Stats()
         self.ctx = zmq.Context.instance()
+        keys = settings.broker.curve_public_key, settings.broker.curve_secret_key
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, max_bytes=settings.max_request_bytes)
-        self.frontend.bind(settings.broker.frontend)
+        transport.secure_bind(self.frontend, settings.broker.frontend, *keys)
         self.backend = transport.make_socket(self.ctx, zmq.ROUTER)
-        self.backend.bind(backend_address)
+        transport.secure_bind(self.backend, backend_address, *keys)
         self.inflight: InflightStep | None = None
         self.vram_queue: deque[VramFanout] = deque()
         self.vram_inflight: VramFanout | None = None

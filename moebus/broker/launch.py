@@ -58,7 +58,8 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(settings.model_dump(mode="json"), indent=2))
     backend = settings.broker.backend.format(run_dir=run_dir)
-    children = [_worker_child(settings, settings_file, i, r, backend) if spawn_workers else None
+    remote = set(settings.broker.remote_gpus)  # these stages' workers join from elsewhere
+    children = [_worker_child(settings, settings_file, i, r, backend) if spawn_workers and i not in remote else None
                 for i, r in enumerate(ranges)]
     extra = [Child("api", python_argv("api", "--config", str(settings_file)))] if serve_api else []
     log.info("model %s on %s: %s", model_dir, device, ", ".join(f"gpu{i} layers {r.start}-{r.stop - 1}"

@@ -39,6 +39,9 @@ class BrokerSettings(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
     heartbeat_liveness: int = Field(3, ge=1)
     drain_s: float = Field(10.0, ge=0)  # on SIGTERM: time running requests get to finish
+    remote_gpus: list[int] = Field(default_factory=list)  # stages whose workers join from elsewhere
+    curve_public_key: str | None = None  # z85; needed to bind or reach a non-loopback tcp address
+    curve_secret_key: str | None = None  # z85; the broker's only
 
 
 class Settings(BaseSettings):

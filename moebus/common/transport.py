@@ -4,6 +4,7 @@ from __future__ import annotations
 import zmq
 
 from moebus.common import wire
+from moebus.common.errors import ConfigError
 from moebus.common.protocol import Message
 
 MAX_MESSAGE_BYTES = 1 << 30  # a whole prefill's hidden states fit; anything larger is refused by zmq
@@ -29,6 +30,31 @@ def recv_frames(sock, routed: bool) -> tuple[bytes | None, list]:
     if routed:
         return bytes(frames[0]), [f.buffer for f in frames[1:]]
     return None, [f.buffer for f in frames]
+
+
+def secure_bind(sock, address: str, public_key: str | None, secret_key: str | None) -> None:
+    """Bind; a non-loopback tcp address is served with CURVE (encrypted, the server authenticated)."""
+    if not is_loopback(address):
+        if not (public_key and secret_key):
+            raise ConfigError(f"binding {address} (not loopback) needs broker.curve_public_key and "
+                              "broker.curve_secret_key; make a pair with `moebus keys`")
+        sock.curve_server = True
+        sock.curve_publickey = public_key.encode()
+        sock.curve_secretkey = secret_key.encode()
+    sock.bind(address)
+
+
+def secure_connect(sock, address: str, server_key: str | None) -> None:
+    """Connect; to a non-loopback tcp address only with CURVE and the broker's public key."""
+    if not is_loopback(address):
+        if not server_key:
+            raise ConfigError(f"connecting to {address} (not loopback) needs broker.curve_public_key "
+                              "(the broker's public CURVE key)")
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = server_key.encode()
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    sock.connect(address)
 
 
 def is_loopback(address: str) -> bool:

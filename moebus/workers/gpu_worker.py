@@ -89,13 +89,14 @@ class GpuWorker:
 
 def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, device: str) -> int:
     """Load the stage, register, serve. ``device`` is 'cpu' or 'cuda' (already resolved)."""
+    link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
+                      server_key=settings.broker.curve_public_key)  # a bad address fails before loading
     ckpt = Checkpoint(model_dir)
     backend = make_backend(device)
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
                   experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
                   progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
-    link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid()))
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,

@@ -13,14 +13,19 @@ import uuid
 import zmq
 
 from moebus.common import transport, wire
+from moebus.common.errors import ConfigError
 from moebus.common.protocol import Heartbeat, Message, Ready
 
 log = logging.getLogger("moebus.worker")
 
 
 class BrokerLink:
-    def __init__(self, address: str, identity: str, heartbeat_s: float = 1.0, liveness: int = 3):
+    def __init__(self, address: str, identity: str, heartbeat_s: float = 1.0, liveness: int = 3,
+                 server_key: str | None = None):
         self.address = address
+        self.server_key = server_key
+        if not transport.is_loopback(address) and not server_key:
+            raise ConfigError(f"connecting to {address} (not loopback) needs broker.curve_public_key")
         self.identity = identity.encode()
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
@@ -61,7 +66,7 @@ class BrokerLink:
 
     def _connect(self):
         sock = transport.make_socket(self.ctx, zmq.DEALER, identity=self.identity)
-        sock.connect(self.address)
+        transport.secure_connect(sock, self.address, self.server_key)
         transport.send(sock, self._ready)
         return sock
 

@@ -5,7 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from moebus.workers.local import LocalModel  # noqa: E402
+from moebus.workers.local import LocalModel
+from tests.models import hf_greedy  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250], list(range(30, 70))]
 NUM_TOKENS = 24
@@ -20,13 +21,6 @@ def local(tiny_model):
 @pytest.fixture(scope="module")
 def hf(tiny_model):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
