@@ -100,7 +100,10 @@ def cmd_keys(args) -> int:
 def cmd_init_model(args) -> int:
     from moebus.common.tiny_model import init_model
 
-    path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype)
+    from tqdm import tqdm
+
+    path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.layers,
+                      progress=lambda it: tqdm(it, desc="writing shards", unit="shard"))
     print(path)
     return 0
 
@@ -176,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("init-model", help="write a Hugging Face model directory with random weights")
     sp.add_argument("dir")
     sp.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
-    sp.add_argument("--preset", choices=["tiny", "demo"], default="tiny")
+    sp.add_argument("--preset", choices=["tiny", "demo", "a3b"], default="tiny",
+                    help="tiny: tests; demo: the embedded default; a3b: Qwen3-30B-A3B's shapes")
+    sp.add_argument("--layers", type=int, help="override the preset's number of layers")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     sp.set_defaults(func=cmd_init_model, verbose=False)

@@ -82,4 +82,4 @@ def save_file(tensors: dict[str, tuple[np.ndarray, str]], path: str | Path, meta
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _, (array, _) in ordered:
-            f.write(np.ascontiguousarray(array).tobytes())
+            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))

@@ -24,7 +24,14 @@ PRESETS = {
                  num_key_value_heads=2, head_dim=32, num_experts=64, num_experts_per_tok=4,
                  moe_intermediate_size=128, intermediate_size=512, max_position_embeddings=4096,
                  rope_theta=1000000.0),
+    # Qwen3-30B-A3B's shapes (48 layers, 128 experts of 9 MiB, top-8): for GPU benchmarks, usually
+    # with fewer layers (init-model --layers 8)
+    "a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=768, intermediate_size=6144, max_position_embeddings=40960,
+                rope_theta=1000000.0),
 }
+PRESET_SHARDED = {"tiny": False, "demo": False, "a3b": True}  # large presets: one shard per layer
 ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
@@ -49,59 +56,106 @@ def hf_config(arch: str, preset: str) -> dict:
     return common
 
 
-def _random_weights(cfg: dict, arch: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+class _Random:
+    """Random weights: normal draws for the small presets. Large presets (bf16 only) take each
+    tensor as a window at a random offset of a 64 M-element normal pool per (std, mean), already in
+    bf16: a 10 GB checkpoint is written at disk speed instead of taking minutes of number drawing."""
+
+    POOL = 1 << 26
+
+    def __init__(self, seed: int, fast: bool):
+        self.rng = np.random.default_rng(seed)
+        self.fast = fast
+        self.pools: dict[tuple[float, float], np.ndarray] = {}
+
+    def normal(self, shape, std, mean=0.0) -> np.ndarray:
+        """float32 draws, or (fast) bf16 bits as uint16."""
+        if not self.fast:
+            return self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean)
+        key = (float(std), float(mean))
+        if key not in self.pools:
+            self.pools[key] = f32_to_bf16(self.rng.standard_normal(self.POOL, dtype=np.float32) * np.float32(std)
+                                          + np.float32(mean))
+        count = int(np.prod(shape))
+        start = int(self.rng.integers(0, self.POOL))
+        if start + count <= self.POOL:
+            return self.pools[key][start : start + count].reshape(shape)
+        return np.take(self.pools[key], np.arange(start, start + count) % self.POOL).reshape(shape)
+
+
+def _global_tensors(cfg: dict, r: _Random) -> dict[str, np.ndarray]:
     d, v = cfg["hidden_size"], cfg["vocab_size"]
+    return {"model.embed_tokens.weight": r.normal((v, d), 1.0), "model.norm.weight": r.normal((d,), 0.1, 1.0),
+            "lm_head.weight": r.normal((v, d), 4.0 / np.sqrt(d))}
+
+
+def _layer_tensors(cfg: dict, arch: str, i: int, r: _Random) -> dict[str, np.ndarray]:
+    d = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or d // heads
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
     inter = cfg.get("moe_intermediate_size") if arch == "qwen3_moe" else cfg["intermediate_size"]
-
-    def normal(shape, std):
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-
-    def norm_weight(n):
-        return 1.0 + normal((n,), 0.1)
-
-    w = {"model.embed_tokens.weight": normal((v, d), 1.0), "model.norm.weight": norm_weight(d),
-         "lm_head.weight": normal((v, d), 4.0 / np.sqrt(d))}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": norm_weight(d), p + "post_attention_layernorm.weight": norm_weight(d),
-                  p + "self_attn.q_proj.weight": normal((heads * hd, d), d ** -0.5),
-                  p + "self_attn.k_proj.weight": normal((kv * hd, d), d ** -0.5),
-                  p + "self_attn.v_proj.weight": normal((kv * hd, d), d ** -0.5),
-                  p + "self_attn.o_proj.weight": normal((d, heads * hd), (heads * hd) ** -0.5)})
-        if arch == "qwen3_moe":
-            w[p + "self_attn.q_norm.weight"] = norm_weight(hd)
-            w[p + "self_attn.k_norm.weight"] = norm_weight(hd)
-            router, expert, names = p + "mlp.gate.weight", p + "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")
-        else:
-            router, expert, names = p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")
-        w[router] = normal((experts, d), 2.0 * d ** -0.5)
-        for e in range(experts):
-            gate, up, down = (expert.format(e=e) + n + ".weight" for n in names)
-            w[gate] = normal((inter, d), d ** -0.5)
-            w[up] = normal((inter, d), d ** -0.5)
-            w[down] = normal((d, inter), inter ** -0.5)
+    p = f"model.layers.{i}."
+    w = {p + "input_layernorm.weight": r.normal((d,), 0.1, 1.0),
+         p + "post_attention_layernorm.weight": r.normal((d,), 0.1, 1.0),
+         p + "self_attn.q_proj.weight": r.normal((heads * hd, d), d ** -0.5),
+         p + "self_attn.k_proj.weight": r.normal((kv * hd, d), d ** -0.5),
+         p + "self_attn.v_proj.weight": r.normal((kv * hd, d), d ** -0.5),
+         p + "self_attn.o_proj.weight": r.normal((d, heads * hd), (heads * hd) ** -0.5)}
+    if arch == "qwen3_moe":
+        w[p + "self_attn.q_norm.weight"] = r.normal((hd,), 0.1, 1.0)
+        w[p + "self_attn.k_norm.weight"] = r.normal((hd,), 0.1, 1.0)
+        router, expert, names = p + "mlp.gate.weight", p + "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")
+    else:
+        router, expert, names = p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")
+    w[router] = r.normal((experts, d), 2.0 * d ** -0.5)
+    for e in range(experts):
+        gate, up, down = (expert.format(e=e) + n + ".weight" for n in names)
+        w[gate] = r.normal((inter, d), d ** -0.5)
+        w[up] = r.normal((inter, d), d ** -0.5)
+        w[down] = r.normal((d, inter), inter ** -0.5)
     return w
 
 
+def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress) -> None:
+    """One safetensors file for a small model; one shard per layer (and an index) for a large one."""
+    def stored(tensors):
+        if dtype == "bf16":
+            return {k: (a if a.dtype == np.uint16 else f32_to_bf16(a), "BF16") for k, a in tensors.items()}
+        return {k: (a, "F32") for k, a in tensors.items()}
+
+    layers = range(cfg["num_hidden_layers"])
+    if PRESET_SHARDED.get(cfg.get("_preset"), False):
+        weight_map = {}
+        parts = [("model-globals.safetensors", lambda: _global_tensors(cfg, r))]
+        parts += [(f"model-layer-{i:03d}.safetensors", lambda i=i: _layer_tensors(cfg, arch, i, r)) for i in layers]
+        for fname, make in progress(parts):
+            tensors = make()
+            save_file(stored(tensors), out / fname)
+            weight_map.update({name: fname for name in tensors})
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        return
+    tensors = _global_tensors(cfg, r)
+    for i in layers:
+        tensors.update(_layer_tensors(cfg, arch, i, r))
+    save_file(stored(tensors), out / "model.safetensors")
+
+
 def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
-               dtype: str = "bf16") -> Path:
-    """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors."""
+               dtype: str = "bf16", num_layers: int | None = None, progress=iter) -> Path:
+    """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors;
+    ``num_layers`` overrides the preset's layer count."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(arch, preset)
-    tokenizer = train_tokenizer(cfg["vocab_size"] - 64, seed=0)
-    weights = _random_weights(cfg, arch, np.random.default_rng(seed))
-    if dtype == "bf16":
-        tensors = {k: (f32_to_bf16(a), "BF16") for k, a in weights.items()}
-    else:
-        tensors = {k: (a, "F32") for k, a in weights.items()}
+    if num_layers:
+        cfg["num_hidden_layers"] = num_layers
+    tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0)
+    if dtype != "bf16":
         cfg["torch_dtype"] = "float32"
-    save_file(tensors, out / "model.safetensors")
+    _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=PRESET_SHARDED[preset]), dtype, progress)
     tokenizer.save(str(out / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|im_end|>")
     cfg["eos_token_id"] = eos

@@ -12,9 +12,13 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to nearest even (what torch's .to(torch.bfloat16) does for finite values)."""
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    """Round to nearest even (what torch's .to(torch.bfloat16) does for finite values; the uint32
+    sum cannot overflow for them: the largest finite pattern plus 0x8000 is below 2**32)."""
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (u >> 16) & 1
+    rounded += 0x7FFF
+    rounded += u
+    rounded >>= 16
     return rounded.astype(np.uint16)
 
 
