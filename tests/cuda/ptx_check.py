@@ -138,6 +138,9 @@ def exercise(rng) -> None:
     attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
+    from moebus.cuda import bench_kernels
+
+    bench_kernels._spin[1, 1, 0](10)
     rows = 2
     sampling.sample_cuda(f32(rows, 1000), np.ones(rows, np.float32), np.zeros(rows, np.int32),
                          np.ones(rows, np.float32), np.zeros(rows, np.float32), empty(rows, dtype=np.int32),

@@ -16,6 +16,7 @@ MICRO = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
 def micro_model(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(tiny_model.PRESETS, "micro", MICRO)
+        patch.setitem(tiny_model.PRESET_SHARDED, "micro", False)  # one safetensors file
         return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
 
 
