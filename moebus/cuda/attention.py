@@ -10,11 +10,13 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, float32, threads, warp_max, warp_sum
+from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, device, float32, threads, warp_max, warp_sum
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
 TILE = 32  # positions per tile: one per lane when scoring
+TILES_PER_SPLIT = 4  # a longer context is cut into splits that run as separate blocks...
+MAX_SPLITS = 16  # ...at most this many per token (bounds the scratch)
 MAX_WARPS = 4
 NEG_INF = float32(-np.inf)
 
@@ -78,21 +80,41 @@ def kv_store_cuda(k_cache, v_cache, k, v, token_slot, token_pos, stream=0) -> No
         kv_store_flat[grid, threads(THREADS), stream](k_cache, v_cache, k, v, token_slot, token_pos)
 
 
+@device
+def split_tiles(lo, pos, split):
+    """Tiles [first, end) of split ``split`` of a token attending to [lo, pos], and how many splits
+    the token has. A function of the token alone (never of the batch): TILES_PER_SPLIT tiles a
+    split, at most MAX_SPLITS splits, the tiles spread evenly."""
+    first = lo // TILE
+    num_tiles = pos // TILE - first + 1
+    num_splits = min(MAX_SPLITS, (num_tiles + TILES_PER_SPLIT - 1) // TILES_PER_SPLIT)
+    return (first + split * num_tiles // num_splits, first + (split + 1) * num_tiles // num_splits,
+            num_splits)
+
+
 @functools.cache
 def _attention_kernel(head_dim: int, group: int, num_warps: int):
-    """One block per (token, kv head): its ``group`` query heads share every K/V tile it loads.
-    Positions [lo, p] go by tiles of TILE with an online softmax, so shared memory stays constant
-    whatever the context. Warp w scores heads w, w + num_warps, ... (lane = position in the tile);
-    threads then own (head, dim) outputs for P @ V."""
+    """One block per (token, kv head, split): the token's ``group`` query heads share every K/V tile
+    the block loads, and its positions are cut into splits so that a long context is spread over
+    blocks (decode has few tokens). Within a split, positions go by tiles of TILE with an online
+    softmax, so shared memory stays constant whatever the context. Warp w scores heads w,
+    w + num_warps, ... (lane = position in the tile); threads then own (head, dim) outputs of P @ V.
+    Each split writes its unnormalised output, max and sum to ``partial`` for _merge_splits."""
     num_threads = num_warps * WARP
     head_iters = ceil_div(group, num_warps)
     outs_per_thread = ceil_div(group * head_dim, num_threads)
     k_row = head_dim + 1  # padding: lanes reading different K rows hit different banks
 
     @cuda.jit
-    def attention_tiles(q, k_cache, v_cache, token_slot, token_pos, scale, window, out):
+    def attention_split(q, k_cache, v_cache, token_slot, token_pos, scale, window, partial):
         t = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        first_tile, end_tile, num_splits = split_tiles(lo, pos, split)
+        if split >= num_splits:
+            return  # the whole block
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -100,13 +122,10 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
         k_tile = cuda.shared.array((TILE, k_row), float32)
         p_tile = cuda.shared.array((group, TILE), float32)
         rescale = cuda.shared.array(group, float32)
-        denominators = cuda.shared.array(group, float32)
         running_max = cuda.local.array(head_iters, float32)
         running_sum = cuda.local.array(head_iters, float32)
         acc = cuda.local.array(outs_per_thread, float32)
         slot = token_slot[t]
-        pos = token_pos[t]
-        lo = max(pos - window + 1, 0) if window > 0 else 0
         first_head = kv_head * group
         for e in range(tid, group * head_dim, num_threads):
             q_tile[e // head_dim, e % head_dim] = q[t, first_head + e // head_dim, e % head_dim]
@@ -115,9 +134,10 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
             running_sum[i] = float32(0.0)
         for i in range(outs_per_thread):
             acc[i] = float32(0.0)
-        # every tile of the loop holds at least one position of [lo, pos], so running_max turns
-        # finite at the first tile and exp(old max - new max) never sees inf - inf
-        for tile in range(lo - lo % TILE, pos + 1, TILE):
+        # every tile holds at least one position of [lo, pos], so running_max turns finite at the
+        # first tile and exp(old max - new max) never sees inf - inf
+        for tile_index in range(first_tile, end_tile):
+            tile = tile_index * TILE
             cuda.syncthreads()  # q_tile is in; the previous tile's k_tile / p_tile are consumed
             for e in range(tid, TILE * head_dim, num_threads):
                 r = e // head_dim
@@ -151,20 +171,56 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
                         total += p_tile[j, r] * v_cache[slot, kv_head, tile + r, e % head_dim]
                     acc[i] = total
         for i in range(head_iters):
-            if i * num_warps + warp < group and lane == 0:
-                denominators[i * num_warps + warp] = running_sum[i]
-        cuda.syncthreads()
+            j = i * num_warps + warp
+            if j < group and lane == 0:
+                partial[t, first_head + j, split, head_dim] = running_max[i]
+                partial[t, first_head + j, split, head_dim + 1] = running_sum[i]
         for i in range(outs_per_thread):
             e = tid + i * num_threads
             if e < group * head_dim:
-                out[t, first_head + e // head_dim, e % head_dim] = acc[i] / denominators[e // head_dim]
+                partial[t, first_head + e // head_dim, split, e % head_dim] = acc[i]
 
-    return attention_tiles
+    return attention_split
 
 
-def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int, out, stream=0):
+@cuda.jit
+def merge_splits(token_pos, window, partial, out):
+    # one thread per output (t, h, d): splits combined in order, so the result is deterministic
+    num_tokens, num_heads, head_dim = out.shape
+    for n in range(cuda.grid(1), num_tokens * num_heads * head_dim, cuda.gridsize(1)):
+        t = n // (num_heads * head_dim)
+        h = (n // head_dim) % num_heads
+        d = n % head_dim
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        num_splits = split_tiles(lo, pos, 0)[2]
+        peak = NEG_INF
+        for s in range(num_splits):
+            peak = max(peak, partial[t, h, s, head_dim])
+        total = float32(0.0)
+        value = float32(0.0)
+        for s in range(num_splits):
+            weight = math.exp(partial[t, h, s, head_dim] - peak)
+            total += partial[t, h, s, head_dim + 1] * weight
+            value += partial[t, h, s, d] * weight
+        out[t, h, d] = value / total
+
+
+def max_splits(max_context: int) -> int:
+    """Splits a token can have in a cache of ``max_context`` positions."""
+    return min(MAX_SPLITS, ceil_div(ceil_div(max_context, TILE), TILES_PER_SPLIT))
+
+
+def attention_scratch_shape(num_tokens: int, num_heads: int, head_dim: int, max_context: int) -> tuple:
+    """float32 scratch attention_cuda needs: per (token, head, split) the output, max and sum."""
+    return (num_tokens, num_heads, max_splits(max_context), head_dim + 2)
+
+
+def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int, out, scratch=None,
+                   stream=0):
     """out (T, H, hd) = attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window).
-    Every token's own position must already be in the cache (kv_store first)."""
+    Every token's own position must already be in the cache (kv_store first). ``scratch``: a float32
+    device array of attention_scratch_shape (allocated here when None)."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     require("k_cache", k_cache, np.float32, shape=(None, None, None, head_dim))
@@ -177,9 +233,15 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         raise ValueError(f"{num_heads} query heads do not split into {num_kv_heads} kv heads")
     if num_tokens == 0:
         return out
+    scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, k_cache.shape[2])
+    if scratch is None:
+        scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
+    require("scratch", scratch, np.float32, shape=scratch_shape)
     group = num_heads // num_kv_heads
     num_warps = min(group, MAX_WARPS, 2 if SIMULATOR else MAX_WARPS)
     kernel = _attention_kernel(head_dim, group, num_warps)
-    kernel[(num_tokens, num_kv_heads), num_warps * WARP, stream](
-        q, k_cache, v_cache, token_slot, token_pos, np.float32(scale), int(window or 0), out)
+    window = int(window or 0)
+    kernel[(num_tokens, num_kv_heads, scratch_shape[2]), num_warps * WARP, stream](
+        q, k_cache, v_cache, token_slot, token_pos, np.float32(scale), window, scratch)
+    merge_splits[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
     return out

@@ -104,7 +104,8 @@ class CudaBackend:
 
     def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0):
         out = self.empty(q.shape)
-        return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out,
+        scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
+        return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
                                         stream=self.stream)
 
     def topk_softmax(self, logits, top_k: int, normalize: bool):

@@ -96,11 +96,12 @@ def attention_case(s: dict, label: str, slots: np.ndarray, positions: np.ndarray
         q = rng.standard_normal((tokens, h, hd), dtype=np.float32)
         args = [_dev(a, stream) for a in (q, k_cache, v_cache, slots.astype(np.int32), positions.astype(np.int32))]
         out = _out(q.shape, stream)
+        scratch = _out(attention.attention_scratch_shape(tokens, h, hd, ctx), stream)
         ref = lambda: attention.attention_ref(q, k_cache, v_cache, slots, positions, hd ** -0.5)  # noqa: E731
         # K and V of every position each sequence reads, once per sequence
         lengths = [int(positions[slots == sl].max()) + 1 for sl in np.unique(slots)]
         nbytes = sum(lengths) * kvh * hd * 4 * 2
-        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, stream=stream),
+        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, scratch, stream=stream),
                 lambda: (_nmse(out.copy_to_host(), ref()), ""), nbytes)
     return Case("attention", label, setup)
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.attention import TILE, attention_cuda, attention_ref, kv_store_cuda, kv_store_ref
+from moebus.cuda.attention import (TILE, TILES_PER_SPLIT, attention_cuda, attention_ref, kv_store_cuda,
+                                  kv_store_ref, max_splits)
 from tests.cuda.conftest import device, poisoned
 
 SLOTS, HEAD_DIM = 3, 8
@@ -39,6 +40,17 @@ def test_attention_prefill_and_decode_mixed(rng, heads, kv_heads, window):
     expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35, window)
     np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions, window), expected, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_attention_long_context_runs_in_splits(rng):
+    # positions past TILES_PER_SPLIT tiles: two and three splits, merged; one short token alongside
+    context = TILE * TILES_PER_SPLIT * 2 + 8
+    assert max_splits(context) == 3
+    k_cache, v_cache = _cache(rng, 1, context), _cache(rng, 1, context)
+    slots, positions = np.array([1, 0, 2], np.int32), np.array([TILE * TILES_PER_SPLIT + 3, context - 1, 2], np.int32)
+    q = rng.standard_normal((3, 2, HEAD_DIM), dtype=np.float32)
+    expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35)
+    np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_token_does_not_depend_on_the_batch(rng):
