@@ -21,7 +21,7 @@ from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_
 
 MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
 WARPS = 4
-MAX_PAIRS = 65535  # grid y
+MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 
 
 @cuda.jit(device=True)
@@ -42,8 +42,8 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
     read_x, _ = chunk_reader("f32", wide)
 
     @cuda.jit
-    def expert_gate_up(x, pair_token, pair_slot, arena, hidden_words, inter, h):
-        j = cuda.blockIdx.y
+    def expert_gate_up(x, pair_token, pair_slot, arena, hidden_words, inter, first_pair, h):
+        j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return  # the whole block: no reduction is skipped by part of it
@@ -95,8 +95,8 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
     read_h, _ = chunk_reader("f32", wide)
 
     @cuda.jit
-    def expert_down(h, pair_slot, pair_out, arena, hidden, inter_words, out):
-        j = cuda.blockIdx.y
+    def expert_down(h, pair_slot, pair_out, arena, hidden, inter_words, first_pair, out):
+        j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return
@@ -146,8 +146,8 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
         raise ValueError(f"arena slots of {arena.shape[1]} elements cannot hold 3 x {hidden} x {inter}")
     require("out", out, np.float32, shape=(None, hidden))
     require("scratch", scratch, np.float32, shape=(None, inter))
-    if num_pairs > min(MAX_PAIRS, scratch.shape[0]):
-        raise ValueError(f"{num_pairs} pairs: more than the scratch rows or {MAX_PAIRS}")
+    if num_pairs > scratch.shape[0]:
+        raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
     if num_pairs == 0:
         return out
     wide = can_read_wide(arena, hidden, inter) and can_read_wide(x) and can_read_wide(scratch)
@@ -158,8 +158,15 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     block = threads(WARPS * WARP)
     per_block = block // WARP
     arena_view = reader_view(arena, wide)
-    _gate_up_kernel(storage, wide, chunk)[(blocks(ceil_div(inter, per_block)), num_pairs), block, stream](
-        reader_view(x, wide), pair_token, pair_slot, arena_view, hidden // width, inter, h)
-    _down_kernel(storage, wide, chunk)[(blocks(ceil_div(hidden, per_block)), num_pairs), block, stream](
-        reader_view(h, wide), pair_slot, pair_out, arena_view, hidden, inter // width, out)
+    gate_up, down = _gate_up_kernel(storage, wide, chunk), _down_kernel(storage, wide, chunk)
+    x_view, h_view = reader_view(x, wide), reader_view(h, wide)
+    per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
+    for first in range(0, num_pairs, per_launch):
+        count = min(per_launch, num_pairs - first)
+        gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
+            x_view, pair_token, pair_slot, arena_view, hidden // width, inter, first, h)
+    for first in range(0, num_pairs, per_launch):
+        count = min(per_launch, num_pairs - first)
+        down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
+            h_view, pair_slot, pair_out, arena_view, hidden, inter // width, first, out)
     return out

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from moebus.cuda.moe import combine_cuda, combine_ref, expert_ffn_ref, topk_softmax_cuda, topk_softmax_ref
+from moebus.cuda import moe_ffn
 from moebus.cuda.moe_ffn import expert_ffn_cuda
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
@@ -64,3 +65,14 @@ def test_expert_ffn_result_depends_neither_on_the_slot_nor_the_other_pairs(rng):
     _ffn(x, np.array([(0, 0, 0), (1, 0, 1)]).T, dev_arena, together)  # one run of two pairs
     _ffn(x, np.array([(1, 2, 1)]).T, dev_arena, alone)
     np.testing.assert_array_equal(alone.copy_to_host()[1], together.copy_to_host()[1])
+
+
+def test_expert_ffn_in_several_launches_keeps_runs_whole(rng, monkeypatch):
+    monkeypatch.setattr(moe_ffn, "MAX_GRID_Y", 3)  # chunk 2: launches of 2 pairs
+    x = rng.standard_normal((2, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, "f32")
+    pairs = [(0, 0, 0), (1, 0, 2), (0, 1, 1), (1, 3, 3)]
+    out, expected = poisoned((4, HIDDEN)), np.zeros((4, HIDDEN), np.float32)
+    _ffn(x, np.array(pairs).T, device(arena), out)
+    expert_ffn_ref(x, *np.array(pairs, np.int32).T, arena, HIDDEN, INTER, expected)
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)
