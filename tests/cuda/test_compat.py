@@ -8,6 +8,7 @@ from moebus.cuda.compat import cuda
 from tests.cuda.conftest import device, poisoned
 
 
+@pytest.mark.skipif(not compat.SIMULATOR, reason="a device function on the GPU")
 def test_bits_as_f32_reinterprets_low_32_bits():
     values = np.array([1.5, -2.25, 3e-39, np.inf], np.float32)
     for v, bits in zip(values, values.view(np.uint32)):

@@ -18,7 +18,7 @@ def test_topk_softmax_matches_ref_with_ties_to_the_lower_id(rng, num_experts, to
     topk_softmax_cuda(device(logits), top_k, normalize, ids, weights)
     ref_ids, ref_weights = topk_softmax_ref(logits, top_k, normalize)
     np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
-    np.testing.assert_allclose(weights.copy_to_host(), ref_weights, rtol=1e-6)
+    np.testing.assert_allclose(weights.copy_to_host(), ref_weights, rtol=1e-5)
 
 
 def test_combine_matches_ref(rng):
@@ -26,7 +26,7 @@ def test_combine_matches_ref(rng):
     weights = rng.random((3, 2), dtype=np.float32)
     out = poisoned((3, 10))
     combine_cuda(device(y), device(weights), out)
-    np.testing.assert_allclose(out.copy_to_host(), combine_ref(y, weights), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out.copy_to_host(), combine_ref(y, weights), rtol=1e-5, atol=1e-6)
 
 
 def _arena(rng, storage, num_slots=4):

@@ -10,4 +10,4 @@ def test_rope_matches_ref(rng):
     positions = np.array([0, 7, 63], np.int32)
     out = poisoned(x.shape)
     rope_cuda(device(x), device(positions), device(cos), device(sin), out)
-    np.testing.assert_allclose(out.copy_to_host(), rope_ref(x, positions, cos, sin), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out.copy_to_host(), rope_ref(x, positions, cos, sin), rtol=1e-5, atol=1e-5)
