@@ -59,7 +59,8 @@ def time_launches(run, reps: int, warmup: int, stream) -> tuple[float | None, fl
     if SIMULATOR:
         return None, host_us
     events = [(cuda.event(), cuda.event()) for _ in range(reps)]
-    _spin[1, 1, stream](int(reps * max(host_us, 50.0) * 2 / 1.0))  # ~1 us per round
+    # nanosleep(1000) sleeps up to ~1 us: plan 4x the host's enqueue time so the spin outlasts it
+    _spin[1, 1, stream](int(reps * max(host_us, 50.0) * 4))
     for start, end in events:
         start.record(stream)
         run()
