@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 from moebus.common.errors import MoebusError
 
@@ -18,8 +19,11 @@ def _settings(args, **extra):
 
 
 def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+    logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logging.getLogger("moebus").setLevel(logging.DEBUG if verbose else logging.INFO)
+    # numba reports small launches as "under-utilization"; decode launches are small on purpose
+    warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
 
 
 def cmd_serve(args) -> int:

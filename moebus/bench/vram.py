@@ -4,8 +4,8 @@ another process really gets the released memory.
 1. An arena takes all free VRAM but ``--headroom-gib`` (segments of ``--segment-mib``).
 2. Copy-in bandwidth: expert-sized blobs from pinned host memory into slots (the miss path).
 3. A second process tries to cudaMalloc ``--release-gib``: it must fail while the cache is full.
-4. ExpertCache.resize(reserve) releases segments until that much is free (timed), the second process
-   allocates it, then a bare resize regrows the cache (timed). Repeated; medians printed."""
+4. ExpertCache.resize(release + headroom) releases ``--release-gib`` of segments (timed), the
+   second process allocates them, then a bare resize regrows the cache (timed). Repeated; medians."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moebus bench vram")
     p.add_argument("--segment-mib", type=int, default=64)
     p.add_argument("--release-gib", type=float, default=2.0)
-    p.add_argument("--headroom-gib", type=float, default=1.0)
+    p.add_argument("--headroom-gib", type=float, default=1.0, help="left free: another process's context")
     p.add_argument("--blob-mib", type=float, default=9.0, help="one expert (Qwen3-30B-A3B: 9 MiB)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     release_bytes = int(args.release_gib * 1024 * MIB)
     before = _second_process_allocates(release_bytes)
     release_ms, regrow_ms, after = [], [], []
-    reserve_mib = args.release_gib * 1024
+    # the headroom stays free throughout: it is the second process's own CUDA context
+    reserve_mib = (args.release_gib + args.headroom_gib) * 1024
     for _ in range(args.repeats):
         t = time.perf_counter()
         report = cache.resize(reserve_mib)
