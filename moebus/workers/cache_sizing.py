@@ -10,6 +10,9 @@ from pathlib import Path
 from moebus.cuda.ledger import MIB, EmulatedGpu
 
 log = logging.getLogger("moebus.worker")
+# On a real GPU, memory the worker needs after start-up besides the step pool: kernel modules loaded
+# at first use, the copy stream's events, numba's own small allocations.
+CUDA_HEADROOM_BYTES = 256 * MIB
 
 
 def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_bytes: int) -> int:

@@ -15,7 +15,7 @@ from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, Step
 from moebus.cuda.backend import is_fatal_device_error, make_backend
 from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch
-from moebus.workers.cache_sizing import (ScratchBudget, emulated_gpu, reserve_for, stage_dense_bytes,
+from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, ScratchBudget, emulated_gpu, reserve_for, stage_dense_bytes,
                                          startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
@@ -123,7 +123,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
         from moebus.cuda.vmm import device_memory_info
 
         free, _ = device_memory_info()
-        scratch_to_keep = stage.scratch.standing_bytes
+        scratch_to_keep = stage.scratch.standing_bytes + CUDA_HEADROOM_BYTES
     reserve = reserve_for(settings, gpu)
     return build_expert_cache(ckpt, stage.layer_range, stage.ops,
                               capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
