@@ -3,7 +3,8 @@ with NVVM but without a GPU, driver or NVRTC: the simulator tests cannot see GPU
 shuffles, numba's typing of them). Each launch wrapper runs on numpy arrays with launches intercepted;
 every kernel it would launch is compiled for the argument types it would get. Then the PTX is
 checked for double-precision arithmetic (a float64 literal slipped into a float32 kernel) and for
-local-memory traffic (a per-thread array that did not end up in registers).
+local-memory traffic (a per-thread array that did not end up in registers); where the toolkit has
+ptxas, also that registers x threads per block fit the SM (else the launch fails on the GPU).
 
     python -m tests.cuda.ptx_check [--cuda-home /usr/local/cuda] [--cc 9.0] [--dump DIR]
 
@@ -22,6 +23,8 @@ import numpy as np
 
 F64_OP = re.compile(r"^\s*(add|sub|mul|fma|div|sqrt|rcp|ex2|lg2|max|min|neg|abs)(\.[a-z]+)*\.f64\b", re.M)
 LOCAL_OP = re.compile(r"^\s*(ld|st)\.local\b", re.M)
+REGISTERS_PER_SM = 65536
+MAX_STATIC_SHARED = 48 * 1024
 
 
 def find_cuda_home() -> str | None:
@@ -80,13 +83,16 @@ class Compiler:
     def __init__(self, cc, dump_dir=None):
         self.cc = cc
         self.dump_dir = dump_dir
-        self.results = {}  # (kernel, signature) -> (ptx or None, error)
+        self.results = {}  # (kernel, signature, id) -> (ptx or None, error)
+        self.threads = {}  # same key -> most threads per block it is launched with
 
-    def launch(self, kernel, args):
+    def launch(self, kernel, config, args):
         from numba import cuda
 
         signature = f"void({', '.join(_numba_type(a) for a in args)})"
         key = (kernel.py_func.__qualname__, signature, id(kernel))
+        block = config[1] if isinstance(config[1], tuple) else (config[1],)
+        self.threads[key] = max(self.threads.get(key, 0), int(np.prod(block)))
         if key in self.results:
             return
         try:
@@ -148,6 +154,21 @@ def exercise(rng) -> None:
                          empty(rows), empty(rows, 1000))
 
 
+def _resources(ptxas: str, ptx: str, cc) -> tuple[int, int]:
+    """(registers per thread, static shared bytes) that ptxas allocates for the kernel."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)
+    registers = re.search(r"Used (\d+) registers", run.stderr)
+    shared = re.search(r"(\d+) bytes smem", run.stderr)
+    return int(registers.group(1)) if registers else 0, int(shared.group(1)) if shared else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda-home", default=None)
@@ -161,20 +182,25 @@ def main(argv=None) -> int:
     cc = tuple(int(p) for p in args.cc.split("."))
     dispatcher_class = _offline_numba(cuda_home, cc)
     compiler = Compiler(cc, args.dump)
-    dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: compiler.launch(kernel, a))
+    dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: compiler.launch(kernel, config, a))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     exercise(np.random.default_rng(0))
+    ptxas = os.path.join(cuda_home, "bin", "ptxas")
     failures = 0
-    for (name, signature, _), (ptx, error) in sorted(compiler.results.items()):
+    for key, (ptx, error) in sorted(compiler.results.items()):
+        name, signature, _ = key
         if error:
             failures += 1
             print(f"FAIL {name}{signature}\n     {error.splitlines()[0][:300]}")
             continue
         f64, local = len(F64_OP.findall(ptx)), len(LOCAL_OP.findall(ptx))
-        failures += bool(f64)
-        flag = "F64 " if f64 else ("LOCAL" if local else "ok  ")
-        print(f"{flag} {name:<40} f64 ops {f64:3d}  local ld/st {local:3d}  {signature}")
+        registers, shared = _resources(ptxas, ptx, cc) if os.path.exists(ptxas) else (0, 0)
+        too_big = registers * compiler.threads[key] > REGISTERS_PER_SM or shared > MAX_STATIC_SHARED
+        failures += bool(f64) or too_big
+        flag = "F64 " if f64 else "SIZE" if too_big else "LOCAL" if local else "ok  "
+        print(f"{flag} {name:<40} f64 {f64:2d} local {local:2d} regs {registers:3d} x {compiler.threads[key]:4d} "
+              f"smem {shared:5d}  {signature}")
     print(f"{len(compiler.results)} kernel variants, {failures} with problems")
     return 1 if failures else 0
 
