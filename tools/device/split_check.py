@@ -38,6 +38,8 @@ def probe(gpu: int, hold_s: float = 0.0, keep_gib: float | None = None):
     if hold_s:
         return subprocess.Popen([sys.executable, "-c", code, str(hold_s)], env=env, stdout=subprocess.PIPE, text=True)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split()
+    if len(out) != 2:  # not even its own CUDA context fitted
+        return 0.0, False
     return float(out[0]), out[1] == "True"
 
 
@@ -64,6 +66,15 @@ def greedy(client):
     return out
 
 
+def decode_rate(client, tokens: int = 64) -> float:
+    """Tokens/s of one greedy request after its first token (kernels are compiled by then)."""
+    stream = client.generate(prompt_tokens=PROMPTS[0], max_tokens=tokens, temperature=0, ignore_eos=True)
+    next(stream)
+    t = time.time()
+    n = sum(len(part.tokens) for part in stream)
+    return n / (time.time() - t)
+
+
 def stop(proc, client):
     client.close()
     proc.terminate()
@@ -76,7 +87,9 @@ def main():
     proc, client = serve(model, [0], tmp)
     t = time.time()
     one = greedy(client)
-    print(f"1 GPU: {sum(len(x[0]) for x in one)} tokens in {time.time() - t:.1f}s", client.vram(query=True)["line"])
+    print(f"1 GPU: {sum(len(x[0]) for x in one)} tokens in {time.time() - t:.1f}s (first use: compiles)",
+          client.vram(query=True)["line"])
+    print(f"1 GPU, every expert cached: decode {decode_rate(client):.2f} tok/s (batch 1)", flush=True)
     stop(proc, client)
     ballast = [probe(g, hold_s=3600, keep_gib=2.5) for g in (0, 1)]
     for b in ballast:
@@ -87,7 +100,9 @@ def main():
         print("2 GPUs start-up:", start["line"], flush=True)
         t = time.time()
         two = greedy(client)
-        print(f"2 GPUs: {sum(len(x[0]) for x in two)} tokens in {time.time() - t:.1f}s", flush=True)
+        print(f"2 GPUs: {sum(len(x[0]) for x in two)} tokens in {time.time() - t:.1f}s (first use: compiles)", flush=True)
+        print(f"2 GPUs, caches of {start['expert_slots']} slots: decode {decode_rate(client):.2f} tok/s (batch 1)",
+              flush=True)
         same = all(a[0] == b[0] for a, b in zip(one, two))
         dlp = max(float(np.abs(np.array(a[1]) - np.array(b[1])).max()) for a, b in zip(one, two))
         print(f"split tokens equal 1-GPU tokens: {same}; max |dlogprob| {dlp:.2e}", flush=True)
