@@ -13,10 +13,11 @@ from moebus.broker.broker import Broker
 from moebus.broker.children import Child, python_argv
 from moebus.broker.worker_pool import WorkerPool
 from moebus.common.demo_model import demo_model_dir
+from moebus.common.errors import ConfigError
+from moebus.common.layer_split import proportional_split, split_layers
 from moebus.common.model_config import load_config
 from moebus.common.tokenizer import TextTokenizer
 from moebus.cuda.devices import gpu_memory_mib, resolve_device
-from moebus.workers.local import split_layers
 
 log = logging.getLogger("moebus.broker")
 
@@ -24,27 +25,16 @@ log = logging.getLogger("moebus.broker")
 def layer_ranges(settings, num_layers: int, device: str) -> list[range]:
     """``layer_split`` when given, else in proportion to each GPU's memory."""
     num_gpus = len(settings.gpus) if device == "cuda" else len(settings.emulated_vram_mib)
-    if settings.layer_split:
-        if len(settings.layer_split) != num_gpus:
-            from moebus.common.errors import ConfigError
-
-            raise ConfigError(f"config key 'layer_split': {len(settings.layer_split)} entries for {num_gpus} GPU(s) "
-                              f"(got {settings.layer_split!r})")
-        return split_layers(num_layers, list(settings.layer_split))
+    if num_gpus > num_layers:
+        raise ConfigError(f"{num_gpus} GPUs for a model of {num_layers} layers: at least one layer per GPU")
+    split = settings.layer_split
+    if split:
+        if len(split) != num_gpus or sum(split) != num_layers or min(split) < 1:
+            raise ConfigError(f"config key 'layer_split': needs {num_gpus} counts >= 1 summing to the model's "
+                              f"{num_layers} layers (got {split!r})")
+        return split_layers(num_layers, list(split))
     memory = gpu_memory_mib(settings.gpus) if device == "cuda" else list(settings.emulated_vram_mib)
     return split_layers(num_layers, proportional_split(num_layers, memory))
-
-
-def proportional_split(num_layers: int, weights: list[float]) -> list[int]:
-    """Layer counts proportional to ``weights``, each >= 1, summing to num_layers."""
-    total = float(sum(weights)) or 1.0
-    counts = [max(1, int(num_layers * w / total)) for w in weights]
-    while sum(counts) > num_layers:
-        counts[counts.index(max(counts))] -= 1
-    order = sorted(range(len(weights)), key=lambda i: num_layers * weights[i] / total - counts[i], reverse=True)
-    for i in order[: num_layers - sum(counts)]:
-        counts[i] += 1
-    return counts
 
 
 def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) -> int:

@@ -7,20 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moebus.common.checkpoint import Checkpoint
+from moebus.common.layer_split import split_layers
 from moebus.cuda.backend import make_backend
 from moebus.workers.batch import StepBatch
 from moebus.workers.stage import Stage
-
-
-def split_layers(num_layers: int, parts: list[int] | int) -> list[range]:
-    """Contiguous layer ranges: ``parts`` is a count (even split) or explicit layer counts."""
-    if isinstance(parts, int):
-        base, extra = divmod(num_layers, parts)
-        parts = [base + (1 if i < extra else 0) for i in range(parts)]
-    if sum(parts) != num_layers or any(p <= 0 for p in parts):
-        raise ValueError(f"layer split {parts} does not cover {num_layers} layers")
-    bounds = np.cumsum([0] + list(parts))
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 @dataclass
