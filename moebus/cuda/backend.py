@@ -65,7 +65,8 @@ class CpuBackend:
 
 
 def make_backend(device: str):
-    """'cpu' or 'cuda' (the cuda backend imports numba.cuda only when asked for)."""
+    """'cpu' or 'cuda'. (The op files hold kernels beside their references, so numba is imported
+    either way; only the cuda backend creates a CUDA context.)"""
     if device == "cpu":
         return CpuBackend()
     if device == "cuda":
