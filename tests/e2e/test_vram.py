@@ -137,3 +137,19 @@ def test_zeromq_bad_values(client):
     for bad in ([-5], [1, 2, 3]):
         with pytest.raises(RequestError, match="reserve"):
             client.vram(bad)
+
+
+def test_a_fixed_size_cache_refuses_vram_requests(tmp_path, tiny_model):
+    svc = Service(tmp_path, tiny_model, vram_elastic=False, command="broker")
+    try:
+        svc.wait_ready(http=False)
+        c = Client(svc.zmq_address, timeout_s=60)
+        try:
+            report = c.vram(query=True)
+            with pytest.raises(RequestError, match="not elastic"):
+                c.vram([1])
+            assert c.vram(query=True) == report
+        finally:
+            c.close()
+    finally:
+        assert svc.stop() == []
