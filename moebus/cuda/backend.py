@@ -50,6 +50,12 @@ class CpuBackend:
     def synchronize(self) -> None:
         pass
 
+    def borrow(self, region) -> None:
+        """Scratch from lent arena memory: activations are host memory here, so nothing to do."""
+
+    def end_borrow(self) -> None:
+        pass
+
     embedding = staticmethod(embedding.embedding_ref)
     rmsnorm = staticmethod(rmsnorm.rmsnorm_ref)
     linear = staticmethod(linear.linear_ref)

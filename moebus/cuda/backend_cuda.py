@@ -66,6 +66,15 @@ class CudaBackend:
         out = cuda.device_array(shape, dtype=dtype, stream=self.stream)
         return elementwise.fill_cuda(out, 0, stream=self.stream)
 
+    def borrow(self, region) -> None:
+        """Take this step's new scratch buffers from ``region`` (1-D uint8 device memory)."""
+        self.device_pool.lend(region)
+
+    def end_borrow(self) -> None:
+        """Give the region back: wait for the work that used it, then forget its buffers."""
+        self.synchronize()
+        self.device_pool.end_loan()
+
     def empty(self, shape, dtype=np.float32):
         """Per-step scratch, valid until the next begin_step()."""
         return self.device_pool.take(tuple(shape), dtype)

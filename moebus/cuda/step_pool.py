@@ -36,6 +36,9 @@ class StepPool:
         self._allocate = allocate
         self._free: dict[int, list[_Buffer]] = defaultdict(list)
         self._used: list[tuple[int, _Buffer]] = []
+        self._loan = None  # a byte region lent for this step (the prompt-path loan), carved in order
+        self._loan_used = 0
+        self._loaned: set[int] = set()  # ids of buffers that live in the loan
 
     def take(self, shape, dtype):
         """An uninitialised C-contiguous array, valid until recycle()."""
@@ -45,9 +48,31 @@ class StepPool:
             return self._allocate(shape, dtype)
         size = max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
         free = self._free[size]
-        buffer = free.pop() if free else _Buffer(self._allocate((size,), np.uint8))
+        buffer = free.pop() if free else self._from_loan(size) or _Buffer(self._allocate((size,), np.uint8))
         self._used.append((size, buffer))
         return buffer.view(shape, dtype)
+
+    def _from_loan(self, size: int) -> _Buffer | None:
+        if self._loan is None or self._loan_used + size > len(self._loan):
+            return None
+        buffer = _Buffer(self._loan[self._loan_used : self._loan_used + size])
+        self._loan_used += size  # sizes are powers of two >= MIN_BYTES: offsets stay aligned
+        self._loaned.add(id(buffer))
+        return buffer
+
+    def lend(self, region) -> None:
+        """Serve new buffers from ``region`` (1-D uint8) until end_loan(): a long prefill's scratch
+        comes out of memory the expert cache lent, instead of new allocations."""
+        self._loan, self._loan_used = region, 0
+
+    def end_loan(self) -> None:
+        """Forget every buffer in the lent region; the caller has synchronised, so none is in use."""
+        if self._loan is None:
+            return
+        self._free = defaultdict(list, {size: [b for b in buffers if id(b) not in self._loaned]
+                                        for size, buffers in self._free.items()})
+        self._used = [(size, b) for size, b in self._used if id(b) not in self._loaned]
+        self._loan, self._loan_used, self._loaned = None, 0, set()
 
     def recycle(self) -> None:
         """Every array handed out so far may be handed out again."""

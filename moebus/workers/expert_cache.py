@@ -79,6 +79,10 @@ class ExpertCache:
         self.loaned_from = lo
         return lo, hi
 
+    def lent_bytes(self, lo: int, hi: int):
+        """The lent slots [lo, hi) as one 1-D uint8 array (the memory a prefill's scratch uses)."""
+        return self.arena.array[lo:hi].view(np.uint8).reshape(-1)
+
     def end_loan(self) -> None:
         if self.loaned_from is not None:
             lo, self.loaned_from = self.loaned_from, None

@@ -69,11 +69,13 @@ class Stage:
         try:
             extra = self.scratch.bytes_for(batch.num_tokens) - self.scratch.standing_bytes
             lo, hi = self.experts.lend(extra)
+            self.ops.borrow(self.experts.lent_bytes(lo, hi))
             limit = self.scratch.tokens_within((hi - lo) * self.experts.arena.slot_bytes)
             if limit >= batch.num_tokens:
                 return self._forward(batch, hidden, want_logits)
             return self._forward_pieces(batch, hidden, want_logits, limit)
         finally:
+            self.ops.end_borrow()
             self.experts.end_loan()
 
     def _forward_pieces(self, batch, hidden, want_logits: bool, limit: int) -> StageOutput:
