@@ -18,7 +18,7 @@ want = full.prefill_logits(prompts)
 small = LocalModel(model_dir, device="cuda", max_context=1024)
 ckpt, layers = small.ckpt, range(small.ckpt.config.num_layers)
 blob = small.stages[0].experts.store.blob_bytes
-cache = build_expert_cache(ckpt, layers, small.backend, capacity_bytes=blob * ckpt.config.num_experts * len(layers) // 2,
+cache = build_expert_cache(ckpt, layers, small.backend, capacity_bytes=blob * ckpt.config.num_experts * len(layers) // 8,
                            elastic=True)
 stage = small.stages[0] = Stage(ckpt, layers, small.backend, 8, 1024, experts=cache)
 stage.scratch = ScratchBudget(stage.cfg, tokens=8)
