@@ -21,6 +21,7 @@ def model_dirs(tmp_path_factory):
         "hf_qwen3_bf16": make_hf_model(root / "hf_qwen3_bf16", "qwen3_moe", "bf16"),
         "hf_qwen3_f32": make_hf_model(root / "hf_qwen3_f32", "qwen3_moe", "f32"),
         "hf_mixtral_bf16": make_hf_model(root / "hf_mixtral_bf16", "mixtral", "bf16"),
+        "hf_mixtral_f16": make_hf_model(root / "hf_mixtral_f16", "mixtral", "f16"),
     }
 
 

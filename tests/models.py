@@ -30,8 +30,8 @@ def make_hf_model(out_dir: Path, arch: str, dtype: str = "bf16", seed: int = 0) 
                 fan_in = p.shape[-1]
                 scale = 4.0 if "lm_head" in name else 2.0 if ("gate.weight" in name and "proj" not in name) else 1.0
                 p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else scale / fan_in ** 0.5))
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
+    if dtype in ("bf16", "f16"):
+        model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     model.save_pretrained(out_dir)
     return Path(out_dir)
 

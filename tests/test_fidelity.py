@@ -9,7 +9,7 @@ from moebus.workers.batch import StepBatch  # noqa: E402
 from moebus.workers.local import LocalModel  # noqa: E402
 from tests.models import hf_greedy  # noqa: E402
 
-MODELS = ["init_qwen3", "init_mixtral", "hf_qwen3_bf16", "hf_qwen3_f32", "hf_mixtral_bf16"]
+MODELS = ["init_qwen3", "init_mixtral", "hf_qwen3_bf16", "hf_qwen3_f32", "hf_mixtral_bf16", "hf_mixtral_f16"]
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250], [11, 12], list(range(30, 70)), [200]]
 
 

@@ -58,3 +58,12 @@ def test_sigterm_leaves_no_process(service):
     assert service.stop() == []
     assert service.proc.returncode == 0
     assert not any(alive(p) for p in tree)
+
+
+def test_sigkill_of_serve_leaves_no_process(tmp_path, tiny_model):
+    """The parent-death signal: children of a SIGKILLed ``moebus serve`` stop by themselves."""
+    svc = Service(tmp_path, tiny_model).wait_ready()
+    tree = process_tree(svc.proc.pid)
+    assert len(tree) >= 4
+    left = svc.stop(sig=signal.SIGKILL)  # waits up to 10 s for the tree, then reports the living
+    assert left == [] and not any(alive(p) for p in tree)
