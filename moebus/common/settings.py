@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 
+    @field_validator("model", "emulated_vram_dir")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        return value or None  # MOEBUS_MODEL= (empty) means the default, as in docker-compose
+
     @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split")
     @classmethod
     def _non_negative(cls, value):
