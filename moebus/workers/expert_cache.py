@@ -72,10 +72,7 @@ class ExpertCache:
         count = max(0, min(wanted, self.num_slots - self.min_slots))
         hi = self.num_slots
         lo = hi - count
-        for slot in range(lo, hi):
-            if self.slot_key[slot] != EMPTY:
-                self._evict(slot)
-        self.free = [s for s in self.free if s < lo]
+        self._take_out_of_service(lo)
         self.loaned_from = lo
         return lo, hi
 
@@ -86,7 +83,7 @@ class ExpertCache:
     def end_loan(self) -> None:
         if self.loaned_from is not None:
             lo, self.loaned_from = self.loaned_from, None
-            self.free = list(range(self.num_slots - 1, lo - 1, -1)) + self.free
+            self._put_in_service(lo)
 
     # -- the forward pass -------------------------------------------------------------------------
 
@@ -173,11 +170,7 @@ class ExpertCache:
                 break  # the model must still run: keep enough slots for one expert group
             count += 1
             freed += mapped[-count]
-        keep = self.arena.slots_after_shrink(count)
-        for slot in range(keep, self.num_slots):
-            if self.slot_key[slot] != EMPTY:
-                self._evict(slot)
-        self.free = [s for s in self.free if s < keep]
+        self._take_out_of_service(self.arena.slots_after_shrink(count))
         self.arena.shrink(count)
 
     def _grow_within(self, spare_bytes: int) -> None:
@@ -191,7 +184,18 @@ class ExpertCache:
     def _grow(self, count: int | None) -> None:
         before = self.num_slots
         self.arena.grow(count)
-        self.free = list(range(self.num_slots - 1, before - 1, -1)) + self.free
+        self._put_in_service(before)
+
+    def _take_out_of_service(self, first: int) -> None:
+        """Slots from ``first`` up to num_slots leave service (shrink, loan): evict, unlist."""
+        for slot in range(first, self.num_slots):
+            if self.slot_key[slot] != EMPTY:
+                self._evict(slot)
+        self.free = [s for s in self.free if s < first]
+
+    def _put_in_service(self, first: int) -> None:
+        """Slots from ``first`` up to num_slots are empty and usable again (grow, end of a loan)."""
+        self.free = list(range(self.num_slots - 1, first - 1, -1)) + self.free
 
     def report(self) -> dict:
         free, _ = self.arena.memory_info()
