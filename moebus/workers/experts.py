@@ -11,12 +11,15 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
                        segment_bytes: int = DEFAULT_SEGMENT_BYTES, elastic: bool = False, gpu=None,
-                       startup_reserve_mib: float = 0.0, progress=iter) -> ExpertCache:
-    """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage).
+                       startup_reserve_mib: float = 0.0, progress=iter, fraction: float | None = None) -> ExpertCache:
+    """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage);
+    ``fraction``: instead, that share of the stage's experts (tests and benchmarks).
     ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
     requests can release (else one segment)."""
     on_cuda = backend.name == "cuda"
     store = HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress)
+    if fraction is not None:
+        capacity_bytes = int(store.total_bytes * fraction)
     total = min(capacity_bytes, store.total_bytes) if capacity_bytes is not None else store.total_bytes
     total = max(total, store.blob_bytes * ckpt.config.top_k)
     if elastic:

@@ -10,6 +10,7 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common.layer_split import split_layers
 from moebus.cuda.backend import make_backend
 from moebus.workers.batch import StepBatch
+from moebus.workers.experts import build_expert_cache
 from moebus.workers.stage import Stage
 
 
@@ -22,10 +23,13 @@ class Generation:
 
 class LocalModel:
     def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
-                 max_context: int = 1024):
+                 max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False):
+        """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all)."""
         self.ckpt = Checkpoint(model_dir)
         self.backend = make_backend(device)
-        self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context)
+        self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context,
+                             experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
+                                                        elastic=elastic))
                        for r in split_layers(self.ckpt.config.num_layers, parts)]
 
     def step(self, batch: StepBatch, want_logits: bool = False):

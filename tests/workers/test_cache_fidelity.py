@@ -2,22 +2,11 @@
 with every expert cached and with a cache of 10% of them (eviction on nearly every layer)."""
 import numpy as np
 
-from moebus.common.checkpoint import Checkpoint
-from moebus.cuda.backend import CpuBackend
-from moebus.workers.experts import build_expert_cache
 from moebus.workers.local import LocalModel
-from moebus.workers.stage import Stage
 
 
 def small_cache_model(model_dir, fraction: float) -> LocalModel:
-    model = LocalModel(model_dir, device="cpu")
-    ckpt, backend = model.ckpt, model.backend
-    layers = range(ckpt.config.num_layers)
-    blob = model.stages[0].experts.store.blob_bytes
-    capacity = int(blob * ckpt.config.num_experts * len(layers) * fraction)
-    cache = build_expert_cache(ckpt, layers, backend, capacity_bytes=capacity)
-    model.stages = [Stage(ckpt, layers, backend, 8, 1024, experts=cache)]
-    return model
+    return LocalModel(model_dir, device="cpu", cache_fraction=fraction)
 
 
 def test_greedy_tokens_and_logprobs_identical_at_100_and_10_percent(model_dirs):

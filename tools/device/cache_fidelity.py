@@ -5,9 +5,7 @@ import time
 
 import numpy as np
 
-from moebus.workers.experts import build_expert_cache
 from moebus.workers.local import LocalModel
-from moebus.workers.stage import Stage
 
 model_dir, device = sys.argv[1], sys.argv[2]
 prompt = [5, 17, 99, 3, 42, 7, 250, 31, 8]
@@ -15,12 +13,8 @@ full = LocalModel(model_dir, device=device)
 t = time.time()
 a = full.generate(prompt, 32)
 full_s = time.time() - t
-small = LocalModel(model_dir, device=device)
-ckpt, layers = small.ckpt, range(small.ckpt.config.num_layers)
-blob = small.stages[0].experts.store.blob_bytes
-capacity = int(blob * ckpt.config.num_experts * len(layers) * 0.10)
-cache = build_expert_cache(ckpt, layers, small.backend, capacity_bytes=capacity, elastic=True)
-small.stages = [Stage(ckpt, layers, small.backend, 8, 1024, experts=cache)]
+small = LocalModel(model_dir, device=device, cache_fraction=0.10, elastic=True)
+ckpt, layers, cache = small.ckpt, range(small.ckpt.config.num_layers), small.stages[0].experts
 t = time.time()
 b = small.generate(prompt, 32)
 small_s = time.time() - t

@@ -7,20 +7,15 @@ import numpy as np
 
 from moebus.workers.batch import StepBatch
 from moebus.workers.cache_sizing import ScratchBudget
-from moebus.workers.experts import build_expert_cache
 from moebus.workers.local import LocalModel
-from moebus.workers.stage import Stage
 
 model_dir = sys.argv[1]
 full = LocalModel(model_dir, device="cuda", max_context=1024)
 prompts = [list(range(10, 400)), list(range(500, 520))]
 want = full.prefill_logits(prompts)
-small = LocalModel(model_dir, device="cuda", max_context=1024)
-ckpt, layers = small.ckpt, range(small.ckpt.config.num_layers)
-blob = small.stages[0].experts.store.blob_bytes
-cache = build_expert_cache(ckpt, layers, small.backend, capacity_bytes=blob * ckpt.config.num_experts * len(layers) // 8,
-                           elastic=True)
-stage = small.stages[0] = Stage(ckpt, layers, small.backend, 8, 1024, experts=cache)
+small = LocalModel(model_dir, device="cuda", max_context=1024, cache_fraction=1 / 8, elastic=True)
+stage = small.stages[0]
+cache = stage.experts
 stage.scratch = ScratchBudget(stage.cfg, tokens=8)
 batch = StepBatch(slots=[0, 1], starts=[0, 0], lengths=[len(p) for p in prompts], tokens=sum(prompts, []))
 lent = (cache.num_slots - cache.min_slots) * cache.arena.slot_bytes
