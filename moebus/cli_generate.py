@@ -7,6 +7,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from moebus.broker.children import python_argv
@@ -53,19 +54,35 @@ def _through(address: str, args, server_key: str | None = None) -> dict:
     return {k: result[k] for k in ("tokens", "text", "logprobs", "finish_reason")}
 
 
-def _wait_ready(address: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+@contextmanager
+def private_broker(flags: list[str], env: dict | None = None, quiet: bool = True, timeout_s: float = 600):
+    """A broker (and its workers) of our own on a private ipc address, ready; yields the address
+    and stops it afterwards. ``flags``: command-line flags of ``moebus broker``."""
     from moebus.client import Client
 
-    client = Client(address)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not client.ping(timeout_s=1.0):
-            if proc.poll() is not None:
-                raise Unavailable(f"the broker exited with status {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise Unavailable("the broker did not become ready")
-    finally:
-        client.close()
+    with tempfile.TemporaryDirectory(prefix="moebus-private-") as tmp:
+        address = f"ipc://{Path(tmp) / 'frontend.sock'}"
+        proc = subprocess.Popen(python_argv("broker", *flags),
+                                env=dict(os.environ, **(env or {}), MOEBUS_BROKER__FRONTEND=address),
+                                stderr=subprocess.DEVNULL if quiet else None)
+        try:
+            client = Client(address)
+            try:
+                deadline = time.monotonic() + timeout_s
+                while not client.ping(timeout_s=1.0):
+                    if proc.poll() is not None:
+                        raise Unavailable(f"the broker exited with status {proc.returncode}")
+                    if time.monotonic() > deadline:
+                        raise Unavailable("the broker did not become ready")
+            finally:
+                client.close()
+            yield address
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def generate(args) -> dict:
@@ -75,20 +92,7 @@ def generate(args) -> dict:
         from moebus.common.settings import load_settings
 
         return _through(args.connect, args, load_settings(args.config).broker.curve_public_key)
-    with tempfile.TemporaryDirectory(prefix="moebus-gen-") as tmp:
-        address = f"ipc://{Path(tmp) / 'frontend.sock'}"
-        argv = python_argv("broker")
-        for flag in ("config", "model", "device"):
-            if getattr(args, flag, None):
-                argv += [f"--{flag}", getattr(args, flag)]
-        env = dict(os.environ, MOEBUS_BROKER__FRONTEND=address)
-        proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL if not args.verbose else None)
-        try:
-            _wait_ready(address, proc)
-            return _through(address, args)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    flags = [arg for flag in ("config", "model", "device") if getattr(args, flag, None)
+             for arg in (f"--{flag}", getattr(args, flag))]
+    with private_broker(flags, quiet=not args.verbose) as address:
+        return _through(address, args)

@@ -3,15 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from moebus.broker.children import python_argv
 
 
 def _in_process(model_dir: str, device: str, prompt: list[int], tokens: int, batch: int, repeats: int) -> dict:
@@ -34,18 +29,13 @@ def _in_process(model_dir: str, device: str, prompt: list[int], tokens: int, bat
 
 
 def _through_service(model_dir: str | None, device: str, prompt: list[int], tokens: int, repeats: int) -> dict:
+    from moebus.cli_generate import private_broker
     from moebus.client import Client
 
-    with tempfile.TemporaryDirectory(prefix="moebus-bench-") as tmp:
-        address = f"ipc://{Path(tmp) / 'frontend.sock'}"
-        argv = python_argv("broker", "--device", device) + (["--model", model_dir] if model_dir else [])
-        env = dict(os.environ, MOEBUS_BROKER__FRONTEND=address, MOEBUS_MAX_CONTEXT=str(len(prompt) + tokens + 8))
-        proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    flags = ["--device", device] + (["--model", model_dir] if model_dir else [])
+    with private_broker(flags, env={"MOEBUS_MAX_CONTEXT": str(len(prompt) + tokens + 8)}) as address:
         client = Client(address)
         try:
-            while not client.ping(1.0):
-                if proc.poll() is not None:
-                    raise RuntimeError("broker exited")
             rates, steps = [], []
             for _ in range(repeats + 1):
                 before = client.info()
@@ -61,8 +51,6 @@ def _through_service(model_dir: str | None, device: str, prompt: list[int], toke
                     "worker_step_ms": statistics.median(s[1] for s in steps[1:])}
         finally:
             client.close()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
 
 
 def _step_overhead(before: dict, after: dict) -> tuple[float, float]:
