@@ -5,7 +5,11 @@ header, never inside msgpack, never pickled. Each class validates its header whe
 Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING from the client;
 PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG from the broker.
 Broker <-> worker (DEALER identity gpu<i> -> ROUTER, backend): READY, HEARTBEAT, STEP_REPLY,
-VRAM_REPLY, INFO_REPLY, ERROR from a worker; STEP, VRAM, INFO, HEARTBEAT, SHUTDOWN from the broker."""
+VRAM_REPLY, INFO_REPLY, ERROR from a worker; STEP, VRAM, INFO, HEARTBEAT, SHUTDOWN from the broker.
+Broker <-> vision worker (DEALER identity ``vision``): VISION_READY, HEARTBEAT, ENCODE_REPLY,
+WORKER_ERROR from it; ENCODE, HEARTBEAT, SHUTDOWN from the broker.
+
+A field named in ``TENSOR_LISTS`` is a list of tensors, one raw frame each (a request's images)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
@@ -23,6 +27,20 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, strict=False)
     TYPE: ClassVar[bytes] = b""
     TENSORS: ClassVar[tuple[str, ...]] = ()
+    TENSOR_LISTS: ClassVar[tuple[str, ...]] = ()
+
+
+MAX_IMAGES_PER_MESSAGE = 16  # the wire's frame limit; vision.max_images_per_request is the real one
+
+
+def _check_image_frames(images):
+    """Encoded image files travel as 1-D uint8 frames, one per image."""
+    if images is None:
+        return images
+    for i, image in enumerate(images):
+        if image.dtype != np.uint8 or image.ndim != 1 or image.size == 0:
+            raise ValueError(f"image {i} must be a non-empty 1-D uint8 frame (the file's bytes)")
+    return images
 
 
 # -- client <-> broker ----------------------------------------------------------------------------
@@ -41,14 +59,25 @@ class Sampling(BaseModel):
 
 
 class Generate(Message):
-    """Start a request. Exactly one of prompt (text), prompt_tokens or messages (chat)."""
+    """Start a request. Exactly one of prompt (text), prompt_tokens or messages (chat).
+
+    ``images``: the encoded files (PNG, JPEG, WebP, GIF), one raw uint8 frame each, in the order of
+    the prompt's image placeholders: ``{"type": "image"}`` parts of ``messages``, or the model's
+    image token (one per image, unexpanded) in ``prompt`` / ``prompt_tokens``."""
 
     TYPE = b"GENERATE"
+    TENSOR_LISTS = ("images",)
     id: str = Field(min_length=1, max_length=128)
     prompt: str | None = None
     prompt_tokens: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_PROMPT)
     messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
     sampling: Sampling = Field(default_factory=Sampling)
+    images: list[np.ndarray] | None = Field(None, max_length=MAX_IMAGES_PER_MESSAGE)
+
+    @field_validator("images")
+    @classmethod
+    def _image_frames(cls, images):
+        return _check_image_frames(images)
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -164,10 +193,13 @@ class Heartbeat(Message):
 
 class Step(Message):
     """One forward step through a stage (see workers/batch.py). ``hidden`` for stages after the first,
-    ``tokens`` for the first; sampling arrays are used by the last stage."""
+    ``tokens`` for the first; sampling arrays are used by the last stage. ``embeds`` (R, D) float32
+    and ``embed_rows`` (R,) int32, first stage only: rows of this step's T tokens whose token
+    embedding is replaced (image embeddings; a prefill chunk carries only the rows inside it)."""
 
     TYPE = b"STEP"
-    TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u")
+    TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
+               "embeds", "embed_rows")
     step_id: int
     top_logprobs: int = 0
     slots: np.ndarray
@@ -179,6 +211,8 @@ class Step(Message):
     top_k: np.ndarray | None = None
     top_p: np.ndarray | None = None
     u: np.ndarray | None = None
+    embeds: np.ndarray | None = None
+    embed_rows: np.ndarray | None = None
 
 
 class StepReply(Message):
@@ -208,7 +242,54 @@ class Shutdown(Message):
     TYPE = b"SHUTDOWN"
 
 
+# -- broker <-> vision worker ---------------------------------------------------------------------
+
+class VisionReady(Message):
+    """The vision worker has its device context and weights uploaded and is warm (its kernels ran
+    once), so the first ENCODE does not compile. ``start_s``: its own part of the start."""
+
+    TYPE = b"VISION_READY"
+    generation: str
+    gpu: int
+    device: str
+    pid: int
+    device_bytes: int = 0
+    num_image_tokens: int
+    hidden_size: int
+    start_s: float = 0.0
+
+
+class Encode(Message):
+    """Encode one request's images (the files' bytes, one raw frame each) into embeddings."""
+
+    TYPE = b"ENCODE"
+    TENSOR_LISTS = ("images",)
+    encode_id: int
+    request_id: str = Field(min_length=1, max_length=128)
+    images: list[np.ndarray] = Field(min_length=1, max_length=MAX_IMAGES_PER_MESSAGE)
+
+    @field_validator("images")
+    @classmethod
+    def _image_frames(cls, images):
+        return _check_image_frames(images)
+
+
+class EncodeReply(Message):
+    """``embeds`` (N * num_image_tokens, D) float32, the images' rows in order; or ``error`` (an
+    image the worker could not decode: ``image`` is its index) and no embeds."""
+
+    TYPE = b"ENCODE_REPLY"
+    TENSORS = ("embeds",)
+    encode_id: int
+    generation: str
+    compute_s: float = 0.0
+    embeds: np.ndarray | None = None
+    error: str | None = None
+    image: int | None = None
+
+
 MESSAGES: dict[bytes, type[Message]] = {
     cls.TYPE: cls for cls in (Generate, Cancel, Partial, Final, Error, Vram, VramReply, Info, InfoReply, Ping,
-                              Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown)
+                              Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown, VisionReady,
+                              Encode, EncodeReply)
 }

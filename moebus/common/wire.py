@@ -27,17 +27,24 @@ class WireError(ValueError):
         self.request_id = request_id
 
 
+def _add_frame(frames: list, array: np.ndarray) -> list:
+    array = np.ascontiguousarray(array)
+    frames.append(memoryview(array).cast("B") if array.size else b"")
+    return [len(frames) - 1, array.dtype.name, list(array.shape)]
+
+
 def encode(message: Message) -> list[bytes | memoryview]:
-    header = message.model_dump(exclude=set(message.TENSORS), exclude_none=True)
+    header = message.model_dump(exclude=set(message.TENSORS) | set(message.TENSOR_LISTS), exclude_none=True)
     frames: list = []
     tensors = {}
     for name in message.TENSORS:
         array = getattr(message, name)
-        if array is None:
-            continue
-        array = np.ascontiguousarray(array)
-        tensors[name] = [len(frames), array.dtype.name, list(array.shape)]
-        frames.append(memoryview(array).cast("B"))
+        if array is not None:
+            tensors[name] = _add_frame(frames, array)
+    for name in message.TENSOR_LISTS:  # a list of tensors: one spec and one frame each
+        arrays = getattr(message, name)
+        if arrays is not None:
+            tensors[name] = [_add_frame(frames, a) for a in arrays]
     if tensors:
         header[TENSORS_KEY] = tensors
     return [message.TYPE, msgpack.packb(header, use_bin_type=True)] + frames
@@ -84,10 +91,10 @@ def decode(frames: list) -> Message:
     if cls is None:
         raise WireError(f"unknown message type {msg_type[:32]!r}")
     raw_tensors = [memoryview(f) if not isinstance(f, (bytes, memoryview)) else f for f in frames[2:]]
-    if len(raw_tensors) > MAX_TENSOR_FRAMES:
-        raise WireError(f"{len(raw_tensors)} tensor frames exceed {MAX_TENSOR_FRAMES}", msg_type)
     header = _unpack_header(bytes(frames[1]))
     try:
+        if len(raw_tensors) > MAX_TENSOR_FRAMES:  # checked after the header so the error names the request
+            raise WireError(f"{len(raw_tensors)} tensor frames exceed {MAX_TENSOR_FRAMES}", msg_type)
         return _validate(cls, msg_type, header, raw_tensors)
     except WireError as e:
         request_id = header.get("id")
@@ -97,13 +104,21 @@ def decode(frames: list) -> Message:
 
 def _validate(cls, msg_type: bytes, header: dict, raw_tensors: list) -> Message:
     specs = header.pop(TENSORS_KEY, {})
-    if not isinstance(specs, dict) or not set(specs) <= set(cls.TENSORS):
+    if not isinstance(specs, dict) or not set(specs) <= set(cls.TENSORS) | set(cls.TENSOR_LISTS):
         raise WireError(f"{msg_type.decode()}: unexpected tensors {sorted(specs) if isinstance(specs, dict) else specs}",
                         msg_type)
-    if len(specs) != len(raw_tensors):
-        raise WireError(f"{msg_type.decode()}: {len(raw_tensors)} tensor frames for {len(specs)} tensors", msg_type)
+    used = []
     for name, spec in specs.items():
-        header[name] = _tensor(raw_tensors, spec)
+        if name in cls.TENSOR_LISTS:
+            if not isinstance(spec, list) or len(spec) > MAX_TENSOR_FRAMES:
+                raise WireError(f"{msg_type.decode()}: {name} must be a list of tensor specs", msg_type)
+            header[name] = [_tensor(raw_tensors, s) for s in spec]
+            used += [s[0] for s in spec]
+        else:
+            header[name] = _tensor(raw_tensors, spec)
+            used.append(spec[0])
+    if sorted(used) != list(range(len(raw_tensors))):  # every frame named exactly once
+        raise WireError(f"{msg_type.decode()}: {len(raw_tensors)} tensor frames for {len(used)} tensors", msg_type)
     try:
         return cls.model_validate(header)
     except ValidationError as e:

@@ -30,6 +30,16 @@ SAMPLES = [
                 logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
                 top_logprobs=np.zeros((2, 3), np.float32)),
     p.WorkerError(generation="g", step_id=3, message="boom", fatal=True),
+    p.Generate(id="r4", messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+               images=[np.frombuffer(b"\x89PNG fake", np.uint8), np.frombuffer(b"GIF89a", np.uint8)]),
+    p.Step(step_id=5, slots=np.zeros(1, np.int32), starts=np.zeros(1, np.int32), lengths=np.full(1, 3, np.int32),
+           tokens=np.arange(3, dtype=np.int32), embeds=np.ones((2, 8), np.float32),
+           embed_rows=np.array([0, 2], np.int32)),
+    p.VisionReady(generation="v", gpu=0, device="cpu", pid=9, device_bytes=1 << 20, num_image_tokens=4,
+                  hidden_size=8, start_s=0.2),
+    p.Encode(encode_id=2, request_id="r4", images=[np.frombuffer(b"abc", np.uint8)]),
+    p.EncodeReply(encode_id=2, generation="v", compute_s=0.1, embeds=np.ones((4, 8), np.float32)),
+    p.EncodeReply(encode_id=3, generation="v", error="image 1 is not an image", image=1),
 ]
 
 
@@ -46,12 +56,14 @@ def test_round_trip(message):
         a, b = getattr(message, name), getattr(back, name)
         if isinstance(a, np.ndarray):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+        elif isinstance(a, list) and a and isinstance(a[0], np.ndarray):  # a tensor list (images)
+            assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
         else:
             assert a == b or (isinstance(a, tuple) and list(a) == list(b))
 
 
 def test_tensors_are_raw_frames_not_msgpack():
-    step = SAMPLES[-3]
+    step = next(m for m in SAMPLES if isinstance(m, p.Step) and m.hidden is not None)
     frames = wire.encode(step)
     header = msgpack.unpackb(bytes(frames[1]))
     assert "hidden" not in header and header["_tensors"]["hidden"][1:] == ["float32", [1, 8]]
