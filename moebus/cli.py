@@ -60,6 +60,16 @@ def cmd_worker(args) -> int:
     return run_worker(settings, model_dir, args.gpu, layers, args.connect, device)
 
 
+def cmd_vision_zygote(args) -> int:
+    from moebus.common.demo_model import demo_model_dir
+    from moebus.cuda.devices import resolve_device
+    from moebus.workers.vision_zygote import run_zygote
+
+    settings = _settings(args)
+    return run_zygote(settings, settings.model or str(demo_model_dir()), args.connect, resolve_device(settings.device),
+                      args.control)
+
+
 def cmd_api(args) -> int:
     from moebus.api.server import run_api
 
@@ -146,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--connect", required=True, help="the broker's backend address")
     sp.add_argument("--layers", help="START:STOP (default: from layer_split / the GPU memory split)")
     sp.set_defaults(func=cmd_worker)
+
+    sp = sub.add_parser("vision-zygote", help="(spawned by the broker) the standby process that forks vision workers")
+    common(sp)
+    sp.add_argument("--connect", required=True, help="the broker's backend address")
+    sp.add_argument("--control", required=True, help="the Unix socket path the broker asks for starts on")
+    sp.set_defaults(func=cmd_vision_zygote)
 
     sp = sub.add_parser("api", help="the HTTP api alone (talks to a running broker)")
     common(sp, model=False)

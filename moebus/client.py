@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import zmq
 
 from moebus.common import transport, wire
@@ -139,11 +140,14 @@ class Client:
     # -- public API -----------------------------------------------------------------------------
 
     def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
-                 messages: list[dict] | None = None, request_id: str | None = None, **sampling) -> Stream:
-        """Start a request and stream it. ``sampling``: fields of protocol.Sampling."""
+                 messages: list[dict] | None = None, request_id: str | None = None,
+                 images: list[bytes] | None = None, **sampling) -> Stream:
+        """Start a request and stream it. ``sampling``: fields of protocol.Sampling. ``images``: the
+        files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md)."""
         request_id = request_id or uuid.uuid4().hex
+        frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
-                           sampling=Sampling(**sampling))
+                           sampling=Sampling(**sampling), images=frames)
         replies: queue.Queue = queue.Queue()
         with self._lock:
             self._queues[request_id] = replies

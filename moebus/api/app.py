@@ -21,6 +21,7 @@ def create_app(settings=None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
     app.json.sort_keys = False
     app.extensions["moebus"] = BrokerLink(settings.broker.frontend, settings.broker.curve_public_key)
+    app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
     require_api_key(app, settings.api.api_key)
     register_error_handlers(app)
     for module in (openai_routes, vram_routes, health_routes, metrics):

@@ -48,7 +48,7 @@ class BrokerLink:
         """The served model's name and context, asked once: it does not change while a broker lives."""
         if self._model is None:
             info = self.info()
-            self._model = {"name": info["model"], "max_context": info["max_context"]}
+            self._model = {"name": info["model"], "max_context": info["max_context"], "vision": bool(info.get("vision"))}
         return self._model
 
     def close(self) -> None:

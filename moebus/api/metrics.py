@@ -31,6 +31,11 @@ HELP = {
     "inter_token_latency_seconds": "Between two tokens of one request.",
     "e2e_request_latency_seconds": "From arrival to the end of a request.",
     "step_seconds": "One forward step through all stages.",
+    "vision_loaded": "1 while the vision worker is loaded (ready to encode).",
+    "vision_starts_total": "Vision worker starts.",
+    "images_total": "Images encoded.",
+    "vision_start_seconds": "From the VRAM hand-back to the vision worker's READY.",
+    "vision_encode_seconds": "One request's images encoded (the ENCODE round trip).",
 }
 GPU_GAUGES = {"expert_slots": "Expert cache slots.", "expert_cache_mib": "Expert cache size in MiB.",
               "free_mib": "Free VRAM in MiB.", "reserve_mib": "VRAM reserve in MiB (left free for others).",
@@ -57,6 +62,7 @@ class InfoCollector:
         for name in ("requests_running", "requests_waiting"):
             yield GaugeMetricFamily(PREFIX + name, HELP[name], value=info.get(name, 0))
         yield GaugeMetricFamily(PREFIX + "ready", HELP["ready"], value=1 if info.get("ready") else 0)
+        yield GaugeMetricFamily(PREFIX + "vision_loaded", HELP["vision_loaded"], value=info.get("vision_loaded", 0))
         for name, value in info.get("counters", {}).items():
             yield CounterMetricFamily(PREFIX + name, HELP.get(name, name), value=value)
         for name, h in info.get("histograms", {}).items():

@@ -1,13 +1,14 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
 from __future__ import annotations
 
-from flask import Blueprint, request
+from flask import Blueprint, current_app, request
 
+from moebus.api.images import count_images, take_images
 from moebus.api.link import current_link as link
 from moebus.api.responses import ChatFormatter, CompletionFormatter
 from moebus.api.schemas import ChatRequest, CompletionRequest, parse_body
 from moebus.api.streaming import answer
-from moebus.common.errors import NotFound
+from moebus.common.errors import NotFound, RequestError
 
 bp = Blueprint("openai", __name__)
 
@@ -24,8 +25,19 @@ def chat_completions():
     # logprobs: true asks the broker for at least one top token, which brings the tokens' texts too
     logprobs = max(req.top_n, 1) if req.top_n is not None else 0
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
-    stream = link().client.chat([m.to_broker() for m in req.messages], request_id=formatter.id, **sampling)
+    messages, images = _images([m.to_broker() for m in req.messages])
+    stream = link().client.chat(messages, request_id=formatter.id, images=images, **sampling)
     return answer(stream, formatter, _socket(), req.stream)
+
+
+def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
+    """The image files taken out of the messages, checked (api/images.py); None without images."""
+    if not count_images(messages):
+        return messages, None
+    if not link().model()["vision"]:
+        raise RequestError("model has no vision: image inputs are not supported", param="messages",
+                           code="model_has_no_vision")
+    return take_images(messages, current_app.extensions["moebus.vision"])
 
 
 @bp.post("/v1/completions")

@@ -13,7 +13,7 @@ KNOWN_PARTS = {"text", "image_url", "image", "input_image"}
 IMAGE_PARTS = KNOWN_PARTS - {"text"}
 
 
-def _check_messages(messages: list[dict]) -> None:
+def _check_messages(messages: list[dict], allow_images: bool = False) -> None:
     for n, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{n}] needs a string 'role'", param=f"messages.{n}.role")
@@ -27,6 +27,8 @@ def _check_messages(messages: list[dict]) -> None:
             if kind not in KNOWN_PARTS:
                 raise RequestError(f"messages[{n}].content[{k}] has unknown type {kind!r}",
                                    param=f"messages.{n}.content.{k}.type")
+            if kind == "image" and allow_images:
+                continue  # a placeholder: its image came as a raw frame (broker/vision_requests.py)
             if kind in IMAGE_PARTS:
                 raise RequestError("model has no vision: image inputs are not supported",
                                    param=f"messages.{n}.content.{k}", code="model_has_no_vision")
@@ -35,14 +37,14 @@ def _check_messages(messages: list[dict]) -> None:
                                    param=f"messages.{n}.content.{k}.text")
 
 
-def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int) -> list[int]:
+def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int, allow_images: bool = False) -> list[int]:
     given = [x is not None for x in (msg.prompt, msg.prompt_tokens, msg.messages)]
     if sum(given) != 1:
         raise RequestError("give exactly one of prompt, prompt_tokens or messages", param="prompt")
     if msg.messages is not None:
         if not msg.messages:
             raise RequestError("messages must not be empty", param="messages")
-        _check_messages(msg.messages)
+        _check_messages(msg.messages, allow_images)
         try:
             ids = tokenizer.encode_chat(msg.messages)
         except (TypeError, ValueError, LookupError, TemplateError) as e:  # the template met a shape it cannot render
@@ -60,8 +62,12 @@ def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int) -> list
 
 
 def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_size: int,
-                  max_context: int) -> Sequence:
-    ids = prompt_ids(msg, tokenizer, vocab_size)
+                  max_context: int, allow_images: bool = False, prepare_ids=None) -> Sequence:
+    """``allow_images``: image placeholder parts are rendered (their images came as frames);
+    ``prepare_ids``: a last say on the token ids before the context checks (image expansion)."""
+    ids = prompt_ids(msg, tokenizer, vocab_size, allow_images)
+    if prepare_ids is not None:
+        ids = prepare_ids(ids)
     if len(ids) >= max_context:
         raise RequestError(f"the prompt has {len(ids)} tokens; max_context is {max_context}",
                            param="messages" if msg.messages is not None else "prompt", code="context_length_exceeded")

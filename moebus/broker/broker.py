@@ -17,6 +17,8 @@ from moebus.broker.admission import make_sequence
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
+from moebus.broker.vision import VisionHooks
+from moebus.broker.vision_requests import step_embeds
 from moebus.broker.vram import VramFanout, per_gpu_reserves
 from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire
@@ -43,7 +45,9 @@ class InflightStep:
 
 class Broker:
     def __init__(self, settings, model_config: ModelConfig, tokenizer: TextTokenizer, pool: WorkerPool,
-                 model_name: str, backend_address: str, children=()):
+                 model_name: str, backend_address: str, children=(), vision=None):
+        """``vision``: None for a model without a vision tower, else a factory taking VisionHooks and
+        the Stats and returning the broker/vision.py VisionLifecycle that this loop drives."""
         self.settings = settings
         self.children = list(children)  # supervised besides the workers (the api server)
         self.config = model_config
@@ -57,6 +61,9 @@ class Broker:
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, max_bytes=settings.max_request_bytes)
         transport.secure_bind(self.frontend, settings.broker.frontend, *keys)
         self.backend = transport.make_socket(self.ctx, zmq.ROUTER)
+        # a restarted worker (a vision worker forks in milliseconds) may connect before the broker has
+        # seen its predecessor's connection close: the new connection takes the identity over
+        self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
         transport.secure_bind(self.backend, backend_address, *keys)
         self.inflight: InflightStep | None = None
         self.vram_queue: deque[VramFanout] = deque()
@@ -64,6 +71,7 @@ class Broker:
         self.step_ids = itertools.count(1)
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
+        self.vision = vision(self._vision_hooks(), self.stats) if vision else None
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -74,6 +82,8 @@ class Broker:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
         self.pool.start()
+        if self.vision:
+            self.vision.start()
         for child in self.children:
             child.start()
         try:
@@ -109,6 +119,8 @@ class Broker:
         for w in self.pool:
             if w.is_ready:
                 transport.send(self.backend, Shutdown(), w.identity)
+        if self.vision:
+            self.vision.stop()
         self.pool.stop()
         for child in self.children:
             child.stop()
@@ -148,12 +160,21 @@ class Broker:
         if isinstance(msg, Generate):
             if self.stopping_since is not None:
                 raise Unavailable("server shutting down")
-            if self.scheduler.find(msg.id):
+            if self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id)):
                 raise RequestError(f"request id {msg.id!r} is already in use", param="id")
+            if msg.images:  # waits in the vision lifecycle until its embeddings are back
+                if self.vision is None:
+                    raise RequestError("model has no vision: image inputs are not supported", param="images",
+                                       code="model_has_no_vision")
+                self.vision.admit(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
+                self.stats.count("requests_total")
+                return
             seq = make_sequence(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
             self.scheduler.submit(seq)
             self.stats.count("requests_total")
         elif isinstance(msg, Cancel):
+            if self.vision and self.vision.cancel(msg.id, client):
+                return
             seq = self.scheduler.find(msg.id)
             if seq is not None and seq.client == client:
                 self._finish(seq, "cancelled")
@@ -173,13 +194,16 @@ class Broker:
         return {"ready": self.pool.all_ready(), "model": self.model_name,
                 "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
                 "max_context": self.settings.max_context, "vocab_size": self.config.vocab_size,
-                **self.stats.to_dict(),
+                **self.stats.to_dict(), **(self.vision.info() if self.vision else {"vision_loaded": 0}),
                 "gpus": [{"gpu": w.gpu, "ready": w.is_ready, "layers": [w.layers.start, w.layers.stop],
                           "restarts": w.child.restarts if w.child else 0, **w.info, **w.vram} for w in self.pool]}
 
     # -- workers ----------------------------------------------------------------------------------
 
     def _on_worker(self, identity: bytes, frames) -> None:
+        if identity == b"vision" and self.vision is not None:
+            self._on_vision(frames)
+            return
         worker = self.pool.by_identity(identity)
         try:
             msg = wire.decode(frames)
@@ -237,6 +261,22 @@ class Broker:
             self._on_vram_reply(worker, VramReply(reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
                                                   error=reason))
 
+    def _on_vision(self, frames) -> None:
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as e:
+            self.stats.count("invalid_messages_total")
+            log.error("invalid message from the vision worker: %s", e)
+            return
+        self.vision.on_message(msg)
+
+    def _vision_hooks(self) -> VisionHooks:
+        return VisionHooks(
+            send=lambda message: transport.send(self.backend, message, b"vision"),
+            queue_vram=lambda reserves, on_done: self.vram_queue.append(
+                VramFanout(b"", reserves, query=False, on_done=on_done)),
+            submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready)
+
     def _supervise(self, now: float) -> None:
         for worker, reason in self.pool.lost(now):
             self._lose(worker, reason)
@@ -244,6 +284,8 @@ class Broker:
             status = child.exited()
             if status is not None:
                 log.error("%s exited with status %s; restarting", child.name, status)
+        if self.stopping_since is None and self.vision:
+            self.vision.tick(now)
         if self.stopping_since is None:
             self.stats.count("worker_restarts_total", self.pool.restart_dead())
             for child in self.children:
@@ -277,9 +319,11 @@ class Broker:
 
     def _send_step(self, hidden) -> None:
         step, plan = self.inflight, self.inflight.plan
+        embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
         message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots, starts=plan.starts,
                        lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None, hidden=hidden,
-                       temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u)
+                       temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
+                       embeds=embeds, embed_rows=embed_rows)
         transport.send(self.backend, message, self.pool[step.stage].identity)
 
     def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:
@@ -355,6 +399,9 @@ class Broker:
         if fanout.complete(len(self.pool)):
             self.vram_inflight = None
             reply = fanout.aggregate()
+            if fanout.on_done is not None:  # the vision lifecycle's own hand-back or regrow
+                fanout.on_done(reply)
+                return
             if reply.error and all(r.error for r in fanout.replies.values()):
                 self._reply(fanout.client, Error(id=fanout.request_id, message=reply.error, param="reserve_mib", status=400))
             else:

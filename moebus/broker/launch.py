@@ -55,9 +55,10 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     log.info("model %s on %s: %s", model_dir, device, ", ".join(f"gpu{i} layers {r.start}-{r.stop - 1}"
                                                                    for i, r in enumerate(ranges)))
     pool = WorkerPool(ranges, children, settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
+    vision = _vision_lifecycle(settings, settings_file, run_dir, len(ranges), backend)
     try:
         broker = Broker(settings, config, TextTokenizer(model_dir, config.eos_token_ids), pool,
-                        model_name=Path(model_dir).name, backend_address=backend, children=extra)
+                        model_name=Path(model_dir).name, backend_address=backend, children=extra, vision=vision)
         return broker.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -69,3 +70,23 @@ def _worker_child(settings, settings_file: Path, index: int, layers: range, back
                        "--device", settings.device)
     env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[index])} if settings.device == "cuda" else {}
     return Child(f"gpu{index} worker", argv, env)
+
+
+def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: int, backend: str):
+    """None for a model without a vision tower; else a factory of the broker's VisionLifecycle with
+    the zygote as its child process (spawned at boot, it forks each vision worker)."""
+    from moebus.broker.vision import VisionLifecycle
+    from moebus.common.vision_config import load_vision_config
+
+    vision_config = load_vision_config(settings.model)
+    if vision_config is None:
+        return None
+    gpu = settings.vision.gpu
+    if gpu >= num_gpus:
+        raise ConfigError(f"config key 'vision.gpu': {gpu} but there are {num_gpus} GPU(s)")
+    control = str(run_dir / "vision-zygote.sock")
+    argv = python_argv("vision-zygote", "--config", str(settings_file), "--model", settings.model,
+                       "--device", settings.device, "--connect", backend, "--control", control)
+    env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[gpu])} if settings.device == "cuda" else {}
+    zygote = Child("vision zygote", argv, env)
+    return lambda hooks, stats: VisionLifecycle(settings, vision_config, num_gpus, zygote, control, hooks, stats)

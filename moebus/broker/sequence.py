@@ -29,6 +29,8 @@ class Sequence:
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
+    embeds: np.ndarray | None = None  # (I, D) float32 image embeddings, one row per image token of the prompt
+    embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)

@@ -4,6 +4,7 @@ and aggregate their replies into one line of comma lists, one value per cache in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moebus.common.errors import RequestError
 from moebus.common.protocol import Vram, VramReply
@@ -41,6 +42,7 @@ class VramFanout:
     query: bool
     request_id: str | None = None
     replies: dict[int, VramReply] = field(default_factory=dict)
+    on_done: Callable[[VramReply], None] | None = None  # the broker's own fan-out (vision): no client reply
 
     def complete(self, num_gpus: int) -> bool:
         return len(self.replies) == num_gpus

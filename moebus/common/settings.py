@@ -19,9 +19,20 @@ class _Section(BaseModel):
 
 
 class VisionSettings(_Section):
-    lazy: bool = True
-    idle_s: float = Field(60.0, gt=0)
+    """The lazy vision worker and the image limits (see docs/vision.md)."""
+
+    lazy: bool = True  # false: start at boot and never unload
+    idle_s: float = Field(60.0, gt=0)  # stop the vision worker this long after the last image
     vram_mib: list[int] | None = None  # None: the default for the GPU count (see docs/config.md)
+    gpu: int = Field(0, ge=0)  # the GPU (worker order) the vision worker runs on
+    start_timeout_s: float = Field(120.0, gt=0)  # hand-back + start longer than this fails the waiting images
+    max_image_bytes: int = Field(8 * 1024 * 1024, gt=0)  # one encoded image file
+    max_image_pixels: int = Field(40_000_000, gt=0)  # width x height, checked from the header before decoding
+    min_image_side_px: int = Field(2, ge=1)
+    max_aspect_ratio: float = Field(20.0, ge=1.0)  # longer side / shorter side
+    max_images_per_request: int = Field(8, ge=1, le=16)  # 16: the wire's frame limit
+    allowed_url_prefixes: list[str] = Field(default_factory=list)  # http(s) URLs the api may fetch; none by default
+    fetch_timeout_s: float = Field(10.0, gt=0)
 
 
 class ApiSettings(_Section):

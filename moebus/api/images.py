@@ -1,0 +1,100 @@
+"""``image_url`` parts of a chat request: take the image files out of the messages (each part
+becomes ``{"type": "image"}``, which the chat template renders as the model's image placeholder)
+and check each one fully here, in the api's own threads, so that the broker's loop never decodes an
+image and a bad one is refused before the vision worker starts. ``data:`` URLs always; http(s) URLs
+only under one of ``vision.allowed_url_prefixes`` (none by default: the server fetches nothing)."""
+from __future__ import annotations
+
+import base64
+import binascii
+
+import requests
+
+from moebus.common.errors import RequestError
+from moebus.common.images import ImageLimits, ImageTooLarge, check_bytes, decode_image
+
+
+def _where(n: int, k: int) -> str:
+    return f"messages[{n}].content[{k}].image_url"
+
+
+def _url(part: dict) -> str:
+    image = part.get("image_url")
+    return image if isinstance(image, str) else image["url"]  # the schema checked that one exists
+
+
+def _from_data_url(url: str, limits: ImageLimits, where: str) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise RequestError(f"{where}: a data URL must read data:image/<type>;base64,<data>", param=where,
+                           code="invalid_image_url")
+    check_bytes(len(payload) * 3 // 4 - 2, limits, where)  # refuse a huge payload before decoding it
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where}: the data URL is not valid base64", param=where, code="invalid_image_url") from None
+
+
+def _fetch(url: str, limits: ImageLimits, where: str, timeout_s: float) -> bytes:
+    try:  # no redirects: a redirect could lead outside the allowed prefixes
+        with requests.get(url, stream=True, timeout=timeout_s, allow_redirects=False) as response:
+            if response.status_code != 200:
+                raise RequestError(f"{where}: fetching the image answered HTTP {response.status_code}", param=where,
+                                   code="image_fetch_failed")
+            data = bytearray()
+            for chunk in response.iter_content(1 << 16):
+                data += chunk
+                if len(data) > limits.max_bytes:
+                    check_bytes(len(data), limits, where)
+            return bytes(data)
+    except requests.RequestException as e:
+        raise RequestError(f"{where}: fetching the image failed ({type(e).__name__})", param=where,
+                           code="image_fetch_failed") from None
+
+
+def _image_bytes(url: str, vision, limits: ImageLimits, where: str) -> bytes:
+    if url.startswith("data:"):
+        return _from_data_url(url, limits, where)
+    if url.startswith(("http://", "https://")):
+        if any(url.startswith(prefix) for prefix in vision.allowed_url_prefixes):
+            return _fetch(url, limits, where, vision.fetch_timeout_s)
+        raise RequestError(f"{where}: http(s) image URLs are not fetched unless vision.allowed_url_prefixes lists "
+                           "them; send the image as a data: URL", param=where, code="image_url_not_allowed")
+    raise RequestError(f"{where}: image URLs must be data: URLs (or http(s) under vision.allowed_url_prefixes)",
+                       param=where, code="invalid_image_url")
+
+
+def count_images(messages: list[dict]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if part.get("type") == "image_url")
+
+
+def take_images(messages: list[dict], vision) -> tuple[list[dict], list[bytes]]:
+    """(messages with each image_url part replaced by an image placeholder part, the image files in
+    order). Raises RequestError (400) or ImageTooLarge (413) naming the part."""
+    num_images = count_images(messages)
+    if num_images > vision.max_images_per_request:
+        raise RequestError(f"{num_images} images in one request; at most {vision.max_images_per_request} "
+                           "(vision.max_images_per_request)", param="messages", code="too_many_images")
+    limits = ImageLimits.from_settings(vision)
+    images, out = [], []
+    for n, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for k, part in enumerate(content):
+            if part.get("type") != "image_url":
+                parts.append(part)
+                continue
+            where = _where(n, k)
+            data = _image_bytes(_url(part), vision, limits, where)
+            decode_image(data, limits, where).close()
+            images.append(data)
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images
+
+
+__all__ = ["ImageTooLarge", "count_images", "take_images"]

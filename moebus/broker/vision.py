@@ -1,0 +1,336 @@
+"""The vision lifecycle, driven from the broker's one loop (``tick`` on every turn, ``on_message``
+for what the vision worker sends, ``on_event`` for the zygote's control events). States:
+
+    cold --image--> handing_back --all VRAM replies--> starting --VISION_READY--> ready
+    ready --idle_s without images--> stopping --worker exited--> regrowing --bare VRAM done--> cold
+
+An image request waits in ``waiting`` (never in the scheduler) until its embeddings are back; text
+requests keep decoding throughout, since the hand-back is one VRAM fan-out between two steps and
+the start runs in another process. A new image during stopping or regrowing waits and starts the
+worker again. With ``vision.lazy`` false the worker is started once every GPU worker is ready and
+is never stopped for idleness."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from moebus.broker.vision_control import ZygoteControl
+from moebus.broker.vision_requests import ImageRequest, admit_image_request
+from moebus.common.errors import ServerBusy
+from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
+
+log = logging.getLogger("moebus.broker")
+COLD, HANDING_BACK, STARTING, READY, STOPPING, REGROWING = ("cold", "handing_back", "starting", "ready", "stopping",
+                                                             "regrowing")
+STOP_GRACE_S = 10.0  # a worker told to stop that has not exited by then is killed
+MAX_BACKOFF_S = 30.0
+MIB = 1 << 20
+
+
+@dataclass
+class VisionHooks:
+    """What the lifecycle may ask of the broker."""
+
+    send: Callable  # (message) -> None, to the vision worker over the backend socket
+    queue_vram: Callable  # (reserves per GPU or None for bare, on_done(VramReply)) -> None
+    submit: Callable  # (Sequence) -> None: into the scheduler; raises ServerBusy
+    reply: Callable  # (client, message) -> None
+    workers_ready: Callable  # () -> bool
+
+
+def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int) -> list[int]:
+    """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
+    measured split: context + tower + activations on the vision GPU, and room for the embeddings'
+    traffic and the loaned prefill scratch elsewhere). cpu: exactly what the vision worker charges
+    to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
+    vision.max_images_per_request images), in whole MiB, on the vision GPU only."""
+    if device == "cuda":
+        return [1800] if num_gpus == 1 else [1700 if g == vision_gpu else 600 for g in range(num_gpus)]
+    need = -(-charge_bytes // MIB) + 1
+    return [need if g == vision_gpu else 0 for g in range(num_gpus)]
+
+
+class VisionLifecycle:
+    def __init__(self, settings, vision_config, num_gpus: int, zygote, control_path: str, hooks: VisionHooks,
+                 stats):
+        self.settings = settings
+        self.config = vision_config  # common/vision_config.py VisionConfig
+        self.vision = settings.vision
+        self.num_gpus = num_gpus
+        self.zygote = zygote  # a Child (None: tests drive the zygote themselves)
+        self.control = ZygoteControl(control_path)
+        self.hooks = hooks
+        self.stats = stats
+        self.state = COLD
+        self.zygote_info: dict | None = None  # the zygote's hello: it is ready to fork
+        self.waiting: deque[ImageRequest] = deque()
+        self.encoding: ImageRequest | None = None
+        self.encode_ids = iter(range(1, 1 << 62))
+        self.encode_id = 0
+        self.generation: str | None = None
+        self.worker_pid: int | None = None
+        self.since_s = self.last_seen_s = self.next_beat_s = self.last_image_s = 0.0
+        self.backoff_s, self.next_start_s = 0.5, 0.0
+        self.last_cycle: dict = {}
+
+    # -- the broker's hooks -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.zygote is not None:
+            self.zygote.start()
+
+    def stop(self) -> None:
+        for req in list(self.waiting) + ([self.encoding] if self.encoding else []):
+            self._fail(req, "server shutting down", 503)
+        self.waiting.clear()
+        self.encoding = None
+        if self.generation is not None:
+            self.hooks.send(Shutdown())
+        self.control.close()
+        if self.zygote is not None:
+            self.zygote.stop()
+
+    def admit(self, msg, client: bytes, tokenizer, vocab_size: int, max_context: int) -> None:
+        """Queue a GENERATE with images; raises RequestError (the broker answers it)."""
+        self.submit(admit_image_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
+                                        self.config.image_token_id, self.config.num_image_tokens))
+
+    def submit(self, req: ImageRequest) -> None:
+        if len(self.waiting) >= self.settings.max_queue:
+            raise ServerBusy(f"server busy: {len(self.waiting)} image requests waiting (max_queue)")
+        self.waiting.append(req)
+
+    def find(self, request_id: str) -> ImageRequest | None:
+        if self.encoding is not None and self.encoding.seq.id == request_id:
+            return self.encoding
+        return next((r for r in self.waiting if r.seq.id == request_id), None)
+
+    def cancel(self, request_id: str, client: bytes) -> bool:
+        """Cancel an image request that has not reached the scheduler; False: not one of ours."""
+        req = self.find(request_id)
+        if req is None or req.seq.client != client:
+            return False
+        if req is self.encoding:
+            self.encoding = None  # its reply, when it comes, is dropped (encode_id no longer matches)
+            self.encode_id = 0
+            self.last_image_s = time.monotonic()
+        else:
+            self.waiting.remove(req)
+        self.hooks.reply(client, Final(id=request_id, finish_reason="cancelled", prompt_tokens=len(req.seq.prompt),
+                                       completion_tokens=0))
+        return True
+
+    def reserves(self) -> list[float | None]:
+        charge = (self.zygote_info or {}).get("charge_bytes", 0)
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, self.vision.gpu, charge)
+        values = [float(v) for v in values[: self.num_gpus]]
+        return values + [None] * (self.num_gpus - len(values))
+
+    def info(self) -> dict:
+        return {"vision_loaded": int(self.state == READY),
+                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu, "lazy": self.vision.lazy,
+                           "vram_mib": self.reserves(), "waiting": len(self.waiting) + (self.encoding is not None),
+                           "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        self._supervise_zygote()
+        for event in self.control.poll():
+            self.on_event(event, now)
+        if self.state == COLD and self._wanted() and self.zygote_info and now >= self.next_start_s \
+                and self.hooks.workers_ready():
+            self._hand_back(now)
+        elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
+            log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
+            self.control.send("kill")
+            self.since_s = now  # one kill per timeout; the exit event ends the start
+        elif self.state == READY:
+            self._serve(now)
+        elif self.state == STOPPING and now - self.since_s > STOP_GRACE_S:
+            self.control.send("kill")
+            self.since_s = now
+        if self.state in (STARTING, READY, STOPPING) and now >= self.next_beat_s:
+            self.next_beat_s = now + self.settings.broker.heartbeat_s
+            self.hooks.send(Heartbeat())
+        if self.zygote_info is None:
+            self._expire_waiting(now)
+
+    def _wanted(self) -> bool:
+        return bool(self.waiting) or not self.vision.lazy
+
+    def _serve(self, now: float) -> None:
+        if now - self.last_seen_s > self.settings.broker.heartbeat_s * self.settings.broker.heartbeat_liveness:
+            log.error("vision worker missed heartbeats for %.1f s; killing it", now - self.last_seen_s)
+            self.control.send("kill")
+            self.last_seen_s = now
+            return
+        if self.encoding is None and self.waiting:
+            self._send_encode(self.waiting.popleft(), now)
+        elif self.encoding is None and self.vision.lazy and now - self.last_image_s >= self.vision.idle_s:
+            log.info("vision idle for %.1f s: stopping the vision worker", now - self.last_image_s)
+            self.hooks.send(Shutdown())
+            self.state, self.since_s = STOPPING, now
+
+    def _expire_waiting(self, now: float) -> None:
+        """No zygote to fork from (still loading, or restarting): requests wait at most start_timeout_s."""
+        for req in [r for r in self.waiting if now - r.arrived_s > self.vision.start_timeout_s]:
+            self.waiting.remove(req)
+            self._fail(req, "the vision worker is not available (its zygote is not ready)", 503)
+
+    def _supervise_zygote(self) -> None:
+        if self.zygote is None:
+            return
+        status = self.zygote.exited()
+        if status is not None:
+            log.error("vision zygote exited with status %s; restarting", status)
+            self.on_event({"event": "gone"}, time.monotonic())
+        self.zygote.maybe_restart()
+
+    # -- start, stop ----------------------------------------------------------------------------
+
+    def _hand_back(self, now: float) -> None:
+        self.state, self.since_s = HANDING_BACK, now
+        self.last_cycle = {"began_s": now}
+        self.hooks.queue_vram(self.reserves(), self._handed_back)
+
+    def _handed_back(self, reply) -> None:
+        now = time.monotonic()
+        if reply.error:
+            log.warning("vision hand-back: %s", reply.error)
+        self.last_cycle["handback_s"] = now - self.last_cycle["began_s"]
+        self.last_cycle["handed_back_s"] = now
+        if not self.control.send("start"):
+            self._start_failed("the vision zygote is not connected", now)
+            return
+        self.state, self.since_s = STARTING, now
+
+    def _start_failed(self, reason: str, now: float) -> None:
+        for req in list(self.waiting):
+            self._fail(req, f"the vision worker could not start: {reason}", 503, code="vision_unavailable")
+        self.waiting.clear()
+        self.next_start_s = now + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
+        self._regrow()
+
+    def _regrow(self) -> None:
+        self.state = REGROWING
+        self.hooks.queue_vram([None] * self.num_gpus, self._regrown)
+
+    def _regrown(self, reply) -> None:
+        if reply.error:
+            log.warning("vision regrow: %s", reply.error)
+        self.state = COLD
+
+    def on_event(self, event: dict, now: float) -> None:
+        kind = event.get("event")
+        if kind == "hello":
+            self.zygote_info = event
+            log.info("vision zygote ready (pid %s, %.1f MiB to charge)", event.get("pid"),
+                     event.get("charge_bytes", 0) / MIB)
+        elif kind == "started":
+            self.worker_pid = event.get("pid")
+        elif kind == "exited" and event.get("pid") == self.worker_pid:
+            self._exited(f"status {event.get('status')}" + (f": {event['reason']}" if event.get("reason") else ""), now)
+        elif kind == "gone":
+            self.zygote_info = None
+            if self.state in (STARTING, READY, STOPPING):
+                self._exited("the vision zygote exited", now)
+
+    def _exited(self, reason: str, now: float) -> None:
+        was, self.worker_pid, self.generation = self.state, None, None
+        if self.encoding is not None:
+            self._fail(self.encoding, f"the vision worker died during the encode ({reason})", 503,
+                       code="vision_unavailable")
+            self.encoding = None
+        if was == STARTING:
+            log.error("vision worker failed to start (%s)", reason)
+            self._start_failed(reason, now)
+        elif was == STOPPING:
+            if self.waiting:  # an image came during the stop: start again (the hand-back is cheap if still free)
+                self._hand_back(now)
+            else:
+                self._regrow()
+        else:
+            log.error("vision worker exited (%s)", reason)
+            self._regrow()
+
+    # -- the vision worker --------------------------------------------------------------------
+
+    def on_message(self, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, VisionReady):
+            self._on_ready(msg, now)
+            return
+        if getattr(msg, "generation", None) != self.generation or self.generation is None:
+            return  # from an earlier vision worker: its requests have been answered already
+        self.last_seen_s = now
+        if isinstance(msg, EncodeReply):
+            self._on_encoded(msg, now)
+        elif isinstance(msg, WorkerError):
+            log.error("vision worker: %s", msg.message)
+            if self.encoding is not None and msg.step_id == self.encode_id:
+                self._fail(self.encoding, f"the vision worker failed the encode: {msg.message}", 500)
+                self.encoding, self.last_image_s = None, now
+
+    def _on_ready(self, msg: VisionReady, now: float) -> None:
+        if self.state != STARTING or msg.pid != self.worker_pid:
+            if msg.pid != self.worker_pid:
+                log.error("VISION_READY from pid %d, expected %s: dropped", msg.pid, self.worker_pid)
+            return
+        self.state, self.generation = READY, msg.generation
+        self.last_seen_s = self.last_image_s = now
+        self.backoff_s = 0.5
+        began = self.last_cycle.get("handed_back_s", now)
+        self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s)
+        self.stats.count("vision_starts_total")
+        self.stats.observe("vision_start_seconds", now - self.last_cycle.get("began_s", now))
+        log.info("vision worker ready on gpu%d (pid %d, %.1f MiB on the device, start %.2f s)", msg.gpu, msg.pid,
+                 msg.device_bytes / MIB, now - self.last_cycle.get("began_s", now))
+
+    def _send_encode(self, req: ImageRequest, now: float) -> None:
+        self.encode_id = next(self.encode_ids)
+        req.encode_sent_s = now
+        self.encoding = req
+        self.hooks.send(Encode(encode_id=self.encode_id, request_id=req.seq.id, images=req.images))
+
+    def _on_encoded(self, msg: EncodeReply, now: float) -> None:
+        req = self.encoding
+        if req is None or msg.encode_id != self.encode_id:
+            return  # its request was cancelled meanwhile
+        self.encoding, self.last_image_s = None, now
+        self.stats.observe("vision_encode_seconds", now - req.encode_sent_s)
+        if msg.error is not None:
+            where = f"images[{msg.image}]" if msg.image is not None else "images"
+            self._fail(req, msg.error, 400, kind="invalid_request_error", param=where, code="invalid_image")
+            return
+        seq = req.seq
+        if msg.embeds is None or msg.embeds.shape[0] != len(seq.embed_positions):
+            self._fail(req, "the vision worker answered embeddings of the wrong shape", 500)
+            return
+        self.stats.count("images_total", len(req.images))
+        seq.embeds = msg.embeds
+        if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
+            self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq)
+        try:
+            self.hooks.submit(seq)
+        except Exception as e:  # ServerBusy: the queue filled while it was encoded
+            self._fail(req, str(e), getattr(e, "http_status", 503))
+
+    def _fail(self, req: ImageRequest, message: str, status: int, kind: str | None = None, param: str | None = None,
+              code: str | None = None) -> None:
+        self.stats.count("requests_failed_total")
+        kind = kind or ("service_unavailable" if status == 503 else "server_error")
+        self.hooks.reply(req.seq.client, Error(id=req.seq.id, message=message, type=kind, status=status, param=param,
+                                               code=code))
+
+    def _last_cycle(self) -> dict:
+        """The last cold start's time split: hand-back, start, the first encode, its prefill."""
+        cycle = {k: v for k, v in self.last_cycle.items() if k in ("handback_s", "start_s", "worker_start_s", "encode_s")}
+        seq = self.last_cycle.get("seq")
+        if seq is not None and seq.first_token_s is not None:
+            cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]
+        return cycle

@@ -1,0 +1,78 @@
+"""Image requests in the broker: admission (the images' headers checked, the prompt's image
+placeholders counted and expanded to the model's image tokens) and, once encoded, the rows of
+each step's tokens that carry image embeddings (a prefill chunk carries only those inside it)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moebus.broker.admission import make_sequence
+from moebus.broker.sequence import Sequence
+from moebus.common.errors import RequestError
+from moebus.common.images import ImageLimits, check_header
+from moebus.common.protocol import Generate
+
+
+@dataclass
+class ImageRequest:
+    """A sequence that waits for its image embeddings before it may be scheduled."""
+
+    seq: Sequence
+    images: list[np.ndarray]
+    arrived_s: float = field(default_factory=time.monotonic)
+    encode_sent_s: float | None = None
+
+
+def _check_parts(messages: list[dict] | None) -> None:
+    for n, message in enumerate(messages or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for k, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+                raise RequestError(f"messages[{n}].content[{k}]: over ZeroMQ an image is a raw frame of GENERATE's "
+                                   "images with a {'type': 'image'} part in its place", param=f"messages[{n}].content[{k}]")
+
+
+def admit_image_request(msg: Generate, client: bytes, tokenizer, vocab_size: int, max_context: int, vision,
+                        image_token_id: int, num_image_tokens: int) -> ImageRequest:
+    """An ImageRequest for a GENERATE with images; raises RequestError naming what is wrong."""
+    images = msg.images or []
+    if len(images) > vision.max_images_per_request:
+        raise RequestError(f"{len(images)} images in one request; at most {vision.max_images_per_request} "
+                           "(vision.max_images_per_request)", param="images", code="too_many_images")
+    limits = ImageLimits.from_settings(vision)
+    for i, image in enumerate(images):
+        check_header(image.tobytes(), limits, f"images[{i}]")
+    _check_parts(msg.messages)
+
+    def expand(ids: list[int]) -> list[int]:
+        from moebus.common.image_processor import expand_image_tokens
+
+        found = ids.count(image_token_id)
+        if found != len(images):
+            raise RequestError(f"the prompt has {found} image placeholder(s) for {len(images)} image(s)",
+                               param="images", code="image_count_mismatch")
+        return expand_image_tokens(ids, image_token_id, num_image_tokens)
+
+    seq = make_sequence(msg, client, tokenizer, vocab_size, max_context, allow_images=True, prepare_ids=expand)
+    seq.embed_positions = np.flatnonzero(np.asarray(seq.prompt) == image_token_id).astype(np.int32)
+    return ImageRequest(seq, images)
+
+
+def step_embeds(seqs, starts, lengths) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(embeds (R, D) float32, rows (R,) int32 of the step's T tokens) for the image tokens that
+    this step feeds, or (None, None) when it feeds none."""
+    chunks, rows, offset = [], [], 0
+    for seq, start, length in zip(seqs, starts, lengths):
+        start, length = int(start), int(length)
+        if seq.embeds is not None:
+            positions = seq.embed_positions
+            lo, hi = np.searchsorted(positions, [start, start + length])
+            if hi > lo:
+                rows.append(positions[lo:hi] - start + offset)
+                chunks.append(seq.embeds[lo:hi])
+        offset += length
+    if not chunks:
+        return None, None
+    return np.concatenate(chunks).astype(np.float32, copy=False), np.concatenate(rows).astype(np.int32)

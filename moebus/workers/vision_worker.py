@@ -1,0 +1,123 @@
+"""The vision worker process, forked by the vision zygote (workers/vision_zygote.py) with the weights
+already in host RAM: it creates its device backend (on cuda: its CUDA context), uploads the tower
+and projector, runs them once so that no kernel is compiled (or loaded from numba's disk cache)
+during a request, registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
+exits then, so that everything it holds on the device, context included, goes back to the driver.
+
+On the cpu device its memory is charged to the emulated GPU's ledger before anything is built, so
+it really fails to start when the expert caches did not hand the memory back."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from moebus.common.errors import RequestError
+from moebus.common.images import ImageLimits, decode_image
+from moebus.common.protocol import Encode, EncodeReply, Shutdown, VisionReady, WorkerError
+from moebus.cuda.backend import is_fatal_device_error, make_backend
+from moebus.workers.cache_sizing import emulated_gpu
+from moebus.workers.link import BrokerLink
+from moebus.workers.vision_model import VisionModel
+
+log = logging.getLogger("moebus.vision")
+
+
+def encode_scratch_bytes(cfg, num_images: int) -> int:
+    """Activations of one ENCODE of ``num_images`` images (float32, with room for the backend's
+    buffer reuse): per position the residual, norm, qkv, attention output and MLP rows, and the
+    attention scores of every head."""
+    seq = cfg.num_positions
+    per_image = seq * (6 * cfg.hidden_size + cfg.intermediate_size + cfg.num_heads * seq + cfg.text_hidden_size)
+    return 2 * 4 * num_images * per_image
+
+
+def charge_bytes(cfg, weights: dict, max_images: int) -> int:
+    """What the worker holds on its device: the weights as the cpu backend keeps them (float32)
+    plus the activations of the largest ENCODE. The broker's cpu default of vision.vram_mib."""
+    return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, max_images)
+
+
+class VisionWorker:
+    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits):
+        self.model = model
+        self.processor = processor
+        self.link = link
+        self.limits = limits
+
+    def serve(self) -> int:
+        """recv -> handle -> reply until SHUTDOWN. Returns the process exit status."""
+        while True:
+            message = self.link.recv(timeout_s=1.0)
+            if message is None:
+                continue
+            if isinstance(message, Shutdown):
+                return 0
+            try:
+                self.link.send(self.handle(message))
+            except Exception as e:  # noqa: BLE001 - every failure is reported to the broker
+                fatal = is_fatal_device_error(e)
+                log.exception("encode failed%s", " (fatal device error, exiting)" if fatal else "")
+                self.link.send(WorkerError(generation=self.link.generation, message=f"{type(e).__name__}: {e}",
+                                           step_id=getattr(message, "encode_id", None), fatal=fatal))
+                if fatal:
+                    return 3
+
+    def handle(self, message):
+        if isinstance(message, Encode):
+            return self.encode(message)
+        raise ValueError(f"unexpected message {type(message).__name__}")
+
+    def encode(self, msg: Encode) -> EncodeReply:
+        started = time.perf_counter()
+        pixels = []
+        for i, data in enumerate(msg.images):
+            try:
+                image = decode_image(data.tobytes(), self.limits, f"images[{i}]")
+            except RequestError as e:
+                return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, error=e.message, image=i)
+            with image:
+                pixels.append(self.processor.preprocess(image))
+        embeds = self._encode(pixels)
+        return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation,
+                           compute_s=time.perf_counter() - started, embeds=embeds)
+
+    def _encode(self, pixels: list[np.ndarray]) -> np.ndarray:
+        """(N * num_image_tokens, D): one batch when every image has the same size (the usual case)."""
+        if all(p.shape == pixels[0].shape for p in pixels):
+            out = self.model.encode(np.stack(pixels))
+        else:  # a processor that keeps the aspect ratio (no crop): one image at a time
+            out = np.concatenate([self.model.encode(p[None]) for p in pixels])
+        return np.ascontiguousarray(out.reshape(-1, out.shape[-1]), dtype=np.float32)
+
+
+def warm_up(model: VisionModel, processor, cfg) -> None:
+    """Run the tower once on a blank image: kernels are compiled (first start) or loaded from
+    numba's on-disk cache here, before VISION_READY, never inside a request."""
+    height, width = processor.image_size or (cfg.image_size, cfg.image_size)
+    model.encode(np.zeros((1, cfg.num_channels, height, width), np.float32))
+
+
+def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int) -> int:
+    """Runs in the forked child of the zygote. Raises on a failed start (the zygote reports why)."""
+    started = time.perf_counter()
+    gpu = settings.vision.gpu
+    if device == "cpu":  # before any allocation, as cudaMalloc would fail
+        emulated_gpu(settings, gpu).allocate(charge, "vision")
+    backend = make_backend(device)
+    model = VisionModel(cfg, weights, backend)
+    warm_up(model, processor, cfg)
+    link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
+                      server_key=settings.broker.curve_public_key)
+    link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
+                           device_bytes=charge if device == "cpu" else model.device_bytes,
+                           num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
+                           start_s=time.perf_counter() - started))
+    log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
+             model.device_bytes / (1 << 20), time.perf_counter() - started)
+    try:
+        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision)).serve()
+    finally:
+        link.close()

@@ -1,0 +1,184 @@
+"""The vision zygote: a standby process spawned by the broker at boot. It imports everything the
+vision worker runs and reads the vision weights into host RAM once, but creates no device context
+and no thread (a fork after CUDA init, or while another thread holds a lock, is not allowed).
+On each ``start`` it forks a fresh vision worker (workers/vision_worker.py), which pays only for its
+context and the upload; the worker exits on stop and the zygote reaps it.
+
+Its one loop owns the control socket (a Unix stream socket; JSON lines, see
+broker/vision_control.py). A child that fails to start writes one line of reason into a pipe
+before exiting; the zygote adds it to the ``exited`` event, so the image request that waited on the
+start learns why (e.g. the emulated GPU had no room because a cache did not hand memory back)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+from moebus.broker.children import PR_SET_PDEATHSIG
+from moebus.common.image_processor import ImageProcessor
+from moebus.common.vision_config import load_vision_config
+from moebus.workers import vision_worker
+from moebus.workers.vision_model import load_vision_weights
+
+log = logging.getLogger("moebus.vision")
+LOOP_S = 0.2
+MAX_REASON_BYTES = 4000  # below PIPE_BUF: one write, read whole
+
+
+class Zygote:
+    def __init__(self, settings, model_dir: str, connect: str, device: str, control_path: str):
+        self.settings = settings
+        self.connect = connect
+        self.device = device
+        if device == "cuda":  # imported here (no context is created) so that no child imports it
+            import moebus.cuda.backend_cuda  # noqa: F401
+        self.config = load_vision_config(model_dir)
+        self.processor = ImageProcessor.from_dir(model_dir)
+        self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
+        self.charge = vision_worker.charge_bytes(self.config, self.weights, settings.vision.max_images_per_request)
+        self.control_path = control_path
+        self.listener: socket.socket | None = None
+        self.conn: socket.socket | None = None
+        self.children: dict[int, int] = {}  # pid -> read end of its reason pipe
+        self.stopping = False
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        path = Path(self.control_path)
+        path.unlink(missing_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        log.info("vision zygote ready: %d tensors in host RAM, %.1f MiB to charge per worker",
+                 len(self.weights), self.charge / (1 << 20))
+        buffer = b""
+        while not self.stopping:
+            readable, _, _ = select.select([self.listener] + ([self.conn] if self.conn else []), [], [], LOOP_S)
+            if self.listener in readable:
+                self._accept()
+            if self.conn is not None and self.conn in readable:
+                chunk = self.conn.recv(4096)
+                if not chunk:  # the broker went away; it reconnects, or we die with it
+                    self.conn.close()
+                    self.conn, buffer = None, b""
+                else:
+                    *lines, buffer = (buffer + chunk).split(b"\n")
+                    for line in lines:
+                        self._command(line)
+            self._reap()
+        for pid in list(self.children):
+            os.kill(pid, signal.SIGKILL)
+        self._reap(block=True)
+        return 0
+
+    def _on_signal(self, _signum, _frame) -> None:
+        self.stopping = True
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = conn
+        self._emit({"event": "hello", "pid": os.getpid(), "charge_bytes": self.charge})
+
+    def _emit(self, event: dict) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.sendall(json.dumps(event).encode() + b"\n")
+            except OSError:
+                self.conn.close()
+                self.conn = None
+
+    def _command(self, line: bytes) -> None:
+        try:
+            command = json.loads(line).get("cmd")
+        except (ValueError, AttributeError):
+            log.error("invalid control line dropped")
+            return
+        if command == "start":
+            self._fork()
+        elif command == "kill":
+            for pid in self.children:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            log.error("unknown control command %r dropped", command)
+
+    def _reap(self, block: bool = False) -> None:
+        for pid in list(self.children):
+            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+            if done == 0:
+                continue
+            reason = self._read_reason(self.children.pop(pid))
+            code = os.waitstatus_to_exitcode(status)
+            log.info("vision worker %d exited with status %d%s", pid, code, f": {reason}" if reason else "")
+            self._emit({"event": "exited", "pid": pid, "status": code, "reason": reason})
+
+    @staticmethod
+    def _read_reason(fd: int) -> str:
+        try:
+            return os.read(fd, MAX_REASON_BYTES).decode(errors="replace").strip()
+        except OSError:
+            return ""
+        finally:
+            os.close(fd)
+
+    # -- the child ----------------------------------------------------------------------------
+
+    def _fork(self) -> None:
+        if self.children:
+            log.error("start asked while vision worker %s still runs; ignored", list(self.children))
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            os._exit(self._child(write_fd))
+        os.close(write_fd)
+        self.children[pid] = read_fd
+        self._emit({"event": "started", "pid": pid})
+
+    def _child(self, reason_fd: int) -> int:
+        """The forked vision worker; never returns into the zygote's loop."""
+        try:
+            for sock in (self.listener, self.conn):
+                if sock is not None:
+                    sock.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _die_with_parent()
+            return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
+                                                   self.connect, self.device, self.charge)
+        except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
+            log.error("vision worker failed: %s", "".join(traceback.format_exception_only(type(e), e)).strip())
+            os.write(reason_fd, f"{type(e).__name__}: {e}"[:MAX_REASON_BYTES].encode())
+            return 4
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_zygote(settings, model_dir: str, connect: str, device: str, control_path: str) -> int:
+    zygote = Zygote(settings, model_dir, connect, device, control_path)
+    num_threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if num_threads != 1:  # a thread holding a lock at fork time would deadlock the child
+        log.warning("vision zygote has %d threads before forking", num_threads)
+    return zygote.serve()
