@@ -58,6 +58,10 @@ class Checkpoint:
                         return long + name[len(short):]
         return name
 
+    def names(self) -> list[str]:
+        """Every stored tensor name as the checkpoint spells it (the vision weights resolve their own)."""
+        return list(self._where)
+
     def has(self, name: str) -> bool:
         return self._resolve(name) in self._where
 

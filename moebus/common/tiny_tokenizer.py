@@ -6,6 +6,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+IMAGE_TOKEN = "<image>"  # the placeholder of vision models (LlavaProcessor's default), added after training
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -53,11 +54,15 @@ def corpus(num_sentences: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+def train_tokenizer(vocab_size: int, seed: int = 0, image_token: bool = False) -> Tokenizer:
+    """``image_token``: add IMAGE_TOKEN as a special token after the trained vocabulary (so every
+    other id stays what it is without it)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus(seed=seed), trainer)
+    if image_token:
+        tokenizer.add_special_tokens([IMAGE_TOKEN])
     return tokenizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
+from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda.dtypes import to_f32
 
 
@@ -68,6 +69,12 @@ class CpuBackend:
     expert_ffn = staticmethod(moe.expert_ffn_ref)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)
+    # vision tower and stage-0 image embeddings
+    layernorm = staticmethod(layernorm.layernorm_ref)
+    activation = staticmethod(activations.activation_ref)
+    add_bias = staticmethod(activations.add_bias_ref)
+    vision_attention = staticmethod(vision_attention.vision_attention_ref)
+    scatter_rows = staticmethod(scatter.scatter_rows_ref)
 
 
 def make_backend(device: str):

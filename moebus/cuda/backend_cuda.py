@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda.compat import cuda
 from moebus.cuda.step_pool import StepPool
 
@@ -136,3 +137,22 @@ class CudaBackend:
         tokens, logprobs = self.empty((num_rows,), np.int32), self.empty((num_rows,), np.float32)
         return sampling.sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs,
                                     self.empty(logits.shape), stream=self.stream)
+
+    # -- vision tower and stage-0 image embeddings -------------------------------------------------
+
+    def layernorm(self, x, weight, bias, eps: float):
+        return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
+
+    def activation(self, x, name: str):
+        return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
+
+    def add_bias(self, x, bias):
+        return activations.add_bias_cuda(x, bias, self.empty(x.shape), stream=self.stream)
+
+    def vision_attention(self, q, k, v, num_images: int, scale: float):
+        return vision_attention.vision_attention_cuda(q, k, v, num_images, scale, self.empty(q.shape),
+                                                      stream=self.stream)
+
+    def scatter_rows(self, x, rows, values):
+        """In place: rows ``rows`` of ``x`` become ``values``; returns ``x``."""
+        return scatter.scatter_rows_cuda(x, rows, values, stream=self.stream)

@@ -19,6 +19,9 @@ class StepBatch:
     u: np.ndarray | None = None  # (S,) float32 uniform draws for sampling
     top_logprobs: int = 0  # return the n most likely ids per sequence too
     extras: dict = field(default_factory=dict)
+    # first stage: rows of the T tokens whose token embedding is replaced (image embeddings)
+    embeds: np.ndarray | None = None  # (R, D) float32
+    embed_rows: np.ndarray | None = None  # (R,) int32, distinct, in [0, T)
 
     def __post_init__(self):
         self.slots = np.asarray(self.slots, dtype=np.int32)
@@ -26,6 +29,16 @@ class StepBatch:
         self.lengths = np.asarray(self.lengths, dtype=np.int32)
         if self.tokens is not None:
             self.tokens = np.asarray(self.tokens, dtype=np.int32)
+        if (self.embeds is None) != (self.embed_rows is None):
+            raise ValueError("embeds and embed_rows come together")
+        if self.embeds is not None:
+            self.embeds = np.ascontiguousarray(self.embeds, dtype=np.float32)
+            self.embed_rows = np.ascontiguousarray(self.embed_rows, dtype=np.int32)
+            rows = self.embed_rows
+            if self.embeds.ndim != 2 or rows.shape != (self.embeds.shape[0],):
+                raise ValueError(f"embeds {self.embeds.shape} and embed_rows {rows.shape} do not match")
+            if len(rows) and (rows.min() < 0 or rows.max() >= self.num_tokens or len(np.unique(rows)) != len(rows)):
+                raise ValueError(f"embed_rows must be distinct rows of the step's {self.num_tokens} tokens")
 
     @property
     def num_seqs(self) -> int:
@@ -54,6 +67,14 @@ class StepBatch:
         return temperature, top_k, top_p, u
 
 
+def _embeds_within(batch: StepBatch, first_token: int, count: int) -> dict:
+    """The embedding rows of tokens [first_token, first_token + count), renumbered for that piece."""
+    if batch.embeds is None:
+        return {}
+    inside = (batch.embed_rows >= first_token) & (batch.embed_rows < first_token + count)
+    return {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - first_token}
+
+
 def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.ndarray, np.ndarray, slice]]:
     """Consecutive pieces of at most ``max_tokens`` tokens, in token order (a sequence may span
     pieces; its KV is written by one piece before the next reads it). Each piece comes with the
@@ -68,10 +89,10 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         idx = np.array([r[0] for r in rows])
         lengths = np.array([r[2] for r in rows], np.int32)
         tokens = None if batch.tokens is None else np.concatenate([r[3] for r in rows])
+        count = int(lengths.sum())
         piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
                           tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
-                          top_logprobs=batch.top_logprobs)
-        count = int(lengths.sum())
+                          top_logprobs=batch.top_logprobs, **_embeds_within(batch, first_token, count))
         pieces.append((piece, idx, np.array([r[4] for r in rows]), slice(first_token, first_token + count)))
         first_token += count
         rows = []

@@ -8,6 +8,7 @@ import numpy as np
 
 from moebus.common.checkpoint import Checkpoint
 from moebus.common.layer_split import split_layers
+from moebus.common.vision_config import load_vision_config
 from moebus.cuda.backend import make_backend
 from moebus.workers.batch import StepBatch
 from moebus.workers.experts import build_expert_cache
@@ -31,6 +32,35 @@ class LocalModel:
                              experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
                                                         elastic=elastic))
                        for r in split_layers(self.ckpt.config.num_layers, parts)]
+        self.vision_config = load_vision_config(model_dir)
+        self._vision = None
+
+    @property
+    def vision(self):
+        """The vision tower and projector (LLaVA checkpoints), loaded on first use on this backend."""
+        from moebus.workers.vision_model import VisionModel, load_vision_weights
+
+        if self.vision_config is None:
+            raise ValueError(f"{self.ckpt.dir} has no vision tower")
+        if self._vision is None:
+            weights = load_vision_weights(self.ckpt.dir, self.vision_config)
+            self._vision = VisionModel(self.vision_config, weights, self.backend)
+        return self._vision
+
+    def image_embeds(self, prompts: list[list[int]], images: list) -> dict:
+        """StepBatch keywords that put each prompt's images (``(n, C, H, W)`` pixel values or None)
+        at its image tokens, prompts laid end to end as in one step."""
+        rows, embeds, offset = [], [], 0
+        for prompt, pixels in zip(prompts, images):
+            where = np.flatnonzero(np.asarray(prompt) == (self.vision_config.image_token_id if self.vision_config else -1))
+            found = np.zeros((0, self.ckpt.config.hidden_size), np.float32) if pixels is None or len(pixels) == 0 \
+                else self.vision.encode(pixels).reshape(-1, self.ckpt.config.hidden_size)
+            if len(where) != len(found):
+                raise ValueError(f"{len(where)} image tokens in the prompt, {len(found)} image embeddings")
+            rows.append(where + offset)
+            embeds.append(found)
+            offset += len(prompt)
+        return {"embeds": np.concatenate(embeds), "embed_rows": np.concatenate(rows).astype(np.int32)}
 
     def step(self, batch: StepBatch, want_logits: bool = False):
         hidden = None
@@ -38,20 +68,26 @@ class LocalModel:
             hidden = stage.forward(batch, hidden).hidden
         return self.stages[-1].forward(batch, hidden, want_logits=want_logits)
 
-    def prefill_logits(self, prompts: list[list[int]]) -> np.ndarray:
-        """Last-position logits (S, V) of a batch of prompts of any lengths, one slot each."""
+    def prefill_logits(self, prompts: list[list[int]], images: list | None = None) -> np.ndarray:
+        """Last-position logits (S, V) of a batch of prompts of any lengths, one slot each;
+        ``images``: per prompt, pixel values for its image tokens (or None)."""
+        embeds = self.image_embeds(prompts, images) if images is not None else {}
         batch = StepBatch(slots=np.arange(len(prompts)), starts=np.zeros(len(prompts)),
-                          lengths=[len(p) for p in prompts], tokens=np.concatenate(prompts))
+                          lengths=[len(p) for p in prompts], tokens=np.concatenate(prompts), **embeds)
         return self.step(batch, want_logits=True).logits
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_ids=(), slot: int = 0) -> Generation:
+                 top_p: float = 1.0, seed: int | None = None, stop_ids=(), slot: int = 0,
+                 images: np.ndarray | None = None) -> Generation:
+        """``images``: (n, C, H, W) pixel values for the prompt's n images' tokens."""
         rng = np.random.default_rng(seed)
         out = Generation()
         tokens, start = list(prompt), 0
+        embeds = self.image_embeds([tokens], [images]) if images is not None else {}
         while len(out.tokens) < max_tokens:
             batch = StepBatch(slots=[slot], starts=[start], lengths=[len(tokens)], tokens=tokens,
-                              temperature=[temperature], top_k=[top_k], top_p=[top_p], u=[rng.random()])
+                              temperature=[temperature], top_k=[top_k], top_p=[top_p], u=[rng.random()],
+                              **(embeds if start == 0 else {}))
             result = self.step(batch)
             token = int(result.tokens[0])
             out.tokens.append(token)

@@ -102,6 +102,8 @@ class Stage:
         token_pos = ops.upload(batch.token_positions())
         if self.is_first:
             x = ops.embedding(self.embed, ops.upload(batch.tokens))
+            if batch.embeds is not None and len(batch.embed_rows):  # image embeddings at their tokens
+                x = ops.scatter_rows(x, ops.upload(batch.embed_rows), ops.upload(batch.embeds))
         else:
             x = ops.upload(np.ascontiguousarray(hidden, dtype=np.float32))
         try:

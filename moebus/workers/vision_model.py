@@ -1,0 +1,122 @@
+"""LLaVA's image path on a device backend: the SigLIP or CLIP vision tower up to the selected hidden
+state(s), then the multimodal projector. Images in, one text-sized embedding per image token out.
+
+SigLIP: patch conv (stride = patch, with bias) + learned positions, pre-norm encoder layers
+(LayerNorm, MHA with biases, MLP with gelu_pytorch_tanh). CLIP: a class position first, patch conv
+without bias, ``pre_layrnorm`` before the encoder, quick_gelu. LLaVA reads ``hidden_states[k]``,
+before ``post_layernorm``, so neither the final norm nor the pooling head ever runs."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.common.vision_config import VisionConfig
+from moebus.cuda.dtypes import to_f32
+from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
+
+
+def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.ndarray:
+    """(N, C, H, W) -> (N * positions, C p p) rows in the conv weight's (C, kh, kw) order, patches
+    row-major as the conv output is flattened; a zero row first per image for CLIP's class position
+    (the patch linear maps it to exactly 0, and the class embedding is folded into the positions)."""
+    n, c, h, w = pixel_values.shape
+    p = patch_size
+    grid = pixel_values.reshape(n, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
+    rows = grid.reshape(n, (h // p) * (w // p), c * p * p)
+    if class_row:
+        rows = np.concatenate([np.zeros((n, 1, c * p * p), np.float32), rows], axis=1)
+    return np.ascontiguousarray(rows.reshape(-1, c * p * p), dtype=np.float32)
+
+
+class VisionModel:
+    """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
+
+    def __init__(self, config: VisionConfig, weights: dict, backend):
+        self.cfg, self.ops = config, backend
+        self._bytes = 0
+        d = config.hidden_size
+        self.patch_weight = self._weight(weights["embeddings.patch_embedding.weight"].reshape(d, -1))
+        self.patch_bias = self._weight(weights.get("embeddings.patch_embedding.bias"))
+        positions = to_f32(weights["embeddings.position_embedding.weight"]).copy()
+        if config.tower == "clip":
+            positions[0] += to_f32(weights["embeddings.class_embedding"])  # cat(class, patches) + positions
+        self.positions = self._weight(positions)
+        self.pre_norm = [self._weight(weights.get("pre_layrnorm." + k)) for k in ("weight", "bias")]
+        self.layers = [self._layer(weights, i) for i in range(config.num_layers_run)]
+        w1 = weights[PROJECTOR + "linear_1.weight"]
+        # linear_1 over concatenated feature layers = the sum of one column block per layer, so the
+        # hidden states never need a device concat
+        self.proj_in = [self._weight(np.ascontiguousarray(w1[:, j * d : (j + 1) * d]))
+                        for j in range(len(config.feature_layers))]
+        self.proj_out = self._weight(weights[PROJECTOR + "linear_2.weight"])
+        self.proj_bias = [self._weight(weights.get(PROJECTOR + f"linear_{j}.bias")) for j in (1, 2)]
+
+    def _weight(self, array):
+        if array is None:
+            return None
+        out = self.ops.weight(np.ascontiguousarray(array))
+        self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
+        return out
+
+    def _layer(self, weights: dict, i: int) -> dict:
+        prefix = LAYER.format(i=i)
+        return {name[len(prefix):]: self._weight(array) for name, array in weights.items() if name.startswith(prefix)}
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of weights this model holds on its device (what the cpu ledger is charged)."""
+        return self._bytes
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        """(N, C, H, W) float32 pixel values -> (N, num_image_tokens, text_hidden_size) float32."""
+        cfg, ops = self.cfg, self.ops
+        pixel_values = np.asarray(pixel_values, dtype=np.float32)
+        expected = (cfg.num_channels, cfg.image_size, cfg.image_size)
+        if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected:
+            raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
+        num_images = pixel_values.shape[0]
+        ops.begin_step()
+        x = ops.linear(ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip")), self.patch_weight)
+        if self.patch_bias is not None:
+            x = ops.add_bias(x, self.patch_bias)
+        x = ops.add_bias(x, self.positions)
+        if cfg.tower == "clip":
+            x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
+        selected = {0: x} if 0 in cfg.feature_layers else {}
+        for i, layer in enumerate(self.layers):
+            x = self._encoder_layer(layer, x, num_images)
+            if i + 1 in cfg.feature_layers:
+                selected[i + 1] = x
+        features = [self._select(selected[k], num_images) for k in cfg.feature_layers]
+        out = ops.to_host(self._project(features))
+        return out.reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+
+    def _encoder_layer(self, w: dict, x, num_images: int):
+        ops, cfg = self.ops, self.cfg
+        rows, heads, hd = x.shape[0], cfg.num_heads, cfg.head_dim
+        h = ops.layernorm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], cfg.layer_norm_eps)
+        q, k, v = (ops.add_bias(ops.linear(h, w[f"self_attn.{n}_proj.weight"]), w[f"self_attn.{n}_proj.bias"])
+                   .reshape(rows, heads, hd) for n in "qkv")
+        a = ops.vision_attention(q, k, v, num_images, hd ** -0.5).reshape(rows, heads * hd)
+        x = ops.add(x, ops.add_bias(ops.linear(a, w["self_attn.out_proj.weight"]), w["self_attn.out_proj.bias"]))
+        h = ops.layernorm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], cfg.layer_norm_eps)
+        h = ops.activation(ops.add_bias(ops.linear(h, w["mlp.fc1.weight"]), w["mlp.fc1.bias"]), cfg.hidden_act)
+        return ops.add(x, ops.add_bias(ops.linear(h, w["mlp.fc2.weight"]), w["mlp.fc2.bias"]))
+
+    def _select(self, hidden, num_images: int):
+        """The 'default' strategy drops position 0 of every image (CLIP's class position; for SigLIP,
+        which has none, its first patch, exactly as transformers does)."""
+        if self.cfg.select_strategy != "default":
+            return hidden
+        positions = self.cfg.num_positions
+        keep = (np.arange(num_images)[:, None] * positions + np.arange(1, positions)[None]).ravel()
+        return self.ops.embedding(hidden, self.ops.upload(keep.astype(np.int32)))
+
+    def _project(self, features: list):
+        ops = self.ops
+        y = ops.linear(features[0], self.proj_in[0])
+        for feature, weight in zip(features[1:], self.proj_in[1:]):
+            y = ops.add(y, ops.linear(feature, weight))
+        if self.proj_bias[0] is not None:
+            y = ops.add_bias(y, self.proj_bias[0])
+        y = ops.linear(ops.activation(y, self.cfg.projector_act), self.proj_out)
+        return y if self.proj_bias[1] is None else ops.add_bias(y, self.proj_bias[1])
