@@ -12,9 +12,10 @@ from moebus.common.errors import NotFound
 bp = Blueprint("openai", __name__)
 
 
-def _socket():
-    """The connection's socket under gunicorn (to notice a client that left); None elsewhere."""
-    return request.environ.get("gunicorn.socket")
+def _client_gone():
+    """A callable that says whether the HTTP client has gone (waitress tells, with its request
+    lookahead on); None where the server cannot tell."""
+    return request.environ.get("waitress.client_disconnected")
 
 
 @bp.post("/v1/chat/completions")
@@ -25,7 +26,7 @@ def chat_completions():
     logprobs = max(req.top_n, 1) if req.top_n is not None else 0
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
     stream = link().client.chat([m.to_broker() for m in req.messages], request_id=formatter.id, **sampling)
-    return answer(stream, formatter, _socket(), req.stream)
+    return answer(stream, formatter, _client_gone(), req.stream)
 
 
 @bp.post("/v1/completions")
@@ -35,7 +36,7 @@ def completions():
     logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
     stream = link().client.generate(**req.prompt_kwargs(), request_id=formatter.id,
                                     **req.sampling(req.max_tokens, logprobs))
-    return answer(stream, formatter, _socket(), req.stream)
+    return answer(stream, formatter, _client_gone(), req.stream)
 
 
 def _model_card() -> dict:
