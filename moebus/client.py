@@ -5,6 +5,12 @@ messages to it over per-thread inproc sockets and read replies from their own qu
     client = Client("tcp://127.0.0.1:5555")
     for part in client.generate(prompt="Hello", max_tokens=16, temperature=0):
         print(part.text, end="")
+
+Liveness both ways: the IO thread PINGs the broker every ``heartbeat_s`` (the broker cancels the
+requests of a client silent for ``broker.client_timeout_s``). A broker that closes the connection
+(dead) or stays silent for ``dead_after_s`` (hung) is *down*: every waiting request ends at once with
+a 503 error and new ones are refused with 503 until it answers again. A request whose replies pile
+up unread (``MAX_PENDING_REPLIES``) is cancelled and ends with an error: nothing is dropped silently.
 """
 from __future__ import annotations
 
@@ -24,6 +30,14 @@ from moebus.common.protocol import (Cancel, Error, Final, Generate, Info, InfoRe
                                     Sampling, Vram, VramReply)
 
 _ids = itertools.count()
+HEARTBEAT_ID = "~heartbeat"  # the IO thread's own pings; never a request id (those are uuids)
+MAX_PENDING_REPLIES = 4096  # unread replies of one request before it is cancelled
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+class Replies(queue.Queue):
+    """One request's replies. Unbounded in type, bounded in use: past MAX_PENDING_REPLIES the IO
+    thread puts one last Error and stops delivering, so a reader always ends."""
 
 
 def error_from_message(msg: Error) -> RequestError:
@@ -116,11 +130,18 @@ class Stream:
 
 
 class Client:
-    def __init__(self, address: str, timeout_s: float = 600.0, server_key: str | None = None):
-        """``server_key``: the broker's public CURVE key, needed for a non-loopback tcp address."""
+    def __init__(self, address: str, timeout_s: float = 600.0, server_key: str | None = None,
+                 heartbeat_s: float = 1.0, dead_after_s: float = 5.0, keys: tuple[str, str] | None = None,
+                 curve: bool | None = None):
+        """``server_key``: the broker's public CURVE key, needed for a non-loopback tcp address;
+        ``keys``: this client's (public, secret) CURVE pair, when the broker allow-lists clients."""
         self.address = address
         self.server_key = server_key
         self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.is_up = True  # until the broker is found dead or silent (read without the lock: a flag)
+        self.down_reason = ""
         self._ctx = zmq.Context.instance()
         self._inproc = f"inproc://moebus-client-{os.getpid()}-{next(_ids)}"
         self._pull = transport.make_socket(self._ctx, zmq.PULL)
@@ -133,7 +154,8 @@ class Client:
         # made here so that a bad address or a missing key fails the constructor, not the IO thread;
         # from now on only the IO thread touches it (starting the thread is the memory barrier)
         self._dealer = transport.make_socket(self._ctx, zmq.DEALER)
-        transport.secure_connect(self._dealer, address, server_key)
+        self._monitor = self._dealer.get_monitor_socket(MONITOR_EVENTS)
+        transport.secure_connect(self._dealer, address, server_key, keys, curve)
         self._thread = threading.Thread(target=self._io_loop, name="moebus-client", daemon=True)
         self._thread.start()
 
@@ -148,9 +170,7 @@ class Client:
         frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
                            sampling=Sampling(**sampling), images=frames)
-        replies: queue.Queue = queue.Queue()
-        with self._lock:
-            self._queues[request_id] = replies
+        self._register(request_id, replies := Replies())
         self._send(message)
         return Stream(self, request_id, replies, self.timeout_s)
 
@@ -181,14 +201,22 @@ class Client:
         for sock in self._pushes:
             sock.close()
 
+    def _register(self, request_id: str, replies: Replies) -> None:
+        """Take a request's reply queue, or raise Unavailable (503) at once while the broker is down."""
+        if self.is_up:
+            with self._lock:
+                self._queues[request_id] = replies
+            if self.is_up:  # else the IO thread went down meanwhile and may not have seen this queue
+                return
+            self._forget(request_id)
+        raise Unavailable(f"the broker at {self.address} is down ({self.down_reason})")
+
     # -- internals ------------------------------------------------------------------------------
 
     def _call(self, message: Message, expect: type, timeout_s: float | None = None):
         """Send a control message with a fresh id and wait for the reply that echoes it."""
         message.id = uuid.uuid4().hex
-        replies: queue.Queue = queue.Queue()
-        with self._lock:
-            self._queues[message.id] = replies
+        self._register(message.id, replies := Replies())
         try:
             self._send(message)
             reply = replies.get(timeout=timeout_s or self.timeout_s)
@@ -218,8 +246,9 @@ class Client:
     def _io_loop(self) -> None:
         dealer = self._dealer
         poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        for sock in (dealer, self._pull, self._monitor):
+            poller.register(sock, zmq.POLLIN)
+        self._heard_s = next_beat_s = time.monotonic()
         while not self._closed.is_set():
             events = dict(poller.poll(100))
             if self._pull in events:
@@ -227,9 +256,39 @@ class Client:
                     dealer.send_multipart(self._pull.recv_multipart(copy=False), copy=False)
             if dealer in events:
                 while dealer.poll(0):
+                    self._heard_s = time.monotonic()
                     self._route(dealer.recv_multipart(copy=False))
+            if self._monitor in events:
+                self._on_monitor()
+            now = time.monotonic()
+            if now >= next_beat_s:
+                next_beat_s = now + self.heartbeat_s
+                transport.send(dealer, Ping(id=HEARTBEAT_ID))
+            if self.is_up and now - self._heard_s > self.dead_after_s:
+                self._down(f"no answer for {now - self._heard_s:.1f} s")
+        dealer.disable_monitor()
+        self._monitor.close()
         dealer.close()
         self._pull.close()
+
+    def _on_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED and self.is_up:
+                self._down("the connection closed")
+
+    def _down(self, reason: str) -> None:
+        """The broker is dead or hung: end every waiting request now (the api answers 503), and
+        cancel them so that a broker that was only paused stops generating for nobody."""
+        self.is_up, self.down_reason = False, reason
+        with self._lock:
+            waiting, self._queues = self._queues, {}
+        for request_id, replies in waiting.items():
+            replies.put(Error(id=request_id, message=f"the broker at {self.address} is down ({reason})",
+                              type="service_unavailable", status=503))
+            transport.send(self._dealer, Cancel(id=request_id))
 
     def _route(self, frames) -> None:
         try:
@@ -237,7 +296,15 @@ class Client:
         except wire.WireError:
             return
         request_id = getattr(msg, "id", None)
+        if request_id == HEARTBEAT_ID:
+            self.is_up = True  # answered again: new requests are taken
+            return
         with self._lock:
             target = self._queues.get(request_id)
+            if target is not None and target.qsize() >= MAX_PENDING_REPLIES:
+                del self._queues[request_id]  # this Error is the last thing the reader gets
+                msg = Error(id=request_id, message=f"{MAX_PENDING_REPLIES} replies left unread; request cancelled",
+                            type="server_error", status=500)
+                transport.send(self._dealer, Cancel(id=request_id))
         if target is not None:
             target.put(msg)

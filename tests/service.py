@@ -55,7 +55,7 @@ class Service:
         ``api`` and ``broker`` sections are merged key by key. ``env``: extra environment."""
         self.http_port = free_port()
         self.zmq_port = free_port()
-        api = {"port": self.http_port, "threads": 16, **settings.pop("api", {})}
+        api = {"port": self.http_port, **settings.pop("api", {})}
         broker = {"frontend": f"tcp://127.0.0.1:{self.zmq_port}", "drain_s": 2.0, **settings.pop("broker", {})}
         self.config = {"model": str(model) if model else None, "device": "cpu", "max_context": 256,
                        "api": api, "broker": broker, **settings}

@@ -1,6 +1,6 @@
 """The api's Flask app factory: OpenAI-compatible routes, /v1/vram, /health and /metrics, all of
 them answered from the broker through one ZeroMQ client per WSGI worker process. Serve it with a
-real WSGI server (moebus.api.server: gunicorn), never Flask's development server."""
+real WSGI server (moebus.api.server: waitress), never Flask's development server."""
 from __future__ import annotations
 
 from flask import Flask
@@ -20,9 +20,9 @@ def create_app(settings=None) -> Flask:
     app = Flask("moebus.api")
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
     app.json.sort_keys = False
-    app.extensions["moebus"] = BrokerLink(settings.broker.frontend, settings.broker.curve_public_key)
+    app.extensions["moebus"] = BrokerLink(settings.broker)
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
-    require_api_key(app, settings.api.api_key)
+    require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)
     for module in (openai_routes, vram_routes, health_routes, metrics):
         app.register_blueprint(module.bp)

@@ -1,5 +1,5 @@
 """The api's way to the broker: one ZeroMQ ``Client`` per WSGI worker process, made on first use,
-so that no socket or IO thread exists before gunicorn forks its workers."""
+so that no socket or IO thread exists before the api forks its workers."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ import threading
 from flask import current_app
 
 from moebus.client import Client
+from moebus.common import transport
 
 PING_TIMEOUT_S = 2.0
 INFO_TIMEOUT_S = 10.0
@@ -23,9 +24,13 @@ def connect_address(frontend: str) -> str:
 
 
 class BrokerLink:
-    def __init__(self, frontend: str, server_key: str | None = None):
-        self.address = connect_address(frontend)
-        self.server_key = server_key
+    def __init__(self, broker):
+        """``broker``: the broker section of the settings (frontend address, CURVE keys, heartbeat)."""
+        self.address = connect_address(broker.frontend)
+        self.server_key = broker.curve_public_key
+        self.keys = transport.client_keys(broker)
+        self.curve = not transport.is_loopback(broker.frontend)  # a wildcard bind serves CURVE on loopback too
+        self.heartbeat_s = broker.heartbeat_s
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._pid: int | None = None
@@ -35,14 +40,17 @@ class BrokerLink:
     def client(self) -> Client:
         with self._lock:
             if self._client is None or self._pid != os.getpid():  # a forked copy must not share sockets
-                self._client, self._pid, self._model = Client(self.address, server_key=self.server_key), os.getpid(), None
+                client = Client(self.address, server_key=self.server_key, heartbeat_s=self.heartbeat_s, keys=self.keys,
+                                curve=self.curve)
+                self._client, self._pid, self._model = client, os.getpid(), None
             return self._client
 
     def info(self) -> dict:
         return self.client.info(timeout_s=INFO_TIMEOUT_S)
 
     def is_ready(self) -> bool:
-        return self.client.ping(timeout_s=PING_TIMEOUT_S)
+        client = self.client
+        return client.is_up and client.ping(timeout_s=PING_TIMEOUT_S)
 
     def model(self) -> dict:
         """The served model's name and context, asked once: it does not change while a broker lives."""

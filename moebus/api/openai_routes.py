@@ -13,9 +13,10 @@ from moebus.common.errors import NotFound, RequestError
 bp = Blueprint("openai", __name__)
 
 
-def _socket():
-    """The connection's socket under gunicorn (to notice a client that left); None elsewhere."""
-    return request.environ.get("gunicorn.socket")
+def _client_gone():
+    """A callable that says whether the HTTP client has gone (waitress tells, with its request
+    lookahead on); None where the server cannot tell."""
+    return request.environ.get("waitress.client_disconnected")
 
 
 @bp.post("/v1/chat/completions")
@@ -27,7 +28,7 @@ def chat_completions():
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
     messages, images = _images([m.to_broker() for m in req.messages])
     stream = link().client.chat(messages, request_id=formatter.id, images=images, **sampling)
-    return answer(stream, formatter, _socket(), req.stream)
+    return answer(stream, formatter, _client_gone(), req.stream)
 
 
 def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
@@ -47,7 +48,7 @@ def completions():
     logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
     stream = link().client.generate(**req.prompt_kwargs(), request_id=formatter.id,
                                     **req.sampling(req.max_tokens, logprobs))
-    return answer(stream, formatter, _socket(), req.stream)
+    return answer(stream, formatter, _client_gone(), req.stream)
 
 
 def _model_card() -> dict:

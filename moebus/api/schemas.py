@@ -10,7 +10,7 @@ from flask import request
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moebus.common.errors import RequestError
-from moebus.common.protocol import MAX_STOP_STRINGS
+from moebus.common.protocol import MAX_GPUS, MAX_INT32, MAX_RESERVE_MIB, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_LOGPROBS = 20
 CONTENT_PART_TYPES = ("text", "image_url")
@@ -21,8 +21,13 @@ def parse_body(model: type[BaseModel]):
     raw = request.get_data(cache=True)  # raises RequestEntityTooLarge (413) past api.max_body_bytes
     try:
         body = json.loads(raw) if raw else None
+        # JSON may spell lone surrogates (\\ud800), which are not Unicode: no tokenizer or codec takes them
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError("the request body holds a string that is not valid Unicode (a lone surrogate)",
+                           code="invalid_unicode") from None
     except (ValueError, RecursionError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
     return model.model_validate(body)
@@ -40,7 +45,7 @@ class _Generation(_Body):
     """What chat and text completions share: sampling, stop rules, streaming."""
 
     model: str | None = None  # one model is served; any name is answered by it
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
@@ -48,9 +53,9 @@ class _Generation(_Body):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM uses -1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # -1 or 0: off (vLLM uses -1); > vocabulary: off
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(None, max_length=MAX_STOP_STRINGS)
 
     @field_validator("n")
     @classmethod
@@ -67,6 +72,8 @@ class _Generation(_Body):
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
         if any(s == "" for s in stops):
             raise RequestError("stop strings must not be empty", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise RequestError(f"stop strings are at most {MAX_STOP_CHARS} characters", param="stop")
         return stops
 
     @property
@@ -95,7 +102,7 @@ class ChatMessage(_Body):
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -142,8 +149,8 @@ class CompletionRequest(_Generation):
         if isinstance(prompt, str):
             return prompt
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise RequestError("token ids must be >= 0", param="prompt")
+            if any(t < 0 or t > MAX_INT32 for t in prompt):
+                raise RequestError(f"token ids must be in [0, {MAX_INT32}]", param="prompt")
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise RequestError("a batch of prompts is not supported: send one request per prompt", param="prompt")
@@ -163,14 +170,14 @@ class CompletionRequest(_Generation):
         return {"prompt": self.prompt} if isinstance(self.prompt, str) else {"prompt_tokens": self.prompt}
 
 
-Reserve = Annotated[float, Field(ge=0.0)]
+Reserve = Annotated[float, Field(ge=0.0, le=MAX_RESERVE_MIB)]
 
 
 class VramRequest(_Body):
     """``reserve_mib``: MiB to leave free per GPU in worker order (one number: GPU 0); absent or null:
     back to the start-up sizes (a bare VRAM). ``query``: report only."""
 
-    reserve_mib: list[Reserve] | Reserve | None = None
+    reserve_mib: Annotated[list[Reserve], Field(max_length=MAX_GPUS)] | Reserve | None = None
     query: bool = False
 
     @property

@@ -1,62 +1,116 @@
-"""``moebus api``: the Flask app under gunicorn's threaded workers (gthread). SIGTERM stops it
-gracefully: the master stops accepting, lets in-flight requests finish for ``GRACEFUL_S``, then
-ends its workers. A worker whose master dies is told so by the kernel and stops too."""
+"""``moebus api``: the Flask app under waitress. Why waitress (see docs/operations.md): its one IO
+thread reads every request (headers and body, chunked included) asynchronously and hands it to an
+application thread only when it is complete, so slow-header and slow-body clients hold a socket, never
+a thread; a size limit is enforced while reading; and the application threads are plain threads, which
+the ZeroMQ client needs (no monkey-patching). A streaming request holds one application thread, so
+there are enough of them for every request the broker can hold (``max_batch + max_queue``) plus spare
+ones that keep /health answering under full load.
+
+``api.workers`` > 1 pre-forks that many waitress processes on one listening socket. SIGTERM stops
+accepting and ends the process; a process whose parent dies is told so by the kernel and stops too."""
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
-
-from gunicorn.app.base import BaseApplication
+import socket
 
 from moebus.api.app import create_app
 
 log = logging.getLogger("moebus.api")
-GRACEFUL_S = 3  # below the 5 s the broker gives a child between SIGTERM and SIGKILL
 PR_SET_PDEATHSIG = 1
+SPARE_THREADS = 16  # beyond the streams the broker can hold: /health, /metrics, refusals
+CHANNEL_TIMEOUT_S = 60  # a connection that sends nothing for this long is closed (slow or idle clients)
 
 
-def _die_with_master(_server, _worker) -> None:
-    """gunicorn's post_fork hook: SIGTERM this worker when its master dies, even by SIGKILL."""
+def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
 
 
-def bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+def app_threads(settings) -> int:
+    """``api.threads``, or enough for every request the broker holds plus spare ones."""
+    return settings.api.threads or settings.max_batch + settings.max_queue + SPARE_THREADS
 
 
-def gunicorn_options(api) -> dict:
-    """gunicorn settings from the ``api`` section of the moebus settings."""
-    return {"bind": [bind_address(api.host, api.port)], "workers": api.workers, "threads": api.threads,
-            "worker_class": "gthread", "graceful_timeout": GRACEFUL_S, "timeout": 120, "keepalive": 5,
-            "post_fork": _die_with_master, "proc_name": "moebus-api", "errorlog": "-", "loglevel": "info",
-            "accesslog": None, "control_socket_disable": True}
+def waitress_options(settings) -> dict:
+    threads = app_threads(settings)
+    return {"threads": threads, "connection_limit": max(1000, 2 * threads), "backlog": 2048,
+            "channel_timeout": CHANNEL_TIMEOUT_S, "cleanup_interval": 5,
+            # the app answers 413 as an OpenAI error object up to twice the limit; beyond, waitress
+            # refuses while reading (plain text) and never buffers more, whatever the transfer encoding
+            "max_request_body_size": 2 * settings.api.max_body_bytes,
+            "max_request_header_size": 64 * 1024,
+            # read one request ahead, so that waitress notices a client that has gone and tells the app
+            "channel_request_lookahead": 1, "ident": "moebus", "clear_untrusted_proxy_headers": True}
 
 
-class GunicornServer(BaseApplication):
-    def __init__(self, app, options: dict):
-        self.application = app
-        self.options = options
-        super().__init__()
+def listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    return sock
 
-    def load_config(self) -> None:
-        for key, value in self.options.items():
-            if key in self.cfg.settings:  # older gunicorns lack some (control_socket_disable: 25+)
-                self.cfg.set(key, value)
 
-    def load(self):
-        return self.application
+def _serve(settings, sock: socket.socket) -> int:
+    from waitress.server import create_server
+
+    server = create_server(create_app(settings), sockets=[sock], **waitress_options(settings))
+
+    def _stop(_signum, _frame):
+        raise SystemExit(0)  # waitress' run() ends on SystemExit and shuts its threads down
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    try:
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        server.close()
+    return 0
 
 
 def run_api(settings) -> int:
     """Serve until SIGTERM/SIGINT; the exit status."""
-    options = gunicorn_options(settings.api)
-    log.info("api on http://%s, broker at %s", options["bind"][0], settings.broker.frontend)
-    try:
-        GunicornServer(create_app(settings), options).run()
-    except SystemExit as e:  # gunicorn's arbiter ends by sys.exit
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+    from moebus.api.auth import check_exposure
+
+    check_exposure(settings.api)
+    sock = listen_socket(settings.api.host, settings.api.port)
+    log.info("api on http://%s:%d (%d threads), broker at %s", settings.api.host, settings.api.port,
+             app_threads(settings), settings.broker.frontend)
+    if settings.api.workers == 1:
+        return _serve(settings, sock)
+    return _prefork(settings, sock)
+
+
+def _prefork(settings, sock: socket.socket) -> int:
+    """Several waitress processes accepting on one socket; the parent only waits and forwards SIGTERM."""
+    pids = []
+    for _ in range(settings.api.workers):
+        pid = os.fork()
+        if pid == 0:  # the child: no ZeroMQ socket exists yet (the app makes its client on first use)
+            _die_with_parent()
+            os._exit(_serve(settings, sock))
+        pids.append(pid)
+    sock.close()
+
+    def _forward(signum, _frame):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _forward)
+    status = 0
+    for pid in pids:
+        _, code = os.waitpid(pid, 0)
+        status = status or os.waitstatus_to_exitcode(code)
+    return 0 if status in (0, -signal.SIGTERM) else 1

@@ -78,5 +78,7 @@ def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_
                            f"max_context {max_context}", param="max_tokens", code="context_length_exceeded")
     if sampling.max_tokens is None:
         sampling = sampling.model_copy(update={"max_tokens": room})
+    if sampling.top_k >= vocab_size:  # every token is in the top k: the same as no top-k at all
+        sampling = sampling.model_copy(update={"top_k": 0})
     return Sequence(id=msg.id, client=client, prompt=ids, sampling=sampling, decoder=StreamDecoder(tokenizer),
                     stop_ids=tokenizer.stop_ids, max_context=max_context)

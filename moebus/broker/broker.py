@@ -1,28 +1,34 @@
 """The broker: one process, one poll loop. It owns the request queue and scheduler, sequence state,
 the tokenizer, worker liveness, VRAM fan-out and all metrics state. Clients talk to the frontend
 ROUTER, workers to the backend ROUTER; one decode step at a time travels gpu0 -> gpu1 -> ... and
-the last stage's token ids come back here to be streamed."""
+the last stage's token ids come back here to be streamed.
+
+Nothing a request or a peer does may end this loop: every handler is guarded, and a failure fails
+only the requests it concerns (see docs/operations.md). Every wait has a deadline: a stage that does
+not answer a STEP in ``broker.step_timeout_s`` is restarted and its step's requests fail; a client
+silent for ``broker.client_timeout_s`` has its requests cancelled."""
 from __future__ import annotations
 
 import itertools
 import logging
 import signal
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import zmq
 
-from moebus.broker.admission import make_sequence
+from moebus.broker.clients import ClientTable
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
+from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vision import VisionHooks
-from moebus.broker.vision_requests import step_embeds
-from moebus.broker.vram import VramFanout, per_gpu_reserves
+from moebus.broker.vision_requests import ImageRequest, step_embeds
+from moebus.broker.vram import per_gpu_reserves
+from moebus.broker.vram_control import VramControl, check_not_elastic
 from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire
-from moebus.common.errors import RequestError, Unavailable
+from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
 from moebus.common.protocol import (Cancel, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial, Ping,
                                     Pong, Ready, Shutdown, Step, StepReply, Vram, VramReply, WorkerError)
@@ -32,6 +38,7 @@ log = logging.getLogger("moebus.broker")
 POLL_MS = 50
 INFO_EVERY_S = 2.0
 MAX_DRAIN = 256  # messages handled per socket per loop turn, so neither side starves the other
+FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
 
 
 @dataclass
@@ -41,6 +48,8 @@ class InflightStep:
     stage: int
     started_s: float
     compute_s: float = 0.0  # summed over the stages
+    sent_s: float = 0.0  # when the current stage was sent its STEP (its deadline runs from here)
+    message: Step | None = None  # the current stage's STEP, re-sent if a reconnect lost it
 
 
 class Broker:
@@ -58,17 +67,27 @@ class Broker:
         self.stats = Stats()
         self.ctx = zmq.Context.instance()
         keys = settings.broker.curve_public_key, settings.broker.curve_secret_key
+        allowed = list(settings.broker.curve_client_keys) + [k for k in [settings.broker.curve_client_public_key] if k]
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, max_bytes=settings.max_request_bytes)
-        transport.secure_bind(self.frontend, settings.broker.frontend, *keys)
+        # an undeliverable reply raises instead of vanishing (ROUTER drops silently by default)
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.frontend.setsockopt(zmq.SNDHWM, FRONTEND_SNDHWM)
+        transport.secure_bind(self.frontend, settings.broker.frontend, *keys, allowed_keys=allowed)
         self.backend = transport.make_socket(self.ctx, zmq.ROUTER)
-        # a restarted worker (a vision worker forks in milliseconds) may connect before the broker has
-        # seen its predecessor's connection close: the new connection takes the identity over
+        self.backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a reconnecting or restarted worker (a vision worker forks in milliseconds) may connect before
+        # the broker has seen its predecessor's connection close: the new connection takes the identity
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        transport.secure_bind(self.backend, backend_address, *keys)
+        transport.secure_bind(self.backend, backend_address, *keys, allowed_keys=allowed)
         self.inflight: InflightStep | None = None
-        self.vram_queue: deque[VramFanout] = deque()
-        self.vram_inflight: VramFanout | None = None
+        b = settings.broker
+        self.vram = VramControl(len(pool), self._send_worker, self._reply, b.max_vram_queue, b.vram_timeout_s)
+        self.clients = ClientTable(b.client_timeout_s)
+        self.tokenize = TokenizePool(self.ctx, tokenizer, model_config.vocab_size, settings.max_context,
+                                     b.tokenizer_threads, max_pending=max(settings.max_queue, 1))
+        self.cancelled_while_tokenizing: set[str] = set()
         self.step_ids = itertools.count(1)
+        self.last_turn_s = time.monotonic()
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
         self.vision = vision(self._vision_hooks(), self.stats) if vision else None
@@ -79,27 +98,60 @@ class Broker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
+        for sock in (self.frontend, self.backend, self.tokenize.wake):
+            poller.register(sock, zmq.POLLIN)
         self.pool.start()
         if self.vision:
             self.vision.start()
         for child in self.children:
             child.start()
         try:
-            while not self._drained():
+            while not self._guarded("drain check", self._drained, default=False):
                 events = dict(poller.poll(POLL_MS))
+                self._guarded("stall check", self._forgive_stall)
                 if self.frontend in events:
                     self._drain(self.frontend, self._on_client)
                 if self.backend in events:
                     self._drain(self.backend, self._on_worker)
+                if self.tokenize.wake in events:
+                    self._guarded("tokenized prompts", self._on_tokenized)
                 now = time.monotonic()
-                self._supervise(now)
-                self._beat(now)
-                self._dispatch(now)
+                self._guarded("supervision", self._supervise, now)
+                self._guarded("heartbeats", self._beat, now)
+                self._guarded("dispatch", self._dispatch, now, aborts_step=True)
         finally:
             self._shutdown()
         return 0
+
+    def _guarded(self, what: str, fn, *args, default=None, aborts_step: bool = False):
+        """Run one phase of the loop; a bug in it fails the requests it concerns, never the loop."""
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("%s failed; the broker goes on", what)
+            self.stats.count("internal_errors_total")
+            if aborts_step:
+                self._abort_step(f"internal error in the broker ({what})")
+            return default
+
+    def _abort_step(self, reason: str) -> None:
+        """The step in flight (if any) cannot complete: its requests fail."""
+        step, self.inflight = self.inflight, None
+        for seq in step.plan.seqs if step else []:
+            self._fail(seq, f"{reason}; request aborted", status=500)
+
+    def _forgive_stall(self) -> None:
+        """After a pause of the broker itself (a stalled disk, a long collection) nobody could be
+        heard: restart the liveness clocks instead of declaring every peer dead."""
+        now = time.monotonic()
+        if now - self.last_turn_s > self.settings.broker.heartbeat_s:
+            log.warning("the broker loop stalled for %.1f s; liveness clocks restarted", now - self.last_turn_s)
+            self.clients.forgive(now)
+            for w in self.pool:
+                w.last_seen_s = max(w.last_seen_s, now)
+            if self.inflight is not None:
+                self.inflight.sent_s = max(self.inflight.sent_s, now)
+        self.last_turn_s = now
 
     def _on_signal(self, signum, _frame) -> None:
         if self.stopping_since is None:
@@ -111,16 +163,22 @@ class Broker:
             return False
         timed_out = time.monotonic() - self.stopping_since > self.settings.broker.drain_s
         if timed_out or not self.pool.all_ready():
+            self._abort_step("server shutting down")  # a step that never comes back must not hold the exit
             for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
                 self._fail(seq, "server shutting down", status=503)
+            self.vram.fail_all("server shutting down")
         return not self.scheduler.running and not self.scheduler.waiting and self.inflight is None
 
     def _shutdown(self) -> None:
         for w in self.pool:
             if w.is_ready:
-                transport.send(self.backend, Shutdown(), w.identity)
+                self._send_worker(w.gpu, Shutdown())
         if self.vision:
             self.vision.stop()
+        for request_id, client in list(self.tokenize.pending.items()):
+            self._reply(client, Error(id=request_id, message="server shutting down", type="service_unavailable",
+                                      status=503))
+        self.tokenize.close()
         self.pool.stop()
         for child in self.children:
             child.stop()
@@ -137,10 +195,39 @@ class Broker:
 
     # -- clients ----------------------------------------------------------------------------------
 
-    def _reply(self, client: bytes, message) -> None:
-        transport.send(self.frontend, message, client)
+    def _reply(self, client: bytes, message) -> bool:
+        """Send to a client; False when it cannot take it (gone, or its queue full): then its
+        requests fail here rather than wait for replies that would never reach it."""
+        try:
+            transport.send(self.frontend, message, client, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+            self.stats.count("undeliverable_replies_total")
+            log.warning("a reply to client %r could not be delivered (%s); its requests are cancelled",
+                        client[:16], e.strerror)
+            self._drop_client(client)
+            return False
+
+    def _drop_client(self, client: bytes) -> None:
+        for seq in self._requests_of({client}):
+            self.scheduler.remove(seq)
+            self.stats.count("requests_cancelled_total")
+        self.clients.last_seen_s.pop(client, None)
+
+    def _requests_of(self, clients: set[bytes]) -> list[Sequence]:
+        return [s for s in list(self.scheduler.running.values()) + list(self.scheduler.waiting) if s.client in clients]
+
+    def _send_worker(self, gpu: int, message) -> bool:
+        """Send to a worker; False when it is not connected (it is then treated as lost)."""
+        try:
+            transport.send(self.backend, message, self.pool[gpu].identity, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            log.error("gpu%d cannot be reached (%s)", gpu, e.strerror)
+            return False
 
     def _on_client(self, client: bytes, frames) -> None:
+        self.clients.seen(client)
         try:
             msg = wire.decode(frames)
         except wire.WireError as e:
@@ -160,40 +247,72 @@ class Broker:
         if isinstance(msg, Generate):
             if self.stopping_since is not None:
                 raise Unavailable("server shutting down")
-            if self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id)):
+            if self._id_in_use(msg.id):
                 raise RequestError(f"request id {msg.id!r} is already in use", param="id")
-            if msg.images:  # waits in the vision lifecycle until its embeddings are back
+            if len(self.scheduler.waiting) >= self.scheduler.max_queue:
+                raise ServerBusy(f"server busy: {len(self.scheduler.waiting)} requests waiting (max_queue)")
+            admit = None
+            if msg.images:  # it waits in the vision lifecycle until its embeddings are back
                 if self.vision is None:
                     raise RequestError("model has no vision: image inputs are not supported", param="images",
                                        code="model_has_no_vision")
-                self.vision.admit(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
-                self.stats.count("requests_total")
-                return
-            seq = make_sequence(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
-            self.scheduler.submit(seq)
-            self.stats.count("requests_total")
+                admit = self.vision.admission
+            self.tokenize.submit(client, msg, admit)  # the Sequence comes back through _on_tokenized
         elif isinstance(msg, Cancel):
             if self.vision and self.vision.cancel(msg.id, client):
                 return
             seq = self.scheduler.find(msg.id)
             if seq is not None and seq.client == client:
                 self._finish(seq, "cancelled")
+            elif self.tokenize.pending.get(msg.id) == client:
+                self.cancelled_while_tokenizing.add(msg.id)
         elif isinstance(msg, Vram):
             reserves = per_gpu_reserves(msg, len(self.pool))
-            if not self.settings.vram_elastic and not msg.query:
-                raise RequestError("the expert cache is not elastic (vram_elastic is false)", param="reserve_mib")
-            self.vram_queue.append(VramFanout(client, reserves, msg.query, msg.id))
+            check_not_elastic(self.settings.vram_elastic, msg.query)
+            self.vram.request(client, reserves, msg.query, msg.id)
         elif isinstance(msg, Info):
             self._reply(client, InfoReply(id=msg.id, stats=self.info()))
         elif isinstance(msg, Ping):
             self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
+        elif isinstance(msg, Heartbeat):
+            pass  # liveness only (seen above)
         else:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
+
+    def _id_in_use(self, request_id: str) -> bool:
+        return bool(self.scheduler.find(request_id) or request_id in self.tokenize.pending
+                    or (self.vision and self.vision.find(request_id)))
+
+    def _on_tokenized(self) -> None:
+        for item in self.tokenize.results():
+            msg, client = item.msg, item.client
+            if msg.id in self.cancelled_while_tokenizing:
+                self.cancelled_while_tokenizing.discard(msg.id)
+                self._reply(client, Final(id=msg.id, finish_reason="cancelled", prompt_tokens=0, completion_tokens=0))
+                self.stats.count("requests_cancelled_total")
+                continue
+            error = item.error
+            if error is None and self.stopping_since is not None:
+                error = Unavailable("server shutting down")
+            if error is None and (self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id))):
+                error = RequestError(f"request id {msg.id!r} is already in use", param="id")
+            if error is None:
+                try:
+                    if isinstance(item.seq, ImageRequest):
+                        self.vision.submit(item.seq)
+                    else:
+                        self.scheduler.submit(item.seq)
+                    self.stats.count("requests_total")
+                    continue
+                except RequestError as e:
+                    error = e
+            self._reply(client, Error(id=msg.id, status=error.http_status, **error.to_dict()))
 
     def info(self) -> dict:
         return {"ready": self.pool.all_ready(), "model": self.model_name,
                 "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
                 "max_context": self.settings.max_context, "vocab_size": self.config.vocab_size,
+                "requests_tokenizing": len(self.tokenize.pending), "vram_reserves_mib": list(self.vram.reserves),
                 **self.stats.to_dict(), **(self.vision.info() if self.vision else {"vision_loaded": 0}),
                 "gpus": [{"gpu": w.gpu, "ready": w.is_ready, "layers": [w.layers.start, w.layers.stop],
                           "restarts": w.child.restarts if w.child else 0, **w.info, **w.vram} for w in self.pool]}
@@ -209,37 +328,70 @@ class Broker:
             msg = wire.decode(frames)
         except wire.WireError as e:
             self.stats.count("invalid_messages_total")
-            log.error("invalid message from worker %r: %s", identity, e)
+            log.error("invalid message from worker %r: %s", identity[:16], e)
+            if worker is not None and self.inflight is not None and self.inflight.stage == worker.gpu:
+                self._abort_step(f"gpu{worker.gpu} sent an undecodable reply")
             return
         if worker is None:
-            log.error("message from unknown worker %r dropped", identity)
+            log.error("message from unknown worker %r dropped", identity[:16])
             return
+        try:
+            self._handle_worker(worker, msg)
+        except Exception:  # noqa: BLE001 - a bug met by one reply fails that step, not the broker
+            log.exception("%s from gpu%d failed", msg.TYPE.decode(), worker.gpu)
+            self.stats.count("internal_errors_total")
+            self._abort_step(f"internal error handling gpu{worker.gpu}'s {msg.TYPE.decode()}")
+
+    def _handle_worker(self, worker: WorkerState, msg) -> None:
         if isinstance(msg, Ready):
             self._on_ready(worker, msg)
             return
         if getattr(msg, "generation", worker.generation) != worker.generation:
             return  # a reply from an earlier life of this worker: its state is gone
+        if not worker.is_ready:
+            return  # a worker the broker has given up on: only a READY brings it back
         worker.last_seen_s = time.monotonic()
         if isinstance(msg, StepReply):
             self._on_step_reply(worker, msg)
         elif isinstance(msg, WorkerError):
             self._on_worker_error(worker, msg)
         elif isinstance(msg, VramReply):
-            self._on_vram_reply(worker, msg)
+            if self.vram.on_reply(worker.gpu, msg):
+                worker.restoring = False
+                log.info("gpu%d: reserve %s MiB restored", worker.gpu, self.vram.reserves[worker.gpu])
+            if not msg.error:
+                worker.vram = {k: getattr(msg, k) for k in ("reserve_mib", "free_mib", "expert_slots",
+                                                            "expert_cache_mib")}
         elif isinstance(msg, InfoReply):
             worker.info = msg.stats
         # Heartbeat: last_seen_s is all it carries
 
+    def _refuse_ready(self, worker: WorkerState, msg: Ready) -> str | None:
+        """Why this READY cannot serve this stage (a remote worker of another model or other limits)."""
+        expected = {"layers": (worker.layers.start, worker.layers.stop), "model": self.model_name,
+                    "max_batch": self.settings.max_batch, "max_context": self.settings.max_context}
+        got = {"layers": tuple(msg.layers), "model": msg.model, "max_batch": msg.max_batch,
+               "max_context": msg.max_context}
+        wrong = [f"{k} {got[k]!r} (expected {v!r})" for k, v in expected.items() if got[k] != v]
+        return ", ".join(wrong) or None
+
     def _on_ready(self, worker: WorkerState, msg: Ready) -> None:
-        expected = (worker.layers.start, worker.layers.stop)
-        if tuple(msg.layers) != expected:
-            log.error("gpu%d registered layers %s, expected %s; telling it to shut down", worker.gpu,
-                      msg.layers, expected)
-            transport.send(self.backend, Shutdown(), worker.identity)
+        wrong = self._refuse_ready(worker, msg)
+        if wrong:
+            log.error("gpu%d registered with %s; telling it to shut down", worker.gpu, wrong)
+            transport.send(self.backend, Shutdown(), worker.identity, flags=zmq.NOBLOCK)
             return
-        if worker.is_ready and worker.generation != msg.generation:
+        if worker.generation == msg.generation:  # the same process reconnected (the broker was silent)
+            worker.last_seen_s = time.monotonic()
+            step = self.inflight
+            if step is not None and step.stage == worker.gpu and step.message is not None:
+                log.warning("gpu%d reconnected with a step in flight; sending it again", worker.gpu)
+                self._send_worker(worker.gpu, step.message)  # idempotent: same positions, same draws
+            return
+        if worker.is_ready:
             self._lose(worker, f"gpu{worker.gpu} worker restarted")
         self.pool.mark_ready(worker, msg.generation)
+        worker.restoring = self.vram.restore(worker.gpu)  # steps wait until its reserve is back
         log.info("gpu%d ready (generation %s, layers %s, %s)", worker.gpu, msg.generation, msg.layers, msg.device)
 
     def _on_worker_error(self, worker: WorkerState, msg: WorkerError) -> None:
@@ -252,14 +404,21 @@ class Broker:
             self._lose(worker, f"gpu{worker.gpu} reported a fatal device error")
 
     def _lose(self, worker: WorkerState, reason: str) -> None:
-        """A worker died: everything running had KV state there, so those requests end now."""
+        """A worker died: everything running had KV state there, so those requests end now; its
+        figures go too (only a live worker reports)."""
         worker.generation = None
+        worker.info, worker.vram, worker.restoring = {}, {}, False
         self.inflight = None
         for seq in list(self.scheduler.running.values()):
             self._fail(seq, f"{reason}; request aborted", status=503)
-        if self.vram_inflight is not None and worker.gpu not in self.vram_inflight.replies:
-            self._on_vram_reply(worker, VramReply(reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
-                                                  error=reason))
+        self.vram.on_lost(worker.gpu, reason)
+
+    def _restart(self, worker: WorkerState, reason: str) -> None:
+        """A worker that missed a deadline: kill it (it is restarted with back-off) and lose it."""
+        log.error("%s; restarting it", reason)
+        if worker.child:
+            worker.child.kill()
+        self._lose(worker, reason)
 
     def _on_vision(self, frames) -> None:
         try:
@@ -273,13 +432,20 @@ class Broker:
     def _vision_hooks(self) -> VisionHooks:
         return VisionHooks(
             send=lambda message: transport.send(self.backend, message, b"vision"),
-            queue_vram=lambda reserves, on_done: self.vram_queue.append(
-                VramFanout(b"", reserves, query=False, on_done=on_done)),
+            queue_vram=self.vram.internal,
             submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready)
 
     def _supervise(self, now: float) -> None:
         for worker, reason in self.pool.lost(now):
             self._lose(worker, reason)
+        step = self.inflight
+        if step is not None and now - step.sent_s > self.settings.broker.step_timeout_s:
+            self._abort_step(f"gpu{step.stage} did not answer a step within {self.settings.broker.step_timeout_s:g} s")
+            self._restart(self.pool[step.stage], f"gpu{step.stage} missed its step deadline")
+        for gpu in self.vram.overdue(now):
+            self._restart(self.pool[gpu], f"gpu{gpu} did not answer a VRAM request within "
+                                          f"{self.settings.broker.vram_timeout_s:g} s")
+        self._cancel_vanished(now)
         for child in self.children:
             status = child.exited()
             if status is not None:
@@ -291,27 +457,40 @@ class Broker:
             for child in self.children:
                 child.maybe_restart()
 
+    def _cancel_vanished(self, now: float) -> None:
+        holders = {s.client for s in list(self.scheduler.running.values()) + list(self.scheduler.waiting)}
+        for client in self.clients.vanished(holders, now):
+            log.warning("client %r silent for over %.0f s: its requests are cancelled", client[:16],
+                        self.clients.timeout_s)
+            self._drop_client(client)
+
     def _beat(self, now: float) -> None:
         if now >= self.next_beat_s:
             self.next_beat_s = now + self.settings.broker.heartbeat_s
             for w in self.pool:
                 if w.is_ready:
-                    transport.send(self.backend, Heartbeat(), w.identity)
+                    self._send_worker(w.gpu, Heartbeat())
         if now >= self.next_info_s and self.inflight is None:
             self.next_info_s = now + INFO_EVERY_S
             for w in self.pool:
                 if w.is_ready:
-                    transport.send(self.backend, Info(), w.identity)
+                    self._send_worker(w.gpu, Info())
 
     # -- steps ------------------------------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        if self.inflight is not None or self.vram_inflight is not None or not self.pool.all_ready():
+        if self.inflight is not None or not self.pool.all_ready():
             return
-        if self.vram_queue:  # between two decode steps: apply the reserve, then carry on
-            self._start_vram(self.vram_queue.popleft())
+        if self.vram.start_next():  # between two decode steps: apply the reserve, then carry on
             return
-        plan = self.scheduler.plan()
+        try:
+            plan = self.scheduler.plan()
+        except Exception:  # noqa: BLE001 - which request broke the plan is unknown: the running ones fail
+            log.exception("planning a step failed")
+            self.stats.count("internal_errors_total")
+            for seq in list(self.scheduler.running.values()):
+                self._fail(seq, "internal error while planning a step; request aborted", status=500)
+            return
         if plan is None:
             return
         self.inflight = InflightStep(next(self.step_ids), plan, stage=0, started_s=now)
@@ -320,11 +499,13 @@ class Broker:
     def _send_step(self, hidden) -> None:
         step, plan = self.inflight, self.inflight.plan
         embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
-        message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots, starts=plan.starts,
-                       lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None, hidden=hidden,
-                       temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
-                       embeds=embeds, embed_rows=embed_rows)
-        transport.send(self.backend, message, self.pool[step.stage].identity)
+        step.message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
+                            starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None,
+                            hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
+                            embeds=embeds, embed_rows=embed_rows)
+        step.sent_s = time.monotonic()
+        if not self._send_worker(step.stage, step.message):
+            self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")
 
     def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:
         step = self.inflight
@@ -381,28 +562,3 @@ class Broker:
         self.stats.count("requests_failed_total")
         kind = "service_unavailable" if status == 503 else "server_error"
         self._reply(seq.client, Error(id=seq.id, message=message, type=kind, status=status))
-
-    # -- VRAM -------------------------------------------------------------------------------------
-
-    def _start_vram(self, fanout: VramFanout) -> None:
-        self.vram_inflight = fanout
-        for w, reserve in zip(self.pool, fanout.reserves):
-            transport.send(self.backend, Vram(reserve_mib=reserve, query=fanout.query), w.identity)
-
-    def _on_vram_reply(self, worker: WorkerState, msg: VramReply) -> None:
-        fanout = self.vram_inflight
-        if fanout is None:
-            return
-        fanout.replies[worker.gpu] = msg
-        if not msg.error:
-            worker.vram = {k: getattr(msg, k) for k in ("reserve_mib", "free_mib", "expert_slots", "expert_cache_mib")}
-        if fanout.complete(len(self.pool)):
-            self.vram_inflight = None
-            reply = fanout.aggregate()
-            if fanout.on_done is not None:  # the vision lifecycle's own hand-back or regrow
-                fanout.on_done(reply)
-                return
-            if reply.error and all(r.error for r in fanout.replies.values()):
-                self._reply(fanout.client, Error(id=fanout.request_id, message=reply.error, param="reserve_mib", status=400))
-            else:
-                self._reply(fanout.client, reply)

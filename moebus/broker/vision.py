@@ -93,10 +93,11 @@ class VisionLifecycle:
         if self.zygote is not None:
             self.zygote.stop()
 
-    def admit(self, msg, client: bytes, tokenizer, vocab_size: int, max_context: int) -> None:
-        """Queue a GENERATE with images; raises RequestError (the broker answers it)."""
-        self.submit(admit_image_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
-                                        self.config.image_token_id, self.config.num_image_tokens))
+    def admission(self, msg, client: bytes, tokenizer, vocab_size: int, max_context: int) -> ImageRequest:
+        """A GENERATE with images as an ImageRequest (run on the broker's tokenizer threads: it only
+        reads settings); raises RequestError (the broker answers it). The broker then ``submit``s it."""
+        return admit_image_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
+                                   self.config.image_token_id, self.config.num_image_tokens)
 
     def submit(self, req: ImageRequest) -> None:
         if len(self.waiting) >= self.settings.max_queue:

@@ -43,6 +43,9 @@ class VramFanout:
     request_id: str | None = None
     replies: dict[int, VramReply] = field(default_factory=dict)
     on_done: Callable[[VramReply], None] | None = None  # the broker's own fan-out (vision): no client reply
+    fanout_id: str | None = None  # the id the workers echo (a client's id may repeat)
+    started_s: float = 0.0
+    timed_out: bool = False
 
     def complete(self, num_gpus: int) -> bool:
         return len(self.replies) == num_gpus

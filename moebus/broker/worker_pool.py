@@ -22,6 +22,7 @@ class WorkerState:
     last_seen_s: float = 0.0
     info: dict = field(default_factory=dict)
     vram: dict = field(default_factory=dict)
+    restoring: bool = False  # a new worker being sent its GPU's current reserve: no step yet
 
     @property
     def identity(self) -> bytes:
@@ -54,7 +55,7 @@ class WorkerPool:
         return None
 
     def all_ready(self) -> bool:
-        return all(w.is_ready for w in self.workers)
+        return all(w.is_ready and not w.restoring for w in self.workers)
 
     def start(self) -> None:
         for w in self.workers:

@@ -12,19 +12,37 @@ WORKER_ERROR from it; ENCODE, HEARTBEAT, SHUTDOWN from the broker.
 A field named in ``TENSOR_LISTS`` is a list of tensors, one raw frame each (a request's images)."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOKENS_PER_PROMPT = 1 << 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: the stream holds back this many characters
+MAX_INT32 = 2 ** 31 - 1  # token ids, top_k, counts: what the int32 arrays of a step hold
+MAX_INT64 = 2 ** 63 - 1
+MAX_RESERVE_MIB = float(1 << 30)  # 1 PiB: times MIB (2**20) still far inside int64 bytes
+MAX_GPUS = 64
+MAX_ID_CHARS = 128
+
+# Bounded scalar types: every number that crosses a process boundary fits the numpy dtype that the
+# receiver puts it in, so no request can overflow an array while the broker plans a step.
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Int64 = Annotated[int, Field(ge=-MAX_INT64, le=MAX_INT64)]
+Mib = Annotated[float, Field(ge=0.0, le=MAX_RESERVE_MIB, allow_inf_nan=False)]
+AnyMib = Annotated[float, Field(ge=-MAX_RESERVE_MIB, le=MAX_RESERVE_MIB, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+ShortText = Annotated[str, Field(max_length=256)]
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+PerGpu = Annotated[list[AnyMib], Field(max_length=MAX_GPUS)]
 
 
 class Message(BaseModel):
     """Base: ``TYPE`` is the first frame; fields named in ``TENSORS`` travel as raw frames."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, strict=False)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, strict=False, allow_inf_nan=False)
     TYPE: ClassVar[bytes] = b""
     TENSORS: ClassVar[tuple[str, ...]] = ()
     TENSOR_LISTS: ClassVar[tuple[str, ...]] = ()
@@ -46,14 +64,15 @@ def _check_image_frames(images):
 # -- client <-> broker ----------------------------------------------------------------------------
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int | None = Field(None, ge=1)  # None: up to the end of the context
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # None: up to the end of the context
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_INT32)  # admission clamps it to the vocabulary
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0, le=20)  # also return the n most likely tokens per position
 
@@ -67,9 +86,9 @@ class Generate(Message):
 
     TYPE = b"GENERATE"
     TENSOR_LISTS = ("images",)
-    id: str = Field(min_length=1, max_length=128)
+    id: RequestId
     prompt: str | None = None
-    prompt_tokens: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_PROMPT)
+    prompt_tokens: list[TokenId] | None = Field(None, max_length=MAX_TOKENS_PER_PROMPT)
     messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
     sampling: Sampling = Field(default_factory=Sampling)
     images: list[np.ndarray] | None = Field(None, max_length=MAX_IMAGES_PER_MESSAGE)
@@ -79,17 +98,10 @@ class Generate(Message):
     def _image_frames(cls, images):
         return _check_image_frames(images)
 
-    @field_validator("prompt_tokens")
-    @classmethod
-    def _non_negative_ids(cls, ids):
-        if ids is not None and any(i < 0 for i in ids):
-            raise ValueError("token ids must be >= 0")
-        return ids
-
 
 class Cancel(Message):
     TYPE = b"CANCEL"
-    id: str = Field(min_length=1, max_length=128)
+    id: RequestId
 
 
 class Partial(Message):
@@ -98,33 +110,33 @@ class Partial(Message):
     without the tokenizer, such as the api, can name them)."""
 
     TYPE = b"PARTIAL"
-    id: str
-    tokens: list[int]
+    id: RequestId
+    tokens: list[TokenId]
     text: str
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    top_logprobs: list[list[tuple[TokenId, float]]] | None = None
     token_texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
 
 
 class Final(Message):
     TYPE = b"FINAL"
-    id: str
+    id: RequestId
     finish_reason: Literal["stop", "length", "cancelled"]
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: Count
+    completion_tokens: Count
 
 
 class Error(Message):
     """A request (id) or a message (id None) failed; status is the HTTP status the api answers."""
 
     TYPE = b"ERROR"
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    status: int = 400
+    type: ShortText = "invalid_request_error"
+    param: ShortText | None = None
+    code: ShortText | None = None
+    status: int = Field(400, ge=100, le=599)
 
 
 class Vram(Message):
@@ -132,8 +144,8 @@ class Vram(Message):
     query=True reports without changing anything. Broker -> worker: one value (None: bare)."""
 
     TYPE = b"VRAM"
-    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
-    reserve_mib: list[float] | float | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)  # echoed in the reply, so a client can match them
+    reserve_mib: Annotated[list[Mib], Field(max_length=MAX_GPUS)] | Mib | None = None
     query: bool = False
 
 
@@ -141,34 +153,34 @@ class VramReply(Message):
     """Worker: one value each. Broker -> client: one list entry per GPU, and the text ``line``."""
 
     TYPE = b"VRAM_REPLY"
-    id: str | None = None
-    reserve_mib: list[float] | float
-    free_mib: list[float] | float
-    expert_slots: list[int] | int
-    expert_cache_mib: list[float] | float
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    reserve_mib: PerGpu | AnyMib
+    free_mib: PerGpu | AnyMib
+    expert_slots: Annotated[list[Count], Field(max_length=MAX_GPUS)] | Count
+    expert_cache_mib: PerGpu | AnyMib
     line: str = ""
     error: str | None = None
 
 
 class Info(Message):
     TYPE = b"INFO"
-    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)  # echoed in the reply, so a client can match them
 
 
 class InfoReply(Message):
     TYPE = b"INFO_REPLY"
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     stats: dict[str, Any]
 
 
 class Ping(Message):
     TYPE = b"PING"
-    id: str | None = Field(None, max_length=128)  # echoed in the reply, so a client can match them
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)  # echoed in the reply, so a client can match them
 
 
 class Pong(Message):
     TYPE = b"PONG"
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     ready: bool
 
 
@@ -178,17 +190,20 @@ class Ready(Message):
     """A worker has loaded its stage. ``generation`` is new for every worker process start."""
 
     TYPE = b"READY"
-    gpu: int
-    generation: str
-    layers: tuple[int, int]
-    device: str
-    expert_slots: int = 0
-    pid: int = 0
+    gpu: int = Field(ge=0, lt=MAX_GPUS)
+    generation: ShortText
+    layers: tuple[Count, Count]
+    device: ShortText
+    expert_slots: Count = 0
+    pid: Count = 0
+    model: ShortText = ""  # the model directory's name, checked against the broker's
+    max_batch: Count = 0  # the KV slots and context the stage was built for (0: not told)
+    max_context: Count = 0
 
 
 class Heartbeat(Message):
     TYPE = b"HEARTBEAT"
-    generation: str = ""
+    generation: ShortText = ""
 
 
 class Step(Message):
@@ -200,8 +215,8 @@ class Step(Message):
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
                "embeds", "embed_rows")
-    step_id: int
-    top_logprobs: int = 0
+    step_id: Int64
+    top_logprobs: int = Field(0, ge=0, le=20)
     slots: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
@@ -214,13 +229,18 @@ class Step(Message):
     embeds: np.ndarray | None = None
     embed_rows: np.ndarray | None = None
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        check_step_arrays(self)
+        return self
+
 
 class StepReply(Message):
     TYPE = b"STEP_REPLY"
     TENSORS = ("hidden", "tokens", "logprobs", "top_ids", "top_logprobs")
-    step_id: int
-    generation: str
-    compute_s: float = 0.0  # time the stage spent on the step, so the broker can tell its own overhead
+    step_id: Int64
+    generation: ShortText
+    compute_s: Seconds = 0.0  # time the stage spent on the step, so the broker can tell its own overhead
     hidden: np.ndarray | None = None
     tokens: np.ndarray | None = None
     logprobs: np.ndarray | None = None
@@ -232,14 +252,50 @@ class WorkerError(Message):
     """A worker could not run a step; fatal=True: it is exiting (e.g. a poisoned CUDA context)."""
 
     TYPE = b"WORKER_ERROR"
-    generation: str
-    step_id: int | None = None
+    generation: ShortText
+    step_id: Int64 | None = None
     message: str
     fatal: bool = False
 
 
 class Shutdown(Message):
     TYPE = b"SHUTDOWN"
+
+
+def _vector(step: Step, name: str, kinds: str, size: int | None) -> np.ndarray | None:
+    array = getattr(step, name)
+    if array is None:
+        return None
+    if array.ndim != 1 or array.dtype.kind not in kinds or (size is not None and array.shape[0] != size):
+        raise ValueError(f"{name} must be a 1-D array of {size} ({kinds}) values, got {array.dtype}{list(array.shape)}")
+    return array
+
+
+def check_step_arrays(step: Step) -> None:
+    """A STEP whose arrays disagree (batch sizes, token counts, negative positions) is refused by
+    the codec, before a stage indexes anything with it."""
+    slots = _vector(step, "slots", "iu", None)
+    num_seqs = slots.shape[0]
+    starts, lengths = _vector(step, "starts", "iu", num_seqs), _vector(step, "lengths", "iu", num_seqs)
+    for name in ("temperature", "top_p", "u"):
+        _vector(step, name, "f", num_seqs)
+    _vector(step, "top_k", "iu", num_seqs)
+    if num_seqs and (slots.min() < 0 or starts.min() < 0 or lengths.min() < 1
+                     or int(starts.astype(np.int64).max()) + int(lengths.astype(np.int64).max()) > MAX_INT32):
+        raise ValueError("slots and starts must be >= 0, lengths >= 1")
+    num_tokens = int(lengths.astype(np.int64).sum())
+    tokens = _vector(step, "tokens", "iu", num_tokens)
+    if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() > MAX_INT32):
+        raise ValueError("token ids must be in [0, 2**31)")
+    hidden = step.hidden
+    if hidden is not None and (hidden.ndim != 2 or hidden.dtype.kind != "f" or hidden.shape[0] != num_tokens):
+        raise ValueError(f"hidden must be ({num_tokens}, D) floats, got {hidden.dtype}{list(hidden.shape)}")
+    rows, embeds = _vector(step, "embed_rows", "iu", None), step.embeds
+    if (rows is None) != (embeds is None):
+        raise ValueError("embeds and embed_rows come together")
+    if rows is not None and (embeds.ndim != 2 or embeds.dtype.kind != "f" or embeds.shape[0] != rows.shape[0]
+                             or (rows.size and (rows.min() < 0 or rows.max() >= num_tokens))):
+        raise ValueError(f"embeds must be (R, D) floats for R embed_rows in [0, {num_tokens})")
 
 
 # -- broker <-> vision worker ---------------------------------------------------------------------
@@ -250,7 +306,7 @@ class VisionReady(Message):
 
     TYPE = b"VISION_READY"
     generation: str
-    gpu: int
+    gpu: int = Field(ge=0, lt=MAX_GPUS)
     device: str
     pid: int
     device_bytes: int = 0
@@ -264,8 +320,8 @@ class Encode(Message):
 
     TYPE = b"ENCODE"
     TENSOR_LISTS = ("images",)
-    encode_id: int
-    request_id: str = Field(min_length=1, max_length=128)
+    encode_id: Int64
+    request_id: RequestId
     images: list[np.ndarray] = Field(min_length=1, max_length=MAX_IMAGES_PER_MESSAGE)
 
     @field_validator("images")
@@ -280,7 +336,7 @@ class EncodeReply(Message):
 
     TYPE = b"ENCODE_REPLY"
     TENSORS = ("embeds",)
-    encode_id: int
+    encode_id: Int64
     generation: str
     compute_s: float = 0.0
     embeds: np.ndarray | None = None

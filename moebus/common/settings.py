@@ -39,9 +39,11 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
-    workers: int = Field(1, ge=1)  # WSGI worker processes (the api is stateless)
-    threads: int = Field(16, ge=1)  # threads per WSGI worker
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    admin_key: str | None = None  # /v1/vram; must differ from api_key
+    allow_unauthenticated: bool = False  # serve a non-loopback host without api_key
+    workers: int = Field(1, ge=1, le=64)  # waitress processes on one socket (the api is stateless)
+    threads: int | None = Field(None, ge=1, le=4096)  # None: max_batch + max_queue + 16
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, le=1 << 30)
 
 
 class BrokerSettings(_Section):
@@ -53,6 +55,14 @@ class BrokerSettings(_Section):
     remote_gpus: list[int] = Field(default_factory=list)  # stages whose workers join from elsewhere
     curve_public_key: str | None = None  # z85; needed to bind or reach a non-loopback tcp address
     curve_secret_key: str | None = None  # z85; the broker's only
+    curve_client_keys: list[str] = Field(default_factory=list)  # z85 public keys allowed in over CURVE
+    curve_client_public_key: str | None = None  # z85; this client's or worker's own pair (allow-listed)
+    curve_client_secret_key: str | None = None
+    client_timeout_s: float = Field(5.0, gt=0)  # a ZeroMQ client silent this long: its requests are cancelled
+    step_timeout_s: float = Field(60.0, gt=0)  # a stage with no reply to a STEP by then is restarted
+    vram_timeout_s: float = Field(30.0, gt=0)  # same for a VRAM request
+    max_vram_queue: int = Field(16, ge=1)  # VRAM requests waiting; more are refused (503)
+    tokenizer_threads: int = Field(2, ge=1, le=64)  # threads that tokenize and render prompts
 
 
 class Settings(BaseSettings):

@@ -66,7 +66,9 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): a 4 MiB prompt tokenized in a thread of
+        # the broker takes seconds, and the broker's loop must keep running meanwhile
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -82,26 +84,30 @@ class TextTokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 tail."""
+    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 tail.
+    Each push decodes only a short window (the tokens since the last emitted text, and those of
+    the last delta for context), so a stream costs O(new tokens), not O(sequence) per token."""
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] were emitted already (context)
+        self.read_offset = 0  # ids[read_offset:] are not emitted yet
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._advance(text)
+        prefix, text = self._window()
+        if len(text) <= len(prefix) or text.endswith("\ufffd") or not text.startswith(prefix):
+            return ""  # an incomplete character, or a merge that changed earlier text: wait
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
 
     def flush(self) -> str:
         """The rest of the text at the end of a sequence, an incomplete character included."""
-        return self._advance(self.tokenizer.decode(self.ids))
+        prefix, text = self._window()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if text.startswith(prefix) else ""
 
-    def _advance(self, text: str) -> str:
-        if not text.startswith(self.emitted):  # a merge changed earlier text: emit nothing twice
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+    def _window(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        return (decode(self.ids[self.prefix_offset:self.read_offset]), decode(self.ids[self.prefix_offset:]))

@@ -1,8 +1,11 @@
 """The wire codec: ``[type][msgpack header][raw frames...]``. Decoding is defensive: explicit size
 limits on every frame and msgpack container, a known type, a validated header, tensor frames whose
-byte size matches the declared dtype and shape. Anything else raises WireError; the loop that
-received it answers ERROR (or drops and counts) and goes on."""
+byte size matches the declared dtype and shape (checked with Python integers, so no declared shape
+can overflow). Anything else raises WireError, and only WireError; the loop that received it
+answers ERROR (or drops and counts) and goes on."""
 from __future__ import annotations
+
+import math
 
 import msgpack
 import numpy as np
@@ -14,6 +17,7 @@ TENSOR_DTYPES = {"float32", "int32", "uint8", "uint16", "float16", "int64"}
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSOR_FRAMES = 16
 MAX_TENSOR_DIMS = 4
+MAX_TENSOR_BYTES = 1 << 31  # beyond any one frame that transport.MAX_MESSAGE_BYTES lets through
 TENSORS_KEY = "_tensors"
 
 
@@ -68,29 +72,39 @@ def _tensor(frames: list, spec) -> np.ndarray:
     if not (isinstance(spec, list) and len(spec) == 3):
         raise WireError("tensor spec must be [frame, dtype, shape]")
     index, dtype, shape = spec
-    if not (isinstance(index, int) and 0 <= index < len(frames)):
-        raise WireError(f"tensor frame {index!r} does not exist")
-    if dtype not in TENSOR_DTYPES:
-        raise WireError(f"tensor dtype {dtype!r} is not allowed")
+    if not (type(index) is int and 0 <= index < len(frames)):
+        raise WireError(f"tensor frame {str(index)[:32]} does not exist")
+    if not (isinstance(dtype, str) and dtype in TENSOR_DTYPES):
+        raise WireError(f"tensor dtype {str(dtype)[:32]!r} is not allowed")
     if not (isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS
-            and all(isinstance(n, int) and 0 <= n < 1 << 31 for n in shape)):
-        raise WireError(f"bad tensor shape {shape!r}")
-    frame = frames[index]
+            and all(type(n) is int and 0 <= n <= MAX_TENSOR_BYTES for n in shape)):
+        raise WireError(f"bad tensor shape {str(shape)[:64]}")
+    frame = memoryview(frames[index]).cast("B")
     dtype = np.dtype(dtype)
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(frame):
-        raise WireError(f"tensor frame of {len(frame)} bytes does not hold {dtype.name}{shape}")
+    num_bytes = math.prod(shape) * dtype.itemsize  # Python integers: a huge declared shape cannot wrap
+    if num_bytes > MAX_TENSOR_BYTES or num_bytes != frame.nbytes:
+        raise WireError(f"tensor frame of {frame.nbytes} bytes does not hold {dtype.name}{shape}")
     return np.frombuffer(frame, dtype=dtype).reshape(shape)
 
 
 def decode(frames: list) -> Message:
-    """A validated message from raw frames (bytes or zmq.Frame buffers)."""
+    """A validated message from raw frames (bytes or zmq.Frame buffers). Raises only WireError."""
+    try:
+        return _decode(frames)
+    except WireError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a codec bug met by one message must not end the loop
+        raise WireError(f"undecodable message: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _decode(frames: list) -> Message:
     if len(frames) < 2:
         raise WireError(f"expected at least 2 frames, got {len(frames)}")
     msg_type = bytes(frames[0])
     cls = MESSAGES.get(msg_type)
     if cls is None:
         raise WireError(f"unknown message type {msg_type[:32]!r}")
-    raw_tensors = [memoryview(f) if not isinstance(f, (bytes, memoryview)) else f for f in frames[2:]]
+    raw_tensors = [memoryview(f) for f in frames[2:]]
     header = _unpack_header(bytes(frames[1]))
     try:
         if len(raw_tensors) > MAX_TENSOR_FRAMES:  # checked after the header so the error names the request
@@ -123,5 +137,5 @@ def _validate(cls, msg_type: bytes, header: dict, raw_tensors: list) -> Message:
         return cls.model_validate(header)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise WireError(f"{msg_type.decode()}: {where}: {first['msg']}", msg_type) from None
+        where = ".".join(str(p) for p in first["loc"])[:200]
+        raise WireError(f"{msg_type.decode()}: {where}: {first['msg'][:300]}", msg_type) from None

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from moebus.common.checkpoint import Checkpoint
+from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.cuda.backend import is_fatal_device_error, make_backend
@@ -44,11 +46,17 @@ class GpuWorker:
                 self.link.send(self.handle(message))
             except Exception as e:  # noqa: BLE001 - every failure is reported to the broker
                 fatal = is_fatal_device_error(e)
-                log.exception("step failed%s", " (fatal device error, exiting)" if fatal else "")
-                self.link.send(WorkerError(generation=self.link.generation, message=f"{type(e).__name__}: {e}",
-                                           step_id=getattr(message, "step_id", None), fatal=fatal))
+                log.exception("%s failed%s", type(message).__name__, " (fatal device error, exiting)" if fatal else "")
+                self.link.send(self.failure(message, f"{type(e).__name__}: {str(e)[:1000]}", fatal))
                 if fatal:
                     return 3
+
+    def failure(self, message, text: str, fatal: bool):
+        """The answer to a message that failed: the broker waits on a VRAM reply by its id."""
+        if isinstance(message, Vram) and not fatal:
+            return VramReply(id=message.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0, error=text)
+        return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "step_id", None),
+                           fatal=fatal)
 
     def handle(self, message):
         if isinstance(message, Step):
@@ -76,9 +84,9 @@ class GpuWorker:
     def vram(self, msg: Vram) -> VramReply:
         experts = self.stage.experts
         if not hasattr(experts, "resize"):
-            return VramReply(reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
+            return VramReply(id=msg.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
                              error="this worker's expert cache is not elastic")
-        return VramReply(**experts.resize(msg.reserve_mib, query=msg.query))
+        return VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
 
     def stats(self) -> dict:
         stats = {"gpu": self.gpu, "steps": self.steps_served, "busy_s": self.busy_s,
@@ -91,7 +99,7 @@ class GpuWorker:
 def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, device: str) -> int:
     """Load the stage, register, serve. ``device`` is 'cpu' or 'cuda' (already resolved)."""
     link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
-                      server_key=settings.broker.curve_public_key)  # a bad address fails before loading
+                      server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
     ckpt = Checkpoint(model_dir)
     backend = make_backend(device)
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
@@ -99,7 +107,8 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                   experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
                   progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
-                     expert_slots=stage.experts.num_slots, pid=os.getpid()))
+                     expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
+                     max_batch=settings.max_batch, max_context=settings.max_context))
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
     try:

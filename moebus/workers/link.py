@@ -14,23 +14,26 @@ import zmq
 
 from moebus.common import transport, wire
 from moebus.common.errors import ConfigError
-from moebus.common.protocol import Heartbeat, Message, Ready
+from moebus.common.protocol import Heartbeat, Message, Ready, Step, Vram, VramReply, WorkerError
 
 log = logging.getLogger("moebus.worker")
+MAX_INBOX = 64  # the broker sends one STEP at a time; more waiting means something is wrong
 
 
 class BrokerLink:
     def __init__(self, address: str, identity: str, heartbeat_s: float = 1.0, liveness: int = 3,
-                 server_key: str | None = None):
+                 server_key: str | None = None, keys: tuple[str, str] | None = None):
+        """``keys``: this worker's own CURVE pair, which a broker on non-loopback tcp allow-lists."""
         self.address = address
         self.server_key = server_key
+        self.keys = keys
         if not transport.is_loopback(address) and not server_key:
             raise ConfigError(f"connecting to {address} (not loopback) needs broker.curve_public_key")
         self.identity = identity.encode()
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self.generation = uuid.uuid4().hex[:12]
-        self.inbox: queue.Queue[Message] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue(maxsize=MAX_INBOX)
         self.ctx = zmq.Context.instance()
         self._pipe_addr = f"inproc://link-{self.generation}"
         self._pipe_io = transport.make_socket(self.ctx, zmq.PAIR)
@@ -66,12 +69,27 @@ class BrokerLink:
 
     def _connect(self):
         sock = transport.make_socket(self.ctx, zmq.DEALER, identity=self.identity)
-        transport.secure_connect(sock, self.address, self.server_key)
+        transport.secure_connect(sock, self.address, self.server_key, self.keys)
         transport.send(sock, self._ready)
         return sock
 
     def _io_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve_io()
+            except Exception:  # noqa: BLE001 - the link must outlive any one bad turn
+                log.exception("broker link failed; reconnecting")
+                time.sleep(self.heartbeat_s)
+        self._pipe_io.close()
+
+    def _serve_io(self) -> None:
         sock = self._connect()
+        try:
+            self._pump(sock)
+        finally:
+            sock.close()
+
+    def _pump(self, sock) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._pipe_io, zmq.POLLIN)
@@ -85,26 +103,36 @@ class BrokerLink:
             if sock in events:
                 while sock.poll(0):
                     last_heard = now
-                    self._deliver(sock.recv_multipart(copy=False))
+                    self._deliver(sock, sock.recv_multipart(copy=False))
             if now >= next_beat:
                 transport.send(sock, Heartbeat(generation=self.generation))
                 next_beat = now + self.heartbeat_s
             if now - last_heard > self.heartbeat_s * self.liveness:
                 log.warning("broker silent for %.1f s; reconnecting to %s", now - last_heard, self.address)
-                poller.unregister(sock)
-                sock.close()
-                sock = self._connect()
-                poller.register(sock, zmq.POLLIN)
-                last_heard = now
-        sock.close()
-        self._pipe_io.close()
+                return  # _io_loop connects a new socket and sends READY again
 
-    def _deliver(self, frames) -> None:
+    def _deliver(self, sock, frames) -> None:
         try:
             message = wire.decode([f.buffer for f in frames])
         except wire.WireError as e:
             self.dropped_messages += 1  # nobody to answer: the broker sent garbage, keep serving
             log.error("dropped an invalid message from the broker: %s", e)
             return
-        if not isinstance(message, Heartbeat):
-            self.inbox.put(message)
+        if isinstance(message, Heartbeat):
+            return
+        try:
+            self.inbox.put_nowait(message)
+        except queue.Full:  # answer instead of dropping, so that the broker's wait ends
+            self.dropped_messages += 1
+            log.error("inbox full (%d): %s refused", MAX_INBOX, type(message).__name__)
+            refusal = self._refusal(message)
+            if refusal is not None:
+                transport.send(sock, refusal)
+
+    def _refusal(self, message: Message):
+        text = f"worker inbox full ({MAX_INBOX} messages waiting)"
+        if isinstance(message, Vram):
+            return VramReply(id=message.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0, error=text)
+        if isinstance(message, Step):
+            return WorkerError(generation=self.generation, step_id=message.step_id, message=text)
+        return None

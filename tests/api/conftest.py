@@ -8,13 +8,14 @@ import requests
 from tests.service import Service
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
 MAX_BODY_BYTES = 64 * 1024
 
 
 @pytest.fixture(scope="package")
 def service(tmp_path_factory, tiny_model):
     svc = Service(tmp_path_factory.mktemp("api"), tiny_model,
-                  api={"api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES})
+                  api={"api_key": API_KEY, "admin_key": ADMIN_KEY, "max_body_bytes": MAX_BODY_BYTES})
     try:
         yield svc.wait_ready()
     finally:
@@ -34,6 +35,16 @@ def http(service):
     """A requests session that sends the API key; ``http.url(path)`` is the service's URL."""
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {API_KEY}"
+    session.url = lambda path: service.base_url + path
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="package")
+def admin(service):
+    """A requests session that sends the admin key (for /v1/vram)."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
     session.url = lambda path: service.base_url + path
     yield session
     session.close()

@@ -85,7 +85,14 @@ def test_metrics_content_type(service):
     assert "# TYPE moebus_e2e_request_latency_seconds histogram" in r.text
 
 
-def test_vram_report_and_errors(http):
+def test_vram_takes_the_admin_key_not_the_inference_key(http, admin):
+    for session, status in ((http, 401), (admin, 200)):
+        assert session.get(session.url("/v1/vram")).status_code == status
+    assert admin.post(admin.url("/v1/chat/completions"), json={"messages": USER}).status_code == 401
+
+
+def test_vram_report_and_errors(admin):
+    http = admin
     r = http.get(http.url("/v1/vram"))
     body = r.json()
     if r.status_code == 200:  # the workers' elastic cache answers
@@ -100,7 +107,8 @@ def test_vram_report_and_errors(http):
         assert err.json()["error"]["param"].startswith(next(iter(bad)))
 
 
-def test_vram_reserve_and_back(http):
+def test_vram_reserve_and_back(admin):
+    http = admin
     reserved = http.post(http.url("/v1/vram"), json={"reserve_mib": [8]})
     bare = http.post(http.url("/v1/vram"), json={})
     for r in (reserved, bare):
