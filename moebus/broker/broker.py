@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import zmq
 
 from moebus.broker.admission import make_sequence
+from moebus.broker.history import History
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
@@ -52,6 +53,7 @@ class Broker:
         self.model_name = model_name
         self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens)
         self.stats = Stats()
+        self.history = History()  # what the dashboard plots over the last minutes
         self.ctx = zmq.Context.instance()
         keys = settings.broker.curve_public_key, settings.broker.curve_secret_key
         self.frontend = transport.make_socket(self.ctx, zmq.ROUTER, max_bytes=settings.max_request_bytes)
@@ -173,7 +175,7 @@ class Broker:
         return {"ready": self.pool.all_ready(), "model": self.model_name,
                 "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
                 "max_context": self.settings.max_context, "vocab_size": self.config.vocab_size,
-                **self.stats.to_dict(),
+                **self.stats.to_dict(), "history": self.history.to_dict(),
                 "gpus": [{"gpu": w.gpu, "ready": w.is_ready, "layers": [w.layers.start, w.layers.stop],
                           "restarts": w.child.restarts if w.child else 0, **w.info, **w.vram} for w in self.pool]}
 
@@ -257,6 +259,8 @@ class Broker:
                     transport.send(self.backend, Heartbeat(), w.identity)
         if now >= self.next_info_s and self.inflight is None:
             self.next_info_s = now + INFO_EVERY_S
+            self.history.sample(self.stats.counters["generation_tokens_total"],
+                                [{**w.info, **w.vram} for w in self.pool])
             for w in self.pool:
                 if w.is_ready:
                     transport.send(self.backend, Info(), w.identity)
@@ -355,6 +359,8 @@ class Broker:
         if fanout.complete(len(self.pool)):
             self.vram_inflight = None
             reply = fanout.aggregate()
+            if not fanout.query:
+                self.history.vram_event(fanout.reserves, reply)
             if reply.error and all(r.error for r in fanout.replies.values()):
                 self._reply(fanout.client, Error(id=fanout.request_id, message=reply.error, param="reserve_mib", status=400))
             else:
