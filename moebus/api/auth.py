@@ -1,4 +1,5 @@
-"""Optional API key: ``Authorization: Bearer <key>`` on every path but /health and /metrics,
+"""Optional API key: ``Authorization: Bearer <key>`` on every path but /health, /metrics and the
+dashboard page (its data, /v1/cache, needs the key),
 compared in constant time."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from flask import Flask, request
 
 from moebus.common.errors import AuthError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/dashboard"})  # the page asks for the key itself
 
 
 def require_api_key(app: Flask, api_key: str | None) -> None:

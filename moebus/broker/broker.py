@@ -359,8 +359,8 @@ class Broker:
         if fanout.complete(len(self.pool)):
             self.vram_inflight = None
             reply = fanout.aggregate()
-            if not fanout.query:
-                self.history.vram_event(fanout.reserves, reply)
+            self.history.vram_reply(fanout.reserves, reply, query=fanout.query)
+            self.next_info_s = 0.0  # the residency changed with the size: ask INFO on the next turn
             if reply.error and all(r.error for r in fanout.replies.values()):
                 self._reply(fanout.client, Error(id=fanout.request_id, message=reply.error, param="reserve_mib", status=400))
             else:

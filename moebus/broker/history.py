@@ -37,10 +37,13 @@ class History:
         if all(isinstance(s, int | float) for s in sizes):
             self.cache_mib = [float(s) for s in sizes]
 
-    def vram_event(self, reserves: list, reply, now_s: float | None = None) -> None:
-        """A resize that every worker answered: ``reserves`` as requested (None: start-up size),
-        ``reply`` the aggregated VramReply."""
+    def vram_reply(self, reserves: list, reply, query: bool = False, now_s: float | None = None) -> None:
+        """A VRAM request that every worker answered: ``reserves`` as requested (None: start-up
+        size), ``reply`` the aggregated VramReply. A query is no event but tells the sizes."""
         after = [float(v) for v in reply.expert_cache_mib]
+        if query:
+            self.cache_mib = after
+            return
         delta = sum(after) - sum(self.cache_mib) if self.cache_mib and len(self.cache_mib) == len(after) else None
         self.events.append({"t_s": time.time() if now_s is None else now_s, "kind": _kind(delta),
                             "reserve_mib": list(reserves), "expert_cache_mib": after,
@@ -49,17 +52,20 @@ class History:
         self.cache_mib = after
 
     def rates(self) -> dict:
-        """Per interval between two samples: its end time, tok/s, and hits / lookups (None: no lookups)."""
-        t, tok_s, hit_rate = [], [], []
+        """Per interval between two samples: its end time and length, tokens, tok/s, expert hits,
+        lookups and hits / lookups (None: no lookups, or a worker restarted and counts anew)."""
+        out = {key: [] for key in ("t_s", "dt_s", "tokens", "tok_s", "hits", "lookups", "hit_rate")}
         pairs = list(self.samples)
         for (t0, tok0, h0, m0), (t1, tok1, h1, m1) in zip(pairs, pairs[1:]):
             if t1 <= t0:
                 continue
-            hits, misses = h1 - h0, m1 - m0  # negative: a worker restarted and counts from zero
-            t.append(t1)
-            tok_s.append(max(0, tok1 - tok0) / (t1 - t0))
-            hit_rate.append(hits / (hits + misses) if hits >= 0 and misses >= 0 and hits + misses > 0 else None)
-        return {"t_s": t, "tok_s": tok_s, "hit_rate": hit_rate}
+            tokens, hits, misses = max(0, tok1 - tok0), h1 - h0, m1 - m0
+            counted = hits >= 0 and misses >= 0  # negative: a worker restarted and counts from zero
+            for key, value in (("t_s", t1), ("dt_s", t1 - t0), ("tokens", tokens), ("tok_s", tokens / (t1 - t0)),
+                               ("hits", hits if counted else 0), ("lookups", hits + misses if counted else 0),
+                               ("hit_rate", hits / (hits + misses) if counted and hits + misses > 0 else None)):
+                out[key].append(value)
+        return out
 
     def to_dict(self) -> dict:
         return {"now_s": time.time(), "window_s": self.window_s, **self.rates(), "vram_events": list(self.events)}

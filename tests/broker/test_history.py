@@ -23,12 +23,16 @@ def test_rates_per_interval_and_a_window_that_forgets():
 
 def test_vram_events_name_hand_back_and_regrow():
     h = History()
-    h.vram_event([10, None], VramReply(reserve_mib=[10, 0], free_mib=[12, 2], expert_slots=[8, 8],
+    h.vram_reply([None, None], VramReply(reserve_mib=[0, 0], free_mib=[2, 2], expert_slots=[8, 8],
+                                         expert_cache_mib=[40, 40]), query=True, now_s=0.5)
+    assert h.to_dict()["vram_events"] == [] and h.cache_mib == [40, 40]
+    h.cache_mib = None  # as before any INFO or query
+    h.vram_reply([10, None], VramReply(reserve_mib=[10, 0], free_mib=[12, 2], expert_slots=[8, 8],
                                        expert_cache_mib=[40, 40]), now_s=1.0)
     h.sample(0, _gpus([0, 0], [0, 0], [40, 40]), now_s=2.0)
     shrink = VramReply(reserve_mib=[30, 30], free_mib=[32, 30], expert_slots=[4, 5], expert_cache_mib=[20, 26])
-    h.vram_event([30, 30], shrink, now_s=3.0)
-    h.vram_event([None, None], VramReply(reserve_mib=[0, 0], free_mib=[2, 2], expert_slots=[8, 8],
+    h.vram_reply([30, 30], shrink, now_s=3.0)
+    h.vram_reply([None, None], VramReply(reserve_mib=[0, 0], free_mib=[2, 2], expert_slots=[8, 8],
                                          expert_cache_mib=[40, 40]), now_s=4.0)
     kinds = [(e["kind"], e["delta_mib"]) for e in h.to_dict()["vram_events"]]
     assert kinds == [("resize", None), ("hand-back", -34.0), ("regrow", 34.0)]
