@@ -1,11 +1,11 @@
-"""The api's Flask app factory: OpenAI-compatible routes, /v1/vram, /health and /metrics, all of
+"""The api's Flask app factory: OpenAI-compatible routes, /v1/vram, /health, /metrics and the dashboard, all of
 them answered from the broker through one ZeroMQ client per WSGI worker process. Serve it with a
 real WSGI server (moebus.api.server: waitress), never Flask's development server."""
 from __future__ import annotations
 
 from flask import Flask
 
-from moebus.api import health_routes, metrics, openai_routes, vram_routes
+from moebus.api import dashboard, health_routes, metrics, openai_routes, vram_routes
 from moebus.api.auth import require_api_key
 from moebus.api.errors import register_error_handlers
 from moebus.api.link import BrokerLink
@@ -24,6 +24,6 @@ def create_app(settings=None) -> Flask:
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
     require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)
-    for module in (openai_routes, vram_routes, health_routes, metrics):
+    for module in (openai_routes, vram_routes, health_routes, metrics, dashboard):
         app.register_blueprint(module.bp)
     return app

@@ -3,7 +3,8 @@
 - inference (``/v1/*`` but /v1/vram): ``api.api_key`` when set;
 - control (``/v1/vram``): ``api.admin_key``, a different key, so that a leaked inference key cannot
   starve the cache; with an inference key but no admin key, /v1/vram is refused (403);
-- ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
+- ``/health`` and ``/metrics`` stay open (probes and scrapers carry no key), and so does the dashboard
+  page (``/``, ``/dashboard``): it asks for the key itself, and its data (``/v1/cache``) needs it.
 
 ``check_exposure`` refuses to serve a non-loopback address without an inference key unless
 ``api.allow_unauthenticated`` says so explicitly."""
@@ -15,7 +16,7 @@ from flask import Flask, request
 
 from moebus.common.errors import AuthError, ConfigError, RequestError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/dashboard"})  # the page asks for the key itself
 ADMIN_PREFIX = "/v1/vram"
 LOOPBACK_HOSTS = {"localhost", "::1", "[::1]"}
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from moebus.broker.clients import ClientTable
+from moebus.broker.history import History
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
@@ -65,6 +66,7 @@ class Broker:
         self.model_name = model_name
         self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens)
         self.stats = Stats()
+        self.history = History()  # what the dashboard plots over the last minutes
         self.ctx = zmq.Context.instance()
         keys = settings.broker.curve_public_key, settings.broker.curve_secret_key
         allowed = list(settings.broker.curve_client_keys) + [k for k in [settings.broker.curve_client_public_key] if k]
@@ -81,7 +83,8 @@ class Broker:
         transport.secure_bind(self.backend, backend_address, *keys, allowed_keys=allowed)
         self.inflight: InflightStep | None = None
         b = settings.broker
-        self.vram = VramControl(len(pool), self._send_worker, self._reply, b.max_vram_queue, b.vram_timeout_s)
+        self.vram = VramControl(len(pool), self._send_worker, self._reply, b.max_vram_queue, b.vram_timeout_s,
+                                observe=self._on_vram_answer)
         self.clients = ClientTable(b.client_timeout_s)
         self.tokenize = TokenizePool(self.ctx, tokenizer, model_config.vocab_size, settings.max_context,
                                      b.tokenizer_threads, max_pending=max(settings.max_queue, 1))
@@ -279,6 +282,10 @@ class Broker:
         else:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
 
+    def _on_vram_answer(self, reserves: list, reply: VramReply, query: bool) -> None:
+        self.history.vram_reply(reserves, reply, query=query)
+        self.next_info_s = 0.0  # the residency changed with the size: ask INFO on the next turn
+
     def _id_in_use(self, request_id: str) -> bool:
         return bool(self.scheduler.find(request_id) or request_id in self.tokenize.pending
                     or (self.vision and self.vision.find(request_id)))
@@ -314,6 +321,7 @@ class Broker:
                 "max_context": self.settings.max_context, "vocab_size": self.config.vocab_size,
                 "requests_tokenizing": len(self.tokenize.pending), "vram_reserves_mib": list(self.vram.reserves),
                 **self.stats.to_dict(), **(self.vision.info() if self.vision else {"vision_loaded": 0}),
+                "history": self.history.to_dict(),
                 "gpus": [{"gpu": w.gpu, "ready": w.is_ready, "layers": [w.layers.start, w.layers.stop],
                           "restarts": w.child.restarts if w.child else 0, **w.info, **w.vram} for w in self.pool]}
 
@@ -472,6 +480,8 @@ class Broker:
                     self._send_worker(w.gpu, Heartbeat())
         if now >= self.next_info_s and self.inflight is None:
             self.next_info_s = now + INFO_EVERY_S
+            self.history.sample(self.stats.counters["generation_tokens_total"],
+                                [{**w.info, **w.vram} for w in self.pool])
             for w in self.pool:
                 if w.is_ready:
                     self._send_worker(w.gpu, Info())

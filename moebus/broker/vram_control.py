@@ -27,10 +27,11 @@ def failed_reply(reason: str) -> VramReply:
 
 
 class VramControl:
-    def __init__(self, num_gpus: int, send_worker, reply_client, max_queue: int, timeout_s: float):
+    def __init__(self, num_gpus: int, send_worker, reply_client, max_queue: int, timeout_s: float, observe=None):
         self.num_gpus = num_gpus
         self.send_worker = send_worker  # (gpu, message)
         self.reply_client = reply_client  # (client, message)
+        self.observe = observe  # (reserves, aggregated VramReply, query): every answered fan-out
         self.max_queue, self.timeout_s = max_queue, timeout_s
         self.queue: list[VramFanout] = []
         self.inflight: VramFanout | None = None  # a resize: steps wait for it
@@ -117,6 +118,8 @@ class VramControl:
             self.inflight = None
         self.queries.pop(getattr(fanout, "fanout_id", None), None)
         reply = fanout.aggregate()
+        if self.observe is not None:
+            self.observe(fanout.reserves, reply, fanout.query)
         if fanout.on_done is not None:
             fanout.on_done(reply)
             return

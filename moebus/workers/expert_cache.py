@@ -49,6 +49,7 @@ class ExpertCache:
         self.pinned: set[int] = set()
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
+        self.key_hits: dict[int, int] = {}  # hits of each resident key since it was admitted
 
     @property
     def array(self):
@@ -103,6 +104,7 @@ class ExpertCache:
                 self.pinned.add(slot)
                 self.policy.touch(key)
                 self.hits += 1
+                self.key_hits[key] += 1
         for i, key in enumerate(keys):
             if key in self.key_slot:
                 continue
@@ -133,12 +135,14 @@ class ExpertCache:
     def _assign(self, slot: int, key: int) -> None:
         self.slot_key[slot] = key
         self.key_slot[key] = slot
+        self.key_hits[key] = 0
         self.policy.insert(key)
 
     def _evict(self, slot: int) -> None:
         key = int(self.slot_key[slot])
         self.slot_key[slot] = EMPTY
         del self.key_slot[key]
+        del self.key_hits[key]
         self.policy.remove(key)
 
     # -- VRAM requests ----------------------------------------------------------------------------
@@ -205,3 +209,11 @@ class ExpertCache:
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "h2d_bytes": self.h2d_bytes,
                 "resident_experts": len(self.key_slot), **self.report()}
+
+    def residency(self) -> dict:
+        """Which (layer, expert) are resident and their hits since admission, compact enough for
+        every INFO reply: ``keys`` are the store's keys (row * num_experts + expert, where row
+        indexes ``layers``), ``hits`` the hit count of each, in the same order."""
+        keys = sorted(self.key_slot)
+        return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
+                "keys": keys, "hits": [self.key_hits[k] for k in keys]}

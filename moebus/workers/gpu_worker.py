@@ -93,6 +93,8 @@ class GpuWorker:
                  "dropped_messages": self.link.dropped_messages}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
+        if hasattr(self.stage.experts, "residency"):  # the dashboard's layers x experts map
+            stats["residency"] = self.stage.experts.residency()
         return stats
 
 
