@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
+from moebus.cuda import penalties
 from moebus.cuda.dtypes import to_f32
 
 
@@ -68,6 +69,8 @@ class CpuBackend:
     expert_ffn = staticmethod(moe.expert_ffn_ref)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)
+    apply_rules = staticmethod(penalties.apply_rules_ref)
+    token_logprobs = staticmethod(penalties.token_logprobs_ref)
 
 
 def make_backend(device: str):

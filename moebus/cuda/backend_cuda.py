@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+from moebus.cuda import penalties
 from moebus.cuda.compat import cuda
 from moebus.cuda.step_pool import StepPool
 
@@ -136,3 +137,13 @@ class CudaBackend:
         tokens, logprobs = self.empty((num_rows,), np.int32), self.empty((num_rows,), np.float32)
         return sampling.sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs,
                                     self.empty(logits.shape), stream=self.stream)
+
+    def apply_rules(self, logits, temperature, rules):
+        """The logit rules of a step (host ``LogitRules``) on a copy of the logits."""
+        penalties.check_rules(rules, *logits.shape)
+        arrays = (self.upload(a) for a in (rules.params, rules.offsets, rules.ids, rules.counts, rules.bias))
+        return penalties.apply_rules_cuda(logits, temperature, *arrays, self.empty(logits.shape), stream=self.stream)
+
+    def token_logprobs(self, logits, tokens):
+        out = self.empty((logits.shape[0],), np.float32)
+        return penalties.token_logprobs_cuda(logits, tokens, out, stream=self.stream)
