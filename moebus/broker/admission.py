@@ -66,6 +66,10 @@ def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_
         raise RequestError(f"the prompt has {len(ids)} tokens; max_context is {max_context}",
                            param="messages" if msg.messages is not None else "prompt", code="context_length_exceeded")
     sampling = msg.sampling
+    outside = [t for t, _ in sampling.logit_bias if t >= vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias names token id {outside[0]}, outside the vocabulary (size {vocab_size})",
+                           param="logit_bias")
     room = max_context - len(ids)
     if sampling.max_tokens is not None and sampling.max_tokens > room:
         raise RequestError(f"max_tokens {sampling.max_tokens} with a prompt of {len(ids)} tokens exceeds "

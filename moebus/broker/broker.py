@@ -279,7 +279,8 @@ class Broker:
         step, plan = self.inflight, self.inflight.plan
         message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots, starts=plan.starts,
                        lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None, hidden=hidden,
-                       temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u)
+                       temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
+                       **((plan.logit_rules or {}) if step.stage == len(self.pool) - 1 else {}))
         transport.send(self.backend, message, self.pool[step.stage].identity)
 
     def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:

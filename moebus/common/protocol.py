@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TOKENS_PER_PROMPT = 1 << 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # biased ids per request
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias
 
 
 class Message(BaseModel):
@@ -38,6 +40,30 @@ class Sampling(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0, le=20)  # also return the n most likely tokens per position
+    # logit rules as vLLM defines them (cuda/penalties.py); the defaults are off
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=MAX_LOGIT_BIAS)  # (id, bias)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_pairs(cls, pairs):
+        if any(t < 0 for t, _ in pairs) or len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias ids must be unique and >= 0")
+        if any(not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS for _, b in pairs):
+            raise ValueError(f"logit_bias values must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+        return pairs
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Does the last stage need to adjust this request's logits before sampling?"""
+        return self.has_penalties or bool(self.logit_bias) or self.min_p > 0
 
 
 class Generate(Message):
@@ -164,10 +190,15 @@ class Heartbeat(Message):
 
 class Step(Message):
     """One forward step through a stage (see workers/batch.py). ``hidden`` for stages after the first,
-    ``tokens`` for the first; sampling arrays are used by the last stage."""
+    ``tokens`` for the first; sampling arrays are used by the last stage. The ``logit_*`` arrays come
+    to the last stage only when some row asks for a penalty, a bias or min_p (cuda/penalties.py):
+    ``logit_params`` (S, 4) float32 frequency, presence, repetition, min_p; ``logit_lengths`` (S,)
+    int32 entries per row; per entry ``logit_ids``, ``logit_counts`` (output count, 0: prompt only,
+    -1: biased only) int32 and ``logit_bias`` float32."""
 
     TYPE = b"STEP"
-    TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u")
+    TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
+               "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias")
     step_id: int
     top_logprobs: int = 0
     slots: np.ndarray
@@ -179,6 +210,11 @@ class Step(Message):
     top_k: np.ndarray | None = None
     top_p: np.ndarray | None = None
     u: np.ndarray | None = None
+    logit_params: np.ndarray | None = None
+    logit_lengths: np.ndarray | None = None
+    logit_ids: np.ndarray | None = None
+    logit_counts: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
 
 class StepReply(Message):

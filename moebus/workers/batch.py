@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moebus.cuda.penalties import LogitRules
+
 
 @dataclass
 class StepBatch:
@@ -18,6 +20,7 @@ class StepBatch:
     top_p: np.ndarray | None = None  # (S,) float32, 1: off
     u: np.ndarray | None = None  # (S,) float32 uniform draws for sampling
     top_logprobs: int = 0  # return the n most likely ids per sequence too
+    logit_rules: LogitRules | None = None  # penalties, bias, min_p; None: no row has any
     extras: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -70,7 +73,8 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         tokens = None if batch.tokens is None else np.concatenate([r[3] for r in rows])
         piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
                           tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
-                          top_logprobs=batch.top_logprobs)
+                          top_logprobs=batch.top_logprobs,
+                          logit_rules=None if batch.logit_rules is None else batch.logit_rules.take(idx))
         count = int(lengths.sum())
         pieces.append((piece, idx, np.array([r[4] for r in rows]), slice(first_token, first_token + count)))
         first_token += count
@@ -90,3 +94,11 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         offset += int(length)
     flush()
     return pieces
+
+
+def logit_rules_of(step) -> LogitRules | None:
+    """The STEP message's logit rules (protocol.Step ``logit_*``), None when it carries none."""
+    if step.logit_params is None:
+        return None
+    return LogitRules.from_lengths(step.logit_params, step.logit_lengths, step.logit_ids, step.logit_counts,
+                                   step.logit_bias)
