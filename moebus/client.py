@@ -19,8 +19,8 @@ import zmq
 
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
-from moebus.common.protocol import (Cancel, Error, Final, Generate, Info, InfoReply, Message, Partial, Ping, Pong,
-                                    Sampling, Vram, VramReply)
+from moebus.common.protocol import (Cancel, Detokenize, DetokenizeReply, Error, Final, Generate, Info, InfoReply,
+                                    Message, Partial, Ping, Pong, Sampling, Tokenize, TokenizeReply, Vram, VramReply)
 
 _ids = itertools.count()
 
@@ -139,11 +139,13 @@ class Client:
     # -- public API -----------------------------------------------------------------------------
 
     def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
-                 messages: list[dict] | None = None, request_id: str | None = None, **sampling) -> Stream:
-        """Start a request and stream it. ``sampling``: fields of protocol.Sampling."""
+                 messages: list[dict] | None = None, request_id: str | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict | None = None, **sampling) -> Stream:
+        """Start a request and stream it. ``sampling``: fields of protocol.Sampling; ``tools`` and
+        ``chat_template_kwargs`` go to the chat template with ``messages``."""
         request_id = request_id or uuid.uuid4().hex
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
-                           sampling=Sampling(**sampling))
+                           sampling=Sampling(**sampling), tools=tools, chat_template_kwargs=chat_template_kwargs)
         replies: queue.Queue = queue.Queue()
         with self._lock:
             self._queues[request_id] = replies
@@ -158,6 +160,15 @@ class Client:
 
     def info(self, timeout_s: float | None = None) -> dict:
         return self._call(Info(), InfoReply, timeout_s).stats
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **options) -> dict:
+        """The prompt's (or the rendered chat's) token ids: ``{"tokens", "token_strs", "max_context"}``.
+        ``options``: tools, chat_template_kwargs, add_generation_prompt, token_strs (protocol.Tokenize)."""
+        reply = self._call(Tokenize(prompt=prompt, messages=messages, **options), TokenizeReply)
+        return reply.model_dump(exclude={"id"})
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._call(Detokenize(tokens=tokens), DetokenizeReply).text
 
     def ping(self, timeout_s: float = 2.0) -> bool:
         """True when the broker answers and every worker is ready."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from moebus.broker.admission import make_sequence
+from moebus.broker.admission import detokenize, make_sequence, tokenize
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
@@ -22,8 +22,9 @@ from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, Unavailable
 from moebus.common.model_config import ModelConfig
-from moebus.common.protocol import (Cancel, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial, Ping,
-                                    Pong, Ready, Shutdown, Step, StepReply, Vram, VramReply, WorkerError)
+from moebus.common.protocol import (Cancel, Detokenize, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial,
+                                    Ping, Pong, Ready, Shutdown, Step, StepReply, Tokenize, Vram, VramReply,
+                                    WorkerError)
 from moebus.common.tokenizer import TextTokenizer
 
 log = logging.getLogger("moebus.broker")
@@ -166,6 +167,10 @@ class Broker:
             self._reply(client, InfoReply(id=msg.id, stats=self.info()))
         elif isinstance(msg, Ping):
             self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
+        elif isinstance(msg, Tokenize):
+            self._reply(client, tokenize(msg, self.tokenizer, self.settings.max_context))
+        elif isinstance(msg, Detokenize):
+            self._reply(client, detokenize(msg, self.tokenizer, self.config.vocab_size))
         else:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
 
@@ -318,7 +323,8 @@ class Broker:
             top = [[(int(t), float(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
             texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]
         self._reply(seq.client, Partial(id=seq.id, tokens=[token], text=text, logprobs=[logprob], top_logprobs=top,
-                                        token_texts=texts, top_texts=top_texts))
+                                        token_texts=texts, top_texts=top_texts,
+                                        reasoning_open=seq.reasoning_open if len(seq.generated) == 1 else None))
         if seq.finish_reason:
             self._finish(seq, seq.finish_reason)
 

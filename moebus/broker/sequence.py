@@ -29,6 +29,7 @@ class Sequence:
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reason: str | None = None
+    reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)

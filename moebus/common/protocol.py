@@ -2,8 +2,9 @@
 ``[type][msgpack header][raw tensor frames...]`` (see wire.py); tensors are raw frames named in the
 header, never inside msgpack, never pickled. Each class validates its header when decoded.
 
-Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING from the client;
-PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG from the broker.
+Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING, TOKENIZE, DETOKENIZE
+from the client; PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG,
+TOKENIZE_REPLY, DETOKENIZE_REPLY from the broker.
 Broker <-> worker (DEALER identity gpu<i> -> ROUTER, backend): READY, HEARTBEAT, STEP_REPLY,
 VRAM_REPLY, INFO_REPLY, ERROR from a worker; STEP, VRAM, INFO, HEARTBEAT, SHUTDOWN from the broker."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TOKENS_PER_PROMPT = 1 << 20
 MAX_STOP_STRINGS = 16
+MAX_TOOLS = 128
 MAX_LOGIT_BIAS = 1024  # biased ids per request
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias
 
@@ -75,6 +77,8 @@ class Generate(Message):
     prompt_tokens: list[int] | None = Field(None, max_length=MAX_TOKENS_PER_PROMPT)
     messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
     sampling: Sampling = Field(default_factory=Sampling)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # extra template variables
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -102,6 +106,9 @@ class Partial(Message):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     token_texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
+    # first Partial of a chat request only: True when the prompt ends inside an open <think> block
+    # (the text begins as reasoning), False when not, None when the model has no reasoning blocks
+    reasoning_open: bool | None = None
 
 
 class Final(Message):
@@ -156,6 +163,42 @@ class InfoReply(Message):
     TYPE = b"INFO_REPLY"
     id: str | None = None
     stats: dict[str, Any]
+
+
+class Tokenize(Message):
+    """Tokenize ``prompt`` (plain text) or ``messages`` (through the chat template, with ``tools``
+    and ``chat_template_kwargs`` as GENERATE renders them). Answered TOKENIZE_REPLY or ERROR."""
+
+    TYPE = b"TOKENIZE"
+    id: str | None = Field(None, max_length=128)
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    add_generation_prompt: bool = True
+    token_strs: bool = False  # also each token's own text
+
+
+class TokenizeReply(Message):
+    TYPE = b"TOKENIZE_REPLY"
+    id: str | None = None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    max_context: int
+
+
+class Detokenize(Message):
+    """The text of token ids (special tokens dropped, as in a generated answer)."""
+
+    TYPE = b"DETOKENIZE"
+    id: str | None = Field(None, max_length=128)
+    tokens: list[int] = Field(max_length=MAX_TOKENS_PER_PROMPT)
+
+
+class DetokenizeReply(Message):
+    TYPE = b"DETOKENIZE_REPLY"
+    id: str | None = None
+    text: str
 
 
 class Ping(Message):
@@ -246,5 +289,6 @@ class Shutdown(Message):
 
 MESSAGES: dict[bytes, type[Message]] = {
     cls.TYPE: cls for cls in (Generate, Cancel, Partial, Final, Error, Vram, VramReply, Info, InfoReply, Ping,
-                              Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown)
+                              Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown,
+                              Tokenize, TokenizeReply, Detokenize, DetokenizeReply)
 }
