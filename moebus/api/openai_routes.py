@@ -17,25 +17,42 @@ def _socket():
     return request.environ.get("gunicorn.socket")
 
 
+def _start(formatter, n: int, start_one) -> list:
+    """One broker request per choice; if one cannot start, those already started are cancelled."""
+    streams = []
+    try:
+        for index in range(n):
+            streams.append(start_one(index, formatter.request_id(index)))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
 @bp.post("/v1/chat/completions")
 def chat_completions():
     req = parse_body(ChatRequest)
-    formatter = ChatFormatter(link().model()["name"], req.top_n, req.include_usage)
+    formatter = ChatFormatter(link().model()["name"], req.top_n, req.include_usage, req.n, req.calls_tools)
     # logprobs: true asks the broker for at least one top token, which brings the tokens' texts too
     logprobs = max(req.top_n, 1) if req.top_n is not None else 0
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
-    stream = link().client.chat([m.to_broker() for m in req.messages], request_id=formatter.id, **sampling)
-    return answer(stream, formatter, _socket(), req.stream)
+    messages = [m.to_broker() for m in req.messages]
+    streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
+        messages, request_id=rid, tools=req.template_tools(), chat_template_kwargs=req.chat_template_kwargs,
+        **req.choice_sampling(sampling, i)))
+    return answer(streams, formatter, _socket(), req.stream)
 
 
 @bp.post("/v1/completions")
 def completions():
     req = parse_body(CompletionRequest)
-    formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage)
+    formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage, req.n)
     logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
-    stream = link().client.generate(**req.prompt_kwargs(), request_id=formatter.id,
-                                    **req.sampling(req.max_tokens, logprobs))
-    return answer(stream, formatter, _socket(), req.stream)
+    sampling = req.sampling(req.max_tokens, logprobs)
+    streams = _start(formatter, req.n, lambda i, rid: link().client.generate(
+        **req.prompt_kwargs(), request_id=rid, **req.choice_sampling(sampling, i)))
+    return answer(streams, formatter, _socket(), req.stream)
 
 
 def _model_card() -> dict:
