@@ -26,8 +26,8 @@ import zmq
 
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
-from moebus.common.protocol import (Cancel, Error, Final, Generate, Info, InfoReply, Message, Partial, Ping, Pong,
-                                    Sampling, Vram, VramReply)
+from moebus.common.protocol import (Cancel, Detokenize, DetokenizeReply, Error, Final, Generate, Info, InfoReply,
+                                    Message, Partial, Ping, Pong, Sampling, Tokenize, TokenizeReply, Vram, VramReply)
 
 _ids = itertools.count()
 HEARTBEAT_ID = "~heartbeat"  # the IO thread's own pings; never a request id (those are uuids)
@@ -163,13 +163,16 @@ class Client:
 
     def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
                  messages: list[dict] | None = None, request_id: str | None = None,
-                 images: list[bytes] | None = None, **sampling) -> Stream:
+                 images: list[bytes] | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict | None = None, **sampling) -> Stream:
         """Start a request and stream it. ``sampling``: fields of protocol.Sampling. ``images``: the
-        files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md)."""
+        files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md).
+        ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``."""
         request_id = request_id or uuid.uuid4().hex
         frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
-                           sampling=Sampling(**sampling), images=frames)
+                           sampling=Sampling(**sampling), images=frames, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
         self._register(request_id, replies := Replies())
         self._send(message)
         return Stream(self, request_id, replies, self.timeout_s)
@@ -182,6 +185,15 @@ class Client:
 
     def info(self, timeout_s: float | None = None) -> dict:
         return self._call(Info(), InfoReply, timeout_s).stats
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **options) -> dict:
+        """The prompt's (or the rendered chat's) token ids: ``{"tokens", "token_strs", "max_context"}``.
+        ``options``: tools, chat_template_kwargs, add_generation_prompt, token_strs (protocol.Tokenize)."""
+        reply = self._call(Tokenize(prompt=prompt, messages=messages, **options), TokenizeReply)
+        return reply.model_dump(exclude={"id"})
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._call(Detokenize(tokens=tokens), DetokenizeReply).text
 
     def ping(self, timeout_s: float = 2.0) -> bool:
         """True when the broker answers and every worker is ready."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flask import Flask
 
-from moebus.api import dashboard, health_routes, metrics, openai_routes, vram_routes
+from moebus.api import dashboard, health_routes, metrics, openai_routes, tokenize_routes, vram_routes
 from moebus.api.auth import require_api_key
 from moebus.api.errors import register_error_handlers
 from moebus.api.link import BrokerLink
@@ -24,6 +24,6 @@ def create_app(settings=None) -> Flask:
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
     require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)
-    for module in (openai_routes, vram_routes, health_routes, metrics, dashboard):
+    for module in (openai_routes, vram_routes, health_routes, metrics, dashboard, tokenize_routes):
         app.register_blueprint(module.bp)
     return app

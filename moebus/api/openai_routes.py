@@ -19,16 +19,31 @@ def _client_gone():
     return request.environ.get("waitress.client_disconnected")
 
 
+def _start(formatter, n: int, start_one) -> list:
+    """One broker request per choice; if one cannot start, those already started are cancelled."""
+    streams = []
+    try:
+        for index in range(n):
+            streams.append(start_one(index, formatter.request_id(index)))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
 @bp.post("/v1/chat/completions")
 def chat_completions():
     req = parse_body(ChatRequest)
-    formatter = ChatFormatter(link().model()["name"], req.top_n, req.include_usage)
+    formatter = ChatFormatter(link().model()["name"], req.top_n, req.include_usage, req.n, req.calls_tools)
     # logprobs: true asks the broker for at least one top token, which brings the tokens' texts too
     logprobs = max(req.top_n, 1) if req.top_n is not None else 0
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
     messages, images = _images([m.to_broker() for m in req.messages])
-    stream = link().client.chat(messages, request_id=formatter.id, images=images, **sampling)
-    return answer(stream, formatter, _client_gone(), req.stream)
+    streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
+        messages, request_id=rid, images=images, tools=req.template_tools(),
+        chat_template_kwargs=req.chat_template_kwargs, **req.choice_sampling(sampling, i)))
+    return answer(streams, formatter, _client_gone(), req.stream)
 
 
 def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
@@ -44,11 +59,12 @@ def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
 @bp.post("/v1/completions")
 def completions():
     req = parse_body(CompletionRequest)
-    formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage)
+    formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage, req.n)
     logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
-    stream = link().client.generate(**req.prompt_kwargs(), request_id=formatter.id,
-                                    **req.sampling(req.max_tokens, logprobs))
-    return answer(stream, formatter, _client_gone(), req.stream)
+    sampling = req.sampling(req.max_tokens, logprobs)
+    streams = _start(formatter, req.n, lambda i, rid: link().client.generate(
+        **req.prompt_kwargs(), request_id=rid, **req.choice_sampling(sampling, i)))
+    return answer(streams, formatter, _client_gone(), req.stream)
 
 
 def _model_card() -> dict:

@@ -1,16 +1,23 @@
-"""OpenAI response objects built from the broker's Partials and Final: chat completions and legacy
-text completions, whole or as stream chunks, with usage and logprobs in each API's own shape."""
+"""OpenAI response objects built from the broker's Partials and Finals: chat completions and legacy
+text completions, whole or as stream chunks, with usage and logprobs in each API's own shape. A
+request with ``n`` choices is n broker requests; choice i is built from request i's messages. A
+chat answer is split into reasoning, content and tool calls (reasoning.py, tool_calls.py); whole
+answers run through the same per-choice state as streams, so both always say the same."""
 from __future__ import annotations
 
 import time
 import uuid
 
+from moebus.api.reasoning import ReasoningSplitter
+from moebus.api.tool_calls import ToolCallParser
 from moebus.common.protocol import Final, Partial
 
 
-def usage(final: Final) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+def usage(finals: list[Final]) -> dict:
+    """The prompt counts once (every choice reads the same prompt); completions add up."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _tokens(part: Partial, top_n: int):
@@ -29,23 +36,82 @@ class Formatter:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, top_n: int | None = None, include_usage: bool = False):
+    def __init__(self, model: str, top_n: int | None = None, include_usage: bool = False, n: int = 1):
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.top_n = top_n
         self.include_usage = include_usage
+        self.n = n
+
+    def request_id(self, index: int) -> str:
+        """The broker request id of choice ``index``."""
+        return self.id if self.n == 1 else f"{self.id}-{index}"
 
     def _envelope(self, object_name: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def _chunk(self, choice: dict) -> dict:
+    def _chunk(self, index: int, choice: dict) -> dict:
         extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(self.chunk_object_name, [{"index": 0, **choice}], **extra)
+        return self._envelope(self.chunk_object_name, [{"index": index, **choice}], **extra)
 
-    def usage_chunk(self, final: Final) -> dict:
-        return {**self._chunk({}), "choices": [], "usage": usage(final)}
+    def usage_chunk(self, finals: list[Final]) -> dict:
+        return {**self._chunk(0, {}), "choices": [], "usage": usage(finals)}
+
+    def body(self, results: list[tuple[list[Partial], Final]]) -> dict:
+        """The whole answer: per choice its Partials and its Final."""
+        choices = [self._choice(i, parts, final) for i, (parts, final) in enumerate(results)]
+        return self._envelope(self.object_name, choices, usage=usage([final for _, final in results]))
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+
+class _ChatChoice:
+    """Where one choice's text stands: its reasoning split and tool-call parse."""
+
+    def __init__(self, parse_tools: bool):
+        self.splitter: ReasoningSplitter | None = None
+        self.tools = ToolCallParser() if parse_tools else None
+        self.started = False
+        self.num_calls = 0
+
+    def feed(self, part: Partial) -> tuple[str, str, list[dict]]:
+        if not self.started:  # the first Partial says whether the model writes reasoning blocks
+            self.started = True
+            if part.reasoning_open is not None:
+                self.splitter = ReasoningSplitter(part.reasoning_open)
+        reasoning, content = self.splitter.feed(part.text) if self.splitter else ("", part.text)
+        return (reasoning, *self._calls(content))
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        reasoning, content = self.splitter.finish() if self.splitter else ("", "")
+        content, calls = self._calls(content)
+        if self.tools is not None:
+            content += self.tools.finish()
+        return reasoning, content, calls
+
+    def _calls(self, content: str) -> tuple[str, list[dict]]:
+        if self.tools is None:
+            return content, []
+        content, calls = self.tools.feed(content)
+        numbered = [{"index": self.num_calls + k, **call} for k, call in enumerate(calls)]
+        self.num_calls += len(calls)
+        return content, numbered
+
+
+def _finish_reason(final: Final, num_calls: int) -> str:
+    return "tool_calls" if num_calls and final.finish_reason == "stop" else final.finish_reason
+
+
+def _delta(reasoning: str, content: str, calls: list[dict]) -> dict:
+    delta = {"reasoning_content": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
 
 
 class ChatFormatter(Formatter):
@@ -53,28 +119,47 @@ class ChatFormatter(Formatter):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, model: str, top_n: int | None = None, include_usage: bool = False, n: int = 1,
+                 parse_tools: bool = False):
+        super().__init__(model, top_n, include_usage, n)
+        self.states = [_ChatChoice(parse_tools) for _ in range(n)]
+
     def _logprobs(self, parts: list[Partial]) -> dict | None:
         if self.top_n is None:
             return None
         return {"content": [_chat_token(text, lp, top)
                             for part in parts for text, lp, top in _tokens(part, self.top_n)]}
 
-    def body(self, parts: list[Partial], final: Final) -> dict:
-        message = {"role": "assistant", "content": "".join(p.text for p in parts)}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(parts),
-                  "finish_reason": final.finish_reason}
-        return self._envelope(self.object_name, [choice], usage=usage(final))
+    def _choice(self, index: int, parts: list[Partial], final: Final) -> dict:
+        state = self.states[index]
+        pieces = [state.feed(p) for p in parts] + [state.finish()]
+        reasoning = "".join(r for r, _, _ in pieces)
+        content = "".join(c for _, c, _ in pieces)
+        calls = [{k: v for k, v in call.items() if k != "index"} for _, _, cs in pieces for call in cs]
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if state.splitter is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": self._logprobs(parts),
+                "finish_reason": _finish_reason(final, len(calls))}
 
-    def first_chunk(self) -> dict:
-        return self._chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+    def first_chunks(self) -> list[dict]:
+        return [self._chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}) for i in range(self.n)]
 
-    def chunk(self, part: Partial) -> dict | None:
-        if not part.text and self.top_n is None:
-            return None  # text held back (a possible stop string) and nothing else to say
-        return self._chunk({"delta": {"content": part.text}, "logprobs": self._logprobs([part]), "finish_reason": None})
+    def chunk(self, index: int, part: Partial) -> dict | None:
+        delta = _delta(*self.states[index].feed(part))
+        if not delta and self.top_n is None:
+            return None  # text held back (a possible stop string or tag) and nothing else to say
+        return self._chunk(index, {"delta": delta or {"content": ""}, "logprobs": self._logprobs([part]),
+                                   "finish_reason": None})
 
-    def last_chunk(self, final: Final) -> dict:
-        return self._chunk({"delta": {}, "logprobs": None, "finish_reason": final.finish_reason})
+    def last_chunk(self, index: int, final: Final) -> dict:
+        state = self.states[index]
+        delta = _delta(*state.finish())
+        return self._chunk(index, {"delta": delta, "logprobs": None,
+                                   "finish_reason": _finish_reason(final, state.num_calls)})
 
 
 def _chat_token(text: str, logprob: float, top: list) -> dict:
@@ -88,9 +173,9 @@ class CompletionFormatter(Formatter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.text_offset = 0  # text_offset runs on across stream chunks
+        self.text_offsets = [0] * self.n  # text_offset runs on across stream chunks
 
-    def _logprobs(self, parts: list[Partial]) -> dict | None:
+    def _logprobs(self, index: int, parts: list[Partial]) -> dict | None:
         """The legacy shape: the top dict holds the top_n most likely tokens and the chosen one."""
         if self.top_n is None:
             return None
@@ -103,22 +188,18 @@ class CompletionFormatter(Formatter):
                 for name, lp in top + [(text, logprob)]:
                     by_text.setdefault(name, lp)
                 out["top_logprobs"].append(by_text)
-                out["text_offset"].append(self.text_offset)
-                self.text_offset += len(text)
+                out["text_offset"].append(self.text_offsets[index])
+                self.text_offsets[index] += len(text)
         return out
 
-    def body(self, parts: list[Partial], final: Final) -> dict:
-        choice = {"index": 0, "text": "".join(p.text for p in parts), "logprobs": self._logprobs(parts),
-                  "finish_reason": final.finish_reason}
-        return self._envelope(self.object_name, [choice], usage=usage(final))
+    def _choice(self, index: int, parts: list[Partial], final: Final) -> dict:
+        return {"index": index, "text": "".join(p.text for p in parts), "logprobs": self._logprobs(index, parts),
+                "finish_reason": final.finish_reason}
 
-    def first_chunk(self) -> None:
-        return None
-
-    def chunk(self, part: Partial) -> dict | None:
+    def chunk(self, index: int, part: Partial) -> dict | None:
         if not part.text and self.top_n is None:
             return None
-        return self._chunk({"text": part.text, "logprobs": self._logprobs([part]), "finish_reason": None})
+        return self._chunk(index, {"text": part.text, "logprobs": self._logprobs(index, [part]), "finish_reason": None})
 
-    def last_chunk(self, final: Final) -> dict:
-        return self._chunk({"text": "", "logprobs": None, "finish_reason": final.finish_reason})
+    def last_chunk(self, index: int, final: Final) -> dict:
+        return self._chunk(index, {"text": "", "logprobs": None, "finish_reason": final.finish_reason})

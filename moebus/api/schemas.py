@@ -1,18 +1,28 @@
-"""Request bodies, validated with pydantic. Unknown fields are tolerated (OpenAI clients send many);
-a known field of the wrong type or out of range is a 400 naming it. Fields beyond OpenAI's follow
-vLLM's names (``top_k``, ``ignore_eos``, ``stop_token_ids``), sent by the SDK through ``extra_body``."""
+"""Request bodies, validated with pydantic. Nothing is accepted and ignored: a field of the wrong
+type or out of range, a field that OpenAI defines but moebus does not implement, and a field that
+nobody defines are each a 400 naming it. Fields beyond OpenAI's follow vLLM's names (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``), sent
+by the SDK through ``extra_body``. (Messages and tool definitions keep their extra keys: they are
+the chat template's to read.)"""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from flask import request
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moebus.common.errors import RequestError
-from moebus.common.protocol import MAX_GPUS, MAX_INT32, MAX_RESERVE_MIB, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from moebus.common.protocol import (MAX_ABS_LOGIT_BIAS, MAX_GPUS, MAX_INT32, MAX_LOGIT_BIAS, MAX_RESERVE_MIB,
+                                    MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOOLS)
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is one request to the broker
+# OpenAI fields that moebus does not implement: refused unless they hold a value that asks for nothing
+NOT_IMPLEMENTED = {"audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+                   "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+                   "moderation": (None,), "functions": (None,), "function_call": (None,), "store": (None, False),
+                   "service_tier": (None, "auto", "default"), "parallel_tool_calls": (None, True)}
 CONTENT_PART_TYPES = ("text", "image_url")
 
 
@@ -38,7 +48,26 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_obfuscation: bool = False
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value):
+        if value:
+            raise RequestError("stream_options.include_obfuscation is not supported",
+                               param="stream_options.include_obfuscation")
+        return value
+
+
+def _refuse_unknown(body: BaseModel, not_implemented: dict) -> None:
+    """400 for the first extra field: not implemented (unless it asks for nothing) or unknown."""
+    for name, value in (body.model_extra or {}).items():
+        if name not in not_implemented:
+            raise RequestError(f"unknown field {name!r}", param=name, code="unknown_field")
+        if not any(value == allowed and type(value) is type(allowed) for allowed in not_implemented[name]):
+            raise RequestError(f"{name} is not supported by this server", param=name, code="not_supported")
 
 
 class _Generation(_Body):
@@ -50,19 +79,29 @@ class _Generation(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # -1 or 0: off (vLLM uses -1); > vocabulary: off
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM's extension
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    user: str | None = None  # OpenAI's end-user id for abuse tracking: no effect on the answer
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n):
-        if n != 1:
-            raise RequestError(f"n={n}: only n=1 is supported", param="n")
-        return n
+    def _bias_ids(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise RequestError(f"logit_bias values must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+                                   param="logit_bias")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -84,8 +123,16 @@ class _Generation(_Body):
         """Keyword arguments for ``Client.generate`` (fields of protocol.Sampling)."""
         fields = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                   "stop": self.stop or None, "top_k": max(self.top_k, 0) if self.top_k is not None else None,
-                  "ignore_eos": self.ignore_eos or None, "stop_token_ids": self.stop_token_ids, "logprobs": logprobs}
+                  "ignore_eos": self.ignore_eos or None, "stop_token_ids": self.stop_token_ids, "logprobs": logprobs,
+                  "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                  "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
+                  "logit_bias": [(int(k), v) for k, v in self.logit_bias.items()] if self.logit_bias else None}
         return {k: v for k, v in fields.items() if v is not None}
+
+    def choice_sampling(self, sampling: dict, index: int) -> dict:
+        """The sampling of choice ``index`` of n: a given seed moves on by the index (as vLLM does),
+        so that the choices differ and each repeats."""
+        return {**sampling, "seed": (self.seed + index) % 2 ** 63} if self.seed is not None else sampling
 
 
 class ChatMessage(_Body):
@@ -100,14 +147,71 @@ class ChatMessage(_Body):
         return message
 
 
+class FunctionDefinition(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("strict")
+    @classmethod
+    def _not_strict(cls, strict):
+        if strict:  # a promise that the arguments match the schema: that needs constrained decoding
+            raise ValueError("strict function calling (schema-constrained arguments) is not supported")
+        return strict
+
+
+class Tool(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # "auto" (the default with tools) or "none"; forcing a call is refused
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # vLLM's extension
+    # bookkeeping that OpenAI keeps and that has no effect on an answer here (no prompt cache to hint)
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice):
+        if choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice: only 'auto' and 'none' are supported (forcing a tool call needs "
+                               "constrained decoding)", param="tool_choice")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt):
+        if fmt is not None and fmt != {"type": "text"}:
+            raise RequestError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
+                               "JSON modes need constrained decoding)", param="response_format")
+        return fmt
+
+    @property
+    def calls_tools(self) -> bool:
+        """Are tools offered to the model (and its answer parsed for calls)?"""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tool definitions as the client sent them, for the chat template."""
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.calls_tools else None
 
     @model_validator(mode="after")
     def _check(self):
+        _refuse_unknown(self, NOT_IMPLEMENTED)
         for n, message in enumerate(self.messages):
             for k, part in enumerate(message.content if isinstance(message.content, list) else []):
                 _check_part(part, f"messages.{n}.content.{k}")
@@ -158,6 +262,7 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
+        _refuse_unknown(self, {})
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
@@ -185,3 +290,48 @@ class VramRequest(_Body):
         value = self.reserve_mib
         return [value] if isinstance(value, float | int) else value
 
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: vLLM's two forms (``prompt``, or ``messages`` through the chat template
+    with ``tools`` and ``chat_template_kwargs``) and llama.cpp's ``content`` for ``prompt``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    add_special_tokens: bool = False  # prompts are fed without added special tokens: only false
+    add_special: bool = False  # llama.cpp's name of the same
+
+    @model_validator(mode="after")
+    def _check(self):
+        _refuse_unknown(self, {})
+        for name in ("add_special_tokens", "add_special"):
+            if getattr(self, name):
+                raise RequestError(f"{name}: moebus feeds prompts as they tokenize, without added special tokens",
+                                   param=name)
+        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
+            raise RequestError("give exactly one of prompt, content or messages", param="prompt")
+        return self
+
+    def broker_kwargs(self) -> dict:
+        if self.messages is None:
+            return {"prompt": self.prompt if self.prompt is not None else self.content,
+                    "token_strs": self.return_token_strs}
+        return {"messages": [m.to_broker() for m in self.messages], "token_strs": self.return_token_strs,
+                "tools": [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None,
+                "chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt}
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20)
+
+    @model_validator(mode="after")
+    def _check(self):
+        _refuse_unknown(self, {})
+        return self

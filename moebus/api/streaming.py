@@ -52,16 +52,42 @@ def follow(stream: Stream, client_gone) -> Iterator[Partial]:
         stream.close()
 
 
-def answer(stream: Stream, formatter: Formatter, client_gone, as_events: bool) -> Response:
-    """Wait for the broker's first answer (so that a rejected request gets its HTTP status), then
-    answer in one JSON body or as server-sent events."""
-    parts = follow(stream, client_gone)
-    first = next(parts, None)  # raises the request's RequestError
-    if not as_events:
-        collected = ([first] if first is not None else []) + list(parts)
-        return jsonify(formatter.body(collected, stream.final))
+def answer(streams: list[Stream], formatter: Formatter, client_gone, as_events: bool) -> Response:
+    """Wait for the broker's first answer to every choice's request (so that a rejected request gets
+    its HTTP status), then answer in one JSON body or as server-sent events."""
+    followers = [follow(s, client_gone) for s in streams]
+    try:
+        firsts = [next(f, None) for f in followers]  # raises a request's RequestError
+        if not as_events:
+            results = [(([first] if first is not None else []) + list(f), s.final)
+                       for first, f, s in zip(firsts, followers, streams)]
+            return jsonify(formatter.body(results))
+    except BaseException:
+        _close(streams, followers)
+        raise
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Response(_events(stream, formatter, first, parts), mimetype="text/event-stream", headers=headers)
+    return Response(_events(streams, formatter, firsts, followers), mimetype="text/event-stream", headers=headers)
+
+
+def _close(streams: list[Stream], followers: list) -> None:
+    for follower in followers:
+        follower.close()
+    for stream in streams:  # a follower that never started has no finally to run
+        stream.close()
+
+
+def _merged(firsts: list, followers: list) -> Iterator[tuple[int, Partial | None]]:
+    """(choice, Partial) as they come, and (choice, None) once that choice's request has finished.
+    The choices decode in the same steps, so taking one Partial of each in turn keeps them even."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    active = [i for i, first in enumerate(firsts) if first is not None]
+    while active:
+        for i in list(active):
+            part = next(followers[i], None)
+            if part is None:
+                active.remove(i)
+            yield i, part
 
 
 def sse(data) -> bytes:
@@ -69,26 +95,20 @@ def sse(data) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def _events(stream: Stream, formatter: Formatter, first: Partial | None, parts: Iterator[Partial]):
+def _events(streams: list[Stream], formatter: Formatter, firsts: list, followers: list):
     try:
-        opening = formatter.first_chunk()
-        if opening is not None:
+        for opening in formatter.first_chunks():
             yield sse(opening)
-        for part in ([first] if first is not None else []):
-            chunk = formatter.chunk(part)
+        for index, part in _merged(firsts, followers):
+            chunk = formatter.chunk(index, part) if part is not None else formatter.last_chunk(index, streams[index].final)
             if chunk is not None:
                 yield sse(chunk)
-        for part in parts:
-            chunk = formatter.chunk(part)
-            if chunk is not None:
-                yield sse(chunk)
-        yield sse(formatter.last_chunk(stream.final))
         if formatter.include_usage:
-            yield sse(formatter.usage_chunk(stream.final))
+            yield sse(formatter.usage_chunk([s.final for s in streams]))
     except ClientGone:
         return
     except RequestError as e:  # the headers are out: the error travels as an event
         yield sse({"error": e.to_dict()})
     finally:
-        parts.close()
+        _close(streams, followers)
     yield sse("[DONE]")

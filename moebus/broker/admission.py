@@ -6,7 +6,7 @@ from jinja2 import TemplateError
 
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import RequestError
-from moebus.common.protocol import Generate
+from moebus.common.protocol import Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
 from moebus.common.tokenizer import StreamDecoder, TextTokenizer
 
 KNOWN_PARTS = {"text", "image_url", "image", "input_image"}
@@ -37,18 +37,31 @@ def _check_messages(messages: list[dict], allow_images: bool = False) -> None:
                                    param=f"messages.{n}.content.{k}.text")
 
 
-def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int, allow_images: bool = False) -> list[int]:
+def chat_prompt(msg: Generate | Tokenize, tokenizer: TextTokenizer, add_generation_prompt: bool = True,
+                allow_images: bool = False) -> str:
+    """The chat template rendered over a request's messages, tools and template variables."""
+    if not msg.messages:
+        raise RequestError("messages must not be empty", param="messages")
+    _check_messages(msg.messages, allow_images)
+    try:
+        return tokenizer.render_chat(msg.messages, add_generation_prompt, msg.tools, msg.chat_template_kwargs)
+    except (TypeError, ValueError, LookupError, TemplateError) as e:  # the template met a shape it cannot render
+        raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
+
+
+def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int,
+               allow_images: bool = False) -> tuple[list[int], str | None]:
+    """The prompt's token ids, and its text when a chat template rendered it."""
     given = [x is not None for x in (msg.prompt, msg.prompt_tokens, msg.messages)]
     if sum(given) != 1:
         raise RequestError("give exactly one of prompt, prompt_tokens or messages", param="prompt")
+    if (msg.tools or msg.chat_template_kwargs) and msg.messages is None:
+        raise RequestError("tools and chat_template_kwargs need messages (a chat request)",
+                           param="tools" if msg.tools else "chat_template_kwargs")
+    text = None
     if msg.messages is not None:
-        if not msg.messages:
-            raise RequestError("messages must not be empty", param="messages")
-        _check_messages(msg.messages, allow_images)
-        try:
-            ids = tokenizer.encode_chat(msg.messages)
-        except (TypeError, ValueError, LookupError, TemplateError) as e:  # the template met a shape it cannot render
-            raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
+        text = chat_prompt(msg, tokenizer, allow_images=allow_images)
+        ids = tokenizer.encode(text)
     elif msg.prompt_tokens is not None:
         ids = list(msg.prompt_tokens)
         bad = [t for t in ids if t >= vocab_size]
@@ -58,20 +71,24 @@ def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int, allow_i
         ids = tokenizer.encode(msg.prompt)
     if not ids:
         raise RequestError("the prompt is empty", param="prompt")
-    return ids
+    return ids, text
 
 
 def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_size: int,
                   max_context: int, allow_images: bool = False, prepare_ids=None) -> Sequence:
     """``allow_images``: image placeholder parts are rendered (their images came as frames);
     ``prepare_ids``: a last say on the token ids before the context checks (image expansion)."""
-    ids = prompt_ids(msg, tokenizer, vocab_size, allow_images)
+    ids, text = prompt_ids(msg, tokenizer, vocab_size, allow_images)
     if prepare_ids is not None:
         ids = prepare_ids(ids)
     if len(ids) >= max_context:
         raise RequestError(f"the prompt has {len(ids)} tokens; max_context is {max_context}",
                            param="messages" if msg.messages is not None else "prompt", code="context_length_exceeded")
     sampling = msg.sampling
+    outside = [t for t, _ in sampling.logit_bias if t >= vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias names token id {outside[0]}, outside the vocabulary (size {vocab_size})",
+                           param="logit_bias")
     room = max_context - len(ids)
     if sampling.max_tokens is not None and sampling.max_tokens > room:
         raise RequestError(f"max_tokens {sampling.max_tokens} with a prompt of {len(ids)} tokens exceeds "
@@ -80,5 +97,30 @@ def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_
         sampling = sampling.model_copy(update={"max_tokens": room})
     if sampling.top_k >= vocab_size:  # every token is in the top k: the same as no top-k at all
         sampling = sampling.model_copy(update={"top_k": 0})
+    # where a reasoning block stands at the prompt's end, for the api's reasoning split
+    reasoning_open = tokenizer.opens_reasoning(text) if text is not None else None
     return Sequence(id=msg.id, client=client, prompt=ids, sampling=sampling, decoder=StreamDecoder(tokenizer),
-                    stop_ids=tokenizer.stop_ids, max_context=max_context)
+                    stop_ids=tokenizer.stop_ids, max_context=max_context, reasoning_open=reasoning_open)
+
+
+def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> TokenizeReply:
+    """TOKENIZE: the ids that GENERATE would feed for the same prompt or messages."""
+    if (msg.prompt is None) == (msg.messages is None):
+        raise RequestError("give exactly one of prompt or messages", param="prompt")
+    if msg.messages is not None:
+        ids = tokenizer.encode(chat_prompt(msg, tokenizer, msg.add_generation_prompt))
+    elif msg.tools or msg.chat_template_kwargs:
+        raise RequestError("tools and chat_template_kwargs need messages", param="tools" if msg.tools else
+                           "chat_template_kwargs")
+    else:
+        ids = tokenizer.encode(msg.prompt)
+    strs = [tokenizer.tokenizer.id_to_token(t) for t in ids] if msg.token_strs else None
+    return TokenizeReply(id=msg.id, tokens=ids, token_strs=strs, max_context=max_context)
+
+
+def detokenize(msg: Detokenize, tokenizer: TextTokenizer, vocab_size: int) -> DetokenizeReply:
+    """DETOKENIZE: the text of ids, special tokens kept (so a tokenized chat prompt reads back whole)."""
+    bad = [t for t in msg.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param="tokens")
+    return DetokenizeReply(id=msg.id, text=tokenizer.tokenizer.decode(msg.tokens, skip_special_tokens=False))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from moebus.broker.admission import detokenize, tokenize
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
 from moebus.broker.scheduler import PlannedStep, Scheduler
@@ -31,8 +32,9 @@ from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
-from moebus.common.protocol import (Cancel, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial, Ping,
-                                    Pong, Ready, Shutdown, Step, StepReply, Vram, VramReply, WorkerError)
+from moebus.common.protocol import (Cancel, Detokenize, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial,
+                                    Ping, Pong, Ready, Shutdown, Step, StepReply, Tokenize, Vram, VramReply,
+                                    WorkerError)
 from moebus.common.tokenizer import TextTokenizer
 
 log = logging.getLogger("moebus.broker")
@@ -279,6 +281,10 @@ class Broker:
             self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
         elif isinstance(msg, Heartbeat):
             pass  # liveness only (seen above)
+        elif isinstance(msg, Tokenize):  # off the loop, as a GENERATE's prompt: it may be long
+            self.tokenize.submit(client, msg, lambda m, _c, tok, _vocab, max_context: tokenize(m, tok, max_context))
+        elif isinstance(msg, Detokenize):
+            self.tokenize.submit(client, msg, lambda m, _c, tok, vocab_size, _ctx: detokenize(m, tok, vocab_size))
         else:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
 
@@ -293,6 +299,11 @@ class Broker:
     def _on_tokenized(self) -> None:
         for item in self.tokenize.results():
             msg, client = item.msg, item.client
+            if not isinstance(msg, Generate):  # TOKENIZE / DETOKENIZE: the reply or its error
+                error = item.error
+                self._reply(client, item.seq if error is None else
+                            Error(id=msg.id, status=error.http_status, **error.to_dict()))
+                continue
             if msg.id in self.cancelled_while_tokenizing:
                 self.cancelled_while_tokenizing.discard(msg.id)
                 self._reply(client, Final(id=msg.id, finish_reason="cancelled", prompt_tokens=0, completion_tokens=0))
@@ -509,10 +520,11 @@ class Broker:
     def _send_step(self, hidden) -> None:
         step, plan = self.inflight, self.inflight.plan
         embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
+        rules = (plan.logit_rules or {}) if step.stage == len(self.pool) - 1 else {}
         step.message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
                             starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None,
                             hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
-                            embeds=embeds, embed_rows=embed_rows)
+                            embeds=embeds, embed_rows=embed_rows, **rules)
         step.sent_s = time.monotonic()
         if not self._send_worker(step.stage, step.message):
             self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")
@@ -552,7 +564,8 @@ class Broker:
             top = [[(int(t), float(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
             texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]
         self._reply(seq.client, Partial(id=seq.id, tokens=[token], text=text, logprobs=[logprob], top_logprobs=top,
-                                        token_texts=texts, top_texts=top_texts))
+                                        token_texts=texts, top_texts=top_texts,
+                                        reasoning_open=seq.reasoning_open if len(seq.generated) == 1 else None))
         if seq.finish_reason:
             self._finish(seq, seq.finish_reason)
 

@@ -25,6 +25,7 @@ class PlannedStep:
     top_p: np.ndarray
     u: np.ndarray
     top_logprobs: int
+    logit_rules: dict[str, np.ndarray] | None = None  # the Step's logit_* arrays, when some row has rules
 
 
 class Scheduler:
@@ -88,9 +89,25 @@ class Scheduler:
             top_p=np.array([p.top_p for p in sp], np.float32),
             # the draw is consumed only when the token counts, so chunking never shifts a seed's stream
             u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
-            top_logprobs=max(p.logprobs for p in sp))
+            top_logprobs=max(p.logprobs for p in sp), logit_rules=logit_rules(chosen, samples))
 
     def advance(self, step: PlannedStep) -> None:
         """The step's tokens are now in every stage's KV cache."""
         for seq, length in zip(step.seqs, step.lengths):
             seq.fed += int(length)
+
+
+def logit_rules(seqs: list[Sequence], samples: list[bool]) -> dict[str, np.ndarray] | None:
+    """The Step's ``logit_*`` arrays (protocol.Step), None when no row that samples has a rule (the
+    plain path then pays nothing). A row that does not sample this step gets no entries."""
+    if not any(take and s.sampling.has_logit_rules for s, take in zip(seqs, samples)):
+        return None
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
+    entries = [s.logit_entries() if take and s.sampling.has_logit_rules else empty for s, take in zip(seqs, samples)]
+    sp = [s.sampling for s in seqs]
+    return {"logit_params": np.array([[p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_p]
+                                      for p in sp], np.float32).reshape(len(seqs), 4),
+            "logit_lengths": np.array([len(e[0]) for e in entries], np.int32),
+            "logit_ids": np.concatenate([e[0] for e in entries]).astype(np.int32),
+            "logit_counts": np.concatenate([e[1] for e in entries]).astype(np.int32),
+            "logit_bias": np.concatenate([e[2] for e in entries]).astype(np.float32)}

@@ -31,10 +31,12 @@ class Sequence:
     finish_reason: str | None = None
     embeds: np.ndarray | None = None  # (I, D) float32 image embeddings, one row per image token of the prompt
     embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
+    reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)
         self.hold_back = max((len(s) for s in self.sampling.stop), default=1) - 1
+        self._prompt_ids: np.ndarray | None = None
 
     @property
     def is_prefilling(self) -> bool:
@@ -67,6 +69,31 @@ class Sequence:
         delta = self.text[self.emitted_chars : end]
         self.emitted_chars = end
         return delta
+
+    def logit_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ids that this request's logit rules touch, as the last stage takes them (see
+        cuda/penalties.py): ``counts`` is the id's count in the output (0: prompt only, -1: only
+        biased); ``bias`` its logit bias."""
+        s = self.sampling
+        ids, counts = np.zeros(0, np.int32), np.zeros(0, np.int32)
+        if s.has_penalties:
+            if self._prompt_ids is None:  # the prompt never changes: its distinct ids once
+                self._prompt_ids = np.unique(np.asarray(self.prompt, np.int32))
+            out_ids, out_counts = np.unique(np.asarray(self.generated, np.int32), return_counts=True)
+            ids = np.union1d(self._prompt_ids, out_ids).astype(np.int32)
+            counts = np.zeros(len(ids), np.int32)
+            counts[np.searchsorted(ids, out_ids)] = out_counts
+        bias = np.zeros(len(ids), np.float32)
+        if s.logit_bias:
+            b_ids = np.array([t for t, _ in s.logit_bias], np.int32)
+            b_values = np.array([b for _, b in s.logit_bias], np.float32)
+            at = np.minimum(np.searchsorted(ids, b_ids), max(len(ids) - 1, 0))
+            seen = (ids[at] == b_ids) if len(ids) else np.zeros(len(b_ids), bool)
+            bias[at[seen]] = b_values[seen]
+            ids = np.concatenate([ids, b_ids[~seen]])
+            counts = np.concatenate([counts, np.full(int((~seen).sum()), -1, np.int32)])
+            bias = np.concatenate([bias, b_values[~seen]])
+        return ids, counts, bias
 
     def _apply_stop_strings(self) -> None:
         search_from = max(0, self.emitted_chars - self.hold_back)

@@ -60,7 +60,8 @@ class TokenizePool:
             self.jobs.put_nowait(Tokenized(client, msg, admit=admit or make_sequence))
         except queue.Full:
             raise ServerBusy(f"server busy: {self.jobs.maxsize} prompts waiting to be tokenized") from None
-        self.pending[msg.id] = client
+        if isinstance(msg, Generate):  # a request id in use until its Sequence is back
+            self.pending[msg.id] = client
 
     def results(self) -> list[Tokenized]:
         """What the threads finished since the last call (the loop calls this when ``wake`` polls in)."""
@@ -72,7 +73,8 @@ class TokenizePool:
                 item = self.done.get_nowait()
             except queue.Empty:
                 return out
-            self.pending.pop(item.msg.id, None)
+            if isinstance(item.msg, Generate):
+                self.pending.pop(item.msg.id, None)
             out.append(item)
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 ``[type][msgpack header][raw tensor frames...]`` (see wire.py); tensors are raw frames named in the
 header, never inside msgpack, never pickled. Each class validates its header when decoded.
 
-Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING from the client;
-PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG from the broker.
+Client <-> broker (DEALER -> ROUTER, frontend): GENERATE, CANCEL, VRAM, INFO, PING, TOKENIZE, DETOKENIZE
+from the client; PARTIAL... then FINAL (or ERROR) per request, VRAM_REPLY, INFO_REPLY, PONG,
+TOKENIZE_REPLY, DETOKENIZE_REPLY from the broker.
 Broker <-> worker (DEALER identity gpu<i> -> ROUTER, backend): READY, HEARTBEAT, STEP_REPLY,
 VRAM_REPLY, INFO_REPLY, ERROR from a worker; STEP, VRAM, INFO, HEARTBEAT, SHUTDOWN from the broker.
 Broker <-> vision worker (DEALER identity ``vision``): VISION_READY, HEARTBEAT, ENCODE_REPLY,
@@ -37,6 +38,9 @@ Seconds = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
 ShortText = Annotated[str, Field(max_length=256)]
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 PerGpu = Annotated[list[AnyMib], Field(max_length=MAX_GPUS)]
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 1024  # biased ids per request
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias
 
 
 class Message(BaseModel):
@@ -75,6 +79,30 @@ class Sampling(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0, le=20)  # also return the n most likely tokens per position
+    # logit rules as vLLM defines them (cuda/penalties.py); the defaults are off
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, max_length=MAX_LOGIT_BIAS)  # (id, bias)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_pairs(cls, pairs):
+        if any(t < 0 for t, _ in pairs) or len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias ids must be unique and >= 0")
+        if any(not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS for _, b in pairs):
+            raise ValueError(f"logit_bias values must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+        return pairs
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Does the last stage need to adjust this request's logits before sampling?"""
+        return self.has_penalties or bool(self.logit_bias) or self.min_p > 0
 
 
 class Generate(Message):
@@ -92,6 +120,8 @@ class Generate(Message):
     messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
     sampling: Sampling = Field(default_factory=Sampling)
     images: list[np.ndarray] | None = Field(None, max_length=MAX_IMAGES_PER_MESSAGE)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # extra template variables
 
     @field_validator("images")
     @classmethod
@@ -117,6 +147,9 @@ class Partial(Message):
     top_logprobs: list[list[tuple[TokenId, float]]] | None = None
     token_texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
+    # first Partial of a chat request only: True when the prompt ends inside an open <think> block
+    # (the text begins as reasoning), False when not, None when the model has no reasoning blocks
+    reasoning_open: bool | None = None
 
 
 class Final(Message):
@@ -173,6 +206,42 @@ class InfoReply(Message):
     stats: dict[str, Any]
 
 
+class Tokenize(Message):
+    """Tokenize ``prompt`` (plain text) or ``messages`` (through the chat template, with ``tools``
+    and ``chat_template_kwargs`` as GENERATE renders them). Answered TOKENIZE_REPLY or ERROR."""
+
+    TYPE = b"TOKENIZE"
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(None, max_length=4096)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    add_generation_prompt: bool = True
+    token_strs: bool = False  # also each token's own text
+
+
+class TokenizeReply(Message):
+    TYPE = b"TOKENIZE_REPLY"
+    id: str | None = None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    max_context: int
+
+
+class Detokenize(Message):
+    """The text of token ids (special tokens dropped, as in a generated answer)."""
+
+    TYPE = b"DETOKENIZE"
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS_PER_PROMPT)
+
+
+class DetokenizeReply(Message):
+    TYPE = b"DETOKENIZE_REPLY"
+    id: str | None = None
+    text: str
+
+
 class Ping(Message):
     TYPE = b"PING"
     id: str | None = Field(None, max_length=MAX_ID_CHARS)  # echoed in the reply, so a client can match them
@@ -210,11 +279,15 @@ class Step(Message):
     """One forward step through a stage (see workers/batch.py). ``hidden`` for stages after the first,
     ``tokens`` for the first; sampling arrays are used by the last stage. ``embeds`` (R, D) float32
     and ``embed_rows`` (R,) int32, first stage only: rows of this step's T tokens whose token
-    embedding is replaced (image embeddings; a prefill chunk carries only the rows inside it)."""
+    embedding is replaced (image embeddings; a prefill chunk carries only the rows inside it).
+    The ``logit_*`` arrays come to the last stage only when some row asks for a penalty, a bias or
+    min_p (cuda/penalties.py): ``logit_params`` (S, 4) float32 frequency, presence, repetition,
+    min_p; ``logit_lengths`` (S,) int32 entries per row; per entry ``logit_ids``, ``logit_counts``
+    (output count, 0: prompt only, -1: biased only) int32 and ``logit_bias`` float32."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
-               "embeds", "embed_rows")
+               "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     slots: np.ndarray
@@ -228,6 +301,11 @@ class Step(Message):
     u: np.ndarray | None = None
     embeds: np.ndarray | None = None
     embed_rows: np.ndarray | None = None
+    logit_params: np.ndarray | None = None
+    logit_lengths: np.ndarray | None = None
+    logit_ids: np.ndarray | None = None
+    logit_counts: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -347,5 +425,5 @@ class EncodeReply(Message):
 MESSAGES: dict[bytes, type[Message]] = {
     cls.TYPE: cls for cls in (Generate, Cancel, Partial, Final, Error, Vram, VramReply, Info, InfoReply, Ping,
                               Pong, Ready, Heartbeat, Step, StepReply, WorkerError, Shutdown, VisionReady,
-                              Encode, EncodeReply)
+                              Encode, EncodeReply, Tokenize, TokenizeReply, Detokenize, DetokenizeReply)
 }

@@ -5,6 +5,7 @@ token-id and plain-text prompts."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -30,6 +31,20 @@ def _raise(message):
     raise RequestError(f"chat template: {message}", param="messages")
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """Templates are written against transformers' ``tojson``: plain json.dumps, no HTML escaping
+    and no key sorting (jinja2's own filter does both, which would change the prompt)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format_: str) -> str:
+    return datetime.now().strftime(format_)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class TextTokenizer:
     def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()):
         model_dir = Path(model_dir)
@@ -48,8 +63,12 @@ class TextTokenizer:
         if self.eos_token and self.tokenizer.token_to_id(self.eos_token) is not None:
             stop.add(self.tokenizer.token_to_id(self.eos_token))
         self.stop_ids = frozenset(int(i) for i in stop)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the environment that transformers' apply_chat_template renders in, so prompts match it
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                  extensions=["jinja2.ext.loopcontrols"])
         self._env.globals["raise_exception"] = _raise
+        self._env.globals["strftime_now"] = _strftime_now
+        self._env.filters["tojson"] = _tojson
         self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
 
     @staticmethod
@@ -73,14 +92,34 @@ class TextTokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The prompt text. ``tools`` (OpenAI tool definitions) and ``template_kwargs`` (e.g. Qwen3's
+        ``enable_thinking``) reach the template as variables, as transformers passes them."""
         if self._compiled is None:
             raise RequestError("this model has no chat template; use /v1/completions", param="messages")
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        extra = dict(template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_NAMES & set(extra))
+        if clash:
+            raise RequestError(f"chat_template_kwargs may not set {clash[0]!r}", param=f"chat_template_kwargs.{clash[0]}")
+        return self._compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools, template_kwargs=template_kwargs))
+
+    @property
+    def emits_reasoning(self) -> bool:
+        """Does the chat template know ``<think>`` blocks (Qwen3, DeepSeek-R1 and their kind)?"""
+        return bool(self.chat_template) and THINK_OPEN in self.chat_template
+
+    def opens_reasoning(self, prompt_text: str) -> bool | None:
+        """For a rendered chat prompt: True when it ends inside an open ``<think>`` block (the answer
+        begins as reasoning), False when not, None when the model has no reasoning blocks."""
+        if not self.emits_reasoning:
+            return None
+        return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
 
 
 class StreamDecoder:

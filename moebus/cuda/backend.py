@@ -11,6 +11,7 @@ import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
+from moebus.cuda import penalties
 from moebus.cuda.dtypes import to_f32
 
 
@@ -75,6 +76,8 @@ class CpuBackend:
     add_bias = staticmethod(activations.add_bias_ref)
     vision_attention = staticmethod(vision_attention.vision_attention_ref)
     scatter_rows = staticmethod(scatter.scatter_rows_ref)
+    apply_rules = staticmethod(penalties.apply_rules_ref)
+    token_logprobs = staticmethod(penalties.token_logprobs_ref)
 
 
 def make_backend(device: str):

@@ -10,6 +10,7 @@ import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
+from moebus.cuda import penalties
 from moebus.cuda.compat import cuda
 from moebus.cuda.step_pool import StepPool
 
@@ -156,3 +157,12 @@ class CudaBackend:
     def scatter_rows(self, x, rows, values):
         """In place: rows ``rows`` of ``x`` become ``values``; returns ``x``."""
         return scatter.scatter_rows_cuda(x, rows, values, stream=self.stream)
+    def apply_rules(self, logits, temperature, rules):
+        """The logit rules of a step (host ``LogitRules``) on a copy of the logits."""
+        penalties.check_rules(rules, *logits.shape)
+        arrays = (self.upload(a) for a in (rules.params, rules.offsets, rules.ids, rules.counts, rules.bias))
+        return penalties.apply_rules_cuda(logits, temperature, *arrays, self.empty(logits.shape), stream=self.stream)
+
+    def token_logprobs(self, logits, tokens):
+        out = self.empty((logits.shape[0],), np.float32)
+        return penalties.token_logprobs_cuda(logits, tokens, out, stream=self.stream)

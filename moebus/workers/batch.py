@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moebus.cuda.penalties import LogitRules
+
 
 @dataclass
 class StepBatch:
@@ -18,6 +20,7 @@ class StepBatch:
     top_p: np.ndarray | None = None  # (S,) float32, 1: off
     u: np.ndarray | None = None  # (S,) float32 uniform draws for sampling
     top_logprobs: int = 0  # return the n most likely ids per sequence too
+    logit_rules: LogitRules | None = None  # penalties, bias, min_p; None: no row has any
     extras: dict = field(default_factory=dict)
     # first stage: rows of the T tokens whose token embedding is replaced (image embeddings)
     embeds: np.ndarray | None = None  # (R, D) float32
@@ -92,7 +95,8 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         count = int(lengths.sum())
         piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
                           tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
-                          top_logprobs=batch.top_logprobs, **_embeds_within(batch, first_token, count))
+                          top_logprobs=batch.top_logprobs, **_embeds_within(batch, first_token, count),
+                          logit_rules=None if batch.logit_rules is None else batch.logit_rules.take(idx))
         pieces.append((piece, idx, np.array([r[4] for r in rows]), slice(first_token, first_token + count)))
         first_token += count
         rows = []
@@ -111,3 +115,11 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         offset += int(length)
     flush()
     return pieces
+
+
+def logit_rules_of(step) -> LogitRules | None:
+    """The STEP message's logit rules (protocol.Step ``logit_*``), None when it carries none."""
+    if step.logit_params is None:
+        return None
+    return LogitRules.from_lengths(step.logit_params, step.logit_lengths, step.logit_ids, step.logit_counts,
+                                   step.logit_bias)

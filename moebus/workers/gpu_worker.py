@@ -16,7 +16,7 @@ from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, Step
                                     WorkerError)
 from moebus.cuda.backend import is_fatal_device_error, make_backend
 from moebus.cuda.ledger import MIB
-from moebus.workers.batch import StepBatch
+from moebus.workers.batch import StepBatch, logit_rules_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, ScratchBudget, emulated_gpu, reserve_for, stage_dense_bytes,
                                          startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
@@ -72,7 +72,7 @@ class GpuWorker:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, **images)
+                          top_logprobs=msg.top_logprobs, logit_rules=logit_rules_of(msg), **images)
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
         compute_s = time.perf_counter() - started

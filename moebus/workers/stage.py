@@ -173,7 +173,11 @@ class Stage:
         last = ops.embedding(x, ops.upload(batch.last_token_index()))
         logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
         temperature, top_k, top_p, u = (ops.upload(a) for a in batch.sampling_arrays())
-        tokens, logprobs = ops.sample(logits, temperature, top_k, top_p, u)
+        if batch.logit_rules is None:
+            tokens, logprobs = ops.sample(logits, temperature, top_k, top_p, u)
+        else:  # penalties, bias, min_p first; the reported logprobs stay those of the raw logits
+            tokens, _ = ops.sample(ops.apply_rules(logits, temperature, batch.logit_rules), temperature, top_k, top_p, u)
+            logprobs = ops.token_logprobs(logits, tokens)
         out = StageOutput(tokens=ops.to_host(tokens), logprobs=ops.to_host(logprobs))
         if want_logits or batch.top_logprobs:
             host_logits = ops.to_host(logits)

@@ -82,3 +82,36 @@ def test_stop_string_is_cut_and_held_back(tokenizer):
     s = seq(tokenizer, "s", [1], max_tokens=50, stop=["expert"])
     streamed = "".join(s.accept(t, 0.0) for t in ids if s.finish_reason is None)
     assert s.finish_reason == "stop" and streamed == "the model " and "exp" not in streamed
+
+
+def test_plain_steps_carry_no_logit_rules(tokenizer):
+    s = Scheduler(max_batch=2, max_queue=2, max_step_tokens=16)
+    s.submit(seq(tokenizer, "a", [5, 6]))
+    assert s.plan().logit_rules is None
+
+
+def test_logit_rules_carry_each_rows_history_and_bias(tokenizer):
+    s = Scheduler(max_batch=3, max_queue=3, max_step_tokens=16)
+    plain = seq(tokenizer, "plain", [5, 6])
+    pen = seq(tokenizer, "pen", [9, 7, 9], repetition_penalty=1.2, frequency_penalty=0.5, logit_bias=[(7, 1.0),
+                                                                                                     (30, -2.0)])
+    only_bias = seq(tokenizer, "bias", [4], logit_bias=[(11, 3.0)], min_p=0.1)
+    for x in (plain, pen, only_bias):
+        s.submit(x)
+    s.advance(s.plan())
+    pen.accept(9, 0.0)
+    pen.accept(12, 0.0)
+    pen.accept(9, 0.0)
+    plain.accept(8, 0.0)
+    only_bias.accept(8, 0.0)
+    step = s.plan()
+    rules = step.logit_rules
+    rows = [x.id for x in step.seqs]
+    assert rules["logit_lengths"].tolist() == [[0, 4, 1][["plain", "pen", "bias"].index(r)] for r in rows]
+    np.testing.assert_allclose(rules["logit_params"][rows.index("pen")], [0.5, 0.0, 1.2, 0.0])
+    np.testing.assert_allclose(rules["logit_params"][rows.index("bias")], [0.0, 0.0, 1.0, 0.1])
+    start = int(rules["logit_lengths"][: rows.index("pen")].sum())
+    entries = {int(t): (int(c), float(b)) for t, c, b in zip(*(rules[k][start:start + 4] for k in
+                                                                ("logit_ids", "logit_counts", "logit_bias")))}
+    # 7 prompt only (biased), 9 prompt and twice in the output, 12 once, 30 biased only
+    assert entries == {7: (0, 1.0), 9: (2, 0.0), 12: (1, 0.0), 30: (-1, -2.0)}

@@ -12,8 +12,19 @@ SAMPLES = [
     p.Generate(id="r1", prompt="hi", sampling=p.Sampling(max_tokens=4, temperature=0.5, stop=["\n"], logprobs=2)),
     p.Generate(id="r2", prompt_tokens=[1, 2, 3]),
     p.Generate(id="r3", messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}]),
+    p.Generate(id="r4", prompt="x", sampling=p.Sampling(frequency_penalty=0.5, presence_penalty=-1.0, min_p=0.1,
+                                                        repetition_penalty=1.3, logit_bias=[(3, 2.5), (9, -100.0)])),
+    p.Generate(id="r5", messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"enable_thinking": False},
+               tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     p.Cancel(id="r1"),
+    p.Tokenize(id="t1", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}],
+               chat_template_kwargs={"enable_thinking": True}, add_generation_prompt=False, token_strs=True),
+    p.Tokenize(prompt="hello"),
+    p.TokenizeReply(id="t1", tokens=[1, 2], token_strs=["a", "b"], max_context=256),
+    p.Detokenize(id="d1", tokens=[1, 2, 3]),
+    p.DetokenizeReply(id="d1", text="abc"),
     p.Partial(id="r1", tokens=[5], text="a", logprobs=[-0.5], top_logprobs=[[(5, -0.5), (7, -1.0)]]),
+    p.Partial(id="r5", tokens=[5], text="a", logprobs=[-0.5], reasoning_open=True),
     p.Final(id="r1", finish_reason="length", prompt_tokens=3, completion_tokens=4),
     p.Error(id="r1", message="bad", param="max_tokens", status=400),
     p.Vram(reserve_mib=[1700, 600]), p.Vram(), p.Vram(reserve_mib=12.5), p.Vram(query=True),
@@ -24,6 +35,12 @@ SAMPLES = [
     p.Step(step_id=3, slots=np.array([0, 1], np.int32), starts=np.array([0, 5], np.int32),
            lengths=np.array([3, 1], np.int32), tokens=np.arange(4, dtype=np.int32),
            temperature=np.zeros(2, np.float32), u=np.array([0.1, 0.2], np.float32)),
+    p.Step(step_id=5, slots=np.arange(2, dtype=np.int32), starts=np.zeros(2, np.int32), lengths=np.ones(2, np.int32),
+           hidden=np.zeros((2, 8), np.float32), temperature=np.ones(2, np.float32), top_k=np.zeros(2, np.int32),
+           top_p=np.ones(2, np.float32), u=np.zeros(2, np.float32),
+           logit_params=np.array([[0.5, 0, 1.2, 0], [0, 0, 1, 0.1]], np.float32),
+           logit_lengths=np.array([3, 0], np.int32), logit_ids=np.array([4, 9, 2], np.int32),
+           logit_counts=np.array([2, 0, -1], np.int32), logit_bias=np.array([0, 0, 3.5], np.float32)),
     p.Step(step_id=4, slots=np.zeros(1, np.int32), starts=np.zeros(1, np.int32), lengths=np.ones(1, np.int32),
            hidden=np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)),
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
@@ -66,7 +83,7 @@ def test_tensors_are_raw_frames_not_msgpack():
     step = next(m for m in SAMPLES if isinstance(m, p.Step) and m.hidden is not None)
     frames = wire.encode(step)
     header = msgpack.unpackb(bytes(frames[1]))
-    assert "hidden" not in header and header["_tensors"]["hidden"][1:] == ["float32", [1, 8]]
+    assert "hidden" not in header and header["_tensors"]["hidden"][1:] == ["float32", list(step.hidden.shape)]
     assert bytes(frames[2 + header["_tensors"]["hidden"][0]]) == step.hidden.tobytes()
 
 
@@ -86,6 +103,9 @@ def test_tensors_are_raw_frames_not_msgpack():
     ([b"STEP", msgpack.packb({"step_id": 1, "_tensors": {"bogus": [0, "int32", [1]]}}), b"\0" * 4],
      "unexpected tensors"),
     ([b"GENERATE", msgpack.packb({"id": "x", "sampling": {"max_tokens": 0}})], "max_tokens"),
+    ([b"GENERATE", msgpack.packb({"id": "x", "sampling": {"logit_bias": [[3, 1.0], [3, 2.0]]}})], "unique"),
+    ([b"GENERATE", msgpack.packb({"id": "x", "sampling": {"logit_bias": [[3, 101.0]]}})], "logit_bias"),
+    ([b"GENERATE", msgpack.packb({"id": "x", "sampling": {"repetition_penalty": 0.0}})], "repetition_penalty"),
 ])
 def test_garbage_is_refused(frames, match):
     with pytest.raises(wire.WireError, match=match):
