@@ -117,7 +117,7 @@ def cmd_init_model(args) -> int:
     from tqdm import tqdm
 
     path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.layers,
-                      progress=lambda it: tqdm(it, desc="writing shards", unit="shard"))
+                      num_experts=args.experts, progress=lambda it: tqdm(it, desc="writing shards", unit="shard"))
     print(path)
     return 0
 
@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--preset", choices=["tiny", "demo", "a3b"], default="tiny",
                     help="tiny: tests; demo: the embedded default; a3b: Qwen3-30B-A3B's shapes")
     sp.add_argument("--layers", type=int, help="override the preset's number of layers")
+    sp.add_argument("--experts", type=int, help="override the preset's experts per MoE layer (a full-depth model "
+                    "with the per-token work of the preset, in less disk)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     sp.set_defaults(func=cmd_init_model, verbose=False)

@@ -9,23 +9,45 @@ from pathlib import Path
 
 
 
-def _in_process(model_dir: str, device: str, prompt: list[int], tokens: int, batch: int, repeats: int) -> dict:
+def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int) -> dict:
+    """Greedy decode of ``batch`` sequences after a prompt each; per-step wall times (the step's
+    host work included) and the expert caches' counters over the timed steps."""
     from moebus.workers.batch import StepBatch
-    from moebus.workers.local import LocalModel
 
-    model = LocalModel(model_dir, device=device, num_slots=max(batch, 1), max_context=len(prompt) + tokens + 8)
-    rates = []
+    caches = [s.experts for s in model.stages]
+    step_s, before = [], [dict(c.stats()) for c in caches]
     for _ in range(repeats):
         model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch,
                              tokens=prompt * batch))
         last = [prompt[-1]] * batch
-        start = time.perf_counter()
+        before = [dict(c.stats()) for c in caches]  # the last repeat's decode is what is counted
         for i in range(tokens):
+            start = time.perf_counter()
             out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
                                        tokens=last))
+            step_s.append(time.perf_counter() - start)
             last = [int(t) for t in out.tokens]
-        rates.append(tokens * batch / (time.perf_counter() - start))
-    return {"tok_s": statistics.median(rates), "runs": rates}
+    after = [c.stats() for c in caches]
+    counted_s = sum(step_s[-tokens:])
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    misses = sum(a["misses"] - b["misses"] for a, b in zip(after, before))
+    h2d = sum(a["h2d_bytes"] - b["h2d_bytes"] for a, b in zip(after, before))
+    median_s = statistics.median(step_s[tokens:] if repeats > 1 else step_s)  # the first repeat warms up
+    return {"batch": batch, "tok_s": batch / median_s, "ms_per_step": median_s * 1e3,
+            "hit_rate": hits / max(hits + misses, 1), "h2d_bytes_per_step": h2d / tokens,
+            "h2d_gb_s": h2d / counted_s / 1e9, "unique_experts_per_step": (hits + misses) / tokens}
+
+
+def _bounds(r: dict, cfg, num_layers: int, blob_bytes: int, pcie_gb_s: float, hbm_gb_s: float) -> dict:
+    """What the bytes of one step allow: over PCIe (the measured miss bytes) and over HBM (every
+    weight the step reads, the experts counted once per step, as the kernels read them)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attention = (cfg.num_heads * hd * d * 2 + cfg.num_kv_heads * hd * d * 2 + cfg.num_experts * d) * 2
+    dense = num_layers * attention + cfg.vocab_size * d * 2
+    step_bytes = dense + r["unique_experts_per_step"] * blob_bytes
+    pcie_s = r["h2d_bytes_per_step"] / (pcie_gb_s * 1e9)
+    return {"pcie_bound_tok_s": r["batch"] / pcie_s if pcie_s else None,
+            "hbm_bound_tok_s": r["batch"] / (step_bytes / (hbm_gb_s * 1e9)), "step_gb": step_bytes / 1e9}
 
 
 def _through_service(model_dir: str | None, device: str, prompt: list[int], tokens: int, repeats: int) -> dict:
@@ -72,24 +94,65 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--batch", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-frac", type=float, help="expert cache as a share of the experts (default: all)")
+    p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
+    p.add_argument("--peer", choices=["hf"], help="also time the HF transformers peer in this call")
+    p.add_argument("--peer-script", default=".peer/hf_peer.py")
+    p.add_argument("--pcie-gb-s", type=float, default=50.0, help="for the PCIe bound (measured on an H200: 49-55)")
+    p.add_argument("--hbm-gb-s", type=float, default=4800.0, help="for the HBM bound (H200 datasheet)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line and batch size")
     p.add_argument("--no-service", action="store_true")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
+    from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())
     prompt = [(7 * i + 3) % 200 + 10 for i in range(args.prompt_tokens)]
-    results = {"model": Path(model_dir).name, "device": args.device}
-    for batch in (int(b) for b in args.batch.split(",")):
-        r = _in_process(model_dir, args.device, prompt, args.tokens, batch, args.repeats)
-        results[f"in_process_batch{batch}_tok_s"] = round(r["tok_s"], 1)
+    batches = [int(b) for b in args.batch.split(",")]
+    model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
+                       max_context=len(prompt) + args.tokens + 8, policy=args.policy)
+    cfg, store = model.ckpt.config, model.stages[0].experts.store
+    common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
+              "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
+              "graphs": any(s.use_graphs for s in model.stages)}
+    rows = []
+    for batch in batches:
+        r = _in_process(model, prompt, args.tokens, batch, args.repeats)
+        r.update(_bounds(r, cfg, cfg.num_layers, store.blob_bytes, args.pcie_gb_s, args.hbm_gb_s))
+        r["us_per_layer"] = r["ms_per_step"] * 1e3 / cfg.num_layers
+        rows.append({**common, **r})
+    del model
+    extra = {}
+    if args.peer == "hf":
+        from moebus.bench.peer import hf_peer_tok_s
+
+        extra["hf_peer_batch1_tok_s"] = hf_peer_tok_s(args.peer_script, cfg.num_layers)
     if not args.no_service:
         s = _through_service(args.model, args.device, prompt, args.tokens, args.repeats)
-        results["service_batch1_tok_s"] = round(s["tok_s"], 1)
-        results["service_step_ms"] = round(s["broker_step_ms"], 2)
-        results["worker_step_ms"] = round(s["worker_step_ms"], 2)
-        results["broker_added_ms_per_step"] = round(s["broker_step_ms"] - s["worker_step_ms"], 2)
-    width = max(len(k) for k in results)
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value}")
-    print(json.dumps(results))
+        extra.update(service_batch1_tok_s=s["tok_s"], service_step_ms=s["broker_step_ms"],
+                     worker_step_ms=s["worker_step_ms"], broker_added_ms_per_step=s["broker_step_ms"] - s["worker_step_ms"])
+    _print(rows, extra, args.json)
     return 0
+
+
+def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps({**r, **extra}))
+        return
+    head = ("batch", "tok_s", "ms_per_step", "us_per_layer", "hit_rate", "h2d_gb_s", "pcie_bound_tok_s",
+            "hbm_bound_tok_s")
+    first = rows[0]
+    print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs")))
+    print("  ".join(f"{h:>16}" for h in head))
+    for r in rows:
+        print("  ".join(f"{_fmt(r[h]):>16}" for h in head))
+    for key, value in extra.items():
+        print(f"{key:<28}  {_fmt(value)}")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) and abs(value) < 10 else (
+        f"{value:.1f}" if isinstance(value, float) else str(value))

@@ -142,9 +142,10 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
 
 
 def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
-               dtype: str = "bf16", num_layers: int | None = None, progress=iter) -> Path:
+               dtype: str = "bf16", num_layers: int | None = None, progress=iter,
+               num_experts: int | None = None) -> Path:
     """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors;
-    ``num_layers`` overrides the preset's layer count."""
+    ``num_layers`` and ``num_experts`` (per MoE layer) override the preset's counts."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
@@ -152,6 +153,11 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     cfg = hf_config(arch, preset)
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
+    if num_experts:
+        key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        if num_experts < cfg["num_experts_per_tok"]:
+            raise ValueError(f"{num_experts} experts: fewer than the {cfg['num_experts_per_tok']} active per token")
+        cfg[key] = num_experts
     tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0)
     if dtype != "bf16":
         cfg["torch_dtype"] = "float32"

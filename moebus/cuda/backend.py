@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
+from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, routing, sampling
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda import penalties
 from moebus.cuda.dtypes import to_f32
@@ -41,6 +41,10 @@ class CpuBackend:
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
+    def overwrite(self, target: np.ndarray, host: np.ndarray) -> None:
+        """Copy ``host`` into the persistent array ``target``."""
+        np.copyto(target, host)
+
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
         """A persistent zeroed buffer (KV cache)."""
         return np.zeros(shape, dtype=dtype)
@@ -66,7 +70,15 @@ class CpuBackend:
     rope = staticmethod(rope.rope_ref)
     kv_store = staticmethod(attention.kv_store_ref)
     attention = staticmethod(attention.attention_ref)
-    topk_softmax = staticmethod(moe.topk_softmax_ref)
+    @staticmethod
+    def topk_softmax(logits, top_k: int, normalize: bool, ids=None):
+        chosen, weights = moe.topk_softmax_ref(logits, top_k, normalize)
+        if ids is None:
+            return chosen, weights
+        ids[...] = chosen
+        return ids, weights
+
+    route_pairs = staticmethod(routing.route_pairs_ref)
     expert_ffn = staticmethod(moe.expert_ffn_ref)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, routing, sampling
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda import penalties
-from moebus.cuda.compat import cuda
+from moebus.cuda.compat import SIMULATOR, cuda
+from moebus.cuda.graphs import swapped
 from moebus.cuda.step_pool import StepPool
 
 
@@ -82,11 +83,36 @@ class CudaBackend:
         return self.device_pool.take(tuple(shape), dtype)
 
     def host_empty(self, shape, dtype):
-        """Pinned host memory (the expert host store), so copies to the arena run at full speed."""
-        return cuda.pinned_array(shape, dtype=dtype)
+        """Pinned host memory mapped into the device's address space (the expert host store): copies
+        to the arena run at full speed, and kernels can read it in place."""
+        if SIMULATOR:
+            return cuda.pinned_array(shape, dtype=dtype)
+        return cuda.mapped_array(shape, dtype=dtype)
+
+    def host_device_view(self, host):
+        """A device array over mapped host memory (host_empty), for kernels to read in place."""
+        if SIMULATOR:
+            return host  # simulated kernels take host arrays as they are
+        return cuda.as_cuda_array(host)
+
+    def overwrite(self, target, host: np.ndarray) -> None:
+        """Copy ``host`` into the persistent device array ``target`` in stream order (staged, so the
+        caller may change ``host`` at once)."""
+        host = np.ascontiguousarray(host)
+        staged = self.staging_pool.take(host.shape, host.dtype)
+        staged[...] = host
+        target.copy_to_device(staged, stream=self.stream)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def private_pool(self, pool):
+        """Take scratch from ``pool`` inside a with-block (a captured graph owns its buffers)."""
+        return swapped(self, device_pool=pool)
+
+    def capturing(self, builder):
+        """Launch into a cuda.core GraphBuilder instead of the stream inside a with-block."""
+        return swapped(self, stream=builder)
 
     # -- ops --------------------------------------------------------------------------------------
 
@@ -119,15 +145,22 @@ class CudaBackend:
         return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
                                         stream=self.stream)
 
-    def topk_softmax(self, logits, top_k: int, normalize: bool):
+    def topk_softmax(self, logits, top_k: int, normalize: bool, ids=None):
+        """``ids``: a (T, top_k) int32 array to write the choices into (else scratch)."""
         shape = (logits.shape[0], top_k)
-        ids, weights = self.empty(shape, np.int32), self.empty(shape, np.float32)
+        ids = self.empty(shape, np.int32) if ids is None else ids
+        weights = self.empty(shape, np.float32)
         return moe.topk_softmax_cuda(logits, top_k, normalize, ids, weights, stream=self.stream)
 
-    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out):
+    def route_pairs(self, ids, table, layer_row: int):
+        num_pairs = ids.shape[0] * ids.shape[1]
+        tables = [self.empty((num_pairs,), np.int32) for _ in range(3)]
+        return routing.route_pairs_cuda(ids, table, layer_row, *tables, stream=self.stream)
+
+    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None):
         scratch = self.empty((pair_slot.shape[0], inter))
         return moe_ffn.expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, scratch,
-                                       stream=self.stream)
+                                       stream=self.stream, store=store)
 
     def combine(self, y_pair, weights):
         out = self.empty((weights.shape[0], y_pair.shape[1]))

@@ -43,15 +43,17 @@ def expert_blob_views(arena: np.ndarray, slot: int, hidden: int, inter: int):
             blob[2 * n : 3 * n].reshape(hidden, inter))
 
 
-def expert_ffn_ref(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out) -> np.ndarray:
+def expert_ffn_ref(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None) -> np.ndarray:
     # x (T, D) float32; pair_token, pair_slot, pair_out (J,) int32; out (P, D) float32, J <= P.
     # out[pair_out[j]] = down(silu(gate x) * up x) with x = x[pair_token[j]] and the expert in arena
-    # slot pair_slot[j]; other rows of out are left alone (hits and misses run as two calls).
+    # slot pair_slot[j], or for a negative entry in row -1 - pair_slot[j] of the host store;
+    # other rows of out are left alone (hits and misses run as two calls).
     x = np.asarray(x, dtype=np.float32)
     pair_token, pair_slot, pair_out = (np.asarray(a) for a in (pair_token, pair_slot, pair_out))
     for slot in np.unique(pair_slot):
         pairs = np.nonzero(pair_slot == slot)[0]
-        gate, up, down = (to_f32(w) for w in expert_blob_views(arena, int(slot), hidden, inter))
+        source, row = (arena, int(slot)) if slot >= 0 else (store, -1 - int(slot))
+        gate, up, down = (to_f32(w) for w in expert_blob_views(source, row, hidden, inter))
         xs = x[pair_token[pairs]]
         out[pair_out[pairs]] = (silu_ref(xs @ gate.T) * (xs @ up.T)) @ down.T
     return out

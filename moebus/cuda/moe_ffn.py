@@ -2,6 +2,9 @@
 with x = x[pair_token[j]] and the expert in arena slot pair_slot[j] (see moe.py for the layout and
 ``expert_ffn_ref``, the reference).
 
+A negative slot is a placement-table entry for an expert that is not resident (routing.py): the
+kernels then read its row of the host store, which on cuda is mapped pinned memory (zero copy).
+
 Two kernels, both warp-per-output-row GEMVs like linear.py: gate|up (rows of I, writes the
 activation h (J, I) to scratch) then down (rows of D). Pairs are cut into *runs*: consecutive pairs
 on the same slot inside one aligned chunk of ``chunk`` pairs; the block of a run's first pair
@@ -15,7 +18,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum_many
+from moebus.cuda.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_of
 
@@ -36,18 +39,26 @@ def _run_length(pair_slot, j, chunk):
     return n
 
 
+@device
+def _placement(arena, store, entry):
+    """(array, row) of a placement-table entry: an arena slot, or (negative) a host-store row."""
+    if entry >= 0:
+        return arena, entry
+    return store, -1 - entry
+
+
 @functools.cache
 def _gate_up_kernel(storage: str, wide: bool, chunk: int):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
 
     @cuda.jit
-    def expert_gate_up(x, pair_token, pair_slot, arena, hidden_words, inter, first_pair, h):
+    def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return  # the whole block: no reduction is skipped by part of it
-        slot = pair_slot[j]
+        weights, slot = _placement(arena, store, pair_slot[j])
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -67,8 +78,8 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
                 acc_gate[t] = float32(0.0)
                 acc_up[t] = float32(0.0)
             for word in range(lane, hidden_words, WARP):
-                read_weight(arena, slot, row * hidden_words + word, gate_buf)
-                read_weight(arena, slot, up_base + row * hidden_words + word, up_buf)
+                read_weight(weights, slot, row * hidden_words + word, gate_buf)
+                read_weight(weights, slot, up_base + row * hidden_words + word, up_buf)
                 for t in range(chunk):
                     read_x(x, tokens[t], word, x_buf)
                     g = acc_gate[t]
@@ -95,12 +106,12 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
     read_h, _ = chunk_reader("f32", wide)
 
     @cuda.jit
-    def expert_down(h, pair_slot, pair_out, arena, hidden, inter_words, first_pair, out):
+    def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return
-        slot = pair_slot[j]
+        weights, slot = _placement(arena, store, pair_slot[j])
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -117,7 +128,7 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
             for t in range(chunk):
                 acc[t] = float32(0.0)
             for word in range(lane, inter_words, WARP):
-                read_weight(arena, slot, down_base + row * inter_words + word, w_buf)
+                read_weight(weights, slot, down_base + row * inter_words + word, w_buf)
                 for t in range(chunk):
                     read_h(h, rows[t], word, h_buf)
                     total = acc[t]
@@ -133,15 +144,19 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
     return expert_down
 
 
-def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0):
+def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0,
+                    store=None):
     """expert_ffn_ref on device arrays. ``scratch``: a (J, inter) float32 device array for the
-    activations between the two kernels. Slots and tokens must be in range (the stage's tables)."""
+    activations between the two kernels. Slots and tokens must be in range (the stage's tables).
+    ``store``: the host store as the device sees it (mapped pinned memory), for negative entries."""
     num_tokens = x.shape[0]
     num_pairs = pair_slot.shape[0]
     require("x", x, np.float32, shape=(None, hidden))
     for name, table in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
         require(name, table, np.int32, shape=(num_pairs,))
     require("arena", arena, WEIGHT_DTYPES, ndim=2)
+    store = arena if store is None else store
+    require("store", store, arena.dtype, shape=(None, arena.shape[1]))
     if arena.shape[1] < 3 * hidden * inter:
         raise ValueError(f"arena slots of {arena.shape[1]} elements cannot hold 3 x {hidden} x {inter}")
     require("out", out, np.float32, shape=(None, hidden))
@@ -150,23 +165,24 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
         raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
     if num_pairs == 0:
         return out
-    wide = can_read_wide(arena, hidden, inter) and can_read_wide(x) and can_read_wide(scratch)
+    wide = (can_read_wide(arena, hidden, inter) and can_read_wide(store) and can_read_wide(x)
+            and can_read_wide(scratch))
     width = 4 if wide else 1
     chunk = min(MAX_CHUNK, num_tokens)  # one token's pairs have distinct experts: runs <= tokens
     storage = storage_of(arena)
     h = scratch[:num_pairs]
     block = threads(WARPS * WARP)
     per_block = block // WARP
-    arena_view = reader_view(arena, wide)
+    arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
     gate_up, down = _gate_up_kernel(storage, wide, chunk), _down_kernel(storage, wide, chunk)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
-            x_view, pair_token, pair_slot, arena_view, hidden // width, inter, first, h)
+            x_view, pair_token, pair_slot, arena_view, store_view, hidden // width, inter, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
-            h_view, pair_slot, pair_out, arena_view, hidden, inter // width, first, out)
+            h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter // width, first, out)
     return out

@@ -144,6 +144,7 @@ class StreamCopier:
         self.compute_stream = getattr(backend, "stream", 0)
         self.stream = cuda.stream()
         self._fenced = False
+        self._done = None  # recorded after the last batch of copies (mark)
 
     def copy(self, slot: int, blob) -> bool:
         if not self._fenced:
@@ -159,3 +160,15 @@ class StreamCopier:
         done.record(self.stream)
         done.wait(self.compute_stream)
         self._fenced = False
+
+    def mark(self) -> None:
+        """Remember the copies enqueued so far, for is_done()."""
+        self._done = cuda.event()
+        self._done.record(self.stream)
+
+    def is_done(self) -> bool:
+        """True once every copy enqueued before the last mark() has finished (never blocks)."""
+        return self._done is None or self._done.query()
+
+    def sync(self) -> None:
+        self.stream.synchronize()

@@ -1,13 +1,27 @@
-"""Eviction policies of the expert cache. A policy orders resident keys; the cache asks it for a
-victim among those it may evict (not pinned). Least-recently-used first; others plug in here."""
+"""Eviction and admission policies of the expert cache. A policy orders resident keys; the cache asks
+it for a victim among those it may evict (not pinned), and, on the decode path where a miss is read
+straight from host memory and admission is optional, whether a missed key is worth a victim's slot.
+
+- ``lru``: least recently used first; every miss is admitted. Collapses once one step's experts
+  outnumber the slots: it evicts exactly what the next layers need.
+- ``freq`` (default): a frequency count per key that decays every step (recent use weighs more, a
+  key used once long ago fades), kept for keys that are not resident too. A miss is admitted only
+  when its count beats the weakest resident's, so a scan of one-off experts never flushes the hot
+  set (TinyLFU-style admission); the victim is the resident key with the lowest count."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
+
+POLICIES = ("freq", "lru")
+
 
 class LruPolicy:
-    def __init__(self):
+    name = "lru"
+
+    def __init__(self, num_keys: int = 0):
         self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
 
     def insert(self, key: int) -> None:
@@ -24,3 +38,74 @@ class LruPolicy:
 
     def hottest_first(self) -> list[int]:
         return list(reversed(self._order))
+
+    def observe(self, keys: np.ndarray) -> None:
+        """One decode step's distinct keys (resident or not), before admissions are asked for."""
+        for key in keys:
+            if int(key) in self._order:
+                self._order.move_to_end(int(key))
+
+    def strongest_first(self, keys: np.ndarray) -> np.ndarray:
+        """Missed keys in the order they should be admitted."""
+        return np.asarray(keys)
+
+    def weakest_first(self, limit: int) -> list[int]:
+        """Up to ``limit`` resident keys, the first to evict first."""
+        return [k for _, k in zip(range(limit), self._order)]
+
+    def worth_admitting(self, key: int, victim: int | None) -> bool:
+        return True
+
+
+class FreqPolicy:
+    name = "freq"
+
+    def __init__(self, num_keys: int, decay: float = 0.9):
+        self.decay = decay
+        self.score = np.zeros(num_keys, np.float64)  # decayed use count, for every key
+        self._resident: dict[int, None] = {}  # insertion order breaks ties: oldest goes first
+
+    def insert(self, key: int) -> None:
+        self._resident[key] = None
+
+    def touch(self, key: int) -> None:
+        self.score[key] += 1.0
+
+    def remove(self, key: int) -> None:
+        self._resident.pop(key, None)
+
+    def victim(self, can_evict: Callable[[int], bool]) -> int | None:
+        best, best_score = None, np.inf
+        for key in self._resident:
+            if self.score[key] < best_score and can_evict(key):
+                best, best_score = key, self.score[key]
+        return best
+
+    def hottest_first(self) -> list[int]:
+        return sorted(self._resident, key=lambda k: -self.score[k])
+
+    def observe(self, keys: np.ndarray) -> None:
+        self.score *= self.decay
+        self.score[np.asarray(keys, dtype=np.int64)] += 1.0
+
+    def strongest_first(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64)
+        return keys[np.argsort(-self.score[keys], kind="stable")]
+
+    def weakest_first(self, limit: int) -> list[int]:
+        if limit <= 0 or not self._resident:
+            return []
+        keys = np.fromiter(self._resident, dtype=np.int64, count=len(self._resident))
+        order = np.argsort(self.score[keys], kind="stable")[:limit]  # ties: the oldest resident first
+        return keys[order].tolist()
+
+    def worth_admitting(self, key: int, victim: int | None) -> bool:
+        return victim is None or self.score[key] > self.score[victim]
+
+
+def make_policy(name: str, num_keys: int):
+    if name == "lru":
+        return LruPolicy(num_keys)
+    if name == "freq":
+        return FreqPolicy(num_keys)
+    raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -5,13 +5,21 @@ evicted slots by a copier (synchronous on cpu, a copy stream on cuda).
 
 VRAM requests resize the arena by whole segments: ``resize(r)`` empties and releases tail segments
 until at least r MiB are free on the device (at least one segment when anything is missing), or
-grows again while r allows; ``resize(None)`` (bare) maps every start-up segment again."""
+grows again while r allows; ``resize(None)`` (bare) maps every start-up segment again.
+
+The decode path does not ask the cache between layers: a *placement table* (layer row, expert) ->
+slot, or ``-1 - key`` for an expert read from the host store (routing.py), travels to the device
+and the kernels follow it. After each step ``observe`` learns the step's choices, and misses the
+policy deems worth a slot are copied in (on cuda, on the copy stream while later steps run); an
+entry points at a slot only once its copy is complete, and stops pointing at it before the slot is
+reused, shrunk away or lent out."""
 from __future__ import annotations
 
 import numpy as np
 
 from moebus.cuda.ledger import MIB
-from moebus.workers.eviction import LruPolicy
+from moebus.cuda.routing import host_placement
+from moebus.workers.eviction import make_policy
 
 EMPTY = -1
 
@@ -33,14 +41,32 @@ class SyncCopier:
     def wait(self) -> None:
         pass
 
+    def is_done(self) -> bool:
+        return True
+
+    def sync(self) -> None:
+        pass
+
+    def mark(self) -> None:
+        pass
+
 
 class ExpertCache:
-    def __init__(self, store, arena, copier=None, policy=None, startup_reserve_mib: float = 0.0,
-                 min_slots: int = 1):
+    def __init__(self, store, arena, copier=None, policy="freq", startup_reserve_mib: float = 0.0,
+                 min_slots: int = 1, max_admissions: int | None = None):
         self.store = store
         self.arena = arena
         self.copier = copier or SyncCopier(arena)
-        self.policy = policy or LruPolicy()
+        num_keys = len(store.blobs)
+        self.policy = make_policy(policy, num_keys) if isinstance(policy, str) else policy
+        # where each expert is now, as the kernels see it: a slot, or host_placement(key)
+        self.placement = np.array([host_placement(k) for k in range(num_keys)], np.int32).reshape(-1, store.num_experts)
+        self._flat_placement = self.placement.reshape(-1)
+        self._placement_dirty = True
+        self._device_placement = None
+        self.pending: dict[int, int] = {}  # key -> slot: copy in flight, placement still on the host
+        # misses copied in per step at most: admission costs PCIe time that the step's reads need too
+        self.max_admissions = max_admissions if max_admissions is not None else max(1, arena.max_slots // 16)
         self.min_slots = min_slots
         self.startup_reserve_mib = self.reserve_mib = startup_reserve_mib
         self.slot_key = np.full(arena.max_slots, EMPTY, dtype=np.int64)
@@ -69,6 +95,7 @@ class ExpertCache:
         At least ``min_slots`` stay in service. The loan is computed against the cache as it is
         now, so it never covers memory that a shrink handed back."""
         assert self.loaned_from is None and not self.pinned
+        self.finish_admissions()  # no copy may still write into a slot that becomes scratch
         wanted = -(-num_bytes // self.arena.slot_bytes)
         count = max(0, min(wanted, self.num_slots - self.min_slots))
         hi = self.num_slots
@@ -91,6 +118,7 @@ class ExpertCache:
     def acquire(self, layer: int, expert_ids) -> tuple[np.ndarray, np.ndarray]:
         """Pin the experts of one group and return (slots, ready). Misses are being copied in;
         call wait() before reading a slot that is not ready. Replaces the previous group's pins."""
+        self.finish_admissions()
         keys = [self.store.key(layer, e) for e in expert_ids]
         if len(keys) > self.num_slots:
             raise CacheTooSmall(f"{len(keys)} experts in one group, {self.num_slots} slots")
@@ -132,11 +160,15 @@ class ExpertCache:
         self._evict(slot)
         return slot
 
-    def _assign(self, slot: int, key: int) -> None:
+    def _assign(self, slot: int, key: int, visible: bool = True) -> None:
         self.slot_key[slot] = key
         self.key_slot[key] = slot
         self.key_hits[key] = 0
         self.policy.insert(key)
+        if visible:
+            self._place(key, slot)
+        else:
+            self.pending[key] = slot
 
     def _evict(self, slot: int) -> None:
         key = int(self.slot_key[slot])
@@ -144,6 +176,103 @@ class ExpertCache:
         del self.key_slot[key]
         del self.key_hits[key]
         self.policy.remove(key)
+        self.pending.pop(key, None)
+        self._place(key, host_placement(key))
+
+    def _place(self, key: int, entry: int) -> None:
+        self._flat_placement[key] = entry
+        self._placement_dirty = True
+
+    # -- the decode path: placement table, observe, admission -------------------------------------
+
+    def device_placement(self, ops):
+        """The placement table as the kernels see it, brought up to date in stream order: every
+        kernel enqueued after this call reads the table as it is now."""
+        if self._device_placement is None:
+            self._device_placement = ops.persist(self.placement)
+        elif self._placement_dirty:
+            ops.overwrite(self._device_placement, self.placement)
+        self._placement_dirty = False
+        return self._device_placement
+
+    def observe(self, chosen: np.ndarray, ops=None) -> None:
+        """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
+        count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
+        backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        num_experts = self.store.num_experts
+        rows = np.arange(chosen.shape[0], dtype=np.int64)[:, None, None]
+        keys = np.unique((rows * num_experts + chosen).reshape(-1))
+        resident = self._flat_placement[keys] >= 0
+        self.hits += int(resident.sum())
+        missed = keys[~resident]
+        self.misses += len(missed)
+        self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels
+        self.policy.observe(keys)
+        self.land_admissions()
+        if not self.pending:
+            self._admit([k for k in missed.tolist() if k not in self.key_slot], ops)
+
+    def _admit(self, missed: list[int], ops) -> None:
+        budget = min(self.max_admissions, len(missed))
+        if budget == 0 or self.loaned_from is not None:
+            return
+        candidates = self.policy.strongest_first(np.array(missed, np.int64))[:budget].tolist()
+        victims = self.policy.weakest_first(max(0, budget - len(self.free)))
+        admitted = []
+        for key in candidates:
+            if self.free:
+                slot = self.free.pop()
+            elif victims and self.policy.worth_admitting(key, victims[0]):
+                slot = self.key_slot[victims.pop(0)]
+                self._evict(slot)
+            else:
+                break  # candidates come strongest first: the rest would lose too
+            admitted.append((key, slot))
+        if not admitted:
+            return
+        if self._device_placement is not None and ops is not None:
+            self.device_placement(ops)  # victims point at the host before their slot is overwritten
+        for key, slot in admitted:
+            ready = self.copier.copy(slot, self.store.blob(key))
+            self._assign(slot, key, visible=ready)
+            self.h2d_bytes += self.store.blob_bytes
+        self.copier.mark()
+        self.land_admissions()
+
+    def land_admissions(self, block: bool = False) -> None:
+        """Point the table at admitted slots whose copies are complete (``block``: wait for them)."""
+        if not self.pending:
+            return
+        if block:
+            self.copier.sync()
+        elif not self.copier.is_done():
+            return
+        self.copier.wait()  # later kernels on the compute stream are ordered after the copies
+        for key, slot in self.pending.items():
+            self._place(key, slot)
+        self.pending = {}
+
+    def finish_admissions(self) -> None:
+        self.land_admissions(block=True)
+
+    def preload(self) -> int:
+        """Fill free slots before serving, expert-major across layers (every layer gets its share);
+        returns how many experts were copied. Copies are complete when it returns."""
+        rows, num_experts = self.placement.shape
+        order = [row * num_experts + e for e in range(num_experts) for row in range(rows)]
+        count = 0
+        for key in order:
+            if not self.free:
+                break
+            if key in self.key_slot:
+                continue
+            slot = self.free.pop()
+            ready = self.copier.copy(slot, self.store.blob(key))
+            self._assign(slot, key, visible=ready)
+            count += 1
+        self.copier.mark()
+        self.finish_admissions()
+        return count
 
     # -- VRAM requests ----------------------------------------------------------------------------
 
@@ -151,6 +280,7 @@ class ExpertCache:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
+        self.finish_admissions()
         if query:
             return self.report()
         if reserve_mib is None:

@@ -11,13 +11,16 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
                        segment_bytes: int = DEFAULT_SEGMENT_BYTES, elastic: bool = False, gpu=None,
-                       startup_reserve_mib: float = 0.0, progress=iter, fraction: float | None = None) -> ExpertCache:
+                       startup_reserve_mib: float = 0.0, progress=iter, fraction: float | None = None,
+                       policy: str = "freq", preload: bool = True) -> ExpertCache:
     """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage);
     ``fraction``: instead, that share of the stage's experts (tests and benchmarks).
     ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
-    requests can release (else one segment)."""
+    requests can release (else one segment). ``policy``: eviction.POLICIES. ``preload``: fill the
+    cache before serving (every layer its share), so the first steps do not run at PCIe speed."""
     on_cuda = backend.name == "cuda"
-    store = HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress)
+    store = HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress,
+                      device_view=backend.host_device_view if on_cuda else None)
     if fraction is not None:
         capacity_bytes = int(store.total_bytes * fraction)
     total = min(capacity_bytes, store.total_bytes) if capacity_bytes is not None else store.total_bytes
@@ -35,7 +38,11 @@ def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None 
         arena = HostArena(store.blob_bytes, store.dtype, segments, gpu=gpu)
         copier = None
     arena.grow()
-    return ExpertCache(store, arena, copier, startup_reserve_mib=startup_reserve_mib, min_slots=ckpt.config.top_k)
+    cache = ExpertCache(store, arena, copier, policy=policy, startup_reserve_mib=startup_reserve_mib,
+                        min_slots=ckpt.config.top_k)
+    if preload:
+        cache.preload()
+    return cache
 
 
 def _round_up(num_bytes: int, granule: int = 2 << 20) -> int:

@@ -1,6 +1,7 @@
 """Every expert of a stage packed once as one blob (gate | up | down) in host memory: pinned
-(page-locked) on cuda so copies to VRAM run at full PCIe speed, plain on cpu. Filled from the
-memory-mapped checkpoint, expert by expert, with a progress bar."""
+(page-locked) and mapped into the device's address space on cuda, so copies to VRAM run at full
+PCIe speed and kernels can read a missing expert in place (zero copy); plain on cpu. Filled from
+the memory-mapped checkpoint, expert by expert, with a progress bar."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,9 @@ from moebus.cuda.dtypes import STORAGE
 
 
 class HostStore:
-    def __init__(self, ckpt, layers: range, allocate=np.empty, progress=iter):
+    def __init__(self, ckpt, layers: range, allocate=np.empty, progress=iter, device_view=None):
+        """``allocate(shape, dtype)``: the blobs' memory; ``device_view(blobs)``: the same memory as
+        the kernels take it (None: the array itself, as on cpu)."""
         cfg = ckpt.config
         self.num_experts = cfg.num_experts
         self.layers = [i for i in layers if cfg.is_moe_layer(i)]
@@ -18,7 +21,9 @@ class HostStore:
         self.dtype = STORAGE[ckpt.weight_dtype]
         self.blob_elems = 3 * inter * d
         self.blob_bytes = self.blob_elems * self.dtype.itemsize
-        self.blobs = allocate((len(self.layers) * self.num_experts, self.blob_elems), self.dtype)
+        memory = allocate((len(self.layers) * self.num_experts, self.blob_elems), self.dtype)
+        self.device_blobs = memory if device_view is None else device_view(memory)
+        self.blobs = np.asarray(memory).view(np.ndarray)  # host side: plain numpy over the same bytes
         n = inter * d
         for layer in progress(self.layers):
             base = self.row_of_layer[layer] * self.num_experts

@@ -24,13 +24,15 @@ class Generation:
 
 class LocalModel:
     def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
-                 max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False):
-        """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all)."""
+                 max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False,
+                 policy: str = "freq"):
+        """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all);
+        ``policy``: its eviction and admission policy (eviction.POLICIES)."""
         self.ckpt = Checkpoint(model_dir)
         self.backend = make_backend(device)
         self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context,
                              experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
-                                                        elastic=elastic))
+                                                        elastic=elastic, policy=policy))
                        for r in split_layers(self.ckpt.config.num_layers, parts)]
         self.vision_config = load_vision_config(model_dir)
         self._vision = None

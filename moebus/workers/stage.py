@@ -3,6 +3,7 @@ last applies the final norm and lm_head and samples; every stage keeps the KV ca
 and reads its experts from an arena through a (layer, expert) -> slot table."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,7 @@ from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
 
+ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
 
 @dataclass
 class StageOutput:
@@ -49,6 +51,11 @@ class Stage:
         if experts is None:
             experts = build_expert_cache(ckpt, layers, backend)
         self.experts = experts(self) if callable(experts) else experts
+        # decode steps as CUDA graphs, one per batch size (MOEBUS_CUDA_GRAPHS=0: always eager)
+        from moebus.cuda.graphs import graphs_available
+
+        self.use_graphs = backend.name == "cuda" and graphs_available() and os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
+        self.graphs: dict = {}
 
     def _load_layer(self, ckpt, i: int) -> dict:
         w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}
@@ -94,28 +101,100 @@ class Stage:
         return merged
 
     def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
-        ops = self.ops
-        ops.begin_step()
         if int((batch.starts + batch.lengths).max()) > self.max_context:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
-        token_slot = ops.upload(batch.token_slots())
-        token_pos = ops.upload(batch.token_positions())
-        if self.is_first:
-            x = ops.embedding(self.embed, ops.upload(batch.tokens))
-            if batch.embeds is not None and len(batch.embed_rows):  # image embeddings at their tokens
-                x = ops.scatter_rows(x, ops.upload(batch.embed_rows), ops.upload(batch.embeds))
+        routed = batch.num_tokens <= ROUTED_MAX_TOKENS
+        inputs = self._host_inputs(batch, hidden)
+        graph = self._graph_for(batch, inputs) if routed else None
+        if graph is not None:
+            self.ops.begin_step()
+            self.experts.device_placement(self.ops)  # the graph reads the table at its fixed address
+            out = graph.replay(inputs, self._wanted(batch, want_logits))
         else:
-            x = ops.upload(np.ascontiguousarray(hidden, dtype=np.float32))
+            out = self._eager(batch, inputs, routed, want_logits)
+        if "expert_ids" in out:
+            self.experts.observe(out["expert_ids"], self.ops)
+        if not self.is_last:
+            return StageOutput(hidden=out["hidden"])
+        return self._sample_output(batch, out, want_logits)
+
+    def _eager(self, batch: StepBatch, inputs: dict, routed: bool, want_logits: bool) -> dict:
+        ops = self.ops
+        ops.begin_step()
         try:
-            for n, i in enumerate(self.layer_range):
-                x = self._layer(n, i, x, token_slot, token_pos)
+            result = self._run(batch, {name: ops.upload(a) for name, a in inputs.items()}, routed)
         finally:
             self.experts.release()
-        if not self.is_last:
-            return StageOutput(hidden=ops.to_host(x))
-        return self._sample(batch, x, want_logits)
+        return {name: ops.to_host(result[name]) for name in self._wanted(batch, want_logits) if name in result}
 
-    def _layer(self, n: int, i: int, x, token_slot, token_pos):
+    def _wanted(self, batch: StepBatch, want_logits: bool) -> list[str]:
+        """The outputs that come back to the host: one step's results and its routing choices."""
+        names = ["expert_ids"] if self.experts.store.layers and batch.num_tokens <= ROUTED_MAX_TOKENS else []
+        if not self.is_last:
+            return names + ["hidden"]
+        return names + ["tokens", "logprobs"] + (["logits"] if want_logits or batch.top_logprobs else [])
+
+    def _host_inputs(self, batch: StepBatch, hidden) -> dict:
+        inputs = {"token_slot": batch.token_slots(), "token_pos": batch.token_positions()}
+        if self.is_first:
+            inputs["tokens"] = batch.tokens
+            if batch.embeds is not None and len(batch.embed_rows):  # image embeddings at their tokens
+                inputs.update(embed_rows=batch.embed_rows, embeds=batch.embeds)
+        else:
+            inputs["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32)
+        if self.is_last:
+            temperature, top_k, top_p, u = batch.sampling_arrays()
+            inputs.update(last_index=batch.last_token_index(), temperature=temperature, top_k=top_k, top_p=top_p, u=u)
+        return inputs
+
+    def _graph_for(self, batch: StepBatch, inputs: dict):
+        """The captured decode step for this batch size, captured on first use (None: run eagerly)."""
+        if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
+                or int(batch.lengths.max()) != 1:
+            return None
+        graph = self.graphs.get(batch.num_tokens)
+        if graph is None or not graph.matches(inputs):
+            from moebus.cuda.graphs import CapturedStep
+
+            self.ops.begin_step()
+            self.experts.device_placement(self.ops)
+            graph = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True))
+            self.graphs[batch.num_tokens] = graph
+        return graph
+
+    def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
+        """The step on the device: kernels only when ``routed`` (so it can be captured)."""
+        ops = self.ops
+        token_slot, token_pos = inputs["token_slot"], inputs["token_pos"]
+        if self.is_first:
+            x = ops.embedding(self.embed, inputs["tokens"])
+            if "embeds" in inputs:
+                x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
+        else:
+            x = inputs["hidden"]
+        out = {}
+        route = None
+        if routed and self.experts.store.layers:
+            shape = (len(self.experts.store.layers), batch.num_tokens, self.cfg.top_k)
+            out["expert_ids"] = ops.empty(shape, np.int32)
+            route = (self.experts.device_placement(ops), out["expert_ids"])
+        for n, i in enumerate(self.layer_range):
+            x = self._layer(n, i, x, token_slot, token_pos, route)
+        if not self.is_last:
+            out["hidden"] = x
+            return out
+        last = ops.embedding(x, inputs["last_index"])
+        logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+        sampling = inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["u"]
+        if batch.logit_rules is None:
+            tokens, logprobs = ops.sample(logits, *sampling)
+        else:  # penalties, bias, min_p first; the reported logprobs stay those of the raw logits
+            tokens, _ = ops.sample(ops.apply_rules(logits, inputs["temperature"], batch.logit_rules), *sampling)
+            logprobs = ops.token_logprobs(logits, tokens)
+        out.update(tokens=tokens, logprobs=logprobs, logits=logits)
+        return out
+
+    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None):
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
@@ -132,13 +211,28 @@ class Stage:
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
         x = ops.add(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]))
         h = ops.rmsnorm(x, w["mlp_norm"], eps)
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) and route is not None:
+            y = self._moe_routed(i, w, h, *route)
+        elif cfg.is_moe_layer(i):
             y = self._moe(i, w, h)
         else:
             y = ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
         return ops.add(x, y)
 
+    def _moe_routed(self, layer: int, w: dict, h, placement, expert_ids):
+        """Decode: the router's choices go through the placement table on the device; experts that
+        are not resident are read from the (mapped) host store by the kernels themselves."""
+        ops, cfg = self.ops, self.cfg
+        row = self.experts.store.row_of_layer[layer]
+        ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob, ids=expert_ids[row])
+        pair_token, pair_slot, pair_out = ops.route_pairs(ids, placement, row)
+        out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
+        ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
+                       cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs)
+        return ops.combine(out, weights)
+
     def _moe(self, layer: int, w: dict, h):
+        """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""
         ops, cfg = self.ops, self.cfg
         num_tokens, top_k = h.shape[0], cfg.top_k
         ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), top_k, cfg.norm_topk_prob)
@@ -168,22 +262,13 @@ class Stage:
         self.experts.release()
         return ops.combine(out, weights)
 
-    def _sample(self, batch: StepBatch, x, want_logits: bool) -> StageOutput:
-        ops = self.ops
-        last = ops.embedding(x, ops.upload(batch.last_token_index()))
-        logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
-        temperature, top_k, top_p, u = (ops.upload(a) for a in batch.sampling_arrays())
-        if batch.logit_rules is None:
-            tokens, logprobs = ops.sample(logits, temperature, top_k, top_p, u)
-        else:  # penalties, bias, min_p first; the reported logprobs stay those of the raw logits
-            tokens, _ = ops.sample(ops.apply_rules(logits, temperature, batch.logit_rules), temperature, top_k, top_p, u)
-            logprobs = ops.token_logprobs(logits, tokens)
-        out = StageOutput(tokens=ops.to_host(tokens), logprobs=ops.to_host(logprobs))
+    def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
+        result = StageOutput(tokens=out["tokens"], logprobs=out["logprobs"])
         if want_logits or batch.top_logprobs:
-            host_logits = ops.to_host(logits)
-            out.logits = host_logits if want_logits else None
+            host_logits = out["logits"]
+            result.logits = host_logits if want_logits else None
             if batch.top_logprobs:
                 tops = [top_logprobs_ref(row, batch.top_logprobs) for row in host_logits]
-                out.top_ids = np.stack([t[0] for t in tops])
-                out.top_logprobs = np.stack([t[1] for t in tops])
-        return out
+                result.top_ids = np.stack([t[0] for t in tops])
+                result.top_logprobs = np.stack([t[1] for t in tops])
+        return result

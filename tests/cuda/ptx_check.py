@@ -145,6 +145,10 @@ def exercise(rng) -> None:
                              empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
+    from moebus.cuda import routing
+
+    routing.route_pairs_cuda(np.zeros((2, 8), np.int32), np.zeros((3, 128), np.int32), 1,
+                             *(empty(16, dtype=np.int32) for _ in range(3)))
     from moebus.cuda import bench_kernels
 
     bench_kernels._spin[1, 1, 0](10)
