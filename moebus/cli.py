@@ -117,7 +117,8 @@ def cmd_init_model(args) -> int:
     from tqdm import tqdm
 
     path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.layers,
-                      num_experts=args.experts, progress=lambda it: tqdm(it, desc="writing shards", unit="shard"))
+                      num_experts=args.experts, progress=lambda it: tqdm(it, desc="writing shards", unit="shard"),
+                      vision=args.vision)
     print(path)
     return 0
 
@@ -206,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with the per-token work of the preset, in less disk)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    sp.add_argument("--vision", choices=["siglip", "clip"],
+                    help="a LLaVA directory: this vision tower (a3b: SigLIP-so400m's shape) around the language model")
     sp.set_defaults(func=cmd_init_model, verbose=False)
 
     sp = sub.add_parser("bench", help="benchmarks that print figures (decode, kernels, ...)")

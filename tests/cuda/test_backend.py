@@ -8,7 +8,8 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "route_pairs", "expert_ffn", "combine", "sample"]
+       "route_pairs", "expert_ffn", "combine", "sample", "layernorm", "activation", "add_bias", "vision_attention",
+       "scatter_rows"]
 
 
 def _public(cls):
