@@ -16,6 +16,7 @@ from tests.browser import Browser, chromium_path
 from tests.service import Service
 
 KEY = "dashboard-key"
+ADMIN_KEY = "dashboard-admin-key"
 POLL_S = 0.5
 FIELDS = ("expert_slots", "expert_cache_mib", "free_mib", "reserve_mib")
 ARTIFACTS = Path(os.environ.get("MOEBUS_ARTIFACTS") or Path(__file__).resolve().parents[1] / "artifacts")
@@ -25,7 +26,7 @@ ARTIFACTS = Path(os.environ.get("MOEBUS_ARTIFACTS") or Path(__file__).resolve().
 def demo_service(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("dashboard")
     svc = Service(tmp, demo_model, emulated_vram_mib=[56, 56], emulated_vram_dir=str(tmp / "vram"),
-                  max_context=512, api={"api_key": KEY})
+                  max_context=512, api={"api_key": KEY, "admin_key": ADMIN_KEY})
     try:
         yield svc.wait_ready(timeout_s=180)
     finally:
@@ -36,6 +37,16 @@ def demo_service(tmp_path_factory, demo_model):
 def http(demo_service):
     session = requests.Session()
     session.headers["Authorization"] = f"Bearer {KEY}"
+    session.url = lambda path: demo_service.base_url + path
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def admin(demo_service):
+    """/v1/vram takes the admin key, distinct from the inference key the page and /v1/cache use."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
     session.url = lambda path: demo_service.base_url + path
     yield session
     session.close()
@@ -86,14 +97,14 @@ def test_page_and_data_routes(demo_service, http):
     assert set(cache["requests"]) == {"running", "waiting"}
 
 
-def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http, browser):
+def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http, admin, browser):
     chat = {"model": "demo", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me about experts."}]}
     for _ in range(2):  # some hits, some tokens per second for the charts
         assert http.post(http.url("/v1/chat/completions"), json=chat, timeout=60).status_code == 200
     browser.open(f"{demo_service.base_url}/dashboard?poll_ms={int(POLL_S * 1000)}#key={KEY}")
 
-    vram = http.get(http.url("/v1/vram"), timeout=30).json()
+    vram = admin.get(admin.url("/v1/vram"), timeout=30).json()
     wait_for(lambda: matches(browser, vram), timeout_s=20)
     def residency_reported():
         cache = http.get(http.url("/v1/cache"), timeout=10).json()
@@ -116,7 +127,7 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
 
     browser.screenshot(ARTIFACTS / "dashboard.png")
 
-    shrunk = http.post(http.url("/v1/vram"), json={"reserve_mib": [40, 36]}, timeout=30).json()
+    shrunk = admin.post(admin.url("/v1/vram"), json={"reserve_mib": [40, 36]}, timeout=30).json()
     assert shrunk["expert_slots"] != vram["expert_slots"]
     asked_s = time.monotonic()
     wait_for(lambda: matches(browser, shrunk), timeout_s=10)
@@ -128,7 +139,7 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
     assert "hand-back" in events
     browser.screenshot(ARTIFACTS / "dashboard-hand-back.png")
 
-    regrown = http.post(http.url("/v1/vram"), json={}, timeout=30).json()
+    regrown = admin.post(admin.url("/v1/vram"), json={}, timeout=30).json()
     assert regrown["expert_slots"] == vram["expert_slots"]
     wait_for(lambda: matches(browser, regrown), timeout_s=10)
     assert "regrow" in browser.evaluate("document.getElementById('vram-events').textContent")
