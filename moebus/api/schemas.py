@@ -51,7 +51,7 @@ class StreamOptions(_Body):
     def _no_obfuscation(cls, value):
         if value:
             raise RequestError("stream_options.include_obfuscation is not supported",
-                               param="stream_options.include_obfuscation")
+                               param="stream_options.include_obfuscation", code="not_supported")
         return value
 
 
@@ -181,7 +181,7 @@ class ChatRequest(_Generation):
     def _tool_choice(cls, choice):
         if choice not in (None, "auto", "none"):
             raise RequestError("tool_choice: only 'auto' and 'none' are supported (forcing a tool call needs "
-                               "constrained decoding)", param="tool_choice")
+                               "constrained decoding)", param="tool_choice", code="not_supported")
         return choice
 
     @field_validator("response_format")
@@ -189,7 +189,7 @@ class ChatRequest(_Generation):
     def _text_only(cls, fmt):
         if fmt is not None and fmt != {"type": "text"}:
             raise RequestError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
-                               "JSON modes need constrained decoding)", param="response_format")
+                               "JSON modes need constrained decoding)", param="response_format", code="not_supported")
         return fmt
 
     @property
