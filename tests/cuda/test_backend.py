@@ -8,7 +8,7 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "expert_ffn", "combine", "sample"]
+       "expert_ffn", "combine", "sample", "apply_rules", "token_logprobs"]
 
 
 def _public(cls):
