@@ -55,7 +55,7 @@ class StreamOptions(_Body):
         return value
 
 
-def _refuse_unknown(body: BaseModel, not_implemented: dict) -> None:
+def refuse_unknown(body: BaseModel, not_implemented: dict) -> None:
     """400 for the first extra field: not implemented (unless it asks for nothing) or unknown."""
     for name, value in (body.model_extra or {}).items():
         if name not in not_implemented:
@@ -203,7 +203,7 @@ class ChatRequest(_Generation):
 
     @model_validator(mode="after")
     def _check(self):
-        _refuse_unknown(self, NOT_IMPLEMENTED)
+        refuse_unknown(self, NOT_IMPLEMENTED)
         for n, message in enumerate(self.messages):
             for k, part in enumerate(message.content if isinstance(message.content, list) else []):
                 _check_part(part, f"messages.{n}.content.{k}")
@@ -254,7 +254,7 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        _refuse_unknown(self, {})
+        refuse_unknown(self, {})
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
@@ -283,51 +283,3 @@ class VramRequest(_Body):
         return [value] if isinstance(value, float | int) else value
 
 
-
-class TokenizeRequest(_Body):
-    """``POST /tokenize``: vLLM's two forms (``prompt``, or ``messages`` through the chat template
-    with ``tools`` and ``chat_template_kwargs``) and llama.cpp's ``content`` for ``prompt``."""
-
-    model: str | None = None
-    prompt: str | None = None
-    content: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-    add_special_tokens: bool = False  # prompts are fed without added special tokens: only false
-    add_special: bool = False  # llama.cpp's name of the same
-
-    @model_validator(mode="after")
-    def _check(self):
-        _refuse_unknown(self, {})
-        for name in ("add_special_tokens", "add_special"):
-            if getattr(self, name):
-                raise RequestError(f"{name}: moebus feeds prompts as they tokenize, without added special tokens",
-                                   param=name)
-        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
-            raise RequestError("give exactly one of prompt, content or messages", param="prompt")
-        chat_only = [n for n in ("tools", "chat_template_kwargs", "add_generation_prompt") if n in self.model_fields_set]
-        if self.messages is None and chat_only:
-            raise RequestError(f"{chat_only[0]} needs messages (it shapes the chat template's rendering)",
-                               param=chat_only[0])
-        return self
-
-    def broker_kwargs(self) -> dict:
-        if self.messages is None:
-            return {"prompt": self.prompt if self.prompt is not None else self.content,
-                    "token_strs": self.return_token_strs}
-        return {"messages": [m.to_broker() for m in self.messages], "token_strs": self.return_token_strs,
-                "tools": [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None,
-                "chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt}
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20)
-
-    @model_validator(mode="after")
-    def _check(self):
-        _refuse_unknown(self, {})
-        return self
