@@ -54,3 +54,25 @@ def test_usage_only_when_asked(openai_client):
     assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
     chunks = list(sampled_chat(openai_client, stream=True, stream_options={"include_usage": False}))
     assert all(c.choices for c in chunks)
+
+
+FIELD_SETS = {
+    "seeded_sampling": {"temperature": 0.9, "top_p": 0.8, "seed": 3, "extra_body": {"top_k": 20, "min_p": 0.05}},
+    "penalties_and_bias": {"temperature": 0, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+                           "logit_bias": {"60": 2.0}, "extra_body": {"repetition_penalty": 1.1}},
+    "stops": {"temperature": 0, "stop": ["e", "the"], "extra_body": {"stop_token_ids": [61]}},
+    "newer_names": {"temperature": 0, "max_completion_tokens": 5, "user": "u", "metadata": {"k": "v"}},
+    "tools_not_offered": {"temperature": 0, "tool_choice": "none",
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    "template_kwargs": {"temperature": 0, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+}
+
+
+def test_every_field_set_streams_as_it_answers_whole(openai_client):
+    for name, fields in FIELD_SETS.items():
+        args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, **fields}
+        whole = openai_client.chat.completions.create(**args)
+        chunks = list(openai_client.chat.completions.create(**args, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content, name
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason, name
