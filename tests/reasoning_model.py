@@ -21,7 +21,8 @@ QWEN3_LIKE_TEMPLATE = """
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
 {{- '# Tools\\n\\nYou may call functions. Their signatures, inside <tools></tools>:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
-{{- '\\n</tools>\\n\\nTo call one, answer a JSON object with its name and arguments inside <tool_call></tool_call>:\\n' }}
+{{- '\\n</tools>\\n\\nTo call one, answer a JSON object with its name and arguments' }}
+{{- ' inside <tool_call></tool_call>:\\n' }}
 {{- '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
@@ -81,6 +82,7 @@ def make_reasoning_model(out_dir: Path, opens_thinking: bool = False) -> Path:
     tokenizer.save(str(out / "tokenizer.json"))
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = QWEN3_LIKE_TEMPLATE.strip().replace("OPENS_THINKING", "true" if opens_thinking else "false")
+    opens = "true" if opens_thinking else "false"
+    config["chat_template"] = QWEN3_LIKE_TEMPLATE.strip().replace("OPENS_THINKING", opens)
     config_path.write_text(json.dumps(config, indent=2))
     return out

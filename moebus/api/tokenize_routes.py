@@ -38,7 +38,8 @@ class TokenizeRequest(_Body):
                                    param=name)
         if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
             raise RequestError("give exactly one of prompt, content or messages", param="prompt")
-        chat_only = [n for n in ("tools", "chat_template_kwargs", "add_generation_prompt") if n in self.model_fields_set]
+        chat_only = [n for n in ("tools", "chat_template_kwargs", "add_generation_prompt")
+                     if n in self.model_fields_set]
         if self.messages is None and chat_only:
             raise RequestError(f"{chat_only[0]} needs messages (it shapes the chat template's rendering)",
                                param=chat_only[0])

@@ -174,7 +174,8 @@ class Stage:
         if batch.logit_rules is None:
             tokens, logprobs = ops.sample(logits, temperature, top_k, top_p, u)
         else:  # penalties, bias, min_p first; the reported logprobs stay those of the raw logits
-            tokens, _ = ops.sample(ops.apply_rules(logits, temperature, batch.logit_rules), temperature, top_k, top_p, u)
+            adjusted = ops.apply_rules(logits, temperature, batch.logit_rules)
+            tokens, _ = ops.sample(adjusted, temperature, top_k, top_p, u)
             logprobs = ops.token_logprobs(logits, tokens)
         out = StageOutput(tokens=ops.to_host(tokens), logprobs=ops.to_host(logprobs))
         if want_logits or batch.top_logprobs:

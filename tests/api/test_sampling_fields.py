@@ -35,7 +35,8 @@ def complete(client, prompt, stream: bool, **kwargs):
 CASES = {
     "frequency": ({"frequency_penalty": 1.5}, {"frequency": 1.5}),
     "presence": ({"presence_penalty": 2.0}, {"presence": 2.0}),
-    "frequency_and_presence": ({"frequency_penalty": 0.7, "presence_penalty": 0.9}, {"frequency": 0.7, "presence": 0.9}),
+    "frequency_and_presence": ({"frequency_penalty": 0.7, "presence_penalty": 0.9},
+                               {"frequency": 0.7, "presence": 0.9}),
     "repetition": ({"extra_body": {"repetition_penalty": 1.8}}, {"repetition": 1.8}),
     "all": ({"frequency_penalty": 0.5, "presence_penalty": 0.5, "extra_body": {"repetition_penalty": 1.3}},
             {"frequency": 0.5, "presence": 0.5, "repetition": 1.3}),
@@ -81,7 +82,8 @@ def test_min_p_only_draws_tokens_it_allows(openai_client, oracle, prompt, stream
     def drawn(min_p) -> list[tuple[list[int], int]]:
         """(prefix, drawn id) per step; an id is told by its raw logprob, which the answer reports."""
         out = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.5, seed=11,
-                                               logprobs=1, stream=stream, extra_body={"ignore_eos": True, "min_p": min_p})
+                                               logprobs=1, stream=stream,
+                                               extra_body={"ignore_eos": True, "min_p": min_p})
         chunks = [out] if not stream else [c for c in out if c.choices and c.choices[0].logprobs]
         steps, ids = [], []
         for logprob in (lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs):
@@ -113,6 +115,6 @@ def test_chat_takes_the_same_fields(openai_client):
                 frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"60": 100},
                 extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "min_p": 0.1})
     whole = openai_client.chat.completions.create(**args)
-    streamed = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(**args, stream=True)
-                       if c.choices)
+    chunks = openai_client.chat.completions.create(**args, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.content == streamed
