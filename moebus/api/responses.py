@@ -136,7 +136,8 @@ class ChatFormatter(Formatter):
         reasoning = "".join(r for r, _, _ in pieces)
         content = "".join(c for _, c, _ in pieces)
         calls = [{k: v for k, v in call.items() if k != "index"} for _, _, cs in pieces for call in cs]
-        message = {"role": "assistant", "content": content if content or not calls else None}
+        # no content: null when the answer was all reasoning or calls (as vLLM), else the empty string
+        message = {"role": "assistant", "content": content if content or not (calls or reasoning) else None}
         if state.splitter is not None:
             message["reasoning_content"] = reasoning or None
         if calls:

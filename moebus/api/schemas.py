@@ -57,11 +57,11 @@ class StreamOptions(_Body):
     def _no_obfuscation(cls, value):
         if value:
             raise RequestError("stream_options.include_obfuscation is not supported",
-                               param="stream_options.include_obfuscation")
+                               param="stream_options.include_obfuscation", code="not_supported")
         return value
 
 
-def _refuse_unknown(body: BaseModel, not_implemented: dict) -> None:
+def refuse_unknown(body: BaseModel, not_implemented: dict) -> None:
     """400 for the first extra field: not implemented (unless it asks for nothing) or unknown."""
     for name, value in (body.model_extra or {}).items():
         if name not in not_implemented:
@@ -189,7 +189,7 @@ class ChatRequest(_Generation):
     def _tool_choice(cls, choice):
         if choice not in (None, "auto", "none"):
             raise RequestError("tool_choice: only 'auto' and 'none' are supported (forcing a tool call needs "
-                               "constrained decoding)", param="tool_choice")
+                               "constrained decoding)", param="tool_choice", code="not_supported")
         return choice
 
     @field_validator("response_format")
@@ -197,7 +197,7 @@ class ChatRequest(_Generation):
     def _text_only(cls, fmt):
         if fmt is not None and fmt != {"type": "text"}:
             raise RequestError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
-                               "JSON modes need constrained decoding)", param="response_format")
+                               "JSON modes need constrained decoding)", param="response_format", code="not_supported")
         return fmt
 
     @property
@@ -211,7 +211,7 @@ class ChatRequest(_Generation):
 
     @model_validator(mode="after")
     def _check(self):
-        _refuse_unknown(self, NOT_IMPLEMENTED)
+        refuse_unknown(self, NOT_IMPLEMENTED)
         for n, message in enumerate(self.messages):
             for k, part in enumerate(message.content if isinstance(message.content, list) else []):
                 _check_part(part, f"messages.{n}.content.{k}")
@@ -262,7 +262,7 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        _refuse_unknown(self, {})
+        refuse_unknown(self, {})
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
@@ -291,47 +291,3 @@ class VramRequest(_Body):
         return [value] if isinstance(value, float | int) else value
 
 
-
-class TokenizeRequest(_Body):
-    """``POST /tokenize``: vLLM's two forms (``prompt``, or ``messages`` through the chat template
-    with ``tools`` and ``chat_template_kwargs``) and llama.cpp's ``content`` for ``prompt``."""
-
-    model: str | None = None
-    prompt: str | None = None
-    content: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-    add_special_tokens: bool = False  # prompts are fed without added special tokens: only false
-    add_special: bool = False  # llama.cpp's name of the same
-
-    @model_validator(mode="after")
-    def _check(self):
-        _refuse_unknown(self, {})
-        for name in ("add_special_tokens", "add_special"):
-            if getattr(self, name):
-                raise RequestError(f"{name}: moebus feeds prompts as they tokenize, without added special tokens",
-                                   param=name)
-        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
-            raise RequestError("give exactly one of prompt, content or messages", param="prompt")
-        return self
-
-    def broker_kwargs(self) -> dict:
-        if self.messages is None:
-            return {"prompt": self.prompt if self.prompt is not None else self.content,
-                    "token_strs": self.return_token_strs}
-        return {"messages": [m.to_broker() for m in self.messages], "token_strs": self.return_token_strs,
-                "tools": [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None,
-                "chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt}
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20)
-
-    @model_validator(mode="after")
-    def _check(self):
-        _refuse_unknown(self, {})
-        return self

@@ -100,7 +100,10 @@ def _events(streams: list[Stream], formatter: Formatter, firsts: list, followers
         for opening in formatter.first_chunks():
             yield sse(opening)
         for index, part in _merged(firsts, followers):
-            chunk = formatter.chunk(index, part) if part is not None else formatter.last_chunk(index, streams[index].final)
+            if part is None:
+                chunk = formatter.last_chunk(index, streams[index].final)
+            else:
+                chunk = formatter.chunk(index, part)
             if chunk is not None:
                 yield sse(chunk)
         if formatter.include_usage:

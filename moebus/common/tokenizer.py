@@ -101,7 +101,8 @@ class TextTokenizer:
         extra = dict(template_kwargs or {})
         clash = sorted(RESERVED_TEMPLATE_NAMES & set(extra))
         if clash:
-            raise RequestError(f"chat_template_kwargs may not set {clash[0]!r}", param=f"chat_template_kwargs.{clash[0]}")
+            raise RequestError(f"chat_template_kwargs may not set {clash[0]!r}",
+                               param=f"chat_template_kwargs.{clash[0]}")
         return self._compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 

@@ -156,6 +156,13 @@ def exercise(rng) -> None:
     sampling.sample_cuda(f32(rows, 1000), np.ones(rows, np.float32), np.zeros(rows, np.int32),
                          np.ones(rows, np.float32), np.zeros(rows, np.float32), empty(rows, dtype=np.int32),
                          empty(rows), empty(rows, 1000))
+    from moebus.cuda import penalties
+
+    params = np.array([[0.5, 0.5, 1.2, 0.1]] * rows, np.float32)
+    offsets, ids = np.array([0, 2, 3], np.int32), np.array([1, 5, 7], np.int32)
+    penalties.apply_rules_cuda(f32(rows, 1000), np.ones(rows, np.float32), params, offsets, ids,
+                               np.array([0, 2, -1], np.int32), f32(3), empty(rows, 1000))
+    penalties.token_logprobs_cuda(f32(rows, 1000), np.array([1, 2], np.int32), empty(rows))
 
 
 def _resources(ptxas: str, ptx: str, cc) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
        "route_pairs", "expert_ffn", "combine", "sample", "layernorm", "activation", "add_bias", "vision_attention",
-       "scatter_rows"]
+       "scatter_rows", "apply_rules", "token_logprobs"]
 
 
 def _public(cls):

@@ -70,3 +70,22 @@ def test_bad_rules_are_refused_before_a_launch(ids, params, message):
     rules = LogitRules.from_lengths([params], [1], ids, [0], [0.0])
     with pytest.raises(ValueError, match=message):
         apply_rules_ref(np.zeros((1, VOCAB), np.float32), np.ones(1, np.float32), rules)
+
+
+def test_backends_agree(rng):
+    from moebus.cuda.backend import CpuBackend
+    from moebus.cuda.backend_cuda import CudaBackend
+
+    logits = (rng.standard_normal((2, VOCAB)) * 3).astype(np.float32)
+    temperature = np.array([1.0, 0.5], np.float32)
+    rules = _rules(rng, 2, [4, 3], [[0.5, 0.2, 1.4, 0.05], [0, 0, 1, 0.2]])
+    gpu, cpu = CudaBackend(), CpuBackend()
+    gpu.begin_step()
+    adjusted = gpu.apply_rules(gpu.upload(logits), gpu.upload(temperature), rules)
+    want = cpu.apply_rules(logits, temperature, rules)
+    got = gpu.to_host(adjusted)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6, atol=1e-6)
+    tokens = np.array([3, 9], np.int32)
+    np.testing.assert_allclose(gpu.to_host(gpu.token_logprobs(gpu.upload(logits), gpu.upload(tokens))),
+                               cpu.token_logprobs(logits, tokens), atol=1e-5)
