@@ -106,6 +106,11 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
              [len(g["residency"]["keys"]) for g in http.get(http.url("/v1/cache"), timeout=10).json()["gpus"]],
              timeout_s=10)
     assert "no vision" in browser.evaluate("document.getElementById('vision').textContent")
+    # once INFO carries a `vision` key (the vision worker is being built elsewhere), its fields show
+    shown_vision = browser.evaluate("""(() => { moebusDashboard.render({...moebusDashboard.last,
+        vision: {state: "running", idle_left_s: 42.5, encodes: 3}});
+        return document.getElementById('vision').textContent; })()""")
+    assert "running" in shown_vision and "stops in 42.5 s" in shown_vision and "encodes" in shown_vision
     assert browser.evaluate("document.getElementById('requests-running').textContent") == "0"
     wait_for(lambda: browser.evaluate("document.querySelector('#tok-chart polyline, #tok-chart circle') !== null"),
              timeout_s=10)

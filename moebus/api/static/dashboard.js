@@ -222,6 +222,7 @@
     }
     state.timer = setTimeout(poll, POLL_MS);
   }
+  state.render = render;  // a test can show what INFO with a vision worker would look like
   $("poll-s").textContent = (POLL_MS / 1000).toString();
   poll();
 })();
