@@ -1,5 +1,5 @@
-"""The api's Flask app factory: OpenAI-compatible routes, /v1/vram, /health, /metrics and the dashboard, all of
-them answered from the broker through one ZeroMQ client per WSGI worker process. Serve it with a
+"""The api's Flask app factory: OpenAI-compatible routes, /v1/vram, /health, /metrics and the
+dashboard, all of them answered from the broker through one ZeroMQ client per WSGI worker process. Serve it with a
 real WSGI server (moebus.api.server: gunicorn), never Flask's development server."""
 from __future__ import annotations
 

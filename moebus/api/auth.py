@@ -1,6 +1,5 @@
 """Optional API key: ``Authorization: Bearer <key>`` on every path but /health, /metrics and the
-dashboard page (its data, /v1/cache, needs the key),
-compared in constant time."""
+dashboard page (its data, /v1/cache, needs the key), compared in constant time."""
 from __future__ import annotations
 
 import hmac
