@@ -5,6 +5,7 @@ the page's poll period. Screenshots (desk, after a hand-back, phone) go to tests
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,12 @@ def browser(tmp_path_factory):
         yield b
     finally:
         b.close()
+
+
+def http_post_chat(base_url: str, body: dict) -> None:
+    reply = requests.post(base_url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
 
 
 def shown(browser: Browser) -> list[dict]:
@@ -112,6 +119,15 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
         return document.getElementById('vision').textContent; })()""")
     assert "running" in shown_vision and "stops in 42.5 s" in shown_vision and "encodes" in shown_vision
     assert browser.evaluate("document.getElementById('requests-running').textContent") == "0"
+    long_chat = threading.Thread(target=http_post_chat, args=(demo_service.base_url, dict(chat, max_tokens=160)))
+    long_chat.start()  # a request running while the page polls
+    try:
+        wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "1",
+                 timeout_s=10)
+    finally:
+        long_chat.join(timeout=60)
+    wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "0",
+             timeout_s=10)
     wait_for(lambda: browser.evaluate("document.querySelector('#tok-chart polyline, #tok-chart circle') !== null"),
              timeout_s=10)
     # the workers' hit counters reach the broker with the next INFO, one round after the tokens
