@@ -144,6 +144,7 @@
     $("tok-s-now").textContent = recent.seconds > 0 ? (recent.tokens / recent.seconds).toFixed(1) : "–";
     $("hit-rate-now").textContent = recent.lookups > 0 ? pct(recent.hits / recent.lookups) : "–";
     const mins = Math.round((d.window_s || 600) / 60);
+    for (const label of document.querySelectorAll(".axis-start")) label.textContent = `−${mins} min`;
     $("tok-s-range").textContent = `last ${mins} min · peak ${tokMax.toFixed(1)}`;
     $("hit-rate-range").textContent = `last ${mins} min · 0–100 %`;
   }
