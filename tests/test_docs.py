@@ -166,12 +166,12 @@ def test_every_cli_command_and_flag_is_on_the_readme_command_lines():
     lines = readme_command_lines()
     problems = []
     for command, flags in sorted(cli_flags().items()):
-        own = [line for line in lines if re.match(rf"moebus ({command}\b|.*\| *{command}\b)", line)]
+        own = [line for line in lines if re.match(rf"moebus {re.escape(command)}(\s|$)", line)]
         if not own:
             problems.append(f"README.md: no command line for `moebus {command}`")
             continue
         for flag in sorted(flags):
-            if not any(re.search(rf"{re.escape(flag)}\b", line) for line in own):
+            if not any(re.search(rf"{re.escape(flag)}(?![\w-])", line) for line in own):
                 problems.append(f"README.md: `moebus {command} {flag}`")
     if problems:
         pytest.fail(report(problems), pytrace=False)
