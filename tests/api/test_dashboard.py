@@ -81,6 +81,27 @@ def matches(browser: Browser, vram: dict) -> bool:
         cards[i][f] == as_text(vram[f][i]) for i in range(len(cards)) for f in FIELDS)
 
 
+def check_vision_and_queue(browser: Browser, base_url: str, chat: dict) -> None:
+    """'no vision' (this service has none); the fields once INFO carries a ``vision`` key (the
+    vision worker is being built elsewhere: its INFO is rendered here by the page's own code); a
+    running request shows while it runs."""
+    assert "no vision" in browser.evaluate("document.getElementById('vision').textContent")
+    shown_vision = browser.evaluate("""(() => { moebusDashboard.render({...moebusDashboard.last,
+        vision: {state: "running", idle_left_s: 42.5, encodes: 3}});
+        return document.getElementById('vision').textContent; })()""")
+    assert "running" in shown_vision and "stops in 42.5 s" in shown_vision and "encodes" in shown_vision
+    assert browser.evaluate("document.getElementById('requests-running').textContent") == "0"
+    long_chat = threading.Thread(target=http_post_chat, args=(base_url, dict(chat, max_tokens=160)))
+    long_chat.start()  # a request running while the page polls
+    try:
+        wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "1",
+                 timeout_s=10)
+    finally:
+        long_chat.join(timeout=60)
+    wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "0",
+             timeout_s=10)
+
+
 def test_page_and_data_routes(demo_service, http):
     root = requests.get(demo_service.base_url + "/", allow_redirects=False, timeout=10)
     assert root.status_code == 302 and root.headers["Location"].endswith("/dashboard")
@@ -102,6 +123,7 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
 
     vram = http.get(http.url("/v1/vram"), timeout=30).json()
     wait_for(lambda: matches(browser, vram), timeout_s=20)
+
     def residency_reported():
         cache = http.get(http.url("/v1/cache"), timeout=10).json()
         return all(g["residency"] and g["resident_experts"] for g in cache["gpus"]) and cache
@@ -112,22 +134,7 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
     wait_for(lambda: [c["resident"] for c in shown(browser)] ==
              [len(g["residency"]["keys"]) for g in http.get(http.url("/v1/cache"), timeout=10).json()["gpus"]],
              timeout_s=10)
-    assert "no vision" in browser.evaluate("document.getElementById('vision').textContent")
-    # once INFO carries a `vision` key (the vision worker is being built elsewhere), its fields show
-    shown_vision = browser.evaluate("""(() => { moebusDashboard.render({...moebusDashboard.last,
-        vision: {state: "running", idle_left_s: 42.5, encodes: 3}});
-        return document.getElementById('vision').textContent; })()""")
-    assert "running" in shown_vision and "stops in 42.5 s" in shown_vision and "encodes" in shown_vision
-    assert browser.evaluate("document.getElementById('requests-running').textContent") == "0"
-    long_chat = threading.Thread(target=http_post_chat, args=(demo_service.base_url, dict(chat, max_tokens=160)))
-    long_chat.start()  # a request running while the page polls
-    try:
-        wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "1",
-                 timeout_s=10)
-    finally:
-        long_chat.join(timeout=60)
-    wait_for(lambda: browser.evaluate("document.getElementById('requests-running').textContent") == "0",
-             timeout_s=10)
+    check_vision_and_queue(browser, demo_service.base_url, chat)
     wait_for(lambda: browser.evaluate("document.querySelector('#tok-chart polyline, #tok-chart circle') !== null"),
              timeout_s=10)
     # the workers' hit counters reach the broker with the next INFO, one round after the tokens
