@@ -50,11 +50,9 @@ def alive(pid: int) -> bool:
 class Service:
     """``moebus serve`` (or ``broker``) as a subprocess with its own config file."""
 
-    def __init__(self, tmp: Path, model: Path | None, command: str = "serve", env: dict | None = None,
-                 launcher: list[str] | None = None, **settings):
+    def __init__(self, tmp: Path, model: Path | None, command: str = "serve", env: dict | None = None, **settings):
         """``model`` None: the embedded demo model. ``settings`` override the defaults below; the
-        ``api`` and ``broker`` sections are merged key by key. ``env``: extra environment.
-        ``launcher``: the moebus command (default: this interpreter's ``-m moebus.cli``)."""
+        ``api`` and ``broker`` sections are merged key by key. ``env``: extra environment."""
         self.http_port = free_port()
         self.zmq_port = free_port()
         api = {"port": self.http_port, **settings.pop("api", {})}
@@ -66,8 +64,7 @@ class Service:
         self.log = open(tmp / f"moebus-{self.http_port}.log", "w+")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("NUMBA_ENABLE_CUDASIM", None)
-        launcher = launcher or [sys.executable, "-m", "moebus.cli"]
-        self.proc = subprocess.Popen([*launcher, command, "--config", str(self.config_file)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", command, "--config", str(self.config_file)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.zmq_address = f"tcp://127.0.0.1:{self.zmq_port}"
         self.base_url = f"http://127.0.0.1:{self.http_port}"

@@ -7,6 +7,7 @@ import time
 from collections import deque
 
 WINDOW_S = 600.0  # how far back the rates go
+MIN_INTERVAL_S = 1.5  # an INFO round asked early (after a resize) adds no point: short intervals are noise
 MAX_EVENTS = 64
 
 
@@ -30,12 +31,14 @@ class History:
     def sample(self, tokens_total: int, gpus: list[dict], now_s: float | None = None) -> None:
         """One point: the broker's generated-token counter and the workers' last INFO (hits, misses)."""
         now_s = time.time() if now_s is None else now_s
-        self.samples.append((now_s, tokens_total, _summed(gpus, "hits"), _summed(gpus, "misses")))
-        while self.samples and self.samples[0][0] < now_s - self.window_s:
-            self.samples.popleft()
         sizes = [g.get("expert_cache_mib") for g in gpus]
         if all(isinstance(s, int | float) for s in sizes):
             self.cache_mib = [float(s) for s in sizes]
+        if self.samples and now_s - self.samples[-1][0] < MIN_INTERVAL_S:
+            return
+        self.samples.append((now_s, tokens_total, _summed(gpus, "hits"), _summed(gpus, "misses")))
+        while self.samples and self.samples[0][0] < now_s - self.window_s:
+            self.samples.popleft()
 
     def vram_reply(self, reserves: list, reply, query: bool = False, now_s: float | None = None) -> None:
         """A VRAM request that every worker answered: ``reserves`` as requested (None: start-up

@@ -75,7 +75,7 @@ class ExpertCache:
         self.pinned: set[int] = set()
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
-        self.key_hits: dict[int, int] = {}  # hits of each resident key since it was admitted
+        self.key_hits: dict[int, int] = {}  # hits of resident keys since their admission (the dashboard's map)
 
     @property
     def array(self):
@@ -132,7 +132,7 @@ class ExpertCache:
                 self.pinned.add(slot)
                 self.policy.touch(key)
                 self.hits += 1
-                self.key_hits[key] += 1
+                self.key_hits[key] = self.key_hits.get(key, 0) + 1
         for i, key in enumerate(keys):
             if key in self.key_slot:
                 continue
@@ -163,7 +163,6 @@ class ExpertCache:
     def _assign(self, slot: int, key: int, visible: bool = True) -> None:
         self.slot_key[slot] = key
         self.key_slot[key] = slot
-        self.key_hits[key] = 0
         self.policy.insert(key)
         if visible:
             self._place(key, slot)
@@ -174,7 +173,7 @@ class ExpertCache:
         key = int(self.slot_key[slot])
         self.slot_key[slot] = EMPTY
         del self.key_slot[key]
-        del self.key_hits[key]
+        self.key_hits.pop(key, None)  # an expert admitted again counts its hits anew
         self.policy.remove(key)
         self.pending.pop(key, None)
         self._place(key, host_placement(key))
@@ -346,4 +345,4 @@ class ExpertCache:
         indexes ``layers``), ``hits`` the hit count of each, in the same order."""
         keys = sorted(self.key_slot)
         return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
-                "keys": keys, "hits": [self.key_hits[k] for k in keys]}
+                "keys": keys, "hits": [self.key_hits.get(k, 0) for k in keys]}

@@ -17,6 +17,7 @@ def test_rates_per_interval_and_a_window_that_forgets():
     r = h.rates()
     assert r["t_s"] == [102.0, 104.0, 106.0]
     assert r["tok_s"] == [10.0, 0.0, 5.0] and r["hit_rate"] == [0.8, None, None]
+    h.sample(99, _gpus([9, 9], [0, 0], [40, 40]), now_s=106.5)  # too soon after the last one: no point
     h.sample(30, _gpus([1, 0], [0, 0], [40, 40]), now_s=113.0)
     assert h.rates()["t_s"] == [106.0, 113.0]  # samples older than the window are gone
 

@@ -1,38 +1,85 @@
-"""What ``make serve`` does on a fresh clone: install the runtime dependencies only (a fresh venv,
-no torch, no transformers), then ``moebus serve`` without a model serves the embedded demo model,
-made on first use into MOEBUS_CACHE_DIR (a fresh directory here)."""
+"""`make serve` as a new user runs it, into a fresh venv: it installs the runtime dependencies only
+(no torch, no transformers, no test tools), then `moebus serve` without a model serves the embedded
+demo model, made on first use into MOEBUS_CACHE_DIR (a fresh directory here), and answers a chat."""
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import openai
+import requests
 
-from tests.service import Service
+from moebus.client import Client
+from tests.service import alive, free_port, process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_ONLY = {"torch", "transformers", "pytest", "hypothesis", "openai"}
 
 
-def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path):
-    venv = tmp_path / "venv"
-    # the install half of `make serve` (the other half, `$(BIN)/moebus serve`, is launched below)
-    subprocess.run(["make", "-s", "-C", str(ROOT), "install", f"VENV={venv}"], check=True, timeout=600,
-                   capture_output=True)
-    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json"], check=True,
-                            capture_output=True, text=True).stdout
-    installed = {p["name"].lower() for p in json.loads(listed)}
-    assert "moebus" in installed and not installed & TEST_ONLY, installed & TEST_ONLY
-
-    svc = Service(tmp_path, None, env={"MOEBUS_CACHE_DIR": str(tmp_path / "cache")},
-                  launcher=[str(venv / "bin" / "moebus")])
+def _wait_ready(proc, zmq_address: str, base_url: str, log: Path, timeout_s: float) -> None:
+    client = Client(zmq_address)
     try:
-        svc.wait_ready(timeout_s=180)
-        client = openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
-                                             max_tokens=8)
+        deadline = time.monotonic() + timeout_s
+        while not (client.ping(timeout_s=0.5) and _healthy(base_url)):
+            assert proc.poll() is None, f"make serve exited with {proc.returncode}:\n{log.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"not ready in {timeout_s} s:\n{log.read_text()[-6000:]}"
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return requests.get(base_url + "/health", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _stop_group(proc) -> list[int]:
+    """SIGTERM to make and what it started (one process group, as a terminal's Ctrl-C would reach
+    them); returns the pids still alive afterwards."""
+    tree = process_tree(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in tree):
+        time.sleep(0.1)
+    left = [p for p in tree if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path):
+    venv, http_port, zmq_port = tmp_path / "venv", free_port(), free_port()
+    config = tmp_path / "moebus.json"  # only the ports differ from what a plain `make serve` uses
+    config.write_text(json.dumps({"api": {"port": http_port}, "broker": {"frontend": f"tcp://127.0.0.1:{zmq_port}",
+                                                                         "drain_s": 2.0}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NUMBA_ENABLE_CUDASIM", "MOEBUS_CONFIG")}
+    env.update(MOEBUS_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    log = tmp_path / "make-serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["make", "-s", "-C", str(ROOT), "serve", f"VENV={venv}", f"ARGS=--config {config}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{http_port}"
+        _wait_ready(proc, f"tcp://127.0.0.1:{zmq_port}", base_url, log, timeout_s=600)
+        listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json"], check=True,
+                                capture_output=True, text=True, env=env).stdout
+        installed = {p["name"].lower() for p in json.loads(listed)}
+        assert "moebus" in installed and not installed & TEST_ONLY, installed & TEST_ONLY
+
+        with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            model = client.models.list().data[0].id
+            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
+                                                 max_tokens=8)
         assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
         assert (tmp_path / "cache" / model / "config.json").is_file()
-        client.close()
     finally:
-        assert svc.stop() == []
+        assert _stop_group(proc) == []

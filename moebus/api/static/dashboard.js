@@ -144,6 +144,7 @@
     $("tok-s-now").textContent = recent.seconds > 0 ? (recent.tokens / recent.seconds).toFixed(1) : "–";
     $("hit-rate-now").textContent = recent.lookups > 0 ? pct(recent.hits / recent.lookups) : "–";
     const mins = Math.round((d.window_s || 600) / 60);
+    for (const label of document.querySelectorAll(".axis-start")) label.textContent = `−${mins} min`;
     $("tok-s-range").textContent = `last ${mins} min · peak ${tokMax.toFixed(1)}`;
     $("hit-rate-range").textContent = `last ${mins} min · 0–100 %`;
   }
@@ -222,6 +223,7 @@
     }
     state.timer = setTimeout(poll, POLL_MS);
   }
+  state.render = render;  // a test can show what INFO with a vision worker would look like
   $("poll-s").textContent = (POLL_MS / 1000).toString();
   poll();
 })();
