@@ -371,6 +371,8 @@ class Broker:
             for seq in self.inflight.plan.seqs:
                 self._fail(seq, f"gpu{worker.gpu} failed the step: {msg.message}", status=500)
             self.inflight = None
+        if msg.step_id is None:  # not a step: whatever it was, this worker will not answer it otherwise
+            self.vram.on_lost(worker.gpu, msg.message)
         if msg.fatal:
             self._lose(worker, f"gpu{worker.gpu} reported a fatal device error")
 
