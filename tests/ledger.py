@@ -12,7 +12,7 @@ from moebus.common import wire
 from moebus.common.errors import RequestError
 from moebus.common.protocol import Error, Final
 
-LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+LONG = {"max_tokens": 240, "temperature": 0, "ignore_eos": True}
 
 
 class LedgerClient(Client):
