@@ -98,6 +98,8 @@ class Stage:
         ops.begin_step()
         if int((batch.starts + batch.lengths).max()) > self.max_context:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
+        if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.kv.num_slots:
+            raise ValueError(f"a KV slot outside [0, {self.kv.num_slots})")
         token_slot = ops.upload(batch.token_slots())
         token_pos = ops.upload(batch.token_positions())
         if self.is_first:
