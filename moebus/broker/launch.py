@@ -40,6 +40,10 @@ def layer_ranges(settings, num_layers: int, device: str) -> list[range]:
 
 
 def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) -> int:
+    if serve_api:  # refuse now, not by restarting an api that exits at once
+        from moebus.api.auth import check_exposure
+
+        check_exposure(settings.api)
     model_dir = str(Path(settings.model).resolve()) if settings.model else str(demo_model_dir())
     device = resolve_device(settings.device)
     config = load_config(model_dir)
