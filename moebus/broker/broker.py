@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from moebus.broker.stats import Stats
 from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vram import per_gpu_reserves
 from moebus.broker.vram_control import VramControl, check_not_elastic
-from moebus.broker.worker_pool import WorkerPool, WorkerState
+from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
@@ -37,6 +38,13 @@ POLL_MS = 50
 INFO_EVERY_S = 2.0
 MAX_DRAIN = 256  # messages handled per socket per loop turn, so neither side starves the other
 FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
+
+
+def finite_logprob(value) -> float:
+    """A logprob fit for JSON: -inf (a token the sampler could not have drawn) and NaN become -9999,
+    OpenAI's figure for "as unlikely as it gets"."""
+    value = float(value)
+    return value if math.isfinite(value) else -9999.0
 
 
 @dataclass
@@ -337,17 +345,8 @@ class Broker:
             worker.info = msg.stats
         # Heartbeat: last_seen_s is all it carries
 
-    def _refuse_ready(self, worker: WorkerState, msg: Ready) -> str | None:
-        """Why this READY cannot serve this stage (a remote worker of another model or other limits)."""
-        expected = {"layers": (worker.layers.start, worker.layers.stop), "model": self.model_name,
-                    "max_batch": self.settings.max_batch, "max_context": self.settings.max_context}
-        got = {"layers": tuple(msg.layers), "model": msg.model, "max_batch": msg.max_batch,
-               "max_context": msg.max_context}
-        wrong = [f"{k} {got[k]!r} (expected {v!r})" for k, v in expected.items() if got[k] != v]
-        return ", ".join(wrong) or None
-
     def _on_ready(self, worker: WorkerState, msg: Ready) -> None:
-        wrong = self._refuse_ready(worker, msg)
+        wrong = ready_mismatch(worker, msg, self.model_name, self.settings.max_batch, self.settings.max_context)
         if wrong:
             log.error("gpu%d registered with %s; telling it to shut down", worker.gpu, wrong)
             transport.send(self.backend, Shutdown(), worker.identity, flags=zmq.NOBLOCK)
@@ -472,6 +471,10 @@ class Broker:
             self._send_step(msg.hidden)
             return
         self.inflight = None
+        if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
+            self.inflight = step
+            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence")
+            return
         now = time.monotonic()
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
@@ -479,7 +482,7 @@ class Broker:
         self.scheduler.advance(step.plan)
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:
-                self._emit(seq, int(msg.tokens[i]), float(msg.logprobs[i]), msg, i, now)
+                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, i, now)
 
     def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int, now: float) -> None:
         previous_s = seq.last_token_s
@@ -493,7 +496,7 @@ class Broker:
         top = texts = top_texts = None
         if seq.sampling.logprobs and msg.top_ids is not None:
             n = seq.sampling.logprobs
-            top = [[(int(t), float(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
+            top = [[(int(t), finite_logprob(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
             texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]
         self._reply(seq.client, Partial(id=seq.id, tokens=[token], text=text, logprobs=[logprob], top_logprobs=top,
                                         token_texts=texts, top_texts=top_texts))

@@ -76,3 +76,26 @@ def test_a_vram_request_without_a_reply_is_answered_by_its_deadline(broker_with_
     assert "gpu1" in reply["error"] and "Vram" in peer.received
     out = client.info()
     assert out["gpus"][1]["ready"] is False
+
+
+@pytest.mark.parametrize("field,value", [("model", "another-model"), ("max_context", 99999), ("max_batch", 64),
+                                         ("layers", (1, 4))])
+def test_a_remote_ready_that_does_not_match_the_broker_is_told_to_shut_down(tmp_path, tiny_model, field, value):
+    backend = f"tcp://127.0.0.1:{free_port()}"
+    svc = Service(tmp_path, tiny_model, command="broker", broker={"backend": backend, "remote_gpus": [1]})
+    try:
+        ready = Ready(gpu=1, generation="g", layers=(2, 4), device="cpu", model=tiny_model.name, max_batch=8,
+                      max_context=svc.config["max_context"]).model_copy(update={field: value})
+        sock = transport.make_socket(zmq.Context.instance(), zmq.DEALER, identity=b"gpu1")
+        sock.connect(backend)
+        deadline = time.monotonic() + 60
+        while not sock.poll(500):  # the broker binds once its model is loaded
+            transport.send(sock, ready)
+            assert time.monotonic() < deadline
+        assert type(wire.decode(sock.recv_multipart())).__name__ == "Shutdown"
+        sock.close()
+        client = Client(svc.zmq_address)
+        assert client.info()["gpus"][1]["ready"] is False
+        client.close()
+    finally:
+        assert svc.stop() == []
