@@ -209,6 +209,7 @@ class Broker:
         for seq in self._requests_of({client}):
             self.scheduler.remove(seq)
             self.stats.count("requests_cancelled_total")
+        self.cancelled_while_tokenizing.update(i for i, c in self.tokenize.pending.items() if c == client)
         self.clients.last_seen_s.pop(client, None)
 
     def _requests_of(self, clients: set[bytes]) -> list[Sequence]:
