@@ -37,6 +37,7 @@ log = logging.getLogger("moebus.broker")
 POLL_MS = 50
 INFO_EVERY_S = 2.0
 MAX_DRAIN = 256  # messages handled per socket per loop turn, so neither side starves the other
+MAX_QUICK_EXITS = 5  # of a supervised child (the api) before serve gives up and exits non-zero
 FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
 
 
@@ -90,6 +91,7 @@ class Broker:
         self.cancelled_while_tokenizing: set[str] = set()
         self.step_ids = itertools.count(1)
         self.last_turn_s = time.monotonic()
+        self.exit_status = 0
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
 
@@ -120,7 +122,7 @@ class Broker:
                 self._guarded("dispatch", self._dispatch, now, aborts_step=True)
         finally:
             self._shutdown()
-        return 0
+        return self.exit_status
 
     def _guarded(self, what: str, fn, *args, default=None, aborts_step: bool = False):
         """Run one phase of the loop; a bug in it fails the requests it concerns, never the loop."""
@@ -406,7 +408,11 @@ class Broker:
         self._cancel_vanished(now)
         for child in self.children:
             status = child.exited()
-            if status is not None:
+            if status is not None and child.quick_exits >= MAX_QUICK_EXITS and self.stopping_since is None:
+                # an api that cannot start (port taken, bad settings) must not leave a half-alive serve
+                log.error("%s exited %d times in a row right after starting; stopping", child.name, child.quick_exits)
+                self.exit_status, self.stopping_since = 1, time.monotonic() - self.settings.broker.drain_s
+            elif status is not None:
                 log.error("%s exited with status %s; restarting", child.name, status)
         if self.stopping_since is None:
             self.stats.count("worker_restarts_total", self.pool.restart_dead())

@@ -112,3 +112,20 @@ def test_serve_refuses_a_public_http_address_without_an_api_key(tmp_path, tiny_m
                          text=True, timeout=60)
     assert out.returncode == 2 and "api.api_key" in out.stderr
     pytest.importorskip("waitress")
+
+
+def test_serve_whose_api_cannot_start_exits_non_zero(tmp_path, tiny_model):
+    """No half-alive service: an api that keeps exiting right after its start (its port is taken)
+    ends serve with a non-zero status instead of a broker serving nobody over HTTP."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    svc = Service(tmp_path, tiny_model, api={"port": taken.getsockname()[1]})
+    try:
+        svc.proc.wait(timeout=120)
+        assert svc.proc.returncode == 1, svc.logs()
+    finally:
+        taken.close()
+        assert svc.stop() == []
