@@ -23,6 +23,7 @@ import uuid
 
 import numpy as np
 import zmq
+from pydantic import ValidationError
 
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
@@ -132,7 +133,7 @@ class Stream:
 class Client:
     def __init__(self, address: str, timeout_s: float = 600.0, server_key: str | None = None,
                  heartbeat_s: float = 1.0, dead_after_s: float = 5.0, keys: tuple[str, str] | None = None,
-                 curve: bool | None = None):
+                 curve: bool | None = None, max_message_bytes: int | None = None):
         """``server_key``: the broker's public CURVE key, needed for a non-loopback tcp address;
         ``keys``: this client's (public, secret) CURVE pair, when the broker allow-lists clients."""
         self.address = address
@@ -140,6 +141,7 @@ class Client:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.max_message_bytes = max_message_bytes  # the broker's max_request_bytes, when known
         self.is_up = True  # until the broker is found dead or silent (read without the lock: a flag)
         self.down_reason = ""
         self._ctx = zmq.Context.instance()
@@ -174,7 +176,11 @@ class Client:
                            sampling=Sampling(**sampling), images=frames, tools=tools,
                            chat_template_kwargs=chat_template_kwargs)
         self._register(request_id, replies := Replies())
-        self._send(message)
+        try:
+            self._send(message)
+        except RequestError:
+            self._forget(request_id)
+            raise
         return Stream(self, request_id, replies, self.timeout_s)
 
     def chat(self, messages: list[dict], **sampling) -> Stream:
@@ -204,7 +210,11 @@ class Client:
 
     def vram(self, reserve_mib: list[float] | None = None, query: bool = False) -> dict:
         """Apply per-GPU reserves (None: back to start-up sizes) or, with query, only report."""
-        reply = self._call(Vram(reserve_mib=reserve_mib, query=query), VramReply)
+        try:
+            message = Vram(reserve_mib=reserve_mib, query=query)
+        except ValidationError as e:
+            raise RequestError(f"reserve_mib: {e.errors()[0]['msg']}", param="reserve_mib") from None
+        reply = self._call(message, VramReply)
         return reply.model_dump(exclude={"id", "error"} if reply.error is None else {"id"})
 
     def close(self) -> None:
@@ -249,7 +259,15 @@ class Client:
             push.connect(self._inproc)
             with self._lock:
                 self._pushes.append(push)
-        transport.send(push, message)
+        frames = wire.encode(message)
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self.max_message_bytes and size > self.max_message_bytes:
+            # ZeroMQ would drop the message *and the connection*, failing every other request on it
+            err = RequestError(f"the request is {size} bytes; the broker takes at most {self.max_message_bytes} "
+                               "(max_request_bytes)", code="request_too_large")
+            err.http_status = 413
+            raise err
+        push.send_multipart(frames, copy=False)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

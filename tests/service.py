@@ -96,7 +96,7 @@ class Service:
         return self.log.read()[-8000:]
 
     def worker_pids(self) -> list[int]:
-        return [p for p in process_tree(self.proc.pid) if b"worker" in _cmdline(p)]
+        return [p for p in process_tree(self.proc.pid) if b"moebus.cli\0worker\0" in _cmdline(p)]
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 30) -> list[int]:
         """Stop the service; returns the pids of its tree that are still alive afterwards."""

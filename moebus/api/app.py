@@ -20,7 +20,7 @@ def create_app(settings=None) -> Flask:
     app = Flask("moebus.api")
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
     app.json.sort_keys = False
-    app.extensions["moebus"] = BrokerLink(settings.broker)
+    app.extensions["moebus"] = BrokerLink(settings.broker, settings.max_request_bytes)
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
     require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)

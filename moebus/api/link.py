@@ -24,8 +24,10 @@ def connect_address(frontend: str) -> str:
 
 
 class BrokerLink:
-    def __init__(self, broker):
-        """``broker``: the broker section of the settings (frontend address, CURVE keys, heartbeat)."""
+    def __init__(self, broker, max_message_bytes: int | None = None):
+        """``broker``: the broker section of the settings (frontend address, CURVE keys, heartbeat);
+        ``max_message_bytes``: the broker's max_request_bytes (larger requests are a 413 here)."""
+        self.max_message_bytes = max_message_bytes
         self.address = connect_address(broker.frontend)
         self.server_key = broker.curve_public_key
         self.keys = transport.client_keys(broker)
@@ -41,7 +43,7 @@ class BrokerLink:
         with self._lock:
             if self._client is None or self._pid != os.getpid():  # a forked copy must not share sockets
                 client = Client(self.address, server_key=self.server_key, heartbeat_s=self.heartbeat_s, keys=self.keys,
-                                curve=self.curve)
+                                curve=self.curve, max_message_bytes=self.max_message_bytes)
                 self._client, self._pid, self._model = client, os.getpid(), None
             return self._client
 

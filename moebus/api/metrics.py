@@ -27,6 +27,8 @@ HELP = {
     "invalid_messages_total": "Undecodable or unexpected ZeroMQ messages.",
     "worker_restarts_total": "GPU worker restarts.",
     "steps_total": "Forward steps through all stages.",
+    "internal_errors_total": "Bugs caught by the broker loop (each failed only the requests it concerned).",
+    "undeliverable_replies_total": "Replies a client could not take (gone or not reading); its requests were cancelled.",
     "time_to_first_token_seconds": "From arrival to the first generated token.",
     "inter_token_latency_seconds": "Between two tokens of one request.",
     "e2e_request_latency_seconds": "From arrival to the end of a request.",

@@ -4,6 +4,8 @@ decode   tokens/s of the demo (or --model) model in-process and through broker +
          and the broker's added latency per step
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)
 vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in bandwidth
+soak     a serve under mixed load (cancels, VRAM resizes, bad requests) for minutes: RSS/VRAM per
+         process over time, flat against a deliberately leaking negative control
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ def run_bench(what: str, argv: list[str]) -> int:
         from moebus.cuda.bench_kernels import main
     elif what == "vram":
         from moebus.bench.vram import main
+    elif what == "soak":
+        from moebus.bench.soak import main
     else:
         print(__doc__)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from moebus.broker.vision import VisionHooks
 from moebus.broker.vision_requests import ImageRequest, step_embeds
 from moebus.broker.vram import per_gpu_reserves
 from moebus.broker.vram_control import VramControl, check_not_elastic
-from moebus.broker.worker_pool import WorkerPool, WorkerState
+from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
@@ -41,7 +42,15 @@ log = logging.getLogger("moebus.broker")
 POLL_MS = 50
 INFO_EVERY_S = 2.0
 MAX_DRAIN = 256  # messages handled per socket per loop turn, so neither side starves the other
+MAX_QUICK_EXITS = 5  # of a supervised child (the api) before serve gives up and exits non-zero
 FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
+
+
+def finite_logprob(value) -> float:
+    """A logprob fit for JSON: -inf (a token the sampler could not have drawn) and NaN become -9999,
+    OpenAI's figure for "as unlikely as it gets"."""
+    value = float(value)
+    return value if math.isfinite(value) else -9999.0
 
 
 @dataclass
@@ -93,6 +102,7 @@ class Broker:
         self.cancelled_while_tokenizing: set[str] = set()
         self.step_ids = itertools.count(1)
         self.last_turn_s = time.monotonic()
+        self.exit_status = 0
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
         self.vision = vision(self._vision_hooks(), self.stats) if vision else None
@@ -126,7 +136,7 @@ class Broker:
                 self._guarded("dispatch", self._dispatch, now, aborts_step=True)
         finally:
             self._shutdown()
-        return 0
+        return self.exit_status
 
     def _guarded(self, what: str, fn, *args, default=None, aborts_step: bool = False):
         """Run one phase of the loop; a bug in it fails the requests it concerns, never the loop."""
@@ -217,6 +227,7 @@ class Broker:
         for seq in self._requests_of({client}):
             self.scheduler.remove(seq)
             self.stats.count("requests_cancelled_total")
+        self.cancelled_while_tokenizing.update(i for i, c in self.tokenize.pending.items() if c == client)
         self.clients.last_seen_s.pop(client, None)
 
     def _requests_of(self, clients: set[bytes]) -> list[Sequence]:
@@ -385,17 +396,8 @@ class Broker:
             worker.info = msg.stats
         # Heartbeat: last_seen_s is all it carries
 
-    def _refuse_ready(self, worker: WorkerState, msg: Ready) -> str | None:
-        """Why this READY cannot serve this stage (a remote worker of another model or other limits)."""
-        expected = {"layers": (worker.layers.start, worker.layers.stop), "model": self.model_name,
-                    "max_batch": self.settings.max_batch, "max_context": self.settings.max_context}
-        got = {"layers": tuple(msg.layers), "model": msg.model, "max_batch": msg.max_batch,
-               "max_context": msg.max_context}
-        wrong = [f"{k} {got[k]!r} (expected {v!r})" for k, v in expected.items() if got[k] != v]
-        return ", ".join(wrong) or None
-
     def _on_ready(self, worker: WorkerState, msg: Ready) -> None:
-        wrong = self._refuse_ready(worker, msg)
+        wrong = ready_mismatch(worker, msg, self.model_name, self.settings.max_batch, self.settings.max_context)
         if wrong:
             log.error("gpu%d registered with %s; telling it to shut down", worker.gpu, wrong)
             transport.send(self.backend, Shutdown(), worker.identity, flags=zmq.NOBLOCK)
@@ -419,6 +421,8 @@ class Broker:
             for seq in self.inflight.plan.seqs:
                 self._fail(seq, f"gpu{worker.gpu} failed the step: {msg.message}", status=500)
             self.inflight = None
+        if msg.step_id is None:  # not a step: whatever it was, this worker will not answer it otherwise
+            self.vram.on_lost(worker.gpu, msg.message)
         if msg.fatal:
             self._lose(worker, f"gpu{worker.gpu} reported a fatal device error")
 
@@ -467,7 +471,11 @@ class Broker:
         self._cancel_vanished(now)
         for child in self.children:
             status = child.exited()
-            if status is not None:
+            if status is not None and child.quick_exits >= MAX_QUICK_EXITS and self.stopping_since is None:
+                # an api that cannot start (port taken, bad settings) must not leave a half-alive serve
+                log.error("%s exited %d times in a row right after starting; stopping", child.name, child.quick_exits)
+                self.exit_status, self.stopping_since = 1, time.monotonic() - self.settings.broker.drain_s
+            elif status is not None:
                 log.error("%s exited with status %s; restarting", child.name, status)
         if self.stopping_since is None and self.vision:
             self.vision.tick(now)
@@ -540,6 +548,10 @@ class Broker:
             self._send_step(msg.hidden)
             return
         self.inflight = None
+        if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
+            self.inflight = step
+            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence")
+            return
         now = time.monotonic()
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
@@ -547,7 +559,7 @@ class Broker:
         self.scheduler.advance(step.plan)
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:
-                self._emit(seq, int(msg.tokens[i]), float(msg.logprobs[i]), msg, i, now)
+                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, i, now)
 
     def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int, now: float) -> None:
         previous_s = seq.last_token_s
@@ -561,7 +573,7 @@ class Broker:
         top = texts = top_texts = None
         if seq.sampling.logprobs and msg.top_ids is not None:
             n = seq.sampling.logprobs
-            top = [[(int(t), float(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
+            top = [[(int(t), finite_logprob(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
             texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]
         self._reply(seq.client, Partial(id=seq.id, tokens=[token], text=text, logprobs=[logprob], top_logprobs=top,
                                         token_texts=texts, top_texts=top_texts,

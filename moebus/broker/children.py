@@ -33,6 +33,7 @@ class Child:
         self.next_start_s = 0.0
         self.backoff_s = 0.5
         self.restarts = 0
+        self.quick_exits = 0  # exits within 30 s of their start, in a row
 
     def start(self) -> None:
         env = dict(os.environ, **(self.env or {}))
@@ -53,6 +54,7 @@ class Child:
             return None
         status, self.proc = self.proc.returncode, None
         quick = time.monotonic() - self.started_s < 30
+        self.quick_exits = self.quick_exits + 1 if quick else 0
         self.backoff_s = min(self.backoff_s * 2, 10.0) if quick else 0.5
         self.next_start_s = time.monotonic() + self.backoff_s
         return status

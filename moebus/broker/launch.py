@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import zmq
+
 from moebus.broker.broker import Broker
 from moebus.broker.children import Child, python_argv
 from moebus.broker.worker_pool import WorkerPool
@@ -38,12 +40,16 @@ def layer_ranges(settings, num_layers: int, device: str) -> list[range]:
 
 
 def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) -> int:
+    if serve_api:  # refuse now, not by restarting an api that exits at once
+        from moebus.api.auth import check_exposure
+
+        check_exposure(settings.api)
     model_dir = str(Path(settings.model).resolve()) if settings.model else str(demo_model_dir())
     device = resolve_device(settings.device)
     config = load_config(model_dir)
     ranges = layer_ranges(settings, config.num_layers, device)
     run_dir = Path(tempfile.mkdtemp(prefix="moebus-"))
-    settings = settings.model_copy(update={"model": model_dir, "device": device,
+    settings = settings.model_copy(update={"model": model_dir, "device": device, "broker": _own_keys(settings.broker),
                                            "emulated_vram_dir": settings.emulated_vram_dir or str(run_dir / "vram")})
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(settings.model_dump(mode="json"), indent=2))
@@ -62,6 +68,16 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
         return broker.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _own_keys(broker):
+    """The CURVE pair of the broker's own children (workers, api): made per start and allow-listed,
+    so that a broker on a non-loopback address lets its children in but nobody else unlisted. It
+    reaches them in the settings file of the private (0700) run directory."""
+    if broker.curve_client_public_key:
+        return broker
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    return broker.model_copy(update={"curve_client_public_key": public, "curve_client_secret_key": secret})
 
 
 def _worker_child(settings, settings_file: Path, index: int, layers: range, backend: str) -> Child:

@@ -90,3 +90,12 @@ class WorkerPool:
     def mark_ready(self, w: WorkerState, generation: str) -> None:
         w.generation = generation
         w.last_seen_s = time.monotonic()
+
+
+def ready_mismatch(worker: WorkerState, msg, model: str, max_batch: int, max_context: int) -> str | None:
+    """Why this READY cannot serve this stage (a remote worker of another model or other limits)."""
+    expected = {"layers": (worker.layers.start, worker.layers.stop), "model": model, "max_batch": max_batch,
+                "max_context": max_context}
+    got = {"layers": tuple(msg.layers), "model": msg.model, "max_batch": msg.max_batch, "max_context": msg.max_context}
+    wrong = [f"{k} {got[k]!r} (expected {v!r})" for k, v in expected.items() if got[k] != v]
+    return ", ".join(wrong) or None

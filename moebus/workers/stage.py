@@ -103,6 +103,8 @@ class Stage:
     def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
         if int((batch.starts + batch.lengths).max()) > self.max_context:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
+        if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.kv.num_slots:
+            raise ValueError(f"a KV slot outside [0, {self.kv.num_slots})")
         routed = batch.num_tokens <= ROUTED_MAX_TOKENS
         inputs = self._host_inputs(batch, hidden)
         graph = self._graph_for(batch, inputs) if routed else None

@@ -38,3 +38,37 @@ def test_stream_decoder_emits_whole_characters(tiny_model):
     text = "".join(dec.push(i) for i in ids)
     assert text == "naïve café ✓ done"
     assert "\ufffd" not in text
+
+
+class CountingTokenizer(TextTokenizer):
+    """The real tokenizer, noting how many ids each decode call is given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.decoded_ids: list[int] = []
+
+    def decode(self, ids) -> str:
+        self.decoded_ids.append(len(ids))
+        return super().decode(ids)
+
+
+def test_stream_decoding_costs_new_tokens_not_the_whole_sequence(tiny_model):
+    tok = CountingTokenizer(tiny_model)
+    ids = tok.encode("naïve café ✓ done, and then some more words to stream. " * 40)
+    dec = StreamDecoder(tok)
+    text = "".join(dec.push(i) for i in ids) + dec.flush()
+    widest = max(tok.decoded_ids)
+    assert text == tok.decode(ids)
+    assert len(ids) > 500 and widest <= 8  # a window of a few tokens, however long the stream
+
+
+def test_stream_decoder_matches_a_whole_decode_for_random_ids(tiny_model):
+    import numpy as np
+
+    tok = TextTokenizer(tiny_model)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, tok.vocab_size, 40).tolist()
+        dec = StreamDecoder(tok)
+        text = "".join(dec.push(i) for i in ids) + dec.flush()
+        assert text == tok.decode(ids)

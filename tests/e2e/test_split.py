@@ -59,8 +59,9 @@ def test_one_two_three_gpus_agree_with_each_other_and_transformers(tmp_path, tin
 def _worker(config: Path, address: str, prefix=()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    log = open(config.with_suffix(".log"), "w")
     return subprocess.Popen([*prefix, sys.executable, "-m", "moebus.cli", "worker", "--gpu", "1", "--connect", address,
-                             "--config", str(config)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--config", str(config)], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _run_with_remote_stage(tmp_path, tiny_model, backend: str, worker_config: dict, prefix=(), **broker_keys):
@@ -132,10 +133,39 @@ def test_stage_in_another_network_namespace_over_curve(tmp_path, tiny_model, hf_
 
     ns, host_ip = netns
     public, secret = (k.decode() for k in zmq.curve_keypair())
+    worker_public, worker_secret = (k.decode() for k in zmq.curve_keypair())
     backend = f"tcp://{host_ip}:{free_port()}"
-    got = _run_with_remote_stage(tmp_path, tiny_model, backend, {"curve_public_key": public},
-                                 prefix=("ip", "netns", "exec", ns), curve_public_key=public, curve_secret_key=secret)
+    worker_keys = {"curve_public_key": public, "curve_client_public_key": worker_public,
+                   "curve_client_secret_key": worker_secret}
+    got = _run_with_remote_stage(tmp_path, tiny_model, backend, worker_keys, prefix=("ip", "netns", "exec", ns),
+                                 curve_public_key=public, curve_secret_key=secret, curve_client_keys=[worker_public])
     assert [tokens for tokens, _ in got] == hf_greedy
+
+
+def test_a_worker_whose_key_is_not_allowed_never_joins(tmp_path, tiny_model, netns):
+    """CURVE with a ZAP allow-list: knowing the broker's public key is not enough to serve a stage."""
+    import zmq
+
+    ns, host_ip = netns
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    allowed, _ = (k.decode() for k in zmq.curve_keypair())
+    intruder_public, intruder_secret = (k.decode() for k in zmq.curve_keypair())
+    backend = f"tcp://{host_ip}:{free_port()}"
+    svc = Service(tmp_path, tiny_model, emulated_vram_mib=[32, 32], emulated_vram_dir=str(tmp_path / "vram"),
+                  command="broker", broker={"backend": backend, "remote_gpus": [1], "curve_public_key": public,
+                                            "curve_secret_key": secret, "curve_client_keys": [allowed]})
+    config = tmp_path / "intruder.json"
+    config.write_text(json.dumps({**{k: v for k, v in svc.config.items() if k != "broker"},
+                                  "broker": {"curve_public_key": public, "curve_client_public_key": intruder_public,
+                                             "curve_client_secret_key": intruder_secret}}))
+    worker = _worker(config, backend, ("ip", "netns", "exec", ns))
+    try:
+        with pytest.raises(TimeoutError):
+            svc.wait_ready(timeout_s=20, http=False)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=10)
+        assert svc.stop() == []
 
 
 def test_non_loopback_without_keys_is_a_clear_error(tmp_path, tiny_model):

@@ -1,0 +1,87 @@
+"""The broker's VRAM bookkeeping: queries go out at once, resizes wait their turn in a bounded queue,
+a silent worker is found at the deadline, a dead one owes nothing, a new worker gets its GPU's reserve."""
+import pytest
+
+from moebus.broker.vram_control import VramControl
+from moebus.common.errors import ServerBusy
+from moebus.common.protocol import Error, VramReply
+
+
+class Wire:
+    """Collects what the control sends (it is given plain callables by the broker)."""
+
+    def __init__(self, reachable=(0, 1)):
+        self.to_workers, self.to_clients, self.reachable = [], [], set(reachable)
+
+    def worker(self, gpu, message):
+        self.to_workers.append((gpu, message))
+        return gpu in self.reachable
+
+    def client(self, client, message):
+        self.to_clients.append((client, message))
+
+
+def reply(msg, reserve=0.0):
+    return VramReply(id=msg.id, reserve_mib=reserve, free_mib=10, expert_slots=4, expert_cache_mib=8)
+
+
+def control(wire, timeout_s=1.0, max_queue=2):
+    return VramControl(2, wire.worker, wire.client, max_queue=max_queue, timeout_s=timeout_s)
+
+
+def test_a_query_goes_out_at_once_and_a_resize_waits_for_a_gap_between_steps():
+    wire = Wire()
+    vc = control(wire)
+    vc.request(b"c", [None, None], query=True, request_id="q")
+    assert [m.query for _, m in wire.to_workers] == [True, True] and vc.inflight is None
+    vc.request(b"c", [8.0, None], query=False, request_id="r")
+    assert len(wire.to_workers) == 2  # not yet: the broker starts it between two steps
+    assert vc.start_next()
+    for gpu, msg in wire.to_workers[2:]:
+        vc.on_reply(gpu, reply(msg, msg.reserve_mib or 0))
+    assert vc.inflight is None and vc.reserves == [8.0, None]
+    for gpu, msg in wire.to_workers[:2]:
+        vc.on_reply(gpu, reply(msg))
+    assert [m.id for _, m in wire.to_clients] == ["r", "q"]
+
+
+def test_the_queue_is_bounded():
+    vc = control(Wire(), max_queue=2)
+    for _ in range(2):
+        vc.request(b"c", [1.0, 1.0], query=False, request_id=None)
+    with pytest.raises(ServerBusy):
+        vc.request(b"c", [1.0, 1.0], query=False, request_id=None)
+
+
+def test_a_silent_worker_is_found_at_the_deadline_and_the_client_answered():
+    wire = Wire()
+    vc = control(wire, timeout_s=1.0)
+    vc.request(b"c", [4.0, 4.0], query=False, request_id="r")
+    vc.start_next()
+    gpu, msg = wire.to_workers[0]
+    vc.on_reply(gpu, reply(msg, 4.0))
+    fanout = vc.inflight
+    assert vc.overdue(fanout.started_s + 0.5) == []
+    assert vc.overdue(fanout.started_s + 1.5) == [1]
+    vc.on_lost(1, "gpu1 missed its deadline")  # what the broker does after killing it
+    (client, answer), = wire.to_clients
+    assert vc.inflight is None and answer.id == "r" and "gpu1" in answer.error  # one GPU answered: a reply
+
+
+def test_an_unreachable_worker_fails_its_entry_at_once():
+    wire = Wire(reachable=())
+    vc = control(wire)
+    vc.request(b"c", [None, None], query=True, request_id="q")
+    (_, answer), = wire.to_clients
+    assert isinstance(answer, Error) and answer.id == "q"
+
+
+def test_a_new_worker_gets_its_gpus_reserve_back():
+    wire = Wire()
+    vc = control(wire)
+    assert not vc.restore(0)  # never resized: the start-up reserve is what it has
+    vc.reserves[1] = 6.0
+    assert vc.restore(1)
+    gpu, msg = wire.to_workers[-1]
+    assert gpu == 1 and msg.reserve_mib == 6.0 and not msg.query
+    assert vc.on_reply(1, reply(msg, 6.0)) and vc.restoring == {}
