@@ -15,7 +15,7 @@ from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
 TILE = 32  # positions per tile: one per lane when scoring
-TILES_PER_SPLIT = 4  # a longer context is cut into splits that run as separate blocks...
+TILES_PER_SPLIT = 1  # a longer context is cut into splits that run as separate blocks (decode has few tokens: spread them)
 MAX_SPLITS = 16  # ...at most this many per token (bounds the scratch)
 MAX_WARPS = 4
 NEG_INF = float32(-np.inf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, routing, sampling
+from moebus.cuda import attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling
 from moebus.cuda.dtypes import to_f32
 
 
@@ -62,6 +62,8 @@ class CpuBackend:
 
     embedding = staticmethod(embedding.embedding_ref)
     rmsnorm = staticmethod(rmsnorm.rmsnorm_ref)
+    add_rmsnorm = staticmethod(fused.add_rmsnorm_ref)
+    head_norm_rope = staticmethod(fused.head_norm_rope_ref)
     linear = staticmethod(linear.linear_ref)
     add = staticmethod(elementwise.add_ref)
     swiglu = staticmethod(elementwise.swiglu_ref)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, routing, sampling
+from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm, rope, routing,
+                         sampling)
 from moebus.cuda.compat import SIMULATOR, cuda
 from moebus.cuda.graphs import swapped
 from moebus.cuda.step_pool import StepPool
@@ -120,6 +121,14 @@ class CudaBackend:
 
     def rmsnorm(self, x, weight, eps: float):
         return rmsnorm.rmsnorm_cuda(x, weight, eps, self.empty(x.shape), stream=self.stream)
+
+    def add_rmsnorm(self, x, y, weight, eps: float):
+        """(x + y, rmsnorm(x + y)): the residual add fused with the next norm."""
+        return fused.add_rmsnorm_cuda(x, y, weight, eps, self.empty(x.shape), self.empty(x.shape), stream=self.stream)
+
+    def head_norm_rope(self, x, weight, eps: float, positions, cos, sin):
+        """RoPE of the per-head rmsnorm of x (T, H, hd)."""
+        return fused.head_norm_rope_cuda(x, weight, eps, positions, cos, sin, self.empty(x.shape), stream=self.stream)
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))

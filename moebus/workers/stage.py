@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moebus.cuda.fused import can_fuse_heads
 from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
 from moebus.workers.batch import StepBatch, split_tokens
@@ -174,8 +175,10 @@ class Stage:
             shape = (len(self.experts.store.layers), batch.num_tokens, self.cfg.top_k)
             out["expert_ids"] = ops.empty(shape, np.int32)
             route = (self.experts.device_placement(ops), out["expert_ids"])
+        residual = None
         for n, i in enumerate(self.layer_range):
-            x = self._layer(n, i, x, token_slot, token_pos, route)
+            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
+        x = ops.add(x, residual)
         if not self.is_last:
             out["hidden"] = x
             return out
@@ -185,30 +188,38 @@ class Stage:
         out.update(tokens=tokens, logprobs=logprobs, logits=logits)
         return out
 
-    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None):
+    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None):
+        """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
+        (fused with this layer's first norm); returns (x, this layer's MLP output)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        h = ops.rmsnorm(x, w["attn_norm"], eps)
-        q = ops.linear(h, w["q"])
-        k = ops.linear(h, w["k"])
+        if residual is None:
+            h = ops.rmsnorm(x, w["attn_norm"], eps)
+        else:
+            x, h = ops.add_rmsnorm(x, residual, w["attn_norm"], eps)
+        q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
+        k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
         v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
-        if cfg.qk_norm:
-            q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps)
-            k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps)
-        q = ops.rope(q.reshape(num_tokens, heads, hd), token_pos, self.cos, self.sin)
-        k = ops.rope(k.reshape(num_tokens, kv_heads, hd), token_pos, self.cos, self.sin)
+        if cfg.qk_norm and can_fuse_heads(hd):
+            q = ops.head_norm_rope(q, w["q_norm"], eps, token_pos, self.cos, self.sin)
+            k = ops.head_norm_rope(k, w["k_norm"], eps, token_pos, self.cos, self.sin)
+        else:
+            if cfg.qk_norm:
+                q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps).reshape(num_tokens, heads, hd)
+                k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps).reshape(num_tokens, kv_heads, hd)
+            q = ops.rope(q, token_pos, self.cos, self.sin)
+            k = ops.rope(k, token_pos, self.cos, self.sin)
         ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
-        x = ops.add(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]))
-        h = ops.rmsnorm(x, w["mlp_norm"], eps)
+        x, h = ops.add_rmsnorm(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]), w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and route is not None:
             y = self._moe_routed(i, w, h, *route)
         elif cfg.is_moe_layer(i):
             y = self._moe(i, w, h)
         else:
             y = ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
-        return ops.add(x, y)
+        return x, y
 
     def _moe_routed(self, layer: int, w: dict, h, placement, expert_ids):
         """Decode: the router's choices go through the placement table on the device; experts that

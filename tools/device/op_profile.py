@@ -1,0 +1,58 @@
+"""Where a decode step's GPU time goes, op by op, at the real shapes: the eager path with a CUDA
+event pair around every backend op (launches from Python are slower than the kernels, so the GPU
+idles between ops and each pair brackets one op's kernels). Usage: op_profile.py MODEL_DIR [BATCH...]"""
+import os
+import sys
+from collections import defaultdict
+
+os.environ["MOEBUS_CUDA_GRAPHS"] = "0"
+from moebus.cuda.compat import cuda  # noqa: E402
+from moebus.workers.batch import StepBatch  # noqa: E402
+from moebus.workers.local import LocalModel  # noqa: E402
+
+OPS = ["embedding", "rmsnorm", "add_rmsnorm", "head_norm_rope", "linear", "add", "rope", "kv_store", "attention",
+       "topk_softmax", "route_pairs", "expert_ffn", "combine", "sample"]
+model_dir, batches = sys.argv[1], [int(b) for b in sys.argv[2:]] or [1, 8]
+model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=128)
+ops = model.backend
+records = []
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        label = name
+        if name == "linear":
+            label = f"linear {args[1].shape[0]}x{args[1].shape[1]}"
+        begin, end = cuda.event(), cuda.event()
+        begin.record(ops.stream)
+        result = fn(*args, **kwargs)
+        end.record(ops.stream)
+        records.append((label, begin, end))
+        return result
+    return wrapper
+
+
+for name in OPS:
+    setattr(ops, name, timed(name, getattr(ops, name)))
+prompt = list(range(10, 42))
+layers = model.ckpt.config.num_layers
+for batch in batches:
+    model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
+    steps, last = 8, [prompt[-1]] * batch
+    totals, counts = defaultdict(float), defaultdict(int)
+    for i in range(steps + 2):
+        records.clear()
+        out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
+                                   tokens=last))
+        last = [int(t) for t in out.tokens]
+        ops.synchronize()
+        if i < 2:
+            continue  # warm-up
+        for label, begin, end in records:
+            totals[label] += cuda.event_elapsed_time(begin, end) * 1e3 / steps
+            counts[label] += 1
+    print(f"== batch {batch}, {layers} layers: GPU us per step by op (eager, events around each op)")
+    for label, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        per_call = us * steps / counts[label]
+        print(f"{label:<24} {counts[label] // steps:>5} calls/step {us:>9.1f} us/step {per_call:>8.1f} us/call")
+    print(f"{'sum':<24} {sum(counts.values()) // steps:>5} calls/step {sum(totals.values()):>9.1f} us/step")
