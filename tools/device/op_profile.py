@@ -1,11 +1,13 @@
 """Where a decode step's GPU time goes, op by op, at the real shapes: the eager path with a CUDA
-event pair around every backend op (launches from Python are slower than the kernels, so the GPU
-idles between ops and each pair brackets one op's kernels). Usage: op_profile.py MODEL_DIR [BATCH...]"""
+event pair around every backend op. A spin kernel first holds the stream while Python enqueues the
+whole step, so the events time the kernels back to back (not the launch gaps between them).
+Usage: op_profile.py MODEL_DIR [BATCH...]"""
 import os
 import sys
 from collections import defaultdict
 
 os.environ["MOEBUS_CUDA_GRAPHS"] = "0"
+from moebus.cuda.bench_kernels import _spin  # noqa: E402
 from moebus.cuda.compat import cuda  # noqa: E402
 from moebus.workers.batch import StepBatch  # noqa: E402
 from moebus.workers.local import LocalModel  # noqa: E402
@@ -34,6 +36,15 @@ def timed(name, fn):
 
 for name in OPS:
     setattr(ops, name, timed(name, getattr(ops, name)))
+begin_step = ops.begin_step
+
+
+def begin_then_spin():
+    begin_step()
+    _spin[1, 1, ops.stream](400_000)  # ~0.4 s: longer than Python takes to enqueue the step
+
+
+ops.begin_step = begin_then_spin
 prompt = list(range(10, 42))
 layers = model.ckpt.config.num_layers
 for batch in batches:
