@@ -120,6 +120,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
         warp = tid // WARP
         q_tile = cuda.shared.array((group, head_dim), float32)
         k_tile = cuda.shared.array((TILE, k_row), float32)
+        v_tile = cuda.shared.array((TILE, head_dim), float32)
         p_tile = cuda.shared.array((group, TILE), float32)
         rescale = cuda.shared.array(group, float32)
         running_max = cuda.local.array(head_iters, float32)
@@ -140,8 +141,12 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
             tile = tile_index * TILE
             cuda.syncthreads()  # q_tile is in; the previous tile's k_tile / p_tile are consumed
             for e in range(tid, TILE * head_dim, num_threads):
+                # K and V of the tile in one coalesced pass (independent loads in flight); rows past
+                # pos are zero: V there may be stale, and 0 * nan is nan
                 r = e // head_dim
-                k_tile[r, e % head_dim] = k_cache[slot, kv_head, tile + r, e % head_dim] if tile + r <= pos else float32(0.0)
+                inside = tile + r <= pos
+                k_tile[r, e % head_dim] = k_cache[slot, kv_head, tile + r, e % head_dim] if inside else float32(0.0)
+                v_tile[r, e % head_dim] = v_cache[slot, kv_head, tile + r, e % head_dim] if inside else float32(0.0)
             cuda.syncthreads()
             valid = lo <= tile + lane <= pos
             for i in range(head_iters):
@@ -168,7 +173,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
                     j = e // head_dim
                     total = acc[i] * rescale[j]
                     for r in range(r_lo, r_hi):
-                        total += p_tile[j, r] * v_cache[slot, kv_head, tile + r, e % head_dim]
+                        total += p_tile[j, r] * v_tile[r, e % head_dim]
                     acc[i] = total
         for i in range(head_iters):
             j = i * num_warps + warp

@@ -126,9 +126,17 @@ class CudaBackend:
         """(x + y, rmsnorm(x + y)): the residual add fused with the next norm."""
         return fused.add_rmsnorm_cuda(x, y, weight, eps, self.empty(x.shape), self.empty(x.shape), stream=self.stream)
 
-    def head_norm_rope(self, x, weight, eps: float, positions, cos, sin):
-        """RoPE of the per-head rmsnorm of x (T, H, hd)."""
-        return fused.head_norm_rope_cuda(x, weight, eps, positions, cos, sin, self.empty(x.shape), stream=self.stream)
+    def combine_add_rmsnorm(self, y_pair, weights, x, weight, eps: float):
+        """(x + combine(y_pair, weights), its rmsnorm): the MoE's end fused with the next norm."""
+        return fused.combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps, self.empty(x.shape),
+                                              self.empty(x.shape), stream=self.stream)
+
+    def qkv_rope_store(self, qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache):
+        """q (T, H, hd) after norm and RoPE; k and v (normed, rotated) written into the caches."""
+        q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
+        return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                         token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))

@@ -44,6 +44,7 @@ class Stage:
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = backend.weight(ckpt.lm_head())
+        self.fuse_qkv = bool(cfg.qk_norm) and can_fuse_heads(cfg.head_dim)
         self.layers = {i: self._load_layer(ckpt, i) for i in progress(layers)}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
@@ -59,7 +60,10 @@ class Stage:
         self.graphs: dict = {}
 
     def _load_layer(self, ckpt, i: int) -> dict:
-        w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}
+        tensors = ckpt.attention(i)
+        if self.fuse_qkv:  # one projection launch; the fused kernel splits its columns
+            tensors["qkv"] = np.concatenate([tensors.pop("q"), tensors.pop("k"), tensors.pop("v")])
+        w = {k: self.ops.weight(v) for k, v in tensors.items()}
         if self.cfg.is_moe_layer(i):
             w["router"] = self.ops.weight(ckpt.router(i))
         else:
@@ -178,48 +182,59 @@ class Stage:
         residual = None
         for n, i in enumerate(self.layer_range):
             x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
-        x = ops.add(x, residual)
         if not self.is_last:
-            out["hidden"] = x
+            out["hidden"] = self._residual_add(x, residual)
             return out
-        last = ops.embedding(x, inputs["last_index"])
-        logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+        _, h = self._residual_norm(x, residual, self.final_norm)
+        logits = ops.linear(ops.embedding(h, inputs["last_index"]), self.lm_head)
         tokens, logprobs = ops.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["u"])
         out.update(tokens=tokens, logprobs=logprobs, logits=logits)
         return out
 
+    def _residual_norm(self, x, residual, weight):
+        """(x + residual, its rmsnorm): the pending residual add fused with the norm after it.
+        ``residual``: None, ("dense", y) or ("moe", y_pair, weights) (the MoE's combine fused too)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        if residual is None:
+            return x, ops.rmsnorm(x, weight, eps)
+        if residual[0] == "moe":
+            return ops.combine_add_rmsnorm(residual[1], residual[2], x, weight, eps)
+        return ops.add_rmsnorm(x, residual[1], weight, eps)
+
+    def _residual_add(self, x, residual):
+        if residual is None:
+            return x
+        y = self.ops.combine(residual[1], residual[2]) if residual[0] == "moe" else residual[1]
+        return self.ops.add(x, y)
+
     def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
-        (fused with this layer's first norm); returns (x, this layer's MLP output)."""
+        (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        if residual is None:
-            h = ops.rmsnorm(x, w["attn_norm"], eps)
+        x, h = self._residual_norm(x, residual, w["attn_norm"])
+        if self.fuse_qkv:
+            q = ops.qkv_rope_store(ops.linear(h, w["qkv"]), heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
+                                   token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
-            x, h = ops.add_rmsnorm(x, residual, w["attn_norm"], eps)
-        q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
-        k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
-        v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
-        if cfg.qk_norm and can_fuse_heads(hd):
-            q = ops.head_norm_rope(q, w["q_norm"], eps, token_pos, self.cos, self.sin)
-            k = ops.head_norm_rope(k, w["k_norm"], eps, token_pos, self.cos, self.sin)
-        else:
+            q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
+            k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
+            v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
             if cfg.qk_norm:
                 q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps).reshape(num_tokens, heads, hd)
                 k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps).reshape(num_tokens, kv_heads, hd)
             q = ops.rope(q, token_pos, self.cos, self.sin)
             k = ops.rope(k, token_pos, self.cos, self.sin)
-        ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
+            ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
         x, h = ops.add_rmsnorm(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]), w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and route is not None:
-            y = self._moe_routed(i, w, h, *route)
-        elif cfg.is_moe_layer(i):
-            y = self._moe(i, w, h)
-        else:
-            y = ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
-        return x, y
+            return x, self._moe_routed(i, w, h, *route)
+        if cfg.is_moe_layer(i):
+            return x, ("dense", self._moe(i, w, h))
+        return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
+                                       w["mlp_down"]))
 
     def _moe_routed(self, layer: int, w: dict, h, placement, expert_ids):
         """Decode: the router's choices go through the placement table on the device; experts that
@@ -231,7 +246,7 @@ class Stage:
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs)
-        return ops.combine(out, weights)
+        return "moe", out, weights  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""

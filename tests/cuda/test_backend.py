@@ -7,7 +7,7 @@ from moebus.cuda.backend import CpuBackend, make_backend
 from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
-OPS = ["embedding", "rmsnorm", "add_rmsnorm", "head_norm_rope", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
+OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
        "route_pairs", "expert_ffn", "combine", "sample"]
 
 

@@ -7,12 +7,13 @@ import sys
 from collections import defaultdict
 
 os.environ["MOEBUS_CUDA_GRAPHS"] = "0"
-from moebus.cuda.bench_kernels import _spin  # noqa: E402
-from moebus.cuda.compat import cuda  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moebus.cuda.compat import cuda, float32  # noqa: E402
 from moebus.workers.batch import StepBatch  # noqa: E402
 from moebus.workers.local import LocalModel  # noqa: E402
 
-OPS = ["embedding", "rmsnorm", "add_rmsnorm", "head_norm_rope", "linear", "add", "rope", "kv_store", "attention",
+OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "rope", "kv_store", "attention",
        "topk_softmax", "route_pairs", "expert_ffn", "combine", "sample"]
 model_dir, batches = sys.argv[1], [int(b) for b in sys.argv[2:]] or [1, 8]
 model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=128)
@@ -37,11 +38,21 @@ def timed(name, fn):
 for name in OPS:
     setattr(ops, name, timed(name, getattr(ops, name)))
 begin_step = ops.begin_step
+sink = cuda.device_array(1, np.float32)
+
+
+@cuda.jit
+def _busy(out, rounds):
+    # one thread on a dependent chain of multiply-adds (~2 ns each): holds the stream for seconds
+    acc = float32(1.0)
+    for _ in range(rounds):
+        acc = acc * float32(1.0000001) + float32(1e-7)
+    out[0] = acc
 
 
 def begin_then_spin():
     begin_step()
-    _spin[1, 1, ops.stream](3_000_000)  # ~3 s: longer than Python takes to enqueue a 48-layer step (~0.6 s)
+    _busy[1, 1, ops.stream](sink, 1_500_000_000)  # ~3 s: longer than Python takes to enqueue a step (~0.6 s)
 
 
 ops.begin_step = begin_then_spin
