@@ -75,6 +75,7 @@ class ExpertCache:
         self.pinned: set[int] = set()
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
+        self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
 
     @property
     def array(self):
@@ -195,6 +196,8 @@ class ExpertCache:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
         backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        if self.trace is not None:
+            self.trace.append(np.array(chosen))
         num_experts = self.store.num_experts
         rows = np.arange(chosen.shape[0], dtype=np.int64)[:, None, None]
         keys = np.unique((rows * num_experts + chosen).reshape(-1))
