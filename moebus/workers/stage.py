@@ -1,13 +1,20 @@
 """A stage: a contiguous range of decoder layers on one device. The first stage embeds tokens, the
 last applies the final norm and lm_head and samples; every stage keeps the KV cache of its layers
-and reads its experts from an arena through a (layer, expert) -> slot table."""
+and reads its experts through the expert cache's placement table (arena slot or host store).
+
+A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
+batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
+``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
+Longer steps (prefill) group experts on the host (``_moe``)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from moebus.cuda.backend import is_fatal_device_error
 from moebus.cuda.fused import can_fuse_heads
 from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
@@ -15,7 +22,9 @@ from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
 
+log = logging.getLogger("moebus.stage")
 ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
+
 
 @dataclass
 class StageOutput:
@@ -29,7 +38,8 @@ class StageOutput:
 
 class Stage:
     def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
-                 progress=iter):
+                 progress=iter, use_graphs: bool | None = None):
+        """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0)."""
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -53,11 +63,12 @@ class Stage:
         if experts is None:
             experts = build_expert_cache(ckpt, layers, backend)
         self.experts = experts(self) if callable(experts) else experts
-        # decode steps as CUDA graphs, one per batch size (MOEBUS_CUDA_GRAPHS=0: always eager)
         from moebus.cuda.graphs import graphs_available
 
-        self.use_graphs = backend.name == "cuda" and graphs_available() and os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
-        self.graphs: dict = {}
+        if use_graphs is None:
+            use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
+        self.graphs: dict = {}  # batch size -> CapturedStep
 
     def _load_layer(self, ckpt, i: int) -> dict:
         tensors = ckpt.attention(i)
@@ -156,13 +167,24 @@ class Stage:
                 or int(batch.lengths.max()) != 1:
             return None
         graph = self.graphs.get(batch.num_tokens)
-        if graph is None or not graph.matches(inputs):
-            from moebus.cuda.graphs import CapturedStep
+        if graph is not None and graph.matches(inputs):
+            return graph
+        from moebus.cuda.graphs import CapturedStep
 
-            self.ops.begin_step()
-            self.experts.device_placement(self.ops)
-            graph = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True))
-            self.graphs[batch.num_tokens] = graph
+        if graph is not None:
+            graph.close()
+        self.ops.begin_step()
+        self.experts.device_placement(self.ops)
+        try:
+            graph = self.graphs[batch.num_tokens] = CapturedStep(self.ops, inputs,
+                                                                 lambda dev: self._run(batch, dev, routed=True))
+        except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
+            if is_fatal_device_error(e):
+                raise
+            log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
+            self.use_graphs = False
+            self.graphs.pop(batch.num_tokens, None)
+            return None
         return graph
 
     def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
