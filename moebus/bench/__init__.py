@@ -2,6 +2,8 @@
 
 decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
          and the broker's added latency per step
+cache    routing traces (synthetic, recorded) replayed through each cache policy: hit rates per
+         cache fraction
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)
 vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in bandwidth
 soak     a serve under mixed load (cancels, VRAM resizes, bad requests) for minutes: RSS/VRAM per
@@ -13,6 +15,8 @@ from __future__ import annotations
 def run_bench(what: str, argv: list[str]) -> int:
     if what == "decode":
         from moebus.bench.decode import main
+    elif what == "cache":
+        from moebus.bench.cache import main
     elif what == "kernels":
         from moebus.cuda.bench_kernels import main
     elif what == "vram":

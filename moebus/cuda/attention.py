@@ -15,9 +15,9 @@ from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
 TILE = 32  # positions per tile: one per lane when scoring
-TILES_PER_SPLIT = 4  # a longer context is cut into splits that run as separate blocks...
+TILES_PER_SPLIT = 1  # a longer context is cut into splits that run as separate blocks (decode has few tokens: spread them)
 MAX_SPLITS = 16  # ...at most this many per token (bounds the scratch)
-MAX_WARPS = 4
+MAX_WARPS = 8  # a block's warps: one per query head of the group when it has 8 (Qwen3-30B-A3B)
 NEG_INF = float32(-np.inf)
 
 
@@ -104,6 +104,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
     head_iters = ceil_div(group, num_warps)
     outs_per_thread = ceil_div(group * head_dim, num_threads)
     k_row = head_dim + 1  # padding: lanes reading different K rows hit different banks
+    tile_loads = ceil_div(TILE * head_dim, num_threads)
 
     @cuda.jit
     def attention_split(q, k_cache, v_cache, token_slot, token_pos, scale, window, partial):
@@ -120,6 +121,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
         warp = tid // WARP
         q_tile = cuda.shared.array((group, head_dim), float32)
         k_tile = cuda.shared.array((TILE, k_row), float32)
+        v_tile = cuda.shared.array((TILE, head_dim), float32)
         p_tile = cuda.shared.array((group, TILE), float32)
         rescale = cuda.shared.array(group, float32)
         running_max = cuda.local.array(head_iters, float32)
@@ -139,9 +141,15 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
         for tile_index in range(first_tile, end_tile):
             tile = tile_index * TILE
             cuda.syncthreads()  # q_tile is in; the previous tile's k_tile / p_tile are consumed
-            for e in range(tid, TILE * head_dim, num_threads):
-                r = e // head_dim
-                k_tile[r, e % head_dim] = k_cache[slot, kv_head, tile + r, e % head_dim] if tile + r <= pos else float32(0.0)
+            for i in range(tile_loads):  # a constant trip count: the loads are issued back to back
+                # K and V of the tile in one coalesced pass; rows past pos are zero: V there may be
+                # stale, and 0 * nan is nan
+                e = tid + i * num_threads
+                r = min(e // head_dim, TILE - 1)
+                inside = tile + r <= pos and e < TILE * head_dim
+                if e < TILE * head_dim:
+                    k_tile[r, e % head_dim] = k_cache[slot, kv_head, tile + r, e % head_dim] if inside else float32(0.0)
+                    v_tile[r, e % head_dim] = v_cache[slot, kv_head, tile + r, e % head_dim] if inside else float32(0.0)
             cuda.syncthreads()
             valid = lo <= tile + lane <= pos
             for i in range(head_iters):
@@ -168,7 +176,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
                     j = e // head_dim
                     total = acc[i] * rescale[j]
                     for r in range(r_lo, r_hi):
-                        total += p_tile[j, r] * v_cache[slot, kv_head, tile + r, e % head_dim]
+                        total += p_tile[j, r] * v_tile[r, e % head_dim]
                     acc[i] = total
         for i in range(head_iters):
             j = i * num_warps + warp

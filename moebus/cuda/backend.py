@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, routing, sampling
+from moebus.cuda import attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda import penalties
 from moebus.cuda.dtypes import to_f32
@@ -64,6 +64,14 @@ class CpuBackend:
 
     embedding = staticmethod(embedding.embedding_ref)
     rmsnorm = staticmethod(rmsnorm.rmsnorm_ref)
+    add_rmsnorm = staticmethod(fused.add_rmsnorm_ref)
+    combine_add_rmsnorm = staticmethod(fused.combine_add_rmsnorm_ref)
+
+    @staticmethod
+    def qkv_rope_store(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache):
+        return fused.qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                        token_pos, cos, sin, k_cache, v_cache)
     linear = staticmethod(linear.linear_ref)
     add = staticmethod(elementwise.add_ref)
     swiglu = staticmethod(elementwise.swiglu_ref)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, routing, sampling
+from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm, rope, routing,
+                         sampling)
 from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda import penalties
 from moebus.cuda.compat import SIMULATOR, cuda
@@ -122,6 +123,22 @@ class CudaBackend:
 
     def rmsnorm(self, x, weight, eps: float):
         return rmsnorm.rmsnorm_cuda(x, weight, eps, self.empty(x.shape), stream=self.stream)
+
+    def add_rmsnorm(self, x, y, weight, eps: float):
+        """(x + y, rmsnorm(x + y)): the residual add fused with the next norm."""
+        return fused.add_rmsnorm_cuda(x, y, weight, eps, self.empty(x.shape), self.empty(x.shape), stream=self.stream)
+
+    def combine_add_rmsnorm(self, y_pair, weights, x, weight, eps: float):
+        """(x + combine(y_pair, weights), its rmsnorm): the MoE's end fused with the next norm."""
+        return fused.combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps, self.empty(x.shape),
+                                              self.empty(x.shape), stream=self.stream)
+
+    def qkv_rope_store(self, qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache):
+        """q (T, H, hd) after norm and RoPE; k and v (normed, rotated) written into the caches."""
+        q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
+        return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                         token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))

@@ -18,6 +18,7 @@ from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_
 
 MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
+UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
 
 
 def linear_ref(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -45,20 +46,24 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int):
         for t in range(num_tokens):  # past the end: recompute the last token, never store it
             tokens[t] = min(t0 + t, total_tokens - 1)
         acc = cuda.local.array(num_tokens, float32)
-        w_buf = cuda.local.array(width, float32)
+        w_buf = cuda.local.array((UNROLL, width), float32)
         x_buf = cuda.local.array(width, float32)
         for start in range(0, num_rows, stride):
             row = min(start + first, num_rows - 1)
             for t in range(num_tokens):
                 acc[t] = float32(0.0)
-            for word in range(lane, num_words, WARP):
-                read_weight(weight, row, word, w_buf)
-                for t in range(num_tokens):
-                    read_x(x, tokens[t], word, x_buf)
-                    total = acc[t]
-                    for c in range(width):
-                        total += x_buf[c] * w_buf[c]
-                    acc[t] = total
+            for base in range(lane, num_words, WARP * UNROLL):
+                for u in range(UNROLL):  # UNROLL weight loads in flight before the first use
+                    read_weight(weight, row, min(base + u * WARP, num_words - 1), w_buf[u])
+                for u in range(UNROLL):  # words in the order lane, lane + 32, ...: sums as before
+                    word = base + u * WARP
+                    if word < num_words:
+                        for t in range(num_tokens):
+                            read_x(x, tokens[t], word, x_buf)
+                            total = acc[t]
+                            for c in range(width):
+                                total += x_buf[c] * w_buf[u, c]
+                            acc[t] = total
             warp_sum_many(acc, num_tokens)
             if lane == 0 and start + first < num_rows:  # constant indices keep acc in registers
                 for t in range(num_tokens):

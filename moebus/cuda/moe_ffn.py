@@ -25,6 +25,7 @@ from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_
 MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
 WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
+UNROLL = 4  # weight words each lane loads before using them (linear.py)
 
 
 @cuda.jit(device=True)
@@ -69,26 +70,31 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
             tokens[t] = pair_token[j + min(t, run - 1)]
         acc_gate = cuda.local.array(chunk, float32)
         acc_up = cuda.local.array(chunk, float32)
-        gate_buf = cuda.local.array(width, float32)
-        up_buf = cuda.local.array(width, float32)
+        gate_buf = cuda.local.array((UNROLL, width), float32)
+        up_buf = cuda.local.array((UNROLL, width), float32)
         x_buf = cuda.local.array(width, float32)
         for start in range(0, inter, stride):
             row = min(start + first, inter - 1)
             for t in range(chunk):
                 acc_gate[t] = float32(0.0)
                 acc_up[t] = float32(0.0)
-            for word in range(lane, hidden_words, WARP):
-                read_weight(weights, slot, row * hidden_words + word, gate_buf)
-                read_weight(weights, slot, up_base + row * hidden_words + word, up_buf)
-                for t in range(chunk):
-                    read_x(x, tokens[t], word, x_buf)
-                    g = acc_gate[t]
-                    u = acc_up[t]
-                    for c in range(width):
-                        g += x_buf[c] * gate_buf[c]
-                        u += x_buf[c] * up_buf[c]
-                    acc_gate[t] = g
-                    acc_up[t] = u
+            for base in range(lane, hidden_words, WARP * UNROLL):
+                for k in range(UNROLL):  # the loads in flight first (linear.py)
+                    word = min(base + k * WARP, hidden_words - 1)
+                    read_weight(weights, slot, row * hidden_words + word, gate_buf[k])
+                    read_weight(weights, slot, up_base + row * hidden_words + word, up_buf[k])
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < hidden_words:
+                        for t in range(chunk):
+                            read_x(x, tokens[t], word, x_buf)
+                            g = acc_gate[t]
+                            u = acc_up[t]
+                            for c in range(width):
+                                g += x_buf[c] * gate_buf[k, c]
+                                u += x_buf[c] * up_buf[k, c]
+                            acc_gate[t] = g
+                            acc_up[t] = u
             warp_sum_many(acc_gate, chunk)
             warp_sum_many(acc_up, chunk)
             if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
@@ -121,20 +127,25 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
         for t in range(chunk):
             rows[t] = j + min(t, run - 1)
         acc = cuda.local.array(chunk, float32)
-        w_buf = cuda.local.array(width, float32)
+        w_buf = cuda.local.array((UNROLL, width), float32)
         h_buf = cuda.local.array(width, float32)
         for start in range(0, hidden, stride):
             row = min(start + first, hidden - 1)
             for t in range(chunk):
                 acc[t] = float32(0.0)
-            for word in range(lane, inter_words, WARP):
-                read_weight(weights, slot, down_base + row * inter_words + word, w_buf)
-                for t in range(chunk):
-                    read_h(h, rows[t], word, h_buf)
-                    total = acc[t]
-                    for c in range(width):
-                        total += h_buf[c] * w_buf[c]
-                    acc[t] = total
+            for base in range(lane, inter_words, WARP * UNROLL):
+                for k in range(UNROLL):
+                    word = min(base + k * WARP, inter_words - 1)
+                    read_weight(weights, slot, down_base + row * inter_words + word, w_buf[k])
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < inter_words:
+                        for t in range(chunk):
+                            read_h(h, rows[t], word, h_buf)
+                            total = acc[t]
+                            for c in range(width):
+                                total += h_buf[c] * w_buf[k, c]
+                            acc[t] = total
             warp_sum_many(acc, chunk)
             if lane == 0 and start + first < hidden:
                 for t in range(chunk):

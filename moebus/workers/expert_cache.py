@@ -76,6 +76,7 @@ class ExpertCache:
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
         self.key_hits: dict[int, int] = {}  # hits of resident keys since their admission (the dashboard's map)
+        self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
 
     @property
     def array(self):
@@ -198,11 +199,15 @@ class ExpertCache:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
         backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        if self.trace is not None:
+            self.trace.append(np.array(chosen))
         num_experts = self.store.num_experts
         rows = np.arange(chosen.shape[0], dtype=np.int64)[:, None, None]
         keys = np.unique((rows * num_experts + chosen).reshape(-1))
         resident = self._flat_placement[keys] >= 0
         self.hits += int(resident.sum())
+        for key in keys[resident].tolist():  # the dashboard's map counts hits per resident expert
+            self.key_hits[key] = self.key_hits.get(key, 0) + 1
         missed = keys[~resident]
         self.misses += len(missed)
         self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels

@@ -1,20 +1,30 @@
 """A stage: a contiguous range of decoder layers on one device. The first stage embeds tokens, the
 last applies the final norm and lm_head and samples; every stage keeps the KV cache of its layers
-and reads its experts from an arena through a (layer, expert) -> slot table."""
+and reads its experts through the expert cache's placement table (arena slot or host store).
+
+A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
+batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
+``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
+Longer steps (prefill) group experts on the host (``_moe``)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from moebus.cuda.backend import is_fatal_device_error
+from moebus.cuda.fused import can_fuse_heads
 from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
 from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
 
+log = logging.getLogger("moebus.stage")
 ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
+
 
 @dataclass
 class StageOutput:
@@ -28,7 +38,8 @@ class StageOutput:
 
 class Stage:
     def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
-                 progress=iter):
+                 progress=iter, use_graphs: bool | None = None):
+        """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0)."""
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -43,6 +54,7 @@ class Stage:
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = backend.weight(ckpt.lm_head())
+        self.fuse_qkv = bool(cfg.qk_norm) and can_fuse_heads(cfg.head_dim)
         self.layers = {i: self._load_layer(ckpt, i) for i in progress(layers)}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
@@ -51,14 +63,18 @@ class Stage:
         if experts is None:
             experts = build_expert_cache(ckpt, layers, backend)
         self.experts = experts(self) if callable(experts) else experts
-        # decode steps as CUDA graphs, one per batch size (MOEBUS_CUDA_GRAPHS=0: always eager)
         from moebus.cuda.graphs import graphs_available
 
-        self.use_graphs = backend.name == "cuda" and graphs_available() and os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
-        self.graphs: dict = {}
+        if use_graphs is None:
+            use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
+        self.graphs: dict = {}  # batch size -> CapturedStep
 
     def _load_layer(self, ckpt, i: int) -> dict:
-        w = {k: self.ops.weight(v) for k, v in ckpt.attention(i).items()}
+        tensors = ckpt.attention(i)
+        if self.fuse_qkv:  # one projection launch; the fused kernel splits its columns
+            tensors["qkv"] = np.concatenate([tensors.pop("q"), tensors.pop("k"), tensors.pop("v")])
+        w = {k: self.ops.weight(v) for k, v in tensors.items()}
         if self.cfg.is_moe_layer(i):
             w["router"] = self.ops.weight(ckpt.router(i))
         else:
@@ -155,13 +171,24 @@ class Stage:
                 or int(batch.lengths.max()) != 1:
             return None
         graph = self.graphs.get(batch.num_tokens)
-        if graph is None or not graph.matches(inputs):
-            from moebus.cuda.graphs import CapturedStep
+        if graph is not None and graph.matches(inputs):
+            return graph
+        from moebus.cuda.graphs import CapturedStep
 
-            self.ops.begin_step()
-            self.experts.device_placement(self.ops)
-            graph = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True))
-            self.graphs[batch.num_tokens] = graph
+        if graph is not None:
+            graph.close()
+        self.ops.begin_step()
+        self.experts.device_placement(self.ops)
+        try:
+            graph = self.graphs[batch.num_tokens] = CapturedStep(self.ops, inputs,
+                                                                 lambda dev: self._run(batch, dev, routed=True))
+        except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
+            if is_fatal_device_error(e):
+                raise
+            log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
+            self.use_graphs = False
+            self.graphs.pop(batch.num_tokens, None)
+            return None
         return graph
 
     def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
@@ -180,13 +207,14 @@ class Stage:
             shape = (len(self.experts.store.layers), batch.num_tokens, self.cfg.top_k)
             out["expert_ids"] = ops.empty(shape, np.int32)
             route = (self.experts.device_placement(ops), out["expert_ids"])
+        residual = None
         for n, i in enumerate(self.layer_range):
-            x = self._layer(n, i, x, token_slot, token_pos, route)
+            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
         if not self.is_last:
-            out["hidden"] = x
+            out["hidden"] = self._residual_add(x, residual)
             return out
-        last = ops.embedding(x, inputs["last_index"])
-        logits = ops.linear(ops.rmsnorm(last, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+        _, h = self._residual_norm(x, residual, self.final_norm)
+        logits = ops.linear(ops.embedding(h, inputs["last_index"]), self.lm_head)
         sampling = inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["u"]
         if batch.logit_rules is None:
             tokens, logprobs = ops.sample(logits, *sampling)
@@ -196,30 +224,50 @@ class Stage:
         out.update(tokens=tokens, logprobs=logprobs, logits=logits)
         return out
 
-    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None):
+    def _residual_norm(self, x, residual, weight):
+        """(x + residual, its rmsnorm): the pending residual add fused with the norm after it.
+        ``residual``: None, ("dense", y) or ("moe", y_pair, weights) (the MoE's combine fused too)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        if residual is None:
+            return x, ops.rmsnorm(x, weight, eps)
+        if residual[0] == "moe":
+            return ops.combine_add_rmsnorm(residual[1], residual[2], x, weight, eps)
+        return ops.add_rmsnorm(x, residual[1], weight, eps)
+
+    def _residual_add(self, x, residual):
+        if residual is None:
+            return x
+        y = self.ops.combine(residual[1], residual[2]) if residual[0] == "moe" else residual[1]
+        return self.ops.add(x, y)
+
+    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None):
+        """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
+        (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        h = ops.rmsnorm(x, w["attn_norm"], eps)
-        q = ops.linear(h, w["q"])
-        k = ops.linear(h, w["k"])
-        v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
-        if cfg.qk_norm:
-            q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps)
-            k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps)
-        q = ops.rope(q.reshape(num_tokens, heads, hd), token_pos, self.cos, self.sin)
-        k = ops.rope(k.reshape(num_tokens, kv_heads, hd), token_pos, self.cos, self.sin)
-        ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
-        a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
-        x = ops.add(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]))
-        h = ops.rmsnorm(x, w["mlp_norm"], eps)
-        if cfg.is_moe_layer(i) and route is not None:
-            y = self._moe_routed(i, w, h, *route)
-        elif cfg.is_moe_layer(i):
-            y = self._moe(i, w, h)
+        x, h = self._residual_norm(x, residual, w["attn_norm"])
+        if self.fuse_qkv:
+            q = ops.qkv_rope_store(ops.linear(h, w["qkv"]), heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
+                                   token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
-            y = ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
-        return ops.add(x, y)
+            q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
+            k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
+            v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
+            if cfg.qk_norm:
+                q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps).reshape(num_tokens, heads, hd)
+                k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps).reshape(num_tokens, kv_heads, hd)
+            q = ops.rope(q, token_pos, self.cos, self.sin)
+            k = ops.rope(k, token_pos, self.cos, self.sin)
+            ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
+        a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
+        x, h = ops.add_rmsnorm(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]), w["mlp_norm"], eps)
+        if cfg.is_moe_layer(i) and route is not None:
+            return x, self._moe_routed(i, w, h, *route)
+        if cfg.is_moe_layer(i):
+            return x, ("dense", self._moe(i, w, h))
+        return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
+                                       w["mlp_down"]))
 
     def _moe_routed(self, layer: int, w: dict, h, placement, expert_ids):
         """Decode: the router's choices go through the placement table on the device; experts that
@@ -231,7 +279,7 @@ class Stage:
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs)
-        return ops.combine(out, weights)
+        return "moe", out, weights  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""

@@ -145,7 +145,14 @@ def exercise(rng) -> None:
                              empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
-    from moebus.cuda import routing
+    from moebus.cuda import fused, routing
+
+    for storage in (lambda a: f32_to_bf16(a), lambda a: a):
+        fused.add_rmsnorm_cuda(f32(2, 2048), f32(2, 2048), storage(f32(2048)), 1e-6, empty(2, 2048), empty(2, 2048))
+        fused.combine_add_rmsnorm_cuda(f32(16, 2048), f32(2, 8), f32(2, 2048), storage(f32(2048)), 1e-6,
+                                       empty(2, 2048), empty(2, 2048))
+        fused.qkv_rope_store_cuda(f32(2, 40 * 128), 32, 4, storage(f32(128)), storage(f32(128)), 1e-6, slots,
+                                  positions, cos, sin, k_cache, v_cache, empty(2, 32, 128))
 
     routing.route_pairs_cuda(np.zeros((2, 8), np.int32), np.zeros((3, 128), np.int32), 1,
                              *(empty(16, dtype=np.int32) for _ in range(3)))

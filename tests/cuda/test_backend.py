@@ -7,9 +7,9 @@ from moebus.cuda.backend import CpuBackend, make_backend
 from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
-OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "route_pairs", "expert_ffn", "combine", "sample", "layernorm", "activation", "add_bias", "vision_attention",
-       "scatter_rows", "apply_rules", "token_logprobs"]
+OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu",
+       "rope", "kv_store", "attention", "topk_softmax", "route_pairs", "expert_ffn", "combine", "sample", "layernorm",
+       "activation", "add_bias", "vision_attention", "scatter_rows", "apply_rules", "token_logprobs"]
 
 
 def _public(cls):

@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from moebus.cuda.arena import HostArena
 from moebus.cuda.ledger import MIB, EmulatedGpu
+from moebus.cuda.routing import host_placement
 from moebus.workers.expert_cache import EMPTY, ExpertCache
 
 BLOB_ELEMS = 256 * 1024  # 512 KiB of bf16 bits: 4 slots per 2 MiB segment
@@ -73,6 +74,41 @@ def test_grow_only_while_the_reserve_allows(tmp_path):
     assert cache.resize(7.0)["expert_cache_mib"] == 4.0  # 1 MiB spare: less than a segment
 
 
+def test_decode_steps_read_misses_in_place_and_admit_what_the_policy_keeps(tmp_path):
+    cache, _ = make_cache(tmp_path, segments=1)  # 4 slots, freq policy
+    cache.max_admissions = 4
+    table = cache.device_placement(cache_ops())
+    assert (table == np.array([[host_placement(r * NUM_EXPERTS + e) for e in range(NUM_EXPERTS)]
+                               for r in range(NUM_LAYERS)])).all()  # nothing resident: all on the host
+    step = np.zeros((NUM_LAYERS, 1, 2), np.int32)
+    step[:, 0] = [0, 1]
+    cache.observe(step)  # 6 distinct misses, read in place; 4 admitted into the free slots
+    assert (cache.hits, cache.misses) == (0, 6) and len(cache.key_slot) == 4
+    for key, slot in cache.key_slot.items():
+        assert cache.placement.reshape(-1)[key] == slot
+    cache.observe(step)
+    cache.observe(step)
+    hot = set(cache.key_slot)
+    step[:, 0] = [4, 5]
+    cache.observe(step)  # one-off experts: weaker than the hot residents, so none is admitted
+    assert set(cache.key_slot) == hot and cache.hits == 8
+
+
+def cache_ops():
+    from moebus.cuda.backend import CpuBackend
+
+    return CpuBackend()
+
+
+def test_default_policy_keeps_at_least_the_cache_fraction_at_batch_8():
+    from moebus.bench.cache import replay, synthetic_trace
+
+    trace = synthetic_trace(60, 3, 32, 8, 4, repeat=0.28, recent=0.22, seed=3)
+    for fraction in (0.25, 0.5):
+        assert replay(trace, 32, fraction, "freq")["hit_rate"] >= fraction
+        assert replay(trace, 32, fraction, "freq")["hit_rate"] >= replay(trace, 32, fraction, "lru")["hit_rate"]
+
+
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -97,6 +133,26 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def release(self):
         self.cache.release()
+
+    @precondition(lambda self: not self.cache.pinned)
+    @rule(picks=st.lists(st.lists(st.permutations(range(NUM_EXPERTS)), min_size=1, max_size=2),
+                         min_size=NUM_LAYERS, max_size=NUM_LAYERS))
+    def observe(self, picks):
+        # a routed decode step: per layer row, 1-2 tokens with 2 distinct experts each
+        tokens = min(len(p) for p in picks)
+        chosen = np.array([[perm[:2] for perm in p[:tokens]] for p in picks], np.int32)
+        before = self.cache.hits + self.cache.misses
+        self.cache.observe(chosen)
+        distinct = len({(r, int(e)) for r in range(NUM_LAYERS) for e in chosen[r].reshape(-1)})
+        assert self.cache.hits + self.cache.misses == before + distinct
+
+    @precondition(lambda self: not self.cache.pinned and self.cache.loaned_from is None)
+    @rule(num_bytes=st.integers(0, 8 * MIB))
+    def loan(self, num_bytes):
+        lo, hi = self.cache.lend(num_bytes)
+        assert self.cache.num_slots == lo >= self.cache.min_slots or lo == hi
+        assert not any(self.cache.slot_key[s] != EMPTY for s in range(lo, hi))  # lent slots hold no expert
+        self.cache.end_loan()
 
     @precondition(lambda self: not self.cache.pinned)
     @rule(reserve=st.floats(0, 14))
@@ -132,6 +188,17 @@ class CacheMachine(RuleBasedStateMachine):
         c = self.cache
         for key, slot in c.key_slot.items():
             assert np.array_equal(c.arena.array[slot], c.store.blob(key))
+
+    @invariant()
+    def placement_points_only_at_slots_that_hold_the_expert(self):
+        c = self.cache
+        flat = c.placement.reshape(-1)
+        for key in range(len(flat)):
+            if key in c.key_slot and key not in c.pending:
+                assert flat[key] == c.key_slot[key]
+            else:
+                assert flat[key] == host_placement(key)
+        assert all(flat[k] < c.num_slots for k in range(len(flat)) if flat[k] >= 0)
 
     @invariant()
     def pinned_experts_stay_resident(self):
