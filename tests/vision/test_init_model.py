@@ -21,6 +21,7 @@ def test_cli_writes_a_llava_directory(tmp_path, tower):
     cfg = load_vision_config(d)
     assert cfg.tower == tower and cfg.text_hidden_size == 64
     assert cfg.num_image_tokens == ImageProcessor.from_dir(d).tokens_per_image(cfg.patch_size, cfg.select_strategy)
+    ImageProcessor.from_dir(d).check_matches(cfg)
     assert json.loads((d / "config.json").read_text())["image_seq_length"] == cfg.num_image_tokens
     tok = TextTokenizer(d)
     assert tok.encode("a<image>b").count(cfg.image_token_id) == 1

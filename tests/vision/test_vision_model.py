@@ -100,6 +100,20 @@ def test_encode_on_the_cuda_backend_equals_cpu(llava):
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["siglip_default", "clip_default"])
+def test_saved_processor_matches_the_tower_and_a_mismatch_is_named(llava, name):
+    d, _ = llava(name)
+    cfg = load_vision_config(d)
+    proc = ImageProcessor.from_dir(d)
+    proc.check_matches(cfg)
+    proc.num_additional_image_tokens += 1
+    with pytest.raises(CheckpointError, match="tokens"):
+        proc.check_matches(cfg)
+    proc.crop_size = proc.size = {"height": 16, "width": 16}
+    with pytest.raises(CheckpointError, match="images"):
+        proc.check_matches(cfg)
+
+
 def test_a_missing_tensor_and_a_wrong_image_size_are_named(llava, tmp_path):
     d, _ = llava("siglip_default")
     broken = hub_layout(d, tmp_path / "broken")
