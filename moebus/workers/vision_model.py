@@ -75,10 +75,8 @@ class VisionModel:
             raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
         ops.begin_step()
-        x = ops.linear(ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip")), self.patch_weight)
-        if self.patch_bias is not None:
-            x = ops.add_bias(x, self.patch_bias)
-        x = ops.add_bias(x, self.positions)
+        rows = ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip"))
+        x = ops.add_bias(ops.tiled_linear(rows, self.patch_weight, self.patch_bias), self.positions)
         if cfg.tower == "clip":
             x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
         selected = {0: x} if 0 in cfg.feature_layers else {}
@@ -94,13 +92,13 @@ class VisionModel:
         ops, cfg = self.ops, self.cfg
         rows, heads, hd = x.shape[0], cfg.num_heads, cfg.head_dim
         h = ops.layernorm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], cfg.layer_norm_eps)
-        q, k, v = (ops.add_bias(ops.linear(h, w[f"self_attn.{n}_proj.weight"]), w[f"self_attn.{n}_proj.bias"])
+        q, k, v = (ops.tiled_linear(h, w[f"self_attn.{n}_proj.weight"], w[f"self_attn.{n}_proj.bias"])
                    .reshape(rows, heads, hd) for n in "qkv")
         a = ops.vision_attention(q, k, v, num_images, hd ** -0.5).reshape(rows, heads * hd)
-        x = ops.add(x, ops.add_bias(ops.linear(a, w["self_attn.out_proj.weight"]), w["self_attn.out_proj.bias"]))
+        x = ops.add(x, ops.tiled_linear(a, w["self_attn.out_proj.weight"], w["self_attn.out_proj.bias"]))
         h = ops.layernorm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], cfg.layer_norm_eps)
-        h = ops.activation(ops.add_bias(ops.linear(h, w["mlp.fc1.weight"]), w["mlp.fc1.bias"]), cfg.hidden_act)
-        return ops.add(x, ops.add_bias(ops.linear(h, w["mlp.fc2.weight"]), w["mlp.fc2.bias"]))
+        h = ops.activation(ops.tiled_linear(h, w["mlp.fc1.weight"], w["mlp.fc1.bias"]), cfg.hidden_act)
+        return ops.add(x, ops.tiled_linear(h, w["mlp.fc2.weight"], w["mlp.fc2.bias"]))
 
     def _select(self, hidden, num_images: int):
         """The 'default' strategy drops position 0 of every image (CLIP's class position; for SigLIP,
@@ -113,10 +111,7 @@ class VisionModel:
 
     def _project(self, features: list):
         ops = self.ops
-        y = ops.linear(features[0], self.proj_in[0])
+        y = ops.tiled_linear(features[0], self.proj_in[0], self.proj_bias[0])
         for feature, weight in zip(features[1:], self.proj_in[1:]):
-            y = ops.add(y, ops.linear(feature, weight))
-        if self.proj_bias[0] is not None:
-            y = ops.add_bias(y, self.proj_bias[0])
-        y = ops.linear(ops.activation(y, self.cfg.projector_act), self.proj_out)
-        return y if self.proj_bias[1] is None else ops.add_bias(y, self.proj_bias[1])
+            y = ops.add(y, ops.tiled_linear(feature, weight))
+        return ops.tiled_linear(ops.activation(y, self.cfg.projector_act), self.proj_out, self.proj_bias[1])
