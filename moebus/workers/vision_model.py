@@ -74,19 +74,40 @@ class VisionModel:
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected:
             raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
+        kept = self._kept_buffers(num_images)
         ops.begin_step()
         rows = ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip"))
         x = ops.add_bias(ops.tiled_linear(rows, self.patch_weight, self.patch_bias), self.positions)
         if cfg.tower == "clip":
             x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
-        selected = {0: x} if 0 in cfg.feature_layers else {}
+        x = self._keep(x, kept, 0)
         for i, layer in enumerate(self.layers):
-            x = self._encoder_layer(layer, x, num_images)
-            if i + 1 in cfg.feature_layers:
-                selected[i + 1] = x
-        features = [self._select(selected[k], num_images) for k in cfg.feature_layers]
+            # one layer's scratch at a time: a step per layer, the hidden state carried in kept memory
+            ops.begin_step()
+            x = self._keep(self._encoder_layer(layer, x, num_images), kept, i + 1)
+        ops.begin_step()
+        features = [self._select(kept[k], num_images) for k in cfg.feature_layers]
         out = ops.to_host(self._project(features))
         return out.reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+
+    def _kept_buffers(self, num_images: int) -> dict:
+        """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state
+        and the row numbers that copy into them; kept for the last image count seen."""
+        if getattr(self, "_kept", {}).get("num_images") != num_images:
+            self._kept = None  # the old ones go before the new ones come
+            rows = num_images * self.cfg.num_positions
+            shape = (rows, self.cfg.hidden_size)
+            self._kept = {"num_images": num_images, "x": self.ops.zeros(shape),
+                          "rows": self.ops.persist(np.arange(rows, dtype=np.int32))}
+            self._kept.update({k: self.ops.zeros(shape) for k in set(self.cfg.feature_layers)})
+        return self._kept
+
+    def _keep(self, x, kept: dict, index: int):
+        """The hidden state after ``index`` layers, copied out of this step's scratch (the copy is
+        ordered after every read of the previous state on the stream)."""
+        if index in kept:
+            self.ops.scatter_rows(kept[index], kept["rows"], x)
+        return self.ops.scatter_rows(kept["x"], kept["rows"], x)
 
     def _encoder_layer(self, w: dict, x, num_images: int):
         ops, cfg = self.ops, self.cfg
