@@ -19,7 +19,7 @@ from moebus.cuda.loads import SCALAR, reader_view, storage_of
 
 # (TM, TN, TK, RM, RN): output tile, k slab, per-thread micro-tile. The simulator runs each thread
 # as a Python thread, so it gets a tile of 16 threads that the tests' small shapes still cut.
-TILE = (8, 8, 4, 2, 2) if SIMULATOR else (64, 64, 16, 4, 4)
+TILE = (16, 16, 16, 4, 4) if SIMULATOR else (64, 64, 16, 4, 4)
 
 
 def tiled_linear_ref(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:

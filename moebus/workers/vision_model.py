@@ -27,6 +27,26 @@ def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.nd
     return np.ascontiguousarray(rows.reshape(-1, c * p * p), dtype=np.float32)
 
 
+def _pool_bytes(nbytes: int) -> int:
+    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/step_pool.py's power-of-two size classes
+
+
+def encode_scratch_bytes(cfg: VisionConfig, num_images: int) -> int:
+    """An upper bound of the device memory an encode of ``num_images`` needs beyond the weights on
+    the cuda backend: the kept hidden states, plus the step pool, which holds per size class the
+    most buffers any step took (bounded here by the sum of the three kinds of step: embedding, one
+    encoder layer with ten (rows, hidden) and two (rows, intermediate) results, projector)."""
+    rows = num_images * cfg.num_positions
+    hidden, inter, text = (_pool_bytes(rows * n * 4) for n in (cfg.hidden_size, cfg.intermediate_size,
+                                                                cfg.text_hidden_size))
+    num_features = len(cfg.feature_layers)
+    kept = (1 + len(set(cfg.feature_layers))) * rows * cfg.hidden_size * 4 + rows * 4
+    embed = _pool_bytes(rows * cfg.num_channels * cfg.patch_size ** 2 * 4) + 3 * hidden
+    layer = 10 * hidden + 2 * inter
+    projector = _pool_bytes(rows * 4) + num_features * (hidden + 2 * text) + 2 * text
+    return kept + embed + layer + projector
+
+
 class VisionModel:
     """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
 
