@@ -175,7 +175,9 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     cfg["eos_token_id"] = eos
     top = llava_config(cfg, vision, preset, tokenizer.token_to_id(IMAGE_TOKEN)) if vision else cfg
     fast = PRESET_SHARDED[preset]
-    extra = (lambda: vision_tensors(top, _Random(seed + 1, fast=fast))) if vision else None
+    # plain draws even for large presets: a tower is at most ~0.4 G values, and the fast pools (one
+    # per distinct scale) would cost more than they save
+    extra = (lambda: vision_tensors(top, _Random(seed + 1, fast=False))) if vision else None
     _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=fast), dtype, progress,
                    rename=llava_name if vision else None, extra=extra)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -186,7 +188,8 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": SPECIAL_TOKENS[1:] + ([IMAGE_TOKEN] if vision else []), "model_max_length": cfg["max_position_embeddings"],
+        "additional_special_tokens": SPECIAL_TOKENS[1:] + ([IMAGE_TOKEN] if vision else []),
+        "model_max_length": cfg["max_position_embeddings"],
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [eos, tokenizer.token_to_id("<|endoftext|>")], "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),

