@@ -75,6 +75,7 @@ class VisionLifecycle:
         self.since_s = self.last_seen_s = self.next_beat_s = self.last_image_s = 0.0
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
+        self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
 
     # -- the broker's hooks -------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class VisionLifecycle:
             self._hand_back(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
+            self.kill_reason = f"not ready within vision.start_timeout_s ({self.vision.start_timeout_s:g} s)"
             self.control.send("kill")
             self.since_s = now  # one kill per timeout; the exit event ends the start
         elif self.state == READY:
@@ -165,6 +167,7 @@ class VisionLifecycle:
     def _serve(self, now: float) -> None:
         if now - self.last_seen_s > self.settings.broker.heartbeat_s * self.settings.broker.heartbeat_liveness:
             log.error("vision worker missed heartbeats for %.1f s; killing it", now - self.last_seen_s)
+            self.kill_reason = "it missed its heartbeats"
             self.control.send("kill")
             self.last_seen_s = now
             return
@@ -234,7 +237,9 @@ class VisionLifecycle:
         elif kind == "started":
             self.worker_pid = event.get("pid")
         elif kind == "exited" and event.get("pid") == self.worker_pid:
-            self._exited(f"status {event.get('status')}" + (f": {event['reason']}" if event.get("reason") else ""), now)
+            reason = self.kill_reason or event.get("reason") or f"exit status {event.get('status')}"
+            self.kill_reason = None
+            self._exited(reason, now)
         elif kind == "gone":
             self.zygote_info = None
             if self.state in (STARTING, READY, STOPPING):
@@ -277,6 +282,8 @@ class VisionLifecycle:
                 self.encoding, self.last_image_s = None, now
 
     def _on_ready(self, msg: VisionReady, now: float) -> None:
+        for event in self.control.poll():  # the zygote's "started" may still be unread
+            self.on_event(event, now)
         if self.state != STARTING or msg.pid != self.worker_pid:
             if msg.pid != self.worker_pid:
                 log.error("VISION_READY from pid %d, expected %s: dropped", msg.pid, self.worker_pid)
