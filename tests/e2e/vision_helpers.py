@@ -12,7 +12,7 @@ from tests.service import Service, alive, process_tree
 
 # The tiny LLaVA's stage 0 needs ~1.4 MiB besides its 2 MiB expert cache: 4 MiB GPUs with 1 MiB
 # segments leave the cache full at start-up and make the vision hand-back shrink it by half.
-VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1, max_context=512)
+VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1, max_context=256)
 
 
 def start_vision_service(tmp, model, **vision) -> Service:
@@ -37,7 +37,7 @@ def image_message(urls: list[str], text: str = "Describe the picture.") -> list[
 def vision_state(client: Client) -> dict:
     info = client.info()
     return {**info["vision"], "loaded": info["vision_loaded"], "starts": info["counters"]["vision_starts_total"],
-            "slots": sum(g.get("expert_slots", 0) for g in info["gpus"])}
+            "slots": sum(client.vram(query=True)["expert_slots"])}
 
 
 def wait_cold(client: Client, timeout_s: float = 20.0) -> dict:
