@@ -21,9 +21,9 @@ TOWERS = {"siglip": dict(tower="siglip"), "clip": dict(tower="clip", text_arch="
 
 
 @pytest.fixture(scope="module", params=list(TOWERS))
-def llava(request, tmp_path_factory):
+def llava(request, tmp_path_factory, tiny_llava):
     tmp = tmp_path_factory.mktemp(f"vision-{request.param}")
-    model_dir = make_hf_llava(tmp / "model", **TOWERS[request.param])
+    model_dir = tiny_llava if request.param == "siglip" else make_hf_llava(tmp / "model", **TOWERS[request.param])
     svc = start_vision_service(tmp, model_dir)
     try:
         yield model_dir, svc

@@ -15,7 +15,7 @@ from moebus.common.errors import RequestError
 from tests.api.helpers import scrape, wait_for
 from tests.e2e.vision_helpers import (image_message, data_url, png_bytes, start_vision_service, vision_state,
                                       vision_worker_pids, wait_cold, zygote_pid)
-from tests.vision_models import make_hf_llava, sample_images
+from tests.vision_models import sample_images
 
 IDLE_S = 0.5
 RACE_ROUNDS = int(os.environ.get("MOEBUS_VISION_RACE_ROUNDS", "20"))
@@ -23,8 +23,8 @@ CONTENT = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    return make_hf_llava(tmp_path_factory.mktemp("llava") / "model")
+def llava_dir(tiny_llava):
+    return tiny_llava
 
 
 @pytest.fixture(scope="module")
