@@ -4,6 +4,7 @@ decode   tokens/s of the demo (or --model) model in-process and through broker +
          and the broker's added latency per step
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)
 vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in bandwidth
+vision-cycle  resident experts through one lazy-vision cycle, and the cold image request's time split
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def run_bench(what: str, argv: list[str]) -> int:
         from moebus.cuda.bench_kernels import main
     elif what == "vram":
         from moebus.bench.vram import main
+    elif what == "vision-cycle":
+        from moebus.bench.vision_cycle import main
     else:
         print(__doc__)
         return 2

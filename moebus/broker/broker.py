@@ -17,8 +17,7 @@ from moebus.broker.admission import make_sequence
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
-from moebus.broker.vision import VisionHooks
-from moebus.broker.vision_requests import step_embeds
+from moebus.broker.vision import VisionHooks, step_embeds
 from moebus.broker.vram import VramFanout, per_gpu_reserves
 from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire

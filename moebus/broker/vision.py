@@ -17,8 +17,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from PIL import Image
+
 from moebus.broker.vision_control import ZygoteControl
-from moebus.broker.vision_requests import ImageRequest, admit_image_request
+from moebus.broker.vision_requests import ImageRequest, admit_image_request, step_embeds  # noqa: F401 (re-exported)
 from moebus.common.errors import ServerBusy
 from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
 
@@ -76,6 +78,7 @@ class VisionLifecycle:
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
+        Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
 
@@ -197,7 +200,7 @@ class VisionLifecycle:
 
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
-        self.last_cycle = {"began_s": now}
+        self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
         self.hooks.queue_vram(self.reserves(), self._handed_back)
 
     def _handed_back(self, reply) -> None:
@@ -292,7 +295,7 @@ class VisionLifecycle:
         self.last_seen_s = self.last_image_s = now
         self.backoff_s = 0.5
         began = self.last_cycle.get("handed_back_s", now)
-        self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s)
+        self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s, ready_s=now)
         self.stats.count("vision_starts_total")
         self.stats.observe("vision_start_seconds", now - self.last_cycle.get("began_s", now))
         log.info("vision worker ready on gpu%d (pid %d, %.1f MiB on the device, start %.2f s)", msg.gpu, msg.pid,
@@ -321,7 +324,8 @@ class VisionLifecycle:
         self.stats.count("images_total", len(req.images))
         seq.embeds = msg.embeds
         if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
-            self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq)
+            self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq,
+                                   ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
         try:
             self.hooks.submit(seq)
         except Exception as e:  # ServerBusy: the queue filled while it was encoded
@@ -336,7 +340,7 @@ class VisionLifecycle:
 
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""
-        cycle = {k: v for k, v in self.last_cycle.items() if k in ("handback_s", "start_s", "worker_start_s", "encode_s")}
+        cycle = {k: v for k, v in self.last_cycle.items() if k in ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")}
         seq = self.last_cycle.get("seq")
         if seq is not None and seq.first_token_s is not None:
             cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]

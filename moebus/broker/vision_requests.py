@@ -11,6 +11,7 @@ import numpy as np
 from moebus.broker.admission import make_sequence
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import RequestError
+from moebus.common.image_processor import expand_image_tokens
 from moebus.common.images import ImageLimits, check_header
 from moebus.common.protocol import Generate
 
@@ -47,8 +48,6 @@ def admit_image_request(msg: Generate, client: bytes, tokenizer, vocab_size: int
     _check_parts(msg.messages)
 
     def expand(ids: list[int]) -> list[int]:
-        from moebus.common.image_processor import expand_image_tokens
-
         found = ids.count(image_token_id)
         if found != len(images):
             raise RequestError(f"the prompt has {found} image placeholder(s) for {len(images)} image(s)",

@@ -18,13 +18,16 @@ from tests.vision_models import make_hf_llava, sample_images  # noqa: E402
 NUM_TOKENS = 8
 TEXT = "What is in the picture?"
 TOWERS = {"siglip": dict(tower="siglip"), "clip": dict(tower="clip", text_arch="mixtral")}
+# siglip_chunked: prompts prefill in 7-token chunks, so an image's 16 tokens span three STEPs
+SERVES = {"siglip": {}, "clip": {}, "siglip_chunked": {"max_step_tokens": 7}}
 
 
-@pytest.fixture(scope="module", params=list(TOWERS))
+@pytest.fixture(scope="module", params=list(SERVES))
 def llava(request, tmp_path_factory, tiny_llava):
     tmp = tmp_path_factory.mktemp(f"vision-{request.param}")
-    model_dir = tiny_llava if request.param == "siglip" else make_hf_llava(tmp / "model", **TOWERS[request.param])
-    svc = start_vision_service(tmp, model_dir)
+    tower = request.param.split("_")[0]
+    model_dir = tiny_llava if tower == "siglip" else make_hf_llava(tmp / "model", **TOWERS[tower])
+    svc = start_vision_service(tmp, model_dir, **SERVES[request.param])
     try:
         yield model_dir, svc
     finally:

@@ -63,7 +63,9 @@ def test_a_cold_image_hands_back_and_the_idle_unload_regrows(service, zmq, image
     assert len(result["tokens"]) == 4
     during = vision_state(zmq)
     assert during["loaded"] == 1 and during["slots"] < startup_slots  # the cache on gpu0 gave room to vision
-    assert vision_worker_pids(service, zygote_pid(service)) == [during["pid"]]
+    zygote = zygote_pid(service)
+    assert vision_worker_pids(service, zygote) == [during["pid"]]
+    assert os.listdir(f"/proc/{zygote}/task") == [str(zygote)]  # the zygote forks with no thread besides its own
     after = wait_cold(zmq)
     assert after["loaded"] == 0 and after["slots"] == startup_slots
     assert wait_for(lambda: not vision_worker_pids(service, zygote_pid(service)) or None, 5)

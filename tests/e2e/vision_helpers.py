@@ -15,8 +15,9 @@ from tests.service import Service, alive, process_tree
 VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1, max_context=256)
 
 
-def start_vision_service(tmp, model, **vision) -> Service:
-    return Service(tmp, model, vision={"idle_s": 1.0, **vision}, **VISION_SERVE).wait_ready()
+def start_vision_service(tmp, model, max_step_tokens: int = 512, **vision) -> Service:
+    return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
+                   **VISION_SERVE).wait_ready()
 
 
 def png_bytes(image) -> bytes:
