@@ -117,7 +117,7 @@ def cmd_init_model(args) -> int:
     from tqdm import tqdm
 
     path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.layers,
-                      progress=lambda it: tqdm(it, desc="writing shards", unit="shard"))
+                      progress=lambda it: tqdm(it, desc="writing shards", unit="shard"), vision=args.vision)
     print(path)
     return 0
 
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layers", type=int, help="override the preset's number of layers")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    sp.add_argument("--vision", choices=["siglip", "clip"],
+                    help="a LLaVA directory: this vision tower (a3b: SigLIP-so400m's shape) around the language model")
     sp.set_defaults(func=cmd_init_model, verbose=False)
 
     sp = sub.add_parser("bench", help="benchmarks that print figures (decode, kernels, ...)")

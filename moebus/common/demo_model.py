@@ -10,7 +10,7 @@ from pathlib import Path
 from moebus.common.tiny_model import init_model
 
 log = logging.getLogger("moebus")
-DEMO_NAME = "demo-qwen3_moe-v1"
+DEMO_NAME = "demo-llava-qwen3_moe-v2"  # v2: a SigLIP tower around the v1 language model
 
 
 def cache_dir() -> Path:
@@ -28,7 +28,7 @@ def demo_model_dir() -> Path:
     log.info("making the embedded demo model in %s (once)", target)
     scratch = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
     try:
-        init_model(scratch, "qwen3_moe", "demo", seed=0)
+        init_model(scratch, "qwen3_moe", "demo", seed=0, vision="siglip")
         try:
             scratch.rename(target)
         except OSError:  # another process made it first

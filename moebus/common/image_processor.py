@@ -108,6 +108,20 @@ class ImageProcessor:
         count = (height // patch_size) * (width // patch_size) + self.num_additional_image_tokens
         return count - (1 if select_strategy == "default" else 0)
 
+    def check_matches(self, cfg) -> None:
+        """Raise CheckpointError unless this processor's output fits the tower of ``cfg`` (a
+        VisionConfig): its image size, and LlavaProcessor's token count where the processor config
+        gives one (patch_size), equal to the features the tower yields."""
+        expected = (cfg.image_size, cfg.image_size)
+        if self.image_size != expected:
+            raise CheckpointError(f"image processor makes {self.image_size or 'variable-size'} images, "
+                                  f"the vision tower takes {expected}")
+        if self.patch_size is not None:
+            tokens = self.tokens_per_image(int(self.patch_size), self.select_strategy or cfg.select_strategy)
+            if tokens != cfg.num_image_tokens:
+                raise CheckpointError(f"processor config expands an image to {tokens} tokens, the vision tower "
+                                      f"gives {cfg.num_image_tokens} features (num_additional_image_tokens?)")
+
     def preprocess(self, image: Image.Image) -> np.ndarray:
         pixels = self._channels_last(image)
         if self.do_resize:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from moebus.common.safetensors_io import save_file
-from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
+from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, IMAGE_TOKEN, SPECIAL_TOKENS, train_tokenizer
+from moebus.common.tiny_vision import llava_config, llava_name, processor_config, vision_tensors
 from moebus.cuda.dtypes import f32_to_bf16
 
 PRESETS = {
@@ -117,34 +118,43 @@ def _layer_tensors(cfg: dict, arch: str, i: int, r: _Random) -> dict[str, np.nda
     return w
 
 
-def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress) -> None:
-    """One safetensors file for a small model; one shard per layer (and an index) for a large one."""
-    def stored(tensors):
+def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress, rename=None,
+                   extra=None) -> None:
+    """One safetensors file for a small model; one shard per layer (and an index) for a large one.
+    ``rename`` maps the language model's names (a LLaVA layout); ``extra()`` adds more tensors."""
+    def stored(tensors, rename=rename):
+        named = {(rename or str)(k): a for k, a in tensors.items()}
         if dtype == "bf16":
-            return {k: (a if a.dtype == np.uint16 else f32_to_bf16(a), "BF16") for k, a in tensors.items()}
-        return {k: (a, "F32") for k, a in tensors.items()}
+            return {k: (a if a.dtype == np.uint16 else f32_to_bf16(a), "BF16") for k, a in named.items()}
+        return {k: (a, "F32") for k, a in named.items()}
 
     layers = range(cfg["num_hidden_layers"])
     if PRESET_SHARDED.get(cfg.get("_preset"), False):
         weight_map = {}
         parts = [("model-globals.safetensors", lambda: _global_tensors(cfg, r))]
         parts += [(f"model-layer-{i:03d}.safetensors", lambda i=i: _layer_tensors(cfg, arch, i, r)) for i in layers]
-        for fname, make in progress(parts):
-            tensors = make()
-            save_file(stored(tensors), out / fname)
+        vision = [("model-vision.safetensors", extra)] if extra else []
+        for fname, make in progress(parts + vision):
+            tensors = stored(make(), rename if make is not extra else None)
+            save_file(tensors, out / fname)
             weight_map.update({name: fname for name in tensors})
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         return
     tensors = _global_tensors(cfg, r)
     for i in layers:
         tensors.update(_layer_tensors(cfg, arch, i, r))
-    save_file(stored(tensors), out / "model.safetensors")
+    tensors = stored(tensors)
+    if extra:
+        tensors.update(stored(extra(), None))
+    save_file(tensors, out / "model.safetensors")
 
 
 def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
-               dtype: str = "bf16", num_layers: int | None = None, progress=iter) -> Path:
+               dtype: str = "bf16", num_layers: int | None = None, progress=iter, vision: str | None = None) -> Path:
     """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors;
-    ``num_layers`` overrides the preset's layer count."""
+    ``num_layers`` overrides the preset's layer count; ``vision`` ('siglip' or 'clip') wraps the
+    language model in a LLaVA checkpoint with that tower (its weights drawn from seed + 1, so the
+    language model's are the same with or without it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
@@ -152,18 +162,27 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     cfg = hf_config(arch, preset)
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
-    tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0)
+    tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0, image_token=bool(vision))
     if dtype != "bf16":
         cfg["torch_dtype"] = "float32"
-    _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=PRESET_SHARDED[preset]), dtype, progress)
-    tokenizer.save(str(out / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|im_end|>")
     cfg["eos_token_id"] = eos
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    top = llava_config(cfg, vision, preset, tokenizer.token_to_id(IMAGE_TOKEN)) if vision else cfg
+    fast = PRESET_SHARDED[preset]
+    # plain draws even for large presets: a tower is at most ~0.4 G values, and the fast pools (one
+    # per distinct scale) would cost more than they save
+    extra = (lambda: vision_tensors(top, _Random(seed + 1, fast=False))) if vision else None
+    _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=fast), dtype, progress,
+                   rename=llava_name if vision else None, extra=extra)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(top, indent=2))
+    if vision:
+        (out / "processor_config.json").write_text(json.dumps(processor_config(top), indent=2))
+        (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # where transformers' processors look
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": SPECIAL_TOKENS[1:], "model_max_length": cfg["max_position_embeddings"],
+        "additional_special_tokens": SPECIAL_TOKENS[1:] + ([IMAGE_TOKEN] if vision else []), "model_max_length": cfg["max_position_embeddings"],
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [eos, tokenizer.token_to_id("<|endoftext|>")], "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),

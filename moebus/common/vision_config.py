@@ -117,13 +117,15 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig |
     text = raw.get("text_config") or {}
     if text.get("hidden_size") is None:
         raise CheckpointError(f"{where}: missing key 'text_config.hidden_size'")
-    token = raw.get("image_token_id", top["image_token_index"])
+    token = int(raw.get("image_token_id", top["image_token_index"]))
+    if not 0 <= token < int(text.get("vocab_size") or token + 1):
+        raise CheckpointError(f"{where}: image token id {token} is outside the vocabulary of {text['vocab_size']}")
     return VisionConfig(
         tower=tower, hidden_size=hidden, intermediate_size=int(v["intermediate_size"]),
         num_layers_run=max(layers), num_heads=heads, patch_size=patch, image_size=image_size,
         num_channels=int(v["num_channels"]), layer_norm_eps=float(v["layer_norm_eps"]), hidden_act=v["hidden_act"],
         feature_layers=layers, select_strategy=strategy, projector_act=top["projector_hidden_act"],
-        projector_bias=bool(top["multimodal_projector_bias"]), image_token_id=int(token),
+        projector_bias=bool(top["multimodal_projector_bias"]), image_token_id=token,
         num_image_tokens=positions - (1 if strategy == "default" else 0), text_hidden_size=int(text["hidden_size"]),
         num_layers=num_layers, image_seq_length=int(top["image_seq_length"]))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
-from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
+from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.dtypes import to_f32
 
 
@@ -71,6 +71,7 @@ class CpuBackend:
     sample = staticmethod(sampling.sample_ref)
     # vision tower and stage-0 image embeddings
     layernorm = staticmethod(layernorm.layernorm_ref)
+    tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
     activation = staticmethod(activations.activation_ref)
     add_bias = staticmethod(activations.add_bias_ref)
     vision_attention = staticmethod(vision_attention.vision_attention_ref)

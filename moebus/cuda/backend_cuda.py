@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
-from moebus.cuda import activations, layernorm, scatter, vision_attention  # the vision tower's ops
+from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.compat import cuda
 from moebus.cuda.step_pool import StepPool
 
@@ -142,6 +142,11 @@ class CudaBackend:
 
     def layernorm(self, x, weight, bias, eps: float):
         return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
+
+    def tiled_linear(self, x, weight, bias=None):
+        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
+        out = self.empty((x.shape[0], weight.shape[0]))
+        return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
     def activation(self, x, name: str):
         return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)

@@ -49,12 +49,14 @@ class LocalModel:
 
     def image_embeds(self, prompts: list[list[int]], images: list) -> dict:
         """StepBatch keywords that put each prompt's images (``(n, C, H, W)`` pixel values or None)
-        at its image tokens, prompts laid end to end as in one step."""
+        at its image tokens, the prompts laid end to end as in one step."""
+        hidden = self.ckpt.config.hidden_size
+        image_token = self.vision_config.image_token_id if self.vision_config else None
         rows, embeds, offset = [], [], 0
         for prompt, pixels in zip(prompts, images):
-            where = np.flatnonzero(np.asarray(prompt) == (self.vision_config.image_token_id if self.vision_config else -1))
-            found = np.zeros((0, self.ckpt.config.hidden_size), np.float32) if pixels is None or len(pixels) == 0 \
-                else self.vision.encode(pixels).reshape(-1, self.ckpt.config.hidden_size)
+            where = np.flatnonzero(np.asarray(prompt) == image_token) if image_token is not None else np.zeros(0, int)
+            found = np.zeros((0, hidden), np.float32) if pixels is None or len(pixels) == 0 \
+                else self.vision.encode(pixels).reshape(-1, hidden)
             if len(where) != len(found):
                 raise ValueError(f"{len(where)} image tokens in the prompt, {len(found)} image embeddings")
             rows.append(where + offset)

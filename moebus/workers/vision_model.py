@@ -27,6 +27,26 @@ def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.nd
     return np.ascontiguousarray(rows.reshape(-1, c * p * p), dtype=np.float32)
 
 
+def _pool_bytes(nbytes: int) -> int:
+    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/step_pool.py's power-of-two size classes
+
+
+def encode_scratch_bytes(cfg: VisionConfig, num_images: int) -> int:
+    """An upper bound of the device memory an encode of ``num_images`` needs beyond the weights on
+    the cuda backend: the kept hidden states, plus the step pool, which holds per size class the
+    most buffers any step took (bounded here by the sum of the three kinds of step: embedding, one
+    encoder layer with ten (rows, hidden) and two (rows, intermediate) results, projector)."""
+    rows = num_images * cfg.num_positions
+    hidden, inter, text = (_pool_bytes(rows * n * 4) for n in (cfg.hidden_size, cfg.intermediate_size,
+                                                                cfg.text_hidden_size))
+    num_features = len(cfg.feature_layers)
+    kept = (1 + len(set(cfg.feature_layers))) * rows * cfg.hidden_size * 4 + rows * 4
+    embed = _pool_bytes(rows * cfg.num_channels * cfg.patch_size ** 2 * 4) + 3 * hidden
+    layer = 10 * hidden + 2 * inter
+    projector = _pool_bytes(rows * 4) + num_features * (hidden + 2 * text) + 2 * text
+    return kept + embed + layer + projector
+
+
 class VisionModel:
     """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
 
@@ -74,33 +94,52 @@ class VisionModel:
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected:
             raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
+        kept = self._kept_buffers(num_images)
         ops.begin_step()
-        x = ops.linear(ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip")), self.patch_weight)
-        if self.patch_bias is not None:
-            x = ops.add_bias(x, self.patch_bias)
-        x = ops.add_bias(x, self.positions)
+        rows = ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip"))
+        x = ops.add_bias(ops.tiled_linear(rows, self.patch_weight, self.patch_bias), self.positions)
         if cfg.tower == "clip":
             x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
-        selected = {0: x} if 0 in cfg.feature_layers else {}
+        x = self._keep(x, kept, 0)
         for i, layer in enumerate(self.layers):
-            x = self._encoder_layer(layer, x, num_images)
-            if i + 1 in cfg.feature_layers:
-                selected[i + 1] = x
-        features = [self._select(selected[k], num_images) for k in cfg.feature_layers]
+            # one layer's scratch at a time: a step per layer, the hidden state carried in kept memory
+            ops.begin_step()
+            x = self._keep(self._encoder_layer(layer, x, num_images), kept, i + 1)
+        ops.begin_step()
+        features = [self._select(kept[k], num_images) for k in cfg.feature_layers]
         out = ops.to_host(self._project(features))
         return out.reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+
+    def _kept_buffers(self, num_images: int) -> dict:
+        """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state
+        and the row numbers that copy into them; kept for the last image count seen."""
+        if getattr(self, "_kept", {}).get("num_images") != num_images:
+            self._kept = None  # the old ones go before the new ones come
+            rows = num_images * self.cfg.num_positions
+            shape = (rows, self.cfg.hidden_size)
+            self._kept = {"num_images": num_images, "x": self.ops.zeros(shape),
+                          "rows": self.ops.persist(np.arange(rows, dtype=np.int32))}
+            self._kept.update({k: self.ops.zeros(shape) for k in set(self.cfg.feature_layers)})
+        return self._kept
+
+    def _keep(self, x, kept: dict, index: int):
+        """The hidden state after ``index`` layers, copied out of this step's scratch (the copy is
+        ordered after every read of the previous state on the stream)."""
+        if index in kept:
+            self.ops.scatter_rows(kept[index], kept["rows"], x)
+        return self.ops.scatter_rows(kept["x"], kept["rows"], x)
 
     def _encoder_layer(self, w: dict, x, num_images: int):
         ops, cfg = self.ops, self.cfg
         rows, heads, hd = x.shape[0], cfg.num_heads, cfg.head_dim
         h = ops.layernorm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], cfg.layer_norm_eps)
-        q, k, v = (ops.add_bias(ops.linear(h, w[f"self_attn.{n}_proj.weight"]), w[f"self_attn.{n}_proj.bias"])
+        q, k, v = (ops.tiled_linear(h, w[f"self_attn.{n}_proj.weight"], w[f"self_attn.{n}_proj.bias"])
                    .reshape(rows, heads, hd) for n in "qkv")
         a = ops.vision_attention(q, k, v, num_images, hd ** -0.5).reshape(rows, heads * hd)
-        x = ops.add(x, ops.add_bias(ops.linear(a, w["self_attn.out_proj.weight"]), w["self_attn.out_proj.bias"]))
+        x = ops.add(x, ops.tiled_linear(a, w["self_attn.out_proj.weight"], w["self_attn.out_proj.bias"]))
         h = ops.layernorm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], cfg.layer_norm_eps)
-        h = ops.activation(ops.add_bias(ops.linear(h, w["mlp.fc1.weight"]), w["mlp.fc1.bias"]), cfg.hidden_act)
-        return ops.add(x, ops.add_bias(ops.linear(h, w["mlp.fc2.weight"]), w["mlp.fc2.bias"]))
+        h = ops.activation(ops.tiled_linear(h, w["mlp.fc1.weight"], w["mlp.fc1.bias"]), cfg.hidden_act)
+        return ops.add(x, ops.tiled_linear(h, w["mlp.fc2.weight"], w["mlp.fc2.bias"]))
 
     def _select(self, hidden, num_images: int):
         """The 'default' strategy drops position 0 of every image (CLIP's class position; for SigLIP,
@@ -113,10 +152,7 @@ class VisionModel:
 
     def _project(self, features: list):
         ops = self.ops
-        y = ops.linear(features[0], self.proj_in[0])
+        y = ops.tiled_linear(features[0], self.proj_in[0], self.proj_bias[0])
         for feature, weight in zip(features[1:], self.proj_in[1:]):
-            y = ops.add(y, ops.linear(feature, weight))
-        if self.proj_bias[0] is not None:
-            y = ops.add_bias(y, self.proj_bias[0])
-        y = ops.linear(ops.activation(y, self.cfg.projector_act), self.proj_out)
-        return y if self.proj_bias[1] is None else ops.add_bias(y, self.proj_bias[1])
+            y = ops.add(y, ops.tiled_linear(feature, weight))
+        return ops.tiled_linear(ops.activation(y, self.cfg.projector_act), self.proj_out, self.proj_bias[1])

@@ -8,7 +8,7 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "expert_ffn", "combine", "sample"]
+       "expert_ffn", "combine", "sample", "layernorm", "tiled_linear", "activation", "add_bias", "vision_attention", "scatter_rows"]
 
 
 def _public(cls):

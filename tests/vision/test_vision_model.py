@@ -88,16 +88,35 @@ def test_every_layout_gives_the_same_weights_and_language_model(llava, tmp_path)
     assert any("experts.gate_up_proj" in n for n in Checkpoint(layouts["memory"]).names())
 
 
-def test_encode_on_the_cuda_backend_equals_cpu(llava):
+def test_encode_on_the_cuda_backend_equals_cpu_within_its_scratch_estimate(llava):
     from moebus.cuda.backend_cuda import CudaBackend
+    from moebus.workers.vision_model import encode_scratch_bytes
 
     d, _ = llava("clip_layers_full_nobias")
     cfg = load_vision_config(d)
     weights = load_vision_weights(d)
     px = pixels(d)[:1]
     ref = VisionModel(cfg, weights, make_backend("cpu")).encode(px)
-    ours = VisionModel(cfg, weights, CudaBackend()).encode(px)
-    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    backend = CudaBackend()
+    model = VisionModel(cfg, weights, backend)
+    np.testing.assert_allclose(model.encode(px), ref, rtol=1e-4, atol=1e-4)
+    kept = sum(a.size * a.dtype.itemsize for k, a in model._kept.items() if k != "num_images")
+    held = backend.device_pool.cached_bytes + kept
+    assert held <= encode_scratch_bytes(cfg, 1) < 2 * held
+
+
+@pytest.mark.parametrize("name", ["siglip_default", "clip_default"])
+def test_saved_processor_matches_the_tower_and_a_mismatch_is_named(llava, name):
+    d, _ = llava(name)
+    cfg = load_vision_config(d)
+    proc = ImageProcessor.from_dir(d)
+    proc.check_matches(cfg)
+    proc.num_additional_image_tokens += 1
+    with pytest.raises(CheckpointError, match="tokens"):
+        proc.check_matches(cfg)
+    proc.crop_size = proc.size = {"height": 16, "width": 16}
+    with pytest.raises(CheckpointError, match="images"):
+        proc.check_matches(cfg)
 
 
 def test_a_missing_tensor_and_a_wrong_image_size_are_named(llava, tmp_path):
@@ -113,3 +132,4 @@ def test_a_missing_tensor_and_a_wrong_image_size_are_named(llava, tmp_path):
     model = VisionModel(load_vision_config(d), load_vision_weights(d), make_backend("cpu"))
     with pytest.raises(ValueError, match="expected"):
         model.encode(np.zeros((1, 3, 16, 16), np.float32))
+
