@@ -17,7 +17,7 @@ from moebus.broker.admission import make_sequence
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
-from moebus.broker.vision import VisionHooks, step_embeds
+from moebus.broker.vision import VisionHooks, has_images, step_embeds
 from moebus.broker.vram import VramFanout, per_gpu_reserves
 from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common import transport, wire
@@ -161,7 +161,7 @@ class Broker:
                 raise Unavailable("server shutting down")
             if self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id)):
                 raise RequestError(f"request id {msg.id!r} is already in use", param="id")
-            if msg.images:  # waits in the vision lifecycle until its embeddings are back
+            if msg.images or (self.vision and has_images(msg)):  # waits in the vision lifecycle for its embeddings
                 if self.vision is None:
                     raise RequestError("model has no vision: image inputs are not supported", param="images",
                                        code="model_has_no_vision")

@@ -20,7 +20,8 @@ from typing import Callable
 from PIL import Image
 
 from moebus.broker.vision_control import ZygoteControl
-from moebus.broker.vision_requests import ImageRequest, admit_image_request, step_embeds  # noqa: F401 (re-exported)
+from moebus.broker.vision_requests import (ImageRequest, admit_image_request, has_images,  # noqa: F401 (re-exported)
+                                           step_embeds)
 from moebus.common.errors import ServerBusy
 from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
 
@@ -48,7 +49,7 @@ def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: 
     measured split: context + tower + activations on the vision GPU, and room for the embeddings'
     traffic and the loaned prefill scratch elsewhere). cpu: exactly what the vision worker charges
     to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
-    vision.max_images_per_request images), in whole MiB, on the vision GPU only."""
+    one tower pass: the worker encodes one image at a time), in whole MiB, on the vision GPU only."""
     if device == "cuda":
         return [1800] if num_gpus == 1 else [1700 if g == vision_gpu else 600 for g in range(num_gpus)]
     need = -(-charge_bytes // MIB) + 1

@@ -26,6 +26,13 @@ class ImageRequest:
     encode_sent_s: float | None = None
 
 
+def has_images(msg: Generate) -> bool:
+    """Image frames, or image placeholder parts (which then need frames)."""
+    return bool(msg.images) or any(isinstance(part, dict) and part.get("type") == "image"
+                                   for m in msg.messages or [] if isinstance(m, dict)
+                                   for part in (m.get("content") if isinstance(m.get("content"), list) else []))
+
+
 def _check_parts(messages: list[dict] | None) -> None:
     for n, message in enumerate(messages or []):
         content = message.get("content") if isinstance(message, dict) else None

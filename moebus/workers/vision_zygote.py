@@ -41,7 +41,7 @@ class Zygote:
         self.config = load_vision_config(model_dir)
         self.processor = ImageProcessor.from_dir(model_dir)
         self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
-        self.charge = vision_worker.charge_bytes(self.config, self.weights, settings.vision.max_images_per_request)
+        self.charge = vision_worker.charge_bytes(self.config, self.weights)
         self.control_path = control_path
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
