@@ -196,8 +196,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def _cuda_initialised() -> bool:
+    """Has anything in this process called cuInit? (numba records the pid that did.)"""
+    from numba.cuda.cudadrv import driver
+
+    return getattr(driver.driver, "pid", None) is not None
+
+
 def run_zygote(settings, model_dir: str, connect: str, device: str, control_path: str) -> int:
     zygote = Zygote(settings, model_dir, connect, device, control_path)
+    if device == "cuda" and _cuda_initialised():  # every forked child's CUDA would be broken
+        raise RuntimeError("the vision zygote initialised CUDA while importing; it must not before forking")
     num_threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if num_threads != 1:  # a thread holding a lock at fork time would deadlock the child
         log.warning("vision zygote has %d threads before forking", num_threads)
