@@ -53,6 +53,7 @@ class VisionModel:
     def __init__(self, config: VisionConfig, weights: dict, backend):
         self.cfg, self.ops = config, backend
         self._bytes = 0
+        self._kept = None  # device buffers that outlive a step (see _kept_buffers)
         d = config.hidden_size
         self.patch_weight = self._weight(weights["embeddings.patch_embedding.weight"].reshape(d, -1))
         self.patch_bias = self._weight(weights.get("embeddings.patch_embedding.bias"))
@@ -91,7 +92,7 @@ class VisionModel:
         cfg, ops = self.cfg, self.ops
         pixel_values = np.asarray(pixel_values, dtype=np.float32)
         expected = (cfg.num_channels, cfg.image_size, cfg.image_size)
-        if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected:
+        if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected or pixel_values.shape[0] == 0:
             raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
         kept = self._kept_buffers(num_images)
@@ -113,7 +114,7 @@ class VisionModel:
     def _kept_buffers(self, num_images: int) -> dict:
         """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state
         and the row numbers that copy into them; kept for the last image count seen."""
-        if getattr(self, "_kept", {}).get("num_images") != num_images:
+        if self._kept is None or self._kept["num_images"] != num_images:
             self._kept = None  # the old ones go before the new ones come
             rows = num_images * self.cfg.num_positions
             shape = (rows, self.cfg.hidden_size)

@@ -20,6 +20,7 @@ VARIANTS = {
     "clip_default": dict(tower="clip", text_arch="mixtral"),
     "clip_layers_full_nobias": dict(tower="clip", feature_layer=[0, -2], strategy="full", projector_bias=False),
     "siglip_bf16": dict(tower="siglip", dtype="bf16", feature_layer=[1, -1]),
+    "clip_f16": dict(tower="clip", dtype="f16"),
 }
 
 
