@@ -1,6 +1,7 @@
 """Hostile images get a fast 400 or 413 OpenAI error naming the part (never an address or internal
 state), before the vision worker is started or touched, and leave the worker and the caches as
 they were; over ZeroMQ the same, with the images named by frame."""
+import re
 import struct
 import time
 import zlib
@@ -84,7 +85,7 @@ def test_hostile_images_are_refused_fast_and_harm_nothing(service, zmq, name):
     error = response.json()["error"]
     assert error["code"] == code and error["type"] == "invalid_request_error"
     assert error["param"] == ("messages" if code == "too_many_images" else "messages[0].content[1].image_url")
-    assert "0x" not in error["message"] and "object at" not in error["message"]
+    assert not re.search(r"0x[0-9a-f]{6,}|object at|Traceback", error["message"])  # no address, no internals
     after = vision_state(zmq)
     assert (after["state"], after["pid"], after["starts"], after["slots"]) == \
         (before["state"], before["pid"], before["starts"], before["slots"])

@@ -174,3 +174,20 @@ def test_openai_image_chat_with_a_data_url(service, image):
         reply = client.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=3,
                                                temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+
+
+def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, llava_dir, image):
+    """No hand-back (vram_mib 0): the caches keep the emulated GPU full, so the vision worker's
+    ledger charge fails as a cudaMalloc would, and the waiting image request is told why."""
+    svc = start_vision_service(tmp_path, llava_dir, max_context=384, vram_mib=[0, 0])
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        with pytest.raises(RequestError) as err:
+            _image_request(client, image).collect()
+        assert err.value.http_status == 503 and err.value.code == "vision_unavailable"
+        assert "OutOfMemory" in err.value.message and "emulated GPU gpu0" in err.value.message
+        assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
+        assert wait_cold(client)["loaded"] == 0
+    finally:
+        client.close()
+        assert svc.stop() == []

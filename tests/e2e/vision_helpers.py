@@ -12,12 +12,13 @@ from tests.service import Service, alive, process_tree
 
 # The tiny LLaVA's stage 0 needs ~1.4 MiB besides its 2 MiB expert cache: 4 MiB GPUs with 1 MiB
 # segments leave the cache full at start-up and make the vision hand-back shrink it by half.
-VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1, max_context=256)
+# (max_context 384 leaves gpu0 0.1 MiB free beside a full cache: less than the vision worker's 0.5.)
+VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1)
 
 
-def start_vision_service(tmp, model, max_step_tokens: int = 512, **vision) -> Service:
+def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, **vision) -> Service:
     return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
-                   **VISION_SERVE).wait_ready()
+                   max_context=max_context, **VISION_SERVE).wait_ready()
 
 
 def png_bytes(image) -> bytes:
