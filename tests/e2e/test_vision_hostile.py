@@ -1,8 +1,10 @@
 """Hostile images get a fast 400 or 413 OpenAI error naming the part (never an address or internal
 state), before the vision worker is started or touched, and leave the worker and the caches as
 they were; over ZeroMQ the same, with the images named by frame."""
+import http.server
 import re
 import struct
+import threading
 import time
 import zlib
 
@@ -15,6 +17,7 @@ from tests.e2e.vision_helpers import data_url, png_bytes, start_vision_service, 
 from tests.vision_models import sample_images
 
 MAX_IMAGE_BYTES = 256 * 1024
+GOOD = png_bytes(sample_images()[0])
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -30,10 +33,39 @@ def png_bomb(side: int = 30000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", body) + _chunk(b"IEND", b"")
 
 
+class _Images(http.server.BaseHTTPRequestHandler):
+    """A loopback web server: /ok/cat.png is an image, /ok/moved redirects to it."""
+
+    def do_GET(self):  # noqa: N802 - the http.server API
+        if self.path == "/ok/moved":
+            self.send_response(302)
+            self.send_header("Location", "/ok/cat.png")
+            self.end_headers()
+            return
+        body = GOOD if self.path.endswith("cat.png") else b"no"
+        self.send_response(200 if self.path.endswith("cat.png") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, tiny_llava):
+def web():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tiny_llava, web):
     svc = start_vision_service(tmp_path_factory.mktemp("hostile"), tiny_llava, idle_s=30,
-                               max_image_bytes=MAX_IMAGE_BYTES)
+                               max_image_bytes=MAX_IMAGE_BYTES, allowed_url_prefixes=[web + "/ok/"])
     try:
         yield svc
     finally:
@@ -60,7 +92,7 @@ def _big_noise_png() -> bytes:
     return png_bytes(Image.fromarray(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)))
 
 
-GOOD = png_bytes(sample_images()[0])
+
 HOSTILE = {
     "bad_base64": ("data:image/png;base64,!!not*base64", 1, 400, "invalid_image_url"),
     "not_an_image": (data_url(b"hello, world " * 20), 1, 400, "invalid_image"),
@@ -141,3 +173,13 @@ def test_jpeg_webp_and_gif_images_are_answered(service, fmt, mime):
     response = _chat(service, data_url(_encoded(fmt), mime))
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_http_urls_only_under_an_allowed_prefix_and_without_redirects(service, web):
+    assert _chat(service, web + "/ok/cat.png").status_code == 200
+    refused = {web + "/elsewhere/cat.png": (400, "image_url_not_allowed"),
+               web + "/ok/moved": (400, "image_fetch_failed"),  # a redirect could leave the prefix
+               web + "/ok/missing.jpg": (400, "image_fetch_failed")}
+    for url, (status, code) in refused.items():
+        response = _chat(service, url)
+        assert (response.status_code, response.json()["error"]["code"]) == (status, code), url
