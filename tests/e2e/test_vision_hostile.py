@@ -92,7 +92,6 @@ def _big_noise_png() -> bytes:
     return png_bytes(Image.fromarray(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)))
 
 
-
 HOSTILE = {
     "bad_base64": ("data:image/png;base64,!!not*base64", 1, 400, "invalid_image_url"),
     "not_an_image": (data_url(b"hello, world " * 20), 1, 400, "invalid_image"),
