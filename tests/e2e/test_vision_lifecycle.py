@@ -13,6 +13,7 @@ import pytest
 from moebus.client import Client
 from moebus.common.errors import RequestError
 from tests.api.helpers import scrape, wait_for
+from tests.service import alive
 from tests.e2e.vision_helpers import (image_message, data_url, png_bytes, start_vision_service, vision_state,
                                       vision_worker_pids, wait_cold, zygote_pid)
 from tests.vision_models import sample_images
@@ -135,6 +136,26 @@ def test_sigkill_of_the_vision_worker_during_an_encode(service, zmq, image, star
     assert wait_cold(zmq)["slots"] == startup_slots
 
 
+def test_a_killed_zygote_takes_its_worker_along_and_is_restarted(service, zmq, image, startup_slots):
+    _image_request(zmq, image).collect()
+    old_zygote, worker = zygote_pid(service), vision_state(zmq)["pid"]
+    os.kill(old_zygote, signal.SIGKILL)
+    wait_for(lambda: not alive(worker) or None, 5)  # the parent-death signal
+    new_zygote = wait_for(lambda: _other_zygote(service, old_zygote), 20)
+    wait_for(lambda: vision_state(zmq)["zygote_ready"] or None, 30)
+    assert len(_image_request(zmq, image).collect()["tokens"]) == 2
+    assert vision_worker_pids(service, new_zygote) == [vision_state(zmq)["pid"]]
+    assert wait_cold(zmq)["slots"] == startup_slots
+
+
+def _other_zygote(service, old: int):
+    try:
+        pid = zygote_pid(service)
+    except AssertionError:
+        return None
+    return pid if pid != old else None
+
+
 def test_metrics_follow_the_cycle(service, zmq, image, startup_slots):
     before = scrape(service.base_url)
     _image_request(zmq, image).collect()
@@ -173,7 +194,11 @@ def test_openai_image_chat_with_a_data_url(service, image):
     with openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         reply = client.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=3,
                                                temperature=0, extra_body={"ignore_eos": True})
-    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+        chunks = list(client.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=3,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, llava_dir, image):
