@@ -128,7 +128,9 @@ def test_sigkill_of_the_vision_worker_during_an_encode(service, zmq, image, star
     killed_s = time.monotonic()
     with pytest.raises(RequestError) as err:
         stream.collect()
-    assert time.monotonic() - killed_s < 5.0
+    elapsed_s = time.monotonic() - killed_s
+    print(f"\nthe encoding request's error came {1e3 * elapsed_s:.0f} ms after the SIGKILL")
+    assert elapsed_s < 5.0
     assert err.value.http_status == 503 and "vision worker died" in err.value.message
     assert len(_image_request(zmq, image).collect()["tokens"]) == 2  # started again
     after = vision_state(zmq)
