@@ -36,3 +36,11 @@ def demo_model(tmp_path_factory):
     from moebus.common.tiny_model import init_model
 
     return init_model(tmp_path_factory.mktemp("demo") / "demo", "qwen3_moe", "demo", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """A tiny LLaVA (SigLIP tower) saved by transformers with its LlavaProcessor, made once per session."""
+    from tests.vision_models import make_hf_llava
+
+    return make_hf_llava(tmp_path_factory.mktemp("llava") / "siglip")

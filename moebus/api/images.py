@@ -11,7 +11,7 @@ import binascii
 import requests
 
 from moebus.common.errors import RequestError
-from moebus.common.images import ImageLimits, ImageTooLarge, check_bytes, decode_image
+from moebus.common.images import ImageLimits, check_bytes, decode_image
 
 
 def _where(n: int, k: int) -> str:
@@ -96,5 +96,3 @@ def take_images(messages: list[dict], vision) -> tuple[list[dict], list[bytes]]:
         out.append({**message, "content": parts})
     return out, images
 
-
-__all__ = ["ImageTooLarge", "count_images", "take_images"]

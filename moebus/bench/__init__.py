@@ -8,6 +8,7 @@ kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE
 vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in bandwidth
 soak     a serve under mixed load (cancels, VRAM resizes, bad requests) for minutes: RSS/VRAM per
          process over time, flat against a deliberately leaking negative control
+vision-cycle  resident experts through one lazy-vision cycle, and the cold image request's time split
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def run_bench(what: str, argv: list[str]) -> int:
         from moebus.bench.vram import main
     elif what == "soak":
         from moebus.bench.soak import main
+    elif what == "vision-cycle":
+        from moebus.bench.vision_cycle import main
     else:
         print(__doc__)
         return 2

@@ -17,8 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from PIL import Image
+
 from moebus.broker.vision_control import ZygoteControl
-from moebus.broker.vision_requests import ImageRequest, admit_image_request
+from moebus.broker.vision_requests import (ImageRequest, admit_image_request, has_images,  # noqa: F401 (re-exported)
+                                           step_embeds)
 from moebus.common.errors import ServerBusy
 from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
 
@@ -46,7 +49,7 @@ def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: 
     measured split: context + tower + activations on the vision GPU, and room for the embeddings'
     traffic and the loaned prefill scratch elsewhere). cpu: exactly what the vision worker charges
     to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
-    vision.max_images_per_request images), in whole MiB, on the vision GPU only."""
+    one tower pass: the worker encodes one image at a time), in whole MiB, on the vision GPU only."""
     if device == "cuda":
         return [1800] if num_gpus == 1 else [1700 if g == vision_gpu else 600 for g in range(num_gpus)]
     need = -(-charge_bytes // MIB) + 1
@@ -75,6 +78,8 @@ class VisionLifecycle:
         self.since_s = self.last_seen_s = self.next_beat_s = self.last_image_s = 0.0
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
+        self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
+        Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
 
@@ -147,6 +152,7 @@ class VisionLifecycle:
             self._hand_back(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
+            self.kill_reason = f"not ready within vision.start_timeout_s ({self.vision.start_timeout_s:g} s)"
             self.control.send("kill")
             self.since_s = now  # one kill per timeout; the exit event ends the start
         elif self.state == READY:
@@ -166,6 +172,7 @@ class VisionLifecycle:
     def _serve(self, now: float) -> None:
         if now - self.last_seen_s > self.settings.broker.heartbeat_s * self.settings.broker.heartbeat_liveness:
             log.error("vision worker missed heartbeats for %.1f s; killing it", now - self.last_seen_s)
+            self.kill_reason = "it missed its heartbeats"
             self.control.send("kill")
             self.last_seen_s = now
             return
@@ -195,7 +202,7 @@ class VisionLifecycle:
 
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
-        self.last_cycle = {"began_s": now}
+        self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
         self.hooks.queue_vram(self.reserves(), self._handed_back)
 
     def _handed_back(self, reply) -> None:
@@ -235,7 +242,9 @@ class VisionLifecycle:
         elif kind == "started":
             self.worker_pid = event.get("pid")
         elif kind == "exited" and event.get("pid") == self.worker_pid:
-            self._exited(f"status {event.get('status')}" + (f": {event['reason']}" if event.get("reason") else ""), now)
+            reason = self.kill_reason or event.get("reason") or f"exit status {event.get('status')}"
+            self.kill_reason = None
+            self._exited(reason, now)
         elif kind == "gone":
             self.zygote_info = None
             if self.state in (STARTING, READY, STOPPING):
@@ -278,6 +287,8 @@ class VisionLifecycle:
                 self.encoding, self.last_image_s = None, now
 
     def _on_ready(self, msg: VisionReady, now: float) -> None:
+        for event in self.control.poll():  # the zygote's "started" may still be unread
+            self.on_event(event, now)
         if self.state != STARTING or msg.pid != self.worker_pid:
             if msg.pid != self.worker_pid:
                 log.error("VISION_READY from pid %d, expected %s: dropped", msg.pid, self.worker_pid)
@@ -286,7 +297,7 @@ class VisionLifecycle:
         self.last_seen_s = self.last_image_s = now
         self.backoff_s = 0.5
         began = self.last_cycle.get("handed_back_s", now)
-        self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s)
+        self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s, ready_s=now)
         self.stats.count("vision_starts_total")
         self.stats.observe("vision_start_seconds", now - self.last_cycle.get("began_s", now))
         log.info("vision worker ready on gpu%d (pid %d, %.1f MiB on the device, start %.2f s)", msg.gpu, msg.pid,
@@ -315,7 +326,8 @@ class VisionLifecycle:
         self.stats.count("images_total", len(req.images))
         seq.embeds = msg.embeds
         if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
-            self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq)
+            self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq,
+                                   ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
         try:
             self.hooks.submit(seq)
         except Exception as e:  # ServerBusy: the queue filled while it was encoded
@@ -330,7 +342,7 @@ class VisionLifecycle:
 
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""
-        cycle = {k: v for k, v in self.last_cycle.items() if k in ("handback_s", "start_s", "worker_start_s", "encode_s")}
+        cycle = {k: v for k, v in self.last_cycle.items() if k in ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")}
         seq = self.last_cycle.get("seq")
         if seq is not None and seq.first_token_s is not None:
             cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]

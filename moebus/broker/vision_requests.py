@@ -11,6 +11,7 @@ import numpy as np
 from moebus.broker.admission import make_sequence
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import RequestError
+from moebus.common.image_processor import expand_image_tokens
 from moebus.common.images import ImageLimits, check_header
 from moebus.common.protocol import Generate
 
@@ -23,6 +24,13 @@ class ImageRequest:
     images: list[np.ndarray]
     arrived_s: float = field(default_factory=time.monotonic)
     encode_sent_s: float | None = None
+
+
+def has_images(msg: Generate) -> bool:
+    """Image frames, or image placeholder parts (which then need frames)."""
+    return bool(msg.images) or any(isinstance(part, dict) and part.get("type") == "image"
+                                   for m in msg.messages or [] if isinstance(m, dict)
+                                   for part in (m.get("content") if isinstance(m.get("content"), list) else []))
 
 
 def _check_parts(messages: list[dict] | None) -> None:
@@ -47,8 +55,6 @@ def admit_image_request(msg: Generate, client: bytes, tokenizer, vocab_size: int
     _check_parts(msg.messages)
 
     def expand(ids: list[int]) -> list[int]:
-        from moebus.common.image_processor import expand_image_tokens
-
         found = ids.count(image_token_id)
         if found != len(images):
             raise RequestError(f"the prompt has {found} image placeholder(s) for {len(images)} image(s)",

@@ -20,24 +20,19 @@ from moebus.common.protocol import Encode, EncodeReply, Shutdown, VisionReady, W
 from moebus.cuda.backend import is_fatal_device_error, make_backend
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
-from moebus.workers.vision_model import VisionModel
+from moebus.workers.vision_model import VisionModel, encode_scratch_bytes
 
 log = logging.getLogger("moebus.vision")
 
 
-def encode_scratch_bytes(cfg, num_images: int) -> int:
-    """Activations of one ENCODE of ``num_images`` images (float32, with room for the backend's
-    buffer reuse): per position the residual, norm, qkv, attention output and MLP rows, and the
-    attention scores of every head."""
-    seq = cfg.num_positions
-    per_image = seq * (6 * cfg.hidden_size + cfg.intermediate_size + cfg.num_heads * seq + cfg.text_hidden_size)
-    return 2 * 4 * num_images * per_image
+IMAGES_PER_PASS = 1
 
 
-def charge_bytes(cfg, weights: dict, max_images: int) -> int:
+def charge_bytes(cfg, weights: dict) -> int:
     """What the worker holds on its device: the weights as the cpu backend keeps them (float32)
-    plus the activations of the largest ENCODE. The broker's cpu default of vision.vram_mib."""
-    return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, max_images)
+    plus the scratch of one tower pass (an upper bound, workers/vision_model.py). What the cpu
+    worker charges to the ledger, and the broker's cpu default of vision.vram_mib."""
+    return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, IMAGES_PER_PASS)
 
 
 class VisionWorker:
@@ -85,11 +80,9 @@ class VisionWorker:
                            compute_s=time.perf_counter() - started, embeds=embeds)
 
     def _encode(self, pixels: list[np.ndarray]) -> np.ndarray:
-        """(N * num_image_tokens, D): one batch when every image has the same size (the usual case)."""
-        if all(p.shape == pixels[0].shape for p in pixels):
-            out = self.model.encode(np.stack(pixels))
-        else:  # a processor that keeps the aspect ratio (no crop): one image at a time
-            out = np.concatenate([self.model.encode(p[None]) for p in pixels])
+        """(N * num_image_tokens, D), one image per tower pass: an image is already hundreds of rows
+        per matmul, so batching images would add scratch (charged per image) and little speed."""
+        out = np.concatenate([self.model.encode(p[None]) for p in pixels])
         return np.ascontiguousarray(out.reshape(-1, out.shape[-1]), dtype=np.float32)
 
 

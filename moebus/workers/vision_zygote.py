@@ -41,7 +41,7 @@ class Zygote:
         self.config = load_vision_config(model_dir)
         self.processor = ImageProcessor.from_dir(model_dir)
         self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
-        self.charge = vision_worker.charge_bytes(self.config, self.weights, settings.vision.max_images_per_request)
+        self.charge = vision_worker.charge_bytes(self.config, self.weights)
         self.control_path = control_path
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
@@ -53,6 +53,12 @@ class Zygote:
     def serve(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        # a child's exit wakes the select at once (through a pipe that the signal writes to)
+        self.wakeup_fd, wakeup_write = os.pipe()
+        os.set_blocking(self.wakeup_fd, False)
+        os.set_blocking(wakeup_write, False)
+        signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         path = Path(self.control_path)
         path.unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -62,7 +68,10 @@ class Zygote:
                  len(self.weights), self.charge / (1 << 20))
         buffer = b""
         while not self.stopping:
-            readable, _, _ = select.select([self.listener] + ([self.conn] if self.conn else []), [], [], LOOP_S)
+            sources = [self.listener, self.wakeup_fd] + ([self.conn] if self.conn else [])
+            readable, _, _ = select.select(sources, [], [], LOOP_S)
+            if self.wakeup_fd in readable:
+                _drain(self.wakeup_fd)
             if self.listener in readable:
                 self._accept()
             if self.conn is not None and self.conn in readable:
@@ -153,7 +162,10 @@ class Zygote:
             for sock in (self.listener, self.conn):
                 if sock is not None:
                     sock.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            os.close(self.wakeup_fd)
+            for sig in (signal.SIGTERM, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             _die_with_parent()
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
@@ -167,6 +179,14 @@ class Zygote:
             sys.stderr.flush()
 
 
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _die_with_parent() -> None:
     import ctypes
 
@@ -176,8 +196,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def _cuda_initialised() -> bool:
+    """Has anything in this process called cuInit? (numba records the pid that did.)"""
+    from numba.cuda.cudadrv import driver
+
+    return getattr(driver.driver, "pid", None) is not None
+
+
 def run_zygote(settings, model_dir: str, connect: str, device: str, control_path: str) -> int:
     zygote = Zygote(settings, model_dir, connect, device, control_path)
+    if device == "cuda" and _cuda_initialised():  # every forked child's CUDA would be broken
+        raise RuntimeError("the vision zygote initialised CUDA while importing; it must not before forking")
     num_threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if num_threads != 1:  # a thread holding a lock at fork time would deadlock the child
         log.warning("vision zygote has %d threads before forking", num_threads)

@@ -1,0 +1,149 @@
+"""``moebus bench vision-cycle``: the expert cache through one lazy-vision cycle, on the current
+device. Resident expert slots summed over GPUs (a) with vision resident (``vision.lazy`` false),
+(b) lazy with vision idle, (c) during an image request, (d) ``idle_s`` after it; and the cold image
+request's time split: hand-back, start, encode, prefill (to the first token), first token at the
+client; then the warm encode. Expected: (b) == (d) > (a) == (c)."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+
+def _image_png(size: int, seed: int) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _slots(client) -> list[int]:
+    return list(client.vram(query=True)["expert_slots"])
+
+
+def _wait(client, condition, timeout_s: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.info()
+        if condition(info):
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vision-cycle: {what} not reached in {timeout_s:.0f} s: {info.get('vision')}")
+        time.sleep(0.05)
+
+
+def _chat(client, image: bytes, max_tokens: int = 2) -> float:
+    """Seconds to the first token at the client."""
+    started = time.monotonic()
+    first = None
+    content = [{"type": "image"}, {"type": "text", "text": "Describe the picture."}]
+    for _ in client.chat([{"role": "user", "content": content}], images=[image], max_tokens=max_tokens,
+                         temperature=0, ignore_eos=True):
+        first = first or time.monotonic()
+    return first - started
+
+
+@contextmanager
+def _broker(args, settings: dict):
+    """A private broker (and its workers and vision zygote) with these settings; yields its address."""
+    from moebus.cli_generate import private_broker
+
+    with tempfile.TemporaryDirectory(prefix="moebus-vision-cycle-") as tmp:
+        config = Path(tmp) / "settings.json"
+        config.write_text(json.dumps(settings))
+        flags = ["--config", str(config), "--device", args.device] + (["--model", args.model] if args.model else [])
+        with private_broker(flags, quiet=not args.verbose, timeout_s=args.timeout_s) as address:
+            yield address
+
+
+def _settings(args, lazy: bool) -> dict:
+    settings = {"vision": {"lazy": lazy, "idle_s": args.idle_s}}
+    if args.emulated_vram_mib:
+        settings["emulated_vram_mib"] = args.emulated_vram_mib
+    if args.segment_mib:
+        settings["segment_mib"] = args.segment_mib
+    if args.max_context:
+        settings["max_context"] = args.max_context
+    return settings
+
+
+def _resident(args) -> list[int]:
+    from moebus.client import Client
+
+    with _broker(args, _settings(args, lazy=False)) as address:
+        client = Client(address)
+        try:
+            _wait(client, lambda i: i.get("vision_loaded") == 1, args.timeout_s, "vision resident")
+            return _slots(client)
+        finally:
+            client.close()
+
+
+def _lazy_cycle(args, image: bytes) -> dict:
+    from moebus.client import Client
+
+    with _broker(args, _settings(args, lazy=True)) as address:
+        client = Client(address)
+        try:
+            _wait(client, lambda i: i["vision"]["zygote_ready"], args.timeout_s, "vision zygote ready")
+            idle = _slots(client)
+            client_first_s = _chat(client, image)
+            during = _slots(client)
+            info = client.info()
+            split = dict(info["vision"]["last_cold_start"], first_token_s=client_first_s)
+            encode = info["histograms"]["vision_encode_seconds"]
+            warm = []
+            for i in range(args.repeats):
+                _chat(client, _image_png(args.image_px, seed=i + 1), max_tokens=1)
+                now = client.info()["histograms"]["vision_encode_seconds"]
+                warm.append(now["sum"] - encode["sum"])
+                encode = now
+            _wait(client, lambda i: i["vision"]["state"] == "cold", args.idle_s + args.timeout_s, "vision unloaded")
+            after = _slots(client)
+            return {"idle": idle, "during": during, "after": after, "split": split,
+                    "warm_encode_s": statistics.median(warm) if warm else None}
+        finally:
+            client.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moebus bench vision-cycle", description=__doc__)
+    p.add_argument("--model", help="a LLaVA model directory (default: the embedded demo model)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--idle-s", type=float, default=2.0)
+    p.add_argument("--image-px", type=int, default=384, help="side of the test image (it is resized anyway)")
+    p.add_argument("--emulated-vram-mib", type=int, nargs="*", help="cpu: the emulated GPUs' sizes")
+    p.add_argument("--segment-mib", type=int)
+    p.add_argument("--max-context", type=int)
+    p.add_argument("--repeats", type=int, default=5, help="warm encodes")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+
+    image = _image_png(args.image_px, seed=0)
+    resident = _resident(args)
+    cycle = _lazy_cycle(args, image)
+    rows = [("(a) vision resident (lazy false)", resident), ("(b) lazy, vision idle", cycle["idle"]),
+            ("(c) during an image request", cycle["during"]), ("(d) idle_s after it", cycle["after"])]
+    print(f"{'stage':<36} {'expert slots, all GPUs':>22}   per GPU")
+    for name, slots in rows:
+        print(f"{name:<36} {sum(slots):>22}   {','.join(map(str, slots))}")
+    split = cycle["split"]
+    print("cold image request:", ", ".join(f"{k[:-2]} {1e3 * split[k]:.1f} ms" for k in
+                                            ("handback_s", "start_s", "encode_s", "prefill_s", "first_token_s")
+                                            if k in split))
+    if cycle["warm_encode_s"] is not None:
+        print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats})")
+    ok = sum(cycle["idle"]) == sum(cycle["after"]) > sum(resident) == sum(cycle["during"])
+    print("(b) == (d) > (a) == (c):", ok)
+    print(json.dumps({"resident": resident, **cycle}))
+    return 0 if ok else 1

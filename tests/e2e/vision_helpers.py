@@ -1,0 +1,73 @@
+"""Shared by the vision end-to-end tests: a tiny LLaVA serve with tight emulated GPUs (so the
+hand-back really shrinks a cache), image files as data URLs, and the service's vision state."""
+from __future__ import annotations
+
+import base64
+import io
+import time
+from pathlib import Path
+
+from moebus.client import Client
+from tests.service import Service, alive, process_tree
+
+# The tiny LLaVA's stage 0 needs ~1.4 MiB besides its 2 MiB expert cache: 4 MiB GPUs with 1 MiB
+# segments leave the cache full at start-up and make the vision hand-back shrink it by half.
+# (max_context 384 leaves gpu0 0.1 MiB free beside a full cache: less than the vision worker's 0.5.)
+VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1)
+
+
+def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, **vision) -> Service:
+    return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
+                   max_context=max_context, **VISION_SERVE).wait_ready()
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_message(urls: list[str], text: str = "Describe the picture.") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def vision_state(client: Client) -> dict:
+    info = client.info()
+    return {**info["vision"], "loaded": info["vision_loaded"], "starts": info["counters"]["vision_starts_total"],
+            "slots": sum(client.vram(query=True)["expert_slots"])}
+
+
+def wait_cold(client: Client, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = vision_state(client)
+        if state["state"] == "cold" and state["waiting"] == 0:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vision not cold within {timeout_s} s: {state}")
+        time.sleep(0.05)
+
+
+def vision_worker_pids(service: Service, zygote_pid: int) -> list[int]:
+    """Live children of the zygote (the forked vision workers)."""
+    return [p for p in process_tree(zygote_pid) if p != zygote_pid and alive(p)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def zygote_pid(service: Service) -> int:
+    """The broker's child running ``vision-zygote`` (its forked workers share the command line)."""
+    for pid in process_tree(service.proc.pid):
+        try:
+            if b"vision-zygote" in Path(f"/proc/{pid}/cmdline").read_bytes() and _parent(pid) == service.proc.pid:
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("no vision zygote in the service's process tree")
