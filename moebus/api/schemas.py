@@ -95,9 +95,14 @@ class _Generation(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_ids(cls, bias):
+        ids = set()
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            # str.isdigit() also takes '²' and other scripts' digits: only ASCII decimals are ids
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_INT32:
+                raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
+            if int(key) in ids:  # "01" and "1" name one token
+                raise RequestError(f"logit_bias names token id {int(key)} twice", param="logit_bias")
+            ids.add(int(key))
             if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
                 raise RequestError(f"logit_bias values must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
                                    param="logit_bias")

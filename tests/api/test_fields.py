@@ -73,6 +73,10 @@ def test_unknown_fields_are_refused(openai_client, create, args):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but no int (was a 500)
+    ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),  # Arabic-Indic digits are no token id
+    ({"logit_bias": {"01": 1, "1": 2}}, "logit_bias"),  # one token named twice
+    ({"logit_bias": {"9" * 30: 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
