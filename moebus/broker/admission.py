@@ -6,7 +6,8 @@ from jinja2 import TemplateError
 
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import RequestError
-from moebus.common.protocol import Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
+from moebus.common.protocol import (MAX_TOKENS_PER_PROMPT, Detokenize, DetokenizeReply, Generate, Tokenize,
+                                    TokenizeReply)
 from moebus.common.tokenizer import StreamDecoder, TextTokenizer
 
 KNOWN_PARTS = {"text", "image_url", "image", "input_image"}
@@ -114,6 +115,9 @@ def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> Token
                            "chat_template_kwargs")
     else:
         ids = tokenizer.encode(msg.prompt)
+    if len(ids) > MAX_TOKENS_PER_PROMPT:  # a longer reply would exceed the wire's array limit and be lost
+        raise RequestError(f"the prompt has {len(ids)} tokens; TOKENIZE answers at most {MAX_TOKENS_PER_PROMPT}",
+                           param="messages" if msg.messages is not None else "prompt", code="too_many_tokens")
     strs = [tokenizer.tokenizer.id_to_token(t) for t in ids] if msg.token_strs else None
     return TokenizeReply(id=msg.id, tokens=ids, token_strs=strs, max_context=max_context)
 
