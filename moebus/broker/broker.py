@@ -452,9 +452,21 @@ class Broker:
             return
         self.vision.on_message(msg)
 
+    def _send_vision(self, message) -> bool:
+        """Send to the vision worker; False while it is not connected: a forked worker that has not
+        connected yet (the first heartbeat of a start goes out at once), or one that is gone (its exit
+        event or its missed heartbeats end it). Raising here would cut the rest of the supervision."""
+        try:
+            transport.send(self.backend, message, b"vision", flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if not isinstance(message, Heartbeat):
+                log.warning("the vision worker cannot be reached (%s): %s not sent", e.strerror, message.TYPE.decode())
+            return False
+
     def _vision_hooks(self) -> VisionHooks:
         return VisionHooks(
-            send=lambda message: transport.send(self.backend, message, b"vision"),
+            send=self._send_vision,
             queue_vram=self.vram.internal,
             submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready)
 
