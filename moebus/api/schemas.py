@@ -40,7 +40,28 @@ def parse_body(model: type[BaseModel]):
         raise RequestError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
+    _check_wire_ints(body)
     return model.model_validate(body)
+
+
+MIN_WIRE_INT, MAX_WIRE_INT = -2 ** 63, 2 ** 64 - 1  # what msgpack carries to the broker
+TYPED_LISTS = ("prompt", "tokens")  # their schemas bound every id: no need to walk a million of them
+
+
+def _check_wire_ints(body: dict) -> None:
+    """Free-form parts (message extras, tool schemas, chat_template_kwargs) reach the broker as
+    msgpack, which has no integers beyond 64 bits: refuse one here, naming where it is (it was a
+    500 when the client could not encode the message). Iterative: bodies may nest ~1000 deep."""
+    todo = [((key,), value) for key, value in body.items() if key not in TYPED_LISTS]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(where + (k,), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(where + (i,), v) for i, v in enumerate(value)]
+        elif type(value) is int and not MIN_WIRE_INT <= value <= MAX_WIRE_INT:
+            param = ".".join(str(p) for p in where)
+            raise RequestError(f"{param}: integers must lie in [-2**63, 2**64)", param=param)
 
 
 class _Body(BaseModel):

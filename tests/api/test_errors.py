@@ -46,6 +46,14 @@ def error_of(response, status):
     (COMPLETIONS, {"prompt": "x", "logprobs": 50}, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
     (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+    # integers beyond 64 bits in free-form JSON, which msgpack cannot carry (each was a 500)
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "n": 2 ** 64}]}, "messages.0.n"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "z": -2 ** 63 - 1}]}]},
+     "messages.0.content.0.z"),
+    (CHAT, {"messages": USER, "chat_template_kwargs": {"x": [10 ** 30]}}, "chat_template_kwargs.x.0"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "integer", "maximum": 10 ** 30}}}]}, "tools.0.function.parameters.maximum"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi", "n": 10 ** 30}]}, "messages.0.n"),
 ])
 def test_bad_request_names_the_param(http, path, body, param):
     err = error_of(http.post(http.url(path), json=body), 400)
@@ -70,6 +78,16 @@ def test_sdk_raises_bad_request(openai_client):
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.chat.completions.create(model="tiny", messages=USER, n=0)
     assert err.value.status_code == 400 and err.value.body["param"] == "n"
+
+
+def test_sdk_with_an_integer_beyond_64_bits(openai_client):
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                              extra_body={"chat_template_kwargs": {"big": 2 ** 64}})
+    assert err.value.body["param"] == "chat_template_kwargs.big"
+    big_ok = openai_client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                                   extra_body={"chat_template_kwargs": {"big": 2 ** 64 - 1}})
+    assert big_ok.choices[0].message.role == "assistant"  # msgpack's own range is taken
 
 
 def test_unknown_route_and_method(http):
