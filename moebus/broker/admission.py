@@ -5,12 +5,14 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from moebus.broker.sequence import Sequence
+from moebus.common import wire
 from moebus.common.errors import RequestError
 from moebus.common.protocol import (MAX_TOKENS_PER_PROMPT, Detokenize, DetokenizeReply, Generate, Tokenize,
                                     TokenizeReply)
 from moebus.common.tokenizer import StreamDecoder, TextTokenizer
 
 KNOWN_PARTS = {"text", "image_url", "image", "input_image"}
+MAX_REPLY_TEXT_BYTES = wire.MAX_HEADER_BYTES // 2  # DETOKENIZE's text, with room for the rest of its header
 IMAGE_PARTS = KNOWN_PARTS - {"text"}
 
 
@@ -127,4 +129,10 @@ def detokenize(msg: Detokenize, tokenizer: TextTokenizer, vocab_size: int) -> De
     bad = [t for t in msg.tokens if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param="tokens")
-    return DetokenizeReply(id=msg.id, text=tokenizer.tokenizer.decode(msg.tokens, skip_special_tokens=False))
+    text = tokenizer.tokenizer.decode(msg.tokens, skip_special_tokens=False)
+    if len(text) * 4 > MAX_REPLY_TEXT_BYTES and len(text.encode()) > MAX_REPLY_TEXT_BYTES:
+        # a million long tokens (runs of spaces, rules of '=') outgrow the header that would carry the
+        # text, and the client would drop the reply unread
+        raise RequestError(f"the text of these {len(msg.tokens)} tokens exceeds {MAX_REPLY_TEXT_BYTES} bytes; "
+                           "detokenize fewer at a time", param="tokens", code="too_many_tokens")
+    return DetokenizeReply(id=msg.id, text=text)
