@@ -111,6 +111,7 @@ def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> Token
     if (msg.prompt is None) == (msg.messages is None):
         raise RequestError("give exactly one of prompt or messages", param="prompt")
     if msg.messages is not None:
+        _refuse_image_parts(msg.messages)
         ids = tokenizer.encode(chat_prompt(msg, tokenizer, msg.add_generation_prompt))
     elif msg.tools or msg.chat_template_kwargs:
         raise RequestError("tools and chat_template_kwargs need messages", param="tools" if msg.tools else
@@ -122,6 +123,17 @@ def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> Token
                            param="messages" if msg.messages is not None else "prompt", code="too_many_tokens")
     strs = [tokenizer.tokenizer.id_to_token(t) for t in ids] if msg.token_strs else None
     return TokenizeReply(id=msg.id, tokens=ids, token_strs=strs, max_context=max_context)
+
+
+def _refuse_image_parts(messages: list[dict]) -> None:
+    """TOKENIZE renders no images, on any model (chat_prompt would say 'model has no vision')."""
+    for n, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        for k, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                raise RequestError(f"messages[{n}].content[{k}]: /tokenize takes no images (a chat completion's "
+                                   "usage counts an image's tokens)", param=f"messages.{n}.content.{k}",
+                                   code="not_supported")
 
 
 def detokenize(msg: Detokenize, tokenizer: TextTokenizer, vocab_size: int) -> DetokenizeReply:

@@ -140,6 +140,15 @@ def test_after_the_hostile_ones_a_good_image_works_and_the_worker_survives_a_bad
     assert (after["pid"], after["starts"], after["slots"]) == (loaded["pid"], loaded["starts"], loaded["slots"])
 
 
+def test_tokenize_refuses_an_image_part_without_denying_the_vision(service):
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": data_url(GOOD)}}]
+    response = requests.post(service.base_url + "/tokenize", timeout=30,
+                             json={"messages": [{"role": "user", "content": parts}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("messages.0.content.1", "not_supported")  # was model_has_no_vision
+
+
 def test_a_model_without_vision_refuses_images(tmp_path, tiny_model):
     from tests.service import Service
 
