@@ -3,6 +3,8 @@ that has gone cancels the request, streamed or not), and answer whole or as serv
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -52,9 +54,59 @@ def follow(stream: Stream, client_gone) -> Iterator[Partial]:
         stream.close()
 
 
+_END = object()
+
+
+class Drained:
+    """A Stream read by a thread of its own into a local queue. The choices of one request are read
+    in turn, and one that waits (for the batch, or for the one read before it) must not leave the
+    others' replies piling up in the client, which cancels a request past MAX_PENDING_REPLIES
+    unread (an n=2 answer longer than that failed). Polled and closed like the Stream."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.local: queue.Queue = queue.Queue()  # at most one request's Partials: bounded by max_tokens
+        self.closed = threading.Event()
+        threading.Thread(target=self._drain, name=f"drain-{stream.id}", daemon=True).start()
+
+    def _drain(self) -> None:
+        try:
+            while not self.closed.is_set():
+                part = self.stream.poll(TICK_S)
+                if part is not None:
+                    self.local.put(part)
+        except StopIteration:
+            self.local.put(_END)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            self.local.put(e)
+
+    @property
+    def final(self):
+        return self.stream.final
+
+    def poll(self, wait_s: float) -> Partial | None:
+        try:
+            item = self.local.get(timeout=wait_s)
+        except queue.Empty:
+            return None
+        if item is _END:
+            self.local.put(_END)  # the end stays the end for every later poll
+            raise StopIteration
+        if isinstance(item, Exception):
+            self.local.put(item)
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.closed.set()
+        self.stream.close()
+
+
 def answer(streams: list[Stream], formatter: Formatter, client_gone, as_events: bool) -> Response:
     """Wait for the broker's first answer to every choice's request (so that a rejected request gets
     its HTTP status), then answer in one JSON body or as server-sent events."""
+    if len(streams) > 1:
+        streams = [Drained(s) for s in streams]
     followers = [follow(s, client_gone) for s in streams]
     try:
         firsts = [next(f, None) for f in followers]  # raises a request's RequestError
