@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import urllib.parse
 
 import requests
 
@@ -52,12 +53,34 @@ def _fetch(url: str, limits: ImageLimits, where: str, timeout_s: float) -> bytes
                            code="image_fetch_failed") from None
 
 
+def _under(url: str, prefix: str) -> bool:
+    """Does ``url`` lie under ``prefix``, ending at a boundary (``https://images.internal`` does
+    not admit ``https://images.internal.evil.example/``)?"""
+    return url.startswith(prefix) and (prefix.endswith("/") or len(url) == len(prefix) or url[len(prefix)] in "/?#")
+
+
+def _allowed_url(url: str, prefixes: list[str]) -> str | None:
+    """The URL as requests will send it (``/ok/../x`` already resolved to ``/x``), when that lies
+    under an allowed prefix; None when not, or when it hides a way out: user info before the host,
+    or dot segments spelled with percent escapes (``%2e%2e``), which servers resolve themselves."""
+    try:
+        sent = requests.Request("GET", url).prepare().url
+    except (requests.RequestException, ValueError):
+        return None
+    parts = urllib.parse.urlsplit(sent)
+    path = "/" + urllib.parse.unquote(parts.path).replace("\\", "/") + "/"
+    if "@" in parts.netloc or "/../" in path or "/./" in path:
+        return None
+    return sent if any(_under(sent, prefix) for prefix in prefixes) else None
+
+
 def _image_bytes(url: str, vision, limits: ImageLimits, where: str) -> bytes:
     if url.startswith("data:"):
         return _from_data_url(url, limits, where)
     if url.startswith(("http://", "https://")):
-        if any(url.startswith(prefix) for prefix in vision.allowed_url_prefixes):
-            return _fetch(url, limits, where, vision.fetch_timeout_s)
+        allowed = _allowed_url(url, vision.allowed_url_prefixes)
+        if allowed is not None:
+            return _fetch(allowed, limits, where, vision.fetch_timeout_s)
         raise RequestError(f"{where}: http(s) image URLs are not fetched unless vision.allowed_url_prefixes lists "
                            "them; send the image as a data: URL", param=where, code="image_url_not_allowed")
     raise RequestError(f"{where}: image URLs must be data: URLs (or http(s) under vision.allowed_url_prefixes)",

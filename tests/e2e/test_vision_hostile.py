@@ -187,7 +187,23 @@ def test_http_urls_only_under_an_allowed_prefix_and_without_redirects(service, w
     assert _chat(service, web + "/ok/cat.png").status_code == 200
     refused = {web + "/elsewhere/cat.png": (400, "image_url_not_allowed"),
                web + "/ok/moved": (400, "image_fetch_failed"),  # a redirect could leave the prefix
-               web + "/ok/missing.jpg": (400, "image_fetch_failed")}
+               web + "/ok/missing.jpg": (400, "image_fetch_failed"),
+               # ways out of the prefix: the web server answers any path ending in cat.png
+               web + "/ok/../cat.png": (400, "image_url_not_allowed"),  # requests resolves it to /cat.png
+               web + "/ok/%2e%2e/cat.png": (400, "image_url_not_allowed"),  # sent as is; servers resolve it
+               web + "/ok/.%2E/cat.png": (400, "image_url_not_allowed"),
+               web + "/ok%2f..%2fcat.png": (400, "image_url_not_allowed")}
     for url, (status, code) in refused.items():
         response = _chat(service, url)
         assert (response.status_code, response.json()["error"]["code"]) == (status, code), url
+
+
+def test_a_prefix_admits_only_urls_under_it():
+    from moebus.api.images import _allowed_url
+
+    prefixes = ["https://images.internal", "http://127.0.0.1:9/ok/"]
+    assert _allowed_url("https://images.internal/a.png", prefixes) == "https://images.internal/a.png"
+    assert _allowed_url("http://127.0.0.1:9/ok/b/../a.png", prefixes) == "http://127.0.0.1:9/ok/a.png"
+    for url in ("https://images.internal.evil.example/a.png", "https://images.internal@evil.example/a.png",
+                "https://images.internal:1@evil.example/", "http://127.0.0.1:9/ok/..%5ca.png", "http://[::1/ok/"):
+        assert _allowed_url(url, prefixes) is None, url
