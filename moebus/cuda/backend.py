@@ -102,8 +102,27 @@ def make_backend(device: str):
     raise ValueError(f"unknown device {device!r}")
 
 
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device allocation that failed (the driver's or the emulated GPU's): the step fails, the
+    context is fine, and the worker keeps serving."""
+    from moebus.cuda.ledger import OutOfMemory
+
+    if isinstance(exc, OutOfMemory):
+        return True
+    code = getattr(exc, "code", exc.args[0] if exc.args else None)  # numba: CudaAPIError(code, msg)
+    try:
+        return type(exc).__name__ == "CudaAPIError" and int(code) == CUDA_ERROR_OUT_OF_MEMORY
+    except (TypeError, ValueError):
+        return False
+
+
 def is_fatal_device_error(exc: BaseException) -> bool:
     """True for errors after which the device (CUDA context) cannot be trusted any more."""
+    if is_out_of_memory(exc):
+        return False
     if isinstance(exc, MemoryError):
         return True
     module = type(exc).__module__ or ""

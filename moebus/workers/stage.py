@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.backend import is_fatal_device_error
+from moebus.cuda.backend import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.fused import can_fuse_heads
 from moebus.cuda.rope import rope_tables
 from moebus.cuda.sampling import top_logprobs_ref
@@ -179,11 +179,11 @@ class Stage:
             graph = self.graphs[batch.num_tokens] = CapturedStep(self.ops, inputs,
                                                                  lambda dev: self._run(batch, dev, routed=True))
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
-            if is_fatal_device_error(e):
-                raise
+            self.graphs.pop(batch.num_tokens, None)
+            if is_fatal_device_error(e) or is_out_of_memory(e):
+                raise  # out of memory fails this step only; graphs stay on for the next
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
             self.use_graphs = False
-            self.graphs.pop(batch.num_tokens, None)
             return None
         return graph
 

@@ -65,3 +65,15 @@ def test_ops_return_device_arrays_shaped_as_cpu(rng, storage_dtype):
     np.testing.assert_allclose(cuda_ops.to_host(got), cpu_ops.linear(x, cpu_ops.weight(w)), rtol=1e-5)
     ids, weights = cuda_ops.topk_softmax(got, 2, True)
     assert cuda_ops.to_host(ids).shape == (2, 2) and cuda_ops.to_host(weights).dtype == np.float32
+
+
+def test_running_out_of_device_memory_fails_the_step_not_the_worker():
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    from moebus.cuda.backend import is_fatal_device_error
+    from moebus.cuda.ledger import OutOfMemory
+
+    assert not is_fatal_device_error(CudaAPIError(2, "cuMemAlloc: out of memory"))
+    assert not is_fatal_device_error(OutOfMemory("emulated GPU full"))
+    assert is_fatal_device_error(CudaAPIError(700, "an illegal memory access was encountered"))
+    assert not is_fatal_device_error(ValueError("bad request"))
