@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling
+from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling,
+                         top_logprobs)
 from moebus.cuda.dtypes import to_f32
 
 
@@ -88,6 +89,7 @@ class CpuBackend:
     expert_ffn = staticmethod(moe.expert_ffn_ref)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)
+    top_logprobs = staticmethod(top_logprobs.top_logprobs_rows_ref)
 
 
 def make_backend(device: str):

@@ -8,7 +8,7 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "route_pairs", "expert_ffn", "combine", "sample"]
+       "route_pairs", "expert_ffn", "top_logprobs", "combine", "sample"]
 
 
 def _public(cls):
