@@ -106,6 +106,9 @@ class VisionLifecycle:
     def submit(self, req: ImageRequest) -> None:
         if len(self.waiting) >= self.settings.max_queue:
             raise ServerBusy(f"server busy: {len(self.waiting)} image requests waiting (max_queue)")
+        if self.state in (STOPPING, REGROWING):
+            log.info("image request %s arrived while the vision worker is %s: it waits, then starts it again",
+                     req.seq.id, self.state)
         self.waiting.append(req)
 
     def find(self, request_id: str) -> ImageRequest | None:
