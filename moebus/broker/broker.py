@@ -161,13 +161,13 @@ class Broker:
                 raise Unavailable("server shutting down")
             if self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id)):
                 raise RequestError(f"request id {msg.id!r} is already in use", param="id")
-            if msg.images or (self.vision and has_images(msg)):  # waits in the vision lifecycle for its embeddings
-                if self.vision is None:
-                    raise RequestError("model has no vision: image inputs are not supported", param="images",
-                                       code="model_has_no_vision")
+            if self.vision and has_images(msg):  # waits in the vision lifecycle for its embeddings
                 self.vision.admit(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
                 self.stats.count("requests_total")
                 return
+            if msg.images:
+                raise RequestError("model has no vision: image inputs are not supported", param="images",
+                                   code="model_has_no_vision")
             seq = make_sequence(msg, client, self.tokenizer, self.config.vocab_size, self.settings.max_context)
             self.scheduler.submit(seq)
             self.stats.count("requests_total")
