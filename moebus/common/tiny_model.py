@@ -182,7 +182,8 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": SPECIAL_TOKENS[1:] + ([IMAGE_TOKEN] if vision else []), "model_max_length": cfg["max_position_embeddings"],
+        "additional_special_tokens": SPECIAL_TOKENS[1:] + ([IMAGE_TOKEN] if vision else []),
+        "model_max_length": cfg["max_position_embeddings"],
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [eos, tokenizer.token_to_id("<|endoftext|>")], "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),

@@ -106,7 +106,8 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig |
     strategy = top["vision_feature_select_strategy"]
     if strategy not in ("default", "full"):
         raise CheckpointError(f"{where}: vision_feature_select_strategy {strategy!r} (expected 'default' or 'full')")
-    for key, act in (("vision_config.hidden_act", v["hidden_act"]), ("projector_hidden_act", top["projector_hidden_act"])):
+    acts = (("vision_config.hidden_act", v["hidden_act"]), ("projector_hidden_act", top["projector_hidden_act"]))
+    for key, act in acts:
         if act not in ACTIVATIONS:
             raise CheckpointError(f"{where}: {key} {act!r} is not supported (supported: {ACTIVATIONS})")
     hidden, heads = int(v["hidden_size"]), int(v["num_attention_heads"])

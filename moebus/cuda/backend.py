@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, rmsnorm, rope, sampling
-from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.dtypes import to_f32
+from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 
 
 class CpuBackend:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
-from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.compat import cuda
 from moebus.cuda.step_pool import StepPool
+from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 
 
 class CudaBackend:

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_max, warp_sum
+from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, float32, warp_max, warp_sum
 from moebus.cuda.launch import ceil_div, require
 
-WARPS = 4  # (row, head) pairs in flight per block
+WARPS = 2 if SIMULATOR else 8  # query rows per block, one per warp, sharing each key/value tile
+MAX_HEAD_DIM = 128  # shared memory: 32 x (2 hd + 1) + WARPS x (hd + 32) floats = 38 KiB at 128
 NEG_INF = float32(-np.inf)
 
 
@@ -29,47 +30,66 @@ def vision_attention_ref(q, k, v, num_images: int, scale: float) -> np.ndarray:
 # -- cuda -----------------------------------------------------------------------------------------
 
 @functools.cache
-def _vision_attention_kernel(head_dim: int):
+def _vision_attention_kernel(head_dim: int, warps: int):
+    per_lane = (head_dim + WARP - 1) // WARP  # output dims each lane accumulates
+    k_pitch = head_dim + 1  # odd pitch: lane j reading key j's element d hits bank (j + d) % 32
+
     @cuda.jit
     def attend(q, k, v, positions, scale, out):
-        # one warp per (row, head); lane l takes keys l, l + 32, ... with its own running softmax
-        # (max, sum, weighted values), then the lanes' partials are merged by warp reductions
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
+        # a block: one head, `warps` consecutive query rows of one image (one per warp); the
+        # image's keys and values stream through shared memory in tiles of 32, and each warp keeps
+        # a running softmax: lane j scores key j of the tile, lane l accumulates dims l, l + 32, ...
+        k_tile = cuda.shared.array((WARP, k_pitch), float32)
+        v_tile = cuda.shared.array((WARP, head_dim), float32)
+        q_rows = cuda.shared.array((warps, head_dim), float32)
+        p_rows = cuda.shared.array((warps, WARP), float32)
+        acc = cuda.local.array(per_lane, float32)
+        tid = cuda.threadIdx.x
+        lane, w = tid % WARP, tid // WARP
         rows, heads = q.shape[0], q.shape[1]
-        q_row = cuda.local.array(head_dim, float32)
-        acc = cuda.local.array(head_dim, float32)
-        for start in range(0, rows * heads, stride):  # same trip count in every warp
-            pair = min(start + first, rows * heads - 1)
-            row, h = pair // heads, pair % heads
-            base = (row // positions) * positions
-            for d in range(head_dim):
-                q_row[d] = q[row, h, d] * scale
-                acc[d] = float32(0.0)
+        num_images = rows // positions
+        groups = (positions + warps - 1) // warps
+        for block in range(cuda.blockIdx.x, num_images * heads * groups, cuda.gridDim.x):
+            image, rest = block // (heads * groups), block % (heads * groups)
+            h, first = rest // groups, (rest % groups) * warps
+            base = image * positions
+            row = base + min(first + w, positions - 1)  # past the image's end: recompute its last row
+            for d in range(lane, head_dim, WARP):
+                q_rows[w, d] = q[row, h, d] * scale
+            for i in range(per_lane):
+                acc[i] = float32(0.0)
             running_max, running_sum = NEG_INF, float32(0.0)
-            for j in range(lane, positions, WARP):
+            for key0 in range(0, positions, WARP):
+                cuda.syncthreads()  # the previous tile (and the q rows' first use) are done with
+                for e in range(tid, WARP * head_dim, warps * WARP):
+                    j, d = e // head_dim, e % head_dim
+                    is_key = key0 + j < positions
+                    k_tile[j, d] = k[base + key0 + j, h, d] if is_key else float32(0.0)
+                    v_tile[j, d] = v[base + key0 + j, h, d] if is_key else float32(0.0)
+                cuda.syncthreads()
                 score = float32(0.0)
                 for d in range(head_dim):
-                    score += q_row[d] * k[base + j, h, d]
-                if score > running_max:
-                    rescale = math.exp(running_max - score)
-                    running_sum *= rescale
-                    for d in range(head_dim):
-                        acc[d] *= rescale
-                    running_max = score
-                p = math.exp(score - running_max)
-                running_sum += p
-                for d in range(head_dim):
-                    acc[d] += p * v[base + j, h, d]
-            top = warp_max(running_max)
-            mine = math.exp(running_max - top) if running_max > NEG_INF else float32(0.0)
-            total = warp_sum(running_sum * mine)
-            for d in range(head_dim):
-                value = warp_sum(acc[d] * mine)
-                if lane == d % WARP and start + first < rows * heads:
-                    out[row, h, d] = value / total
+                    score += q_rows[w, d] * k_tile[lane, d]
+                if key0 + lane >= positions:
+                    score = NEG_INF
+                new_max = max(running_max, warp_max(score))
+                shrink = math.exp(running_max - new_max)
+                p = math.exp(score - new_max)
+                running_sum = running_sum * shrink + warp_sum(p)
+                running_max = new_max
+                p_rows[w, lane] = p
+                cuda.syncthreads()
+                for i in range(per_lane):
+                    d = min(lane + i * WARP, head_dim - 1)
+                    total = acc[i] * shrink
+                    for j in range(WARP):
+                        total += p_rows[w, j] * v_tile[j, d]
+                    acc[i] = total
+            if first + w < positions:
+                for i in range(per_lane):
+                    d = lane + i * WARP
+                    if d < head_dim:
+                        out[row, h, d] = acc[i] / running_sum
 
     return attend
 
@@ -82,9 +102,12 @@ def vision_attention_cuda(q, k, v, num_images: int, scale: float, out, stream=0)
     rows, heads, head_dim = q.shape
     if num_images <= 0 or rows % num_images:
         raise ValueError(f"{rows} rows do not split into {num_images} images")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} (the shared-memory tiles are sized for it)")
     if rows == 0:
         return out
-    block = threads(WARPS * WARP)
-    grid = blocks(ceil_div(rows * heads, block // WARP))
-    _vision_attention_kernel(head_dim)[grid, block, stream](q, k, v, rows // num_images, np.float32(scale), out)
+    positions = rows // num_images
+    groups = num_images * heads * ceil_div(positions, WARPS)
+    kernel = _vision_attention_kernel(head_dim, WARPS)
+    kernel[blocks(groups), WARPS * WARP, stream](q, k, v, positions, np.float32(scale), out)
     return out

@@ -93,7 +93,8 @@ class VisionModel:
         pixel_values = np.asarray(pixel_values, dtype=np.float32)
         expected = (cfg.num_channels, cfg.image_size, cfg.image_size)
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected or pixel_values.shape[0] == 0:
-            raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N, {', '.join(map(str, expected))})")
+            raise ValueError(f"pixel values of shape {pixel_values.shape}, expected (N >= 1, "
+                             f"{', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
         kept = self._kept_buffers(num_images)
         ops.begin_step()

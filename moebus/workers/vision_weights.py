@@ -43,7 +43,8 @@ def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers_run):
         shapes.update({LAYER.format(i=i) + name: shape for name, shape in per_layer.items()})
     text = cfg.text_hidden_size
-    shapes.update({PROJECTOR + "linear_1.weight": (text, cfg.projector_in), PROJECTOR + "linear_2.weight": (text, text)})
+    shapes.update({PROJECTOR + "linear_1.weight": (text, cfg.projector_in),
+                   PROJECTOR + "linear_2.weight": (text, text)})
     if cfg.projector_bias:
         shapes.update({PROJECTOR + "linear_1.bias": (text,), PROJECTOR + "linear_2.bias": (text,)})
     return shapes

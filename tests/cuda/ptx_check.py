@@ -152,6 +152,30 @@ def exercise(rng) -> None:
     sampling.sample_cuda(f32(rows, 1000), np.ones(rows, np.float32), np.zeros(rows, np.int32),
                          np.ones(rows, np.float32), np.zeros(rows, np.float32), empty(rows, dtype=np.int32),
                          empty(rows), empty(rows, 1000))
+    exercise_vision(rng)
+
+
+def exercise_vision(rng) -> None:
+    """The vision tower's kernels, at the specialisations SigLIP-so400m (head_dim 72), CLIP-L (64) and the
+    largest head the attention tiles take (128) use."""
+    from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention
+    from moebus.cuda.dtypes import f32_to_bf16
+
+    def f32(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    for storage in (lambda a: f32_to_bf16(a), lambda a: a.astype(np.float16), lambda a: a):
+        layernorm.layernorm_cuda(f32(3, 64), storage(f32(64)), storage(f32(64)), 1e-6, f32(3, 64))
+        activations.add_bias_cuda(f32(6, 8), storage(f32(8)), f32(6, 8))
+        activations.add_bias_cuda(f32(6, 8), storage(f32(3, 8)), f32(6, 8))
+        tiled_linear.tiled_linear_cuda(f32(70, 20), storage(f32(66, 20)), storage(f32(66)), f32(70, 66))
+        tiled_linear.tiled_linear_cuda(f32(70, 20), storage(f32(66, 20)), None, f32(70, 66))
+    for name in sorted(activations.DEVICE_FNS):
+        activations.activation_cuda(f32(2, 8), name, f32(2, 8))
+    for head_dim in (64, 72, 128):
+        q = f32(2 * 5, 2, head_dim)
+        vision_attention.vision_attention_cuda(q, q, q, 2, head_dim ** -0.5, f32(10, 2, head_dim))
+    scatter.scatter_rows_cuda(f32(5, 8), np.array([0, 3], np.int32), f32(2, 8))
 
 
 def _resources(ptxas: str, ptx: str, cc) -> tuple[int, int]:

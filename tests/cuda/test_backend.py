@@ -8,7 +8,7 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "linear", "add", "swiglu", "rope", "kv_store", "attention", "topk_softmax",
-       "expert_ffn", "combine", "sample", "layernorm", "tiled_linear", "activation", "add_bias", "vision_attention", "scatter_rows"]
+       "expert_ffn", "combine", "sample"]
 
 
 def _public(cls):
@@ -65,3 +65,13 @@ def test_ops_return_device_arrays_shaped_as_cpu(rng, storage_dtype):
     np.testing.assert_allclose(cuda_ops.to_host(got), cpu_ops.linear(x, cpu_ops.weight(w)), rtol=1e-5)
     ids, weights = cuda_ops.topk_softmax(got, 2, True)
     assert cuda_ops.to_host(ids).shape == (2, 2) and cuda_ops.to_host(weights).dtype == np.float32
+
+
+VISION_OPS = ["layernorm", "tiled_linear", "activation", "add_bias", "vision_attention", "scatter_rows"]
+
+
+def test_cuda_backend_offers_the_vision_ops_with_the_same_parameters():
+    for name in VISION_OPS:
+        cpu = list(inspect.signature(getattr(CpuBackend, name)).parameters)
+        cuda = list(inspect.signature(getattr(CudaBackend, name)).parameters)[1:]  # less self
+        assert cuda == cpu, name

@@ -5,7 +5,7 @@ from moebus.cuda.vision_attention import vision_attention_cuda, vision_attention
 from tests.cuda.conftest import device, poisoned
 
 
-@pytest.mark.parametrize("images, positions, heads, head_dim", [(2, 5, 2, 8), (1, 37, 1, 4)])
+@pytest.mark.parametrize("images, positions, heads, head_dim", [(2, 5, 2, 8), (1, 37, 1, 4), (2, 3, 1, 40)])
 def test_vision_attention_matches_ref(rng, images, positions, heads, head_dim):
     shape = (images * positions, heads, head_dim)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
@@ -27,3 +27,13 @@ def test_images_do_not_see_each_other(rng):
     q, k, v = (rng.standard_normal((8, 1, 4), dtype=np.float32) for _ in range(3))
     alone = vision_attention_ref(q[:4], k[:4], v[:4], 1, 0.5)
     np.testing.assert_allclose(vision_attention_ref(q, k, v, 2, 0.5)[:4], alone, rtol=1e-6)
+
+
+def test_the_gpu_block_gives_the_same_result(rng, monkeypatch):
+    from moebus.cuda import vision_attention
+
+    monkeypatch.setattr(vision_attention, "WARPS", 8)  # what a real GPU runs: 8 query rows per block
+    q, k, v = (rng.standard_normal((2 * 11, 2, 72), dtype=np.float32) for _ in range(3))
+    out = poisoned(q.shape)
+    vision_attention_cuda(device(q), device(k), device(v), 2, 72 ** -0.5, out)
+    np.testing.assert_allclose(out.copy_to_host(), vision_attention_ref(q, k, v, 2, 72 ** -0.5), rtol=1e-5, atol=1e-5)

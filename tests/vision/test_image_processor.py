@@ -70,3 +70,11 @@ def test_unsupported_processor_and_missing_files_are_named(tmp_path):
 
 def test_expand_image_tokens():
     assert expand_image_tokens([1, 9, 2, 9], 9, 3) == [1, 9, 9, 9, 2, 9, 9, 9]
+
+
+def test_old_hub_integer_sizes_mean_shortest_edge_and_square_crop():
+    old = ImageProcessor({"image_processor_type": "CLIPImageProcessor", "size": 36, "crop_size": 32})
+    new = ImageProcessor(reference("clip", CLIP).to_dict())
+    assert old.size == {"shortest_edge": 36} and old.image_size == (32, 32)
+    image = images()["rgb"]
+    np.testing.assert_array_equal(old.preprocess(image), new.preprocess(image))
