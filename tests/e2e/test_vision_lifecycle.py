@@ -223,3 +223,18 @@ def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, 
     finally:
         client.close()
         assert svc.stop() == []
+
+
+def test_vision_gpu_1_takes_its_room_from_gpu1(tmp_path, llava_dir, image):
+    svc = start_vision_service(tmp_path, llava_dir, gpu=1, max_context=384)
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        start = wait_cold(client)
+        startup = client.vram(query=True)["expert_slots"]
+        assert start["vram_mib"][0] == 0 and start["vram_mib"][1] > 0 and start["gpu"] == 1
+        assert len(_image_request(client, image).collect()["tokens"]) == 2
+        during = client.vram(query=True)["expert_slots"]
+        assert during[0] == startup[0] and during[1] < startup[1]
+    finally:
+        client.close()
+        assert svc.stop() == []
