@@ -452,9 +452,18 @@ class Broker:
             return
         self.vision.on_message(msg)
 
+    def _send_vision(self, message) -> bool:
+        """To the vision worker; False while it is not connected (a worker just forked, or gone: the
+        lifecycle's heartbeat deadline decides which)."""
+        try:
+            transport.send(self.backend, message, b"vision", flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
     def _vision_hooks(self) -> VisionHooks:
         return VisionHooks(
-            send=lambda message: transport.send(self.backend, message, b"vision"),
+            send=self._send_vision,
             queue_vram=self.vram.internal,
             submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready)
 
