@@ -1,6 +1,8 @@
 """The ZeroMQ client of moebus (also what the api uses). ``Client(address)`` talks to the broker's
 frontend; it is safe to use from many threads: one IO thread owns the DEALER socket, callers hand
-messages to it over per-thread inproc sockets and read replies from their own queues.
+messages to it over one inproc PUSH socket (used under a lock, which is the memory barrier ZeroMQ
+asks for when a socket changes threads; one socket per thread would grow with every thread that
+ever called) and read replies from their own queues.
 
     client = Client("tcp://127.0.0.1:5555")
     for part in client.generate(prompt="Hello", max_tokens=16, temperature=0):
@@ -148,8 +150,9 @@ class Client:
         self._inproc = f"inproc://moebus-client-{os.getpid()}-{next(_ids)}"
         self._pull = transport.make_socket(self._ctx, zmq.PULL)
         self._pull.bind(self._inproc)
-        self._local = threading.local()
-        self._pushes: list = []
+        self._push = transport.make_socket(self._ctx, zmq.PUSH)
+        self._push.connect(self._inproc)
+        self._push_lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -220,8 +223,8 @@ class Client:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=2)
-        for sock in self._pushes:
-            sock.close()
+        with self._push_lock:
+            self._push.close()
 
     def _register(self, request_id: str, replies: Replies) -> None:
         """Take a request's reply queue, or raise Unavailable (503) at once while the broker is down."""
@@ -253,12 +256,6 @@ class Client:
         return reply
 
     def _send(self, message: Message) -> None:
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = self._local.push = transport.make_socket(self._ctx, zmq.PUSH)
-            push.connect(self._inproc)
-            with self._lock:
-                self._pushes.append(push)
         frames = wire.encode(message)
         size = sum(memoryview(f).nbytes for f in frames)
         if self.max_message_bytes and size > self.max_message_bytes:
@@ -267,7 +264,8 @@ class Client:
                                "(max_request_bytes)", code="request_too_large")
             err.http_status = 413
             raise err
-        push.send_multipart(frames, copy=False)
+        with self._push_lock:
+            self._push.send_multipart(frames, copy=False)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

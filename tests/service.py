@@ -96,7 +96,9 @@ class Service:
         return self.log.read()[-8000:]
 
     def worker_pids(self) -> list[int]:
-        return [p for p in process_tree(self.proc.pid) if b"moebus.cli\0worker\0" in _cmdline(p)]
+        """The GPU workers' pids in stage order (gpu0 first)."""
+        workers = [p for p in process_tree(self.proc.pid) if b"moebus.cli\0worker\0" in _cmdline(p)]
+        return sorted(workers, key=lambda p: _gpu_of(_cmdline(p)))
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 30) -> list[int]:
         """Stop the service; returns the pids of its tree that are still alive afterwards."""
@@ -119,6 +121,11 @@ class Service:
                 pass
         self.log.close()
         return left
+
+
+def _gpu_of(cmdline: bytes) -> int:
+    args = cmdline.split(b"\0")
+    return int(args[args.index(b"--gpu") + 1]) if b"--gpu" in args else -1
 
 
 def _cmdline(pid: int) -> bytes:

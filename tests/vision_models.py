@@ -58,9 +58,11 @@ def _scale_weights(model) -> None:
 
 def make_hf_llava(out_dir: Path, tower: str = "siglip", text_arch: str = "qwen3_moe", feature_layer=-2,
                   strategy: str = "default", projector_bias: bool = True, projector_act: str = "gelu",
-                  dtype: str = "f32", seed: int = 0) -> Path:
+                  dtype: str = "f32", seed: int = 0, image_size: int | None = None) -> Path:
     """A LlavaForConditionalGeneration built from a config, saved by save_pretrained together with
-    a LlavaProcessor (tokenizer with ``<image>``, the tower's image processor, ChatML template)."""
+    a LlavaProcessor (tokenizer with ``<image>``, the tower's image processor, ChatML template).
+    ``image_size``: another side than VISION_SHAPES' (one the patch does not divide, as SigLIP-so400m's
+    384 px in patches of 14)."""
     import torch
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
                               LlavaProcessor, SiglipImageProcessorPil, SiglipVisionConfig)
@@ -68,8 +70,9 @@ def make_hf_llava(out_dir: Path, tower: str = "siglip", text_arch: str = "qwen3_
     torch.manual_seed(seed)
     tokenizer = llava_tokenizer()
     is_clip = tower == "clip"
-    vision = (CLIPVisionConfig if is_clip else SiglipVisionConfig)(**VISION_SHAPES)
-    size = VISION_SHAPES["image_size"]
+    shapes = {**VISION_SHAPES, **({"image_size": image_size} if image_size else {})}
+    vision = (CLIPVisionConfig if is_clip else SiglipVisionConfig)(**shapes)
+    size = shapes["image_size"]
     tokens = (size // VISION_SHAPES["patch_size"]) ** 2 + is_clip - (strategy == "default")
     cfg = LlavaConfig(vision_config=vision, text_config=_text_config(text_arch),
                       image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=tokens,

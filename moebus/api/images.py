@@ -33,7 +33,8 @@ def _from_data_url(url: str, limits: ImageLimits, where: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError(f"{where}: the data URL is not valid base64", param=where, code="invalid_image_url") from None
+        raise RequestError(f"{where}: the data URL is not valid base64", param=where,
+                           code="invalid_image_url") from None
 
 
 def _fetch(url: str, limits: ImageLimits, where: str, timeout_s: float) -> bytes:

@@ -33,6 +33,8 @@ class BrokerLink:
         self.keys = transport.client_keys(broker)
         self.curve = not transport.is_loopback(broker.frontend)  # a wildcard bind serves CURVE on loopback too
         self.heartbeat_s = broker.heartbeat_s
+        # a broker paused for a few beats (a long collection) is not dead yet: streams wait it out
+        self.dead_after_s = max(5.0, (broker.heartbeat_liveness + 2) * broker.heartbeat_s)
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._pid: int | None = None
@@ -42,7 +44,8 @@ class BrokerLink:
     def client(self) -> Client:
         with self._lock:
             if self._client is None or self._pid != os.getpid():  # a forked copy must not share sockets
-                client = Client(self.address, server_key=self.server_key, heartbeat_s=self.heartbeat_s, keys=self.keys,
+                client = Client(self.address, server_key=self.server_key, heartbeat_s=self.heartbeat_s,
+                                dead_after_s=self.dead_after_s, keys=self.keys,
                                 curve=self.curve, max_message_bytes=self.max_message_bytes)
                 self._client, self._pid, self._model = client, os.getpid(), None
             return self._client

@@ -3,6 +3,7 @@ that has gone cancels the request, streamed or not), and answer whole or as serv
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -15,6 +16,7 @@ from moebus.client import Stream
 from moebus.common.errors import RequestError
 from moebus.common.protocol import Partial
 
+log = logging.getLogger("moebus.api")
 TICK_S = 0.5  # while no token comes: how often to look at the HTTP client
 CHECK_S = 0.25  # while tokens come: at most this often
 
@@ -164,6 +166,10 @@ def _events(streams: list[Stream], formatter: Formatter, firsts: list, followers
         return
     except RequestError as e:  # the headers are out: the error travels as an event
         yield sse({"error": e.to_dict()})
+    except Exception as e:  # noqa: BLE001 - a bug mid-stream still ends the stream properly
+        log.exception("streaming failed")
+        yield sse({"error": {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                             "param": None, "code": None}})
     finally:
         _close(streams, followers)
     yield sse("[DONE]")

@@ -86,19 +86,24 @@ def vram_mib() -> dict[int, float]:
 
 
 def growth(samples: list[tuple[float, float]], warmup_frac: float) -> tuple[float, float]:
-    """(MiB per minute, MiB grown) over the samples after the warm-up, by least squares."""
-    if len(samples) < 4:
+    """(MiB per minute by least squares, settled growth) over the samples after the warm-up. The
+    settled growth is how far the lowest value of the last half stays above the highest of the
+    first half: a leak keeps climbing, while caches that shrink and regrow with VRAM requests, or
+    an allocator's ups and downs, overlap and give <= 0."""
+    if len(samples) < 6:
         return 0.0, 0.0
     t0 = samples[0][0] + warmup_frac * (samples[-1][0] - samples[0][0])
     kept = [(t, v) for t, v in samples if t >= t0]
+    if len(kept) < 4:
+        return 0.0, 0.0
     t, v = np.array([s[0] for s in kept]), np.array([s[1] for s in kept])
-    slope = float(np.polyfit(t - t[0], v, 1)[0]) if len(kept) >= 3 and np.ptp(t) > 0 else 0.0
-    return slope * 60, float(v[-1] - v[0])
+    slope = float(np.polyfit(t - t[0], v, 1)[0]) if np.ptp(t) > 0 else 0.0
+    half = len(v) // 2
+    return slope * 60, float(v[half:].min() - v[:half].max())
 
 
-def is_leaking(per_min: float, grown: float, window_s: float, max_mib_per_min: float) -> bool:
-    # both: a steady slope, and growth beyond the allocator's noise over the window
-    return per_min > max_mib_per_min and grown > max(4.0, max_mib_per_min * window_s / 120)
+def is_leaking(per_min: float, settled_mib: float, max_mib_per_min: float) -> bool:
+    return per_min > max_mib_per_min and settled_mib > 1.0
 
 
 class Load:
@@ -232,7 +237,18 @@ def main(argv: list[str]) -> int:
     return 0 if report["ok"] else 1
 
 
+def warm_up(url: str, rounds: int = 600) -> None:
+    """Touch every api thread once (waitress hands requests to its threads in turn), so that the
+    first use of each thread's stack is not mistaken for growth."""
+    import requests
+
+    with requests.Session() as session:
+        for _ in range(rounds):
+            session.get(url + "/health", timeout=30)
+
+
 def soak(args, proc, control, address: str, url: str, elastic: bool) -> dict:
+    warm_up(url)
     load = Load(address, url, elastic)
     threads = load.run()
     series: dict[int, dict] = {}
@@ -259,14 +275,13 @@ def summarize(series: dict[int, dict], control_pid: int, args) -> dict:
     for pid, entry in series.items():
         per_min, grown = growth(entry["rss"], args.warmup)
         vram_per_min, vram_grown = growth(entry["vram"], args.warmup)
-        window_s = entry["rss"][-1][0] - entry["rss"][0][0] if entry["rss"] else 0.0
         processes.append({"pid": pid, "name": entry["name"], "control": pid == control_pid,
                           "rss_mib": [round(v, 1) for _, v in entry["rss"]],
                           "vram_mib": [round(v, 1) for _, v in entry["vram"]],
-                          "rss_mib_per_min": round(per_min, 2), "rss_grown_mib": round(grown, 1),
+                          "rss_mib_per_min": round(per_min, 2), "rss_settled_growth_mib": round(grown, 1),
                           "vram_mib_per_min": round(vram_per_min, 2),
-                          "leaking": is_leaking(per_min, grown, window_s, args.max_mib_per_min)
-                          or is_leaking(vram_per_min, vram_grown, window_s, args.max_mib_per_min)})
+                          "leaking": is_leaking(per_min, grown, args.max_mib_per_min)
+                          or is_leaking(vram_per_min, vram_grown, args.max_mib_per_min)})
     control_flagged = any(p["control"] and p["leaking"] for p in processes)
     moebus_flat = not any(p["leaking"] for p in processes if not p["control"])
     return {"duration_s": args.duration_s, "processes": processes, "control_flagged": control_flagged,

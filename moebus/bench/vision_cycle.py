@@ -10,6 +10,7 @@ import io
 import json
 import statistics
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,9 +42,9 @@ def _wait(client, condition, timeout_s: float, what: str) -> dict:
         time.sleep(0.05)
 
 
-def _chat(client, image: bytes, max_tokens: int = 2) -> float:
+def _chat(client, image: bytes, max_tokens: int = 2, started: float | None = None) -> float:
     """Seconds to the first token at the client."""
-    started = time.monotonic()
+    started = started or time.monotonic()
     first = None
     content = [{"type": "image"}, {"type": "text", "text": "Describe the picture."}]
     for _ in client.chat([{"role": "user", "content": content}], images=[image], max_tokens=max_tokens,
@@ -88,6 +89,66 @@ def _resident(args) -> list[int]:
             client.close()
 
 
+class _TextStreams:
+    """Text streams decoding while the cold image request runs: their inter-token gaps."""
+
+    def __init__(self, client, count: int, max_tokens: int):
+        self.times: list[list[float]] = [[] for _ in range(count)]
+        self.threads = [threading.Thread(target=self._run, args=(client, i, max_tokens), daemon=True)
+                        for i in range(count)]
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(len(t) >= 3 for t in self.times) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def _run(self, client, i: int, max_tokens: int) -> None:
+        for part in client.generate(prompt_tokens=[5 + i, 17, 99], max_tokens=max_tokens, temperature=0,
+                                    ignore_eos=True):
+            self.times[i] += [time.monotonic()] * len(part.tokens)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    def gaps_s(self, start: float, end: float) -> list[float]:
+        return [b - a for ts in self.times for a, b in zip(ts, ts[1:]) if b >= start and a <= end]
+
+    def max_gap_s(self, start: float, end: float) -> float | None:
+        return max(self.gaps_s(start, end), default=None)
+
+
+def _cold_request(client, image: bytes, args) -> tuple[list[int], dict, dict]:
+    """The first image, with text streams decoding meanwhile: (slots while vision is loaded, the
+    time split, the streams' largest inter-token gaps)."""
+    streams = _TextStreams(client, args.text_streams, args.text_tokens) if args.text_streams else None
+    sent = time.monotonic()
+    first_s = _chat(client, image, started=sent)
+    during = _slots(client)  # before idle_s can pass
+    split = dict(client.info()["vision"]["last_cold_start"], first_token_s=first_s)
+    gaps = {}
+    if streams:  # through the hand-back, start and encode; then with the image's own prefill step too
+        streams.join()
+        encoded = sent + sum(split.get(k, 0.0) for k in ("queued_s", "handback_s", "start_s", "ready_to_encode_s",
+                                                         "encode_s"))
+        before = streams.gaps_s(0.0, sent)
+        gaps = {"median_before": statistics.median(before) if before else None,
+                "until_encoded": streams.max_gap_s(sent, encoded),
+                "until_first_token": streams.max_gap_s(sent, sent + first_s)}
+    return during, split, gaps
+
+
+def _warm_encode_s(client, args) -> float | None:
+    encode = client.info()["histograms"]["vision_encode_seconds"]
+    warm = []
+    for i in range(args.repeats):
+        _chat(client, _image_png(args.image_px, seed=i + 1), max_tokens=1)
+        now = client.info()["histograms"]["vision_encode_seconds"]
+        warm.append(now["sum"] - encode["sum"])
+        encode = now
+    return statistics.median(warm) if warm else None
+
+
 def _lazy_cycle(args, image: bytes) -> dict:
     from moebus.client import Client
 
@@ -96,21 +157,11 @@ def _lazy_cycle(args, image: bytes) -> dict:
         try:
             _wait(client, lambda i: i["vision"]["zygote_ready"], args.timeout_s, "vision zygote ready")
             idle = _slots(client)
-            client_first_s = _chat(client, image)
-            during = _slots(client)
-            info = client.info()
-            split = dict(info["vision"]["last_cold_start"], first_token_s=client_first_s)
-            encode = info["histograms"]["vision_encode_seconds"]
-            warm = []
-            for i in range(args.repeats):
-                _chat(client, _image_png(args.image_px, seed=i + 1), max_tokens=1)
-                now = client.info()["histograms"]["vision_encode_seconds"]
-                warm.append(now["sum"] - encode["sum"])
-                encode = now
+            during, split, gaps = _cold_request(client, image, args)
+            warm_s = _warm_encode_s(client, args)
             _wait(client, lambda i: i["vision"]["state"] == "cold", args.idle_s + args.timeout_s, "vision unloaded")
-            after = _slots(client)
-            return {"idle": idle, "during": during, "after": after, "split": split,
-                    "warm_encode_s": statistics.median(warm) if warm else None}
+            return {"idle": idle, "during": during, "after": _slots(client), "split": split,
+                    "text_max_gap_s": gaps, "warm_encode_s": warm_s}
         finally:
             client.close()
 
@@ -125,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--segment-mib", type=int)
     p.add_argument("--max-context", type=int)
     p.add_argument("--repeats", type=int, default=5, help="warm encodes")
+    p.add_argument("--text-streams", type=int, default=4, help="text streams decoding through the cold start")
+    p.add_argument("--text-tokens", type=int, default=64, help="tokens of each text stream")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -141,6 +194,13 @@ def main(argv=None) -> int:
     print("cold image request:", ", ".join(f"{k[:-2]} {1e3 * split[k]:.1f} ms" for k in
                                             ("handback_s", "start_s", "encode_s", "prefill_s", "first_token_s")
                                             if k in split))
+    gaps = cycle["text_max_gap_s"]
+    if gaps:
+        def ms(v):
+            return "-" if v is None else f"{1e3 * v:.1f} ms"
+        print(f"{args.text_streams} text streams, inter-token gap: median before the image "
+              f"{ms(gaps['median_before'])}; max through hand-back, start and encode {ms(gaps['until_encoded'])}; "
+              f"max with the image's prefill step {ms(gaps['until_first_token'])}")
     if cycle["warm_encode_s"] is not None:
         print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats})")
     ok = sum(cycle["idle"]) == sum(cycle["after"]) > sum(resident) == sum(cycle["during"])

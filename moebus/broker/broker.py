@@ -125,9 +125,9 @@ class Broker:
                 events = dict(poller.poll(POLL_MS))
                 self._guarded("stall check", self._forgive_stall)
                 if self.frontend in events:
-                    self._drain(self.frontend, self._on_client)
+                    self._guarded("client messages", self._drain, self.frontend, self._on_client)
                 if self.backend in events:
-                    self._drain(self.backend, self._on_worker)
+                    self._guarded("worker messages", self._drain, self.backend, self._on_worker)
                 if self.tokenize.wake in events:
                     self._guarded("tokenized prompts", self._on_tokenized)
                 now = time.monotonic()
@@ -149,11 +149,11 @@ class Broker:
                 self._abort_step(f"internal error in the broker ({what})")
             return default
 
-    def _abort_step(self, reason: str) -> None:
+    def _abort_step(self, reason: str, status: int = 500) -> None:
         """The step in flight (if any) cannot complete: its requests fail."""
         step, self.inflight = self.inflight, None
         for seq in step.plan.seqs if step else []:
-            self._fail(seq, f"{reason}; request aborted", status=500)
+            self._fail(seq, f"{reason}; request aborted", status=status)
 
     def _forgive_stall(self) -> None:
         """After a pause of the broker itself (a stalled disk, a long collection) nobody could be
@@ -178,7 +178,7 @@ class Broker:
             return False
         timed_out = time.monotonic() - self.stopping_since > self.settings.broker.drain_s
         if timed_out or not self.pool.all_ready():
-            self._abort_step("server shutting down")  # a step that never comes back must not hold the exit
+            self._abort_step("server shutting down", status=503)  # a step that never comes back must not hold the exit
             for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
                 self._fail(seq, "server shutting down", status=503)
             self.vram.fail_all("server shutting down")
@@ -453,15 +453,12 @@ class Broker:
         self.vision.on_message(msg)
 
     def _send_vision(self, message) -> bool:
-        """Send to the vision worker; False while it is not connected: a forked worker that has not
-        connected yet (the first heartbeat of a start goes out at once), or one that is gone (its exit
-        event or its missed heartbeats end it). Raising here would cut the rest of the supervision."""
+        """To the vision worker; False while it is not connected (a worker just forked, or gone: the
+        lifecycle's heartbeat deadline decides which)."""
         try:
             transport.send(self.backend, message, b"vision", flags=zmq.NOBLOCK)
             return True
-        except zmq.ZMQError as e:
-            if not isinstance(message, Heartbeat):
-                log.warning("the vision worker cannot be reached (%s): %s not sent", e.strerror, message.TYPE.decode())
+        except zmq.ZMQError:
             return False
 
     def _vision_hooks(self) -> VisionHooks:

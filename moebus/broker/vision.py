@@ -28,6 +28,7 @@ from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat,
 log = logging.getLogger("moebus.broker")
 COLD, HANDING_BACK, STARTING, READY, STOPPING, REGROWING = ("cold", "handing_back", "starting", "ready", "stopping",
                                                              "regrowing")
+COLD_START_PHASES = ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")
 STOP_GRACE_S = 10.0  # a worker told to stop that has not exited by then is killed
 MAX_BACKOFF_S = 30.0
 MIB = 1 << 20
@@ -107,6 +108,9 @@ class VisionLifecycle:
     def submit(self, req: ImageRequest) -> None:
         if len(self.waiting) >= self.settings.max_queue:
             raise ServerBusy(f"server busy: {len(self.waiting)} image requests waiting (max_queue)")
+        if self.state in (STOPPING, REGROWING):
+            log.info("image request %s arrived while the vision worker is %s: it waits, then starts it again",
+                     req.seq.id, self.state)
         self.waiting.append(req)
 
     def find(self, request_id: str) -> ImageRequest | None:
@@ -137,7 +141,8 @@ class VisionLifecycle:
 
     def info(self) -> dict:
         return {"vision_loaded": int(self.state == READY),
-                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu, "lazy": self.vision.lazy,
+                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu,
+                           "lazy": self.vision.lazy,
                            "vram_mib": self.reserves(), "waiting": len(self.waiting) + (self.encoding is not None),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
 
@@ -330,8 +335,8 @@ class VisionLifecycle:
                                    ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
         try:
             self.hooks.submit(seq)
-        except Exception as e:  # ServerBusy: the queue filled while it was encoded
-            self._fail(req, str(e), getattr(e, "http_status", 503))
+        except ServerBusy as e:  # the queue filled while it was encoded
+            self._fail(req, e.message, e.http_status, kind=e.kind)
 
     def _fail(self, req: ImageRequest, message: str, status: int, kind: str | None = None, param: str | None = None,
               code: str | None = None) -> None:
@@ -342,7 +347,7 @@ class VisionLifecycle:
 
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""
-        cycle = {k: v for k, v in self.last_cycle.items() if k in ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")}
+        cycle = {k: v for k, v in self.last_cycle.items() if k in COLD_START_PHASES}
         seq = self.last_cycle.get("seq")
         if seq is not None and seq.first_token_s is not None:
             cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]

@@ -38,8 +38,9 @@ def _check_parts(messages: list[dict] | None) -> None:
         content = message.get("content") if isinstance(message, dict) else None
         for k, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
-                raise RequestError(f"messages[{n}].content[{k}]: over ZeroMQ an image is a raw frame of GENERATE's "
-                                   "images with a {'type': 'image'} part in its place", param=f"messages[{n}].content[{k}]")
+                where = f"messages[{n}].content[{k}]"
+                raise RequestError(f"{where}: over ZeroMQ an image is a raw frame of GENERATE's images with a "
+                                   "{'type': 'image'} part in its place", param=where)
 
 
 def admit_image_request(msg: Generate, client: bytes, tokenizer, vocab_size: int, max_context: int, vision,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda import attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling
+from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, rmsnorm, rope, routing, sampling,
+                         top_logprobs)
 from moebus.cuda import penalties
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
@@ -90,6 +91,7 @@ class CpuBackend:
     expert_ffn = staticmethod(moe.expert_ffn_ref)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)
+    top_logprobs = staticmethod(top_logprobs.top_logprobs_rows_ref)
     # vision tower and stage-0 image embeddings
     layernorm = staticmethod(layernorm.layernorm_ref)
     tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
@@ -113,8 +115,27 @@ def make_backend(device: str):
     raise ValueError(f"unknown device {device!r}")
 
 
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device allocation that failed (the driver's or the emulated GPU's): the step fails, the
+    context is fine, and the worker keeps serving."""
+    from moebus.cuda.ledger import OutOfMemory
+
+    if isinstance(exc, OutOfMemory):
+        return True
+    code = getattr(exc, "code", exc.args[0] if exc.args else None)  # numba: CudaAPIError(code, msg)
+    try:
+        return type(exc).__name__ == "CudaAPIError" and int(code) == CUDA_ERROR_OUT_OF_MEMORY
+    except (TypeError, ValueError):
+        return False
+
+
 def is_fatal_device_error(exc: BaseException) -> bool:
     """True for errors after which the device (CUDA context) cannot be trusted any more."""
+    if is_out_of_memory(exc):
+        return False
     if isinstance(exc, MemoryError):
         return True
     module = type(exc).__module__ or ""

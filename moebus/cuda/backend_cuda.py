@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm, rope, routing,
-                         sampling)
+                         sampling, top_logprobs)
 from moebus.cuda import penalties
 from moebus.cuda.compat import SIMULATOR, cuda
 from moebus.cuda.graphs import swapped
@@ -182,6 +182,12 @@ class CudaBackend:
     def combine(self, y_pair, weights):
         out = self.empty((weights.shape[0], y_pair.shape[1]))
         return moe.combine_cuda(y_pair, weights, out, stream=self.stream)
+
+    def top_logprobs(self, logits, n: int):
+        """(ids, logprobs), each (S, n): the n most likely ids of each row of logits."""
+        shape = (logits.shape[0], n)
+        return top_logprobs.top_logprobs_cuda(logits, n, self.empty(shape, np.int32), self.empty(shape, np.float32),
+                                              stream=self.stream)
 
     def sample(self, logits, temperature, top_k, top_p, u):
         num_rows = logits.shape[0]

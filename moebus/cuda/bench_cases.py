@@ -203,13 +203,61 @@ def _elementwise_cases(s: dict, t: int) -> list[Case]:
             _simple("combine", f"T={t} k={s['top_k']}", combine)]
 
 
+def _fused_cases(s: dict, t: int) -> list[Case]:
+    """The decode path's fused kernels and the device-side routing (fused.py, routing.py)."""
+    from moebus.cuda import fused, routing
+
+    d, h, kvh, hd, k = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["top_k"]
+
+    def add_norm(rng, stream):
+        x, y, w = rng.standard_normal((t, d), dtype=np.float32), rng.standard_normal((t, d), dtype=np.float32), _bf16(rng, d)
+        args, total, out = [_dev(a, stream) for a in (x, y, w)], _out((t, d), stream), _out((t, d), stream)
+        return (lambda: fused.add_rmsnorm_cuda(*args, 1e-6, total, out, stream=stream), out,
+                lambda: fused.add_rmsnorm_ref(x, y, w, 1e-6)[1])
+
+    def combine_norm(rng, stream):
+        y, wk = rng.standard_normal((t * k, d), dtype=np.float32), rng.random((t, k), dtype=np.float32)
+        x, w = rng.standard_normal((t, d), dtype=np.float32), _bf16(rng, d)
+        args, total, out = [_dev(a, stream) for a in (y, wk, x, w)], _out((t, d), stream), _out((t, d), stream)
+        return (lambda: fused.combine_add_rmsnorm_cuda(*args, 1e-6, total, out, stream=stream), out,
+                lambda: fused.combine_add_rmsnorm_ref(y, wk, x, w, 1e-6)[1])
+
+    def qkv(rng, stream):
+        cos, sin = rope.rope_tables(hd, 1e6, s["context"])
+        x = rng.standard_normal((t, (h + 2 * kvh) * hd), dtype=np.float32)
+        qw, kw = _bf16(rng, hd), _bf16(rng, hd)
+        slots, pos = np.arange(t, dtype=np.int32), np.full(t, s["context"] - 1, np.int32)
+        cache = np.zeros((t, kvh, s["context"], hd), np.float32)
+        args = [_dev(a, stream) for a in (x,)] + [h, kvh] + [_dev(a, stream) for a in (qw, kw)] + [1e-6] + \
+            [_dev(a, stream) for a in (slots, pos, cos, sin, cache, cache)]
+        out = _out((t, h, hd), stream)
+        return (lambda: fused.qkv_rope_store_cuda(*args, out, stream=stream), out,
+                lambda: fused.qkv_rope_store_ref(x, h, kvh, qw, kw, 1e-6, slots, pos, cos, sin, cache.copy(),
+                                                 cache.copy()))
+
+    def route(rng, stream):
+        ids = np.stack([rng.permutation(s["experts"])[:k] for _ in range(t)]).astype(np.int32)
+        table = rng.integers(-1000, 1000, size=(4, s["experts"])).astype(np.int32)
+        di, dt = _dev(ids, stream), _dev(table, stream)
+        outs = [_out((t * k,), stream, np.int32) for _ in range(3)]
+        return (lambda: routing.route_pairs_cuda(di, dt, 2, *outs, stream=stream), outs[1],
+                lambda: routing.route_pairs_ref(ids, table, 2)[1])
+
+    cases = [_simple("add_rmsnorm", f"{t}x{d}", add_norm), _simple("combine_add_rmsnorm", f"T={t} k={k}", combine_norm),
+             _simple("route_pairs", f"T={t} k={k}", route)]
+    if fused.can_fuse_heads(hd):
+        cases.append(_simple("qkv_rope_store", f"T={t}", qkv))
+    return cases
+
+
 def make_cases(s: dict) -> list[Case]:
     """Decode batch 1 first, then batch 8, then prefill: if the deadline cuts the run, what is left
     out is the least interesting."""
     d, h, kvh, hd, v = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["vocab"]
     cases = []
     for t in (*s["decode"], s["prefill"]):
-        cases += [linear_case("q", t, h * hd, d), linear_case("k/v", t, kvh * hd, d), linear_case("o", t, d, h * hd),
+        cases += [linear_case("qkv", t, (h + 2 * kvh) * hd, d), linear_case("q", t, h * hd, d),
+                  linear_case("k/v", t, kvh * hd, d), linear_case("o", t, d, h * hd),
                   linear_case("router", t, s["experts"], d), expert_case(s, t), topk_case(s, t)]
         if t in s["decode"]:
             positions = np.full(t, s["context"] - 1)
@@ -218,4 +266,6 @@ def make_cases(s: dict) -> list[Case]:
         else:
             cases.append(attention_case(s, f"prefill T={t}", np.zeros(t, np.int64), np.arange(t)))
         cases += _elementwise_cases(s, t)
+        if t in s["decode"]:
+            cases += _fused_cases(s, t)
     return cases

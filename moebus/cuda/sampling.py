@@ -71,8 +71,16 @@ def sample_ref(logits, temperature, top_k, top_p, u) -> tuple[np.ndarray, np.nda
 def top_logprobs_ref(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The n most likely ids of one row and their log-probabilities (raw logits, full vocabulary)."""
     logits = np.asarray(logits, dtype=np.float64)
-    lse = logits.max() + np.log(np.sum(np.exp(logits - logits.max())))
-    ids = np.argsort(-logits, kind="stable")[:n]
+    peak = logits.max()
+    lse = peak + np.log(np.sum(np.exp(logits - peak)))
+    n = min(int(n), len(logits))
+    if n <= 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    # O(V): the n-th largest value by partition, then only the candidates (ties included) sorted by
+    # descending logit, ties to the lower id, as a stable full sort would order them
+    kth = np.partition(logits, len(logits) - n)[len(logits) - n]
+    candidates = np.nonzero(logits >= kth)[0]
+    ids = candidates[np.lexsort((candidates, -logits[candidates]))][:n]
     return ids.astype(np.int32), (logits[ids] - lse).astype(np.float32)
 
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.backend import is_fatal_device_error
+from moebus.cuda.backend import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.fused import can_fuse_heads
 from moebus.cuda.rope import rope_tables
-from moebus.cuda.sampling import top_logprobs_ref
 from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
@@ -128,8 +127,12 @@ class Stage:
             self.ops.begin_step()
             self.experts.device_placement(self.ops)  # the graph reads the table at its fixed address
             out = graph.replay(inputs, self._wanted(batch, want_logits))
+            device_out = graph.outputs  # valid until the next replay
         else:
-            out = self._eager(batch, inputs, routed, want_logits)
+            out, device_out = self._eager(batch, inputs, routed, want_logits)
+        if self.is_last and batch.top_logprobs:  # on the device: only (S, n) comes back
+            ids, logprobs = self.ops.top_logprobs(device_out["logits"], batch.top_logprobs)
+            out["top_ids"], out["top_logprobs"] = self.ops.to_host(ids), self.ops.to_host(logprobs)
         if "expert_ids" in out:
             self.experts.observe(out["expert_ids"], self.ops)
         if not self.is_last:
@@ -143,14 +146,14 @@ class Stage:
             result = self._run(batch, {name: ops.upload(a) for name, a in inputs.items()}, routed)
         finally:
             self.experts.release()
-        return {name: ops.to_host(result[name]) for name in self._wanted(batch, want_logits) if name in result}
+        return {name: ops.to_host(result[name]) for name in self._wanted(batch, want_logits) if name in result}, result
 
     def _wanted(self, batch: StepBatch, want_logits: bool) -> list[str]:
         """The outputs that come back to the host: one step's results and its routing choices."""
         names = ["expert_ids"] if self.experts.store.layers and batch.num_tokens <= ROUTED_MAX_TOKENS else []
         if not self.is_last:
             return names + ["hidden"]
-        return names + ["tokens", "logprobs"] + (["logits"] if want_logits or batch.top_logprobs else [])
+        return names + ["tokens", "logprobs"] + (["logits"] if want_logits else [])
 
     def _host_inputs(self, batch: StepBatch, hidden) -> dict:
         inputs = {"token_slot": batch.token_slots(), "token_pos": batch.token_positions()}
@@ -183,11 +186,11 @@ class Stage:
             graph = self.graphs[batch.num_tokens] = CapturedStep(self.ops, inputs,
                                                                  lambda dev: self._run(batch, dev, routed=True))
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
-            if is_fatal_device_error(e):
-                raise
+            self.graphs.pop(batch.num_tokens, None)
+            if is_fatal_device_error(e) or is_out_of_memory(e):
+                raise  # out of memory fails this step only; graphs stay on for the next
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
             self.use_graphs = False
-            self.graphs.pop(batch.num_tokens, None)
             return None
         return graph
 
@@ -313,12 +316,5 @@ class Stage:
         return ops.combine(out, weights)
 
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
-        result = StageOutput(tokens=out["tokens"], logprobs=out["logprobs"])
-        if want_logits or batch.top_logprobs:
-            host_logits = out["logits"]
-            result.logits = host_logits if want_logits else None
-            if batch.top_logprobs:
-                tops = [top_logprobs_ref(row, batch.top_logprobs) for row in host_logits]
-                result.top_ids = np.stack([t[0] for t in tops])
-                result.top_logprobs = np.stack([t[1] for t in tops])
-        return result
+        return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,
+                           top_ids=out.get("top_ids"), top_logprobs=out.get("top_logprobs"))

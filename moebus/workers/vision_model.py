@@ -20,6 +20,9 @@ def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.nd
     (the patch linear maps it to exactly 0, and the class embedding is folded into the positions)."""
     n, c, h, w = pixel_values.shape
     p = patch_size
+    # a stride-p conv without padding leaves out the last h % p rows and w % p columns (SigLIP-so400m:
+    # 384 px in patches of 14 is 27 patches over 378 px)
+    pixel_values = pixel_values[:, :, : h // p * p, : w // p * p]
     grid = pixel_values.reshape(n, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
     rows = grid.reshape(n, (h // p) * (w // p), c * p * p)
     if class_row:

@@ -32,3 +32,14 @@ def test_two_image_sequences_in_one_step():
     assert rows.tolist() == [0, 1, 3 + 2] and rows.dtype == np.int32
     np.testing.assert_array_equal(embeds, np.concatenate([a.embeds, b.embeds]))
     assert step_embeds([a], [3], [1]) == (None, None)  # decoding past the prompt
+
+
+def test_default_hand_back_per_device():
+    from moebus.broker.vision import default_vram_mib
+
+    assert default_vram_mib("cuda", 1, 0, 0) == [1800]
+    assert default_vram_mib("cuda", 2, 0, 0) == [1700, 600]
+    assert default_vram_mib("cuda", 2, 1, 0) == [600, 1700]
+    # cpu: what the worker charges, rounded up to whole MiB, plus one; only on the vision GPU
+    assert default_vram_mib("cpu", 2, 0, 15 * (1 << 20) + 1) == [17, 0]
+    assert default_vram_mib("cpu", 2, 1, 3 * (1 << 20)) == [0, 4]

@@ -156,6 +156,9 @@ def exercise(rng) -> None:
 
     routing.route_pairs_cuda(np.zeros((2, 8), np.int32), np.zeros((3, 128), np.int32), 1,
                              *(empty(16, dtype=np.int32) for _ in range(3)))
+    from moebus.cuda import top_logprobs
+
+    top_logprobs.top_logprobs_cuda(f32(2, 1000), 5, empty(2, 5, dtype=np.int32), empty(2, 5))
     from moebus.cuda import bench_kernels
 
     bench_kernels._spin[1, 1, 0](10)

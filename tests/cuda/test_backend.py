@@ -8,8 +8,8 @@ from moebus.cuda.backend_cuda import CudaBackend
 from moebus.cuda.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu",
-       "rope", "kv_store", "attention", "topk_softmax", "route_pairs", "expert_ffn", "combine", "sample", "layernorm",
-       "activation", "add_bias", "vision_attention", "scatter_rows", "apply_rules", "token_logprobs"]
+       "rope", "kv_store", "attention", "topk_softmax", "route_pairs", "expert_ffn", "top_logprobs", "combine",
+       "sample", "apply_rules", "token_logprobs"]
 
 
 def _public(cls):
@@ -76,3 +76,13 @@ def test_cuda_backend_offers_the_vision_ops_with_the_same_parameters():
         cpu = list(inspect.signature(getattr(CpuBackend, name)).parameters)
         cuda = list(inspect.signature(getattr(CudaBackend, name)).parameters)[1:]  # less self
         assert cuda == cpu, name
+def test_running_out_of_device_memory_fails_the_step_not_the_worker():
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    from moebus.cuda.backend import is_fatal_device_error
+    from moebus.cuda.ledger import OutOfMemory
+
+    assert not is_fatal_device_error(CudaAPIError(2, "cuMemAlloc: out of memory"))
+    assert not is_fatal_device_error(OutOfMemory("emulated GPU full"))
+    assert is_fatal_device_error(CudaAPIError(700, "an illegal memory access was encountered"))
+    assert not is_fatal_device_error(ValueError("bad request"))

@@ -26,3 +26,14 @@ def test_greedy_tokens_and_logprobs_match_the_cpu_device(micro_model):
     cuda = LocalModel(micro_model, device="cuda", max_context=32).generate(prompt, 3)
     assert cuda.tokens == cpu.tokens
     np.testing.assert_allclose(cuda.logprobs, cpu.logprobs, atol=1e-4)
+
+
+def test_top_logprobs_come_from_the_device_and_match_the_cpu_device(micro_model):
+    from moebus.workers.batch import StepBatch
+
+    batch = StepBatch(slots=[0, 1], starts=[0, 0], lengths=[3, 2], tokens=[5, 17, 42, 9, 77], top_logprobs=4)
+    cpu = LocalModel(micro_model, device="cpu", max_context=32).step(batch)
+    cuda = LocalModel(micro_model, device="cuda", max_context=32).step(batch)
+    np.testing.assert_array_equal(cuda.top_ids, cpu.top_ids)
+    np.testing.assert_allclose(cuda.top_logprobs, cpu.top_logprobs, atol=1e-4)
+    assert cuda.logits is None  # only (S, n) came back

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 import zmq
 
@@ -99,3 +100,43 @@ def test_a_remote_ready_that_does_not_match_the_broker_is_told_to_shut_down(tmp_
         client.close()
     finally:
         assert svc.stop() == []
+
+
+def test_a_step_lost_across_a_reconnect_is_sent_again(tmp_path, tiny_model):
+    """The stage receives a STEP, loses its connection (as a worker does when the broker was silent)
+    and registers again as the same process: the broker sends that STEP again instead of waiting."""
+    backend = f"tcp://127.0.0.1:{free_port()}"
+    svc = Service(tmp_path, tiny_model, command="broker", broker={"backend": backend, "remote_gpus": [1]})
+    ctx = zmq.Context.instance()
+    ready = Ready(gpu=1, generation="same-process", layers=(2, 4), device="cpu", model=tiny_model.name, max_batch=8,
+                  max_context=svc.config["max_context"])
+    sock = transport.make_socket(ctx, zmq.DEALER, identity=b"gpu1")
+    sock.connect(backend)
+    client = Client(svc.zmq_address, timeout_s=60)
+    try:
+        deadline = time.monotonic() + 60
+        while not client.ping(timeout_s=0.5):
+            transport.send(sock, ready)
+            assert time.monotonic() < deadline
+        client.generate(prompt_tokens=[1, 2, 3], max_tokens=2)
+        first = next_step(sock)
+        sock.close()  # the reply, had there been one, is lost with this connection
+        sock = transport.make_socket(ctx, zmq.DEALER, identity=b"gpu1")
+        sock.connect(backend)
+        transport.send(sock, ready)
+        again = next_step(sock)
+        assert again.step_id == first.step_id and np.array_equal(again.hidden, first.hidden)
+    finally:
+        sock.close()
+        client.close()
+        assert svc.stop() == []
+
+
+def next_step(sock, timeout_s: float = 10.0) -> Step:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(200):
+            msg = wire.decode(sock.recv_multipart())
+            if isinstance(msg, Step):
+                return msg
+    raise AssertionError("no STEP")

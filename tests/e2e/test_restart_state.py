@@ -21,6 +21,8 @@ def test_a_restarted_worker_gets_the_reserve_back(tmp_path, demo_model):
         assert reserved["expert_slots"][1] < full["expert_slots"][1]
         victim = svc.worker_pids()[1]
         os.kill(victim, signal.SIGKILL)
+        dead = wait_for(lambda: (g := client.info()["gpus"][1]) and not g["ready"] and g, timeout_s=10)
+        assert "expert_slots" not in dead and "free_mib" not in dead  # no figures of a dead worker
         wait_for(lambda: victim not in svc.worker_pids() and len(svc.worker_pids()) == 2, timeout_s=30)
         wait_for(lambda: requests.get(svc.base_url + "/health", timeout=5).status_code == 200, timeout_s=60)
         after = client.vram(query=True)

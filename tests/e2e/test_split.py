@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -173,3 +174,28 @@ def test_non_loopback_without_keys_is_a_clear_error(tmp_path, tiny_model):
                           "--model", str(tiny_model), "--device", "cpu"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "MOEBUS_EMULATED_VRAM_DIR": str(tmp_path)})
     assert out.returncode == 2 and "needs broker.curve_public_key" in out.stderr
+
+
+def test_clients_on_a_non_loopback_frontend_need_an_allowed_key(tmp_path, tiny_model, netns):
+    """CURVE + ZAP on the frontend: an allow-listed client is served; one with another key (knowing
+    the broker's public key) never gets an answer."""
+    import zmq
+
+    _, host_ip = netns
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    allowed = tuple(k.decode() for k in zmq.curve_keypair())
+    other = tuple(k.decode() for k in zmq.curve_keypair())
+    address = f"tcp://{host_ip}:{free_port()}"
+    svc = Service(tmp_path, tiny_model, command="broker", broker={
+        "frontend": address, "curve_public_key": public, "curve_secret_key": secret, "curve_client_keys": [allowed[0]]})
+    good, bad = Client(address, server_key=public, keys=allowed), Client(address, server_key=public, keys=other)
+    try:
+        deadline = time.monotonic() + 120
+        while not good.ping(timeout_s=1.0):
+            assert svc.proc.poll() is None and time.monotonic() < deadline, svc.logs()
+        assert good.generate(prompt_tokens=[1, 2, 3], max_tokens=2, temperature=0).collect()["completion_tokens"] == 2
+        assert not bad.ping(timeout_s=3.0)
+    finally:
+        good.close()
+        bad.close()
+        assert svc.stop() == []

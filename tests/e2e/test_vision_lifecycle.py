@@ -7,6 +7,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -110,13 +111,17 @@ def test_idle_unload_races_new_images(service, zmq, image, startup_slots):
     zygote = zygote_pid(service)
     for round_ in range(RACE_ROUNDS):
         assert len(_image_request(zmq, image).collect()["tokens"]) == 2
-        time.sleep(rng.uniform(IDLE_S - 0.2, IDLE_S + 0.4))  # before, during or after the unload
+        time.sleep(rng.uniform(IDLE_S - 0.1, IDLE_S + 0.35))  # before, during or after the unload
         started = time.monotonic()
         assert len(_image_request(zmq, image).collect()["tokens"]) == 2, f"round {round_}"
         assert time.monotonic() - started < 10, f"round {round_} hung"
         state = wait_cold(zmq)
         assert state["slots"] == startup_slots, f"round {round_}: {state}"
         assert wait_for(lambda: not vision_worker_pids(service, zygote) or None, 5), f"round {round_}"
+    service.log.flush()
+    log = Path(service.log.name).read_text()
+    print(f"\n{RACE_ROUNDS} rounds: {log.count('while the vision worker is stopping')} images arrived during a stop, "
+          f"{log.count('while the vision worker is regrowing')} during a regrow")
 
 
 def test_sigkill_of_the_vision_worker_during_an_encode(service, zmq, image, startup_slots):
@@ -218,6 +223,21 @@ def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, 
         assert "OutOfMemory" in err.value.message and "emulated GPU gpu0" in err.value.message
         assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
         assert wait_cold(client)["loaded"] == 0
+    finally:
+        client.close()
+        assert svc.stop() == []
+
+
+def test_vision_gpu_1_takes_its_room_from_gpu1(tmp_path, llava_dir, image):
+    svc = start_vision_service(tmp_path, llava_dir, gpu=1, max_context=384)
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        start = wait_cold(client)
+        startup = client.vram(query=True)["expert_slots"]
+        assert start["vram_mib"][0] == 0 and start["vram_mib"][1] > 0 and start["gpu"] == 1
+        assert len(_image_request(client, image).collect()["tokens"]) == 2
+        during = client.vram(query=True)["expert_slots"]
+        assert during[0] == startup[0] and during[1] < startup[1]
     finally:
         client.close()
         assert svc.stop() == []

@@ -12,7 +12,7 @@ from tests.service import Service, alive, process_tree
 
 # The tiny LLaVA's stage 0 needs ~1.4 MiB besides its 2 MiB expert cache: 4 MiB GPUs with 1 MiB
 # segments leave the cache full at start-up and make the vision hand-back shrink it by half.
-# (max_context 384 leaves gpu0 0.1 MiB free beside a full cache: less than the vision worker's 0.5.)
+# (max_context 384 leaves gpu0 0.1 MiB free beside a full cache: less than the vision worker's 0.2.)
 VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1)
 
 

@@ -21,6 +21,9 @@ VARIANTS = {
     "clip_layers_full_nobias": dict(tower="clip", feature_layer=[0, -2], strategy="full", projector_bias=False),
     "siglip_bf16": dict(tower="siglip", dtype="bf16", feature_layer=[1, -1]),
     "clip_f16": dict(tower="clip", dtype="f16"),
+    # 36 px in patches of 8: the stride-8 conv leaves the last 4 rows and columns out (so400m: 384 / 14)
+    "siglip_side_not_a_patch_multiple": dict(tower="siglip", image_size=36),
+    "clip_side_not_a_patch_multiple": dict(tower="clip", image_size=36),
 }
 
 
