@@ -144,7 +144,6 @@ class Broker:
         steps = self.inflight.clear() if step is None else self.inflight.discard(step)
         for seq in [seq for s in steps for seq in s.plan.seqs]:
             self._fail(seq, f"{reason}; request aborted", status=status)
-        self._send_ready_steps()  # the stages those steps held are free
 
     def _forgive_stall(self) -> None:
         """After a pause of the broker itself (a stalled disk, a long collection) nobody could be
@@ -513,6 +512,7 @@ class Broker:
     def _dispatch(self, now: float) -> None:
         if not self.pool.all_ready():
             return
+        self._send_ready_steps()  # to a stage that an aborted step left free (and still alive: ready)
         if self.vram.is_pending():  # no new step: the resize starts once every step in flight is back
             if not self.inflight:
                 self.vram.start_next()
