@@ -134,3 +134,21 @@ def test_sigkill_mid_pipeline_fails_the_running_requests_only(pipelined, client,
     got = [(r["tokens"], r["logprobs"]) for r in (s.collect() for s in waiting)]
     assert not alive(victim) and counter(client, "worker_restarts_total") >= 1
     assert_same(got, run_together(client, queued))
+
+
+def test_a_cancel_mid_pipeline_frees_a_slot_that_a_waiting_request_takes(client, reference):
+    reqs = requests_to_run()
+    extra = {**reqs[0], "prompt_tokens": reqs[0]["prompt_tokens"][::-1]}  # a ninth: it waits for a slot
+    streams = [client.generate(**r) for r in reqs]
+    waiting = client.generate(**extra)
+    first = [next(iter(s)) for s in streams]
+    streams[3].close()  # cancels it while its step may be at either stage
+    got = []
+    for i, (part, stream) in enumerate(zip(first, streams)):
+        if i != 3:
+            rest = stream.collect()
+            got.append((part.tokens + rest["tokens"], part.logprobs + rest["logprobs"]))
+    assert_same(got, reference[:3] + reference[4:])
+    late = waiting.collect()
+    alone = client.generate(**extra).collect()
+    assert late["tokens"] == alone["tokens"]
