@@ -27,6 +27,7 @@ HELP = {
     "invalid_messages_total": "Undecodable or unexpected ZeroMQ messages.",
     "worker_restarts_total": "GPU worker restarts.",
     "steps_total": "Forward steps through all stages.",
+    "pipelined_steps_total": "Steps started while another step was in flight (broker.pipeline).",
     "internal_errors_total": "Bugs caught by the broker loop (each failed only the requests it concerned).",
     "undeliverable_replies_total": "Replies a client could not take (gone or not reading); its requests were cancelled.",
     "time_to_first_token_seconds": "From arrival to the first generated token.",

@@ -1,7 +1,8 @@
 """``moebus bench WHAT``: benchmarks that print figures (medians of repeated runs).
 
 decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
-         and the broker's added latency per step
+         and the broker's added latency per step; --pipeline both: 8 streams on a two-stage split,
+         pipelined and not, beside one stage
 cache    routing traces (synthetic, recorded) replayed through each cache policy: hit rates per
          cache fraction
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)

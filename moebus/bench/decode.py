@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-gb-s", type=float, default=4800.0, help="for the HBM bound (H200 datasheet)")
     p.add_argument("--json", action="store_true", help="one JSON object per line and batch size")
     p.add_argument("--no-service", action="store_true")
+    p.add_argument("--pipeline", choices=["on", "off", "both"],
+                   help="also: --streams greedy streams on a two-stage split, pipelined or not (both: side by "
+                        "side, with the model on one stage)")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams for --pipeline")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
     from moebus.workers.local import LocalModel
@@ -131,6 +135,10 @@ def main(argv=None) -> int:
         s = _through_service(args.model, args.device, prompt, args.tokens, args.repeats)
         extra.update(service_batch1_tok_s=s["tok_s"], service_step_ms=s["broker_step_ms"],
                      worker_step_ms=s["worker_step_ms"], broker_added_ms_per_step=s["broker_step_ms"] - s["worker_step_ms"])
+    if args.pipeline:
+        from moebus.bench.pipeline import compare
+
+        extra.update(compare(args.model, args.device, prompt, args.tokens, args.streams, args.repeats, args.pipeline))
     _print(rows, extra, args.json)
     return 0
 

@@ -1,7 +1,8 @@
 """The broker: one process, one poll loop. It owns the request queue and scheduler, sequence state,
 the tokenizer, worker liveness, VRAM fan-out and all metrics state. Clients talk to the frontend
-ROUTER, workers to the backend ROUTER; one decode step at a time travels gpu0 -> gpu1 -> ... and
-the last stage's token ids come back here to be streamed.
+ROUTER, workers to the backend ROUTER; decode steps travel gpu0 -> gpu1 -> ... (one per stage in
+flight when pipelined, see broker/inflight.py) and the last stage's token ids come back here to be
+streamed.
 
 Nothing a request or a peer does may end this loop: every handler is guarded, and a failure fails
 only the requests it concerns (see docs/operations.md). Every wait has a deadline: a stage that does
@@ -14,14 +15,14 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from moebus.broker.admission import detokenize, tokenize
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
-from moebus.broker.scheduler import PlannedStep, Scheduler
+from moebus.broker.inflight import Inflight, InflightStep
+from moebus.broker.scheduler import Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
 from moebus.broker.tokenize_pool import TokenizePool
@@ -53,17 +54,6 @@ def finite_logprob(value) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-@dataclass
-class InflightStep:
-    step_id: int
-    plan: PlannedStep
-    stage: int
-    started_s: float
-    compute_s: float = 0.0  # summed over the stages
-    sent_s: float = 0.0  # when the current stage was sent its STEP (its deadline runs from here)
-    message: Step | None = None  # the current stage's STEP, re-sent if a reconnect lost it
-
-
 class Broker:
     def __init__(self, settings, model_config: ModelConfig, tokenizer: TextTokenizer, pool: WorkerPool,
                  model_name: str, backend_address: str, children=(), vision=None):
@@ -92,8 +82,8 @@ class Broker:
         # the broker has seen its predecessor's connection close: the new connection takes the identity
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
         transport.secure_bind(self.backend, backend_address, *keys, allowed_keys=allowed)
-        self.inflight: InflightStep | None = None
         b = settings.broker
+        self.inflight = Inflight(len(pool), b.pipeline)
         self.vram = VramControl(len(pool), self._send_worker, self._reply, b.max_vram_queue, b.vram_timeout_s,
                                 observe=self._on_vram_answer)
         self.clients = ClientTable(b.client_timeout_s)
@@ -149,10 +139,10 @@ class Broker:
                 self._abort_step(f"internal error in the broker ({what})")
             return default
 
-    def _abort_step(self, reason: str, status: int = 500) -> None:
-        """The step in flight (if any) cannot complete: its requests fail."""
-        step, self.inflight = self.inflight, None
-        for seq in step.plan.seqs if step else []:
+    def _abort_step(self, reason: str, status: int = 500, step: InflightStep | None = None) -> None:
+        """``step`` (default: every step in flight) cannot complete: its requests fail."""
+        steps = self.inflight.clear() if step is None else self.inflight.discard(step)
+        for seq in [seq for s in steps for seq in s.plan.seqs]:
             self._fail(seq, f"{reason}; request aborted", status=status)
 
     def _forgive_stall(self) -> None:
@@ -164,8 +154,7 @@ class Broker:
             self.clients.forgive(now)
             for w in self.pool:
                 w.last_seen_s = max(w.last_seen_s, now)
-            if self.inflight is not None:
-                self.inflight.sent_s = max(self.inflight.sent_s, now)
+            self.inflight.forgive(now)
         self.last_turn_s = now
 
     def _on_signal(self, signum, _frame) -> None:
@@ -182,7 +171,7 @@ class Broker:
             for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
                 self._fail(seq, "server shutting down", status=503)
             self.vram.fail_all("server shutting down")
-        return not self.scheduler.running and not self.scheduler.waiting and self.inflight is None
+        return not self.scheduler.running and not self.scheduler.waiting and not self.inflight
 
     def _shutdown(self) -> None:
         for w in self.pool:
@@ -359,8 +348,9 @@ class Broker:
         except wire.WireError as e:
             self.stats.count("invalid_messages_total")
             log.error("invalid message from worker %r: %s", identity[:16], e)
-            if worker is not None and self.inflight is not None and self.inflight.stage == worker.gpu:
-                self._abort_step(f"gpu{worker.gpu} sent an undecodable reply")
+            step = self.inflight.at_stage(worker.gpu) if worker is not None else None
+            if step is not None:
+                self._abort_step(f"gpu{worker.gpu} sent an undecodable reply", step=step)
             return
         if worker is None:
             log.error("message from unknown worker %r dropped", identity[:16])
@@ -370,7 +360,9 @@ class Broker:
         except Exception:  # noqa: BLE001 - a bug met by one reply fails that step, not the broker
             log.exception("%s from gpu%d failed", msg.TYPE.decode(), worker.gpu)
             self.stats.count("internal_errors_total")
-            self._abort_step(f"internal error handling gpu{worker.gpu}'s {msg.TYPE.decode()}")
+            step = self.inflight.at_stage(worker.gpu)
+            if step is not None:
+                self._abort_step(f"internal error handling gpu{worker.gpu}'s {msg.TYPE.decode()}", step=step)
 
     def _handle_worker(self, worker: WorkerState, msg) -> None:
         if isinstance(msg, Ready):
@@ -404,8 +396,8 @@ class Broker:
             return
         if worker.generation == msg.generation:  # the same process reconnected (the broker was silent)
             worker.last_seen_s = time.monotonic()
-            step = self.inflight
-            if step is not None and step.stage == worker.gpu and step.message is not None:
+            step = self.inflight.at_stage(worker.gpu)
+            if step is not None and step.message is not None:
                 log.warning("gpu%d reconnected with a step in flight; sending it again", worker.gpu)
                 self._send_worker(worker.gpu, step.message)  # idempotent: same positions, same draws
             return
@@ -417,10 +409,9 @@ class Broker:
 
     def _on_worker_error(self, worker: WorkerState, msg: WorkerError) -> None:
         log.error("gpu%d: %s", worker.gpu, msg.message)
-        if self.inflight is not None and msg.step_id == self.inflight.step_id:
-            for seq in self.inflight.plan.seqs:
-                self._fail(seq, f"gpu{worker.gpu} failed the step: {msg.message}", status=500)
-            self.inflight = None
+        step = self.inflight.answered(worker.gpu, msg.step_id)
+        if step is not None:  # only that step's requests fail: the other micro-batches go on
+            self._abort_step(f"gpu{worker.gpu} failed the step: {msg.message}", step=step)
         if msg.step_id is None:  # not a step: whatever it was, this worker will not answer it otherwise
             self.vram.on_lost(worker.gpu, msg.message)
         if msg.fatal:
@@ -431,7 +422,7 @@ class Broker:
         figures go too (only a live worker reports)."""
         worker.generation = None
         worker.info, worker.vram, worker.restoring = {}, {}, False
-        self.inflight = None
+        self.inflight.clear()
         for seq in list(self.scheduler.running.values()):
             self._fail(seq, f"{reason}; request aborted", status=503)
         self.vram.on_lost(worker.gpu, reason)
@@ -470,10 +461,11 @@ class Broker:
     def _supervise(self, now: float) -> None:
         for worker, reason in self.pool.lost(now):
             self._lose(worker, reason)
-        step = self.inflight
-        if step is not None and now - step.sent_s > self.settings.broker.step_timeout_s:
-            self._abort_step(f"gpu{step.stage} did not answer a step within {self.settings.broker.step_timeout_s:g} s")
-            self._restart(self.pool[step.stage], f"gpu{step.stage} missed its step deadline")
+        timeout_s = self.settings.broker.step_timeout_s
+        for step in self.inflight.overdue(now, timeout_s):
+            if step.step_id in self.inflight.steps:  # not cleared by an earlier restart of this turn
+                self._abort_step(f"gpu{step.stage} did not answer a step within {timeout_s:g} s", step=step)
+                self._restart(self.pool[step.stage], f"gpu{step.stage} missed its step deadline")
         for gpu in self.vram.overdue(now):
             self._restart(self.pool[gpu], f"gpu{gpu} did not answer a VRAM request within "
                                           f"{self.settings.broker.vram_timeout_s:g} s")
@@ -506,7 +498,8 @@ class Broker:
             for w in self.pool:
                 if w.is_ready:
                     self._send_worker(w.gpu, Heartbeat())
-        if now >= self.next_info_s and self.inflight is None:
+        # between steps, but a pipeline that never empties asks at most one period late
+        if now >= self.next_info_s and (not self.inflight or now >= self.next_info_s + INFO_EVERY_S):
             self.next_info_s = now + INFO_EVERY_S
             self.history.sample(self.stats.counters["generation_tokens_total"],
                                 [{**w.info, **w.vram} for w in self.pool])
@@ -517,12 +510,17 @@ class Broker:
     # -- steps ------------------------------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
-        if self.inflight is not None or not self.pool.all_ready():
+        if not self.pool.all_ready():
             return
-        if self.vram.start_next():  # between two decode steps: apply the reserve, then carry on
+        self._send_ready_steps()  # to a stage that an aborted step left free (and still alive: ready)
+        if self.vram.is_pending():  # no new step: the resize starts once every step in flight is back
+            if not self.inflight:
+                self.vram.start_next()
+            return
+        if not self.inflight.can_start():
             return
         try:
-            plan = self.scheduler.plan()
+            plan = self.scheduler.plan(self.inflight.busy_ids(), self.inflight.num_groups)
         except Exception:  # noqa: BLE001 - which request broke the plan is unknown: the running ones fail
             log.exception("planning a step failed")
             self.stats.count("internal_errors_total")
@@ -531,11 +529,12 @@ class Broker:
             return
         if plan is None:
             return
-        self.inflight = InflightStep(next(self.step_ids), plan, stage=0, started_s=now)
-        self._send_step(None)
+        if self.inflight:
+            self.stats.count("pipelined_steps_total")
+        self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
 
-    def _send_step(self, hidden) -> None:
-        step, plan = self.inflight, self.inflight.plan
+    def _send_step(self, step: InflightStep, hidden) -> None:
+        plan = step.plan
         embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
         rules = (plan.logit_rules or {}) if step.stage == len(self.pool) - 1 else {}
         step.message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
@@ -547,20 +546,20 @@ class Broker:
             self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")
 
     def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:
-        step = self.inflight
-        if step is None or msg.step_id != step.step_id or worker.gpu != step.stage:
+        step = self.inflight.answered(worker.gpu, msg.step_id)
+        if step is None:
             self.stats.count("invalid_messages_total")
             return  # a stale reply (its step was aborted)
         step.compute_s += msg.compute_s
         if step.stage + 1 < len(self.pool):
-            step.stage += 1
-            self._send_step(msg.hidden)
+            self.inflight.park(step, msg.hidden)
+            self._send_ready_steps()
             return
-        self.inflight = None
         if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
-            self.inflight = step
-            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence")
+            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence", step=step)
             return
+        self.inflight.discard(step)
+        self._send_ready_steps()  # the last stage is free: the next micro-batch goes on before tokens stream
         now = time.monotonic()
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
@@ -569,6 +568,12 @@ class Broker:
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:
                 self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, i, now)
+
+    def _send_ready_steps(self) -> None:
+        """Send every waiting step whose next stage is free (in the order the steps started)."""
+        while (step := self.inflight.next_ready()) is not None:
+            hidden, step.hidden = step.hidden, None
+            self._send_step(step, hidden)
 
     def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int, now: float) -> None:
         previous_s = seq.last_token_s

@@ -60,10 +60,14 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             self.running[seq.id] = seq
 
-    def plan(self) -> PlannedStep | None:
+    def plan(self, busy: set[str] = frozenset(), num_groups: int = 1) -> PlannedStep | None:
+        """The next step, over the running sequences not in ``busy`` (those in a step in flight). With
+        ``num_groups`` > 1 (pipelined stages) a step takes at most 1/num_groups of the running ones."""
         self._admit()
-        decoding = [s for s in self.running.values() if not s.is_prefilling]
-        prefilling = [s for s in self.running.values() if s.is_prefilling]
+        idle = [s for s in self.running.values() if s.id not in busy]
+        max_seqs = -(-len(self.running) // num_groups)
+        decoding = [s for s in idle if not s.is_prefilling][:max_seqs]
+        prefilling = [s for s in idle if s.is_prefilling][: max_seqs - len(decoding)]
         budget = max(self.max_step_tokens - len(decoding), 0)
         chosen, feeds = [], []
         for seq in decoding + prefilling:

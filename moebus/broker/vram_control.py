@@ -54,6 +54,10 @@ class VramControl:
         refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client."""
         self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done))
 
+    def is_pending(self) -> bool:
+        """Is a resize in flight or waiting? Then no new step starts (a cache must not shrink under one)."""
+        return self.inflight is not None or bool(self.queue)
+
     def start_next(self) -> bool:
         """Between two steps: start the next resize; True when one is in flight (no step now)."""
         if self.inflight is None and self.queue:

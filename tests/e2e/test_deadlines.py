@@ -69,6 +69,27 @@ def test_a_step_without_a_reply_fails_by_its_deadline(broker_with_a_silent_stage
     assert client.info()["gpus"][1]["ready"] is False  # given up on until it registers anew
 
 
+def test_pipelined_steps_wait_for_the_stuck_stage_and_fail_by_its_deadline(broker_with_a_silent_stage):
+    """Two sequences, two micro-batches (broker.pipeline): the second waits in the broker for gpu1,
+    which never answers the first; gpu1 is never sent two steps at once, and both requests end by
+    the first step's deadline (the late step's with its deadline error, the other as gpu1 is lost)."""
+    _, client, peer = broker_with_a_silent_stage
+    started = time.monotonic()
+    first = client.generate(prompt_tokens=[1, 2, 3], max_tokens=4)
+    time.sleep(0.5)  # its step is at gpu1 before the second request arrives
+    second = client.generate(prompt_tokens=[4, 5, 6], max_tokens=4)
+    errors = []
+    for stream in (first, second):
+        with pytest.raises(RequestError) as err:
+            stream.collect()
+        errors.append(err.value)
+    assert time.monotonic() - started < TIMEOUT_S + 3.5
+    assert "did not answer a step" in errors[0].message and errors[0].http_status == 500
+    assert "missed its step deadline" in errors[1].message and errors[1].http_status == 503
+    assert peer.received.count("Step") == 1
+    assert client.info()["counters"]["pipelined_steps_total"] >= 1
+
+
 def test_a_vram_request_without_a_reply_is_answered_by_its_deadline(broker_with_a_silent_stage):
     _, client, peer = broker_with_a_silent_stage
     started = time.monotonic()
