@@ -3,6 +3,7 @@
 decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
          and the broker's added latency per step; --pipeline both: 8 streams on a two-stage split,
          pipelined and not, beside one stage
+hop      the broker's step hop alone: STEP -> a real worker link -> STEP_REPLY round trips, no model
 cache    routing traces (synthetic, recorded) replayed through each cache policy: hit rates per
          cache fraction
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)
@@ -17,6 +18,8 @@ from __future__ import annotations
 def run_bench(what: str, argv: list[str]) -> int:
     if what == "decode":
         from moebus.bench.decode import main
+    elif what == "hop":
+        from moebus.bench.hop import main
     elif what == "cache":
         from moebus.bench.cache import main
     elif what == "kernels":

@@ -349,6 +349,21 @@ def _vector(step: Step, name: str, kinds: str, size: int | None) -> np.ndarray |
     return array
 
 
+SMALL_ARRAY = 64  # up to this many values, Python's min/max/sum beat numpy's reductions (a decode step)
+
+
+def _span(array: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty integer vector as Python integers (exact for every integer dtype)."""
+    if array.size <= SMALL_ARRAY:
+        values = array.tolist()
+        return min(values), max(values)
+    return int(array.min()), int(array.max())
+
+
+def _total(array: np.ndarray) -> int:
+    return sum(array.tolist()) if array.size <= SMALL_ARRAY else int(array.astype(np.int64).sum())
+
+
 def check_step_arrays(step: Step) -> None:
     """A STEP whose arrays disagree (batch sizes, token counts, negative positions) is refused by
     the codec, before a stage indexes anything with it."""
@@ -358,21 +373,26 @@ def check_step_arrays(step: Step) -> None:
     for name in ("temperature", "top_p", "u"):
         _vector(step, name, "f", num_seqs)
     _vector(step, "top_k", "iu", num_seqs)
-    if num_seqs and (slots.min() < 0 or starts.min() < 0 or lengths.min() < 1
-                     or int(starts.astype(np.int64).max()) + int(lengths.astype(np.int64).max()) > MAX_INT32):
-        raise ValueError("slots and starts must be >= 0, lengths >= 1")
-    num_tokens = int(lengths.astype(np.int64).sum())
+    if num_seqs:
+        (low_slot, _), (low_start, high_start) = _span(slots), _span(starts)
+        low_length, high_length = _span(lengths)
+        if low_slot < 0 or low_start < 0 or low_length < 1 or high_start + high_length > MAX_INT32:
+            raise ValueError("slots and starts must be >= 0, lengths >= 1")
+    num_tokens = _total(lengths)
     tokens = _vector(step, "tokens", "iu", num_tokens)
-    if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() > MAX_INT32):
-        raise ValueError("token ids must be in [0, 2**31)")
+    if tokens is not None and tokens.size:
+        low_token, high_token = _span(tokens)
+        if low_token < 0 or high_token > MAX_INT32:
+            raise ValueError("token ids must be in [0, 2**31)")
     hidden = step.hidden
     if hidden is not None and (hidden.ndim != 2 or hidden.dtype.kind != "f" or hidden.shape[0] != num_tokens):
         raise ValueError(f"hidden must be ({num_tokens}, D) floats, got {hidden.dtype}{list(hidden.shape)}")
     rows, embeds = _vector(step, "embed_rows", "iu", None), step.embeds
     if (rows is None) != (embeds is None):
         raise ValueError("embeds and embed_rows come together")
+    low_row, high_row = _span(rows) if rows is not None and rows.size else (0, 0)
     if rows is not None and (embeds.ndim != 2 or embeds.dtype.kind != "f" or embeds.shape[0] != rows.shape[0]
-                             or (rows.size and (rows.min() < 0 or rows.max() >= num_tokens))):
+                             or (rows.size and (low_row < 0 or high_row >= num_tokens))):
         raise ValueError(f"embeds must be (R, D) floats for R embed_rows in [0, {num_tokens})")
 
 

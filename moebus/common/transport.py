@@ -19,14 +19,37 @@ def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None, max_
     return sock
 
 
+MORE = int(zmq.SNDMORE)  # a plain int: pyzmq's Flag enum costs about a microsecond per `|`
+
+
 def send(sock, message: Message, identity: bytes | None = None, flags: int = 0) -> None:
     frames = wire.encode(message)
-    sock.send_multipart(([identity] if identity is not None else []) + frames, flags=flags, copy=False)
+    send_frames(sock, ([identity] if identity is not None else []) + frames, flags)
+
+
+def send_frames(sock, frames: list, flags: int = 0) -> None:
+    """send_multipart(frames, copy=False) without its per-frame enum arithmetic (a decode STEP is
+    ten frames; this halves what sending them costs). Atomic as a multipart message always is:
+    ZeroMQ takes all the parts once it took the first."""
+    last = int(flags)
+    more = MORE | last
+    for frame in frames[:-1]:
+        sock.send(frame, more, copy=False)
+    sock.send(frames[-1], last, copy=False)
+
+
+def recv_all(sock) -> list:
+    """recv_multipart(copy=False), reading each frame's ``more`` instead of asking the socket for
+    RCVMORE after every part."""
+    frames = [sock.recv(copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
 
 
 def recv_frames(sock, routed: bool) -> tuple[bytes | None, list]:
     """(sender identity or None, message frames) without decoding; never blocks if polled first."""
-    frames = sock.recv_multipart(copy=False)
+    frames = recv_all(sock)
     if routed:
         return bytes(frames[0]), [f.buffer for f in frames[1:]]
     return None, [f.buffer for f in frames]

@@ -99,11 +99,11 @@ class BrokerLink:
             now = time.monotonic()
             if self._pipe_io in events:
                 while self._pipe_io.poll(0):
-                    sock.send_multipart(self._pipe_io.recv_multipart(copy=False), copy=False)
+                    transport.send_frames(sock, transport.recv_all(self._pipe_io))
             if sock in events:
                 while sock.poll(0):
                     last_heard = now
-                    self._deliver(sock, sock.recv_multipart(copy=False))
+                    self._deliver(sock, transport.recv_all(sock))
             if now >= next_beat:
                 transport.send(sock, Heartbeat(generation=self.generation))
                 next_beat = now + self.heartbeat_s

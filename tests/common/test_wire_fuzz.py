@@ -135,3 +135,17 @@ def test_a_step_whose_arrays_disagree_is_refused(tensors, match):
         frames.append(array.tobytes())
     with pytest.raises(wire.WireError, match=match):
         wire.decode([b"STEP", msgpack.packb(header)] + frames)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 200])  # check_step_arrays reduces small steps in Python, large in numpy
+@pytest.mark.parametrize("bad,match", [("slots", ">= 0"), ("starts", ">= 0"), ("lengths", ">= 0"),
+                                       ("tokens", "token ids"), ("embed_rows", "embed_rows")])
+def test_both_ways_of_checking_a_step_refuse_the_same(num_seqs, bad, match):
+    arrays = {"slots": np.arange(num_seqs, dtype=np.int32), "starts": np.full(num_seqs, 5, np.int32),
+              "lengths": np.ones(num_seqs, np.int32), "tokens": np.full(num_seqs, 7, np.int32),
+              "embeds": np.zeros((1, 4), np.float32), "embed_rows": np.array([num_seqs - 1], np.int32)}
+    p.Step(step_id=1, **arrays)  # the good step passes
+    arrays[bad] = arrays[bad].copy()
+    arrays[bad][-1] = {"lengths": 0, "tokens": -3, "embed_rows": num_seqs}.get(bad, -1)
+    with pytest.raises(ValueError, match=match):
+        p.Step(step_id=1, **arrays)
