@@ -72,7 +72,7 @@ class GpuWorker:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logit_rules=logit_rules_of(msg), **images)
+                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images)
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
         compute_s = time.perf_counter() - started

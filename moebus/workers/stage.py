@@ -30,8 +30,8 @@ class StageOutput:
     hidden: np.ndarray | None = None  # (T, D) float32, from a stage that is not last
     tokens: np.ndarray | None = None  # (S,) int32 sampled ids, from the last stage
     logprobs: np.ndarray | None = None  # (S,) float32 log p of each sampled id (raw logits)
-    top_ids: np.ndarray | None = None  # (S, n) int32 when batch.top_logprobs = n
-    top_logprobs: np.ndarray | None = None  # (S, n) float32
+    top_ids: np.ndarray | None = None  # (R, n) int32 for the R rows of batch.top_rows() (top_logprobs = n)
+    top_logprobs: np.ndarray | None = None  # (R, n) float32
     logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
 
 
@@ -101,12 +101,23 @@ class Stage:
             self.experts.end_loan()
 
     def _forward_pieces(self, batch, hidden, want_logits: bool, limit: int) -> StageOutput:
+        pieces = split_tokens(batch, limit)
         outs = [(self._forward(piece, None if hidden is None else hidden[tokens], want_logits), idx, ends)
-                for piece, idx, ends, tokens in split_tokens(batch, limit)]
+                for piece, idx, ends, tokens in pieces]
+        rows_per_piece = [piece.top_rows() for piece, _, _, _ in pieces]
         if not self.is_last:
             return StageOutput(hidden=np.concatenate([o.hidden for o, _, _ in outs]))
         merged = StageOutput()
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "logits"):
+        asked = batch.top_rows()
+        for name in ("top_ids", "top_logprobs"):  # (R, n): each piece's rows are a subset of the step's
+            parts = [(getattr(o, name), idx[piece_rows]) for (o, idx, _), piece_rows in zip(outs, rows_per_piece)
+                     if getattr(o, name) is not None]
+            if parts:
+                full = np.empty((len(asked),) + parts[0][0].shape[1:], parts[0][0].dtype)
+                for values, rows in parts:
+                    full[np.searchsorted(asked, rows)] = values
+                setattr(merged, name, full)
+        for name in ("tokens", "logprobs", "logits"):
             parts = [(getattr(o, name), idx, ends) for o, idx, ends in outs if getattr(o, name) is not None]
             if parts:
                 full = np.empty((batch.num_seqs,) + parts[0][0].shape[1:], parts[0][0].dtype)
@@ -130,14 +141,24 @@ class Stage:
             device_out = graph.outputs  # valid until the next replay
         else:
             out, device_out = self._eager(batch, inputs, routed, want_logits)
-        if self.is_last and batch.top_logprobs:  # on the device: only (S, n) comes back
-            ids, logprobs = self.ops.top_logprobs(device_out["logits"], batch.top_logprobs)
-            out["top_ids"], out["top_logprobs"] = self.ops.to_host(ids), self.ops.to_host(logprobs)
+        if self.is_last and batch.top_logprobs:
+            out["top_ids"], out["top_logprobs"] = self._top_logprobs(batch, device_out["logits"])
         if "expert_ids" in out:
             self.experts.observe(out["expert_ids"], self.ops)
         if not self.is_last:
             return StageOutput(hidden=out["hidden"])
         return self._sample_output(batch, out, want_logits)
+
+    def _top_logprobs(self, batch: StepBatch, logits) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n of the rows that asked only, on the device: (R, n) comes back, and a batch where one
+        request wants logprobs does not make the other rows pay the vocabulary passes."""
+        rows, n = batch.top_rows(), batch.top_logprobs
+        if not len(rows):  # the rows that asked do not sample in this piece
+            return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+        if len(rows) < batch.num_seqs:
+            logits = self.ops.embedding(logits, self.ops.upload(rows))  # gather the asking rows
+        ids, logprobs = self.ops.top_logprobs(logits, n)
+        return self.ops.to_host(ids), self.ops.to_host(logprobs)
 
     def _eager(self, batch: StepBatch, inputs: dict, routed: bool, want_logits: bool) -> dict:
         ops = self.ops
