@@ -39,6 +39,8 @@ class StepPool:
         self._loan = None  # a byte region lent for this step (the prompt-path loan), carved in order
         self._loan_used = 0
         self._loaned: set[int] = set()  # ids of buffers that live in the loan
+        self.allocated_bytes = 0  # held by this pool's own buffers (loaned ones live in the arena)
+        self.peak_bytes = 0  # the most allocated_bytes has been since reset_peak()
 
     def take(self, shape, dtype):
         """An uninitialised C-contiguous array, valid until recycle()."""
@@ -48,9 +50,19 @@ class StepPool:
             return self._allocate(shape, dtype)
         size = max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
         free = self._free[size]
-        buffer = free.pop() if free else self._from_loan(size) or _Buffer(self._allocate((size,), np.uint8))
+        buffer = free.pop() if free else self._from_loan(size) or self._new(size)
         self._used.append((size, buffer))
         return buffer.view(shape, dtype)
+
+    def _new(self, size: int) -> _Buffer:
+        buffer = _Buffer(self._allocate((size,), np.uint8))
+        self.allocated_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return buffer
+
+    def reset_peak(self) -> None:
+        """Start measuring: peak_bytes is what the pool holds now, and grows with what it allocates."""
+        self.peak_bytes = self.allocated_bytes
 
     def _from_loan(self, size: int) -> _Buffer | None:
         if self._loan is None or self._loan_used + size > len(self._loan):
@@ -82,6 +94,7 @@ class StepPool:
 
     def release(self) -> None:
         """Drop the free buffers (memory goes back once nothing else holds them)."""
+        self.allocated_bytes -= sum(size * len(buffers) for size, buffers in self._free.items())
         self._free.clear()
 
     @property

@@ -58,16 +58,17 @@ class Stage:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
-        # experts last: an elastic cache is sized from the VRAM left after dense weights and KV cache
-        if experts is None:
-            experts = build_expert_cache(ckpt, layers, backend)
-        self.experts = experts(self) if callable(experts) else experts
         from moebus.cuda.graphs import graphs_available
 
         if use_graphs is None:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
         self.graphs: dict = {}  # batch size -> CapturedStep
+        # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
+        # and the step scratch (which a worker measures with a warm-up step of this stage)
+        if experts is None:
+            experts = build_expert_cache(ckpt, layers, backend)
+        self.experts = experts(self) if callable(experts) else experts
 
     def _load_layer(self, ckpt, i: int) -> dict:
         tensors = ckpt.attention(i)
