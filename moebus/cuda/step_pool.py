@@ -2,7 +2,11 @@
 valid until the next begin_step()". Raw byte buffers come in power-of-two size classes, so prefills
 of many lengths share a few buffers; each buffer keeps the typed views made of it, and the i-th take
 of a size class in a step gets the buffer that the i-th take had in the step before, so a steady
-decode loop neither allocates nor builds array objects."""
+decode loop neither allocates nor builds array objects.
+
+Within a step, buffers also come back per layer (mark() / recycle_since()): a layer's temporaries
+are reused by the next layer, so a step holds about one layer's worth instead of one per layer.
+That is safe on the device because every kernel of a step runs on one stream, in order."""
 from __future__ import annotations
 
 import math
@@ -12,6 +16,14 @@ import numpy as np
 
 MIN_BYTES = 256  # also the alignment every view starts at (wide loads need 8)
 MAX_VIEWS = 16  # views cached per buffer; more shapes than this and the cache starts over
+
+
+def _address(array) -> int:
+    """Where an array's data starts: a device array, numba's simulator's stand-in, or numpy."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is not None:
+        return int(interface["data"][0])
+    return int(getattr(array, "_ary", array).__array_interface__["data"][0])
 
 
 class _Buffer:
@@ -85,6 +97,24 @@ class StepPool:
                                         for size, buffers in self._free.items()})
         self._used = [(size, b) for size, b in self._used if id(b) not in self._loaned]
         self._loan, self._loan_used, self._loaned = None, 0, set()
+
+    def mark(self) -> int:
+        """A point in this step's takes, for recycle_since()."""
+        return len(self._used)
+
+    def recycle_since(self, mark: int, keep=()) -> None:
+        """Buffers taken since ``mark`` may be handed out again, except those holding an array of
+        ``keep`` (what the next layer still reads: the residual stream)."""
+        live = [_address(a) for a in keep if a is not None and getattr(a, "size", 1)]
+        kept = []
+        for size, buffer in reversed(self._used[mark:]):  # pop() then returns them in take order
+            start = _address(buffer.raw)
+            if any(start <= at < start + size for at in live):
+                kept.append((size, buffer))
+            else:
+                self._free[size].append(buffer)
+        del self._used[mark:]
+        self._used.extend(reversed(kept))
 
     def recycle(self) -> None:
         """Every array handed out so far may be handed out again."""

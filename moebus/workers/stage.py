@@ -233,8 +233,10 @@ class Stage:
             out["expert_ids"] = ops.empty(shape, np.int32)
             route = (self.experts.device_placement(ops), out["expert_ids"])
         residual = None
+        mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
             x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
+            ops.recycle_layer(mark, (x,) + residual[1:])  # the rest of the layer's buffers serve the next
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out

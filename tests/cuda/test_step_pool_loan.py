@@ -41,3 +41,18 @@ def test_the_pool_reports_its_peak_bytes_and_what_it_gives_back():
     pool.recycle()
     pool.release()
     assert pool.allocated_bytes == 0 and pool.peak_bytes == 2 * 4096 + 256
+
+
+def test_a_layer_gives_back_all_but_what_the_next_layer_reads():
+    pool = StepPool(lambda shape, dtype: np.empty(shape, dtype))
+    before = pool.take((64,), np.float32)  # an input: taken before the mark, lives all step
+    mark = pool.mark()
+    x = pool.take((1000,), np.float32)
+    temporary = pool.take((1000,), np.float32)
+    residual = pool.take((1000,), np.float32).reshape(10, 100)  # a reshape still names its buffer
+    pool.recycle_since(mark, keep=(x, residual))
+    again = pool.take((1000,), np.float32)  # the next layer's first take: the temporary's buffer
+    assert np.shares_memory(again, temporary)
+    fresh = pool.take((1000,), np.float32)
+    assert not any(np.shares_memory(fresh, a) for a in (x, residual, before, again))
+    assert pool.allocated_bytes == 256 + 4 * 4096  # x, temporary, residual, and one new
