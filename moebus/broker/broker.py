@@ -538,6 +538,7 @@ class Broker:
         embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
         rules = (plan.logit_rules or {}) if step.stage == len(self.pool) - 1 else {}
         step.message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
+                            logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
                             starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None,
                             hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
                             embeds=embeds, embed_rows=embed_rows, **rules)
@@ -565,9 +566,12 @@ class Broker:
         self.stats.observe("step_seconds", now - step.started_s)
         self.stats.observe("step_compute_seconds", step.compute_s)
         self.scheduler.advance(step.plan)
+        top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
+        if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):
+            top_row = {}  # a reply that disagrees about who asked: no top logprobs rather than wrong ones
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:
-                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, i, now)
+                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, top_row.get(i), now)
 
     def _send_ready_steps(self) -> None:
         """Send every waiting step whose next stage is free (in the order the steps started)."""
@@ -575,7 +579,7 @@ class Broker:
             hidden, step.hidden = step.hidden, None
             self._send_step(step, hidden)
 
-    def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int, now: float) -> None:
+    def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int | None, now: float) -> None:
         previous_s = seq.last_token_s
         text = seq.accept(token, now)
         self.stats.count("generation_tokens_total")
@@ -585,7 +589,7 @@ class Broker:
         else:
             self.stats.observe("inter_token_latency_seconds", now - previous_s)
         top = texts = top_texts = None
-        if seq.sampling.logprobs and msg.top_ids is not None:
+        if seq.sampling.logprobs and msg.top_ids is not None and row is not None:
             n = seq.sampling.logprobs
             top = [[(int(t), finite_logprob(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
             texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]

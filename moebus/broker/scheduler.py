@@ -24,7 +24,8 @@ class PlannedStep:
     top_k: np.ndarray
     top_p: np.ndarray
     u: np.ndarray
-    top_logprobs: int
+    top_logprobs: int  # n of the rows in logprob_rows (the most any of them asked for)
+    logprob_rows: np.ndarray  # (R,) int32 rows that sample this step and asked for top logprobs
     logit_rules: dict[str, np.ndarray] | None = None  # the Step's logit_* arrays, when some row has rules
 
 
@@ -82,6 +83,7 @@ class Scheduler:
             return None
         samples = [seq.fed + len(feed) >= len(seq.prompt) for seq, feed in zip(chosen, feeds)]
         sp = [seq.sampling for seq in chosen]
+        asked = [i for i, (p, take) in enumerate(zip(sp, samples)) if take and p.logprobs]
         return PlannedStep(
             seqs=chosen, samples=samples,
             slots=np.array([s.slot for s in chosen], np.int32),
@@ -93,7 +95,8 @@ class Scheduler:
             top_p=np.array([p.top_p for p in sp], np.float32),
             # the draw is consumed only when the token counts, so chunking never shifts a seed's stream
             u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
-            top_logprobs=max(p.logprobs for p in sp), logit_rules=logit_rules(chosen, samples))
+            top_logprobs=max((sp[i].logprobs for i in asked), default=0),
+            logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples))
 
     def advance(self, step: PlannedStep) -> None:
         """The step's tokens are now in every stage's KV cache."""

@@ -283,11 +283,15 @@ class Step(Message):
     The ``logit_*`` arrays come to the last stage only when some row asks for a penalty, a bias or
     min_p (cuda/penalties.py): ``logit_params`` (S, 4) float32 frequency, presence, repetition,
     min_p; ``logit_lengths`` (S,) int32 entries per row; per entry ``logit_ids``, ``logit_counts``
-    (output count, 0: prompt only, -1: biased only) int32 and ``logit_bias`` float32."""
+    (output count, 0: prompt only, -1: biased only) int32 and ``logit_bias`` float32.
+    ``top_logprobs`` n > 0: the last stage returns the n most likely ids of the rows in
+    ``logprob_rows`` (R,) int32, ascending and distinct (None: of every row, the old form); the
+    reply's ``top_ids`` / ``top_logprobs`` are (R, n) in that order, so only rows that asked pay."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
-               "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias")
+               "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias",
+               "logprob_rows")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     slots: np.ndarray
@@ -306,6 +310,7 @@ class Step(Message):
     logit_ids: np.ndarray | None = None
     logit_counts: np.ndarray | None = None
     logit_bias: np.ndarray | None = None
+    logprob_rows: np.ndarray | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -394,6 +399,10 @@ def check_step_arrays(step: Step) -> None:
     if rows is not None and (embeds.ndim != 2 or embeds.dtype.kind != "f" or embeds.shape[0] != rows.shape[0]
                              or (rows.size and (low_row < 0 or high_row >= num_tokens))):
         raise ValueError(f"embeds must be (R, D) floats for R embed_rows in [0, {num_tokens})")
+    asked = _vector(step, "logprob_rows", "iu", None)
+    if asked is not None and asked.size and (not step.top_logprobs or asked.min() < 0 or asked.max() >= num_seqs
+                                             or np.any(np.diff(asked.astype(np.int64)) <= 0)):
+        raise ValueError(f"logprob_rows must be ascending distinct rows in [0, {num_seqs}), with top_logprobs > 0")
 
 
 # -- broker <-> vision worker ---------------------------------------------------------------------

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     model: str | None = None  # a Hugging Face model directory; None: the embedded demo model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     gpus: list[int] = Field(default_factory=lambda: [0])
-    emulated_vram_mib: list[int] = Field(default_factory=lambda: [56, 56])  # the embedded demo: 2 GPUs
+    emulated_vram_mib: list[float] = Field(default_factory=lambda: [56, 56])  # the embedded demo: 2 GPUs
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
     layer_split: list[int] | None = None
     vram_elastic: bool = True

@@ -24,6 +24,13 @@ class CpuBackend:
     def begin_step(self) -> None:
         """Start of a forward pass: per-step buffers of the previous step may be reused."""
 
+    def layer_mark(self) -> int:
+        """numpy frees a layer's temporaries itself once nothing refers to them."""
+        return 0
+
+    def recycle_layer(self, mark: int, keep) -> None:
+        pass
+
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(to_f32(array))
 

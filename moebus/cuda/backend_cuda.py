@@ -36,6 +36,15 @@ class CudaBackend:
         self.device_pool.recycle()
         self.staging_pool.recycle()
 
+    def layer_mark(self) -> int:
+        """Before the first layer: the point that recycle_layer() gives buffers back to."""
+        return self.device_pool.mark()
+
+    def recycle_layer(self, mark: int, keep) -> None:
+        """After a layer: its temporaries serve the next layer (same stream, so in order); staging
+        buffers are not reused within a step, the host may still be copying out of them."""
+        self.device_pool.recycle_since(mark, keep)
+
     def weight(self, array: np.ndarray):
         """Dense weights stay in their stored dtype (bf16 bits, f16, f32); kernels convert in registers."""
         return cuda.to_device(np.ascontiguousarray(array), stream=self.stream)

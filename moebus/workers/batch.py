@@ -20,6 +20,7 @@ class StepBatch:
     top_p: np.ndarray | None = None  # (S,) float32, 1: off
     u: np.ndarray | None = None  # (S,) float32 uniform draws for sampling
     top_logprobs: int = 0  # return the n most likely ids per sequence too
+    logprob_rows: np.ndarray | None = None  # (R,) the sequences that want them, ascending; None: all
     logit_rules: LogitRules | None = None  # penalties, bias, min_p; None: no row has any
     extras: dict = field(default_factory=dict)
     # first stage: rows of the T tokens whose token embedding is replaced (image embeddings)
@@ -61,6 +62,14 @@ class StepBatch:
     def last_token_index(self) -> np.ndarray:
         return (np.cumsum(self.lengths) - 1).astype(np.int32)
 
+    def top_rows(self) -> np.ndarray:
+        """The rows whose top_logprobs the step returns, ascending (none when top_logprobs is 0)."""
+        if not self.top_logprobs:
+            return np.zeros(0, np.int32)
+        if self.logprob_rows is None:
+            return np.arange(self.num_seqs, dtype=np.int32)
+        return np.asarray(self.logprob_rows, np.int32)
+
     def sampling_arrays(self):
         s = self.num_seqs
         temperature = np.zeros(s, np.float32) if self.temperature is None else np.asarray(self.temperature, np.float32)
@@ -78,6 +87,11 @@ def _embeds_within(batch: StepBatch, first_token: int, count: int) -> dict:
     return {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - first_token}
 
 
+def _rows_within(batch: StepBatch, idx: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """A piece's rows that want top_logprobs: those that asked and end in it (only those sample)."""
+    return np.nonzero(np.isin(idx, batch.top_rows()) & ends)[0].astype(np.int32)
+
+
 def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.ndarray, np.ndarray, slice]]:
     """Consecutive pieces of at most ``max_tokens`` tokens, in token order (a sequence may span
     pieces; its KV is written by one piece before the next reads it). Each piece comes with the
@@ -90,14 +104,16 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         if not rows:
             return
         idx = np.array([r[0] for r in rows])
+        ends = np.array([r[4] for r in rows])
         lengths = np.array([r[2] for r in rows], np.int32)
         tokens = None if batch.tokens is None else np.concatenate([r[3] for r in rows])
         count = int(lengths.sum())
         piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
                           tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
-                          top_logprobs=batch.top_logprobs, **_embeds_within(batch, first_token, count),
+                          top_logprobs=batch.top_logprobs, logprob_rows=_rows_within(batch, idx, ends),
+                          **_embeds_within(batch, first_token, count),
                           logit_rules=None if batch.logit_rules is None else batch.logit_rules.take(idx))
-        pieces.append((piece, idx, np.array([r[4] for r in rows]), slice(first_token, first_token + count)))
+        pieces.append((piece, idx, ends, slice(first_token, first_token + count)))
         first_token += count
         rows = []
 

@@ -1,13 +1,27 @@
 """How big a worker's expert cache starts: all free VRAM of its GPU after the dense weights and KV
 cache are in, minus the start-up reserve and the step scratch, in whole segments — and never more
 than the stage's experts need. On cpu the GPU is emulated: its ledger is charged for the dense
-weights and KV cache first, as VRAM would be."""
+weights and KV cache first, as VRAM would be.
+
+The step scratch is measured, not estimated (as nano-vllm measures a warm-up before it sizes its KV
+cache): the stage runs a decode step of a full batch and the largest step the broker sends
+(``max_batch`` sequences, ``max_step_tokens`` of prefill), every row asking for top logprobs and
+each sequence at the end of its context so attention reads the most. The decode step's peak is the
+standing scratch, kept out of the cache; the slope between the two is what each token beyond costs,
+which a longer step borrows from the cache (the prompt-path loan, Stage.forward). On cuda the step
+pool counts its device bytes; on cpu tracemalloc counts numpy's allocations, and that figure is
+what the emulated GPU's ledger is charged."""
 from __future__ import annotations
 
 import logging
+import math
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
+
 from moebus.cuda.ledger import MIB, EmulatedGpu
+from moebus.workers.batch import StepBatch
 
 log = logging.getLogger("moebus.worker")
 # On a real GPU, memory the worker needs after start-up besides the step pool: kernel modules loaded
@@ -30,19 +44,28 @@ def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_byt
 
 
 class ScratchBudget:
-    """Activation memory of a step: a standing part sized for ``tokens`` (decode of a full batch)
-    and, per token beyond, float32 activations with room for the pool's reuse."""
+    """Activation memory of a step: a standing part that covers steps of up to ``tokens`` tokens
+    and, per token beyond, ``per_token_bytes``. ``ScratchBudget(cfg, tokens)`` is an estimate from
+    the shapes (tests); workers use ``measured()``."""
 
     def __init__(self, cfg, tokens: int):
-        self.tokens = tokens
-        self.per_token_bytes = 2 * 4 * (8 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
-                                        + cfg.top_k * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size)
-                                        + 2 * cfg.num_experts)
-        self.fixed_bytes = 4 * cfg.vocab_size * 64  # logits of the sampled rows
-        self.standing_bytes = self.bytes_for(tokens)
+        per_token_bytes = 2 * 4 * (8 * cfg.hidden_size + 4 * cfg.num_heads * cfg.head_dim
+                                   + cfg.top_k * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size)
+                                   + 2 * cfg.num_experts)
+        fixed_bytes = 4 * cfg.vocab_size * 64  # logits of the sampled rows
+        self._set(tokens, fixed_bytes + per_token_bytes * tokens, per_token_bytes)
+
+    @classmethod
+    def measured(cls, tokens: int, standing_bytes: int, per_token_bytes: int) -> "ScratchBudget":
+        budget = cls.__new__(cls)
+        budget._set(tokens, standing_bytes, per_token_bytes)
+        return budget
+
+    def _set(self, tokens: int, standing_bytes: int, per_token_bytes: int) -> None:
+        self.tokens, self.standing_bytes, self.per_token_bytes = int(tokens), int(standing_bytes), int(per_token_bytes)
 
     def bytes_for(self, tokens: int) -> int:
-        return self.fixed_bytes + self.per_token_bytes * tokens
+        return self.standing_bytes + self.per_token_bytes * max(0, tokens - self.tokens)
 
     def tokens_within(self, extra_bytes: int) -> int:
         """Tokens one piece may have with ``extra_bytes`` lent on top of the standing scratch."""
@@ -61,3 +84,74 @@ def emulated_gpu(settings, gpu: int) -> EmulatedGpu:
 
 def startup_capacity_bytes(free_bytes: int, reserve_mib: float, scratch_bytes: int) -> int:
     return max(0, int(free_bytes - reserve_mib * MIB - scratch_bytes))
+
+
+def warmup_batch(stage, num_seqs: int, num_tokens: int) -> StepBatch:
+    """A step of ``num_seqs`` sequences and ``num_tokens`` tokens, each sequence ending at the end
+    of its context (attention's widest read), every row sampling and asking for top logprobs."""
+    num_seqs = min(num_seqs, stage.kv.num_slots, num_tokens)
+    num_tokens = min(num_tokens, num_seqs * stage.max_context)
+    lengths = np.full(num_seqs, num_tokens // num_seqs, np.int32)
+    lengths[: num_tokens % num_seqs] += 1
+    last = stage.is_last
+    return StepBatch(slots=np.arange(num_seqs), starts=stage.max_context - lengths, lengths=lengths,
+                     tokens=np.zeros(num_tokens, np.int32) if stage.is_first else None,
+                     temperature=np.ones(num_seqs, np.float32) if last else None,
+                     u=np.full(num_seqs, 0.5, np.float32) if last else None,
+                     top_logprobs=WARMUP_TOP_LOGPROBS if last else 0)
+
+
+WARMUP_TOP_LOGPROBS = 20  # the most a request may ask for (protocol.Step.top_logprobs)
+
+
+def measure_step_bytes(stage, batch: StepBatch) -> int:
+    """Peak bytes of scratch one eager step allocates (graphs off: they keep pools of their own)."""
+    hidden = None if stage.is_first else np.zeros((batch.num_tokens, stage.cfg.hidden_size), np.float32)
+    use_graphs, stage.use_graphs = stage.use_graphs, False
+    try:
+        if stage.ops.name == "cuda":
+            pool = stage.ops.device_pool
+            stage.ops.begin_step()
+            before = pool.allocated_bytes
+            pool.reset_peak()
+            stage.forward(batch, hidden)
+            stage.ops.synchronize()
+            return pool.peak_bytes - before
+        tracing = tracemalloc.is_tracing()
+        if not tracing:
+            tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            stage.forward(batch, hidden)
+            return tracemalloc.get_traced_memory()[1] - before
+        finally:
+            if not tracing:
+                tracemalloc.stop()
+    finally:
+        stage.use_graphs = use_graphs
+
+
+def measure_scratch(stage, max_batch: int, max_step_tokens: int) -> ScratchBudget:
+    """The standing scratch (a full decode step) and the cost per token beyond it (the slope up to
+    the largest step the worker is sent), both measured (see the module doc)."""
+    stage.scratch = None  # the warm-up itself runs unconstrained
+    decode = warmup_batch(stage, max_batch, max_batch)
+    largest = warmup_batch(stage, max_batch, max(max_step_tokens, max_batch))
+    decode_bytes = measure_step_bytes(stage, decode)
+    largest_bytes = max(decode_bytes, measure_step_bytes(stage, largest))
+    if largest.num_tokens > decode.num_tokens:
+        per_token_bytes = math.ceil((largest_bytes - decode_bytes) / (largest.num_tokens - decode.num_tokens))
+    else:  # no longer step to compare with: the shape estimate
+        per_token_bytes = ScratchBudget(stage.cfg, decode.num_tokens).per_token_bytes
+    if stage.ops.name == "cuda":
+        stage.ops.begin_step()
+        stage.ops.device_pool.release()  # the warm-up's buffers go back; steps take what they need
+        from numba import cuda
+
+        context = cuda.current_context()
+        if hasattr(context, "deallocations"):  # not in the simulator
+            context.deallocations.clear()  # now, so that the free VRAM read next counts them
+    log.info("step scratch measured: %.2f MiB for %d sequences decoding, %.1f MiB at %d tokens (%.1f KiB a token)",
+             decode_bytes / MIB, decode.num_seqs, largest_bytes / MIB, largest.num_tokens, per_token_bytes / 1024)
+    return ScratchBudget.measured(decode.num_tokens, decode_bytes, max(1, per_token_bytes))

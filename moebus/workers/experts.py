@@ -12,14 +12,15 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
                        segment_bytes: int = DEFAULT_SEGMENT_BYTES, elastic: bool = False, gpu=None,
                        startup_reserve_mib: float = 0.0, progress=iter, fraction: float | None = None,
-                       policy: str = "freq", preload: bool = True) -> ExpertCache:
+                       policy: str = "freq", preload: bool = True, store: HostStore | None = None) -> ExpertCache:
     """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage);
     ``fraction``: instead, that share of the stage's experts (tests and benchmarks).
     ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
     requests can release (else one segment). ``policy``: eviction.POLICIES. ``preload``: fill the
-    cache before serving (every layer its share), so the first steps do not run at PCIe speed."""
+    cache before serving (every layer its share), so the first steps do not run at PCIe speed.
+    ``store``: the stage's host store when one is built already (a second cache over the same experts)."""
     on_cuda = backend.name == "cuda"
-    store = HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress,
+    store = store or HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress,
                       device_view=backend.host_device_view if on_cuda else None)
     if fraction is not None:
         capacity_bytes = int(store.total_bytes * fraction)

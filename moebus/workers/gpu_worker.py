@@ -17,8 +17,8 @@ from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, Step
 from moebus.cuda.backend import is_fatal_device_error, make_backend
 from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of
-from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, ScratchBudget, emulated_gpu, reserve_for, stage_dense_bytes,
-                                         startup_capacity_bytes)
+from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
+                                         stage_dense_bytes, startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.stage import Stage
@@ -72,7 +72,7 @@ class GpuWorker:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logit_rules=logit_rules_of(msg), **images)
+                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images)
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
         compute_s = time.perf_counter() - started
@@ -120,25 +120,32 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
 
 
 def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
-    """The stage's elastic expert cache, sized from what VRAM is left (see cache_sizing.py)."""
-    # standing scratch covers a decode step of a full batch; long prefills borrow from the cache
-    stage.scratch = ScratchBudget(ckpt.config, settings.max_batch)
+    """The stage's elastic expert cache, sized from what VRAM is left after the dense weights, the KV
+    cache and the step scratch measured by a warm-up (see cache_sizing.py); the warm-up runs over a
+    cache of one expert group, which then gives its memory back."""
     ledger = None
     if stage.ops.name == "cpu":  # charge the emulated GPU as VRAM would be charged
         ledger = emulated_gpu(settings, gpu)
         kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
         ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes), "dense")
-        ledger.allocate(stage.scratch.standing_bytes, "scratch")
+    stage.experts = build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=0, gpu=ledger, preload=False,
+                                       progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))
+    scratch = measure_scratch(stage, settings.max_batch, settings.max_step_tokens)
+    stage.experts.arena.close()
+    store, stage.experts = stage.experts.store, None
+    if ledger is not None:
+        ledger.allocate(scratch.standing_bytes, "scratch")
         free, _ = ledger.memory_info()
         scratch_to_keep = 0
     else:
         from moebus.cuda.vmm import device_memory_info
 
         free, _ = device_memory_info()
-        scratch_to_keep = stage.scratch.standing_bytes + CUDA_HEADROOM_BYTES
+        scratch_to_keep = scratch.standing_bytes + CUDA_HEADROOM_BYTES
     reserve = reserve_for(settings, gpu)
-    return build_expert_cache(ckpt, stage.layer_range, stage.ops,
-                              capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
-                              segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
-                              startup_reserve_mib=reserve,
-                              progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))
+    cache = build_expert_cache(ckpt, stage.layer_range, stage.ops,
+                               capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
+                               segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
+                               startup_reserve_mib=reserve, store=store)
+    stage.scratch = scratch  # steps longer than the measured one borrow from the cache
+    return cache

@@ -30,8 +30,8 @@ class StageOutput:
     hidden: np.ndarray | None = None  # (T, D) float32, from a stage that is not last
     tokens: np.ndarray | None = None  # (S,) int32 sampled ids, from the last stage
     logprobs: np.ndarray | None = None  # (S,) float32 log p of each sampled id (raw logits)
-    top_ids: np.ndarray | None = None  # (S, n) int32 when batch.top_logprobs = n
-    top_logprobs: np.ndarray | None = None  # (S, n) float32
+    top_ids: np.ndarray | None = None  # (R, n) int32 for the R rows of batch.top_rows() (top_logprobs = n)
+    top_logprobs: np.ndarray | None = None  # (R, n) float32
     logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
 
 
@@ -58,16 +58,17 @@ class Stage:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
-        # experts last: an elastic cache is sized from the VRAM left after dense weights and KV cache
-        if experts is None:
-            experts = build_expert_cache(ckpt, layers, backend)
-        self.experts = experts(self) if callable(experts) else experts
         from moebus.cuda.graphs import graphs_available
 
         if use_graphs is None:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
         self.graphs: dict = {}  # batch size -> CapturedStep
+        # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
+        # and the step scratch (which a worker measures with a warm-up step of this stage)
+        if experts is None:
+            experts = build_expert_cache(ckpt, layers, backend)
+        self.experts = experts(self) if callable(experts) else experts
 
     def _load_layer(self, ckpt, i: int) -> dict:
         tensors = ckpt.attention(i)
@@ -101,12 +102,23 @@ class Stage:
             self.experts.end_loan()
 
     def _forward_pieces(self, batch, hidden, want_logits: bool, limit: int) -> StageOutput:
+        pieces = split_tokens(batch, limit)
         outs = [(self._forward(piece, None if hidden is None else hidden[tokens], want_logits), idx, ends)
-                for piece, idx, ends, tokens in split_tokens(batch, limit)]
+                for piece, idx, ends, tokens in pieces]
+        rows_per_piece = [piece.top_rows() for piece, _, _, _ in pieces]
         if not self.is_last:
             return StageOutput(hidden=np.concatenate([o.hidden for o, _, _ in outs]))
         merged = StageOutput()
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "logits"):
+        asked = batch.top_rows()
+        for name in ("top_ids", "top_logprobs"):  # (R, n): each piece's rows are a subset of the step's
+            parts = [(getattr(o, name), idx[piece_rows]) for (o, idx, _), piece_rows in zip(outs, rows_per_piece)
+                     if getattr(o, name) is not None]
+            if parts:
+                full = np.empty((len(asked),) + parts[0][0].shape[1:], parts[0][0].dtype)
+                for values, rows in parts:
+                    full[np.searchsorted(asked, rows)] = values
+                setattr(merged, name, full)
+        for name in ("tokens", "logprobs", "logits"):
             parts = [(getattr(o, name), idx, ends) for o, idx, ends in outs if getattr(o, name) is not None]
             if parts:
                 full = np.empty((batch.num_seqs,) + parts[0][0].shape[1:], parts[0][0].dtype)
@@ -130,14 +142,24 @@ class Stage:
             device_out = graph.outputs  # valid until the next replay
         else:
             out, device_out = self._eager(batch, inputs, routed, want_logits)
-        if self.is_last and batch.top_logprobs:  # on the device: only (S, n) comes back
-            ids, logprobs = self.ops.top_logprobs(device_out["logits"], batch.top_logprobs)
-            out["top_ids"], out["top_logprobs"] = self.ops.to_host(ids), self.ops.to_host(logprobs)
+        if self.is_last and batch.top_logprobs:
+            out["top_ids"], out["top_logprobs"] = self._top_logprobs(batch, device_out["logits"])
         if "expert_ids" in out:
             self.experts.observe(out["expert_ids"], self.ops)
         if not self.is_last:
             return StageOutput(hidden=out["hidden"])
         return self._sample_output(batch, out, want_logits)
+
+    def _top_logprobs(self, batch: StepBatch, logits) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n of the rows that asked only, on the device: (R, n) comes back, and a batch where one
+        request wants logprobs does not make the other rows pay the vocabulary passes."""
+        rows, n = batch.top_rows(), batch.top_logprobs
+        if not len(rows):  # the rows that asked do not sample in this piece
+            return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+        if len(rows) < batch.num_seqs:
+            logits = self.ops.embedding(logits, self.ops.upload(rows))  # gather the asking rows
+        ids, logprobs = self.ops.top_logprobs(logits, n)
+        return self.ops.to_host(ids), self.ops.to_host(logprobs)
 
     def _eager(self, batch: StepBatch, inputs: dict, routed: bool, want_logits: bool) -> dict:
         ops = self.ops
@@ -211,8 +233,10 @@ class Stage:
             out["expert_ids"] = ops.empty(shape, np.int32)
             route = (self.experts.device_placement(ops), out["expert_ids"])
         residual = None
+        mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
             x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
+            ops.recycle_layer(mark, (x,) + residual[1:])  # the rest of the layer's buffers serve the next
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out

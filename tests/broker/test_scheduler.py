@@ -115,3 +115,20 @@ def test_logit_rules_carry_each_rows_history_and_bias(tokenizer):
                                                                 ("logit_ids", "logit_counts", "logit_bias")))}
     # 7 prompt only (biased), 9 prompt and twice in the output, 12 once, 30 biased only
     assert entries == {7: (0, 1.0), 9: (2, 0.0), 12: (1, 0.0), 30: (-1, -2.0)}
+
+
+def test_only_rows_that_sample_and_asked_get_top_logprobs(tokenizer):
+    s = Scheduler(max_batch=3, max_queue=3, max_step_tokens=8)
+    plain, asks, long = seq(tokenizer, "p", [5]), seq(tokenizer, "a", [6], logprobs=3), \
+        seq(tokenizer, "l", range(10, 30), logprobs=5)
+    for x in (plain, asks, long):
+        s.submit(x)
+    step = s.plan()  # "l" prefills a chunk: it does not sample, so it does not ask yet
+    assert [x.id for x in step.seqs] == ["p", "a", "l"] and step.samples == [True, True, False]
+    assert step.logprob_rows.tolist() == [1] and step.top_logprobs == 3
+    s.advance(step)
+    s.remove(asks)
+    plain.accept(1, 0.0)
+    step = s.plan()
+    assert [x.id for x in step.seqs] == ["p", "l"] and step.samples == [True, False]
+    assert step.logprob_rows.tolist() == [] and step.top_logprobs == 0  # nobody pays this step

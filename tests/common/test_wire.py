@@ -41,6 +41,8 @@ SAMPLES = [
            logit_params=np.array([[0.5, 0, 1.2, 0], [0, 0, 1, 0.1]], np.float32),
            logit_lengths=np.array([3, 0], np.int32), logit_ids=np.array([4, 9, 2], np.int32),
            logit_counts=np.array([2, 0, -1], np.int32), logit_bias=np.array([0, 0, 3.5], np.float32)),
+    p.Step(step_id=6, top_logprobs=3, logprob_rows=np.array([0, 2], np.int32), slots=np.arange(3, dtype=np.int32),
+           starts=np.zeros(3, np.int32), lengths=np.ones(3, np.int32), hidden=np.zeros((3, 8), np.float32)),
     p.Step(step_id=4, slots=np.zeros(1, np.int32), starts=np.zeros(1, np.int32), lengths=np.ones(1, np.int32),
            hidden=np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)),
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
@@ -122,3 +124,10 @@ def test_a_refused_request_keeps_its_id_so_the_error_reaches_it():
     with pytest.raises(wire.WireError) as info:
         wire.decode(frames)
     assert info.value.request_id == "req-7"
+
+
+@pytest.mark.parametrize("rows,n", [([2, 1], 2), ([1, 1], 2), ([3], 2), ([-1], 2), ([0], 0)])
+def test_step_logprob_rows_must_be_ascending_rows_of_the_step(rows, n):
+    with pytest.raises(ValueError, match="logprob_rows"):
+        p.Step(step_id=1, top_logprobs=n, logprob_rows=np.array(rows, np.int32), slots=np.arange(3, dtype=np.int32),
+               starts=np.zeros(3, np.int32), lengths=np.ones(3, np.int32))

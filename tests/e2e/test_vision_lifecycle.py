@@ -214,7 +214,7 @@ def test_openai_image_chat_with_a_data_url(service, image):
 def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, llava_dir, image):
     """No hand-back (vram_mib 0): the caches keep the emulated GPU full, so the vision worker's
     ledger charge fails as a cudaMalloc would, and the waiting image request is told why."""
-    svc = start_vision_service(tmp_path, llava_dir, max_context=384, vram_mib=[0, 0])
+    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[0, 0])
     client = Client(svc.zmq_address, timeout_s=30)
     try:
         with pytest.raises(RequestError) as err:
@@ -229,7 +229,7 @@ def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, 
 
 
 def test_vision_gpu_1_takes_its_room_from_gpu1(tmp_path, llava_dir, image):
-    svc = start_vision_service(tmp_path, llava_dir, gpu=1, max_context=384)
+    svc = start_vision_service(tmp_path, llava_dir, gpu=1)
     client = Client(svc.zmq_address, timeout_s=30)
     try:
         start = wait_cold(client)

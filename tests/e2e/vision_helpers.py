@@ -10,10 +10,10 @@ from pathlib import Path
 from moebus.client import Client
 from tests.service import Service, alive, process_tree
 
-# The tiny LLaVA's stage 0 needs ~1.4 MiB besides its 2 MiB expert cache: 4 MiB GPUs with 1 MiB
-# segments leave the cache full at start-up and make the vision hand-back shrink it by half.
-# (max_context 384 leaves gpu0 0.1 MiB free beside a full cache: less than the vision worker's 0.2.)
-VISION_SERVE = dict(emulated_vram_mib=[4, 4], segment_mib=1)
+# The tiny LLaVA's stage 0 needs ~2.5 MiB besides its 2 MiB expert cache (dense, KV and the step
+# scratch its warm-up measures: ~1.25 MiB on cpu): a 4.5 MiB gpu0 with 1 MiB segments leaves the
+# cache full at start-up and ~0 MiB free, so the vision hand-back (0.2 MiB) shrinks it by half.
+VISION_SERVE = dict(emulated_vram_mib=[4.5, 4], segment_mib=1)
 
 
 def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, **vision) -> Service:
