@@ -12,15 +12,16 @@ from tqdm import tqdm
 
 from moebus.common.checkpoint import Checkpoint
 from moebus.common import transport
-from moebus.common.protocol import (Info, InfoReply, Ready, Shutdown, Step, StepReply, Vram, VramReply,
+from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
-from moebus.cuda.backend import is_fatal_device_error, make_backend
+from moebus.cuda.backend import make_backend
 from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
                                          stage_dense_bytes, startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
+from moebus.workers.loop import serve
 from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
@@ -35,21 +36,8 @@ class GpuWorker:
         self.busy_s = 0.0
 
     def serve(self) -> int:
-        """The worker loop: recv -> handle -> reply. Returns the process exit status."""
-        while True:
-            message = self.link.recv(timeout_s=1.0)
-            if message is None:
-                continue
-            if isinstance(message, Shutdown):
-                return 0
-            try:
-                self.link.send(self.handle(message))
-            except Exception as e:  # noqa: BLE001 - every failure is reported to the broker
-                fatal = is_fatal_device_error(e)
-                log.exception("%s failed%s", type(message).__name__, " (fatal device error, exiting)" if fatal else "")
-                self.link.send(self.failure(message, f"{type(e).__name__}: {str(e)[:1000]}", fatal))
-                if fatal:
-                    return 3
+        """The worker loop (workers/loop.py). Returns the process exit status."""
+        return serve(self.link, self.handle, self.failure)
 
     def failure(self, message, text: str, fatal: bool):
         """The answer to a message that failed: the broker waits on a VRAM reply by its id."""

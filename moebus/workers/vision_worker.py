@@ -16,10 +16,11 @@ import numpy as np
 
 from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, decode_image
-from moebus.common.protocol import Encode, EncodeReply, Shutdown, VisionReady, WorkerError
-from moebus.cuda.backend import is_fatal_device_error, make_backend
+from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
+from moebus.cuda.backend import make_backend
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
+from moebus.workers.loop import serve
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes
 
 log = logging.getLogger("moebus.vision")
@@ -43,22 +44,12 @@ class VisionWorker:
         self.limits = limits
 
     def serve(self) -> int:
-        """recv -> handle -> reply until SHUTDOWN. Returns the process exit status."""
-        while True:
-            message = self.link.recv(timeout_s=1.0)
-            if message is None:
-                continue
-            if isinstance(message, Shutdown):
-                return 0
-            try:
-                self.link.send(self.handle(message))
-            except Exception as e:  # noqa: BLE001 - every failure is reported to the broker
-                fatal = is_fatal_device_error(e)
-                log.exception("encode failed%s", " (fatal device error, exiting)" if fatal else "")
-                self.link.send(WorkerError(generation=self.link.generation, message=f"{type(e).__name__}: {e}",
-                                           step_id=getattr(message, "encode_id", None), fatal=fatal))
-                if fatal:
-                    return 3
+        """The worker loop (workers/loop.py). Returns the process exit status."""
+        return serve(self.link, self.handle, self.failure)
+
+    def failure(self, message, text: str, fatal: bool) -> WorkerError:
+        return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "encode_id", None),
+                           fatal=fatal)
 
     def handle(self, message):
         if isinstance(message, Encode):
