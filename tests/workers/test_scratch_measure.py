@@ -17,6 +17,12 @@ def test_warmup_batch_is_the_largest_step_at_the_end_of_the_context(tiny_model):
     assert warmup_batch(stage, 4, 1000).num_tokens == 4 * 64  # never past max_context
 
 
+# On cpu tracemalloc also counts the Python objects a step makes, which differ by some bytes between
+# two steps of one shape (seen: a decode at position 12 measured 20 bytes over the warm-up's); the
+# numpy buffers, which the ledger stands for, are the same. On cuda the pool's peak is exact.
+TRACEMALLOC_NOISE_BYTES = 1024
+
+
 def test_measured_standing_scratch_covers_a_real_step_and_grows_with_the_step(tiny_model):
     stage = LocalModel(tiny_model, parts=1, num_slots=4, max_context=64).stages[0]
     budget = measure_scratch(stage, 4, 48)
@@ -28,9 +34,9 @@ def test_measured_standing_scratch_covers_a_real_step_and_grows_with_the_step(ti
 
     real = StepBatch(slots=[0, 1, 2, 3], starts=[0] * 4, lengths=[12] * 4, tokens=sum(prompts, []),
                      temperature=[0.0] * 4, top_logprobs=5, logprob_rows=np.array([1], np.int32))
-    assert measure_step_bytes(stage, real) <= budget.bytes_for(real.num_tokens)
+    assert measure_step_bytes(stage, real) <= budget.bytes_for(real.num_tokens) + TRACEMALLOC_NOISE_BYTES
     decode = StepBatch(slots=[0, 1, 2, 3], starts=[12] * 4, lengths=[1] * 4, tokens=[1, 2, 3, 4], temperature=[0.0] * 4)
-    assert measure_step_bytes(stage, decode) <= budget.standing_bytes
+    assert measure_step_bytes(stage, decode) <= budget.standing_bytes + TRACEMALLOC_NOISE_BYTES
     assert not tracemalloc.is_tracing()  # the measurement leaves no tracing behind
 
 
