@@ -190,7 +190,8 @@ class Client:
         return self.generate(messages=messages, **sampling)
 
     def cancel(self, request_id: str) -> None:
-        self._send(Cancel(id=request_id))
+        if not self._closed.is_set():  # a closed client's requests are gone with its connection
+            self._send(Cancel(id=request_id))
 
     def info(self, timeout_s: float | None = None) -> dict:
         return self._call(Info(), InfoReply, timeout_s).stats
