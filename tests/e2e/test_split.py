@@ -106,6 +106,14 @@ def _netns_available() -> bool:
     return ok
 
 
+def _free_octet() -> int:
+    """A 10.213.X.0/30 that no interface holds: a run killed before its teardown leaves its veth
+    behind, and a second address on the host side of another veth makes the broker unreachable."""
+    taken = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
+    start = os.getpid() % 250
+    return next(o for o in (1 + (start + i) % 250 for i in range(250)) if f"10.213.{o}.1/" not in taken)
+
+
 @pytest.fixture
 def netns():
     """A network namespace joined to this one by a veth pair: (namespace, host-side address)."""
@@ -113,7 +121,7 @@ def netns():
         pytest.skip("network namespaces need root and ip netns")
     tag = uuid.uuid4().hex[:6]
     ns, host_if, ns_if = f"mb{tag}", f"mbh{tag}", f"mbn{tag}"
-    octet = 1 + os.getpid() % 250
+    octet = _free_octet()
     host_ip, ns_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
     steps = [["ip", "netns", "add", ns], ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
              ["ip", "link", "set", ns_if, "netns", ns], ["ip", "addr", "add", f"{host_ip}/30", "dev", host_if],
