@@ -51,7 +51,7 @@ def start(tmp, tiny_model, vram, **settings) -> Service:
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory, tiny_model):
-    svc = start(tmp_path_factory.mktemp("pipelined"), tiny_model, [32, 32])
+    svc = start(tmp_path_factory.mktemp("pipelined"), tiny_model, [32, 32], max_context=2048)
     try:
         yield svc
     finally:
@@ -116,7 +116,8 @@ def test_vram_resize_during_pipelined_decode(client, reference):
 
 
 def test_sigkill_mid_pipeline_fails_the_running_requests_only(pipelined, client, reference):
-    long = [{**r, "max_tokens": 180} for r in requests_to_run()]
+    # long enough that none can finish (and hand its slot to a queued one) on a loaded machine before the kill
+    long = [{**r, "max_tokens": 1500} for r in requests_to_run()]
     queued = requests_to_run(NUM_STREAMS + 2)[NUM_STREAMS:]  # over max_batch: these wait for a slot
     running = [client.generate(**r) for r in long]
     waiting = [client.generate(**r) for r in queued]
@@ -124,7 +125,7 @@ def test_sigkill_mid_pipeline_fails_the_running_requests_only(pipelined, client,
         next(iter(s))
     # the queued ones wait for a slot once the tokenizer threads hand them over (on a loaded machine
     # that can come after the running ones' first tokens)
-    wait_for(lambda: client.info()["requests_waiting"] == len(queued), timeout_s=10)
+    wait_for(lambda: client.info()["requests_waiting"] == len(queued), timeout_s=60)
     before = counter(client, "pipelined_steps_total")
     time.sleep(0.5)
     assert counter(client, "pipelined_steps_total") > before  # steps overlap at the moment of the kill
