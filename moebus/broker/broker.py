@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import signal
 import time
 
@@ -21,21 +20,23 @@ import zmq
 from moebus.broker.admission import detokenize, tokenize
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
-from moebus.broker.inflight import Inflight, InflightStep
+from moebus.broker.inflight import Inflight
 from moebus.broker.scheduler import Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
+from moebus.broker.steps import StepDriver
+from moebus.broker.streaming import Streaming
 from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vision import VisionHooks
-from moebus.broker.vision_requests import ImageRequest, has_images, step_embeds
+from moebus.broker.vision_requests import ImageRequest, has_images
 from moebus.broker.vram import per_gpu_reserves
 from moebus.broker.vram_control import VramControl, check_not_elastic
 from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
-from moebus.common.protocol import (Cancel, Detokenize, Error, Final, Generate, Heartbeat, Info, InfoReply, Partial,
-                                    Ping, Pong, Ready, Shutdown, Step, StepReply, Tokenize, Vram, VramReply,
+from moebus.common.protocol import (Cancel, Detokenize, Error, Final, Generate, Heartbeat, Info, InfoReply,
+                                    Ping, Pong, Ready, Shutdown, StepReply, Tokenize, Vram, VramReply,
                                     WorkerError)
 from moebus.common.tokenizer import TextTokenizer
 
@@ -47,14 +48,7 @@ MAX_QUICK_EXITS = 5  # of a supervised child (the api) before serve gives up and
 FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
 
 
-def finite_logprob(value) -> float:
-    """A logprob fit for JSON: -inf (a token the sampler could not have drawn) and NaN become -9999,
-    OpenAI's figure for "as unlikely as it gets"."""
-    value = float(value)
-    return value if math.isfinite(value) else -9999.0
-
-
-class Broker:
+class Broker(StepDriver, Streaming):
     def __init__(self, settings, model_config: ModelConfig, tokenizer: TextTokenizer, pool: WorkerPool,
                  model_name: str, backend_address: str, children=(), vision=None):
         """``vision``: None for a model without a vision tower, else a factory taking VisionHooks and
@@ -138,12 +132,6 @@ class Broker:
             if aborts_step:
                 self._abort_step(f"internal error in the broker ({what})")
             return default
-
-    def _abort_step(self, reason: str, status: int = 500, step: InflightStep | None = None) -> None:
-        """``step`` (default: every step in flight) cannot complete: its requests fail."""
-        steps = self.inflight.clear() if step is None else self.inflight.discard(step)
-        for seq in [seq for s in steps for seq in s.plan.seqs]:
-            self._fail(seq, f"{reason}; request aborted", status=status)
 
     def _forgive_stall(self) -> None:
         """After a pause of the broker itself (a stalled disk, a long collection) nobody could be
@@ -506,112 +494,3 @@ class Broker:
             for w in self.pool:
                 if w.is_ready:
                     self._send_worker(w.gpu, Info())
-
-    # -- steps ------------------------------------------------------------------------------------
-
-    def _dispatch(self, now: float) -> None:
-        if not self.pool.all_ready():
-            return
-        self._send_ready_steps()  # to a stage that an aborted step left free (and still alive: ready)
-        if self.vram.is_pending():  # no new step: the resize starts once every step in flight is back
-            if not self.inflight:
-                self.vram.start_next()
-            return
-        if not self.inflight.can_start():
-            return
-        try:
-            plan = self.scheduler.plan(self.inflight.busy_ids(), self.inflight.num_groups)
-        except Exception:  # noqa: BLE001 - which request broke the plan is unknown: the running ones fail
-            log.exception("planning a step failed")
-            self.stats.count("internal_errors_total")
-            for seq in list(self.scheduler.running.values()):
-                self._fail(seq, "internal error while planning a step; request aborted", status=500)
-            return
-        if plan is None:
-            return
-        if self.inflight:
-            self.stats.count("pipelined_steps_total")
-        self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
-
-    def _send_step(self, step: InflightStep, hidden) -> None:
-        plan = step.plan
-        embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if step.stage == 0 else (None, None)
-        rules = (plan.logit_rules or {}) if step.stage == len(self.pool) - 1 else {}
-        step.message = Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
-                            logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
-                            starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if step.stage == 0 else None,
-                            hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
-                            embeds=embeds, embed_rows=embed_rows, **rules)
-        step.sent_s = time.monotonic()
-        if not self._send_worker(step.stage, step.message):
-            self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")
-
-    def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:
-        step = self.inflight.answered(worker.gpu, msg.step_id)
-        if step is None:
-            self.stats.count("invalid_messages_total")
-            return  # a stale reply (its step was aborted)
-        step.compute_s += msg.compute_s
-        if step.stage + 1 < len(self.pool):
-            self.inflight.park(step, msg.hidden)
-            self._send_ready_steps()
-            return
-        if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
-            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence", step=step)
-            return
-        self.inflight.discard(step)
-        self._send_ready_steps()  # the last stage is free: the next micro-batch goes on before tokens stream
-        now = time.monotonic()
-        self.stats.count("steps_total")
-        self.stats.observe("step_seconds", now - step.started_s)
-        self.stats.observe("step_compute_seconds", step.compute_s)
-        self.scheduler.advance(step.plan)
-        top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
-        if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):
-            top_row = {}  # a reply that disagrees about who asked: no top logprobs rather than wrong ones
-        for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
-            if samples and self.scheduler.running.get(seq.id) is seq:
-                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, top_row.get(i), now)
-
-    def _send_ready_steps(self) -> None:
-        """Send every waiting step whose next stage is free (in the order the steps started)."""
-        while (step := self.inflight.next_ready()) is not None:
-            hidden, step.hidden = step.hidden, None
-            self._send_step(step, hidden)
-
-    def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int | None, now: float) -> None:
-        previous_s = seq.last_token_s
-        text = seq.accept(token, now)
-        self.stats.count("generation_tokens_total")
-        if previous_s is None:
-            self.stats.count("prompt_tokens_total", len(seq.prompt))
-            self.stats.observe("time_to_first_token_seconds", now - seq.arrived_s)
-        else:
-            self.stats.observe("inter_token_latency_seconds", now - previous_s)
-        top = texts = top_texts = None
-        if seq.sampling.logprobs and msg.top_ids is not None and row is not None:
-            n = seq.sampling.logprobs
-            top = [[(int(t), finite_logprob(lp)) for t, lp in zip(msg.top_ids[row][:n], msg.top_logprobs[row][:n])]]
-            texts, top_texts = [self._token_text(token)], [[self._token_text(t) for t, _ in top[0]]]
-        self._reply(seq.client, Partial(id=seq.id, tokens=[token], text=text, logprobs=[logprob], top_logprobs=top,
-                                        token_texts=texts, top_texts=top_texts,
-                                        reasoning_open=seq.reasoning_open if len(seq.generated) == 1 else None))
-        if seq.finish_reason:
-            self._finish(seq, seq.finish_reason)
-
-    def _token_text(self, token: int) -> str:
-        """One token on its own, special tokens included (a byte-level piece of a character: U+FFFD)."""
-        return self.tokenizer.tokenizer.decode([token], skip_special_tokens=False)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
-        self._reply(seq.client, Final(id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
-                                      completion_tokens=len(seq.generated)))
-        self.stats.count("requests_cancelled_total" if reason == "cancelled" else "requests_finished_total")
-        self.stats.observe("e2e_request_latency_seconds", time.monotonic() - seq.arrived_s)
-
-    def _fail(self, seq: Sequence, message: str, status: int = 500) -> None:
-        self.scheduler.remove(seq)
-        self.stats.count("requests_failed_total")
-        kind = "service_unavailable" if status == 503 else "server_error"
-        self._reply(seq.client, Error(id=seq.id, message=message, type=kind, status=status))

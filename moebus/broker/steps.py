@@ -1,0 +1,115 @@
+"""Decode steps, seen from the broker loop: plan the next step, send each stage its STEP, route a
+STEP_REPLY (on to the next stage, or its tokens to the streams), and fail the requests of a step
+that cannot complete. The steps in flight themselves are broker/inflight.py's bookkeeping."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from moebus.broker.inflight import Inflight, InflightStep
+from moebus.broker.scheduler import PlannedStep, Scheduler
+from moebus.broker.stats import Stats
+from moebus.broker.streaming import finite_logprob
+from moebus.broker.vision_requests import step_embeds
+from moebus.broker.vram_control import VramControl
+from moebus.broker.worker_pool import WorkerPool, WorkerState
+from moebus.common.protocol import Step, StepReply
+
+log = logging.getLogger("moebus.broker")
+
+
+def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
+    """The STEP for ``step``'s current stage: token ids (and image embeddings) go to the first stage
+    only, the logit rules to the last, ``hidden`` is the previous stage's output."""
+    plan, first, last = step.plan, step.stage == 0, step.stage == num_stages - 1
+    embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if first else (None, None)
+    rules = (plan.logit_rules or {}) if last else {}
+    return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
+                logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
+                starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,
+                hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
+                embeds=embeds, embed_rows=embed_rows, **rules)
+
+
+class StepDriver:
+    """The Broker's step methods (a mixin: the state is the Broker's, named below)."""
+
+    pool: WorkerPool
+    scheduler: Scheduler
+    inflight: Inflight
+    vram: VramControl
+    stats: Stats
+    step_ids: Iterator[int]
+
+    def _dispatch(self, now: float) -> None:
+        if not self.pool.all_ready():
+            return
+        self._send_ready_steps()  # to a stage that an aborted step left free (and still alive: ready)
+        if self.vram.is_pending():  # no new step: the resize starts once every step in flight is back
+            if not self.inflight:
+                self.vram.start_next()
+            return
+        if not self.inflight.can_start():
+            return
+        plan = self._plan()
+        if plan is None:
+            return
+        if self.inflight:
+            self.stats.count("pipelined_steps_total")
+        self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
+
+    def _plan(self) -> PlannedStep | None:
+        try:
+            return self.scheduler.plan(self.inflight.busy_ids(), self.inflight.num_groups)
+        except Exception:  # noqa: BLE001 - which request broke the plan is unknown: the running ones fail
+            log.exception("planning a step failed")
+            self.stats.count("internal_errors_total")
+            for seq in list(self.scheduler.running.values()):
+                self._fail(seq, "internal error while planning a step; request aborted", status=500)
+            return None
+
+    def _send_step(self, step: InflightStep, hidden) -> None:
+        step.message = step_message(step, hidden, len(self.pool))
+        step.sent_s = time.monotonic()
+        if not self._send_worker(step.stage, step.message):
+            self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")
+
+    def _send_ready_steps(self) -> None:
+        """Send every waiting step whose next stage is free (in the order the steps started)."""
+        while (step := self.inflight.next_ready()) is not None:
+            hidden, step.hidden = step.hidden, None
+            self._send_step(step, hidden)
+
+    def _on_step_reply(self, worker: WorkerState, msg: StepReply) -> None:
+        step = self.inflight.answered(worker.gpu, msg.step_id)
+        if step is None:
+            self.stats.count("invalid_messages_total")
+            return  # a stale reply (its step was aborted)
+        step.compute_s += msg.compute_s
+        if step.stage + 1 < len(self.pool):
+            self.inflight.park(step, msg.hidden)
+            self._send_ready_steps()
+            return
+        if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
+            self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence", step=step)
+            return
+        self.inflight.discard(step)
+        self._send_ready_steps()  # the last stage is free: the next micro-batch goes on before tokens stream
+        now = time.monotonic()
+        self.stats.count("steps_total")
+        self.stats.observe("step_seconds", now - step.started_s)
+        self.stats.observe("step_compute_seconds", step.compute_s)
+        self.scheduler.advance(step.plan)
+        top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
+        if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):
+            top_row = {}  # a reply that disagrees about who asked: no top logprobs rather than wrong ones
+        for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
+            if samples and self.scheduler.running.get(seq.id) is seq:
+                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, top_row.get(i), now)
+
+    def _abort_step(self, reason: str, status: int = 500, step: InflightStep | None = None) -> None:
+        """``step`` (default: every step in flight) cannot complete: its requests fail."""
+        steps = self.inflight.clear() if step is None else self.inflight.discard(step)
+        for seq in [seq for s in steps for seq in s.plan.seqs]:
+            self._fail(seq, f"{reason}; request aborted", status=status)
