@@ -17,26 +17,22 @@ import time
 
 import zmq
 
-from moebus.broker.admission import detokenize, tokenize
+from moebus.broker.client_messages import ClientMessages
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
 from moebus.broker.inflight import Inflight
+from moebus.broker.outbox import Outbox
 from moebus.broker.scheduler import Scheduler
-from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
 from moebus.broker.steps import StepDriver
 from moebus.broker.streaming import Streaming
 from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vision import VisionHooks
-from moebus.broker.vision_requests import ImageRequest, has_images
-from moebus.broker.vram import per_gpu_reserves
-from moebus.broker.vram_control import VramControl, check_not_elastic
+from moebus.broker.vram_control import VramControl
 from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
 from moebus.common import transport, wire
-from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.model_config import ModelConfig
-from moebus.common.protocol import (Cancel, Detokenize, Error, Final, Generate, Heartbeat, Info, InfoReply,
-                                    Ping, Pong, Ready, Shutdown, StepReply, Tokenize, Vram, VramReply,
+from moebus.common.protocol import (Error, Heartbeat, Info, InfoReply, Ready, Shutdown, StepReply, VramReply,
                                     WorkerError)
 from moebus.common.tokenizer import TextTokenizer
 
@@ -48,7 +44,7 @@ MAX_QUICK_EXITS = 5  # of a supervised child (the api) before serve gives up and
 FRONTEND_SNDHWM = 100_000  # replies queued per client before a send fails (then its requests fail)
 
 
-class Broker(StepDriver, Streaming):
+class Broker(ClientMessages, StepDriver, Streaming, Outbox):
     def __init__(self, settings, model_config: ModelConfig, tokenizer: TextTokenizer, pool: WorkerPool,
                  model_name: str, backend_address: str, children=(), vision=None):
         """``vision``: None for a model without a vision tower, else a factory taking VisionHooks and
@@ -187,133 +183,6 @@ class Broker(StepDriver, Streaming):
 
     # -- clients ----------------------------------------------------------------------------------
 
-    def _reply(self, client: bytes, message) -> bool:
-        """Send to a client; False when it cannot take it (gone, or its queue full): then its
-        requests fail here rather than wait for replies that would never reach it."""
-        try:
-            transport.send(self.frontend, message, client, flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
-            self.stats.count("undeliverable_replies_total")
-            log.warning("a reply to client %r could not be delivered (%s); its requests are cancelled",
-                        client[:16], e.strerror)
-            self._drop_client(client)
-            return False
-
-    def _drop_client(self, client: bytes) -> None:
-        for seq in self._requests_of({client}):
-            self.scheduler.remove(seq)
-            self.stats.count("requests_cancelled_total")
-        self.cancelled_while_tokenizing.update(i for i, c in self.tokenize.pending.items() if c == client)
-        self.clients.last_seen_s.pop(client, None)
-
-    def _requests_of(self, clients: set[bytes]) -> list[Sequence]:
-        return [s for s in list(self.scheduler.running.values()) + list(self.scheduler.waiting) if s.client in clients]
-
-    def _send_worker(self, gpu: int, message) -> bool:
-        """Send to a worker; False when it is not connected (it is then treated as lost)."""
-        try:
-            transport.send(self.backend, message, self.pool[gpu].identity, flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:
-            log.error("gpu%d cannot be reached (%s)", gpu, e.strerror)
-            return False
-
-    def _on_client(self, client: bytes, frames) -> None:
-        self.clients.seen(client)
-        try:
-            msg = wire.decode(frames)
-        except wire.WireError as e:
-            self.stats.count("invalid_messages_total")
-            self._reply(client, Error(id=e.request_id, message=f"invalid message: {e}"))
-            return
-        try:
-            self._handle_client(client, msg)
-        except RequestError as e:
-            self._reply(client, Error(id=getattr(msg, "id", None), status=e.http_status, **e.to_dict()))
-        except Exception:  # a bug met by one request must not take the service down with it
-            log.exception("%s from a client failed", msg.TYPE.decode())
-            self._reply(client, Error(id=getattr(msg, "id", None), message="internal error", type="server_error",
-                                      status=500))
-
-    def _handle_client(self, client: bytes, msg) -> None:
-        if isinstance(msg, Generate):
-            if self.stopping_since is not None:
-                raise Unavailable("server shutting down")
-            if self._id_in_use(msg.id):
-                raise RequestError(f"request id {msg.id!r} is already in use", param="id")
-            if len(self.scheduler.waiting) >= self.scheduler.max_queue:
-                raise ServerBusy(f"server busy: {len(self.scheduler.waiting)} requests waiting (max_queue)")
-            admit = None
-            if msg.images or (self.vision and has_images(msg)):  # it waits in the vision lifecycle for its embeddings
-                if self.vision is None:
-                    raise RequestError("model has no vision: image inputs are not supported", param="images",
-                                       code="model_has_no_vision")
-                admit = self.vision.admission
-            self.tokenize.submit(client, msg, admit)  # the Sequence comes back through _on_tokenized
-        elif isinstance(msg, Cancel):
-            if self.vision and self.vision.cancel(msg.id, client):
-                return
-            seq = self.scheduler.find(msg.id)
-            if seq is not None and seq.client == client:
-                self._finish(seq, "cancelled")
-            elif self.tokenize.pending.get(msg.id) == client:
-                self.cancelled_while_tokenizing.add(msg.id)
-        elif isinstance(msg, Vram):
-            reserves = per_gpu_reserves(msg, len(self.pool))
-            check_not_elastic(self.settings.vram_elastic, msg.query)
-            self.vram.request(client, reserves, msg.query, msg.id)
-        elif isinstance(msg, Info):
-            self._reply(client, InfoReply(id=msg.id, stats=self.info()))
-        elif isinstance(msg, Ping):
-            self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
-        elif isinstance(msg, Heartbeat):
-            pass  # liveness only (seen above)
-        elif isinstance(msg, Tokenize):  # off the loop, as a GENERATE's prompt: it may be long
-            self.tokenize.submit(client, msg, lambda m, _c, tok, _vocab, max_context: tokenize(m, tok, max_context))
-        elif isinstance(msg, Detokenize):
-            self.tokenize.submit(client, msg, lambda m, _c, tok, vocab_size, _ctx: detokenize(m, tok, vocab_size))
-        else:
-            raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
-
-    def _on_vram_answer(self, reserves: list, reply: VramReply, query: bool) -> None:
-        self.history.vram_reply(reserves, reply, query=query)
-        self.next_info_s = 0.0  # the residency changed with the size: ask INFO on the next turn
-
-    def _id_in_use(self, request_id: str) -> bool:
-        return bool(self.scheduler.find(request_id) or request_id in self.tokenize.pending
-                    or (self.vision and self.vision.find(request_id)))
-
-    def _on_tokenized(self) -> None:
-        for item in self.tokenize.results():
-            msg, client = item.msg, item.client
-            if not isinstance(msg, Generate):  # TOKENIZE / DETOKENIZE: the reply or its error
-                error = item.error
-                self._reply(client, item.seq if error is None else
-                            Error(id=msg.id, status=error.http_status, **error.to_dict()))
-                continue
-            if msg.id in self.cancelled_while_tokenizing:
-                self.cancelled_while_tokenizing.discard(msg.id)
-                self._reply(client, Final(id=msg.id, finish_reason="cancelled", prompt_tokens=0, completion_tokens=0))
-                self.stats.count("requests_cancelled_total")
-                continue
-            error = item.error
-            if error is None and self.stopping_since is not None:
-                error = Unavailable("server shutting down")
-            if error is None and (self.scheduler.find(msg.id) or (self.vision and self.vision.find(msg.id))):
-                error = RequestError(f"request id {msg.id!r} is already in use", param="id")
-            if error is None:
-                try:
-                    if isinstance(item.seq, ImageRequest):
-                        self.vision.submit(item.seq)
-                    else:
-                        self.scheduler.submit(item.seq)
-                    self.stats.count("requests_total")
-                    continue
-                except RequestError as e:
-                    error = e
-            self._reply(client, Error(id=msg.id, status=error.http_status, **error.to_dict()))
-
     def info(self) -> dict:
         return {"ready": self.pool.all_ready(), "model": self.model_name,
                 "requests_running": len(self.scheduler.running), "requests_waiting": len(self.scheduler.waiting),
@@ -431,15 +300,6 @@ class Broker(StepDriver, Streaming):
             return
         self.vision.on_message(msg)
 
-    def _send_vision(self, message) -> bool:
-        """To the vision worker; False while it is not connected (a worker just forked, or gone: the
-        lifecycle's heartbeat deadline decides which)."""
-        try:
-            transport.send(self.backend, message, b"vision", flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
-
     def _vision_hooks(self) -> VisionHooks:
         return VisionHooks(
             send=self._send_vision,
@@ -472,13 +332,6 @@ class Broker(StepDriver, Streaming):
             self.stats.count("worker_restarts_total", self.pool.restart_dead())
             for child in self.children:
                 child.maybe_restart()
-
-    def _cancel_vanished(self, now: float) -> None:
-        holders = {s.client for s in list(self.scheduler.running.values()) + list(self.scheduler.waiting)}
-        for client in self.clients.vanished(holders, now):
-            log.warning("client %r silent for over %.0f s: its requests are cancelled", client[:16],
-                        self.clients.timeout_s)
-            self._drop_client(client)
 
     def _beat(self, now: float) -> None:
         if now >= self.next_beat_s:
