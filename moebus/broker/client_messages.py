@@ -9,6 +9,7 @@ import logging
 from moebus.broker.admission import detokenize, tokenize
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
+from moebus.broker.info import info_stats
 from moebus.broker.scheduler import Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
@@ -27,6 +28,10 @@ log = logging.getLogger("moebus.broker")
 
 class ClientMessages:
     """The Broker's client methods (a mixin: the state is the Broker's, named below)."""
+
+    CLIENT_HANDLERS = {Generate: "_on_generate", Cancel: "_on_cancel", Vram: "_on_vram", Info: "_on_info",
+                       Ping: "_on_ping", Heartbeat: "_on_client_heartbeat", Tokenize: "_on_tokenize",
+                       Detokenize: "_on_detokenize"}  # type -> method
 
     settings: object
     pool: WorkerPool
@@ -62,7 +67,7 @@ class ClientMessages:
         handler = self.CLIENT_HANDLERS.get(type(msg))
         if handler is None:
             raise RequestError(f"unexpected message type {msg.TYPE.decode()}")
-        handler(self, client, msg)
+        getattr(self, handler)(client, msg)
 
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         if self.stopping_since is not None:
@@ -94,7 +99,7 @@ class ClientMessages:
         self.vram.request(client, reserves, msg.query, msg.id)
 
     def _on_info(self, client: bytes, msg: Info) -> None:
-        self._reply(client, InfoReply(id=msg.id, stats=self.info()))
+        self._reply(client, InfoReply(id=msg.id, stats=info_stats(self)))
 
     def _on_ping(self, client: bytes, msg: Ping) -> None:
         self._reply(client, Pong(id=msg.id, ready=self.pool.all_ready()))
@@ -107,9 +112,6 @@ class ClientMessages:
 
     def _on_detokenize(self, client: bytes, msg: Detokenize) -> None:
         self.tokenize.submit(client, msg, lambda m, _c, tok, vocab_size, _ctx: detokenize(m, tok, vocab_size))
-
-    CLIENT_HANDLERS = {Generate: _on_generate, Cancel: _on_cancel, Vram: _on_vram, Info: _on_info, Ping: _on_ping,
-                       Heartbeat: _on_client_heartbeat, Tokenize: _on_tokenize, Detokenize: _on_detokenize}
 
     def _on_vram_answer(self, reserves: list, reply: VramReply, query: bool) -> None:
         self.history.vram_reply(reserves, reply, query=query)
