@@ -4,6 +4,7 @@ decode   tokens/s of the demo (or --model) model in-process and through broker +
          and the broker's added latency per step; --pipeline both: 8 streams on a two-stage split,
          pipelined and not, beside one stage
 hop      the broker's step hop alone: STEP -> a real worker link -> STEP_REPLY round trips, no model
+         (--broker DIR: through a real broker and client, PARTIAL intervals)
 cache    routing traces (synthetic, recorded) replayed through each cache policy: hit rates per
          cache fraction
 kernels  every cuda kernel against its numpy reference at realistic shapes (NMSE, time, GB/s)

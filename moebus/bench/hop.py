@@ -6,6 +6,7 @@ both ways, the worker's IO thread and its hand-over to the compute thread, ZeroM
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -27,12 +28,13 @@ def decode_step(step_id: int) -> Step:
                 top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32), u=np.full(1, 0.5, np.float32))
 
 
-def serve(address: str, compute_s: float) -> None:
-    """The worker side: a real BrokerLink; the compute thread answers every STEP."""
+def serve(address: str, compute_s: float, ready: dict | None = None) -> None:
+    """The worker side: a real BrokerLink; the compute thread answers every STEP. ``ready``: READY's
+    fields that a real broker checks (layers, model, max_batch, max_context; see bench/hop_broker.py)."""
     from moebus.workers.link import BrokerLink
 
     link = BrokerLink(address, "gpu0")
-    link.start(Ready(gpu=0, generation=link.generation, layers=(0, 1), device="cpu"))
+    link.start(Ready(**{"layers": (0, 1), **(ready or {})}, gpu=0, generation=link.generation, device="cpu"))
     try:
         while not isinstance(message := link.recv(timeout_s=1.0), Shutdown):
             if not isinstance(message, Step):
@@ -41,7 +43,8 @@ def serve(address: str, compute_s: float) -> None:
             while time.perf_counter() < end:  # holds the GIL, as a step of numba launches does
                 pass
             link.send(StepReply(step_id=message.step_id, generation=link.generation, compute_s=compute_s,
-                                tokens=np.array([3], np.int32), logprobs=np.array([-0.5], np.float32)))
+                                tokens=np.full(len(message.slots), 3, np.int32),
+                                logprobs=np.full(len(message.slots), -0.5, np.float32)))
     finally:
         link.close()
 
@@ -69,11 +72,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--compute-ms", type=float, default=0.0, help="GIL-holding work per step in the worker")
+    p.add_argument("--broker", metavar="DIR", help="through a real broker serving DIR's config and tokenizer "
+                   "(e.g. `moebus init-model --preset tiny DIR`) and a streaming client: PARTIAL intervals")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the worker process's own entry
+    p.add_argument("--ready", help=argparse.SUPPRESS)  # its READY's fields, JSON
     args = p.parse_args(argv)
     compute_s = args.compute_ms / 1e3
     if args.serve:
-        serve(args.serve, compute_s)
+        serve(args.serve, compute_s, json.loads(args.ready) if args.ready else None)
+        return 0
+    if args.broker:
+        from moebus.bench.hop_broker import token_intervals_s
+
+        times_s = token_intervals_s(args.broker, args.warmup + args.steps + 1, args.compute_ms)
+        _report("hop through the broker (PARTIAL interval minus compute", times_s[args.warmup:], compute_s, args)
         return 0
     with tempfile.TemporaryDirectory(prefix="moebus-hop-") as tmp:
         address = f"ipc://{Path(tmp) / 'backend.sock'}"
@@ -92,8 +104,12 @@ def main(argv=None) -> int:
             if child.poll() is None:
                 child.kill()
             sock.close()
-    added_us = sorted((t - compute_s) * 1e6 for t in times_s[args.warmup:])
-    print(f"hop (round trip minus compute, {args.steps} steps, compute {args.compute_ms:g} ms): "
+    _report("hop (round trip minus compute", times_s[args.warmup:], compute_s, args)
+    return 0
+
+
+def _report(what: str, times_s: list[float], compute_s: float, args) -> None:
+    added_us = sorted((t - compute_s) * 1e6 for t in times_s)
+    print(f"{what}, {len(added_us)} steps, compute {args.compute_ms:g} ms): "
           f"median {statistics.median(added_us):.0f} us  mean {statistics.mean(added_us):.0f} us  "
           f"p90 {added_us[int(len(added_us) * 0.9)]:.0f} us")
-    return 0
