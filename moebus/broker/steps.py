@@ -94,6 +94,11 @@ class StepDriver:
         if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
             self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence", step=step)
             return
+        self._finish_step(step, msg)
+
+    def _finish_step(self, step: InflightStep, msg: StepReply) -> None:
+        """The last stage answered: the step's tokens join their sequences, the next STEP goes out,
+        and only then do the tokens stream (their PARTIALs are off the critical path)."""
         self.inflight.discard(step)
         self._send_ready_steps()  # the last stage is free: the next micro-batch goes on before tokens stream
         now = time.monotonic()
@@ -104,9 +109,17 @@ class StepDriver:
         top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
         if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):
             top_row = {}  # a reply that disagrees about who asked: no top logprobs rather than wrong ones
+        accepted = []
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
             if samples and self.scheduler.running.get(seq.id) is seq:
-                self._emit(seq, int(msg.tokens[i]), finite_logprob(msg.logprobs[i]), msg, top_row.get(i), now)
+                token = int(msg.tokens[i])
+                accepted.append((seq, token, self._accept(seq, token, now), finite_logprob(msg.logprobs[i]),
+                                 top_row.get(i)))
+        # the next step needs only the accepted tokens: the stage computes it while this one streams
+        self._guarded("dispatch", self._dispatch, time.monotonic(), aborts_step=True)
+        for seq, token, text, logprob, row in accepted:
+            if seq.finish_reason or self.scheduler.running.get(seq.id) is seq:  # not failed or dropped meanwhile
+                self._stream(seq, token, text, logprob, msg, row)
 
     def _abort_step(self, reason: str, status: int = 500, step: InflightStep | None = None) -> None:
         """``step`` (default: every step in flight) cannot complete: its requests fail."""

@@ -27,7 +27,10 @@ class Streaming:
     stats: Stats
     tokenizer: TextTokenizer
 
-    def _emit(self, seq: Sequence, token: int, logprob: float, msg: StepReply, row: int | None, now: float) -> None:
+    def _accept(self, seq: Sequence, token: int, now: float) -> str:
+        """A sampled token joins its sequence (the text to stream comes back); a sequence that
+        finished leaves the scheduler now, so the next step's plan has its slot. Its PARTIAL and
+        FINAL follow in ``_stream``, once the next STEP is out."""
         previous_s = seq.last_token_s
         text = seq.accept(token, now)
         self.stats.count("generation_tokens_total")
@@ -36,6 +39,12 @@ class Streaming:
             self.stats.observe("time_to_first_token_seconds", now - seq.arrived_s)
         else:
             self.stats.observe("inter_token_latency_seconds", now - previous_s)
+        if seq.finish_reason:
+            self.scheduler.remove(seq)
+        return text
+
+    def _stream(self, seq: Sequence, token: int, text: str, logprob: float, msg: StepReply, row: int | None) -> None:
+        """An accepted token's PARTIAL (with its top logprobs when asked), and FINAL when it was the last."""
         top = texts = top_texts = None
         if seq.sampling.logprobs and msg.top_ids is not None and row is not None:
             n = seq.sampling.logprobs
@@ -45,7 +54,7 @@ class Streaming:
                                         token_texts=texts, top_texts=top_texts,
                                         reasoning_open=seq.reasoning_open if len(seq.generated) == 1 else None))
         if seq.finish_reason:
-            self._finish(seq, seq.finish_reason)
+            self._send_final(seq, seq.finish_reason)
 
     def _token_text(self, token: int) -> str:
         """One token on its own, special tokens included (a byte-level piece of a character: U+FFFD)."""
@@ -53,6 +62,10 @@ class Streaming:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
+        self._send_final(seq, reason)
+
+    def _send_final(self, seq: Sequence, reason: str) -> None:
+        """FINAL for a sequence that has left the scheduler."""
         self._reply(seq.client, Final(id=seq.id, finish_reason=reason, prompt_tokens=len(seq.prompt),
                                       completion_tokens=len(seq.generated)))
         self.stats.count("requests_cancelled_total" if reason == "cancelled" else "requests_finished_total")
