@@ -114,6 +114,8 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
                 now = time.monotonic()
                 self._guarded("supervision", self._supervise, now)
                 self._guarded("heartbeats", self._beat, now)
+                # a step also goes out from the last stage's reply itself (steps.py), before its
+                # tokens stream; here for whatever else cleared the way (a request, a worker back)
                 self._guarded("dispatch", self._dispatch, now, aborts_step=True)
         finally:
             self._shutdown()
