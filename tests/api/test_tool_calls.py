@@ -13,7 +13,8 @@ from moebus.api.tool_calls import MORE, NOT_A_HEAD, ToolCallParser, call_head, m
 from moebus.common.protocol import Final, Partial
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
-TRICKY = ('<tool_call>\n{"name": "note", "arguments": {"text": "a } and a { and \\" and \\\\", "tags": ["x", {"y": []}],'
+TRICKY = ('<tool_call>\n{"name": "note", "arguments": {"text": "a } and a { and \\" and \\\\",'
+          ' "tags": ["x", {"y": []}],'
           ' "city": "Tromsø"}}\n</tool_call>')
 SUM = '<tool_call>\n{"name": "sum", "parameters": {"a": 2, "b": 3}}\n</tool_call>'
 
@@ -32,7 +33,8 @@ CASES = {  # text: (content, [(name, arguments)])
     "cut off in the arguments": ('<tool_call>\n{"name": "f", "arguments": {"city": "Os', "", [("f", '{"city": "Os')]),
     "cut off in the close": ('<tool_call>{"name": "f", "arguments": {}}</tool_', "", [("f", "{}")]),
     "a tag in the content": ("x < y and <tool", "x < y and <tool", []),
-    "content after a call": (WEATHER + "\n\nDone.  ", "Done.", [("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
+    "content after a call": (WEATHER + "\n\nDone.  ", "Done.",
+                             [("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
 }
 
 
