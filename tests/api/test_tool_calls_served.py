@@ -123,6 +123,7 @@ def check_deltas(deltas) -> None:
     assert firsts[0][0] < firsts[1][0]  # the first call went out before the second began
     content = "".join(d.content or "" for d in deltas)
     assert content == CONTENT and "<" not in content
+    assert max(k for k, d in enumerate(deltas) if d.content) < firsts[0][0]  # the content streamed first
 
 
 def test_cut_off_in_the_arguments(client, hf_tokenizer):
