@@ -19,6 +19,8 @@ the row instead of skipping it, storing only when the row is real.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 if not hasattr(np, "row_stack"):  # numpy 2.5 removed it; numba-cuda 0.30 still calls it when compiling
@@ -46,6 +48,18 @@ def blocks(needed: int) -> int:
     """Blocks for a grid-stride kernel that would like ``needed`` of them."""
     needed = max(int(needed), 1)
     return min(needed, SIM_MAX_BLOCKS) if SIMULATOR else needed
+
+
+def kernel(fn):
+    """A kernel with the project's jit options. ``cache=True``: a compiled kernel is kept on disk
+    (under NUMBA_CACHE_DIR, see kernel_cache.py) and the next process loads it instead of compiling;
+    kernels built by a factory are cached too (numba's key hashes the closure's values). The
+    simulator ignores the option."""
+    try:
+        return cuda.jit(cache=True)(fn)
+    except RuntimeError as exc:  # no writable cache directory: compile in each process, as before
+        logging.getLogger("moebus.cuda").warning("kernel %s is not cached on disk: %s", fn.__qualname__, exc)
+        return cuda.jit(fn)
 
 
 def device(fn):
