@@ -8,7 +8,7 @@ What this cannot show without a GPU: the driver loading the cached code. Offline
 compiled to PTX only (no driver to link a cubin), so the cache holds PTX; on a GPU the dispatcher
 links the cubin before saving and the cache holds both.
 
-    python -m tests.cuda.cache_check --cache-dir DIR [--cc 9.0] [--expect-loaded]
+    python -m tests.cuda.cache_check --cache-dir DIR [--cc 9.0] [--only NAME,...] [--expect-loaded]
 
 Prints one JSON line: kernel variants, how many were compiled and loaded, NVVM calls, cache files.
 Must run in a process where numba has not been imported with NUMBA_ENABLE_CUDASIM=1."""
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cc", default="9.0")
     parser.add_argument("--cuda-home", default=None)
     parser.add_argument("--expect-loaded", action="store_true", help="fail unless every kernel came from the cache")
+    parser.add_argument("--only", default="", help="comma list of kernel names (e.g. layernorm_rows,add_flat); default all")
     args = parser.parse_args(argv)
     from moebus.cuda.kernel_cache import gpu_role, use_kernel_cache
 
@@ -62,9 +63,14 @@ def main(argv=None) -> int:
         print("no CUDA toolkit with NVVM and libdevice found (set CUDA_HOME)")
         return 2
     dispatcher_class, calls = _offline_cache(cuda_home, tuple(int(p) for p in args.cc.split(".")))
+    only = set(filter(None, args.only.split(",")))
     kernels = {}
-    dispatcher_class.__getitem__ = lambda kernel, config: (
-        lambda *a: kernels.setdefault((id(kernel), kernel._compile_for_args(*a)), kernel))
+
+    def launch(kernel, *launch_args):
+        if not only or kernel.py_func.__name__ in only:
+            kernels.setdefault((id(kernel), kernel._compile_for_args(*launch_args)), kernel)
+
+    dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: launch(kernel, *a))
     exercise(np.random.default_rng(0))
     compiled = sum(sum(k._cache_misses.values()) for k in set(kernels.values()))
     loaded = sum(sum(k._cache_hits.values()) for k in set(kernels.values()))
