@@ -3,9 +3,11 @@ loads them from disk instead of compiling them with NVVM (kernels are jitted wit
 through ``compat.kernel``; numba keeps them under ``NUMBA_CACHE_DIR``).
 
 Layout: ``<kernel_cache_dir>/<fingerprint>/<role>``.
-- *fingerprint*: a hash of every source file in moebus/cuda. numba's own key sees only the kernel's
-  bytecode, its closure and its file's mtime and size, not the device functions it calls from other
-  files (compat.py, loads.py): a change there must not load a stale kernel, so it gets a fresh tree.
+- *fingerprint*: a hash of every source file in moebus/cuda and of numba-cuda's version. numba's own
+  key sees the kernel's signature and bytecode, its closure's values, the GPU's compute capability
+  and the CUDA version, and its file's mtime and size, but not the device functions it calls from
+  other files (compat.py, loads.py): a change there must not load a stale kernel, so it gets a
+  fresh tree.
 - *role*: ``gpu<i>`` for the stage-i worker, ``vision`` for the vision zygote and its workers. numba
   lets two processes that add entries to one function's index at once pair an entry with the other's
   data file (a wrong kernel on a later load); one writer per directory rules that out, at the price of
@@ -16,6 +18,7 @@ No numba import here: the broker sets the variable for children that have not im
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
@@ -31,11 +34,18 @@ def gpu_role(index: int) -> str:
 
 
 def source_fingerprint() -> str:
-    """16 hex digits over the names and bytes of moebus/cuda/*.py."""
-    digest = hashlib.sha256()
+    """16 hex digits over the names and bytes of moebus/cuda/*.py and the numba-cuda version."""
+    digest = hashlib.sha256(_numba_cuda_version().encode() + b"\0")
     for path in sorted(_SOURCES.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def _numba_cuda_version() -> str:
+    try:
+        return importlib.metadata.version("numba-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def kernel_cache_root(kernel_cache_dir: str | None) -> Path:
