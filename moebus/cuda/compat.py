@@ -62,6 +62,17 @@ def kernel(fn):
         return cuda.jit(fn)
 
 
+def load_numba_target() -> None:
+    """Fill numba's CUDA target (its typing and lowering registries) now rather than at the first
+    kernel the process compiles or loads from the disk cache, where it costs the better part of a
+    second even when every kernel is cached. It touches no device (no context, no thread), so the
+    vision zygote does it before it forks and each vision worker inherits it."""
+    if not SIMULATOR:
+        from numba.cuda.descriptor import cuda_target
+
+        cuda_target.target_context.refresh()
+
+
 def device(fn):
     """A device function, inlined on the GPU. In the simulator a function that does not touch
     ``cuda`` stays plain Python (the device-function wrapper costs a lock per call); one that does

@@ -104,3 +104,26 @@ def test_a_second_process_loads_the_kernels_instead_of_compiling(tmp_path):
     second = _cache_check(tmp_path, "--expect-loaded")
     assert (second["loaded"], second["compiled"], second["nvvm_calls"]) == (7, 0, 0)
     assert second["cache_dir"] == str(role_cache_dir(str(tmp_path), "gpu0"))
+
+
+FILL_TARGET = """
+import os
+import moebus.cuda.backend_cuda  # what the vision zygote imports on cuda
+from moebus.cuda.compat import load_numba_target
+from numba.cuda.cudadrv import driver
+threads = len(os.listdir("/proc/self/task"))
+load_numba_target()
+print(threads, len(os.listdir("/proc/self/task")), driver.driver.pid)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_zygote_fills_numbas_target_without_a_context_or_a_thread():
+    # it runs before the zygote forks: a CUDA context or a thread there would break every child
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # as moebus.cli sets them
+    run = subprocess.run([sys.executable, "-c", FILL_TARGET], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    before, after, driver_pid = run.stdout.split()
+    assert (after, driver_pid) == (before, "None")
