@@ -30,6 +30,13 @@ from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402,F401
 from numba.cuda.core import config as _numba_config  # noqa: E402
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+if not SIMULATOR and not _numba_config.CACHE_DIR:
+    # a process started without NUMBA_CACHE_DIR (bench, generate --local) still caches in a directory
+    # of this source tree's fingerprint, never in numba's default beside the sources, where an edit to
+    # a device function in this file would not invalidate the kernels that call it
+    from moebus.cuda.kernel_cache import LOCAL_ROLE, role_cache_dir  # noqa: E402
+
+    _numba_config.CACHE_DIR = str(role_cache_dir(None, LOCAL_ROLE))
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 MAX_BLOCK_THREADS = 1024

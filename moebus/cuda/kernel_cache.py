@@ -23,9 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from moebus.common.demo_model import cache_dir
-
 VISION_ROLE = "vision"
+LOCAL_ROLE = "local"  # a process no broker started (bench, generate --local, GPU tests)
 _SOURCES = Path(__file__).resolve().parent
 
 
@@ -50,7 +49,11 @@ def _numba_cuda_version() -> str:
 
 def kernel_cache_root(kernel_cache_dir: str | None) -> Path:
     """The ``kernel_cache_dir`` setting, or ``$MOEBUS_CACHE_DIR/kernels`` when unset."""
-    return Path(kernel_cache_dir).expanduser() if kernel_cache_dir else cache_dir() / "kernels"
+    if kernel_cache_dir:
+        return Path(kernel_cache_dir).expanduser()
+    from moebus.common.demo_model import cache_dir  # the demo model's root; imported only when needed
+
+    return cache_dir() / "kernels"
 
 
 def role_cache_dir(kernel_cache_dir: str | None, role: str) -> Path:

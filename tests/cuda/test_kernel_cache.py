@@ -86,6 +86,17 @@ def test_broker_exports_each_childs_directory(tmp_path):
     assert exported == [str(role_cache_dir(str(tmp_path), role)) for role in ("gpu0", "gpu1", "vision")]
 
 
+def test_a_process_no_broker_started_caches_in_the_local_role_directory(tmp_path):
+    # not numba's default beside the sources, which an edit to compat.py would not invalidate
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
+    env["MOEBUS_CACHE_DIR"] = str(tmp_path)
+    code = "import moebus.cuda.layernorm as m; print(m._layernorm_kernel('f32')._cache.cache_path)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    local = tmp_path / "kernels" / kernel_cache.source_fingerprint() / "local"
+    assert Path(run.stdout.strip()).parent == local
+
+
 def _cache_check(cache_dir: Path, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
     run = subprocess.run([sys.executable, "-m", "tests.cuda.cache_check", "--cache-dir", str(cache_dir),
