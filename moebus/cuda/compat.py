@@ -19,7 +19,10 @@ the row instead of skipping it, storing only when the row is real.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import tempfile
 
 import numpy as np
 
@@ -62,11 +65,22 @@ def kernel(fn):
     (under NUMBA_CACHE_DIR, see kernel_cache.py) and the next process loads it instead of compiling;
     kernels built by a factory are cached too (numba's key hashes the closure's values). The
     simulator ignores the option."""
-    try:
+    if SIMULATOR or _can_write(_numba_config.CACHE_DIR):
         return cuda.jit(cache=True)(fn)
-    except RuntimeError as exc:  # no writable cache directory: compile in each process, as before
-        logging.getLogger("moebus.cuda").warning("kernel %s is not cached on disk: %s", fn.__qualname__, exc)
-        return cuda.jit(fn)
+    return cuda.jit(fn)
+
+
+@functools.cache
+def _can_write(path: str) -> bool:
+    # numba would fall back to a directory outside the fingerprinted tree (beside the sources,
+    # ~/.cache/numba) where an edit elsewhere in moebus/cuda goes unseen: rather compile each time
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError as exc:
+        logging.getLogger("moebus.cuda").warning("kernels are not cached on disk: %s", exc)
+        return False
 
 
 def load_numba_target() -> None:

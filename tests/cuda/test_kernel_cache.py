@@ -97,6 +97,19 @@ def test_a_process_no_broker_started_caches_in_the_local_role_directory(tmp_path
     assert Path(run.stdout.strip()).parent == local
 
 
+def test_an_unwritable_directory_means_no_disk_cache_rather_than_numbas_fallbacks(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["NUMBA_CACHE_DIR"] = str(blocker / "kernels")
+    code = ("import moebus.cuda.layernorm as m, moebus.cuda.scatter as s\n"
+            "print(type(m._layernorm_kernel('f32')._cache).__name__, type(s.scatter_rows_flat._cache).__name__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["NullCache", "NullCache"]
+    assert "kernels are not cached on disk" in run.stderr
+
+
 def _cache_check(cache_dir: Path, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
     run = subprocess.run([sys.executable, "-m", "tests.cuda.cache_check", "--cache-dir", str(cache_dir),
