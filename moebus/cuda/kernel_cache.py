@@ -50,7 +50,7 @@ def _numba_cuda_version() -> str:
 def kernel_cache_root(kernel_cache_dir: str | None) -> Path:
     """The ``kernel_cache_dir`` setting, or ``$MOEBUS_CACHE_DIR/kernels`` when unset."""
     if kernel_cache_dir:
-        return Path(kernel_cache_dir).expanduser()
+        return Path(kernel_cache_dir).expanduser().absolute()
     from moebus.common.demo_model import cache_dir  # the demo model's root; imported only when needed
 
     return cache_dir() / "kernels"
