@@ -60,14 +60,24 @@ def blocks(needed: int) -> int:
     return min(needed, SIM_MAX_BLOCKS) if SIMULATOR else needed
 
 
+_KERNELS = []  # every kernel this process defined, for disk_cache_counts
+
+
 def kernel(fn):
     """A kernel with the project's jit options. ``cache=True``: a compiled kernel is kept on disk
     (under NUMBA_CACHE_DIR, see kernel_cache.py) and the next process loads it instead of compiling;
     kernels built by a factory are cached too (numba's key hashes the closure's values). The
     simulator ignores the option."""
-    if SIMULATOR or _can_write(_numba_config.CACHE_DIR):
-        return cuda.jit(cache=True)(fn)
-    return cuda.jit(fn)
+    jitted = cuda.jit(cache=True)(fn) if SIMULATOR or _can_write(_numba_config.CACHE_DIR) else cuda.jit(fn)
+    _KERNELS.append(jitted)
+    return jitted
+
+
+def disk_cache_counts() -> tuple[int, int]:
+    """(kernel variants loaded from the disk cache, kernel variants compiled) in this process so
+    far; (0, 0) in the simulator, which compiles nothing."""
+    stats = [k.stats for k in _KERNELS if hasattr(k, "stats")]
+    return sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.values()) for s in stats)
 
 
 @functools.cache

@@ -75,7 +75,10 @@ def main(argv=None) -> int:
     compiled = sum(sum(k._cache_misses.values()) for k in set(kernels.values()))
     loaded = sum(sum(k._cache_hits.values()) for k in set(kernels.values()))
     files = sorted(p.suffix for p in Path(role_dir).rglob("*") if p.suffix in (".nbi", ".nbc"))
+    from moebus.cuda.compat import disk_cache_counts
+
     print(json.dumps({"kernel_variants": len(kernels), "compiled": compiled, "loaded": loaded,
+                      "disk_cache_counts": disk_cache_counts(),
                       "nvvm_calls": calls["nvvm"], "index_files": files.count(".nbi"),
                       "data_files": files.count(".nbc"), "cache_dir": str(role_dir)}))
     if args.expect_loaded and (compiled or calls["nvvm"] or loaded != len(kernels)):

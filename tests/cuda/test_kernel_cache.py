@@ -127,6 +127,7 @@ def test_a_second_process_loads_the_kernels_instead_of_compiling(tmp_path):
     assert first["kernel_variants"] == first["compiled"] == first["nvvm_calls"] == first["data_files"] == 7
     second = _cache_check(tmp_path, "--expect-loaded")
     assert (second["loaded"], second["compiled"], second["nvvm_calls"]) == (7, 0, 0)
+    assert first["disk_cache_counts"] == [0, 7] and second["disk_cache_counts"] == [7, 0]  # what the workers log
     assert second["cache_dir"] == str(role_cache_dir(str(tmp_path), "gpu0"))
 
 
