@@ -45,6 +45,16 @@ def _offline_cache(cuda_home: str, cc: tuple[int, int]):
     return dispatcher_class, calls
 
 
+def _report(dispatchers, num_variants: int, nvvm_calls: int, role_dir: Path) -> dict:
+    from moebus.cuda.compat import disk_cache_counts
+
+    files = sorted(p.suffix for p in role_dir.rglob("*") if p.suffix in (".nbi", ".nbc"))
+    return {"kernel_variants": num_variants, "compiled": sum(sum(k._cache_misses.values()) for k in dispatchers),
+            "loaded": sum(sum(k._cache_hits.values()) for k in dispatchers), "disk_cache_counts": disk_cache_counts(),
+            "nvvm_calls": nvvm_calls, "index_files": files.count(".nbi"), "data_files": files.count(".nbc"),
+            "cache_dir": str(role_dir)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", required=True, help="the kernel_cache_dir setting")
@@ -72,18 +82,10 @@ def main(argv=None) -> int:
 
     dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: launch(kernel, *a))
     exercise(np.random.default_rng(0))
-    compiled = sum(sum(k._cache_misses.values()) for k in set(kernels.values()))
-    loaded = sum(sum(k._cache_hits.values()) for k in set(kernels.values()))
-    files = sorted(p.suffix for p in Path(role_dir).rglob("*") if p.suffix in (".nbi", ".nbc"))
-    from moebus.cuda.compat import disk_cache_counts
-
-    print(json.dumps({"kernel_variants": len(kernels), "compiled": compiled, "loaded": loaded,
-                      "disk_cache_counts": disk_cache_counts(),
-                      "nvvm_calls": calls["nvvm"], "index_files": files.count(".nbi"),
-                      "data_files": files.count(".nbc"), "cache_dir": str(role_dir)}))
-    if args.expect_loaded and (compiled or calls["nvvm"] or loaded != len(kernels)):
-        return 1
-    return 0
+    report = _report(set(kernels.values()), len(kernels), calls["nvvm"], role_dir)
+    print(json.dumps(report))
+    everything_loaded = report["loaded"] == len(kernels) and not (report["compiled"] or calls["nvvm"])
+    return 1 if args.expect_loaded and not everything_loaded else 0
 
 
 if __name__ == "__main__":
