@@ -143,10 +143,11 @@ print(threads, len(os.listdir("/proc/self/task")), driver.driver.pid)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_the_zygote_fills_numbas_target_without_a_context_or_a_thread():
+def test_the_zygote_fills_numbas_target_without_a_context_or_a_thread(tmp_path):
     # it runs before the zygote forks: a CUDA context or a thread there would break every child
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
     env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # as moebus.cli sets them
+    env["MOEBUS_CACHE_DIR"] = str(tmp_path)
     run = subprocess.run([sys.executable, "-c", FILL_TARGET], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]
