@@ -76,6 +76,7 @@ class Settings(BaseSettings):
     gpus: list[int] = Field(default_factory=lambda: [0])
     emulated_vram_mib: list[float] = Field(default_factory=lambda: [56, 56])  # the embedded demo: 2 GPUs
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
+    kernel_cache_dir: str | None = None  # compiled kernels kept across starts (default: $MOEBUS_CACHE_DIR/kernels)
     layer_split: list[int] | None = None
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
@@ -89,7 +90,7 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 
-    @field_validator("model", "emulated_vram_dir")
+    @field_validator("model", "emulated_vram_dir", "kernel_cache_dir")
     @classmethod
     def _empty_is_unset(cls, value):
         return value or None  # MOEBUS_MODEL= (empty) means the default, as in docker-compose
