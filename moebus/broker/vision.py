@@ -8,7 +8,8 @@ An image request waits in ``waiting`` (never in the scheduler) until its embeddi
 requests keep decoding throughout, since the hand-back is one VRAM fan-out between two steps and
 the start runs in another process. A new image during stopping or regrowing waits and starts the
 worker again. With ``vision.lazy`` false the worker is started once every GPU worker is ready and
-is never stopped for idleness."""
+is never stopped for idleness. The choices of one request (an ``image_group``) are encoded once:
+the first leads, the others wait for its embeddings outside ``waiting`` (broker/vision_groups.py)."""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
-"""Image requests in the broker: admission (the images' headers checked, the prompt's image
-placeholders counted and expanded to the model's image tokens) and, once encoded, the rows of
-each step's tokens that carry image embeddings (a prefill chunk carries only those inside it)."""
+"""Requests for a vision model in the broker: admission (the images' headers checked, the prompt's
+image tokens counted against the images, with or without images, and expanded to the model's
+number per image) and, once encoded, the rows of each step's tokens that carry image embeddings
+(a prefill chunk carries only those inside it)."""
 from __future__ import annotations
 
 import time
