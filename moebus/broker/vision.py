@@ -138,6 +138,8 @@ class VisionLifecycle:
         heir = self.groups.cancelled(req)  # another choice of its request takes over its place and encode
         if heir is not None:
             heir.encode_sent_s = req.encode_sent_s
+            log.info("image request %s cancelled: %s takes over its %s", request_id, heir.seq.id,
+                     "encode" if req is self.encoding else "place in the queue")
         if req is self.encoding and heir is not None:
             self.encoding = heir
         elif req is self.encoding:

@@ -2,7 +2,9 @@
 state), before the vision worker is started or touched, and leave the worker and the caches as
 they were; over ZeroMQ the same, with the images named by frame."""
 import http.server
+import os
 import re
+import signal
 import struct
 import threading
 import time
@@ -13,7 +15,7 @@ import requests
 
 from moebus.client import Client
 from moebus.common.errors import RequestError
-from tests.api.helpers import scrape
+from tests.api.helpers import scrape, wait_for
 from tests.e2e.vision_helpers import data_url, image_message, png_bytes, start_vision_service, vision_state
 from tests.vision_models import sample_images
 
@@ -92,7 +94,8 @@ def web():
 def service(tmp_path_factory, tiny_llava, web):
     svc = start_vision_service(tmp_path_factory.mktemp("hostile"), tiny_llava, idle_s=30,
                                max_image_bytes=MAX_IMAGE_BYTES, allowed_url_prefixes=[web + "/ok/"],
-                               fetch_deadline_s=FETCH_DEADLINE_S)
+                               fetch_deadline_s=FETCH_DEADLINE_S,
+                               broker={"heartbeat_liveness": 30})  # a vision worker may be SIGSTOPped a while
     try:
         yield svc
     finally:
@@ -319,6 +322,35 @@ def test_a_choice_fails_with_the_choice_that_encodes_for_it(service, zmq):
             stream.collect()
         assert (err.value.http_status, err.value.code, err.value.param) == (400, "invalid_image", "images[0]")
     assert _encodes(service)[1] - before[1] == 1
+
+
+def test_a_cancelled_leader_hands_its_encode_in_flight_to_the_next_choice(service, zmq):
+    """The vision worker is stopped (SIGSTOP) while the first choice's ENCODE is out; the second
+    choice follows it; the first is cancelled: the second takes over that very encode."""
+    content = [{"type": "image"}, {"type": "text", "text": "look"}]
+
+    def choice():
+        return zmq.chat([{"role": "user", "content": content}], images=[GOOD], max_tokens=2, ignore_eos=True,
+                        image_group="handover", image_group_size=2)
+
+    assert len(zmq.chat([{"role": "user", "content": content}], images=[GOOD], max_tokens=2).collect()["tokens"])
+    worker = vision_state(zmq)["pid"]
+    before = _encodes(service)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        first = choice()
+        wait_for(lambda: vision_state(zmq)["waiting"] == 1 or None, 30)
+        second = choice()
+        wait_for(lambda: vision_state(zmq)["waiting"] == 2 or None, 30)
+        first.close()  # CANCEL
+        wait_for(lambda: vision_state(zmq)["waiting"] == 1 or None, 30)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert len(second.collect()["tokens"]) == 2
+    assert tuple(a - b for a, b in zip(_encodes(service), before)) == (1, 1, 0)  # the first's encode, not reused
+    assert vision_state(zmq)["pid"] == worker
+    service.log.flush()
+    assert f"image request {first.id} cancelled: {second.id} takes over its encode" in open(service.log.name).read()
 
 
 @pytest.mark.parametrize("path", ["/ok/slow.png", "/ok/slow-headers.png"])
