@@ -45,14 +45,15 @@ class ImageGroups:
 
     def join(self, req) -> ImageGroup | None:
         """The open group that ``req`` belongs to, None when it leads one (or has none). A member
-        whose images differ from the leader's is on its own."""
+        whose images differ from the leader's is on its own, and so is one beyond the group's size
+        (followers wait outside the lifecycle's bounded queue: a group must not grow past its size)."""
         key = self._key(req)
         group = self.groups.get(key) if key is not None else None
         if group is None:
             if key is not None:
                 self.groups[key] = ImageGroup(req.keys, req.group_size, req)
             return None
-        if group.keys != req.keys:
+        if group.keys != req.keys or (group.embeds is None and len(group.followers) + 1 >= group.remaining):
             return None
         if group.embeds is None:
             group.followers.append(req)

@@ -53,6 +53,8 @@ def test_members_must_carry_the_same_images_and_clients_never_mix():
     assert len(groups.groups) == 2
     assert groups.join(_Req(group=None)) is None and groups.join(_Req(size=1)) is None  # no group at all
     assert len(groups.groups) == 2
+    assert groups.join(_Req()) is not None and groups.join(_Req()) is not None  # the group's size: 3
+    assert groups.join(_Req()) is None and len(groups.followers()) == 2  # a fourth waits on its own
 
 
 def test_an_encoded_group_whose_last_members_never_come_expires():
