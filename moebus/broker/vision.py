@@ -115,8 +115,12 @@ class VisionLifecycle:
         if len(self.waiting) >= self.settings.max_queue:
             raise ServerBusy(f"server busy: {len(self.waiting)} image requests waiting (max_queue)")
         group = self.groups.join(req)
-        if group is not None and group.embeds is not None:  # a late choice: its leader's embeddings are in
-            self._reuse(req, self.groups.take(req, group))
+        if group is not None and group.is_done:  # a late choice: its leader's embeddings (or error) are in
+            self.groups.take(group)
+            if group.error is not None:
+                self._reply_error(req, group.error)
+            else:
+                self._reuse(req, group.embeds)
             return
         if group is not None:
             return  # another choice of its request leads: it waits for that one's encode
@@ -377,10 +381,13 @@ class VisionLifecycle:
               code: str | None = None) -> None:
         """Answer ``req`` with an error, and with it the choices that were waiting for its encode."""
         kind = kind or ("service_unavailable" if status == 503 else "server_error")
-        for failed in [req, *self.groups.failed(req)]:
-            self.stats.count("requests_failed_total")
-            self.hooks.reply(failed.seq.client, Error(id=failed.seq.id, message=message, type=kind, status=status,
-                                                      param=param, code=code))
+        error = dict(message=message, type=kind, status=status, param=param, code=code)
+        for failed in [req, *self.groups.failed(req, error)]:
+            self._reply_error(failed, error)
+
+    def _reply_error(self, req: ImageRequest, error: dict) -> None:
+        self.stats.count("requests_failed_total")
+        self.hooks.reply(req.seq.client, Error(id=req.seq.id, **error))
 
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""

@@ -4,8 +4,8 @@ the api marks them with one ``image_group`` and its size. The first to arrive le
 encodes as any image request does; the others follow it, and take its embeddings when they come
 (or, arriving later, from the group, which stays open until all ``image_group_size`` came in).
 A follower shares its leader's fate: the leader's error is its error too (the api fails the whole
-completion on any choice's error anyway); a cancelled leader hands its place, and its encode in
-flight, to its first follower.
+completion on any choice's error anyway), and a member arriving after it failed gets it as well; a
+cancelled leader hands its place, and its encode in flight, to its first follower.
 
 A group is keyed by the client and its name, and a member's image files must hash to the
 leader's: a request never takes embeddings of images it did not send."""
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-GROUP_TTL_S = 60.0  # an encoded group whose last members never come (failed in admission) is dropped then
+GROUP_TTL_S = 60.0  # a finished group whose last members never come (failed in admission) is dropped then
 
 
 def image_keys(images: list[np.ndarray]) -> list[bytes]:
@@ -32,7 +32,12 @@ class ImageGroup:
     leader: object  # the ImageRequest that encodes for the group
     followers: list = field(default_factory=list)  # ImageRequests waiting for the leader's embeddings
     embeds: np.ndarray | None = None  # once encoded: read-only, shared by every member's Sequence
+    error: dict | None = None  # once the leader failed: the fields of every member's ERROR
     expires_s: float = float("inf")
+
+    @property
+    def is_done(self) -> bool:
+        return self.embeds is not None or self.error is not None
 
 
 class ImageGroups:
@@ -53,42 +58,40 @@ class ImageGroups:
             if key is not None:
                 self.groups[key] = ImageGroup(req.keys, req.group_size, req)
             return None
-        if group.keys != req.keys or (group.embeds is None and len(group.followers) + 1 >= group.remaining):
+        if group.keys != req.keys or (not group.is_done and len(group.followers) + 1 >= group.remaining):
             return None
-        if group.embeds is None:
+        if not group.is_done:
             group.followers.append(req)
         return group
 
-    def take(self, req, group: ImageGroup) -> np.ndarray:
-        """A late member takes the group's embeddings."""
+    def take(self, group: ImageGroup) -> None:
+        """A late member took the group's embeddings, or its error."""
         self._taken(group, 1)
-        return group.embeds
 
     def encoded(self, leader, embeds: np.ndarray) -> list:
         """The leader's embeddings are in: the followers that were waiting for them."""
         group = self._led_by(leader)
-        if group is None:
+        if group is None or group.is_done:
             return []
         embeds.flags.writeable = False  # several sequences hold it
-        group.embeds, followers, group.followers = embeds, group.followers, []
-        group.expires_s = time.monotonic() + GROUP_TTL_S
-        self._taken(group, 1 + len(followers))
-        return followers
+        group.embeds = embeds
+        return self._done(group)
 
-    def failed(self, leader) -> list:
-        """The leader failed before its embeddings came: its followers, which fail with it."""
+    def failed(self, leader, error: dict) -> list:
+        """The leader failed before its embeddings came (``error``: its ERROR's fields): its
+        followers, which fail with it; later members will too."""
         group = self._led_by(leader)
-        if group is None or group.embeds is not None:
+        if group is None or group.is_done:
             return []
-        del self.groups[self._key(leader)]
-        return group.followers
+        group.error = error
+        return self._done(group)
 
     def cancelled(self, req):
         """``req`` is cancelled while it waits: its follower that takes its place as the leader
         (None: there is none, or ``req`` did not lead)."""
         key = self._key(req)
         group = self.groups.get(key) if key is not None else None
-        if group is None or group.embeds is not None:
+        if group is None or group.is_done:
             return None
         if req in group.followers:
             group.followers.remove(req)
@@ -114,6 +117,12 @@ class ImageGroups:
         key = self._key(leader)
         group = self.groups.get(key) if key is not None else None
         return group if group is not None and group.leader is leader else None
+
+    def _done(self, group: ImageGroup) -> list:
+        followers, group.followers = group.followers, []
+        group.expires_s = time.monotonic() + GROUP_TTL_S
+        self._taken(group, 1 + len(followers))
+        return followers
 
     def _taken(self, group: ImageGroup, n: int) -> None:
         group.remaining -= n

@@ -1,6 +1,6 @@
 """The choices of one image request share one encode: the first member leads, the others wait for
 its embeddings or, arriving later, take them from the group until all have come; a follower fails
-with its leader; a cancelled leader hands over to its first follower; members must carry the same
+with its leader, even one that comes after the failure; a cancelled leader hands over to its first follower; members must carry the same
 images, and groups of different clients never mix."""
 import numpy as np
 
@@ -27,7 +27,8 @@ def test_the_leader_encodes_and_every_member_takes_its_embeddings_once():
     assert groups.encoded(leader, embeds) == [early]
     assert not embeds.flags.writeable  # shared by three sequences
     group = groups.join(late)
-    assert groups.take(late, group) is embeds
+    assert group.embeds is embeds
+    groups.take(group)
     assert groups.groups == {}  # all three came: closed
 
 
@@ -38,7 +39,14 @@ def test_a_follower_fails_with_its_leader_and_a_cancelled_leader_hands_over():
         groups.join(req)
     assert groups.cancelled(leader) is first  # first now leads, second follows it
     assert groups.followers() == [second]
-    assert groups.failed(first) == [second] and groups.groups == {}
+    assert groups.failed(first, {"message": "bad image"}) == [second] and groups.groups == {}
+    leader, late = _Req(size=2), _Req(size=2)
+    groups.join(leader)
+    assert groups.failed(leader, {"message": "bad image"}) == []
+    group = groups.join(late)  # it comes after the failure: it gets the same error
+    assert group.error == {"message": "bad image"} and group.embeds is None
+    groups.take(group)
+    assert groups.groups == {}
     lone = _Req(size=2)
     groups.join(lone)
     assert groups.cancelled(lone) is None and groups.groups == {}  # no follower: the group is gone
