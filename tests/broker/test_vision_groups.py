@@ -3,8 +3,12 @@ its embeddings or, arriving later, take them from the group until all have come;
 with its leader, even one that comes after the failure; a cancelled leader hands over to its first follower; members must carry the same
 images, and groups of different clients never mix."""
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from moebus.broker.vision_groups import ImageGroups, image_keys
+from moebus.common import protocol as p
+from moebus.common import wire
 
 
 class _Seq:
@@ -75,3 +79,14 @@ def test_an_encoded_group_whose_last_members_never_come_expires():
     assert groups.groups
     groups.expire(group.expires_s + 1)
     assert groups.groups == {}
+
+
+def test_generate_carries_its_image_group_over_the_wire():
+    msg = p.Generate(id="r-1", messages=[{"role": "user", "content": [{"type": "image"}]}],
+                     images=[np.frombuffer(b"\x89PNG", np.uint8)], image_group="chatcmpl-1", image_group_size=3)
+    back = wire.decode([bytes(f) for f in wire.encode(msg)])
+    assert (back.image_group, back.image_group_size) == ("chatcmpl-1", 3)
+    assert (p.Generate(id="r", prompt="x").image_group, p.Generate(id="r", prompt="x").image_group_size) == (None, 1)
+    for bad in ({"image_group_size": 0}, {"image_group_size": 17}, {"image_group": ""}):
+        with pytest.raises(ValidationError):
+            p.Generate(id="r", prompt="x", **bad)
