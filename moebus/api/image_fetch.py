@@ -90,7 +90,7 @@ def fetch(url: str, limits: ImageLimits, where: str, timeout_s: float, deadline_
         conn, target = _connection(url, min(timeout_s, deadline_s))
     except (ValueError, http.client.HTTPException):
         raise _failed(where, "not a URL it can fetch") from None
-    watchdog = _Watchdog(deadline_s)
+    watchdog, response = _Watchdog(deadline_s), None
     try:
         conn.connect()
         watchdog.watch(conn.sock)
@@ -106,6 +106,8 @@ def fetch(url: str, limits: ImageLimits, where: str, timeout_s: float, deadline_
         error = None
     finally:
         watchdog.disarm()
+        if response is not None:  # an HTTP/1.0 answer holds the socket, not the connection
+            response.close()
         conn.close()
     if watchdog.fired:  # whatever the shutdown made of the read: an error, or a body ended in silence
         raise _failed(where, f"not done within vision.fetch_deadline_s, {deadline_s:g} s")
