@@ -169,15 +169,19 @@ class Client:
     def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
                  messages: list[dict] | None = None, request_id: str | None = None,
                  images: list[bytes] | None = None, tools: list[dict] | None = None,
-                 chat_template_kwargs: dict | None = None, **sampling) -> Stream:
+                 chat_template_kwargs: dict | None = None, image_group: str | None = None,
+                 image_group_size: int = 1, **sampling) -> Stream:
         """Start a request and stream it. ``sampling``: fields of protocol.Sampling. ``images``: the
         files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md).
-        ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``."""
+        ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``.
+        ``image_group``, ``image_group_size``: this is one of that many requests with the same images
+        (the choices of one completion), which share one encode of them."""
         request_id = request_id or uuid.uuid4().hex
         frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
                            sampling=Sampling(**sampling), images=frames, tools=tools,
-                           chat_template_kwargs=chat_template_kwargs)
+                           chat_template_kwargs=chat_template_kwargs, image_group=image_group,
+                           image_group_size=image_group_size)
         self._register(request_id, replies := Replies())
         try:
             self._send(message)

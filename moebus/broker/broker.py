@@ -27,7 +27,7 @@ from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
 from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vision import VisionHooks
-from moebus.broker.vision_requests import ImageRequest, has_images, step_embeds
+from moebus.broker.vision_requests import ImageRequest, step_embeds
 from moebus.broker.vram import per_gpu_reserves
 from moebus.broker.vram_control import VramControl, check_not_elastic
 from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
@@ -257,11 +257,11 @@ class Broker:
             if len(self.scheduler.waiting) >= self.scheduler.max_queue:
                 raise ServerBusy(f"server busy: {len(self.scheduler.waiting)} requests waiting (max_queue)")
             admit = None
-            if msg.images or (self.vision and has_images(msg)):  # it waits in the vision lifecycle for its embeddings
-                if self.vision is None:
-                    raise RequestError("model has no vision: image inputs are not supported", param="images",
-                                       code="model_has_no_vision")
+            if self.vision is not None:  # images wait there for embeddings; every prompt's image tokens are checked
                 admit = self.vision.admission
+            elif msg.images:
+                raise RequestError("model has no vision: image inputs are not supported", param="images",
+                                   code="model_has_no_vision")
             self.tokenize.submit(client, msg, admit)  # the Sequence comes back through _on_tokenized
         elif isinstance(msg, Cancel):
             if self.vision and self.vision.cancel(msg.id, client):

@@ -122,6 +122,10 @@ class Generate(Message):
     images: list[np.ndarray] | None = Field(None, max_length=MAX_IMAGES_PER_MESSAGE)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # extra template variables
+    # the n choices of one request with images: GENERATEs of one client with the same image_group
+    # and the same image files share one encode; image_group_size says how many there are
+    image_group: RequestId | None = None
+    image_group_size: int = Field(1, ge=1, le=16)  # 16: the api's most choices (n)
 
     @field_validator("images")
     @classmethod

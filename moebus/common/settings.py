@@ -32,7 +32,8 @@ class VisionSettings(_Section):
     max_aspect_ratio: float = Field(20.0, ge=1.0)  # longer side / shorter side
     max_images_per_request: int = Field(8, ge=1, le=16)  # 16: the wire's frame limit
     allowed_url_prefixes: list[str] = Field(default_factory=list)  # http(s) URLs the api may fetch; none by default
-    fetch_timeout_s: float = Field(10.0, gt=0)
+    fetch_timeout_s: float = Field(10.0, gt=0)  # one connect or read of such a fetch
+    fetch_deadline_s: float = Field(30.0, gt=0)  # the whole fetch, however the server trickles its bytes
 
 
 class ApiSettings(_Section):

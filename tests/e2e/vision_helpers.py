@@ -16,9 +16,10 @@ from tests.service import Service, alive, process_tree
 VISION_SERVE = dict(emulated_vram_mib=[4.5, 4], segment_mib=1)
 
 
-def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, **vision) -> Service:
+def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, broker: dict | None = None,
+                         **vision) -> Service:
     return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
-                   max_context=max_context, **VISION_SERVE).wait_ready()
+                   max_context=max_context, broker=broker or {}, **VISION_SERVE).wait_ready()
 
 
 def png_bytes(image) -> bytes:
