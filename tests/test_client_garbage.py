@@ -79,6 +79,23 @@ def test_an_undecodable_reply_ends_its_request_with_an_error_and_cancels_it(pair
     assert any("undecodable reply" in r.getMessage() and request_id in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("frames", [
+    lambda rid: [b"PARTIAL", msgpack.packb({"id": rid, "tokens": [1], "text": "x", "logprobs": [0.0]}), b"\0" * 4],
+    lambda rid: [b"PARTIAL_V2", msgpack.packb({"id": rid, "tokens": [1]})],  # a type this client does not know
+    lambda rid: [b"FINAL", msgpack.packb({"id": rid, "finish_reason": "exploded", "prompt_tokens": 1,
+                                         "completion_tokens": 1})],
+], ids=["a tensor frame too many", "unknown type", "bad finish_reason"])
+def test_every_refusal_that_names_the_request_ends_it(pair, frames):
+    broker, client = pair
+    stream = client.generate(prompt="hi", max_tokens=4)
+    request_id = broker.receive(Generate).id
+    broker.send_raw(*frames(request_id))
+    with pytest.raises(RequestError, match="undecodable reply") as caught:
+        stream.collect()
+    assert caught.value.http_status == 500
+    assert broker.receive(Cancel).id == request_id
+
+
 GARBAGE_WITHOUT_AN_ID = {
     "random bytes": [os.urandom(64)],
     "one frame": [b"PARTIAL"],
