@@ -144,8 +144,11 @@ def main(argv: list[str]) -> None:
     if not any(a.startswith("-keep_seed=") for a in args):
         args.insert(0, "-keep_seed=1")  # a seed of every type stays a parent, coverage or not
     if not any(a.startswith("-dict=") for a in args):
-        path = os.path.join(tempfile.mkdtemp(prefix="fuzz-wire-"), "wire.dict")
-        write_dictionary(path)
+        # one fixed file, same content every run, replaced atomically: nothing piles up in /tmp
+        # (libFuzzer ends the process without running Python's clean-ups)
+        path = os.path.join(tempfile.gettempdir(), "moebus-fuzz-wire.dict")
+        write_dictionary(f"{path}.{os.getpid()}")
+        os.replace(f"{path}.{os.getpid()}", path)
         args.insert(0, f"-dict={path}")
     byte_only = "--bytes-only" in args  # libFuzzer's byte mutations alone (to compare)
     args = [a for a in args if a != "--bytes-only"]
