@@ -16,7 +16,7 @@ from tests.common.test_wire import SAMPLES
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "fuzz_wire.py"
 REGRESSIONS = Path(__file__).resolve().parent / "regressions"
-CI_RUNS = 100_000  # a few seconds on a quiet core; max_total_time caps it on a loaded box
+CI_RUNS = 50_000  # a few seconds on a quiet core; max_total_time caps it on a loaded box
 CAP_S = 90
 
 
