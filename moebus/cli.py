@@ -47,9 +47,12 @@ def cmd_worker(args) -> int:
     from moebus.common.demo_model import demo_model_dir
     from moebus.common.model_config import load_config
     from moebus.cuda.devices import resolve_device
-    from moebus.workers.gpu_worker import run_worker
+    from moebus.cuda.kernel_cache import gpu_role, use_kernel_cache
 
     settings = _settings(args)
+    use_kernel_cache(settings.kernel_cache_dir, gpu_role(args.gpu))  # a worker started by hand, too
+    from moebus.workers.gpu_worker import run_worker  # imports the kernels: after the cache directory is set
+
     model_dir = settings.model or str(demo_model_dir())
     device = resolve_device(settings.device)
     if args.layers:

@@ -13,10 +13,14 @@ requests of a client silent for ``broker.client_timeout_s``). A broker that clos
 (dead) or stays silent for ``dead_after_s`` (hung) is *down*: every waiting request ends at once with
 a 503 error and new ones are refused with 503 until it answers again. A request whose replies pile
 up unread (``MAX_PENDING_REPLIES``) is cancelled and ends with an error: nothing is dropped silently.
+A reply the codec refuses is logged and counted (``undecodable_replies``); when its header names a
+waiting request, that request ends at once with a 500 error and is cancelled, instead of waiting for
+its timeout.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -32,10 +36,12 @@ from moebus.common.errors import RequestError, ServerBusy, Unavailable
 from moebus.common.protocol import (Cancel, Detokenize, DetokenizeReply, Error, Final, Generate, Info, InfoReply,
                                     Message, Partial, Ping, Pong, Sampling, Tokenize, TokenizeReply, Vram, VramReply)
 
+log = logging.getLogger("moebus.client")
 _ids = itertools.count()
 HEARTBEAT_ID = "~heartbeat"  # the IO thread's own pings; never a request id (those are uuids)
 MAX_PENDING_REPLIES = 4096  # unread replies of one request before it is cancelled
 MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+LOG_EVERY_S = 1.0  # undecodable replies are logged at most this often (with the count), never one line each
 
 
 class Replies(queue.Queue):
@@ -146,6 +152,8 @@ class Client:
         self.max_message_bytes = max_message_bytes  # the broker's max_request_bytes, when known
         self.is_up = True  # until the broker is found dead or silent (read without the lock: a flag)
         self.down_reason = ""
+        self.undecodable_replies = 0  # replies the codec refused (written by the IO thread only)
+        self._logged_s = -LOG_EVERY_S
         self._ctx = zmq.Context.instance()
         self._inproc = f"inproc://moebus-client-{os.getpid()}-{next(_ids)}"
         self._pull = transport.make_socket(self._ctx, zmq.PULL)
@@ -169,15 +177,19 @@ class Client:
     def generate(self, prompt: str | None = None, prompt_tokens: list[int] | None = None,
                  messages: list[dict] | None = None, request_id: str | None = None,
                  images: list[bytes] | None = None, tools: list[dict] | None = None,
-                 chat_template_kwargs: dict | None = None, **sampling) -> Stream:
+                 chat_template_kwargs: dict | None = None, image_group: str | None = None,
+                 image_group_size: int = 1, **sampling) -> Stream:
         """Start a request and stream it. ``sampling``: fields of protocol.Sampling. ``images``: the
         files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md).
-        ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``."""
+        ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``.
+        ``image_group``, ``image_group_size``: this is one of that many requests with the same images
+        (the choices of one completion), which share one encode of them."""
         request_id = request_id or uuid.uuid4().hex
         frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
                            sampling=Sampling(**sampling), images=frames, tools=tools,
-                           chat_template_kwargs=chat_template_kwargs)
+                           chat_template_kwargs=chat_template_kwargs, image_group=image_group,
+                           image_group_size=image_group_size)
         self._register(request_id, replies := Replies())
         try:
             self._send(message)
@@ -322,7 +334,8 @@ class Client:
     def _route(self, frames) -> None:
         try:
             msg = wire.decode([f.buffer for f in frames])
-        except wire.WireError:
+        except wire.WireError as e:
+            self._undecodable(e)
             return
         request_id = getattr(msg, "id", None)
         if request_id == HEARTBEAT_ID:
@@ -337,3 +350,22 @@ class Client:
                 transport.send(self._dealer, Cancel(id=request_id))
         if target is not None:
             target.put(msg)
+
+    def _undecodable(self, error: wire.WireError) -> None:
+        """A reply the codec refused (a broker bug, a version mismatch, a foreign peer): count and
+        log it; when its header named a waiting request, end that request now with a 500 error and
+        cancel it, since the rest of its replies cannot be trusted either."""
+        self.undecodable_replies += 1
+        now = time.monotonic()
+        if now - self._logged_s >= LOG_EVERY_S:
+            self._logged_s = now
+            log.warning("undecodable reply from %s (%d so far): %s (request %s)", self.address,
+                        self.undecodable_replies, error, error.request_id or "unknown")
+        request_id = error.request_id
+        with self._lock:
+            target = self._queues.pop(request_id, None) if request_id is not None else None
+        if target is None:
+            return
+        target.put(Error(id=request_id, message=f"undecodable reply from the broker: {error}",
+                         type="server_error", code="undecodable_reply", status=500))
+        transport.send(self._dealer, Cancel(id=request_id))

@@ -1,6 +1,7 @@
 """Headless Chromium (Debian's ``chromium``) driven over the DevTools protocol: one persistent page
 that really runs its scripts and polls, read through ``Runtime.evaluate``, photographed with
-``Page.captureScreenshot``; every request the page makes is recorded."""
+``Page.captureScreenshot``; every request the page makes is recorded, and every exception its
+scripts leave uncaught."""
 from __future__ import annotations
 
 import base64
@@ -35,10 +36,12 @@ class Browser:
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.ids = itertools.count(1)
         self.requests: list[str] = []
+        self.exceptions: list[str] = []  # uncaught in the page's scripts (promises included)
         self.ws = websocket.create_connection(self._page_socket(profile, timeout_s), timeout=timeout_s,
                                               suppress_origin=True)
         self.call("Page.enable")
         self.call("Network.enable")
+        self.call("Runtime.enable")
 
     def _page_socket(self, profile: Path, timeout_s: float) -> str:
         port_file = profile / "DevToolsActivePort"
@@ -59,6 +62,9 @@ class Browser:
             msg = json.loads(self.ws.recv())
             if msg.get("method") == "Network.requestWillBeSent":
                 self.requests.append(msg["params"]["request"]["url"])
+            if msg.get("method") == "Runtime.exceptionThrown":
+                details = msg["params"]["exceptionDetails"]
+                self.exceptions.append(details.get("exception", {}).get("description") or details.get("text", ""))
             if msg.get("id") == call_id:
                 if "error" in msg:
                     raise RuntimeError(f"{method}: {msg['error']}")

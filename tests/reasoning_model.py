@@ -75,8 +75,9 @@ QWEN3_LIKE_TEMPLATE = """
 """
 
 
-def make_reasoning_model(out_dir: Path, opens_thinking: bool = False) -> Path:
-    out = init_model(out_dir, "qwen3_moe", "tiny", seed=0)
+def make_reasoning_model(out_dir: Path, opens_thinking: bool = False, script: str | None = None) -> Path:
+    """``script``: the text that greedy decoding writes after any prompt (init_model's option)."""
+    out = init_model(out_dir, "qwen3_moe", "tiny", seed=0, script=script)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
     tokenizer.save(str(out / "tokenizer.json"))

@@ -2,7 +2,8 @@
 becomes ``{"type": "image"}``, which the chat template renders as the model's image placeholder)
 and check each one fully here, in the api's own threads, so that the broker's loop never decodes an
 image and a bad one is refused before the vision worker starts. ``data:`` URLs always; http(s) URLs
-only under one of ``vision.allowed_url_prefixes`` (none by default: the server fetches nothing)."""
+only under one of ``vision.allowed_url_prefixes`` (none by default: the server fetches nothing),
+within ``vision.fetch_deadline_s`` (api/image_fetch.py)."""
 from __future__ import annotations
 
 import base64
@@ -11,6 +12,7 @@ import urllib.parse
 
 import requests
 
+from moebus.api.image_fetch import fetch
 from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, check_bytes, decode_image
 
@@ -37,23 +39,6 @@ def _from_data_url(url: str, limits: ImageLimits, where: str) -> bytes:
                            code="invalid_image_url") from None
 
 
-def _fetch(url: str, limits: ImageLimits, where: str, timeout_s: float) -> bytes:
-    try:  # no redirects: a redirect could lead outside the allowed prefixes
-        with requests.get(url, stream=True, timeout=timeout_s, allow_redirects=False) as response:
-            if response.status_code != 200:
-                raise RequestError(f"{where}: fetching the image answered HTTP {response.status_code}", param=where,
-                                   code="image_fetch_failed")
-            data = bytearray()
-            for chunk in response.iter_content(1 << 16):
-                data += chunk
-                if len(data) > limits.max_bytes:
-                    check_bytes(len(data), limits, where)
-            return bytes(data)
-    except requests.RequestException as e:
-        raise RequestError(f"{where}: fetching the image failed ({type(e).__name__})", param=where,
-                           code="image_fetch_failed") from None
-
-
 def _under(url: str, prefix: str) -> bool:
     """Does ``url`` lie under ``prefix``, ending at a boundary (``https://images.internal`` does
     not admit ``https://images.internal.evil.example/``)?"""
@@ -61,9 +46,10 @@ def _under(url: str, prefix: str) -> bool:
 
 
 def _allowed_url(url: str, prefixes: list[str]) -> str | None:
-    """The URL as requests will send it (``/ok/../x`` already resolved to ``/x``), when that lies
-    under an allowed prefix; None when not, or when it hides a way out: user info before the host,
-    or dot segments spelled with percent escapes (``%2e%2e``), which servers resolve themselves."""
+    """The URL as requests prepares it, the form that the fetch sends (``/ok/../x`` resolved to
+    ``/x``), when that lies under an allowed prefix; None when not, or when it hides a way out: user
+    info before the host, or dot segments spelled with percent escapes (``%2e%2e``), which servers
+    resolve themselves."""
     try:
         sent = requests.Request("GET", url).prepare().url
     except (requests.RequestException, ValueError):
@@ -81,7 +67,7 @@ def _image_bytes(url: str, vision, limits: ImageLimits, where: str) -> bytes:
     if url.startswith(("http://", "https://")):
         allowed = _allowed_url(url, vision.allowed_url_prefixes)
         if allowed is not None:
-            return _fetch(allowed, limits, where, vision.fetch_timeout_s)
+            return fetch(allowed, limits, where, vision.fetch_timeout_s, vision.fetch_deadline_s)
         raise RequestError(f"{where}: http(s) image URLs are not fetched unless vision.allowed_url_prefixes lists "
                            "them; send the image as a data: URL", param=where, code="image_url_not_allowed")
     raise RequestError(f"{where}: image URLs must be data: URLs (or http(s) under vision.allowed_url_prefixes)",

@@ -37,6 +37,7 @@ HELP = {
     "vision_loaded": "1 while the vision worker is loaded (ready to encode).",
     "vision_starts_total": "Vision worker starts.",
     "images_total": "Images encoded.",
+    "images_reused_total": "Images not encoded again: another choice of the same request encoded them.",
     "vision_start_seconds": "From the VRAM hand-back to the vision worker's READY.",
     "vision_encode_seconds": "One request's images encoded (the ENCODE round trip).",
 }

@@ -40,9 +40,11 @@ def chat_completions():
     logprobs = max(req.top_n, 1) if req.top_n is not None else 0
     sampling = req.sampling(req.max_completion_tokens or req.max_tokens, logprobs)
     messages, images = _images([m.to_broker() for m in req.messages])
+    # the choices carry the same images: the broker encodes them once for all (broker/vision_groups.py)
+    group = {"image_group": formatter.id, "image_group_size": req.n} if images and req.n > 1 else {}
     streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
         messages, request_id=rid, images=images, tools=req.template_tools(),
-        chat_template_kwargs=req.chat_template_kwargs, **req.choice_sampling(sampling, i)))
+        chat_template_kwargs=req.chat_template_kwargs, **group, **req.choice_sampling(sampling, i)))
     return answer(streams, formatter, _client_gone(), req.stream)
 
 

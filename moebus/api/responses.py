@@ -9,7 +9,7 @@ import time
 import uuid
 
 from moebus.api.reasoning import ReasoningSplitter
-from moebus.api.tool_calls import ToolCallParser
+from moebus.api.tool_calls import ToolCallParser, merge_fragments
 from moebus.common.protocol import Final, Partial
 
 
@@ -75,9 +75,13 @@ class _ChatChoice:
         self.splitter: ReasoningSplitter | None = None
         self.tools = ToolCallParser() if parse_tools else None
         self.started = False
-        self.num_calls = 0
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
 
     def feed(self, part: Partial) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool-call fragments) of one Partial."""
         if not self.started:  # the first Partial says whether the model writes reasoning blocks
             self.started = True
             if part.reasoning_open is not None:
@@ -87,30 +91,28 @@ class _ChatChoice:
 
     def finish(self) -> tuple[str, str, list[dict]]:
         reasoning, content = self.splitter.finish() if self.splitter else ("", "")
-        content, calls = self._calls(content)
+        content, fragments = self._calls(content)
         if self.tools is not None:
-            content += self.tools.finish()
-        return reasoning, content, calls
+            rest, more = self.tools.finish()
+            content, fragments = content + rest, fragments + more
+        return reasoning, content, fragments
 
     def _calls(self, content: str) -> tuple[str, list[dict]]:
         if self.tools is None:
             return content, []
-        content, calls = self.tools.feed(content)
-        numbered = [{"index": self.num_calls + k, **call} for k, call in enumerate(calls)]
-        self.num_calls += len(calls)
-        return content, numbered
+        return self.tools.feed(content)
 
 
 def _finish_reason(final: Final, num_calls: int) -> str:
     return "tool_calls" if num_calls and final.finish_reason == "stop" else final.finish_reason
 
 
-def _delta(reasoning: str, content: str, calls: list[dict]) -> dict:
+def _delta(reasoning: str, content: str, fragments: list[dict]) -> dict:
     delta = {"reasoning_content": reasoning} if reasoning else {}
     if content:
         delta["content"] = content
-    if calls:
-        delta["tool_calls"] = calls
+    if fragments:  # one entry per call in a chunk, as OpenAI sends them
+        delta["tool_calls"] = merge_fragments(fragments)
     return delta
 
 
@@ -135,7 +137,8 @@ class ChatFormatter(Formatter):
         pieces = [state.feed(p) for p in parts] + [state.finish()]
         reasoning = "".join(r for r, _, _ in pieces)
         content = "".join(c for _, c, _ in pieces)
-        calls = [{k: v for k, v in call.items() if k != "index"} for _, _, cs in pieces for call in cs]
+        calls = [{k: v for k, v in call.items() if k != "index"}
+                 for call in merge_fragments([f for _, _, fragments in pieces for f in fragments])]
         # no content: null when the answer was all reasoning or calls (as vLLM), else the empty string
         message = {"role": "assistant", "content": content if content or not (calls or reasoning) else None}
         if state.splitter is not None:

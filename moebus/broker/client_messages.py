@@ -14,7 +14,7 @@ from moebus.broker.scheduler import Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
 from moebus.broker.tokenize_pool import TokenizePool
-from moebus.broker.vision_requests import ImageRequest, has_images
+from moebus.broker.vision_requests import ImageRequest
 from moebus.broker.vram import per_gpu_reserves
 from moebus.broker.vram_control import VramControl, check_not_elastic
 from moebus.broker.worker_pool import WorkerPool
@@ -77,11 +77,11 @@ class ClientMessages:
         if len(self.scheduler.waiting) >= self.scheduler.max_queue:
             raise ServerBusy(f"server busy: {len(self.scheduler.waiting)} requests waiting (max_queue)")
         admit = None
-        if msg.images or (self.vision and has_images(msg)):  # it waits in the vision lifecycle for its embeddings
-            if self.vision is None:
-                raise RequestError("model has no vision: image inputs are not supported", param="images",
-                                   code="model_has_no_vision")
+        if self.vision is not None:  # images wait there for embeddings; every prompt's image tokens are checked
             admit = self.vision.admission
+        elif msg.images:
+            raise RequestError("model has no vision: image inputs are not supported", param="images",
+                               code="model_has_no_vision")
         self.tokenize.submit(client, msg, admit)  # the Sequence comes back through _on_tokenized
 
     def _on_cancel(self, client: bytes, msg: Cancel) -> None:

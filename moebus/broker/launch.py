@@ -20,6 +20,7 @@ from moebus.common.layer_split import proportional_split, split_layers
 from moebus.common.model_config import load_config
 from moebus.common.tokenizer import TextTokenizer
 from moebus.cuda.devices import gpu_memory_mib, resolve_device
+from moebus.cuda.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env
 
 log = logging.getLogger("moebus.broker")
 
@@ -85,6 +86,7 @@ def _worker_child(settings, settings_file: Path, index: int, layers: range, back
                        "--connect", backend, "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device)
     env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[index])} if settings.device == "cuda" else {}
+    env.update(kernel_cache_env(settings.kernel_cache_dir, gpu_role(index)))  # a restart loads, not compiles
     return Child(f"gpu{index} worker", argv, env)
 
 
@@ -101,8 +103,13 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
     if gpu >= num_gpus:
         raise ConfigError(f"config key 'vision.gpu': {gpu} but there are {num_gpus} GPU(s)")
     control = str(run_dir / "vision-zygote.sock")
+    zygote = _zygote_child(settings, settings_file, backend, control)
+    return lambda hooks, stats: VisionLifecycle(settings, vision_config, num_gpus, zygote, control, hooks, stats)
+
+
+def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> Child:
     argv = python_argv("vision-zygote", "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device, "--connect", backend, "--control", control)
-    env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[gpu])} if settings.device == "cuda" else {}
-    zygote = Child("vision zygote", argv, env)
-    return lambda hooks, stats: VisionLifecycle(settings, vision_config, num_gpus, zygote, control, hooks, stats)
+    env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[settings.vision.gpu])} if settings.device == "cuda" else {}
+    env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
+    return Child("vision zygote", argv, env)

@@ -8,7 +8,8 @@ An image request waits in ``waiting`` (never in the scheduler) until its embeddi
 requests keep decoding throughout, since the hand-back is one VRAM fan-out between two steps and
 the start runs in another process. A new image during stopping or regrowing waits and starts the
 worker again. With ``vision.lazy`` false the worker is started once every GPU worker is ready and
-is never stopped for idleness."""
+is never stopped for idleness. The choices of one request (an ``image_group``) are encoded once:
+the first leads, the others wait for its embeddings outside ``waiting`` (broker/vision_groups.py)."""
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,9 @@ from typing import Callable
 from PIL import Image
 
 from moebus.broker.vision_control import ZygoteControl
-from moebus.broker.vision_requests import (ImageRequest, admit_image_request, has_images,  # noqa: F401 (re-exported)
-                                           step_embeds)
+from moebus.broker.vision_groups import ImageGroups
+from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
+                                           has_images, step_embeds)
 from moebus.common.errors import ServerBusy
 from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
 
@@ -80,6 +82,7 @@ class VisionLifecycle:
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
+        self.groups = ImageGroups()  # the choices of one request, which share one encode
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -90,7 +93,7 @@ class VisionLifecycle:
 
     def stop(self) -> None:
         for req in list(self.waiting) + ([self.encoding] if self.encoding else []):
-            self._fail(req, "server shutting down", 503)
+            self._fail(req, "server shutting down", 503)  # and the choices that follow it
         self.waiting.clear()
         self.encoding = None
         if self.generation is not None:
@@ -99,15 +102,28 @@ class VisionLifecycle:
         if self.zygote is not None:
             self.zygote.stop()
 
-    def admission(self, msg, client: bytes, tokenizer, vocab_size: int, max_context: int) -> ImageRequest:
-        """A GENERATE with images as an ImageRequest (run on the broker's tokenizer threads: it only
-        reads settings); raises RequestError (the broker answers it). The broker then ``submit``s it."""
+    def admission(self, msg, client: bytes, tokenizer, vocab_size: int, max_context: int):
+        """Every GENERATE for this model, on the broker's tokenizer threads (it only reads settings):
+        with images an ImageRequest, which the broker then ``submit``s here; without, a Sequence for
+        the scheduler whose prompt holds no image token. Raises RequestError (the broker answers it)."""
+        if not has_images(msg):
+            return admit_text_request(msg, client, tokenizer, vocab_size, max_context, self.config.image_token_id)
         return admit_image_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
                                    self.config.image_token_id, self.config.num_image_tokens)
 
     def submit(self, req: ImageRequest) -> None:
         if len(self.waiting) >= self.settings.max_queue:
             raise ServerBusy(f"server busy: {len(self.waiting)} image requests waiting (max_queue)")
+        group = self.groups.join(req)
+        if group is not None and group.is_done:  # a late choice: its leader's embeddings (or error) are in
+            self.groups.take(group)
+            if group.error is not None:
+                self._reply_error(req, group.error)
+            else:
+                self._reuse(req, group.embeds)
+            return
+        if group is not None:
+            return  # another choice of its request leads: it waits for that one's encode
         if self.state in (STOPPING, REGROWING):
             log.info("image request %s arrived while the vision worker is %s: it waits, then starts it again",
                      req.seq.id, self.state)
@@ -116,18 +132,27 @@ class VisionLifecycle:
     def find(self, request_id: str) -> ImageRequest | None:
         if self.encoding is not None and self.encoding.seq.id == request_id:
             return self.encoding
-        return next((r for r in self.waiting if r.seq.id == request_id), None)
+        return next((r for r in [*self.waiting, *self.groups.followers()] if r.seq.id == request_id), None)
 
     def cancel(self, request_id: str, client: bytes) -> bool:
         """Cancel an image request that has not reached the scheduler; False: not one of ours."""
         req = self.find(request_id)
         if req is None or req.seq.client != client:
             return False
-        if req is self.encoding:
+        heir = self.groups.cancelled(req)  # another choice of its request takes over its place and encode
+        if heir is not None:
+            heir.encode_sent_s = req.encode_sent_s
+            log.info("image request %s cancelled: %s takes over its %s", request_id, heir.seq.id,
+                     "encode" if req is self.encoding else "place in the queue")
+        if req is self.encoding and heir is not None:
+            self.encoding = heir
+        elif req is self.encoding:
             self.encoding = None  # its reply, when it comes, is dropped (encode_id no longer matches)
             self.encode_id = 0
             self.last_image_s = time.monotonic()
-        else:
+        elif req in self.waiting and heir is not None:
+            self.waiting[self.waiting.index(req)] = heir
+        elif req in self.waiting:
             self.waiting.remove(req)
         self.hooks.reply(client, Final(id=request_id, finish_reason="cancelled", prompt_tokens=len(req.seq.prompt),
                                        completion_tokens=0))
@@ -143,13 +168,15 @@ class VisionLifecycle:
         return {"vision_loaded": int(self.state == READY),
                 "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu,
                            "lazy": self.vision.lazy,
-                           "vram_mib": self.reserves(), "waiting": len(self.waiting) + (self.encoding is not None),
+                           "vram_mib": self.reserves(),
+                           "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
 
     # -- the loop -----------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         self._supervise_zygote()
+        self.groups.expire(now)
         for event in self.control.poll():
             self.on_event(event, now)
         if self.state == COLD and self._wanted() and self.zygote_info and now >= self.next_start_s \
@@ -330,20 +357,37 @@ class VisionLifecycle:
             return
         self.stats.count("images_total", len(req.images))
         seq.embeds = msg.embeds
+        followers = self.groups.encoded(req, msg.embeds)
         if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
             self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq,
                                    ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
+        self._submit(req)
+        for follower in followers:
+            self._reuse(follower, msg.embeds)
+
+    def _reuse(self, req: ImageRequest, embeds) -> None:
+        """Another choice's embeddings of the same images: no encode of its own."""
+        self.stats.count("images_reused_total", len(req.images))
+        req.seq.embeds = embeds
+        self._submit(req)
+
+    def _submit(self, req: ImageRequest) -> None:
         try:
-            self.hooks.submit(seq)
+            self.hooks.submit(req.seq)
         except ServerBusy as e:  # the queue filled while it was encoded
             self._fail(req, e.message, e.http_status, kind=e.kind)
 
     def _fail(self, req: ImageRequest, message: str, status: int, kind: str | None = None, param: str | None = None,
               code: str | None = None) -> None:
-        self.stats.count("requests_failed_total")
+        """Answer ``req`` with an error, and with it the choices that were waiting for its encode."""
         kind = kind or ("service_unavailable" if status == 503 else "server_error")
-        self.hooks.reply(req.seq.client, Error(id=req.seq.id, message=message, type=kind, status=status, param=param,
-                                               code=code))
+        error = dict(message=message, type=kind, status=status, param=param, code=code)
+        for failed in [req, *self.groups.failed(req, error)]:
+            self._reply_error(failed, error)
+
+    def _reply_error(self, req: ImageRequest, error: dict) -> None:
+        self.stats.count("requests_failed_total")
+        self.hooks.reply(req.seq.client, Error(id=req.seq.id, **error))
 
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""

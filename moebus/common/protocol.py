@@ -122,6 +122,10 @@ class Generate(Message):
     images: list[np.ndarray] | None = Field(None, max_length=MAX_IMAGES_PER_MESSAGE)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # extra template variables
+    # the n choices of one request with images: GENERATEs of one client with the same image_group
+    # and the same image files share one encode; image_group_size says how many there are
+    image_group: RequestId | None = None
+    image_group_size: int = Field(1, ge=1, le=16)  # 16: the api's most choices (n)
 
     @field_validator("images")
     @classmethod
@@ -222,10 +226,10 @@ class Tokenize(Message):
 
 class TokenizeReply(Message):
     TYPE = b"TOKENIZE_REPLY"
-    id: str | None = None
-    tokens: list[int]
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    tokens: list[TokenId]
     token_strs: list[str] | None = None
-    max_context: int
+    max_context: Count
 
 
 class Detokenize(Message):
@@ -238,7 +242,7 @@ class Detokenize(Message):
 
 class DetokenizeReply(Message):
     TYPE = b"DETOKENIZE_REPLY"
-    id: str | None = None
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
     text: str
 
 
@@ -412,14 +416,14 @@ class VisionReady(Message):
     once), so the first ENCODE does not compile. ``start_s``: its own part of the start."""
 
     TYPE = b"VISION_READY"
-    generation: str
+    generation: ShortText
     gpu: int = Field(ge=0, lt=MAX_GPUS)
-    device: str
-    pid: int
-    device_bytes: int = 0
-    num_image_tokens: int
-    hidden_size: int
-    start_s: float = 0.0
+    device: ShortText
+    pid: Count
+    device_bytes: Annotated[int, Field(ge=0, le=MAX_INT64)] = 0
+    num_image_tokens: Count
+    hidden_size: Count
+    start_s: Seconds = 0.0
 
 
 class Encode(Message):
@@ -444,11 +448,11 @@ class EncodeReply(Message):
     TYPE = b"ENCODE_REPLY"
     TENSORS = ("embeds",)
     encode_id: Int64
-    generation: str
-    compute_s: float = 0.0
+    generation: ShortText
+    compute_s: Seconds = 0.0
     embeds: np.ndarray | None = None
     error: str | None = None
-    image: int | None = None
+    image: Count | None = None
 
 
 MESSAGES: dict[bytes, type[Message]] = {

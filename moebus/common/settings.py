@@ -32,7 +32,8 @@ class VisionSettings(_Section):
     max_aspect_ratio: float = Field(20.0, ge=1.0)  # longer side / shorter side
     max_images_per_request: int = Field(8, ge=1, le=16)  # 16: the wire's frame limit
     allowed_url_prefixes: list[str] = Field(default_factory=list)  # http(s) URLs the api may fetch; none by default
-    fetch_timeout_s: float = Field(10.0, gt=0)
+    fetch_timeout_s: float = Field(10.0, gt=0)  # one connect or read of such a fetch
+    fetch_deadline_s: float = Field(30.0, gt=0)  # the whole fetch, however the server trickles its bytes
 
 
 class ApiSettings(_Section):
@@ -76,6 +77,7 @@ class Settings(BaseSettings):
     gpus: list[int] = Field(default_factory=lambda: [0])
     emulated_vram_mib: list[float] = Field(default_factory=lambda: [56, 56])  # the embedded demo: 2 GPUs
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
+    kernel_cache_dir: str | None = None  # compiled kernels kept across starts (default: $MOEBUS_CACHE_DIR/kernels)
     layer_split: list[int] | None = None
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
@@ -89,7 +91,7 @@ class Settings(BaseSettings):
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 
-    @field_validator("model", "emulated_vram_dir")
+    @field_validator("model", "emulated_vram_dir", "kernel_cache_dir")
     @classmethod
     def _empty_is_unset(cls, value):
         return value or None  # MOEBUS_MODEL= (empty) means the default, as in docker-compose

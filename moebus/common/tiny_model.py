@@ -5,11 +5,13 @@ continuations then do not hinge on rounding)."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from moebus.common.safetensors_io import save_file
+from moebus.common.tiny_script import add_script_tokens, scripted_tensors
 from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, IMAGE_TOKEN, SPECIAL_TOKENS, train_tokenizer
 from moebus.common.tiny_vision import llava_config, llava_name, processor_config, vision_tensors
 from moebus.cuda.dtypes import f32_to_bf16
@@ -119,9 +121,14 @@ def _layer_tensors(cfg: dict, arch: str, i: int, r: _Random) -> dict[str, np.nda
 
 
 def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress, rename=None,
-                   extra=None) -> None:
+                   extra=None, adjust_globals=None) -> None:
     """One safetensors file for a small model; one shard per layer (and an index) for a large one.
-    ``rename`` maps the language model's names (a LLaVA layout); ``extra()`` adds more tensors."""
+    ``rename`` maps the language model's names (a LLaVA layout); ``extra()`` adds more tensors;
+    ``adjust_globals`` rewrites the embedding, final norm and unembedding after they are drawn."""
+    def global_tensors():
+        drawn = _global_tensors(cfg, r)
+        return adjust_globals(drawn) if adjust_globals else drawn
+
     def stored(tensors, rename=rename):
         named = {(rename or str)(k): a for k, a in tensors.items()}
         if dtype == "bf16":
@@ -131,7 +138,7 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
     layers = range(cfg["num_hidden_layers"])
     if PRESET_SHARDED.get(cfg.get("_preset"), False):
         weight_map = {}
-        parts = [("model-globals.safetensors", lambda: _global_tensors(cfg, r))]
+        parts = [("model-globals.safetensors", global_tensors)]
         parts += [(f"model-layer-{i:03d}.safetensors", lambda i=i: _layer_tensors(cfg, arch, i, r)) for i in layers]
         vision = [("model-vision.safetensors", extra)] if extra else []
         for fname, make in progress(parts + vision):
@@ -140,7 +147,7 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
             weight_map.update({name: fname for name in tensors})
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         return
-    tensors = _global_tensors(cfg, r)
+    tensors = global_tensors()
     for i in layers:
         tensors.update(_layer_tensors(cfg, arch, i, r))
     tensors = stored(tensors)
@@ -151,11 +158,13 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
 
 def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
                dtype: str = "bf16", num_layers: int | None = None, progress=iter,
-               num_experts: int | None = None, vision: str | None = None) -> Path:
+               num_experts: int | None = None, vision: str | None = None, script: str | None = None) -> Path:
     """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors;
     ``num_layers`` and ``num_experts`` (per MoE layer) override the preset's counts; ``vision``
     ('siglip' or 'clip') wraps the language model in a LLaVA checkpoint with that tower (its weights
-    drawn from seed + 1, so the language model's are the same with or without it)."""
+    drawn from seed + 1, so the language model's are the same with or without it). ``script``: a
+    text that greedy decoding writes after any prompt, then the end of sequence (tiny_script.py:
+    its pieces become tokens of their own; every other weight is drawn as without it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
@@ -175,11 +184,17 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     cfg["eos_token_id"] = eos
     top = llava_config(cfg, vision, preset, tokenizer.token_to_id(IMAGE_TOKEN)) if vision else cfg
     fast = PRESET_SHARDED[preset]
+    adjust = None
+    if script is not None:
+        if fast:
+            raise ValueError(f"a script needs a small preset, not {preset!r}")
+        chain = add_script_tokens(tokenizer, script, cfg["vocab_size"], cfg["hidden_size"])
+        adjust = partial(scripted_tensors, chain=chain, eos=eos)
     # plain draws even for large presets: a tower is at most ~0.4 G values, and the fast pools (one
     # per distinct scale) would cost more than they save
     extra = (lambda: vision_tensors(top, _Random(seed + 1, fast=False))) if vision else None
     _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=fast), dtype, progress,
-                   rename=llava_name if vision else None, extra=extra)
+                   rename=llava_name if vision else None, extra=extra, adjust_globals=adjust)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(top, indent=2))
     if vision:

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, device, float32, threads
+from moebus.cuda.compat import blocks, cuda, device, float32, threads, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import SCALAR, reader_view, storage_of
@@ -95,7 +95,7 @@ DEVICE_FNS = {"gelu": _gelu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_
 def _activation_kernel(name: str):
     fn = DEVICE_FNS[name]
 
-    @cuda.jit
+    @kernel
     def activation_flat(x, out):
         for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
             out[i] = fn(x[i])
@@ -119,7 +119,7 @@ def activation_cuda(x, name: str, out, stream=0):
 def _add_bias_kernel(storage: str):
     load = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def add_bias_flat(x, bias, out):
         num_rows, dim = x.shape
         table_rows = bias.shape[0]

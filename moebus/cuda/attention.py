@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, device, float32, threads, warp_max, warp_sum
+from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, device, float32, threads, warp_max, warp_sum, kernel
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
@@ -54,7 +54,7 @@ def attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale: float, wind
 
 # -- cuda -----------------------------------------------------------------------------------------
 
-@cuda.jit
+@kernel
 def kv_store_flat(k_cache, v_cache, k, v, token_slot, token_pos):
     num_tokens, num_kv_heads, head_dim = k.shape
     per_token = num_kv_heads * head_dim
@@ -106,7 +106,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
     k_row = head_dim + 1  # padding: lanes reading different K rows hit different banks
     tile_loads = ceil_div(TILE * head_dim, num_threads)
 
-    @cuda.jit
+    @kernel
     def attention_split(q, k_cache, v_cache, token_slot, token_pos, scale, window, partial):
         t = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
@@ -191,7 +191,7 @@ def _attention_kernel(head_dim: int, group: int, num_warps: int):
     return attention_split
 
 
-@cuda.jit
+@kernel
 def merge_splits(token_pos, window, partial, out):
     # one thread per output (t, h, d): splits combined in order, so the result is deterministic
     num_tokens, num_heads, head_dim = out.shape

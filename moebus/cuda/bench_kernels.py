@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.compat import SIMULATOR, cuda, uint32  # compat first: numpy shims before numba compiles
+from moebus.cuda.compat import SIMULATOR, cuda, uint32, kernel  # compat first: numpy shims before numba compiles
 
 QWEN3_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, inter=768, vocab=151936,
                  decode=(1, 8), prefill=512, context=1024)
@@ -39,7 +39,7 @@ class Result:
     note: str = ""
 
 
-@cuda.jit
+@kernel
 def _spin(rounds):
     # keeps the GPU busy while the host enqueues the timed launches, so event times are GPU times
     for _ in range(rounds):

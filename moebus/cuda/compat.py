@@ -19,6 +19,11 @@ the row instead of skipping it, storing only when the row is real.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import tempfile
+
 import numpy as np
 
 if not hasattr(np, "row_stack"):  # numpy 2.5 removed it; numba-cuda 0.30 still calls it when compiling
@@ -28,6 +33,13 @@ from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402,F401
 from numba.cuda.core import config as _numba_config  # noqa: E402
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+if not SIMULATOR and not _numba_config.CACHE_DIR:
+    # a process started without NUMBA_CACHE_DIR (bench, generate --local) still caches in a directory
+    # of this source tree's fingerprint, never in numba's default beside the sources, where an edit to
+    # a device function in this file would not invalidate the kernels that call it
+    from moebus.cuda.kernel_cache import LOCAL_ROLE, role_cache_dir  # noqa: E402
+
+    _numba_config.CACHE_DIR = str(role_cache_dir(None, LOCAL_ROLE))
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 MAX_BLOCK_THREADS = 1024
@@ -46,6 +58,50 @@ def blocks(needed: int) -> int:
     """Blocks for a grid-stride kernel that would like ``needed`` of them."""
     needed = max(int(needed), 1)
     return min(needed, SIM_MAX_BLOCKS) if SIMULATOR else needed
+
+
+_KERNELS = []  # every kernel this process defined, for disk_cache_counts
+
+
+def kernel(fn):
+    """A kernel with the project's jit options. ``cache=True``: a compiled kernel is kept on disk
+    (under NUMBA_CACHE_DIR, see kernel_cache.py) and the next process loads it instead of compiling;
+    kernels built by a factory are cached too (numba's key hashes the closure's values). The
+    simulator ignores the option."""
+    jitted = cuda.jit(cache=True)(fn) if SIMULATOR or _can_write(_numba_config.CACHE_DIR) else cuda.jit(fn)
+    _KERNELS.append(jitted)
+    return jitted
+
+
+def disk_cache_counts() -> tuple[int, int]:
+    """(kernel variants loaded from the disk cache, kernel variants compiled) in this process so
+    far; (0, 0) in the simulator, which compiles nothing."""
+    stats = [k.stats for k in _KERNELS if hasattr(k, "stats")]
+    return sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.values()) for s in stats)
+
+
+@functools.cache
+def _can_write(path: str) -> bool:
+    # numba would fall back to a directory outside the fingerprinted tree (beside the sources,
+    # ~/.cache/numba) where an edit elsewhere in moebus/cuda goes unseen: rather compile each time
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError as exc:
+        logging.getLogger("moebus.cuda").warning("kernels are not cached on disk: %s", exc)
+        return False
+
+
+def load_numba_target() -> None:
+    """Fill numba's CUDA target (its typing and lowering registries) now rather than at the first
+    kernel the process compiles or loads from the disk cache, where it costs the better part of a
+    second even when every kernel is cached. It touches no device (no context, no thread), so the
+    vision zygote does it before it forks and each vision worker inherits it."""
+    if not SIMULATOR:
+        from numba.cuda.descriptor import cuda_target
+
+        cuda_target.target_context.refresh()
 
 
 def device(fn):

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, float32, threads
+from moebus.cuda.compat import blocks, cuda, float32, threads, kernel
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
@@ -27,20 +27,20 @@ def swiglu_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 # -- cuda -----------------------------------------------------------------------------------------
 
-@cuda.jit
+@kernel
 def add_flat(x, y, out):
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = x[i] + y[i]
 
 
-@cuda.jit
+@kernel
 def swiglu_flat(gate, up, out):
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         g = gate[i]
         out[i] = g / (float32(1.0) + math.exp(-g)) * up[i]
 
 
-@cuda.jit
+@kernel
 def fill_flat(out, value):
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = value

@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, float32, threads
+from moebus.cuda.compat import blocks, cuda, float32, threads, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, require
 from moebus.cuda.loads import SCALAR, storage_of
@@ -25,7 +25,7 @@ def embedding_ref(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def _embedding_kernel(storage: str):
     load = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def gather_rows(table, ids, out):
         # one block per token (grid-stride), threads across the row
         num_tokens, dim = out.shape

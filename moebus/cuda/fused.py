@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum
+from moebus.cuda.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum, kernel
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.attention import kv_store_ref
@@ -60,7 +60,7 @@ def qkv_rope_store_ref(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weigh
 def _add_rmsnorm_kernel(storage: str):
     load_weight = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def add_rmsnorm_rows(x, y, weight, eps, total, out):
         num_rows, dim = x.shape
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):  # same trip count in the block
@@ -94,7 +94,7 @@ def add_rmsnorm_cuda(x, y, weight, eps: float, total, out, stream=0):
 def _combine_add_rmsnorm_kernel(storage: str):
     load_weight = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def combine_add_rmsnorm_rows(y_pair, weights, x, weight, eps, total, out):
         num_rows, dim = x.shape
         top_k = weights.shape[1]
@@ -137,7 +137,7 @@ def _qkv_kernel(storage: str, head_dim: int):
     half = head_dim // 2
     half_lanes = per_lane // 2  # a lane's elements i < per_lane / 2 are in the first half
 
-    @cuda.jit
+    @kernel
     def qkv_rope_store_rows(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot, token_pos, cos, sin,
                             q_out, k_cache, v_cache):
         # one warp per head row: rows [0, T H) are q heads, then T KVH k heads, then T KVH v heads;

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_sum
+from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import SCALAR, reader_view, storage_of
@@ -31,7 +31,7 @@ def layernorm_ref(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: floa
 def _layernorm_kernel(storage: str):
     load = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def layernorm_rows(x, weight, bias, eps, out):
         # one warp per row, two passes (mean, then the centered variance: no cancellation);
         # rows grid-stride with the same trip count in every warp (compat's rule)

@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum_many
+from moebus.cuda.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum_many, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -33,7 +33,7 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
 
-    @cuda.jit
+    @kernel
     def linear_rows(x, weight, num_words, out):
         # grid: x over row groups (grid-stride, same trip count in every warp), y over token chunks
         lane = cuda.threadIdx.x % WARP

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_argmax, warp_max, warp_sum
+from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_argmax, warp_max, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.elementwise import silu_ref
 from moebus.cuda.launch import ceil_div, require
@@ -75,7 +75,7 @@ def combine_ref(y_pair: np.ndarray, weights: np.ndarray) -> np.ndarray:
 def _topk_kernel(per_lane: int):
     """One warp per token; lane l holds experts l, l + 32, ... (per_lane of them) in registers."""
 
-    @cuda.jit
+    @kernel
     def topk_rows(logits, top_k, normalize, ids, weights):
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
@@ -137,7 +137,7 @@ def topk_softmax_cuda(logits, top_k: int, normalize: bool, ids, weights, stream=
     return ids, weights
 
 
-@cuda.jit
+@kernel
 def combine_flat(y_pair, weights, out):
     num_tokens, top_k = weights.shape
     dim = out.shape[1]

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many
+from moebus.cuda.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, kernel
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import can_read_wide, chunk_reader, reader_view, storage_of
 
@@ -53,7 +53,7 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
 
-    @cuda.jit
+    @kernel
     def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
@@ -111,7 +111,7 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
     read_weight, width = chunk_reader(storage, wide)
     read_h, _ = chunk_reader("f32", wide)
 
-    @cuda.jit
+    @kernel
     def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.compat import block_max, block_sum, cuda, float32, int32, threads
+from moebus.cuda.compat import block_max, block_sum, cuda, float32, int32, threads, kernel
 from moebus.cuda.launch import require
 
 MAX_THREADS = 1024
@@ -96,7 +96,7 @@ def token_logprobs_ref(logits, tokens) -> np.ndarray:
 # -- cuda -----------------------------------------------------------------------------------------
 # One block per row; threads stride over the vocabulary, then over the row's entries.
 
-@cuda.jit
+@kernel
 def apply_rules_rows(logits, temperature, params, offsets, ids, counts, bias, out):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -130,7 +130,7 @@ def apply_rules_rows(logits, temperature, params, offsets, ids, counts, bias, ou
                 out[row, i] = NEG_INF
 
 
-@cuda.jit
+@kernel
 def token_logprob_rows(logits, tokens, logprobs):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x

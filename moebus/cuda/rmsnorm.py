@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_sum
+from moebus.cuda.compat import WARP, blocks, cuda, float32, threads, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import SCALAR, reader_view, storage_of
@@ -27,7 +27,7 @@ def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def _rmsnorm_kernel(storage: str):
     load_weight = SCALAR[storage]
 
-    @cuda.jit
+    @kernel
     def rmsnorm_rows(x, weight, eps, out):
         # one warp per row; rows grid-stride with the same trip count in every warp (compat's rule)
         lane = cuda.threadIdx.x % WARP

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, threads
+from moebus.cuda.compat import blocks, cuda, threads, kernel
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
@@ -29,7 +29,7 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndar
 
 # -- cuda -----------------------------------------------------------------------------------------
 
-@cuda.jit
+@kernel
 def rope_flat(x, positions, cos, sin, out):
     # one thread per (token, head, i < half): rotates the pair (i, i + half)
     num_tokens, num_heads, head_dim = x.shape

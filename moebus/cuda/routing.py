@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, threads
+from moebus.cuda.compat import blocks, cuda, threads, kernel
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 128
@@ -33,7 +33,7 @@ def route_pairs_ref(ids, table, layer_row: int):
     return (order // top_k).astype(np.int32), pair_slot, order
 
 
-@cuda.jit
+@kernel
 def route_flat(ids, table, layer_row, pair_token, pair_slot, pair_out):
     # one thread per pair: its rank among (expert, pair) keys is where it goes; O(P) per thread,
     # which is nothing for decode (P <= a few hundred) and stays correct for any P

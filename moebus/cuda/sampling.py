@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from moebus.cuda.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device_with_shared,
-                                 float32, int32, threads)
+                                 float32, int32, threads, kernel)
 from moebus.cuda.launch import require
 
 MAX_THREADS = 1024
@@ -167,7 +167,7 @@ def _inverse_cdf(probs, row, tau, u):
     return int32(first) if first < vocab else int32(last_kept)
 
 
-@cuda.jit
+@kernel
 def sample_rows(logits, temperature, top_k, top_p, u, probs, tokens, logprobs):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x

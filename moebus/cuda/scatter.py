@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.compat import blocks, cuda, threads
+from moebus.cuda.compat import blocks, cuda, threads, kernel
 from moebus.cuda.launch import ceil_div, require
 
 THREADS = 256
@@ -16,7 +16,7 @@ def scatter_rows_ref(x: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.
     return x
 
 
-@cuda.jit
+@kernel
 def scatter_rows_flat(x, rows, values):
     num_rows, dim = values.shape
     for i in range(cuda.grid(1), num_rows * dim, cuda.gridsize(1)):

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.compat import SIMULATOR, blocks, cuda, float32
+from moebus.cuda.compat import SIMULATOR, blocks, cuda, float32, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.loads import SCALAR, reader_view, storage_of
@@ -38,7 +38,7 @@ def _tiled_kernel(storage: str, with_bias: bool, tm: int, tn: int, tk: int, rm: 
     rows_step, cols_step = tm // rm, tn // rn
     pad_m, pad_n = tm + 1, tn + 1  # padded slabs: the transposing stores hit distinct banks
 
-    @cuda.jit
+    @kernel
     def tiled_linear(x, weight, bias, out):
         num_rows, dim_in = x.shape
         num_cols = weight.shape[0]

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import block_argmax, block_max, block_sum, cuda, float32, int64, threads
+from moebus.cuda.compat import block_argmax, block_max, block_sum, cuda, float32, int64, threads, kernel
 from moebus.cuda.launch import require
 from moebus.cuda.sampling import top_logprobs_ref
 
@@ -28,7 +28,7 @@ def top_logprobs_rows_ref(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.nd
             np.stack([r[1] for r in rows]).astype(np.float32).reshape(len(rows), n))
 
 
-@cuda.jit
+@kernel
 def top_logprobs_rows(logits, n, ids, logprobs):
     row = cuda.blockIdx.x
     vocab = logits.shape[1]

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, float32, warp_max, warp_sum
+from moebus.cuda.compat import SIMULATOR, WARP, blocks, cuda, float32, warp_max, warp_sum, kernel
 from moebus.cuda.launch import ceil_div, require
 
 WARPS = 2 if SIMULATOR else 8  # query rows per block, one per warp, sharing each key/value tile
@@ -34,7 +34,7 @@ def _vision_attention_kernel(head_dim: int, warps: int):
     per_lane = (head_dim + WARP - 1) // WARP  # output dims each lane accumulates
     k_pitch = head_dim + 1  # odd pitch: lane j reading key j's element d hits bank (j + d) % 32
 
-    @cuda.jit
+    @kernel
     def attend(q, k, v, positions, scale, out):
         # a block: one head, `warps` consecutive query rows of one image (one per warp); the
         # image's keys and values stream through shared memory in tiles of 32, and each warp keeps

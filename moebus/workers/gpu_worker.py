@@ -15,6 +15,7 @@ from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.cuda.backend import make_backend
+from moebus.cuda.compat import disk_cache_counts
 from moebus.cuda.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
@@ -101,6 +102,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                      max_batch=settings.max_batch, max_context=settings.max_context))
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
+    log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
     try:
         return GpuWorker(stage, link, gpu).serve()
     finally:

@@ -18,6 +18,7 @@ from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backend import make_backend
+from moebus.cuda.compat import disk_cache_counts
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -101,6 +102,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                            start_s=time.perf_counter() - started))
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
+    log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
     try:
         return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision)).serve()
     finally:

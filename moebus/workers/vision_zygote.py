@@ -38,6 +38,9 @@ class Zygote:
         self.device = device
         if device == "cuda":  # imported here (no context is created) so that no child imports it
             import moebus.cuda.backend_cuda  # noqa: F401
+            from moebus.cuda.compat import load_numba_target
+
+            load_numba_target()  # once here, not in each worker's warm-up (which then only loads kernels)
         self.config = load_vision_config(model_dir)
         self.processor = ImageProcessor.from_dir(model_dir)
         self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child

@@ -3,8 +3,8 @@ request-body limit."""
 from __future__ import annotations
 
 import pytest
-import requests
 
+from tests.api.helpers import keyed_session
 from tests.service import Service
 
 API_KEY = "test-key"
@@ -33,21 +33,15 @@ def openai_client(service):
 @pytest.fixture(scope="package")
 def http(service):
     """A requests session that sends the API key; ``http.url(path)`` is the service's URL."""
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {API_KEY}"
-    session.url = lambda path: service.base_url + path
-    yield session
-    session.close()
+    with keyed_session(service.base_url, API_KEY) as session:
+        yield session
 
 
 @pytest.fixture(scope="package")
 def admin(service):
     """A requests session that sends the admin key (for /v1/vram)."""
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-    session.url = lambda path: service.base_url + path
-    yield session
-    session.close()
+    with keyed_session(service.base_url, ADMIN_KEY) as session:
+        yield session
 
 
 @pytest.fixture(scope="package")

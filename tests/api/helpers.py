@@ -1,7 +1,8 @@
-"""Shared by the api and e2e tests: read /metrics, wait for a condition."""
+"""Shared by the api and e2e tests: read /metrics, wait for a condition, a session with a key."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,3 +30,15 @@ def wait_for(condition, timeout_s: float = 10.0, every_s: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout_s} s: {condition}")
         time.sleep(every_s)
+
+
+@contextmanager
+def keyed_session(base_url: str, key: str):
+    """A requests session that sends ``key`` as its bearer token; ``session.url(path)`` is the URL."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {key}"
+    session.url = lambda path: base_url + path
+    try:
+        yield session
+    finally:
+        session.close()

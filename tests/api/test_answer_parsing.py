@@ -7,7 +7,7 @@ import pytest
 
 from moebus.api.reasoning import ReasoningSplitter
 from moebus.api.responses import ChatFormatter
-from moebus.api.tool_calls import ToolCallParser
+from moebus.api.tool_calls import ToolCallParser, merge_fragments
 from moebus.common.protocol import Final, Partial
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -45,9 +45,8 @@ def test_reasoning_split(text, opens, reasoning, content):
 
 def _parse(text: str, pieces) -> tuple[str, list[dict]]:
     parser = ToolCallParser()
-    outs = [parser.feed(p) for p in pieces]
-    content = "".join(c for c, _ in outs) + parser.finish()
-    return content, [call for _, calls in outs for call in calls]
+    outs = [parser.feed(p) for p in pieces] + [parser.finish()]
+    return "".join(c for c, _ in outs), merge_fragments([f for _, fragments in outs for f in fragments])
 
 
 @pytest.mark.parametrize("text, content, names", [
@@ -90,7 +89,7 @@ def test_formatter_whole_and_streamed_agree(seed):
     deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "weather first"
     assert "".join(d.get("content", "") for d in deltas) == "Let me look."
-    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    calls = [call for d in deltas for call in d.get("tool_calls", []) if "id" in call]  # each call's first
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "sum")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 

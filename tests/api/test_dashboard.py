@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.api.helpers import wait_for
+from tests.api.helpers import keyed_session, wait_for
 from tests.browser import Browser, chromium_path
 from tests.service import Service
 
@@ -36,21 +36,15 @@ def demo_service(tmp_path_factory, demo_model):
 
 @pytest.fixture(scope="module")
 def http(demo_service):
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {KEY}"
-    session.url = lambda path: demo_service.base_url + path
-    yield session
-    session.close()
+    with keyed_session(demo_service.base_url, KEY) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")
 def admin(demo_service):
     """/v1/vram takes the admin key, distinct from the inference key the page and /v1/cache use."""
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-    session.url = lambda path: demo_service.base_url + path
-    yield session
-    session.close()
+    with keyed_session(demo_service.base_url, ADMIN_KEY) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +171,39 @@ def test_browser_shows_the_caches_and_follows_a_vram_request(demo_service, http,
     browser.screenshot(ARTIFACTS / "dashboard-phone.png")
     assert all(url.startswith(demo_service.base_url) or url == "about:blank" for url in browser.requests), \
         browser.requests  # nothing fetched from outside
+
+
+BAD_KEYS = {"malformed escape": "%E0", "not ascii": "%C3%A9", "a newline": "a%0Ab", "empty": "",
+            "wrong key": "not-the-key"}
+
+
+def key_form_shown(browser: Browser) -> bool:
+    return browser.evaluate("""(() => { const form = document.getElementById('key-form');
+        return location.pathname === '/dashboard' && document.readyState === 'complete' && form !== null
+               && !form.hidden; })()""")
+
+
+def submit_key(browser: Browser, key: str) -> None:
+    browser.evaluate(f"""(() => {{ document.getElementById('key-input').value = {key!r};
+        document.getElementById('key-form').requestSubmit(); }})()""")
+
+
+@pytest.mark.parametrize("fragment", list(BAD_KEYS.values()), ids=list(BAD_KEYS))
+def test_a_bad_key_in_the_address_asks_for_the_key(demo_service, browser, fragment):
+    """#key=%E0 once threw in decodeURIComponent and stopped the page: now it asks for the key (as
+    it does when the server refuses one), refuses a typed key that no Authorization header can
+    carry, and polls once given a good one."""
+    browser.open("about:blank")
+    browser.exceptions.clear()
+    browser.open(f"{demo_service.base_url}/dashboard?poll_ms={int(POLL_S * 1000)}#key={fragment}")
+    wait_for(lambda: key_form_shown(browser), timeout_s=30)
+    assert "type it" in browser.evaluate("document.getElementById('key-note').textContent")
+    assert browser.evaluate("location.hash") == ""  # the key leaves the address bar, good or bad
+    submit_key(browser, "bad key é")
+    wait_for(lambda: "cannot be a key" in browser.evaluate("document.getElementById('key-note').textContent"),
+             timeout_s=10)
+    assert key_form_shown(browser)
+    submit_key(browser, KEY)
+    wait_for(lambda: browser.evaluate("Number(document.body.dataset.polls || 0) >= 2"), timeout_s=30)
+    assert not key_form_shown(browser) and len(shown(browser)) == 2
+    assert browser.exceptions == []

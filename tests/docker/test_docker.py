@@ -62,7 +62,7 @@ def test_dockerfile_runs_as_a_user_with_a_healthcheck_and_the_cuda_extra():
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and user[-1] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*healthcheck\.py", text, re.M)
-    assert "docker/install.sh" in text and "NUMBA_CACHE_DIR=/cache/numba" in text
+    assert "docker/install.sh" in text and "MOEBUS_KERNEL_CACHE_DIR=/cache/kernels" in text
 
 
 def test_cuda_extra_brings_nvvm_and_libdevice(tmp_path):
@@ -112,7 +112,7 @@ def test_image_install_steps_then_the_container_command_answers_a_chat(tmp_path)
     assert install.returncode == 0, install.stderr[-4000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NUMBA_ENABLE_CUDASIM")}
     env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", MOEBUS_CACHE_DIR=str(tmp_path / "cache"),
-               NUMBA_CACHE_DIR=str(tmp_path / "cache" / "numba"), PYTHONUNBUFFERED="1")
+               MOEBUS_KERNEL_CACHE_DIR=str(tmp_path / "cache" / "kernels"), PYTHONUNBUFFERED="1")
     entrypoint = [str(DOCKER / "entrypoint.sh"), "serve", "--config", str(DOCKER / "moebus.json")]
 
     refused = subprocess.run(entrypoint, capture_output=True, text=True, timeout=120,

@@ -22,7 +22,7 @@ def test_disconnect_mid_stream_frees_the_sequence(service):
     assert all(line.startswith(b"data: {") for line in got)
     assert scrape(service.base_url)["moebus_requests_running"] == 1
     r.close()
-    after = wait_for(lambda: idle(service.base_url), timeout_s=5)
+    after = wait_for(lambda: idle(service.base_url), timeout_s=30)
     assert after["moebus_requests_cancelled_total"] == before["moebus_requests_cancelled_total"] + 1
     assert after["moebus_generation_tokens_total"] - before["moebus_generation_tokens_total"] < 1000
 
@@ -33,8 +33,8 @@ def test_disconnect_while_waiting_for_an_unstreamed_answer(service):
     with socket.create_connection(("127.0.0.1", service.http_port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_for(lambda: scrape(service.base_url)["moebus_requests_running"] == 1, timeout_s=5)
-    after = wait_for(lambda: idle(service.base_url), timeout_s=5)
+        wait_for(lambda: scrape(service.base_url)["moebus_requests_running"] == 1, timeout_s=30)
+    after = wait_for(lambda: idle(service.base_url), timeout_s=30)
     assert after["moebus_requests_cancelled_total"] == before["moebus_requests_cancelled_total"] + 1
     assert after["moebus_generation_tokens_total"] - before["moebus_generation_tokens_total"] < 1000
 

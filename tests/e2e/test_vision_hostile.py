@@ -2,7 +2,9 @@
 state), before the vision worker is started or touched, and leave the worker and the caches as
 they were; over ZeroMQ the same, with the images named by frame."""
 import http.server
+import os
 import re
+import signal
 import struct
 import threading
 import time
@@ -13,10 +15,13 @@ import requests
 
 from moebus.client import Client
 from moebus.common.errors import RequestError
-from tests.e2e.vision_helpers import data_url, png_bytes, start_vision_service, vision_state
+from tests.api.helpers import scrape, wait_for
+from tests.e2e.vision_helpers import data_url, image_message, png_bytes, start_vision_service, vision_state
 from tests.vision_models import sample_images
 
 MAX_IMAGE_BYTES = 256 * 1024
+FETCH_DEADLINE_S = 3.0  # a fetch of cat.png from loopback takes milliseconds
+TRICKLE_S = 0.25
 GOOD = png_bytes(sample_images()[0])
 
 
@@ -34,9 +39,23 @@ def png_bomb(side: int = 30000) -> bytes:
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """A loopback web server: /ok/cat.png is an image, /ok/moved redirects to it."""
+    """A loopback web server: /ok/cat.png is an image, /ok/moved redirects to it; /ok/slow.png sends
+    its body and /ok/slow-headers.png its headers a byte every TRICKLE_S (well within any per-read
+    timeout), for as long as the client listens, then sets ``hung_up``."""
+
+    hung_up = threading.Event()
 
     def do_GET(self):  # noqa: N802 - the http.server API
+        if self.path == "/ok/slow.png":
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(GOOD) * 1000))
+            self.end_headers()
+            self._trickle(GOOD * 1000)
+            return
+        if self.path == "/ok/slow-headers.png":
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+            self._trickle(b"x" * 100_000)
+            return
         if self.path == "/ok/moved":
             self.send_response(302)
             self.send_header("Location", "/ok/cat.png")
@@ -47,6 +66,15 @@ class _Images(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _trickle(self, data: bytes) -> None:
+        for i in range(len(data)):
+            try:
+                self.wfile.write(data[i:i + 1])
+            except OSError:  # the fetch hung up
+                type(self).hung_up.set()
+                return
+            time.sleep(TRICKLE_S)
 
     def log_message(self, *args):
         pass
@@ -65,7 +93,9 @@ def web():
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, tiny_llava, web):
     svc = start_vision_service(tmp_path_factory.mktemp("hostile"), tiny_llava, idle_s=30,
-                               max_image_bytes=MAX_IMAGE_BYTES, allowed_url_prefixes=[web + "/ok/"])
+                               max_image_bytes=MAX_IMAGE_BYTES, allowed_url_prefixes=[web + "/ok/"],
+                               fetch_deadline_s=FETCH_DEADLINE_S,
+                               broker={"heartbeat_liveness": 30})  # a vision worker may be SIGSTOPped a while
     try:
         yield svc
     finally:
@@ -77,6 +107,14 @@ def zmq(service):
     client = Client(service.zmq_address, timeout_s=30)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def openai_api(service):
+    import openai
+
+    with openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
 
 
 def _chat(service, url: str, count: int = 1) -> requests.Response:
@@ -159,6 +197,8 @@ def test_a_model_without_vision_refuses_images(tmp_path, tiny_model):
         with pytest.raises(RequestError) as err:
             client.chat([{"role": "user", "content": [{"type": "image"}]}], images=[GOOD], max_tokens=2).collect()
         assert err.value.code == "model_has_no_vision"
+        # without a vision tower there is no image token: "<image>" is text like any other
+        assert len(client.generate(prompt="what is <image>?", max_tokens=2, ignore_eos=True).collect()["tokens"]) == 2
     finally:
         client.close()
         assert svc.stop() == []
@@ -207,3 +247,121 @@ def test_a_prefix_admits_only_urls_under_it():
     for url in ("https://images.internal.evil.example/a.png", "https://images.internal@evil.example/a.png",
                 "https://images.internal:1@evil.example/", "http://127.0.0.1:9/ok/..%5ca.png", "http://[::1/ok/"):
         assert _allowed_url(url, prefixes) is None, url
+
+
+# -- the image token in text, the choices of one request, slow image servers ---------------------
+
+def _image_token_id(zmq) -> int:
+    return zmq.tokenize(prompt="<image>")["tokens"][0]
+
+
+def test_an_image_token_typed_as_text_is_refused_unless_an_image_stands_behind_it(service, zmq, openai_api):
+    """The tokenizer turns the text "<image>" into the image token (as LlavaProcessor does): a prompt
+    must hold exactly one per image, chat or completion, or stage 0 would run it without an image."""
+    import openai
+
+    image_id = _image_token_id(zmq)
+    chat, complete = openai_api.chat.completions.create, openai_api.completions.create
+    text_part = [{"type": "text", "text": "what is <image>?"}]
+    cases = {
+        "a text part": (lambda: chat(model="m", max_tokens=2, messages=[{"role": "user", "content": text_part}]),
+                        "messages", 1, 0),
+        "a string content": (lambda: chat(model="m", max_tokens=2, messages=[{"role": "user", "content": "<image>"}]),
+                             "messages", 1, 0),
+        "a text part beside an image": (
+            lambda: chat(model="m", max_tokens=2, messages=image_message([data_url(GOOD)], "and <image> too")),
+            "messages", 2, 1),
+        "a completion's prompt": (lambda: complete(model="m", max_tokens=2, prompt="<image> a caption:"),
+                                  "prompt", 1, 0),
+        "a completion's token ids": (lambda: complete(model="m", max_tokens=2, prompt=[5, image_id, image_id, 7]),
+                                     "prompt", 2, 0),
+    }
+    starts = vision_state(zmq)["starts"]
+    for name, (call, param, found, images) in cases.items():
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        error = err.value
+        assert (error.code, error.param) == ("image_count_mismatch", param), name
+        assert f"holds {found} image token(s) ('<image>', id {image_id}) for {images} image(s)" in error.message, name
+    assert vision_state(zmq)["starts"] == starts  # refused before any vision worker start
+    # over ZeroMQ a raw prompt may place its images with the token, one per image frame
+    for prompt in ({"prompt": "<image> a caption:"}, {"prompt_tokens": [5, image_id, 7]}):
+        assert len(zmq.generate(**prompt, images=[GOOD], max_tokens=2, ignore_eos=True).collect()["tokens"]) == 2
+
+
+def _encodes(service) -> tuple[float, float, float]:
+    sample = scrape(service.base_url)
+    return (sample["moebus_images_total"], sample["moebus_vision_encode_seconds_count"],
+            sample["moebus_images_reused_total"])
+
+
+def test_the_choices_of_one_image_request_share_one_encode(service, openai_api):
+    create = openai_api.chat.completions.create
+    messages = image_message([data_url(GOOD), data_url(_encoded("JPEG"), "image/jpeg")])
+    greedy = dict(model="m", messages=messages, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    solo = create(**greedy).choices[0].message.content
+    before = _encodes(service)
+    reply = create(**greedy, n=3)
+    images, encodes, reused = (a - b for a, b in zip(_encodes(service), before))
+    assert [c.message.content for c in reply.choices] == [solo] * 3  # the shared embeddings are the right ones
+    assert (images, encodes, reused) == (2, 1, 4)  # two images encoded once, in one ENCODE, for three choices
+    sampled = create(model="m", messages=messages, max_tokens=4, n=2, stream=True, extra_body={"ignore_eos": True})
+    assert {c.choices[0].index for c in sampled if c.choices} == {0, 1}
+    assert _encodes(service)[1] - before[1] == 2
+
+
+def test_a_choice_fails_with_the_choice_that_encodes_for_it(service, zmq):
+    """Over ZeroMQ the group is explicit: two requests with one image_group; the vision worker cannot
+    decode the image (the broker only reads its header), and both get its 400."""
+    content = [{"type": "image"}, {"type": "text", "text": "look"}]
+    before = _encodes(service)
+    streams = [zmq.chat([{"role": "user", "content": content}], images=[GOOD[: len(GOOD) // 2]], max_tokens=2,
+                        image_group="bad-pair", image_group_size=2) for _ in range(2)]
+    for stream in streams:
+        with pytest.raises(RequestError) as err:
+            stream.collect()
+        assert (err.value.http_status, err.value.code, err.value.param) == (400, "invalid_image", "images[0]")
+    assert _encodes(service)[1] - before[1] == 1
+
+
+def test_a_cancelled_leader_hands_its_encode_in_flight_to_the_next_choice(service, zmq):
+    """The vision worker is stopped (SIGSTOP) while the first choice's ENCODE is out; the second
+    choice follows it; the first is cancelled: the second takes over that very encode."""
+    content = [{"type": "image"}, {"type": "text", "text": "look"}]
+
+    def choice():
+        return zmq.chat([{"role": "user", "content": content}], images=[GOOD], max_tokens=2, ignore_eos=True,
+                        image_group="handover", image_group_size=2)
+
+    assert len(zmq.chat([{"role": "user", "content": content}], images=[GOOD], max_tokens=2).collect()["tokens"])
+    worker = vision_state(zmq)["pid"]
+    before = _encodes(service)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        first = choice()
+        wait_for(lambda: vision_state(zmq)["waiting"] == 1 or None, 30)
+        second = choice()
+        wait_for(lambda: vision_state(zmq)["waiting"] == 2 or None, 30)
+        first.close()  # CANCEL
+        wait_for(lambda: vision_state(zmq)["waiting"] == 1 or None, 30)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert len(second.collect()["tokens"]) == 2
+    assert tuple(a - b for a, b in zip(_encodes(service), before)) == (1, 1, 0)  # the first's encode, not reused
+    assert vision_state(zmq)["pid"] == worker
+    service.log.flush()
+    assert f"image request {first.id} cancelled: {second.id} takes over its encode" in open(service.log.name).read()
+
+
+@pytest.mark.parametrize("path", ["/ok/slow.png", "/ok/slow-headers.png"])
+def test_a_trickling_image_server_is_cut_off_at_the_fetch_deadline(service, web, openai_api, path):
+    """A byte every TRICKLE_S passes every per-read timeout (vision.fetch_timeout_s: 10 s); the whole
+    fetch still ends at vision.fetch_deadline_s, and the connection is closed, not left behind."""
+    import openai
+
+    _Images.hung_up.clear()
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_api.chat.completions.create(model="m", max_tokens=2, messages=image_message([web + path]))
+    assert (err.value.code, err.value.param) == ("image_fetch_failed", "messages[0].content[0].image_url")
+    assert f"vision.fetch_deadline_s, {FETCH_DEADLINE_S:g} s" in err.value.message
+    assert _Images.hung_up.wait(30)  # the server's next writes failed: the fetch hung up

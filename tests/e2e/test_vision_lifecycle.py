@@ -15,7 +15,7 @@ from moebus.client import Client
 from moebus.common.errors import RequestError
 from tests.api.helpers import scrape, wait_for
 from tests.service import alive
-from tests.e2e.vision_helpers import (image_message, data_url, png_bytes, start_vision_service, vision_state,
+from tests.e2e.vision_helpers import (ballast, image_message, data_url, png_bytes, start_vision_service, vision_state,
                                       vision_worker_pids, wait_cold, zygote_pid)
 from tests.vision_models import sample_images
 
@@ -212,13 +212,14 @@ def test_openai_image_chat_with_a_data_url(service, image):
 
 
 def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, llava_dir, image):
-    """No hand-back (vram_mib 0): the caches keep the emulated GPU full, so the vision worker's
+    """No hand-back (vram_mib 0) and another process holding gpu0's free bytes: the vision worker's
     ledger charge fails as a cudaMalloc would, and the waiting image request is told why."""
     svc = start_vision_service(tmp_path, llava_dir, vram_mib=[0, 0])
     client = Client(svc.zmq_address, timeout_s=30)
     try:
-        with pytest.raises(RequestError) as err:
-            _image_request(client, image).collect()
+        with ballast(tmp_path / "vram" / "gpu0"):
+            with pytest.raises(RequestError) as err:
+                _image_request(client, image).collect()
         assert err.value.http_status == 503 and err.value.code == "vision_unavailable"
         assert "OutOfMemory" in err.value.message and "emulated GPU gpu0" in err.value.message
         assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3

@@ -3,7 +3,10 @@ hand-back really shrinks a cache), image files as data URLs, and the service's v
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,14 +14,44 @@ from moebus.client import Client
 from tests.service import Service, alive, process_tree
 
 # The tiny LLaVA's stage 0 needs ~2.5 MiB besides its 2 MiB expert cache (dense, KV and the step
-# scratch its warm-up measures: ~1.25 MiB on cpu): a 4.5 MiB gpu0 with 1 MiB segments leaves the
-# cache full at start-up and ~0 MiB free, so the vision hand-back (0.2 MiB) shrinks it by half.
-VISION_SERVE = dict(emulated_vram_mib=[4.5, 4], segment_mib=1)
+# scratch its warm-up measures: 1.25-1.30 MiB on cpu, a little different from run to run and branch
+# to branch): a 5 MiB gpu0 with 1 MiB segments leaves the cache full at start-up with ~0.5 MiB free,
+# half a segment from either edge, so the vision hand-back (1 MiB: the 0.2 MiB charge in whole MiB
+# + 1) always shrinks it by one segment. gpu1 (~1.9 MiB besides its cache) keeps the same margin.
+VISION_SERVE = dict(emulated_vram_mib=[5, 4.5], segment_mib=1)
 
 
-def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, **vision) -> Service:
+def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, broker: dict | None = None,
+                         **vision) -> Service:
+    """The emulated GPUs' ledgers are under ``tmp / "vram"`` (for a ballast process to charge)."""
     return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
-                   max_context=max_context, **VISION_SERVE).wait_ready()
+                   max_context=max_context, broker=broker or {}, emulated_vram_dir=str(tmp / "vram"),
+                   **VISION_SERVE).wait_ready()
+
+
+BALLAST = """
+import sys
+from moebus.cuda.ledger import EmulatedGpu
+gpu = EmulatedGpu(sys.argv[1])
+free_bytes = gpu.memory_info()[0]
+gpu.allocate(free_bytes, "ballast")
+print(free_bytes, flush=True)
+sys.stdin.read()  # held until the test closes our stdin (or dies: the ledger drops dead processes)
+"""
+
+
+@contextlib.contextmanager
+def ballast(ledger_path: Path):
+    """Another process holding every free byte of one emulated GPU while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", BALLAST, str(ledger_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        held = proc.stdout.readline().strip()
+        assert held.isdigit(), "the ballast process did not start"
+        yield int(held)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
 
 
 def png_bytes(image) -> bytes:

@@ -28,17 +28,41 @@
   const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 
   // -- API key: from #key=… once, then kept for this tab only ---------------------------------
-  function apiKey() {
-    const m = location.hash.match(/key=([^&]+)/);
-    if (m) {
-      sessionStorage.setItem(KEY_STORE, decodeURIComponent(m[1]));
-      history.replaceState(null, "", location.pathname + location.search);
+  // A key is what a Bearer header can carry: visible ASCII. Anything else in the address (a
+  // malformed %-escape, say) or typed in the form asks for the key again instead of failing.
+  const KEY_CHARS = /^[\x21-\x7e]+$/;
+  function askForKey(note) {
+    sessionStorage.removeItem(KEY_STORE);
+    $("key-note").textContent = note;
+    $("key-form").hidden = false;
+    $("status").textContent = "API key needed";
+    $("status").className = "badge bad";
+  }
+  function keyFromAddress() {
+    const m = location.hash.match(/(?:^#|&)key=([^&]*)/);
+    if (!m) return;
+    history.replaceState(null, "", location.pathname + location.search);  // good or bad, not in the address
+    let key = null;
+    try {
+      key = decodeURIComponent(m[1]);
+    } catch (err) {  // URIError: not a percent-encoded text
     }
-    return sessionStorage.getItem(KEY_STORE);
+    if (key !== null && KEY_CHARS.test(key)) sessionStorage.setItem(KEY_STORE, key);
+    else askForKey("The key in the address could not be read: type it here.");
+  }
+  function apiKey() {
+    keyFromAddress();
+    const key = sessionStorage.getItem(KEY_STORE);
+    return key !== null && KEY_CHARS.test(key) ? key : null;
   }
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
-    sessionStorage.setItem(KEY_STORE, $("key-input").value.trim());
+    const key = $("key-input").value.trim();
+    if (!KEY_CHARS.test(key)) {
+      askForKey("That cannot be a key (visible ASCII, no spaces): type it again.");
+      return;
+    }
+    sessionStorage.setItem(KEY_STORE, key);
     $("key-form").hidden = true;
     poll();
   });
@@ -206,8 +230,8 @@
     try {
       const resp = await fetch("/v1/cache", { cache: "no-store", headers: key ? { Authorization: "Bearer " + key } : {} });
       if (resp.status === 401) {
-        $("key-form").hidden = false;
-        $("status").textContent = "API key needed";
+        if (key !== null) askForKey("The server did not take that key: type it again.");
+        else askForKey($("key-note").textContent);
         return;  // polling resumes when a key is given
       }
       const body = await resp.json();
