@@ -46,8 +46,8 @@ def cmd_worker(args) -> int:
     from moebus.broker.launch import layer_ranges
     from moebus.common.demo_model import demo_model_dir
     from moebus.common.model_config import load_config
-    from moebus.cuda.devices import resolve_device
-    from moebus.cuda.kernel_cache import gpu_role, use_kernel_cache
+    from moebus.cuda.memory.devices import resolve_device
+    from moebus.cuda.kernels.kernel_cache import gpu_role, use_kernel_cache
 
     settings = _settings(args)
     use_kernel_cache(settings.kernel_cache_dir, gpu_role(args.gpu))  # a worker started by hand, too
@@ -65,7 +65,7 @@ def cmd_worker(args) -> int:
 
 def cmd_vision_zygote(args) -> int:
     from moebus.common.demo_model import demo_model_dir
-    from moebus.cuda.devices import resolve_device
+    from moebus.cuda.memory.devices import resolve_device
     from moebus.workers.vision_zygote import run_zygote
 
     settings = _settings(args)

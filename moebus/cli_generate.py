@@ -28,7 +28,7 @@ def _prompt(args) -> dict:
 def _local(args) -> dict:
     from moebus.common.demo_model import demo_model_dir
     from moebus.common.tokenizer import TextTokenizer
-    from moebus.cuda.devices import resolve_device
+    from moebus.cuda.memory.devices import resolve_device
     from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())

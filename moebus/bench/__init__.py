@@ -24,7 +24,7 @@ def run_bench(what: str, argv: list[str]) -> int:
     elif what == "cache":
         from moebus.bench.cache import main
     elif what == "kernels":
-        from moebus.cuda.bench_kernels import main
+        from moebus.bench.kernels import main
     elif what == "vram":
         from moebus.bench.vram import main
     elif what == "soak":

@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from moebus.cuda.arena import HostArena
+from moebus.cuda.memory.arena import HostArena
 from moebus.workers.expert_cache import ExpertCache
 
 BLOB_ELEMS = 1024  # the bytes do not matter here: 2 KiB slots keep the arena small

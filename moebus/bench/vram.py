@@ -59,10 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
 
-    from moebus.cuda import compat  # noqa: F401
-    from moebus.cuda.arena import plan_segments
-    from moebus.cuda.ledger import MIB
-    from moebus.cuda.vmm import StreamCopier, VmmArena, device_memory_info
+    from moebus.cuda.kernels import compat  # noqa: F401
+    from moebus.cuda.memory.arena import plan_segments
+    from moebus.cuda.memory.ledger import MIB
+    from moebus.cuda.memory.vmm import StreamCopier, VmmArena, device_memory_info
     from moebus.workers.expert_cache import ExpertCache
     from numba import cuda
 

@@ -19,8 +19,8 @@ from moebus.common.errors import ConfigError
 from moebus.common.layer_split import proportional_split, split_layers
 from moebus.common.model_config import load_config
 from moebus.common.tokenizer import TextTokenizer
-from moebus.cuda.devices import gpu_memory_mib, resolve_device
-from moebus.cuda.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env
+from moebus.cuda.memory.devices import gpu_memory_mib, resolve_device
+from moebus.cuda.kernels.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env
 
 log = logging.getLogger("moebus.broker")
 

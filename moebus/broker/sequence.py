@@ -72,7 +72,7 @@ class Sequence:
 
     def logit_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ids that this request's logit rules touch, as the last stage takes them (see
-        cuda/penalties.py): ``counts`` is the id's count in the output (0: prompt only, -1: only
+        cuda/kernels/penalties.py): ``counts`` is the id's count in the output (0: prompt only, -1: only
         biased); ``bias`` its logit bias."""
         s = self.sampling
         ids, counts = np.zeros(0, np.int32), np.zeros(0, np.int32)

@@ -79,7 +79,7 @@ class Sampling(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     logprobs: int = Field(0, ge=0, le=20)  # also return the n most likely tokens per position
-    # logit rules as vLLM defines them (cuda/penalties.py); the defaults are off
+    # logit rules as vLLM defines them (cuda/kernels/penalties.py); the defaults are off
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
@@ -285,7 +285,7 @@ class Step(Message):
     and ``embed_rows`` (R,) int32, first stage only: rows of this step's T tokens whose token
     embedding is replaced (image embeddings; a prefill chunk carries only the rows inside it).
     The ``logit_*`` arrays come to the last stage only when some row asks for a penalty, a bias or
-    min_p (cuda/penalties.py): ``logit_params`` (S, 4) float32 frequency, presence, repetition,
+    min_p (cuda/kernels/penalties.py): ``logit_params`` (S, 4) float32 frequency, presence, repetition,
     min_p; ``logit_lengths`` (S,) int32 entries per row; per entry ``logit_ids``, ``logit_counts``
     (output count, 0: prompt only, -1: biased only) int32 and ``logit_bias`` float32.
     ``top_logprobs`` n > 0: the last stage returns the n most likely ids of the rows in

@@ -1,2 +1,3 @@
-"""Device code: one op family per file (numba.cuda kernels, launch wrapper, numpy reference), the
-device backends that the stage calls, and the expert arena."""
+"""Device code in three rooms: ``kernels/`` (numba.cuda kernels beside their numpy references),
+``memory/`` (arena, VMM segments, emulated ledger, step buffers) and ``backends/`` (the cpu and cuda
+backends that a stage calls). dtypes.py: how bf16 weights are held in numpy."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moebus.cuda.penalties import LogitRules
+from moebus.cuda.kernels.penalties import LogitRules
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moebus.cuda.ledger import MIB, EmulatedGpu
+from moebus.cuda.memory.ledger import MIB, EmulatedGpu
 from moebus.workers.batch import StepBatch
 
 log = logging.getLogger("moebus.worker")

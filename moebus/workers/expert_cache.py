@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.ledger import MIB
-from moebus.cuda.routing import host_placement
+from moebus.cuda.memory.ledger import MIB
+from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.eviction import make_policy
 
 EMPTY = -1

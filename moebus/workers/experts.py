@@ -2,7 +2,7 @@
 the arena holds every expert of the stage (no eviction ever happens)."""
 from __future__ import annotations
 
-from moebus.cuda.arena import HostArena, plan_segments
+from moebus.cuda.memory.arena import HostArena, plan_segments
 from moebus.workers.expert_cache import ExpertCache
 from moebus.workers.host_store import HostStore
 
@@ -31,7 +31,7 @@ def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None 
     else:  # one segment; VRAM is mapped in 2 MiB granules, host memory need not be
         segments = [_round_up(total) if on_cuda else total]
     if on_cuda:
-        from moebus.cuda.vmm import StreamCopier, make_device_arena
+        from moebus.cuda.memory.vmm import StreamCopier, make_device_arena
 
         arena = make_device_arena(store.blob_bytes, store.dtype, segments, elastic)
         copier = StreamCopier(arena, backend)

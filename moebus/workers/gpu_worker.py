@@ -14,9 +14,9 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
-from moebus.cuda.backend import make_backend
-from moebus.cuda.compat import disk_cache_counts
-from moebus.cuda.ledger import MIB
+from moebus.cuda.backends import make_backend
+from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.cuda.memory.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
                                          stage_dense_bytes, startup_capacity_bytes)
@@ -128,7 +128,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
         free, _ = ledger.memory_info()
         scratch_to_keep = 0
     else:
-        from moebus.cuda.vmm import device_memory_info
+        from moebus.cuda.memory.vmm import device_memory_info
 
         free, _ = device_memory_info()
         scratch_to_keep = scratch.standing_bytes + CUDA_HEADROOM_BYTES

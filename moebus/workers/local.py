@@ -9,7 +9,7 @@ import numpy as np
 from moebus.common.checkpoint import Checkpoint
 from moebus.common.layer_split import split_layers
 from moebus.common.vision_config import load_vision_config
-from moebus.cuda.backend import make_backend
+from moebus.cuda.backends import make_backend
 from moebus.workers.batch import StepBatch
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.stage import Stage

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from moebus.common.protocol import Shutdown
-from moebus.cuda.backend import is_fatal_device_error
+from moebus.cuda.backends import is_fatal_device_error
 
 log = logging.getLogger("moebus.worker")
 FATAL_EXIT_STATUS = 3  # a poisoned CUDA context must not keep serving errors: the process ends

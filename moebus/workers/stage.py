@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.backend import is_fatal_device_error, is_out_of_memory
-from moebus.cuda.fused import can_fuse_heads
-from moebus.cuda.rope import rope_tables
+from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.cuda.kernels.fused import can_fuse_heads
+from moebus.cuda.kernels.rope import rope_tables
 from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.experts import build_expert_cache
@@ -58,7 +58,7 @@ class Stage:
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
-        from moebus.cuda.graphs import graphs_available
+        from moebus.cuda.backends.graphs import graphs_available
 
         if use_graphs is None:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
@@ -198,7 +198,7 @@ class Stage:
         graph = self.graphs.get(batch.num_tokens)
         if graph is not None and graph.matches(inputs):
             return graph
-        from moebus.cuda.graphs import CapturedStep
+        from moebus.cuda.backends.graphs import CapturedStep
 
         if graph is not None:
             graph.close()

@@ -31,7 +31,7 @@ def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.nd
 
 
 def _pool_bytes(nbytes: int) -> int:
-    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/step_pool.py's power-of-two size classes
+    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
 
 
 def encode_scratch_bytes(cfg: VisionConfig, num_images: int) -> int:

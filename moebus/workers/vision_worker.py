@@ -17,8 +17,8 @@ import numpy as np
 from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
-from moebus.cuda.backend import make_backend
-from moebus.cuda.compat import disk_cache_counts
+from moebus.cuda.backends import make_backend
+from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve

@@ -37,8 +37,8 @@ class Zygote:
         self.connect = connect
         self.device = device
         if device == "cuda":  # imported here (no context is created) so that no child imports it
-            import moebus.cuda.backend_cuda  # noqa: F401
-            from moebus.cuda.compat import load_numba_target
+            import moebus.cuda.backends.cuda  # noqa: F401
+            from moebus.cuda.kernels.compat import load_numba_target
 
             load_numba_target()  # once here, not in each worker's warm-up (which then only loads kernels)
         self.config = load_vision_config(model_dir)

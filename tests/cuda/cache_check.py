@@ -46,7 +46,7 @@ def _offline_cache(cuda_home: str, cc: tuple[int, int]):
 
 
 def _report(dispatchers, num_variants: int, nvvm_calls: int, role_dir: Path) -> dict:
-    from moebus.cuda.compat import disk_cache_counts
+    from moebus.cuda.kernels.compat import disk_cache_counts
 
     files = sorted(p.suffix for p in role_dir.rglob("*") if p.suffix in (".nbi", ".nbc"))
     return {"kernel_variants": num_variants, "compiled": sum(sum(k._cache_misses.values()) for k in dispatchers),
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--expect-loaded", action="store_true", help="fail unless every kernel came from the cache")
     parser.add_argument("--only", default="", help="comma list of kernel names (e.g. layernorm_rows,add_flat); default all")
     args = parser.parse_args(argv)
-    from moebus.cuda.kernel_cache import gpu_role, use_kernel_cache
+    from moebus.cuda.kernels.kernel_cache import gpu_role, use_kernel_cache
 
     role_dir = use_kernel_cache(args.cache_dir, gpu_role(0))  # before any kernel module is imported
     from tests.cuda.ptx_check import exercise, find_cuda_home

@@ -37,14 +37,14 @@ def stored(values: np.ndarray, storage: str) -> np.ndarray:
 
 def poisoned(shape, dtype=np.float32):
     """A device array full of NaN (or -1 for integers) so that unwritten elements fail a comparison."""
-    from moebus.cuda.compat import cuda
+    from moebus.cuda.kernels.compat import cuda
 
     fill = POISON if np.dtype(dtype).kind == "f" else -1
     return cuda.to_device(np.full(shape, fill, dtype=dtype))
 
 
 def device(array):
-    from moebus.cuda.compat import cuda
+    from moebus.cuda.kernels.compat import cuda
 
     return cuda.to_device(np.ascontiguousarray(array))
 

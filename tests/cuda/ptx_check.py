@@ -44,7 +44,7 @@ def _offline_numba(cuda_home: str, cc: tuple[int, int]):
     """numba.cuda set up to compile with this toolkit's NVVM for ``cc``, no driver involved."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
         raise SystemExit("ptx_check needs the real numba.cuda: unset NUMBA_ENABLE_CUDASIM")
-    from moebus.cuda import compat  # noqa: F401 - numpy shims first
+    from moebus.cuda.kernels import compat  # noqa: F401 - numpy shims first
     from numba.cuda import cuda_paths
     import numba.cuda.compiler as compiler
     import numba.cuda.dispatcher as dispatcher
@@ -109,7 +109,8 @@ class Compiler:
 def exercise(rng) -> None:
     """Every launch wrapper at the compile-time specialisations a Qwen3-30B-A3B stage uses
     (head_dim 128, 8 query heads per kv head, 128 experts, 1..8 tokens per pass), small sizes."""
-    from moebus.cuda import attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope, sampling
+    from moebus.cuda.kernels import (attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope,
+                                     sampling)
     from moebus.cuda.dtypes import f32_to_bf16
 
     def f32(*shape):
@@ -145,7 +146,7 @@ def exercise(rng) -> None:
                              empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
-    from moebus.cuda import fused, routing
+    from moebus.cuda.kernels import fused, routing
 
     for storage in (lambda a: f32_to_bf16(a), lambda a: a):
         fused.add_rmsnorm_cuda(f32(2, 2048), f32(2, 2048), storage(f32(2048)), 1e-6, empty(2, 2048), empty(2, 2048))
@@ -156,17 +157,17 @@ def exercise(rng) -> None:
 
     routing.route_pairs_cuda(np.zeros((2, 8), np.int32), np.zeros((3, 128), np.int32), 1,
                              *(empty(16, dtype=np.int32) for _ in range(3)))
-    from moebus.cuda import top_logprobs
+    from moebus.cuda.kernels import top_logprobs
 
     top_logprobs.top_logprobs_cuda(f32(2, 1000), 5, empty(2, 5, dtype=np.int32), empty(2, 5))
-    from moebus.cuda import bench_kernels
+    from moebus.bench import kernels
 
     bench_kernels._spin[1, 1, 0](10)
     rows = 2
     sampling.sample_cuda(f32(rows, 1000), np.ones(rows, np.float32), np.zeros(rows, np.int32),
                          np.ones(rows, np.float32), np.zeros(rows, np.float32), empty(rows, dtype=np.int32),
                          empty(rows), empty(rows, 1000))
-    from moebus.cuda import penalties
+    from moebus.cuda.kernels import penalties
 
     params = np.array([[0.5, 0.5, 1.2, 0.1]] * rows, np.float32)
     offsets, ids = np.array([0, 2, 3], np.int32), np.array([1, 5, 7], np.int32)
@@ -179,7 +180,7 @@ def exercise(rng) -> None:
 def exercise_vision(rng) -> None:
     """The vision tower's kernels, at the specialisations SigLIP-so400m (head_dim 72), CLIP-L (64) and the
     largest head the attention tiles take (128) use."""
-    from moebus.cuda import activations, layernorm, scatter, tiled_linear, vision_attention
+    from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention
     from moebus.cuda.dtypes import f32_to_bf16
 
     def f32(*shape):

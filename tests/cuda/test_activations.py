@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.activations import REFS, activation_cuda, activation_ref, add_bias_cuda, add_bias_ref
+from moebus.cuda.kernels.activations import REFS, activation_cuda, activation_ref, add_bias_cuda, add_bias_ref
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 

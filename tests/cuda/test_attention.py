@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.attention import (TILE, TILES_PER_SPLIT, attention_cuda, attention_ref, kv_store_cuda,
+from moebus.cuda.kernels.attention import (TILE, TILES_PER_SPLIT, attention_cuda, attention_ref, kv_store_cuda,
                                   kv_store_ref, max_splits)
 from tests.cuda.conftest import device, poisoned
 

@@ -3,9 +3,10 @@ import inspect
 import numpy as np
 import pytest
 
-from moebus.cuda.backend import CpuBackend, make_backend
-from moebus.cuda.backend_cuda import CudaBackend
-from moebus.cuda.step_pool import StepPool
+from moebus.cuda.backends.cpu import CpuBackend
+from moebus.cuda.backends import make_backend
+from moebus.cuda.backends.cuda import CudaBackend
+from moebus.cuda.memory.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu",
        "rope", "kv_store", "attention", "topk_softmax", "route_pairs", "expert_ffn", "top_logprobs", "combine",
@@ -79,8 +80,8 @@ def test_cuda_backend_offers_the_vision_ops_with_the_same_parameters():
 def test_running_out_of_device_memory_fails_the_step_not_the_worker():
     from numba.cuda.cudadrv.driver import CudaAPIError
 
-    from moebus.cuda.backend import is_fatal_device_error
-    from moebus.cuda.ledger import OutOfMemory
+    from moebus.cuda.backends import is_fatal_device_error
+    from moebus.cuda.memory.ledger import OutOfMemory
 
     assert not is_fatal_device_error(CudaAPIError(2, "cuMemAlloc: out of memory"))
     assert not is_fatal_device_error(OutOfMemory("emulated GPU full"))

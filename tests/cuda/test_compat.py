@@ -3,8 +3,8 @@ own block reductions and the tree versions the GPU runs)."""
 import numpy as np
 import pytest
 
-from moebus.cuda import compat
-from moebus.cuda.compat import cuda
+from moebus.cuda.kernels import compat
+from moebus.cuda.kernels.compat import cuda
 from tests.cuda.conftest import device, poisoned
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebus.cuda.elementwise import add_cuda, add_ref, fill_cuda, swiglu_cuda, swiglu_ref
+from moebus.cuda.kernels.elementwise import add_cuda, add_ref, fill_cuda, swiglu_cuda, swiglu_ref
 from tests.cuda.conftest import device, poisoned
 
 

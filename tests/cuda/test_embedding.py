@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.embedding import embedding_cuda, embedding_ref
+from moebus.cuda.kernels.embedding import embedding_cuda, embedding_ref
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 

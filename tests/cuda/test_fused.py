@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.fused import (add_rmsnorm_cuda, add_rmsnorm_ref, combine_add_rmsnorm_cuda, combine_add_rmsnorm_ref,
+from moebus.cuda.kernels.fused import (add_rmsnorm_cuda, add_rmsnorm_ref, combine_add_rmsnorm_cuda, combine_add_rmsnorm_ref,
                                qkv_rope_store_cuda, qkv_rope_store_ref)
-from moebus.cuda.rope import rope_tables
+from moebus.cuda.kernels.rope import rope_tables
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 

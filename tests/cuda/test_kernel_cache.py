@@ -13,8 +13,8 @@ import pytest
 
 from moebus.broker import launch
 from moebus.common.settings import Settings
-from moebus.cuda import kernel_cache
-from moebus.cuda.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env, role_cache_dir, use_kernel_cache
+from moebus.cuda.kernels import kernel_cache
+from moebus.cuda.kernels.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env, role_cache_dir, use_kernel_cache
 from tests.cuda.ptx_check import find_cuda_home
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _is_device_jit(node) -> bool:
 def test_every_kernel_is_jitted_through_compat_kernel():
     # a bare @cuda.jit kernel would compile again in every process
     bare = []
-    for path in sorted(CUDA_DIR.glob("*.py")):
+    for path in sorted(CUDA_DIR.rglob("*.py")):
         if path.name == "compat.py":  # where kernel() itself calls cuda.jit
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -57,12 +57,11 @@ def test_unset_setting_means_the_user_cache_dir(tmp_path, monkeypatch):
 
 def test_fingerprint_changes_with_any_kernel_source(tmp_path, monkeypatch):
     # numba's key would not see a changed device function in another file: the directory must
-    for path in CUDA_DIR.glob("*.py"):
-        shutil.copy(path, tmp_path / path.name)
+    shutil.copytree(CUDA_DIR, tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(kernel_cache, "_SOURCES", tmp_path)
     before = kernel_cache.source_fingerprint()
     assert before == kernel_cache.source_fingerprint()
-    loads = tmp_path / "loads.py"
+    loads = tmp_path / "kernels" / "loads.py"
     loads.write_text(loads.read_text().replace("<< 16", "<<16", 1))
     assert kernel_cache.source_fingerprint() != before
 
@@ -90,7 +89,7 @@ def test_a_process_no_broker_started_caches_in_the_local_role_directory(tmp_path
     # not numba's default beside the sources, which an edit to compat.py would not invalidate
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
     env["MOEBUS_CACHE_DIR"] = str(tmp_path)
-    code = "import moebus.cuda.layernorm as m; print(m._layernorm_kernel('f32')._cache.cache_path)"
+    code = "import moebus.cuda.kernels.layernorm as m; print(m._layernorm_kernel('f32')._cache.cache_path)"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]
     local = tmp_path / "kernels" / kernel_cache.source_fingerprint() / "local"
@@ -102,7 +101,7 @@ def test_an_unwritable_directory_means_no_disk_cache_rather_than_numbas_fallback
     blocker.write_text("")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["NUMBA_CACHE_DIR"] = str(blocker / "kernels")
-    code = ("import moebus.cuda.layernorm as m, moebus.cuda.scatter as s\n"
+    code = ("import moebus.cuda.kernels.layernorm as m, moebus.cuda.kernels.scatter as s\n"
             "print(type(m._layernorm_kernel('f32')._cache).__name__, type(s.scatter_rows_flat._cache).__name__)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -133,8 +132,8 @@ def test_a_second_process_loads_the_kernels_instead_of_compiling(tmp_path):
 
 FILL_TARGET = """
 import os
-import moebus.cuda.backend_cuda  # what the vision zygote imports on cuda
-from moebus.cuda.compat import load_numba_target
+import moebus.cuda.backends.cuda  # what the vision zygote imports on cuda
+from moebus.cuda.kernels.compat import load_numba_target
 from numba.cuda.cudadrv import driver
 threads = len(os.listdir("/proc/self/task"))
 load_numba_target()

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.layernorm import layernorm_cuda, layernorm_ref
+from moebus.cuda.kernels.layernorm import layernorm_cuda, layernorm_ref
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.linear import MAX_TOKENS, linear_cuda, linear_ref
+from moebus.cuda.kernels.linear import MAX_TOKENS, linear_cuda, linear_ref
 from tests.cuda.conftest import STORAGES, device, nmse, poisoned, stored
 
 

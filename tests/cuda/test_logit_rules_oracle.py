@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from moebus.cuda.penalties import LogitRules, apply_rules_ref
-from moebus.cuda.sampling import sample_row_ref
+from moebus.cuda.kernels.penalties import LogitRules, apply_rules_ref
+from moebus.cuda.kernels.sampling import sample_row_ref
 
 torch = pytest.importorskip("torch")
 generation = pytest.importorskip("transformers.generation.logits_process")

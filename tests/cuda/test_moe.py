@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.moe import combine_cuda, combine_ref, expert_ffn_ref, topk_softmax_cuda, topk_softmax_ref
-from moebus.cuda import moe_ffn
-from moebus.cuda.moe_ffn import expert_ffn_cuda
+from moebus.cuda.kernels.moe import combine_cuda, combine_ref, expert_ffn_ref, topk_softmax_cuda, topk_softmax_ref
+from moebus.cuda.kernels import moe_ffn
+from moebus.cuda.kernels.moe_ffn import expert_ffn_cuda
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 HIDDEN, INTER = 16, 8

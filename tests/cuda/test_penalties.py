@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.penalties import (LogitRules, apply_rules_cuda, apply_rules_ref, token_logprobs_cuda,
+from moebus.cuda.kernels.penalties import (LogitRules, apply_rules_cuda, apply_rules_ref, token_logprobs_cuda,
                                    token_logprobs_ref)
 from tests.cuda.conftest import device, poisoned
 
@@ -73,8 +73,8 @@ def test_bad_rules_are_refused_before_a_launch(ids, params, message):
 
 
 def test_backends_agree(rng):
-    from moebus.cuda.backend import CpuBackend
-    from moebus.cuda.backend_cuda import CudaBackend
+    from moebus.cuda.backends.cpu import CpuBackend
+    from moebus.cuda.backends.cuda import CudaBackend
 
     logits = (rng.standard_normal((2, VOCAB)) * 3).astype(np.float32)
     temperature = np.array([1.0, 0.5], np.float32)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.rmsnorm import rmsnorm_cuda, rmsnorm_ref
+from moebus.cuda.kernels.rmsnorm import rmsnorm_cuda, rmsnorm_ref
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebus.cuda.rope import rope_cuda, rope_ref, rope_tables
+from moebus.cuda.kernels.rope import rope_cuda, rope_ref, rope_tables
 from tests.cuda.conftest import device, poisoned
 
 

@@ -2,9 +2,9 @@
 the expert kernels reading resident experts from the arena and the rest from the host store."""
 import numpy as np
 
-from moebus.cuda.moe import expert_ffn_ref
-from moebus.cuda.moe_ffn import expert_ffn_cuda
-from moebus.cuda.routing import host_placement, route_pairs_cuda, route_pairs_ref
+from moebus.cuda.kernels.moe import expert_ffn_ref
+from moebus.cuda.kernels.moe_ffn import expert_ffn_cuda
+from moebus.cuda.kernels.routing import host_placement, route_pairs_cuda, route_pairs_ref
 from tests.cuda.conftest import device, poisoned, stored
 
 HIDDEN, INTER, EXPERTS = 16, 8, 6

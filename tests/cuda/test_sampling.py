@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebus.cuda.sampling import sample_cuda, sample_ref
+from moebus.cuda.kernels.sampling import sample_cuda, sample_ref
 from tests.cuda.conftest import device, poisoned
 
 VOCAB = 96

@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebus.cuda.scatter import scatter_rows_cuda, scatter_rows_ref
+from moebus.cuda.kernels.scatter import scatter_rows_cuda, scatter_rows_ref
 from tests.cuda.conftest import device
 
 

@@ -2,7 +2,7 @@
 region, and none of them survives the loan."""
 import numpy as np
 
-from moebus.cuda.step_pool import StepPool
+from moebus.cuda.memory.step_pool import StepPool
 
 
 def test_new_buffers_come_from_the_lent_region_and_are_forgotten_after():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.tiled_linear import tiled_linear_cuda, tiled_linear_ref
+from moebus.cuda.kernels.tiled_linear import tiled_linear_cuda, tiled_linear_ref
 from tests.cuda.conftest import STORAGES, device, poisoned, stored
 
 
@@ -33,7 +33,7 @@ def test_tiled_linear_rejects_a_bias_of_another_length():
 
 
 def test_the_gpu_tile_gives_the_same_result(rng, monkeypatch):
-    from moebus.cuda import tiled_linear
+    from moebus.cuda.kernels import tiled_linear
 
     monkeypatch.setattr(tiled_linear, "TILE", (64, 64, 16, 4, 4))  # what a real GPU runs
     x = rng.standard_normal((66, 20), dtype=np.float32)

@@ -1,6 +1,6 @@
 import numpy as np
 
-from moebus.cuda.top_logprobs import top_logprobs_cuda, top_logprobs_rows_ref
+from moebus.cuda.kernels.top_logprobs import top_logprobs_cuda, top_logprobs_rows_ref
 from tests.cuda.conftest import device, poisoned
 
 

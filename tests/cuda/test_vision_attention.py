@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.vision_attention import vision_attention_cuda, vision_attention_ref
+from moebus.cuda.kernels.vision_attention import vision_attention_cuda, vision_attention_ref
 from tests.cuda.conftest import device, poisoned
 
 
@@ -30,7 +30,7 @@ def test_images_do_not_see_each_other(rng):
 
 
 def test_the_gpu_block_gives_the_same_result(rng, monkeypatch):
-    from moebus.cuda import vision_attention
+    from moebus.cuda.kernels import vision_attention
 
     monkeypatch.setattr(vision_attention, "WARPS", 8)  # what a real GPU runs: 8 query rows per block
     q, k, v = (rng.standard_normal((2 * 11, 2, 72), dtype=np.float32) for _ in range(3))

@@ -15,7 +15,7 @@ from tests.service import Service
 
 ALLOCATE = """
 import sys
-from moebus.cuda.ledger import EmulatedGpu, OutOfMemory
+from moebus.cuda.memory.ledger import EmulatedGpu, OutOfMemory
 try:
     EmulatedGpu(sys.argv[1]).allocate(int(float(sys.argv[2]) * 2 ** 20), "vision")
     print("ok")

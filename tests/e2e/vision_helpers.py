@@ -31,7 +31,7 @@ def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: in
 
 BALLAST = """
 import sys
-from moebus.cuda.ledger import EmulatedGpu
+from moebus.cuda.memory.ledger import EmulatedGpu
 gpu = EmulatedGpu(sys.argv[1])
 free_bytes = gpu.memory_info()[0]
 gpu.allocate(free_bytes, "ballast")

@@ -10,7 +10,7 @@ from moebus.common.checkpoint import Checkpoint  # noqa: E402
 from moebus.common.errors import CheckpointError  # noqa: E402
 from moebus.common.image_processor import ImageProcessor  # noqa: E402
 from moebus.common.vision_config import load_vision_config  # noqa: E402
-from moebus.cuda.backend import make_backend  # noqa: E402
+from moebus.cuda.backends.cpu import make_backend  # noqa: E402
 from moebus.workers.vision_model import VisionModel, load_vision_weights  # noqa: E402
 from tests.vision_models import hub_layout, in_memory_layout, make_hf_llava, sample_images  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_every_layout_gives_the_same_weights_and_language_model(llava, tmp_path)
 
 
 def test_encode_on_the_cuda_backend_equals_cpu_within_its_scratch_estimate(llava):
-    from moebus.cuda.backend_cuda import CudaBackend
+    from moebus.cuda.backends.cuda import CudaBackend
     from moebus.workers.vision_model import encode_scratch_bytes
 
     d, _ = llava("clip_layers_full_nobias")

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from moebus.cuda.arena import HostArena
-from moebus.cuda.ledger import MIB, EmulatedGpu
-from moebus.cuda.routing import host_placement
+from moebus.cuda.memory.arena import HostArena
+from moebus.cuda.memory.ledger import MIB, EmulatedGpu
+from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.expert_cache import EMPTY, ExpertCache
 
 BLOB_ELEMS = 256 * 1024  # 512 KiB of bf16 bits: 4 slots per 2 MiB segment
@@ -95,7 +95,7 @@ def test_decode_steps_read_misses_in_place_and_admit_what_the_policy_keeps(tmp_p
 
 
 def cache_ops():
-    from moebus.cuda.backend import CpuBackend
+    from moebus.cuda.backends.cpu import CpuBackend
 
     return CpuBackend()
 

@@ -1,7 +1,7 @@
 """The last stage applies a step's logit rules before sampling and still reports raw logprobs."""
 import numpy as np
 
-from moebus.cuda.penalties import LogitRules, token_logprobs_ref
+from moebus.cuda.kernels.penalties import LogitRules, token_logprobs_ref
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
 

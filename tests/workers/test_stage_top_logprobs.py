@@ -2,7 +2,7 @@
 only, and those rows get exactly what they get when every row asks (prefill in pieces included)."""
 import numpy as np
 
-from moebus.cuda.top_logprobs import top_logprobs_rows_ref
+from moebus.cuda.kernels.top_logprobs import top_logprobs_rows_ref
 from moebus.workers.batch import StepBatch, split_tokens
 from moebus.workers.local import LocalModel
 

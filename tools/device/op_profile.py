@@ -9,7 +9,7 @@ from collections import defaultdict
 os.environ["MOEBUS_CUDA_GRAPHS"] = "0"
 import numpy as np  # noqa: E402
 
-from moebus.cuda.compat import cuda, float32  # noqa: E402
+from moebus.cuda.kernels.compat import cuda, float32  # noqa: E402
 from moebus.workers.batch import StepBatch  # noqa: E402
 from moebus.workers.local import LocalModel  # noqa: E402
 

@@ -1,0 +1,109 @@
+"""The cpu backend (and the contract every backend keeps): the ops that a stage calls, on numpy (``cpu``) or numba.cuda (``cuda``).
+
+Both take and return their own array type (numpy arrays / device arrays); the stage only moves data
+across with ``upload`` / ``persist`` and ``to_host``. Every op's result is per-step scratch: valid
+until the next ``begin_step()``, so a backend can recycle buffers instead of allocating per call. Weights are prepared once at load with ``weight``; the
+``cpu`` backend keeps dense weights as float32 copies (numpy has no bf16 matmul, and converting per
+call would dominate a CPU decode step) while experts stay in their stored dtype in the arena."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda.dtypes import to_f32
+from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, penalties, rmsnorm, rope,
+                                 routing, sampling, top_logprobs)
+from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
+
+
+class CpuBackend:
+    """The numpy reference of every op, as the ``cpu`` device."""
+
+    name = "cpu"
+
+    def begin_step(self) -> None:
+        """Start of a forward pass: per-step buffers of the previous step may be reused."""
+
+    def layer_mark(self) -> int:
+        """numpy frees a layer's temporaries itself once nothing refers to them."""
+        return 0
+
+    def recycle_layer(self, mark: int, keep) -> None:
+        pass
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(to_f32(array))
+
+    def table(self, array: np.ndarray) -> np.ndarray:
+        """A weight read by row (embedding), kept in its stored dtype."""
+        return np.asarray(array)
+
+    def persist(self, array: np.ndarray) -> np.ndarray:
+        """A device copy that lives as long as its owner (rope tables, an arena)."""
+        return np.ascontiguousarray(array)
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        """A per-step input, valid until the next begin_step()."""
+        return np.ascontiguousarray(array)
+
+    def to_host(self, array) -> np.ndarray:
+        return np.asarray(array)
+
+    def overwrite(self, target: np.ndarray, host: np.ndarray) -> None:
+        """Copy ``host`` into the persistent array ``target``."""
+        np.copyto(target, host)
+
+    def zeros(self, shape, dtype=np.float32) -> np.ndarray:
+        """A persistent zeroed buffer (KV cache)."""
+        return np.zeros(shape, dtype=dtype)
+
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        """Per-step scratch, valid until the next begin_step()."""
+        return np.empty(shape, dtype=dtype)
+
+    def synchronize(self) -> None:
+        pass
+
+    def borrow(self, region) -> None:
+        """Scratch from lent arena memory: activations are host memory here, so nothing to do."""
+
+    def end_borrow(self) -> None:
+        pass
+
+    embedding = staticmethod(embedding.embedding_ref)
+    rmsnorm = staticmethod(rmsnorm.rmsnorm_ref)
+    add_rmsnorm = staticmethod(fused.add_rmsnorm_ref)
+    combine_add_rmsnorm = staticmethod(fused.combine_add_rmsnorm_ref)
+
+    @staticmethod
+    def qkv_rope_store(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache):
+        return fused.qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                        token_pos, cos, sin, k_cache, v_cache)
+    linear = staticmethod(linear.linear_ref)
+    add = staticmethod(elementwise.add_ref)
+    swiglu = staticmethod(elementwise.swiglu_ref)
+    rope = staticmethod(rope.rope_ref)
+    kv_store = staticmethod(attention.kv_store_ref)
+    attention = staticmethod(attention.attention_ref)
+    @staticmethod
+    def topk_softmax(logits, top_k: int, normalize: bool, ids=None):
+        chosen, weights = moe.topk_softmax_ref(logits, top_k, normalize)
+        if ids is None:
+            return chosen, weights
+        ids[...] = chosen
+        return ids, weights
+
+    route_pairs = staticmethod(routing.route_pairs_ref)
+    expert_ffn = staticmethod(moe.expert_ffn_ref)
+    combine = staticmethod(moe.combine_ref)
+    sample = staticmethod(sampling.sample_ref)
+    top_logprobs = staticmethod(top_logprobs.top_logprobs_rows_ref)
+    # vision tower and stage-0 image embeddings
+    layernorm = staticmethod(layernorm.layernorm_ref)
+    tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
+    activation = staticmethod(activations.activation_ref)
+    add_bias = staticmethod(activations.add_bias_ref)
+    vision_attention = staticmethod(vision_attention.vision_attention_ref)
+    scatter_rows = staticmethod(scatter.scatter_rows_ref)
+    apply_rules = staticmethod(penalties.apply_rules_ref)
+    token_logprobs = staticmethod(penalties.token_logprobs_ref)

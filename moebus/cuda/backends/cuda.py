@@ -1,0 +1,238 @@
+"""The ``cuda`` device: the stage's ops as numba.cuda kernels, all on one stream, with no host round
+trip except ``to_host``. Same interface and return conventions as ``CpuBackend`` (backend.py).
+
+Per-step buffers (op results, ``empty``, ``upload``) come from pools that ``begin_step()`` recycles,
+so a steady decode loop allocates nothing; persistent arrays (``weight``, ``table``, ``persist``,
+``zeros``) are plain device allocations owned by the caller."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm,
+                                 rope, routing, sampling, top_logprobs)
+from moebus.cuda.kernels import penalties
+from moebus.cuda.kernels.compat import SIMULATOR, cuda
+from moebus.cuda.backends.graphs import swapped
+from moebus.cuda.memory.step_pool import StepPool
+from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
+
+
+class CudaBackend:
+    """numba.cuda kernels on the current device."""
+
+    name = "cuda"
+
+    def __init__(self):
+        self.stream = cuda.stream()  # also the compute stream that the expert copier fences against
+        self.device_pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
+        # uploads go through pinned staging so the copy is truly async; kept until the next step
+        self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Start of a forward pass: per-step buffers of the previous step may be reused."""
+        self.stream.synchronize()  # the previous step's kernels and copies no longer touch them
+        self.device_pool.recycle()
+        self.staging_pool.recycle()
+
+    def layer_mark(self) -> int:
+        """Before the first layer: the point that recycle_layer() gives buffers back to."""
+        return self.device_pool.mark()
+
+    def recycle_layer(self, mark: int, keep) -> None:
+        """After a layer: its temporaries serve the next layer (same stream, so in order); staging
+        buffers are not reused within a step, the host may still be copying out of them."""
+        self.device_pool.recycle_since(mark, keep)
+
+    def weight(self, array: np.ndarray):
+        """Dense weights stay in their stored dtype (bf16 bits, f16, f32); kernels convert in registers."""
+        return cuda.to_device(np.ascontiguousarray(array), stream=self.stream)
+
+    def table(self, array: np.ndarray):
+        """A weight read by row (embedding), kept in its stored dtype."""
+        return self.weight(array)
+
+    def persist(self, array: np.ndarray):
+        """A device copy that lives as long as its owner (rope tables, an arena)."""
+        return self.weight(array)
+
+    def upload(self, array: np.ndarray):
+        """A per-step input, valid until the next begin_step()."""
+        host = np.ascontiguousarray(array)
+        staged = self.staging_pool.take(host.shape, host.dtype)
+        staged[...] = host
+        out = self.device_pool.take(host.shape, host.dtype)
+        if host.size:
+            out.copy_to_device(staged, stream=self.stream)
+        return out
+
+    def to_host(self, array) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array
+        host = array.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def zeros(self, shape, dtype=np.float32):
+        """A persistent zeroed buffer (KV cache)."""
+        out = cuda.device_array(shape, dtype=dtype, stream=self.stream)
+        return elementwise.fill_cuda(out, 0, stream=self.stream)
+
+    def borrow(self, region) -> None:
+        """Take this step's new scratch buffers from ``region`` (1-D uint8 device memory)."""
+        self.device_pool.lend(region)
+
+    def end_borrow(self) -> None:
+        """Give the region back: wait for the work that used it, then forget its buffers."""
+        self.synchronize()
+        self.device_pool.end_loan()
+
+    def empty(self, shape, dtype=np.float32):
+        """Per-step scratch, valid until the next begin_step()."""
+        return self.device_pool.take(tuple(shape), dtype)
+
+    def host_empty(self, shape, dtype):
+        """Pinned host memory mapped into the device's address space (the expert host store): copies
+        to the arena run at full speed, and kernels can read it in place."""
+        if SIMULATOR:
+            return cuda.pinned_array(shape, dtype=dtype)
+        return cuda.mapped_array(shape, dtype=dtype)
+
+    def host_device_view(self, host):
+        """A device array over mapped host memory (host_empty), for kernels to read in place."""
+        if SIMULATOR:
+            return host  # simulated kernels take host arrays as they are
+        return cuda.as_cuda_array(host)
+
+    def overwrite(self, target, host: np.ndarray) -> None:
+        """Copy ``host`` into the persistent device array ``target`` in stream order (staged, so the
+        caller may change ``host`` at once)."""
+        host = np.ascontiguousarray(host)
+        staged = self.staging_pool.take(host.shape, host.dtype)
+        staged[...] = host
+        target.copy_to_device(staged, stream=self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def private_pool(self, pool):
+        """Take scratch from ``pool`` inside a with-block (a captured graph owns its buffers)."""
+        return swapped(self, device_pool=pool)
+
+    def capturing(self, builder):
+        """Launch into a cuda.core GraphBuilder instead of the stream inside a with-block."""
+        return swapped(self, stream=builder)
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def embedding(self, table, ids):
+        out = self.empty((ids.shape[0], table.shape[1]))
+        return embedding.embedding_cuda(table, ids, out, stream=self.stream)
+
+    def rmsnorm(self, x, weight, eps: float):
+        return rmsnorm.rmsnorm_cuda(x, weight, eps, self.empty(x.shape), stream=self.stream)
+
+    def add_rmsnorm(self, x, y, weight, eps: float):
+        """(x + y, rmsnorm(x + y)): the residual add fused with the next norm."""
+        return fused.add_rmsnorm_cuda(x, y, weight, eps, self.empty(x.shape), self.empty(x.shape), stream=self.stream)
+
+    def combine_add_rmsnorm(self, y_pair, weights, x, weight, eps: float):
+        """(x + combine(y_pair, weights), its rmsnorm): the MoE's end fused with the next norm."""
+        return fused.combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps, self.empty(x.shape),
+                                              self.empty(x.shape), stream=self.stream)
+
+    def qkv_rope_store(self, qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache):
+        """q (T, H, hd) after norm and RoPE; k and v (normed, rotated) written into the caches."""
+        q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
+        return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                         token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
+
+    def linear(self, x, weight):
+        out = self.empty((x.shape[0], weight.shape[0]))
+        return linear.linear_cuda(x, weight, out, stream=self.stream)
+
+    def add(self, x, y):
+        return elementwise.add_cuda(x, y, self.empty(x.shape), stream=self.stream)
+
+    def swiglu(self, gate, up):
+        return elementwise.swiglu_cuda(gate, up, self.empty(gate.shape), stream=self.stream)
+
+    def rope(self, x, positions, cos, sin):
+        return rope.rope_cuda(x, positions, cos, sin, self.empty(x.shape), stream=self.stream)
+
+    def kv_store(self, k_cache, v_cache, k, v, token_slot, token_pos) -> None:
+        attention.kv_store_cuda(k_cache, v_cache, k, v, token_slot, token_pos, stream=self.stream)
+
+    def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0):
+        out = self.empty(q.shape)
+        scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
+        return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
+                                        stream=self.stream)
+
+    def topk_softmax(self, logits, top_k: int, normalize: bool, ids=None):
+        """``ids``: a (T, top_k) int32 array to write the choices into (else scratch)."""
+        shape = (logits.shape[0], top_k)
+        ids = self.empty(shape, np.int32) if ids is None else ids
+        weights = self.empty(shape, np.float32)
+        return moe.topk_softmax_cuda(logits, top_k, normalize, ids, weights, stream=self.stream)
+
+    def route_pairs(self, ids, table, layer_row: int):
+        num_pairs = ids.shape[0] * ids.shape[1]
+        tables = [self.empty((num_pairs,), np.int32) for _ in range(3)]
+        return routing.route_pairs_cuda(ids, table, layer_row, *tables, stream=self.stream)
+
+    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None):
+        scratch = self.empty((pair_slot.shape[0], inter))
+        return moe_ffn.expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, scratch,
+                                       stream=self.stream, store=store)
+
+    def combine(self, y_pair, weights):
+        out = self.empty((weights.shape[0], y_pair.shape[1]))
+        return moe.combine_cuda(y_pair, weights, out, stream=self.stream)
+
+    def top_logprobs(self, logits, n: int):
+        """(ids, logprobs), each (S, n): the n most likely ids of each row of logits."""
+        shape = (logits.shape[0], n)
+        return top_logprobs.top_logprobs_cuda(logits, n, self.empty(shape, np.int32), self.empty(shape, np.float32),
+                                              stream=self.stream)
+
+    def sample(self, logits, temperature, top_k, top_p, u):
+        num_rows = logits.shape[0]
+        tokens, logprobs = self.empty((num_rows,), np.int32), self.empty((num_rows,), np.float32)
+        return sampling.sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs,
+                                    self.empty(logits.shape), stream=self.stream)
+
+    # -- vision tower and stage-0 image embeddings -------------------------------------------------
+
+    def layernorm(self, x, weight, bias, eps: float):
+        return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
+
+    def tiled_linear(self, x, weight, bias=None):
+        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
+        out = self.empty((x.shape[0], weight.shape[0]))
+        return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
+
+    def activation(self, x, name: str):
+        return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
+
+    def add_bias(self, x, bias):
+        return activations.add_bias_cuda(x, bias, self.empty(x.shape), stream=self.stream)
+
+    def vision_attention(self, q, k, v, num_images: int, scale: float):
+        return vision_attention.vision_attention_cuda(q, k, v, num_images, scale, self.empty(q.shape),
+                                                      stream=self.stream)
+
+    def scatter_rows(self, x, rows, values):
+        """In place: rows ``rows`` of ``x`` become ``values``; returns ``x``."""
+        return scatter.scatter_rows_cuda(x, rows, values, stream=self.stream)
+    def apply_rules(self, logits, temperature, rules):
+        """The logit rules of a step (host ``LogitRules``) on a copy of the logits."""
+        penalties.check_rules(rules, *logits.shape)
+        arrays = (self.upload(a) for a in (rules.params, rules.offsets, rules.ids, rules.counts, rules.bias))
+        return penalties.apply_rules_cuda(logits, temperature, *arrays, self.empty(logits.shape), stream=self.stream)
+
+    def token_logprobs(self, logits, tokens):
+        out = self.empty((logits.shape[0],), np.float32)
+        return penalties.token_logprobs_cuda(logits, tokens, out, stream=self.stream)

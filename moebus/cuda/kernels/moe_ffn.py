@@ -1,0 +1,199 @@
+"""Expert FFNs from the arena: out[pair_out[j]] = down(silu(gate x) * up x) for each listed pair j,
+with x = x[pair_token[j]] and the expert in arena slot pair_slot[j] (see moe.py for the layout and
+``expert_ffn_ref``, the reference).
+
+A negative slot is a placement-table entry for an expert that is not resident (routing.py): the
+kernels then read its row of the host store, which on cuda is mapped pinned memory (zero copy).
+
+Two kernels, both warp-per-output-row GEMVs like linear.py: gate|up (rows of I, writes the
+activation h (J, I) to scratch) then down (rows of D). Pairs are cut into *runs*: consecutive pairs
+on the same slot inside one aligned chunk of ``chunk`` pairs; the block of a run's first pair
+computes the whole run, so an expert's rows are read once for all its tokens in the chunk (the
+stage sorts pairs by slot), and blocks of other pairs return at once. A pair's arithmetic is the
+same whatever else is in its run, so results depend neither on the batch nor on the slot."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, kernel
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
+
+MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
+WARPS = 4
+MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
+UNROLL = 4  # weight words each lane loads before using them (linear.py)
+
+
+@cuda.jit(device=True)
+def _run_length(pair_slot, j, chunk):
+    """Pairs in the run that starts at pair j, or 0 when j does not start one."""
+    slot = pair_slot[j]
+    if j % chunk != 0 and pair_slot[j - 1] == slot:
+        return 0
+    n = 1
+    while n < chunk and j + n < pair_slot.shape[0] and (j + n) % chunk != 0 and pair_slot[j + n] == slot:
+        n += 1
+    return n
+
+
+@device
+def _placement(arena, store, entry):
+    """(array, row) of a placement-table entry: an arena slot, or (negative) a host-store row."""
+    if entry >= 0:
+        return arena, entry
+    return store, -1 - entry
+
+
+@functools.cache
+def _gate_up_kernel(storage: str, wide: bool, chunk: int):
+    read_weight, width = chunk_reader(storage, wide)
+    read_x, _ = chunk_reader("f32", wide)
+
+    @kernel
+    def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
+        j = first_pair + cuda.blockIdx.y
+        run = _run_length(pair_slot, j, chunk)
+        if run == 0:
+            return  # the whole block: no reduction is skipped by part of it
+        weights, slot = _placement(arena, store, pair_slot[j])
+        lane = cuda.threadIdx.x % WARP
+        warps = cuda.blockDim.x // WARP
+        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
+        stride = cuda.gridDim.x * warps
+        up_base = inter * hidden_words
+        tokens = cuda.local.array(chunk, int32)
+        for t in range(chunk):  # past the run: recompute its last pair, never store it
+            tokens[t] = pair_token[j + min(t, run - 1)]
+        acc_gate = cuda.local.array(chunk, float32)
+        acc_up = cuda.local.array(chunk, float32)
+        gate_buf = cuda.local.array((UNROLL, width), float32)
+        up_buf = cuda.local.array((UNROLL, width), float32)
+        x_buf = cuda.local.array(width, float32)
+        for start in range(0, inter, stride):
+            row = min(start + first, inter - 1)
+            for t in range(chunk):
+                acc_gate[t] = float32(0.0)
+                acc_up[t] = float32(0.0)
+            for base in range(lane, hidden_words, WARP * UNROLL):
+                for k in range(UNROLL):  # the loads in flight first (linear.py)
+                    word = min(base + k * WARP, hidden_words - 1)
+                    read_weight(weights, slot, row * hidden_words + word, gate_buf[k])
+                    read_weight(weights, slot, up_base + row * hidden_words + word, up_buf[k])
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < hidden_words:
+                        for t in range(chunk):
+                            read_x(x, tokens[t], word, x_buf)
+                            g = acc_gate[t]
+                            u = acc_up[t]
+                            for c in range(width):
+                                g += x_buf[c] * gate_buf[k, c]
+                                u += x_buf[c] * up_buf[k, c]
+                            acc_gate[t] = g
+                            acc_up[t] = u
+            warp_sum_many(acc_gate, chunk)
+            warp_sum_many(acc_up, chunk)
+            if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
+                for t in range(chunk):
+                    if t < run:
+                        g = acc_gate[t]
+                        h[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc_up[t]
+
+    return expert_gate_up
+
+
+@functools.cache
+def _down_kernel(storage: str, wide: bool, chunk: int):
+    read_weight, width = chunk_reader(storage, wide)
+    read_h, _ = chunk_reader("f32", wide)
+
+    @kernel
+    def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
+        j = first_pair + cuda.blockIdx.y
+        run = _run_length(pair_slot, j, chunk)
+        if run == 0:
+            return
+        weights, slot = _placement(arena, store, pair_slot[j])
+        lane = cuda.threadIdx.x % WARP
+        warps = cuda.blockDim.x // WARP
+        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
+        stride = cuda.gridDim.x * warps
+        down_base = 2 * hidden * inter_words
+        rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
+        for t in range(chunk):
+            rows[t] = j + min(t, run - 1)
+        acc = cuda.local.array(chunk, float32)
+        w_buf = cuda.local.array((UNROLL, width), float32)
+        h_buf = cuda.local.array(width, float32)
+        for start in range(0, hidden, stride):
+            row = min(start + first, hidden - 1)
+            for t in range(chunk):
+                acc[t] = float32(0.0)
+            for base in range(lane, inter_words, WARP * UNROLL):
+                for k in range(UNROLL):
+                    word = min(base + k * WARP, inter_words - 1)
+                    read_weight(weights, slot, down_base + row * inter_words + word, w_buf[k])
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < inter_words:
+                        for t in range(chunk):
+                            read_h(h, rows[t], word, h_buf)
+                            total = acc[t]
+                            for c in range(width):
+                                total += h_buf[c] * w_buf[k, c]
+                            acc[t] = total
+            warp_sum_many(acc, chunk)
+            if lane == 0 and start + first < hidden:
+                for t in range(chunk):
+                    if t < run:
+                        out[pair_out[j + t], row] = acc[t]
+
+    return expert_down
+
+
+def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0,
+                    store=None):
+    """expert_ffn_ref on device arrays. ``scratch``: a (J, inter) float32 device array for the
+    activations between the two kernels. Slots and tokens must be in range (the stage's tables).
+    ``store``: the host store as the device sees it (mapped pinned memory), for negative entries."""
+    num_tokens = x.shape[0]
+    num_pairs = pair_slot.shape[0]
+    require("x", x, np.float32, shape=(None, hidden))
+    for name, table in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
+        require(name, table, np.int32, shape=(num_pairs,))
+    require("arena", arena, WEIGHT_DTYPES, ndim=2)
+    store = arena if store is None else store
+    require("store", store, arena.dtype, shape=(None, arena.shape[1]))
+    if arena.shape[1] < 3 * hidden * inter:
+        raise ValueError(f"arena slots of {arena.shape[1]} elements cannot hold 3 x {hidden} x {inter}")
+    require("out", out, np.float32, shape=(None, hidden))
+    require("scratch", scratch, np.float32, shape=(None, inter))
+    if num_pairs > scratch.shape[0]:
+        raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
+    if num_pairs == 0:
+        return out
+    wide = (can_read_wide(arena, hidden, inter) and can_read_wide(store) and can_read_wide(x)
+            and can_read_wide(scratch))
+    width = 4 if wide else 1
+    chunk = min(MAX_CHUNK, num_tokens)  # one token's pairs have distinct experts: runs <= tokens
+    storage = storage_of(arena)
+    h = scratch[:num_pairs]
+    block = threads(WARPS * WARP)
+    per_block = block // WARP
+    arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
+    gate_up, down = _gate_up_kernel(storage, wide, chunk), _down_kernel(storage, wide, chunk)
+    x_view, h_view = reader_view(x, wide), reader_view(h, wide)
+    per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
+    for first in range(0, num_pairs, per_launch):
+        count = min(per_launch, num_pairs - first)
+        gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
+            x_view, pair_token, pair_slot, arena_view, store_view, hidden // width, inter, first, h)
+    for first in range(0, num_pairs, per_launch):
+        count = min(per_launch, num_pairs - first)
+        down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
+            h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter // width, first, out)
+    return out

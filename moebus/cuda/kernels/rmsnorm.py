@@ -1,0 +1,64 @@
+"""RMSNorm over the last axis, also used per head for Qwen3's q/k norm (rows = tokens x heads)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, threads, warp_sum, kernel
+from moebus.cuda.dtypes import to_f32
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
+
+MAX_WARPS = 4  # warps (rows in flight) per block
+
+
+def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # x (R, D) float32, weight (D,) stored -> (R, D) float32; as transformers: w * (x * rsqrt(mean(x^2) + eps))
+    x = np.asarray(x, dtype=np.float32)
+    variance = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return to_f32(weight) * (x * (1.0 / np.sqrt(variance + np.float32(eps))).astype(np.float32))
+
+
+# -- cuda -----------------------------------------------------------------------------------------
+
+@functools.cache
+def _rmsnorm_kernel(storage: str):
+    load_weight = SCALAR[storage]
+
+    @kernel
+    def rmsnorm_rows(x, weight, eps, out):
+        # one warp per row; rows grid-stride with the same trip count in every warp (compat's rule)
+        lane = cuda.threadIdx.x % WARP
+        warps = cuda.blockDim.x // WARP
+        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
+        stride = cuda.gridDim.x * warps
+        num_rows, dim = x.shape
+        for start in range(0, num_rows, stride):
+            row = min(start + first, num_rows - 1)
+            square_sum = float32(0.0)
+            for d in range(lane, dim, WARP):
+                value = x[row, d]
+                square_sum += value * value
+            square_sum = warp_sum(square_sum)
+            inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
+            if start + first < num_rows:
+                for d in range(lane, dim, WARP):
+                    out[row, d] = load_weight(weight, 0, d) * (x[row, d] * inv_rms)
+
+    return rmsnorm_rows
+
+
+def rmsnorm_cuda(x, weight, eps: float, out, stream=0):
+    """out = rmsnorm_ref(x, weight, eps); x, out (R, D) float32 device arrays, weight (D,) stored."""
+    num_rows, dim = x.shape
+    require("x", x, np.float32, ndim=2)
+    require("weight", weight, WEIGHT_DTYPES, shape=(dim,))
+    require("out", out, np.float32, shape=(num_rows, dim))
+    warps = min(MAX_WARPS, num_rows)
+    block = threads(WARP * warps)
+    grid = blocks(ceil_div(num_rows, block // WARP))
+    kernel = _rmsnorm_kernel(storage_of(weight))
+    kernel[grid, block, stream](x, reader_view(weight, wide=False), np.float32(eps), out)
+    return out

@@ -1,0 +1,66 @@
+"""Routing on the device: from the router's choices to the expert kernels' pair tables without a
+host round trip. A *placement table* (L, E) int32 says where each expert of each MoE layer lives
+now: ``slot >= 0`` is an arena slot; ``-1 - row`` means row ``row`` of the host store, which on
+cuda is mapped pinned memory that kernels read straight over PCIe (see moe_ffn.py).
+
+``route_pairs`` turns ids (T, A) into the tables ``expert_ffn`` takes: pairs p = t * A + k sorted by
+expert (stable, so a pair's place depends only on the step's choices), each with its token, its
+placement and its output row. Same-expert pairs end up adjacent, so a run shares one weight read.
+
+Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import blocks, cuda, threads, kernel
+from moebus.cuda.kernels.launch import ceil_div, require
+
+THREADS = 128
+
+
+def host_placement(row: int) -> int:
+    """The table entry of an expert read from host-store row ``row`` (never a slot: negative)."""
+    return -1 - int(row)
+
+
+def route_pairs_ref(ids, table, layer_row: int):
+    # ids (T, A) int32, table (L, E) int32 -> pair_token, pair_slot, pair_out (P,) int32,
+    # sorted by expert id, ties by pair index
+    flat = np.asarray(ids, dtype=np.int32).reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    top_k = ids.shape[1]
+    pair_slot = np.asarray(table)[layer_row][flat[order]].astype(np.int32)
+    return (order // top_k).astype(np.int32), pair_slot, order
+
+
+@kernel
+def route_flat(ids, table, layer_row, pair_token, pair_slot, pair_out):
+    # one thread per pair: its rank among (expert, pair) keys is where it goes; O(P) per thread,
+    # which is nothing for decode (P <= a few hundred) and stays correct for any P
+    num_tokens, top_k = ids.shape
+    num_pairs = num_tokens * top_k
+    for p in range(cuda.grid(1), num_pairs, cuda.gridsize(1)):
+        expert = ids[p // top_k, p % top_k]
+        rank = 0
+        for q in range(num_pairs):
+            other = ids[q // top_k, q % top_k]
+            if other < expert or (other == expert and q < p):
+                rank += 1
+        pair_token[rank] = p // top_k
+        pair_slot[rank] = table[layer_row, expert]
+        pair_out[rank] = p
+
+
+def route_pairs_cuda(ids, table, layer_row: int, pair_token, pair_slot, pair_out, stream=0):
+    """route_pairs_ref into three (P,) int32 device arrays."""
+    require("ids", ids, np.int32, ndim=2)
+    require("table", table, np.int32, ndim=2)
+    num_pairs = ids.shape[0] * ids.shape[1]
+    for name, out in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
+        require(name, out, np.int32, shape=(num_pairs,))
+    if not 0 <= layer_row < table.shape[0]:
+        raise ValueError(f"layer row {layer_row} outside the table's {table.shape[0]} rows")
+    if num_pairs:
+        route_flat[blocks(ceil_div(num_pairs, THREADS)), threads(THREADS), stream](
+            ids, table, int(layer_row), pair_token, pair_slot, pair_out)
+    return pair_token, pair_slot, pair_out

@@ -1,0 +1,221 @@
+"""Sampling, one algorithm on every device so that a seed gives the same token on cpu and cuda:
+
+1. ``logprob`` of the chosen token is always under the raw logits over the full vocabulary.
+2. temperature <= 0: greedy, argmax with ties to the lowest id.
+3. otherwise p_i = exp((l_i - max) / T); top-k keeps p >= tau_k, the k-th largest p; top-p then keeps
+   p >= tau_p, the largest threshold whose kept mass is >= top_p x the top-k mass. Both thresholds are
+   found by bisection on the float32 bit pattern (positive floats order like their bits), so the
+   kernel needs no sort.
+4. the token is the first id whose running sum of kept p exceeds u x (kept mass), u ~ U[0, 1) drawn
+   by the broker from the request's seed (so batching and device do not change the draw)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device_with_shared,
+                                 float32, int32, threads, kernel)
+from moebus.cuda.kernels.launch import require
+
+MAX_THREADS = 1024
+MAX_WARPS = MAX_THREADS // 32
+NEG_INF = float32(-np.inf)
+
+ONE_BITS = int(np.float32(1.0).view(np.int32))
+
+
+def _bisect_threshold(p: np.ndarray, keep_if) -> np.float32:
+    """Largest float32 tau (by bits, in [0, 1]) with keep_if(p >= tau) true; keep_if is monotone."""
+    lo, hi = 0, ONE_BITS + 1  # keep_if holds at lo (tau = 0), fails above 1.0 (nothing kept)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if keep_if(p >= np.int32(mid).view(np.float32)):
+            lo = mid
+        else:
+            hi = mid
+    return np.int32(lo).view(np.float32)
+
+
+def sample_row_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float):
+    """(token, logprob) for one row of float32 logits."""
+    logits = np.asarray(logits, dtype=np.float32)
+    peak = logits.max()
+    lse = peak + np.log(np.sum(np.exp(logits - peak), dtype=np.float32))
+    if temperature <= 0:
+        token = int(np.argmax(logits))
+        return token, float(logits[token] - lse)
+    p = np.exp((logits - peak) / np.float32(temperature)).astype(np.float32)
+    tau = np.float32(0.0)
+    if 0 < top_k < len(p):
+        tau = _bisect_threshold(p, lambda kept: np.count_nonzero(kept) >= top_k)
+    if top_p < 1.0:
+        mass = np.sum(p[p >= tau], dtype=np.float32)
+        target = np.float32(top_p) * mass
+        tau = max(tau, _bisect_threshold(p, lambda kept: np.sum(p[kept], dtype=np.float32) >= target))
+    kept = np.where(p >= tau, p, np.float32(0.0))
+    running = np.cumsum(kept, dtype=np.float32)
+    token = int(np.searchsorted(running, np.float32(u) * running[-1], side="right"))
+    token = min(token, int(np.nonzero(kept)[0][-1]))
+    return token, float(logits[token] - lse)
+
+
+def sample_ref(logits, temperature, top_k, top_p, u) -> tuple[np.ndarray, np.ndarray]:
+    # logits (S, V) float32; per row temperature, top_k (0: off), top_p (1: off), u -> tokens, logprobs (S,)
+    rows = [sample_row_ref(logits[i], temperature[i], top_k[i], top_p[i], u[i]) for i in range(len(logits))]
+    tokens = np.array([r[0] for r in rows], dtype=np.int32)
+    logprobs = np.array([r[1] for r in rows], dtype=np.float32)
+    return tokens, logprobs
+
+
+def top_logprobs_ref(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n most likely ids of one row and their log-probabilities (raw logits, full vocabulary)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    peak = logits.max()
+    lse = peak + np.log(np.sum(np.exp(logits - peak)))
+    n = min(int(n), len(logits))
+    if n <= 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.float32)
+    # O(V): the n-th largest value by partition, then only the candidates (ties included) sorted by
+    # descending logit, ties to the lower id, as a stable full sort would order them
+    kth = np.partition(logits, len(logits) - n)[len(logits) - n]
+    candidates = np.nonzero(logits >= kth)[0]
+    ids = candidates[np.lexsort((candidates, -logits[candidates]))][:n]
+    return ids.astype(np.int32), (logits[ids] - lse).astype(np.float32)
+
+
+# -- cuda -----------------------------------------------------------------------------------------
+# One block per row. Integer reductions (counts, ids) go through float32 block reductions: exact
+# while the vocabulary stays below 2^24.
+
+@device_with_shared
+def _exclusive_scan(value):
+    """(sum of ``value`` over lower thread ids, block total), in a fixed order."""
+    items = cuda.shared.array(MAX_THREADS, float32)
+    warp_prefix = cuda.shared.array(MAX_WARPS, float32)
+    block_total = cuda.shared.array(1, float32)
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()  # the previous call's readers are done
+    items[tid] = value
+    cuda.syncthreads()
+    if tid % WARP == 0:  # each warp's first lane scans its warp...
+        running = float32(0.0)
+        for i in range(tid, tid + WARP):
+            item = items[i]
+            items[i] = running
+            running += item
+        warp_prefix[tid // WARP] = running
+    cuda.syncthreads()
+    if tid == 0:  # ...and the first thread scans the warp totals
+        running = float32(0.0)
+        for w in range(cuda.blockDim.x // WARP):
+            total = warp_prefix[w]
+            warp_prefix[w] = running
+            running += total
+        block_total[0] = running
+    cuda.syncthreads()
+    return items[tid] + warp_prefix[tid // WARP], block_total[0]
+
+
+@device_with_shared
+def _bisect(probs, row, by_mass, need):
+    """Bits of the largest tau in [0, 1] with count(p >= tau) >= need (or mass when ``by_mass``),
+    probing float32 bit patterns as sample_row_ref does."""
+    lo = 0
+    hi = ONE_BITS + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        tau = bits_as_f32(mid)
+        kept = float32(0.0)
+        for i in range(cuda.threadIdx.x, probs.shape[1], cuda.blockDim.x):
+            p = probs[row, i]
+            if p >= tau:
+                kept += p if by_mass else float32(1.0)
+        if block_sum(kept) >= need:
+            lo = mid
+        else:
+            hi = mid
+    return bits_as_f32(lo)
+
+
+@device_with_shared
+def _inverse_cdf(probs, row, tau, u):
+    """First id whose running sum of kept p (p >= tau, in id order) exceeds u x kept mass; the
+    last kept id if rounding leaves none. Each thread scans one contiguous span of ids."""
+    vocab = probs.shape[1]
+    span = (vocab + cuda.blockDim.x - 1) // cuda.blockDim.x
+    begin = min(cuda.threadIdx.x * span, vocab)
+    end = min(begin + span, vocab)
+    mass = float32(0.0)
+    for i in range(begin, end):
+        p = probs[row, i]
+        if p >= tau:
+            mass += p
+    running, total = _exclusive_scan(mass)
+    target = u * total
+    first = vocab
+    last_kept = -1
+    for i in range(begin, end):
+        p = probs[row, i]
+        if p >= tau:
+            running += p
+            last_kept = i
+            if running > target and first == vocab:
+                first = i
+    first = -block_max(float32(-first))
+    last_kept = block_max(float32(last_kept))
+    return int32(first) if first < vocab else int32(last_kept)
+
+
+@kernel
+def sample_rows(logits, temperature, top_k, top_p, u, probs, tokens, logprobs):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    vocab = logits.shape[1]
+    best, best_id = NEG_INF, vocab
+    for i in range(tid, vocab, cuda.blockDim.x):
+        if logits[row, i] > best:  # ascending ids, strict >: the lowest id wins a tie
+            best, best_id = logits[row, i], i
+    peak, best_id = block_argmax(best, best_id)
+    total = float32(0.0)
+    for i in range(tid, vocab, cuda.blockDim.x):
+        total += math.exp(logits[row, i] - peak)
+    log_norm = peak + math.log(block_sum(total))
+    token = int32(best_id)
+    temp = temperature[row]
+    if temp > 0:
+        for i in range(tid, vocab, cuda.blockDim.x):
+            probs[row, i] = math.exp((logits[row, i] - peak) / temp)
+        cuda.syncthreads()  # probs rows are read across threads from here on
+        tau = float32(0.0)
+        if 0 < top_k[row] < vocab:
+            tau = _bisect(probs, row, False, float32(top_k[row]))
+        if top_p[row] < 1.0:
+            mass = float32(0.0)
+            for i in range(tid, vocab, cuda.blockDim.x):
+                if probs[row, i] >= tau:
+                    mass += probs[row, i]
+            target = top_p[row] * block_sum(mass)
+            tau = max(tau, _bisect(probs, row, True, target))
+        token = _inverse_cdf(probs, row, tau, u[row])
+    if tid == 0:
+        tokens[row] = token
+        logprobs[row] = logits[row, token] - log_norm
+
+
+def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch, stream=0):
+    """sample_ref on device arrays: logits (S, V) float32; temperature, top_p, u (S,) float32; top_k
+    (S,) int32 -> tokens (S,) int32, logprobs (S,) float32. ``scratch``: (S, V) float32."""
+    num_rows, vocab = logits.shape
+    require("logits", logits, np.float32, ndim=2)
+    for name, array, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
+                               ("top_p", top_p, np.float32), ("u", u, np.float32),
+                               ("tokens", tokens, np.int32), ("logprobs", logprobs, np.float32)):
+        require(name, array, dtype, shape=(num_rows,))
+    require("scratch", scratch, np.float32, shape=(num_rows, vocab))
+    if vocab >= 1 << 24:
+        raise ValueError(f"vocabulary of {vocab}: ids must stay exact in float32 reductions")
+    if num_rows:
+        block = threads(MAX_THREADS)
+        sample_rows[num_rows, block, stream](logits, temperature, top_k, top_p, u, scratch, tokens, logprobs)
+    return tokens, logprobs

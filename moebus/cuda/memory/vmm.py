@@ -1,0 +1,174 @@
+"""Arenas in VRAM. ``VmmArena`` reserves the start-up address range once (cuMemAddressReserve) and
+backs it with physical segments (cuMemCreate + cuMemMap + cuMemSetAccess); shrinking unmaps and
+*releases* tail segments, so the memory is back with the driver at once (no deferred free as with
+numba's allocator), and another process can allocate it. ``DeviceArena`` is one fixed allocation
+(no elasticity; also what runs under numba's simulator). ``StreamCopier`` copies misses from the
+pinned host store on a copy stream that overlaps the compute stream."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from moebus.cuda.kernels import compat  # noqa: F401 - numpy shims before numba.cuda
+from moebus.cuda.memory.arena import Arena
+from moebus.cuda.memory.ledger import OutOfMemory
+from numba import cuda
+
+
+class VmmError(RuntimeError):
+    pass
+
+
+def _check(result):
+    from cuda.bindings import driver as cu
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+        raise OutOfMemory("cuMemCreate: out of device memory")
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise VmmError(f"CUDA driver error {err}")
+    return values[0] if len(values) == 1 else values
+
+
+def _wrap(ptr: int, size: int, shape, dtype) -> "cuda.devicearray.DeviceNDArray":
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.cudadrv.driver import MemoryPointer
+
+    dtype = np.dtype(dtype)
+    mem = MemoryPointer(cuda.current_context(), ctypes.c_void_p(ptr), size)
+    strides = (shape[1] * dtype.itemsize, dtype.itemsize)
+    return DeviceNDArray(shape, strides, dtype, gpu_data=mem)
+
+
+def device_memory_info() -> tuple[int, int]:
+    """(free, total) bytes of this process's GPU (cuMemGetInfo)."""
+    info = cuda.current_context().get_memory_info()
+    return int(info[0]), int(info[1])
+
+
+class VmmArena(Arena):
+    def __init__(self, slot_bytes: int, dtype, startup_segments: list[int]):
+        from cuda.bindings import driver as cu
+
+        super().__init__(slot_bytes, dtype, startup_segments)
+        self._cu = cu
+        ctx = cuda.current_context()  # numba's primary context is current from here on
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ctx.device.id
+        self._prop = prop
+        access = cu.CUmemAccessDesc()
+        access.location.type = prop.location.type
+        access.location.id = prop.location.id
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = access
+        granule = int(_check(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        if any(s % granule for s in startup_segments):
+            raise ValueError(f"segments must be multiples of the {granule}-byte granularity")
+        self._base = int(_check(cu.cuMemAddressReserve(self.reserved_bytes, 0, 0, 0)))
+        self._handles: list = []
+        elems = slot_bytes // self.dtype.itemsize
+        self.array = _wrap(self._base, self.max_slots * slot_bytes, (self.max_slots, elems), self.dtype)
+        self._ctx = ctx
+
+    def _map(self, offset: int, size: int) -> None:
+        cu = self._cu
+        handle = _check(cu.cuMemCreate(size, self._prop, 0))
+        try:
+            _check(cu.cuMemMap(self._base + offset, size, 0, handle, 0))
+        except Exception:
+            cu.cuMemRelease(handle)
+            raise
+        _check(cu.cuMemSetAccess(self._base + offset, size, [self._access], 1))
+        self._handles.append(handle)
+
+    def _unmap(self, offset: int, size: int) -> None:
+        cu = self._cu
+        cuda.synchronize()  # no kernel or copy may still touch the segment
+        _check(cu.cuMemUnmap(self._base + offset, size))
+        _check(cu.cuMemRelease(self._handles.pop()))
+
+    def memory_info(self) -> tuple[int, int]:
+        return device_memory_info()
+
+    def close(self) -> None:
+        super().close()
+        _check(self._cu.cuMemAddressFree(self._base, self.reserved_bytes))
+
+    def write(self, slot: int, blob, stream=0) -> None:
+        self.array[slot].copy_to_device(blob, stream=stream)
+
+    def read(self, slot: int) -> np.ndarray:
+        return self.array[slot].copy_to_host()
+
+
+class DeviceArena(Arena):
+    """One allocation of the start-up size: segments are bookkeeping only."""
+
+    def __init__(self, slot_bytes: int, dtype, startup_segments: list[int]):
+        super().__init__(slot_bytes, dtype, startup_segments)
+        self.array = cuda.device_array((self.max_slots, slot_bytes // self.dtype.itemsize), dtype=self.dtype)
+
+    def _map(self, offset: int, size: int) -> None:
+        pass
+
+    def _unmap(self, offset: int, size: int) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        return device_memory_info()
+
+    def write(self, slot: int, blob, stream=0) -> None:
+        self.array[slot].copy_to_device(blob, stream=stream)
+
+    def read(self, slot: int) -> np.ndarray:
+        return self.array[slot].copy_to_host()
+
+
+def make_device_arena(slot_bytes: int, dtype, segments: list[int], elastic: bool) -> Arena:
+    if elastic and not compat.SIMULATOR:
+        return VmmArena(slot_bytes, dtype, segments)
+    return DeviceArena(slot_bytes, dtype, segments)
+
+
+class StreamCopier:
+    """Host -> slot copies on their own stream. Before the first copy after a wait(), the copy stream
+    waits for the compute stream's work so far, so a slot is never overwritten while a kernel that
+    was enqueued earlier still reads it; wait() makes the compute stream wait for the copies."""
+
+    def __init__(self, arena: Arena, backend):
+        self.arena = arena
+        self.compute_stream = getattr(backend, "stream", 0)
+        self.stream = cuda.stream()
+        self._fenced = False
+        self._done = None  # recorded after the last batch of copies (mark)
+
+    def copy(self, slot: int, blob) -> bool:
+        if not self._fenced:
+            fence = cuda.event()
+            fence.record(self.compute_stream)
+            fence.wait(self.stream)
+            self._fenced = True
+        self.arena.write(slot, blob, stream=self.stream)
+        return False
+
+    def wait(self) -> None:
+        done = cuda.event()
+        done.record(self.stream)
+        done.wait(self.compute_stream)
+        self._fenced = False
+
+    def mark(self) -> None:
+        """Remember the copies enqueued so far, for is_done()."""
+        self._done = cuda.event()
+        self._done.record(self.stream)
+
+    def is_done(self) -> bool:
+        """True once every copy enqueued before the last mark() has finished (never blocks)."""
+        return self._done is None or self._done.query()
+
+    def sync(self) -> None:
+        self.stream.synchronize()
