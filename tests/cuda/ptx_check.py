@@ -160,7 +160,7 @@ def exercise(rng) -> None:
     from moebus.cuda.kernels import top_logprobs
 
     top_logprobs.top_logprobs_cuda(f32(2, 1000), 5, empty(2, 5, dtype=np.int32), empty(2, 5))
-    from moebus.bench import kernels
+    from moebus.bench import kernels as bench_kernels
 
     bench_kernels._spin[1, 1, 0](10)
     rows = 2

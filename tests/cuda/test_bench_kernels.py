@@ -1,5 +1,5 @@
 """The GPU benchmark runs once, unattended: its --tiny mode runs every case under the simulator."""
-from moebus.bench import kernels
+from moebus.bench import kernels as bench_kernels
 
 
 def test_tiny_bench_runs_every_case_without_errors(capsys):
