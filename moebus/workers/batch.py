@@ -92,6 +92,17 @@ def _rows_within(batch: StepBatch, idx: np.ndarray, ends: np.ndarray) -> np.ndar
     return np.nonzero(np.isin(idx, batch.top_rows()) & ends)[0].astype(np.int32)
 
 
+@dataclass
+class StageOutput:
+    hidden: np.ndarray | None = None  # (T, D) float32, from a stage that is not last
+    tokens: np.ndarray | None = None  # (S,) int32 sampled ids, from the last stage
+    logprobs: np.ndarray | None = None  # (S,) float32 log p of each sampled id (raw logits)
+    top_ids: np.ndarray | None = None  # (R, n) int32 for the R rows of batch.top_rows() (top_logprobs = n)
+    top_logprobs: np.ndarray | None = None  # (R, n) float32
+    logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
+
+
+
 def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.ndarray, np.ndarray, slice]]:
     """Consecutive pieces of at most ``max_tokens`` tokens, in token order (a sequence may span
     pieces; its KV is written by one piece before the next reads it). Each piece comes with the

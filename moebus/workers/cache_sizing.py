@@ -8,7 +8,7 @@ cache): the stage runs a decode step of a full batch and the largest step the br
 (``max_batch`` sequences, ``max_step_tokens`` of prefill), every row asking for top logprobs and
 each sequence at the end of its context so attention reads the most. The decode step's peak is the
 standing scratch, kept out of the cache; the slope between the two is what each token beyond costs,
-which a longer step borrows from the cache (the prompt-path loan, Stage.forward). On cuda the step
+which a longer step borrows from the cache (the prompt-path loan, workers/prompt_loan.py). On cuda the step
 pool counts its device bytes; on cpu tracemalloc counts numpy's allocations, and that figure is
 what the emulated GPU's ledger is charged."""
 from __future__ import annotations

@@ -10,29 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.rope import rope_tables
-from moebus.workers.batch import StepBatch, split_tokens
+from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
+from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 from moebus.workers.experts import build_expert_cache
 
 log = logging.getLogger("moebus.stage")
 ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
-
-
-@dataclass
-class StageOutput:
-    hidden: np.ndarray | None = None  # (T, D) float32, from a stage that is not last
-    tokens: np.ndarray | None = None  # (S,) int32 sampled ids, from the last stage
-    logprobs: np.ndarray | None = None  # (S,) float32 log p of each sampled id (raw logits)
-    top_ids: np.ndarray | None = None  # (R, n) int32 for the R rows of batch.top_rows() (top_logprobs = n)
-    top_logprobs: np.ndarray | None = None  # (R, n) float32
-    logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
 
 
 class Stage:
@@ -85,47 +75,13 @@ class Stage:
 
     def forward(self, batch: StepBatch, hidden: np.ndarray | None = None, want_logits: bool = False) -> StageOutput:
         """Run this stage's layers over one step. ``hidden`` (T, D) comes from the previous stage.
-        A step longer than the standing scratch covers borrows scratch from the expert cache (the
-        prompt-path loan) and, if the loan is short, runs in pieces of as many tokens as fit."""
+        A step longer than the standing scratch covers runs on the prompt-path loan (prompt_loan.py)."""
         if self.scratch is None or batch.num_tokens <= self.scratch.tokens:
             return self._forward(batch, hidden, want_logits)
-        try:
-            extra = self.scratch.bytes_for(batch.num_tokens) - self.scratch.standing_bytes
-            lo, hi = self.experts.lend(extra)
-            self.ops.borrow(self.experts.lent_bytes(lo, hi))
-            limit = self.scratch.tokens_within((hi - lo) * self.experts.arena.slot_bytes)
-            if limit >= batch.num_tokens:
+        with prompt_loan(self.experts, self.ops, self.scratch, batch.num_tokens) as max_piece_tokens:
+            if max_piece_tokens >= batch.num_tokens:
                 return self._forward(batch, hidden, want_logits)
-            return self._forward_pieces(batch, hidden, want_logits, limit)
-        finally:
-            self.ops.end_borrow()
-            self.experts.end_loan()
-
-    def _forward_pieces(self, batch, hidden, want_logits: bool, limit: int) -> StageOutput:
-        pieces = split_tokens(batch, limit)
-        outs = [(self._forward(piece, None if hidden is None else hidden[tokens], want_logits), idx, ends)
-                for piece, idx, ends, tokens in pieces]
-        rows_per_piece = [piece.top_rows() for piece, _, _, _ in pieces]
-        if not self.is_last:
-            return StageOutput(hidden=np.concatenate([o.hidden for o, _, _ in outs]))
-        merged = StageOutput()
-        asked = batch.top_rows()
-        for name in ("top_ids", "top_logprobs"):  # (R, n): each piece's rows are a subset of the step's
-            parts = [(getattr(o, name), idx[piece_rows]) for (o, idx, _), piece_rows in zip(outs, rows_per_piece)
-                     if getattr(o, name) is not None]
-            if parts:
-                full = np.empty((len(asked),) + parts[0][0].shape[1:], parts[0][0].dtype)
-                for values, rows in parts:
-                    full[np.searchsorted(asked, rows)] = values
-                setattr(merged, name, full)
-        for name in ("tokens", "logprobs", "logits"):
-            parts = [(getattr(o, name), idx, ends) for o, idx, ends in outs if getattr(o, name) is not None]
-            if parts:
-                full = np.empty((batch.num_seqs,) + parts[0][0].shape[1:], parts[0][0].dtype)
-                for values, idx, ends in parts:
-                    full[idx[ends]] = values[ends]
-                setattr(merged, name, full)
-        return merged
+            return forward_in_pieces(self._forward, batch, hidden, want_logits, max_piece_tokens, self.is_last)
 
     def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
         if int((batch.starts + batch.lengths).max()) > self.max_context:

@@ -4,6 +4,7 @@ import numpy as np
 
 from moebus.cuda.kernels.top_logprobs import top_logprobs_rows_ref
 from moebus.workers.batch import StepBatch, split_tokens
+from moebus.workers.prompt_loan import forward_in_pieces
 from moebus.workers.local import LocalModel
 
 PROMPTS = [[5, 9, 13], [7, 7, 7, 8], [3, 1, 4, 1, 5]]
@@ -32,7 +33,8 @@ def test_pieces_of_a_long_step_put_each_asking_row_back_in_place(tiny_model):
     # a piece asks only for its rows (positions in the piece) that asked and end in it: they sample there
     assert [list(p.top_rows()) for p, _, _, _ in pieces] == [[], [0], [0]]
     stage = model.stages[0]
-    split = stage._forward_pieces(StepBatch(**BATCH, top_logprobs=3, logprob_rows=rows), None, False, 5)
+    split = forward_in_pieces(stage._forward, StepBatch(**BATCH, top_logprobs=3, logprob_rows=rows), None, False, 5,
+                              stage.is_last)
     assert np.array_equal(split.top_ids, whole.top_ids)
     np.testing.assert_allclose(split.top_logprobs, whole.top_logprobs, atol=1e-5)
 
