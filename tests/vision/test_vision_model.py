@@ -10,7 +10,7 @@ from moebus.common.checkpoint import Checkpoint  # noqa: E402
 from moebus.common.errors import CheckpointError  # noqa: E402
 from moebus.common.image_processor import ImageProcessor  # noqa: E402
 from moebus.common.vision_config import load_vision_config  # noqa: E402
-from moebus.cuda.backends.cpu import make_backend  # noqa: E402
+from moebus.cuda.backends import make_backend  # noqa: E402
 from moebus.workers.vision_model import VisionModel, load_vision_weights  # noqa: E402
 from tests.vision_models import hub_layout, in_memory_layout, make_hf_llava, sample_images  # noqa: E402
 
