@@ -120,11 +120,11 @@ def test_sigkill_mid_pipeline_fails_the_running_requests_only(pipelined, client,
     long = [{**r, "max_tokens": 1500} for r in requests_to_run()]
     queued = requests_to_run(NUM_STREAMS + 2)[NUM_STREAMS:]  # over max_batch: these wait for a slot
     running = [client.generate(**r) for r in long]
-    waiting = [client.generate(**r) for r in queued]
     for s in running:
         next(iter(s))
-    # the queued ones wait for a slot once the tokenizer threads hand them over (on a loaded machine
-    # that can come after the running ones' first tokens)
+    # sent only once every long one holds a slot: the tokenizer threads hand prompts over in no fixed
+    # order, so queued ones sent earlier could overtake a long one on a loaded machine
+    waiting = [client.generate(**r) for r in queued]
     wait_for(lambda: client.info()["requests_waiting"] == len(queued), timeout_s=60)
     before = counter(client, "pipelined_steps_total")
     time.sleep(0.5)
