@@ -144,8 +144,8 @@ def test_a_cancel_mid_pipeline_frees_a_slot_that_a_waiting_request_takes(client,
     reqs = requests_to_run()
     extra = {**reqs[0], "prompt_tokens": reqs[0]["prompt_tokens"][::-1]}  # a ninth: it waits for a slot
     streams = [client.generate(**r) for r in reqs]
-    waiting = client.generate(**extra)
     first = [next(iter(s)) for s in streams]
+    waiting = client.generate(**extra)  # after the 8 hold their slots (prompts are not admitted in send order)
     streams[3].close()  # cancels it while its step may be at either stage
     got = []
     for i, (part, stream) in enumerate(zip(first, streams)):
