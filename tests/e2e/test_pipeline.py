@@ -125,7 +125,12 @@ def test_sigkill_mid_pipeline_fails_the_running_requests_only(pipelined, client,
     # sent only once every long one holds a slot: the tokenizer threads hand prompts over in no fixed
     # order, so queued ones sent earlier could overtake a long one on a loaded machine
     waiting = [client.generate(**r) for r in queued]
-    wait_for(lambda: client.info()["requests_waiting"] == len(queued), timeout_s=60)
+    try:
+        wait_for(lambda: client.info()["requests_waiting"] == len(queued), timeout_s=60)
+    except AssertionError:
+        info = client.info()
+        raise AssertionError(f"the queued requests are not waiting: running {info['requests_running']}, "
+                             f"waiting {info['requests_waiting']}, counters {info['counters']}") from None
     before = counter(client, "pipelined_steps_total")
     time.sleep(0.5)
     assert counter(client, "pipelined_steps_total") > before  # steps overlap at the moment of the kill
