@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 GROUP_TTL_S = 60.0  # a finished group whose last members never come (failed in admission) is dropped then
+# Finished groups held for their late members, at most: each holds its embeddings (MBs of float32
+# per image on a real tower) in the broker, and a client that sends n > 1 groups whose other members
+# never come must not make the broker hold every one for GROUP_TTL_S. The oldest made goes first; a
+# member arriving after its group went leads a group of its own (it encodes again).
+MAX_DONE_GROUPS = 32
 
 
 def image_keys(images: list[np.ndarray]) -> list[bytes]:
@@ -122,6 +127,9 @@ class ImageGroups:
         followers, group.followers = group.followers, []
         group.expires_s = time.monotonic() + GROUP_TTL_S
         self._taken(group, 1 + len(followers))
+        done = [k for k, g in self.groups.items() if g.is_done]  # oldest (first made) first
+        for key in done[:max(0, len(done) - MAX_DONE_GROUPS)]:
+            del self.groups[key]
         return followers
 
     def _taken(self, group: ImageGroup, n: int) -> None:

@@ -90,3 +90,17 @@ def test_generate_carries_its_image_group_over_the_wire():
     for bad in ({"image_group_size": 0}, {"image_group_size": 17}, {"image_group": ""}):
         with pytest.raises(ValidationError):
             p.Generate(id="r", prompt="x", **bad)
+
+
+def test_finished_groups_held_for_late_members_are_bounded():
+    from moebus.broker.vision_groups import MAX_DONE_GROUPS
+
+    groups = ImageGroups()
+    leaders = [_Req(group=f"g{i}", size=16) for i in range(MAX_DONE_GROUPS + 5)]
+    for leader in leaders:  # each finishes with 15 members still to come, which never do
+        groups.join(leader)
+        groups.encoded(leader, np.ones((4, 2), np.float32))
+    assert len(groups.groups) == MAX_DONE_GROUPS
+    assert ("c1".encode(), "g0") not in groups.groups and (b"c1", f"g{len(leaders) - 1}") in groups.groups
+    late = _Req(group="g0", size=16)
+    assert groups.join(late) is None  # its group went: it leads one of its own and encodes again
