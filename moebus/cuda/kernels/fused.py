@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum, kernel
-from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.attention import kv_store_ref
 from moebus.cuda.kernels.moe import combine_ref
@@ -211,9 +211,9 @@ def qkv_rope_store_cuda(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weig
         raise ValueError(f"head_dim {head_dim}: the fused kernel takes multiples of 64 up to 256")
     rows = num_tokens * (num_heads + 2 * num_kv_heads)
     if rows:
-        block = threads(HEAD_WARPS * WARP)
+        grid, block = warp_per_row(rows, HEAD_WARPS)
         kernel = _qkv_kernel(storage_of(q_weight), head_dim)
-        kernel[blocks(ceil_div(rows, block // WARP)), block, stream](
+        kernel[grid, block, stream](
             qkv, int(num_heads), int(num_kv_heads), reader_view(q_weight, wide=False), reader_view(k_weight, wide=False),
             np.float32(eps), token_slot, token_pos, cos, sin, q_out, k_cache, v_cache)
     return q_out

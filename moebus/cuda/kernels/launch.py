@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import is_contiguous
+from moebus.cuda.kernels.compat import WARP, blocks, is_contiguous, threads
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-int(a) // int(b))
+
+
+def warp_per_row(num_rows: int, warps_per_block: int) -> tuple[int, int]:
+    """(blocks, threads) of a kernel that gives each row one warp, grid-stride over the rows: the
+    blocks are counted from the threads a block really gets (fewer in the simulator)."""
+    block = threads(warps_per_block * WARP)
+    return blocks(ceil_div(num_rows, block // WARP)), block
 
 
 def require(name: str, array, dtype=None, shape=None, ndim=None, contiguous: bool = True) -> None:

@@ -11,9 +11,9 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum_many, kernel
+from moebus.cuda.kernels.compat import WARP, cuda, float32, int32, warp_sum_many, kernel
 from moebus.cuda.dtypes import to_f32
-from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require, warp_per_row
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
 
 MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
@@ -85,8 +85,8 @@ def linear_cuda(x, weight, out, stream=0):
     wide = can_read_wide(x) and can_read_wide(weight)
     chunk = min(num_tokens, MAX_TOKENS)
     kernel = _linear_kernel(storage_of(weight), wide, chunk)
-    block = threads(WARPS * WARP)
-    grid = (blocks(ceil_div(num_rows, block // WARP)), ceil_div(num_tokens, chunk))
+    row_blocks, block = warp_per_row(num_rows, WARPS)
+    grid = (row_blocks, ceil_div(num_tokens, chunk))
     num_words = dim_in // 4 if wide else dim_in
     kernel[grid, block, stream](reader_view(x, wide), reader_view(weight, wide), num_words, out)
     return out

@@ -14,7 +14,7 @@ import numpy as np
 from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, threads, warp_argmax, warp_max, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.elementwise import silu_ref
-from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.launch import ceil_div, require, warp_per_row
 
 THREADS = 256
 ROUTER_WARPS = 4  # tokens in flight per block
@@ -130,8 +130,7 @@ def topk_softmax_cuda(logits, top_k: int, normalize: bool, ids, weights, stream=
         raise ValueError(f"top_k {top_k} outside 1..{num_experts}")
     if num_tokens == 0:
         return ids, weights
-    block = threads(ROUTER_WARPS * WARP)
-    grid = blocks(ceil_div(num_tokens, block // WARP))
+    grid, block = warp_per_row(num_tokens, ROUTER_WARPS)
     kernel = _topk_kernel(ceil_div(num_experts, WARP))
     kernel[grid, block, stream](logits, int(top_k), bool(normalize), ids, weights)
     return ids, weights

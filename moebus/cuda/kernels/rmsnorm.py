@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, threads, warp_sum, kernel
+from moebus.cuda.kernels.compat import WARP, cuda, float32, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
-from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 
 MAX_WARPS = 4  # warps (rows in flight) per block
@@ -56,9 +56,7 @@ def rmsnorm_cuda(x, weight, eps: float, out, stream=0):
     require("x", x, np.float32, ndim=2)
     require("weight", weight, WEIGHT_DTYPES, shape=(dim,))
     require("out", out, np.float32, shape=(num_rows, dim))
-    warps = min(MAX_WARPS, num_rows)
-    block = threads(WARP * warps)
-    grid = blocks(ceil_div(num_rows, block // WARP))
+    grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
     kernel = _rmsnorm_kernel(storage_of(weight))
     kernel[grid, block, stream](x, reader_view(weight, wide=False), np.float32(eps), out)
     return out
