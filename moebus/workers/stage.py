@@ -5,7 +5,8 @@ and reads its experts through the expert cache's placement table (arena slot or 
 A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
 batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
 ``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
-Longer steps (prefill) group experts on the host (``_moe``)."""
+Longer steps (prefill) group experts by expert: on tensor cores where the backend has them and
+the experts are bf16 (moe_prefill.py), else on the host with GEMVs (``_moe``)."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,7 @@ from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 from moebus.workers.experts import build_expert_cache
+from moebus.workers.moe_prefill import can_group_on_device, grouped_moe
 
 log = logging.getLogger("moebus.stage")
 ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
@@ -189,9 +191,10 @@ class Stage:
             out["expert_ids"] = ops.empty(shape, np.int32)
             route = (self.experts.device_placement(ops), out["expert_ids"])
         residual = None
+        segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
-            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual)
+            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments)
             ops.recycle_layer(mark, (x,) + residual[1:])  # the rest of the layer's buffers serve the next
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
@@ -223,7 +226,7 @@ class Stage:
         y = self.ops.combine(residual[1], residual[2]) if residual[0] == "moe" else residual[1]
         return self.ops.add(x, y)
 
-    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None):
+    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None, segments=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
         (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
@@ -243,10 +246,15 @@ class Stage:
             q = ops.rope(q, token_pos, self.cos, self.sin)
             k = ops.rope(k, token_pos, self.cos, self.sin)
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
-        a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window)
+        a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
+                          segments=segments)
         x, h = ops.add_rmsnorm(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]), w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and route is not None:
             return x, self._moe_routed(i, w, h, *route)
+        if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
+            ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
+            y_pair = grouped_moe(ops, self.experts, i, h, ops.to_host(ids), cfg.hidden_size, cfg.moe_intermediate_size)
+            return x, ("moe", y_pair, weights)  # tensor cores (moe_prefill.py); combined by the next norm
         if cfg.is_moe_layer(i):
             return x, ("dense", self._moe(i, w, h))
         return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
@@ -298,3 +306,9 @@ class Stage:
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
         return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,
                            top_ids=out.get("top_ids"), top_logprobs=out.get("top_logprobs"))
+
+
+def _segments(batch: StepBatch) -> list[tuple[int, int, int, int]]:
+    """(first row, KV slot, start position, length) of each sequence of a step."""
+    first_rows = np.cumsum(batch.lengths) - batch.lengths
+    return [tuple(int(v) for v in seq) for seq in zip(first_rows, batch.slots, batch.starts, batch.lengths)]

@@ -84,7 +84,11 @@ class CpuBackend:
     swiglu = staticmethod(elementwise.swiglu_ref)
     rope = staticmethod(rope.rope_ref)
     kv_store = staticmethod(attention.kv_store_ref)
-    attention = staticmethod(attention.attention_ref)
+
+    @staticmethod
+    def attention(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None):
+        """``segments`` (the step's sequences, for a backend's prefill path): the reference needs none."""
+        return attention.attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window)
     @staticmethod
     def topk_softmax(logits, top_k: int, normalize: bool, ids=None):
         chosen, weights = moe.topk_softmax_ref(logits, top_k, normalize)

@@ -10,8 +10,9 @@ import numpy as np
 
 from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm,
                                  rope, routing, sampling, top_logprobs)
-from moebus.cuda.kernels import penalties
+from moebus.cuda.kernels import penalties, prefill_attention
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
+from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
@@ -27,6 +28,7 @@ class CudaBackend:
         self.device_pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
         # uploads go through pinned staging so the copy is truly async; kept until the next step
         self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
+        self.tensor_cores = make_tensor_cores()  # cuBLAS for steps of many tokens (None: GEMVs only)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -151,6 +153,8 @@ class CudaBackend:
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))
+        if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
+            return self.tensor_cores.linear(self, x, weight, out)
         return linear.linear_cuda(x, weight, out, stream=self.stream)
 
     def add(self, x, y):
@@ -165,8 +169,13 @@ class CudaBackend:
     def kv_store(self, k_cache, v_cache, k, v, token_slot, token_pos) -> None:
         attention.kv_store_cuda(k_cache, v_cache, k, v, token_slot, token_pos, stream=self.stream)
 
-    def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0):
+    def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None):
+        """``segments``: the step's sequences as host (first row, slot, start, length) tuples, for
+        the tensor-core path of a long step (prefill_attention.py); None for a decode step."""
         out = self.empty(q.shape)
+        if segments is not None and self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
+            return prefill_attention.prefill_attention(self, self.tensor_cores, q, k_cache, v_cache, segments, scale,
+                                                       window or 0, out)
         scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
         return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
                                         stream=self.stream)
@@ -212,6 +221,9 @@ class CudaBackend:
     def tiled_linear(self, x, weight, bias=None):
         """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
         out = self.empty((x.shape[0], weight.shape[0]))
+        if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
+            out = self.tensor_cores.linear(self, x, weight, out)
+            return out if bias is None else activations.add_bias_cuda(out, bias, out, stream=self.stream)
         return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
     def activation(self, x, name: str):
@@ -221,6 +233,9 @@ class CudaBackend:
         return activations.add_bias_cuda(x, bias, self.empty(x.shape), stream=self.stream)
 
     def vision_attention(self, q, k, v, num_images: int, scale: float):
+        if self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
+            return prefill_attention.image_attention(self, self.tensor_cores, q, k, v, num_images, scale,
+                                                     self.empty(q.shape))
         return vision_attention.vision_attention_cuda(q, k, v, num_images, scale, self.empty(q.shape),
                                                       stream=self.stream)
 

@@ -29,7 +29,7 @@ import numpy as np
 if not hasattr(np, "row_stack"):  # numpy 2.5 removed it; numba-cuda 0.30 still calls it when compiling
     np.row_stack = np.vstack
 
-from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402,F401
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64  # noqa: E402,F401
 from numba.cuda.core import config as _numba_config  # noqa: E402
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
@@ -137,7 +137,7 @@ def is_contiguous(array) -> bool:
 if SIMULATOR:
     # plain Python (see sim_warps.py): nothing there needs the simulated `cuda` module
     from moebus.cuda.kernels import sim_warps
-    from moebus.cuda.kernels.sim_warps import bits_as_f32, warp_argmax, warp_max, warp_sum, warp_sum_many  # noqa: F401
+    from moebus.cuda.kernels.sim_warps import bits_as_f32, f32_bits, warp_argmax, warp_max, warp_sum, warp_sum_many  # noqa: F401
 
     sim_warps.make_shared_allocation_thread_safe()
 
@@ -147,6 +147,11 @@ else:
     def bits_as_f32(bits):
         """float32 whose bit pattern is the low 32 bits of an integer."""
         return cuda.libdevice.int_as_float(int32(bits))
+
+    @device
+    def f32_bits(value):
+        """The bit pattern of a float32, as an unsigned integer."""
+        return uint32(cuda.libdevice.float_as_int(float32(value)))
 
     @device
     def warp_sum(value):

@@ -50,6 +50,11 @@ def bits_as_f32(bits):
     return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
 
 
+def f32_bits(value):
+    """The bit pattern of a float32, as an unsigned integer."""
+    return int(np.float32(value).view(np.uint32))
+
+
 class _LaneBarrier:
     """A barrier of the warp's lanes on one raw lock per lane: the last lane to arrive opens every
     other lane's gate. (threading.Barrier wakes its waiters one after another through a shared

@@ -1,0 +1,91 @@
+"""The two implementations of gemm.py's ``Blas``: cuBLAS through nvmath-python (``cublas_blas``) and
+numpy over the simulator's host memory (``HostBlas``), with one signature:
+
+    gemm(stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
+         beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0)
+
+C (m x n, column-major, leading dimension ldc, float32) = alpha op(A) op(B) + beta C for each of
+``batch`` problems, the i-th at a + i stride_a, b + i stride_b, c + i stride_c (elements). A and B
+are float32 or bf16 (a_type, b_type: cudaDataType_t); addresses are plain integers."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from moebus.cuda.dtypes import bf16_to_f32
+from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, R_16BF, R_32F
+
+ITEMSIZE = {R_32F: 4, R_16BF: 2}
+
+
+class HostBlas:
+    """cuBLAS's gemm on numpy, for the simulator: the device arrays are host memory there."""
+
+    def gemm(self, stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
+             beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0):
+        for i in range(batch):
+            op_a = _matrix(a + i * stride_a * ITEMSIZE[a_type], a_type, *((m, k) if trans_a == OP_N else (k, m)), lda)
+            op_b = _matrix(b + i * stride_b * ITEMSIZE[b_type], b_type, *((k, n) if trans_b == OP_N else (n, k)), ldb)
+            op_a = op_a if trans_a == OP_N else op_a.T
+            op_b = op_b if trans_b == OP_N else op_b.T
+            out = _view(c + i * stride_c * 4, np.float32, m, n, ldc)
+            product = np.float32(alpha) * (_as_f32(op_a, a_type) @ _as_f32(op_b, b_type))
+            out[...] = product if beta == 0.0 else product + np.float32(beta) * out
+
+
+def _view(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
+    """The column-major rows x cols matrix at ``address`` as a strided numpy view."""
+    dtype = np.dtype(dtype)
+    count = (cols - 1) * ld + rows if rows and cols else 0
+    flat = np.ctypeslib.as_array((ctypes.c_byte * (count * dtype.itemsize)).from_address(address)).view(dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
+
+
+def _matrix(address: int, data_type: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    return _view(address, np.uint16 if data_type == R_16BF else np.float32, rows, cols, ld)
+
+
+def _as_f32(matrix: np.ndarray, data_type: int) -> np.ndarray:
+    return bf16_to_f32(matrix) if data_type == R_16BF else np.asarray(matrix, np.float32)
+
+
+class _Cublas:
+    """One cuBLAS handle (made at the first product, in the context current then); host scalars."""
+
+    def __init__(self, cublas):
+        self.cublas = cublas
+        self.handle = None
+        self.scalars = np.zeros(8, np.float32)  # alpha, beta of the call in flight (pointer mode host)
+
+    def gemm(self, stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
+             beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0):
+        cublas = self.cublas
+        if self.handle is None:
+            self.handle = cublas.create()
+        cublas.set_stream(self.handle, stream_handle(stream))
+        self.scalars[0], self.scalars[1] = alpha, beta
+        alpha_ptr, beta_ptr = self.scalars.ctypes.data, self.scalars.ctypes.data + 4
+        default_algo = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default since cuBLAS 11)
+        if batch == 1:
+            cublas.gemm_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, b, b_type, ldb, beta_ptr,
+                           c, R_32F, ldc, compute, default_algo)
+        else:
+            cublas.gemm_strided_batched_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, stride_a,
+                                           b, b_type, ldb, stride_b, beta_ptr, c, R_32F, ldc, stride_c, batch,
+                                           compute, default_algo)
+
+
+def stream_handle(stream) -> int:
+    """The CUstream of a numba stream (0: the default stream)."""
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    handle = getattr(stream, "handle", stream)
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def cublas_blas() -> _Cublas:
+    """cuBLAS through nvmath-python; ImportError where it is not installed."""
+    from nvmath.bindings import cublas
+
+    return _Cublas(cublas)
