@@ -3,6 +3,7 @@
 decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
          and the broker's added latency per step; --pipeline both: 8 streams on a two-stage split,
          pipelined and not, beside one stage
+prefill  tok/s and TFLOP/s of one prompt of 512 ... 8192 tokens in one step (--peer hf: transformers beside)
 hop      the broker's step hop alone: STEP -> a real worker link -> STEP_REPLY round trips, no model
          (--broker DIR: through a real broker and client, PARTIAL intervals)
 cache    routing traces (synthetic, recorded) replayed through each cache policy: hit rates per
@@ -23,6 +24,8 @@ def run_bench(what: str, argv: list[str]) -> int:
         from moebus.bench.hop import main
     elif what == "cache":
         from moebus.bench.cache import main
+    elif what == "prefill":
+        from moebus.bench.prefill import main
     elif what == "kernels":
         from moebus.bench.kernels import main
     elif what == "vram":

@@ -72,7 +72,8 @@ def test_rows_below_the_threshold_and_other_dtypes_keep_the_gemv(rng):
 
 def test_missing_nvmath_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(gemm, "SIMULATOR", False)
-    monkeypatch.setitem(sys.modules, "nvmath", None)  # import nvmath... raises ImportError
+    for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
     with caplog.at_level(logging.WARNING, logger="moebus.cuda"):
         assert gemm.make_tensor_cores() is None
     assert "nvmath-python is not installed" in caplog.text

@@ -1,0 +1,88 @@
+"""``moebus bench prefill``: one prompt of T tokens in one step (``LocalModel.step``), tok/s and the
+TFLOP/s that the step's matrix work amounts to, per length; ``--peer hf`` times HF transformers'
+forward over the same checkpoint and lengths in the same call (bench/prefill_peer.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def prefill_flops(cfg, num_tokens: int) -> float:
+    """Multiply-adds x 2 of a prefill of ``num_tokens``: projections, router, the active experts (or
+    dense MLPs), causal attention (scores and values), and the last token's lm_head."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attention_proj = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d
+    per_token = 0
+    for i in range(cfg.num_layers):
+        mlp = (d * cfg.num_experts + cfg.top_k * 3 * d * cfg.moe_intermediate_size) if cfg.is_moe_layer(i) \
+            else 3 * d * cfg.intermediate_size
+        per_token += attention_proj + mlp
+    attention = cfg.num_layers * 2 * cfg.num_heads * hd * num_tokens * (num_tokens + 1) / 2
+    return 2.0 * (per_token * num_tokens + attention + d * cfg.vocab_size)
+
+
+def _time_prefill(model, num_tokens: int, repeats: int) -> float:
+    from moebus.workers.batch import StepBatch
+
+    vocab = model.ckpt.config.vocab_size
+    prompt = [(7 * i + 3) % (vocab - 10) + 10 for i in range(num_tokens)]
+    batch = StepBatch(slots=[0], starts=[0], lengths=[num_tokens], tokens=prompt)
+    times = []
+    for _ in range(repeats + 1):  # the first warms up (kernels, scratch, the cuBLAS handle)
+        start = time.perf_counter()
+        model.step(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _peer(model_dir: str, lengths: list[int], repeats: int) -> dict[int, float]:
+    """Seconds per prefill of HF transformers (bf16, on the GPU), by length; {} when it did not run."""
+    cmd = [sys.executable, "-m", "moebus.bench.prefill_peer", model_dir, ",".join(map(str, lengths)), str(repeats)]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"hf peer did not run: {e}", file=sys.stderr)
+        return {}
+    if run.returncode != 0:
+        print(f"hf peer failed (exit {run.returncode}): {run.stderr[-2000:]}", file=sys.stderr)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return {r["tokens"]: r["seconds"] for r in rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moebus bench prefill")
+    p.add_argument("--model", help="model directory (default: the embedded demo model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-frac", type=float, help="expert cache as a share of the experts (default: all)")
+    p.add_argument("--peer", choices=["hf"], help="also time HF transformers on the same checkpoint")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from moebus.common.demo_model import demo_model_dir
+    from moebus.workers.local import LocalModel
+
+    model_dir = args.model or str(demo_model_dir())
+    lengths = [int(t) for t in args.tokens.split(",")]
+    model = LocalModel(model_dir, device=args.device, num_slots=1, max_context=max(lengths) + 8,
+                       cache_fraction=args.cache_frac)
+    cfg = model.ckpt.config
+    tensor_cores = getattr(model.backend, "tensor_cores", None)
+    rows = [{"tokens": n, "seconds": _time_prefill(model, n, args.repeats), "tflop": prefill_flops(cfg, n) / 1e12}
+            for n in lengths]
+    del model
+    peer = _peer(model_dir, lengths, args.repeats) if args.peer == "hf" else {}
+    print(f"model={Path(model_dir).name} device={args.device} layers={cfg.num_layers} experts={cfg.num_experts} "
+          f"cache_frac={args.cache_frac or 1.0} tensor_cores={tensor_cores.precision if tensor_cores else None}")
+    for r in rows:
+        r.update(tok_s=r["tokens"] / r["seconds"], tflop_s=r["tflop"] / r["seconds"])
+        if r["tokens"] in peer:
+            r.update(hf_seconds=peer[r["tokens"]], hf_tok_s=r["tokens"] / peer[r["tokens"]])
+        print(json.dumps(r) if args.json else "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                        for k, v in r.items()))
+    return 0
