@@ -84,6 +84,7 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
         self.step_ids = itertools.count(1)
         self.last_turn_s = time.monotonic()
         self.exit_status = 0
+        self.fatal_error: str | None = None  # why the start cannot succeed (supervision.py); run_broker raises it
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
         self.vision = vision(self._vision_hooks(), self.stats) if vision else None
