@@ -17,7 +17,7 @@ from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vra
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers.batch import StepBatch, logit_rules_of
+from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
                                          stage_dense_bytes, startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
@@ -61,7 +61,8 @@ class GpuWorker:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images)
+                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,
+                          **masks_of(msg))
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
         compute_s = time.perf_counter() - started
