@@ -8,9 +8,12 @@ matcher per constrained sequence, and the allowed-token bitmasks of a step.
 - Compiling runs on the tokenizer threads (admission.make_sequence), never on the broker's loop,
   under llguidance's resource limits and a wall-clock deadline: a hostile schema (huge, deep,
   recursive, invalid) is a 400 naming why, and other requests go on meanwhile.
-- ``GrammarState``: one sequence's matcher. It starts after the reasoning block when the prompt
-  ends inside one, advances with every accepted token, and says when the grammar is complete (the
-  sequence then finishes with ``stop``).
+- ``GrammarState``: one sequence's matcher. It starts after the reasoning block: at once for a
+  model without reasoning blocks (and for completions); after the first ``</think>`` when the chat
+  prompt ends inside an open block; and for a reasoning model whose prompt does not open one (Qwen3
+  thinks unless told not to), the first token may open a block (the mask allows the grammar's first
+  tokens and ``<think>``) or begin the answer. It advances with every accepted token and says when
+  the grammar is complete (the sequence then finishes with ``stop``).
 - ``Masker``: when a step is planned, the masks of its constrained rows are computed on a thread
   (llguidance releases the GIL) while the STEP goes to the first stage; the last stage's STEP
   carries them (broker/steps.py). Unconstrained rows cost nothing.
@@ -30,7 +33,7 @@ import numpy as np
 from moebus.broker.grammar_specs import grammar_text
 from moebus.common.errors import RequestError
 from moebus.common.protocol import Constraint
-from moebus.common.tokenizer import THINK_CLOSE, TextTokenizer
+from moebus.common.tokenizer import THINK_CLOSE, THINK_OPEN, TextTokenizer
 from moebus.cuda.kernels.sampling import mask_words
 
 log = logging.getLogger("moebus.broker")
@@ -49,12 +52,22 @@ class GrammarEngine:
         self.vocab_size = vocab_size  # the model's: the sampler's rows, and the masks' width
         self.words = mask_words(vocab_size)
         self.engine_words = mask_words(n_vocab)
+        reasoning = tokenizer.emits_reasoning
+        self.think_open = tokenizer.tokenizer.token_to_id(THINK_OPEN) if reasoning else None  # one token, or None
+        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if reasoning else None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def start(self, constraint: Constraint, reasoning_open: bool | None) -> "GrammarState":
-        """A new sequence's grammar state; RequestError (400) when the constraint cannot compile."""
-        return GrammarState(self, self._matcher(constraint), waits_for_reasoning=bool(reasoning_open))
+        """A new sequence's grammar state; RequestError (400) when the constraint cannot compile.
+        ``reasoning_open``: admission's (None: no reasoning split, e.g. a completion)."""
+        if reasoning_open:
+            mode = WAITING
+        elif reasoning_open is False and self.think_open is not None:
+            mode = OPENING
+        else:
+            mode = ACTIVE
+        return GrammarState(self, self._matcher(constraint), mode)
 
     def _matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
         grammar = grammar_text(constraint)
@@ -101,19 +114,32 @@ def warm_engine(tokenizer: TextTokenizer, vocab_size: int) -> threading.Thread:
     return thread
 
 
+WAITING, OPENING, ACTIVE = "waiting", "opening", "active"  # inside a reasoning block, may open one, constrained
+
+
 class GrammarState:
     """One constrained sequence's matcher (see the module docstring)."""
 
-    def __init__(self, engine: GrammarEngine, matcher: llguidance.LLMatcher, waits_for_reasoning: bool):
+    def __init__(self, engine: GrammarEngine, matcher: llguidance.LLMatcher, mode: str):
         self.engine = engine
         self.matcher = matcher
-        self.is_active = not waits_for_reasoning
+        self.mode = mode
+
+    @property
+    def is_active(self) -> bool:
+        """Does the next token have a mask?"""
+        return self.mode != WAITING
 
     def observe(self, token: int, text: str) -> bool:
         """A sampled token (``text``: the answer so far); True when the grammar is complete."""
-        if not self.is_active:
-            self.is_active = THINK_CLOSE in text  # the constraint starts with the next token
+        if self.mode == OPENING and token == self.engine.think_open:
+            self.mode = WAITING
             return False
+        if self.mode == WAITING:
+            if token == self.engine.think_close or THINK_CLOSE in text:
+                self.mode = ACTIVE  # the constraint starts with the next token
+            return False
+        self.mode = ACTIVE
         if not self.matcher.consume_token(token):
             # the mask allowed only what the matcher takes: a token outside it is a bug, not the model's doing
             log.error("grammar: token %d refused (%s); the sequence ends", token, self.matcher.get_error()[:200])
@@ -143,6 +169,10 @@ class Masker:
         full = np.zeros((len(states), engine.engine_words), np.int32)
         self._executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(states)], full.ctypes.data,
                                                engine.engine_words * 4, len(states))
+        for k, state in enumerate(states):
+            if state.mode == OPENING:  # the answer may open a reasoning block instead
+                token = state.engine.think_open
+                full[k, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
         mask_rows = np.full(num_rows, -1, np.int32)
         mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
         return np.ascontiguousarray(full[:, : engine.words]), mask_rows

@@ -27,7 +27,8 @@ def grammar_text(constraint: Constraint) -> str:
     if kind == "json_object":
         return _from_schema({"type": "object"}, constraint.param)
     if kind == "json_schema":
-        return _from_schema(_json(spec, constraint.param), constraint.param)
+        _json(spec, constraint.param)  # a 400 for text that is not JSON, before llguidance reads it
+        return _from_schema(spec, constraint.param)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
@@ -42,8 +43,10 @@ def _json(spec: str, param: str):
         raise RequestError(f"{param}: not valid JSON: {str(e)[:200]}", param=param) from None
 
 
-def _from_schema(schema, param: str) -> str:
-    if not isinstance(schema, dict):
+def _from_schema(schema: dict | str, param: str) -> str:
+    """``schema`` as JSON text where it came so: llguidance's parser bounds its nesting (a dict would
+    be converted recursively)."""
+    if not isinstance(schema, dict) and not (isinstance(schema, str) and schema.lstrip().startswith("{")):
         raise RequestError(f"{param}: a JSON schema must be an object", param=param)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -64,13 +67,41 @@ def _choice_lark(choices, param: str) -> str:
     return "start: " + " | ".join(_literal(c) for c in choices)
 
 
-def call_schema(tool: dict) -> dict:
+def call_schema(tool: dict, key: str, defs: dict) -> dict:
     """The JSON object of one call of ``tool``: its name, then arguments under its parameters schema
-    (any object when the tool has none, or is not strict and the call is not forced)."""
+    (any object when the tool has none, or is not strict and the call is not forced). The schema
+    moves into ``defs`` under ``key`` (with its own $defs), its references rewritten to match: each
+    tool's "#/..." pointed at its own root, which is no longer the root of the call's schema."""
     parameters = tool.get("parameters") if tool.get("constrain", True) else None
-    return {"type": "object", "properties": {"name": {"const": tool["name"]},
-                                             "arguments": parameters or {"type": "object"}},
+    if isinstance(parameters, dict) and parameters:
+        parameters = dict(parameters)
+        for name in ("$defs", "definitions"):
+            for sub, schema in (parameters.pop(name, None) or {}).items():
+                defs[f"{key}_{name.strip('$')}_{sub}"] = _rebased(schema, key)
+        defs[key] = _rebased(parameters, key)
+        arguments = {"$ref": f"#/$defs/{key}"}
+    else:
+        arguments = {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebased(schema, key: str):
+    """``schema`` with its "#..." references pointing where call_schema moved its root and $defs."""
+    if isinstance(schema, list):
+        return [_rebased(s, key) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, key) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for name in ("$defs", "definitions"):
+            if ref.startswith(f"#/{name}/"):
+                out["$ref"] = f"#/$defs/{key}_{name.strip('$')}_{ref[len(name) + 3:]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{key}{ref[1:]}"
+    return out
 
 
 def tool_calls_lark(spec, param: str) -> str:
@@ -84,9 +115,14 @@ def tool_calls_lark(spec, param: str) -> str:
         tools = [t for t in tools if t.get("name") == choice]
         if not tools:
             raise RequestError(f"tool_choice names {choice!r}, which is not one of the tools", param="tool_choice")
+    if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise RequestError(f"{param}: each tool needs a name", param=param)
     forced = choice != "auto"
-    schemas = [call_schema({**t, "constrain": forced or bool(t.get("strict"))}) for t in tools]
-    schema = {"x-guidance": JSON_OPTIONS, **(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})}
+    defs: dict = {}
+    schemas = [call_schema({**t, "constrain": forced or bool(t.get("strict"))}, f"tool{i}", defs)
+               for i, t in enumerate(tools)]
+    schema = {"x-guidance": JSON_OPTIONS, **(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}),
+              **({"$defs": defs} if defs else {})}
     call = f"call: {_literal(CALL_OPEN)} %json {json.dumps(schema)} {_literal(CALL_CLOSE)}"
     if forced:
         return f"start: call\n{call}"
