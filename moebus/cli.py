@@ -221,6 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tell_parent(message: str) -> None:
+    """A child of the broker that cannot start leaves its reason where the broker reads it
+    (broker/children.py), so that serve ends at once with it instead of restarting the child."""
+    from moebus.broker.children import START_ERROR_ENV
+
+    path = os.environ.get(START_ERROR_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(message)
+        except OSError:
+            pass  # the message is on stderr too
+
+
 def main(argv=None) -> int:
     # The cpu device runs many small matmuls per step: BLAS threads spinning between them cost more
     # than they give on the small hosts this path is for (measured: batch-8 decode 2.6x faster).
@@ -232,6 +246,7 @@ def main(argv=None) -> int:
         return args.func(args) or 0
     except MoebusError as e:
         print(f"moebus: error: {e}", file=sys.stderr)
+        _tell_parent(str(e))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from moebus.broker.children import python_argv
-from moebus.common.errors import Unavailable
+from moebus.common.errors import ConfigError, Unavailable
 
 
 def _sampling(args) -> dict:
@@ -57,25 +57,18 @@ def _through(address: str, args, server_key: str | None = None) -> dict:
 @contextmanager
 def private_broker(flags: list[str], env: dict | None = None, quiet: bool = True, timeout_s: float = 600):
     """A broker (and its workers) of our own on a private ipc address, ready; yields the address
-    and stops it afterwards. ``flags``: command-line flags of ``moebus broker``."""
-    from moebus.client import Client
-
+    and stops it afterwards. ``flags``: command-line flags of ``moebus broker``. A broker that
+    exits first (a start that cannot succeed) raises its own last error line; when ``quiet`` its
+    output goes to a file that only that line is read from."""
     with tempfile.TemporaryDirectory(prefix="moebus-private-") as tmp:
         address = f"ipc://{Path(tmp) / 'frontend.sock'}"
-        proc = subprocess.Popen(python_argv("broker", *flags),
-                                env=dict(os.environ, **(env or {}), MOEBUS_BROKER__FRONTEND=address),
-                                stderr=subprocess.DEVNULL if quiet else None)
+        log_path = Path(tmp) / "broker.log"
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(python_argv("broker", *flags),
+                                    env=dict(os.environ, **(env or {}), MOEBUS_BROKER__FRONTEND=address),
+                                    stderr=log_file if quiet else None)
         try:
-            client = Client(address)
-            try:
-                deadline = time.monotonic() + timeout_s
-                while not client.ping(timeout_s=1.0):
-                    if proc.poll() is not None:
-                        raise Unavailable(f"the broker exited with status {proc.returncode}")
-                    if time.monotonic() > deadline:
-                        raise Unavailable("the broker did not become ready")
-            finally:
-                client.close()
+            _wait_ready(proc, address, timeout_s, log_path if quiet else None)
             yield address
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -83,6 +76,30 @@ def private_broker(flags: list[str], env: dict | None = None, quiet: bool = True
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _wait_ready(proc, address: str, timeout_s: float, log_path: Path | None) -> None:
+    from moebus.client import Client
+
+    client = Client(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not client.ping(timeout_s=1.0):
+            if proc.poll() is not None:
+                reason = _last_error(log_path) if log_path else None
+                raise ConfigError(reason) if reason else Unavailable(
+                    f"the broker exited with status {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise Unavailable("the broker did not become ready")
+    finally:
+        client.close()
+
+
+def _last_error(log_path: Path) -> str | None:
+    """The broker's own reason for exiting: its last ``moebus: error:`` line (cli.py prints it)."""
+    prefix = "moebus: error: "
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith(prefix)]
+    return lines[-1][len(prefix):] if lines else None
 
 
 def generate(args) -> dict:

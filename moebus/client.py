@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from moebus.common import transport, wire
 from moebus.common.errors import RequestError, ServerBusy, Unavailable
-from moebus.common.protocol import (Cancel, Detokenize, DetokenizeReply, Error, Final, Generate, Info, InfoReply,
+from moebus.common.protocol import (Cancel, Constraint, Detokenize, DetokenizeReply, Error, Final, Generate, Info, InfoReply,
                                     Message, Partial, Ping, Pong, Sampling, Tokenize, TokenizeReply, Vram, VramReply)
 
 log = logging.getLogger("moebus.client")
@@ -178,18 +178,20 @@ class Client:
                  messages: list[dict] | None = None, request_id: str | None = None,
                  images: list[bytes] | None = None, tools: list[dict] | None = None,
                  chat_template_kwargs: dict | None = None, image_group: str | None = None,
-                 image_group_size: int = 1, **sampling) -> Stream:
+                 image_group_size: int = 1, constraint: dict | None = None, **sampling) -> Stream:
         """Start a request and stream it. ``sampling``: fields of protocol.Sampling. ``images``: the
         files (PNG, JPEG, WebP, GIF) in the order of the prompt's image placeholders (docs/zeromq.md).
         ``tools`` and ``chat_template_kwargs`` go to the chat template with ``messages``.
         ``image_group``, ``image_group_size``: this is one of that many requests with the same images
-        (the choices of one completion), which share one encode of them."""
+        (the choices of one completion), which share one encode of them. ``constraint``: the grammar
+        the answer must follow (protocol.Constraint fields: structured outputs)."""
         request_id = request_id or uuid.uuid4().hex
         frames = [np.frombuffer(data, np.uint8) for data in images] if images else None
         message = Generate(id=request_id, prompt=prompt, prompt_tokens=prompt_tokens, messages=messages,
                            sampling=Sampling(**sampling), images=frames, tools=tools,
                            chat_template_kwargs=chat_template_kwargs, image_group=image_group,
-                           image_group_size=image_group_size)
+                           image_group_size=image_group_size,
+                           constraint=Constraint(**constraint) if constraint else None)
         self._register(request_id, replies := Replies())
         try:
             self._send(message)

@@ -175,3 +175,18 @@ def test_every_cli_command_and_flag_is_on_the_readme_command_lines():
                 problems.append(f"README.md: `moebus {command} {flag}`")
     if problems:
         pytest.fail(report(problems), pytrace=False)
+
+
+# -- examples ------------------------------------------------------------------------------------
+
+def test_every_curl_that_sends_a_body_says_it_is_json():
+    """The api refuses state-changing bodies that are not application/json (api/cross_site.py), and
+    `curl -d` alone sends them form-encoded: each such example must carry the header."""
+    problems = []
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())  # shell continuations joined
+        for line in text.splitlines():
+            if re.search(r"\bcurl\b.*\s(-d|--data\S*)\s", line) and "Content-Type: application/json" not in line:
+                problems.append(f"{path.name}: {line.strip()[:120]}")
+    if problems:
+        pytest.fail(report(problems), pytrace=False)

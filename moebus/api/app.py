@@ -7,6 +7,7 @@ from flask import Flask
 
 from moebus.api import dashboard, health_routes, metrics, openai_routes, tokenize_routes, vram_routes
 from moebus.api.auth import require_api_key
+from moebus.api.cross_site import refuse_cross_site_writes
 from moebus.api.errors import register_error_handlers
 from moebus.api.link import BrokerLink
 
@@ -22,6 +23,7 @@ def create_app(settings=None) -> Flask:
     app.json.sort_keys = False
     app.extensions["moebus"] = BrokerLink(settings.broker, settings.max_request_bytes)
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
+    refuse_cross_site_writes(app, settings.api.host, settings.api.allowed_origins)  # before the key check
     require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)
     for module in (openai_routes, vram_routes, health_routes, metrics, dashboard, tokenize_routes):

@@ -42,8 +42,9 @@ def chat_completions():
     messages, images = _images([m.to_broker() for m in req.messages])
     # the choices carry the same images: the broker encodes them once for all (broker/vision_groups.py)
     group = {"image_group": formatter.id, "image_group_size": req.n} if images and req.n > 1 else {}
+    constraint = req.constraint()  # structured output (api/structured.py)
     streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
-        messages, request_id=rid, images=images, tools=req.template_tools(),
+        messages, request_id=rid, images=images, tools=req.template_tools(), constraint=constraint,
         chat_template_kwargs=req.chat_template_kwargs, **group, **req.choice_sampling(sampling, i)))
     return answer(streams, formatter, _client_gone(), req.stream)
 
@@ -64,8 +65,9 @@ def completions():
     formatter = CompletionFormatter(link().model()["name"], req.logprobs, req.include_usage, req.n)
     logprobs = max(req.logprobs, 1) if req.logprobs is not None else 0
     sampling = req.sampling(req.max_tokens, logprobs)
+    constraint = req.constraint()
     streams = _start(formatter, req.n, lambda i, rid: link().client.generate(
-        **req.prompt_kwargs(), request_id=rid, **req.choice_sampling(sampling, i)))
+        **req.prompt_kwargs(), request_id=rid, constraint=constraint, **req.choice_sampling(sampling, i)))
     return answer(streams, formatter, _client_gone(), req.stream)
 
 

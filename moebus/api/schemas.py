@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from flask import request
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moebus.api.structured import (check_tool_choice, guided_constraint, one_constraint, response_format_constraint,
+                                   tools_constraint)
 from moebus.common.errors import RequestError
 from moebus.common.protocol import (MAX_ABS_LOGIT_BIAS, MAX_GPUS, MAX_INT32, MAX_LOGIT_BIAS, MAX_RESERVE_MIB,
                                     MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOOLS)
@@ -23,6 +25,9 @@ NOT_IMPLEMENTED = {"audio": (None,), "modalities": (None, ["text"]), "prediction
                    "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
                    "moderation": (None,), "functions": (None,), "function_call": (None,), "store": (None, False),
                    "service_tier": (None, "auto", "default"), "parallel_tool_calls": (None, True)}
+# other servers' grammar fields that moebus does not take (api/structured.py says which it does)
+OTHER_GRAMMARS = {name: (None,) for name in ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+                                             "structured_outputs", "grammar", "json_schema")}
 CONTENT_PART_TYPES = ("text", "image_url")
 
 
@@ -112,6 +117,11 @@ class _Generation(_Body):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None  # OpenAI's end-user id for abuse tracking: no effect on the answer
+    # structured outputs (api/structured.py): OpenAI's response_format, vLLM's guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -155,6 +165,10 @@ class _Generation(_Body):
                   "logit_bias": [(int(k), v) for k, v in self.logit_bias.items()] if self.logit_bias else None}
         return {k: v for k, v in fields.items() if v is not None}
 
+    def constraint(self) -> dict | None:
+        """The grammar the answer must follow (protocol.Constraint fields), None for free text."""
+        return one_constraint(response_format_constraint(self.response_format), guided_constraint(self))
+
     def choice_sampling(self, sampling: dict, index: int) -> dict:
         """The sampling of choice ``index`` of n: a given seed moves on by the index (as vLLM does),
         so that the choices differ and each repeats."""
@@ -178,14 +192,7 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("strict")
-    @classmethod
-    def _not_strict(cls, strict):
-        if strict:  # a promise that the arguments match the schema: that needs constrained decoding
-            raise ValueError("strict function calling (schema-constrained arguments) is not supported")
-        return strict
+    strict: bool | None = None  # true: a call's arguments follow ``parameters`` (constrained decoding)
 
 
 class Tool(_Body):
@@ -200,8 +207,7 @@ class ChatRequest(_Generation):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Any = None  # "auto" (the default with tools) or "none"; forcing a call is refused
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    tool_choice: Any = None  # "auto" (the default with tools), "none", "required" or a named function
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)  # vLLM's extension
     # bookkeeping that OpenAI keeps and that has no effect on an answer here (no prompt cache to hint)
     safety_identifier: str | None = None
@@ -210,21 +216,9 @@ class ChatRequest(_Generation):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, choice):
-        if choice not in (None, "auto", "none"):
-            raise RequestError("tool_choice: only 'auto' and 'none' are supported (forcing a tool call needs "
-                               "constrained decoding)", param="tool_choice", code="not_supported")
-        return choice
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, fmt):
-        if fmt is not None and fmt != {"type": "text"}:
-            raise RequestError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
-                               "JSON modes need constrained decoding)", param="response_format", code="not_supported")
-        return fmt
+    def constraint(self) -> dict | None:
+        tools = [t.model_dump(exclude_unset=True) for t in self.tools or []]
+        return one_constraint(tools_constraint(tools, self.tool_choice), super().constraint())
 
     @property
     def calls_tools(self) -> bool:
@@ -237,7 +231,8 @@ class ChatRequest(_Generation):
 
     @model_validator(mode="after")
     def _check(self):
-        refuse_unknown(self, NOT_IMPLEMENTED)
+        refuse_unknown(self, {**NOT_IMPLEMENTED, **OTHER_GRAMMARS})
+        check_tool_choice(self.tool_choice, [t.function.name for t in self.tools or []])
         for n, message in enumerate(self.messages):
             for k, part in enumerate(message.content if isinstance(message.content, list) else []):
                 _check_part(part, f"messages.{n}.content.{k}")
@@ -288,7 +283,7 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        refuse_unknown(self, {})
+        refuse_unknown(self, OTHER_GRAMMARS)
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.best_of not in (None, 1):

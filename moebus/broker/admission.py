@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
+from moebus.broker.grammar import engine_for
 from moebus.broker.sequence import Sequence
 from moebus.common import wire
 from moebus.common.errors import RequestError
@@ -102,8 +103,11 @@ def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_
         sampling = sampling.model_copy(update={"top_k": 0})
     # where a reasoning block stands at the prompt's end, for the api's reasoning split
     reasoning_open = tokenizer.opens_reasoning(text) if text is not None else None
+    # structured output: compiled here, on a tokenizer thread (a slow schema never holds the loop)
+    grammar = engine_for(tokenizer, vocab_size).start(msg.constraint, reasoning_open) if msg.constraint else None
     return Sequence(id=msg.id, client=client, prompt=ids, sampling=sampling, decoder=StreamDecoder(tokenizer),
-                    stop_ids=tokenizer.stop_ids, max_context=max_context, reasoning_open=reasoning_open)
+                    stop_ids=tokenizer.stop_ids, max_context=max_context, reasoning_open=reasoning_open,
+                    grammar=grammar)
 
 
 def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> TokenizeReply:

@@ -18,6 +18,7 @@ import time
 import zmq
 
 from moebus.broker.client_messages import ClientMessages
+from moebus.broker.grammar import warm_engine
 from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
 from moebus.broker.inflight import Inflight
@@ -80,10 +81,12 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
         self.clients = ClientTable(b.client_timeout_s)
         self.tokenize = TokenizePool(self.ctx, tokenizer, model_config.vocab_size, settings.max_context,
                                      b.tokenizer_threads, max_pending=max(settings.max_queue, 1))
+        warm_engine(tokenizer, model_config.vocab_size)  # structured outputs' tokenizer, off the loop
         self.cancelled_while_tokenizing: set[str] = set()
         self.step_ids = itertools.count(1)
         self.last_turn_s = time.monotonic()
         self.exit_status = 0
+        self.fatal_error: str | None = None  # why the start cannot succeed (supervision.py); run_broker raises it
         self.stopping_since: float | None = None
         self.next_beat_s = self.next_info_s = 0.0
         self.vision = vision(self._vision_hooks(), self.stats) if vision else None

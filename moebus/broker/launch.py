@@ -58,7 +58,8 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     remote = set(settings.broker.remote_gpus)  # these stages' workers join from elsewhere
     children = [_worker_child(settings, settings_file, i, r, backend) if spawn_workers and i not in remote else None
                 for i, r in enumerate(ranges)]
-    extra = [Child("api", python_argv("api", "--config", str(settings_file)))] if serve_api else []
+    extra = [Child("api", python_argv("api", "--config", str(settings_file)),
+                   error_file=run_dir / "api.start-error")] if serve_api else []
     log.info("model %s on %s: %s", model_dir, device, ", ".join(f"gpu{i} layers {r.start}-{r.stop - 1}"
                                                                    for i, r in enumerate(ranges)))
     pool = WorkerPool(ranges, children, settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
@@ -66,9 +67,12 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     try:
         broker = Broker(settings, config, TextTokenizer(model_dir, config.eos_token_ids), pool,
                         model_name=Path(model_dir).name, backend_address=backend, children=extra, vision=vision)
-        return broker.run()
+        status = broker.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    if broker.fatal_error:  # the cli prints it last, as the reason of the exit
+        raise ConfigError(broker.fatal_error)
+    return status
 
 
 def _own_keys(broker):
@@ -87,7 +91,7 @@ def _worker_child(settings, settings_file: Path, index: int, layers: range, back
                        "--device", settings.device)
     env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[index])} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, gpu_role(index)))  # a restart loads, not compiles
-    return Child(f"gpu{index} worker", argv, env)
+    return Child(f"gpu{index} worker", argv, env, error_file=settings_file.parent / f"gpu{index}.start-error")
 
 
 def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: int, backend: str):
@@ -112,4 +116,4 @@ def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> 
                        "--device", settings.device, "--connect", backend, "--control", control)
     env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[settings.vision.gpu])} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
-    return Child("vision zygote", argv, env)
+    return Child("vision zygote", argv, env, error_file=settings_file.parent / "vision-zygote.start-error")

@@ -4,10 +4,12 @@ budget. A sequence keeps its KV slot from admission to its end."""
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
+from moebus.broker.grammar import Masker
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import ServerBusy
 
@@ -27,6 +29,7 @@ class PlannedStep:
     top_logprobs: int  # n of the rows in logprob_rows (the most any of them asked for)
     logprob_rows: np.ndarray  # (R,) int32 rows that sample this step and asked for top logprobs
     logit_rules: dict[str, np.ndarray] | None = None  # the Step's logit_* arrays, when some row has rules
+    masks: Future | None = None  # (mask, mask_rows) of the constrained rows that sample (broker/grammar.py)
 
 
 class Scheduler:
@@ -36,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.free_slots = list(range(max_batch))[::-1]
+        self.masker = Masker()
 
     def submit(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -96,7 +100,8 @@ class Scheduler:
             # the draw is consumed only when the token counts, so chunking never shifts a seed's stream
             u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
             top_logprobs=max((sp[i].logprobs for i in asked), default=0),
-            logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples))
+            logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples),
+            masks=self.masker.submit([s.grammar if take else None for s, take in zip(chosen, samples)]))
 
     def advance(self, step: PlannedStep) -> None:
         """The step's tokens are now in every stage's KV cache."""

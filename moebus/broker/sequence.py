@@ -32,6 +32,7 @@ class Sequence:
     embeds: np.ndarray | None = None  # (I, D) float32 image embeddings, one row per image token of the prompt
     embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
     reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
+    grammar: object | None = None  # structured output: broker/grammar.py GrammarState
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)
@@ -59,6 +60,9 @@ class Sequence:
         else:
             self.text += self.decoder.push(token)
             self._apply_stop_strings()
+        if self.grammar is not None and self.grammar.observe(token, self.text) and self.finish_reason is None:
+            self.finish_reason = "stop"  # the grammar is complete: nothing else may follow
+            self.text += self.decoder.flush()
         if self.finish_reason is None and s.max_tokens is not None and len(self.generated) >= s.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is None and len(self.prompt) + len(self.generated) >= self.max_context:

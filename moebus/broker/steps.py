@@ -25,6 +25,8 @@ def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
     plan, first, last = step.plan, step.stage == 0, step.stage == num_stages - 1
     embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if first else (None, None)
     rules = (plan.logit_rules or {}) if last else {}
+    if last and plan.masks is not None:  # computed while the earlier stages ran (broker/grammar.py)
+        rules = {**rules, **dict(zip(("mask", "mask_rows"), plan.masks.result()))}
     return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
                 logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
                 starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,

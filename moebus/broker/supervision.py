@@ -18,7 +18,7 @@ from moebus.common.protocol import Heartbeat, Info
 
 log = logging.getLogger("moebus.broker")
 INFO_EVERY_S = 2.0
-MAX_QUICK_EXITS = 5  # of a supervised child (the api) before serve gives up and exits non-zero
+MAX_QUICK_EXITS = 5  # exits of a child before it was ready, in a row, before serve gives up and exits non-zero
 
 
 class Supervision:
@@ -36,6 +36,7 @@ class Supervision:
     vision: object | None  # broker/vision.py's VisionLifecycle
     stopping_since: float | None
     exit_status: int
+    fatal_error: str | None
     last_turn_s: float
     next_beat_s: float
     next_info_s: float
@@ -58,6 +59,7 @@ class Supervision:
         self._watch_children()
         if self.stopping_since is None and self.vision:
             self.vision.tick(now)
+            self._cannot_start(self.vision.zygote)
         if self.stopping_since is None:
             self.stats.count("worker_restarts_total", self.pool.restart_dead())
             for child in self.children:
@@ -65,6 +67,7 @@ class Supervision:
 
     def _purge_dead_workers(self, now: float) -> None:
         for worker, reason in self.pool.lost(now):
+            self._cannot_start(worker.child)
             self._lose(worker, reason)
         timeout_s = self.settings.broker.step_timeout_s
         for step in self.inflight.overdue(now, timeout_s):
@@ -78,12 +81,25 @@ class Supervision:
     def _watch_children(self) -> None:
         for child in self.children:
             status = child.exited()
-            if status is not None and child.quick_exits >= MAX_QUICK_EXITS and self.stopping_since is None:
-                # an api that cannot start (port taken, bad settings) must not leave a half-alive serve
-                log.error("%s exited %d times in a row right after starting; stopping", child.name, child.quick_exits)
-                self.exit_status, self.stopping_since = 1, time.monotonic() - self.settings.broker.drain_s
-            elif status is not None:
+            if status is not None and not self._cannot_start(child):
                 log.error("%s exited with status %s; restarting", child.name, status)
+
+    def _cannot_start(self, child) -> bool:
+        """A child that exited before it was ready, saying why (a setting, a checkpoint the loader
+        refuses), or exiting right after each start: no restart can succeed, so the whole start ends
+        with its reason (run_broker raises it) rather than restarting it for ever."""
+        if child is None or self.stopping_since is not None:
+            return False
+        if child.start_error:
+            reason = f"{child.name} cannot start: {child.start_error}"
+        elif child.quick_exits >= MAX_QUICK_EXITS:
+            reason = f"{child.name} exited {child.quick_exits} times in a row before it was ready"
+        else:
+            return False
+        log.error("%s; stopping", reason)
+        self.fatal_error, self.exit_status = reason, 2
+        self.stopping_since = time.monotonic() - self.settings.broker.drain_s
+        return True
 
     def _lose(self, worker: WorkerState, reason: str) -> None:
         """A worker died: everything running had KV state there, so those requests end now; its

@@ -269,6 +269,8 @@ class VisionLifecycle:
         kind = event.get("event")
         if kind == "hello":
             self.zygote_info = event
+            if self.zygote is not None:
+                self.zygote.mark_ready()
             log.info("vision zygote ready (pid %s, %.1f MiB to charge)", event.get("pid"),
                      event.get("charge_bytes", 0) / MIB)
         elif kind == "started":

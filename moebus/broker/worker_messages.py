@@ -93,6 +93,8 @@ class WorkerMessages:
         if worker.is_ready:
             self._lose(worker, f"gpu{worker.gpu} worker restarted")
         self.pool.mark_ready(worker, msg.generation)
+        if worker.child is not None:
+            worker.child.mark_ready()
         worker.restoring = self.vram.restore(worker.gpu)  # steps wait until its reserve is back
         log.info("gpu%d ready (generation %s, layers %s, %s)", worker.gpu, msg.generation, msg.layers, msg.device)
 

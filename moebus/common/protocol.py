@@ -105,6 +105,22 @@ class Sampling(BaseModel):
         return self.has_penalties or bool(self.logit_bias) or self.min_p > 0
 
 
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex or tool list: beyond this a compile is refused unread
+
+
+class Constraint(BaseModel):
+    """Structured output: the answer must match this (broker/grammar.py compiles it with llguidance).
+    ``spec`` by ``kind``: json_schema: the schema as JSON text; json_object: empty (any JSON object);
+    regex: the pattern; choice: a JSON list of strings; tool_calls: JSON ``{"tools": [{"name",
+    "parameters", "strict"}], "choice": "required" | "auto" | <a tool's name>}``. ``param`` is the
+    request field that asked for it, named by a 400 when it does not compile."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["json_schema", "json_object", "regex", "choice", "tool_calls"]
+    spec: str = Field("", max_length=MAX_CONSTRAINT_CHARS)
+    param: ShortText = "response_format"
+
+
 class Generate(Message):
     """Start a request. Exactly one of prompt (text), prompt_tokens or messages (chat).
 
@@ -126,6 +142,7 @@ class Generate(Message):
     # and the same image files share one encode; image_group_size says how many there are
     image_group: RequestId | None = None
     image_group_size: int = Field(1, ge=1, le=16)  # 16: the api's most choices (n)
+    constraint: Constraint | None = None  # structured output (after the reasoning block, if any)
 
     @field_validator("images")
     @classmethod
@@ -290,12 +307,15 @@ class Step(Message):
     (output count, 0: prompt only, -1: biased only) int32 and ``logit_bias`` float32.
     ``top_logprobs`` n > 0: the last stage returns the n most likely ids of the rows in
     ``logprob_rows`` (R,) int32, ascending and distinct (None: of every row, the old form); the
-    reply's ``top_ids`` / ``top_logprobs`` are (R, n) in that order, so only rows that asked pay."""
+    reply's ``top_ids`` / ``top_logprobs`` are (R, n) in that order, so only rows that asked pay.
+    ``mask`` (M, W) int32 (the bits of uint32 words) and ``mask_rows`` (S,) int32, last stage only and only when some row is
+    constrained (structured outputs): allowed-token bitmasks, W = ceil(vocab / 32), and each row's
+    mask (-1: unconstrained); see cuda/kernels/sampling.py."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
                "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias",
-               "logprob_rows")
+               "logprob_rows", "mask", "mask_rows")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     slots: np.ndarray
@@ -315,6 +335,8 @@ class Step(Message):
     logit_counts: np.ndarray | None = None
     logit_bias: np.ndarray | None = None
     logprob_rows: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    mask_rows: np.ndarray | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -407,6 +429,17 @@ def check_step_arrays(step: Step) -> None:
     if asked is not None and asked.size and (not step.top_logprobs or asked.min() < 0 or asked.max() >= num_seqs
                                              or np.any(np.diff(asked.astype(np.int64)) <= 0)):
         raise ValueError(f"logprob_rows must be ascending distinct rows in [0, {num_seqs}), with top_logprobs > 0")
+    _check_masks(step, num_seqs)
+
+
+def _check_masks(step: Step, num_seqs: int) -> None:
+    rows, mask = _vector(step, "mask_rows", "i", num_seqs), step.mask
+    if (rows is None) != (mask is None):
+        raise ValueError("mask and mask_rows come together")
+    if mask is not None and (mask.ndim != 2 or mask.dtype != np.int32):
+        raise ValueError(f"mask must be (M, W) int32 bit words, got {mask.dtype}{list(mask.shape)}")
+    if rows is not None and rows.size and (int(rows.min()) < -1 or int(rows.max()) >= mask.shape[0]):
+        raise ValueError(f"mask_rows must be -1 or rows of the {mask.shape[0]} masks")
 
 
 # -- broker <-> vision worker ---------------------------------------------------------------------

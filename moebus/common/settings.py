@@ -45,6 +45,9 @@ class ApiSettings(_Section):
     workers: int = Field(1, ge=1, le=64)  # waitress processes on one socket (the api is stateless)
     threads: int | None = Field(None, ge=1, le=4096)  # None: max_batch + max_queue + 16
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, le=1 << 30)
+    # origins (``https://app.example:3000``) whose pages may send requests that change state, besides
+    # the service's own (api/cross_site.py); none by default
+    allowed_origins: list[str] = Field(default_factory=list)
 
 
 class BrokerSettings(_Section):

@@ -22,6 +22,9 @@ class StepBatch:
     top_logprobs: int = 0  # return the n most likely ids per sequence too
     logprob_rows: np.ndarray | None = None  # (R,) the sequences that want them, ascending; None: all
     logit_rules: LogitRules | None = None  # penalties, bias, min_p; None: no row has any
+    # structured outputs, for the last stage: allowed-token bitmasks (cuda/kernels/sampling.py)
+    mask: np.ndarray | None = None  # (M, W) uint32, one row per constrained sequence
+    mask_rows: np.ndarray | None = None  # (S,) int32 row of ``mask`` per sequence, -1: unconstrained
     extras: dict = field(default_factory=dict)
     # first stage: rows of the T tokens whose token embedding is replaced (image embeddings)
     embeds: np.ndarray | None = None  # (R, D) float32
@@ -35,6 +38,8 @@ class StepBatch:
             self.tokens = np.asarray(self.tokens, dtype=np.int32)
         if (self.embeds is None) != (self.embed_rows is None):
             raise ValueError("embeds and embed_rows come together")
+        if self.mask is not None or self.mask_rows is not None:
+            self._check_mask()
         if self.embeds is not None:
             self.embeds = np.ascontiguousarray(self.embeds, dtype=np.float32)
             self.embed_rows = np.ascontiguousarray(self.embed_rows, dtype=np.int32)
@@ -43,6 +48,30 @@ class StepBatch:
                 raise ValueError(f"embeds {self.embeds.shape} and embed_rows {rows.shape} do not match")
             if len(rows) and (rows.min() < 0 or rows.max() >= self.num_tokens or len(np.unique(rows)) != len(rows)):
                 raise ValueError(f"embed_rows must be distinct rows of the step's {self.num_tokens} tokens")
+
+    def _check_mask(self) -> None:
+        if self.mask is None or self.mask_rows is None:
+            raise ValueError("mask and mask_rows come together")
+        mask = np.ascontiguousarray(self.mask)
+        self.mask = mask.view(np.uint32) if mask.dtype == np.int32 else mask.astype(np.uint32)  # the wire's int32 bits
+        self.mask_rows = np.ascontiguousarray(self.mask_rows, np.int32)
+        rows = self.mask_rows
+        if self.mask.ndim != 2 or rows.shape != (self.num_seqs,):
+            raise ValueError(f"mask {self.mask.shape} and mask_rows {rows.shape} do not fit {self.num_seqs} sequences")
+        if len(rows) and (rows.min() < -1 or rows.max() >= len(self.mask)):
+            raise ValueError(f"mask_rows must be -1 or rows of the {len(self.mask)} masks")
+
+    def mask_inputs(self) -> dict[str, np.ndarray]:
+        """The masks as the sampler takes them in a step of fixed shapes: (S, W), row i the mask of
+        sequence i (zeros for an unconstrained one, which reads none), so a captured graph keeps one
+        layout for its batch size whichever rows are constrained. {} when no row is."""
+        if self.mask is None or not np.any(self.mask_rows >= 0):
+            return {}
+        constrained = self.mask_rows >= 0
+        full = np.zeros((self.num_seqs, self.mask.shape[1]), np.uint32)
+        full[constrained] = self.mask[self.mask_rows[constrained]]
+        rows = np.where(constrained, np.arange(self.num_seqs), -1).astype(np.int32)
+        return {"mask": full, "mask_rows": rows}
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +116,14 @@ def _embeds_within(batch: StepBatch, first_token: int, count: int) -> dict:
     return {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - first_token}
 
 
+def _masks_within(batch: StepBatch, idx: np.ndarray, ends: np.ndarray) -> dict:
+    """A piece's masks: those of its rows that sample in it (a row's mask is for its last token)."""
+    if batch.mask is None:
+        return {}
+    rows = np.where(ends, batch.mask_rows[idx], -1)
+    return {"mask": batch.mask, "mask_rows": rows}
+
+
 def _rows_within(batch: StepBatch, idx: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """A piece's rows that want top_logprobs: those that asked and end in it (only those sample)."""
     return np.nonzero(np.isin(idx, batch.top_rows()) & ends)[0].astype(np.int32)
@@ -122,7 +159,7 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         piece = StepBatch(slots=batch.slots[idx], starts=np.array([r[1] for r in rows]), lengths=lengths,
                           tokens=tokens, temperature=temperature[idx], top_k=top_k[idx], top_p=top_p[idx], u=u[idx],
                           top_logprobs=batch.top_logprobs, logprob_rows=_rows_within(batch, idx, ends),
-                          **_embeds_within(batch, first_token, count),
+                          **_embeds_within(batch, first_token, count), **_masks_within(batch, idx, ends),
                           logit_rules=None if batch.logit_rules is None else batch.logit_rules.take(idx))
         pieces.append((piece, idx, ends, slice(first_token, first_token + count)))
         first_token += count
@@ -142,6 +179,11 @@ def split_tokens(batch: StepBatch, max_tokens: int) -> list[tuple[StepBatch, np.
         offset += int(length)
     flush()
     return pieces
+
+
+def masks_of(step) -> dict:
+    """The STEP message's allowed-token bitmasks (protocol.Step ``mask``, ``mask_rows``), {} when none."""
+    return {} if step.mask is None else {"mask": step.mask, "mask_rows": step.mask_rows}
 
 
 def logit_rules_of(step) -> LogitRules | None:

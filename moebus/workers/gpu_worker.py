@@ -14,10 +14,11 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
-from moebus.cuda.backends import make_backend
+from moebus.common.errors import ConfigError
+from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers.batch import StepBatch, logit_rules_of
+from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
                                          stage_dense_bytes, startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
@@ -61,7 +62,8 @@ class GpuWorker:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images)
+                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,
+                          **masks_of(msg))
         out = self.stage.forward(batch, msg.hidden)
         self.steps_served += 1
         compute_s = time.perf_counter() - started
@@ -91,12 +93,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
     """Load the stage, register, serve. ``device`` is 'cpu' or 'cuda' (already resolved)."""
     link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
-    ckpt = Checkpoint(model_dir)
-    backend = make_backend(device)
-    label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
-    stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                  experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
-                  progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
+    stage = load_stage(settings, model_dir, gpu, layers, device)
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
                      max_batch=settings.max_batch, max_context=settings.max_context))
@@ -107,6 +104,23 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
         return GpuWorker(stage, link, gpu).serve()
     finally:
         link.close()
+
+
+def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:
+    """The stage on its device. A checkpoint the loader refuses raises CheckpointError; a stage that
+    does not fit its GPU raises ConfigError: neither start can succeed by trying again."""
+    ckpt = Checkpoint(model_dir)
+    backend = make_backend(device)
+    label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
+    try:
+        return Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
+                     experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
+                     progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
+    except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here
+        if not is_out_of_memory(e):
+            raise
+        raise ConfigError(f"gpu{gpu} ({label}) does not fit: {e}; give it fewer layers (layer_split), a smaller "
+                          f"max_batch / max_context / max_step_tokens, or more memory") from e
 
 
 def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):

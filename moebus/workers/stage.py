@@ -55,7 +55,7 @@ class Stage:
         if use_graphs is None:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
-        self.graphs: dict = {}  # batch size -> CapturedStep
+        self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:
@@ -145,7 +145,8 @@ class Stage:
             inputs["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32)
         if self.is_last:
             temperature, top_k, top_p, u = batch.sampling_arrays()
-            inputs.update(last_index=batch.last_token_index(), temperature=temperature, top_k=top_k, top_p=top_p, u=u)
+            inputs.update(last_index=batch.last_token_index(), temperature=temperature, top_k=top_k, top_p=top_p, u=u,
+                          **batch.mask_inputs())
         return inputs
 
     def _graph_for(self, batch: StepBatch, inputs: dict):
@@ -153,7 +154,8 @@ class Stage:
         if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
                 or int(batch.lengths.max()) != 1:
             return None
-        graph = self.graphs.get(batch.num_tokens)
+        key = (batch.num_tokens, "mask" in inputs)  # a batch with a constrained row has its own graph
+        graph = self.graphs.get(key)
         if graph is not None and graph.matches(inputs):
             return graph
         from moebus.cuda.backends.graphs import CapturedStep
@@ -163,10 +165,10 @@ class Stage:
         self.ops.begin_step()
         self.experts.device_placement(self.ops)
         try:
-            graph = self.graphs[batch.num_tokens] = CapturedStep(self.ops, inputs,
+            graph = self.graphs[key] = CapturedStep(self.ops, inputs,
                                                                  lambda dev: self._run(batch, dev, routed=True))
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
-            self.graphs.pop(batch.num_tokens, None)
+            self.graphs.pop(key, None)
             if is_fatal_device_error(e) or is_out_of_memory(e):
                 raise  # out of memory fails this step only; graphs stay on for the next
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
@@ -202,10 +204,12 @@ class Stage:
         _, h = self._residual_norm(x, residual, self.final_norm)
         logits = ops.linear(ops.embedding(h, inputs["last_index"]), self.lm_head)
         sampling = inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["u"]
+        masks = {name: inputs[name] for name in ("mask", "mask_rows") if name in inputs}  # structured outputs
         if batch.logit_rules is None:
-            tokens, logprobs = ops.sample(logits, *sampling)
+            tokens, logprobs = ops.sample(logits, *sampling, **masks)
         else:  # penalties, bias, min_p first; the reported logprobs stay those of the raw logits
-            tokens, _ = ops.sample(ops.apply_rules(logits, inputs["temperature"], batch.logit_rules), *sampling)
+            tokens, _ = ops.sample(ops.apply_rules(logits, inputs["temperature"], batch.logit_rules), *sampling,
+                                   **masks)
             logprobs = ops.token_logprobs(logits, tokens)
         out.update(tokens=tokens, logprobs=logprobs, logits=logits)
         return out

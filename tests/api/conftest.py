@@ -10,12 +10,14 @@ from tests.service import Service
 API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"
 MAX_BODY_BYTES = 64 * 1024
+ALLOWED_ORIGIN = "http://localhost:3000"  # a page of ours on another port (test_cross_site.py)
 
 
 @pytest.fixture(scope="package")
 def service(tmp_path_factory, tiny_model):
     svc = Service(tmp_path_factory.mktemp("api"), tiny_model,
-                  api={"api_key": API_KEY, "admin_key": ADMIN_KEY, "max_body_bytes": MAX_BODY_BYTES})
+                  api={"api_key": API_KEY, "admin_key": ADMIN_KEY, "max_body_bytes": MAX_BODY_BYTES,
+                       "allowed_origins": [ALLOWED_ORIGIN]})
     try:
         yield svc.wait_ready()
     finally:

@@ -17,7 +17,7 @@ CHAT_REFUSED = {
                                                                                                     "content": "x"},
     "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "moderation": {"model": "x"},
     "functions": [{"name": "f"}], "function_call": "auto", "store": True, "service_tier": "flex",
-    "parallel_tool_calls": False, "response_format": {"type": "json_object"}, "tool_choice": "required",
+    "parallel_tool_calls": False,
 }
 COMPLETION_IMPLEMENTED = {"model", "prompt", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
                           "max_tokens", "n", "seed", "stop", "stream_options", "temperature", "top_p", "user",
@@ -66,11 +66,16 @@ def test_unknown_fields_are_refused(openai_client, create, args):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools.0.function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools.0.function.strict"),
     ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"extra_body": {"grammar": "root ::= \"a\""}}, "grammar"),  # llama.cpp's GBNF: not taken
+    ({"extra_body": {"guided_grammar": "start: \"a\""}}, "guided_grammar"),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but no int (was a 500)

@@ -207,11 +207,11 @@ class CudaBackend:
         return top_logprobs.top_logprobs_cuda(logits, n, self.empty(shape, np.int32), self.empty(shape, np.float32),
                                               stream=self.stream)
 
-    def sample(self, logits, temperature, top_k, top_p, u):
+    def sample(self, logits, temperature, top_k, top_p, u, mask=None, mask_rows=None):
         num_rows = logits.shape[0]
         tokens, logprobs = self.empty((num_rows,), np.int32), self.empty((num_rows,), np.float32)
         return sampling.sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs,
-                                    self.empty(logits.shape), stream=self.stream)
+                                    self.empty(logits.shape), stream=self.stream, mask=mask, mask_rows=mask_rows)
 
     # -- vision tower and stage-0 image embeddings -------------------------------------------------
 

@@ -7,15 +7,22 @@
    found by bisection on the float32 bit pattern (positive floats order like their bits), so the
    kernel needs no sort.
 4. the token is the first id whose running sum of kept p exceeds u x (kept mass), u ~ U[0, 1) drawn
-   by the broker from the request's seed (so batching and device do not change the draw)."""
+   by the broker from the request's seed (so batching and device do not change the draw).
+
+A grammar constraint (structured outputs, broker/grammar.py) comes as an allowed-token bitmask:
+``mask`` (M, W) uint32, bit i % 32 of word i // 32 set when id i is allowed, and ``mask_rows`` (S,)
+int32, the mask row of each sampled row or -1 for an unconstrained one (which reads no mask). A masked
+id counts as a -inf logit before greedy, temperature, top-k and top-p; the reported logprob stays that
+of the raw logits. A row whose allowed ids all have -inf logits (after the logit rules) takes its
+lowest allowed id, so a constrained row never leaves its grammar."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device_with_shared,
-                                 float32, int32, threads, kernel)
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device,
+                                        device_with_shared, float32, int32, threads, kernel)
 from moebus.cuda.kernels.launch import require
 
 MAX_THREADS = 1024
@@ -60,9 +67,37 @@ def sample_row_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     return token, float(logits[token] - lse)
 
 
-def sample_ref(logits, temperature, top_k, top_p, u) -> tuple[np.ndarray, np.ndarray]:
-    # logits (S, V) float32; per row temperature, top_k (0: off), top_p (1: off), u -> tokens, logprobs (S,)
-    rows = [sample_row_ref(logits[i], temperature[i], top_k[i], top_p[i], u[i]) for i in range(len(logits))]
+def allowed_ids(mask_row: np.ndarray, vocab: int) -> np.ndarray:
+    """(V,) bool: the ids that one row of an allowed-token bitmask (W,) uint32 allows."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row, np.uint32).view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+def sample_masked_row_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float,
+                          allowed: np.ndarray):
+    """sample_row_ref over the allowed ids only (the others as -inf); the logprob of the raw logits."""
+    logits = np.asarray(logits, dtype=np.float32)
+    peak = logits.max()
+    lse = peak + np.log(np.sum(np.exp(logits - peak), dtype=np.float32))
+    masked = np.where(allowed, logits, NEG_INF).astype(np.float32)
+    if not np.isfinite(masked.max()):  # nothing allowed has a finite logit: the lowest allowed id
+        token = int(np.argmax(allowed)) if allowed.any() else int(np.argmax(logits))
+    else:
+        token, _ = sample_row_ref(masked, temperature, top_k, top_p, u)
+    return token, float(logits[token] - lse)
+
+
+def sample_ref(logits, temperature, top_k, top_p, u, mask=None, mask_rows=None) -> tuple[np.ndarray, np.ndarray]:
+    # logits (S, V) float32; per row temperature, top_k (0: off), top_p (1: off), u -> tokens, logprobs (S,);
+    # mask (M, W) uint32 and mask_rows (S,) int32 (-1: unconstrained): see the module docstring
+    rows = []
+    for i in range(len(logits)):
+        m = -1 if mask_rows is None else int(mask_rows[i])
+        if m < 0:
+            rows.append(sample_row_ref(logits[i], temperature[i], top_k[i], top_p[i], u[i]))
+        else:
+            allowed = allowed_ids(mask[m], logits.shape[1])
+            rows.append(sample_masked_row_ref(logits[i], temperature[i], top_k[i], top_p[i], u[i], allowed))
     tokens = np.array([r[0] for r in rows], dtype=np.int32)
     logprobs = np.array([r[1] for r in rows], dtype=np.float32)
     return tokens, logprobs
@@ -138,10 +173,15 @@ def _bisect(probs, row, by_mass, need):
     return bits_as_f32(lo)
 
 
+@device
+def _is_allowed(mask, mask_row, i):
+    return mask_row < 0 or (mask[mask_row, i >> 5] >> (i & 31)) & 1 != 0
+
+
 @device_with_shared
 def _inverse_cdf(probs, row, tau, u):
     """First id whose running sum of kept p (p >= tau, in id order) exceeds u x kept mass; the
-    last kept id if rounding leaves none. Each thread scans one contiguous span of ids."""
+    last kept id (p > 0) if rounding leaves none. Each thread scans one contiguous span of ids."""
     vocab = probs.shape[1]
     span = (vocab + cuda.blockDim.x - 1) // cuda.blockDim.x
     begin = min(cuda.threadIdx.x * span, vocab)
@@ -157,7 +197,7 @@ def _inverse_cdf(probs, row, tau, u):
     last_kept = -1
     for i in range(begin, end):
         p = probs[row, i]
-        if p >= tau:
+        if p >= tau and p > 0:  # a zero p (masked, or underflowed) is never drawn
             running += p
             last_kept = i
             if running > target and first == vocab:
@@ -167,8 +207,24 @@ def _inverse_cdf(probs, row, tau, u):
     return int32(first) if first < vocab else int32(last_kept)
 
 
+@device_with_shared
+def _masked_argmax(logits, row, mask, mask_row):
+    """(peak, id) over the allowed ids (lowest id of a tie); the lowest allowed id with a -inf peak
+    when no allowed logit is finite; id = vocab when nothing is allowed."""
+    vocab = logits.shape[1]
+    best, best_id, first = NEG_INF, vocab, vocab
+    for i in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
+        if _is_allowed(mask, mask_row, i):
+            first = min(first, i)
+            if logits[row, i] > best:
+                best, best_id = logits[row, i], i
+    peak, best_id = block_argmax(best, best_id)
+    first = -block_max(float32(-first))
+    return peak, (int32(best_id) if best_id < vocab else int32(first))
+
+
 @kernel
-def sample_rows(logits, temperature, top_k, top_p, u, probs, tokens, logprobs):
+def sample_rows(logits, temperature, top_k, top_p, u, mask, mask_rows, probs, tokens, logprobs):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]
@@ -182,10 +238,15 @@ def sample_rows(logits, temperature, top_k, top_p, u, probs, tokens, logprobs):
         total += math.exp(logits[row, i] - peak)
     log_norm = peak + math.log(block_sum(total))
     token = int32(best_id)
+    mask_row = mask_rows[row] if mask_rows.shape[0] > 0 else -1  # the same for the whole block
+    if mask_row >= 0:
+        peak, token = _masked_argmax(logits, row, mask, mask_row)
+        token = token if token < vocab else int32(best_id)  # an empty mask (never sent): unconstrained
     temp = temperature[row]
-    if temp > 0:
+    if temp > 0 and peak > NEG_INF:
         for i in range(tid, vocab, cuda.blockDim.x):
-            probs[row, i] = math.exp((logits[row, i] - peak) / temp)
+            allowed = _is_allowed(mask, mask_row, i)
+            probs[row, i] = math.exp((logits[row, i] - peak) / temp) if allowed else float32(0.0)
         cuda.syncthreads()  # probs rows are read across threads from here on
         tau = float32(0.0)
         if 0 < top_k[row] < vocab:
@@ -203,9 +264,12 @@ def sample_rows(logits, temperature, top_k, top_p, u, probs, tokens, logprobs):
         logprobs[row] = logits[row, token] - log_norm
 
 
-def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch, stream=0):
+def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch, stream=0, mask=None,
+                mask_rows=None):
     """sample_ref on device arrays: logits (S, V) float32; temperature, top_p, u (S,) float32; top_k
-    (S,) int32 -> tokens (S,) int32, logprobs (S,) float32. ``scratch``: (S, V) float32."""
+    (S,) int32 -> tokens (S,) int32, logprobs (S,) float32. ``scratch``: (S, V) float32. ``mask``
+    (M, ceil(V / 32)) uint32 and ``mask_rows`` (S,) int32 together, or neither (no row constrained:
+    then zero-length arrays stand in for them and no thread reads a mask)."""
     num_rows, vocab = logits.shape
     require("logits", logits, np.float32, ndim=2)
     for name, array, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
@@ -213,9 +277,30 @@ def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch,
                                ("tokens", tokens, np.int32), ("logprobs", logprobs, np.float32)):
         require(name, array, dtype, shape=(num_rows,))
     require("scratch", scratch, np.float32, shape=(num_rows, vocab))
+    if (mask is None) != (mask_rows is None):
+        raise ValueError("mask and mask_rows come together")
+    if mask is not None:
+        require("mask", mask, np.uint32, ndim=2)
+        require("mask_rows", mask_rows, np.int32, shape=(num_rows,))
+        if mask.shape[1] != mask_words(vocab):
+            raise ValueError(f"mask rows of {mask.shape[1]} words; a vocabulary of {vocab} needs {mask_words(vocab)}")
     if vocab >= 1 << 24:
         raise ValueError(f"vocabulary of {vocab}: ids must stay exact in float32 reductions")
     if num_rows:
+        if mask is None:
+            mask, mask_rows = _no_mask(vocab)
         block = threads(MAX_THREADS)
-        sample_rows[num_rows, block, stream](logits, temperature, top_k, top_p, u, scratch, tokens, logprobs)
+        sample_rows[num_rows, block, stream](logits, temperature, top_k, top_p, u, mask, mask_rows, scratch,
+                                             tokens, logprobs)
     return tokens, logprobs
+
+
+def mask_words(vocab: int) -> int:
+    """uint32 words in one row of an allowed-token bitmask."""
+    return (vocab + 31) // 32
+
+
+def _no_mask(vocab: int):
+    """Zero-length stand-ins (the kernel takes arrays; these are never read). Zero bytes: no
+    allocation and no copy, so this is safe inside a graph capture too (as the step pool's own)."""
+    return cuda.device_array((0, mask_words(vocab)), np.uint32), cuda.device_array(0, np.int32)

@@ -1,0 +1,181 @@
+"""Structured outputs in the broker: llguidance grammars compiled against the model's tokenizer, one
+matcher per constrained sequence, and the allowed-token bitmasks of a step.
+
+- ``GrammarEngine``: the tokenizer as llguidance sees it (``tokenizer.json`` through the
+  ``tokenizers`` library: every token's bytes, the special tokens, byte fallback), built once when
+  the broker starts (``warm_engine``), and a small cache of compiled grammars (the n choices of one
+  request, or a client that repeats its schema, compile once and copy the matcher).
+- Compiling runs on the tokenizer threads (admission.make_sequence), never on the broker's loop,
+  under llguidance's resource limits and a wall-clock deadline: a hostile schema (huge, deep,
+  recursive, invalid) is a 400 naming why, and other requests go on meanwhile.
+- ``GrammarState``: one sequence's matcher. It starts after the reasoning block: at once for a
+  model without reasoning blocks (and for completions); after the first ``</think>`` when the chat
+  prompt ends inside an open block; and for a reasoning model whose prompt does not open one (Qwen3
+  thinks unless told not to), the first token may open a block (the mask allows the grammar's first
+  tokens and ``<think>``) or begin the answer. It advances with every accepted token and says when
+  the grammar is complete (the sequence then finishes with ``stop``).
+- ``Masker``: when a step is planned, the masks of its constrained rows are computed on a thread
+  (llguidance releases the GIL) while the STEP goes to the first stage; the last stage's STEP
+  carries them (broker/steps.py). Unconstrained rows cost nothing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import numpy as np
+
+from moebus.broker.grammar_specs import grammar_text
+from moebus.common.errors import RequestError
+from moebus.common.protocol import Constraint
+from moebus.common.tokenizer import THINK_CLOSE, THINK_OPEN, TextTokenizer
+from moebus.cuda.kernels.sampling import mask_words
+
+log = logging.getLogger("moebus.broker")
+COMPILE_DEADLINE_S = 5.0  # a grammar that takes longer is refused (llguidance's limits bound it too)
+MAX_CACHED_GRAMMARS = 64
+# llguidance's limits, tighter than its defaults where a request could make a compile slow
+LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+              max_lexer_states=100_000, verbose_errors=False)
+
+
+class GrammarEngine:
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int):
+        n_vocab = max(vocab_size, tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
+        eos = sorted(tokenizer.stop_ids) or None
+        self.lltok = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
+        self.vocab_size = vocab_size  # the model's: the sampler's rows, and the masks' width
+        self.words = mask_words(vocab_size)
+        self.engine_words = mask_words(n_vocab)
+        reasoning = tokenizer.emits_reasoning
+        self.think_open = tokenizer.tokenizer.token_to_id(THINK_OPEN) if reasoning else None  # one token, or None
+        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if reasoning else None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def start(self, constraint: Constraint, reasoning_open: bool | None) -> "GrammarState":
+        """A new sequence's grammar state; RequestError (400) when the constraint cannot compile.
+        ``reasoning_open``: admission's (None: no reasoning split, e.g. a completion)."""
+        if reasoning_open:
+            mode = WAITING
+        elif reasoning_open is False and self.think_open is not None:
+            mode = OPENING
+        else:
+            mode = ACTIVE
+        return GrammarState(self, self._matcher(constraint), mode)
+
+    def _matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        grammar = grammar_text(constraint)
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
+        started = time.monotonic()
+        matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(**LIMITS))  # drops the GIL
+        elapsed_s = time.monotonic() - started
+        if matcher.is_error():
+            raise RequestError(f"{constraint.param}: cannot be compiled: {matcher.get_error()[:300]}",
+                               param=constraint.param, code="invalid_grammar")
+        if elapsed_s > COMPILE_DEADLINE_S:
+            raise RequestError(f"{constraint.param}: took {elapsed_s:.1f} s to compile (the limit is "
+                               f"{COMPILE_DEADLINE_S:g} s); simplify it", param=constraint.param, code="invalid_grammar")
+        with self._lock:
+            self._compiled[grammar] = matcher.deep_copy()
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
+
+
+_engine_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4)
+def _build(tokenizer: TextTokenizer, vocab_size: int) -> GrammarEngine:
+    return GrammarEngine(tokenizer, vocab_size)
+
+
+def engine_for(tokenizer: TextTokenizer, vocab_size: int) -> GrammarEngine:
+    """The engine of a tokenizer, built on first use (the broker builds it at start-up)."""
+    with _engine_lock:  # one build, even when the start-up thread and a request race for it
+        return _build(tokenizer, vocab_size)
+
+
+def warm_engine(tokenizer: TextTokenizer, vocab_size: int) -> threading.Thread:
+    """Build the engine on a thread at start-up (~1 s for a 150k vocabulary), off the broker's loop."""
+    thread = threading.Thread(target=engine_for, args=(tokenizer, vocab_size), name="grammar-engine", daemon=True)
+    thread.start()
+    return thread
+
+
+WAITING, OPENING, ACTIVE = "waiting", "opening", "active"  # inside a reasoning block, may open one, constrained
+
+
+class GrammarState:
+    """One constrained sequence's matcher (see the module docstring)."""
+
+    def __init__(self, engine: GrammarEngine, matcher: llguidance.LLMatcher, mode: str):
+        self.engine = engine
+        self.matcher = matcher
+        self.mode = mode
+
+    @property
+    def is_active(self) -> bool:
+        """Does the next token have a mask?"""
+        return self.mode != WAITING
+
+    def observe(self, token: int, text: str) -> bool:
+        """A sampled token (``text``: the answer so far); True when the grammar is complete."""
+        if self.mode == OPENING and token == self.engine.think_open:
+            self.mode = WAITING
+            return False
+        if self.mode == WAITING:
+            if token == self.engine.think_close or THINK_CLOSE in text:
+                self.mode = ACTIVE  # the constraint starts with the next token
+            return False
+        self.mode = ACTIVE
+        if not self.matcher.consume_token(token):
+            # the mask allowed only what the matcher takes: a token outside it is a bug, not the model's doing
+            log.error("grammar: token %d refused (%s); the sequence ends", token, self.matcher.get_error()[:200])
+            return True
+        return self.matcher.is_stopped()
+
+
+class Masker:
+    """Computes a step's masks on a thread (see the module docstring)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # its thread starts on first use
+        self._executor: llguidance.LLExecutor | None = None
+
+    def submit(self, states: list[GrammarState | None]) -> Future | None:
+        """Masks for the rows whose state is active: a Future of (mask (M, W) int32, mask_rows (S,)
+        int32); None when no row is constrained."""
+        rows = [i for i, s in enumerate(states) if s is not None and s.is_active]
+        if not rows:
+            return None
+        return self._pool.submit(self._compute, [states[i] for i in rows], rows, len(states))
+
+    def _compute(self, states: list[GrammarState], rows: list[int], num_rows: int):
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=2)
+        engine = states[0].engine
+        full = np.zeros((len(states), engine.engine_words), np.int32)
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(states)], full.ctypes.data,
+                                               engine.engine_words * 4, len(states))
+        for k, state in enumerate(states):
+            if state.mode == OPENING:  # the answer may open a reasoning block instead
+                token = state.engine.think_open
+                full[k, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+        mask_rows = np.full(num_rows, -1, np.int32)
+        mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
+        return np.ascontiguousarray(full[:, : engine.words]), mask_rows
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,170 @@
+"""Structured outputs in the broker, without a model: llguidance grammars compiled against a real
+tokenizer, masks from the Masker, and tokens drawn at random among the allowed ones (what random
+weights do) — every bounded schema completes, parses and validates; hostile specs are 400s."""
+import json
+import threading
+import time
+
+import jsonschema
+import numpy as np
+import pytest
+
+from moebus.broker.grammar import ACTIVE, OPENING, WAITING, GrammarEngine, Masker
+from moebus.common.errors import RequestError
+from moebus.common.model_config import load_config
+from moebus.common.protocol import Constraint
+from moebus.common.tokenizer import TextTokenizer
+from moebus.cuda.kernels.sampling import allowed_ids
+from tests.reasoning_model import make_reasoning_model
+from tests.structured_schemas import SCHEMAS
+
+MAX_STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return TextTokenizer(tiny_model, load_config(tiny_model).eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer, tiny_model):
+    return GrammarEngine(tokenizer, load_config(tiny_model).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def masker():
+    m = Masker()
+    yield m
+    m.close()
+
+
+def generate(engine, masker, constraints, rng, reasoning_open=None) -> list[list[int]]:
+    """Random allowed tokens until each grammar is complete."""
+    states = [engine.start(c, reasoning_open) for c in constraints]
+    out, done = [[] for _ in states], [False] * len(states)
+    for _ in range(MAX_STEPS):
+        if all(done):
+            return out
+        mask, rows = masker.submit([None if d else s for s, d in zip(states, done)]).result()
+        assert mask.shape[1] == engine.words and mask.dtype == np.int32
+        for i, state in enumerate(states):
+            if not done[i]:
+                token = int(rng.choice(np.nonzero(allowed_ids(mask[rows[i]].view(np.uint32), engine.vocab_size))[0]))
+                out[i].append(token)
+                done[i] = state.observe(token, "")
+    raise AssertionError(f"a bounded grammar did not complete in {MAX_STEPS} tokens")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_random_tokens_under_a_bounded_schema_always_give_valid_json(engine, masker, tokenizer, name):
+    rng = np.random.default_rng(len(name))
+    constraint = Constraint(kind="json_schema", spec=json.dumps(SCHEMAS[name]))
+    for tokens in generate(engine, masker, [constraint] * 4, rng):
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMAS[name])
+
+
+def test_choice_and_regex(engine, masker, tokenizer):
+    rng = np.random.default_rng(0)
+    choice, regex = generate(engine, masker, [Constraint(kind="choice", spec='["yes", "no", "maybe so"]'),
+                                              Constraint(kind="regex", spec=r"[0-9]{3}-[a-c]{2}")], rng)
+    assert tokenizer.decode(choice) in ("yes", "no", "maybe so")
+    text = tokenizer.decode(regex)
+    assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and set(text[4:]) <= set("abc")
+
+
+def test_json_object_starts_an_object_without_whitespace(engine, masker, tokenizer):
+    # any JSON object is unbounded (random tokens need not end it): its first token opens the object
+    mask, _ = masker.submit([engine.start(Constraint(kind="json_object"), None)]).result()
+    allowed = np.nonzero(allowed_ids(mask[0].view(np.uint32), engine.vocab_size))[0]
+    assert len(allowed) and all(tokenizer.decode([t]).startswith("{") for t in allowed)
+
+
+def test_forced_tool_call_is_a_hermes_block_with_valid_arguments(engine, masker, tokenizer):
+    params = SCHEMAS["refs"]
+    spec = {"tools": [{"name": "draw", "parameters": params, "strict": False},
+                      {"name": "other", "parameters": None, "strict": False}], "choice": "draw"}
+    (tokens,) = generate(engine, masker, [Constraint(kind="tool_calls", spec=json.dumps(spec), param="tools")],
+                         np.random.default_rng(1))
+    text = tokenizer.decode(tokens)
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text[len("<tool_call>\n"): -len("\n</tool_call>")])
+    assert list(call) == ["name", "arguments"] and call["name"] == "draw"
+    jsonschema.validate(call["arguments"], params)
+
+
+def test_only_active_rows_get_masks(engine, masker):
+    states = [engine.start(Constraint(kind="json_object"), None), None, engine.start(Constraint(kind="json_object"), True)]
+    assert states[2].mode == WAITING
+    mask, rows = masker.submit(states).result()
+    assert rows.tolist() == [0, -1, -1] and mask.shape[0] == 1
+    assert masker.submit([None, states[2]]) is None  # nothing to compute: the plain path
+
+
+def test_reasoning_model_may_open_a_block_then_the_constraint_starts_after_it(tmp_path):
+    model = make_reasoning_model(tmp_path / "reasoning")
+    tokenizer = TextTokenizer(model, load_config(model).eos_token_ids)
+    engine = GrammarEngine(tokenizer, load_config(model).vocab_size)
+    think, close = engine.think_open, engine.think_close
+    state = engine.start(Constraint(kind="choice", spec='["ok"]'), reasoning_open=False)
+    assert state.mode == OPENING
+    mask, rows = Masker().submit([state]).result()
+    allowed = np.nonzero(allowed_ids(mask[0].view(np.uint32), engine.vocab_size))[0]
+    assert think in allowed and close not in allowed
+    assert not state.observe(think, "<think>") and state.mode == WAITING
+    assert Masker().submit([state]) is None  # reasoning is free text
+    assert not state.observe(close, "<think>hm</think>") and state.mode == ACTIVE
+    ok = tokenizer.encode("ok")
+    assert [state.observe(t, "") for t in ok][-1] is True
+
+
+@pytest.mark.parametrize("constraint, match", [
+    (Constraint(kind="json_schema", spec='{"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}'),
+     "nope"),
+    (Constraint(kind="json_schema", spec='{"type": "object"'), "not valid JSON"),
+    (Constraint(kind="json_schema", spec='[1, 2]'), "must be an object"),
+    (Constraint(kind="json_schema", spec='{"type": "strange"}'), "strange"),
+    (Constraint(kind="regex", spec="(unclosed"), "cannot be compiled"),
+    (Constraint(kind="choice", spec="[]"), "non-empty"),
+    (Constraint(kind="tool_calls", spec='{"tools": [{"name": "f"}], "choice": "g"}', param="tools"), "not one of"),
+])
+def test_invalid_specs_are_400s_naming_why(engine, constraint, match):
+    with pytest.raises(RequestError, match=match) as err:
+        engine.start(constraint, None)
+    assert err.value.param in (constraint.param, "tool_choice")
+
+
+def _nested(depth: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("schema", [
+    _nested(300), _nested(3000),  # deep (the api's JSON parser takes ~1000 levels; the broker more)
+    {"type": "object", "properties": {f"p{i}": {"enum": [f"v{i}_{j}" for j in range(50)]} for i in range(400)},
+     "required": [f"p{i}" for i in range(400)]},  # huge
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},  # recursive
+    {"type": "string", "pattern": "(a|b|c|d|e|f|g|h)*" * 40 + "x{1000}"},  # a large regex
+])
+def test_hostile_schemas_compile_or_fail_in_bounded_time(engine, schema):
+    started = time.monotonic()
+    outcome = []
+
+    def compile_():  # on a thread, as the broker's tokenizer threads compile (their stacks)
+        try:
+            outcome.append(engine.start(Constraint(kind="json_schema", spec=schema if isinstance(schema, str)
+                                                   else json.dumps(schema)), None))
+        except RequestError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=compile_)
+    thread.start()
+    thread.join(timeout=30)
+    assert outcome and time.monotonic() - started < 10.0
+    assert not isinstance(outcome[0], RequestError) or outcome[0].param == "response_format"
+
+
+def test_a_compiled_grammar_is_reused(engine):
+    constraint = Constraint(kind="json_schema", spec=json.dumps(SCHEMAS["nested"]))
+    first = engine.start(constraint, None)
+    second = engine.start(constraint, None)
+    assert first.matcher is not second.matcher  # each sequence its own matcher, copied from the cache
+    assert len([g for g in engine._compiled if g]) >= 1
