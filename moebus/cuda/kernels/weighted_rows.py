@@ -1,7 +1,7 @@
 """Weighted row gather: ``out[n] = sum_k weights[n, k] * table[indices[n, k]]``. Qwen3-VL's vision
 tower resamples its square table of learned position embeddings to each image's patch grid this
 way (bilinear: the four corner rows of each patch's place and their weights, computed on the host
-by common/qwen3vl_vision_grid.py), as transformers' weighted ``pos_embed`` sum does."""
+by workers/qwen3vl_grid.py), as transformers' weighted ``pos_embed`` sum does."""
 from __future__ import annotations
 
 import functools
