@@ -95,6 +95,7 @@ class Qwen3VisionConfig:
     vision_end_token_id: int
     text_hidden_size: int
     layer_norm_eps: float = 1e-6
+    num_image_tokens: int = 0  # not fixed: it follows each image's size (tokens_for_grid)
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +114,7 @@ class Qwen3VisionConfig:
     def merged_hidden(self) -> int:
         return self.hidden_size * self.merge_size ** 2
 
-    def num_image_tokens(self, grid_h: int, grid_w: int) -> int:
+    def tokens_for_grid(self, grid_h: int, grid_w: int) -> int:
         return grid_h * grid_w // self.merge_size ** 2
 
 

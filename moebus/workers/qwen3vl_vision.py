@@ -19,10 +19,19 @@ from moebus.workers.qwen3vl_grid import grid_tables
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
+# the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
+# max_pixels if smaller): a larger one needs more scratch than the caches handed back
+REFERENCE_PIXELS = 1024 * 1024
 
 
 def _pool_bytes(nbytes: int) -> int:
     return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
+
+
+def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
+    """Patches of the largest image the memory estimates cover (REFERENCE_PIXELS)."""
+    pixels = min(REFERENCE_PIXELS, int(getattr(processor, "max_pixels", REFERENCE_PIXELS)))
+    return max(pixels // cfg.patch_size ** 2, cfg.merge_size ** 2)
 
 
 def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
@@ -134,6 +143,16 @@ class Qwen3VisionModel:
             h = h.reshape(x.shape[0] // cfg.merge_size ** 2, merged)
         h = ops.activation(ops.tiled_linear(h, w["linear_fc1.weight"], w["linear_fc1.bias"]), MERGER_ACT)
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
+
+    def encode_reply(self, images: list) -> dict:
+        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): embeds and deepstack."""
+        embeds, deepstack = self.encode_images(images)
+        return {"embeds": embeds, "deepstack": deepstack}
+
+    def warm_up(self, processor) -> None:
+        """Encode a blank image of one merge window per side x 2: every kernel compiles or loads now."""
+        side = 2 * self.cfg.merge_size
+        self.encode(np.zeros((side * side, self.cfg.patch_dim), np.float32), side, side)
 
     def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:
         """Several images (ImagePatches) -> (embeddings (sum N_i, D), DeepStack (L, sum N_i, D))."""
