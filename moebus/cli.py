@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("init-model", help="write a Hugging Face model directory with random weights")
     sp.add_argument("dir")
-    sp.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+    sp.add_argument("--arch", choices=["qwen3_moe", "mixtral", "qwen3_vl_moe"], default="qwen3_moe")
     sp.add_argument("--preset", choices=["tiny", "demo", "a3b"], default="tiny",
                     help="tiny: tests; demo: the embedded default; a3b: Qwen3-30B-A3B's shapes")
     sp.add_argument("--layers", type=int, help="override the preset's number of layers")

@@ -33,6 +33,11 @@ class Sequence:
     embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
     reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
     grammar: object | None = None  # structured output: broker/grammar.py GrammarState
+    # Qwen3-VL with images (broker/vision_qwen3vl.py): the prompt's M-RoPE positions (P, 3) int32, the
+    # rope offset of every later token (its index + rope_delta), DeepStack rows (L, I, D) float32
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
+    deepstack: np.ndarray | None = None
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)

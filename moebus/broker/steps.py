@@ -11,6 +11,7 @@ from moebus.broker.inflight import Inflight, InflightStep
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.stats import Stats
 from moebus.broker.streaming import finite_logprob
+from moebus.broker.vision_qwen3vl import step_qwen3vl
 from moebus.broker.vision_requests import step_embeds
 from moebus.broker.vram_control import VramControl
 from moebus.broker.worker_pool import WorkerPool, WorkerState
@@ -31,7 +32,8 @@ def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
                 logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
                 starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,
                 hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
-                embeds=embeds, embed_rows=embed_rows, **rules)
+                embeds=embeds, embed_rows=embed_rows, **rules,
+                **step_qwen3vl(plan.seqs, plan.starts, plan.lengths))  # M-RoPE and DeepStack: every stage
 
 
 class StepDriver:

@@ -20,11 +20,13 @@ from typing import Callable
 
 from PIL import Image
 
+from moebus.broker import vision_qwen3vl
 from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_groups import ImageGroups
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
 from moebus.common.errors import ServerBusy
+from moebus.common.image_processor import load_image_processor
 from moebus.common.protocol import Encode, EncodeReply, Error, Final, Heartbeat, Shutdown, VisionReady, WorkerError
 
 log = logging.getLogger("moebus.broker")
@@ -47,14 +49,17 @@ class VisionHooks:
     workers_ready: Callable  # () -> bool
 
 
-def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int) -> list[int]:
+def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int,
+                     cuda_vision_mib: int | None = None) -> list[int]:
     """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
     measured split: context + tower + activations on the vision GPU, and room for the embeddings'
-    traffic and the loaned prefill scratch elsewhere). cpu: exactly what the vision worker charges
+    traffic and the loaned prefill scratch elsewhere); ``cuda_vision_mib`` (Qwen3-VL: derived from
+    its tower, broker/vision_qwen3vl.py) replaces the vision GPU's figure. cpu: exactly what the vision worker charges
     to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
     one tower pass: the worker encodes one image at a time), in whole MiB, on the vision GPU only."""
     if device == "cuda":
-        return [1800] if num_gpus == 1 else [1700 if g == vision_gpu else 600 for g in range(num_gpus)]
+        mine = cuda_vision_mib or (1800 if num_gpus == 1 else 1700)
+        return [mine if g == vision_gpu else 600 for g in range(num_gpus)]
     need = -(-charge_bytes // MIB) + 1
     return [need if g == vision_gpu else 0 for g in range(num_gpus)]
 
@@ -83,6 +88,8 @@ class VisionLifecycle:
         self.last_cycle: dict = {}
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
         self.groups = ImageGroups()  # the choices of one request, which share one encode
+        # Qwen3-VL: image token counts come from each image's size, through its processor's settings
+        self.processor = load_image_processor(settings.model) if vision_config.tower == "qwen3_vl" else None
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -106,8 +113,13 @@ class VisionLifecycle:
         """Every GENERATE for this model, on the broker's tokenizer threads (it only reads settings):
         with images an ImageRequest, which the broker then ``submit``s here; without, a Sequence for
         the scheduler whose prompt holds no image token. Raises RequestError (the broker answers it)."""
+        if self.processor is not None:
+            vision_qwen3vl.refuse_video(msg)
         if not has_images(msg):
             return admit_text_request(msg, client, tokenizer, vocab_size, max_context, self.config.image_token_id)
+        if self.processor is not None:
+            return vision_qwen3vl.admit_qwen3vl_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
+                                                        self.config, self.processor)
         return admit_image_request(msg, client, tokenizer, vocab_size, max_context, self.vision,
                                    self.config.image_token_id, self.config.num_image_tokens)
 
@@ -160,7 +172,9 @@ class VisionLifecycle:
 
     def reserves(self) -> list[float | None]:
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
-        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, self.vision.gpu, charge)
+        tower = vision_qwen3vl.cuda_vision_mib(self.config, self.processor) if self.processor else None
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, self.vision.gpu, charge,
+                                                          tower)
         values = [float(v) for v in values[: self.num_gpus]]
         return values + [None] * (self.num_gpus - len(values))
 
@@ -354,23 +368,24 @@ class VisionLifecycle:
             self._fail(req, msg.error, 400, kind="invalid_request_error", param=where, code="invalid_image")
             return
         seq = req.seq
-        if msg.embeds is None or msg.embeds.shape[0] != len(seq.embed_positions):
+        embeds = vision_qwen3vl.stacked_embeds(msg.embeds, msg.deepstack, len(seq.embed_positions))
+        if embeds is None:
             self._fail(req, "the vision worker answered embeddings of the wrong shape", 500)
             return
         self.stats.count("images_total", len(req.images))
-        seq.embeds = msg.embeds
-        followers = self.groups.encoded(req, msg.embeds)
+        vision_qwen3vl.attach_embeds(seq, embeds)
+        followers = self.groups.encoded(req, embeds)
         if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
             self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq,
                                    ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
         self._submit(req)
         for follower in followers:
-            self._reuse(follower, msg.embeds)
+            self._reuse(follower, embeds)
 
     def _reuse(self, req: ImageRequest, embeds) -> None:
         """Another choice's embeddings of the same images: no encode of its own."""
         self.stats.count("images_reused_total", len(req.images))
-        req.seq.embeds = embeds
+        vision_qwen3vl.attach_embeds(req.seq, embeds)
         self._submit(req)
 
     def _submit(self, req: ImageRequest) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moebus.common import qwen3vl_checkpoint
 from moebus.common.arch import ARCHS, ATTN, DENSE_MLP, GLOBAL, LAYER, Arch
 from moebus.common.errors import CheckpointError
 from moebus.common.model_config import ModelConfig, load_config
@@ -49,6 +50,8 @@ class Checkpoint:
         return self._files[fname]
 
     def _resolve(self, name: str) -> str:
+        if self.config.wrapper == "qwen3_vl":
+            return qwen3vl_checkpoint.resolve(name, self._where)
         if self.config.wrapper != "llava":
             return name
         for short, longs in LLAVA_PREFIXES.items():
@@ -134,6 +137,8 @@ class Checkpoint:
             return (self.tensor(per_expert + self.arch.gate, shapes["gate"]),
                     self.tensor(per_expert + self.arch.up, shapes["up"]),
                     self.tensor(per_expert + self.arch.down, shapes["down"]))
+        if self.config.wrapper == "qwen3_vl":  # fused experts in either orientation
+            return qwen3vl_checkpoint.fused_expert(self, prefix, expert)
         c = self.config
         i, d = c.moe_intermediate_size, c.hidden_size
         gate_up = self.tensor(prefix + self.arch.fused_gate_up, (c.num_experts, 2 * i, d))

@@ -155,6 +155,17 @@ class ImageProcessor:
         return resized[..., None] if resized.ndim == 2 else resized
 
 
+def load_image_processor(model_dir: str | Path):
+    """The checkpoint's image processor: an ImageProcessor (SigLIP, CLIP) or, for Qwen2VL's kind,
+    a Qwen3VLImageProcessor (common/qwen3vl_image_processor.py)."""
+    from moebus.common.qwen3vl_image_processor import KINDS, Qwen3VLImageProcessor
+
+    settings, processor, where = _read_settings(Path(model_dir))
+    if settings.get("image_processor_type") in KINDS:
+        return Qwen3VLImageProcessor(settings, where)
+    return ImageProcessor(settings, where, processor)
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, compositing any transparency onto white (what transformers' convert_to_rgb does)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:

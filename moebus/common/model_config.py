@@ -35,7 +35,8 @@ class ModelConfig:
     sliding_window: int = 0  # 0: full attention
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    wrapper: str | None = None  # "llava" when the language model sits inside a LLaVA checkpoint
+    wrapper: str | None = None  # "llava" / "qwen3_vl" when the language model sits inside a vision checkpoint
+    mrope_section: tuple[int, ...] = ()  # Qwen3-VL's interleaved M-RoPE (common/qwen3vl_config.py); () = 1-D RoPE
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -76,10 +77,14 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """ModelConfig from a config.json dict. Raises CheckpointError naming the file and key."""
     from moebus.common.arch import arch_for  # late: arch imports this module
 
+    from moebus.common import qwen3vl_config
+
     archs = raw.get("architectures") or []
     wrapper = None
     cfg = raw
-    if archs and archs[0] == "LlavaForConditionalGeneration":
+    if qwen3vl_config.is_qwen3vl(raw):
+        wrapper, cfg, archs = "qwen3_vl", qwen3vl_config.text_config(raw, where), ["Qwen3MoeForCausalLM"]
+    elif archs and archs[0] == "LlavaForConditionalGeneration":
         wrapper, cfg = "llava", raw.get("text_config") or {}
         archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type"), "?")]
     name = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type"), "?")
@@ -120,6 +125,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         wrapper=wrapper,
         extra={"vision_config": raw.get("vision_config")} if wrapper else {},
+        mrope_section=qwen3vl_config.mrope_section(raw, int(cfg.get("head_dim") or hidden // heads), where)
+        if wrapper == "qwen3_vl" else (),
     )
 
 

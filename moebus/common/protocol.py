@@ -315,7 +315,7 @@ class Step(Message):
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
                "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias",
-               "logprob_rows", "mask", "mask_rows")
+               "logprob_rows", "mask", "mask_rows", "rope_positions", "deepstack", "deepstack_rows")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     slots: np.ndarray
@@ -337,6 +337,11 @@ class Step(Message):
     logprob_rows: np.ndarray | None = None
     mask: np.ndarray | None = None
     mask_rows: np.ndarray | None = None
+    # Qwen3-VL, every stage (workers/qwen3vl_step.py): rope_positions (T, 3) int32 M-RoPE positions;
+    # deepstack (L, R, D) float32 added at deepstack_rows (R,) int32 after language-model layer l < L
+    rope_positions: np.ndarray | None = None
+    deepstack: np.ndarray | None = None
+    deepstack_rows: np.ndarray | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -425,6 +430,7 @@ def check_step_arrays(step: Step) -> None:
     if rows is not None and (embeds.ndim != 2 or embeds.dtype.kind != "f" or embeds.shape[0] != rows.shape[0]
                              or (rows.size and (low_row < 0 or high_row >= num_tokens))):
         raise ValueError(f"embeds must be (R, D) floats for R embed_rows in [0, {num_tokens})")
+    _check_qwen3vl_arrays(step, num_tokens)
     asked = _vector(step, "logprob_rows", "iu", None)
     if asked is not None and asked.size and (not step.top_logprobs or asked.min() < 0 or asked.max() >= num_seqs
                                              or np.any(np.diff(asked.astype(np.int64)) <= 0)):
@@ -440,6 +446,20 @@ def _check_masks(step: Step, num_seqs: int) -> None:
         raise ValueError(f"mask must be (M, W) int32 bit words, got {mask.dtype}{list(mask.shape)}")
     if rows is not None and rows.size and (int(rows.min()) < -1 or int(rows.max()) >= mask.shape[0]):
         raise ValueError(f"mask_rows must be -1 or rows of the {mask.shape[0]} masks")
+
+
+def _check_qwen3vl_arrays(step: Step, num_tokens: int) -> None:
+    positions = step.rope_positions
+    low, high = _span(positions.ravel()) if positions is not None and positions.size else (0, 0)
+    if positions is not None and (positions.dtype.kind not in "iu" or positions.shape != (num_tokens, 3)
+                                  or low < 0 or high > MAX_INT32):
+        raise ValueError(f"rope_positions must be ({num_tokens}, 3) integers in [0, 2**31)")
+    rows, deepstack = _vector(step, "deepstack_rows", "iu", None), step.deepstack
+    if (rows is None) != (deepstack is None):
+        raise ValueError("deepstack and deepstack_rows come together")
+    if rows is not None and (deepstack.ndim != 3 or deepstack.dtype.kind != "f" or deepstack.shape[1] != rows.shape[0]
+                             or (rows.size and (_span(rows)[0] < 0 or _span(rows)[1] >= num_tokens))):
+        raise ValueError(f"deepstack must be (L, R, D) floats for R deepstack_rows in [0, {num_tokens})")
 
 
 # -- broker <-> vision worker ---------------------------------------------------------------------
@@ -476,14 +496,16 @@ class Encode(Message):
 
 class EncodeReply(Message):
     """``embeds`` (N * num_image_tokens, D) float32, the images' rows in order; or ``error`` (an
-    image the worker could not decode: ``image`` is its index) and no embeds."""
+    image the worker could not decode: ``image`` is its index) and no embeds. Qwen3-VL also sends
+    ``deepstack`` (L, rows of embeds, D) float32, its DeepStack features for the same rows."""
 
     TYPE = b"ENCODE_REPLY"
-    TENSORS = ("embeds",)
+    TENSORS = ("embeds", "deepstack")
     encode_id: Int64
     generation: ShortText
     compute_s: Seconds = 0.0
     embeds: np.ndarray | None = None
+    deepstack: np.ndarray | None = None
     error: str | None = None
     image: Count | None = None
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moebus.common.qwen3vl_tiny import init_qwen3vl
 from moebus.common.safetensors_io import save_file
 from moebus.common.tiny_script import add_script_tokens, scripted_tensors
 from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, IMAGE_TOKEN, SPECIAL_TOKENS, train_tokenizer
@@ -121,10 +122,15 @@ def _layer_tensors(cfg: dict, arch: str, i: int, r: _Random) -> dict[str, np.nda
 
 
 def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress, rename=None,
-                   extra=None, adjust_globals=None) -> None:
+                   extra=None, adjust_globals=None, adjust_layer=None) -> None:
     """One safetensors file for a small model; one shard per layer (and an index) for a large one.
     ``rename`` maps the language model's names (a LLaVA layout); ``extra()`` adds more tensors;
-    ``adjust_globals`` rewrites the embedding, final norm and unembedding after they are drawn."""
+    ``adjust_globals`` rewrites the embedding, final norm and unembedding after they are drawn;
+    ``adjust_layer(i, tensors)`` a layer's (Qwen3-VL fuses its experts)."""
+    def layer_tensors(i):
+        drawn = _layer_tensors(cfg, arch, i, r)
+        return adjust_layer(i, drawn) if adjust_layer else drawn
+
     def global_tensors():
         drawn = _global_tensors(cfg, r)
         return adjust_globals(drawn) if adjust_globals else drawn
@@ -139,7 +145,7 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
     if PRESET_SHARDED.get(cfg.get("_preset"), False):
         weight_map = {}
         parts = [("model-globals.safetensors", global_tensors)]
-        parts += [(f"model-layer-{i:03d}.safetensors", lambda i=i: _layer_tensors(cfg, arch, i, r)) for i in layers]
+        parts += [(f"model-layer-{i:03d}.safetensors", lambda i=i: layer_tensors(i)) for i in layers]
         vision = [("model-vision.safetensors", extra)] if extra else []
         for fname, make in progress(parts + vision):
             tensors = stored(make(), rename if make is not extra else None)
@@ -149,7 +155,7 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
         return
     tensors = global_tensors()
     for i in layers:
-        tensors.update(_layer_tensors(cfg, arch, i, r))
+        tensors.update(layer_tensors(i))
     tensors = stored(tensors)
     if extra:
         tensors.update(stored(extra(), None))
@@ -169,7 +175,7 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(arch, preset)
+    cfg = hf_config("qwen3_moe" if arch == "qwen3_vl_moe" else arch, preset)
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
     if num_experts:
@@ -177,6 +183,11 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
         if num_experts < cfg["num_experts_per_tok"]:
             raise ValueError(f"{num_experts} experts: fewer than the {cfg['num_experts_per_tok']} active per token")
         cfg[key] = num_experts
+    if dtype != "bf16":
+        cfg["torch_dtype"] = "float32"
+    if arch == "qwen3_vl_moe":  # Qwen3-VL-MoE: its own tower, layout and tokens (common/qwen3vl_tiny.py)
+        return init_qwen3vl(out, cfg, preset, dtype, progress, _write_weights,
+                            _Random(seed, fast=PRESET_SHARDED[preset]), _Random(seed + 1, fast=False))
     tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0, image_token=bool(vision))
     if dtype != "bf16":
         cfg["torch_dtype"] = "float32"

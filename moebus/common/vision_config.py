@@ -131,11 +131,16 @@ def parse_vision_config(raw: dict, where: str = "config.json") -> VisionConfig |
         num_layers=num_layers, image_seq_length=int(top["image_seq_length"]))
 
 
-def load_vision_config(model_dir: str | Path) -> VisionConfig | None:
-    """The vision tower's config of a model directory; None when the model has no vision tower."""
+def load_vision_config(model_dir: str | Path):
+    """The vision tower's config of a model directory: a VisionConfig (LLaVA), a Qwen3VisionConfig
+    (Qwen3-VL-MoE, common/qwen3vl_config.py); None when the model has no vision tower."""
+    from moebus.common.qwen3vl_config import is_qwen3vl, parse_qwen3_vision_config
+
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    if is_qwen3vl(raw):
+        return parse_qwen3_vision_config(raw, str(path))
     return parse_vision_config(raw, str(path))

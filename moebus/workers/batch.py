@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moebus.cuda.kernels.penalties import LogitRules
+from moebus.workers.qwen3vl_step import check_qwen3vl_arrays, qwen3vl_within
 
 
 @dataclass
@@ -29,6 +30,11 @@ class StepBatch:
     # first stage: rows of the T tokens whose token embedding is replaced (image embeddings)
     embeds: np.ndarray | None = None  # (R, D) float32
     embed_rows: np.ndarray | None = None  # (R,) int32, distinct, in [0, T)
+    # Qwen3-VL (workers/qwen3vl_step.py): M-RoPE's three positions per token (None: the token
+    # positions on every axis), and DeepStack rows added to the hidden states after LM layer l < L
+    rope_positions: np.ndarray | None = None  # (T, 3) int32
+    deepstack: np.ndarray | None = None  # (L, R', D) float32
+    deepstack_rows: np.ndarray | None = None  # (R',) int32, distinct, in [0, T)
 
     def __post_init__(self):
         self.slots = np.asarray(self.slots, dtype=np.int32)
@@ -48,6 +54,7 @@ class StepBatch:
                 raise ValueError(f"embeds {self.embeds.shape} and embed_rows {rows.shape} do not match")
             if len(rows) and (rows.min() < 0 or rows.max() >= self.num_tokens or len(np.unique(rows)) != len(rows)):
                 raise ValueError(f"embed_rows must be distinct rows of the step's {self.num_tokens} tokens")
+        check_qwen3vl_arrays(self)
 
     def _check_mask(self) -> None:
         if self.mask is None or self.mask_rows is None:
@@ -110,10 +117,11 @@ class StepBatch:
 
 def _embeds_within(batch: StepBatch, first_token: int, count: int) -> dict:
     """The embedding rows of tokens [first_token, first_token + count), renumbered for that piece."""
+    extra = qwen3vl_within(batch, first_token, count)
     if batch.embeds is None:
-        return {}
+        return extra
     inside = (batch.embed_rows >= first_token) & (batch.embed_rows < first_token + count)
-    return {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - first_token}
+    return {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - first_token, **extra}
 
 
 def _masks_within(batch: StepBatch, idx: np.ndarray, ends: np.ndarray) -> dict:

@@ -60,6 +60,7 @@ class GpuWorker:
     def step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
+        images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
         batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
                           top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,

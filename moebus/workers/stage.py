@@ -16,10 +16,12 @@ import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.kernels.fused import can_fuse_heads
+from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
+from moebus.workers.qwen3vl_step import add_deepstack, deepstack_inputs, rope_positions
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.moe_prefill import can_group_on_device, grouped_moe
 
@@ -45,7 +47,9 @@ class Stage:
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = backend.weight(ckpt.lm_head())
-        self.fuse_qkv = bool(cfg.qk_norm) and can_fuse_heads(cfg.head_dim)
+        # M-RoPE (Qwen3-VL) rotates by per-axis positions, which the fused qkv kernel does not take
+        self.mrope_axes = backend.persist(mrope_axes(cfg.head_dim, cfg.mrope_section)) if cfg.mrope_section else None
+        self.fuse_qkv = bool(cfg.qk_norm) and can_fuse_heads(cfg.head_dim) and self.mrope_axes is None
         self.layers = {i: self._load_layer(ckpt, i) for i in progress(layers)}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
@@ -90,6 +94,8 @@ class Stage:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
         if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.kv.num_slots:
             raise ValueError(f"a KV slot outside [0, {self.kv.num_slots})")
+        if batch.rope_positions is not None and batch.num_tokens and int(batch.rope_positions.max()) >= self.max_context:
+            raise ValueError(f"a rope position exceeds max_context {self.max_context}")
         routed = batch.num_tokens <= ROUTED_MAX_TOKENS
         inputs = self._host_inputs(batch, hidden)
         graph = self._graph_for(batch, inputs) if routed else None
@@ -137,6 +143,9 @@ class Stage:
 
     def _host_inputs(self, batch: StepBatch, hidden) -> dict:
         inputs = {"token_slot": batch.token_slots(), "token_pos": batch.token_positions()}
+        if self.mrope_axes is not None:
+            inputs["rope_pos"] = rope_positions(batch, inputs["token_pos"])
+            inputs.update(deepstack_inputs(batch, self.layer_range))
         if self.is_first:
             inputs["tokens"] = batch.tokens
             if batch.embeds is not None and len(batch.embed_rows):  # image embeddings at their tokens
@@ -152,7 +161,7 @@ class Stage:
     def _graph_for(self, batch: StepBatch, inputs: dict):
         """The captured decode step for this batch size, captured on first use (None: run eagerly)."""
         if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
-                or int(batch.lengths.max()) != 1:
+                or batch.deepstack is not None or int(batch.lengths.max()) != 1:
             return None
         key = (batch.num_tokens, "mask" in inputs)  # a batch with a constrained row has its own graph
         graph = self.graphs.get(key)
@@ -196,8 +205,10 @@ class Stage:
         segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
-            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments)
-            ops.recycle_layer(mark, (x,) + residual[1:])  # the rest of the layer's buffers serve the next
+            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments, inputs.get("rope_pos"))
+            if "deepstack" in inputs and i < inputs["deepstack"].shape[0]:  # Qwen3-VL's DeepStack
+                x, residual = add_deepstack(ops, self._residual_add(x, residual), inputs, i), None
+            ops.recycle_layer(mark, (x,) + (residual[1:] if residual else ()))  # the rest of the layer's buffers serve the next
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out
@@ -230,7 +241,8 @@ class Stage:
         y = self.ops.combine(residual[1], residual[2]) if residual[0] == "moe" else residual[1]
         return self.ops.add(x, y)
 
-    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None, segments=None):
+    def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None, segments=None,
+               rope_pos=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
         (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
@@ -247,8 +259,12 @@ class Stage:
             if cfg.qk_norm:
                 q = ops.rmsnorm(q.reshape(num_tokens * heads, hd), w["q_norm"], eps).reshape(num_tokens, heads, hd)
                 k = ops.rmsnorm(k.reshape(num_tokens * kv_heads, hd), w["k_norm"], eps).reshape(num_tokens, kv_heads, hd)
-            q = ops.rope(q, token_pos, self.cos, self.sin)
-            k = ops.rope(k, token_pos, self.cos, self.sin)
+            if rope_pos is not None:  # M-RoPE: a position per axis (Qwen3-VL)
+                q = ops.mrope(q, rope_pos, self.mrope_axes, self.cos, self.sin)
+                k = ops.mrope(k, rope_pos, self.mrope_axes, self.cos, self.sin)
+            else:
+                q = ops.rope(q, token_pos, self.cos, self.sin)
+                k = ops.rope(k, token_pos, self.cos, self.sin)
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
                           segments=segments)

@@ -34,11 +34,16 @@ def _pool_bytes(nbytes: int) -> int:
     return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
 
 
-def encode_scratch_bytes(cfg: VisionConfig, num_images: int) -> int:
-    """An upper bound of the device memory an encode of ``num_images`` needs beyond the weights on
+def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> int:
+    """Qwen3-VL's towers (``cfg.tower == "qwen3_vl"``): workers/qwen3vl_vision.py's bound for the
+    largest image ``processor`` makes, up to REFERENCE_PIXELS. LLaVA's: an upper bound of the device memory an encode of ``num_images`` needs beyond the weights on
     the cuda backend: the kept hidden states, plus the step pool, which holds per size class the
     most buffers any step took (bounded here by the sum of the three kinds of step: embedding, one
     encoder layer with ten (rows, hidden) and two (rows, intermediate) results, projector)."""
+    if cfg.tower == "qwen3_vl":
+        from moebus.workers import qwen3vl_vision
+
+        return qwen3vl_vision.encode_scratch_bytes(cfg, qwen3vl_vision.reference_patches(cfg, processor))
     rows = num_images * cfg.num_positions
     hidden, inter, text = (_pool_bytes(rows * n * 4) for n in (cfg.hidden_size, cfg.intermediate_size,
                                                                 cfg.text_hidden_size))
@@ -48,6 +53,16 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int) -> int:
     layer = 10 * hidden + 2 * inter
     projector = _pool_bytes(rows * 4) + num_features * (hidden + 2 * text) + 2 * text
     return kept + embed + layer + projector
+
+
+def make_vision_model(cfg, weights: dict, backend):
+    """The vision model of a config: LLaVA's VisionModel or Qwen3-VL's Qwen3VisionModel, which
+    share ``encode_reply``, ``warm_up`` and ``device_bytes`` (what the vision worker uses)."""
+    if cfg.tower == "qwen3_vl":
+        from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+
+        return Qwen3VisionModel(cfg, weights, backend)
+    return VisionModel(cfg, weights, backend)
 
 
 class VisionModel:
@@ -114,6 +129,20 @@ class VisionModel:
         features = [self._select(kept[k], num_images) for k in cfg.feature_layers]
         out = ops.to_host(self._project(features))
         return out.reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+
+    def encode_reply(self, pixels: list[np.ndarray]) -> dict:
+        """ENCODE_REPLY's arrays for preprocessed images: ``embeds`` (N * num_image_tokens, D), one
+        image per tower pass (an image is already hundreds of rows per matmul, so batching images
+        would add scratch, charged per image, and little speed)."""
+        out = np.concatenate([self.encode(p[None]) for p in pixels])
+        return {"embeds": np.ascontiguousarray(out.reshape(-1, out.shape[-1]), dtype=np.float32)}
+
+    def warm_up(self, processor) -> None:
+        """Run the tower once on a blank image: kernels are compiled (first start) or loaded from
+        numba's on-disk cache here, before VISION_READY, never inside a request."""
+        cfg = self.cfg
+        height, width = processor.image_size or (cfg.image_size, cfg.image_size)
+        self.encode(np.zeros((1, cfg.num_channels, height, width), np.float32))
 
     def _kept_buffers(self, num_images: int) -> dict:
         """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state

@@ -64,6 +64,10 @@ def load_vision_weights(model_dir: str | Path, cfg: VisionConfig | None = None) 
     cfg = cfg or load_vision_config(model_dir)
     if cfg is None:
         raise CheckpointError(f"{model_dir}: the model has no vision tower")
+    if cfg.tower == "qwen3_vl":
+        from moebus.workers.qwen3vl_weights import load_qwen3vl_weights
+
+        return load_qwen3vl_weights(model_dir, cfg)
     ckpt = Checkpoint(model_dir)
     names = set(ckpt.names())
     tower = _prefix(names, TOWER_PREFIXES, "embeddings.patch_embedding.weight", ckpt.dir)

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 
-import numpy as np
 
 from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, decode_image
@@ -22,7 +21,7 @@ from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
-from moebus.workers.vision_model import VisionModel, encode_scratch_bytes
+from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
 
 log = logging.getLogger("moebus.vision")
 
@@ -30,11 +29,11 @@ log = logging.getLogger("moebus.vision")
 IMAGES_PER_PASS = 1
 
 
-def charge_bytes(cfg, weights: dict) -> int:
+def charge_bytes(cfg, weights: dict, processor=None) -> int:
     """What the worker holds on its device: the weights as the cpu backend keeps them (float32)
     plus the scratch of one tower pass (an upper bound, workers/vision_model.py). What the cpu
     worker charges to the ledger, and the broker's cpu default of vision.vram_mib."""
-    return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, IMAGES_PER_PASS)
+    return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
 
 
 class VisionWorker:
@@ -67,22 +66,13 @@ class VisionWorker:
                 return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, error=e.message, image=i)
             with image:
                 pixels.append(self.processor.preprocess(image))
-        embeds = self._encode(pixels)
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation,
-                           compute_s=time.perf_counter() - started, embeds=embeds)
-
-    def _encode(self, pixels: list[np.ndarray]) -> np.ndarray:
-        """(N * num_image_tokens, D), one image per tower pass: an image is already hundreds of rows
-        per matmul, so batching images would add scratch (charged per image) and little speed."""
-        out = np.concatenate([self.model.encode(p[None]) for p in pixels])
-        return np.ascontiguousarray(out.reshape(-1, out.shape[-1]), dtype=np.float32)
+                           compute_s=time.perf_counter() - started, **self.model.encode_reply(pixels))
 
 
 def warm_up(model: VisionModel, processor, cfg) -> None:
-    """Run the tower once on a blank image: kernels are compiled (first start) or loaded from
-    numba's on-disk cache here, before VISION_READY, never inside a request."""
-    height, width = processor.image_size or (cfg.image_size, cfg.image_size)
-    model.encode(np.zeros((1, cfg.num_channels, height, width), np.float32))
+    """Run the tower once on a blank image (VisionModel.warm_up): no kernel compiles in a request."""
+    model.warm_up(processor)
 
 
 def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int) -> int:
@@ -92,7 +82,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
     backend = make_backend(device)
-    model = VisionModel(cfg, weights, backend)
+    model = make_vision_model(cfg, weights, backend)
     warm_up(model, processor, cfg)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from moebus.broker.children import PR_SET_PDEATHSIG
-from moebus.common.image_processor import ImageProcessor
+from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights
@@ -42,9 +42,9 @@ class Zygote:
 
             load_numba_target()  # once here, not in each worker's warm-up (which then only loads kernels)
         self.config = load_vision_config(model_dir)
-        self.processor = ImageProcessor.from_dir(model_dir)
+        self.processor = load_image_processor(model_dir)  # LLaVA's or Qwen3-VL's
         self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
-        self.charge = vision_worker.charge_bytes(self.config, self.weights)
+        self.charge = vision_worker.charge_bytes(self.config, self.weights, self.processor)
         self.control_path = control_path
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None

@@ -13,6 +13,7 @@ from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, penalties, rmsnorm, rope,
                                  routing, sampling, top_logprobs)
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
+from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 
 
 class CpuBackend:
@@ -111,3 +112,6 @@ class CpuBackend:
     scatter_rows = staticmethod(scatter.scatter_rows_ref)
     apply_rules = staticmethod(penalties.apply_rules_ref)
     token_logprobs = staticmethod(penalties.token_logprobs_ref)
+    # Qwen3-VL (cuda/kernels/mrope.py, weighted_rows.py)
+    mrope = staticmethod(mrope.mrope_ref)
+    weighted_rows = staticmethod(weighted_rows.weighted_rows_ref)

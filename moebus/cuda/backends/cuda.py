@@ -16,6 +16,7 @@ from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
+from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 
 
 class CudaBackend:
@@ -251,3 +252,14 @@ class CudaBackend:
     def token_logprobs(self, logits, tokens):
         out = self.empty((logits.shape[0],), np.float32)
         return penalties.token_logprobs_cuda(logits, tokens, out, stream=self.stream)
+
+    # -- Qwen3-VL ---------------------------------------------------------------------------------
+
+    def mrope(self, x, positions, axes, cos, sin):
+        """Rotary embedding with a position per axis (M-RoPE, the tower's 2-D rotary)."""
+        return mrope.mrope_cuda(x, positions, axes, cos, sin, self.empty(x.shape), stream=self.stream)
+
+    def weighted_rows(self, table, indices, weights):
+        """sum_k weights[:, k] * table[indices[:, k]] (interpolated position embeddings)."""
+        out = self.empty((indices.shape[0], table.shape[1]))
+        return weighted_rows.weighted_rows_cuda(table, indices, weights, out, stream=self.stream)

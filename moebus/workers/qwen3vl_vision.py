@@ -1,0 +1,160 @@
+"""Qwen3-VL's image path on a device backend: the vision tower, its patch merger and the DeepStack
+mergers. One image's flattened patches in (common/qwen3vl_image_processor.py), its image-token
+embeddings and one DeepStack feature per listed block out (transformers' ``Qwen3VLMoeVisionModel``).
+
+Per image: the 3-D patch convolution is a linear over the flattened (C, T, p, p) patches; the
+learned position table is resampled to the patch grid (weighted_rows); pre-norm blocks (LayerNorm,
+fused qkv with bias, split into three linears at load, 2-D rotary on q and k, attention over the
+image's patches only, GELU-tanh MLP); after each block listed in ``deepstack_visual_indexes`` a
+DeepStack merger (4 patches -> one row, LayerNorm over the merged row, fc1, GELU, fc2); at the end
+the merger (LayerNorm per patch, then the same). Images are encoded one at a time, so attention
+never crosses from one image to another."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.common.qwen3vl_config import Qwen3VisionConfig
+from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
+from moebus.workers.qwen3vl_grid import grid_tables
+from moebus.workers.qwen3vl_weights import BLOCK
+
+MERGER_ACT = "gelu"  # nn.GELU(): exact
+# the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
+# max_pixels if smaller): a larger one needs more scratch than the caches handed back
+REFERENCE_PIXELS = 1024 * 1024
+
+
+def _pool_bytes(nbytes: int) -> int:
+    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
+
+
+def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
+    """Patches of the largest image the memory estimates cover (REFERENCE_PIXELS)."""
+    pixels = min(REFERENCE_PIXELS, int(getattr(processor, "max_pixels", REFERENCE_PIXELS)))
+    return max(pixels // cfg.patch_size ** 2, cfg.merge_size ** 2)
+
+
+def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
+    """An upper bound of the device memory one image of ``num_patches`` patches needs beyond the
+    weights on the cuda backend: the step's inputs, the kept hidden state and DeepStack features,
+    and one block's temporaries (recycled block to block) or one merger's."""
+    n, tokens = num_patches, num_patches // cfg.merge_size ** 2
+    hidden, inter = _pool_bytes(n * cfg.hidden_size * 4), _pool_bytes(n * cfg.intermediate_size * 4)
+    inputs = _pool_bytes(n * cfg.patch_dim * 4) + 3 * _pool_bytes(n * 4 * 4)
+    kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * _pool_bytes(tokens * cfg.out_hidden_size * 4)
+    block = 10 * hidden + 2 * inter
+    merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
+    return inputs + kept + max(block, merger)
+
+
+class Qwen3VisionModel:
+    """The tower and mergers of one Qwen3-VL checkpoint, with their weights on ``backend``."""
+
+    def __init__(self, config: Qwen3VisionConfig, weights: dict, backend):
+        self.cfg, self.ops = config, backend
+        self._bytes = 0
+        d = config.hidden_size
+        self.patch_weight = self._weight(weights["patch_embed.proj.weight"].reshape(d, -1))
+        self.patch_bias = self._weight(weights["patch_embed.proj.bias"])
+        self.pos_table = self._weight(weights["pos_embed.weight"], table=True)
+        self.blocks = [self._block(weights, i) for i in range(config.depth)]
+        self.merger = self._merger(weights, "merger.")
+        self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
+                          for j, layer in enumerate(config.deepstack_layers)}
+        side = max(config.grid_side, 1)
+        # rotary tables for every row and column a grid may have (patches per side of the largest image)
+        self.max_side = 4096 // config.patch_size + side
+        cos, sin = vision_rope_tables(config.head_dim, config.rope_theta, self.max_side)
+        self.cos, self.sin = backend.persist(cos), backend.persist(sin)
+        self.axes = backend.persist(vision_axes(config.head_dim))
+
+    def _weight(self, array, table: bool = False):
+        out = (self.ops.table if table else self.ops.weight)(np.ascontiguousarray(array))
+        self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
+        return out
+
+    def _block(self, weights: dict, i: int) -> dict:
+        prefix, d = BLOCK.format(i=i), self.cfg.hidden_size
+        w = {name[len(prefix):]: weights[name] for name in weights if name.startswith(prefix)}
+        qkv, qkv_bias = w.pop("attn.qkv.weight"), w.pop("attn.qkv.bias")
+        for j, name in enumerate("qkv"):  # three linears: each result is a contiguous (rows, heads, hd)
+            w[f"attn.{name}.weight"], w[f"attn.{name}.bias"] = qkv[j * d : (j + 1) * d], qkv_bias[j * d : (j + 1) * d]
+        return {name: self._weight(array) for name, array in w.items()}
+
+    def _merger(self, weights: dict, prefix: str) -> dict:
+        return {name[len(prefix):]: self._weight(weights[name]) for name in weights if name.startswith(prefix)}
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of weights this model holds on its device (what the cpu ledger is charged)."""
+        return self._bytes
+
+    def encode(self, patches: np.ndarray, grid_h: int, grid_w: int) -> tuple[np.ndarray, np.ndarray]:
+        """One image's (grid_h * grid_w, patch_dim) float32 patches -> (image embeddings (N, D_text),
+        DeepStack features (L, N, D_text)) float32, N = grid_h * grid_w / merge^2."""
+        cfg, ops = self.cfg, self.ops
+        m = cfg.merge_size
+        patches = np.asarray(patches, dtype=np.float32)
+        if patches.shape != (grid_h * grid_w, cfg.patch_dim) or grid_h % m or grid_w % m or not grid_h * grid_w:
+            raise ValueError(f"patches of shape {patches.shape} for a {grid_h} x {grid_w} grid, expected "
+                             f"({grid_h * grid_w}, {cfg.patch_dim}) and sides that are multiples of {m}")
+        if max(grid_h, grid_w) > self.max_side:
+            raise ValueError(f"a grid of {grid_h} x {grid_w} patches exceeds {self.max_side} per side")
+        positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
+        ops.begin_step()
+        rope_pos, indices, weights = (ops.upload(a) for a in (positions, indices, weights))
+        x = ops.tiled_linear(ops.upload(patches), self.patch_weight, self.patch_bias)
+        x = ops.add(x, ops.weighted_rows(self.pos_table, indices, weights))
+        features = []
+        mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
+        for i, block in enumerate(self.blocks):
+            x = self._encoder_block(block, x, rope_pos)
+            if i in self.deepstack:
+                features.append(self._merge(self.deepstack[i], x, post_shuffle_norm=True))
+            ops.recycle_layer(mark, (x, *features))
+        embeds = ops.to_host(self._merge(self.merger, x, post_shuffle_norm=False))
+        stacked = np.stack([ops.to_host(f) for f in features]) if features else \
+            np.zeros((0,) + embeds.shape, np.float32)
+        return embeds, stacked
+
+    def _encoder_block(self, w: dict, x, rope_pos):
+        ops, cfg = self.ops, self.cfg
+        rows, heads, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
+        h = ops.layernorm(x, w["norm1.weight"], w["norm1.bias"], eps)
+        q, k, v = (ops.tiled_linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(rows, heads, hd)
+                   for n in "qkv")
+        q = ops.mrope(q, rope_pos, self.axes, self.cos, self.sin)
+        k = ops.mrope(k, rope_pos, self.axes, self.cos, self.sin)
+        a = ops.vision_attention(q, k, v, 1, hd ** -0.5).reshape(rows, heads * hd)
+        x = ops.add(x, ops.tiled_linear(a, w["attn.proj.weight"], w["attn.proj.bias"]))
+        h = ops.layernorm(x, w["norm2.weight"], w["norm2.bias"], eps)
+        h = ops.activation(ops.tiled_linear(h, w["mlp.linear_fc1.weight"], w["mlp.linear_fc1.bias"]), cfg.hidden_act)
+        return ops.add(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"], w["mlp.linear_fc2.bias"]))
+
+    def _merge(self, w: dict, x, post_shuffle_norm: bool):
+        """merge^2 consecutive patches (one merge window) -> one row of the text's width."""
+        ops, cfg = self.ops, self.cfg
+        merged = cfg.merged_hidden
+        if post_shuffle_norm:  # DeepStack: LayerNorm over the merged row
+            h = ops.layernorm(x.reshape(x.shape[0] // cfg.merge_size ** 2, merged), w["norm.weight"], w["norm.bias"],
+                              cfg.layer_norm_eps)
+        else:  # the final merger: LayerNorm per patch, then merged
+            h = ops.layernorm(x, w["norm.weight"], w["norm.bias"], cfg.layer_norm_eps)
+            h = h.reshape(x.shape[0] // cfg.merge_size ** 2, merged)
+        h = ops.activation(ops.tiled_linear(h, w["linear_fc1.weight"], w["linear_fc1.bias"]), MERGER_ACT)
+        return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
+
+    def encode_reply(self, images: list) -> dict:
+        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): embeds and deepstack."""
+        embeds, deepstack = self.encode_images(images)
+        return {"embeds": embeds, "deepstack": deepstack}
+
+    def warm_up(self, processor) -> None:
+        """Encode a blank image of one merge window per side x 2: every kernel compiles or loads now."""
+        side = 2 * self.cfg.merge_size
+        self.encode(np.zeros((side * side, self.cfg.patch_dim), np.float32), side, side)
+
+    def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:
+        """Several images (ImagePatches) -> (embeddings (sum N_i, D), DeepStack (L, sum N_i, D))."""
+        outs = [self.encode(image.patches, image.grid_h, image.grid_w) for image in images]
+        return np.concatenate([e for e, _ in outs]), np.concatenate([f for _, f in outs], axis=1)
