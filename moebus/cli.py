@@ -121,7 +121,7 @@ def cmd_init_model(args) -> int:
 
     path = init_model(args.dir, args.arch, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.layers,
                       num_experts=args.experts, progress=lambda it: tqdm(it, desc="writing shards", unit="shard"),
-                      vision=args.vision)
+                      vision=args.vision, experts_dtype=args.experts_dtype)
     print(path)
     return 0
 
@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with the per-token work of the preset, in less disk)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    sp.add_argument("--experts-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: an FP8 checkpoint as Qwen publishes one (e4m3, 128x128 block scales)")
     sp.add_argument("--vision", choices=["siglip", "clip"],
                     help="a LLaVA directory: this vision tower (a3b: SigLIP-so400m's shape) around the language model")
     sp.set_defaults(func=cmd_init_model, verbose=False)

@@ -12,8 +12,10 @@ import numpy as np
 from moebus.common import qwen3vl_checkpoint
 from moebus.common.arch import ARCHS, ATTN, DENSE_MLP, GLOBAL, LAYER, Arch
 from moebus.common.errors import CheckpointError
+from moebus.common.fp8_checkpoint import FP8_DTYPE, SCALE_SUFFIX, dequantize, read_quantization
 from moebus.common.model_config import ModelConfig, load_config
 from moebus.common.safetensors_io import SafetensorsFile
+from moebus.cuda.dtypes import f32_to_bf16, to_f32
 
 WEIGHT_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 # Where a LLaVA checkpoint keeps its language model: Hub layout first, then current transformers.
@@ -26,6 +28,7 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self.config: ModelConfig = load_config(self.dir)
         self.arch: Arch = ARCHS[self.config.arch]
+        self.quantization = read_quantization(self.dir)  # FP8 (fp8_checkpoint.py) or None
         self._where = self._index_files()
         self._files: dict[str, SafetensorsFile] = {}
 
@@ -75,14 +78,31 @@ class Checkpoint:
         if fname is None:
             raise CheckpointError(f"{self.dir}: missing tensor {full}")
         f = self._file(fname)
-        if f.dtype_name(full) not in WEIGHT_DTYPES:
+        if f.dtype_name(full) == FP8_DTYPE:  # dequantized to bf16 at load; experts read fp8_tensor
+            codes, scale = self.fp8_tensor(name)
+            array = f32_to_bf16(dequantize(codes, scale, full))
+        elif f.dtype_name(full) not in WEIGHT_DTYPES:
             raise CheckpointError(f"{f.path}: tensor {full} has dtype {f.dtype_name(full)}, "
                                   f"expected one of {sorted(WEIGHT_DTYPES)}")
-        array = f.array(full)
+        else:
+            array = f.array(full)
         if shape is not None and tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: tensor {full} has shape {tuple(array.shape)}, "
                                   f"config implies {tuple(shape)}")
         return array
+
+    def fp8_tensor(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(e4m3 codes as uint8, float32 block scales) of a tensor stored as FP8, else None."""
+        full = self._resolve(name)
+        fname = self._where.get(full)
+        if fname is None:
+            raise CheckpointError(f"{self.dir}: missing tensor {full}")
+        if self._file(fname).dtype_name(full) != FP8_DTYPE:
+            return None
+        if self.quantization is None:
+            raise CheckpointError(f"{self.dir}: tensor {full} is FP8 but config.json has no quantization_config")
+        scale = self.tensor(name + SCALE_SUFFIX)
+        return self._file(fname).array(full), to_f32(scale)
 
     @cached_property
     def weight_dtype(self) -> str:

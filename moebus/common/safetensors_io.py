@@ -18,6 +18,7 @@ STORAGE_DTYPES = {
     "F32": np.dtype(np.float32),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
+    "F8_E4M3": np.dtype(np.uint8),  # FP8 checkpoints: raw e4m3fn codes (common/quant.py)
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

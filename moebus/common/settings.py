@@ -36,6 +36,14 @@ class VisionSettings(_Section):
     fetch_deadline_s: float = Field(30.0, gt=0)  # the whole fetch, however the server trickles its bytes
 
 
+class ExpertsSettings(_Section):
+    """How the experts are held in the host store and the VRAM cache (docs/expert-cache.md)."""
+
+    # bf16: as stored (an FP8 checkpoint's dequantized); fp8: e4m3, 128x128 block scales (an FP8
+    # checkpoint's own); int4: 4-bit, a scale and minimum per 128 inputs. Env MOEBUS_EXPERTS__DTYPE.
+    dtype: Literal["bf16", "fp8", "int4"] = "bf16"
+
+
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -86,6 +94,7 @@ class Settings(BaseSettings):
     vram_reserve_mib: list[int] = Field(default_factory=list)
     segment_mib: int = Field(2, ge=1)
     vision: VisionSettings = Field(default_factory=VisionSettings)
+    experts: ExpertsSettings = Field(default_factory=ExpertsSettings)
     max_batch: int = Field(8, ge=1)
     max_context: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0)

@@ -15,7 +15,8 @@ from moebus.common.safetensors_io import save_file
 from moebus.common.tiny_script import add_script_tokens, scripted_tensors
 from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, IMAGE_TOKEN, SPECIAL_TOKENS, train_tokenizer
 from moebus.common.tiny_vision import llava_config, llava_name, processor_config, vision_tensors
-from moebus.cuda.dtypes import f32_to_bf16
+from moebus.common.fp8_checkpoint import Fp8Quantization, fp8_stored, is_qwen_fp8_weight
+from moebus.cuda.dtypes import f32_to_bf16, to_f32
 
 PRESETS = {
     # 4 layers so that layer splits over 1-3 stages can be tested; experts do not fit a tiny cache
@@ -122,7 +123,7 @@ def _layer_tensors(cfg: dict, arch: str, i: int, r: _Random) -> dict[str, np.nda
 
 
 def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, progress, rename=None,
-                   extra=None, adjust_globals=None, adjust_layer=None) -> None:
+                   extra=None, adjust_globals=None, adjust_layer=None, fp8: bool = False) -> None:
     """One safetensors file for a small model; one shard per layer (and an index) for a large one.
     ``rename`` maps the language model's names (a LLaVA layout); ``extra()`` adds more tensors;
     ``adjust_globals`` rewrites the embedding, final norm and unembedding after they are drawn;
@@ -137,6 +138,8 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
 
     def stored(tensors, rename=rename):
         named = {(rename or str)(k): a for k, a in tensors.items()}
+        if fp8:  # Qwen's FP8 layout: the layers' projections as e4m3 with block scales
+            return fp8_stored({k: to_f32(a) for k, a in named.items()}, is_qwen_fp8_weight)
         if dtype == "bf16":
             return {k: (a if a.dtype == np.uint16 else f32_to_bf16(a), "BF16") for k, a in named.items()}
         return {k: (a, "F32") for k, a in named.items()}
@@ -164,13 +167,18 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
 
 def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny", seed: int = 0,
                dtype: str = "bf16", num_layers: int | None = None, progress=iter,
-               num_experts: int | None = None, vision: str | None = None, script: str | None = None) -> Path:
+               num_experts: int | None = None, vision: str | None = None, script: str | None = None,
+               experts_dtype: str = "bf16") -> Path:
     """Write a model directory; returns its path. ``dtype``: 'bf16' or 'f32' tensors;
     ``num_layers`` and ``num_experts`` (per MoE layer) override the preset's counts; ``vision``
     ('siglip' or 'clip') wraps the language model in a LLaVA checkpoint with that tower (its weights
     drawn from seed + 1, so the language model's are the same with or without it). ``script``: a
     text that greedy decoding writes after any prompt, then the end of sequence (tiny_script.py:
-    its pieces become tokens of their own; every other weight is drawn as without it)."""
+    its pieces become tokens of their own; every other weight is drawn as without it).
+    ``experts_dtype`` 'fp8': an FP8 checkpoint as Qwen publishes one (fp8_checkpoint.py), the same
+    draws quantized."""
+    if experts_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"init-model writes bf16 or fp8 experts, not {experts_dtype!r}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {sorted(PRESETS)})")
     out = Path(out_dir)
@@ -205,7 +213,11 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     # per distinct scale) would cost more than they save
     extra = (lambda: vision_tensors(top, _Random(seed + 1, fast=False))) if vision else None
     _write_weights(out, {**cfg, "_preset": preset}, arch, _Random(seed, fast=fast), dtype, progress,
-                   rename=llava_name if vision else None, extra=extra, adjust_globals=adjust)
+                   rename=llava_name if vision else None, extra=extra, adjust_globals=adjust,
+                   fp8=experts_dtype == "fp8")
+    if experts_dtype == "fp8":
+        routers = [f"model.layers.{i}.mlp.gate" for i in range(cfg["num_hidden_layers"])]
+        top["quantization_config"] = Fp8Quantization(("lm_head", *routers)).as_config()
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(top, indent=2))
     if vision:

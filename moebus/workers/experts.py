@@ -12,16 +12,19 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
                        segment_bytes: int = DEFAULT_SEGMENT_BYTES, elastic: bool = False, gpu=None,
                        startup_reserve_mib: float = 0.0, progress=iter, fraction: float | None = None,
-                       policy: str = "freq", preload: bool = True, store: HostStore | None = None) -> ExpertCache:
+                       policy: str = "freq", preload: bool = True, store: HostStore | None = None,
+                       experts_dtype: str = "bf16") -> ExpertCache:
     """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage);
     ``fraction``: instead, that share of the stage's experts (tests and benchmarks).
     ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
     requests can release (else one segment). ``policy``: eviction.POLICIES. ``preload``: fill the
     cache before serving (every layer its share), so the first steps do not run at PCIe speed.
-    ``store``: the stage's host store when one is built already (a second cache over the same experts)."""
+    ``store``: the stage's host store when one is built already (a second cache over the same experts).
+    ``experts_dtype``: bf16, fp8 or int4 (settings ``experts.dtype``): the blobs the store pins and a
+    slot holds, so the same capacity holds ~2x (fp8) or ~3.5x (int4) the experts."""
     on_cuda = backend.name == "cuda"
     store = store or HostStore(ckpt, layers, allocate=backend.host_empty if on_cuda else _np_empty, progress=progress,
-                      device_view=backend.host_device_view if on_cuda else None)
+                               device_view=backend.host_device_view if on_cuda else None, experts_dtype=experts_dtype)
     if fraction is not None:
         capacity_bytes = int(store.total_bytes * fraction)
     total = min(capacity_bytes, store.total_bytes) if capacity_bytes is not None else store.total_bytes

@@ -134,6 +134,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
         kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
         ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes), "dense")
     stage.experts = build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=0, gpu=ledger, preload=False,
+                                       experts_dtype=settings.experts.dtype,
                                        progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))
     scratch = measure_scratch(stage, settings.max_batch, settings.max_step_tokens)
     stage.experts.arena.close()

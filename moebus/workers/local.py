@@ -25,14 +25,15 @@ class Generation:
 class LocalModel:
     def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
                  max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False,
-                 policy: str = "freq"):
+                 policy: str = "freq", experts_dtype: str = "bf16"):
         """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all);
-        ``policy``: its eviction and admission policy (eviction.POLICIES)."""
+        ``policy``: its eviction and admission policy (eviction.POLICIES); ``experts_dtype``: bf16,
+        fp8 or int4 (quantized at load)."""
         self.ckpt = Checkpoint(model_dir)
         self.backend = make_backend(device)
         self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context,
                              experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
-                                                        elastic=elastic, policy=policy))
+                                                        elastic=elastic, policy=policy, experts_dtype=experts_dtype))
                        for r in split_layers(self.ckpt.config.num_layers, parts)]
         self.vision_config = load_vision_config(model_dir)
         self._vision = None

@@ -289,7 +289,8 @@ class Stage:
         pair_token, pair_slot, pair_out = ops.route_pairs(ids, placement, row)
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
-                       cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs)
+                       cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,
+                       layout=self.experts.store.layout)  # layout: quantized experts (None: bf16)
         return "moe", out, weights  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):
@@ -319,7 +320,7 @@ class Stage:
                 order = np.argsort(pair_slot, kind="stable")  # same expert back to back
                 table = ops.upload(np.stack([pair_token[pairs[order]], pair_slot[order], pairs[order]]))
                 ops.expert_ffn(h, table[0], table[1], table[2], self.experts.array, cfg.hidden_size,
-                               cfg.moe_intermediate_size, out)
+                               cfg.moe_intermediate_size, out, layout=self.experts.store.layout)
         self.experts.release()
         return ops.combine(out, weights)
 

@@ -175,6 +175,22 @@ def exercise(rng) -> None:
                                np.array([0, 2, -1], np.int32), f32(3), empty(rows, 1000))
     penalties.token_logprobs_cuda(f32(rows, 1000), np.array([1, 2], np.int32), empty(rows))
     exercise_vision(rng)
+    exercise_quant(rng)
+
+
+def exercise_quant(rng) -> None:
+    """The quantized expert GEMVs (fp8, int4) at 1, 2 and 8 tokens."""
+    from moebus.common.quant_layout import ExpertLayout
+    from moebus.cuda.kernels import moe_quant
+
+    for fmt in ("fp8", "int4"):
+        layout = ExpertLayout(fmt, 64, 32)
+        arena = np.zeros((4, layout.blob_bytes), np.uint8)
+        for tokens in (1, 2, 8):
+            pairs = np.arange(tokens * 2, dtype=np.int32)
+            moe_quant.expert_ffn_quant_cuda(rng.standard_normal((tokens, 64), dtype=np.float32), pairs // 2,
+                                            pairs % 4, pairs, arena, layout, np.empty((tokens * 2, 64), np.float32),
+                                            np.empty((tokens * 2, 32), np.float32))
 
 
 def exercise_vision(rng) -> None:

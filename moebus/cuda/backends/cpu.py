@@ -14,6 +14,7 @@ from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linea
                                  routing, sampling, top_logprobs)
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import moe_quant  # quantized experts
 
 
 class CpuBackend:
@@ -99,7 +100,13 @@ class CpuBackend:
         return ids, weights
 
     route_pairs = staticmethod(routing.route_pairs_ref)
-    expert_ffn = staticmethod(moe.expert_ffn_ref)
+
+    @staticmethod
+    def expert_ffn(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None, layout=None):
+        """``layout``: the experts' quantized layout (common/quant_layout.py); None for bf16 blobs."""
+        if layout is not None:
+            return moe_quant.expert_ffn_quant_ref(x, pair_token, pair_slot, pair_out, arena, layout, out, store=store)
+        return moe.expert_ffn_ref(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, store=store)
     combine = staticmethod(moe.combine_ref)
     sample = staticmethod(sampling.sample_ref)
     top_logprobs = staticmethod(top_logprobs.top_logprobs_rows_ref)

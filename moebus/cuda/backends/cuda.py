@@ -17,6 +17,7 @@ from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import moe_quant  # quantized experts
 
 
 class CudaBackend:
@@ -193,8 +194,13 @@ class CudaBackend:
         tables = [self.empty((num_pairs,), np.int32) for _ in range(3)]
         return routing.route_pairs_cuda(ids, table, layer_row, *tables, stream=self.stream)
 
-    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None):
+    def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
+                   layout=None):
+        """``layout``: the experts' quantized layout (fp8 / int4 blobs); None for bf16 blobs."""
         scratch = self.empty((pair_slot.shape[0], inter))
+        if layout is not None:
+            return moe_quant.expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout, out, scratch,
+                                                   stream=self.stream, store=store)
         return moe_ffn.expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, scratch,
                                        stream=self.stream, store=store)
 

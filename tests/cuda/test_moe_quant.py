@@ -1,0 +1,86 @@
+"""Quantized expert GEMVs (fp8, int4) against their numpy reference, which dequantizes the blob."""
+import numpy as np
+import pytest
+
+from moebus.common.quant_layout import ExpertLayout
+from moebus.cuda.kernels import moe_ffn
+from moebus.cuda.kernels.moe_quant import expert_ffn_quant_cuda, expert_ffn_quant_ref, expert_weights_bf16
+from moebus.cuda.dtypes import bf16_to_f32
+from tests.cuda.conftest import device, poisoned
+
+FORMATS = ("fp8", "int4")
+
+
+def _arena(rng, layout, num_slots=3):
+    blobs = np.zeros((num_slots, layout.blob_bytes), np.uint8)
+    d, i = layout.hidden, layout.inter
+    for blob in blobs:  # unequal scales per block and group: a wrong scale index shows
+        ramp = np.linspace(0.2, 1.5, d, dtype=np.float32)
+        layout.quantize(rng.standard_normal((i, d), dtype=np.float32) * ramp,
+                        rng.standard_normal((i, d), dtype=np.float32) * ramp[::-1],
+                        rng.standard_normal((d, i), dtype=np.float32) * 0.3, out=blob)
+    return blobs
+
+
+def _run(x, pairs, arena, layout, out, store=None):
+    token, slot, pair = (np.ascontiguousarray(c, dtype=np.int32) for c in np.array(pairs).T)
+    expert_ffn_quant_cuda(device(x), device(token), device(slot), device(pair), arena, layout, out,
+                          poisoned((len(pairs), layout.inter)), store=store)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt):
+    layout = ExpertLayout(fmt, 32, 16)
+    x = rng.standard_normal((2, 32), dtype=np.float32)
+    arena, store = _arena(rng, layout), _arena(rng, layout, 2)
+    # slot 1 serves both tokens (a run of two pairs); -2 reads host-store row 1 (a miss, zero copy)
+    pairs = [(0, 1, 0), (1, 1, 2), (0, 2, 1), (1, -2, 3)]
+    out, expected = poisoned((4, 32)), np.full((4, 32), np.nan, np.float32)
+    _run(x, pairs, device(arena), layout, out, store=device(store))
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt):
+    # D = 144: two blocks / groups along the input, the second 16 wide; I = 16 rows of gate and up
+    layout = ExpertLayout(fmt, 144, 16)
+    x = rng.standard_normal((1, 144), dtype=np.float32)
+    arena = _arena(rng, layout, 1)
+    out, expected = poisoned((1, 144)), np.zeros((1, 144), np.float32)
+    _run(x, [(0, 0, 0)], device(arena), layout, out)
+    expert_ffn_quant_ref(x, [0], [0], [0], arena, layout, expected)
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_quant_expert_ffn_in_several_launches_keeps_runs_whole(rng, monkeypatch):
+    monkeypatch.setattr(moe_ffn, "MAX_GRID_Y", 3)
+    from moebus.cuda.kernels import moe_quant
+
+    monkeypatch.setattr(moe_quant, "MAX_GRID_Y", 3)  # chunk 2: launches of 2 pairs
+    layout = ExpertLayout("int4", 32, 16)
+    x = rng.standard_normal((2, 32), dtype=np.float32)
+    arena = _arena(rng, layout)
+    pairs = [(0, 0, 0), (1, 0, 2), (0, 1, 1), (1, 2, 3)]
+    out, expected = poisoned((4, 32)), np.zeros((4, 32), np.float32)
+    _run(x, pairs, device(arena), layout, out)
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected)
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_quant_kernel_wrapper_refuses_a_bf16_arena(rng):
+    layout = ExpertLayout("fp8", 32, 16)
+    with pytest.raises(TypeError, match="arena"):
+        _run(np.zeros((1, 32), np.float32), [(0, 0, 0)], device(np.zeros((1, layout.blob_bytes // 2), np.uint16)),
+             layout, poisoned((1, 32)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_weights_bf16_is_the_dequantized_blob_rounded(rng, fmt):
+    layout = ExpertLayout(fmt, 32, 16)
+    arena = _arena(rng, layout, 2)
+    bf16 = expert_weights_bf16(layout, arena)
+    gate, up, down = layout.dequantize(arena[1])
+    n = gate.size
+    np.testing.assert_allclose(bf16_to_f32(bf16[1, :n]).reshape(gate.shape), gate, rtol=2**-8)
+    np.testing.assert_allclose(bf16_to_f32(bf16[1, 2 * n:]).reshape(down.shape), down, rtol=2**-8)
