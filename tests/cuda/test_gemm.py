@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moebus.cuda.backends.cuda import CudaBackend
-from moebus.cuda.dtypes import f32_to_bf16, to_f32
+from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16, to_f32
 from moebus.cuda.kernels import gemm
 from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
@@ -122,18 +122,23 @@ def test_grouped_experts_match_the_reference(ops, rng, precision):
 @pytest.mark.parametrize("first_pos, window, causal", [(0, 0, True), (5, 0, True), (5, 4, True), (0, 0, False)])
 def test_masked_softmax(ops, rng, first_pos, window, causal):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
-    got = device(scores.copy())
-    masked_softmax_cuda(got, first_pos, window, causal)
-    np.testing.assert_allclose(got.copy_to_host(), masked_softmax_ref(scores, first_pos, window, causal), rtol=1e-5,
-                               atol=1e-6)
+    got = device(np.concatenate([scores.ravel(), [7.0]]).astype(np.float32))  # one element past the rows
+    masked_softmax_cuda(got, scores.shape, first_pos, window, causal)
+    got = got.copy_to_host()
+    np.testing.assert_allclose(got[:-1].reshape(scores.shape), masked_softmax_ref(scores, first_pos, window, causal),
+                               rtol=1e-5, atol=1e-6)
+    assert got[-1] == 7.0
 
 
 def test_masked_softmax_split_copies(ops, rng):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
-    out3 = device(np.zeros((2, 3, 27), np.uint16))
-    masked_softmax_cuda(device(scores), 4, 0, True, out3=out3)
-    parts = split_bf16_ref(masked_softmax_ref(scores, 4, 0, True))
-    np.testing.assert_array_equal(out3.copy_to_host().reshape(2, 3, 9, 3), np.stack([parts[0], parts[0], parts[1]], -1))
+    out3 = device(np.zeros(2 * 3 * 27, np.uint16))
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out3=out3)
+    copies = bf16_to_f32(out3.copy_to_host().reshape(2, 3, 9, 3))
+    want = masked_softmax_ref(scores, 4, 0, True)
+    np.testing.assert_array_equal(copies[..., 0], copies[..., 1])  # hi, hi, lo
+    np.testing.assert_allclose(copies[..., 0], want, rtol=2 ** -8)
+    np.testing.assert_allclose(copies[..., 0] + copies[..., 2], want, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("precision", ["split", "f32"])

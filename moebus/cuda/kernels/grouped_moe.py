@@ -14,6 +14,7 @@ pairs, G active experts, D hidden, I expert intermediate, R rows of the blocks."
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from moebus.cuda.kernels.launch import ceil_div
 
 THREADS = 256
 ROW_ALIGN = 32  # an expert's rows are padded to this: fewer distinct caps, fewer calls
+BATCHED = os.environ.get("MOEBUS_EXPERT_CALLS", "batched") == "batched"
 
 
 @dataclass
@@ -43,20 +45,31 @@ class PairPlan:
 
 
 def plan_pairs(ids: np.ndarray, parts: int) -> PairPlan:
-    # ids (T, A) int32 on the host
+    # ids (T, A) int32 on the host; a radix sort (int16 keys) and counts: O(P) host work a layer
     flat = np.asarray(ids, dtype=np.int32).reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    experts, first_pair, counts = np.unique(flat[order], return_index=True, return_counts=True)
-    caps = -(-counts // ROW_ALIGN) * ROW_ALIGN
+    order = np.argsort(flat.astype(np.int16), kind="stable")
+    all_counts = np.bincount(flat)
+    experts = np.flatnonzero(all_counts)
+    counts = all_counts[experts]
+    first_pair = np.cumsum(counts) - counts
+    caps = block_rows(counts)
     bases = np.concatenate([[0], np.cumsum(parts * caps)[:-1]]).astype(np.int64)
     expert_of_sorted = np.repeat(np.arange(len(experts)), counts)
-    rank = np.arange(len(flat)) - first_pair[expert_of_sorted]
-    sorted_row = (bases[expert_of_sorted] + rank).astype(np.int32)
+    sorted_row = (bases[expert_of_sorted] + np.arange(len(flat)) - first_pair[expert_of_sorted]).astype(np.int32)
     sorted_cap = caps[expert_of_sorted].astype(np.int32)
     where = np.empty_like(order)
     where[order] = np.arange(len(order))
     return PairPlan(experts, counts, caps, bases, first_pair, (order // ids.shape[1]).astype(np.int32), sorted_row,
                     sorted_cap, sorted_row[where], sorted_cap[where], int(parts * caps.sum()))
+
+
+def block_rows(counts: np.ndarray) -> np.ndarray:
+    """Rows of each expert's block part: its count rounded up to ROW_ALIGN, and above 4 ROW_ALIGN to
+    a quarter of its power of two, so that a layer's blocks come in few sizes (one call each) and
+    padding stays under 25%."""
+    counts = np.asarray(counts, np.int64)
+    step = np.maximum(ROW_ALIGN, (1 << np.floor(np.log2(np.maximum(counts, 1))).astype(np.int64)) // 4)
+    return -(-counts // step) * step
 
 
 def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, experts_down: dict) -> np.ndarray:
@@ -73,27 +86,29 @@ def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, exper
 
 # -- cuda -----------------------------------------------------------------------------------------
 
+# ``table`` (5, P) int32: sorted_token, sorted_row, sorted_cap, pair_row, pair_cap (PairPlan)
+
 @kernel
-def gather_split_rows(x, sorted_token, sorted_row, sorted_cap, parts, out):
+def gather_split_rows(x, table, parts, out):
     # out[sorted_row[j] + q * sorted_cap[j]] = part q of x[sorted_token[j]]; out (R, D) uint16
-    num_pairs, dim = sorted_token.shape[0], x.shape[1]
+    num_pairs, dim = table.shape[1], x.shape[1]
     for n in range(cuda.grid(1), num_pairs * dim, cuda.gridsize(1)):
         j, d = n // dim, n % dim
-        rest = x[sorted_token[j], d]
+        rest = x[table[0, j], d]
         for q in range(parts):
             bits = f32_bits(rest)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (gemm.split_rows)
-            out[sorted_row[j] + q * sorted_cap[j], d] = uint16(rounded)
+            out[table[1, j] + q * table[2, j], d] = uint16(rounded)
             rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 @kernel
-def swiglu_split_rows(gate_up, sorted_row, sorted_cap, first_pair, num_pairs, parts, out):
+def swiglu_split_rows(gate_up, table, first_pair, num_pairs, parts, out):
     # the pairs first_pair ...: silu(gate) * up of the summed parts of gate_up (R, 2I), split again into out (R, I)
     inter = out.shape[1]
     for n in range(cuda.grid(1), num_pairs * inter, cuda.gridsize(1)):
         j, d = first_pair + n // inter, n % inter
-        row, cap = sorted_row[j], sorted_cap[j]
+        row, cap = table[1, j], table[2, j]
         g, u = float32(0.0), float32(0.0)
         for q in range(parts):
             g += gate_up[row + q * cap, d]
@@ -107,14 +122,14 @@ def swiglu_split_rows(gate_up, sorted_row, sorted_cap, first_pair, num_pairs, pa
 
 
 @kernel
-def sum_parts_rows(y, pair_row, pair_cap, parts, out):
+def sum_parts_rows(y, table, parts, out):
     # out[p] = sum over parts q of y[pair_row[p] + q * pair_cap[p]]
     num_pairs, dim = out.shape
     for n in range(cuda.grid(1), num_pairs * dim, cuda.gridsize(1)):
         p, d = n // dim, n % dim
         total = float32(0.0)
         for q in range(parts):
-            total += y[pair_row[p] + q * pair_cap[p], d]
+            total += y[table[3, p] + q * table[4, p], d]
         out[p, d] = total
 
 
@@ -131,12 +146,10 @@ class GroupedExperts:
     def __init__(self, ops, tensor_cores, h, plan: PairPlan, hidden: int, inter: int):
         self.ops, self.tc, self.plan, self.hidden, self.inter = ops, tensor_cores, plan, hidden, inter
         parts = tensor_cores.parts
-        tables = ops.upload(np.stack([plan.sorted_token, plan.sorted_row, plan.sorted_cap, plan.pair_row,
-                                      plan.pair_cap]))
-        self.sorted_row, self.sorted_cap, self.pair_row, self.pair_cap = tables[1], tables[2], tables[3], tables[4]
+        self.table = ops.upload(np.stack([plan.sorted_token, plan.sorted_row, plan.sorted_cap, plan.pair_row,
+                                          plan.pair_cap]))
         self.x_rows = ops.empty((plan.num_rows, hidden), np.uint16)
-        _launch(gather_split_rows, len(plan.sorted_token) * hidden, ops.stream, h, tables[0], self.sorted_row,
-                self.sorted_cap, parts, self.x_rows)
+        _launch(gather_split_rows, len(plan.sorted_token) * hidden, ops.stream, h, self.table, parts, self.x_rows)
         self.gate_up_rows = ops.empty((plan.num_rows, 2 * inter))
         self.h_rows = ops.empty((plan.num_rows, inter), np.uint16)
         self.y_rows = ops.empty((plan.num_rows, hidden))
@@ -149,8 +162,8 @@ class GroupedExperts:
         plan = self.plan
         first = int(plan.first_pair[picked].min())
         end = int((plan.first_pair[picked] + plan.counts[picked]).max())
-        _launch(swiglu_split_rows, (end - first) * self.inter, self.ops.stream, self.gate_up_rows, self.sorted_row,
-                self.sorted_cap, first, end - first, self.tc.parts, self.h_rows)
+        _launch(swiglu_split_rows, (end - first) * self.inter, self.ops.stream, self.gate_up_rows, self.table, first,
+                end - first, self.tc.parts, self.h_rows)
         down_at = 2 * self.inter * self.hidden * arena.dtype.itemsize
         self._products(arena, slots, picked, down_at, self.h_rows, self.inter, self.y_rows, self.hidden)
 
@@ -166,6 +179,11 @@ class GroupedExperts:
         pointers = np.stack([address(arena) + np.asarray(slots, np.int64)[order] * slot_bytes + offset,
                              address(rows) + plan.bases[picked][order] * dim_in * 2,
                              address(out) + plan.bases[picked][order] * dim_out * 4]).astype(np.int64)
+        if not BATCHED:  # one call per expert (MOEBUS_EXPERT_CALLS=each), for comparison
+            for a, b, c, cap in zip(*pointers.tolist(), caps[order].tolist()):
+                self.tc.blas.gemm(self.ops.stream, OP_T, OP_N, dim_out, parts * cap, dim_in, a, R_16BF, dim_in, b,
+                                  R_16BF, dim_in, c, dim_out, compute=COMPUTE_32F)
+            return
         table = self.ops.upload(pointers)
         at, step = address(table), len(picked) * 8
         for cap, first, num in zip(*(r.tolist() for r in _runs(caps[order]))):
@@ -176,8 +194,7 @@ class GroupedExperts:
     def pair_outputs(self):
         """(P, D) float32: row p is pair p's expert output (moe.combine's y_pair)."""
         out = self.ops.empty((len(self.plan.pair_row), self.hidden))
-        _launch(sum_parts_rows, out.size, self.ops.stream, self.y_rows, self.pair_row, self.pair_cap, self.tc.parts,
-                out)
+        _launch(sum_parts_rows, out.size, self.ops.stream, self.y_rows, self.table, self.tc.parts, out)
         return out
 
 

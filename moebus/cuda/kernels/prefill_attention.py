@@ -63,83 +63,87 @@ def _part(value, part):
 
 
 @kernel
-def split3(src, heads_first, first_head, first_row, pattern, interleave, out):
+def split3(src, heads_first, first_head, first_row, pattern, num_heads, num_rows, out):
     # value (b, r, d) = src[first_head + b, first_row + r, d] (heads first) or src[first_row + r,
-    # first_head + b, d]; out (B, R, 3 hd): copy c at column c hd + d, or (B, 3 R, hd) interleaved:
-    # row 3 r + c. Copy c holds part pattern[c].
-    num_heads = out.shape[0]
+    # first_head + b, d]; out: flat (B, R, 3, hd), copy c holding part pattern[c]. Read as rows of
+    # 3 hd (q3, k3) or, the same bytes, as 3 rows of hd per key (v3).
     head_dim = src.shape[2]
-    num_rows = out.shape[1] // 3 if interleave else out.shape[1]
     for n in range(cuda.grid(1), num_heads * num_rows * head_dim, cuda.gridsize(1)):
         b, r, d = n // (num_rows * head_dim), (n // head_dim) % num_rows, n % head_dim
         value = src[first_head + b, first_row + r, d] if heads_first else src[first_row + r, first_head + b, d]
         hi, lo = _part(value, 0), _part(value, 1)
+        at = (b * num_rows + r) * 3 * head_dim + d
         for c in range(3):
-            bits = hi if pattern[c] == 0 else lo
-            if interleave:
-                out[b, 3 * r + c, d] = bits
-            else:
-                out[b, r, c * head_dim + d] = bits
+            out[at + c * head_dim] = hi if pattern[c] == 0 else lo
 
 
-def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern, interleave: bool, out, stream=0):
+def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern, num_heads: int, num_rows: int, out,
+                stream=0):
+    """The three copies of num_heads x num_rows rows of src (T, H, hd) or (H, C, hd) into flat out."""
     require("src", src, np.float32, ndim=3, contiguous=False)
-    require("out", out, np.uint16, ndim=3)
-    if out.size:
-        split3[blocks(ceil_div(out.size // 3, THREADS)), threads(THREADS), stream](
-            src, bool(heads_first), int(first_head), int(first_row), pattern, bool(interleave), out)
+    require("out", out, np.uint16, ndim=1)
+    size = num_heads * num_rows * src.shape[2]
+    if 3 * size > out.shape[0]:
+        raise ValueError(f"out: {out.shape[0]} elements for {3 * size}")
+    if size:
+        split3[blocks(ceil_div(size, THREADS)), threads(THREADS), stream](
+            src, bool(heads_first), int(first_head), int(first_row), pattern, int(num_heads), int(num_rows), out)
     return out
 
 
 # -- cuda: softmax --------------------------------------------------------------------------------
 
 @kernel
-def masked_softmax_rows(scores, first_pos, window, causal, split, out3):
-    # one block per row of scores (B, n, L), grid-stride; probabilities in place (zeros outside the
-    # visible keys), or with ``split`` into out3 (B, n, 3 L): key j's parts at 3 j ... (hi, hi, lo)
-    batch, num_queries, num_keys = scores.shape
+def masked_softmax_rows(scores, batch, num_queries, num_keys, first_pos, window, causal, split, out3):
+    # one block per row of scores, flat (B, n, L), grid-stride; probabilities in place (zeros
+    # outside the visible keys), or with ``split`` into out3, flat (B, n, 3 L): key j's parts at
+    # 3 j ... (hi, hi, lo: Q_PARTS)
     tid = cuda.threadIdx.x
     for row in range(cuda.blockIdx.x, batch * num_queries, cuda.gridDim.x):
-        b, r = row // num_queries, row % num_queries
+        r = row % num_queries
+        at = row * num_keys
         hi = first_pos + r if causal else num_keys - 1
         lo = max(hi - window + 1, 0) if causal and window > 0 else 0
         peak = NEG_INF
         for j in range(lo + tid, hi + 1, cuda.blockDim.x):
-            peak = max(peak, scores[b, r, j])
+            peak = max(peak, scores[at + j])
         peak = block_max(peak)
         total = float32(0.0)
         for j in range(lo + tid, hi + 1, cuda.blockDim.x):
-            total += math.exp(scores[b, r, j] - peak)
+            total += math.exp(scores[at + j] - peak)
         total = block_sum(total)
         for j in range(tid, num_keys, cuda.blockDim.x):
             visible = j >= lo and j <= hi
-            p = math.exp(scores[b, r, j] - peak) / total if visible else float32(0.0)
-            if split:  # the Q_PARTS pattern: hi, hi, lo
+            p = math.exp(scores[at + j] - peak) / total if visible else float32(0.0)
+            if split:
                 hi_bits = _part(p, 0)
-                out3[b, r, 3 * j] = hi_bits
-                out3[b, r, 3 * j + 1] = hi_bits
-                out3[b, r, 3 * j + 2] = _part(p, 1)
+                out3[3 * (at + j)] = hi_bits
+                out3[3 * (at + j) + 1] = hi_bits
+                out3[3 * (at + j) + 2] = _part(p, 1)
             else:
-                scores[b, r, j] = p
+                scores[at + j] = p
 
 
-def masked_softmax_cuda(scores, first_pos: int, window: int, causal: bool, out3=None, stream=0):
-    """masked_softmax_ref in place, or (out3 given) its split copies into out3 (B, n, 3 L) bf16 bits."""
-    require("scores", scores, np.float32, ndim=3)
+def masked_softmax_cuda(scores, shape: tuple, first_pos: int, window: int, causal: bool, out3=None, stream=0):
+    """masked_softmax_ref on the first B n L elements of the flat ``scores`` (shape (B, n, L)), in
+    place, or (out3 given, flat) its split copies into out3."""
+    require("scores", scores, np.float32, ndim=1)
+    batch, num_queries, num_keys = (int(v) for v in shape)
     split = out3 is not None
-    if split:
-        require("out3", out3, np.uint16, shape=(scores.shape[0], scores.shape[1], 3 * scores.shape[2]))
-    rows = scores.shape[0] * scores.shape[1]
+    if batch * num_queries * num_keys > scores.shape[0] or split and 3 * batch * num_queries * num_keys > out3.shape[0]:
+        raise ValueError(f"scores or out3 shorter than {shape}")
+    rows = batch * num_queries
     if rows:
         grid = min(rows, 2 if SIMULATOR else 65535)
-        masked_softmax_rows[grid, THREADS, stream](scores, int(first_pos), int(window or 0), bool(causal), split,
+        masked_softmax_rows[grid, THREADS, stream](scores, batch, num_queries, num_keys, int(first_pos),
+                                                   int(window or 0), bool(causal), split,
                                                    out3 if split else _placeholder())
     return scores if out3 is None else out3
 
 
 @functools.cache
-def _placeholder(_dtype=np.uint16):
-    return cuda.device_array((1, 1, 3), np.uint16)  # out3 when not split: never written
+def _placeholder():
+    return cuda.device_array(3, np.uint16)  # out3 when not split: never written
 
 
 # -- the products ---------------------------------------------------------------------------------
@@ -148,9 +152,10 @@ class _Scratch:
     """Per-step buffers of one attention call, sized for its largest block: scores (fp32) and, when
     split, the query and probability copies."""
 
-    def __init__(self, ops, heads: int, block: int, num_keys: int, head_dim: int, split: bool):
+    def __init__(self, ops, heads: int, q_heads: int, block: int, num_keys: int, head_dim: int, split: bool):
+        """``heads``: of one product (a kv head's group); ``q_heads``: of the query copies (all)."""
         self.scores = ops.empty((heads * block * num_keys,))
-        self.q3 = ops.empty((heads * block * 3 * head_dim,), np.uint16) if split else None
+        self.q3 = ops.empty((q_heads * block * 3 * head_dim,), np.uint16) if split else None
         self.p3 = ops.empty((heads * block * 3 * num_keys,), np.uint16) if split else None
 
 
@@ -167,14 +172,13 @@ def _attend(ops, tc, q3, k, v, out: tuple, heads: int, num_queries: int, num_key
     split = PRECISION == "split"
     in_type, width = (R_16BF, 3 * head_dim) if split else (R_32F, head_dim)
     compute = COMPUTE_32F_FAST_TF32 if PRECISION == "tf32" else COMPUTE_32F
-    s = scratch.scores[: heads * num_queries * num_keys].reshape(heads, num_queries, num_keys)
+    s = scratch.scores
     tc.blas.gemm(ops.stream, OP_T, OP_N, num_keys, num_queries, width, k[0], in_type, k[1], q3[0], in_type, q3[1],
                  address(s), num_keys, alpha=scale, compute=compute, batch=heads, stride_a=k[2], stride_b=q3[2],
                  stride_c=num_queries * num_keys)
-    p = s
-    if split:
-        p = scratch.p3[: heads * num_queries * 3 * num_keys].reshape(heads, num_queries, 3 * num_keys)
-    masked_softmax_cuda(s, first_pos, window, causal, out3=p if split else None, stream=ops.stream)
+    p = scratch.p3 if split else s
+    masked_softmax_cuda(s, (heads, num_queries, num_keys), first_pos, window, causal, out3=p if split else None,
+                        stream=ops.stream)
     contraction = 3 * num_keys if split else num_keys
     tc.blas.gemm(ops.stream, OP_N, OP_N, head_dim, num_queries, contraction, v[0], in_type, v[1], address(p), in_type,
                  contraction, out[0], out[1], compute=compute, batch=heads, stride_a=v[2],
@@ -183,11 +187,9 @@ def _attend(ops, tc, q3, k, v, out: tuple, heads: int, num_queries: int, num_key
 
 def _split_keys(ops, src, heads_first: bool, first_row: int, num_heads: int, num_keys: int, head_dim: int):
     """(k3, v3) of ``num_keys`` keys of every head: k3 (heads, L, 3 hd), v3 (heads, 3 L, hd) bf16 bits."""
-    k_src, v_src = src
-    k3 = ops.empty((num_heads, num_keys, 3 * head_dim), np.uint16)
-    v3 = ops.empty((num_heads, 3 * num_keys, head_dim), np.uint16)
-    split3_cuda(k_src, heads_first, 0, first_row, K_PARTS, False, k3, stream=ops.stream)
-    split3_cuda(v_src, heads_first, 0, first_row, K_PARTS, True, v3, stream=ops.stream)
+    k3, v3 = (ops.empty((num_heads * num_keys * 3 * head_dim,), np.uint16) for _ in range(2))
+    for source, out in zip(src, (k3, v3)):
+        split3_cuda(source, heads_first, 0, first_row, K_PARTS, num_heads, num_keys, out, stream=ops.stream)
     return k3, v3
 
 
@@ -200,15 +202,14 @@ def prefill_attention(ops, tc, q, k_cache, v_cache, segments, scale: float, wind
     for row0, slot, start, length in segments:
         num_keys = start + length
         block = min(length, _block_rows(group, num_keys, split))
-        scratch = _Scratch(ops, max(group, num_heads if split else 0), block, num_keys, head_dim, split)
+        scratch = _Scratch(ops, group, num_heads, block, num_keys, head_dim, split)
         if split:
             k3, v3 = _split_keys(ops, (k_cache[slot], v_cache[slot]), True, 0, num_kv_heads, num_keys, head_dim)
         for b0 in range(0, length, block):
             n = min(block, length - b0)
             keys = start + b0 + n  # causal: the block's last query sees these
             if split:
-                q3 = scratch.q3[: num_heads * n * 3 * head_dim].reshape(num_heads, n, 3 * head_dim)
-                split3_cuda(q, False, 0, row0 + b0, Q_PARTS, False, q3, stream=ops.stream)
+                q3 = split3_cuda(q, False, 0, row0 + b0, Q_PARTS, num_heads, n, scratch.q3, stream=ops.stream)
             for g in range(num_kv_heads):
                 first_head = ((row0 + b0) * num_heads + g * group) * head_dim * 4
                 if split:
@@ -229,7 +230,7 @@ def image_attention(ops, tc, q, k, v, num_images: int, scale: float, out):
     rows, num_heads, head_dim = q.shape
     positions, split, row_ld = rows // num_images, PRECISION == "split", num_heads * head_dim
     block = min(positions, _block_rows(num_heads, positions, split))
-    scratch = _Scratch(ops, num_heads, block, positions, head_dim, split)
+    scratch = _Scratch(ops, num_heads, num_heads, block, positions, head_dim, split)
     for image in range(num_images):
         keys_at = image * positions * row_ld * 4
         if split:
@@ -243,8 +244,8 @@ def image_attention(ops, tc, q, k, v, num_images: int, scale: float, out):
             rows_at = (image * positions + b0) * row_ld * 4
             qa = (address(q) + rows_at, row_ld, head_dim)
             if split:
-                q3 = scratch.q3[: num_heads * n * 3 * head_dim].reshape(num_heads, n, 3 * head_dim)
-                split3_cuda(q, False, 0, image * positions + b0, Q_PARTS, False, q3, stream=ops.stream)
+                q3 = split3_cuda(q, False, 0, image * positions + b0, Q_PARTS, num_heads, n, scratch.q3,
+                                 stream=ops.stream)
                 qa = (address(q3), 3 * head_dim, n * 3 * head_dim)
             _attend(ops, tc, qa, ka, va, (address(out) + rows_at, row_ld, head_dim), num_heads, n, positions,
                     head_dim, scale, 0, 0, False, scratch)
