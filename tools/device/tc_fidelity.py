@@ -1,7 +1,8 @@
 """On the GPU: long prompts (past the 64-token decode threshold, so the tensor-core path runs) on the
 cuda device against transformers in float32 on the CPU, for the fidelity tests' six tiny models, in
 each precision: max |logit difference| at the last position (prompts of 300, 100, 80 tokens in one
-step) and greedy tokens after the 100-token prompt. Usage: tc_fidelity.py ROOT (models made there)"""
+step) and greedy tokens after the 100-token prompt.
+Usage: tc_fidelity.py ROOT [GEMM/ATTENTION,...] (models are made in ROOT)"""
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ MODELS = {"init_qwen3": lambda p: make_init_model(p, "qwen3_moe"), "init_mixtral
           "hf_mixtral_bf16": lambda p: make_hf_model(p, "mixtral", "bf16"),
           "hf_mixtral_f16": lambda p: make_hf_model(p, "mixtral", "f16")}
 MODES = [("split", "split"), ("split", "f32"), ("bf16", "split"), ("off", "-")]
+if len(sys.argv) > 2:  # e.g. split/split,off/-
+    MODES = [tuple(m.split("/")) for m in sys.argv[2].split(",")]
 rng = np.random.default_rng(0)
 worst = {mode: [0.0, True] for mode in MODES}
 blas = cublas_blas()

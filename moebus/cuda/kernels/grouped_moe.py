@@ -21,9 +21,8 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, f32_bits, float32, kernel, threads, uint16
 from moebus.cuda.kernels.gemm import OP_N, OP_T, R_16BF, COMPUTE_32F, address
-from moebus.cuda.kernels.launch import ceil_div
 
-THREADS = 256
+THREADS = 128  # a block per pair, threads along its row
 ROW_ALIGN = 32  # an expert's rows are padded to this: fewer distinct caps, fewer calls
 BATCHED = os.environ.get("MOEBUS_EXPERT_CALLS", "batched") == "batched"
 
@@ -91,51 +90,53 @@ def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, exper
 @kernel
 def gather_split_rows(x, table, parts, out):
     # out[sorted_row[j] + q * sorted_cap[j]] = part q of x[sorted_token[j]]; out (R, D) uint16
-    num_pairs, dim = table.shape[1], x.shape[1]
-    for n in range(cuda.grid(1), num_pairs * dim, cuda.gridsize(1)):
-        j, d = n // dim, n % dim
-        rest = x[table[0, j], d]
-        for q in range(parts):
-            bits = f32_bits(rest)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (gemm.split_rows)
-            out[table[1, j] + q * table[2, j], d] = uint16(rounded)
-            rest = float32(rest - bits_as_f32(rounded << 16))
+    # a block per pair (grid-stride), threads along the row, as every kernel here
+    for j in range(cuda.blockIdx.x, table.shape[1], cuda.gridDim.x):
+        token, row, cap = table[0, j], table[1, j], table[2, j]
+        for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            rest = x[token, d]
+            for q in range(parts):
+                bits = f32_bits(rest)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (gemm.split_rows)
+                out[row + q * cap, d] = uint16(rounded)
+                rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 @kernel
 def swiglu_split_rows(gate_up, table, first_pair, num_pairs, parts, out):
     # the pairs first_pair ...: silu(gate) * up of the summed parts of gate_up (R, 2I), split again into out (R, I)
     inter = out.shape[1]
-    for n in range(cuda.grid(1), num_pairs * inter, cuda.gridsize(1)):
-        j, d = first_pair + n // inter, n % inter
+    for j in range(first_pair + cuda.blockIdx.x, first_pair + num_pairs, cuda.gridDim.x):
         row, cap = table[1, j], table[2, j]
-        g, u = float32(0.0), float32(0.0)
-        for q in range(parts):
-            g += gate_up[row + q * cap, d]
-            u += gate_up[row + q * cap, inter + d]
-        rest = float32(g / (float32(1.0) + math.exp(-g)) * u)
-        for q in range(parts):
-            bits = f32_bits(rest)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            out[row + q * cap, d] = uint16(rounded)
-            rest = float32(rest - bits_as_f32(rounded << 16))
+        for d in range(cuda.threadIdx.x, inter, cuda.blockDim.x):
+            g, u = float32(0.0), float32(0.0)
+            for q in range(parts):
+                g += gate_up[row + q * cap, d]
+                u += gate_up[row + q * cap, inter + d]
+            rest = float32(g / (float32(1.0) + math.exp(-g)) * u)
+            for q in range(parts):
+                bits = f32_bits(rest)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                out[row + q * cap, d] = uint16(rounded)
+                rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 @kernel
 def sum_parts_rows(y, table, parts, out):
     # out[p] = sum over parts q of y[pair_row[p] + q * pair_cap[p]]
     num_pairs, dim = out.shape
-    for n in range(cuda.grid(1), num_pairs * dim, cuda.gridsize(1)):
-        p, d = n // dim, n % dim
-        total = float32(0.0)
-        for q in range(parts):
-            total += y[table[3, p] + q * table[4, p], d]
-        out[p, d] = total
+    for p in range(cuda.blockIdx.x, num_pairs, cuda.gridDim.x):
+        row, cap = table[3, p], table[4, p]
+        for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
+            total = float32(0.0)
+            for q in range(parts):
+                total += y[row + q * cap, d]
+            out[p, d] = total
 
 
-def _launch(kern, work: int, stream, *args):
-    if work:
-        kern[blocks(ceil_div(work, THREADS)), threads(THREADS), stream](*args)
+def _launch(kern, num_rows: int, stream, *args):
+    if num_rows:
+        kern[blocks(num_rows), threads(THREADS), stream](*args)
 
 
 class GroupedExperts:
@@ -149,7 +150,7 @@ class GroupedExperts:
         self.table = ops.upload(np.stack([plan.sorted_token, plan.sorted_row, plan.sorted_cap, plan.pair_row,
                                           plan.pair_cap]))
         self.x_rows = ops.empty((plan.num_rows, hidden), np.uint16)
-        _launch(gather_split_rows, len(plan.sorted_token) * hidden, ops.stream, h, self.table, parts, self.x_rows)
+        _launch(gather_split_rows, len(plan.sorted_token), ops.stream, h, self.table, parts, self.x_rows)
         self.gate_up_rows = ops.empty((plan.num_rows, 2 * inter))
         self.h_rows = ops.empty((plan.num_rows, inter), np.uint16)
         self.y_rows = ops.empty((plan.num_rows, hidden))
@@ -162,7 +163,7 @@ class GroupedExperts:
         plan = self.plan
         first = int(plan.first_pair[picked].min())
         end = int((plan.first_pair[picked] + plan.counts[picked]).max())
-        _launch(swiglu_split_rows, (end - first) * self.inter, self.ops.stream, self.gate_up_rows, self.table, first,
+        _launch(swiglu_split_rows, end - first, self.ops.stream, self.gate_up_rows, self.table, first,
                 end - first, self.tc.parts, self.h_rows)
         down_at = 2 * self.inter * self.hidden * arena.dtype.itemsize
         self._products(arena, slots, picked, down_at, self.h_rows, self.inter, self.y_rows, self.hidden)
@@ -194,7 +195,7 @@ class GroupedExperts:
     def pair_outputs(self):
         """(P, D) float32: row p is pair p's expert output (moe.combine's y_pair)."""
         out = self.ops.empty((len(self.plan.pair_row), self.hidden))
-        _launch(sum_parts_rows, out.size, self.ops.stream, self.y_rows, self.table, self.tc.parts, out)
+        _launch(sum_parts_rows, out.shape[0], self.ops.stream, self.y_rows, self.table, self.tc.parts, out)
         return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from moebus.cuda.kernels.compat import (SIMULATOR, bits_as_f32, block_max, block_sum, blocks, cuda, device,
                                         f32_bits, float32, kernel, threads, uint16)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_N, OP_T, R_16BF, R_32F, address
-from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.launch import require
 
 MAX_SCORE_BYTES = 512 << 20
 THREADS = 64 if SIMULATOR else 256
@@ -68,13 +68,14 @@ def split3(src, heads_first, first_head, first_row, pattern, num_heads, num_rows
     # first_head + b, d]; out: flat (B, R, 3, hd), copy c holding part pattern[c]. Read as rows of
     # 3 hd (q3, k3) or, the same bytes, as 3 rows of hd per key (v3).
     head_dim = src.shape[2]
-    for n in range(cuda.grid(1), num_heads * num_rows * head_dim, cuda.gridsize(1)):
-        b, r, d = n // (num_rows * head_dim), (n // head_dim) % num_rows, n % head_dim
-        value = src[first_head + b, first_row + r, d] if heads_first else src[first_row + r, first_head + b, d]
-        hi, lo = _part(value, 0), _part(value, 1)
-        at = (b * num_rows + r) * 3 * head_dim + d
-        for c in range(3):
-            out[at + c * head_dim] = hi if pattern[c] == 0 else lo
+    for n in range(cuda.blockIdx.x, num_heads * num_rows, cuda.gridDim.x):  # a block per row
+        b, r = n // num_rows, n % num_rows
+        for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
+            value = src[first_head + b, first_row + r, d] if heads_first else src[first_row + r, first_head + b, d]
+            hi, lo = _part(value, 0), _part(value, 1)
+            at = n * 3 * head_dim + d
+            for c in range(3):
+                out[at + c * head_dim] = hi if pattern[c] == 0 else lo
 
 
 def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern, num_heads: int, num_rows: int, out,
@@ -86,7 +87,7 @@ def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern
     if 3 * size > out.shape[0]:
         raise ValueError(f"out: {out.shape[0]} elements for {3 * size}")
     if size:
-        split3[blocks(ceil_div(size, THREADS)), threads(THREADS), stream](
+        split3[blocks(num_heads * num_rows), threads(128), stream](
             src, bool(heads_first), int(first_head), int(first_row), pattern, int(num_heads), int(num_rows), out)
     return out
 
@@ -94,27 +95,29 @@ def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern
 # -- cuda: softmax --------------------------------------------------------------------------------
 
 @kernel
-def masked_softmax_rows(scores, batch, num_queries, num_keys, first_pos, window, causal, split, out3):
-    # one block per row of scores, flat (B, n, L), grid-stride; probabilities in place (zeros
-    # outside the visible keys), or with ``split`` into out3, flat (B, n, 3 L): key j's parts at
-    # 3 j ... (hi, hi, lo: Q_PARTS)
+def masked_softmax_rows(scores, batch, num_queries, num_keys, pitch, first_pos, window, causal, split, out3):
+    # one block per row of scores, flat (B, n, pitch) with L <= pitch keys a row, grid-stride;
+    # probabilities in place (zeros outside the visible keys), or with ``split`` into out3, flat
+    # (B, n, 3 pitch): key j's parts at 3 j ... (hi, hi, lo: Q_PARTS). Max and sum in one pass.
     tid = cuda.threadIdx.x
     for row in range(cuda.blockIdx.x, batch * num_queries, cuda.gridDim.x):
         r = row % num_queries
-        at = row * num_keys
+        at = row * pitch
         hi = first_pos + r if causal else num_keys - 1
         lo = max(hi - window + 1, 0) if causal and window > 0 else 0
-        peak = NEG_INF
-        for j in range(lo + tid, hi + 1, cuda.blockDim.x):
-            peak = max(peak, scores[at + j])
-        peak = block_max(peak)
-        total = float32(0.0)
-        for j in range(lo + tid, hi + 1, cuda.blockDim.x):
-            total += math.exp(scores[at + j] - peak)
-        total = block_sum(total)
+        peak, total = NEG_INF, float32(0.0)
+        for j in range(lo + tid, hi + 1, cuda.blockDim.x):  # an online softmax per thread
+            value = scores[at + j]
+            if value > peak:
+                total = total * math.exp(peak - value) + float32(1.0)
+                peak = value
+            else:
+                total += math.exp(value - peak)
+        row_peak = block_max(peak)
+        total = block_sum(total * math.exp(peak - row_peak) if total > 0 else float32(0.0))
         for j in range(tid, num_keys, cuda.blockDim.x):
             visible = j >= lo and j <= hi
-            p = math.exp(scores[at + j] - peak) / total if visible else float32(0.0)
+            p = math.exp(scores[at + j] - row_peak) / total if visible else float32(0.0)
             if split:
                 hi_bits = _part(p, 0)
                 out3[3 * (at + j)] = hi_bits
@@ -124,18 +127,20 @@ def masked_softmax_rows(scores, batch, num_queries, num_keys, first_pos, window,
                 scores[at + j] = p
 
 
-def masked_softmax_cuda(scores, shape: tuple, first_pos: int, window: int, causal: bool, out3=None, stream=0):
-    """masked_softmax_ref on the first B n L elements of the flat ``scores`` (shape (B, n, L)), in
-    place, or (out3 given, flat) its split copies into out3."""
+def masked_softmax_cuda(scores, shape: tuple, first_pos: int, window: int, causal: bool, out3=None, pitch=None,
+                        stream=0):
+    """masked_softmax_ref on the flat ``scores`` of rows ``pitch`` (default L) apart (shape (B, n, L)),
+    in place, or (out3 given, flat, rows 3 pitch apart) its split copies into out3."""
     require("scores", scores, np.float32, ndim=1)
     batch, num_queries, num_keys = (int(v) for v in shape)
+    pitch = num_keys if pitch is None else int(pitch)
     split = out3 is not None
-    if batch * num_queries * num_keys > scores.shape[0] or split and 3 * batch * num_queries * num_keys > out3.shape[0]:
-        raise ValueError(f"scores or out3 shorter than {shape}")
+    if batch * num_queries * pitch > scores.shape[0] or split and 3 * batch * num_queries * pitch > out3.shape[0]:
+        raise ValueError(f"scores or out3 shorter than {shape} at a pitch of {pitch}")
     rows = batch * num_queries
     if rows:
         grid = min(rows, 2 if SIMULATOR else 65535)
-        masked_softmax_rows[grid, THREADS, stream](scores, batch, num_queries, num_keys, int(first_pos),
+        masked_softmax_rows[grid, THREADS, stream](scores, batch, num_queries, num_keys, pitch, int(first_pos),
                                                    int(window or 0), bool(causal), split,
                                                    out3 if split else _placeholder())
     return scores if out3 is None else out3
@@ -154,14 +159,20 @@ class _Scratch:
 
     def __init__(self, ops, heads: int, q_heads: int, block: int, num_keys: int, head_dim: int, split: bool):
         """``heads``: of one product (a kv head's group); ``q_heads``: of the query copies (all)."""
-        self.scores = ops.empty((heads * block * num_keys,))
+        self.scores = ops.empty((heads * block * _pitch(num_keys),))
         self.q3 = ops.empty((q_heads * block * 3 * head_dim,), np.uint16) if split else None
-        self.p3 = ops.empty((heads * block * 3 * num_keys,), np.uint16) if split else None
+        self.p3 = ops.empty((heads * block * 3 * _pitch(num_keys),), np.uint16) if split else None
+
+
+def _pitch(num_keys: int) -> int:
+    return -(-num_keys // 16) * 16
 
 
 def _block_rows(heads: int, num_keys: int, split: bool) -> int:
-    """Queries per block: the scores (and probability copies) of ``heads`` heads in MAX_SCORE_BYTES."""
-    return max(1, MAX_SCORE_BYTES // (heads * num_keys * (10 if split else 4)))
+    """Queries per block: the scores (and probability copies) of ``heads`` heads in MAX_SCORE_BYTES,
+    a multiple of 64 when more than 64 (aligned operands keep cuBLAS on its fastest kernels)."""
+    rows = max(1, MAX_SCORE_BYTES // (heads * _pitch(num_keys) * (10 if split else 4)))
+    return rows - rows % 64 if rows > 64 else rows
 
 
 def _attend(ops, tc, q3, k, v, out: tuple, heads: int, num_queries: int, num_keys: int, head_dim: int, scale: float,
@@ -172,17 +183,17 @@ def _attend(ops, tc, q3, k, v, out: tuple, heads: int, num_queries: int, num_key
     split = PRECISION == "split"
     in_type, width = (R_16BF, 3 * head_dim) if split else (R_32F, head_dim)
     compute = COMPUTE_32F_FAST_TF32 if PRECISION == "tf32" else COMPUTE_32F
-    s = scratch.scores
+    s, pitch = scratch.scores, _pitch(num_keys)  # rows of S 64-byte aligned: cuBLAS's Hopper kernels need it
     tc.blas.gemm(ops.stream, OP_T, OP_N, num_keys, num_queries, width, k[0], in_type, k[1], q3[0], in_type, q3[1],
-                 address(s), num_keys, alpha=scale, compute=compute, batch=heads, stride_a=k[2], stride_b=q3[2],
-                 stride_c=num_queries * num_keys)
+                 address(s), pitch, alpha=scale, compute=compute, batch=heads, stride_a=k[2], stride_b=q3[2],
+                 stride_c=num_queries * pitch)
     p = scratch.p3 if split else s
     masked_softmax_cuda(s, (heads, num_queries, num_keys), first_pos, window, causal, out3=p if split else None,
-                        stream=ops.stream)
-    contraction = 3 * num_keys if split else num_keys
+                        pitch=pitch, stream=ops.stream)
+    contraction, p_pitch = (3 * num_keys, 3 * pitch) if split else (num_keys, pitch)
     tc.blas.gemm(ops.stream, OP_N, OP_N, head_dim, num_queries, contraction, v[0], in_type, v[1], address(p), in_type,
-                 contraction, out[0], out[1], compute=compute, batch=heads, stride_a=v[2],
-                 stride_b=num_queries * contraction, stride_c=out[2])
+                 p_pitch, out[0], out[1], compute=compute, batch=heads, stride_a=v[2],
+                 stride_b=num_queries * p_pitch, stride_c=out[2])
 
 
 def _split_keys(ops, src, heads_first: bool, first_row: int, num_heads: int, num_keys: int, head_dim: int):
