@@ -15,7 +15,7 @@ from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm import TensorCores, gemm_linear_ref, split_bf16_ref
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
-from moebus.cuda.kernels.grouped_moe import ROW_ALIGN, GroupedExperts, grouped_ffn_ref, plan_pairs
+from moebus.cuda.kernels.grouped_moe import ROW_ALIGN, GroupedExperts, block_rows, grouped_ffn_ref, plan_pairs
 from moebus.cuda.kernels.linear import linear_ref
 from moebus.cuda.kernels.moe import expert_blob_views
 from moebus.cuda.kernels.prefill_attention import masked_softmax_cuda, masked_softmax_ref
@@ -90,6 +90,14 @@ def test_pair_plan_lays_out_padded_blocks_per_expert():
     np.testing.assert_array_equal(plan.pair_row, [4 * ROW_ALIGN, 2 * ROW_ALIGN, 2 * ROW_ALIGN + 1, 0,
                                                   4 * ROW_ALIGN + 1, 2 * ROW_ALIGN + 2])
     assert plan.num_rows == 6 * ROW_ALIGN
+
+
+def test_block_rows_pad_under_a_quarter_in_few_sizes():
+    counts = np.arange(1, 5000)
+    caps = block_rows(counts)
+    assert (caps >= counts).all() and (caps % ROW_ALIGN == 0).all()
+    assert ((caps - counts)[counts > 4 * ROW_ALIGN] < counts[counts > 4 * ROW_ALIGN] / 4).all()
+    assert len(np.unique(block_rows(np.arange(400, 700)))) <= 4  # 2048 tokens x 8 of 32 experts: ~512 each
 
 
 @pytest.mark.parametrize("precision", ["split", "bf16"])
