@@ -20,6 +20,7 @@ class Case:
     op: str
     shape: str
     setup: Callable
+    flops: float = 0.0  # of the op as written (the note gets TFLOP/s)
 
 
 def _nmse(actual, expected) -> float:
@@ -67,6 +68,30 @@ def linear_case(name: str, tokens: int, rows: int, cols: int) -> Case:
         return (lambda: linear.linear_cuda(dx, dw, out, stream=stream),
                 lambda: (_nmse(out.copy_to_host(), ref()), ""), w.nbytes)
     return Case(f"linear {name}", f"T={tokens} {rows}x{cols} bf16", setup)
+
+
+def gemm_case(name: str, tokens: int, rows: int, cols: int) -> Case:
+    """x (T, cols) @ W (rows, cols)^T on tensor cores (gemm.py: split-bf16 x, two products); under
+    the simulator the cuBLAS calls run on numpy (HostBlas)."""
+    def setup(rng, stream):
+        from moebus.cuda.backends.cuda import CudaBackend
+        from moebus.cuda.kernels.compat import SIMULATOR
+        from moebus.cuda.kernels.gemm import TensorCores
+        from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
+
+        ops = CudaBackend()
+        ops.stream = stream
+        tensor_cores = TensorCores(HostBlas() if SIMULATOR else cublas_blas(), min_rows=1)
+        x = rng.standard_normal((tokens, cols), dtype=np.float32)
+        w = _shared_bf16((rows, cols), cols ** -0.5)
+        dx, dw, out = _dev(x, stream), _dev(w, stream), _out((tokens, rows), stream)
+        ref = lambda: x.astype(np.float64) @ to_f32(w).astype(np.float64).T  # noqa: E731
+
+        def run():
+            ops.device_pool.recycle()  # the split parts' buffer serves every launch (one stream: in order)
+            tensor_cores.linear(ops, dx, dw, out)
+        return run, lambda: (_nmse(out.copy_to_host(), ref()), ""), w.nbytes
+    return Case(f"gemm {name}", f"T={tokens} {rows}x{cols} bf16", setup, flops=2.0 * tokens * rows * cols)
 
 
 def expert_case(s: dict, tokens: int) -> Case:
@@ -266,6 +291,10 @@ def make_cases(s: dict) -> list[Case]:
                       linear_case("lm_head", t, v, d), sample_case(s, t, True), sample_case(s, t, False)]
         else:
             cases.append(attention_case(s, f"prefill T={t}", np.zeros(t, np.int64), np.arange(t)))
+            for tokens in (t, 4 * t, 16 * t):  # tensor cores: 512, 2048, 8192 rows at the real shapes
+                cases += [gemm_case("qkv", tokens, (h + 2 * kvh) * hd, d), gemm_case("o", tokens, d, h * hd),
+                          gemm_case("expert gate|up", tokens, 2 * s["inter"], d),
+                          gemm_case("expert down", tokens, d, s["inter"])]
         cases += _elementwise_cases(s, t)
         if t in s["decode"]:
             cases += _fused_cases(s, t)

@@ -128,6 +128,8 @@ def _run_case(case, rng, stream, reps: int, warmup: int) -> Result:
         result.gpu_us, result.host_us = time_launches(run, reps, warmup, stream)
         if nbytes and result.gpu_us:
             result.gb_per_s = nbytes / (result.gpu_us * 1e-6) / 1e9
+        if case.flops and result.gpu_us:
+            result.note = f"{case.flops / (result.gpu_us * 1e-6) / 1e12:.0f} TFLOP/s {result.note}".strip()
     except Exception as exc:  # keep going: one broken case must not cost the others
         result.note = f"ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         traceback.print_exc(file=sys.stdout)

@@ -19,19 +19,18 @@ def can_group_on_device(ops, experts, num_tokens: int) -> bool:
 
 def grouped_moe(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: int, inter: int):
     """(P, D) float32 expert outputs in pair order for ``h`` (T, D) and the router's ids (T, A)."""
-    plan = plan_pairs(ids_host)
+    plan = plan_pairs(ids_host, ops.tensor_cores.parts)
     work = GroupedExperts(ops, ops.tensor_cores, h, plan, hidden, inter)
     group = max(1, experts.num_slots)  # a cache smaller than the layer's active experts: in groups
     try:
         for first in range(0, len(plan.experts), group):
-            chosen = slice(first, first + group)
-            slots, ready = experts.acquire(layer, plan.experts[chosen])
-            starts, counts = plan.starts[chosen], plan.counts[chosen]
-            work.gate_up(experts.array, slots[ready], starts[ready], counts[ready])
+            picked = np.arange(first, min(first + group, len(plan.experts)))
+            slots, ready = experts.acquire(layer, plan.experts[picked])
+            work.gate_up(experts.array, slots[ready], picked[ready])
             if not ready.all():
                 experts.wait()
-                work.gate_up(experts.array, slots[~ready], starts[~ready], counts[~ready])
-            work.down(experts.array, slots, starts, counts)
+                work.gate_up(experts.array, slots[~ready], picked[~ready])
+            work.down(experts.array, slots, picked)
     finally:
         experts.release()
-    return work.pair_outputs(plan)
+    return work.pair_outputs()

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from moebus.cuda.backends.cuda import CudaBackend
-from moebus.cuda.dtypes import f32_to_bf16
+from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16, to_f32
 from moebus.cuda.kernels import gemm
 from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm import TensorCores, gemm_linear_ref, split_bf16_ref
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
-from moebus.cuda.kernels.grouped_moe import GroupedExperts, plan_pairs, swiglu_split_cuda, swiglu_split_ref
+from moebus.cuda.kernels.grouped_moe import ROW_ALIGN, GroupedExperts, block_rows, grouped_ffn_ref, plan_pairs
 from moebus.cuda.kernels.linear import linear_ref
-from moebus.cuda.kernels.moe import expert_ffn_ref
+from moebus.cuda.kernels.moe import expert_blob_views
 from moebus.cuda.kernels.prefill_attention import masked_softmax_cuda, masked_softmax_ref
 from moebus.cuda.kernels.vision_attention import vision_attention_ref
 from tests.cuda.conftest import device
@@ -79,50 +79,83 @@ def test_missing_nvmath_falls_back_with_a_warning(monkeypatch, caplog):
     assert "nvmath-python is not installed" in caplog.text
 
 
-def test_swiglu_split_over_a_row_range(ops, rng):
-    gate_up = rng.standard_normal((6, 8), dtype=np.float32)
-    out = device(np.zeros((2, 6, 4), np.uint16))
-    swiglu_split_cuda(device(gate_up), 2, 3, out)
-    got = out.copy_to_host()
-    np.testing.assert_array_equal(got[:, 2:5], swiglu_split_ref(gate_up[2:5], 2))
-    assert not got[:, :2].any() and not got[:, 5:].any()
+def test_pair_plan_lays_out_padded_blocks_per_expert():
+    ids = np.array([[3, 1], [1, 0], [3, 1]], np.int32)
+    plan = plan_pairs(ids, parts=2)
+    np.testing.assert_array_equal(plan.experts, [0, 1, 3])
+    np.testing.assert_array_equal(plan.counts, [1, 3, 2])
+    np.testing.assert_array_equal(plan.caps, [ROW_ALIGN] * 3)
+    np.testing.assert_array_equal(plan.bases, [0, 2 * ROW_ALIGN, 4 * ROW_ALIGN])
+    np.testing.assert_array_equal(plan.sorted_token, [1, 0, 1, 2, 0, 2])  # pairs 3 | 1, 2, 5 | 0, 4
+    np.testing.assert_array_equal(plan.pair_row, [4 * ROW_ALIGN, 2 * ROW_ALIGN, 2 * ROW_ALIGN + 1, 0,
+                                                  4 * ROW_ALIGN + 1, 2 * ROW_ALIGN + 2])
+    assert plan.num_rows == 6 * ROW_ALIGN
 
 
-def test_grouped_experts_match_the_expert_reference(ops, rng):
-    hidden, inter, num_tokens, top_k, num_slots = 16, 8, 9, 3, 6
+def test_block_rows_pad_under_a_quarter_in_few_sizes():
+    counts = np.arange(1, 5000)
+    caps = block_rows(counts)
+    assert (caps >= counts).all() and (caps % ROW_ALIGN == 0).all()
+    assert ((caps - counts)[counts > 4 * ROW_ALIGN] < counts[counts > 4 * ROW_ALIGN] / 4).all()
+    assert len(np.unique(block_rows(np.arange(400, 700)))) <= 4  # 2048 tokens x 8 of 32 experts: ~512 each
+
+
+@pytest.mark.parametrize("precision", ["split", "bf16"])
+def test_grouped_experts_match_the_reference(ops, rng, precision):
+    ops.tensor_cores = TensorCores(ops.tensor_cores.blas, precision=precision, min_rows=1)
+    hidden, inter, num_tokens, top_k, num_slots = 16, 8, 40, 3, 6
     arena = f32_to_bf16(rng.standard_normal((num_slots, 3 * inter * hidden), dtype=np.float32) * 0.3)
     x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
     ids = np.stack([rng.choice(5, top_k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    ids[:30, 0] = 4  # expert 4 gets more than ROW_ALIGN pairs: caps differ, two batched calls
+    ids[:30, 1:] = np.where(ids[:30, 1:] == 4, 0, ids[:30, 1:])
+    ids[:30, 1] = np.where(ids[:30, 2] == ids[:30, 1], (ids[:30, 2] + 1) % 4, ids[:30, 1])
     slot_of = np.array([3, 0, 5, 1, 2], np.int32)  # expert -> arena slot
-    plan = plan_pairs(ids)
+    plan = plan_pairs(ids, ops.tensor_cores.parts)
+    assert len(set(plan.caps)) == 2
     work = GroupedExperts(ops, ops.tensor_cores, device(x), plan, hidden, inter)
     arena_dev = device(arena)
     half = len(plan.experts) // 2  # two groups, as a small cache would run them
-    for chosen in (slice(0, half), slice(half, None)):
-        args = slot_of[plan.experts[chosen]], plan.starts[chosen], plan.counts[chosen]
-        work.gate_up(arena_dev, *args)
-        work.down(arena_dev, *args)
-    got = ops.to_host(work.pair_outputs(plan))
-    pairs = np.arange(num_tokens * top_k, dtype=np.int32)
-    ref = expert_ffn_ref(x, pairs // top_k, slot_of[ids.ravel()], pairs, arena, hidden, inter,
-                         np.zeros((len(pairs), hidden), np.float32))
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    for picked in (np.arange(half), np.arange(half, len(plan.experts))):
+        work.gate_up(arena_dev, slot_of[plan.experts[picked]], picked)
+        work.down(arena_dev, slot_of[plan.experts[picked]], picked)
+    got = ops.to_host(work.pair_outputs())
+    weights = [expert_blob_views(arena, slot, hidden, inter) for slot in slot_of]
+    gate_up = {e: np.concatenate([to_f32(w[0]), to_f32(w[1])]) for e, w in enumerate(weights)}
+    down = {e: to_f32(w[2]) for e, w in enumerate(weights)}
+    tolerance = 1e-4 if precision == "split" else 3e-2
+    np.testing.assert_allclose(got, grouped_ffn_ref(x, ids, gate_up, down), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("first_pos, window, causal", [(0, 0, True), (5, 0, True), (5, 4, True), (0, 0, False)])
 def test_masked_softmax(ops, rng, first_pos, window, causal):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
-    got = device(scores.copy())
-    masked_softmax_cuda(got, first_pos, window, causal)
-    np.testing.assert_allclose(got.copy_to_host(), masked_softmax_ref(scores, first_pos, window, causal), rtol=1e-5,
-                               atol=1e-6)
+    got = device(np.concatenate([scores.ravel(), [7.0]]).astype(np.float32))  # one element past the rows
+    masked_softmax_cuda(got, scores.shape, first_pos, window, causal)
+    got = got.copy_to_host()
+    np.testing.assert_allclose(got[:-1].reshape(scores.shape), masked_softmax_ref(scores, first_pos, window, causal),
+                               rtol=1e-5, atol=1e-6)
+    assert got[-1] == 7.0
 
 
+def test_masked_softmax_split_copies(ops, rng):
+    scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
+    out3 = device(np.zeros(2 * 3 * 27, np.uint16))
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out3=out3)
+    copies = bf16_to_f32(out3.copy_to_host().reshape(2, 3, 9, 3))
+    want = masked_softmax_ref(scores, 4, 0, True)
+    np.testing.assert_array_equal(copies[..., 0], copies[..., 1])  # hi, hi, lo
+    np.testing.assert_allclose(copies[..., 0], want, rtol=2 ** -8)
+    np.testing.assert_allclose(copies[..., 0] + copies[..., 2], want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["split", "f32"])
 @pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_reads_the_earlier_context(ops, rng, window, monkeypatch):
+def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision, monkeypatch):
     from moebus.cuda.kernels import prefill_attention
 
-    monkeypatch.setattr(prefill_attention, "MAX_SCORE_BYTES", 2 * 9 * 4 * 4)  # query blocks of 4 rows
+    monkeypatch.setattr(prefill_attention, "PRECISION", precision)
+    monkeypatch.setattr(prefill_attention, "MAX_SCORE_BYTES", 2 * 9 * 4 * 10)  # query blocks of at most 4 rows
     heads, kv_heads, hd, context = 4, 2, 8, 16
     k_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
     v_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
@@ -136,7 +169,12 @@ def test_prefill_attention_reads_the_earlier_context(ops, rng, window, monkeypat
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_image_attention(ops, rng):
+@pytest.mark.parametrize("precision", ["split", "f32"])
+def test_image_attention(ops, rng, precision, monkeypatch):
+    from moebus.cuda.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "PRECISION", precision)
+    monkeypatch.setattr(prefill_attention, "MAX_SCORE_BYTES", 3 * 5 * 2 * 10)  # query blocks of 2 rows
     q, k, v = (rng.standard_normal((2 * 5, 3, 8), dtype=np.float32) for _ in range(3))
     got = ops.to_host(ops.vision_attention(device(q), device(k), device(v), 2, 8 ** -0.5))
     np.testing.assert_allclose(got, vision_attention_ref(q, k, v, 2, 8 ** -0.5), rtol=1e-4, atol=1e-5)

@@ -1,7 +1,8 @@
 """On the GPU: long prompts (past the 64-token decode threshold, so the tensor-core path runs) on the
 cuda device against transformers in float32 on the CPU, for the fidelity tests' six tiny models, in
 each precision: max |logit difference| at the last position (prompts of 300, 100, 80 tokens in one
-step) and greedy tokens after the 100-token prompt. Usage: tc_fidelity.py ROOT (models made there)"""
+step) and greedy tokens after the 100-token prompt.
+Usage: tc_fidelity.py ROOT [GEMM/ATTENTION,...] (models are made in ROOT)"""
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 import transformers
 
 from moebus.cuda.kernels import prefill_attention
-from moebus.cuda.kernels.gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, TensorCores
+from moebus.cuda.kernels.gemm import TensorCores
 from moebus.cuda.kernels.gemm_host import cublas_blas
 from moebus.workers.local import LocalModel
 from tests.models import hf_greedy, make_hf_model, make_init_model
@@ -21,7 +22,9 @@ MODELS = {"init_qwen3": lambda p: make_init_model(p, "qwen3_moe"), "init_mixtral
           "hf_qwen3_f32": lambda p: make_hf_model(p, "qwen3_moe", "f32"),
           "hf_mixtral_bf16": lambda p: make_hf_model(p, "mixtral", "bf16"),
           "hf_mixtral_f16": lambda p: make_hf_model(p, "mixtral", "f16")}
-MODES = [("split", "tf32"), ("split", "f32"), ("bf16", "tf32"), ("bf16", "f32"), ("off", "-")]
+MODES = [("split", "split"), ("split", "f32"), ("bf16", "split"), ("off", "-")]
+if len(sys.argv) > 2:  # e.g. split/split,off/-
+    MODES = [tuple(m.split("/")) for m in sys.argv[2].split(",")]
 rng = np.random.default_rng(0)
 worst = {mode: [0.0, True] for mode in MODES}
 blas = cublas_blas()
@@ -38,7 +41,7 @@ for name, make in MODELS.items():
     for mode in MODES:
         ours = LocalModel(path, device="cuda", num_slots=4, max_context=512)
         ours.backend.tensor_cores = None if mode[0] == "off" else TensorCores(blas, precision=mode[0])
-        prefill_attention.COMPUTE = COMPUTE_32F_FAST_TF32 if mode[1] == "tf32" else COMPUTE_32F
+        prefill_attention.PRECISION = mode[1]
         diff = max(float(np.abs(row - r).max()) for row, r in zip(ours.prefill_logits(prompts), ref))
         same = ours.generate(prompts[1], 16).tokens == ref_tokens
         worst[mode] = [max(worst[mode][0], diff), worst[mode][1] and same]

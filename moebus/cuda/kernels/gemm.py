@@ -23,10 +23,10 @@ import numpy as np
 
 from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16, to_f32
 from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, blocks, cuda, f32_bits, float32, kernel, threads, uint16
-from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.launch import require
 
 log = logging.getLogger("moebus.cuda")
-THREADS = 256
+ROW_THREADS = 128  # the conversion kernels: a block per row
 MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "65"))  # decode steps (<= 64 tokens) keep their GEMVs
 PRECISION = os.environ.get("MOEBUS_GEMM_PRECISION", "split")
 PARTS = {"split": 2, "bf16": 1}
@@ -56,15 +56,17 @@ def gemm_linear_ref(x: np.ndarray, weight: np.ndarray, parts: int = 2) -> np.nda
 @kernel
 def split_rows(x, rows, gather, out):
     # out[i, r] = part i of x[rows[r] if gather else r]; out (parts, R, K) uint16
+    # a block per row (grid-stride), threads along it: no index arithmetic per element
     parts, num_rows, dim = out.shape
-    for n in range(cuda.grid(1), num_rows * dim, cuda.gridsize(1)):
-        r, d = n // dim, n % dim
-        rest = x[rows[r] if gather else r, d]
-        for i in range(parts):
-            bits = f32_bits(rest)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (f32_to_bf16)
-            out[i, r, d] = uint16(rounded)
-            rest = float32(rest - bits_as_f32(rounded << 16))
+    for r in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):
+        source = rows[r] if gather else r
+        for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
+            rest = x[source, d]
+            for i in range(parts):
+                bits = f32_bits(rest)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (f32_to_bf16)
+                out[i, r, d] = uint16(rounded)
+                rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 def split_rows_cuda(x, out, rows=None, stream=0):
@@ -77,8 +79,7 @@ def split_rows_cuda(x, out, rows=None, stream=0):
     elif out.shape[1] != x.shape[0]:
         raise ValueError(f"out: {out.shape[1]} rows for {x.shape[0]} rows of x")
     if out.size:
-        grid = blocks(ceil_div(out.shape[1] * out.shape[2], THREADS))
-        split_rows[grid, threads(THREADS), stream](x, rows if gather else _no_rows(), gather, out)
+        split_rows[blocks(out.shape[1]), threads(ROW_THREADS), stream](x, rows if gather else _no_rows(), gather, out)
     return out
 
 

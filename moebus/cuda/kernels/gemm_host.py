@@ -6,7 +6,12 @@ numpy over the simulator's host memory (``HostBlas``), with one signature:
 
 C (m x n, column-major, leading dimension ldc, float32) = alpha op(A) op(B) + beta C for each of
 ``batch`` problems, the i-th at a + i stride_a, b + i stride_b, c + i stride_c (elements). A and B
-are float32 or bf16 (a_type, b_type: cudaDataType_t); addresses are plain integers."""
+are float32 or bf16 (a_type, b_type: cudaDataType_t); addresses are plain integers.
+
+    gemm_batched(stream, trans_a, trans_b, m, n, k, a_array, a_type, lda, b_array, b_type, ldb,
+                 c_array, ldc, alpha=1.0, beta=0.0, compute=COMPUTE_32F, batch=1)
+
+the same with the i-th problem's A, B, C at the addresses in device arrays of ``batch`` int64."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +22,7 @@ from moebus.cuda.dtypes import bf16_to_f32
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, R_16BF, R_32F
 
 ITEMSIZE = {R_32F: 4, R_16BF: 2}
+DEFAULT_ALGO = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default since cuBLAS 11)
 
 
 class HostBlas:
@@ -30,8 +36,16 @@ class HostBlas:
             op_a = op_a if trans_a == OP_N else op_a.T
             op_b = op_b if trans_b == OP_N else op_b.T
             out = _view(c + i * stride_c * 4, np.float32, m, n, ldc)
-            product = np.float32(alpha) * (_as_f32(op_a, a_type) @ _as_f32(op_b, b_type))
+            with np.errstate(over="ignore", invalid="ignore"):  # padding rows hold whatever was there
+                product = np.float32(alpha) * (_as_f32(op_a, a_type) @ _as_f32(op_b, b_type))
             out[...] = product if beta == 0.0 else product + np.float32(beta) * out
+
+    def gemm_batched(self, stream, trans_a, trans_b, m, n, k, a_array, a_type, lda, b_array, b_type, ldb, c_array,
+                     ldc, alpha=1.0, beta=0.0, compute=COMPUTE_32F, batch=1):
+        pointers = [_view(at, np.int64, batch, 1, batch)[:, 0] for at in (a_array, b_array, c_array)]
+        for a, b, c in zip(*pointers):
+            self.gemm(stream, trans_a, trans_b, m, n, k, int(a), a_type, lda, int(b), b_type, ldb, int(c), ldc,
+                      alpha=alpha, beta=beta, compute=compute)
 
 
 def _view(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
@@ -61,19 +75,27 @@ class _Cublas:
     def gemm(self, stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
              beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0):
         cublas = self.cublas
-        if self.handle is None:
-            self.handle = cublas.create()
-        cublas.set_stream(self.handle, stream_handle(stream))
-        self.scalars[0], self.scalars[1] = alpha, beta
-        alpha_ptr, beta_ptr = self.scalars.ctypes.data, self.scalars.ctypes.data + 4
-        default_algo = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default since cuBLAS 11)
+        alpha_ptr, beta_ptr = self._prepare(stream, alpha, beta)
         if batch == 1:
             cublas.gemm_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, b, b_type, ldb, beta_ptr,
-                           c, R_32F, ldc, compute, default_algo)
+                           c, R_32F, ldc, compute, DEFAULT_ALGO)
         else:
             cublas.gemm_strided_batched_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, stride_a,
                                            b, b_type, ldb, stride_b, beta_ptr, c, R_32F, ldc, stride_c, batch,
-                                           compute, default_algo)
+                                           compute, DEFAULT_ALGO)
+
+    def gemm_batched(self, stream, trans_a, trans_b, m, n, k, a_array, a_type, lda, b_array, b_type, ldb, c_array,
+                     ldc, alpha=1.0, beta=0.0, compute=COMPUTE_32F, batch=1):
+        alpha_ptr, beta_ptr = self._prepare(stream, alpha, beta)
+        self.cublas.gemm_batched_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a_array, a_type, lda, b_array,
+                                    b_type, ldb, beta_ptr, c_array, R_32F, ldc, batch, compute, DEFAULT_ALGO)
+
+    def _prepare(self, stream, alpha: float, beta: float) -> tuple[int, int]:
+        if self.handle is None:
+            self.handle = self.cublas.create()
+        self.cublas.set_stream(self.handle, stream_handle(stream))
+        self.scalars[0], self.scalars[1] = alpha, beta
+        return self.scalars.ctypes.data, self.scalars.ctypes.data + 4
 
 
 def stream_handle(stream) -> int:
