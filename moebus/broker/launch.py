@@ -104,7 +104,7 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
     if vision_config is None:
         return None
     gpu = settings.vision.gpu
-    if gpu >= num_gpus:
+    if gpu != "auto" and gpu >= num_gpus:
         raise ConfigError(f"config key 'vision.gpu': {gpu} but there are {num_gpus} GPU(s)")
     control = str(run_dir / "vision-zygote.sock")
     zygote = _zygote_child(settings, settings_file, backend, control)
@@ -114,6 +114,7 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
 def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> Child:
     argv = python_argv("vision-zygote", "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device, "--connect", backend, "--control", control)
-    env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[settings.vision.gpu])} if settings.device == "cuda" else {}
+    # the zygote makes no context; each forked worker sees only the GPU the broker placed it on
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, settings.gpus))} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
     return Child("vision zygote", argv, env, error_file=settings_file.parent / "vision-zygote.start-error")

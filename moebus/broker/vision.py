@@ -22,6 +22,7 @@ from PIL import Image
 
 from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_groups import ImageGroups
+from moebus.broker.vision_placement import Placement, default_vram_mib, place, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
 from moebus.common.errors import ServerBusy
@@ -45,18 +46,7 @@ class VisionHooks:
     submit: Callable  # (Sequence) -> None: into the scheduler; raises ServerBusy
     reply: Callable  # (client, message) -> None
     workers_ready: Callable  # () -> bool
-
-
-def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int) -> list[int]:
-    """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
-    measured split: context + tower + activations on the vision GPU, and room for the embeddings'
-    traffic and the loaned prefill scratch elsewhere). cpu: exactly what the vision worker charges
-    to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
-    one tower pass: the worker encodes one image at a time), in whole MiB, on the vision GPU only."""
-    if device == "cuda":
-        return [1800] if num_gpus == 1 else [1700 if g == vision_gpu else 600 for g in range(num_gpus)]
-    need = -(-charge_bytes // MIB) + 1
-    return [need if g == vision_gpu else 0 for g in range(num_gpus)]
+    worker_info: Callable  # () -> [each GPU worker's last INFO stats ({} before its first)]
 
 
 class VisionLifecycle:
@@ -83,6 +73,8 @@ class VisionLifecycle:
         self.last_cycle: dict = {}
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
         self.groups = ImageGroups()  # the choices of one request, which share one encode
+        self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
+        self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -158,16 +150,55 @@ class VisionLifecycle:
                                        completion_tokens=0))
         return True
 
-    def reserves(self) -> list[float | None]:
+    @property
+    def gpu(self) -> int:
+        """The vision worker's GPU: placed, else the fixed setting (auto: gpu0 until placed)."""
+        if self.placement is not None and self.placement.gpu is not None:
+            return self.placement.gpu
+        return self.vision.gpu if self.vision.gpu != "auto" else 0
+
+    def reserves(self, gpu: int | None = None) -> list[float | None]:
+        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU)."""
+        gpu = self.gpu if gpu is None else gpu
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
-        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, self.vision.gpu, charge)
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge)
         values = [float(v) for v in values[: self.num_gpus]]
         return values + [None] * (self.num_gpus - len(values))
 
+    def _need_mib(self, gpu: int) -> float:
+        """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote
+        measured (the worker charges exactly that to the ledger; the default reserve only rounds it
+        up), on cuda the reserve (the context and the device's own copy are not known before the
+        start); a ``vision.vram_mib`` that the operator set is taken as needed in either case."""
+        reserve = self.reserves(gpu)[gpu] or 0.0
+        charge_mib = (self.zygote_info or {}).get("charge_bytes", 0) / MIB
+        if self.settings.device != "cpu":
+            return reserve or charge_mib
+        return max(charge_mib, reserve) if self.vision.vram_mib else charge_mib
+
+    def _place(self) -> Placement | None:
+        """Decide (again) where the vision worker goes; None until the zygote and every GPU worker
+        have reported. Logs when the decision changes: at boot, and whenever the figures do."""
+        infos = self.hooks.worker_info()
+        if self.zygote_info is None or any(not info for info in infos):
+            return None
+        max_free = [info.get("max_free_mib") for info in infos]
+        placement = place(self.vision.gpu, self.num_gpus, self._need_mib, max_free, self.settings.device)
+        if self.placement is None or (placement.gpu, placement.problem) != (self.placement.gpu, self.placement.problem):
+            if placement.problem:
+                log.error("%s", placement.problem)
+            else:
+                log.info("vision worker placed on gpu%d: it needs %.1f MiB free there, its cache can free up to %s",
+                         placement.gpu, placement.need_mib,
+                         "?" if max_free[placement.gpu] is None else f"{max_free[placement.gpu]:.1f} MiB")
+        self.placement = placement
+        return placement
+
     def info(self) -> dict:
         return {"vision_loaded": int(self.state == READY),
-                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu,
-                           "lazy": self.vision.lazy,
+                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.gpu,
+                           "gpu_setting": self.vision.gpu, "lazy": self.vision.lazy,
+                           "placement": self.placement.to_dict() if self.placement else None,
                            "vram_mib": self.reserves(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
@@ -179,9 +210,12 @@ class VisionLifecycle:
         self.groups.expire(now)
         for event in self.control.poll():
             self.on_event(event, now)
-        if self.state == COLD and self._wanted() and self.zygote_info and now >= self.next_start_s \
-                and self.hooks.workers_ready():
-            self._hand_back(now)
+        placement = self._place() if self.state == COLD and self.hooks.workers_ready() else None
+        if placement is not None and self._wanted() and now >= self.next_start_s:
+            if placement.gpu is None:
+                self._refuse_waiting(placement.problem)
+            else:
+                self._hand_back(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
             self.kill_reason = f"not ready within vision.start_timeout_s ({self.vision.start_timeout_s:g} s)"
@@ -241,14 +275,24 @@ class VisionLifecycle:
         now = time.monotonic()
         if reply.error:
             log.warning("vision hand-back: %s", reply.error)
+        free = reply.free_mib if isinstance(reply.free_mib, list) else [reply.free_mib]
+        self.handback_free_mib = free[self.gpu] if self.gpu < len(free) and not reply.error else None
         self.last_cycle["handback_s"] = now - self.last_cycle["began_s"]
         self.last_cycle["handed_back_s"] = now
-        if not self.control.send("start"):
+        if not self.control.send("start", gpu=self.gpu):
             self._start_failed("the vision zygote is not connected", now)
             return
         self.state, self.since_s = STARTING, now
 
+    def _refuse_waiting(self, problem: str) -> None:
+        """No GPU can make room: the waiting image requests learn why now, not after a failed start."""
+        for req in list(self.waiting):
+            self._fail(req, f"the vision worker cannot start: {problem}", 503, code="vision_unavailable")
+        self.waiting.clear()
+
     def _start_failed(self, reason: str, now: float) -> None:
+        if "OutOfMemory" in reason or "out of memory" in reason.lower():
+            reason += short_of(self._need_mib(self.gpu), self.handback_free_mib, self.gpu, self.settings.device)
         for req in list(self.waiting):
             self._fail(req, f"the vision worker could not start: {reason}", 503, code="vision_unavailable")
         self.waiting.clear()

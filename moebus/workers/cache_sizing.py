@@ -82,6 +82,17 @@ def emulated_gpu(settings, gpu: int) -> EmulatedGpu:
     return EmulatedGpu(root / f"gpu{gpu}", capacity_mib=settings.emulated_vram_mib[gpu])
 
 
+def max_free_bytes(cache) -> int:
+    """The most bytes that can be free on the cache's GPU when it hands back all it may: free now plus
+    every mapped segment above the slots it keeps for one expert group (``min_slots``). What the
+    broker compares with the vision worker's charge to place it (broker/vision_placement.py)."""
+    free, _ = cache.arena.memory_info()
+    mapped, count = cache.arena.mapped, 0
+    while count < len(mapped) and cache.arena.slots_after_shrink(count + 1) >= cache.min_slots:
+        count += 1
+    return free + sum(mapped[len(mapped) - count:])
+
+
 def startup_capacity_bytes(free_bytes: int, reserve_mib: float, scratch_bytes: int) -> int:
     return max(0, int(free_bytes - reserve_mib * MIB - scratch_bytes))
 

@@ -19,8 +19,8 @@ from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of
-from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
-                                         stage_dense_bytes, startup_capacity_bytes)
+from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, max_free_bytes, measure_scratch,
+                                         reserve_for, stage_dense_bytes, startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -83,6 +83,8 @@ class GpuWorker:
                  "dropped_messages": self.link.dropped_messages}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
+        if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
+            stats["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
         if hasattr(self.stage.experts, "residency"):  # the dashboard's layers x experts map
             stats["residency"] = self.stage.experts.residency()
         return stats
