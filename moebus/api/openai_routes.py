@@ -45,7 +45,7 @@ def chat_completions():
     streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
         messages, request_id=rid, images=images, tools=req.template_tools(),
         chat_template_kwargs=req.chat_template_kwargs, **group, **req.choice_sampling(sampling, i)))
-    return answer(streams, formatter, _client_gone(), req.stream)
+    return answer(streams, formatter, _client_gone(), req.stream, current_app.extensions["moebus.stopping"])
 
 
 def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
@@ -66,7 +66,7 @@ def completions():
     sampling = req.sampling(req.max_tokens, logprobs)
     streams = _start(formatter, req.n, lambda i, rid: link().client.generate(
         **req.prompt_kwargs(), request_id=rid, **req.choice_sampling(sampling, i)))
-    return answer(streams, formatter, _client_gone(), req.stream)
+    return answer(streams, formatter, _client_gone(), req.stream, current_app.extensions["moebus.stopping"])
 
 
 def _model_card() -> dict:
