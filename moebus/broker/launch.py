@@ -20,6 +20,7 @@ from moebus.common.layer_split import proportional_split, split_layers
 from moebus.common.model_config import load_config
 from moebus.common.tokenizer import TextTokenizer
 from moebus.cuda.memory.devices import gpu_memory_mib, resolve_device
+from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env
 
 log = logging.getLogger("moebus.broker")
@@ -36,8 +37,16 @@ def layer_ranges(settings, num_layers: int, device: str) -> list[range]:
             raise ConfigError(f"config key 'layer_split': needs {num_gpus} counts >= 1 summing to the model's "
                               f"{num_layers} layers (got {split!r})")
         return split_layers(num_layers, list(split))
-    memory = gpu_memory_mib(settings.gpus) if device == "cuda" else list(settings.emulated_vram_mib)
+    memory = _budgets_mib(settings, gpu_memory_mib(settings.gpus)) if device == "cuda" else \
+        list(settings.emulated_vram_mib)
     return split_layers(num_layers, proportional_split(num_layers, memory))
+
+
+def _budgets_mib(settings, totals_mib: list[float]) -> list[float]:
+    """Each GPU's memory as moebus may use it (its VRAM budget where one is set)."""
+    from moebus.workers.cache_sizing import budget_bytes
+
+    return [(budget_bytes(settings, i, int(total * MIB)) or total * MIB) / MIB for i, total in enumerate(totals_mib)]
 
 
 def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) -> int:

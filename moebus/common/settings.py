@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
     kernel_cache_dir: str | None = None  # compiled kernels kept across starts (default: $MOEBUS_CACHE_DIR/kernels)
     layer_split: list[int] | None = None
+    # cuda: the VRAM budget of each GPU (worker order), like vLLM's gpu_memory_utilization: caches, KV
+    # and scratch are sized to stay within it, so moebus can share a large GPU (none: the whole GPU)
+    gpu_memory_mib: list[float] = Field(default_factory=list)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # the same as a share of each GPU's total
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
     segment_mib: int = Field(2, ge=1)
@@ -101,7 +105,7 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value):
         return value or None  # MOEBUS_MODEL= (empty) means the default, as in docker-compose
 
-    @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split")
+    @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split", "gpu_memory_mib")
     @classmethod
     def _non_negative(cls, value):
         if value is not None and any(v < 0 for v in value):
