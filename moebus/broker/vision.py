@@ -178,13 +178,15 @@ class VisionLifecycle:
 
     def _place(self) -> Placement | None:
         """Decide (again) where the vision worker goes; None until the zygote and every GPU worker
-        have reported. Logs when the decision changes: at boot, and whenever the figures do."""
+        have reported. Logs when the decision changes: at boot, and whenever the figures change it."""
         infos = self.hooks.worker_info()
         if self.zygote_info is None or any(not info for info in infos):
             return None
         max_free = [info.get("max_free_mib") for info in infos]
         placement = place(self.vision.gpu, self.num_gpus, self._need_mib, max_free, self.settings.device)
-        if self.placement is None or (placement.gpu, placement.problem) != (self.placement.gpu, self.placement.problem):
+        # logged when the decision changes, not its figures (free VRAM moves a little all the time)
+        if self.placement is None or (placement.gpu, placement.problem is None) != \
+                (self.placement.gpu, self.placement.problem is None):
             if placement.problem:
                 log.error("%s", placement.problem)
             else:
@@ -199,6 +201,7 @@ class VisionLifecycle:
                 "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.gpu,
                            "gpu_setting": self.vision.gpu, "lazy": self.vision.lazy,
                            "placement": self.placement.to_dict() if self.placement else None,
+                           "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}

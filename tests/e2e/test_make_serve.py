@@ -60,8 +60,8 @@ def _stop_group(proc) -> list[int]:
 
 def readme_image_example() -> str:
     """The README's Python block that sends an image (it uses the ``client`` of the block before)."""
-    blocks = (ROOT / "README.md").read_text().split("```python\n")[1:]
-    return next(b.split("```")[0] for b in blocks if "image_url" in b)
+    blocks = [b.split("```")[0] for b in (ROOT / "README.md").read_text().split("```python\n")[1:]]
+    return next(b for b in blocks if "image_url" in b)
 
 
 def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path, monkeypatch, capsys):
