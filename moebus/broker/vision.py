@@ -22,7 +22,8 @@ from PIL import Image
 
 from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_groups import ImageGroups
-from moebus.broker.vision_placement import Placement, default_vram_mib, place, short_of  # noqa: F401
+from moebus.broker.vision_handback import Handback
+from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
 from moebus.common.errors import ServerBusy
@@ -47,9 +48,10 @@ class VisionHooks:
     reply: Callable  # (client, message) -> None
     workers_ready: Callable  # () -> bool
     worker_info: Callable  # () -> [each GPU worker's last INFO stats ({} before its first)]
+    decoding: Callable  # () -> bool: sequences are running (the hand-back lets a step pass between its parts)
 
 
-class VisionLifecycle:
+class VisionLifecycle(PlacementMixin):
     def __init__(self, settings, vision_config, num_gpus: int, zygote, control_path: str, hooks: VisionHooks,
                  stats):
         self.settings = settings
@@ -75,6 +77,7 @@ class VisionLifecycle:
         self.groups = ImageGroups()  # the choices of one request, which share one encode
         self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
         self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
+        self.handback: Handback | None = None  # the hand-back in progress, in steps (vision_handback.py)
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -150,52 +153,6 @@ class VisionLifecycle:
                                        completion_tokens=0))
         return True
 
-    @property
-    def gpu(self) -> int:
-        """The vision worker's GPU: placed, else the fixed setting (auto: gpu0 until placed)."""
-        if self.placement is not None and self.placement.gpu is not None:
-            return self.placement.gpu
-        return self.vision.gpu if self.vision.gpu != "auto" else 0
-
-    def reserves(self, gpu: int | None = None) -> list[float | None]:
-        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU)."""
-        gpu = self.gpu if gpu is None else gpu
-        charge = (self.zygote_info or {}).get("charge_bytes", 0)
-        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge)
-        values = [float(v) for v in values[: self.num_gpus]]
-        return values + [None] * (self.num_gpus - len(values))
-
-    def _need_mib(self, gpu: int) -> float:
-        """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote
-        measured (the worker charges exactly that to the ledger; the default reserve only rounds it
-        up), on cuda the reserve (the context and the device's own copy are not known before the
-        start); a ``vision.vram_mib`` that the operator set is taken as needed in either case."""
-        reserve = self.reserves(gpu)[gpu] or 0.0
-        charge_mib = (self.zygote_info or {}).get("charge_bytes", 0) / MIB
-        if self.settings.device != "cpu":
-            return reserve or charge_mib
-        return max(charge_mib, reserve) if self.vision.vram_mib else charge_mib
-
-    def _place(self) -> Placement | None:
-        """Decide (again) where the vision worker goes; None until the zygote and every GPU worker
-        have reported. Logs when the decision changes: at boot, and whenever the figures change it."""
-        infos = self.hooks.worker_info()
-        if self.zygote_info is None or any(not info for info in infos):
-            return None
-        max_free = [info.get("max_free_mib") for info in infos]
-        placement = place(self.vision.gpu, self.num_gpus, self._need_mib, max_free, self.settings.device)
-        # logged when the decision changes, not its figures (free VRAM moves a little all the time)
-        if self.placement is None or (placement.gpu, placement.problem is None) != \
-                (self.placement.gpu, self.placement.problem is None):
-            if placement.problem:
-                log.error("%s", placement.problem)
-            else:
-                log.info("vision worker placed on gpu%d: it needs %.1f MiB free there, its cache can free up to %s",
-                         placement.gpu, placement.need_mib,
-                         "?" if max_free[placement.gpu] is None else f"{max_free[placement.gpu]:.1f} MiB")
-        self.placement = placement
-        return placement
-
     def info(self) -> dict:
         return {"vision_loaded": int(self.state == READY),
                 "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.gpu,
@@ -219,6 +176,8 @@ class VisionLifecycle:
                 self._refuse_waiting(placement.problem)
             else:
                 self._hand_back(now)
+        elif self.state == HANDING_BACK and self.handback is not None:
+            self.handback.tick(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
             self.kill_reason = f"not ready within vision.start_timeout_s ({self.vision.start_timeout_s:g} s)"
@@ -272,10 +231,13 @@ class VisionLifecycle:
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
-        self.hooks.queue_vram(self.reserves(), self._handed_back)
+        self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
+                                 lambda: self.stats.counters["steps_total"], self.hooks.decoding, self._handed_back)
+        self.handback.start()
 
     def _handed_back(self, reply) -> None:
         now = time.monotonic()
+        self.handback = None
         if reply.error:
             log.warning("vision hand-back: %s", reply.error)
         free = reply.free_mib if isinstance(reply.free_mib, list) else [reply.free_mib]

@@ -10,9 +10,11 @@ which setting changes that; the broker logs it at boot, shows it in /health and 
 answers image requests with it at once instead of failing a start."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
+log = logging.getLogger("moebus.broker")
 MIB = 1 << 20
 
 
@@ -71,3 +73,60 @@ def short_of(need_mib: float, free_mib: float | None, gpu: int, device: str) -> 
     return (f"; gpu{gpu} had {free_mib:.1f} MiB free after the hand-back, {max(need_mib - free_mib, 0):.1f} MiB "
             f"short of the {need_mib:.1f} MiB the vision worker needs (another program holds VRAM there?); "
             f"vision.gpu chooses the GPU, {memory_setting(device)} gives it more")
+
+
+class PlacementMixin:
+    """VisionLifecycle's placement methods (a mixin: the state is the lifecycle's, named below)."""
+
+    settings: object
+    vision: object  # the vision settings
+    num_gpus: int
+    zygote_info: dict | None
+    placement: Placement | None
+    hooks: object
+
+    @property
+    def gpu(self) -> int:
+        """The vision worker's GPU: placed, else the fixed setting (auto: gpu0 until placed)."""
+        if self.placement is not None and self.placement.gpu is not None:
+            return self.placement.gpu
+        return self.vision.gpu if self.vision.gpu != "auto" else 0
+
+    def reserves(self, gpu: int | None = None) -> list[float | None]:
+        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU)."""
+        gpu = self.gpu if gpu is None else gpu
+        charge = (self.zygote_info or {}).get("charge_bytes", 0)
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge)
+        values = [float(v) for v in values[: self.num_gpus]]
+        return values + [None] * (self.num_gpus - len(values))
+
+    def _need_mib(self, gpu: int) -> float:
+        """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote
+        measured (the worker charges exactly that to the ledger; the default reserve only rounds it
+        up), on cuda the reserve (the context and the device's own copy are not known before the
+        start); a ``vision.vram_mib`` that the operator set is taken as needed in either case."""
+        reserve = self.reserves(gpu)[gpu] or 0.0
+        charge_mib = (self.zygote_info or {}).get("charge_bytes", 0) / MIB
+        if self.settings.device != "cpu":
+            return reserve or charge_mib
+        return max(charge_mib, reserve) if self.vision.vram_mib else charge_mib
+
+    def _place(self) -> Placement | None:
+        """Decide (again) where the vision worker goes; None until the zygote and every GPU worker
+        have reported. Logs when the decision changes: at boot, and whenever the figures change it."""
+        infos = self.hooks.worker_info()
+        if self.zygote_info is None or any(not info for info in infos):
+            return None
+        max_free = [info.get("max_free_mib") for info in infos]
+        placement = place(self.vision.gpu, self.num_gpus, self._need_mib, max_free, self.settings.device)
+        # logged when the decision changes, not its figures (free VRAM moves a little all the time)
+        if self.placement is None or (placement.gpu, placement.problem is None) != \
+                (self.placement.gpu, self.placement.problem is None):
+            if placement.problem:
+                log.error("%s", placement.problem)
+            else:
+                log.info("vision worker placed on gpu%d: it needs %.1f MiB free there, its cache can free up to %s",
+                         placement.gpu, placement.need_mib,
+                         "?" if max_free[placement.gpu] is None else f"{max_free[placement.gpu]:.1f} MiB")
+        self.placement = placement
+        return placement

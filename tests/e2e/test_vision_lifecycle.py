@@ -290,3 +290,24 @@ def test_when_no_gpu_can_make_room_the_boot_says_so_and_images_learn_why(tmp_pat
     finally:
         client.close()
         assert svc.stop() == []
+
+
+def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_dir, image):
+    """vision.handback_step_mib 0.25 of a 1 MiB reserve: four VRAM requests, growing, while a text
+    stream decodes; then the image is answered as before."""
+    import requests
+
+    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.25)
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
+        text = client.generate(prompt_tokens=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True)
+        next(iter(text))
+        assert len(_image_request(client, image).collect()["tokens"]) == 2
+        assert len(text.collect()["tokens"]) >= 1
+        events = requests.get(svc.base_url + "/v1/cache", timeout=10).json()["vram_events"]
+        handback = [e["reserve_mib"][0] for e in events if e["reserve_mib"][0] is not None]
+        assert handback[:4] == [0.25, 0.5, 0.75, 1.0], events
+    finally:
+        client.close()
+        assert svc.stop() == []
