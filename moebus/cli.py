@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -18,10 +19,28 @@ def _settings(args, **extra):
     return load_settings(getattr(args, "config", None), **flags, **extra)
 
 
+# numba's driver logs every failed driver call as an ERROR before raising, and polling an event or
+# stream that has not finished "fails" with CUDA_ERROR_NOT_READY, which numba then reads as False
+# (Event.query): a normal answer, not a fault. An operator greps for ERROR; keep the word for faults.
+NUMBA_DRIVER_LOGGERS = ("numba.cuda.cudadrv.driver", "numba_cuda.numba.cuda.cudadrv.driver")
+NOT_READY_POLL = re.compile(r"Call to cu(Event|Stream)Query results in CUDA_ERROR_NOT_READY")
+
+
+class NotReadyPollFilter(logging.Filter):
+    """Drops exactly numba's report of a not-ready event or stream poll; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return NOT_READY_POLL.fullmatch(record.getMessage()) is None
+
+
 def _logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     logging.getLogger("moebus").setLevel(logging.DEBUG if verbose else logging.INFO)
+    for name in NUMBA_DRIVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, NotReadyPollFilter) for f in logger.filters):
+            logger.addFilter(NotReadyPollFilter())
     # numba reports small launches as "under-utilization"; decode launches are small on purpose
     warnings.filterwarnings("ignore", message=".*will likely result in GPU under-utilization")
 

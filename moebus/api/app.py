@@ -3,6 +3,8 @@ them answered from the broker through one ZeroMQ client per WSGI worker process.
 real WSGI server (moebus.api.server: waitress), never Flask's development server."""
 from __future__ import annotations
 
+import threading
+
 from flask import Flask
 
 from moebus.api import dashboard, health_routes, metrics, openai_routes, tokenize_routes, vram_routes
@@ -23,6 +25,8 @@ def create_app(settings=None) -> Flask:
     app.json.sort_keys = False
     app.extensions["moebus"] = BrokerLink(settings.broker, settings.max_request_bytes)
     app.extensions["moebus.vision"] = settings.vision  # image limits (api/images.py)
+    app.extensions["moebus.stopping"] = threading.Event()  # set on SIGTERM: open streams end with an error
+
     refuse_cross_site_writes(app, settings.api.host, settings.api.allowed_origins)  # before the key check
     require_api_key(app, settings.api.api_key, settings.api.admin_key)
     register_error_handlers(app)

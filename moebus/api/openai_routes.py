@@ -46,7 +46,7 @@ def chat_completions():
     streams = _start(formatter, req.n, lambda i, rid: link().client.chat(
         messages, request_id=rid, images=images, tools=req.template_tools(), constraint=constraint,
         chat_template_kwargs=req.chat_template_kwargs, **group, **req.choice_sampling(sampling, i)))
-    return answer(streams, formatter, _client_gone(), req.stream)
+    return answer(streams, formatter, _client_gone(), req.stream, current_app.extensions["moebus.stopping"])
 
 
 def _images(messages: list[dict]) -> tuple[list[dict], list[bytes] | None]:
@@ -68,7 +68,7 @@ def completions():
     constraint = req.constraint()
     streams = _start(formatter, req.n, lambda i, rid: link().client.generate(
         **req.prompt_kwargs(), request_id=rid, constraint=constraint, **req.choice_sampling(sampling, i)))
-    return answer(streams, formatter, _client_gone(), req.stream)
+    return answer(streams, formatter, _client_gone(), req.stream, current_app.extensions["moebus.stopping"])
 
 
 def _model_card() -> dict:

@@ -6,8 +6,9 @@ the ZeroMQ client needs (no monkey-patching). A streaming request holds one appl
 there are enough of them for every request the broker can hold (``max_batch + max_queue``) plus spare
 ones that keep /health answering under full load.
 
-``api.workers`` > 1 pre-forks that many waitress processes on one listening socket. SIGTERM stops
-accepting and ends the process; a process whose parent dies is told so by the kernel and stops too."""
+``api.workers`` > 1 pre-forks that many waitress processes on one listening socket. SIGTERM ends
+every open stream with an error event and the process ``STOP_GRACE_S`` later; a process whose parent
+dies is told so by the kernel (SIGTERM) and stops the same way."""
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,7 @@ log = logging.getLogger("moebus.api")
 PR_SET_PDEATHSIG = 1
 SPARE_THREADS = 16  # beyond the streams the broker can hold: /health, /metrics, refusals
 CHANNEL_TIMEOUT_S = 60  # a connection that sends nothing for this long is closed (slow or idle clients)
+STOP_GRACE_S = 1.5  # after SIGTERM: open streams end with an error event within a tick (0.5 s), then exit
 
 
 def _die_with_parent() -> None:
@@ -60,9 +62,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def _serve(settings, sock: socket.socket) -> int:
     from waitress.server import create_server
 
-    server = create_server(create_app(settings), sockets=[sock], **waitress_options(settings))
+    app = create_app(settings)
+    server = create_server(app, sockets=[sock], **waitress_options(settings))
 
     def _stop(_signum, _frame):
+        # Open streams end with an error event and [DONE], not a cut connection: in `moebus serve` a
+        # SIGTERM here means the broker has gone (the parent-death signal). They notice within a
+        # tick (api/streaming.py) and waitress writes their last bytes before the process ends.
+        app.extensions["moebus.stopping"].set()
+        signal.signal(signal.SIGALRM, _exit)
+        signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
+
+    def _exit(_signum, _frame):
         raise SystemExit(0)  # waitress' run() ends on SystemExit and shuts its threads down
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,7 +13,7 @@ from flask import Response, jsonify
 
 from moebus.api.responses import Formatter
 from moebus.client import Stream
-from moebus.common.errors import RequestError
+from moebus.common.errors import RequestError, Unavailable
 from moebus.common.protocol import Partial
 
 log = logging.getLogger("moebus.api")
@@ -35,9 +35,11 @@ def has_gone(client_gone) -> bool:
         return False
 
 
-def follow(stream: Stream, client_gone) -> Iterator[Partial]:
+def follow(stream: Stream, client_gone, stopping: threading.Event | None = None) -> Iterator[Partial]:
     """The request's Partials; raises ClientGone once the HTTP client has left, RequestError when
-    the broker answers an error. However it ends, the request is cancelled unless it finished."""
+    the broker answers an error, Unavailable once ``stopping`` is set (the api is told to stop: in
+    ``moebus serve`` that is the broker's death). However it ends, the request is cancelled unless
+    it finished."""
     checked_s = time.monotonic()
     try:
         while True:
@@ -50,6 +52,8 @@ def follow(stream: Stream, client_gone) -> Iterator[Partial]:
                 checked_s = now
                 if has_gone(client_gone):
                     raise ClientGone("the client closed the connection")
+                if stopping is not None and stopping.is_set():
+                    raise Unavailable("the server is stopping (in moebus serve: the broker has gone)")
             if part is not None:
                 yield part
     finally:
@@ -104,12 +108,13 @@ class Drained:
         self.stream.close()
 
 
-def answer(streams: list[Stream], formatter: Formatter, client_gone, as_events: bool) -> Response:
+def answer(streams: list[Stream], formatter: Formatter, client_gone, as_events: bool,
+           stopping: threading.Event | None = None) -> Response:
     """Wait for the broker's first answer to every choice's request (so that a rejected request gets
-    its HTTP status), then answer in one JSON body or as server-sent events."""
+    its HTTP status), then answer in one JSON body or as server-sent events. ``stopping``: see follow."""
     if len(streams) > 1:
         streams = [Drained(s) for s in streams]
-    followers = [follow(s, client_gone) for s in streams]
+    followers = [follow(s, client_gone, stopping) for s in streams]
     try:
         firsts = [next(f, None) for f in followers]  # raises a request's RequestError
         if not as_events:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from moebus.broker.grammar import engine_for
+from moebus.broker.prompt_size import refuse_by_prefix, refuse_oversized
 from moebus.broker.sequence import Sequence
 from moebus.common import wire
 from moebus.common.errors import RequestError
@@ -53,8 +54,8 @@ def chat_prompt(msg: Generate | Tokenize, tokenizer: TextTokenizer, add_generati
         raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
 
 
-def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int,
-               allow_images: bool = False) -> tuple[list[int], str | None]:
+def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int, allow_images: bool = False,
+               max_context: int = MAX_TOKENS_PER_PROMPT) -> tuple[list[int], str | None]:
     """The prompt's token ids, and its text when a chat template rendered it."""
     given = [x is not None for x in (msg.prompt, msg.prompt_tokens, msg.messages)]
     if sum(given) != 1:
@@ -63,8 +64,10 @@ def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int,
         raise RequestError("tools and chat_template_kwargs need messages (a chat request)",
                            param="tools" if msg.tools else "chat_template_kwargs")
     text = None
+    refuse_oversized(msg, tokenizer, max_context, "max_context")  # before any rendering or tokenizing
     if msg.messages is not None:
         text = chat_prompt(msg, tokenizer, allow_images=allow_images)
+        refuse_by_prefix(text, tokenizer, max_context, "messages")
         ids = tokenizer.encode(text)
     elif msg.prompt_tokens is not None:
         ids = list(msg.prompt_tokens)
@@ -72,6 +75,7 @@ def prompt_ids(msg: Generate, tokenizer: TextTokenizer, vocab_size: int,
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param="prompt")
     else:
+        refuse_by_prefix(msg.prompt, tokenizer, max_context, "prompt")
         ids = tokenizer.encode(msg.prompt)
     if not ids:
         raise RequestError("the prompt is empty", param="prompt")
@@ -82,7 +86,7 @@ def make_sequence(msg: Generate, client: bytes, tokenizer: TextTokenizer, vocab_
                   max_context: int, allow_images: bool = False, prepare_ids=None) -> Sequence:
     """``allow_images``: image placeholder parts are rendered (their images came as frames);
     ``prepare_ids``: a last say on the token ids before the context checks (image expansion)."""
-    ids, text = prompt_ids(msg, tokenizer, vocab_size, allow_images)
+    ids, text = prompt_ids(msg, tokenizer, vocab_size, allow_images, max_context)
     if prepare_ids is not None:
         ids = prepare_ids(ids)
     if len(ids) >= max_context:
@@ -114,6 +118,7 @@ def tokenize(msg: Tokenize, tokenizer: TextTokenizer, max_context: int) -> Token
     """TOKENIZE: the ids that GENERATE would feed for the same prompt or messages."""
     if (msg.prompt is None) == (msg.messages is None):
         raise RequestError("give exactly one of prompt or messages", param="prompt")
+    refuse_oversized(msg, tokenizer, MAX_TOKENS_PER_PROMPT, "a TOKENIZE reply", code="too_many_tokens")
     if msg.messages is not None:
         _refuse_image_parts(msg.messages)
         ids = tokenizer.encode(chat_prompt(msg, tokenizer, msg.add_generation_prompt))

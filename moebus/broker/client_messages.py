@@ -13,6 +13,7 @@ from moebus.broker.info import info_stats
 from moebus.broker.scheduler import Scheduler
 from moebus.broker.sequence import Sequence
 from moebus.broker.stats import Stats
+from moebus.broker.prompt_size import give_back_memory
 from moebus.broker.tokenize_pool import TokenizePool
 from moebus.broker.vision_requests import ImageRequest
 from moebus.broker.vram import per_gpu_reserves
@@ -128,6 +129,8 @@ class ClientMessages:
                 error = item.error
                 self._reply(client, item.seq if error is None else
                             Error(id=msg.id, status=error.http_status, **error.to_dict()))
+                item.seq = None
+                give_back_memory(msg)  # a long prompt's reply is gone now: so is what it took
             elif msg.id in self.cancelled_while_tokenizing:
                 self.cancelled_while_tokenizing.discard(msg.id)
                 self._reply(client, Final(id=msg.id, finish_reason="cancelled", prompt_tokens=0, completion_tokens=0))

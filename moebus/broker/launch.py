@@ -20,6 +20,7 @@ from moebus.common.layer_split import proportional_split, split_layers
 from moebus.common.model_config import load_config
 from moebus.common.tokenizer import TextTokenizer
 from moebus.cuda.memory.devices import gpu_memory_mib, resolve_device
+from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.kernel_cache import VISION_ROLE, gpu_role, kernel_cache_env
 
 log = logging.getLogger("moebus.broker")
@@ -36,8 +37,16 @@ def layer_ranges(settings, num_layers: int, device: str) -> list[range]:
             raise ConfigError(f"config key 'layer_split': needs {num_gpus} counts >= 1 summing to the model's "
                               f"{num_layers} layers (got {split!r})")
         return split_layers(num_layers, list(split))
-    memory = gpu_memory_mib(settings.gpus) if device == "cuda" else list(settings.emulated_vram_mib)
+    memory = _budgets_mib(settings, gpu_memory_mib(settings.gpus)) if device == "cuda" else \
+        list(settings.emulated_vram_mib)
     return split_layers(num_layers, proportional_split(num_layers, memory))
+
+
+def _budgets_mib(settings, totals_mib: list[float]) -> list[float]:
+    """Each GPU's memory as moebus may use it (its VRAM budget where one is set)."""
+    from moebus.workers.cache_sizing import budget_bytes
+
+    return [(budget_bytes(settings, i, int(total * MIB)) or total * MIB) / MIB for i, total in enumerate(totals_mib)]
 
 
 def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) -> int:
@@ -104,7 +113,7 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
     if vision_config is None:
         return None
     gpu = settings.vision.gpu
-    if gpu >= num_gpus:
+    if gpu != "auto" and gpu >= num_gpus:
         raise ConfigError(f"config key 'vision.gpu': {gpu} but there are {num_gpus} GPU(s)")
     control = str(run_dir / "vision-zygote.sock")
     zygote = _zygote_child(settings, settings_file, backend, control)
@@ -114,6 +123,7 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
 def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> Child:
     argv = python_argv("vision-zygote", "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device, "--connect", backend, "--control", control)
-    env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[settings.vision.gpu])} if settings.device == "cuda" else {}
+    # the zygote makes no context; each forked worker sees only the GPU the broker placed it on
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, settings.gpus))} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
     return Child("vision zygote", argv, env, error_file=settings_file.parent / "vision-zygote.start-error")

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from moebus.broker.admission import make_sequence
+from moebus.broker.prompt_size import give_back_memory
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import RequestError, ServerBusy
 from moebus.common.protocol import Generate
@@ -98,6 +99,7 @@ class TokenizePool:
                     log.exception("tokenizing request %s failed", job.msg.id)
                     job.error = RequestError(f"internal error while tokenizing: {type(e).__name__}")
                     job.error.http_status, job.error.kind = 500, "server_error"
+                give_back_memory(job.msg)  # before the result is handed on: a test measures right after
                 self.done.put(job)
                 try:
                     push.send(b"", zmq.NOBLOCK)

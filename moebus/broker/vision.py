@@ -23,6 +23,8 @@ from PIL import Image
 from moebus.broker import vision_qwen3vl
 from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_groups import ImageGroups
+from moebus.broker.vision_handback import Handback
+from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
 from moebus.common.errors import ServerBusy
@@ -47,24 +49,11 @@ class VisionHooks:
     submit: Callable  # (Sequence) -> None: into the scheduler; raises ServerBusy
     reply: Callable  # (client, message) -> None
     workers_ready: Callable  # () -> bool
+    worker_info: Callable  # () -> [each GPU worker's last INFO stats ({} before its first)]
+    decoding: Callable  # () -> bool: sequences are running (the hand-back lets a step pass between its parts)
 
 
-def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int,
-                     cuda_vision_mib: int | None = None) -> list[int]:
-    """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
-    measured split: context + tower + activations on the vision GPU, and room for the embeddings'
-    traffic and the loaned prefill scratch elsewhere); ``cuda_vision_mib`` (Qwen3-VL: derived from
-    its tower, broker/vision_qwen3vl.py) replaces the vision GPU's figure. cpu: exactly what the vision worker charges
-    to the emulated GPU's ledger (its weights as the cpu backend holds them plus the activations of
-    one tower pass: the worker encodes one image at a time), in whole MiB, on the vision GPU only."""
-    if device == "cuda":
-        mine = cuda_vision_mib or (1800 if num_gpus == 1 else 1700)
-        return [mine if g == vision_gpu else 600 for g in range(num_gpus)]
-    need = -(-charge_bytes // MIB) + 1
-    return [need if g == vision_gpu else 0 for g in range(num_gpus)]
-
-
-class VisionLifecycle:
+class VisionLifecycle(PlacementMixin):
     def __init__(self, settings, vision_config, num_gpus: int, zygote, control_path: str, hooks: VisionHooks,
                  stats):
         self.settings = settings
@@ -90,6 +79,9 @@ class VisionLifecycle:
         self.groups = ImageGroups()  # the choices of one request, which share one encode
         # Qwen3-VL: image token counts come from each image's size, through its processor's settings
         self.processor = load_image_processor(settings.model) if vision_config.tower == "qwen3_vl" else None
+        self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
+        self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
+        self.handback: Handback | None = None  # the hand-back in progress, in steps (vision_handback.py)
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -170,18 +162,12 @@ class VisionLifecycle:
                                        completion_tokens=0))
         return True
 
-    def reserves(self) -> list[float | None]:
-        charge = (self.zygote_info or {}).get("charge_bytes", 0)
-        tower = vision_qwen3vl.cuda_vision_mib(self.config, self.processor) if self.processor else None
-        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, self.vision.gpu, charge,
-                                                          tower)
-        values = [float(v) for v in values[: self.num_gpus]]
-        return values + [None] * (self.num_gpus - len(values))
-
     def info(self) -> dict:
         return {"vision_loaded": int(self.state == READY),
-                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.vision.gpu,
-                           "lazy": self.vision.lazy,
+                "vision": {"state": self.state, "pid": self.worker_pid, "gpu": self.gpu,
+                           "gpu_setting": self.vision.gpu, "lazy": self.vision.lazy,
+                           "placement": self.placement.to_dict() if self.placement else None,
+                           "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
@@ -193,9 +179,14 @@ class VisionLifecycle:
         self.groups.expire(now)
         for event in self.control.poll():
             self.on_event(event, now)
-        if self.state == COLD and self._wanted() and self.zygote_info and now >= self.next_start_s \
-                and self.hooks.workers_ready():
-            self._hand_back(now)
+        placement = self._place() if self.state == COLD and self.hooks.workers_ready() else None
+        if placement is not None and self._wanted() and now >= self.next_start_s:
+            if placement.gpu is None:
+                self._refuse_waiting(placement.problem)
+            else:
+                self._hand_back(now)
+        elif self.state == HANDING_BACK and self.handback is not None:
+            self.handback.tick(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
             self.kill_reason = f"not ready within vision.start_timeout_s ({self.vision.start_timeout_s:g} s)"
@@ -249,20 +240,33 @@ class VisionLifecycle:
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
-        self.hooks.queue_vram(self.reserves(), self._handed_back)
+        self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
+                                 lambda: self.stats.counters["steps_total"], self.hooks.decoding, self._handed_back)
+        self.handback.start()
 
     def _handed_back(self, reply) -> None:
         now = time.monotonic()
+        self.handback = None
         if reply.error:
             log.warning("vision hand-back: %s", reply.error)
+        free = reply.free_mib if isinstance(reply.free_mib, list) else [reply.free_mib]
+        self.handback_free_mib = free[self.gpu] if self.gpu < len(free) and not reply.error else None
         self.last_cycle["handback_s"] = now - self.last_cycle["began_s"]
         self.last_cycle["handed_back_s"] = now
-        if not self.control.send("start"):
+        if not self.control.send("start", gpu=self.gpu):
             self._start_failed("the vision zygote is not connected", now)
             return
         self.state, self.since_s = STARTING, now
 
+    def _refuse_waiting(self, problem: str) -> None:
+        """No GPU can make room: the waiting image requests learn why now, not after a failed start."""
+        for req in list(self.waiting):
+            self._fail(req, f"the vision worker cannot start: {problem}", 503, code="vision_unavailable")
+        self.waiting.clear()
+
     def _start_failed(self, reason: str, now: float) -> None:
+        if "OutOfMemory" in reason or "out of memory" in reason.lower():
+            reason += short_of(self._need_mib(self.gpu), self.handback_free_mib, self.gpu, self.settings.device)
         for req in list(self.waiting):
             self._fail(req, f"the vision worker could not start: {reason}", 503, code="vision_unavailable")
         self.waiting.clear()

@@ -1,7 +1,7 @@
 """The broker's end of the vision zygote's control socket (a Unix stream socket that the zygote
 binds and owns in its one loop). Both ways it carries JSON lines, never pickle:
 
-    broker -> zygote   {"cmd": "start"}  fork a fresh vision worker
+    broker -> zygote   {"cmd": "start", "gpu": G}  fork a fresh vision worker on GPU G (worker order)
                        {"cmd": "kill"}   SIGKILL the current one (a hung start, missed heartbeats)
     zygote -> broker   {"event": "hello", "pid": P, "charge_bytes": B}  weights in host RAM, ready to fork
                        {"event": "started", "pid": P}
@@ -77,11 +77,11 @@ class ZygoteControl:
         self.close()
         return [{"event": "gone"}]
 
-    def send(self, command: str) -> bool:
+    def send(self, command: str, **fields) -> bool:
         if self.sock is None:
             return False
         try:
-            self.sock.sendall(json.dumps({"cmd": command}).encode() + b"\n")
+            self.sock.sendall(json.dumps({"cmd": command, **fields}).encode() + b"\n")
             return True
         except OSError:
             self.close()

@@ -131,4 +131,5 @@ class WorkerMessages:
         return VisionHooks(
             send=self._send_vision,
             queue_vram=self.vram.internal,
-            submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready)
+            submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready,
+            worker_info=lambda: [w.info for w in self.pool], decoding=lambda: bool(self.scheduler.running))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
@@ -24,8 +24,10 @@ class VisionSettings(_Section):
     lazy: bool = True  # false: start at boot and never unload
     idle_s: float = Field(60.0, gt=0)  # stop the vision worker this long after the last image
     vram_mib: list[int] | None = None  # None: the default for the GPU count (see docs/config.md)
-    gpu: int = Field(0, ge=0)  # the GPU (worker order) the vision worker runs on
+    # the GPU (worker order) the vision worker runs on; auto: one whose cache can make room for it
+    gpu: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
     start_timeout_s: float = Field(120.0, gt=0)  # hand-back + start longer than this fails the waiting images
+    handback_step_mib: float = Field(256.0, gt=0)  # the hand-back frees at most this per GPU between two decode steps
     max_image_bytes: int = Field(8 * 1024 * 1024, gt=0)  # one encoded image file
     max_image_pixels: int = Field(40_000_000, gt=0)  # width x height, checked from the header before decoding
     min_image_side_px: int = Field(2, ge=1)
@@ -86,10 +88,15 @@ class Settings(BaseSettings):
     model: str | None = None  # a Hugging Face model directory; None: the embedded demo model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     gpus: list[int] = Field(default_factory=lambda: [0])
-    emulated_vram_mib: list[float] = Field(default_factory=lambda: [56, 56])  # the embedded demo: 2 GPUs
+    # the embedded demo: 2 GPUs, ~46% of its experts cached, and room for the vision worker (docs/vision.md)
+    emulated_vram_mib: list[float] = Field(default_factory=lambda: [64, 64])
     emulated_vram_dir: str | None = None  # ledgers of the emulated GPUs (default: the serve's run directory)
     kernel_cache_dir: str | None = None  # compiled kernels kept across starts (default: $MOEBUS_CACHE_DIR/kernels)
     layer_split: list[int] | None = None
+    # cuda: the VRAM budget of each GPU (worker order), like vLLM's gpu_memory_utilization: caches, KV
+    # and scratch are sized to stay within it, so moebus can share a large GPU (none: the whole GPU)
+    gpu_memory_mib: list[float] = Field(default_factory=list)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # the same as a share of each GPU's total
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
     segment_mib: int = Field(2, ge=1)
@@ -108,7 +115,7 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value):
         return value or None  # MOEBUS_MODEL= (empty) means the default, as in docker-compose
 
-    @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split")
+    @field_validator("gpus", "emulated_vram_mib", "vram_reserve_mib", "layer_split", "gpu_memory_mib")
     @classmethod
     def _non_negative(cls, value):
         if value is not None and any(v < 0 for v in value):

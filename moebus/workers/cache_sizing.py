@@ -72,6 +72,38 @@ class ScratchBudget:
         return self.tokens + extra_bytes // self.per_token_bytes
 
 
+def budget_bytes(settings, gpu: int, total_bytes: int) -> int | None:
+    """The VRAM budget of GPU ``gpu`` (worker order): ``gpu_memory_mib`` for it and/or
+    ``gpu_memory_utilization`` of its total, the smaller; None when neither is set."""
+    limits = []
+    if gpu < len(settings.gpu_memory_mib):
+        limits.append(int(settings.gpu_memory_mib[gpu] * MIB))
+    if settings.gpu_memory_utilization is not None:
+        limits.append(int(settings.gpu_memory_utilization * total_bytes))
+    return min(limits) if limits else None
+
+
+class DeviceBudget:
+    """A GPU seen as if it had only ``budget_bytes`` for moebus: what moebus' processes allocate on it
+    after ``baseline`` (this worker's context, before its weights) counts against the budget, and
+    free is the smaller of the driver's free and what is left of the budget. So the expert cache, its
+    reserves and the vision worker's room behave as on a GPU of that size, while other programs
+    keep the rest. ``memory_info``: the driver's (free, total) (cuMemGetInfo), or an emulated GPU's."""
+
+    def __init__(self, budget_bytes: int, memory_info):
+        self._driver_info = memory_info
+        self.baseline_free, total = memory_info()
+        self.budget_bytes = min(int(budget_bytes), total)
+
+    def used_bytes(self) -> int:
+        return max(0, self.baseline_free - self._driver_info()[0])
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) within the budget, as an arena's memory_info."""
+        free, _ = self._driver_info()
+        return max(0, min(free, self.budget_bytes - self.used_bytes())), self.budget_bytes
+
+
 def reserve_for(settings, gpu: int) -> float:
     values = settings.vram_reserve_mib
     return float(values[gpu]) if gpu < len(values) else 0.0
@@ -80,6 +112,17 @@ def reserve_for(settings, gpu: int) -> float:
 def emulated_gpu(settings, gpu: int) -> EmulatedGpu:
     root = Path(settings.emulated_vram_dir or ".")
     return EmulatedGpu(root / f"gpu{gpu}", capacity_mib=settings.emulated_vram_mib[gpu])
+
+
+def max_free_bytes(cache) -> int:
+    """The most bytes that can be free on the cache's GPU when it hands back all it may: free now plus
+    every mapped segment above the slots it keeps for one expert group (``min_slots``). What the
+    broker compares with the vision worker's charge to place it (broker/vision_placement.py)."""
+    free, _ = cache.arena.memory_info()
+    mapped, count = cache.arena.mapped, 0
+    while count < len(mapped) and cache.arena.slots_after_shrink(count + 1) >= cache.min_slots:
+        count += 1
+    return free + sum(mapped[len(mapped) - count:])
 
 
 def startup_capacity_bytes(free_bytes: int, reserve_mib: float, scratch_bytes: int) -> int:

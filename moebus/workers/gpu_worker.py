@@ -19,8 +19,9 @@ from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
-from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, emulated_gpu, measure_scratch, reserve_for,
-                                         stage_dense_bytes, startup_capacity_bytes)
+from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
+                                         max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes,
+                                         startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -85,6 +86,12 @@ class GpuWorker:
                  "dropped_messages": self.link.dropped_messages}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
+        if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
+            stats["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
+        if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
+            from moebus.cuda.memory.vmm import device_memory_info
+
+            stats["device_free_mib"] = round(device_memory_info()[0] / MIB, 1)
         if hasattr(self.stage.experts, "residency"):  # the dashboard's layers x experts map
             stats["residency"] = self.stage.experts.residency()
         return stats
@@ -112,10 +119,11 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
     does not fit its GPU raises ConfigError: neither start can succeed by trying again."""
     ckpt = Checkpoint(model_dir)
     backend = make_backend(device)
+    budget = cuda_budget(settings, gpu) if device == "cuda" else None  # after the context, before the weights
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     try:
         return Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                     experts=lambda st: make_cache(settings, ckpt, st, gpu, label),
+                     experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
                      progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here
         if not is_out_of_memory(e):
@@ -124,10 +132,24 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
                           f"max_batch / max_context / max_step_tokens, or more memory") from e
 
 
-def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
+def cuda_budget(settings, gpu: int) -> DeviceBudget | None:
+    """This GPU's VRAM budget (gpu_memory_mib / gpu_memory_utilization), from the driver's figures."""
+    from moebus.cuda.memory.vmm import device_memory_info
+
+    limit = budget_bytes(settings, gpu, device_memory_info()[1])
+    if limit is None:
+        return None
+    budget = DeviceBudget(limit, device_memory_info)
+    log.info("gpu%d: a budget of %.0f MiB (%.0f MiB free on the device now)", gpu, budget.budget_bytes / MIB,
+             budget.baseline_free / MIB)
+    return budget
+
+
+def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: DeviceBudget | None = None):
     """The stage's elastic expert cache, sized from what VRAM is left after the dense weights, the KV
     cache and the step scratch measured by a warm-up (see cache_sizing.py); the warm-up runs over a
-    cache of one expert group, which then gives its memory back."""
+    cache of one expert group, which then gives its memory back. ``budget``: on cuda, the GPU as
+    moebus may use it (its free memory, and the cache's from then on)."""
     ledger = None
     if stage.ops.name == "cpu":  # charge the emulated GPU as VRAM would be charged
         ledger = emulated_gpu(settings, gpu)
@@ -146,12 +168,18 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str):
     else:
         from moebus.cuda.memory.vmm import device_memory_info
 
-        free, _ = device_memory_info()
+        free, _ = budget.memory_info() if budget else device_memory_info()
         scratch_to_keep = scratch.standing_bytes + CUDA_HEADROOM_BYTES
+        if budget and free < scratch_to_keep:
+            raise ConfigError(f"gpu{gpu}: gpu_memory_mib / gpu_memory_utilization leave {free / MIB:.0f} MiB after the "
+                              f"dense weights and KV cache, less than the {scratch_to_keep / MIB:.0f} MiB of step "
+                              f"scratch and headroom: raise the budget, or lower max_batch / max_context")
     reserve = reserve_for(settings, gpu)
     cache = build_expert_cache(ckpt, stage.layer_range, stage.ops,
                                capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
                                segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
                                startup_reserve_mib=reserve, store=store)
     stage.scratch = scratch  # steps longer than the measured one borrow from the cache
+    if budget is not None:  # reserves, reports and max_free_mib count within the budget, not the whole GPU
+        cache.arena.memory_info = budget.memory_info
     return cache

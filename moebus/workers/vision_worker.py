@@ -75,10 +75,11 @@ def warm_up(model: VisionModel, processor, cfg) -> None:
     model.warm_up(processor)
 
 
-def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int) -> int:
-    """Runs in the forked child of the zygote. Raises on a failed start (the zygote reports why)."""
+def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int,
+                      gpu: int) -> int:
+    """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
+    the only visible device). Raises on a failed start (the zygote reports why)."""
     started = time.perf_counter()
-    gpu = settings.vision.gpu
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
     backend = make_backend(device)

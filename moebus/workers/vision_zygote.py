@@ -112,12 +112,17 @@ class Zygote:
 
     def _command(self, line: bytes) -> None:
         try:
-            command = json.loads(line).get("cmd")
+            message = json.loads(line)
+            command = message.get("cmd")
         except (ValueError, AttributeError):
             log.error("invalid control line dropped")
             return
         if command == "start":
-            self._fork()
+            gpu = message.get("gpu", 0)
+            if isinstance(gpu, int) and not isinstance(gpu, bool) and 0 <= gpu < self._num_gpus():
+                self._fork(gpu)
+            else:
+                log.error("start on gpu %r: there is no such GPU; dropped", gpu)
         elif command == "kill":
             for pid in self.children:
                 os.kill(pid, signal.SIGKILL)
@@ -145,7 +150,10 @@ class Zygote:
 
     # -- the child ----------------------------------------------------------------------------
 
-    def _fork(self) -> None:
+    def _num_gpus(self) -> int:
+        return len(self.settings.gpus) if self.device == "cuda" else len(self.settings.emulated_vram_mib)
+
+    def _fork(self, gpu: int) -> None:
         if self.children:
             log.error("start asked while vision worker %s still runs; ignored", list(self.children))
             return
@@ -154,13 +162,14 @@ class Zygote:
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
-            os._exit(self._child(write_fd))
+            os._exit(self._child(write_fd, gpu))
         os.close(write_fd)
         self.children[pid] = read_fd
         self._emit({"event": "started", "pid": pid})
 
-    def _child(self, reason_fd: int) -> int:
-        """The forked vision worker; never returns into the zygote's loop."""
+    def _child(self, reason_fd: int, gpu: int) -> int:
+        """The forked vision worker on ``gpu`` (worker order); never returns into the zygote's loop.
+        No CUDA context exists yet, so choosing the device here is still possible."""
         try:
             for sock in (self.listener, self.conn):
                 if sock is not None:
@@ -171,8 +180,10 @@ class Zygote:
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             _die_with_parent()
+            if self.device == "cuda":
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
-                                                   self.connect, self.device, self.charge)
+                                                   self.connect, self.device, self.charge, gpu)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
             log.error("vision worker failed: %s", "".join(traceback.format_exception_only(type(e), e)).strip())
             os.write(reason_fd, f"{type(e).__name__}: {e}"[:MAX_REASON_BYTES].encode())

@@ -1,6 +1,7 @@
 """`make serve` as a new user runs it, into a fresh venv: it installs the runtime dependencies only
 (no torch, no transformers, no test tools), then `moebus serve` without a model serves the embedded
-demo model, made on first use into MOEBUS_CACHE_DIR (a fresh directory here), and answers a chat."""
+demo model, made on first use into MOEBUS_CACHE_DIR (a fresh directory here), and answers a chat
+and the README's own image example, run as written (a 64x64 PNG as a data URL through the chat)."""
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import openai
 import requests
+from PIL import Image
 
 from moebus.client import Client
 from tests.service import alive, free_port, process_tree
@@ -56,7 +58,13 @@ def _stop_group(proc) -> list[int]:
     return left
 
 
-def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path):
+def readme_image_example() -> str:
+    """The README's Python block that sends an image (it uses the ``client`` of the block before)."""
+    blocks = [b.split("```")[0] for b in (ROOT / "README.md").read_text().split("```python\n")[1:]]
+    return next(b for b in blocks if "image_url" in b)
+
+
+def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path, monkeypatch, capsys):
     venv, http_port, zmq_port = tmp_path / "venv", free_port(), free_port()
     config = tmp_path / "moebus.json"  # only the ports differ from what a plain `make serve` uses
     config.write_text(json.dumps({"api": {"port": http_port}, "broker": {"frontend": f"tcp://127.0.0.1:{zmq_port}",
@@ -79,7 +87,15 @@ def test_make_serve_installs_the_runtime_only_and_answers_a_chat(tmp_path):
             model = client.models.list().data[0].id
             out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
                                                  max_tokens=8)
-        assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
+            assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
+
+            monkeypatch.chdir(tmp_path)
+            Image.new("RGB", (64, 64), (200, 120, 40)).save("cat.png")
+            example = {"client": client}
+            exec(readme_image_example(), example)  # raises openai.APIStatusError on a 503
+        image_out = example["out"]
+        assert image_out.usage.prompt_tokens > 64 and image_out.usage.completion_tokens >= 1  # the image's tokens
+        assert capsys.readouterr().out == image_out.choices[0].message.content + "\n"
         assert (tmp_path / "cache" / model / "config.json").is_file()
     finally:
         assert _stop_group(proc) == []

@@ -222,6 +222,7 @@ def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, 
                 _image_request(client, image).collect()
         assert err.value.http_status == 503 and err.value.code == "vision_unavailable"
         assert "OutOfMemory" in err.value.message and "emulated GPU gpu0" in err.value.message
+        assert "MiB short of the" in err.value.message and "vision.gpu" in err.value.message
         assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
         assert wait_cold(client)["loaded"] == 0
     finally:
@@ -239,6 +240,74 @@ def test_vision_gpu_1_takes_its_room_from_gpu1(tmp_path, llava_dir, image):
         assert len(_image_request(client, image).collect()["tokens"]) == 2
         during = client.vram(query=True)["expert_slots"]
         assert during[0] == startup[0] and during[1] < startup[1]
+    finally:
+        client.close()
+        assert svc.stop() == []
+
+
+def test_auto_places_the_vision_worker_where_a_cache_can_make_room(tmp_path, llava_dir, image):
+    """gpu0 would have to free 40 MiB (more than its GPU has), gpu1 1 MiB: auto picks gpu1."""
+    svc = start_vision_service(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 1])
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        placement = wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
+        assert placement["gpu"] == 1 and placement["problem"] is None and placement["need_mib"] == 1
+        assert all(isinstance(v, float) for v in placement["max_free_mib"])
+        startup = client.vram(query=True)["expert_slots"]
+        assert len(_image_request(client, image).collect()["tokens"]) == 2
+        during = client.vram(query=True)["expert_slots"]
+        assert vision_state(client)["gpu"] == 1 and during[1] < startup[1]
+        assert "vision worker placed on gpu1" in svc.logs() and "vision worker ready on gpu1" in svc.logs()
+    finally:
+        client.close()
+        assert svc.stop() == []
+
+
+def test_when_no_gpu_can_make_room_the_boot_says_so_and_images_learn_why(tmp_path, llava_dir, image):
+    import openai
+    import requests
+
+    svc = start_vision_service(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 40])
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        problem = wait_for(lambda: (vision_state(client)["placement"] or {}).get("problem"), timeout_s=20)
+        assert "no GPU can make room for the vision worker" in problem and "MiB missing" in problem
+        assert "gpu0 can free at most" in problem and "gpu1 can free at most" in problem
+        assert "emulated_vram_mib" in problem
+        assert f"ERROR {problem}" in svc.logs()
+        health = requests.get(svc.base_url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json() == {"status": "ok", "vision": problem}
+        cache = requests.get(svc.base_url + "/v1/cache", timeout=10).json()
+        assert cache["vision"]["placement"]["problem"] == problem and cache["vision"]["placement"]["gpu"] is None
+        started = time.monotonic()
+        with openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as sdk:
+            with pytest.raises(openai.APIStatusError) as err:
+                sdk.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=2)
+        assert err.value.status_code == 503 and time.monotonic() - started < 5
+        assert err.value.body["code"] == "vision_unavailable" and problem in err.value.body["message"]
+        assert vision_state(client)["starts"] == 0  # nothing was tried that could not succeed
+        assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
+    finally:
+        client.close()
+        assert svc.stop() == []
+
+
+def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_dir, image):
+    """vision.handback_step_mib 0.25 of a 1 MiB reserve: four VRAM requests, growing, while a text
+    stream decodes; then the image is answered as before."""
+    import requests
+
+    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.25)
+    client = Client(svc.zmq_address, timeout_s=30)
+    try:
+        wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
+        text = client.generate(prompt_tokens=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True)
+        next(iter(text))
+        assert len(_image_request(client, image).collect()["tokens"]) == 2
+        assert len(text.collect()["tokens"]) >= 1
+        events = requests.get(svc.base_url + "/v1/cache", timeout=10).json()["vram_events"]
+        handback = [e["reserve_mib"][0] for e in events if e["reserve_mib"][0] is not None]
+        assert handback[:4] == [0.25, 0.5, 0.75, 1.0], events
     finally:
         client.close()
         assert svc.stop() == []

@@ -23,8 +23,9 @@ VISION_SERVE = dict(emulated_vram_mib=[5, 4.5], segment_mib=1)
 
 def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, broker: dict | None = None,
                          **vision) -> Service:
-    """The emulated GPUs' ledgers are under ``tmp / "vram"`` (for a ballast process to charge)."""
-    return Service(tmp, model, vision={"idle_s": 1.0, **vision}, max_step_tokens=max_step_tokens,
+    """The emulated GPUs' ledgers are under ``tmp / "vram"`` (for a ballast process to charge). The
+    vision worker goes on gpu0 unless ``gpu`` says otherwise (the tests count gpu0's slots)."""
+    return Service(tmp, model, vision={"idle_s": 1.0, "gpu": 0, **vision}, max_step_tokens=max_step_tokens,
                    max_context=max_context, broker=broker or {}, emulated_vram_dir=str(tmp / "vram"),
                    **VISION_SERVE).wait_ready()
 

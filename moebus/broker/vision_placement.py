@@ -1,0 +1,139 @@
+"""Where the vision worker goes, decided from figures rather than found out by a failed start. The
+zygote says what a vision worker charges (its ``hello``); each GPU worker says, in its INFO, the
+most MiB its GPU can have free once its cache hands back all it may (``max_free_mib``: free now
+plus every segment above one expert group). A GPU can host the vision worker when that is at
+least what must be free there (``vision.vram_mib`` for it, or the default by device).
+
+``vision.gpu: auto`` picks, among the GPUs that can, the one left with the most room; a fixed
+``vision.gpu`` is checked. When none can, ``problem`` says by how many MiB each falls short and
+which setting changes that; the broker logs it at boot, shows it in /health and /v1/cache, and
+answers image requests with it at once instead of failing a start."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from moebus.broker import vision_qwen3vl
+
+log = logging.getLogger("moebus.broker")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpu: int | None  # where the vision worker starts; None: no GPU can make room
+    need_mib: float  # MiB that must be free on that GPU (on the first candidate when none can)
+    max_free_mib: tuple  # per GPU, as the workers last reported it (None: not reported)
+    problem: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"gpu": self.gpu, "need_mib": self.need_mib, "max_free_mib": list(self.max_free_mib),
+                "problem": self.problem}
+
+
+def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: int,
+                     cuda_vision_mib: int | None = None) -> list[int]:
+    """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
+    measured split: context + tower + activations on the vision GPU, and room for the embeddings'
+    traffic and the loaned prefill scratch elsewhere); ``cuda_vision_mib`` (Qwen3-VL: derived from
+    its tower, broker/vision_qwen3vl.py) replaces the vision GPU's figure. cpu: exactly what the vision
+    worker charges to the emulated GPU's ledger (its weights as the cpu backend holds them plus the
+    activations of one tower pass: the worker encodes one image at a time), in whole MiB, on the
+    vision GPU only."""
+    if device == "cuda":
+        mine = cuda_vision_mib or (1800 if num_gpus == 1 else 1700)
+        return [mine if g == vision_gpu else 600 for g in range(num_gpus)]
+    need = -(-charge_bytes // MIB) + 1
+    return [need if g == vision_gpu else 0 for g in range(num_gpus)]
+
+
+def memory_setting(device: str) -> str:
+    """The setting that gives a GPU more memory for moebus."""
+    return "emulated_vram_mib" if device == "cpu" else "gpu_memory_mib (or free VRAM that other programs hold)"
+
+
+def place(choice: int | str, num_gpus: int, need_of: Callable[[int], float], max_free: list,
+          device: str) -> Placement:
+    """``choice``: ``vision.gpu`` ("auto" or a GPU index); ``need_of(g)``: MiB that must be free on
+    GPU g to start the vision worker there; ``max_free``: the workers' ``max_free_mib`` (None for a
+    GPU that has not said: it is assumed to fit, as nothing better is known)."""
+    candidates = list(range(num_gpus)) if choice == "auto" else [int(choice)]
+    fits = [g for g in candidates if max_free[g] is None or max_free[g] >= need_of(g)]
+    if fits:
+        best = max(fits, key=lambda g: (float("inf") if max_free[g] is None else max_free[g] - need_of(g), -g))
+        return Placement(best, need_of(best), tuple(max_free))
+    short = "; ".join(f"gpu{g} can free at most {max_free[g]:.1f} MiB of the {need_of(g):.1f} MiB it needs there "
+                      f"({need_of(g) - max_free[g]:.1f} MiB missing)" for g in candidates)
+    others = [g for g in range(num_gpus) if g not in candidates and (max_free[g] is None or max_free[g] >= need_of(g))]
+    fix = (f"vision.gpu: auto would place it on gpu{others[0]}" if others else
+           f"give a GPU more memory ({memory_setting(device)}), or lower max_batch / max_context (its KV cache)")
+    return Placement(None, need_of(candidates[0]), tuple(max_free),
+                     f"no GPU can make room for the vision worker: {short}; {fix}")
+
+
+def short_of(need_mib: float, free_mib: float | None, gpu: int, device: str) -> str:
+    """Why a start that was placed still found no room: another program holds the memory."""
+    if free_mib is None:
+        return ""
+    return (f"; gpu{gpu} had {free_mib:.1f} MiB free after the hand-back, {max(need_mib - free_mib, 0):.1f} MiB "
+            f"short of the {need_mib:.1f} MiB the vision worker needs (another program holds VRAM there?); "
+            f"vision.gpu chooses the GPU, {memory_setting(device)} gives it more")
+
+
+class PlacementMixin:
+    """VisionLifecycle's placement methods (a mixin: the state is the lifecycle's, named below)."""
+
+    settings: object
+    vision: object  # the vision settings
+    num_gpus: int
+    zygote_info: dict | None
+    placement: Placement | None
+    hooks: object
+
+    @property
+    def gpu(self) -> int:
+        """The vision worker's GPU: placed, else the fixed setting (auto: gpu0 until placed)."""
+        if self.placement is not None and self.placement.gpu is not None:
+            return self.placement.gpu
+        return self.vision.gpu if self.vision.gpu != "auto" else 0
+
+    def reserves(self, gpu: int | None = None) -> list[float | None]:
+        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU)."""
+        gpu = self.gpu if gpu is None else gpu
+        charge = (self.zygote_info or {}).get("charge_bytes", 0)
+        tower = vision_qwen3vl.cuda_vision_mib(self.config, self.processor) if self.processor else None
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge, tower)
+        values = [float(v) for v in values[: self.num_gpus]]
+        return values + [None] * (self.num_gpus - len(values))
+
+    def _need_mib(self, gpu: int) -> float:
+        """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote
+        measured (the worker charges exactly that to the ledger; the default reserve only rounds it
+        up), on cuda the reserve (the context and the device's own copy are not known before the
+        start); a ``vision.vram_mib`` that the operator set is taken as needed in either case."""
+        reserve = self.reserves(gpu)[gpu] or 0.0
+        charge_mib = (self.zygote_info or {}).get("charge_bytes", 0) / MIB
+        if self.settings.device != "cpu":
+            return reserve or charge_mib
+        return max(charge_mib, reserve) if self.vision.vram_mib else charge_mib
+
+    def _place(self) -> Placement | None:
+        """Decide (again) where the vision worker goes; None until the zygote and every GPU worker
+        have reported. Logs when the decision changes: at boot, and whenever the figures change it."""
+        infos = self.hooks.worker_info()
+        if self.zygote_info is None or any(not info for info in infos):
+            return None
+        max_free = [info.get("max_free_mib") for info in infos]
+        placement = place(self.vision.gpu, self.num_gpus, self._need_mib, max_free, self.settings.device)
+        # logged when the decision changes, not its figures (free VRAM moves a little all the time)
+        if self.placement is None or (placement.gpu, placement.problem is None) != \
+                (self.placement.gpu, self.placement.problem is None):
+            if placement.problem:
+                log.error("%s", placement.problem)
+            else:
+                log.info("vision worker placed on gpu%d: it needs %.1f MiB free there, its cache can free up to %s",
+                         placement.gpu, placement.need_mib,
+                         "?" if max_free[placement.gpu] is None else f"{max_free[placement.gpu]:.1f} MiB")
+        self.placement = placement
+        return placement

@@ -1,0 +1,54 @@
+"""Where the vision worker goes (broker/vision_placement.py): auto picks a GPU whose cache can make
+room, leaving the most; a fixed GPU is checked; when none can, the problem names the MiB missing on
+each GPU and the setting that changes it."""
+from moebus.broker.vision_placement import default_vram_mib, place, short_of
+
+
+def need(values):
+    return lambda gpu: values[gpu]
+
+
+def test_auto_picks_the_gpu_left_with_the_most_room():
+    p = place("auto", 2, need([17, 17]), [12.3, 20.3], "cpu")
+    assert (p.gpu, p.need_mib, p.problem) == (1, 17, None)
+    p = place("auto", 3, need([2, 2, 2]), [10.0, 30.0, 30.0], "cpu")
+    assert p.gpu == 1  # a tie goes to the lower index
+
+
+def test_auto_weighs_each_gpus_own_need():
+    assert place("auto", 2, need([1700, 600]), [1800.0, 1000.0], "cuda").gpu == 1  # 400 MiB left there, 100 on gpu0
+    assert place("auto", 2, need([1700, 1700]), [1800.0, 1000.0], "cuda").gpu == 0  # the only one that fits
+
+
+def test_a_fixed_gpu_is_checked_and_the_problem_says_what_changes_it():
+    assert place(1, 2, need([17, 17]), [30.0, 20.3], "cpu").gpu == 1
+    p = place(0, 2, need([17, 17]), [12.3, 20.3], "cpu")
+    assert p.gpu is None and p.need_mib == 17
+    assert "gpu0 can free at most 12.3 MiB of the 17.0 MiB it needs there (4.7 MiB missing)" in p.problem
+    assert "vision.gpu: auto would place it on gpu1" in p.problem
+
+
+def test_when_no_gpu_can_every_gpu_is_named_with_its_shortfall():
+    p = place("auto", 2, need([17, 17]), [12.3, 11.0], "cpu")
+    assert p.gpu is None
+    assert "gpu0 can free at most 12.3 MiB" in p.problem and "gpu1 can free at most 11.0 MiB" in p.problem
+    assert "(6.0 MiB missing)" in p.problem and "emulated_vram_mib" in p.problem
+    assert "gpu_memory_mib" in place("auto", 1, need([1800]), [900.0], "cuda").problem
+    assert p.to_dict() == {"gpu": None, "need_mib": 17, "max_free_mib": [12.3, 11.0], "problem": p.problem}
+
+
+def test_a_gpu_that_has_not_reported_is_assumed_to_fit():
+    assert place("auto", 2, need([17, 17]), [12.3, None], "cpu").gpu == 1
+    assert place(0, 2, need([17, 17]), [None, None], "cpu").gpu == 0
+
+
+def test_a_placed_start_that_found_no_room_says_how_much_was_missing():
+    text = short_of(17.0, 12.5, 0, "cpu")
+    assert "gpu0 had 12.5 MiB free after the hand-back, 4.5 MiB short of the 17.0 MiB" in text
+    assert "vision.gpu" in text and "emulated_vram_mib" in text
+    assert short_of(17.0, None, 0, "cpu") == ""
+
+
+def test_default_reserves_follow_the_vision_gpu():
+    assert default_vram_mib("cuda", 2, 1, 0) == [600, 1700]
+    assert default_vram_mib("cpu", 2, 1, 15 * (1 << 20) + 1) == [0, 17]

@@ -1,0 +1,41 @@
+"""`moebus bench vision-cycle` on the cpu device (tiny LLaVA, tight emulated GPUs): it prints the four
+rows with slots, cache MiB and free MiB from the workers, and its own check compares (a) and (c)
+within one segment's slots (the hand-back releases whole segments)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from moebus.bench.vision_cycle import cycle_ok, slots_per_segment
+from tests.e2e.vision_helpers import VISION_SERVE
+
+
+def test_the_check_allows_one_segment_between_a_and_c():
+    row = {"slots": [417, 120], "cache_mib": [3753.0, 1080.0]}  # 9 MiB slots: a 2 MiB segment holds < 1
+    assert slots_per_segment(row, 2) == [1, 1]
+    assert slots_per_segment({"slots": [64], "cache_mib": [12.0]}, 2) == [11]  # 5.3 slots a MiB
+    assert cycle_ok([417], [589], [418], [589], [1])  # the H200 run that printed False
+    assert not cycle_ok([417], [589], [420], [589], [1])
+    assert not cycle_ok([417], [589], [417], [588], [1])  # (d) must regrow to (b) exactly
+    assert not cycle_ok([589], [589], [589], [589], [1])  # nothing handed back: every expert fits
+
+
+def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    vram = [str(v) for v in VISION_SERVE["emulated_vram_mib"]]
+    done = subprocess.run([sys.executable, "-m", "moebus.cli", "bench", "vision-cycle", "--model", str(tiny_llava),
+                           "--device", "cpu", "--idle-s", "1", "--repeats", "1", "--text-streams", "2",
+                           "--text-tokens", "16", "--max-context", "256", "--segment-mib",
+                           str(VISION_SERVE["segment_mib"]), "--emulated-vram-mib", *vram, "--timeout-s", "120"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = done.stdout
+    rows = [line for line in out.splitlines() if line.startswith("(")]
+    assert [r.split("  ")[0] for r in rows[:4]] == ["(a) vision resident (lazy false)", "(b) lazy, vision idle",
+                                                     "(c) during an image request", "(d) idle_s after it"], out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["idle"]) >= {"slots", "cache_mib", "free_mib", "device_free_mib"}
+    assert result["idle"]["device_free_mib"] == [None, None]  # the driver's figure is cuda's only
+    check = next(line for line in out.splitlines() if line.startswith("(b) == (d) > (a) ≈ (c)"))
+    assert check.endswith("True") and done.returncode == 0, out + done.stderr[-3000:]
