@@ -52,9 +52,11 @@ class GrammarEngine:
         self.vocab_size = vocab_size  # the model's: the sampler's rows, and the masks' width
         self.words = mask_words(vocab_size)
         self.engine_words = mask_words(n_vocab)
-        reasoning = tokenizer.emits_reasoning
-        self.think_open = tokenizer.tokenizer.token_to_id(THINK_OPEN) if reasoning else None  # one token, or None
-        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if reasoning else None
+        # the tokens that open a reasoning block (Qwen3: one, <think>); none for a model without blocks
+        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True) if tokenizer.emits_reasoning else {}
+        self.think_open_ids = np.array(sorted(i for t, i in vocab.items() if t.startswith(THINK_OPEN) and i < vocab_size),
+                                       np.int64)
+        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if tokenizer.emits_reasoning else None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -63,7 +65,7 @@ class GrammarEngine:
         ``reasoning_open``: admission's (None: no reasoning split, e.g. a completion)."""
         if reasoning_open:
             mode = WAITING
-        elif reasoning_open is False and self.think_open is not None:
+        elif reasoning_open is False and len(self.think_open_ids):
             mode = OPENING
         else:
             mode = ACTIVE
@@ -132,7 +134,7 @@ class GrammarState:
 
     def observe(self, token: int, text: str) -> bool:
         """A sampled token (``text``: the answer so far); True when the grammar is complete."""
-        if self.mode == OPENING and token == self.engine.think_open:
+        if self.mode == OPENING and token in self.engine.think_open_ids:
             self.mode = WAITING
             return False
         if self.mode == WAITING:
@@ -171,8 +173,9 @@ class Masker:
                                                engine.engine_words * 4, len(states))
         for k, state in enumerate(states):
             if state.mode == OPENING:  # the answer may open a reasoning block instead
-                token = state.engine.think_open
-                full[k, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+                ids = state.engine.think_open_ids
+                words = full[k].view(np.uint32)
+                np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
         mask_rows = np.full(num_rows, -1, np.int32)
         mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
         return np.ascontiguousarray(full[:, : engine.words]), mask_rows

@@ -104,7 +104,7 @@ def test_reasoning_model_may_open_a_block_then_the_constraint_starts_after_it(tm
     model = make_reasoning_model(tmp_path / "reasoning")
     tokenizer = TextTokenizer(model, load_config(model).eos_token_ids)
     engine = GrammarEngine(tokenizer, load_config(model).vocab_size)
-    think, close = engine.think_open, engine.think_close
+    (think,), close = engine.think_open_ids, engine.think_close
     state = engine.start(Constraint(kind="choice", spec='["ok"]'), reasoning_open=False)
     assert state.mode == OPENING
     mask, rows = Masker().submit([state]).result()
