@@ -168,3 +168,47 @@ def test_a_compiled_grammar_is_reused(engine):
     second = engine.start(constraint, None)
     assert first.matcher is not second.matcher  # each sequence its own matcher, copied from the cache
     assert len([g for g in engine._compiled if g]) >= 1
+
+
+def test_a_planned_step_carries_masks_to_the_last_stage_only(engine, tokenizer):
+    """Scheduler -> STEP: the constrained row that samples gets a mask, on the last stage's STEP."""
+    from moebus.broker.inflight import InflightStep
+    from moebus.broker.scheduler import Scheduler
+    from moebus.broker.sequence import Sequence
+    from moebus.broker.steps import step_message
+    from moebus.common.protocol import Sampling
+    from moebus.common.tokenizer import StreamDecoder
+
+    def seq(sid, grammar=None):
+        return Sequence(id=sid, client=b"c", prompt=[5, 6, 7], sampling=Sampling(max_tokens=50),
+                        decoder=StreamDecoder(tokenizer), stop_ids=tokenizer.stop_ids, max_context=64, grammar=grammar)
+
+    scheduler = Scheduler(max_batch=4, max_queue=4, max_step_tokens=64)
+    constrained = seq("b", engine.start(Constraint(kind="choice", spec='["yes", "no"]'), None))
+    for s in (seq("a"), constrained):
+        scheduler.submit(s)
+    plan = scheduler.plan()
+    step = InflightStep.__new__(InflightStep)
+    step.plan, step.step_id = plan, 1
+    step.stage = 0
+    first = step_message(step, None, num_stages=2)
+    assert first.mask is None and first.mask_rows is None
+    step.stage = 1
+    last = step_message(step, np.zeros((6, 8), np.float32), num_stages=2)
+    assert last.mask_rows.tolist() == [-1, 0] and last.mask.shape == (1, engine.words)
+    allowed = np.nonzero(allowed_ids(last.mask[0].view(np.uint32), engine.vocab_size))[0]
+    assert allowed.size and all("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t]))
+                                for t in allowed)
+    scheduler.masker.close()
+
+
+def test_a_sequence_finishes_with_stop_when_its_grammar_is_complete(engine, tokenizer):
+    from moebus.broker.sequence import Sequence
+    from moebus.common.protocol import Sampling
+    from moebus.common.tokenizer import StreamDecoder
+
+    seq = Sequence(id="s", client=b"c", prompt=[5], sampling=Sampling(max_tokens=50), decoder=StreamDecoder(tokenizer),
+                   stop_ids=tokenizer.stop_ids, max_context=64,
+                   grammar=engine.start(Constraint(kind="regex", spec="ab[0-9]"), None))
+    text = "".join(seq.accept(t, 0.0) for t in tokenizer.encode("ab7"))
+    assert seq.finish_reason == "stop" and text == "ab7"
