@@ -2,7 +2,7 @@
 bitmask that changes every step (rows 1-7 free), eager vs CUDA graphs: the same tokens and logprobs;
 row 0 always inside its mask; rows 1-7 as in a batch without any mask; and batches with and without
 a masked row alternating (each has its captured graph: neither is recaptured). Usage:
-mask_graph_check.py MODEL_DIR"""
+mask_graph_check.py MODEL_DIR [TOKENS]"""
 import os
 import sys
 
@@ -14,7 +14,7 @@ from moebus.workers.local import LocalModel
 
 model_dir = sys.argv[1]
 prompt = [5, 17, 99, 3, 42, 7, 250, 31, 8]
-BATCH, TOKENS = 8, 24
+BATCH, TOKENS = 8, int(sys.argv[2]) if len(sys.argv) > 2 else 24
 
 
 def masks(vocab: int, steps: int) -> list[np.ndarray]:
