@@ -53,30 +53,36 @@ def train(vocab_size: int, cache: str | None = None) -> Tokenizer:
     return tokenizer
 
 
-def run_llguidance(tokenizer: Tokenizer, batch: int, steps: int, seed: int, rounds: int) -> tuple[float, list[list[float]]]:
+def run_llguidance(tokenizer: Tokenizer, batch: int, steps: int, seed: int, rounds: int,
+                   parallel: bool = True) -> tuple[float, list[list[float]]]:
     import llguidance
     import llguidance.numpy as llnp
 
     started = time.perf_counter()
     lltok = llguidance.LLTokenizer(tokenizer.to_str(), eos_token=0)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    template = llguidance.LLMatcher(lltok, grammar, log_level=0)  # compiled once, copied per sequence (as the broker)
     setup_s = time.perf_counter() - started
     bitmask = llnp.allocate_token_bitmask(batch, lltok.vocab_size)
-    executor = llguidance.LLExecutor()
+    executor = llguidance.LLExecutor() if parallel else None
     rng = np.random.default_rng(seed)
-    return setup_s, [_llguidance_round(llguidance, llnp, lltok, grammar, executor, bitmask, batch, steps, rng)
+    return setup_s, [_llguidance_round(llnp, lltok, template, executor, bitmask, batch, steps, rng)
                      for _ in range(rounds)]
 
 
-def _llguidance_round(llguidance, llnp, lltok, grammar, executor, bitmask, batch, steps, rng) -> list[float]:
-    matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
+def _llguidance_round(llnp, lltok, template, executor, bitmask, batch, steps, rng) -> list[float]:
+    matchers = [template.deep_copy() for _ in range(batch)]
     times = []
     for _ in range(steps):
         live = [(m, i) for i, m in enumerate(matchers) if not m.is_stopped()]
         if not live:
             break
         t0 = time.perf_counter()
-        llnp.fill_next_token_bitmask_par(executor, live, bitmask)
+        if executor is not None:  # llguidance's thread pool over the batch
+            llnp.fill_next_token_bitmask_par(executor, live, bitmask)
+        else:  # one matcher after the other on this thread, as xgrammar's loop below
+            for m, i in live:
+                llnp.fill_next_token_bitmask(m, bitmask, i)
         times.append(time.perf_counter() - t0)
         for m, i in live:
             m.consume_token(_pick(bitmask[i].view(np.uint32), lltok.vocab_size, rng))
@@ -124,14 +130,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=4, help="generations of the batch (the first is cold)")
-    parser.add_argument("--engines", default="llguidance,xgrammar")
+    parser.add_argument("--engines", default="llguidance,llguidance-seq,xgrammar")
     parser.add_argument("--tokenizer-cache", default=None, help="keep the trained tokenizer here")
     args = parser.parse_args()
     t0 = time.perf_counter()
     tokenizer = train(args.vocab, args.tokenizer_cache)
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens (trained in {time.perf_counter() - t0:.0f} s)")
     for engine in args.engines.split(","):
-        run = run_llguidance if engine == "llguidance" else run_xgrammar
+        run = {"llguidance": run_llguidance, "xgrammar": run_xgrammar,
+               "llguidance-seq": lambda *a: run_llguidance(*a, parallel=False)}[engine]
         setup_s, rounds = run(tokenizer, args.batch, args.steps, 0, args.rounds)
         print(f"{engine}: tokenizer + schema compile {setup_s * 1e3:.0f} ms")
         for name, times in (("cold (first generation)", rounds[0]), ("warm (later generations)", sum(rounds[1:], []))):

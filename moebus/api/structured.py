@@ -92,17 +92,17 @@ def tools_constraint(tools: list[dict], choice) -> dict | None:
 
 
 def guided_constraint(body) -> dict | None:
-    """vLLM's guided_json (a schema, or its JSON text), guided_regex, guided_choice."""
+    """vLLM's guided_json (a schema, or its JSON text), guided_regex, guided_choice: at most one."""
+    given = []
     if body.guided_json is not None:
-        schema = body.guided_json
-        if not isinstance(schema, (dict, str)):
+        if not isinstance(body.guided_json, (dict, str)):
             raise RequestError("guided_json: a JSON schema (an object or its JSON text)", param="guided_json")
-        return {"kind": "json_schema", "spec": _spec(schema, "guided_json"), "param": "guided_json"}
+        given.append({"kind": "json_schema", "spec": _spec(body.guided_json, "guided_json"), "param": "guided_json"})
     if body.guided_regex is not None:
-        return {"kind": "regex", "spec": _spec(body.guided_regex, "guided_regex"), "param": "guided_regex"}
+        given.append({"kind": "regex", "spec": _spec(body.guided_regex, "guided_regex"), "param": "guided_regex"})
     if body.guided_choice is not None:
-        return {"kind": "choice", "spec": _spec(body.guided_choice, "guided_choice"), "param": "guided_choice"}
-    return None
+        given.append({"kind": "choice", "spec": _spec(body.guided_choice, "guided_choice"), "param": "guided_choice"})
+    return one_constraint(*given)
 
 
 def one_constraint(*constraints: dict | None) -> dict | None:

@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                    help="also: --streams greedy streams on a two-stage split, pipelined or not (both: side by "
                         "side, with the model on one stage)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams for --pipeline")
+    p.add_argument("--schema", help="a JSON schema file: also batch 8 through the service with one stream under it "
+                                    "vs none (moebus/bench/structured.py)")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
     from moebus.workers.local import LocalModel
@@ -142,6 +144,10 @@ def main(argv=None) -> int:
         from moebus.bench.pipeline import compare
 
         extra.update(compare(args.model, args.device, prompt, args.tokens, args.streams, args.repeats, args.pipeline))
+    if args.schema:
+        from moebus.bench.structured import compare as schema_compare
+
+        extra.update(schema_compare(args.model, args.device, prompt, args.tokens, args.schema, args.repeats))
     _print(rows, extra, args.json)
     return 0
 

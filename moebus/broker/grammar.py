@@ -8,15 +8,7 @@ matcher per constrained sequence, and the allowed-token bitmasks of a step.
 - Compiling runs on the tokenizer threads (admission.make_sequence), never on the broker's loop,
   under llguidance's resource limits and a wall-clock deadline: a hostile schema (huge, deep,
   recursive, invalid) is a 400 naming why, and other requests go on meanwhile.
-- ``GrammarState``: one sequence's matcher. It starts after the reasoning block: at once for a
-  model without reasoning blocks (and for completions); after the first ``</think>`` when the chat
-  prompt ends inside an open block; and for a reasoning model whose prompt does not open one (Qwen3
-  thinks unless told not to), the first token may open a block (the mask allows the grammar's first
-  tokens and ``<think>``) or begin the answer. It advances with every accepted token and says when
-  the grammar is complete (the sequence then finishes with ``stop``).
-- ``Masker``: when a step is planned, the masks of its constrained rows are computed on a thread
-  (llguidance releases the GIL) while the STEP goes to the first stage; the last stage's STEP
-  carries them (broker/steps.py). Unconstrained rows cost nothing.
+- One sequence's matcher and its next mask: broker/grammar_state.py.
 """
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -33,12 +25,14 @@ import numpy as np
 from moebus.broker.grammar_specs import grammar_text
 from moebus.common.errors import RequestError
 from moebus.common.protocol import Constraint
+from moebus.broker.grammar_state import ACTIVE, OPENING, WAITING, GrammarState
 from moebus.common.tokenizer import THINK_CLOSE, THINK_OPEN, TextTokenizer
 from moebus.cuda.kernels.sampling import mask_words
 
 log = logging.getLogger("moebus.broker")
 COMPILE_DEADLINE_S = 5.0  # a grammar that takes longer is refused (llguidance's limits bound it too)
 MAX_CACHED_GRAMMARS = 64
+MASK_THREADS = 2
 # llguidance's limits, tighter than its defaults where a request could make a compile slow
 LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
               max_lexer_states=100_000, verbose_errors=False)
@@ -52,18 +46,22 @@ class GrammarEngine:
         self.vocab_size = vocab_size  # the model's: the sampler's rows, and the masks' width
         self.words = mask_words(vocab_size)
         self.engine_words = mask_words(n_vocab)
-        reasoning = tokenizer.emits_reasoning
-        self.think_open = tokenizer.tokenizer.token_to_id(THINK_OPEN) if reasoning else None  # one token, or None
-        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if reasoning else None
+        # the tokens that open a reasoning block (Qwen3: one, <think>); none for a model without blocks
+        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True) if tokenizer.emits_reasoning else {}
+        self.think_open_ids = np.array(sorted(i for t, i in vocab.items() if t.startswith(THINK_OPEN) and i < vocab_size),
+                                       np.int64)
+        self.think_close = tokenizer.tokenizer.token_to_id(THINK_CLOSE) if tokenizer.emits_reasoning else None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        # next-token masks, computed as soon as a token is accepted (llguidance releases the GIL)
+        self.masks = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="grammar-masks")
 
     def start(self, constraint: Constraint, reasoning_open: bool | None) -> "GrammarState":
         """A new sequence's grammar state; RequestError (400) when the constraint cannot compile.
         ``reasoning_open``: admission's (None: no reasoning split, e.g. a completion)."""
         if reasoning_open:
             mode = WAITING
-        elif reasoning_open is False and self.think_open is not None:
+        elif reasoning_open is False and len(self.think_open_ids):
             mode = OPENING
         else:
             mode = ACTIVE
@@ -112,70 +110,3 @@ def warm_engine(tokenizer: TextTokenizer, vocab_size: int) -> threading.Thread:
     thread = threading.Thread(target=engine_for, args=(tokenizer, vocab_size), name="grammar-engine", daemon=True)
     thread.start()
     return thread
-
-
-WAITING, OPENING, ACTIVE = "waiting", "opening", "active"  # inside a reasoning block, may open one, constrained
-
-
-class GrammarState:
-    """One constrained sequence's matcher (see the module docstring)."""
-
-    def __init__(self, engine: GrammarEngine, matcher: llguidance.LLMatcher, mode: str):
-        self.engine = engine
-        self.matcher = matcher
-        self.mode = mode
-
-    @property
-    def is_active(self) -> bool:
-        """Does the next token have a mask?"""
-        return self.mode != WAITING
-
-    def observe(self, token: int, text: str) -> bool:
-        """A sampled token (``text``: the answer so far); True when the grammar is complete."""
-        if self.mode == OPENING and token == self.engine.think_open:
-            self.mode = WAITING
-            return False
-        if self.mode == WAITING:
-            if token == self.engine.think_close or THINK_CLOSE in text:
-                self.mode = ACTIVE  # the constraint starts with the next token
-            return False
-        self.mode = ACTIVE
-        if not self.matcher.consume_token(token):
-            # the mask allowed only what the matcher takes: a token outside it is a bug, not the model's doing
-            log.error("grammar: token %d refused (%s); the sequence ends", token, self.matcher.get_error()[:200])
-            return True
-        return self.matcher.is_stopped()
-
-
-class Masker:
-    """Computes a step's masks on a thread (see the module docstring)."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")  # its thread starts on first use
-        self._executor: llguidance.LLExecutor | None = None
-
-    def submit(self, states: list[GrammarState | None]) -> Future | None:
-        """Masks for the rows whose state is active: a Future of (mask (M, W) int32, mask_rows (S,)
-        int32); None when no row is constrained."""
-        rows = [i for i, s in enumerate(states) if s is not None and s.is_active]
-        if not rows:
-            return None
-        return self._pool.submit(self._compute, [states[i] for i in rows], rows, len(states))
-
-    def _compute(self, states: list[GrammarState], rows: list[int], num_rows: int):
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=2)
-        engine = states[0].engine
-        full = np.zeros((len(states), engine.engine_words), np.int32)
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, k) for k, s in enumerate(states)], full.ctypes.data,
-                                               engine.engine_words * 4, len(states))
-        for k, state in enumerate(states):
-            if state.mode == OPENING:  # the answer may open a reasoning block instead
-                token = state.engine.think_open
-                full[k, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
-        mask_rows = np.full(num_rows, -1, np.int32)
-        mask_rows[rows] = np.arange(len(rows), dtype=np.int32)
-        return np.ascontiguousarray(full[:, : engine.words]), mask_rows
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -132,4 +132,5 @@ def tool_calls_lark(spec, param: str) -> str:
 
 
 def _regex_literal(text: str) -> str:
-    return "".join("\\" + c if not c.isalnum() and c != "_" else c for c in text)
+    """``text`` matched literally inside a Lark /regex/ (``\\<`` would be a word boundary there)."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\/" else c for c in text)

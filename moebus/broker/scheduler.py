@@ -4,12 +4,11 @@ budget. A sequence keeps its KV slot from admission to its end."""
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.broker.grammar import Masker
+from moebus.broker.grammar_state import step_masks, with_ready_masks
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import ServerBusy
 
@@ -29,7 +28,10 @@ class PlannedStep:
     top_logprobs: int  # n of the rows in logprob_rows (the most any of them asked for)
     logprob_rows: np.ndarray  # (R,) int32 rows that sample this step and asked for top logprobs
     logit_rules: dict[str, np.ndarray] | None = None  # the Step's logit_* arrays, when some row has rules
-    masks: Future | None = None  # (mask, mask_rows) of the constrained rows that sample (broker/grammar.py)
+    masks: dict[str, np.ndarray] | None = None  # the Step's mask and mask_rows, when a row that samples is constrained
+
+
+MASK_WAIT_SHARE = 0.05  # of a step's time: what a late grammar mask may cost the other sequences
 
 
 class Scheduler:
@@ -39,7 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.free_slots = list(range(max_batch))[::-1]
-        self.masker = Masker()
+        self.last_step_s = 0.0  # the last step's time from plan to tokens (broker/steps.py sets it)
 
     def submit(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -71,7 +73,9 @@ class Scheduler:
         self._admit()
         idle = [s for s in self.running.values() if s.id not in busy]
         max_seqs = -(-len(self.running) // num_groups)
-        decoding = [s for s in idle if not s.is_prefilling][:max_seqs]
+        # a constrained sequence whose next mask is late sits this step out (broker/grammar_state.py)
+        decoding = with_ready_masks([s for s in idle if not s.is_prefilling], self.mask_wait_s,
+                                    others=any(s.is_prefilling for s in idle))[:max_seqs]
         prefilling = [s for s in idle if s.is_prefilling][: max_seqs - len(decoding)]
         budget = max(self.max_step_tokens - len(decoding), 0)
         chosen, feeds = [], []
@@ -101,7 +105,12 @@ class Scheduler:
             u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
             top_logprobs=max((sp[i].logprobs for i in asked), default=0),
             logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples),
-            masks=self.masker.submit([s.grammar if take else None for s, take in zip(chosen, samples)]))
+            masks=step_masks(chosen, samples))
+
+    @property
+    def mask_wait_s(self) -> float:
+        """How long a step waits for a late mask before its sequence sits out: a share of a step."""
+        return MASK_WAIT_SHARE * self.last_step_s
 
     def advance(self, step: PlannedStep) -> None:
         """The step's tokens are now in every stage's KV cache."""

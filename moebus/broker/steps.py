@@ -26,8 +26,8 @@ def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
     plan, first, last = step.plan, step.stage == 0, step.stage == num_stages - 1
     embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if first else (None, None)
     rules = (plan.logit_rules or {}) if last else {}
-    if last and plan.masks is not None:  # computed while the earlier stages ran (broker/grammar.py)
-        rules = {**rules, **dict(zip(("mask", "mask_rows"), plan.masks.result()))}
+    if last and plan.masks is not None:  # structured outputs (broker/grammar_state.py)
+        rules = {**rules, **plan.masks}
     return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
                 logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
                 starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,
@@ -109,6 +109,7 @@ class StepDriver:
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
         self.stats.observe("step_compute_seconds", step.compute_s)
+        self.scheduler.last_step_s = now - step.started_s
         self.scheduler.advance(step.plan)
         top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
         if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):

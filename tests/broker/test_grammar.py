@@ -1,5 +1,5 @@
 """Structured outputs in the broker, without a model: llguidance grammars compiled against a real
-tokenizer, masks from the Masker, and tokens drawn at random among the allowed ones (what random
+tokenizer, next-token masks (broker/grammar_state.py), and tokens drawn at random among the allowed ones (what random
 weights do) — every bounded schema completes, parses and validates; hostile specs are 400s."""
 import json
 import threading
@@ -9,7 +9,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from moebus.broker.grammar import ACTIVE, OPENING, WAITING, GrammarEngine, Masker
+from moebus.broker.grammar import GrammarEngine
+from moebus.broker.grammar_state import ACTIVE, OPENING, WAITING, step_masks, with_ready_masks
 from moebus.common.errors import RequestError
 from moebus.common.model_config import load_config
 from moebus.common.protocol import Constraint
@@ -31,21 +32,22 @@ def engine(tokenizer, tiny_model):
     return GrammarEngine(tokenizer, load_config(tiny_model).vocab_size)
 
 
-@pytest.fixture(scope="module")
-def masker():
-    m = Masker()
-    yield m
-    m.close()
+class Row:
+    """What step_masks reads of a Sequence."""
+
+    def __init__(self, grammar):
+        self.grammar = grammar
 
 
-def generate(engine, masker, constraints, rng, reasoning_open=None) -> list[list[int]]:
+def generate(engine, constraints, rng, reasoning_open=None) -> list[list[int]]:
     """Random allowed tokens until each grammar is complete."""
     states = [engine.start(c, reasoning_open) for c in constraints]
     out, done = [[] for _ in states], [False] * len(states)
     for _ in range(MAX_STEPS):
         if all(done):
             return out
-        mask, rows = masker.submit([None if d else s for s, d in zip(states, done)]).result()
+        masks = step_masks([Row(s) for s in states], [not d for d in done])
+        mask, rows = masks["mask"], masks["mask_rows"]
         assert mask.shape[1] == engine.words and mask.dtype == np.int32
         for i, state in enumerate(states):
             if not done[i]:
@@ -56,34 +58,34 @@ def generate(engine, masker, constraints, rng, reasoning_open=None) -> list[list
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_random_tokens_under_a_bounded_schema_always_give_valid_json(engine, masker, tokenizer, name):
+def test_random_tokens_under_a_bounded_schema_always_give_valid_json(engine, tokenizer, name):
     rng = np.random.default_rng(len(name))
     constraint = Constraint(kind="json_schema", spec=json.dumps(SCHEMAS[name]))
-    for tokens in generate(engine, masker, [constraint] * 4, rng):
+    for tokens in generate(engine, [constraint] * 4, rng):
         jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMAS[name])
 
 
-def test_choice_and_regex(engine, masker, tokenizer):
+def test_choice_and_regex(engine, tokenizer):
     rng = np.random.default_rng(0)
-    choice, regex = generate(engine, masker, [Constraint(kind="choice", spec='["yes", "no", "maybe so"]'),
+    choice, regex = generate(engine, [Constraint(kind="choice", spec='["yes", "no", "maybe so"]'),
                                               Constraint(kind="regex", spec=r"[0-9]{3}-[a-c]{2}")], rng)
     assert tokenizer.decode(choice) in ("yes", "no", "maybe so")
     text = tokenizer.decode(regex)
     assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and set(text[4:]) <= set("abc")
 
 
-def test_json_object_starts_an_object_without_whitespace(engine, masker, tokenizer):
+def test_json_object_starts_an_object_without_whitespace(engine, tokenizer):
     # any JSON object is unbounded (random tokens need not end it): its first token opens the object
-    mask, _ = masker.submit([engine.start(Constraint(kind="json_object"), None)]).result()
-    allowed = np.nonzero(allowed_ids(mask[0].view(np.uint32), engine.vocab_size))[0]
+    mask = engine.start(Constraint(kind="json_object"), None).mask()
+    allowed = np.nonzero(allowed_ids(mask.view(np.uint32), engine.vocab_size))[0]
     assert len(allowed) and all(tokenizer.decode([t]).startswith("{") for t in allowed)
 
 
-def test_forced_tool_call_is_a_hermes_block_with_valid_arguments(engine, masker, tokenizer):
+def test_forced_tool_call_is_a_hermes_block_with_valid_arguments(engine, tokenizer):
     params = SCHEMAS["refs"]
     spec = {"tools": [{"name": "draw", "parameters": params, "strict": False},
                       {"name": "other", "parameters": None, "strict": False}], "choice": "draw"}
-    (tokens,) = generate(engine, masker, [Constraint(kind="tool_calls", spec=json.dumps(spec), param="tools")],
+    (tokens,) = generate(engine, [Constraint(kind="tool_calls", spec=json.dumps(spec), param="tools")],
                          np.random.default_rng(1))
     text = tokenizer.decode(tokens)
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
@@ -92,26 +94,39 @@ def test_forced_tool_call_is_a_hermes_block_with_valid_arguments(engine, masker,
     jsonschema.validate(call["arguments"], params)
 
 
-def test_only_active_rows_get_masks(engine, masker):
-    states = [engine.start(Constraint(kind="json_object"), None), None, engine.start(Constraint(kind="json_object"), True)]
+def test_only_active_rows_that_sample_get_masks(engine):
+    states = [engine.start(Constraint(kind="json_object"), None), None, engine.start(Constraint(kind="json_object"), True),
+              engine.start(Constraint(kind="json_object"), None)]
     assert states[2].mode == WAITING
-    mask, rows = masker.submit(states).result()
-    assert rows.tolist() == [0, -1, -1] and mask.shape[0] == 1
-    assert masker.submit([None, states[2]]) is None  # nothing to compute: the plain path
+    masks = step_masks([Row(s) for s in states], [True, True, True, False])
+    assert masks["mask_rows"].tolist() == [0, -1, -1, -1] and masks["mask"].shape == (1, engine.words)
+    assert step_masks([Row(None), Row(states[2])], [True, True]) is None  # the plain path: nothing
+
+
+def test_a_late_mask_sits_its_step_out_unless_nothing_else_can_run(engine):
+    import threading
+    from concurrent.futures import Future
+
+    late, plain = Row(engine.start(Constraint(kind="json_object"), None)), Row(None)
+    slow = Future()
+    late.grammar._next = slow  # a mask still being computed
+    assert with_ready_masks([plain, late], 0.001, others=False) == [plain]
+    threading.Timer(0.05, lambda: slow.set_result(np.zeros(engine.words, np.int32))).start()
+    assert with_ready_masks([late], 0.001, others=False) == [late]  # alone: the step waits for it
+    assert slow.done()
 
 
 def test_reasoning_model_may_open_a_block_then_the_constraint_starts_after_it(tmp_path):
     model = make_reasoning_model(tmp_path / "reasoning")
     tokenizer = TextTokenizer(model, load_config(model).eos_token_ids)
     engine = GrammarEngine(tokenizer, load_config(model).vocab_size)
-    think, close = engine.think_open, engine.think_close
+    (think,), close = engine.think_open_ids, engine.think_close
     state = engine.start(Constraint(kind="choice", spec='["ok"]'), reasoning_open=False)
     assert state.mode == OPENING
-    mask, rows = Masker().submit([state]).result()
-    allowed = np.nonzero(allowed_ids(mask[0].view(np.uint32), engine.vocab_size))[0]
+    allowed = np.nonzero(allowed_ids(state.mask().view(np.uint32), engine.vocab_size))[0]
     assert think in allowed and close not in allowed
     assert not state.observe(think, "<think>") and state.mode == WAITING
-    assert Masker().submit([state]) is None  # reasoning is free text
+    assert step_masks([Row(state)], [True]) is None  # reasoning is free text
     assert not state.observe(close, "<think>hm</think>") and state.mode == ACTIVE
     ok = tokenizer.encode("ok")
     assert [state.observe(t, "") for t in ok][-1] is True
@@ -168,3 +183,46 @@ def test_a_compiled_grammar_is_reused(engine):
     second = engine.start(constraint, None)
     assert first.matcher is not second.matcher  # each sequence its own matcher, copied from the cache
     assert len([g for g in engine._compiled if g]) >= 1
+
+
+def test_a_planned_step_carries_masks_to_the_last_stage_only(engine, tokenizer):
+    """Scheduler -> STEP: the constrained row that samples gets a mask, on the last stage's STEP."""
+    from moebus.broker.inflight import InflightStep
+    from moebus.broker.scheduler import Scheduler
+    from moebus.broker.sequence import Sequence
+    from moebus.broker.steps import step_message
+    from moebus.common.protocol import Sampling
+    from moebus.common.tokenizer import StreamDecoder
+
+    def seq(sid, grammar=None):
+        return Sequence(id=sid, client=b"c", prompt=[5, 6, 7], sampling=Sampling(max_tokens=50),
+                        decoder=StreamDecoder(tokenizer), stop_ids=tokenizer.stop_ids, max_context=64, grammar=grammar)
+
+    scheduler = Scheduler(max_batch=4, max_queue=4, max_step_tokens=64)
+    constrained = seq("b", engine.start(Constraint(kind="choice", spec='["yes", "no"]'), None))
+    for s in (seq("a"), constrained):
+        scheduler.submit(s)
+    plan = scheduler.plan()
+    step = InflightStep.__new__(InflightStep)
+    step.plan, step.step_id = plan, 1
+    step.stage = 0
+    first = step_message(step, None, num_stages=2)
+    assert first.mask is None and first.mask_rows is None
+    step.stage = 1
+    last = step_message(step, np.zeros((6, 8), np.float32), num_stages=2)
+    assert last.mask_rows.tolist() == [-1, 0] and last.mask.shape == (1, engine.words)
+    allowed = np.nonzero(allowed_ids(last.mask[0].view(np.uint32), engine.vocab_size))[0]
+    assert allowed.size and all("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t]))
+                                for t in allowed)
+
+
+def test_a_sequence_finishes_with_stop_when_its_grammar_is_complete(engine, tokenizer):
+    from moebus.broker.sequence import Sequence
+    from moebus.common.protocol import Sampling
+    from moebus.common.tokenizer import StreamDecoder
+
+    seq = Sequence(id="s", client=b"c", prompt=[5], sampling=Sampling(max_tokens=50), decoder=StreamDecoder(tokenizer),
+                   stop_ids=tokenizer.stop_ids, max_context=64,
+                   grammar=engine.start(Constraint(kind="regex", spec="ab[0-9]"), None))
+    text = "".join(seq.accept(t, 0.0) for t in tokenizer.encode("ab7"))
+    assert seq.finish_reason == "stop" and text == "ab7"
