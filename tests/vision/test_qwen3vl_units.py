@@ -1,7 +1,6 @@
 """Qwen3-VL-MoE's pieces on their own: config keys in either spelling, the init-model directory
 (transformers loads it and agrees), the image processor's settings and limits, M-RoPE positions
 against transformers' get_rope_index, the broker's per-step rope positions and DeepStack rows."""
-import json
 
 import numpy as np
 import pytest
