@@ -142,3 +142,20 @@ def test_encoded_rows_stack_for_groups_and_split_back():
     attach_embeds(seq, stacked)
     np.testing.assert_array_equal(seq.embeds, embeds)
     np.testing.assert_array_equal(seq.deepstack, deepstack)
+
+
+def test_a_grid_beyond_the_rotary_tables_grows_them():
+    from moebus.cuda.backends import make_backend
+    from moebus.cuda.kernels.mrope import vision_rope_tables
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+    from moebus.common.qwen3vl_tiny import vision_tensors
+    from moebus.common.tiny_model import _Random
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
+    side = model.max_side + 2
+    embeds, deepstack = model.encode(np.zeros((2 * side, cfg.patch_dim), np.float32), 2, side)
+    assert model.max_side == side and embeds.shape == (side // 2, 64) and deepstack.shape == (2, side // 2, 64)
+    np.testing.assert_array_equal(model.cos, vision_rope_tables(cfg.head_dim, cfg.rope_theta, side)[0])
