@@ -159,3 +159,12 @@ def test_a_grid_beyond_the_rotary_tables_grows_them():
     embeds, deepstack = model.encode(np.zeros((2 * side, cfg.patch_dim), np.float32), 2, side)
     assert model.max_side == side and embeds.shape == (side // 2, 64) and deepstack.shape == (2, side // 2, 64)
     np.testing.assert_array_equal(model.cos, vision_rope_tables(cfg.head_dim, cfg.rope_theta, side)[0])
+
+
+def test_deepstack_rows_go_only_to_stages_holding_deepstack_layers():
+    ids = expand_image_pads([1, 7, 2], 7, [4])
+    positions, delta = rope_index(ids, 7, [(4, 4)], 2)
+    seq = _Seq(positions, delta, np.array([1, 2, 3, 4], np.int32), np.ones((2, 4, 3), np.float32))
+    assert "deepstack" in step_qwen3vl([seq], [0], [6], first_layer=1)
+    later = step_qwen3vl([seq], [0], [6], first_layer=2)  # layers 2.. hold no DeepStack layer (L = 2)
+    assert "deepstack" not in later and later["rope_positions"].shape == (6, 3)
