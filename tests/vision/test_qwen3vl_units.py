@@ -168,3 +168,8 @@ def test_deepstack_rows_go_only_to_stages_holding_deepstack_layers():
     assert "deepstack" in step_qwen3vl([seq], [0], [6], first_layer=1)
     later = step_qwen3vl([seq], [0], [6], first_layer=2)  # layers 2.. hold no DeepStack layer (L = 2)
     assert "deepstack" not in later and later["rope_positions"].shape == (6, 3)
+
+
+def test_init_model_refuses_a_llava_tower_around_qwen3_vl(tmp_path):
+    with pytest.raises(ValueError, match="its own vision tower"):
+        init_model(tmp_path / "m", "qwen3_vl_moe", "tiny", vision="siglip")
