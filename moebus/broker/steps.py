@@ -20,7 +20,7 @@ from moebus.common.protocol import Step, StepReply
 log = logging.getLogger("moebus.broker")
 
 
-def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
+def step_message(step: InflightStep, hidden, num_stages: int, first_layer: int = 0) -> Step:
     """The STEP for ``step``'s current stage: token ids (and image embeddings) go to the first stage
     only, the logit rules to the last, ``hidden`` is the previous stage's output."""
     plan, first, last = step.plan, step.stage == 0, step.stage == num_stages - 1
@@ -33,7 +33,7 @@ def step_message(step: InflightStep, hidden, num_stages: int) -> Step:
                 starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,
                 hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
                 embeds=embeds, embed_rows=embed_rows, **rules,
-                **step_qwen3vl(plan.seqs, plan.starts, plan.lengths))  # M-RoPE and DeepStack: every stage
+                **step_qwen3vl(plan.seqs, plan.starts, plan.lengths, first_layer))  # M-RoPE, DeepStack
 
 
 class StepDriver:
@@ -74,7 +74,7 @@ class StepDriver:
             return None
 
     def _send_step(self, step: InflightStep, hidden) -> None:
-        step.message = step_message(step, hidden, len(self.pool))
+        step.message = step_message(step, hidden, len(self.pool), self.pool[step.stage].layers.start)
         step.sent_s = time.monotonic()
         if not self._send_worker(step.stage, step.message):
             self._lose(self.pool[step.stage], f"gpu{step.stage} is not connected")

@@ -85,17 +85,17 @@ def attach_embeds(seq, embeds: np.ndarray) -> None:
         seq.embeds = embeds
 
 
-def step_qwen3vl(seqs, starts, lengths) -> dict:
-    """The STEP fields for Qwen3-VL sequences with images (every stage): rope positions of all the
-    step's tokens, and the DeepStack rows inside the step; {} when
-    no sequence of the step has images."""
+def step_qwen3vl(seqs, starts, lengths, first_layer: int = 0) -> dict:
+    """The STEP fields for Qwen3-VL sequences with images, for the stage whose layers start at
+    ``first_layer``: rope positions of all the step's tokens, and the DeepStack rows inside the step
+    when the stage holds a DeepStack layer; {} when no sequence of the step has images."""
     if all(seq.rope_positions is None for seq in seqs):
         return {}
     positions, rows, chunks, offset = [], [], [], 0
     for seq, start, length in zip(seqs, starts, lengths):
         start, length = int(start), int(length)
         positions.append(step_rope_positions(seq.rope_positions, seq.rope_delta, start, length))
-        if seq.deepstack is not None and len(seq.embed_positions):
+        if seq.deepstack is not None and len(seq.embed_positions) and first_layer < seq.deepstack.shape[0]:
             lo, hi = np.searchsorted(seq.embed_positions, [start, start + length])
             if hi > lo:
                 rows.append(seq.embed_positions[lo:hi] - start + offset)

@@ -194,6 +194,8 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     if dtype != "bf16":
         cfg["torch_dtype"] = "float32"
     if arch == "qwen3_vl_moe":  # Qwen3-VL-MoE: its own tower, layout and tokens (common/qwen3vl_tiny.py)
+        if vision or script is not None:
+            raise ValueError("qwen3_vl_moe has its own vision tower: no --vision (LLaVA) and no script")
         return init_qwen3vl(out, cfg, preset, dtype, progress, _write_weights,
                             _Random(seed, fast=PRESET_SHARDED[preset]), _Random(seed + 1, fast=False))
     tokenizer = train_tokenizer(min(cfg["vocab_size"] - 64, 4096), seed=0, image_token=bool(vision))

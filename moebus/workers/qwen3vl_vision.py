@@ -61,12 +61,16 @@ class Qwen3VisionModel:
         self.merger = self._merger(weights, "merger.")
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
-        side = max(config.grid_side, 1)
-        # rotary tables for every row and column a grid may have (patches per side of the largest image)
-        self.max_side = 4096 // config.patch_size + side
-        cos, sin = vision_rope_tables(config.head_dim, config.rope_theta, self.max_side)
-        self.cos, self.sin = backend.persist(cos), backend.persist(sin)
         self.axes = backend.persist(vision_axes(config.head_dim))
+        self.max_side = 0
+        self._rope_tables(4096 // config.patch_size)  # rows and columns of a 4096 px side; grown if needed
+
+    def _rope_tables(self, side: int) -> None:
+        """Rotary tables for every row and column of a grid up to ``side`` patches per side."""
+        if side > self.max_side:
+            self.cos = self.sin = None  # the old ones go before the new ones come
+            cos, sin = vision_rope_tables(self.cfg.head_dim, self.cfg.rope_theta, side)
+            self.cos, self.sin, self.max_side = self.ops.persist(cos), self.ops.persist(sin), side
 
     def _weight(self, array, table: bool = False):
         out = (self.ops.table if table else self.ops.weight)(np.ascontiguousarray(array))
@@ -98,8 +102,7 @@ class Qwen3VisionModel:
         if patches.shape != (grid_h * grid_w, cfg.patch_dim) or grid_h % m or grid_w % m or not grid_h * grid_w:
             raise ValueError(f"patches of shape {patches.shape} for a {grid_h} x {grid_w} grid, expected "
                              f"({grid_h * grid_w}, {cfg.patch_dim}) and sides that are multiples of {m}")
-        if max(grid_h, grid_w) > self.max_side:
-            raise ValueError(f"a grid of {grid_h} x {grid_w} patches exceeds {self.max_side} per side")
+        self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         ops.begin_step()
         rope_pos, indices, weights = (ops.upload(a) for a in (positions, indices, weights))

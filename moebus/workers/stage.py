@@ -208,7 +208,8 @@ class Stage:
             x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments, inputs.get("rope_pos"))
             if "deepstack" in inputs and i < inputs["deepstack"].shape[0]:  # Qwen3-VL's DeepStack
                 x, residual = add_deepstack(ops, self._residual_add(x, residual), inputs, i), None
-            ops.recycle_layer(mark, (x,) + (residual[1:] if residual else ()))  # the rest of the layer's buffers serve the next
+            # the rest of the layer's buffers serve the next
+            ops.recycle_layer(mark, (x,) + (residual[1:] if residual else ()))
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out

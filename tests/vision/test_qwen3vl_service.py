@@ -101,3 +101,27 @@ def test_video_is_a_clear_400(qwen3vl):
     with openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         with pytest.raises(openai.BadRequestError, match="video"):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": [video]}], max_tokens=2)
+
+
+def test_n_choices_share_one_encode_with_its_deepstack(qwen3vl, hf):
+    """n = 2: one encode (embeddings and DeepStack features shared), both choices transformers' tokens."""
+    model_dir, svc = qwen3vl
+    images = [png_bytes(sample_images()[2])]
+    _, ref_tokens, _ = hf_reference(model_dir, hf, images)
+    zmq = Client(svc.zmq_address, timeout_s=60)
+    try:
+        before = zmq.info()["counters"]
+        with openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            reply = client.chat.completions.create(
+                model="m", n=2, max_tokens=NUM_TOKENS, temperature=0, logprobs=True, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images[0])}},
+                                                       {"type": "text", "text": TEXT}]}])
+        after = zmq.info()["counters"]
+    finally:
+        zmq.close()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert choice.message.content == tok.decode(ref_tokens, skip_special_tokens=True)
+    assert after["images_total"] - before["images_total"] == 1
+    assert after["images_reused_total"] - before["images_reused_total"] == 1
