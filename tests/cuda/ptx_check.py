@@ -191,6 +191,7 @@ def exercise_quant(rng) -> None:
             moe_quant.expert_ffn_quant_cuda(rng.standard_normal((tokens, 64), dtype=np.float32), pairs // 2,
                                             pairs % 4, pairs, arena, layout, np.empty((tokens * 2, 64), np.float32),
                                             np.empty((tokens * 2, 32), np.float32))
+        moe_quant.expert_weights_bf16_cuda(layout, arena, np.zeros(2, np.int32), np.empty((2, 3 * 64 * 32), np.uint16))
 
 
 def exercise_vision(rng) -> None:

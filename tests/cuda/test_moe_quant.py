@@ -4,7 +4,8 @@ import pytest
 
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.kernels import moe_ffn
-from moebus.cuda.kernels.moe_quant import expert_ffn_quant_cuda, expert_ffn_quant_ref, expert_weights_bf16
+from moebus.cuda.kernels.moe_quant import (expert_ffn_quant_cuda, expert_ffn_quant_ref, expert_weights_bf16,
+                                           expert_weights_bf16_cuda)
 from moebus.cuda.dtypes import bf16_to_f32
 from tests.cuda.conftest import device, poisoned
 
@@ -92,3 +93,15 @@ def test_expert_weights_bf16_is_the_dequantized_blob_rounded(rng, fmt):
     n = gate.size
     np.testing.assert_allclose(bf16_to_f32(bf16[1, :n]).reshape(gate.shape), gate, rtol=2**-8)
     np.testing.assert_allclose(bf16_to_f32(bf16[1, 2 * n:]).reshape(down.shape), down, rtol=2**-8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_weights_bf16_on_the_device_matches_the_numpy_hook(rng, fmt):
+    layout = ExpertLayout(fmt, 144, 16)  # a partial second block / group along D
+    arena = _arena(rng, layout, 3)
+    slots = np.array([2, 0], np.int32)
+    out = device(np.full((2, 3 * 144 * 16), 0x7FC1, np.uint16))  # bf16 NaN where nothing was written
+    expert_weights_bf16_cuda(layout, device(arena), device(slots), out)
+    got, expected = bf16_to_f32(out.copy_to_host()), bf16_to_f32(expert_weights_bf16(layout, arena[slots]))
+    # int4's q * s + m may be one fused multiply-add on a GPU: at most one bf16 step apart there
+    np.testing.assert_allclose(got, expected, rtol=2**-7 if fmt == "int4" else 0, atol=0)
