@@ -4,8 +4,8 @@ import pytest
 
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.kernels import moe_ffn
-from moebus.cuda.kernels.moe_quant import (expert_ffn_quant_cuda, expert_ffn_quant_ref, expert_weights_bf16,
-                                           expert_weights_bf16_cuda)
+from moebus.cuda.kernels.moe_quant import expert_ffn_quant_cuda, expert_ffn_quant_ref
+from moebus.cuda.kernels.moe_quant_bf16 import expert_weights_bf16, expert_weights_bf16_cuda
 from moebus.cuda.dtypes import bf16_to_f32
 from tests.cuda.conftest import device, poisoned
 
