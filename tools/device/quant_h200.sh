@@ -4,6 +4,8 @@
 # resident  bench decode, batch 1 and 8, bf16 / fp8 / int4 experts, every expert resident
 # cache     the same with a cache of one fixed size: 25% of the bf16 experts' MiB for every dtype
 # quality   bench quality (top-1 agreement, mean KL vs bf16 over 256 decode steps) on the demo model
+# vision    (not in the default set: a call of its own) bench vision-cycle with bf16 and fp8 experts, the
+#           resident experts through a lazy-vision cycle, as tools/device/vision_h200.sh
 # The model: Qwen3-30B-A3B's shapes, $LAYERS layers (default 16) x 32 experts (the issue's target is
 # 48 x 32; per-layer costs are the same, and 16 layers keep each section inside one call).
 source tools/device/setup.sh
@@ -42,6 +44,14 @@ print(min(1.0, 0.25 * ratio))")
   quality)
     timeout 500 python3 -m moebus.cli bench quality --device cuda --steps 256 --prompts 8 --json \
       | tee $OUT/quality_demo_cuda.jsonl ;;
+  vision)
+    [ -f /tmp/a3b-vision/config.json ] || timeout 200 python3 -m moebus.cli init-model /tmp/a3b-vision --preset a3b \
+      --layers 2 --experts 16 --vision siglip >/dev/null
+    for dtype in bf16 fp8; do  # the served workers read the dtype from the environment
+      MOEBUS_EXPERTS__DTYPE=$dtype timeout 190 python3 -m moebus.cli bench vision-cycle --device cuda \
+        --model /tmp/a3b-vision --idle-s 3 --repeats 2 --text-streams 2 --text-tokens 16 --timeout-s 180 2>&1 \
+        | grep -v "^\s*$" | tail -25 | tee $OUT/vision_cycle_$dtype.txt
+    done ;;
   esac
 done
 python3 - <<'PY' "$OUT"
