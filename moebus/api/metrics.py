@@ -43,7 +43,8 @@ HELP = {
 }
 GPU_GAUGES = {"expert_slots": "Expert cache slots.", "expert_cache_mib": "Expert cache size in MiB.",
               "free_mib": "Free VRAM in MiB.", "reserve_mib": "VRAM reserve in MiB (left free for others).",
-              "resident_experts": "Experts resident in the VRAM cache."}
+              "resident_experts": "Experts resident in the VRAM cache.",
+              "expert_slot_bytes": "Bytes of one expert in the cache (follows the experts' dtype)."}
 GPU_COUNTERS = {"hits": ("expert_cache_hits_total", "Expert lookups found in the cache."),
                 "misses": ("expert_cache_misses_total", "Expert lookups copied in from host memory."),
                 "h2d_bytes": ("expert_h2d_bytes_total", "Bytes copied host to device for experts."),
@@ -105,6 +106,13 @@ def _gpu_families(gpus: list[dict]):
             yield _labelled(GaugeMetricFamily(PREFIX + "gpu_" + key, doc, labels=["gpu"]), values)
         if values and key in TOTALS:
             yield GaugeMetricFamily(PREFIX + key, doc + " All GPUs.", value=sum(v for _, v in values))
+    dtypes = [(str(g.get("gpu")), g["experts_dtype"]) for g in gpus if isinstance(g.get("experts_dtype"), str)]
+    if dtypes:  # an info-style gauge: the dtype is a label
+        family = GaugeMetricFamily(PREFIX + "gpu_experts_dtype", "1 for the dtype the GPU's experts are held in.",
+                                   labels=["gpu", "dtype"])
+        for gpu, dtype in dtypes:
+            family.add_metric([gpu, dtype], 1)
+        yield family
     for key, (name, doc) in GPU_COUNTERS.items():
         values = _per_gpu(gpus, key)
         if values:

@@ -13,6 +13,8 @@ vram     releasing and regrowing the elastic expert cache on a GPU, and copy-in 
 soak     a serve under mixed load (cancels, VRAM resizes, bad requests) for minutes: RSS/VRAM per
          process over time, flat against a deliberately leaking negative control
 vision-cycle  resident experts through one lazy-vision cycle, and the cold image request's time split
+quality  quantized experts (--experts-dtype fp8,int4) against the bf16 model: top-1 agreement and mean
+         KL over 256 decode steps of held-out prompts
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def run_bench(what: str, argv: list[str]) -> int:
         from moebus.bench.soak import main
     elif what == "vision-cycle":
         from moebus.bench.vision_cycle import main
+    elif what == "quality":
+        from moebus.bench.quality import main
     else:
         print(__doc__)
         return 2

@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-frac", type=float, help="expert cache as a share of the experts (default: all)")
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
+    p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
+                   help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
     p.add_argument("--peer", choices=["hf"], help="also time the HF transformers peer in this call")
     p.add_argument("--peer-script", default=".peer/hf_peer.py")
     p.add_argument("--pcie-gb-s", type=float, default=50.0, help="for the PCIe bound (measured on an H200: 49-55)")
@@ -116,10 +118,11 @@ def main(argv=None) -> int:
     prompt = [(7 * i + 3) % 200 + 10 for i in range(args.prompt_tokens)]
     batches = [int(b) for b in args.batch.split(",")]
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
-                       max_context=len(prompt) + args.tokens + 8, policy=args.policy)
+                       max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
+              "experts_dtype": args.experts_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
               "graphs": any(s.use_graphs for s in model.stages)}
     rows = []
     for batch in batches:
@@ -160,7 +163,8 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
     head = ("batch", "tok_s", "ms_per_step", "us_per_layer", "hit_rate", "h2d_gb_s", "pcie_bound_tok_s",
             "hbm_bound_tok_s")
     first = rows[0]
-    print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs")))
+    print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs",
+                                               "experts_dtype", "expert_cache_mib")))
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:
         print("  ".join(f"{_fmt(r[h]):>16}" for h in head))

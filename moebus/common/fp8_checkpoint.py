@@ -112,14 +112,14 @@ def fp8_quantize_stack(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fp8_stored(named: dict[str, np.ndarray], is_quantized) -> dict[str, tuple[np.ndarray, str]]:
-    """Writer side (init-model): ``{name: float32}`` -> safetensors entries, the names for which
-    ``is_quantized(name)`` holds as F8_E4M3 codes plus f32 ``…_scale_inv``, the rest as bf16."""
-    from moebus.cuda.dtypes import f32_to_bf16
+    """Writer side (init-model): ``{name: float32 or bf16 bits}`` -> safetensors entries, the names
+    for which ``is_quantized(name)`` holds as F8_E4M3 codes plus f32 ``…_scale_inv``, the rest bf16."""
+    from moebus.cuda.dtypes import f32_to_bf16, to_f32
 
     out = {}
     for name, array in named.items():
         if is_quantized(name):
-            codes, scale = fp8_quantize_stack(array)
+            codes, scale = fp8_quantize_stack(to_f32(array))
             out[name] = (codes, FP8_DTYPE)
             out[name + SCALE_SUFFIX] = (scale, "F32")
         else:

@@ -51,7 +51,7 @@ def fp8_copy(src: str | Path, dst: str | Path) -> Path:
     out = {}
     for fname in shards:
         f = SafetensorsFile(src / fname)
-        out[fname] = fp8_stored({name: to_f32(f.array(name)) for name in f.keys()}, is_qwen_fp8_weight)
+        out[fname] = fp8_stored({name: f.array(name) for name in f.keys()}, is_qwen_fp8_weight)
     config.pop("torch_dtype", None)
     config.update(torch_dtype="bfloat16", quantization_config=Fp8Quantization(("lm_head",)).as_config())
     _write(dst, out, config, (src / "model.safetensors.index.json").is_file())

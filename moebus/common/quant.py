@@ -39,16 +39,21 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
 def e4m3_encode(values: np.ndarray) -> np.ndarray:
     """float32 -> e4m3fn codes (uint8): round to nearest even, magnitudes above 448 saturate."""
     x = np.asarray(values, dtype=np.float32)
-    sign = (np.signbit(x).astype(np.uint8) << 7).astype(np.uint8)
     mag = np.minimum(np.abs(x), np.float32(E4M3_MAX))
-    # normals: round the float32 mantissa from 23 to 3 bits (to even), then rebias 127 -> 7
-    u = mag.view(np.uint32).astype(np.int64)
-    rounded = (u + 0x7FFFF + ((u >> 20) & 1)) >> 20
-    normal = rounded - ((127 - 7) << 3)
+    # normals: round the float32 mantissa from 23 to 3 bits (to even), then rebias 127 -> 7; the
+    # uint32 sums cannot overflow for magnitudes <= 448
+    u = mag.view(np.uint32)
+    rounded = (u >> 20) & 1
+    rounded += 0x7FFFF
+    rounded += u
+    rounded >>= 20
+    rounded -= (127 - 7) << 3  # wraps for subnormals, which take the other branch
     # below 2^-6 (subnormal in e4m3): multiples of 2^-9; rint rounds half to even; 8 -> 2^-6 (code 8)
-    sub = np.rint(mag * np.float32(2.0**9)).astype(np.int64)
-    code = np.where(mag < np.float32(2.0**-6), sub, normal)
-    return (np.minimum(code, 0x7E).astype(np.uint8) | sign).astype(np.uint8)
+    small = mag < np.float32(2.0**-6)
+    rounded[small] = np.rint(mag[small] * np.float32(2.0**9)).astype(np.uint32)
+    code = np.minimum(rounded, 0x7E).astype(np.uint8)
+    code |= (np.signbit(x).astype(np.uint8) << 7).astype(np.uint8)
+    return code
 
 
 def block_grid(rows: int, cols: int) -> tuple[int, int]:
@@ -60,17 +65,27 @@ def _expand_blocks(grid: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return np.repeat(np.repeat(grid, BLOCK, axis=0), BLOCK, axis=1)[:rows, :cols]
 
 
+def _blocked(w: np.ndarray) -> np.ndarray:
+    """(ceil R/128, 128, ceil C/128, 128) zero-padded copy of w."""
+    rows, cols = w.shape
+    br, bc = block_grid(rows, cols)
+    if (rows, cols) == (br * BLOCK, bc * BLOCK):
+        return np.array(w, dtype=np.float32).reshape(br, BLOCK, bc, BLOCK)
+    padded = np.zeros((br * BLOCK, bc * BLOCK), np.float32)
+    padded[:rows, :cols] = w
+    return padded.reshape(br, BLOCK, bc, BLOCK)
+
+
 def fp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codes (R, C) uint8, scale_inv (ceil R/128, ceil C/128) float32): each block's largest
     magnitude maps to 448 (an all-zero block gets scale 1)."""
-    w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
-    br, bc = block_grid(rows, cols)
-    padded = np.zeros((br * BLOCK, bc * BLOCK), np.float32)
-    padded[:rows, :cols] = np.abs(w)
-    amax = padded.reshape(br, BLOCK, bc, BLOCK).max(axis=(1, 3))
+    blocks = _blocked(np.asarray(w, dtype=np.float32))
+    amax = np.abs(blocks).max(axis=(1, 3))
     scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-    return e4m3_encode(w / _expand_blocks(scale, rows, cols)), scale
+    blocks /= scale[:, None, :, None]
+    codes = e4m3_encode(blocks).reshape(blocks.shape[0] * BLOCK, -1)
+    return np.ascontiguousarray(codes[:rows, :cols]), scale
 
 
 def fp8_dequantize(codes: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:

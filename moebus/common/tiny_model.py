@@ -16,7 +16,7 @@ from moebus.common.tiny_script import add_script_tokens, scripted_tensors
 from moebus.common.tiny_tokenizer import CHATML_TEMPLATE, IMAGE_TOKEN, SPECIAL_TOKENS, train_tokenizer
 from moebus.common.tiny_vision import llava_config, llava_name, processor_config, vision_tensors
 from moebus.common.fp8_checkpoint import Fp8Quantization, fp8_stored, is_qwen_fp8_weight
-from moebus.cuda.dtypes import f32_to_bf16, to_f32
+from moebus.cuda.dtypes import f32_to_bf16
 
 PRESETS = {
     # 4 layers so that layer splits over 1-3 stages can be tested; experts do not fit a tiny cache
@@ -139,7 +139,7 @@ def _write_weights(out: Path, cfg: dict, arch: str, r: _Random, dtype: str, prog
     def stored(tensors, rename=rename):
         named = {(rename or str)(k): a for k, a in tensors.items()}
         if fp8:  # Qwen's FP8 layout: the layers' projections as e4m3 with block scales
-            return fp8_stored({k: to_f32(a) for k, a in named.items()}, is_qwen_fp8_weight)
+            return fp8_stored(named, is_qwen_fp8_weight)
         if dtype == "bf16":
             return {k: (a if a.dtype == np.uint16 else f32_to_bf16(a), "BF16") for k, a in named.items()}
         return {k: (a, "F32") for k, a in named.items()}

@@ -341,8 +341,10 @@ class ExpertCache:
                 "expert_slots": self.num_slots, "expert_cache_mib": round(self.arena.mapped_bytes / MIB, 1)}
 
     def stats(self) -> dict:
+        # the dtype decides how many experts a MiB holds: fp8 ~2x and int4 ~3.5x bf16's slots
         return {"hits": self.hits, "misses": self.misses, "h2d_bytes": self.h2d_bytes,
-                "resident_experts": len(self.key_slot), **self.report()}
+                "resident_experts": len(self.key_slot), "experts_dtype": getattr(self.store, "experts_dtype", "bf16"),
+                "expert_slot_bytes": int(self.store.blob_bytes), **self.report()}
 
     def residency(self) -> dict:
         """Which (layer, expert) are resident and their hits since admission, compact enough for

@@ -184,7 +184,7 @@ def exercise(rng) -> None:
 def exercise_quant(rng) -> None:
     """The quantized expert GEMVs (fp8, int4) at 1, 2 and 8 tokens."""
     from moebus.common.quant_layout import ExpertLayout
-    from moebus.cuda.kernels import moe_quant
+    from moebus.cuda.kernels import moe_quant, moe_quant_bf16
 
     for fmt in ("fp8", "int4"):
         layout = ExpertLayout(fmt, 64, 32)
@@ -194,6 +194,7 @@ def exercise_quant(rng) -> None:
             moe_quant.expert_ffn_quant_cuda(rng.standard_normal((tokens, 64), dtype=np.float32), pairs // 2,
                                             pairs % 4, pairs, arena, layout, np.empty((tokens * 2, 64), np.float32),
                                             np.empty((tokens * 2, 32), np.float32))
+        moe_quant_bf16.expert_weights_bf16_cuda(layout, arena, np.zeros(2, np.int32), np.empty((2, 3 * 64 * 32), np.uint16))
 
 
 def exercise_tensor_cores(rng) -> None:

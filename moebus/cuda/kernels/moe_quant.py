@@ -18,12 +18,13 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.compat import WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel, threads, \
-    warp_sum_many
+    uint64, warp_sum_many
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length
+
+UNROLL = 2  # 8-byte words each lane loads (per matrix) before decoding them
 
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
@@ -46,17 +47,6 @@ def expert_ffn_quant_ref(x, pair_token, pair_slot, pair_out, arena, layout: Expe
         gate, up, down = layout.dequantize(np.asarray(blob))
         xs = x[pair_token[pairs]]
         out[pair_out[pairs]] = (silu_ref(xs @ gate.T) * (xs @ up.T)) @ down.T
-    return out
-
-
-def expert_weights_bf16(layout: ExpertLayout | None, blobs: np.ndarray) -> np.ndarray:
-    """The multi-token path's hook: blobs (N, B) of this layout as bf16 blobs (N, 3 I D) laid out
-    gate | up | down, what a bf16 arena slot holds (None: the blobs already are)."""
-    if layout is None:
-        return blobs
-    out = np.empty((len(blobs), 3 * layout.inter * layout.hidden), np.uint16)
-    for row, blob in zip(out, blobs):
-        row[:] = np.concatenate([f32_to_bf16(w).reshape(-1) for w in layout.dequantize(np.asarray(blob))])
     return out
 
 
@@ -130,27 +120,36 @@ def _gate_up_kernel(fmt: str, chunk: int):
         acc = cuda.local.array(GATE_UP_SUMS, float32)
         gate_buf = cuda.local.array(per_word, float32)
         up_buf = cuda.local.array(per_word, float32)
+        gate_raw = cuda.local.array(UNROLL, uint64)
+        up_raw = cuda.local.array(UNROLL, uint64)
         for start in range(0, inter, stride):
             row = min(start + first, inter - 1)
             for t in range(2 * chunk):
                 acc[t] = float32(0.0)
-            for word in range(lane, row_words, WARP):
-                read_codes(words[slot, gate_word + row * row_words + word], gate_buf)
-                read_codes(words[slot, up_word + row * row_words + word], up_buf)
-                col = word * per_word
-                g_scale, g_min = read_params(words, slot, gate_scale, row, col, hidden)
-                u_scale, u_min = read_params(words, slot, up_scale, row, col, hidden)
-                for t in range(chunk):
-                    g = float32(0.0)
-                    u = float32(0.0)
-                    total = float32(0.0)
-                    for c in range(per_word):
-                        xv = x[tokens[t], col + c]
-                        g += xv * gate_buf[c]
-                        u += xv * up_buf[c]
-                        total += xv
-                    acc[t] += g_scale * g + g_min * total
-                    acc[chunk + t] += u_scale * u + u_min * total
+            for base in range(lane, row_words, WARP * UNROLL):
+                for k in range(UNROLL):  # the loads in flight first (linear.py)
+                    word = min(base + k * WARP, row_words - 1)
+                    gate_raw[k] = words[slot, gate_word + row * row_words + word]
+                    up_raw[k] = words[slot, up_word + row * row_words + word]
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < row_words:
+                        read_codes(gate_raw[k], gate_buf)
+                        read_codes(up_raw[k], up_buf)
+                        col = word * per_word
+                        g_scale, g_min = read_params(words, slot, gate_scale, row, col, hidden)
+                        u_scale, u_min = read_params(words, slot, up_scale, row, col, hidden)
+                        for t in range(chunk):
+                            g = float32(0.0)
+                            u = float32(0.0)
+                            total = float32(0.0)
+                            for c in range(per_word):
+                                xv = x[tokens[t], col + c]
+                                g += xv * gate_buf[c]
+                                u += xv * up_buf[c]
+                                total += xv
+                            acc[t] += g_scale * g + g_min * total
+                            acc[chunk + t] += u_scale * u + u_min * total
             warp_sum_many(acc, 2 * chunk)
             if lane == 0 and start + first < inter:
                 for t in range(chunk):
@@ -183,22 +182,29 @@ def _down_kernel(fmt: str, chunk: int):
             rows[t] = j + min(t, run - 1)
         acc = cuda.local.array(MAX_CHUNK, float32)
         w_buf = cuda.local.array(per_word, float32)
+        raw = cuda.local.array(UNROLL, uint64)
         for start in range(0, hidden, stride):
             row = min(start + first, hidden - 1)
             for t in range(chunk):
                 acc[t] = float32(0.0)
-            for word in range(lane, row_words, WARP):
-                read_codes(words[slot, down_word + row * row_words + word], w_buf)
-                col = word * per_word
-                scale, minimum = read_params(words, slot, down_scale, row, col, inter)
-                for t in range(chunk):
-                    dot = float32(0.0)
-                    total = float32(0.0)
-                    for c in range(per_word):
-                        hv = h[rows[t], col + c]
-                        dot += hv * w_buf[c]
-                        total += hv
-                    acc[t] += scale * dot + minimum * total
+            for base in range(lane, row_words, WARP * UNROLL):
+                for k in range(UNROLL):
+                    word = min(base + k * WARP, row_words - 1)
+                    raw[k] = words[slot, down_word + row * row_words + word]
+                for k in range(UNROLL):
+                    word = base + k * WARP
+                    if word < row_words:
+                        read_codes(raw[k], w_buf)
+                        col = word * per_word
+                        scale, minimum = read_params(words, slot, down_scale, row, col, inter)
+                        for t in range(chunk):
+                            dot = float32(0.0)
+                            total = float32(0.0)
+                            for c in range(per_word):
+                                hv = h[rows[t], col + c]
+                                dot += hv * w_buf[c]
+                                total += hv
+                            acc[t] += scale * dot + minimum * total
             warp_sum_many(acc, chunk)
             if lane == 0 and start + first < hidden:
                 for t in range(chunk):
@@ -246,3 +252,4 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
         down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
             h, pair_slot, pair_out, arena_words, store_words, hidden, inter, down_w // word, down_s, first, out)
     return out
+

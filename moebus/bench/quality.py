@@ -1,0 +1,101 @@
+"""``moebus bench quality``: quantized experts against the bf16 model. Both models decode the same
+held-out prompts in lock step, teacher-forced on the bf16 model's greedy tokens; at every decode
+step the bench compares the two next-token distributions: top-1 agreement (same argmax) and
+KL(p_bf16 || p_quantized). An FP8 checkpoint's reference is its experts dequantized to bf16."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+# Held out: no test or bench tunes anything on these texts.
+HELD_OUT = (
+    "The lighthouse keeper wrote in his log that the storm had passed before dawn, and that",
+    "To make bread without a scale, start with three cups of flour and",
+    "In 1854 the physician John Snow mapped the cholera cases around Broad Street and found",
+    "A binary search tree keeps its keys in order, so finding the smallest key means",
+    "Der Zug nach Hamburg hatte zwanzig Minuten Verspätung, weil",
+    "Photosynthesis turns light, water and carbon dioxide into sugar; the oxygen we breathe",
+    "Once upon a time, in a village at the edge of a forest, there lived a clockmaker who",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare_step(ref_logits: np.ndarray, test_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: (same argmax, KL(p_ref || p_test) in nats)."""
+    ref, test = _log_softmax(ref_logits), _log_softmax(test_logits)
+    agree = ref.argmax(axis=-1) == test.argmax(axis=-1)
+    return agree, np.sum(np.exp(ref) * (ref - test), axis=-1)
+
+
+def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    prompts = [[t % vocab_size for t in tokenizer.encode(text).ids] or [1] for text in HELD_OUT]
+    return (prompts * (-(-num_prompts // len(prompts))))[:num_prompts]
+
+
+def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu") -> dict:
+    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts."""
+    from moebus.workers.batch import StepBatch
+    from moebus.workers.local import LocalModel
+
+    def load(dtype):
+        return LocalModel(model_dir, device=device, num_slots=num_prompts, max_context=context, experts_dtype=dtype)
+
+    from moebus.common.model_config import load_config
+
+    prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size)
+    context = max(len(p) for p in prompts) + steps + 1
+    ref, test = load("bf16"), load(experts_dtype)
+    slots = np.arange(len(prompts))
+    batch = StepBatch(slots=slots, starts=np.zeros(len(prompts)), lengths=[len(p) for p in prompts],
+                      tokens=np.concatenate(prompts))
+    agree, kl = [], []
+    ref_logits, test_logits = ref.step(batch, want_logits=True).logits, test.step(batch, want_logits=True).logits
+    positions = np.array([len(p) for p in prompts])
+    for i in range(steps):  # the first comparison is the prefill's last position
+        a, k = compare_step(ref_logits, test_logits)
+        agree.append(a)
+        kl.append(k)
+        if i == steps - 1:
+            break
+        step = StepBatch(slots=slots, starts=positions + i, lengths=np.ones(len(prompts)),
+                         tokens=ref_logits.argmax(axis=-1).astype(np.int32))
+        ref_logits, test_logits = ref.step(step, want_logits=True).logits, test.step(step, want_logits=True).logits
+    agree, kl = np.concatenate(agree), np.concatenate(kl)
+    return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "steps": steps, "prompts": len(prompts),
+            "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
+            "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
+            "expert_bytes_ratio": ref.stages[0].experts.store.blob_bytes / test.stages[0].experts.store.blob_bytes}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moebus bench quality")
+    p.add_argument("--model", help="model directory (default: the embedded demo model)")
+    p.add_argument("--experts-dtype", default="fp8,int4", help="fp8, int4 or both, comma separated")
+    p.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded side by side")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from moebus.common.demo_model import demo_model_dir
+
+    model_dir = args.model or str(demo_model_dir())
+    for dtype in args.experts_dtype.split(","):
+        r = measure(model_dir, dtype, args.steps, args.prompts, args.device)
+        print(json.dumps(r) if args.json else "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
+    return 0
+
+
+def _fmt(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,29 @@
+"""`moebus bench quality`: the comparison arithmetic, and a short run on a tiny FP8 checkpoint whose
+fp8 experts are the very values its bf16 reference rounds (so they must agree closely)."""
+import json
+
+import numpy as np
+
+from moebus.bench.quality import compare_step, main, measure
+from moebus.common.tiny_model import init_model
+
+
+def test_compare_step_agreement_and_kl():
+    ref = np.log(np.array([[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]))
+    test = np.log(np.array([[0.6, 0.3, 0.1], [0.2, 0.7, 0.1]]))
+    agree, kl = compare_step(ref, test)
+    assert agree.tolist() == [True, False]
+    expected = [0.7 * np.log(0.7 / 0.6) + 0.2 * np.log(0.2 / 0.3),
+                0.5 * np.log(0.5 / 0.2) + 0.25 * np.log(0.25 / 0.7) + 0.25 * np.log(0.25 / 0.1)]
+    np.testing.assert_allclose(kl, expected, rtol=1e-9)
+    assert compare_step(ref, ref + 3.0)[1].max() < 1e-12  # a shift of the logits changes nothing
+
+
+def test_fp8_checkpoint_quality_run(tmp_path, capsys):
+    model = init_model(tmp_path / "fp8", experts_dtype="fp8")
+    r = measure(str(model), "fp8", steps=6, num_prompts=3)
+    assert r["comparisons"] == 18 and r["expert_bytes_ratio"] > 1.9
+    assert r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-3  # the same values, bf16-rounded or not
+    assert main(["--model", str(model), "--experts-dtype", "int4", "--steps", "3", "--prompts", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["experts_dtype"] == "int4" and row["comparisons"] == 6 and 0 <= row["top1_agreement"] <= 1
