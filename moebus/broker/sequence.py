@@ -32,7 +32,7 @@ class Sequence:
     embeds: np.ndarray | None = None  # (I, D) float32 image embeddings, one row per image token of the prompt
     embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
     reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
-    grammar: object | None = None  # structured output: broker/grammar.py GrammarState
+    grammar: object | None = None  # structured output: a broker/grammar_state.py GrammarState
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.sampling.seed)
