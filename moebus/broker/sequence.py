@@ -32,7 +32,7 @@ class Sequence:
     embeds: np.ndarray | None = None  # (I, D) float32 image embeddings, one row per image token of the prompt
     embed_positions: np.ndarray | None = None  # (I,) int32 prompt positions of those image tokens, ascending
     reasoning_open: bool | None = None  # chat only: does the prompt end inside a <think> block?
-    grammar: object | None = None  # structured output: broker/grammar.py GrammarState
+    grammar: object | None = None  # structured output: a broker/grammar_state.py GrammarState
     # Qwen3-VL with images (broker/vision_qwen3vl.py): the prompt's M-RoPE positions (P, 3) int32, the
     # rope offset of every later token (its index + rope_delta), DeepStack rows (L, I, D) float32
     rope_positions: np.ndarray | None = None

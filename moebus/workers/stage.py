@@ -174,8 +174,7 @@ class Stage:
         self.ops.begin_step()
         self.experts.device_placement(self.ops)
         try:
-            graph = self.graphs[key] = CapturedStep(self.ops, inputs,
-                                                                 lambda dev: self._run(batch, dev, routed=True))
+            graph = self.graphs[key] = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True))
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
             self.graphs.pop(key, None)
             if is_fatal_device_error(e) or is_out_of_memory(e):
