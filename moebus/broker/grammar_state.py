@@ -59,6 +59,8 @@ class GrammarState:
                 self._request()
             return False
         self.mode = ACTIVE
+        if self._next is not None:  # a mask still being computed holds the matcher (RefCell in Rust)
+            wait([self._next])
         if not self.matcher.consume_token(token):
             # the mask allowed only what the matcher takes: a token outside it is a bug, not the model's doing
             log.error("grammar: token %d refused (%s); the sequence ends", token, self.matcher.get_error()[:200])
