@@ -288,7 +288,7 @@ def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch,
         raise ValueError(f"vocabulary of {vocab}: ids must stay exact in float32 reductions")
     if num_rows:
         if mask is None:
-            mask, mask_rows = _no_mask(vocab)
+            mask, mask_rows = _no_mask(vocab, on_host=isinstance(logits, np.ndarray))
         block = threads(MAX_THREADS)
         sample_rows[num_rows, block, stream](logits, temperature, top_k, top_p, u, mask, mask_rows, scratch,
                                              tokens, logprobs)
@@ -300,7 +300,10 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-def _no_mask(vocab: int):
+def _no_mask(vocab: int, on_host: bool = False):
     """Zero-length stand-ins (the kernel takes arrays; these are never read). Zero bytes: no
-    allocation and no copy, so this is safe inside a graph capture too (as the step pool's own)."""
+    allocation and no copy, so this is safe inside a graph capture too (as the step pool's own).
+    ``on_host``: the caller passed host arrays (the PTX check compiles without a driver)."""
+    if on_host:
+        return np.zeros((0, mask_words(vocab)), np.uint32), np.zeros(0, np.int32)
     return cuda.device_array((0, mask_words(vocab)), np.uint32), cuda.device_array(0, np.int32)
