@@ -86,3 +86,23 @@ def test_experts_dtype_setting_from_environment(monkeypatch):
     monkeypatch.setenv("MOEBUS_EXPERTS__DTYPE", "q8")
     with pytest.raises(ConfigError, match="experts.dtype"):
         load_settings()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int4"])
+def test_long_prefill_borrows_fp8_and_int4_slots_and_runs_in_pieces(model_dirs, dtype):
+    from moebus.workers.batch import StepBatch
+    from moebus.workers.cache_sizing import ScratchBudget
+
+    full = LocalModel(model_dirs["init_qwen3"], experts_dtype=dtype)
+    small = LocalModel(model_dirs["init_qwen3"], cache_fraction=0.5, experts_dtype=dtype)
+    stage = small.stages[0]
+    stage.scratch = ScratchBudget(stage.cfg, tokens=4)
+    cache = stage.experts
+    slots_before = cache.num_slots
+    prompts = [list(range(3, 40)), [7, 8, 9, 10, 11]]
+    batch = StepBatch(slots=[0, 1], starts=[0, 0], lengths=[len(p) for p in prompts], tokens=sum(prompts, []))
+    lendable = (slots_before - cache.min_slots) * cache.arena.slot_bytes  # slots of the dtype's size
+    assert stage.scratch.tokens_within(lendable) < batch.num_tokens  # so it must run in pieces
+    got = small.step(batch, want_logits=True).logits
+    assert np.abs(got - full.prefill_logits(prompts)).max() < 1e-4
+    assert cache.loaned_from is None and cache.num_slots == slots_before  # the loan came back

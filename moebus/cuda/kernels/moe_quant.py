@@ -19,12 +19,11 @@ import numpy as np
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.kernels.compat import WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel, threads, \
-    uint64, warp_sum_many
+    warp_sum_many
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length
 
-UNROLL = 2  # 8-byte words each lane loads (per matrix) before decoding them
 
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
@@ -101,6 +100,26 @@ def _gate_up_kernel(fmt: str, chunk: int):
     read_codes, read_params = FORMATS[fmt]
     per_word = VALUES_PER_WORD[fmt]
 
+    @device
+    def gate_up_word(gate_raw, up_raw, col, x, tokens, acc, gate_buf, up_buf, words, slot, gate_scale, up_scale,
+                     row, hidden):
+        """One word of a gate row and of an up row into the chunk's sums (acc: gate's, then up's)."""
+        read_codes(gate_raw, gate_buf)
+        read_codes(up_raw, up_buf)
+        g_scale, g_min = read_params(words, slot, gate_scale, row, col, hidden)
+        u_scale, u_min = read_params(words, slot, up_scale, row, col, hidden)
+        for t in range(chunk):
+            g = float32(0.0)
+            u = float32(0.0)
+            total = float32(0.0)
+            for c in range(per_word):
+                xv = x[tokens[t], col + c]
+                g += xv * gate_buf[c]
+                u += xv * up_buf[c]
+                total += xv
+            acc[t] += g_scale * g + g_min * total
+            acc[chunk + t] += u_scale * u + u_min * total
+
     @kernel
     def quant_gate_up(x, pair_token, pair_slot, arena, store, hidden, inter, gate_word, up_word, gate_scale,
                       up_scale, first_pair, h):
@@ -120,36 +139,20 @@ def _gate_up_kernel(fmt: str, chunk: int):
         acc = cuda.local.array(GATE_UP_SUMS, float32)
         gate_buf = cuda.local.array(per_word, float32)
         up_buf = cuda.local.array(per_word, float32)
-        gate_raw = cuda.local.array(UNROLL, uint64)
-        up_raw = cuda.local.array(UNROLL, uint64)
         for start in range(0, inter, stride):
             row = min(start + first, inter - 1)
             for t in range(2 * chunk):
                 acc[t] = float32(0.0)
-            for base in range(lane, row_words, WARP * UNROLL):
-                for k in range(UNROLL):  # the loads in flight first (linear.py)
-                    word = min(base + k * WARP, row_words - 1)
-                    gate_raw[k] = words[slot, gate_word + row * row_words + word]
-                    up_raw[k] = words[slot, up_word + row * row_words + word]
-                for k in range(UNROLL):
-                    word = base + k * WARP
-                    if word < row_words:
-                        read_codes(gate_raw[k], gate_buf)
-                        read_codes(up_raw[k], up_buf)
-                        col = word * per_word
-                        g_scale, g_min = read_params(words, slot, gate_scale, row, col, hidden)
-                        u_scale, u_min = read_params(words, slot, up_scale, row, col, hidden)
-                        for t in range(chunk):
-                            g = float32(0.0)
-                            u = float32(0.0)
-                            total = float32(0.0)
-                            for c in range(per_word):
-                                xv = x[tokens[t], col + c]
-                                g += xv * gate_buf[c]
-                                u += xv * up_buf[c]
-                                total += xv
-                            acc[t] += g_scale * g + g_min * total
-                            acc[chunk + t] += u_scale * u + u_min * total
+            gate_row, up_row = gate_word + row * row_words, up_word + row * row_words
+            for word in range(lane, row_words, 2 * WARP):  # two words in flight per matrix (linear.py)
+                second = min(word + WARP, row_words - 1)
+                gate0, up0 = words[slot, gate_row + word], words[slot, up_row + word]
+                gate1, up1 = words[slot, gate_row + second], words[slot, up_row + second]
+                gate_up_word(gate0, up0, word * per_word, x, tokens, acc, gate_buf, up_buf, words, slot, gate_scale,
+                             up_scale, row, hidden)
+                if word + WARP < row_words:
+                    gate_up_word(gate1, up1, second * per_word, x, tokens, acc, gate_buf, up_buf, words, slot,
+                                 gate_scale, up_scale, row, hidden)
             warp_sum_many(acc, 2 * chunk)
             if lane == 0 and start + first < inter:
                 for t in range(chunk):
@@ -165,8 +168,21 @@ def _down_kernel(fmt: str, chunk: int):
     read_codes, read_params = FORMATS[fmt]
     per_word = VALUES_PER_WORD[fmt]
 
+    @device
+    def down_word(raw, col, h, rows, acc, w_buf, words, slot, down_scale, row, inter):
+        read_codes(raw, w_buf)
+        scale, minimum = read_params(words, slot, down_scale, row, col, inter)
+        for t in range(chunk):
+            dot = float32(0.0)
+            total = float32(0.0)
+            for c in range(per_word):
+                hv = h[rows[t], col + c]
+                dot += hv * w_buf[c]
+                total += hv
+            acc[t] += scale * dot + minimum * total
+
     @kernel
-    def quant_down(h, pair_slot, pair_out, arena, store, hidden, inter, down_word, down_scale, first_pair, out):
+    def quant_down(h, pair_slot, pair_out, arena, store, hidden, inter, down_word_at, down_scale, first_pair, out):
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -182,29 +198,17 @@ def _down_kernel(fmt: str, chunk: int):
             rows[t] = j + min(t, run - 1)
         acc = cuda.local.array(MAX_CHUNK, float32)
         w_buf = cuda.local.array(per_word, float32)
-        raw = cuda.local.array(UNROLL, uint64)
         for start in range(0, hidden, stride):
             row = min(start + first, hidden - 1)
             for t in range(chunk):
                 acc[t] = float32(0.0)
-            for base in range(lane, row_words, WARP * UNROLL):
-                for k in range(UNROLL):
-                    word = min(base + k * WARP, row_words - 1)
-                    raw[k] = words[slot, down_word + row * row_words + word]
-                for k in range(UNROLL):
-                    word = base + k * WARP
-                    if word < row_words:
-                        read_codes(raw[k], w_buf)
-                        col = word * per_word
-                        scale, minimum = read_params(words, slot, down_scale, row, col, inter)
-                        for t in range(chunk):
-                            dot = float32(0.0)
-                            total = float32(0.0)
-                            for c in range(per_word):
-                                hv = h[rows[t], col + c]
-                                dot += hv * w_buf[c]
-                                total += hv
-                            acc[t] += scale * dot + minimum * total
+            base = down_word_at + row * row_words
+            for word in range(lane, row_words, 2 * WARP):
+                second = min(word + WARP, row_words - 1)
+                raw0, raw1 = words[slot, base + word], words[slot, base + second]
+                down_word(raw0, word * per_word, h, rows, acc, w_buf, words, slot, down_scale, row, inter)
+                if word + WARP < row_words:
+                    down_word(raw1, second * per_word, h, rows, acc, w_buf, words, slot, down_scale, row, inter)
             warp_sum_many(acc, chunk)
             if lane == 0 and start + first < hidden:
                 for t in range(chunk):
