@@ -1,9 +1,11 @@
 """A long step through the tensor-core path (dense products, experts grouped by expert, attention
-over query blocks) against the cpu device, on a micro model in the simulator: the threshold is
-lowered so that a few tokens count as "long", and HostBlas stands in for cuBLAS (test_gemm.py)."""
+over query blocks) against the cpu device, on a micro model: the threshold is lowered so that a few
+tokens count as "long"; in the simulator HostBlas stands in for cuBLAS (test_gemm.py), on a GPU
+(MOEBUS_TEST_GPU=1) cuBLAS itself runs."""
 import numpy as np
 from moebus.cuda.kernels.gemm import TensorCores
-from moebus.cuda.kernels.gemm_host import HostBlas
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
 from moebus.workers import stage
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
@@ -12,20 +14,26 @@ from tests.cuda.test_e2e import micro_model  # noqa: F401 - the fixture
 BATCH = StepBatch(slots=[0, 1], starts=[0, 0], lengths=[5, 4], tokens=[5, 17, 42, 9, 77, 3, 8, 120, 64])
 
 
-class CountingBlas(HostBlas):
-    def __init__(self):
-        self.calls = 0
+class CountingBlas:
+    """Counts the products of the blas it wraps (HostBlas on host addresses, cuBLAS on a GPU's)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
 
     def gemm(self, *args, **kwargs):
         self.calls += 1
-        return super().gemm(*args, **kwargs)
+        return self.inner.gemm(*args, **kwargs)
+
+    def gemm_batched(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.gemm_batched(*args, **kwargs)
 
 
 def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch):  # noqa: F811
     monkeypatch.setattr(stage, "ROUTED_MAX_TOKENS", 2)
     cpu = LocalModel(micro_model, device="cpu", max_context=32)
     cuda = LocalModel(micro_model, device="cuda", max_context=32)
-    blas = CountingBlas()
+    blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
     cuda.backend.tensor_cores = TensorCores(blas, min_rows=3)
     want, got = cpu.step(BATCH, want_logits=True), cuda.step(BATCH, want_logits=True)
     cfg = cuda.ckpt.config
