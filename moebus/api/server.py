@@ -18,6 +18,7 @@ import signal
 import socket
 
 from moebus.api.app import create_app
+from moebus.common.errors import ConfigError
 
 log = logging.getLogger("moebus.api")
 PR_SET_PDEATHSIG = 1
@@ -92,7 +93,10 @@ def run_api(settings) -> int:
     from moebus.api.auth import check_exposure
 
     check_exposure(settings.api)
-    sock = listen_socket(settings.api.host, settings.api.port)
+    try:
+        sock = listen_socket(settings.api.host, settings.api.port)
+    except OSError as e:  # a setting that cannot work: serve ends with it at once (broker/children.py)
+        raise ConfigError(f"api.host / api.port {settings.api.host}:{settings.api.port}: {e.strerror or e}") from None
     log.info("api on http://%s:%d (%d threads), broker at %s", settings.api.host, settings.api.port,
              app_threads(settings), settings.broker.frontend)
     if settings.api.workers == 1:

@@ -115,8 +115,8 @@ def test_serve_refuses_a_public_http_address_without_an_api_key(tmp_path, tiny_m
 
 
 def test_serve_whose_api_cannot_start_exits_non_zero(tmp_path, tiny_model):
-    """No half-alive service: an api that keeps exiting right after its start (its port is taken)
-    ends serve with a non-zero status instead of a broker serving nobody over HTTP."""
+    """No half-alive service: an api that cannot start (its port is taken) ends serve at once with a
+    non-zero status and the reason, instead of a broker serving nobody over HTTP."""
     import socket
 
     taken = socket.socket()
@@ -125,7 +125,10 @@ def test_serve_whose_api_cannot_start_exits_non_zero(tmp_path, tiny_model):
     svc = Service(tmp_path, tiny_model, api={"port": taken.getsockname()[1]})
     try:
         svc.proc.wait(timeout=120)
-        assert svc.proc.returncode == 1, svc.logs()
+        last = svc.logs().strip().splitlines()[-1]
+        assert svc.proc.returncode == 2 and last.startswith("moebus: error: api cannot start: api.host / api.port"), \
+            svc.logs()
+        assert "in use" in last and svc.logs().count("started api") == 1  # not restarted
     finally:
         taken.close()
         assert svc.stop() == []
