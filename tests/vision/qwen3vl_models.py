@@ -135,3 +135,28 @@ def sample_images(seed: int = 0):
     return [Image.fromarray(rng.integers(0, 256, (45, 37, 3), dtype=np.uint8)),
             Image.fromarray(rng.integers(0, 256, (40, 70, 3), dtype=np.uint8)),
             Image.fromarray(rng.integers(0, 256, (90, 50, 3), dtype=np.uint8))]
+
+
+def per_expert_layout(src: Path, dst: Path) -> Path:
+    """The same model with one tensor per expert (``experts.{e}.gate_proj.weight`` ...), as older
+    exports and FP8 checkpoints keep them."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    st = SafetensorsFile(src / "model.safetensors")
+    tensors = {}
+    for n in st.keys():
+        a, kind = np.array(st.array(n)), st.dtype_name(n)
+        if n.endswith("experts.gate_up_proj"):  # (E, 2I, D)
+            inter = a.shape[1] // 2
+            for e in range(a.shape[0]):
+                tensors[n[: -len("gate_up_proj")] + f"{e}.gate_proj.weight"] = (np.ascontiguousarray(a[e, :inter]), kind)
+                tensors[n[: -len("gate_up_proj")] + f"{e}.up_proj.weight"] = (np.ascontiguousarray(a[e, inter:]), kind)
+        elif n.endswith("experts.down_proj"):  # (E, D, I)
+            for e in range(a.shape[0]):
+                tensors[n[: -len("down_proj")] + f"{e}.down_proj.weight"] = (np.ascontiguousarray(a[e]), kind)
+        else:
+            tensors[n] = (a, kind)
+    save_file(tensors, dst / "model.safetensors")
+    return dst

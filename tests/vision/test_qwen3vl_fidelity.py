@@ -2,7 +2,7 @@
 (fp32, cpu): a text-only chat, a chat with one image and one with two images of different sizes.
 Our chat template, <|image_pad|> expansion, image processor, M-RoPE positions, tower and DeepStack
 against the reference's; greedy tokens equal, logprobs within 1e-3. The Hub layout (fused experts
-transposed, the Hub's config and preprocessor keys) gives the same numbers."""
+transposed, the Hub's config and preprocessor keys) and one tensor per expert give the same numbers."""
 import numpy as np
 import pytest
 
@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from moebus.common.tokenizer import TextTokenizer  # noqa: E402
 from moebus.workers.qwen3vl_local import Qwen3VLLocal  # noqa: E402
-from tests.vision.qwen3vl_models import hub_layout, make_hf_qwen3vl, sample_images  # noqa: E402
+from tests.vision.qwen3vl_models import hub_layout, make_hf_qwen3vl, per_expert_layout, sample_images  # noqa: E402
 
 TEXT_ONLY = [{"role": "system", "content": "You answer briefly."},
              {"role": "user", "content": "What is the model cache?"}]
@@ -31,7 +31,8 @@ def models(tmp_path_factory):
     return {"dir": hf_dir, "hf": hf, "processor": transformers.AutoImageProcessor.from_pretrained(hf_dir),
             "tokenizer": transformers.AutoTokenizer.from_pretrained(hf_dir),
             "save_pretrained": Qwen3VLLocal(hf_dir, num_slots=2, max_context=256),
-            "hub": Qwen3VLLocal(hub_layout(hf_dir, root / "hub"), num_slots=2, max_context=256)}
+            "hub": Qwen3VLLocal(hub_layout(hf_dir, root / "hub"), num_slots=2, max_context=256),
+            "per_expert": Qwen3VLLocal(per_expert_layout(hf_dir, root / "per_expert"), num_slots=2, max_context=256)}
 
 
 def hf_inputs(models, messages, images) -> dict:
@@ -78,7 +79,7 @@ def test_prompt_pixels_and_logits_equal_transformers(models, messages, num_image
         expected = models["hf"](**{k: v for k, v in ref.items() if k != "text"}).logits[0, -1].numpy()
     hub_ids, hub_patches = models["hub"].prepare(TextTokenizer(models["dir"]).encode_chat(messages), images)
     assert hub_ids == ids and all(np.array_equal(a.patches, b.patches) for a, b in zip(hub_patches, patches))
-    for layout in ("save_pretrained", "hub"):
+    for layout in ("save_pretrained", "hub", "per_expert"):
         logits = models[layout].prefill_logits([ids], [patches])[0]
         assert np.abs(logits - expected).max() <= 1e-3, layout
     assert np.abs(expected).max() > 1.0
