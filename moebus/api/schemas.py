@@ -29,6 +29,7 @@ NOT_IMPLEMENTED = {"audio": (None,), "modalities": (None, ["text"]), "prediction
 OTHER_GRAMMARS = {name: (None,) for name in ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
                                              "structured_outputs", "grammar", "json_schema")}
 CONTENT_PART_TYPES = ("text", "image_url")
+VIDEO_PART_TYPES = ("video", "video_url", "input_video")  # refused by name: a clear 400, not "unknown"
 
 
 def parse_body(model: type[BaseModel]):
@@ -248,6 +249,9 @@ class ChatRequest(_Generation):
 
 def _check_part(part: dict, where: str) -> None:
     kind = part.get("type")
+    if kind in VIDEO_PART_TYPES:  # as the ZeroMQ path says it (broker/vision_qwen3vl.py)
+        raise RequestError(f"{where}: video inputs are not supported (images only)", param=f"{where}.type",
+                           code="video_not_supported")
     if kind not in CONTENT_PART_TYPES:
         raise RequestError(f"{where}: unknown content part type {kind!r} (expected one of "
                            f"{', '.join(CONTENT_PART_TYPES)})", param=f"{where}.type")

@@ -102,3 +102,14 @@ def test_image_part_is_refused_until_vision(openai_client):
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert "vision" in err.value.body["message"]
     assert err.value.body["code"] == "model_has_no_vision"
+
+
+@pytest.mark.parametrize("kind", ["video_url", "video", "input_video"])
+def test_a_video_part_is_a_clear_400(openai_client, kind):
+    video = {"type": kind, kind: {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model="tiny", max_tokens=3, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What happens?"}, video]}])
+    assert err.value.body["code"] == "video_not_supported"
+    assert err.value.body["param"] == "messages.0.content.1.type"
+    assert "video inputs are not supported" in err.value.body["message"]
