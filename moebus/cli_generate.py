@@ -27,12 +27,14 @@ def _prompt(args) -> dict:
 
 def _local(args) -> dict:
     from moebus.common.demo_model import demo_model_dir
+    from moebus.common.settings import load_settings
     from moebus.common.tokenizer import TextTokenizer
     from moebus.cuda.memory.devices import resolve_device
     from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())
-    model = LocalModel(model_dir, device=resolve_device(args.device or "auto"))
+    experts_dtype = load_settings(args.config).experts.dtype  # as the served workers read it
+    model = LocalModel(model_dir, device=resolve_device(args.device or "auto"), experts_dtype=experts_dtype)
     tokenizer = TextTokenizer(model_dir, model.ckpt.config.eos_token_ids)
     prompt = _prompt(args).get("prompt_tokens") or tokenizer.encode(args.prompt)
     s = _sampling(args)
