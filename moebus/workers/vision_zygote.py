@@ -41,6 +41,10 @@ class Zygote:
             from moebus.cuda.kernels.compat import load_numba_target
 
             load_numba_target()  # once here, not in each worker's warm-up (which then only loads kernels)
+            try:  # the tower's products run on cuBLAS (cuda/kernels/gemm.py): its bindings too, before the fork
+                import nvmath.bindings.cublas  # noqa: F401
+            except ImportError:
+                pass  # no tensor cores for the tower: the worker warns and uses the tiled kernels
         self.config = load_vision_config(model_dir)
         self.processor = load_image_processor(model_dir)  # LLaVA's or Qwen3-VL's
         self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
