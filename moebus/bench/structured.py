@@ -40,8 +40,11 @@ def _eighth(client, prompt: list[int], tokens: int, constraint: dict | None, sto
     return threading.Thread(target=run, daemon=True)
 
 
-def _one_run(client, prompt, tokens: int, constraint: dict | None) -> tuple[float, list[str]]:
+def _one_run(client, prompt, tokens: int, constraint: dict | None) -> tuple[float, list[str], dict]:
+    """(the 7 plain streams' tok/s, the constrained answers, the broker's steps in the run: how many,
+    their ms as the broker saw them and computing in the stages)."""
     counts, answers, stop = [0] * (BATCH - 1), [], threading.Event()
+    before = client.info()
     threads = _plain_streams(client, prompt, tokens, BATCH - 1, counts)
     eighth = _eighth(client, prompt, tokens, constraint, stop, answers)
     start = time.perf_counter()
@@ -51,8 +54,20 @@ def _one_run(client, prompt, tokens: int, constraint: dict | None) -> tuple[floa
         t.join()
     elapsed_s = time.perf_counter() - start
     stop.set()
+    steps = _steps(before, client.info())
     eighth.join(timeout=60)
-    return sum(counts) / elapsed_s, answers
+    return sum(counts) / elapsed_s, answers, steps
+
+
+def _steps(before: dict, after: dict) -> dict:
+    def delta(name):
+        h0, h1 = before["histograms"][name], after["histograms"][name]
+        return h1["sum"] - h0["sum"], sum(h1["counts"]) - sum(h0["counts"])
+
+    total_s, count = delta("step_seconds")
+    compute_s, _ = delta("step_compute_seconds")
+    return {"steps": count, "step_ms": round(1e3 * total_s / max(count, 1), 2),
+            "compute_ms": round(1e3 * compute_s / max(count, 1), 2)}
 
 
 def compare(model_dir: str | None, device: str, prompt: list[int], tokens: int, schema_path: str,
@@ -71,18 +86,22 @@ def compare(model_dir: str | None, device: str, prompt: list[int], tokens: int, 
         client = Client(address)
         try:
             _one_run(client, prompt, min(tokens, 8), constraint)  # warm: graphs of both kinds captured
-            plain, constrained, answers = [], [], []
+            plain, constrained, answers, runs = [], [], [], []
             for _ in range(repeats):
-                plain.append(_one_run(client, prompt, tokens, None)[0])
-                rate, texts = _one_run(client, prompt, tokens, constraint)
+                rate, _, steps = _one_run(client, prompt, tokens, None)
+                plain.append(rate)
+                runs.append({"eighth": "plain", "tok_s": round(rate, 1), **steps})
+                rate, texts, steps = _one_run(client, prompt, tokens, constraint)
                 constrained.append(rate)
+                runs.append({"eighth": "constrained", "tok_s": round(rate, 1), **steps})
                 answers += texts
         finally:
             client.close()
     valid = sum(_parses(t) for t in answers)
     return {"schema_plain_7_tok_s": statistics.median(plain), "schema_constrained_7_tok_s": statistics.median(constrained),
             "schema_ratio": statistics.median(constrained) / statistics.median(plain),
-            "schema_answers": len(answers), "schema_answers_valid_json": valid}
+            "schema_answers": len(answers), "schema_answers_valid_json": valid,
+            "schema_runs": json.dumps(runs)}
 
 
 def _parses(text: str) -> bool:

@@ -146,6 +146,26 @@ class _TextStreams:
     def max_gap_s(self, start: float, end: float) -> float | None:
         return max(self.gaps_s(start, end), default=None)
 
+    def largest_s(self, origin: float, count: int = 5) -> list[tuple[float, float]]:
+        """The ``count`` largest gaps after ``origin``: (gap, when it ended, from origin)."""
+        gaps = [(b - a, b - origin) for ts in self.times for a, b in zip(ts, ts[1:]) if b >= origin]
+        return sorted(gaps, reverse=True)[:count]
+
+
+PHASES = ("queued_s", "handback_s", "start_s", "ready_to_encode_s", "encode_s", "prefill_s")
+
+
+def phase_max_gaps_s(streams: _TextStreams, sent: float, split: dict) -> dict:
+    """The largest inter-token gap that ended within each phase of the cold start (None: no token
+    arrived in it), so a gap above the target names its cause."""
+    out, start = {}, sent
+    for phase in PHASES:
+        end = start + split.get(phase, 0.0)
+        ended = [g for ts in streams.times for a, b in zip(ts, ts[1:]) if start <= b < end for g in (b - a,)]
+        out[phase[:-2]] = max(ended, default=None)
+        start = end
+    return out
+
 
 def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict]:
     """The first image, with text streams decoding meanwhile: (slots while vision is loaded, the
@@ -163,7 +183,9 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict]:
         before = streams.gaps_s(0.0, sent)
         gaps = {"median_before": statistics.median(before) if before else None,
                 "until_encoded": streams.max_gap_s(sent, encoded),
-                "until_first_token": streams.max_gap_s(sent, sent + first_s)}
+                "until_first_token": streams.max_gap_s(sent, sent + first_s),
+                "by_phase": phase_max_gaps_s(streams, sent, split),
+                "largest_after_sent": streams.largest_s(sent)}
     return during, split, gaps
 
 
@@ -236,6 +258,9 @@ def main(argv=None) -> int:
         print(f"{args.text_streams} text streams, inter-token gap: median before the image "
               f"{ms(gaps['median_before'])}; max through hand-back, start and encode {ms(gaps['until_encoded'])}; "
               f"max with the image's prefill step {ms(gaps['until_first_token'])}")
+        print("  largest gap ending in each phase:", ", ".join(f"{k} {ms(v)}" for k, v in gaps["by_phase"].items()))
+        print("  largest gaps (gap, ended after the request was sent):",
+              ", ".join(f"{ms(g)} at {ms(t)}" for g, t in gaps["largest_after_sent"]))
     if cycle["warm_encode_s"] is not None:
         print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats})")
     tolerance = slots_per_segment(cycle["idle"], args.segment_mib or 2)

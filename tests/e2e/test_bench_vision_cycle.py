@@ -39,3 +39,19 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     assert result["idle"]["device_free_mib"] == [None, None]  # the driver's figure is cuda's only
     check = next(line for line in out.splitlines() if line.startswith("(b) == (d) > (a) ≈ (c)"))
     assert check.endswith("True") and done.returncode == 0, out + done.stderr[-3000:]
+
+
+def test_each_gap_is_charged_to_the_phase_it_ended_in():
+    from moebus.bench.vision_cycle import _TextStreams, phase_max_gaps_s
+
+    streams = object.__new__(_TextStreams)  # its timestamps only, no client
+    streams.times = [[0.0, 0.01, 0.02, 0.15, 0.16, 0.50, 0.51], [0.005, 0.015, 0.30, 0.31]]
+    split = {"queued_s": 0.0, "handback_s": 0.1, "start_s": 0.1, "ready_to_encode_s": 0.0, "encode_s": 0.1,
+             "prefill_s": 0.3}
+    gaps = phase_max_gaps_s(streams, 0.0, split)
+    assert gaps["queued"] is None and gaps["ready_to_encode"] is None
+    assert abs(gaps["handback"] - 0.01) < 1e-9  # 0.0->0.01, 0.01->0.02, 0.005->0.015
+    assert abs(gaps["start"] - 0.13) < 1e-9  # 0.02->0.15 ended at 0.15
+    assert abs(gaps["encode"] - 0.285) < 1e-9  # 0.015->0.30 ended at 0.30
+    assert abs(gaps["prefill"] - 0.34) < 1e-9  # 0.16->0.50
+    assert [round(g, 3) for g, _ in streams.largest_s(0.0, 2)] == [0.34, 0.285]
