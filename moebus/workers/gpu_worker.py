@@ -79,7 +79,12 @@ class GpuWorker:
         if not hasattr(experts, "resize"):
             return VramReply(id=msg.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
                              error="this worker's expert cache is not elastic")
-        return VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
+        started = time.perf_counter()
+        reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
+        if not msg.query:  # a hand-back step holds every text stream for this long
+            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms", self.gpu, msg.reserve_mib, reply.expert_slots,
+                     1e3 * (time.perf_counter() - started))
+        return reply
 
     def stats(self) -> dict:
         stats = {"gpu": self.gpu, "steps": self.steps_served, "busy_s": self.busy_s,
