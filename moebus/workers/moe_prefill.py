@@ -32,7 +32,8 @@ def plans_on_device(experts, num_pairs: int, num_experts: int) -> bool:
     """True where the whole layer is acquired and planned on the device (see the module doc)."""
     if PLAN != "auto":
         return PLAN == "device" and num_experts <= min(MAX_EXPERTS, experts.num_slots)
-    return num_experts <= min(MAX_EXPERTS, experts.num_slots) and num_pairs >= DEVICE_PLAN_PAIRS_PER_EXPERT * num_experts
+    whole_layer = num_experts <= min(MAX_EXPERTS, experts.num_slots)
+    return whole_layer and num_pairs >= DEVICE_PLAN_PAIRS_PER_EXPERT * num_experts
 
 
 def grouped_moe(ops, experts, layer: int, h, ids, hidden: int, inter: int, num_experts: int):

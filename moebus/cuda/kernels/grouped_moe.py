@@ -25,13 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, f32_bits, float32, int32, int64, kernel, threads, uint16
+from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, f32_bits, float32, int32, int64, kernel, threads,
+                                        uint16)
 from moebus.cuda.kernels.gemm import OP_N, OP_T, R_16BF, COMPUTE_32F, address
 
 THREADS = 128  # the row kernels: a block per pair (or tile row), threads along it
 PLAN_THREADS = 1024  # the planner: one block
 PAIRS_PER_TILE = int(os.environ.get("MOEBUS_EXPERT_TILE", "64"))
 MAX_EXPERTS = 512  # the device planner's counters (shared memory); more experts plan on the host
+COUNTERS = MAX_EXPERTS + 1  # a constant: the shape of a shared array
 # the six pointer rows of a plan: gate|up's A (weights), B (x rows), C (gate|up rows); down's A, B (h rows), C (y rows)
 GATE_UP_ROWS, DOWN_ROWS = (0, 1, 2), (3, 4, 5)
 
@@ -97,8 +99,8 @@ def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, str
     # one block: counts per expert, tile starts (a scan), each pair's rank by atomics, then each
     # tile's pointers (tile_pointers) and pairs; tiles past the last real one read slot 0 and their
     # own rows, with no pairs
-    counts = cuda.shared.array(MAX_EXPERTS + 1, int32)
-    starts = cuda.shared.array(MAX_EXPERTS + 1, int32)
+    counts = cuda.shared.array(COUNTERS, int32)
+    starts = cuda.shared.array(COUNTERS, int32)
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
     num_tokens, top_k = ids.shape
     t = pairs_per_tile
@@ -247,8 +249,8 @@ class ExpertTiles:
         self._products(pointers, GATE_UP_ROWS, first, count, self.hidden, 2 * self.inter)
 
     def swiglu(self, first_tile: int, num_tiles: int) -> None:
-        _launch(swiglu_split_tiles, num_tiles * self.t, self.ops.stream, self.gate_up_rows, self.tile_fill, int(first_tile),
-                int(num_tiles), self.tc.parts, self.t, self.h_rows)
+        _launch(swiglu_split_tiles, num_tiles * self.t, self.ops.stream, self.gate_up_rows, self.tile_fill,
+                int(first_tile), int(num_tiles), self.tc.parts, self.t, self.h_rows)
 
     def down(self, pointers, first: int = 0, count: int | None = None) -> None:
         self._products(pointers, DOWN_ROWS, first, count, self.inter, self.hidden)
