@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles, tile_bound, tile_pointers
+from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles, tile_bound, tile_pairs, tile_pointers
 
 DEVICE_PLAN_PAIRS_PER_EXPERT = 4  # with P >= 4 E uniform routing leaves < 2% of the experts unchosen
 PLAN = os.environ.get("MOEBUS_EXPERT_PLAN", "auto")  # auto, device or host (for comparison)
@@ -50,7 +50,8 @@ def grouped_moe(ops, experts, layer: int, h, ids, hidden: int, inter: int, num_e
 
 def _planned_on_device(ops, experts, layer: int, h, ids, hidden: int, inter: int, num_experts: int):
     slots, ready = experts.acquire(layer, np.arange(num_experts))
-    work = ExpertTiles(ops, ops.tensor_cores, h, ids.shape[1], tile_bound(ids.size, num_experts), hidden, inter)
+    t = tile_pairs(ids.size, num_experts)
+    work = ExpertTiles(ops, ops.tensor_cores, h, ids.shape[1], tile_bound(ids.size, num_experts, t), hidden, inter, t)
     pointers = work.plan_on_device(ids, experts.array, ops.upload(slots), num_experts)
     if not ready.all():
         experts.wait()  # the compute stream waits for the copies (no host sync)
@@ -61,8 +62,9 @@ def _planned_on_device(ops, experts, layer: int, h, ids, hidden: int, inter: int
 
 
 def _planned_on_host(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: int, inter: int):
-    plan = plan_tiles(ids_host, ops.tensor_cores.parts)
-    work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter)
+    t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
+    plan = plan_tiles(ids_host, ops.tensor_cores.parts, t)
+    work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter, t)
     work.plan_on_host(plan)
     bases, strides = work.pointer_layout(experts.array)
     tiles_of = np.diff(plan.first_tile)

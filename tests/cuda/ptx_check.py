@@ -211,6 +211,7 @@ def exercise_tensor_cores(rng) -> None:
     prefill_attention._placeholder = lambda: np.zeros(3, np.uint16)
     gemm.split_rows_cuda(f32(9, 64), bits(2, 9, 64))
     gemm.split_rows_cuda(f32(9, 64), bits(2, 3, 64), rows=np.array([0, 4, 8], np.int32))
+    gemm.add_bias_rows_cuda(f32(9, 64), bits(64))
     pair_row = np.zeros(6, np.int32)
     grouped_moe.plan_tiles_device[1, 64, 0](np.zeros((3, 2), np.int32), 4, 8, 2, np.zeros(4, np.int32), (0,) * 6,
                                            (1,) * 6, pair_row, np.zeros((6, 5), np.int64), np.zeros(5, np.int32))

@@ -15,7 +15,8 @@ from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm import TensorCores, gemm_linear_ref, split_bf16_ref
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
-from moebus.cuda.kernels.grouped_moe import ExpertTiles, grouped_ffn_ref, plan_tiles, tile_bound, tile_pointers
+from moebus.cuda.kernels.grouped_moe import (ExpertTiles, grouped_ffn_ref, plan_tiles, tile_bound, tile_pairs,
+                                             tile_pointers)
 from moebus.cuda.kernels.linear import linear_ref
 from moebus.cuda.kernels.moe import expert_blob_views
 from moebus.cuda.kernels.prefill_attention import masked_softmax_cuda, masked_softmax_ref
@@ -95,6 +96,13 @@ def test_tile_bound_covers_any_routing(rng):
         num_experts, t = int(rng.integers(1, 20)), int(rng.integers(1, 9))
         ids = rng.integers(0, num_experts, (int(rng.integers(1, 60)), 1)).astype(np.int32)
         assert plan_tiles(ids, 2, t).num_tiles <= tile_bound(ids.size, num_experts, t)
+
+
+def test_tiles_are_about_the_mean_pairs_per_expert():
+    assert tile_pairs(2048 * 8, 32) == 64  # the most
+    assert tile_pairs(512 * 8, 128) == 32
+    assert tile_pairs(100 * 8, 128) == 16  # the least
+    assert tile_pairs(3 * 40, 6) == 32  # 20 a expert, rounded up
 
 
 def _experts(rng, hidden, inter, num_slots):

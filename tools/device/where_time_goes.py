@@ -61,7 +61,8 @@ def so400m(model_dir: str) -> None:
             repeats=5)
 
 
-def qwen3vl() -> None:
+def qwen3vl_tower():
+    """The Qwen3-VL-30B-A3B tower (random bf16 weights) on cuda and one 1024 x 768 image."""
     from PIL import Image
 
     from moebus.common.qwen3vl_config import parse_qwen3_vision_config
@@ -78,7 +79,12 @@ def qwen3vl() -> None:
     model = Qwen3VisionModel(cfg, weights, make_backend("cuda"))
     image = Qwen3VLImageProcessor(preprocessor_config(raw, "a3b")).preprocess(
         Image.fromarray(np.random.default_rng(0).integers(0, 256, (768, 1024, 3), dtype=np.uint8)))
-    measure(f"Qwen3-VL tower, {cfg.depth} blocks, {image.grid_h}x{image.grid_w} patches",
+    return model, image
+
+
+def qwen3vl() -> None:
+    model, image = qwen3vl_tower()
+    measure(f"Qwen3-VL tower, {model.cfg.depth} blocks, {image.grid_h}x{image.grid_w} patches",
             lambda: model.encode(image.patches, image.grid_h, image.grid_w), repeats=5)
 
 

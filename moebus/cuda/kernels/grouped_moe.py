@@ -1,5 +1,5 @@
 """The experts of a long step (prefill) on tensor cores, in tiles. The step's (token, choice) pairs
-are grouped by expert into tiles of ``t`` pairs (PAIRS_PER_TILE): tile j holds ``parts`` x t rows,
+are grouped by expert into tiles of ``t`` pairs (tile_pairs: 16 to 64): tile j holds ``parts`` x t rows,
 part q of its i-th pair at row j parts t + q t + i (the split-bf16 activations, gemm.py: x = hi + lo),
 so one product over a tile is x @ W^T for every part at once and the consumer sums the parts. An
 expert with c pairs gets ceil(c / t) consecutive tiles; a layer's tiles are at most
@@ -31,11 +31,19 @@ from moebus.cuda.kernels.gemm import OP_N, OP_T, R_16BF, COMPUTE_32F, address
 
 THREADS = 128  # the row kernels: a block per pair (or tile row), threads along it
 PLAN_THREADS = 1024  # the planner: one block
-PAIRS_PER_TILE = int(os.environ.get("MOEBUS_EXPERT_TILE", "64"))
+PAIRS_PER_TILE = int(os.environ.get("MOEBUS_EXPERT_TILE", "64"))  # the most; fewer for short steps (tile_pairs)
+MIN_TILE_PAIRS = 16
 MAX_EXPERTS = 512  # the device planner's counters (shared memory); more experts plan on the host
 COUNTERS = MAX_EXPERTS + 1  # a constant: the shape of a shared array
 # the six pointer rows of a plan: gate|up's A (weights), B (x rows), C (gate|up rows); down's A, B (h rows), C (y rows)
 GATE_UP_ROWS, DOWN_ROWS = (0, 1, 2), (3, 4, 5)
+
+
+def tile_pairs(num_pairs: int, num_experts: int) -> int:
+    """Pairs per tile for a step: the mean pairs per expert, as a power of two in [MIN_TILE_PAIRS,
+    PAIRS_PER_TILE], so that the padding (at most E t pairs) stays of the order of the pairs."""
+    mean = max(1, -(-num_pairs // max(1, num_experts)))
+    return int(min(PAIRS_PER_TILE, max(MIN_TILE_PAIRS, 1 << (mean - 1).bit_length())))
 
 
 def tile_bound(num_pairs: int, num_experts: int, pairs_per_tile: int = PAIRS_PER_TILE) -> int:
