@@ -17,5 +17,4 @@ timeout 60 python3 tools/device/tower_encode.py /tmp/vis 2>&1 | grep -v Warn | t
 echo "== prefill"; date
 wait $M48; tail -1 /tmp/init48.log
 timeout 150 python3 -m moebus.cli bench prefill --model /tmp/m48 --device cuda --tokens 512,2048,8192 --peer hf 2>&1 | grep -v Warn | tail -4
-timeout 45 python3 -m moebus.cli bench prefill --model /tmp/m48 --device cuda --tokens 2048 --repeats 2 --cache-frac 0.25 2>&1 | tail -1
 date
