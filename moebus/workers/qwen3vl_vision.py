@@ -63,7 +63,9 @@ class Qwen3VisionModel:
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
         self.axes = backend.persist(vision_axes(config.head_dim))
-        self.graph = TowerGraph(backend)  # on cuda the encode of the last image size is one CUDA graph
+        # eager for now: its capture failed on the H200 (docs/performance.md, issue 19); with
+        # graph.enabled the encode of the last image size is one CUDA graph, as LLaVA's tower's
+        self.graph = TowerGraph(backend, capture=False)
         self.max_side = 0
         self._rope_tables(4096 // config.patch_size)  # rows and columns of a 4096 px side; grown if needed
 
