@@ -1,15 +1,26 @@
-"""The experts of a long step (prefill) on tensor cores: one host round trip per layer reads the
-router's choices, the pairs are grouped by expert (cuda/kernels/grouped_moe.py), and each group of
-experts that fits the cache is acquired, computed from its arena slots, then released to the next;
-a prefill chunk's missed experts are copied in once and serve all of the chunk's tokens. Resident
-experts' gate|up products run while the misses are still being copied in.
+"""The experts of a long step (prefill) on tensor cores, in tiles of pairs grouped by expert
+(cuda/kernels/grouped_moe.py).
+
+Where the cache can hold a whole layer and the step has pairs enough that nearly every expert is
+chosen anyway (``DEVICE_PLAN_PAIRS_PER_EXPERT``), the layer's experts are acquired all at once and
+the plan is made on the device from the router's choices: no host round trip, one batched product
+per projection (``plan="device"``). Otherwise the routing comes to the host once for the layer, and
+each group of experts that fits the cache is acquired, computed from its arena slots, then released
+to the next; resident experts' gate|up products run while the misses are still being copied in
+(``plan="host"``). Either way a prefill chunk's missed experts are copied in once and serve all of
+the chunk's tokens.
 
 Used where the backend has tensor cores and the experts are bf16; otherwise Stage._moe (GEMVs)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from moebus.cuda.kernels.grouped_moe import GroupedExperts, plan_pairs
+from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles, tile_bound, tile_pairs, tile_pointers
+
+DEVICE_PLAN_PAIRS_PER_EXPERT = 4  # with P >= 4 E uniform routing leaves < 2% of the experts unchosen
+PLAN = os.environ.get("MOEBUS_EXPERT_PLAN", "auto")  # auto, device or host (for comparison)
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:
@@ -17,20 +28,59 @@ def can_group_on_device(ops, experts, num_tokens: int) -> bool:
     return tensor_cores is not None and num_tokens >= tensor_cores.min_rows and experts.array.dtype == np.uint16
 
 
-def grouped_moe(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: int, inter: int):
-    """(P, D) float32 expert outputs in pair order for ``h`` (T, D) and the router's ids (T, A)."""
-    plan = plan_pairs(ids_host, ops.tensor_cores.parts)
-    work = GroupedExperts(ops, ops.tensor_cores, h, plan, hidden, inter)
-    group = max(1, experts.num_slots)  # a cache smaller than the layer's active experts: in groups
+def plans_on_device(experts, num_pairs: int, num_experts: int) -> bool:
+    """True where the whole layer is acquired and planned on the device (see the module doc)."""
+    if PLAN != "auto":
+        return PLAN == "device" and num_experts <= min(MAX_EXPERTS, experts.num_slots)
+    whole_layer = num_experts <= min(MAX_EXPERTS, experts.num_slots)
+    return whole_layer and num_pairs >= DEVICE_PLAN_PAIRS_PER_EXPERT * num_experts
+
+
+def grouped_moe(ops, experts, layer: int, h, ids, hidden: int, inter: int, num_experts: int):
+    """(P, D) float32 expert outputs in pair order for ``h`` (T, D) and the router's ids (T, A) on
+    the device."""
+    num_tokens, top_k = ids.shape
     try:
-        for first in range(0, len(plan.experts), group):
-            picked = np.arange(first, min(first + group, len(plan.experts)))
-            slots, ready = experts.acquire(layer, plan.experts[picked])
-            work.gate_up(experts.array, slots[ready], picked[ready])
-            if not ready.all():
-                experts.wait()
-                work.gate_up(experts.array, slots[~ready], picked[~ready])
-            work.down(experts.array, slots, picked)
+        if plans_on_device(experts, num_tokens * top_k, num_experts):
+            return _planned_on_device(ops, experts, layer, h, ids, hidden, inter, num_experts)
+        return _planned_on_host(ops, experts, layer, h, ops.to_host(ids), hidden, inter)
     finally:
         experts.release()
+
+
+def _planned_on_device(ops, experts, layer: int, h, ids, hidden: int, inter: int, num_experts: int):
+    slots, ready = experts.acquire(layer, np.arange(num_experts))
+    t = tile_pairs(ids.size, num_experts)
+    work = ExpertTiles(ops, ops.tensor_cores, h, ids.shape[1], tile_bound(ids.size, num_experts, t), hidden, inter, t)
+    pointers = work.plan_on_device(ids, experts.array, ops.upload(slots), num_experts)
+    if not ready.all():
+        experts.wait()  # the compute stream waits for the copies (no host sync)
+    work.gate_up(pointers)
+    work.swiglu(0, work.max_tiles)
+    work.down(pointers)
+    return work.pair_outputs()
+
+
+def _planned_on_host(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: int, inter: int):
+    t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
+    plan = plan_tiles(ids_host, ops.tensor_cores.parts, t)
+    work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter, t)
+    work.plan_on_host(plan)
+    bases, strides = work.pointer_layout(experts.array)
+    tiles_of = np.diff(plan.first_tile)
+    group = max(1, experts.num_slots)  # a cache smaller than the layer's active experts: in groups
+    for first in range(0, len(plan.experts), group):
+        end = min(first + group, len(plan.experts))
+        slots, ready = experts.acquire(layer, plan.experts[first:end])
+        tiles = np.arange(plan.first_tile[first], plan.first_tile[end])
+        tile_slots, tile_ready = np.repeat(slots, tiles_of[first:end]), np.repeat(ready, tiles_of[first:end])
+        order = np.argsort(~tile_ready, kind="stable")  # ready tiles first
+        pointers = ops.upload(tile_pointers(bases, strides, tiles[order], tile_slots[order]))
+        num_ready = int(tile_ready.sum())
+        work.gate_up(pointers, 0, num_ready)
+        if num_ready < len(tiles):
+            experts.wait()
+            work.gate_up(pointers, num_ready)
+        work.swiglu(tiles[0], len(tiles))
+        work.down(pointers)
     return work.pair_outputs()

@@ -16,6 +16,7 @@ import numpy as np
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
+from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
@@ -62,12 +63,16 @@ class Qwen3VisionModel:
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
         self.axes = backend.persist(vision_axes(config.head_dim))
+        # eager for now: its capture failed on the H200 (docs/performance.md, issue 19); with
+        # graph.enabled the encode of the last image size is one CUDA graph, as LLaVA's tower's
+        self.graph = TowerGraph(backend, capture=False)
         self.max_side = 0
         self._rope_tables(4096 // config.patch_size)  # rows and columns of a 4096 px side; grown if needed
 
     def _rope_tables(self, side: int) -> None:
         """Rotary tables for every row and column of a grid up to ``side`` patches per side."""
         if side > self.max_side:
+            self.graph.close()  # it reads the old ones
             self.cos = self.sin = None  # the old ones go before the new ones come
             cos, sin = vision_rope_tables(self.cfg.head_dim, self.cfg.rope_theta, side)
             self.cos, self.sin, self.max_side = self.ops.persist(cos), self.ops.persist(sin), side
@@ -96,7 +101,7 @@ class Qwen3VisionModel:
     def encode(self, patches: np.ndarray, grid_h: int, grid_w: int) -> tuple[np.ndarray, np.ndarray]:
         """One image's (grid_h * grid_w, patch_dim) float32 patches -> (image embeddings (N, D_text),
         DeepStack features (L, N, D_text)) float32, N = grid_h * grid_w / merge^2."""
-        cfg, ops = self.cfg, self.ops
+        cfg = self.cfg
         m = cfg.merge_size
         patches = np.asarray(patches, dtype=np.float32)
         if patches.shape != (grid_h * grid_w, cfg.patch_dim) or grid_h % m or grid_w % m or not grid_h * grid_w:
@@ -104,21 +109,29 @@ class Qwen3VisionModel:
                              f"({grid_h * grid_w}, {cfg.patch_dim}) and sides that are multiples of {m}")
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
-        ops.begin_step()
-        rope_pos, indices, weights = (ops.upload(a) for a in (positions, indices, weights))
-        x = ops.tiled_linear(ops.upload(patches), self.patch_weight, self.patch_bias)
-        x = ops.add(x, ops.weighted_rows(self.pos_table, indices, weights))
+        inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
+        out = self.graph.run((grid_h, grid_w), inputs, self._forward)
+        embeds = out.pop("embeds")
+        stacked = np.stack([out[f"deepstack{j}"] for j in range(len(out))]) if out else \
+            np.zeros((0,) + embeds.shape, np.float32)
+        return embeds, stacked
+
+    def _forward(self, inputs: dict) -> dict:
+        """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
+        ``embeds`` and ``deepstack0`` ... out."""
+        ops = self.ops
+        x = ops.tiled_linear(inputs["patches"], self.patch_weight, self.patch_bias)
+        x = ops.add(x, ops.weighted_rows(self.pos_table, inputs["indices"], inputs["weights"]))
         features = []
         mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
         for i, block in enumerate(self.blocks):
-            x = self._encoder_block(block, x, rope_pos)
+            x = self._encoder_block(block, x, inputs["rope_pos"])
             if i in self.deepstack:
                 features.append(self._merge(self.deepstack[i], x, post_shuffle_norm=True))
             ops.recycle_layer(mark, (x, *features))
-        embeds = ops.to_host(self._merge(self.merger, x, post_shuffle_norm=False))
-        stacked = np.stack([ops.to_host(f) for f in features]) if features else \
-            np.zeros((0,) + embeds.shape, np.float32)
-        return embeds, stacked
+        out = {"embeds": self._merge(self.merger, x, post_shuffle_norm=False)}
+        out.update({f"deepstack{j}": feature for j, feature in enumerate(features)})
+        return out
 
     def _encoder_block(self, w: dict, x, rope_pos):
         ops, cfg = self.ops, self.cfg

@@ -6,7 +6,8 @@ A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, i
 batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
 ``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
 Longer steps (prefill) group experts by expert: on tensor cores where the backend has them and
-the experts are bf16 (moe_prefill.py), else on the host with GEMVs (``_moe``)."""
+the experts are bf16 (moe_prefill.py, planned on the device where the cache holds a whole layer),
+else on the host with GEMVs (``_moe``)."""
 from __future__ import annotations
 
 import logging
@@ -273,7 +274,8 @@ class Stage:
             return x, self._moe_routed(i, w, h, *route)
         if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
             ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
-            y_pair = grouped_moe(ops, self.experts, i, h, ops.to_host(ids), cfg.hidden_size, cfg.moe_intermediate_size)
+            y_pair = grouped_moe(ops, self.experts, i, h, ids, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 cfg.num_experts)
             return x, ("moe", y_pair, weights)  # tensor cores (moe_prefill.py); combined by the next norm
         if cfg.is_moe_layer(i):
             return x, ("dense", self._moe(i, w, h))

@@ -11,6 +11,7 @@ import numpy as np
 
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
+from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
 
 
@@ -72,6 +73,7 @@ class VisionModel:
         self.cfg, self.ops = config, backend
         self._bytes = 0
         self._kept = None  # device buffers that outlive a step (see _kept_buffers)
+        self.graph = TowerGraph(backend)  # on cuda the encode is one CUDA graph
         d = config.hidden_size
         self.patch_weight = self._weight(weights["embeddings.patch_embedding.weight"].reshape(d, -1))
         self.patch_bias = self._weight(weights.get("embeddings.patch_embedding.bias"))
@@ -107,7 +109,7 @@ class VisionModel:
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """(N, C, H, W) float32 pixel values -> (N, num_image_tokens, text_hidden_size) float32."""
-        cfg, ops = self.cfg, self.ops
+        cfg = self.cfg
         pixel_values = np.asarray(pixel_values, dtype=np.float32)
         expected = (cfg.num_channels, cfg.image_size, cfg.image_size)
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != expected or pixel_values.shape[0] == 0:
@@ -115,20 +117,26 @@ class VisionModel:
                              f"{', '.join(map(str, expected))})")
         num_images = pixel_values.shape[0]
         kept = self._kept_buffers(num_images)
-        ops.begin_step()
-        rows = ops.upload(patches(pixel_values, cfg.patch_size, cfg.tower == "clip"))
-        x = ops.add_bias(ops.tiled_linear(rows, self.patch_weight, self.patch_bias), self.positions)
+        rows = patches(pixel_values, cfg.patch_size, cfg.tower == "clip")
+        out = self.graph.run(num_images, {"patches": rows}, lambda inputs: {"embeds": self._forward(inputs, kept)})
+        return out["embeds"].reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+
+    def _forward(self, inputs: dict, kept: dict):
+        """The tower and projector over the device patches: kernels only (tower_graph.py)."""
+        cfg, ops = self.cfg, self.ops
+        num_images = kept["num_images"]
+        mark = ops.layer_mark()
+        x = ops.add_bias(ops.tiled_linear(inputs["patches"], self.patch_weight, self.patch_bias), self.positions)
         if cfg.tower == "clip":
             x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
         x = self._keep(x, kept, 0)
         for i, layer in enumerate(self.layers):
-            # one layer's scratch at a time: a step per layer, the hidden state carried in kept memory
-            ops.begin_step()
+            # one layer's scratch at a time: the hidden state is carried in kept memory
+            ops.recycle_layer(mark, ())
             x = self._keep(self._encoder_layer(layer, x, num_images), kept, i + 1)
-        ops.begin_step()
-        features = [self._select(kept[k], num_images) for k in cfg.feature_layers]
-        out = ops.to_host(self._project(features))
-        return out.reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
+        ops.recycle_layer(mark, ())
+        features = [self._select(kept[k], kept["select"]) for k in cfg.feature_layers]
+        return self._project(features)
 
     def encode_reply(self, pixels: list[np.ndarray]) -> dict:
         """ENCODE_REPLY's arrays for preprocessed images: ``embeds`` (N * num_image_tokens, D), one
@@ -145,14 +153,19 @@ class VisionModel:
         self.encode(np.zeros((1, cfg.num_channels, height, width), np.float32))
 
     def _kept_buffers(self, num_images: int) -> dict:
-        """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state
-        and the row numbers that copy into them; kept for the last image count seen."""
+        """Device buffers that outlive a step: the hidden state ("x"), one per selected hidden state,
+        the row numbers that copy into them and the rows _select keeps; kept for the last image
+        count seen."""
         if self._kept is None or self._kept["num_images"] != num_images:
             self._kept = None  # the old ones go before the new ones come
             rows = num_images * self.cfg.num_positions
             shape = (rows, self.cfg.hidden_size)
+            self.graph.close()  # it reads the old ones
+            positions = self.cfg.num_positions  # the selected rows (_select) of each image
+            select = (np.arange(num_images)[:, None] * positions + np.arange(1, positions)[None]).ravel()
             self._kept = {"num_images": num_images, "x": self.ops.zeros(shape),
-                          "rows": self.ops.persist(np.arange(rows, dtype=np.int32))}
+                          "rows": self.ops.persist(np.arange(rows, dtype=np.int32)),
+                          "select": self.ops.persist(select.astype(np.int32))}
             self._kept.update({k: self.ops.zeros(shape) for k in set(self.cfg.feature_layers)})
         return self._kept
 
@@ -175,14 +188,12 @@ class VisionModel:
         h = ops.activation(ops.tiled_linear(h, w["mlp.fc1.weight"], w["mlp.fc1.bias"]), cfg.hidden_act)
         return ops.add(x, ops.tiled_linear(h, w["mlp.fc2.weight"], w["mlp.fc2.bias"]))
 
-    def _select(self, hidden, num_images: int):
+    def _select(self, hidden, select):
         """The 'default' strategy drops position 0 of every image (CLIP's class position; for SigLIP,
-        which has none, its first patch, exactly as transformers does)."""
+        which has none, its first patch, exactly as transformers does): the rows ``select``."""
         if self.cfg.select_strategy != "default":
             return hidden
-        positions = self.cfg.num_positions
-        keep = (np.arange(num_images)[:, None] * positions + np.arange(1, positions)[None]).ravel()
-        return self.ops.embedding(hidden, self.ops.upload(keep.astype(np.int32)))
+        return self.ops.embedding(hidden, select)
 
     def _project(self, features: list):
         ops = self.ops

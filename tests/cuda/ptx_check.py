@@ -211,10 +211,14 @@ def exercise_tensor_cores(rng) -> None:
     prefill_attention._placeholder = lambda: np.zeros(3, np.uint16)
     gemm.split_rows_cuda(f32(9, 64), bits(2, 9, 64))
     gemm.split_rows_cuda(f32(9, 64), bits(2, 3, 64), rows=np.array([0, 4, 8], np.int32))
-    table = np.zeros((5, 6), np.int32)
-    grouped_moe._launch(grouped_moe.gather_split_rows, 6, 0, f32(3, 64), table, 2, bits(64, 64))
-    grouped_moe._launch(grouped_moe.swiglu_split_rows, 6, 0, f32(64, 64), table, 0, 6, 2, bits(64, 32))
-    grouped_moe._launch(grouped_moe.sum_parts_rows, 6, 0, f32(64, 64), table, 2, f32(6, 64))
+    gemm.add_bias_rows_cuda(f32(9, 64), bits(64))
+    pair_row = np.zeros(6, np.int32)
+    grouped_moe.plan_tiles_device[1, 64, 0](np.zeros((3, 2), np.int32), 4, 8, 2, np.zeros(4, np.int32), (0,) * 6,
+                                           (1,) * 6, pair_row, np.zeros((6, 5), np.int64), np.zeros(5, np.int32))
+    grouped_moe._launch(grouped_moe.gather_split_pairs, 6, 0, f32(3, 64), pair_row, 2, 2, 8, bits(64, 64))
+    grouped_moe._launch(grouped_moe.swiglu_split_tiles, 8, 0, f32(64, 64), np.zeros(5, np.int32), 0, 1, 2, 8,
+                        bits(64, 32))
+    grouped_moe._launch(grouped_moe.sum_parts_pairs, 6, 0, f32(64, 64), pair_row, 2, 8, f32(6, 64))
     prefill_attention.split3_cuda(f32(9, 32, 128), False, 0, 0, prefill_attention.Q_PARTS, 32, 9, bits(9 * 32 * 384))
     prefill_attention.split3_cuda(f32(4, 16, 128), True, 0, 0, prefill_attention.K_PARTS, 4, 16, bits(4 * 16 * 384))
     scores = f32(8 * 9 * 16)

@@ -15,7 +15,8 @@ from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm import TensorCores, gemm_linear_ref, split_bf16_ref
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
-from moebus.cuda.kernels.grouped_moe import ROW_ALIGN, GroupedExperts, block_rows, grouped_ffn_ref, plan_pairs
+from moebus.cuda.kernels.grouped_moe import (ExpertTiles, grouped_ffn_ref, plan_tiles, tile_bound, tile_pairs,
+                                             tile_pointers)
 from moebus.cuda.kernels.linear import linear_ref
 from moebus.cuda.kernels.moe import expert_blob_views
 from moebus.cuda.kernels.prefill_attention import masked_softmax_cuda, masked_softmax_ref
@@ -79,52 +80,109 @@ def test_missing_nvmath_falls_back_with_a_warning(monkeypatch, caplog):
     assert "nvmath-python is not installed" in caplog.text
 
 
-def test_pair_plan_lays_out_padded_blocks_per_expert():
+def test_tile_plan_lays_out_tiles_per_expert():
     ids = np.array([[3, 1], [1, 0], [3, 1]], np.int32)
-    plan = plan_pairs(ids, parts=2)
+    plan = plan_tiles(ids, parts=2, pairs_per_tile=2)  # expert 1's three pairs take two tiles
     np.testing.assert_array_equal(plan.experts, [0, 1, 3])
-    np.testing.assert_array_equal(plan.counts, [1, 3, 2])
-    np.testing.assert_array_equal(plan.caps, [ROW_ALIGN] * 3)
-    np.testing.assert_array_equal(plan.bases, [0, 2 * ROW_ALIGN, 4 * ROW_ALIGN])
-    np.testing.assert_array_equal(plan.sorted_token, [1, 0, 1, 2, 0, 2])  # pairs 3 | 1, 2, 5 | 0, 4
-    np.testing.assert_array_equal(plan.pair_row, [4 * ROW_ALIGN, 2 * ROW_ALIGN, 2 * ROW_ALIGN + 1, 0,
-                                                  4 * ROW_ALIGN + 1, 2 * ROW_ALIGN + 2])
-    assert plan.num_rows == 6 * ROW_ALIGN
+    np.testing.assert_array_equal(plan.first_tile, [0, 1, 3, 4])
+    # tile j is rows 4 j ... 4 j + 3 (part 0: +0, +1; part 1: +2, +3); pairs 3 | 1, 2, 5 | 0, 4
+    np.testing.assert_array_equal(plan.pair_row, [12, 4, 5, 0, 13, 8])
+    np.testing.assert_array_equal(plan.tile_fill, [1, 2, 1, 2])
+    assert plan.num_tiles == 4 <= tile_bound(6, 3, 2)
 
 
-def test_block_rows_pad_under_a_quarter_in_few_sizes():
-    counts = np.arange(1, 5000)
-    caps = block_rows(counts)
-    assert (caps >= counts).all() and (caps % ROW_ALIGN == 0).all()
-    assert ((caps - counts)[counts > 4 * ROW_ALIGN] < counts[counts > 4 * ROW_ALIGN] / 4).all()
-    assert len(np.unique(block_rows(np.arange(400, 700)))) <= 4  # 2048 tokens x 8 of 32 experts: ~512 each
+def test_tile_bound_covers_any_routing(rng):
+    for _ in range(50):
+        num_experts, t = int(rng.integers(1, 20)), int(rng.integers(1, 9))
+        ids = rng.integers(0, num_experts, (int(rng.integers(1, 60)), 1)).astype(np.int32)
+        assert plan_tiles(ids, 2, t).num_tiles <= tile_bound(ids.size, num_experts, t)
+
+
+def test_tiles_are_about_the_mean_pairs_per_expert():
+    assert tile_pairs(2048 * 8, 32) == 64  # the most
+    assert tile_pairs(512 * 8, 128) == 32
+    assert tile_pairs(100 * 8, 128) == 16  # the least
+    assert tile_pairs(3 * 40, 6) == 32  # 20 a expert, rounded up
+
+
+def _experts(rng, hidden, inter, num_slots):
+    arena = f32_to_bf16(rng.standard_normal((num_slots, 3 * inter * hidden), dtype=np.float32) * 0.3)
+    weights = [expert_blob_views(arena, slot, hidden, inter) for slot in range(num_slots)]
+    return arena, weights
+
+
+def _routing(rng, num_tokens, top_k, num_experts):
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    ids[: num_tokens * 3 // 4, 0] = 4  # expert 4 gets many tiles, expert 5 none
+    ids[:, 1:] = np.where(ids[:, 1:] == 4, 0, ids[:, 1:])
+    ids[:, 1] = np.where(ids[:, 2] == ids[:, 1], (ids[:, 2] + 1) % 4, ids[:, 1])
+    return ids
+
+
+def _reference(x, ids, weights, slot_of):
+    gate_up = {e: np.concatenate([to_f32(weights[s][0]), to_f32(weights[s][1])]) for e, s in enumerate(slot_of)}
+    down = {e: to_f32(weights[s][2]) for e, s in enumerate(slot_of)}
+    return grouped_ffn_ref(x, ids, gate_up, down)
 
 
 @pytest.mark.parametrize("precision", ["split", "bf16"])
-def test_grouped_experts_match_the_reference(ops, rng, precision):
+def test_expert_tiles_planned_on_the_host_in_groups(ops, rng, precision):
     ops.tensor_cores = TensorCores(ops.tensor_cores.blas, precision=precision, min_rows=1)
-    hidden, inter, num_tokens, top_k, num_slots = 16, 8, 40, 3, 6
-    arena = f32_to_bf16(rng.standard_normal((num_slots, 3 * inter * hidden), dtype=np.float32) * 0.3)
+    hidden, inter, num_tokens, top_k = 16, 8, 40, 3
+    arena, weights = _experts(rng, hidden, inter, 6)
     x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
-    ids = np.stack([rng.choice(5, top_k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
-    ids[:30, 0] = 4  # expert 4 gets more than ROW_ALIGN pairs: caps differ, two batched calls
-    ids[:30, 1:] = np.where(ids[:30, 1:] == 4, 0, ids[:30, 1:])
-    ids[:30, 1] = np.where(ids[:30, 2] == ids[:30, 1], (ids[:30, 2] + 1) % 4, ids[:30, 1])
-    slot_of = np.array([3, 0, 5, 1, 2], np.int32)  # expert -> arena slot
-    plan = plan_pairs(ids, ops.tensor_cores.parts)
-    assert len(set(plan.caps)) == 2
-    work = GroupedExperts(ops, ops.tensor_cores, device(x), plan, hidden, inter)
+    ids = _routing(rng, num_tokens, top_k, 6)
+    slot_of = np.array([3, 0, 5, 1, 2, 4], np.int32)  # expert -> arena slot
+    plan = plan_tiles(ids, ops.tensor_cores.parts, pairs_per_tile=8)
+    work = ExpertTiles(ops, ops.tensor_cores, device(x), top_k, plan.num_tiles, hidden, inter, pairs_per_tile=8)
+    work.plan_on_host(plan)
     arena_dev = device(arena)
+    bases, strides = work.pointer_layout(arena_dev)
     half = len(plan.experts) // 2  # two groups, as a small cache would run them
-    for picked in (np.arange(half), np.arange(half, len(plan.experts))):
-        work.gate_up(arena_dev, slot_of[plan.experts[picked]], picked)
-        work.down(arena_dev, slot_of[plan.experts[picked]], picked)
+    for first, end in ((0, half), (half, len(plan.experts))):
+        tiles = np.arange(plan.first_tile[first], plan.first_tile[end])
+        slots = np.repeat(slot_of[plan.experts[first:end]], np.diff(plan.first_tile)[first:end])
+        pointers = device(tile_pointers(bases, strides, tiles, slots))
+        work.gate_up(pointers, 0, 1)  # in two calls, as resident and missed experts are
+        work.gate_up(pointers, 1)
+        work.swiglu(tiles[0], len(tiles))
+        work.down(pointers)
     got = ops.to_host(work.pair_outputs())
-    weights = [expert_blob_views(arena, slot, hidden, inter) for slot in slot_of]
-    gate_up = {e: np.concatenate([to_f32(w[0]), to_f32(w[1])]) for e, w in enumerate(weights)}
-    down = {e: to_f32(w[2]) for e, w in enumerate(weights)}
     tolerance = 1e-4 if precision == "split" else 3e-2
-    np.testing.assert_allclose(got, grouped_ffn_ref(x, ids, gate_up, down), rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(got, _reference(x, ids, weights, slot_of), rtol=tolerance, atol=tolerance)
+
+
+def test_expert_tiles_planned_on_the_device(ops, rng):
+    hidden, inter, num_tokens, top_k, t = 16, 8, 40, 3, 8
+    arena, weights = _experts(rng, hidden, inter, 7)
+    x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    ids = _routing(rng, num_tokens, top_k, 6)
+    slot_of = np.array([3, 0, 6, 1, 2, 4], np.int32)
+    max_tiles = tile_bound(ids.size, 6, t)
+    work = ExpertTiles(ops, ops.tensor_cores, device(x), top_k, max_tiles, hidden, inter, pairs_per_tile=t)
+    arena_dev = device(arena)
+    pointers = ops.to_host(work.plan_on_device(device(ids), arena_dev, device(slot_of), 6))
+    # the tiles' pointers are the host plan's; spare tiles read slot 0's expert into rows of their own
+    plan = plan_tiles(ids, ops.tensor_cores.parts, t)
+    tile_slots = np.zeros(max_tiles, np.int64)
+    tile_slots[: plan.num_tiles] = np.repeat(slot_of[plan.experts], np.diff(plan.first_tile))
+    tile_slots[plan.num_tiles :] = slot_of[0]
+    np.testing.assert_array_equal(pointers, tile_pointers(*work.pointer_layout(arena_dev), np.arange(max_tiles),
+                                                          tile_slots))
+    fill = np.zeros(max_tiles, np.int32)
+    fill[: plan.num_tiles] = plan.tile_fill
+    np.testing.assert_array_equal(ops.to_host(work.tile_fill), fill)
+    # each expert's pairs take the rows of its tiles, each row once (their order is the atomics')
+    pair_row = ops.to_host(work.pair_row)
+    assert len(set(pair_row)) == ids.size
+    for g in range(len(plan.experts)):
+        mine = plan.pair_row[ids.ravel() == plan.experts[g]]
+        np.testing.assert_array_equal(np.sort(pair_row[ids.ravel() == plan.experts[g]]), np.sort(mine))
+    work.gate_up(device(pointers))
+    work.swiglu(0, max_tiles)
+    work.down(device(pointers))
+    np.testing.assert_allclose(ops.to_host(work.pair_outputs()), _reference(x, ids, weights, slot_of), rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("first_pos, window, causal", [(0, 0, True), (5, 0, True), (5, 4, True), (0, 0, False)])

@@ -3,10 +3,11 @@ over query blocks) against the cpu device, on a micro model: the threshold is lo
 tokens count as "long"; in the simulator HostBlas stands in for cuBLAS (test_gemm.py), on a GPU
 (MOEBUS_TEST_GPU=1) cuBLAS itself runs."""
 import numpy as np
+import pytest
 from moebus.cuda.kernels.gemm import TensorCores
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
-from moebus.workers import stage
+from moebus.workers import moe_prefill, stage
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
 from tests.cuda.test_e2e import micro_model  # noqa: F401 - the fixture
@@ -29,14 +30,22 @@ class CountingBlas:
         return self.inner.gemm_batched(*args, **kwargs)
 
 
-def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("plan", ["device", "host"])
+def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch, plan):  # noqa: F811
     monkeypatch.setattr(stage, "ROUTED_MAX_TOKENS", 2)
+    monkeypatch.setattr(moe_prefill, "PLAN", plan)  # the experts' tiles planned by a kernel or on the host
+    planned = []
+    for where in ("device", "host"):
+        inner = getattr(moe_prefill, f"_planned_on_{where}")
+        monkeypatch.setattr(moe_prefill, f"_planned_on_{where}",
+                            lambda *a, inner=inner, where=where: planned.append(where) or inner(*a))
     cpu = LocalModel(micro_model, device="cpu", max_context=32)
     cuda = LocalModel(micro_model, device="cuda", max_context=32)
     blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
     cuda.backend.tensor_cores = TensorCores(blas, min_rows=3)
     want, got = cpu.step(BATCH, want_logits=True), cuda.step(BATCH, want_logits=True)
     cfg = cuda.ckpt.config
+    assert planned and set(planned) == {plan}
     # per layer: q, k, v or qkv, o, router (split: 2 calls each), attention (2 per kv head and sequence), experts
     assert blas.calls > cfg.num_layers * 8
     calls = blas.calls
@@ -48,3 +57,14 @@ def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch):  # 
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-3)
     assert blas.calls == calls
+
+
+def test_the_device_plans_where_the_cache_holds_the_layer_and_most_experts_are_chosen(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(moe_prefill, "PLAN", "auto")
+    whole, small = SimpleNamespace(num_slots=128), SimpleNamespace(num_slots=100)
+    assert moe_prefill.plans_on_device(whole, 512, 128)  # 4 pairs per expert
+    assert not moe_prefill.plans_on_device(whole, 511, 128)  # a short step: only the chosen experts are copied in
+    assert not moe_prefill.plans_on_device(small, 16384, 128)  # acquired in groups
+    assert not moe_prefill.plans_on_device(SimpleNamespace(num_slots=4096), 1 << 20, 1024)  # past the counters

@@ -161,6 +161,34 @@ def test_a_grid_beyond_the_rotary_tables_grows_them():
     np.testing.assert_array_equal(model.cos, vision_rope_tables(cfg.head_dim, cfg.rope_theta, side)[0])
 
 
+@pytest.mark.xfail(strict=False, reason="failed on the H200 on 2026-12-01 (cause not seen); the tower encodes "
+                                        "eagerly by default until this passes")
+def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():
+    from moebus.cuda.kernels.compat import SIMULATOR
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+    from moebus.common.qwen3vl_tiny import vision_tensors
+    from moebus.common.tiny_model import _Random
+
+    if SIMULATOR:
+        pytest.skip("CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    cpu, cuda = Qwen3VisionModel(cfg, weights, make_backend("cpu")), Qwen3VisionModel(cfg, weights, CudaBackend())
+    cuda.graph.enabled = True  # off by default (see the mark)
+    rng = np.random.default_rng(0)
+    for grid_h, grid_w in ((4, 6), (6, 4), (4, 6)):
+        patches = rng.standard_normal((grid_h * grid_w, cfg.patch_dim)).astype(np.float32)
+        (embeds, deepstack), (want_embeds, want_deepstack) = cuda.encode(patches, grid_h, grid_w), \
+            cpu.encode(patches, grid_h, grid_w)
+        assert cuda.graph.key == (grid_h, grid_w)
+        np.testing.assert_allclose(embeds, want_embeds, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(deepstack, want_deepstack, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(cuda.encode(patches, grid_h, grid_w)[0], embeds)  # replayed
+
+
 def test_deepstack_rows_go_only_to_stages_holding_deepstack_layers():
     ids = expand_image_pads([1, 7, 2], 7, [4])
     positions, delta = rope_index(ids, 7, [(4, 4)], 2)

@@ -11,6 +11,7 @@ from moebus.common.errors import CheckpointError  # noqa: E402
 from moebus.common.image_processor import ImageProcessor  # noqa: E402
 from moebus.common.vision_config import load_vision_config  # noqa: E402
 from moebus.cuda.backends import make_backend  # noqa: E402
+from moebus.cuda.kernels.compat import SIMULATOR  # noqa: E402
 from moebus.workers.vision_model import VisionModel, load_vision_weights  # noqa: E402
 from tests.vision_models import hub_layout, in_memory_layout, make_hf_llava, sample_images  # noqa: E402
 
@@ -105,8 +106,25 @@ def test_encode_on_the_cuda_backend_equals_cpu_within_its_scratch_estimate(llava
     model = VisionModel(cfg, weights, backend)
     np.testing.assert_allclose(model.encode(px), ref, rtol=1e-4, atol=1e-4)
     kept = sum(a.size * a.dtype.itemsize for k, a in model._kept.items() if k != "num_images")
-    held = backend.device_pool.cached_bytes + kept
+    pool = model.graph.graph.pool if model.graph.graph is not None else backend.device_pool  # a GPU captures it
+    held = pool.cached_bytes + kept
     assert held <= encode_scratch_bytes(cfg, 1) < 2 * held
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+def test_the_captured_encode_equals_the_eager_one(llava):
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    d, _ = llava("siglip_default")
+    cfg, weights, px = load_vision_config(d), load_vision_weights(d), pixels(d)[:1]
+    model = VisionModel(cfg, weights, CudaBackend())
+    captured, replayed = model.encode(px), model.encode(px)
+    assert model.graph.graph is not None
+    model.graph.close()
+    model.graph.enabled = False
+    eager = model.encode(px)
+    np.testing.assert_allclose(captured, eager, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(replayed, captured)
 
 
 @pytest.mark.parametrize("name", ["siglip_default", "clip_default"])

@@ -229,8 +229,10 @@ class CudaBackend:
         """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
         out = self.empty((x.shape[0], weight.shape[0]))
         if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
+            if bias is None or bias.dtype == np.uint16:  # a bf16 bias: added by a row kernel of gemm.py
+                return self.tensor_cores.linear(self, x, weight, out, bias)
             out = self.tensor_cores.linear(self, x, weight, out)
-            return out if bias is None else activations.add_bias_cuda(out, bias, out, stream=self.stream)
+            return activations.add_bias_cuda(out, bias, out, stream=self.stream)
         return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
     def activation(self, x, name: str):

@@ -24,6 +24,7 @@ import numpy as np
 from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16, to_f32
 from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, blocks, cuda, f32_bits, float32, kernel, threads, uint16
 from moebus.cuda.kernels.launch import require
+from moebus.cuda.kernels.loads import load_bf16
 
 log = logging.getLogger("moebus.cuda")
 ROW_THREADS = 128  # the conversion kernels: a block per row
@@ -83,6 +84,23 @@ def split_rows_cuda(x, out, rows=None, stream=0):
     return out
 
 
+@kernel
+def add_bias_rows(out, bias):
+    # out (T, N) float32 += bias (1, N) bf16 bits, in place; a block per row, threads along it
+    for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            out[r, d] += load_bf16(bias, 0, d)
+
+
+def add_bias_rows_cuda(out, bias, stream=0):
+    """out += bias in place: out (T, N) float32, bias (N,) bf16 bits (activations.add_bias_ref)."""
+    require("out", out, np.float32, ndim=2)
+    require("bias", bias, np.uint16, shape=(out.shape[1],))
+    if out.size:
+        add_bias_rows[blocks(out.shape[0]), threads(ROW_THREADS), stream](out, bias.reshape(1, out.shape[1]))
+    return out
+
+
 @functools.cache
 def _no_rows():
     return cuda.to_device(np.zeros(1, np.int32))  # never read: the rows argument when not gathering
@@ -131,14 +149,14 @@ class TensorCores:
             self.blas.gemm(ops.stream, OP_T, OP_N, num_out, num_rows, dim_in, weight_ptr, R_16BF, dim_in, b, R_16BF,
                            dim_in, c, num_out, beta=1.0 if (accumulate or i) else 0.0, compute=COMPUTE_32F)
 
-    def linear(self, ops, x, weight, out):
-        """out (T, N) float32 = x (T, K) float32 @ weight (N, K) bf16 ^T."""
+    def linear(self, ops, x, weight, out, bias=None):
+        """out (T, N) float32 = x (T, K) float32 @ weight (N, K) bf16 ^T (+ bias (N,) bf16)."""
         require("x", x, np.float32, ndim=2)
         require("weight", weight, np.uint16, shape=(None, x.shape[1]))
         require("out", out, np.float32, shape=(x.shape[0], weight.shape[0]))
         parts = self.split(ops, x)
         self.matmul_nt(ops, parts, 0, x.shape[0], address(weight), weight.shape[0], out)
-        return out
+        return out if bias is None else add_bias_rows_cuda(out, bias, stream=ops.stream)
 
 
 def make_tensor_cores():

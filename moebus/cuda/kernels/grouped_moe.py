@@ -1,16 +1,22 @@
-"""The experts of a long step (prefill) on tensor cores, grouped by expert. The step's (token, choice)
-pairs are sorted by expert; each active expert gets a block of rows, ``parts`` x ``cap`` (cap: its
-pair count rounded up to ROW_ALIGN), holding its tokens' split-bf16 activations, part after part
-(gemm.py: x = hi + lo). One product over such a block is x @ W^T for every part at once; the
-consumer sums the parts. Experts whose blocks have the same cap go in one batched cuBLAS call
-(pointer arrays: each reads its own arena slot), so a layer costs a few calls, not one per expert:
+"""The experts of a long step (prefill) on tensor cores, in tiles. The step's (token, choice) pairs
+are grouped by expert into tiles of ``t`` pairs (tile_pairs: 16 to 64): tile j holds ``parts`` x t rows,
+part q of its i-th pair at row j parts t + q t + i (the split-bf16 activations, gemm.py: x = hi + lo),
+so one product over a tile is x @ W^T for every part at once and the consumer sums the parts. An
+expert with c pairs gets ceil(c / t) consecutive tiles; a layer's tiles are at most
+``tile_bound(P, E)``, a bound the host knows without reading the routing.
+
+Every tile is one problem of the same shape, so a layer's experts are one batched cuBLAS call per
+projection (cublasGemmBatchedEx, pointer arrays on the device: each tile reads its expert's arena slot):
 
   gate|up (the blob's gate (I x D) and up (I x D) are one (2I, D) matrix) -> SwiGLU of the summed
   parts, split again -> down (D x I) -> each pair's row back in pair order, parts summed, for the
   combine that the next norm fuses (moe.combine_ref).
 
-Padding rows are computed and never read. Shapes: T tokens, A active experts per token, P = T * A
-pairs, G active experts, D hidden, I expert intermediate, R rows of the blocks."""
+The plan (which row each pair has, which slot each tile reads) is made either on the device by one
+kernel (``plan_on_device``: counts, a scan, ranks by atomics; no host round trip, the spare tiles up
+to the bound compute on unused rows) or on the host from the routing (``plan_on_host``, when the
+layer's experts are acquired in groups). Padding rows are computed and never read. Shapes: T tokens,
+A active experts per token, P = T * A pairs, E experts, D hidden, I expert intermediate."""
 from __future__ import annotations
 
 import math
@@ -19,56 +25,67 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, f32_bits, float32, kernel, threads, uint16
+from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, f32_bits, float32, int32, int64, kernel, threads,
+                                        uint16)
 from moebus.cuda.kernels.gemm import OP_N, OP_T, R_16BF, COMPUTE_32F, address
 
-THREADS = 128  # a block per pair, threads along its row
-ROW_ALIGN = 32  # an expert's rows are padded to this: fewer distinct caps, fewer calls
-BATCHED = os.environ.get("MOEBUS_EXPERT_CALLS", "batched") == "batched"
+THREADS = 128  # the row kernels: a block per pair (or tile row), threads along it
+PLAN_THREADS = 1024  # the planner: one block
+PAIRS_PER_TILE = int(os.environ.get("MOEBUS_EXPERT_TILE", "64"))  # the most; fewer for short steps (tile_pairs)
+MIN_TILE_PAIRS = 16
+MAX_EXPERTS = 512  # the device planner's counters (shared memory); more experts plan on the host
+COUNTERS = MAX_EXPERTS + 1  # a constant: the shape of a shared array
+# the six pointer rows of a plan: gate|up's A (weights), B (x rows), C (gate|up rows); down's A, B (h rows), C (y rows)
+GATE_UP_ROWS, DOWN_ROWS = (0, 1, 2), (3, 4, 5)
+
+
+def tile_pairs(num_pairs: int, num_experts: int) -> int:
+    """Pairs per tile for a step: the mean pairs per expert, as a power of two in [MIN_TILE_PAIRS,
+    PAIRS_PER_TILE], so that the padding (at most E t pairs) stays of the order of the pairs."""
+    mean = max(1, -(-num_pairs // max(1, num_experts)))
+    return int(min(PAIRS_PER_TILE, max(MIN_TILE_PAIRS, 1 << (mean - 1).bit_length())))
+
+
+def tile_bound(num_pairs: int, num_experts: int, pairs_per_tile: int = PAIRS_PER_TILE) -> int:
+    """The most tiles P pairs over E experts can need: sum of ceil(c_e / t) <= (P + E (t - 1)) / t."""
+    return (num_pairs + num_experts * (pairs_per_tile - 1)) // pairs_per_tile
 
 
 @dataclass
-class PairPlan:
-    """The step's pairs p = t * A + k sorted by expert (stable) and laid out in blocks."""
-    experts: np.ndarray  # (G,) the active experts, ascending
-    counts: np.ndarray  # (G,) pairs of each
-    caps: np.ndarray  # (G,) counts rounded up to ROW_ALIGN
-    bases: np.ndarray  # (G,) first row of each expert's block (blocks of parts x cap rows)
-    first_pair: np.ndarray  # (G,) first sorted pair of each
-    sorted_token: np.ndarray  # (P,) int32: the token of each sorted pair
-    sorted_row: np.ndarray  # (P,) int32: its row in part 0 of its block
-    sorted_cap: np.ndarray  # (P,) int32: its block's cap (part q is cap * q rows further)
-    pair_row: np.ndarray  # (P,) int32: sorted_row of pair p
-    pair_cap: np.ndarray  # (P,) int32
-    num_rows: int  # R
+class TilePlan:
+    """Host plan of a step's pairs: the active experts, ascending, and their tiles."""
+    experts: np.ndarray  # (G,)
+    first_tile: np.ndarray  # (G + 1,) tiles first_tile[g] ... first_tile[g + 1] - 1 are expert g's
+    pair_row: np.ndarray  # (P,) int32: the row of pair p's part 0
+    tile_fill: np.ndarray  # (num_tiles,) int32: the pairs of each tile (t but for an expert's last)
+    num_tiles: int
 
 
-def plan_pairs(ids: np.ndarray, parts: int) -> PairPlan:
-    # ids (T, A) int32 on the host; a radix sort (int16 keys) and counts: O(P) host work a layer
+def plan_tiles(ids: np.ndarray, parts: int, pairs_per_tile: int = PAIRS_PER_TILE) -> TilePlan:
+    """ids (T, A) int32 on the host -> the plan, pairs of an expert in pair order (the reference of
+    plan_on_device, whose order within an expert is the atomics')."""
+    t = pairs_per_tile
     flat = np.asarray(ids, dtype=np.int32).reshape(-1)
-    order = np.argsort(flat.astype(np.int16), kind="stable")
+    order = np.argsort(flat.astype(np.int16), kind="stable")  # a radix sort
     all_counts = np.bincount(flat)
     experts = np.flatnonzero(all_counts)
     counts = all_counts[experts]
+    first_tile = np.concatenate([[0], np.cumsum(-(-counts // t))]).astype(np.int64)
     first_pair = np.cumsum(counts) - counts
-    caps = block_rows(counts)
-    bases = np.concatenate([[0], np.cumsum(parts * caps)[:-1]]).astype(np.int64)
     expert_of_sorted = np.repeat(np.arange(len(experts)), counts)
-    sorted_row = (bases[expert_of_sorted] + np.arange(len(flat)) - first_pair[expert_of_sorted]).astype(np.int32)
-    sorted_cap = caps[expert_of_sorted].astype(np.int32)
-    where = np.empty_like(order)
-    where[order] = np.arange(len(order))
-    return PairPlan(experts, counts, caps, bases, first_pair, (order // ids.shape[1]).astype(np.int32), sorted_row,
-                    sorted_cap, sorted_row[where], sorted_cap[where], int(parts * caps.sum()))
+    rank = np.arange(len(flat)) - first_pair[expert_of_sorted]
+    pair_row = np.empty(len(flat), np.int32)
+    pair_row[order] = (first_tile[expert_of_sorted] + rank // t) * parts * t + rank % t
+    tile_fill = np.bincount(first_tile[expert_of_sorted] + rank // t, minlength=first_tile[-1]).astype(np.int32)
+    return TilePlan(experts, first_tile, pair_row, tile_fill, int(first_tile[-1]))
 
 
-def block_rows(counts: np.ndarray) -> np.ndarray:
-    """Rows of each expert's block part: its count rounded up to ROW_ALIGN, and above 4 ROW_ALIGN to
-    a quarter of its power of two, so that a layer's blocks come in few sizes (one call each) and
-    padding stays under 25%."""
-    counts = np.asarray(counts, np.int64)
-    step = np.maximum(ROW_ALIGN, (1 << np.floor(np.log2(np.maximum(counts, 1))).astype(np.int64)) // 4)
-    return -(-counts // step) * step
+def tile_pointers(bases, strides, tiles: np.ndarray, tile_slots: np.ndarray) -> np.ndarray:
+    """(6, n) int64 pointer rows for tiles ``tiles`` reading arena slots ``tile_slots``: weights at
+    bases[c] + slot strides[c] (c = 0, 3), rows at bases[c] + tile strides[c] (the rest)."""
+    tiles, tile_slots = np.asarray(tiles, np.int64), np.asarray(tile_slots, np.int64)
+    return np.stack([base + (tile_slots if c in (0, 3) else tiles) * stride
+                     for c, (base, stride) in enumerate(zip(bases, strides))]).astype(np.int64)
 
 
 def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, experts_down: dict) -> np.ndarray:
@@ -85,52 +102,99 @@ def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, exper
 
 # -- cuda -----------------------------------------------------------------------------------------
 
-# ``table`` (5, P) int32: sorted_token, sorted_row, sorted_cap, pair_row, pair_cap (PairPlan)
+@kernel
+def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, strides, pair_row, pointers, tile_fill):
+    # one block: counts per expert, tile starts (a scan), each pair's rank by atomics, then each
+    # tile's pointers (tile_pointers) and pairs; tiles past the last real one read slot 0 and their
+    # own rows, with no pairs
+    counts = cuda.shared.array(COUNTERS, int32)
+    starts = cuda.shared.array(COUNTERS, int32)
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    num_tokens, top_k = ids.shape
+    t = pairs_per_tile
+    for e in range(tid, num_experts + 1, step):
+        counts[e] = 0
+    cuda.syncthreads()
+    for p in range(tid, num_tokens * top_k, step):
+        cuda.atomic.add(counts, ids[p // top_k, p % top_k], 1)
+    cuda.syncthreads()
+    if tid == 0:
+        total = 0
+        for e in range(num_experts):
+            starts[e] = total
+            total += (counts[e] + t - 1) // t
+            counts[e] = 0  # from here on: pairs placed so far
+        starts[num_experts] = total
+    cuda.syncthreads()
+    for p in range(tid, num_tokens * top_k, step):
+        e = ids[p // top_k, p % top_k]
+        rank = cuda.atomic.add(counts, e, 1)
+        pair_row[p] = (starts[e] + rank // t) * parts * t + rank % t
+    cuda.syncthreads()  # counts are whole again
+    for j in range(tid, pointers.shape[1], step):
+        e = 0
+        tile_fill[j] = 0
+        if j < starts[num_experts]:  # the last expert whose tiles start at or before j
+            lo, hi = 0, num_experts - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] <= j:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            e = lo
+            tile_fill[j] = min(t, counts[e] - (j - starts[e]) * t)
+        for c in range(6):
+            pointers[c, j] = bases[c] + int64(slots[e] if c == 0 or c == 3 else j) * strides[c]
+
 
 @kernel
-def gather_split_rows(x, table, parts, out):
-    # out[sorted_row[j] + q * sorted_cap[j]] = part q of x[sorted_token[j]]; out (R, D) uint16
-    # a block per pair (grid-stride), threads along the row, as every kernel here
-    for j in range(cuda.blockIdx.x, table.shape[1], cuda.gridDim.x):
-        token, row, cap = table[0, j], table[1, j], table[2, j]
+def gather_split_pairs(x, pair_row, top_k, parts, pairs_per_tile, out):
+    # part q of x[p // top_k] -> out[pair_row[p] + q t]; out (R, D) uint16; a block per pair
+    for p in range(cuda.blockIdx.x, pair_row.shape[0], cuda.gridDim.x):
+        token, row = p // top_k, pair_row[p]
         for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             rest = x[token, d]
             for q in range(parts):
                 bits = f32_bits(rest)
                 rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (gemm.split_rows)
-                out[row + q * cap, d] = uint16(rounded)
+                out[row + q * pairs_per_tile, d] = uint16(rounded)
                 rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 @kernel
-def swiglu_split_rows(gate_up, table, first_pair, num_pairs, parts, out):
-    # the pairs first_pair ...: silu(gate) * up of the summed parts of gate_up (R, 2I), split again into out (R, I)
-    inter = out.shape[1]
-    for j in range(first_pair + cuda.blockIdx.x, first_pair + num_pairs, cuda.gridDim.x):
-        row, cap = table[1, j], table[2, j]
+def swiglu_split_tiles(gate_up, tile_fill, first_tile, num_tiles, parts, pairs_per_tile, out):
+    # the pair rows of tiles first_tile ...: silu(gate) * up of the summed parts of gate_up (R, 2I),
+    # split again into out (R, I); a block per row slot, padding skipped (its rows are never read)
+    inter, t = out.shape[1], pairs_per_tile
+    for s in range(cuda.blockIdx.x, num_tiles * t, cuda.gridDim.x):
+        tile = first_tile + s // t
+        if s % t >= tile_fill[tile]:
+            continue
+        row = tile * parts * t + s % t
         for d in range(cuda.threadIdx.x, inter, cuda.blockDim.x):
             g, u = float32(0.0), float32(0.0)
             for q in range(parts):
-                g += gate_up[row + q * cap, d]
-                u += gate_up[row + q * cap, inter + d]
+                g += gate_up[row + q * t, d]
+                u += gate_up[row + q * t, inter + d]
             rest = float32(g / (float32(1.0) + math.exp(-g)) * u)
             for q in range(parts):
                 bits = f32_bits(rest)
                 rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-                out[row + q * cap, d] = uint16(rounded)
+                out[row + q * t, d] = uint16(rounded)
                 rest = float32(rest - bits_as_f32(rounded << 16))
 
 
 @kernel
-def sum_parts_rows(y, table, parts, out):
-    # out[p] = sum over parts q of y[pair_row[p] + q * pair_cap[p]]
+def sum_parts_pairs(y, pair_row, parts, pairs_per_tile, out):
+    # out[p] = sum over parts q of y[pair_row[p] + q t]
     num_pairs, dim = out.shape
     for p in range(cuda.blockIdx.x, num_pairs, cuda.gridDim.x):
-        row, cap = table[3, p], table[4, p]
+        row = pair_row[p]
         for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
             total = float32(0.0)
             for q in range(parts):
-                total += y[row + q * cap, d]
+                total += y[row + q * pairs_per_tile, d]
             out[p, d] = total
 
 
@@ -139,67 +203,78 @@ def _launch(kern, num_rows: int, stream, *args):
         kern[blocks(num_rows), threads(THREADS), stream](*args)
 
 
-class GroupedExperts:
-    """One MoE layer of a long step: ``gate_up`` and ``down`` per group of experts resident in the
-    arena (the caller acquires their slots; ``picked`` indexes the plan's experts), then
+class ExpertTiles:
+    """One MoE layer of a long step over ``max_tiles`` tiles: the rows, the pairs gathered into them;
+    then ``gate_up``, ``swiglu`` and ``down`` over tiles (pointer tables from a plan), and
     ``pair_outputs`` (P, D) in pair order."""
 
-    def __init__(self, ops, tensor_cores, h, plan: PairPlan, hidden: int, inter: int):
-        self.ops, self.tc, self.plan, self.hidden, self.inter = ops, tensor_cores, plan, hidden, inter
-        parts = tensor_cores.parts
-        self.table = ops.upload(np.stack([plan.sorted_token, plan.sorted_row, plan.sorted_cap, plan.pair_row,
-                                          plan.pair_cap]))
-        self.x_rows = ops.empty((plan.num_rows, hidden), np.uint16)
-        _launch(gather_split_rows, len(plan.sorted_token), ops.stream, h, self.table, parts, self.x_rows)
-        self.gate_up_rows = ops.empty((plan.num_rows, 2 * inter))
-        self.h_rows = ops.empty((plan.num_rows, inter), np.uint16)
-        self.y_rows = ops.empty((plan.num_rows, hidden))
+    def __init__(self, ops, tensor_cores, h, top_k: int, max_tiles: int, hidden: int, inter: int,
+                 pairs_per_tile: int = PAIRS_PER_TILE):
+        self.ops, self.tc, self.top_k, self.hidden, self.inter = ops, tensor_cores, top_k, hidden, inter
+        self.h, self.t, self.max_tiles = h, pairs_per_tile, max_tiles
+        tile_rows = tensor_cores.parts * pairs_per_tile
+        num_rows = max_tiles * tile_rows
+        self.x_rows = ops.empty((num_rows, hidden), np.uint16)
+        self.gate_up_rows = ops.empty((num_rows, 2 * inter))
+        self.h_rows = ops.empty((num_rows, inter), np.uint16)
+        self.y_rows = ops.empty((num_rows, hidden))
+        self.pair_row = ops.empty((h.shape[0] * top_k,), np.int32)
+        self.tile_fill = ops.empty((max_tiles,), np.int32)
+        self.strides = tuple(tile_rows * n for n in (hidden * 2, 2 * inter * 4, inter * 2, hidden * 4))
 
-    def gate_up(self, arena, slots, picked) -> None:
-        self._products(arena, slots, picked, 0, self.x_rows, self.hidden, self.gate_up_rows, 2 * self.inter)
-
-    def down(self, arena, slots, picked) -> None:
-        """SwiGLU over the group's pairs (consecutive: its experts are), then the down products."""
-        plan = self.plan
-        first = int(plan.first_pair[picked].min())
-        end = int((plan.first_pair[picked] + plan.counts[picked]).max())
-        _launch(swiglu_split_rows, end - first, self.ops.stream, self.gate_up_rows, self.table, first,
-                end - first, self.tc.parts, self.h_rows)
-        down_at = 2 * self.inter * self.hidden * arena.dtype.itemsize
-        self._products(arena, slots, picked, down_at, self.h_rows, self.inter, self.y_rows, self.hidden)
-
-    def _products(self, arena, slots, picked, offset: int, rows, dim_in: int, out, dim_out: int) -> None:
-        """out block of each picked expert = its rows block @ W^T, W (dim_out, dim_in) at ``offset``
-        bytes into its slot; one batched call per distinct cap."""
-        if not len(picked):
-            return
-        plan, parts = self.plan, self.tc.parts
+    def pointer_layout(self, arena) -> tuple[tuple, tuple]:
+        """(bases, strides) of tile_pointers / plan_tiles_device for this layer's rows and ``arena``."""
         slot_bytes = arena.shape[1] * arena.dtype.itemsize
-        caps = plan.caps[picked]
-        order = np.argsort(caps, kind="stable")
-        pointers = np.stack([address(arena) + np.asarray(slots, np.int64)[order] * slot_bytes + offset,
-                             address(rows) + plan.bases[picked][order] * dim_in * 2,
-                             address(out) + plan.bases[picked][order] * dim_out * 4]).astype(np.int64)
-        if not BATCHED:  # one call per expert (MOEBUS_EXPERT_CALLS=each), for comparison
-            for a, b, c, cap in zip(*pointers.tolist(), caps[order].tolist()):
-                self.tc.blas.gemm(self.ops.stream, OP_T, OP_N, dim_out, parts * cap, dim_in, a, R_16BF, dim_in, b,
-                                  R_16BF, dim_in, c, dim_out, compute=COMPUTE_32F)
+        down_at = 2 * self.inter * self.hidden * arena.dtype.itemsize
+        bases = (address(arena), address(self.x_rows), address(self.gate_up_rows), address(arena) + down_at,
+                 address(self.h_rows), address(self.y_rows))
+        x, gate_up, h, y = self.strides
+        return bases, (slot_bytes, x, gate_up, slot_bytes, h, y)
+
+    def plan_on_device(self, ids, arena, slots, num_experts: int):
+        """The plan made by one kernel from the router's ``ids`` (T, A) on the device and each
+        expert's arena slot ``slots`` (E,) int32; returns the (6, max_tiles) pointer table."""
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"{num_experts} experts: the device plan counts at most {MAX_EXPERTS}")
+        pointers = self.ops.empty((6, self.max_tiles), np.int64)
+        bases, strides = self.pointer_layout(arena)
+        plan_tiles_device[1, threads(PLAN_THREADS), self.ops.stream](
+            ids, int(num_experts), int(self.t), int(self.tc.parts), slots, bases, strides, self.pair_row, pointers,
+            self.tile_fill)
+        self.gather()
+        return pointers
+
+    def plan_on_host(self, plan: TilePlan) -> None:
+        self.pair_row, self.tile_fill = self.ops.upload(plan.pair_row), self.ops.upload(plan.tile_fill)
+        self.gather()
+
+    def gather(self) -> None:
+        _launch(gather_split_pairs, self.pair_row.shape[0], self.ops.stream, self.h, self.pair_row, self.top_k,
+                self.tc.parts, self.t, self.x_rows)
+
+    def gate_up(self, pointers, first: int = 0, count: int | None = None) -> None:
+        """gate|up products of the tiles in columns first ... of ``pointers`` (a (6, n) device table)."""
+        self._products(pointers, GATE_UP_ROWS, first, count, self.hidden, 2 * self.inter)
+
+    def swiglu(self, first_tile: int, num_tiles: int) -> None:
+        _launch(swiglu_split_tiles, num_tiles * self.t, self.ops.stream, self.gate_up_rows, self.tile_fill,
+                int(first_tile), int(num_tiles), self.tc.parts, self.t, self.h_rows)
+
+    def down(self, pointers, first: int = 0, count: int | None = None) -> None:
+        self._products(pointers, DOWN_ROWS, first, count, self.inter, self.hidden)
+
+    def _products(self, pointers, rows: tuple, first: int, count: int | None, dim_in: int, dim_out: int) -> None:
+        """C = A^T B for each tile: out rows (dim_out wide) = rows (dim_in wide) @ W^T, W (dim_out, dim_in)."""
+        width = pointers.shape[1]
+        count = width - first if count is None else count
+        if not count:
             return
-        table = self.ops.upload(pointers)
-        at, step = address(table), len(picked) * 8
-        for cap, first, num in zip(*(r.tolist() for r in _runs(caps[order]))):
-            self.tc.blas.gemm_batched(self.ops.stream, OP_T, OP_N, dim_out, parts * cap, dim_in,
-                                      at + first * 8, R_16BF, dim_in, at + step + first * 8, R_16BF, dim_in,
-                                      at + 2 * step + first * 8, dim_out, compute=COMPUTE_32F, batch=num)
+        a, b, c = (address(pointers) + (r * width + first) * 8 for r in rows)
+        self.tc.blas.gemm_batched(self.ops.stream, OP_T, OP_N, dim_out, self.tc.parts * self.t, dim_in, a, R_16BF,
+                                  dim_in, b, R_16BF, dim_in, c, dim_out, compute=COMPUTE_32F, batch=count)
 
     def pair_outputs(self):
         """(P, D) float32: row p is pair p's expert output (moe.combine's y_pair)."""
-        out = self.ops.empty((len(self.plan.pair_row), self.hidden))
-        _launch(sum_parts_rows, out.shape[0], self.ops.stream, self.y_rows, self.table, self.tc.parts, out)
+        out = self.ops.empty((self.pair_row.shape[0], self.hidden))
+        _launch(sum_parts_pairs, out.shape[0], self.ops.stream, self.y_rows, self.pair_row, self.tc.parts, self.t, out)
         return out
-
-
-def _runs(sorted_values: np.ndarray):
-    """(value, first index, length) of each run of equal values."""
-    values, first, counts = np.unique(sorted_values, return_index=True, return_counts=True)
-    return values, first, counts
