@@ -149,9 +149,9 @@ def test_masked_softmax_split_copies(ops, rng):
     np.testing.assert_allclose(copies[..., 0] + copies[..., 2], want, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["split", "f32"])
+@pytest.mark.parametrize("precision, kv_dtype", [("split", "fp32"), ("f32", "fp32"), ("split", "bf16")])
 @pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision, monkeypatch):
+def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision, kv_dtype, monkeypatch):
     from moebus.cuda.kernels import prefill_attention
 
     monkeypatch.setattr(prefill_attention, "PRECISION", precision)
@@ -159,6 +159,8 @@ def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision
     heads, kv_heads, hd, context = 4, 2, 8, 16
     k_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
     v_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
+    if kv_dtype == "bf16":  # the keys and values as a bf16 cache holds them
+        k_cache, v_cache = f32_to_bf16(k_cache), f32_to_bf16(v_cache)
     segments = [(0, 2, 3, 6), (6, 0, 0, 5)]  # (first row, slot, start, length): slot 2 has 3 earlier keys
     token_slot = np.array([2] * 6 + [0] * 5, np.int32)
     token_pos = np.array(list(range(3, 9)) + list(range(5)), np.int32)

@@ -1,7 +1,7 @@
 """Attention of a long step on tensor cores: per sequence, per block of queries and per kv head, one
 batched product S = scale Q K^T over the group's query heads (GQA: they share K and V), a masked
 softmax over each row of S, and one batched product O = P V written into the heads' columns of the
-output. Keys are the sequence's KV cache (the chunk's own keys are stored there first), so a chunk
+output. Keys are the sequence's KV cache (float32 or bf16; the chunk's own keys are stored there first), so a chunk
 attends to its earlier context too; the vision tower's images attend bidirectionally.
 
 Precision (MOEBUS_ATTENTION_COMPUTE): "split" (default) feeds bf16 tensor cores split parts,
@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from moebus.cuda.kernels.compat import (SIMULATOR, bits_as_f32, block_max, block_sum, blocks, cuda, device,
-                                        f32_bits, float32, kernel, threads, uint16)
+                                        f32_bits, float32, kernel, threads, uint16, uint32)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_N, OP_T, R_16BF, R_32F, address
 from moebus.cuda.kernels.launch import require
 
@@ -62,32 +62,50 @@ def _part(value, part):
     return uint16(rounded)
 
 
-@kernel
-def split3(src, heads_first, first_head, first_row, pattern, num_heads, num_rows, out):
-    # value (b, r, d) = src[first_head + b, first_row + r, d] (heads first) or src[first_row + r,
-    # first_head + b, d]; out: flat (B, R, 3, hd), copy c holding part pattern[c]. Read as rows of
-    # 3 hd (q3, k3) or, the same bytes, as 3 rows of hd per key (v3).
-    head_dim = src.shape[2]
-    for n in range(cuda.blockIdx.x, num_heads * num_rows, cuda.gridDim.x):  # a block per row
-        b, r = n // num_rows, n % num_rows
-        for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
-            value = src[first_head + b, first_row + r, d] if heads_first else src[first_row + r, first_head + b, d]
-            hi, lo = _part(value, 0), _part(value, 1)
-            at = n * 3 * head_dim + d
-            for c in range(3):
-                out[at + c * head_dim] = hi if pattern[c] == 0 else lo
+@device
+def _as_f32(value):
+    return float32(value)
+
+
+@device
+def _bf16_as_f32(bits):
+    return bits_as_f32(uint32(bits) << 16)
+
+
+def _split3_kernel(load):
+    @kernel
+    def split3(src, heads_first, first_head, first_row, pattern, num_heads, num_rows, out):
+        # value (b, r, d) = src[first_head + b, first_row + r, d] (heads first) or src[first_row + r,
+        # first_head + b, d]; out: flat (B, R, 3, hd), copy c holding part pattern[c]. Read as rows of
+        # 3 hd (q3, k3) or, the same bytes, as 3 rows of hd per key (v3).
+        head_dim = src.shape[2]
+        for n in range(cuda.blockIdx.x, num_heads * num_rows, cuda.gridDim.x):  # a block per row
+            b, r = n // num_rows, n % num_rows
+            for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
+                stored = src[first_head + b, first_row + r, d] if heads_first else src[first_row + r, first_head + b, d]
+                value = load(stored)
+                hi, lo = _part(value, 0), _part(value, 1)
+                at = n * 3 * head_dim + d
+                for c in range(3):
+                    out[at + c * head_dim] = hi if pattern[c] == 0 else lo
+
+    return split3
+
+
+# float32 activations or cache, or a bf16 cache (whose lo parts are then 0)
+SPLIT3 = {np.dtype(np.float32): _split3_kernel(_as_f32), np.dtype(np.uint16): _split3_kernel(_bf16_as_f32)}
 
 
 def split3_cuda(src, heads_first: bool, first_head: int, first_row: int, pattern, num_heads: int, num_rows: int, out,
                 stream=0):
     """The three copies of num_heads x num_rows rows of src (T, H, hd) or (H, C, hd) into flat out."""
-    require("src", src, np.float32, ndim=3, contiguous=False)
+    require("src", src, tuple(SPLIT3), ndim=3, contiguous=False)
     require("out", out, np.uint16, ndim=1)
     size = num_heads * num_rows * src.shape[2]
     if 3 * size > out.shape[0]:
         raise ValueError(f"out: {out.shape[0]} elements for {3 * size}")
     if size:
-        split3[blocks(num_heads * num_rows), threads(128), stream](
+        SPLIT3[src.dtype][blocks(num_heads * num_rows), threads(128), stream](
             src, bool(heads_first), int(first_head), int(first_row), pattern, int(num_heads), int(num_rows), out)
     return out
 
@@ -210,6 +228,8 @@ def prefill_attention(ops, tc, q, k_cache, v_cache, segments, scale: float, wind
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, context, _ = k_cache.shape
     group, split, row_ld = num_heads // num_kv_heads, PRECISION == "split", num_heads * head_dim
+    if not split and k_cache.dtype != np.float32:
+        raise ValueError(f"MOEBUS_ATTENTION_COMPUTE={PRECISION} reads a float32 KV cache: set kv_dtype fp32")
     for row0, slot, start, length in segments:
         num_keys = start + length
         block = min(length, _block_rows(group, num_keys, split))
