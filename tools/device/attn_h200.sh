@@ -1,22 +1,25 @@
 # One H200 (issue 15 item 4, issue 19's attention): GPU tests of the attention kernels with both KV
-# dtypes, fidelity per KV dtype, decode attention alone (the landed kernel beside this tree's), and
-# decode tok/s at 1k / 4k / 32k context, bf16 vs fp32 KV, on a 48 x 32 A3B-shaped model.
-# Run from the tree to measure; $LANDED: a landed tree to time beside it (default: none).
+# dtypes, decode attention alone (this tree's kernel, the landed one beside it when $LANDED names a
+# landed tree), decode tok/s at 1k / 4k / 32k context with bf16 vs fp32 KV on a ${LAYERS:-48} x 32
+# A3B-shaped model, fidelity per KV dtype, and a sweep of the decode kernel's two tunables.
 source tools/device/setup.sh
 echo "== GPU tests"; date
 MOEBUS_TEST_GPU=1 timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_attention.py \
   tests/cuda/test_fused.py tests/cuda/test_e2e.py tests/cuda/test_prefill_tensor_cores.py tests/cuda/test_gemm.py \
   -k "attention or qkv or e2e or match or bf16" 2>&1 | tail -2
-echo "== fidelity"; date
-timeout 90 python3 tools/device/attn_fidelity.py /tmp/fid 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | grep FIDELITY
 echo "== decode attention alone"; date
 timeout 60 python3 tools/device/attn_kernel_bench.py "this tree" 2>&1 | tee $OUT/kernel.txt
 if [ -n "$LANDED" ]; then
-  (cd "$LANDED" && PYTHONPATH=/tmp/site:$LANDED timeout 40 python3 $OLDPWD/tools/device/attn_kernel_bench.py landed) 2>&1 \
+  here=$PWD
+  (cd "$LANDED" && PYTHONPATH=/tmp/site:$LANDED timeout 40 python3 $here/tools/device/attn_kernel_bench.py landed) 2>&1 \
     | tee $OUT/kernel_landed.txt
 fi
 echo "== decode at long context"; date
 python3 -m moebus.cli init-model /tmp/m48 --preset a3b --layers ${LAYERS:-48} --experts 32 2>&1 | tail -1
 timeout 200 python3 -m moebus.cli bench decode-context --model /tmp/m48 --device cuda --contexts 1024,4096,32768 \
   --kv-dtype bf16,fp32 --tokens 32 --repeats 2 2>&1 | grep -v Warn | tee $OUT/decode_context.txt | tail -8
+echo "== fidelity"; date
+timeout 90 python3 tools/device/attn_fidelity.py /tmp/fid 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | grep FIDELITY
+echo "== sweep"; date
+timeout 90 python3 tools/device/attn_kernel_bench.py --sweep 2>&1 | tee $OUT/sweep.txt
 date

@@ -25,6 +25,7 @@ from moebus.cuda.kernels.launch import ceil_div
 SPLIT_POSITIONS = 128  # a split has at least this many positions...
 MAX_SPLITS = 64  # ...and a token at most this many splits (bounds the scratch)
 ROWS_AHEAD = 2  # rows each row group loads before it computes (bytes in flight)
+MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers
 MAX_SHARED_BYTES = 40 * 1024
 NEG_INF = float32(-np.inf)
 LO16 = np.uint64(0xFFFF)
@@ -96,12 +97,11 @@ def _largest_divisor(n: int, at_most: int, power_of_two: bool = False) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0 and (not power_of_two or d & (d - 1) == 0))
 
 
-@functools.cache
-def layout(head_dim: int, group: int) -> tuple:
+def layout(head_dim: int, group: int, max_heads: int = 0) -> tuple:
     """(LPR lanes per row, QPL loads per lane, HPW heads per warp, HS warps per group, STREAMS)."""
     quads = head_dim // 4
     lanes = _largest_divisor(quads, 16, power_of_two=True)
-    heads = _largest_divisor(group, 4)
+    heads = _largest_divisor(group, max_heads or MAX_HEADS_PER_WARP)
     head_sets = group // heads
     rows_per_warp = WARP // lanes
     per_stream = rows_per_warp * group * head_dim * 4  # shared bytes of one stream's states
@@ -114,19 +114,19 @@ def layout(head_dim: int, group: int) -> tuple:
 def decode_kernel(storage: str, head_dim: int, group: int):
     """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32')."""
     lanes, quads, heads, head_sets, streams = layout(head_dim, group)
-    return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams), \
+    return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD), \
         head_sets * streams * WARP
 
 
 @functools.cache
-def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams):
+def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead):
     load_quad = QUAD[storage]
     per_lane = 4 * quads  # elements of a row per lane
     rows_per_warp = WARP // lanes
     subs = streams * rows_per_warp  # row groups of the block: rows read at once
-    step = subs * ROWS_AHEAD
+    step = subs * rows_ahead
     num_threads = head_sets * streams * WARP
-    heads_size, rows_size, scores_size = heads * per_lane, ROWS_AHEAD * per_lane, ROWS_AHEAD * heads
+    heads_size, rows_size, scores_size = heads * per_lane, rows_ahead * per_lane, rows_ahead * heads
 
     @device_with_shared
     def combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial):
@@ -189,18 +189,18 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                 acc[h * per_lane + i] = float32(0.0)
         base = (token_slot[t] * num_kv_heads + kv_head) * context
         for start in range(first, end, step):  # the same trip count in every warp (shuffles)
-            for a in range(ROWS_AHEAD):  # every load first: ROWS_AHEAD rows in flight per lane
+            for a in range(rows_ahead):  # every load first: rows_ahead rows in flight per lane
                 row = base + min(start + a * subs + sub, end - 1)
                 for w in range(quads):
                     load_quad(k_words, row, w * lanes + chunk, k_reg, a * per_lane + 4 * w)
                     load_quad(v_words, row, w * lanes + chunk, v_reg, a * per_lane + 4 * w)
-            for a in range(ROWS_AHEAD):
+            for a in range(rows_ahead):
                 for h in range(heads):
                     dot = float32(0.0)
                     for i in range(per_lane):
                         dot += q_reg[h * per_lane + i] * k_reg[a * per_lane + i]
                     scores[a * heads + h] = lanes_sum(dot, lanes)
-            for a in range(ROWS_AHEAD):
+            for a in range(rows_ahead):
                 if start + a * subs + sub < end:
                     for h in range(heads):
                         score = scores[a * heads + h]
