@@ -201,7 +201,7 @@ def exercise_quant(rng) -> None:
 
 def exercise_tensor_cores(rng) -> None:
     """The conversion, SwiGLU, softmax and gather kernels around the cuBLAS products of long steps."""
-    from moebus.cuda.kernels import gemm, grouped_moe, prefill_attention
+    from moebus.cuda.kernels import attention_parts, gemm, grouped_moe
 
     def f32(*shape):
         return rng.standard_normal(shape, dtype=np.float32)
@@ -210,19 +210,21 @@ def exercise_tensor_cores(rng) -> None:
         return np.zeros(shape, np.uint16)
 
     gemm._no_rows = lambda: np.zeros(1, np.int32)  # a device array on the GPU; no driver here
-    prefill_attention._placeholder = lambda: np.zeros(3, np.uint16)
+    attention_parts._placeholder = lambda: np.zeros(3, np.uint16)
     gemm.split_rows_cuda(f32(9, 64), bits(2, 9, 64))
     gemm.split_rows_cuda(f32(9, 64), bits(2, 3, 64), rows=np.array([0, 4, 8], np.int32))
     table = np.zeros((5, 6), np.int32)
     grouped_moe._launch(grouped_moe.gather_split_rows, 6, 0, f32(3, 64), table, 2, bits(64, 64))
     grouped_moe._launch(grouped_moe.swiglu_split_rows, 6, 0, f32(64, 64), table, 0, 6, 2, bits(64, 32))
     grouped_moe._launch(grouped_moe.sum_parts_rows, 6, 0, f32(64, 64), table, 2, f32(6, 64))
-    prefill_attention.split3_cuda(f32(9, 32, 128), False, 0, 0, prefill_attention.Q_PARTS, 32, 9, bits(9 * 32 * 384))
-    prefill_attention.split3_cuda(f32(4, 16, 128), True, 0, 0, prefill_attention.K_PARTS, 4, 16, bits(4 * 16 * 384))
-    prefill_attention.split3_cuda(bits(4, 16, 128), True, 0, 0, prefill_attention.K_PARTS, 4, 16, bits(4 * 16 * 384))
+    split = attention_parts.split_copies_cuda
+    split(f32(9, 32, 128), False, 0, 0, attention_parts.Q3, 32, 9, bits(9 * 32 * 384))
+    split(f32(9, 32, 128), False, 0, 0, attention_parts.Q2, 32, 9, bits(9 * 32 * 256))
+    split(f32(4, 16, 128), True, 0, 0, attention_parts.K3, 4, 16, bits(4 * 16 * 384))
+    split(bits(4, 16, 128), True, 0, 0, attention_parts.K3, 4, 16, bits(4 * 16 * 384))
     scores = f32(8 * 9 * 16)
-    prefill_attention.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
-    prefill_attention.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out3=bits(8 * 9 * 48))
+    attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
+    attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out=bits(8 * 9 * 48))
 
 
 def exercise_vision(rng) -> None:

@@ -141,12 +141,23 @@ def test_masked_softmax(ops, rng, first_pos, window, causal):
 def test_masked_softmax_split_copies(ops, rng):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
     out3 = device(np.zeros(2 * 3 * 27, np.uint16))
-    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out3=out3)
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out=out3)
     copies = bf16_to_f32(out3.copy_to_host().reshape(2, 3, 9, 3))
     want = masked_softmax_ref(scores, 4, 0, True)
     np.testing.assert_array_equal(copies[..., 0], copies[..., 1])  # hi, hi, lo
     np.testing.assert_allclose(copies[..., 0], want, rtol=2 ** -8)
     np.testing.assert_allclose(copies[..., 0] + copies[..., 2], want, rtol=2e-5, atol=1e-7)
+
+
+def test_masked_softmax_split_planes(ops, rng):
+    # the parts against a bf16 cache: every hi part, then every lo part
+    scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
+    out = device(np.zeros(2 * 2 * 3 * 9, np.uint16))
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out=out, copies=2)
+    hi, lo = bf16_to_f32(out.copy_to_host().reshape(2, 2, 3, 9))
+    want = masked_softmax_ref(scores, 4, 0, True)
+    np.testing.assert_allclose(hi, want, rtol=2 ** -8)
+    np.testing.assert_allclose(hi + lo, want, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("precision, kv_dtype", [("split", "fp32"), ("f32", "fp32"), ("split", "bf16")])

@@ -3,6 +3,7 @@ over query blocks) against the cpu device, on a micro model: the threshold is lo
 tokens count as "long"; in the simulator HostBlas stands in for cuBLAS (test_gemm.py), on a GPU
 (MOEBUS_TEST_GPU=1) cuBLAS itself runs."""
 import numpy as np
+import pytest
 from moebus.cuda.kernels.gemm import TensorCores
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
@@ -29,10 +30,11 @@ class CountingBlas:
         return self.inner.gemm_batched(*args, **kwargs)
 
 
-def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])  # bf16: attention reads the cache's rows directly
+def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch, kv_dtype):  # noqa: F811
     monkeypatch.setattr(stage, "ROUTED_MAX_TOKENS", 2)
-    cpu = LocalModel(micro_model, device="cpu", max_context=32)
-    cuda = LocalModel(micro_model, device="cuda", max_context=32)
+    cpu = LocalModel(micro_model, device="cpu", max_context=32, kv_dtype=kv_dtype)
+    cuda = LocalModel(micro_model, device="cuda", max_context=32, kv_dtype=kv_dtype)
     blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
     cuda.backend.tensor_cores = TensorCores(blas, min_rows=3)
     want, got = cpu.step(BATCH, want_logits=True), cuda.step(BATCH, want_logits=True)
