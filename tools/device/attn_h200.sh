@@ -18,6 +18,8 @@ echo "== decode at long context"; date
 python3 -m moebus.cli init-model /tmp/attn_m48 --preset a3b --layers ${LAYERS:-48} --experts 32 2>&1 | tail -1
 timeout 200 python3 -m moebus.cli bench decode-context --model /tmp/attn_m48 --device cuda --contexts 1024,4096,32768 \
   --kv-dtype bf16,fp32 --tokens 32 --repeats 2 2>&1 | grep -v Warn | tee $OUT/decode_context.txt | tail -8
+echo "== prefill per KV dtype"; date
+timeout 80 python3 tools/device/attn_prefill.py /tmp/attn_m48 2>&1 | grep PREFILL | tee $OUT/prefill.txt
 echo "== fidelity"; date
 timeout 90 python3 tools/device/attn_fidelity.py /tmp/fid 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | grep FIDELITY
 echo "== sweep"; date
