@@ -3,6 +3,7 @@ CPU, per KV cache dtype, with the tensor-core path of long steps (split precisio
 (every step then runs the decode attention kernel): max |logit difference| at the last position of
 prompts of 300, 100 and 80 tokens in one step, and greedy tokens after the 100-token prompt.
 Usage: attn_fidelity.py ROOT (models are made in ROOT)"""
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ MODELS = {"init_qwen3": lambda p: make_init_model(p, "qwen3_moe"), "init_mixtral
           "hf_qwen3_f32": lambda p: make_hf_model(p, "qwen3_moe", "f32"),
           "hf_mixtral_bf16": lambda p: make_hf_model(p, "mixtral", "bf16"),
           "hf_mixtral_f16": lambda p: make_hf_model(p, "mixtral", "f16")}
+if os.environ.get("FID_MODELS"):  # a comma-separated subset
+    MODELS = {name: MODELS[name] for name in os.environ["FID_MODELS"].split(",")}
 MODES = [("fp32", "split"), ("fp32", "off"), ("bf16", "split"), ("bf16", "off")]  # (kv dtype, long steps)
 rng = np.random.default_rng(0)
 worst = {mode: [0.0, True] for mode in MODES}
