@@ -3,6 +3,7 @@
 decode   tokens/s of the demo (or --model) model in-process and through broker + worker processes,
          and the broker's added latency per step; --pipeline both: 8 streams on a two-stage split,
          pipelined and not, beside one stage
+decode-context  decode tok/s at 1k ... 32k positions of context, bf16 vs fp32 KV cache
 prefill  tok/s and TFLOP/s of one prompt of 512 ... 8192 tokens in one step (--peer hf: transformers beside)
 hop      the broker's step hop alone: STEP -> a real worker link -> STEP_REPLY round trips, no model
          (--broker DIR: through a real broker and client, PARTIAL intervals)
@@ -22,6 +23,8 @@ from __future__ import annotations
 def run_bench(what: str, argv: list[str]) -> int:
     if what == "decode":
         from moebus.bench.decode import main
+    elif what == "decode-context":
+        from moebus.bench.decode_context import main
     elif what == "hop":
         from moebus.bench.hop import main
     elif what == "cache":

@@ -25,13 +25,14 @@ class Generation:
 class LocalModel:
     def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
                  max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False,
-                 policy: str = "freq", experts_dtype: str = "bf16"):
+                 policy: str = "freq", experts_dtype: str = "bf16", kv_dtype: str = "fp32"):
         """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all);
         ``policy``: its eviction and admission policy (eviction.POLICIES); ``experts_dtype``: bf16,
-        fp8 or int4 (quantized at load)."""
+        fp8 or int4 (quantized at load); ``kv_dtype``: the KV cache's, bf16 or fp32 (fp32 here by default:
+        the fidelity tests compare in-process logits with transformers' float32)."""
         self.ckpt = Checkpoint(model_dir)
         self.backend = make_backend(device)
-        self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context,
+        self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context, kv_dtype=kv_dtype,
                              experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
                                                         elastic=elastic, policy=policy, experts_dtype=experts_dtype))
                        for r in split_layers(self.ckpt.config.num_layers, parts)]

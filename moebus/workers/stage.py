@@ -32,8 +32,9 @@ ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (deco
 
 class Stage:
     def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
-                 progress=iter, use_graphs: bool | None = None):
-        """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0)."""
+                 progress=iter, use_graphs: bool | None = None, kv_dtype: str = "fp32"):
+        """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0);
+        ``kv_dtype``: the KV cache's elements, bf16 or fp32 (kv_cache.py)."""
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -54,7 +55,7 @@ class Stage:
         self.layers = {i: self._load_layer(ckpt, i) for i in progress(layers)}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context)
         self.cos, self.sin = backend.persist(cos), backend.persist(sin)
-        self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim)
+        self.kv = KVCache(backend, len(layers), num_slots, cfg.num_kv_heads, max_context, cfg.head_dim, kv_dtype)
         from moebus.cuda.backends.graphs import graphs_available
 
         if use_graphs is None:

@@ -141,11 +141,12 @@ def exercise(rng) -> None:
     cos, sin = rope.rope_tables(128, 1e6, 16)
     positions = np.array([3, 4], np.int32)
     rope.rope_cuda(f32(2, 32, 128), positions, cos, sin, empty(2, 32, 128))
-    k_cache, v_cache = f32(2, 4, 16, 128), f32(2, 4, 16, 128)
     slots = np.array([0, 1], np.int32)
-    attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
-    attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
-                             empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
+    for kv_dtype in (lambda a: f32_to_bf16(a), lambda a: a):  # bf16 and float32 KV caches
+        k_cache, v_cache = kv_dtype(f32(2, 4, 16, 128)), kv_dtype(f32(2, 4, 16, 128))
+        attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
+        attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
+                                 empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
     from moebus.cuda.kernels import fused, routing
@@ -154,8 +155,9 @@ def exercise(rng) -> None:
         fused.add_rmsnorm_cuda(f32(2, 2048), f32(2, 2048), storage(f32(2048)), 1e-6, empty(2, 2048), empty(2, 2048))
         fused.combine_add_rmsnorm_cuda(f32(16, 2048), f32(2, 8), f32(2, 2048), storage(f32(2048)), 1e-6,
                                        empty(2, 2048), empty(2, 2048))
-        fused.qkv_rope_store_cuda(f32(2, 40 * 128), 32, 4, storage(f32(128)), storage(f32(128)), 1e-6, slots,
-                                  positions, cos, sin, k_cache, v_cache, empty(2, 32, 128))
+        for kv_dtype in (lambda a: f32_to_bf16(a), lambda a: a):
+            fused.qkv_rope_store_cuda(f32(2, 40 * 128), 32, 4, storage(f32(128)), storage(f32(128)), 1e-6, slots,
+                                      positions, cos, sin, kv_dtype(k_cache), kv_dtype(v_cache), empty(2, 32, 128))
 
     routing.route_pairs_cuda(np.zeros((2, 8), np.int32), np.zeros((3, 128), np.int32), 1,
                              *(empty(16, dtype=np.int32) for _ in range(3)))
@@ -199,7 +201,7 @@ def exercise_quant(rng) -> None:
 
 def exercise_tensor_cores(rng) -> None:
     """The conversion, SwiGLU, softmax and gather kernels around the cuBLAS products of long steps."""
-    from moebus.cuda.kernels import gemm, grouped_moe, prefill_attention
+    from moebus.cuda.kernels import attention_parts, gemm, grouped_moe
 
     def f32(*shape):
         return rng.standard_normal(shape, dtype=np.float32)
@@ -208,7 +210,7 @@ def exercise_tensor_cores(rng) -> None:
         return np.zeros(shape, np.uint16)
 
     gemm._no_rows = lambda: np.zeros(1, np.int32)  # a device array on the GPU; no driver here
-    prefill_attention._placeholder = lambda: np.zeros(3, np.uint16)
+    attention_parts._placeholder = lambda: np.zeros(3, np.uint16)
     gemm.split_rows_cuda(f32(9, 64), bits(2, 9, 64))
     gemm.split_rows_cuda(f32(9, 64), bits(2, 3, 64), rows=np.array([0, 4, 8], np.int32))
     gemm.add_bias_rows_cuda(f32(9, 64), bits(64))
@@ -219,11 +221,14 @@ def exercise_tensor_cores(rng) -> None:
     grouped_moe._launch(grouped_moe.swiglu_split_tiles, 8, 0, f32(64, 64), np.zeros(5, np.int32), 0, 1, 2, 8,
                         bits(64, 32))
     grouped_moe._launch(grouped_moe.sum_parts_pairs, 6, 0, f32(64, 64), pair_row, 2, 8, f32(6, 64))
-    prefill_attention.split3_cuda(f32(9, 32, 128), False, 0, 0, prefill_attention.Q_PARTS, 32, 9, bits(9 * 32 * 384))
-    prefill_attention.split3_cuda(f32(4, 16, 128), True, 0, 0, prefill_attention.K_PARTS, 4, 16, bits(4 * 16 * 384))
+    split = attention_parts.split_copies_cuda
+    split(f32(9, 32, 128), False, 0, 0, attention_parts.Q3, 32, 9, bits(9 * 32 * 384))
+    split(f32(9, 32, 128), False, 0, 0, attention_parts.Q2, 32, 9, bits(9 * 32 * 256))
+    split(f32(4, 16, 128), True, 0, 0, attention_parts.K3, 4, 16, bits(4 * 16 * 384))
+    split(bits(4, 16, 128), True, 0, 0, attention_parts.K3, 4, 16, bits(4 * 16 * 384))
     scores = f32(8 * 9 * 16)
-    prefill_attention.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
-    prefill_attention.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out3=bits(8 * 9 * 48))
+    attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
+    attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out=bits(8 * 9 * 48))
 
 
 def exercise_vision(rng) -> None:

@@ -1,15 +1,18 @@
 import numpy as np
 import pytest
 
-from moebus.cuda.kernels.attention import (TILE, TILES_PER_SPLIT, attention_cuda, attention_ref, kv_store_cuda,
-                                  kv_store_ref, max_splits)
+from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16
+from moebus.cuda.kernels.attention import (SPLIT_POSITIONS, attention_cuda, attention_ref, kv_store_cuda, kv_store_ref,
+                                           max_splits)
+from moebus.cuda.kernels.attention_decode import layout
 from tests.cuda.conftest import device, poisoned
 
 SLOTS, HEAD_DIM = 3, 8
 
 
-def _cache(rng, kv_heads, context):
-    return rng.standard_normal((SLOTS, kv_heads, context, HEAD_DIM), dtype=np.float32)
+def _cache(rng, kv_heads, context, kv_dtype="fp32", head_dim=HEAD_DIM):
+    values = rng.standard_normal((SLOTS, kv_heads, context, head_dim), dtype=np.float32)
+    return f32_to_bf16(values) if kv_dtype == "bf16" else values
 
 
 def _attend(q, k_cache, v_cache, slots, positions, window=0):
@@ -18,8 +21,9 @@ def _attend(q, k_cache, v_cache, slots, positions, window=0):
     return out.copy_to_host()
 
 
-def test_kv_store_writes_each_token_at_its_slot_and_position(rng):
-    k_cache, v_cache = _cache(rng, 2, 16), _cache(rng, 2, 16)
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_kv_store_writes_each_token_at_its_slot_and_position(rng, kv_dtype):
+    k_cache, v_cache = _cache(rng, 2, 16, kv_dtype), _cache(rng, 2, 16, kv_dtype)
     k, v = (rng.standard_normal((3, 2, HEAD_DIM), dtype=np.float32) for _ in range(2))
     slots, positions = np.array([2, 0, 2], np.int32), np.array([5, 0, 6], np.int32)
     dk, dv = device(k_cache), device(v_cache)
@@ -29,28 +33,54 @@ def test_kv_store_writes_each_token_at_its_slot_and_position(rng):
     np.testing.assert_array_equal(dv.copy_to_host(), v_cache)
 
 
-@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, 0), (2, 2, 0), (4, 1, 5)])
-def test_attention_prefill_and_decode_mixed(rng, heads, kv_heads, window):
-    # slot 0: a 3-token prefill chunk; slot 2: decode past the first tile (position >= TILE)
-    context = TILE + 16
-    k_cache, v_cache = _cache(rng, kv_heads, context), _cache(rng, kv_heads, context)
+def test_bf16_cache_holds_the_values_rounded_to_nearest_even():
+    k_cache = np.zeros((1, 1, 2, 4), np.uint16)
+    k = np.array([[[1.0, 1.00390625, 1.01171875, -3.3]]], np.float32)  # halfway cases round to even
+    kv_store_ref(k_cache, k_cache.copy(), k, k, np.array([0], np.int32), np.array([1], np.int32))
+    np.testing.assert_array_equal(bf16_to_f32(k_cache[0, 0, 1]), bf16_to_f32(f32_to_bf16(k[0, 0])))
+    assert bf16_to_f32(k_cache[0, 0, 1])[1] == 1.0 and bf16_to_f32(k_cache[0, 0, 1])[2] == 1.015625
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, 0), (2, 2, 0), (4, 1, 5), (6, 2, 0)])
+def test_attention_prefill_and_decode_mixed(rng, heads, kv_heads, window, kv_dtype):
+    # slot 0: a 3-token prefill chunk; slot 2: decode past the first split's positions
+    context = SPLIT_POSITIONS + 16
+    k_cache, v_cache = _cache(rng, kv_heads, context, kv_dtype), _cache(rng, kv_heads, context, kv_dtype)
     slots = np.array([0, 0, 0, 2], np.int32)
-    positions = np.array([4, 5, 6, TILE + 9], np.int32)
+    positions = np.array([4, 5, 6, SPLIT_POSITIONS + 9], np.int32)
     q = rng.standard_normal((4, heads, HEAD_DIM), dtype=np.float32)
     expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35, window)
     np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions, window), expected, rtol=1e-5,
-                               atol=1e-6)
+                               atol=1e-5)
 
 
-def test_attention_long_context_runs_in_splits(rng):
-    # positions past TILES_PER_SPLIT tiles: two and three splits, merged; one short token alongside
-    context = TILE * TILES_PER_SPLIT * 2 + 8
-    assert max_splits(context) == 3
-    k_cache, v_cache = _cache(rng, 1, context), _cache(rng, 1, context)
-    slots, positions = np.array([1, 0, 2], np.int32), np.array([TILE * TILES_PER_SPLIT + 3, context - 1, 2], np.int32)
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_attention_long_context_runs_in_splits(rng, kv_dtype):
+    # positions past SPLIT_POSITIONS: two and three splits, merged; one short token alongside
+    context = SPLIT_POSITIONS * 3 + 8
+    assert max_splits(context) == 4
+    k_cache, v_cache = _cache(rng, 1, context, kv_dtype), _cache(rng, 1, context, kv_dtype)
+    slots = np.array([1, 0, 2], np.int32)
+    positions = np.array([SPLIT_POSITIONS * 2 + 3, context - 1, 2], np.int32)
     q = rng.standard_normal((3, 2, HEAD_DIM), dtype=np.float32)
     expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35)
-    np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 8), (64, 4), (16, 1), (24, 2)])
+def test_attention_at_real_head_dims(rng, head_dim, group):
+    # the layouts of real models: a row over 16 lanes (Qwen3-30B-A3B: hd 128, 8 heads per kv head)
+    k_cache, v_cache = (_cache(rng, 1, 40, "bf16", head_dim) for _ in range(2))
+    slots, positions = np.array([0, 1], np.int32), np.array([39, 17], np.int32)
+    q = rng.standard_normal((2, group, head_dim), dtype=np.float32)
+    expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35)
+    np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_of_qwen3_30b_a3b():
+    lanes, quads, heads, head_sets, _ = layout(128, 8)
+    assert (lanes, quads, heads, head_sets) == (16, 2, 4, 2)
 
 
 def test_attention_token_does_not_depend_on_the_batch(rng):
@@ -59,3 +89,10 @@ def test_attention_token_does_not_depend_on_the_batch(rng):
     together = _attend(q, k_cache, v_cache, np.array([1, 0], np.int32), np.array([3, 7], np.int32))
     alone = _attend(q[1:], k_cache, v_cache, np.array([0], np.int32), np.array([7], np.int32))
     np.testing.assert_array_equal(alone[0], together[1])
+
+
+def test_attention_rejects_a_head_dim_not_in_fours(rng):
+    k_cache = _cache(rng, 1, 8, head_dim=6)
+    with pytest.raises(ValueError, match="head_dim 6"):
+        _attend(rng.standard_normal((1, 1, 6), dtype=np.float32), k_cache, k_cache, np.array([0], np.int32),
+                np.array([3], np.int32))

@@ -37,3 +37,14 @@ def test_top_logprobs_come_from_the_device_and_match_the_cpu_device(micro_model)
     np.testing.assert_array_equal(cuda.top_ids, cpu.top_ids)
     np.testing.assert_allclose(cuda.top_logprobs, cpu.top_logprobs, atol=1e-4)
     assert cuda.logits is None  # only (S, n) came back
+
+
+def test_a_bf16_kv_cache_matches_the_cpu_device_with_one(micro_model):
+    # both devices round k and v to bf16 as they store them: the same tokens, logprobs close
+    prompt = [5, 17, 42, 9, 77]
+    cpu = LocalModel(micro_model, device="cpu", max_context=32, kv_dtype="bf16")
+    cuda = LocalModel(micro_model, device="cuda", max_context=32, kv_dtype="bf16")
+    assert cuda.stages[0].kv.k[0].dtype == np.uint16
+    want, got = cpu.generate(prompt, 3), cuda.generate(prompt, 3)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-3)

@@ -199,7 +199,7 @@ def test_masked_softmax(ops, rng, first_pos, window, causal):
 def test_masked_softmax_split_copies(ops, rng):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
     out3 = device(np.zeros(2 * 3 * 27, np.uint16))
-    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out3=out3)
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out=out3)
     copies = bf16_to_f32(out3.copy_to_host().reshape(2, 3, 9, 3))
     want = masked_softmax_ref(scores, 4, 0, True)
     np.testing.assert_array_equal(copies[..., 0], copies[..., 1])  # hi, hi, lo
@@ -207,9 +207,20 @@ def test_masked_softmax_split_copies(ops, rng):
     np.testing.assert_allclose(copies[..., 0] + copies[..., 2], want, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["split", "f32"])
+def test_masked_softmax_split_planes(ops, rng):
+    # the parts against a bf16 cache: every hi part, then every lo part
+    scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
+    out = device(np.zeros(2 * 2 * 3 * 9, np.uint16))
+    masked_softmax_cuda(device(scores.ravel()), scores.shape, 4, 0, True, out=out, copies=2)
+    hi, lo = bf16_to_f32(out.copy_to_host().reshape(2, 2, 3, 9))
+    want = masked_softmax_ref(scores, 4, 0, True)
+    np.testing.assert_allclose(hi, want, rtol=2 ** -8)
+    np.testing.assert_allclose(hi + lo, want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision, kv_dtype", [("split", "fp32"), ("f32", "fp32"), ("split", "bf16")])
 @pytest.mark.parametrize("window", [0, 5])
-def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision, monkeypatch):
+def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision, kv_dtype, monkeypatch):
     from moebus.cuda.kernels import prefill_attention
 
     monkeypatch.setattr(prefill_attention, "PRECISION", precision)
@@ -217,6 +228,8 @@ def test_prefill_attention_reads_the_earlier_context(ops, rng, window, precision
     heads, kv_heads, hd, context = 4, 2, 8, 16
     k_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
     v_cache = rng.standard_normal((3, kv_heads, context, hd), dtype=np.float32)
+    if kv_dtype == "bf16":  # the keys and values as a bf16 cache holds them
+        k_cache, v_cache = f32_to_bf16(k_cache), f32_to_bf16(v_cache)
     segments = [(0, 2, 3, 6), (6, 0, 0, 5)]  # (first row, slot, start, length): slot 2 has 3 earlier keys
     token_slot = np.array([2] * 6 + [0] * 5, np.int32)
     token_pos = np.array(list(range(3, 9)) + list(range(5)), np.int32)

@@ -30,17 +30,19 @@ class CountingBlas:
         return self.inner.gemm_batched(*args, **kwargs)
 
 
-@pytest.mark.parametrize("plan", ["device", "host"])
-def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch, plan):  # noqa: F811
+@pytest.mark.parametrize("plan,kv_dtype", [("device", "fp32"), ("host", "fp32"), ("device", "bf16")])
+def test_prefill_then_decode_match_the_cpu_device(micro_model, monkeypatch, plan, kv_dtype):  # noqa: F811
+    """plan: the experts' tiles planned by a kernel or on the host; kv_dtype bf16: attention reads the
+    cache's rows directly."""
     monkeypatch.setattr(stage, "ROUTED_MAX_TOKENS", 2)
-    monkeypatch.setattr(moe_prefill, "PLAN", plan)  # the experts' tiles planned by a kernel or on the host
+    monkeypatch.setattr(moe_prefill, "PLAN", plan)
     planned = []
     for where in ("device", "host"):
         inner = getattr(moe_prefill, f"_planned_on_{where}")
         monkeypatch.setattr(moe_prefill, f"_planned_on_{where}",
                             lambda *a, inner=inner, where=where: planned.append(where) or inner(*a))
-    cpu = LocalModel(micro_model, device="cpu", max_context=32)
-    cuda = LocalModel(micro_model, device="cuda", max_context=32)
+    cpu = LocalModel(micro_model, device="cpu", max_context=32, kv_dtype=kv_dtype)
+    cuda = LocalModel(micro_model, device="cuda", max_context=32, kv_dtype=kv_dtype)
     blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
     cuda.backend.tensor_cores = TensorCores(blas, min_rows=3)
     want, got = cpu.step(BATCH, want_logits=True), cuda.step(BATCH, want_logits=True)

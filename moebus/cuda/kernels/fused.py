@@ -6,7 +6,7 @@ would each be a tiny, latency-bound kernel (measured: a warp-per-row rmsnorm of 
 - ``combine_add_rmsnorm``: the MoE's weighted combine of its pairs, the residual add and the next
   norm, a block per token row.
 - ``qkv_rope_store``: from the fused q | k | v projection, Qwen3's per-head q/k rmsnorm, RoPE,
-  and k, v written into the KV cache, one warp per (token, head) row; a lane holds elements l,
+  and k, v written into the KV cache (float32 or bf16), one warp per (token, head) row; a lane holds elements l,
   l + 32, l + 64, l + 96 of a 128-wide head, so both halves of each rotated pair are in its registers.
 
 References are the unfused references composed, so the tests hold the kernels to the same maths."""
@@ -20,7 +20,7 @@ import numpy as np
 from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum, kernel
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
-from moebus.cuda.kernels.attention import kv_store_ref
+from moebus.cuda.kernels.attention import STORE, kv_store_ref, require_caches
 from moebus.cuda.kernels.moe import combine_ref
 from moebus.cuda.kernels.rmsnorm import rmsnorm_ref
 from moebus.cuda.kernels.rope import rope_ref
@@ -131,8 +131,9 @@ def combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps: float, total, out,
 
 
 @functools.cache
-def _qkv_kernel(storage: str, head_dim: int):
+def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
     load_weight = SCALAR[storage]
+    to_cache = STORE[kv_storage]  # k, v as the cache holds them (bf16: rounded)
     per_lane = head_dim // WARP
     half = head_dim // 2
     half_lanes = per_lane // 2  # a lane's elements i < per_lane / 2 are in the first half
@@ -163,7 +164,7 @@ def _qkv_kernel(storage: str, head_dim: int):
                 g = head - num_heads - num_kv_heads
                 if is_real:
                     for i in range(per_lane):
-                        v_cache[slot, g, position, lane + i * WARP] = values[i]
+                        v_cache[slot, g, position, lane + i * WARP] = to_cache(values[i])
             else:
                 is_q = head < num_heads
                 square_sum = float32(0.0)
@@ -186,8 +187,8 @@ def _qkv_kernel(storage: str, head_dim: int):
                             q_out[t, head, d] = x1 * c - x2 * s
                             q_out[t, head, d + half] = x2 * c + x1 * s
                         else:
-                            k_cache[slot, head - num_heads, position, d] = x1 * c - x2 * s
-                            k_cache[slot, head - num_heads, position, d + half] = x2 * c + x1 * s
+                            k_cache[slot, head - num_heads, position, d] = to_cache(x1 * c - x2 * s)
+                            k_cache[slot, head - num_heads, position, d + half] = to_cache(x2 * c + x1 * s)
 
     return qkv_rope_store_rows
 
@@ -204,15 +205,14 @@ def qkv_rope_store_cuda(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weig
     require("token_pos", token_pos, np.int32, shape=(num_tokens,))
     require("cos", cos, np.float32, shape=(None, head_dim // 2))
     require("sin", sin, np.float32, shape=tuple(cos.shape))
-    require("k_cache", k_cache, np.float32, shape=(None, num_kv_heads, None, head_dim))
-    require("v_cache", v_cache, np.float32, shape=tuple(k_cache.shape))
+    kv_storage = require_caches(k_cache, v_cache, num_kv_heads, head_dim)
     require("q_out", q_out, np.float32, shape=(num_tokens, num_heads, head_dim))
     if not can_fuse_heads(head_dim):
         raise ValueError(f"head_dim {head_dim}: the fused kernel takes multiples of 64 up to 256")
     rows = num_tokens * (num_heads + 2 * num_kv_heads)
     if rows:
         grid, block = warp_per_row(rows, HEAD_WARPS)
-        kernel = _qkv_kernel(storage_of(q_weight), head_dim)
+        kernel = _qkv_kernel(storage_of(q_weight), head_dim, kv_storage)
         kernel[grid, block, stream](
             qkv, int(num_heads), int(num_kv_heads), reader_view(q_weight, wide=False), reader_view(k_weight, wide=False),
             np.float32(eps), token_slot, token_pos, cos, sin, q_out, k_cache, v_cache)

@@ -1,0 +1,242 @@
+"""The attention kernel of steps of few tokens (decode), streaming the KV cache at HBM speed.
+
+One block per (token, kv head, split). A token's positions [lo, pos] are cut into splits of at
+least SPLIT_POSITIONS positions, at most MAX_SPLITS of them, so that one token at a long context
+fills the GPU (a function of the token alone, never of the batch: a token's output does not depend
+on what runs beside it). Within a block, the warps read whole cache rows with 8-byte loads: a row of
+hd elements is spread over LPR lanes (QPL loads of 4 elements each per lane), so a warp reads
+32 / LPR rows at once; the query heads of the kv head's group are spread over HS warps of HPW heads
+each (each lane keeps its elements of its heads' queries and outputs in registers), and the rows
+over STREAMS warps. A row's score is the lanes' partial dot products summed over the row's LPR
+lanes (xor shuffles); each row group keeps its own online softmax (running max and sum) and output,
+so nothing is shared until the end, when the row groups' states are combined through shared memory
+into the split's (output, max, sum) for merge_splits."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
+                                        kernel)
+from moebus.cuda.kernels.launch import ceil_div
+
+SPLIT_POSITIONS = 128  # a split has at least this many positions...
+MAX_SPLITS = 64  # ...and a token at most this many splits (bounds the scratch)
+ROWS_AHEAD = 2  # rows each row group loads before it computes (bytes in flight)
+MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers
+MAX_SHARED_BYTES = 40 * 1024
+NEG_INF = float32(-np.inf)
+LO16 = np.uint64(0xFFFF)
+HI16 = np.uint64(0xFFFF0000)
+
+
+@device
+def split_range(lo, pos, split):
+    """Positions [first, end) of split ``split`` of a token attending to [lo, pos], and how many
+    splits the token has (never more than positions, so no split is empty)."""
+    count = pos - lo + 1
+    num_splits = min(MAX_SPLITS, (count + SPLIT_POSITIONS - 1) // SPLIT_POSITIONS)
+    return lo + split * count // num_splits, lo + (split + 1) * count // num_splits, num_splits
+
+
+def max_splits(max_context: int) -> int:
+    """Splits a token can have in a cache of ``max_context`` positions."""
+    return min(MAX_SPLITS, ceil_div(max_context, SPLIT_POSITIONS))
+
+
+@device
+def quad_bf16(words, row, quad, buf, at):
+    u = words[row, quad]
+    buf[at] = bits_as_f32((u & LO16) << 16)
+    buf[at + 1] = bits_as_f32(u & HI16)
+    buf[at + 2] = bits_as_f32((u >> 16) & HI16)
+    buf[at + 3] = bits_as_f32((u >> 32) & HI16)
+
+
+@device
+def quad_f32(words, row, quad, buf, at):
+    lo = words[row, 2 * quad]
+    hi = words[row, 2 * quad + 1]
+    buf[at] = bits_as_f32(lo)
+    buf[at + 1] = bits_as_f32(lo >> 32)
+    buf[at + 2] = bits_as_f32(hi)
+    buf[at + 3] = bits_as_f32(hi >> 32)
+
+
+QUAD = {"bf16": quad_bf16, "fp32": quad_f32}  # 4 elements of a cache row (as 8-byte words) into registers
+
+if SIMULATOR:
+    from moebus.cuda.kernels import sim_warps
+
+    def lanes_sum(value, width):
+        """Sum over the ``width`` lanes (a power of two) of this lane's aligned group, in the GPU's
+        xor-butterfly order."""
+        lane, warp, half = sim_warps._exchange()
+        warp.values[half, lane, 0] = value
+        warp.barrier.wait(lane)
+        first = lane - lane % width
+        values = warp.values[half, first:first + width, 0].copy()
+        offset = width // 2
+        while offset > 0:
+            values = values + values[np.arange(width) ^ offset]
+            offset //= 2
+        return values[lane - first]
+else:
+    @device
+    def lanes_sum(value, width):
+        offset = width // 2
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        return value
+
+
+def _largest_divisor(n: int, at_most: int, power_of_two: bool = False) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0 and (not power_of_two or d & (d - 1) == 0))
+
+
+def layout(head_dim: int, group: int, max_heads: int = 0) -> tuple:
+    """(LPR lanes per row, QPL loads per lane, HPW heads per warp, HS warps per group, STREAMS)."""
+    quads = head_dim // 4
+    lanes = _largest_divisor(quads, 16, power_of_two=True)
+    heads = _largest_divisor(group, max_heads or MAX_HEADS_PER_WARP)
+    head_sets = group // heads
+    rows_per_warp = WARP // lanes
+    per_stream = rows_per_warp * group * head_dim * 4  # shared bytes of one stream's states
+    streams = max(1, min((2 if SIMULATOR else 8) // head_sets, MAX_SHARED_BYTES // per_stream))
+    if streams * per_stream > MAX_SHARED_BYTES:
+        raise ValueError(f"attention of {group} heads of {head_dim} per kv head needs more shared memory")
+    return lanes, quads // lanes, heads, head_sets, streams
+
+
+def decode_kernel(storage: str, head_dim: int, group: int):
+    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32')."""
+    lanes, quads, heads, head_sets, streams = layout(head_dim, group)
+    return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD), \
+        head_sets * streams * WARP
+
+
+@functools.cache
+def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead):
+    load_quad = QUAD[storage]
+    per_lane = 4 * quads  # elements of a row per lane
+    rows_per_warp = WARP // lanes
+    subs = streams * rows_per_warp  # row groups of the block: rows read at once
+    step = subs * rows_ahead
+    num_threads = head_sets * streams * WARP
+    heads_size, rows_size, scores_size = heads * per_lane, rows_ahead * per_lane, rows_ahead * heads
+
+    @device_with_shared
+    def combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial):
+        # the row groups' (output, max, sum) through shared memory into the split's, in a fixed order
+        outs = cuda.shared.array((subs, group, head_dim), float32)
+        stats = cuda.shared.array((subs, group, 2), float32)
+        for h in range(heads):
+            for i in range(per_lane):
+                outs[sub, first_head + h, 4 * ((i // 4) * lanes + chunk) + i % 4] = acc[h * per_lane + i]
+            if chunk == 0:
+                stats[sub, first_head + h, 0] = run_max[h]
+                stats[sub, first_head + h, 1] = run_sum[h]
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, group * head_dim, num_threads):
+            j, d = e // head_dim, e % head_dim
+            peak = NEG_INF
+            for s in range(subs):
+                peak = max(peak, stats[s, j, 0])
+            total = float32(0.0)
+            value = float32(0.0)
+            for s in range(subs):
+                weight = math.exp(stats[s, j, 0] - peak)  # 0 for a row group that saw no row
+                total += stats[s, j, 1] * weight
+                value += outs[s, j, d] * weight
+            head = kv_head * group + j
+            partial[t, head, split, d] = value
+            if d == 0:
+                partial[t, head, split, head_dim] = peak
+                partial[t, head, split, head_dim + 1] = total
+
+    @kernel
+    def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
+        t = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        first, end, num_splits = split_range(lo, pos, split)
+        if split >= num_splits:
+            return  # the whole block
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        head_set, stream = warp % head_sets, warp // head_sets
+        chunk = lane % lanes  # which words of a row this lane reads
+        sub = stream * rows_per_warp + lane // lanes
+        first_head = head_set * heads  # within the group
+        q_reg = cuda.local.array(heads_size, float32)
+        acc = cuda.local.array(heads_size, float32)
+        k_reg = cuda.local.array(rows_size, float32)
+        v_reg = cuda.local.array(rows_size, float32)
+        scores = cuda.local.array(scores_size, float32)
+        run_max = cuda.local.array(heads, float32)
+        run_sum = cuda.local.array(heads, float32)
+        for h in range(heads):
+            run_max[h] = NEG_INF
+            run_sum[h] = float32(0.0)
+            for i in range(per_lane):
+                d = 4 * ((i // 4) * lanes + chunk) + i % 4
+                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale
+                acc[h * per_lane + i] = float32(0.0)
+        base = (token_slot[t] * num_kv_heads + kv_head) * context
+        for start in range(first, end, step):  # the same trip count in every warp (shuffles)
+            for a in range(rows_ahead):  # every load first: rows_ahead rows in flight per lane
+                row = base + min(start + a * subs + sub, end - 1)
+                for w in range(quads):
+                    load_quad(k_words, row, w * lanes + chunk, k_reg, a * per_lane + 4 * w)
+                    load_quad(v_words, row, w * lanes + chunk, v_reg, a * per_lane + 4 * w)
+            for a in range(rows_ahead):
+                for h in range(heads):
+                    dot = float32(0.0)
+                    for i in range(per_lane):
+                        dot += q_reg[h * per_lane + i] * k_reg[a * per_lane + i]
+                    scores[a * heads + h] = lanes_sum(dot, lanes)
+            for a in range(rows_ahead):
+                if start + a * subs + sub < end:
+                    for h in range(heads):
+                        score = scores[a * heads + h]
+                        if score > run_max[h]:  # rare after the first rows: rescale only then
+                            alpha = math.exp(run_max[h] - score)
+                            run_sum[h] *= alpha
+                            for i in range(per_lane):
+                                acc[h * per_lane + i] *= alpha
+                            run_max[h] = score
+                        p = math.exp(score - run_max[h])
+                        run_sum[h] += p
+                        for i in range(per_lane):
+                            acc[h * per_lane + i] += p * v_reg[a * per_lane + i]
+        combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial)
+
+    return attention_split
+
+
+@kernel
+def merge_splits(token_pos, window, partial, out):
+    # one thread per output (t, h, d): splits combined in order, so the result is deterministic
+    num_tokens, num_heads, head_dim = out.shape
+    for n in range(cuda.grid(1), num_tokens * num_heads * head_dim, cuda.gridsize(1)):
+        t = n // (num_heads * head_dim)
+        h = (n // head_dim) % num_heads
+        d = n % head_dim
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        num_splits = split_range(lo, pos, 0)[2]
+        peak = NEG_INF
+        for s in range(num_splits):
+            peak = max(peak, partial[t, h, s, head_dim])
+        total = float32(0.0)
+        value = float32(0.0)
+        for s in range(num_splits):
+            weight = math.exp(partial[t, h, s, head_dim] - peak)
+            total += partial[t, h, s, head_dim + 1] * weight
+            value += partial[t, h, s, d] * weight
+        out[t, h, d] = value / total
