@@ -37,6 +37,9 @@ class GpuWorker:
         self.gpu = gpu
         self.steps_served = 0
         self.busy_s = 0.0
+        # the last step's sampled ids, which a STEP with tokens_from takes as its tokens
+        self.last_step_id: int | None = None
+        self.last_tokens = None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -60,19 +63,36 @@ class GpuWorker:
 
     def step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
+        tokens = self.tokens_of(msg)
+        self.last_step_id = self.last_tokens = None  # until this step has sampled
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
-        batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
+        batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=tokens,
                           temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
                           top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,
                           **masks_of(msg))
         out = self.stage.forward(batch, msg.hidden)
+        if out.tokens is not None:
+            self.last_step_id, self.last_tokens = msg.step_id, out.tokens
         self.steps_served += 1
         compute_s = time.perf_counter() - started
         self.busy_s += compute_s
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+
+    def tokens_of(self, msg: Step):
+        """The step's token ids: its own, or (``tokens_from``) those this stage sampled in the step it
+        names, which must be the last one this worker ran, with as many rows."""
+        if msg.tokens_from is None:
+            return msg.tokens
+        if not (self.stage.is_first and self.stage.is_last):
+            raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, but this stage "
+                             "is not the whole model (only such a stage samples the ids it embeds)")
+        if msg.tokens_from != self.last_step_id or len(self.last_tokens) != len(msg.slots):
+            raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, which is not the last "
+                             f"step this worker sampled ({self.last_step_id}) or has another batch size")
+        return self.last_tokens
 
     def vram(self, msg: Vram) -> VramReply:
         experts = self.stage.experts
