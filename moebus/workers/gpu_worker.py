@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from moebus.common.checkpoint import Checkpoint
@@ -18,6 +19,7 @@ from moebus.common.errors import ConfigError
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
+from moebus.workers import overlap
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes,
@@ -28,6 +30,7 @@ from moebus.workers.loop import serve
 from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
+PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 
 
 class GpuWorker:
@@ -40,6 +43,8 @@ class GpuWorker:
         # the last step's sampled ids, which a STEP with tokens_from takes as its tokens
         self.last_step_id: int | None = None
         self.last_tokens = None
+        self.ahead: dict[int, overlap.Launched | Exception] = {}  # step id -> launched early (workers/overlap.py)
+        self.steps_launched_ahead = 0
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -63,15 +68,18 @@ class GpuWorker:
 
     def step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
-        tokens = self.tokens_of(msg)
-        self.last_step_id = self.last_tokens = None  # until this step has sampled
-        images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
-        images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
-        batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=tokens,
-                          temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,
-                          **masks_of(msg))
-        out = self.stage.forward(batch, msg.hidden)
+        launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
+        if isinstance(launched, Exception):
+            raise launched
+        if launched is None:
+            batch = self.batch_of(msg, self.tokens_of(msg))
+            self.last_step_id = self.last_tokens = None  # until this step has sampled
+            launched = overlap.launch(self.stage, batch, msg.step_id)
+        if launched is not None:
+            self.launch_next(launched)
+            out = overlap.finish(self.stage, launched)
+        else:
+            out = self.stage.forward(batch, msg.hidden)
         if out.tokens is not None:
             self.last_step_id, self.last_tokens = msg.step_id, out.tokens
         self.steps_served += 1
@@ -80,6 +88,33 @@ class GpuWorker:
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+
+    def launch_next(self, running: overlap.Launched) -> None:
+        """While ``running`` computes, wait for the broker's look-ahead step after it and launch that
+        too (its tokens are the ids ``running`` samples, copied on the device). The STEP stays in the
+        inbox: the loop answers it in turn, from ``ahead``; an error launching it is its answer."""
+        while (following := self.link.peek(timeout_s=PEEK_S)) is None:
+            if running.is_done():
+                return
+        if not (isinstance(following, Step) and following.tokens_from == running.step_id
+                and len(following.slots) == running.batch.num_seqs and following.step_id not in self.ahead):
+            return
+        try:
+            batch = self.batch_of(following, np.zeros(len(following.slots), np.int32))  # the ids come on the device
+            launched = overlap.launch(self.stage, batch, following.step_id, after=running)
+        except Exception as e:  # noqa: BLE001 - reported as the answer to that step
+            launched = e
+        if launched is not None:
+            self.ahead[following.step_id] = launched
+            self.steps_launched_ahead += not isinstance(launched, Exception)
+
+    def batch_of(self, msg: Step, tokens) -> StepBatch:
+        images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
+        images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
+        return StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=tokens,
+                         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
+                         top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg),
+                         **images, **masks_of(msg))
 
     def tokens_of(self, msg: Step):
         """The step's token ids: its own, or (``tokens_from``) those this stage sampled in the step it
@@ -102,7 +137,8 @@ class GpuWorker:
         return VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
 
     def stats(self) -> dict:
-        stats = {"gpu": self.gpu, "steps": self.steps_served, "busy_s": self.busy_s,
+        stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
+                 "busy_s": self.busy_s,
                  "dropped_messages": self.link.dropped_messages}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
