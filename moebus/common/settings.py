@@ -108,6 +108,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(256, ge=0)
     max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
+    launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 

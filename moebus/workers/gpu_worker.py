@@ -34,8 +34,9 @@ PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its 
 
 
 class GpuWorker:
-    def __init__(self, stage: Stage, link: BrokerLink, gpu: int):
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True):
         self.stage = stage
+        self.launch_ahead = launch_ahead
         self.link = link
         self.gpu = gpu
         self.steps_served = 0
@@ -74,7 +75,7 @@ class GpuWorker:
         if launched is None:
             batch = self.batch_of(msg, self.tokens_of(msg))
             self.last_step_id = self.last_tokens = None  # until this step has sampled
-            launched = overlap.launch(self.stage, batch, msg.step_id)
+            launched = overlap.launch(self.stage, batch, msg.step_id) if self.launch_ahead else None
         if launched is not None:
             self.launch_next(launched)
             out = overlap.finish(self.stage, launched)
@@ -165,7 +166,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
              stage.experts.report())
     log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
     try:
-        return GpuWorker(stage, link, gpu).serve()
+        return GpuWorker(stage, link, gpu, settings.launch_ahead).serve()
     finally:
         link.close()
 
