@@ -6,8 +6,8 @@ the host (vLLM's async scheduling, SGLang's overlap scheduler).
 
 Only for a captured decode step of a stage that is the whole model, with nothing for the host to do
 between the launch and the outputs: no top logprobs (read from the device logits after the step),
-and an expert cache that holds every expert of the stage (an admission rewrites slots and placement
-entries that a step in flight may read). Anything else runs as ``Stage.forward``."""
+and an expert cache that cannot evict while the launched step runs (an eviction rewrites a slot that
+step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,11 +28,17 @@ class Launched:
 
 
 def can_launch(stage: Stage, batch: StepBatch) -> bool:
-    experts = stage.experts
-    every_expert = len(experts.store.layers) * experts.store.num_experts
     return (stage.use_graphs and stage.is_first and stage.is_last and not batch.top_logprobs
-            and batch.num_tokens <= ROUTED_MAX_TOKENS and not experts.pending
-            and len(experts.key_slot) >= every_expert)
+            and batch.num_tokens <= ROUTED_MAX_TOKENS and evicts_nothing(stage.experts))
+
+
+def evicts_nothing(experts) -> bool:
+    """Can the cache take in whatever the step in flight misses without evicting anything? Then a
+    step launched meanwhile reads only slots that keep their experts: admissions go to free slots
+    (which no placement entry names yet) and the entries flip in stream order after it. True when
+    every expert is resident, and after a prompt loan (its evicted experts' slots are free)."""
+    not_resident = len(experts.store.layers) * experts.store.num_experts - len(experts.key_slot)
+    return len(experts.free) >= min(experts.max_admissions, not_resident)
 
 
 def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None = None) -> Launched | None:
