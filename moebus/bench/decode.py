@@ -69,6 +69,7 @@ def _through_service(model_dir: str | None, device: str, prompt: list[int], toke
                 out[batch] = {"tok_s": statistics.median(r[0] for r in runs), "runs": [r[0] for r in runs],
                               "broker_step_ms": statistics.median(r[1][0] for r in runs),
                               "worker_step_ms": statistics.median(r[1][1] for r in runs)}
+            out["worker"] = _worker_totals(client)
             return out
         finally:
             client.close()
@@ -83,6 +84,17 @@ def _service_run(client, prompt: list[int], tokens: int, batch: int) -> tuple[fl
     n = sum(len(part.tokens) for stream in streams for part in stream)
     elapsed_s = time.perf_counter() - start
     return n / elapsed_s, _step_overhead(before, client.info())
+
+
+WORKER_INFO_S = 4.5  # the broker asks its workers for INFO every 2 s (4 s while steps run)
+
+
+def _worker_totals(client) -> dict:
+    """The first worker's totals over every run: steps, those launched ahead, cache misses, graphs."""
+    time.sleep(WORKER_INFO_S)
+    worker = client.info()["gpus"][0]
+    return {k: worker.get(k) for k in ("steps", "steps_launched_ahead", "hits", "misses", "cuda_graphs",
+                                       "graph_batches")}
 
 
 def _step_overhead(before: dict, after: dict) -> tuple[float, float]:
@@ -165,6 +177,7 @@ def _service_figures(service: dict[int, dict], rows: list[dict]) -> dict:
     """Per batch size: tok/s through the service, its share of in-process (issue 15's goal: >= 0.95 at
     batch 1), ms per step as the broker and as the stage see it, and the broker's hop between them."""
     extra, in_process = {}, {r["batch"]: r["tok_s"] for r in rows}
+    extra.update({f"service_worker_{k}": v for k, v in service.pop("worker").items()})
     for batch, s in service.items():
         extra[f"service_batch{batch}_tok_s"] = s["tok_s"]
         extra[f"service_batch{batch}_share_of_in_process"] = s["tok_s"] / in_process[batch]
