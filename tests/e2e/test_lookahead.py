@@ -77,3 +77,25 @@ def test_top_logprobs_of_a_look_ahead_step(brokers):
     assert len(top[0]) == 10 and top[1] == top[0]
     np.testing.assert_allclose([[pair[1] for pair in row] for row in got[1]["top_logprobs"]],
                                [[pair[1] for pair in row] for row in got[0]["top_logprobs"]], atol=1e-5)
+
+
+def test_a_cancel_and_a_vram_resize_while_steps_look_ahead(brokers):
+    """A cancelled stream's look-ahead row is dropped; a VRAM request waits for both steps in flight;
+    the other streams give the tokens of the broker without look-ahead, and look-ahead resumes."""
+    reqs = requests_to_run(num=4, max_tokens=30)
+    results = []
+    for client in brokers:
+        start_reply = client.vram(query=True)
+        streams = [client.generate(**r) for r in reqs]
+        first = [next(iter(s)) for s in streams]  # every stream is decoding
+        client.cancel(streams[1].id)
+        resized = client.vram()  # every worker's VRAM request waits for the steps in flight
+        assert not resized.get("error") and resized["expert_slots"] == start_reply["expert_slots"]
+        before = counter(client, "lookahead_steps_total")
+        collected = [s.collect() for s in streams]
+        assert collected[1]["finish_reason"] == "cancelled"
+        results.append([(p.tokens + c["tokens"], p.logprobs + c["logprobs"])
+                        for i, (p, c) in enumerate(zip(first, collected)) if i != 1])
+        if client is brokers[1]:
+            assert counter(client, "lookahead_steps_total") > before  # it looked ahead again after the resize
+    assert_same(results[1], results[0])
