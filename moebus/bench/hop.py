@@ -28,7 +28,7 @@ def decode_step(step_id: int) -> Step:
                 top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32), u=np.full(1, 0.5, np.float32))
 
 
-def serve(address: str, compute_s: float, ready: dict | None = None) -> None:
+def serve(address: str, compute_s: float, ready: dict | None = None, wait_s: float = 0.0) -> None:
     """The worker side: a real BrokerLink; the compute thread answers every STEP. ``ready``: READY's
     fields that a real broker checks (layers, model, max_batch, max_context; see bench/hop_broker.py)."""
     from moebus.workers.link import BrokerLink
@@ -42,7 +42,9 @@ def serve(address: str, compute_s: float, ready: dict | None = None) -> None:
             end = time.perf_counter() + compute_s
             while time.perf_counter() < end:  # holds the GIL, as a step of numba launches does
                 pass
-            link.send(StepReply(step_id=message.step_id, generation=link.generation, compute_s=compute_s,
+            if wait_s:
+                time.sleep(wait_s)  # the GIL released, as a step waiting for its GPU kernels
+            link.send(StepReply(step_id=message.step_id, generation=link.generation, compute_s=compute_s + wait_s,
                                 tokens=np.full(len(message.slots), 3, np.int32),
                                 logprobs=np.full(len(message.slots), -0.5, np.float32)))
     finally:
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--compute-ms", type=float, default=0.0, help="GIL-holding work per step in the worker")
+    p.add_argument("--wait-ms", type=float, default=0.0, help="then a wait with the GIL released (a GPU step)")
     p.add_argument("--broker", metavar="DIR", help="through a real broker serving DIR's config and tokenizer "
                    "(e.g. `moebus init-model --preset tiny DIR`) and a streaming client: PARTIAL intervals")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the worker process's own entry
@@ -79,20 +82,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     compute_s = args.compute_ms / 1e3
     if args.serve:
-        serve(args.serve, compute_s, json.loads(args.ready) if args.ready else None)
+        serve(args.serve, compute_s, json.loads(args.ready) if args.ready else None, args.wait_ms / 1e3)
         return 0
     if args.broker:
         from moebus.bench.hop_broker import token_intervals_s
 
-        times_s = token_intervals_s(args.broker, args.warmup + args.steps + 1, args.compute_ms)
-        _report("hop through the broker (PARTIAL interval minus compute", times_s[args.warmup:], compute_s, args)
+        times_s = token_intervals_s(args.broker, args.warmup + args.steps + 1, args.compute_ms, args.wait_ms)
+        _report("hop through the broker (PARTIAL interval minus compute", times_s[args.warmup:],
+                compute_s + args.wait_ms / 1e3, args)
         return 0
     with tempfile.TemporaryDirectory(prefix="moebus-hop-") as tmp:
         address = f"ipc://{Path(tmp) / 'backend.sock'}"
         sock = transport.make_socket(zmq.Context.instance(), zmq.ROUTER)
         sock.bind(address)
         child = subprocess.Popen([sys.executable, "-m", "moebus.cli", "bench", "hop", "--serve", address,
-                                  "--compute-ms", str(args.compute_ms)])
+                                  "--compute-ms", str(args.compute_ms), "--wait-ms", str(args.wait_ms)])
         try:
             if not sock.poll(60_000):
                 raise TimeoutError("the worker process did not send READY")
@@ -104,12 +108,12 @@ def main(argv=None) -> int:
             if child.poll() is None:
                 child.kill()
             sock.close()
-    _report("hop (round trip minus compute", times_s[args.warmup:], compute_s, args)
+    _report("hop (round trip minus compute", times_s[args.warmup:], compute_s + args.wait_ms / 1e3, args)
     return 0
 
 
 def _report(what: str, times_s: list[float], compute_s: float, args) -> None:
     added_us = sorted((t - compute_s) * 1e6 for t in times_s)
-    print(f"{what}, {len(added_us)} steps, compute {args.compute_ms:g} ms): "
+    print(f"{what}, {len(added_us)} steps, compute {args.compute_ms:g} ms, wait {args.wait_ms:g} ms): "
           f"median {statistics.median(added_us):.0f} us  mean {statistics.mean(added_us):.0f} us  "
           f"p90 {added_us[int(len(added_us) * 0.9)]:.0f} us")

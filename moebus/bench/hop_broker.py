@@ -16,7 +16,7 @@ from pathlib import Path
 PROMPT_TOKENS = 8
 
 
-def token_intervals_s(model_dir: str, steps: int, compute_ms: float) -> list[float]:
+def token_intervals_s(model_dir: str, steps: int, compute_ms: float, wait_ms: float = 0.0) -> list[float]:
     """The client-side intervals between consecutive PARTIALs of one ``steps``-token generation."""
     from moebus.cli_generate import private_broker
     from moebus.common.model_config import load_config
@@ -28,7 +28,7 @@ def token_intervals_s(model_dir: str, steps: int, compute_ms: float) -> list[flo
     with tempfile.TemporaryDirectory(prefix="moebus-hop-") as tmp:
         backend = f"ipc://{Path(tmp) / 'backend.sock'}"
         worker = subprocess.Popen([sys.executable, "-m", "moebus.cli", "bench", "hop", "--serve", backend,
-                                   "--compute-ms", str(compute_ms), "--ready", json.dumps(ready)])
+                                   "--compute-ms", str(compute_ms), "--wait-ms", str(wait_ms), "--ready", json.dumps(ready)])
         env = {"MOEBUS_BROKER__BACKEND": backend, "MOEBUS_BROKER__REMOTE_GPUS": "[0]",
                "MOEBUS_EMULATED_VRAM_MIB": "[112]", "MOEBUS_MAX_BATCH": "1", "MOEBUS_MAX_CONTEXT": str(max_context)}
         try:

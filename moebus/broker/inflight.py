@@ -87,9 +87,28 @@ class Inflight:
                 return step
         return None
 
+    def finish(self, step: InflightStep) -> None:
+        """``step`` is answered by its last stage: out of flight (a look-ahead step after it stays)."""
+        self.steps.pop(step.step_id, None)
+
     def discard(self, step: InflightStep) -> list[InflightStep]:
-        """Take ``step`` out of flight: [step], or [] when it was no longer in flight."""
-        return [step] if self.steps.pop(step.step_id, None) is not None else []
+        """Take ``step`` out of flight with the look-ahead steps that feed on its tokens (their
+        stage cannot run them without it): [step, ...], or [] when it was no longer in flight."""
+        if self.steps.pop(step.step_id, None) is None:
+            return []
+        after = next((s for s in self.steps.values() if s.plan.tokens_from == step.step_id), None)
+        return [step] + (self.discard(after) if after is not None else [])
+
+    def started_after(self, step_id: int, now: float) -> None:
+        """Step ``step_id`` is answered: a look-ahead step that waited behind it at its stage starts
+        now (its deadline and its step time run from here)."""
+        for step in self.steps.values():
+            if step.plan.tokens_from == step_id:
+                step.started_s = step.sent_s = now
+
+    def all_at_stage(self, stage: int) -> list[InflightStep]:
+        """Every step sent to ``stage`` and not answered, oldest first (a look-ahead step waits there)."""
+        return [s for s in self.steps.values() if s.stage == stage and not s.waiting]
 
     def clear(self) -> list[InflightStep]:
         steps, self.steps = list(self.steps.values()), {}

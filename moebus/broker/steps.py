@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 from moebus.broker.inflight import Inflight, InflightStep
+from moebus.broker.lookahead import lookahead_plan
 from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.stats import Stats
 from moebus.broker.streaming import finite_logprob
@@ -29,8 +30,9 @@ def step_message(step: InflightStep, hidden, num_stages: int, first_layer: int =
     if last and plan.masks is not None:  # structured outputs (broker/grammar_state.py)
         rules = {**rules, **plan.masks}
     return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
-                logprob_rows=plan.logprob_rows if plan.top_logprobs else None,
-                starts=plan.starts, lengths=plan.lengths, tokens=plan.tokens if first else None,
+                logprob_rows=plan.logprob_rows if plan.top_logprobs else None, tokens_from=plan.tokens_from,
+                starts=plan.starts, lengths=plan.lengths,
+                tokens=plan.tokens if first and plan.tokens_from is None else None,
                 hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
                 embeds=embeds, embed_rows=embed_rows, **rules,
                 **step_qwen3vl(plan.seqs, plan.starts, plan.lengths, first_layer))  # M-RoPE, DeepStack
@@ -45,6 +47,7 @@ class StepDriver:
     vram: VramControl
     stats: Stats
     step_ids: Iterator[int]
+    settings: object
 
     def _dispatch(self, now: float) -> None:
         if not self.pool.all_ready():
@@ -54,14 +57,24 @@ class StepDriver:
             if not self.inflight:
                 self.vram.start_next()
             return
-        if not self.inflight.can_start():
+        if self.inflight.can_start():
+            plan = self._plan()
+            if plan is None:
+                return
+            if self.inflight:
+                self.stats.count("pipelined_steps_total")
+            self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
+        self._look_ahead(now)
+
+    def _look_ahead(self, now: float) -> None:
+        """One stage and one step in flight: send the step after it now (broker/lookahead.py)."""
+        if not self.settings.broker.lookahead or len(self.pool) != 1 or len(self.inflight) != 1:
             return
-        plan = self._plan()
-        if plan is None:
-            return
-        if self.inflight:
-            self.stats.count("pipelined_steps_total")
-        self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
+        previous = next(iter(self.inflight))
+        plan = lookahead_plan(self.scheduler, previous.plan, previous.step_id)
+        if plan is not None:
+            self.stats.count("lookahead_steps_total")
+            self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
 
     def _plan(self) -> PlannedStep | None:
         try:
@@ -103,9 +116,10 @@ class StepDriver:
     def _finish_step(self, step: InflightStep, msg: StepReply) -> None:
         """The last stage answered: the step's tokens join their sequences, the next STEP goes out,
         and only then do the tokens stream (their PARTIALs are off the critical path)."""
-        self.inflight.discard(step)
+        self.inflight.finish(step)
         self._send_ready_steps()  # the last stage is free: the next micro-batch goes on before tokens stream
         now = time.monotonic()
+        self.inflight.started_after(step.step_id, now)  # a look-ahead step queued behind it runs from now
         self.stats.count("steps_total")
         self.stats.observe("step_seconds", now - step.started_s)
         self.stats.observe("step_compute_seconds", step.compute_s)
@@ -129,5 +143,6 @@ class StepDriver:
     def _abort_step(self, reason: str, status: int = 500, step: InflightStep | None = None) -> None:
         """``step`` (default: every step in flight) cannot complete: its requests fail."""
         steps = self.inflight.clear() if step is None else self.inflight.discard(step)
-        for seq in [seq for s in steps for seq in s.plan.seqs]:
+        seqs = {seq.id: seq for s in steps for seq in s.plan.seqs}  # a look-ahead step repeats its rows
+        for seq in seqs.values():
             self._fail(seq, f"{reason}; request aborted", status=status)

@@ -85,10 +85,10 @@ class WorkerMessages:
             return
         if worker.generation == msg.generation:  # the same process reconnected (the broker was silent)
             worker.last_seen_s = time.monotonic()
-            step = self.inflight.at_stage(worker.gpu)
-            if step is not None and step.message is not None:
-                log.warning("gpu%d reconnected with a step in flight; sending it again", worker.gpu)
-                self._send_worker(worker.gpu, step.message)  # idempotent: same positions, same draws
+            for step in self.inflight.all_at_stage(worker.gpu):  # a look-ahead step too, after the one it follows
+                if step.message is not None:
+                    log.warning("gpu%d reconnected with step %d in flight; sending it again", worker.gpu, step.step_id)
+                    self._send_worker(worker.gpu, step.message)  # idempotent: same positions, same draws
             return
         if worker.is_ready:
             self._lose(worker, f"gpu{worker.gpu} worker restarted")

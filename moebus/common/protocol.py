@@ -310,7 +310,11 @@ class Step(Message):
     reply's ``top_ids`` / ``top_logprobs`` are (R, n) in that order, so only rows that asked pay.
     ``mask`` (M, W) int32 (the bits of uint32 words) and ``mask_rows`` (S,) int32, last stage only and only when some row is
     constrained (structured outputs): allowed-token bitmasks, W = ceil(vocab / 32), and each row's
-    mask (-1: unconstrained); see cuda/kernels/sampling.py."""
+    mask (-1: unconstrained); see cuda/kernels/sampling.py.
+    ``tokens_from``: the id of the step whose sampled ids are this step's tokens, row for row: a
+    worker whose stage is the whole model keeps them (``tokens`` is then absent, every length 1).
+    The broker sends such a step while the step it names still runs, so the stage never waits for
+    the broker's hop (broker/lookahead.py)."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
@@ -318,6 +322,7 @@ class Step(Message):
                "logprob_rows", "mask", "mask_rows", "rope_positions", "deepstack", "deepstack_rows")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
+    tokens_from: Int64 | None = None
     slots: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
@@ -416,6 +421,8 @@ def check_step_arrays(step: Step) -> None:
             raise ValueError("slots and starts must be >= 0, lengths >= 1")
     num_tokens = _total(lengths)
     tokens = _vector(step, "tokens", "iu", num_tokens)
+    if step.tokens_from is not None and (tokens is not None or step.hidden is not None or num_tokens != num_seqs):
+        raise ValueError("a step with tokens_from carries no tokens or hidden states, and one token per sequence")
     if tokens is not None and tokens.size:
         low_token, high_token = _span(tokens)
         if low_token < 0 or high_token > MAX_INT32:

@@ -75,6 +75,7 @@ class BrokerSettings(_Section):
     client_timeout_s: float = Field(5.0, gt=0)  # a ZeroMQ client silent this long: its requests are cancelled
     step_timeout_s: float = Field(60.0, gt=0)  # a stage with no reply to a STEP by then is restarted
     pipeline: bool = True  # 2+ stages, 2+ running sequences: one micro-batch in flight per stage
+    lookahead: bool = True  # one stage: the next decode step is sent while one runs (broker/lookahead.py)
     vram_timeout_s: float = Field(30.0, gt=0)  # same for a VRAM request
     max_vram_queue: int = Field(16, ge=1)  # VRAM requests waiting; more are refused (503)
     tokenizer_threads: int = Field(2, ge=1, le=64)  # threads that tokenize and render prompts
@@ -110,6 +111,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(256, ge=0)
     max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
+    launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
 

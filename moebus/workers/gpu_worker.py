@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from moebus.common.checkpoint import Checkpoint
@@ -18,6 +19,7 @@ from moebus.common.errors import ConfigError
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
+from moebus.workers import overlap
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes,
@@ -29,15 +31,22 @@ from moebus.workers.loop import serve
 from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
+PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 
 
 class GpuWorker:
-    def __init__(self, stage: Stage, link: BrokerLink, gpu: int):
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True):
         self.stage = stage
+        self.launch_ahead = launch_ahead
         self.link = link
         self.gpu = gpu
         self.steps_served = 0
         self.busy_s = 0.0
+        # the last step's sampled ids, which a STEP with tokens_from takes as its tokens
+        self.last_step_id: int | None = None
+        self.last_tokens = None
+        self.ahead: dict[int, overlap.Launched | Exception] = {}  # step id -> launched early (workers/overlap.py)
+        self.steps_launched_ahead = 0
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -61,19 +70,66 @@ class GpuWorker:
 
     def step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
-        images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
-        images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
-        batch = StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=msg.tokens,
-                          temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
-                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg), **images,
-                          **masks_of(msg))
-        out = self.stage.forward(batch, msg.hidden)
+        launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
+        if isinstance(launched, Exception):
+            raise launched
+        if launched is None:
+            batch = self.batch_of(msg, self.tokens_of(msg))
+            self.last_step_id = self.last_tokens = None  # until this step has sampled
+            launched = overlap.launch(self.stage, batch, msg.step_id) if self.launch_ahead else None
+        if launched is not None:
+            self.launch_next(launched)
+            out = overlap.finish(self.stage, launched)
+        else:
+            out = self.stage.forward(batch, msg.hidden)
+        if out.tokens is not None:
+            self.last_step_id, self.last_tokens = msg.step_id, out.tokens
         self.steps_served += 1
         compute_s = time.perf_counter() - started
         self.busy_s += compute_s
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+
+    def launch_next(self, running: overlap.Launched) -> None:
+        """While ``running`` computes, wait for the broker's look-ahead step after it and launch that
+        too (its tokens are the ids ``running`` samples, copied on the device). The STEP stays in the
+        inbox: the loop answers it in turn, from ``ahead``; an error launching it is its answer."""
+        while (following := self.link.peek(timeout_s=PEEK_S)) is None:
+            if running.is_done():
+                return
+        if not (isinstance(following, Step) and following.tokens_from == running.step_id
+                and len(following.slots) == running.batch.num_seqs and following.step_id not in self.ahead):
+            return
+        try:
+            batch = self.batch_of(following, np.zeros(len(following.slots), np.int32))  # the ids come on the device
+            launched = overlap.launch(self.stage, batch, following.step_id, after=running)
+        except Exception as e:  # noqa: BLE001 - reported as the answer to that step
+            launched = e
+        if launched is not None:
+            self.ahead[following.step_id] = launched
+            self.steps_launched_ahead += not isinstance(launched, Exception)
+
+    def batch_of(self, msg: Step, tokens) -> StepBatch:
+        images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
+        images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
+        return StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=tokens,
+                         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
+                         top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg),
+                         **images, **masks_of(msg))
+
+    def tokens_of(self, msg: Step):
+        """The step's token ids: its own, or (``tokens_from``) those this stage sampled in the step it
+        names, which must be the last one this worker ran, with as many rows."""
+        if msg.tokens_from is None:
+            return msg.tokens
+        if not (self.stage.is_first and self.stage.is_last):
+            raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, but this stage "
+                             "is not the whole model (only such a stage samples the ids it embeds)")
+        if msg.tokens_from != self.last_step_id or len(self.last_tokens) != len(msg.slots):
+            raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, which is not the last "
+                             f"step this worker sampled ({self.last_step_id}) or has another batch size")
+        return self.last_tokens
 
     def vram(self, msg: Vram) -> VramReply:
         experts = self.stage.experts
@@ -88,12 +144,15 @@ class GpuWorker:
         return reply
 
     def stats(self) -> dict:
-        stats = {"gpu": self.gpu, "steps": self.steps_served, "busy_s": self.busy_s,
+        stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
+                 "busy_s": self.busy_s,
                  "dropped_messages": self.link.dropped_messages}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
         if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
             stats["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
+        if self.stage.ops.name == "cuda":  # decode steps replayed as CUDA graphs, by batch size
+            stats.update(cuda_graphs=self.stage.use_graphs, graph_batches=sorted({k[0] for k in self.stage.graphs}))
         if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
             from moebus.cuda.memory.vmm import device_memory_info
 
@@ -115,7 +174,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
              stage.experts.report())
     log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
     try:
-        return GpuWorker(stage, link, gpu).serve()
+        return GpuWorker(stage, link, gpu, settings.launch_ahead).serve()
     finally:
         link.close()
 

@@ -20,6 +20,17 @@ log = logging.getLogger("moebus.worker")
 MAX_INBOX = 64  # the broker sends one STEP at a time; more waiting means something is wrong
 
 
+class Inbox(queue.Queue):
+    """The compute thread's queue of messages, which it may also look at without taking one."""
+
+    def peek(self, timeout_s: float) -> Message | None:
+        """The next message, left in place; None if none came within ``timeout_s``."""
+        with self.not_empty:
+            if not self._qsize():
+                self.not_empty.wait(timeout_s)
+            return self.queue[0] if self._qsize() else None
+
+
 class BrokerLink:
     def __init__(self, address: str, identity: str, heartbeat_s: float = 1.0, liveness: int = 3,
                  server_key: str | None = None, keys: tuple[str, str] | None = None):
@@ -33,7 +44,7 @@ class BrokerLink:
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self.generation = uuid.uuid4().hex[:12]
-        self.inbox: queue.Queue[Message] = queue.Queue(maxsize=MAX_INBOX)
+        self.inbox = Inbox(maxsize=MAX_INBOX)
         self.ctx = zmq.Context.instance()
         self._pipe_addr = f"inproc://link-{self.generation}"
         self._pipe_io = transport.make_socket(self.ctx, zmq.PAIR)
@@ -59,6 +70,10 @@ class BrokerLink:
             return self.inbox.get(timeout=timeout_s)
         except queue.Empty:
             return None
+
+    def peek(self, timeout_s: float) -> Message | None:
+        """The next message without taking it (a worker looks for the step after the one it runs)."""
+        return self.inbox.peek(timeout_s)
 
     def close(self) -> None:
         self._stop.set()

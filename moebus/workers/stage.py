@@ -91,13 +91,17 @@ class Stage:
                 return self._forward(batch, hidden, want_logits)
             return forward_in_pieces(self._forward, batch, hidden, want_logits, max_piece_tokens, self.is_last)
 
-    def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
+    def check(self, batch: StepBatch) -> None:
+        """Refuse a step whose positions or KV slots this stage does not have, before any work."""
         if int((batch.starts + batch.lengths).max()) > self.max_context:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
         if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.kv.num_slots:
             raise ValueError(f"a KV slot outside [0, {self.kv.num_slots})")
         if batch.rope_positions is not None and batch.num_tokens and int(batch.rope_positions.max()) >= self.max_context:
             raise ValueError(f"a rope position exceeds max_context {self.max_context}")
+
+    def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
+        self.check(batch)
         routed = batch.num_tokens <= ROUTED_MAX_TOKENS
         inputs = self._host_inputs(batch, hidden)
         graph = self._graph_for(batch, inputs) if routed else None

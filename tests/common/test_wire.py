@@ -50,6 +50,8 @@ SAMPLES = [
            starts=np.zeros(3, np.int32), lengths=np.ones(3, np.int32), hidden=np.zeros((3, 8), np.float32)),
     p.Step(step_id=4, slots=np.zeros(1, np.int32), starts=np.zeros(1, np.int32), lengths=np.ones(1, np.int32),
            hidden=np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)),
+    p.Step(step_id=9, tokens_from=8, slots=np.array([2, 0], np.int32), starts=np.array([40, 7], np.int32),
+           lengths=np.ones(2, np.int32), temperature=np.zeros(2, np.float32), u=np.zeros(2, np.float32)),
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
                 logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
                 top_logprobs=np.zeros((2, 3), np.float32)),
@@ -145,3 +147,13 @@ def test_step_logprob_rows_must_be_ascending_rows_of_the_step(rows, n):
     with pytest.raises(ValueError, match="logprob_rows"):
         p.Step(step_id=1, top_logprobs=n, logprob_rows=np.array(rows, np.int32), slots=np.arange(3, dtype=np.int32),
                starts=np.zeros(3, np.int32), lengths=np.ones(3, np.int32))
+
+
+@pytest.mark.parametrize("extra", [{"tokens": np.zeros(2, np.int32)}, {"hidden": np.zeros((2, 8), np.float32)},
+                                   {"lengths": np.array([1, 2], np.int32)}])
+def test_a_step_with_tokens_from_takes_one_token_per_row_and_carries_none(extra):
+    fields = dict(step_id=2, tokens_from=1, slots=np.arange(2, dtype=np.int32), starts=np.zeros(2, np.int32),
+                  lengths=np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="tokens_from"):
+        p.Step(**{**fields, **extra})
+

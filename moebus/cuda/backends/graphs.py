@@ -58,6 +58,7 @@ class CapturedStep:
             self.pool.recycle()
             self.outputs, self.graph = self._capture(run)
         self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in self.outputs.items()}
+        self.launches: list[Launch] | None = None  # launch()'s buffers, made on first use
 
     def _view(self, buffer, name: str):
         shape, dtype = self.specs[name]
@@ -98,6 +99,27 @@ class CapturedStep:
         stream.synchronize()
         return {name: np.array(self.host_outputs[name]) for name in names}
 
+    def launch(self, host_inputs: dict, names, tokens=None) -> "Launch":
+        """``replay`` without the wait, for a step launched while the one before it still runs: its
+        own pinned buffers (two in turn, so the step before keeps its outputs until collected), and
+        ``tokens`` (a device array: the ids the previous step sampled) copied over the ``tokens``
+        input in stream order. At most two launches may be uncollected at a time."""
+        if self.launches is None or self.launches[0].names != list(names):
+            self.launches = [Launch(self, names), Launch(self, names)]
+        launch = self.launches[0]
+        self.launches.reverse()
+        stream = self.backend.stream
+        for name, view in launch.staging_views.items():
+            view[...] = host_inputs[name]
+        self.packed.copy_to_device(launch.staging, stream=stream)
+        if tokens is not None:
+            self.inputs["tokens"].copy_to_device(tokens, stream=stream)
+        self.graph.launch(self.stream)
+        for name in launch.names:
+            self.outputs[name].copy_to_host(launch.host_outputs[name], stream=stream)
+        launch.done.record(stream)
+        return launch
+
     def close(self) -> None:
         self.graph.close()
         self.pool.release()
@@ -114,3 +136,28 @@ def swapped(obj, **values):
     finally:
         for name, value in old.items():
             setattr(obj, name, value)
+
+
+class Launch:
+    """One launched replay's pinned buffers and its completion event (CapturedStep.launch)."""
+
+    def __init__(self, step: CapturedStep, names):
+        self.names = list(names)
+        self.staging = cuda.pinned_array(step.staging.shape, np.uint8)
+        self.staging_views = {name: step._view(self.staging, name) for name in step.specs}
+        self.host_outputs = {name: cuda.pinned_array(step.outputs[name].shape, step.outputs[name].dtype)
+                             for name in self.names}
+        self.done = cuda.event(timing=False)
+
+    def is_done(self) -> bool:
+        """Has the step finished (or failed: collect then raises)? Asked of the driver directly:
+        numba's Event.query logs every not-ready answer as an ERROR."""
+        from cuda.bindings import driver as cu
+
+        (status,) = cu.cuEventQuery(int(self.done.handle))
+        return status != cu.CUresult.CUDA_ERROR_NOT_READY
+
+    def collect(self) -> dict[str, np.ndarray]:
+        """Wait for the step; copies of its outputs."""
+        self.done.synchronize()
+        return {name: np.array(array) for name, array in self.host_outputs.items()}

@@ -1,0 +1,73 @@
+"""Decode steps launched while the one before still runs on the GPU (the worker's half of the
+broker's look-ahead steps, broker/lookahead.py): the host work of step N+1 (its STEP decoded, its
+inputs laid out and copied, the graph launched) overlaps step N's kernels, and N+1 reads the ids N
+sampled straight from the device, so the GPU goes from one step to the next without waiting for
+the host (vLLM's async scheduling, SGLang's overlap scheduler).
+
+Only for a captured decode step of a stage that is the whole model, with nothing for the host to do
+between the launch and the outputs: no top logprobs (read from the device logits after the step),
+and an expert cache that cannot evict while the launched step runs (an eviction rewrites a slot that
+step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebus.workers.batch import StageOutput, StepBatch
+from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
+
+
+@dataclass
+class Launched:
+    step_id: int
+    batch: StepBatch
+    graph: object  # the CapturedStep it replays
+    launch: object  # its graphs.Launch: pinned outputs and completion event
+
+    def is_done(self) -> bool:
+        return self.launch.is_done()
+
+
+def can_launch(stage: Stage, batch: StepBatch) -> bool:
+    return (stage.use_graphs and stage.is_first and stage.is_last and not batch.top_logprobs
+            and batch.num_tokens <= ROUTED_MAX_TOKENS and evicts_nothing(stage.experts))
+
+
+def evicts_nothing(experts) -> bool:
+    """Can the cache take in whatever the step in flight misses without evicting anything? Then a
+    step launched meanwhile reads only slots that keep their experts: admissions go to free slots
+    (which no placement entry names yet) and the entries flip in stream order after it. True when
+    every expert is resident, and after a prompt loan (its evicted experts' slots are free)."""
+    not_resident = len(experts.store.layers) * experts.store.num_experts - len(experts.key_slot)
+    return len(experts.free) >= min(experts.max_admissions, not_resident)
+
+
+def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None = None) -> Launched | None:
+    """Launch ``batch`` as a captured step without waiting for it; ``after``: the launched step whose
+    sampled ids are this one's tokens (still running: the copy of its ids is in stream order).
+    None where the step must run as ``Stage.forward`` (nothing was launched)."""
+    if not can_launch(stage, batch):
+        return None
+    stage.check(batch)
+    inputs = stage._host_inputs(batch, None)
+    if after is not None:  # only the graph that ``after`` replays: a capture now would run eagerly
+        if not after.graph.matches(inputs) or stage.graphs.get((batch.num_tokens, "mask" in inputs)) is not after.graph:
+            return None
+        if stage._graph_for(batch, inputs) is not after.graph:
+            return None
+        graph = after.graph
+    else:
+        graph = stage._graph_for(batch, inputs)
+        if graph is None:
+            return None
+        stage.ops.begin_step()  # nothing is in flight: what an eager step left is recycled
+    stage.experts.device_placement(stage.ops)
+    tokens = after.graph.outputs["tokens"] if after is not None else None
+    return Launched(step_id, batch, graph, graph.launch(inputs, stage._wanted(batch, False), tokens=tokens))
+
+
+def finish(stage: Stage, launched: Launched) -> StageOutput:
+    """Wait for a launched step; its outputs, with the cache told which experts it read."""
+    out = launched.launch.collect()
+    if "expert_ids" in out:
+        stage.experts.observe(out["expert_ids"], stage.ops)
+    return stage._sample_output(launched.batch, out, False)

@@ -1,0 +1,71 @@
+"""Decode steps launched while the one before still runs (workers/overlap.py, on a GPU only: CUDA
+graphs do not exist in the simulator): a worker whose inbox already holds the broker's look-ahead
+STEPs launches each one ahead, feeding it the ids the step before sampled on the device, and gives
+the tokens and logprobs of the same steps replayed one at a time with their ids sent in full."""
+import numpy as np
+import pytest
+
+from moebus.common import tiny_model
+from moebus.common.protocol import Step
+from moebus.cuda.backends.graphs import graphs_available
+from moebus.workers.batch import StepBatch
+from moebus.workers.gpu_worker import GpuWorker
+from moebus.workers.link import Inbox
+from moebus.workers.local import LocalModel
+from tests.cuda.test_e2e import MICRO
+
+pytestmark = pytest.mark.skipif(not graphs_available(), reason="CUDA graphs need a GPU")
+PROMPT = [5, 17, 42, 9, 77, 3]
+NUM_STEPS = 12
+
+
+class InboxLink:
+    """The compute thread's side of a BrokerLink: its inbox, which the test fills as the broker would."""
+
+    generation = "g"
+    dropped_messages = 0
+
+    def __init__(self):
+        self.inbox = Inbox()
+
+    def peek(self, timeout_s: float):
+        return self.inbox.peek(timeout_s)
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(tiny_model.PRESETS, "micro", MICRO)
+        patch.setitem(tiny_model.PRESET_SHARDED, "micro", False)
+        return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
+
+
+def decode_step(step_id: int, start: int, rows: int) -> Step:
+    return Step(step_id=step_id, tokens_from=step_id - 1, slots=np.arange(rows, dtype=np.int32),
+                starts=np.full(rows, start, np.int32), lengths=np.ones(rows, np.int32),
+                temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_launched_ahead_steps_give_the_tokens_of_steps_run_one_at_a_time(micro_model, rows):
+    link = InboxLink()
+    worker = GpuWorker(LocalModel(micro_model, device="cuda", num_slots=2, max_context=64).stages[0], link, gpu=0)
+    prefill = Step(step_id=1, slots=np.arange(rows, dtype=np.int32), starts=np.zeros(rows, np.int32),
+                   lengths=np.full(rows, len(PROMPT), np.int32), tokens=np.array(PROMPT * rows, np.int32),
+                   temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
+    got = [worker.step(prefill)]
+    for i in range(NUM_STEPS):
+        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
+    while not link.inbox.empty():
+        got.append(worker.step(link.inbox.get()))
+    assert worker.steps_launched_ahead == NUM_STEPS - 1  # every decode step but the first
+
+    model = LocalModel(micro_model, device="cuda", num_slots=2, max_context=64)
+    want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
+                                 tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
+    for i in range(NUM_STEPS):
+        step = decode_step(2 + i, len(PROMPT) + i, rows)
+        want.append(model.step(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
+                                          tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+    np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
