@@ -72,6 +72,17 @@ class ScratchBudget:
         return self.tokens + extra_bytes // self.per_token_bytes
 
 
+def widened(scratch: ScratchBudget, spare_bytes: int, max_step_tokens: int) -> ScratchBudget:
+    """``scratch`` with its standing part grown into VRAM that nothing else uses (a GPU whose cache
+    holds every expert with room to spare), up to ``max_step_tokens``: steps that long then take
+    their buffers from that room instead of a prompt-path loan, which would evict experts that the
+    next decode steps then miss."""
+    tokens = min(max_step_tokens, scratch.tokens + max(0, spare_bytes) // scratch.per_token_bytes)
+    if tokens <= scratch.tokens:
+        return scratch
+    return ScratchBudget.measured(tokens, scratch.bytes_for(tokens), scratch.per_token_bytes)
+
+
 def budget_bytes(settings, gpu: int, total_bytes: int) -> int | None:
     """The VRAM budget of GPU ``gpu`` (worker order): ``gpu_memory_mib`` for it and/or
     ``gpu_memory_utilization`` of its total, the smaller; None when neither is set."""

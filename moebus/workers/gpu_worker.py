@@ -22,7 +22,7 @@ from moebus.cuda.memory.ledger import MIB
 from moebus.workers import overlap
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
-                                         max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes,
+                                         max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
                                          startup_capacity_bytes)
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
@@ -246,6 +246,12 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
                                segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
                                startup_reserve_mib=reserve, store=store)
     stage.scratch = scratch  # steps longer than the measured one borrow from the cache
+    if ledger is None:  # unless the GPU has room beyond a cache of every expert: then they use that
+        spare = free - int(reserve * MIB) - scratch_to_keep - cache.arena.mapped_bytes
+        stage.scratch = widened(scratch, spare, settings.max_step_tokens)
+        if stage.scratch is not scratch:
+            log.info("gpu%d: steps of up to %d tokens take their scratch beside the cache (%.0f MiB spare)", gpu,
+                     stage.scratch.tokens, spare / MIB)
     if budget is not None:  # reserves, reports and max_free_mib count within the budget, not the whole GPU
         cache.arena.memory_info = budget.memory_info
     return cache
