@@ -134,6 +134,13 @@ def exercise(rng) -> None:
                                     empty(tokens * 2, 64), empty(tokens * 2, 32))
         moe_ffn.expert_ffn_cuda(f32(1, 13), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
                                 storage(f32(2, 3 * 13 * 6)), 13, 6, empty(1, 13), empty(1, 6))
+    # A3B decode widths: split rows (a router's 32 rows of 2048), the experts' unrolled rounds
+    big_arena = np.zeros((2, 3 * 768 * 2048), np.uint16)
+    for tokens in (1, 8):
+        linear.linear_cuda(f32(tokens, 2048), np.zeros((32, 2048), np.uint16), empty(tokens, 32))
+        pairs = np.arange(tokens * 2, dtype=np.int32)
+        moe_ffn.expert_ffn_cuda(f32(tokens, 2048), pairs // 2, pairs % 2, pairs, big_arena, 2048, 768,
+                                empty(tokens * 2, 2048), empty(tokens * 2, 768))
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.fill_cuda(empty(4), 0)
