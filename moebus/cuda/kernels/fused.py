@@ -60,30 +60,45 @@ def qkv_rope_store_ref(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weigh
 
 @functools.cache
 def _add_rmsnorm_kernel(storage: str, per_thread: int):
-    store_normed = _normed_store(storage, per_thread)
+    store_normed = normed_store(storage, per_thread)
+
+    load_row = row_values(per_thread)
 
     @kernel
     def add_rmsnorm_rows(x, y, weight, eps, total, out):
         # a block per row; thread i holds elements i, i + blockDim, ... (per_thread of them) in
         # registers: every load of the row is issued before the first use, one pass over memory
         num_rows, dim = x.shape
-        tid, step = cuda.threadIdx.x, cuda.blockDim.x
         values = cuda.local.array(per_thread, float32)
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):  # same trip count in the block
-            for i in range(per_thread):
-                d = min(tid + i * step, dim - 1)
-                values[i] = x[row, d] + y[row, d]
-            square_sum = float32(0.0)
-            for i in range(per_thread):
-                if tid + i * step < dim:
-                    square_sum += values[i] * values[i]
+            square_sum = load_row(x, y, row, dim, values)
             store_normed(values, weight, block_sum(square_sum), dim, eps, row, total, out)
 
     return add_rmsnorm_rows
 
 
 @functools.cache
-def _normed_store(storage: str, per_thread: int):
+def row_values(per_thread: int):
+    """The first pass of a row kernel: values = x[row] + y[row] (this thread's elements); returns
+    this thread's share of the sum of squares."""
+
+    @device
+    def add_row(x, y, row, dim, values):
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        for i in range(per_thread):
+            d = min(tid + i * step, dim - 1)
+            values[i] = x[row, d] + y[row, d]
+        square_sum = float32(0.0)
+        for i in range(per_thread):
+            if tid + i * step < dim:
+                square_sum += values[i] * values[i]
+        return square_sum
+
+    return add_row
+
+
+@functools.cache
+def normed_store(storage: str, per_thread: int):
     """The second pass of a row kernel: total = the held values, out = their rmsnorm."""
     load_weight = SCALAR[storage]
 
@@ -119,7 +134,7 @@ def add_rmsnorm_cuda(x, y, weight, eps: float, total, out, stream=0):
 
 @functools.cache
 def _combine_add_rmsnorm_kernel(storage: str, top_k: int, per_thread: int):
-    store_normed = _normed_store(storage, per_thread)
+    store_normed = normed_store(storage, per_thread)
 
     @kernel
     def combine_add_rmsnorm_rows(y_pair, weights, x, weight, eps, total, out):
