@@ -127,6 +127,7 @@ def exercise(rng) -> None:
         linear.linear_cuda(f32(2, 13), storage(f32(5, 13)), empty(2, 5))  # narrow reads
         embedding.embedding_cuda(storage(f32(10, 16)), np.array([1, 2], np.int32), empty(2, 16))
         rmsnorm.rmsnorm_cuda(f32(3, 128), storage(f32(128)), 1e-6, empty(3, 128))
+        rmsnorm.rmsnorm_cuda(f32(1, 2048), storage(f32(2048)), 1e-6, empty(1, 2048))  # a block per row
         arena = storage(f32(4, 3 * 32 * 64))
         for tokens in (1, 8):
             pairs = np.arange(tokens * 2, dtype=np.int32)

@@ -62,3 +62,17 @@ def test_linear_splits_few_long_rows_only():
     assert row_split(32, 512, 4) == 4  # a router
     assert row_split(151936, 512, 4) == 1  # lm_head
     assert row_split(32, 512, 2) == 2  # never more warps than a block has
+
+
+def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch):
+    # a pass of 1 token (one row a warp) and of MAX_TOKENS (ROWS_PER_WARP rows a warp) sum a row the
+    # same way, split or not: bit for bit
+    from moebus.cuda.kernels import linear
+
+    monkeypatch.setattr(linear, "MIN_SPAN_WORDS", 1)
+    monkeypatch.setattr(linear, "SPLIT_TARGET_WARPS", 1 << 30)
+    x = rng.standard_normal((MAX_TOKENS, 40), dtype=np.float32)
+    weight = stored(rng.standard_normal((7, 40), dtype=np.float32), "bf16")
+    together = _run(x, weight)
+    np.testing.assert_allclose(together, linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(_run(x[3:4], weight)[0], together[3])

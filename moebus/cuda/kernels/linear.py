@@ -23,6 +23,8 @@ from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, 
 MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
 UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
+MAX_UNROLL = 8  # ... with one or two tokens a pass (registers to spare)
+ROWS_PER_WARP = 4  # rows a warp takes at once with 3..8 tokens a pass
 SPLIT_TARGET_WARPS = 8192  # ~62 warps per SM of an H200: rows x split below this get split further
 MIN_SPAN_WORDS = WARP * UNROLL  # words of a row one warp of a split keeps at least
 
@@ -35,67 +37,78 @@ def linear_ref(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
 # -- cuda -----------------------------------------------------------------------------------------
 
 @functools.cache
-def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int):
+def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll: int, rows: int):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
 
     @kernel
     def linear_rows(x, weight, num_words, out):
         # grid: x over row groups (grid-stride, same trip count in every warp), y over token chunks;
+        # a warp takes `rows` consecutive rows at once (each x word it loads serves all of them), and
         # a row's words are cut in `split` spans, one warp each, their partials added in span order
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        rows_per_block = cuda.blockDim.x // WARP // split
+        groups_per_block = cuda.blockDim.x // WARP // split
         part = warp % split
-        first = cuda.blockIdx.x * rows_per_block + warp // split
-        stride = cuda.gridDim.x * rows_per_block
+        first = cuda.blockIdx.x * groups_per_block + warp // split
+        stride = cuda.gridDim.x * groups_per_block
         span = (num_words + split - 1) // split
         begin = part * span
         end = min(begin + span, num_words)
         total_tokens, num_rows = out.shape
+        num_groups = (num_rows + rows - 1) // rows
         t0 = cuda.blockIdx.y * num_tokens
         tokens = cuda.local.array(num_tokens, int32)
         for t in range(num_tokens):  # past the end: recompute the last token, never store it
             tokens[t] = min(t0 + t, total_tokens - 1)
-        acc = cuda.local.array(num_tokens, float32)
-        w_buf = cuda.local.array((UNROLL, width), float32)
+        acc = cuda.local.array((rows, num_tokens), float32)
+        w_buf = cuda.local.array((rows, unroll, width), float32)
         x_buf = cuda.local.array(width, float32)
-        partial = cuda.shared.array((MAX_WARPS, num_tokens), float32)
-        for start in range(0, num_rows, stride):
-            row = min(start + first, num_rows - 1)
-            for t in range(num_tokens):
-                acc[t] = float32(0.0)
-            for base in range(begin + lane, end, WARP * UNROLL):
-                for u in range(UNROLL):  # UNROLL weight loads in flight before the first use
-                    read_weight(weight, row, min(base + u * WARP, end - 1), w_buf[u])
-                for u in range(UNROLL):  # words in the order lane, lane + 32, ...: sums as before
+        partial = cuda.shared.array((MAX_WARPS, rows, num_tokens), float32)
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for r in range(rows):
+                for t in range(num_tokens):
+                    acc[r, t] = float32(0.0)
+            for base in range(begin + lane, end, WARP * unroll):
+                for r in range(rows):  # every weight load of the round in flight before the first use
+                    row = min(group * rows + r, num_rows - 1)
+                    for u in range(unroll):
+                        read_weight(weight, row, min(base + u * WARP, end - 1), w_buf[r, u])
+                for u in range(unroll):  # words in the order lane, lane + 32, ...: sums as before
                     word = base + u * WARP
                     if word < end:
                         for t in range(num_tokens):
                             read_x(x, tokens[t], word, x_buf)
-                            total = acc[t]
-                            for c in range(width):
-                                total += x_buf[c] * w_buf[u, c]
-                            acc[t] = total
-            warp_sum_many(acc, num_tokens)
+                            for r in range(rows):
+                                total = acc[r, t]
+                                for c in range(width):
+                                    total += x_buf[c] * w_buf[r, u, c]
+                                acc[r, t] = total
+            for r in range(rows):
+                warp_sum_many(acc[r], num_tokens)
+            real = start + first < num_groups
             if split == 1:
-                if lane == 0 and start + first < num_rows:  # constant indices keep acc in registers
-                    for t in range(num_tokens):
-                        if t0 + t < total_tokens:
-                            out[t0 + t, row] = acc[t]
+                if lane == 0 and real:  # constant indices keep acc in registers
+                    for r in range(rows):
+                        for t in range(num_tokens):
+                            if t0 + t < total_tokens and group * rows + r < num_rows:
+                                out[t0 + t, group * rows + r] = acc[r, t]
             else:
                 if lane == 0:
-                    for t in range(num_tokens):
-                        partial[warp, t] = acc[t]
+                    for r in range(rows):
+                        for t in range(num_tokens):
+                            partial[warp, r, t] = acc[r, t]
                 cuda.syncthreads()
-                if lane == 0 and part == 0 and start + first < num_rows:
-                    for t in range(num_tokens):
-                        total = partial[warp, t]
-                        for s in range(1, split):
-                            total += partial[warp + s, t]
-                        if t0 + t < total_tokens:
-                            out[t0 + t, row] = total
-                cuda.syncthreads()  # the partials are read before the next row overwrites them
+                if lane == 0 and part == 0 and real:
+                    for r in range(rows):
+                        for t in range(num_tokens):
+                            total = partial[warp, r, t]
+                            for s in range(1, split):
+                                total += partial[warp + s, r, t]
+                            if t0 + t < total_tokens and group * rows + r < num_rows:
+                                out[t0 + t, group * rows + r] = total
+                cuda.syncthreads()  # the partials are read before the next group overwrites them
 
     return linear_rows
 
@@ -111,6 +124,15 @@ def row_split(num_rows: int, num_words: int, warps: int) -> int:
     return split
 
 
+def shape_for(num_tokens: int) -> tuple[int, int]:
+    """(words a lane loads per round, rows a warp takes) for a pass of this many tokens: one token
+    has registers for 8 words in flight; with several tokens each x word loaded (L1, 16 bytes a
+    lane) is the cost, so a warp takes ROWS_PER_WARP rows and shares it among them."""
+    if num_tokens <= 2:
+        return MAX_UNROLL, 1
+    return UNROLL // 2, ROWS_PER_WARP
+
+
 def linear_cuda(x, weight, out, stream=0):
     """out (T, N) float32 = x (T, K) float32 @ weight (N, K) stored ^T."""
     num_tokens, dim_in = x.shape
@@ -124,8 +146,10 @@ def linear_cuda(x, weight, out, stream=0):
     chunk = min(num_tokens, MAX_TOKENS)
     num_words = dim_in // 4 if wide else dim_in
     block = threads(WARPS * WARP)
-    split = row_split(num_rows, num_words, block // WARP)
-    kernel = _linear_kernel(storage_of(weight), wide, chunk, split)
-    grid = (blocks(ceil_div(num_rows, block // WARP // split)), ceil_div(num_tokens, chunk))
+    unroll, rows = shape_for(chunk)
+    num_groups = ceil_div(num_rows, rows)
+    split = row_split(num_rows, num_words, block // WARP)  # of the shape only: batch-invariant sums
+    kernel = _linear_kernel(storage_of(weight), wide, chunk, split, unroll, rows)
+    grid = (blocks(ceil_div(num_groups, block // WARP // split)), ceil_div(num_tokens, chunk))
     kernel[grid, block, stream](reader_view(x, wide), reader_view(weight, wide), num_words, out)
     return out

@@ -27,6 +27,7 @@ WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
+DOWN_ROWS = 4  # down rows a warp takes at once where runs are long
 
 
 def unroll_for(words: int, chunk: int) -> int:
@@ -114,12 +115,13 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
 
 
 @functools.cache
-def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int):
+def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int):
     read_weight, width = chunk_reader(storage, wide)
     read_h, _ = chunk_reader("f32", wide)
 
     @kernel
     def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
+        # a warp takes per_warp consecutive output rows at once: each h word it loads serves all
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -129,37 +131,54 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int):
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
         stride = cuda.gridDim.x * warps
+        num_groups = (hidden + per_warp - 1) // per_warp
         down_base = 2 * hidden * inter_words
         rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
         for t in range(chunk):
             rows[t] = j + min(t, run - 1)
-        acc = cuda.local.array(chunk, float32)
-        w_buf = cuda.local.array((unroll, width), float32)
+        acc = cuda.local.array((per_warp, chunk), float32)
+        w_buf = cuda.local.array((per_warp, unroll, width), float32)
         h_buf = cuda.local.array(width, float32)
-        for start in range(0, hidden, stride):
-            row = min(start + first, hidden - 1)
-            for t in range(chunk):
-                acc[t] = float32(0.0)
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for r in range(per_warp):
+                for t in range(chunk):
+                    acc[r, t] = float32(0.0)
             for base in range(lane, inter_words, WARP * unroll):
-                for k in range(unroll):
-                    word = min(base + k * WARP, inter_words - 1)
-                    read_weight(weights, slot, down_base + row * inter_words + word, w_buf[k])
+                for r in range(per_warp):
+                    row = min(group * per_warp + r, hidden - 1)
+                    for k in range(unroll):
+                        word = min(base + k * WARP, inter_words - 1)
+                        read_weight(weights, slot, down_base + row * inter_words + word, w_buf[r, k])
                 for k in range(unroll):
                     word = base + k * WARP
                     if word < inter_words:
                         for t in range(chunk):
                             read_h(h, rows[t], word, h_buf)
-                            total = acc[t]
-                            for c in range(width):
-                                total += h_buf[c] * w_buf[k, c]
-                            acc[t] = total
-            warp_sum_many(acc, chunk)
-            if lane == 0 and start + first < hidden:
-                for t in range(chunk):
-                    if t < run:
-                        out[pair_out[j + t], row] = acc[t]
+                            for r in range(per_warp):
+                                total = acc[r, t]
+                                for c in range(width):
+                                    total += h_buf[c] * w_buf[r, k, c]
+                                acc[r, t] = total
+            for r in range(per_warp):
+                warp_sum_many(acc[r], chunk)
+            if lane == 0 and start + first < num_groups:
+                for r in range(per_warp):
+                    if group * per_warp + r < hidden:
+                        for t in range(chunk):
+                            if t < run:
+                                out[pair_out[j + t], group * per_warp + r] = acc[r, t]
 
     return expert_down
+
+
+def down_shape(inter_words: int, chunk: int) -> tuple[int, int]:
+    """(words a lane loads per round, rows a warp takes) of the down kernel: a down row is short
+    (768 wide: 6 words a lane), so a warp takes 2 rows at once for more bytes in flight; with runs of
+    several pairs each h word it loads serves DOWN_ROWS rows."""
+    if chunk <= 2:
+        return unroll_for(inter_words, 1), 2
+    return min(2, unroll_for(inter_words, chunk)), DOWN_ROWS
 
 
 def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0,
@@ -194,7 +213,8 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
     hidden_words, inter_words = hidden // width, inter // width
     gate_up = _gate_up_kernel(storage, wide, chunk, unroll_for(hidden_words, chunk))
-    down = _down_kernel(storage, wide, chunk, unroll_for(inter_words, 1))
+    down_unroll, per_warp = down_shape(inter_words, chunk)
+    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
@@ -203,6 +223,6 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
             x_view, pair_token, pair_slot, arena_view, store_view, hidden_words, inter, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
+        down[(blocks(ceil_div(ceil_div(hidden, per_warp), per_block)), count), block, stream](
             h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter_words, first, out)
     return out
