@@ -48,9 +48,8 @@ def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
     num_tokens, dim = x.shape
     outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
             poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
-    logits = poisoned((num_tokens, router.shape[0]))
     norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
-                    row, done, *outs[:2], logits, *outs[2:])
+                    row, done, *outs)
     return [o.copy_to_host() for o in outs]
 
 

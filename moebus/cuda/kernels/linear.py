@@ -23,8 +23,12 @@ from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, 
 MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
 UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
-MAX_UNROLL = 8  # ... with one or two tokens a pass (registers to spare)
-ROWS_PER_WARP = 4  # rows a warp takes at once with 3..8 tokens a pass
+# The work shape of a pass (shape_for). Measured on an H200 (2026-12-01): 4 words a lane, a row a
+# warp. Not yet measured there (tools/device/decode_variants.py times them; tests cover them): 8
+# words a lane with 1-2 tokens, 4 rows a warp with 3-8 tokens (each x word loaded then serves 4 rows:
+# at batch 8 the linear kernels ran at 0.5-1 TB/s, bound by their x loads).
+MAX_UNROLL = 4  # words a lane loads a round with one or two tokens a pass
+ROWS_PER_WARP = 1  # rows a warp takes at once with 3..8 tokens a pass
 SPLIT_TARGET_WARPS = 8192  # ~62 warps per SM of an H200: rows x split below this get split further
 MIN_SPAN_WORDS = WARP * UNROLL  # words of a row one warp of a split keeps at least
 
@@ -125,12 +129,12 @@ def row_split(num_rows: int, num_words: int, warps: int) -> int:
 
 
 def shape_for(num_tokens: int) -> tuple[int, int]:
-    """(words a lane loads per round, rows a warp takes) for a pass of this many tokens: one token
-    has registers for 8 words in flight; with several tokens each x word loaded (L1, 16 bytes a
-    lane) is the cost, so a warp takes ROWS_PER_WARP rows and shares it among them."""
+    """(words a lane loads per round, rows a warp takes) for a pass of this many tokens: with one or
+    two tokens registers allow MAX_UNROLL words in flight; with more, each x word loaded (L1, 16
+    bytes a lane) is the cost, and a warp taking ROWS_PER_WARP rows shares it among them."""
     if num_tokens <= 2:
         return MAX_UNROLL, 1
-    return UNROLL // 2, ROWS_PER_WARP
+    return (UNROLL if ROWS_PER_WARP == 1 else max(1, UNROLL // ROWS_PER_WARP * 2)), ROWS_PER_WARP
 
 
 def linear_cuda(x, weight, out, stream=0):

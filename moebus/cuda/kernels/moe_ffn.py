@@ -27,7 +27,10 @@ WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
-DOWN_ROWS = 4  # down rows a warp takes at once where runs are long
+# down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
+# short and 4 where long are covered by the tests, not yet measured (tools/device/decode_variants.py)
+DOWN_ROWS_SHORT = 1
+DOWN_ROWS_LONG = 1
 
 
 def unroll_for(words: int, chunk: int) -> int:
@@ -174,11 +177,11 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
 
 def down_shape(inter_words: int, chunk: int) -> tuple[int, int]:
     """(words a lane loads per round, rows a warp takes) of the down kernel: a down row is short
-    (768 wide: 6 words a lane), so a warp takes 2 rows at once for more bytes in flight; with runs of
-    several pairs each h word it loads serves DOWN_ROWS rows."""
-    if chunk <= 2:
-        return unroll_for(inter_words, 1), 2
-    return min(2, unroll_for(inter_words, chunk)), DOWN_ROWS
+    (768 wide: 6 words a lane, all loaded in one round), so more rows a warp mean more bytes in
+    flight; with runs of several pairs each h word it loads serves every row it takes."""
+    if chunk <= 2 or DOWN_ROWS_LONG == 1:
+        return unroll_for(inter_words, 1), DOWN_ROWS_SHORT if chunk <= 2 else 1
+    return min(2, unroll_for(inter_words, chunk)), DOWN_ROWS_LONG
 
 
 def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0,
