@@ -1,5 +1,8 @@
-# Issue 15 items 1-2, call 3 (one H200): GPU tests of the kernels changed since call 2, eager == graph
-# and 25% cache == resident on 4 x 32, then bench decode on 48 x 32 all resident (the final figures).
+# Issue 15 items 1-2, call 3 (one H200; NOT RUN yet: the session's device time ran out). GPU tests of
+# the kernels changed since decode_2.sh, eager == graph and 25% cache == resident on 4 x 32, bench
+# decode on 48 x 32 all resident; args: `profile` (per-kernel times), `cache` (the 25% cache bench),
+# `variants` (decode_variants.py: the work shapes that sit behind constants, to pick the defaults).
+# Usage: bash tools/device/decode_3.sh [profile|-] [cache|-] [variants|-]
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
 timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_linear.py tests/cuda/test_routing.py \
