@@ -4,8 +4,9 @@ The kernel is a warp-per-output-row GEMV that handles up to ``MAX_TOKENS`` token
 weights row is read once for all of them); longer inputs (prefill) run as a second grid dimension of
 token chunks, so blocks on the same rows run together and re-read the weights from L2. Where rows are
 few for their length (the o projection, 2048 rows of 4096; a router's 32) a row's words are split
-among 2 or 4 warps of a block (split-K), so enough loads are in flight to keep HBM busy (measured on
-an H200 before: o at 0.97 TB/s, the 32-row router 8.4 us). Every output is summed in the same order
+among 2 or 4 warps of a block (split-K), for more warps with loads in flight (ncu had o at 0.97 TB/s
+with 24% of warps active; with the split its time in the decode graph did not measurably change,
+docs/performance.md). Every output is summed in the same order
 whatever the number of tokens (the split depends on the weight's shape only; lane l takes words l,
 l + 32, ... of its span; then a fixed butterfly and the spans in order), so a sequence's result does
 not depend on the rest of the batch."""
