@@ -131,7 +131,8 @@ def _topk_kernel(per_lane: int):
         num_tokens, num_experts = logits.shape
         for start in range(0, num_tokens, stride):
             t = min(start + first, num_tokens - 1)
-            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, lane == 0 and start + first < num_tokens)
+            is_real = lane == 0 and start + first < num_tokens
+            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, is_real)
 
     return topk_rows
 
