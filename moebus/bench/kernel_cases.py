@@ -269,8 +269,22 @@ def _fused_cases(s: dict, t: int) -> list[Case]:
         return (lambda: routing.route_pairs_cuda(di, dt, 2, *outs, stream=stream), outs[1],
                 lambda: routing.route_pairs_ref(ids, table, 2)[1])
 
+    def norm_route(rng, stream):
+        # decode's MLP entry: add + rmsnorm + router + top-k + pair tables, one launch (compared: h)
+        x, y = (rng.standard_normal((t, d), dtype=np.float32) for _ in range(2))
+        w = _bf16(rng, d)
+        router = _bf16(rng, s["experts"], d, scale=d ** -0.5)
+        table = rng.integers(-1000, 1000, size=(4, s["experts"])).astype(np.int32)
+        args = [_dev(a, stream) for a in (x, y, w)] + [1e-6, _dev(router, stream), k, True, _dev(table, stream), 2,
+                                                        _dev(np.zeros(1, np.int32), stream)]
+        outs = [_out((t, d), stream), _out((t, d), stream), _out((t, k), stream, np.int32), _out((t, k), stream)] + \
+            [_out((t * k,), stream, np.int32) for _ in range(3)]
+        return (lambda: routing.norm_route_cuda(*args, *outs, stream=stream), outs[1],
+                lambda: routing.norm_route_ref(x, y, w, 1e-6, router, k, True, table, 2)[1])
+
     cases = [_simple("add_rmsnorm", f"{t}x{d}", add_norm), _simple("combine_add_rmsnorm", f"T={t} k={k}", combine_norm),
-             _simple("route_pairs", f"T={t} k={k}", route)]
+             _simple("route_pairs", f"T={t} k={k}", route),
+             _simple("norm_route", f"T={t} E={s['experts']} k={k}", norm_route)]
     if fused.can_fuse_heads(hd):
         cases.append(_simple("qkv_rope_store", f"T={t}", qkv))
     return cases

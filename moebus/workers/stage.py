@@ -274,9 +274,10 @@ class Stage:
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
                           segments=segments)
-        x, h = ops.add_rmsnorm(x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"]), w["mlp_norm"], eps)
+        o = ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
         if cfg.is_moe_layer(i) and route is not None:
-            return x, self._moe_routed(i, w, h, *route)
+            return self._moe_routed(i, w, x, o, *route)
+        x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
             ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
             y_pair = grouped_moe(ops, self.experts, i, h, ids, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -287,18 +288,21 @@ class Stage:
         return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
                                        w["mlp_down"]))
 
-    def _moe_routed(self, layer: int, w: dict, h, placement, expert_ids):
-        """Decode: the router's choices go through the placement table on the device; experts that
-        are not resident are read from the (mapped) host store by the kernels themselves."""
+    def _moe_routed(self, layer: int, w: dict, x, o, placement, expert_ids):
+        """Decode: residual add, MLP norm, router, top-k and pair tables in one op (norm_route), the
+        router's choices going through the placement table on the device; experts that are not
+        resident are read from the (mapped) host store by the kernels themselves. Returns (x, the
+        layer's pending MoE output)."""
         ops, cfg = self.ops, self.cfg
         row = self.experts.store.row_of_layer[layer]
-        ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob, ids=expert_ids[row])
-        pair_token, pair_slot, pair_out = ops.route_pairs(ids, placement, row)
+        x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
+            x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
+            expert_ids[row])
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,
                        layout=self.experts.store.layout)  # layout: quantized experts (None: bf16)
-        return "moe", out, weights  # combined by the next norm (_residual_norm)
+        return x, ("moe", out, weights)  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""

@@ -127,6 +127,7 @@ def exercise(rng) -> None:
         linear.linear_cuda(f32(2, 13), storage(f32(5, 13)), empty(2, 5))  # narrow reads
         embedding.embedding_cuda(storage(f32(10, 16)), np.array([1, 2], np.int32), empty(2, 16))
         rmsnorm.rmsnorm_cuda(f32(3, 128), storage(f32(128)), 1e-6, empty(3, 128))
+        rmsnorm.rmsnorm_cuda(f32(1, 2048), storage(f32(2048)), 1e-6, empty(1, 2048))  # a block per row
         arena = storage(f32(4, 3 * 32 * 64))
         for tokens in (1, 8):
             pairs = np.arange(tokens * 2, dtype=np.int32)
@@ -134,6 +135,26 @@ def exercise(rng) -> None:
                                     empty(tokens * 2, 64), empty(tokens * 2, 32))
         moe_ffn.expert_ffn_cuda(f32(1, 13), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32),
                                 storage(f32(2, 3 * 13 * 6)), 13, 6, empty(1, 13), empty(1, 6))
+    # A3B decode widths: split rows (a router's 32 rows of 2048), the experts' unrolled rounds; then
+    # the work shapes that sit behind constants (tools/device/decode_variants.py times them)
+    big_arena = np.zeros((2, 3 * 768 * 2048), np.uint16)
+    defaults = linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG
+    for shapes in (defaults, (4, 8, 2, 4)):
+        linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG = shapes
+        for tokens in (1, 8):
+            linear.linear_cuda(f32(tokens, 2048), np.zeros((32, 2048), np.uint16), empty(tokens, 32))
+            pairs = np.arange(tokens * 2, dtype=np.int32)
+            moe_ffn.expert_ffn_cuda(f32(tokens, 2048), pairs // 2, pairs % 2, pairs, big_arena, 2048, 768,
+                                    empty(tokens * 2, 2048), empty(tokens * 2, 768))
+    linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG = defaults
+    from moebus.cuda.kernels import routing
+
+    for tokens, experts in ((1, 32), (8, 128)):  # decode's MLP entry (norm + router + top-k + pairs)
+        routing.norm_route_cuda(f32(tokens, 2048), f32(tokens, 2048), np.zeros(2048, np.uint16), 1e-6,
+                                np.zeros((experts, 2048), np.uint16), 8, True, np.zeros((2, experts), np.int32), 1,
+                                np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048),
+                                empty(tokens, 8, dtype=np.int32), empty(tokens, 8),
+                                *(empty(tokens * 8, dtype=np.int32) for _ in range(3)))
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.fill_cuda(empty(4), 0)

@@ -38,3 +38,44 @@ def test_linear_row_does_not_depend_on_the_rest_of_the_batch(rng):
 def test_linear_rejects_mismatched_inner_dim():
     with pytest.raises(ValueError, match="weight"):
         linear_cuda(device(np.zeros((1, 8), np.float32)), device(np.zeros((4, 6), np.float32)), poisoned((1, 4)))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("num_tokens, dim_in, dim_out", [(1, 40, 3), (MAX_TOKENS + 1, 36, 2), (2, 13, 3)])
+def test_linear_split_rows_match_ref(rng, monkeypatch, storage, num_tokens, dim_in, dim_out):
+    # rows cut among the warps of a block (split-K), spans of unequal length and idle lanes included
+    from moebus.cuda.kernels import linear
+
+    monkeypatch.setattr(linear, "MIN_SPAN_WORDS", 1)
+    monkeypatch.setattr(linear, "SPLIT_TARGET_WARPS", 1 << 30)
+    assert linear.row_split(dim_out, dim_in, 2) == 2
+    x = rng.standard_normal((num_tokens, dim_in), dtype=np.float32)
+    weight = stored(rng.standard_normal((dim_out, dim_in), dtype=np.float32), storage)
+    np.testing.assert_allclose(_run(x, weight), linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_splits_few_long_rows_only():
+    from moebus.cuda.kernels.linear import row_split
+
+    assert row_split(2048, 1024, 4) == 4  # the o projection of an A3B layer: 2048 rows of 4096
+    assert row_split(5120, 512, 4) == 2  # its fused qkv
+    assert row_split(32, 512, 4) == 4  # a router
+    assert row_split(151936, 512, 4) == 1  # lm_head
+    assert row_split(32, 512, 2) == 2  # never more warps than a block has
+
+
+def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch):
+    # a pass of 1 token (one row a warp) and of MAX_TOKENS (ROWS_PER_WARP rows a warp) sum a row the
+    # same way, split or not: bit for bit
+    from moebus.cuda.kernels import linear
+
+    monkeypatch.setattr(linear, "MIN_SPAN_WORDS", 1)
+    monkeypatch.setattr(linear, "SPLIT_TARGET_WARPS", 1 << 30)
+    monkeypatch.setattr(linear, "ROWS_PER_WARP", 4)
+    monkeypatch.setattr(linear, "MAX_UNROLL", 8)
+    assert linear.shape_for(MAX_TOKENS) == (2, 4) and linear.shape_for(1) == (8, 1)
+    x = rng.standard_normal((MAX_TOKENS, 40), dtype=np.float32)
+    weight = stored(rng.standard_normal((7, 40), dtype=np.float32), "bf16")
+    together = _run(x, weight)
+    np.testing.assert_allclose(together, linear_ref(x, weight), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(_run(x[3:4], weight)[0], together[3])

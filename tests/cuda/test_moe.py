@@ -76,3 +76,20 @@ def test_expert_ffn_in_several_launches_keeps_runs_whole(rng, monkeypatch):
     _ffn(x, np.array(pairs).T, device(arena), out)
     expert_ffn_ref(x, *np.array(pairs, np.int32).T, arena, HIDDEN, INTER, expected)
     np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("short_rows, long_rows", [(2, 4), (3, 2)])
+def test_expert_ffn_with_several_down_rows_a_warp(rng, monkeypatch, short_rows, long_rows):
+    # the down kernel's other work shapes (moe_ffn.down_shape): runs of 1 and of 3 pairs, rows of the
+    # output not a multiple of the rows a warp takes
+    monkeypatch.setattr(moe_ffn, "DOWN_ROWS_SHORT", short_rows)
+    monkeypatch.setattr(moe_ffn, "DOWN_ROWS_LONG", long_rows)
+    x = rng.standard_normal((3, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, "bf16")
+    one_token = [(0, 2, 0), (0, 0, 1)]  # one token a pass: short runs
+    three_tokens = [(0, 1, 0), (1, 1, 2), (2, 1, 4), (0, 3, 1), (1, 0, 3), (2, 2, 5)]
+    for xs, pairs in ((x[:1], one_token), (x, three_tokens)):
+        out, expected = poisoned((6, HIDDEN)), np.full((6, HIDDEN), np.nan, np.float32)
+        _ffn(xs, np.array(pairs).T, device(arena), out)
+        expert_ffn_ref(xs, *np.array(pairs, np.int32).T, arena, HIDDEN, INTER, expected)
+        np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """Routing on the device: the router's choices through the placement table into pair tables, and
 the expert kernels reading resident experts from the arena and the rest from the host store."""
 import numpy as np
+import pytest
 
 from moebus.cuda.kernels.moe import expert_ffn_ref
 from moebus.cuda.kernels.moe_ffn import expert_ffn_cuda
@@ -39,3 +40,46 @@ def test_experts_read_from_the_arena_or_the_host_store_give_the_same_result(rng)
     flat = ids.reshape(-1)
     expert_ffn_ref(x, np.arange(6) // 2, flat, np.arange(6), store, HIDDEN, INTER, everything_resident)
     np.testing.assert_allclose(out.copy_to_host(), everything_resident, rtol=1e-5, atol=1e-6)
+
+
+def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
+    from moebus.cuda.kernels.routing import norm_route_cuda
+
+    num_tokens, dim = x.shape
+    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
+            poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
+    norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
+                    row, done, *outs)
+    return [o.copy_to_host() for o in outs]
+
+
+@pytest.mark.parametrize("dim", [40, 13])
+def test_norm_route_matches_the_unfused_ops(rng, dim):
+    # add + rmsnorm, router, top-k + softmax and the pair tables in one launch; three times with one
+    # counter (the last block resets it, as a replayed graph needs), 1 and 3 tokens; wide and narrow reads
+    from moebus.cuda.kernels.routing import norm_route_ref
+
+    experts, top_k = 37, 3  # 37 experts: two registers per lane, the second one partly padding
+    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
+    router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
+    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
+    done = device(np.zeros(1, np.int32))
+    for num_tokens, normalize in ((3, True), (1, False), (3, False)):
+        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
+        got = _norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done)
+        want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 1)
+        for name, g, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), got, want):
+            if g.dtype == np.int32:
+                np.testing.assert_array_equal(g, w, err_msg=name)
+            else:
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert done.copy_to_host()[0] == 0
+
+
+def test_norm_route_rejects_too_many_pairs():
+    from moebus.cuda.kernels.routing import MAX_PAIRS
+
+    x = np.zeros((MAX_PAIRS // 2 + 1, 8), np.float32)
+    with pytest.raises(ValueError, match="pairs"):
+        _norm_route(x, x, np.ones(8, np.float32), np.ones((4, 8), np.float32), 2, True, np.zeros((1, 4), np.int32),
+                    0, device(np.zeros(1, np.int32)))

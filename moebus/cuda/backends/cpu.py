@@ -102,6 +102,12 @@ class CpuBackend:
     route_pairs = staticmethod(routing.route_pairs_ref)
 
     @staticmethod
+    def norm_route(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, ids):
+        out = routing.norm_route_ref(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row)
+        ids[...] = out[2]
+        return out[:2] + (ids,) + out[3:]
+
+    @staticmethod
     def expert_ffn(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None, layout=None):
         """``layout``: the experts' quantized layout (common/quant_layout.py); None for bf16 blobs."""
         if layout is not None:

@@ -31,6 +31,7 @@ class CudaBackend:
         # uploads go through pinned staging so the copy is truly async; kept until the next step
         self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
         self.tensor_cores = make_tensor_cores()  # cuBLAS for steps of many tokens (None: GEMVs only)
+        self.route_done = cuda.to_device(np.zeros(1, np.int32), stream=self.stream)  # norm_route's counter
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -193,6 +194,16 @@ class CudaBackend:
         num_pairs = ids.shape[0] * ids.shape[1]
         tables = [self.empty((num_pairs,), np.int32) for _ in range(3)]
         return routing.route_pairs_cuda(ids, table, layer_row, *tables, stream=self.stream)
+
+    def norm_route(self, x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int,
+                   ids):
+        """Decode's MLP entry in one launch: (x + y, its rmsnorm h, the router's top-k ids (written
+        into ``ids``, (T, top_k) int32) and weights of h, then pair_token, pair_slot, pair_out)."""
+        num_tokens, num_pairs = x.shape[0], x.shape[0] * top_k
+        total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((num_tokens, top_k))
+        pairs = [self.empty((num_pairs,), np.int32) for _ in range(3)]
+        return routing.norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row,
+                                       self.route_done, total, h, ids, weights, *pairs, stream=self.stream)
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

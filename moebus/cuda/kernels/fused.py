@@ -1,10 +1,12 @@
 """Fused decode kernels: fewer launches and one pass over the activations where the unfused ops
 would each be a tiny, latency-bound kernel (measured: a warp-per-row rmsnorm of 2048 took 18 us).
 
-- ``add_rmsnorm``: s = x + y (the residual add) and rmsnorm(s) in one kernel, a block per row, so
-  the sum's square reduction runs over 256 threads instead of one warp's 64 serial loads.
+- ``add_rmsnorm``: s = x + y (the residual add) and rmsnorm(s) in one kernel, a block of 1024
+  threads per row, each holding its one or two elements in registers between the two passes (with
+  256 threads and a re-read the kernel was a chain of dependent loads: 6.6 us at 2048 wide).
 - ``combine_add_rmsnorm``: the MoE's weighted combine of its pairs, the residual add and the next
-  norm, a block per token row.
+  norm, a block per token row; top-k is a compile-time constant so the pair loads go out together
+  (22 us at 2048 wide, top-8, before).
 - ``qkv_rope_store``: from the fused q | k | v projection, Qwen3's per-head q/k rmsnorm, RoPE,
   and k, v written into the KV cache (float32 or bf16), one warp per (token, head) row; a lane holds elements l,
   l + 32, l + 64, l + 96 of a 128-wide head, so both halves of each rotated pair are in its registers.
@@ -17,7 +19,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum, kernel
+from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, device, float32, threads, warp_sum, kernel
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.attention import STORE, kv_store_ref, require_caches
@@ -25,7 +27,7 @@ from moebus.cuda.kernels.moe import combine_ref
 from moebus.cuda.kernels.rmsnorm import rmsnorm_ref
 from moebus.cuda.kernels.rope import rope_ref
 
-ROW_THREADS = 256
+ROW_THREADS = 1024  # a row's elements over the whole block: one or two per thread at decode widths
 HEAD_WARPS = 4
 MAX_PER_LANE = 8  # head_dim <= 256
 
@@ -57,24 +59,64 @@ def qkv_rope_store_ref(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weigh
 
 
 @functools.cache
-def _add_rmsnorm_kernel(storage: str):
-    load_weight = SCALAR[storage]
+def _add_rmsnorm_kernel(storage: str, per_thread: int):
+    store_normed = normed_store(storage, per_thread)
+
+    load_row = row_values(per_thread)
 
     @kernel
     def add_rmsnorm_rows(x, y, weight, eps, total, out):
+        # a block per row; thread i holds elements i, i + blockDim, ... (per_thread of them) in
+        # registers: every load of the row is issued before the first use, one pass over memory
         num_rows, dim = x.shape
+        values = cuda.local.array(per_thread, float32)
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):  # same trip count in the block
-            square_sum = float32(0.0)
-            for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
-                value = x[row, d] + y[row, d]
-                total[row, d] = value
-                square_sum += value * value
-            square_sum = block_sum(square_sum)
-            inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
-            for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
-                out[row, d] = load_weight(weight, 0, d) * (total[row, d] * inv_rms)  # own writes: no barrier
+            square_sum = load_row(x, y, row, dim, values)
+            store_normed(values, weight, block_sum(square_sum), dim, eps, row, total, out)
 
     return add_rmsnorm_rows
+
+
+@functools.cache
+def row_values(per_thread: int):
+    """The first pass of a row kernel: values = x[row] + y[row] (this thread's elements); returns
+    this thread's share of the sum of squares."""
+
+    @device
+    def add_row(x, y, row, dim, values):
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        for i in range(per_thread):
+            d = min(tid + i * step, dim - 1)
+            values[i] = x[row, d] + y[row, d]
+        square_sum = float32(0.0)
+        for i in range(per_thread):
+            if tid + i * step < dim:
+                square_sum += values[i] * values[i]
+        return square_sum
+
+    return add_row
+
+
+@functools.cache
+def normed_store(storage: str, per_thread: int):
+    """The second pass of a row kernel: total = the held values, out = their rmsnorm."""
+    load_weight = SCALAR[storage]
+
+    @device
+    def store_normed(values, weight, square_sum, dim, eps, row, total, out):
+        inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        for i in range(per_thread):
+            d = tid + i * step
+            if d < dim:
+                total[row, d] = values[i]
+                out[row, d] = load_weight(weight, 0, d) * (values[i] * inv_rms)
+
+    return store_normed
+
+
+def _per_thread(dim: int, block: int) -> int:
+    return max(1, -(-dim // block))
 
 
 def add_rmsnorm_cuda(x, y, weight, eps: float, total, out, stream=0):
@@ -83,34 +125,38 @@ def add_rmsnorm_cuda(x, y, weight, eps: float, total, out, stream=0):
     for name, a in (("x", x), ("y", y), ("total", total), ("out", out)):
         require(name, a, np.float32, shape=(num_rows, dim))
     require("weight", weight, WEIGHT_DTYPES, shape=(dim,))
-    if num_rows:
-        kernel = _add_rmsnorm_kernel(storage_of(weight))
-        kernel[blocks(num_rows), threads(ROW_THREADS), stream](
-            x, y, reader_view(weight, wide=False), np.float32(eps), total, out)
+    if num_rows and dim:
+        block = threads(ROW_THREADS)
+        kernel = _add_rmsnorm_kernel(storage_of(weight), _per_thread(dim, block))
+        kernel[blocks(num_rows), block, stream](x, y, reader_view(weight, wide=False), np.float32(eps), total, out)
     return total, out
 
 
 @functools.cache
-def _combine_add_rmsnorm_kernel(storage: str):
-    load_weight = SCALAR[storage]
+def _combine_add_rmsnorm_kernel(storage: str, top_k: int, per_thread: int):
+    store_normed = normed_store(storage, per_thread)
 
     @kernel
     def combine_add_rmsnorm_rows(y_pair, weights, x, weight, eps, total, out):
+        # as add_rmsnorm_rows; top_k is a constant, so a row's top_k pair loads are in flight together
         num_rows, dim = x.shape
-        top_k = weights.shape[1]
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        values = cuda.local.array(per_thread, float32)
+        mix = cuda.local.array(top_k, float32)
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):
-            square_sum = float32(0.0)
-            for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
+            for k in range(top_k):
+                mix[k] = weights[row, k]
+            for i in range(per_thread):
+                d = min(tid + i * step, dim - 1)
                 mixed = float32(0.0)
                 for k in range(top_k):  # in order 0..A-1, as combine_ref
-                    mixed += weights[row, k] * y_pair[row * top_k + k, d]
-                value = x[row, d] + mixed
-                total[row, d] = value
-                square_sum += value * value
-            square_sum = block_sum(square_sum)
-            inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
-            for d in range(cuda.threadIdx.x, dim, cuda.blockDim.x):
-                out[row, d] = load_weight(weight, 0, d) * (total[row, d] * inv_rms)
+                    mixed += mix[k] * y_pair[row * top_k + k, d]
+                values[i] = x[row, d] + mixed
+            square_sum = float32(0.0)
+            for i in range(per_thread):
+                if tid + i * step < dim:
+                    square_sum += values[i] * values[i]
+            store_normed(values, weight, block_sum(square_sum), dim, eps, row, total, out)
 
     return combine_add_rmsnorm_rows
 
@@ -123,9 +169,10 @@ def combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps: float, total, out,
     for name, a in (("x", x), ("total", total), ("out", out)):
         require(name, a, np.float32, shape=(num_rows, dim))
     require("weight", weight, WEIGHT_DTYPES, shape=(dim,))
-    if num_rows:
-        kernel = _combine_add_rmsnorm_kernel(storage_of(weight))
-        kernel[blocks(num_rows), threads(ROW_THREADS), stream](
+    if num_rows and dim:
+        block = threads(ROW_THREADS)
+        kernel = _combine_add_rmsnorm_kernel(storage_of(weight), int(weights.shape[1]), _per_thread(dim, block))
+        kernel[blocks(num_rows), block, stream](
             y_pair, weights, x, reader_view(weight, wide=False), np.float32(eps), total, out)
     return total, out
 

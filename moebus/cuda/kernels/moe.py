@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, threads, warp_argmax, warp_max, warp_sum, kernel
+from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, threads, warp_argmax, warp_max, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require, warp_per_row
@@ -72,8 +72,55 @@ def combine_ref(y_pair: np.ndarray, weights: np.ndarray) -> np.ndarray:
 # -- cuda: router and combine ---------------------------------------------------------------------
 
 @functools.cache
+def topk_row(per_lane: int):
+    """Device function: the top-k of one row of logits by one warp, ids by descending probability
+    (ties to the lower id), weights the softmax probabilities (renormalised when ``normalize``);
+    lane l holds experts l, l + 32, ... (per_lane of them) in registers. ``store``: this lane
+    writes ids[out_row] and weights[out_row] (lane 0 of a warp whose row is real)."""
+
+    @device
+    def topk_softmax_row(logits, row, num_experts, top_k, normalize, ids, weights, out_row, store):
+        lane = cuda.threadIdx.x % WARP
+        probs = cuda.local.array(per_lane, float32)
+        peak = NEG_INF
+        for i in range(per_lane):
+            e = lane + i * WARP
+            probs[i] = logits[row, e] if e < num_experts else NEG_INF
+            peak = max(peak, probs[i])
+        peak = warp_max(peak)
+        total = float32(0.0)
+        for i in range(per_lane):
+            probs[i] = math.exp(probs[i] - peak)  # exp(-inf) = 0 for the padding
+            total += probs[i]
+        total = warp_sum(total)
+        for i in range(per_lane):
+            # rank the normalised probabilities, as the reference does; padding can never win
+            probs[i] = probs[i] / total if lane + i * WARP < num_experts else TAKEN
+        chosen = float32(0.0)
+        for k in range(top_k):
+            best, best_e = TAKEN, num_experts
+            for i in range(per_lane):  # ascending e, strict >: a lane keeps its lowest tie
+                if probs[i] > best:
+                    best, best_e = probs[i], lane + i * WARP
+            best, best_e = warp_argmax(best, best_e)
+            for i in range(per_lane):
+                if lane + i * WARP == best_e:
+                    probs[i] = TAKEN
+            chosen += best
+            if store:
+                ids[out_row, k] = best_e
+                weights[out_row, k] = best
+        if normalize and store:
+            for k in range(top_k):
+                weights[out_row, k] = weights[out_row, k] / chosen
+
+    return topk_softmax_row
+
+
+@functools.cache
 def _topk_kernel(per_lane: int):
-    """One warp per token; lane l holds experts l, l + 32, ... (per_lane of them) in registers."""
+    """One warp per token (topk_row)."""
+    row_topk = topk_row(per_lane)
 
     @kernel
     def topk_rows(logits, top_k, normalize, ids, weights):
@@ -82,40 +129,10 @@ def _topk_kernel(per_lane: int):
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
         stride = cuda.gridDim.x * warps
         num_tokens, num_experts = logits.shape
-        probs = cuda.local.array(per_lane, float32)
         for start in range(0, num_tokens, stride):
             t = min(start + first, num_tokens - 1)
-            peak = NEG_INF
-            for i in range(per_lane):
-                e = lane + i * WARP
-                probs[i] = logits[t, e] if e < num_experts else NEG_INF
-                peak = max(peak, probs[i])
-            peak = warp_max(peak)
-            total = float32(0.0)
-            for i in range(per_lane):
-                probs[i] = math.exp(probs[i] - peak)  # exp(-inf) = 0 for the padding
-                total += probs[i]
-            total = warp_sum(total)
-            for i in range(per_lane):
-                # rank the normalised probabilities, as the reference does; padding can never win
-                probs[i] = probs[i] / total if lane + i * WARP < num_experts else TAKEN
-            chosen = float32(0.0)
-            for k in range(top_k):
-                best, best_e = TAKEN, num_experts
-                for i in range(per_lane):  # ascending e, strict >: a lane keeps its lowest tie
-                    if probs[i] > best:
-                        best, best_e = probs[i], lane + i * WARP
-                best, best_e = warp_argmax(best, best_e)
-                for i in range(per_lane):
-                    if lane + i * WARP == best_e:
-                        probs[i] = TAKEN
-                chosen += best
-                if lane == 0 and start + first < num_tokens:
-                    ids[t, k] = best_e
-                    weights[t, k] = best
-            if normalize and lane == 0 and start + first < num_tokens:
-                for k in range(top_k):
-                    weights[t, k] = weights[t, k] / chosen
+            is_real = lane == 0 and start + first < num_tokens
+            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, is_real)
 
     return topk_rows
 

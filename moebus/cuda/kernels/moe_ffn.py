@@ -25,7 +25,18 @@ from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, 
 MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
 WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
-UNROLL = 4  # weight words each lane loads before using them (linear.py)
+UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
+MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
+# down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
+# short and 4 where long are covered by the tests, not yet measured (tools/device/decode_variants.py)
+DOWN_ROWS_SHORT = 1
+DOWN_ROWS_LONG = 1
+
+
+def unroll_for(words: int, chunk: int) -> int:
+    """Weight words a lane loads before their first use: all of a row's words where they fit (the
+    down rows of 768 are 6 a lane: one round, none wasted), else as many as registers allow."""
+    return max(1, min(ceil_div(words, WARP), MAX_UNROLL if chunk <= 2 else UNROLL))
 
 
 @cuda.jit(device=True)
@@ -49,7 +60,7 @@ def _placement(arena, store, entry):
 
 
 @functools.cache
-def _gate_up_kernel(storage: str, wide: bool, chunk: int):
+def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
 
@@ -70,20 +81,20 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
             tokens[t] = pair_token[j + min(t, run - 1)]
         acc_gate = cuda.local.array(chunk, float32)
         acc_up = cuda.local.array(chunk, float32)
-        gate_buf = cuda.local.array((UNROLL, width), float32)
-        up_buf = cuda.local.array((UNROLL, width), float32)
+        gate_buf = cuda.local.array((unroll, width), float32)
+        up_buf = cuda.local.array((unroll, width), float32)
         x_buf = cuda.local.array(width, float32)
         for start in range(0, inter, stride):
             row = min(start + first, inter - 1)
             for t in range(chunk):
                 acc_gate[t] = float32(0.0)
                 acc_up[t] = float32(0.0)
-            for base in range(lane, hidden_words, WARP * UNROLL):
-                for k in range(UNROLL):  # the loads in flight first (linear.py)
+            for base in range(lane, hidden_words, WARP * unroll):
+                for k in range(unroll):  # the loads in flight first (linear.py)
                     word = min(base + k * WARP, hidden_words - 1)
                     read_weight(weights, slot, row * hidden_words + word, gate_buf[k])
                     read_weight(weights, slot, up_base + row * hidden_words + word, up_buf[k])
-                for k in range(UNROLL):
+                for k in range(unroll):
                     word = base + k * WARP
                     if word < hidden_words:
                         for t in range(chunk):
@@ -107,12 +118,13 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int):
 
 
 @functools.cache
-def _down_kernel(storage: str, wide: bool, chunk: int):
+def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int):
     read_weight, width = chunk_reader(storage, wide)
     read_h, _ = chunk_reader("f32", wide)
 
     @kernel
     def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
+        # a warp takes per_warp consecutive output rows at once: each h word it loads serves all
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -122,37 +134,54 @@ def _down_kernel(storage: str, wide: bool, chunk: int):
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
         stride = cuda.gridDim.x * warps
+        num_groups = (hidden + per_warp - 1) // per_warp
         down_base = 2 * hidden * inter_words
         rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
         for t in range(chunk):
             rows[t] = j + min(t, run - 1)
-        acc = cuda.local.array(chunk, float32)
-        w_buf = cuda.local.array((UNROLL, width), float32)
+        acc = cuda.local.array((per_warp, chunk), float32)
+        w_buf = cuda.local.array((per_warp, unroll, width), float32)
         h_buf = cuda.local.array(width, float32)
-        for start in range(0, hidden, stride):
-            row = min(start + first, hidden - 1)
-            for t in range(chunk):
-                acc[t] = float32(0.0)
-            for base in range(lane, inter_words, WARP * UNROLL):
-                for k in range(UNROLL):
-                    word = min(base + k * WARP, inter_words - 1)
-                    read_weight(weights, slot, down_base + row * inter_words + word, w_buf[k])
-                for k in range(UNROLL):
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for r in range(per_warp):
+                for t in range(chunk):
+                    acc[r, t] = float32(0.0)
+            for base in range(lane, inter_words, WARP * unroll):
+                for r in range(per_warp):
+                    row = min(group * per_warp + r, hidden - 1)
+                    for k in range(unroll):
+                        word = min(base + k * WARP, inter_words - 1)
+                        read_weight(weights, slot, down_base + row * inter_words + word, w_buf[r, k])
+                for k in range(unroll):
                     word = base + k * WARP
                     if word < inter_words:
                         for t in range(chunk):
                             read_h(h, rows[t], word, h_buf)
-                            total = acc[t]
-                            for c in range(width):
-                                total += h_buf[c] * w_buf[k, c]
-                            acc[t] = total
-            warp_sum_many(acc, chunk)
-            if lane == 0 and start + first < hidden:
-                for t in range(chunk):
-                    if t < run:
-                        out[pair_out[j + t], row] = acc[t]
+                            for r in range(per_warp):
+                                total = acc[r, t]
+                                for c in range(width):
+                                    total += h_buf[c] * w_buf[r, k, c]
+                                acc[r, t] = total
+            for r in range(per_warp):
+                warp_sum_many(acc[r], chunk)
+            if lane == 0 and start + first < num_groups:
+                for r in range(per_warp):
+                    if group * per_warp + r < hidden:
+                        for t in range(chunk):
+                            if t < run:
+                                out[pair_out[j + t], group * per_warp + r] = acc[r, t]
 
     return expert_down
+
+
+def down_shape(inter_words: int, chunk: int) -> tuple[int, int]:
+    """(words a lane loads per round, rows a warp takes) of the down kernel: a down row is short
+    (768 wide: 6 words a lane, all loaded in one round), so more rows a warp mean more bytes in
+    flight; with runs of several pairs each h word it loads serves every row it takes."""
+    if chunk <= 2 or DOWN_ROWS_LONG == 1:
+        return unroll_for(inter_words, 1), DOWN_ROWS_SHORT if chunk <= 2 else 1
+    return min(2, unroll_for(inter_words, chunk)), DOWN_ROWS_LONG
 
 
 def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, scratch, stream=0,
@@ -185,15 +214,18 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     block = threads(WARPS * WARP)
     per_block = block // WARP
     arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
-    gate_up, down = _gate_up_kernel(storage, wide, chunk), _down_kernel(storage, wide, chunk)
+    hidden_words, inter_words = hidden // width, inter // width
+    gate_up = _gate_up_kernel(storage, wide, chunk, unroll_for(hidden_words, chunk))
+    down_unroll, per_warp = down_shape(inter_words, chunk)
+    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
-            x_view, pair_token, pair_slot, arena_view, store_view, hidden // width, inter, first, h)
+            x_view, pair_token, pair_slot, arena_view, store_view, hidden_words, inter, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
-            h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter // width, first, out)
+        down[(blocks(ceil_div(ceil_div(hidden, per_warp), per_block)), count), block, stream](
+            h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter_words, first, out)
     return out
