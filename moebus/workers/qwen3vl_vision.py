@@ -63,7 +63,7 @@ class Qwen3VisionModel:
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
         self.axes = backend.persist(vision_axes(config.head_dim))
-        # eager for now: its capture failed on the H200 (docs/performance.md, issue 19); with
+        # eager until its capture test passes on a GPU (docs/performance.md, issue 19); with
         # graph.enabled the encode of the last image size is one CUDA graph, as LLaVA's tower's
         self.graph = TowerGraph(backend, capture=False)
         self.max_side = 0
