@@ -6,9 +6,13 @@ sampled ids back in. The broker's hop (reply decoded, tokens accepted and stream
 planned and sent) then runs beside the stage's compute instead of between two steps.
 
 Only where the next step is certain: one stage (it samples what it embeds), every sequence of the
-step in flight samples in it, will not end by length with that token, has no grammar mask and no
-logit rules (both depend on the token), and no request waits for a slot (it joins at the next
-ordinary step). A sequence that ends by a stop token in the step in flight wastes its row of the
+step in flight samples in it and will not end by length with that token, and no request waits for a
+slot (it joins at the next ordinary step). A sequence with a grammar mask or logit rules (both depend
+on the token in flight) sits the look-ahead step out: the step holds the other rows
+(``tokens_rows`` names which of the step in flight's ids each takes), and, as the step in flight
+then no longer holds every running sequence, the step after it is an ordinary one, which the sitting
+sequence joins with its token and mask. So one constrained sequence costs the others the broker's
+hop on every other step, not on every step. A sequence that ends by a stop token in the step in flight wastes its row of the
 look-ahead step; its answer is dropped (the sequence is no longer running), and the KV it wrote in
 its slot lies beyond what any later occupant of the slot reads before writing."""
 from __future__ import annotations
@@ -20,8 +24,8 @@ from moebus.broker.sequence import Sequence
 
 
 def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int) -> PlannedStep | None:
-    """The step after ``previous`` (in flight, id ``previous_id``) over the same rows, each feeding
-    the token ``previous`` samples for it; None when that step is not certain (see above)."""
+    """The step after ``previous`` (in flight, id ``previous_id``) over its rows that can take the
+    token ``previous`` samples for them; None when that step is not certain (see above)."""
     seqs = previous.seqs
     if not seqs or not all(previous.samples) or len(seqs) != len(scheduler.running):
         return None
@@ -29,24 +33,36 @@ def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int
         return None
     if not all(_continues(scheduler, seq) for seq in seqs):
         return None
-    sp = [seq.sampling for seq in seqs]
-    asked = [i for i, p in enumerate(sp) if p.logprobs]
-    num_seqs = len(seqs)
+    keep = [i for i, seq in enumerate(seqs) if not _sits_out(seq)]
+    if not keep:
+        return None
+    rows = np.array(keep, np.int32)
+    kept = [seqs[i] for i in keep]
+    asked = [j for j, seq in enumerate(kept) if seq.sampling.logprobs]
     return PlannedStep(
-        seqs=list(seqs), samples=[True] * num_seqs, slots=previous.slots,
-        starts=(previous.starts + previous.lengths).astype(np.int32), lengths=np.ones(num_seqs, np.int32),
-        tokens=np.zeros(num_seqs, np.int32),  # placeholders: the stage takes the ids it sampled
-        temperature=previous.temperature, top_k=previous.top_k, top_p=previous.top_p,
-        u=np.array([seq.rng.random() for seq in seqs], np.float32),  # each draw in its sequence's order
-        top_logprobs=max((sp[i].logprobs for i in asked), default=0), logprob_rows=np.array(asked, np.int32),
-        tokens_from=previous_id)
+        seqs=kept, samples=[True] * len(kept), slots=previous.slots[rows],
+        starts=(previous.starts + previous.lengths)[rows].astype(np.int32), lengths=np.ones(len(kept), np.int32),
+        tokens=np.zeros(len(kept), np.int32),  # placeholders: the stage takes the ids it sampled
+        temperature=_take(previous.temperature, rows), top_k=_take(previous.top_k, rows),
+        top_p=_take(previous.top_p, rows),
+        u=np.array([seq.rng.random() for seq in kept], np.float32),  # each draw in its sequence's order
+        top_logprobs=max((kept[j].sampling.logprobs for j in asked), default=0), logprob_rows=np.array(asked, np.int32),
+        tokens_from=previous_id, tokens_rows=None if len(kept) == len(seqs) else rows)
+
+
+def _take(values, rows):
+    return None if values is None else values[rows]
+
+
+def _sits_out(seq: Sequence) -> bool:
+    """Does the sequence's next step need its token in flight on the host first (its grammar mask,
+    its logit rules)?"""
+    return seq.grammar is not None or seq.sampling.has_logit_rules
 
 
 def _continues(scheduler: Scheduler, seq: Sequence) -> bool:
     """Will ``seq`` still run after the token of the step in flight (unless that token stops it)?"""
     if scheduler.running.get(seq.id) is not seq or seq.finish_reason:
-        return False
-    if seq.grammar is not None or seq.sampling.has_logit_rules:
         return False
     generated = len(seq.generated) + 1  # with the token in flight
     max_tokens = seq.sampling.max_tokens

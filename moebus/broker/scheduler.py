@@ -30,6 +30,7 @@ class PlannedStep:
     logit_rules: dict[str, np.ndarray] | None = None  # the Step's logit_* arrays, when some row has rules
     masks: dict[str, np.ndarray] | None = None  # the Step's mask and mask_rows, when a row that samples is constrained
     tokens_from: int | None = None  # a look-ahead step's: the step in flight whose sampled ids it feeds (lookahead.py)
+    tokens_rows: np.ndarray | None = None  # and which of those ids, row by row (None: all, in order)
 
 
 MASK_WAIT_SHARE = 0.05  # of a step's time: what a late grammar mask may cost the other sequences

@@ -31,6 +31,7 @@ def step_message(step: InflightStep, hidden, num_stages: int, first_layer: int =
         rules = {**rules, **plan.masks}
     return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
                 logprob_rows=plan.logprob_rows if plan.top_logprobs else None, tokens_from=plan.tokens_from,
+                tokens_rows=plan.tokens_rows,
                 starts=plan.starts, lengths=plan.lengths,
                 tokens=plan.tokens if first and plan.tokens_from is None else None,
                 hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,

@@ -314,12 +314,14 @@ class Step(Message):
     ``tokens_from``: the id of the step whose sampled ids are this step's tokens, row for row: a
     worker whose stage is the whole model keeps them (``tokens`` is then absent, every length 1).
     The broker sends such a step while the step it names still runs, so the stage never waits for
-    the broker's hop (broker/lookahead.py)."""
+    the broker's hop (broker/lookahead.py). ``tokens_rows`` (S,) int32, with ``tokens_from`` only:
+    which row of the named step's sampled ids each row takes (absent: row for row), when rows of
+    that step sit this one out."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
                "embeds", "embed_rows", "logit_params", "logit_lengths", "logit_ids", "logit_counts", "logit_bias",
-               "logprob_rows", "mask", "mask_rows", "rope_positions", "deepstack", "deepstack_rows")
+               "logprob_rows", "mask", "mask_rows", "rope_positions", "deepstack", "deepstack_rows", "tokens_rows")
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     tokens_from: Int64 | None = None
@@ -347,6 +349,7 @@ class Step(Message):
     rope_positions: np.ndarray | None = None
     deepstack: np.ndarray | None = None
     deepstack_rows: np.ndarray | None = None
+    tokens_rows: np.ndarray | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -423,6 +426,9 @@ def check_step_arrays(step: Step) -> None:
     tokens = _vector(step, "tokens", "iu", num_tokens)
     if step.tokens_from is not None and (tokens is not None or step.hidden is not None or num_tokens != num_seqs):
         raise ValueError("a step with tokens_from carries no tokens or hidden states, and one token per sequence")
+    tokens_rows = _vector(step, "tokens_rows", "iu", num_seqs)
+    if tokens_rows is not None and (step.tokens_from is None or (num_seqs and _span(tokens_rows)[0] < 0)):
+        raise ValueError("tokens_rows comes with tokens_from only, and names rows >= 0")
     if tokens is not None and tokens.size:
         low_token, high_token = _span(tokens)
         if low_token < 0 or high_token > MAX_INT32:

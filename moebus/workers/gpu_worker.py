@@ -98,7 +98,7 @@ class GpuWorker:
         while (following := self.link.peek(timeout_s=PEEK_S)) is None:
             if running.is_done():
                 return
-        if not (isinstance(following, Step) and following.tokens_from == running.step_id
+        if not (isinstance(following, Step) and following.tokens_from == running.step_id and following.tokens_rows is None
                 and len(following.slots) == running.batch.num_seqs and following.step_id not in self.ahead):
             return
         try:
@@ -120,16 +120,19 @@ class GpuWorker:
 
     def tokens_of(self, msg: Step):
         """The step's token ids: its own, or (``tokens_from``) those this stage sampled in the step it
-        names, which must be the last one this worker ran, with as many rows."""
+        names, which must be the last one this worker ran, with as many rows (or, with
+        ``tokens_rows``, those rows of it)."""
         if msg.tokens_from is None:
             return msg.tokens
         if not (self.stage.is_first and self.stage.is_last):
             raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, but this stage "
                              "is not the whole model (only such a stage samples the ids it embeds)")
-        if msg.tokens_from != self.last_step_id or len(self.last_tokens) != len(msg.slots):
+        rows = msg.tokens_rows
+        if msg.tokens_from != self.last_step_id or (len(self.last_tokens) != len(msg.slots) if rows is None
+                                                    else len(rows) and int(rows.max()) >= len(self.last_tokens)):
             raise ValueError(f"step {msg.step_id} takes its tokens from step {msg.tokens_from}, which is not the last "
                              f"step this worker sampled ({self.last_step_id}) or has another batch size")
-        return self.last_tokens
+        return self.last_tokens if rows is None else self.last_tokens[rows]
 
     def vram(self, msg: Vram) -> VramReply:
         experts = self.stage.experts

@@ -43,10 +43,28 @@ def test_the_next_step_feeds_on_the_one_in_flight(tokenizer):
     assert lookahead_plan(s, ahead, 18).starts.tolist() == [5, 5]  # and on from a look-ahead step
 
 
-@pytest.mark.parametrize("sampling", [{"max_tokens": 2}, {"frequency_penalty": 0.5}, {"logit_bias": [(7, 1.0)]}])
-def test_no_look_ahead_where_the_next_step_is_not_certain(tokenizer, sampling):
-    s = decoding(tokenizer, ("a", {}), ("b", sampling))
-    assert lookahead_plan(s, s.plan(), 1) is None  # b ends by length at 2 tokens, or its logits depend on it
+def test_no_look_ahead_where_a_row_ends_by_length(tokenizer):
+    s = decoding(tokenizer, ("a", {}), ("b", {"max_tokens": 2}))
+    assert lookahead_plan(s, s.plan(), 1) is None  # b ends with the token in flight
+
+
+@pytest.mark.parametrize("sampling", [{"frequency_penalty": 0.5}, {"logit_bias": [(7, 1.0)]}, "grammar"])
+def test_a_row_whose_next_step_needs_its_token_on_the_host_sits_the_look_ahead_out(tokenizer, sampling):
+    s = decoding(tokenizer, ("a", {"temperature": 0}), ("b", {} if sampling == "grammar" else sampling),
+                 ("c", {"temperature": 0.7}))
+    step = s.plan()
+    if sampling == "grammar":
+        s.running["b"].grammar = object()  # its next mask needs the token in flight (broker/grammar_state.py)
+    ahead = lookahead_plan(s, step, 5)
+    assert [q.id for q in ahead.seqs] == ["a", "c"] and ahead.tokens_from == 5 and ahead.tokens_rows.tolist() == [0, 2]
+    assert ahead.slots.tolist() == step.slots[[0, 2]].tolist() and ahead.starts.tolist() == [4, 4]
+    assert ahead.temperature.tolist() == [0.0, np.float32(0.7)]
+    assert lookahead_plan(s, ahead, 6) is None  # b is not in it: the next step is an ordinary one, b joins it
+    only = decoding(tokenizer, ("b", {} if sampling == "grammar" else sampling))
+    step = only.plan()
+    if sampling == "grammar":
+        only.running["b"].grammar = object()
+    assert lookahead_plan(only, step, 1) is None  # nothing left to look ahead with
 
 
 def test_no_look_ahead_while_a_request_waits_for_a_slot_or_a_row_sits_out(tokenizer):

@@ -52,6 +52,8 @@ SAMPLES = [
            hidden=np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)),
     p.Step(step_id=9, tokens_from=8, slots=np.array([2, 0], np.int32), starts=np.array([40, 7], np.int32),
            lengths=np.ones(2, np.int32), temperature=np.zeros(2, np.float32), u=np.zeros(2, np.float32)),
+    p.Step(step_id=10, tokens_from=9, tokens_rows=np.array([0, 2], np.int32), slots=np.array([2, 1], np.int32),
+           starts=np.array([41, 5], np.int32), lengths=np.ones(2, np.int32)),
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
                 logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
                 top_logprobs=np.zeros((2, 3), np.float32)),
@@ -155,5 +157,16 @@ def test_a_step_with_tokens_from_takes_one_token_per_row_and_carries_none(extra)
     fields = dict(step_id=2, tokens_from=1, slots=np.arange(2, dtype=np.int32), starts=np.zeros(2, np.int32),
                   lengths=np.ones(2, np.int32))
     with pytest.raises(ValueError, match="tokens_from"):
+        p.Step(**{**fields, **extra})
+
+
+@pytest.mark.parametrize("extra", [{"tokens_from": None, "tokens": np.zeros(2, np.int32)},
+                                   {"tokens_rows": np.array([0, -1], np.int32)},
+                                   {"tokens_rows": np.array([0, 1, 2], np.int32)}])
+def test_tokens_rows_come_with_tokens_from_one_per_row_and_name_rows(extra):
+    fields = dict(step_id=2, tokens_from=1, slots=np.arange(2, dtype=np.int32), starts=np.zeros(2, np.int32),
+                  lengths=np.ones(2, np.int32), tokens_rows=np.array([1, 3], np.int32))
+    p.Step(**fields)
+    with pytest.raises(ValueError, match="tokens_rows|2 entries|shape|length"):
         p.Step(**{**fields, **extra})
 

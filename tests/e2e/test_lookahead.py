@@ -99,3 +99,14 @@ def test_a_cancel_and_a_vram_resize_while_steps_look_ahead(brokers):
         if client is brokers[1]:
             assert counter(client, "lookahead_steps_total") > before  # it looked ahead again after the resize
     assert_same(results[1], results[0])
+
+
+def test_a_row_with_logit_rules_sits_the_look_ahead_steps_out(brokers):
+    """A penalised stream's next step needs its last token on the host: the others look ahead
+    without it on every other step, and every stream's tokens are as without look-ahead."""
+    reqs = requests_to_run(num=3, max_tokens=16)
+    reqs[1] = {**reqs[1], "frequency_penalty": 0.8, "temperature": 0}
+    want = run_together(brokers[0], reqs)
+    before = counter(brokers[1], "lookahead_steps_total")
+    assert_same(run_together(brokers[1], reqs), want)
+    assert counter(brokers[1], "lookahead_steps_total") > before + 5

@@ -14,11 +14,12 @@ class NoLink:
     dropped_messages = 0
 
 
-def step(step_id: int, starts, tokens=None, tokens_from=None) -> Step:
+def step(step_id: int, starts, tokens=None, tokens_from=None, tokens_rows=None, slots=None) -> Step:
     """A step of one token per row (a decode step), or of ``tokens`` split evenly (a prefill)."""
     n = len(starts)
     length = 1 if tokens is None else len(tokens) // n
-    return Step(step_id=step_id, slots=np.arange(n, dtype=np.int32), starts=np.array(starts, np.int32),
+    slots = np.arange(n, dtype=np.int32) if slots is None else np.array(slots, np.int32)
+    return Step(step_id=step_id, slots=slots, starts=np.array(starts, np.int32), tokens_rows=tokens_rows,
                 lengths=np.full(n, length, np.int32), tokens=None if tokens is None else np.array(tokens, np.int32),
                 tokens_from=tokens_from, temperature=np.zeros(n, np.float32), u=np.zeros(n, np.float32))
 
@@ -39,6 +40,18 @@ def test_a_look_ahead_step_runs_on_the_ids_just_sampled(tiny_model):
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
     assert ahead.step(step(3, [4, 4], tokens_from=2)).tokens.tolist() == \
         plain.step(step(3, [4, 4], tokens=want.tokens)).tokens.tolist()
+
+
+def test_a_look_ahead_step_over_some_rows_takes_their_ids(tiny_model):
+    ahead, plain = worker(tiny_model), worker(tiny_model)
+    prefill = [5, 6, 7, 8, 9, 10]
+    first = ahead.step(step(1, [0, 0], tokens=prefill))
+    plain.step(step(1, [0, 0], tokens=prefill))
+    got = ahead.step(step(2, [3], tokens_from=1, tokens_rows=np.array([1], np.int32), slots=[1]))
+    want = plain.step(step(2, [3], tokens=first.tokens[1:], slots=[1]))
+    assert got.tokens.tolist() == want.tokens.tolist()
+    with pytest.raises(ValueError, match="another batch size"):  # a row the named step does not have
+        ahead.step(step(3, [4], tokens_from=2, tokens_rows=np.array([1], np.int32), slots=[1]))
 
 
 def test_a_look_ahead_step_must_follow_the_step_it_names(tiny_model):
