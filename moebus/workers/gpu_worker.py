@@ -141,6 +141,11 @@ class GpuWorker:
                              error="this worker's expert cache is not elastic")
         started = time.perf_counter()
         reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
+        if not msg.query and self.stage.scratch_choices is not None:
+            # the room beside the cache is what a reserve hands out (the vision worker's): while one
+            # holds, long steps borrow from the cache again instead of allocating there
+            measured, wide = self.stage.scratch_choices
+            self.stage.scratch = wide if msg.reserve_mib is None else measured
         if not msg.query:  # a hand-back step holds every text stream for this long
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms", self.gpu, msg.reserve_mib, reply.expert_slots,
                      1e3 * (time.perf_counter() - started))
@@ -252,6 +257,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
     if ledger is None:  # unless the GPU has room beyond a cache of every expert: then they use that
         spare = free - int(reserve * MIB) - scratch_to_keep - cache.arena.mapped_bytes
         stage.scratch = widened(scratch, spare, settings.max_step_tokens)
+        stage.scratch_choices = (scratch, stage.scratch)  # while a VRAM reserve holds: the measured one
         if stage.scratch is not scratch:
             log.info("gpu%d: steps of up to %d tokens take their scratch beside the cache (%.0f MiB spare)", gpu,
                      stage.scratch.tokens, spare / MIB)

@@ -44,6 +44,7 @@ class Stage:
         self.is_last = layers.stop == cfg.num_layers
         self.max_context = max_context
         self.scratch = None  # a ScratchBudget when activations must fit a VRAM budget (workers)
+        self.scratch_choices = None  # (measured, widened) on a GPU with room beside its cache (gpu_worker.py)
         if self.is_first:
             self.embed = backend.table(ckpt.embedding())
         if self.is_last:

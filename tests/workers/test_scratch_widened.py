@@ -14,3 +14,26 @@ def test_the_standing_scratch_grows_into_spare_vram_up_to_the_largest_step():
     assert part.bytes_for(200) == scratch.bytes_for(200)  # a longer step borrows the same in total
     for spare in (0, -5000, 9):  # no room (or less than a token's): the measured scratch as it was
         assert widened(scratch, spare, 512) is scratch
+
+
+def test_a_vram_reserve_takes_long_steps_back_to_the_loan_and_bare_vram_widens_them_again(tiny_model):
+    """The room beside the cache is what a reserve hands out (to the vision worker): while one
+    holds, a long step must not allocate there."""
+    from moebus.common.protocol import Vram
+    from moebus.workers.gpu_worker import GpuWorker
+    from moebus.workers.local import LocalModel
+
+    class NoLink:
+        generation = "g"
+        dropped_messages = 0
+
+    stage = LocalModel(tiny_model, num_slots=2, max_context=32).stages[0]
+    measured = ScratchBudget.measured(tokens=2, standing_bytes=1000, per_token_bytes=10)
+    wide = widened(measured, 10_000, 64)
+    stage.scratch, stage.scratch_choices = wide, (measured, wide)
+    worker = GpuWorker(stage, NoLink(), gpu=0)
+    assert worker.vram(Vram(id="q", reserve_mib=0.0, query=True)).error is None and stage.scratch is wide
+    worker.vram(Vram(id="r", reserve_mib=0.0))
+    assert stage.scratch is measured
+    worker.vram(Vram(id="b", reserve_mib=None))
+    assert stage.scratch is wide
