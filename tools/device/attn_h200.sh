@@ -20,7 +20,7 @@ if [ -n "$LANDED" ]; then
     | tee $OUT/kernel_landed.txt
 fi
 echo "== fidelity"; date
-FID_MODELS=$FID_MODELS timeout 60 python3 tools/device/attn_fidelity.py /tmp/fid 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | grep FIDELITY
+FID_MODELS=$FID_MODELS timeout 60 python3 tools/device/tc_fidelity.py /tmp/fid split/split,off/split,split/split/bf16,off/split/bf16 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | grep FIDELITY
 echo "== prefill per KV dtype"; date
 timeout 60 python3 tools/device/attn_prefill.py /tmp/attn_m48 ${PREFILL:-2048,8192} 2>&1 | grep PREFILL | tee $OUT/prefill.txt
 if [ -n "$SWEEP" ]; then echo "== sweep"; timeout 90 python3 tools/device/attn_kernel_bench.py --sweep 2>&1 | tee $OUT/sweep.txt; fi

@@ -13,5 +13,5 @@ echo "== graph == eager"; date
 timeout 30 python3 -m moebus.cli init-model /tmp/m4 --preset a3b --layers 4 --experts 32 > /dev/null 2>&1
 timeout 90 python3 tools/device/graph_check.py /tmp/m4 2>&1 | grep -v Warn | tee $OUT/graph_check.txt | tail -8
 echo "== fidelity per KV dtype (held-out models)"; date
-timeout 120 python3 tools/device/attn_fidelity.py 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | tail -12
+timeout 120 python3 tools/device/tc_fidelity.py /tmp/fid split/split,off/split,split/split/bf16,off/split/bf16 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | tail -12
 date

@@ -1,8 +1,11 @@
 """On the GPU: long prompts (past the 64-token decode threshold, so the tensor-core path runs) on the
 cuda device against transformers in float32 on the CPU, for the fidelity tests' six tiny models, in
-each precision: max |logit difference| at the last position (prompts of 300, 100, 80 tokens in one
-step) and greedy tokens after the 100-token prompt.
-Usage: tc_fidelity.py ROOT [GEMM/ATTENTION,...] (models are made in ROOT)"""
+each precision and KV cache dtype: max |logit difference| at the last position (prompts of 300, 100,
+80 tokens in one step) and greedy tokens after the 100-token prompt. A mode is GEMM/ATTENTION[/KV]:
+GEMM split, bf16, f32 or off (no tensor cores: every step runs the decode kernels), ATTENTION split,
+f32 or tf32 (MOEBUS_ATTENTION_COMPUTE), KV fp32 (default) or bf16.
+Usage: tc_fidelity.py ROOT [MODE,...] (models are made in ROOT; FID_MODELS=a,b picks some)"""
+import os
 import sys
 from pathlib import Path
 
@@ -22,9 +25,11 @@ MODELS = {"init_qwen3": lambda p: make_init_model(p, "qwen3_moe"), "init_mixtral
           "hf_qwen3_f32": lambda p: make_hf_model(p, "qwen3_moe", "f32"),
           "hf_mixtral_bf16": lambda p: make_hf_model(p, "mixtral", "bf16"),
           "hf_mixtral_f16": lambda p: make_hf_model(p, "mixtral", "f16")}
-MODES = [("split", "split"), ("split", "f32"), ("bf16", "split"), ("off", "-")]
-if len(sys.argv) > 2:  # e.g. split/split,off/-
-    MODES = [tuple(m.split("/")) for m in sys.argv[2].split(",")]
+if os.environ.get("FID_MODELS"):  # a comma-separated subset
+    MODELS = {name: MODELS[name] for name in os.environ["FID_MODELS"].split(",")}
+MODES = [("split", "split", "fp32"), ("split", "f32", "fp32"), ("bf16", "split", "fp32"), ("off", "-", "fp32")]
+if len(sys.argv) > 2:  # e.g. split/split,off/-,split/split/bf16
+    MODES = [tuple((m + "/fp32").split("/")[:3]) for m in sys.argv[2].split(",")]
 rng = np.random.default_rng(0)
 worst = {mode: [0.0, True] for mode in MODES}
 blas = cublas_blas()
@@ -39,12 +44,14 @@ for name, make in MODELS.items():
         ref = [hf(torch.tensor([p])).logits[0, -1].numpy() for p in prompts]
     ref_tokens = hf_greedy(hf, prompts[1], 16)
     for mode in MODES:
-        ours = LocalModel(path, device="cuda", num_slots=4, max_context=512)
+        ours = LocalModel(path, device="cuda", num_slots=4, max_context=512, kv_dtype=mode[2])
         ours.backend.tensor_cores = None if mode[0] == "off" else TensorCores(blas, precision=mode[0])
         prefill_attention.PRECISION = mode[1]
         diff = max(float(np.abs(row - r).max()) for row, r in zip(ours.prefill_logits(prompts), ref))
         same = ours.generate(prompts[1], 16).tokens == ref_tokens
         worst[mode] = [max(worst[mode][0], diff), worst[mode][1] and same]
-        print(f"{name:16s} {mode[0]:5s} attention {mode[1]:4s} max|dlogit| {diff:.2e}  greedy-16 equal {same}", flush=True)
+        print(f"{name:16s} {mode[0]:5s} attention {mode[1]:4s} kv {mode[2]} max|dlogit| {diff:.2e}  "
+              f"greedy-16 equal {same}", flush=True)
 for mode, (diff, same) in worst.items():
-    print(f"FIDELITY gemm {mode[0]:5s} attention {mode[1]:4s}: worst |dlogit| {diff:.2e} (bar 1e-3), tokens equal {same}")
+    print(f"FIDELITY gemm {mode[0]:5s} attention {mode[1]:4s} kv {mode[2]}: worst |dlogit| {diff:.2e} (bar 1e-3), "
+          f"tokens equal {same}")
