@@ -13,6 +13,7 @@ import threading
 import time
 
 BATCH = 8
+WARM_TOKENS = 48  # long enough that the constrained 8th decodes beside all 7 plain streams (its graph)
 MAX_CONSTRAINED_TOKENS = 256  # a bounded schema's answer ends well before (it finishes with stop)
 PLAIN_EIGHTH_TOKENS = 32  # about a nested bounded schema's answer
 
@@ -59,6 +60,16 @@ def _one_run(client, prompt, tokens: int, constraint: dict | None) -> tuple[floa
     return sum(counts) / elapsed_s, answers, steps
 
 
+def _worker_counts(client) -> dict:
+    """The first worker's graph captures and eagerly run short steps so far (0 where it has no graphs):
+    a run that recaptures or runs eagerly shows it beside its time."""
+    from moebus.bench.decode import WORKER_INFO_S
+
+    time.sleep(WORKER_INFO_S)  # the broker refreshes its workers' INFO every few seconds
+    worker = client.info()["gpus"][0]
+    return {k: worker.get(k) or 0 for k in ("graph_captures", "eager_short_steps")}
+
+
 def _steps(before: dict, after: dict) -> dict:
     def delta(name):
         h0, h1 = before["histograms"][name], after["histograms"][name]
@@ -86,16 +97,18 @@ def compare(model_dir: str | None, device: str, prompt: list[int], tokens: int, 
         client = Client(address)
         try:
             for warm in (None, constraint):  # graphs of both kinds captured before anything is timed
-                _one_run(client, prompt, min(tokens, 8), warm)
+                _one_run(client, prompt, min(tokens, WARM_TOKENS), warm)
             plain, constrained, answers, runs = [], [], [], []
+            counts = _worker_counts(client)
             for _ in range(repeats):
-                rate, _, steps = _one_run(client, prompt, tokens, None)
-                plain.append(rate)
-                runs.append({"eighth": "plain", "tok_s": round(rate, 1), **steps})
-                rate, texts, steps = _one_run(client, prompt, tokens, constraint)
-                constrained.append(rate)
-                runs.append({"eighth": "constrained", "tok_s": round(rate, 1), **steps})
-                answers += texts
+                for kind, eighth, rates in (("plain", None, plain), ("constrained", constraint, constrained)):
+                    rate, texts, steps = _one_run(client, prompt, tokens, eighth)
+                    rates.append(rate)
+                    answers += texts
+                    now = _worker_counts(client)
+                    runs.append({"eighth": kind, "tok_s": round(rate, 1), **steps,
+                                 **{k: now[k] - counts[k] for k in now}})
+                    counts = now
         finally:
             client.close()
     valid = sum(_parses(t) for t in answers)

@@ -160,7 +160,8 @@ class GpuWorker:
         if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
             stats["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
         if self.stage.ops.name == "cuda":  # decode steps replayed as CUDA graphs, by batch size
-            stats.update(cuda_graphs=self.stage.use_graphs, graph_batches=sorted({k[0] for k in self.stage.graphs}))
+            stats.update(cuda_graphs=self.stage.use_graphs, graph_batches=sorted({k[0] for k in self.stage.graphs}),
+                         graph_captures=self.stage.graph_captures, eager_short_steps=self.stage.eager_short_steps)
         if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
             from moebus.cuda.memory.vmm import device_memory_info
 

@@ -63,6 +63,7 @@ class Stage:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
         self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
+        self.graph_captures = self.eager_short_steps = 0  # for INFO: a graph recaptured per step shows here
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:
@@ -112,6 +113,7 @@ class Stage:
             out = graph.replay(inputs, self._wanted(batch, want_logits))
             device_out = graph.outputs  # valid until the next replay
         else:
+            self.eager_short_steps += routed
             out, device_out = self._eager(batch, inputs, routed, want_logits)
         if self.is_last and batch.top_logprobs:
             out["top_ids"], out["top_logprobs"] = self._top_logprobs(batch, device_out["logits"])
@@ -180,6 +182,7 @@ class Stage:
             graph.close()
         self.ops.begin_step()
         self.experts.device_placement(self.ops)
+        self.graph_captures += 1
         try:
             graph = self.graphs[key] = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True))
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
