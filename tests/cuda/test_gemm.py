@@ -196,6 +196,19 @@ def test_masked_softmax(ops, rng, first_pos, window, causal):
     assert got[-1] == 7.0
 
 
+@pytest.mark.parametrize("first_pos, window, causal", [(70, 0, True), (70, 33, True), (0, 0, False)])
+def test_masked_softmax_rows_longer_than_a_warp_at_a_pitch(ops, rng, first_pos, window, causal):
+    # 75 keys a row (2+ lanes' strides), rows 80 apart, more rows than one block's warps
+    batch, queries, keys, pitch = 2, 5, 75, 80
+    scores = rng.standard_normal((batch, queries, pitch), dtype=np.float32) * 6
+    got = device(scores.ravel().copy())
+    masked_softmax_cuda(got, (batch, queries, keys), first_pos, window, causal, pitch=pitch)
+    got = got.copy_to_host().reshape(batch, queries, pitch)
+    np.testing.assert_allclose(got[..., :keys], masked_softmax_ref(scores[..., :keys], first_pos, window, causal),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(got[..., keys:], scores[..., keys:])  # the pitch's padding is not touched
+
+
 def test_masked_softmax_split_copies(ops, rng):
     scores = rng.standard_normal((2, 3, 9), dtype=np.float32) * 4
     out3 = device(np.zeros(2 * 3 * 27, np.uint16))

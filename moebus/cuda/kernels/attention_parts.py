@@ -15,12 +15,13 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (SIMULATOR, bits_as_f32, block_max, block_sum, blocks, cuda, device,
-                                        f32_bits, float32, kernel, threads, uint16, uint32)
+from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel,
+                                        threads, uint16, uint32, warp_max, warp_sum)
 from moebus.cuda.kernels.launch import require
 
 THREADS = 64 if SIMULATOR else 256
 NEG_INF = float32(-np.inf)
+LOG2E = float32(1.4426950408889634)
 Q3, K3 = (0, 0, 1), (0, 1, 0)  # three copies: hi.hi + hi.lo + lo.hi in one contraction
 Q2 = (0, 1)  # two copies (hi, lo) against exact bf16 keys
 COPIES_IN_PLACE, COPIES_TRIPLES, COPIES_PLANES = 0, 3, 2  # masked_softmax's outputs
@@ -109,30 +110,33 @@ def split_copies_cuda(src, heads_first: bool, first_head: int, first_row: int, p
 
 @kernel
 def masked_softmax_rows(scores, batch, num_queries, num_keys, pitch, first_pos, window, causal, copies, out):
-    # one block per row of scores, flat (B, n, pitch) with L <= pitch keys a row, grid-stride;
-    # probabilities in place (zeros outside the visible keys), or into ``out`` (copies 3: flat
-    # (B, n, 3 pitch), key j's parts at 3 j ...: hi, hi, lo; copies 2: two planes of (B, n, pitch),
-    # the hi parts then the lo parts). Max and sum in one pass.
-    tid = cuda.threadIdx.x
+    # one warp per row of scores, flat (B, n, pitch) with L <= pitch keys a row, grid-stride (no block
+    # barrier: the max and the sum are warp shuffles); probabilities in place (zeros outside the
+    # visible keys), or into ``out`` (copies 3: flat (B, n, 3 pitch), key j's parts at 3 j ...: hi, hi,
+    # lo; copies 2: two planes of (B, n, pitch), the hi parts then the lo parts). Max and sum in one
+    # pass, in base 2 (exp2 of log2(e) x: one ex2 per element); outside a causal row's keys nothing is read.
+    lane = cuda.threadIdx.x % WARP
+    warps_per_block = cuda.blockDim.x // WARP
     plane = batch * num_queries * pitch
-    for row in range(cuda.blockIdx.x, batch * num_queries, cuda.gridDim.x):
+    for row in range(cuda.blockIdx.x * warps_per_block + cuda.threadIdx.x // WARP, batch * num_queries,
+                     cuda.gridDim.x * warps_per_block):
         r = row % num_queries
         at = row * pitch
         hi = first_pos + r if causal else num_keys - 1
         lo = max(hi - window + 1, 0) if causal and window > 0 else 0
         peak, total = NEG_INF, float32(0.0)
-        for j in range(lo + tid, hi + 1, cuda.blockDim.x):  # an online softmax per thread
-            value = scores[at + j]
+        for j in range(lo + lane, hi + 1, WARP):  # an online softmax per lane
+            value = scores[at + j] * LOG2E
             if value > peak:
-                total = total * math.exp(peak - value) + float32(1.0)
+                total = total * math.exp2(peak - value) + float32(1.0)
                 peak = value
             else:
-                total += math.exp(value - peak)
-        row_peak = block_max(peak)
-        total = block_sum(total * math.exp(peak - row_peak) if total > 0 else float32(0.0))
-        for j in range(tid, num_keys, cuda.blockDim.x):
-            visible = j >= lo and j <= hi
-            p = math.exp(scores[at + j] - row_peak) / total if visible else float32(0.0)
+                total += math.exp2(value - peak)
+        row_peak = warp_max(peak)
+        total = warp_sum(total * math.exp2(peak - row_peak) if total > 0 else float32(0.0))
+        inverse = float32(1.0) / total
+        for j in range(lane, num_keys, WARP):
+            p = math.exp2(scores[at + j] * LOG2E - row_peak) * inverse if j >= lo and j <= hi else float32(0.0)
             if copies == COPIES_TRIPLES:
                 hi_bits = _part(p, 0)
                 out[3 * (at + j)] = hi_bits
@@ -159,7 +163,7 @@ def masked_softmax_cuda(scores, shape: tuple, first_pos: int, window: int, causa
         raise ValueError(f"scores or out shorter than {shape} at a pitch of {pitch}")
     rows = batch * num_queries
     if rows:
-        grid = min(rows, 2 if SIMULATOR else 65535)
+        grid = min(-(-rows // (THREADS // WARP)), 2 if SIMULATOR else 65535)
         masked_softmax_rows[grid, THREADS, stream](scores, batch, num_queries, num_keys, pitch, int(first_pos),
                                                    int(window or 0), bool(causal), copies,
                                                    _placeholder() if out is None else out)
