@@ -30,11 +30,14 @@ def _local(args) -> dict:
     from moebus.common.settings import load_settings
     from moebus.common.tokenizer import TextTokenizer
     from moebus.cuda.memory.devices import resolve_device
+    from moebus.workers.kv_cache import resolve_kv_dtype
     from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())
-    experts_dtype = load_settings(args.config).experts.dtype  # as the served workers read it
-    model = LocalModel(model_dir, device=resolve_device(args.device or "auto"), experts_dtype=experts_dtype)
+    settings = load_settings(args.config)  # the experts' and the KV cache's dtypes, as the served workers read them
+    device = resolve_device(args.device or "auto")
+    model = LocalModel(model_dir, device=device, experts_dtype=settings.experts.dtype,
+                       kv_dtype=resolve_kv_dtype(settings.kv_dtype, device))
     tokenizer = TextTokenizer(model_dir, model.ckpt.config.eos_token_ids)
     prompt = _prompt(args).get("prompt_tokens") or tokenizer.encode(args.prompt)
     s = _sampling(args)
