@@ -14,6 +14,7 @@ def test_schema_bench_reports_both_kinds_and_valid_answers(tiny_model, tmp_path,
                  "--schema", str(schema), "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     extra = next(line for line in lines if "schema_ratio" in line)
+    assert extra["kv_dtype"] == "fp32"  # auto on cpu, as the service resolves it
     assert extra["schema_plain_7_tok_s"] > 0 and extra["schema_constrained_7_tok_s"] > 0
     assert extra["schema_answers"] >= 1 and extra["schema_answers_valid_json"] == extra["schema_answers"]
     runs = json.loads(extra["schema_runs"])

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -120,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="the in-process KV cache's (auto: as the service's, bf16 on cuda, fp32 on cpu)")
     p.add_argument("--peer", choices=["hf"], help="also time the HF transformers peer in this call")
     p.add_argument("--peer-script", default=".peer/hf_peer.py")
     p.add_argument("--pcie-gb-s", type=float, default=50.0, help="for the PCIe bound (measured on an H200: 49-55)")
@@ -134,17 +138,20 @@ def main(argv=None) -> int:
                                     "vs none (moebus/bench/structured.py)")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
+    from moebus.workers.kv_cache import resolve_kv_dtype
     from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, args.device)  # the service resolves its setting the same way
     prompt = [(7 * i + 3) % 200 + 10 for i in range(args.prompt_tokens)]
     batches = [int(b) for b in args.batch.split(",")]
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
-                       max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype)
+                       max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
+                       kv_dtype=kv_dtype)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
-              "experts_dtype": args.experts_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
+              "experts_dtype": args.experts_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
               "graphs": any(s.use_graphs for s in model.stages)}
     rows = []
     for batch in batches:
@@ -153,6 +160,27 @@ def main(argv=None) -> int:
         r["us_per_layer"] = r["ms_per_step"] * 1e3 / cfg.num_layers
         rows.append({**common, **r})
     del model
+    with _service_env(MOEBUS_KV_DTYPE=kv_dtype):  # the private brokers below run the same KV cache
+        extra = _peer_and_service(args, cfg, prompt, batches, rows)
+    _print(rows, extra, args.json)
+    return 0
+
+
+@contextlib.contextmanager
+def _service_env(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _peer_and_service(args, cfg, prompt: list[int], batches: list[int], rows: list[dict]) -> dict:
     extra = {}
     if args.peer == "hf":
         from moebus.bench.peer import hf_peer_tok_s
@@ -169,8 +197,7 @@ def main(argv=None) -> int:
         from moebus.bench.structured import compare as schema_compare
 
         extra.update(schema_compare(args.model, args.device, prompt, args.tokens, args.schema, args.repeats))
-    _print(rows, extra, args.json)
-    return 0
+    return extra
 
 
 def _service_figures(service: dict[int, dict], rows: list[dict]) -> dict:
@@ -196,7 +223,7 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
             "hbm_bound_tok_s")
     first = rows[0]
     print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs",
-                                               "experts_dtype", "expert_cache_mib")))
+                                               "experts_dtype", "kv_dtype", "expert_cache_mib")))
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:
         print("  ".join(f"{_fmt(r[h]):>16}" for h in head))

@@ -62,15 +62,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-frac", type=float, help="expert cache as a share of the experts (default: all)")
     p.add_argument("--peer", choices=["hf"], help="also time HF transformers on the same checkpoint")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="the KV cache's (auto: as the service, bf16 on cuda, fp32 on cpu)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
+    from moebus.workers.kv_cache import resolve_kv_dtype
     from moebus.workers.local import LocalModel
 
     model_dir = args.model or str(demo_model_dir())
     lengths = [int(t) for t in args.tokens.split(",")]
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, args.device)
     model = LocalModel(model_dir, device=args.device, num_slots=1, max_context=max(lengths) + 8,
-                       cache_fraction=args.cache_frac)
+                       cache_fraction=args.cache_frac, kv_dtype=kv_dtype)
     cfg = model.ckpt.config
     tensor_cores = getattr(model.backend, "tensor_cores", None)
     rows = [{"tokens": n, "seconds": _time_prefill(model, n, args.repeats), "tflop": prefill_flops(cfg, n) / 1e12}
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     del model
     peer = _peer(model_dir, lengths, args.repeats) if args.peer == "hf" else {}
     print(f"model={Path(model_dir).name} device={args.device} layers={cfg.num_layers} experts={cfg.num_experts} "
-          f"cache_frac={args.cache_frac or 1.0} tensor_cores={tensor_cores.precision if tensor_cores else None}")
+          f"cache_frac={args.cache_frac or 1.0} kv_dtype={kv_dtype} tensor_cores={tensor_cores.precision if tensor_cores else None}")
     for r in rows:
         r.update(tok_s=r["tokens"] / r["seconds"], tflop_s=r["tflop"] / r["seconds"])
         if r["tokens"] in peer:

@@ -1,0 +1,17 @@
+"""`moebus bench prefill` on the cpu device: a row per prompt length whose figures add up, with the KV
+cache's dtype resolved as the service resolves it (auto: fp32 on cpu) or as asked."""
+import json
+
+import pytest
+
+from moebus.bench.prefill import main
+
+
+@pytest.mark.parametrize("asked, resolved", [("auto", "fp32"), ("bf16", "bf16")])
+def test_prefill_rows_and_kv_dtype(tiny_model, capsys, asked, resolved):
+    assert main(["--model", str(tiny_model), "--tokens", "8,24", "--repeats", "1", "--kv-dtype", asked, "--json"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert f"kv_dtype={resolved}" in header.split()
+    rows = [json.loads(line) for line in lines]
+    assert [r["tokens"] for r in rows] == [8, 24]
+    assert all(r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["tflop"] > 0 for r in rows)
