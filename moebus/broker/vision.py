@@ -45,7 +45,7 @@ class VisionHooks:
     """What the lifecycle may ask of the broker."""
 
     send: Callable  # (message) -> None, to the vision worker over the backend socket
-    queue_vram: Callable  # (reserves per GPU or None for bare, on_done(VramReply)) -> None
+    queue_vram: Callable  # (reserves per GPU or None for bare, on_done(VramReply), interim=False) -> None
     submit: Callable  # (Sequence) -> None: into the scheduler; raises ServerBusy
     reply: Callable  # (client, message) -> None
     workers_ready: Callable  # () -> bool

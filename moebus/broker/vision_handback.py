@@ -38,7 +38,7 @@ class Handback:
     def _send(self) -> None:
         reserves = self.plan[self.sent]
         self.sent += 1
-        self.queue_vram(reserves, self._answered)
+        self.queue_vram(reserves, self._answered, interim=self.sent < len(self.plan))
 
     def _answered(self, reply) -> None:
         if reply.error or self.sent == len(self.plan):

@@ -49,10 +49,13 @@ class VramControl:
             raise ServerBusy(f"server busy: {len(self.queue)} VRAM requests waiting (broker.max_vram_queue)")
         self.queue.append(fanout)
 
-    def internal(self, reserves: list, on_done) -> None:
+    def internal(self, reserves: list, on_done, interim: bool = False) -> None:
         """The broker's own resize (the vision hand-back and regrow): queued like a client's, never
-        refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client."""
-        self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done))
+        refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client.
+        ``interim``: a step of a series whose last request says where it ends (the stepped
+        hand-back): not observed, so it neither joins the history nor has every worker asked for
+        INFO ahead of the next decode step."""
+        self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done, interim=interim))
 
     def is_pending(self) -> bool:
         """Is a resize in flight or waiting? Then no new step starts (a cache must not shrink under one)."""
@@ -122,7 +125,7 @@ class VramControl:
             self.inflight = None
         self.queries.pop(getattr(fanout, "fanout_id", None), None)
         reply = fanout.aggregate()
-        if self.observe is not None:
+        if self.observe is not None and not fanout.interim:
             self.observe(fanout.reserves, reply, fanout.query)
         if fanout.on_done is not None:
             fanout.on_done(reply)

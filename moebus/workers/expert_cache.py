@@ -301,13 +301,9 @@ class ExpertCache:
         return self.report()
 
     def _shrink_for(self, missing_bytes: int) -> None:
-        count, freed = 0, 0
-        mapped = self.arena.mapped
-        while freed < missing_bytes and count < len(mapped):
-            if self.arena.slots_after_shrink(count + 1) < self.min_slots:
-                break  # the model must still run: keep enough slots for one expert group
-            count += 1
-            freed += mapped[-count]
+        """Release the fewest tail segments that free ``missing_bytes`` (the model must still run:
+        ``min_slots`` stay, enough for one expert group)."""
+        count, _ = self.arena.tail_to_release(missing_bytes, self.min_slots)
         self._take_out_of_service(self.arena.slots_after_shrink(count))
         self.arena.shrink(count)
 

@@ -85,3 +85,17 @@ def test_a_new_worker_gets_its_gpus_reserve_back():
     gpu, msg = wire.to_workers[-1]
     assert gpu == 1 and msg.reserve_mib == 6.0 and not msg.query
     assert vc.on_reply(1, reply(msg, 6.0)) and vc.restoring == {}
+
+
+def test_the_broker_s_interim_steps_are_not_observed_but_its_last_is():
+    """A stepped hand-back's interim requests are not observed (the observer asks every worker for
+    INFO, which would sit ahead of the next decode step); the request that ends it is."""
+    wire, seen, done = Wire(), [], []
+    vc = VramControl(2, wire.worker, wire.client, max_queue=2, timeout_s=1.0,
+                     observe=lambda reserves, answer, query: seen.append(reserves))
+    for reserves, interim in (([4.0, 2.0], True), ([8.0, 4.0], False)):
+        vc.internal(reserves, done.append, interim=interim)
+        assert vc.start_next()
+        for gpu, msg in wire.to_workers[-2:]:
+            vc.on_reply(gpu, reply(msg, msg.reserve_mib))
+    assert seen == [[8.0, 4.0]] and len(done) == 2 and vc.reserves == [8.0, 4.0] and wire.to_clients == []
