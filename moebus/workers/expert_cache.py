@@ -15,6 +15,8 @@ entry points at a slot only once its copy is complete, and stops pointing at it 
 reused, shrunk away or lent out."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from moebus.cuda.memory.ledger import MIB
@@ -77,6 +79,7 @@ class ExpertCache:
         self.hits = self.misses = self.h2d_bytes = 0
         self.key_hits: dict[int, int] = {}  # hits of resident keys since their admission (the dashboard's map)
         self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
+        self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
 
     @property
     def array(self):
@@ -284,20 +287,24 @@ class ExpertCache:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
+        started = time.perf_counter()
         self.finish_admissions()
+        segments = len(self.arena.mapped)
+        self.last_resize = {"admissions_wait_s": time.perf_counter() - started}  # the worker logs it
         if query:
             return self.report()
         if reserve_mib is None:
             self.reserve_mib = self.startup_reserve_mib
             self._grow(None)
-            return self.report()
-        self.reserve_mib = float(reserve_mib)
-        free, _ = self.arena.memory_info()
-        missing = int(self.reserve_mib * MIB) - free
-        if missing > 0:
-            self._shrink_for(missing)
         else:
-            self._grow_within(-missing)
+            self.reserve_mib = float(reserve_mib)
+            free, _ = self.arena.memory_info()
+            missing = int(self.reserve_mib * MIB) - free
+            if missing > 0:
+                self._shrink_for(missing)
+            else:
+                self._grow_within(-missing)
+        self.last_resize["segments"] = len(self.arena.mapped) - segments  # < 0: released
         return self.report()
 
     def _shrink_for(self, missing_bytes: int) -> None:

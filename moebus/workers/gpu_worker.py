@@ -147,8 +147,10 @@ class GpuWorker:
             measured, wide = self.stage.scratch_choices
             self.stage.scratch = wide if msg.reserve_mib is None else measured
         if not msg.query:  # a hand-back step holds every text stream for this long
-            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms", self.gpu, msg.reserve_mib, reply.expert_slots,
-                     1e3 * (time.perf_counter() - started))
+            split = getattr(experts, "last_resize", {})
+            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments)", self.gpu,
+                     msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
+                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0))
         return reply
 
     def stats(self) -> dict:
