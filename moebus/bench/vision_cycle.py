@@ -194,7 +194,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict]:
     if args.text_streams:  # a first round captures every batch size's graph and fills the cache;
         _TextStreams(client, args.text_streams, WARM_TOKENS).join()  # then they run in their steady state
         streams = _TextStreams(client, args.text_streams, args.text_tokens, warm_tokens=WARM_TOKENS)
-    before = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
+    before_image = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
     sent = time.monotonic()
     first_s = _chat(client, image, started=sent)
     during = _row(client)  # before idle_s can pass
@@ -210,7 +210,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict]:
                 "until_first_token": streams.max_gap_s(sent, sent + first_s),
                 "by_phase": phase_max_gaps_s(streams, sent, split),
                 "largest_after_sent": streams.largest_s(sent)}
-    return before, during, split, gaps
+    return before_image, during, split, gaps
 
 
 def _warm_encode_s(client, args) -> float | None:
