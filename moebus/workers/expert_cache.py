@@ -52,6 +52,9 @@ class SyncCopier:
     def mark(self) -> None:
         pass
 
+    def move(self, src: int, dst: int) -> None:
+        self.arena.array[dst] = self.arena.array[src]
+
 
 class ExpertCache:
     def __init__(self, store, arena, copier=None, policy="freq", startup_reserve_mib: float = 0.0,
@@ -311,8 +314,38 @@ class ExpertCache:
         """Release the fewest tail segments that free ``missing_bytes`` (the model must still run:
         ``min_slots`` stay, enough for one expert group)."""
         count, _ = self.arena.tail_to_release(missing_bytes, self.min_slots)
-        self._take_out_of_service(self.arena.slots_after_shrink(count))
+        kept = self.arena.slots_after_shrink(count)
+        self.last_resize["moved"] = self._keep_hottest(kept) if count else 0
+        self._take_out_of_service(kept)
         self.arena.shrink(count)
+
+    def _keep_hottest(self, first: int) -> int:
+        """Before slots from ``first`` leave service: their experts move down (a copy on the device
+        each, ordered before the shrink's unmap) into free slots, or in place of weaker experts, so
+        the cache keeps its hottest rather than whichever sat in the tail (which the next steps would
+        then miss and copy in again over PCIe). Returns how many moved."""
+        leaving = [int(k) for k in self.slot_key[first:self.num_slots] if k != EMPTY]
+        if not leaving:
+            return 0
+        leaving = self.policy.strongest_first(np.array(leaving, np.int64)).tolist()
+        free = [s for s in self.free if s < first]
+        victims = [k for k in self.policy.weakest_first(len(self.key_slot)) if self.key_slot[k] < first]
+        moved = 0
+        for key in leaving:
+            if free:
+                dst = free.pop()
+                self.free.remove(dst)
+            elif victims and self.policy.worth_admitting(key, victims[0]):
+                dst = self.key_slot[victims.pop(0)]
+                self._evict(dst)
+            else:
+                break  # strongest first: the rest would lose too
+            src = self.key_slot[key]
+            self.copier.move(src, dst)
+            self.slot_key[src], self.slot_key[dst], self.key_slot[key] = EMPTY, key, dst
+            self._place(key, dst)
+            moved += 1
+        return moved
 
     def _grow_within(self, spare_bytes: int) -> None:
         count = 0

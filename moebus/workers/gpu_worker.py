@@ -165,9 +165,9 @@ class GpuWorker:
             self.stage.scratch = wide if msg.reserve_mib is None else measured
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
-            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments)", self.gpu,
-                     msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
-                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0))
+            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
+                     "moved down)", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
+                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0))
         return reply
 
     def stats(self) -> dict:

@@ -65,6 +65,27 @@ def test_shrink_releases_whole_segments_to_the_ledger_and_bare_regrows(tmp_path)
     assert gpu.memory_info()[0] == 4 * MIB
 
 
+def test_a_shrink_keeps_the_hottest_experts_moving_them_out_of_the_tail(tmp_path):
+    """The tail's experts move down in place of weaker ones (or into free slots) before their
+    segments go: the hot set survives with its bytes, and the table points at the new slots."""
+    cache, _ = make_cache(tmp_path, segments=4, capacity_mib=12)  # 16 slots, 4 MiB free
+    keys = list(range(16))
+    for key in keys:  # slot == key
+        cache._assign(cache.free.pop(), key)
+        cache.arena.write(cache.key_slot[key], cache.store.blob(key))
+    hot = [12, 13, 14]  # in the last segment (slots 12-15); 15 stays cold
+    for _ in range(3):
+        cache.policy.observe(np.array(hot + list(range(8)), np.int64))  # 8-11 and 15: cold
+    cache.resize(6.0)  # 2 MiB short: the last segment goes
+    assert cache.num_slots == 12 and cache.last_resize["moved"] == 3
+    assert set(cache.key_slot) == set(range(8)) | set(hot) | {11}  # the coldest below (8-10, oldest first) made room
+    for key in hot:
+        slot = cache.key_slot[key]
+        assert slot < 12 and cache.placement.reshape(-1)[key] == slot and cache.slot_key[slot] == key
+        assert (cache.arena.read(slot) == cache.store.blob(key)).all()
+    assert not cache.free  # and 15 left with its segment
+
+
 def test_grow_only_while_the_reserve_allows(tmp_path):
     cache, _ = make_cache(tmp_path)
     cache.resize(9.0)  # needs 5 MiB more: 3 segments go, 2 MiB mapped

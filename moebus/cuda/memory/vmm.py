@@ -202,3 +202,8 @@ class StreamCopier:
 
     def sync(self) -> None:
         self.stream.synchronize()
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot to slot on the device, on the compute stream: after the kernels enqueued so far, before
+        the next (a shrink's sync then orders it before the unmap)."""
+        self.arena.array[dst].copy_to_device(self.arena.array[src], stream=self.compute_stream)
