@@ -52,3 +52,33 @@ def test_a_tail_released_at_once_is_free_and_the_head_keeps_its_data(rng, path):
         assert all((arena.read(slot) == data[slot]).all() for slot in range(10))
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("driver", [True, False])
+def test_a_slot_moves_on_the_compute_stream(rng, driver):
+    """StreamCopier.move: one driver copy (or numba's, its fallback) of a whole slot, ordered on the
+    compute stream; the slots around it keep their bytes."""
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    from moebus.cuda.memory.vmm import StreamCopier, VmmArena
+
+    arena = VmmArena(MIB, np.uint8, [2 * MIB] * 4)
+    try:
+        arena.grow()
+        copier = StreamCopier(arena, SimpleNamespace(stream=cuda.stream()))
+        copier._driver_moves = driver
+        data = rng.integers(0, 256, (8, MIB), dtype=np.uint8)
+        for slot in range(8):
+            arena.write(slot, data[slot])
+        copier.move(6, 1)
+        copier.move(7, 0)
+        copier.compute_stream.synchronize()
+        assert copier._driver_moves == driver  # the driver's copy was taken, not refused
+        expected = [data[7], data[6]] + [data[slot] for slot in range(2, 8)]
+        assert all((arena.read(slot) == expected[slot]).all() for slot in range(8))
+        with pytest.raises(IndexError):
+            arena.slot_address(8)
+    finally:
+        arena.close()

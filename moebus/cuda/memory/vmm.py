@@ -31,6 +31,11 @@ def _check(result):
     return values[0] if len(values) == 1 else values
 
 
+def _stream_handle(stream) -> int:
+    """A numba stream's driver handle (0: the default stream)."""
+    return 0 if isinstance(stream, int) else int(stream.handle)
+
+
 def _wrap(ptr: int, size: int, shape, dtype) -> "cuda.devicearray.DeviceNDArray":
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import MemoryPointer
@@ -124,6 +129,12 @@ class VmmArena(Arena):
     def memory_info(self) -> tuple[int, int]:
         return device_memory_info()
 
+    def slot_address(self, slot: int) -> int:
+        """The device address where ``slot`` starts (slot i at i * slot_bytes, as ``array`` strides it)."""
+        if not 0 <= slot < self.max_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.max_slots})")
+        return self._base + slot * self.slot_bytes
+
     def close(self) -> None:
         super().close()
         _check(self._cu.cuMemAddressFree(self._base, self.reserved_bytes))
@@ -175,6 +186,7 @@ class StreamCopier:
         self.stream = cuda.stream()
         self._fenced = False
         self._done = None  # recorded after the last batch of copies (mark)
+        self._driver_moves = True  # move(): one cuMemcpyDtoDAsync (False after the bindings refused one)
 
     def copy(self, slot: int, blob) -> bool:
         if not self._fenced:
@@ -205,5 +217,15 @@ class StreamCopier:
 
     def move(self, src: int, dst: int) -> None:
         """Slot to slot on the device, on the compute stream: after the kernels enqueued so far, before
-        the next (a shrink's sync then orders it before the unmap)."""
-        self.arena.array[dst].copy_to_device(self.arena.array[src], stream=self.compute_stream)
+        the next (a shrink's sync then orders it before the unmap). A VmmArena's slots are copied by
+        one driver call: numba's slice-and-copy cost ~0.4 ms of host time per 9 MiB slot on the H200
+        (25 of them were two thirds of a hand-back step)."""
+        arena = self.arena
+        if isinstance(arena, VmmArena) and self._driver_moves:
+            try:
+                _check(arena._cu.cuMemcpyDtoDAsync(arena.slot_address(dst), arena.slot_address(src),
+                                                   arena.slot_bytes, _stream_handle(self.compute_stream)))
+                return
+            except (VmmError, TypeError):  # bindings that want other handle types: numba's copy from now on
+                self._driver_moves = False
+        arena.array[dst].copy_to_device(arena.array[src], stream=self.compute_stream)
