@@ -21,7 +21,8 @@ class Broker:
     def __init__(self):
         self.queued, self.steps, self.running, self.done, self.interim = [], 0, True, [], []
 
-    def queue_vram(self, reserves, on_reply, interim=False):
+    def queue_vram(self, reserves, on_reply, interim=False, between_steps=False):
+        assert between_steps  # every request goes out without draining the steps in flight
         self.queued.append((reserves, on_reply))
         self.interim.append(interim)
 
@@ -54,7 +55,7 @@ def test_a_step_passes_between_two_requests():
     assert broker.done == [] and [r for r, _ in broker.queued][-1] == [1024.0, 512.0]
     broker.answer()
     assert [reply.reserve_mib for reply in broker.done] == [[1024.0, 512.0]]
-    assert broker.interim == [True, True, True, False]  # only the last is observed (INFO, history)
+    assert broker.interim == [True, True, True, False]  # only after the last does the broker ask INFO
 
 
 def test_without_decoding_or_after_the_pause_it_goes_on():
