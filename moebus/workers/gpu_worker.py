@@ -34,7 +34,7 @@ from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
-SLOW_DECODE_FACTOR = 3.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
+SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
 SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
 
 
