@@ -58,14 +58,10 @@ class VramControl:
         refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client.
         ``interim``: a step of a series whose last request says where it ends (the stepped
         hand-back): observed as such, so the broker does not ask every worker for INFO (which would
-        sit ahead of the next decode step) until the series ends. ``between_steps``: sent without waiting for the steps in
-        flight, which keep going (see the module doc)."""
+        sit ahead of the next decode step) until the series ends. ``between_steps``: sent without
+        waiting for the steps in flight, which keep going (see the module doc)."""
         self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done, interim=interim,
                                      between_steps=between_steps))
-
-    def is_pending(self) -> bool:
-        """Is a resize in flight or waiting? Then no new step starts (a cache must not shrink under one)."""
-        return self.inflight is not None or bool(self.queue)
 
     def steps_wait(self, pipeline_empty: bool) -> bool:
         """Before a new step: start the next resize if it may go now (the pipeline is empty, or the
