@@ -276,7 +276,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
 
     def _regrow(self) -> None:
         self.state = REGROWING
-        self.hooks.queue_vram([None] * self.num_gpus, self._regrown)
+        self.hooks.queue_vram([None] * self.num_gpus, self._regrown, between_steps=True)  # as the hand-back
 
     def _regrown(self, reply) -> None:
         if reply.error:
