@@ -114,9 +114,10 @@ class ClientMessages:
     def _on_detokenize(self, client: bytes, msg: Detokenize) -> None:
         self.tokenize.submit(client, msg, lambda m, _c, tok, vocab_size, _ctx: detokenize(m, tok, vocab_size))
 
-    def _on_vram_answer(self, reserves: list, reply: VramReply, query: bool) -> None:
+    def _on_vram_answer(self, reserves: list, reply: VramReply, query: bool, interim: bool = False) -> None:
         self.history.vram_reply(reserves, reply, query=query)
-        self.next_info_s = 0.0  # the residency changed with the size: ask INFO on the next turn
+        if not interim:  # the residency changed with the size: ask INFO on the next turn (a series: at its end)
+            self.next_info_s = 0.0
 
     def _id_in_use(self, request_id: str) -> bool:
         return bool(self.scheduler.find(request_id) or request_id in self.tokenize.pending

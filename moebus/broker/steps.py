@@ -54,9 +54,7 @@ class StepDriver:
         if not self.pool.all_ready():
             return
         self._send_ready_steps()  # to a stage that an aborted step left free (and still alive: ready)
-        if self.vram.is_pending():  # no new step: the resize starts once every step in flight is back
-            if not self.inflight:
-                self.vram.start_next()
+        if self.vram.steps_wait(pipeline_empty=not self.inflight):  # a resize first (broker/vram_control.py)
             return
         if self.inflight.can_start():
             plan = self._plan()

@@ -5,9 +5,9 @@ for what the vision worker sends, ``on_event`` for the zygote's control events).
     ready --idle_s without images--> stopping --worker exited--> regrowing --bare VRAM done--> cold
 
 An image request waits in ``waiting`` (never in the scheduler) until its embeddings are back; text
-requests keep decoding throughout, since the hand-back is one VRAM fan-out between two steps and
-the start runs in another process. A new image during stopping or regrowing waits and starts the
-worker again. With ``vision.lazy`` false the worker is started once every GPU worker is ready and
+requests keep decoding throughout, since each worker applies the hand-back's VRAM fan-outs between
+two of its steps (broker/vision_handback.py) and the start runs in another process. A new image
+during stopping or regrowing waits and starts the worker again. With ``vision.lazy`` false the worker is started once every GPU worker is ready and
 is never stopped for idleness. The choices of one request (an ``image_group``) are encoded once:
 the first leads, the others wait for its embeddings outside ``waiting`` (broker/vision_groups.py)."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ class VisionHooks:
     """What the lifecycle may ask of the broker."""
 
     send: Callable  # (message) -> None, to the vision worker over the backend socket
-    queue_vram: Callable  # (reserves per GPU or None for bare, on_done(VramReply)) -> None
+    queue_vram: Callable  # (reserves per GPU or None for bare, on_done(VramReply), interim=, between_steps=) -> None
     submit: Callable  # (Sequence) -> None: into the scheduler; raises ServerBusy
     reply: Callable  # (client, message) -> None
     workers_ready: Callable  # () -> bool
@@ -276,7 +276,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
 
     def _regrow(self) -> None:
         self.state = REGROWING
-        self.hooks.queue_vram([None] * self.num_gpus, self._regrown)
+        self.hooks.queue_vram([None] * self.num_gpus, self._regrown, between_steps=True)  # as the hand-back
 
     def _regrown(self, reply) -> None:
         if reply.error:

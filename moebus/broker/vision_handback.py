@@ -1,9 +1,12 @@
-"""The vision hand-back in steps. One VRAM request that frees 1.5 GB unmaps ~170 segments while no
-decode step may run (a cache must not shrink under a step): on the H200 that held every text
-stream for 77 ms, 4-5 of their inter-token gaps. So the hand-back goes as a series of VRAM requests,
-each asking every GPU for at most ``vision.handback_step_mib`` more, with a decode step between two
-of them whenever sequences are running (or ``MAX_PAUSE_S`` at most, so a stall does not hold the
-start); the last asks the full reserves. On the cpu device's small figures it is one request."""
+"""The vision hand-back in steps. One VRAM request that frees 1.5 GB unmaps ~770 segments of 2 MiB
+while no decode step may run on that worker (a cache must not shrink under a step): on the H200
+that held every text stream for 77 ms, 4-5 of their inter-token gaps. So the hand-back goes as a
+series of VRAM requests, each asking every GPU for at most ``vision.handback_step_mib`` more, with a
+decode step between two of them whenever sequences are running (or ``MAX_PAUSE_S`` at most, so a
+stall does not hold the start); the last asks the full reserves. Each goes to the workers at once,
+which apply it between two of their own steps (``between_steps``, broker/vram_control.py): the
+steps in flight are not drained first. Only after the last does the broker ask every worker for
+INFO (an INFO sits ahead of the next step). On the cpu device's small figures it is one request."""
 from __future__ import annotations
 
 import math
@@ -38,7 +41,7 @@ class Handback:
     def _send(self) -> None:
         reserves = self.plan[self.sent]
         self.sent += 1
-        self.queue_vram(reserves, self._answered)
+        self.queue_vram(reserves, self._answered, interim=self.sent < len(self.plan), between_steps=True)
 
     def _answered(self, reply) -> None:
         if reply.error or self.sent == len(self.plan):

@@ -46,6 +46,8 @@ class VramFanout:
     fanout_id: str | None = None  # the id the workers echo (a client's id may repeat)
     started_s: float = 0.0
     timed_out: bool = False
+    interim: bool = False  # a step of the broker's own series (VramControl.internal): no INFO after it
+    between_steps: bool = False  # the workers apply it between their own steps: steps go on meanwhile
 
     def complete(self, num_gpus: int) -> bool:
         return len(self.replies) == num_gpus

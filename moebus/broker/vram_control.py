@@ -4,6 +4,10 @@ replies, and the reserve each GPU currently holds (so a restarted worker gets it
 - A query is fanned out at once and answered between steps by each worker: it never pauses decoding.
 - A resize waits in a bounded queue; the broker starts it between two decode steps and sends no
   step until every worker has answered (a cache must not shrink under a running step).
+- The broker's own stepped hand-back (``between_steps``) goes out at once instead, and steps go on:
+  a worker handles one message at a time, in the order they came, and launches a step ahead only
+  when that step is its next message, so it applies the resize between two of its own steps. A text
+  stream then waits the resize alone, not the pipeline's drain and refill around it.
 - A fan-out without every reply by ``timeout_s`` is answered with what came, the silent workers'
   entries marked as errors; the broker restarts those workers (see Broker._supervise).
 - ``reserves`` remembers the last reserve each GPU applied; a worker that registers anew is sent
@@ -31,7 +35,7 @@ class VramControl:
         self.num_gpus = num_gpus
         self.send_worker = send_worker  # (gpu, message)
         self.reply_client = reply_client  # (client, message)
-        self.observe = observe  # (reserves, aggregated VramReply, query): every answered fan-out
+        self.observe = observe  # (reserves, aggregated VramReply, query, interim): every answered fan-out
         self.max_queue, self.timeout_s = max_queue, timeout_s
         self.queue: list[VramFanout] = []
         self.inflight: VramFanout | None = None  # a resize: steps wait for it
@@ -49,14 +53,24 @@ class VramControl:
             raise ServerBusy(f"server busy: {len(self.queue)} VRAM requests waiting (broker.max_vram_queue)")
         self.queue.append(fanout)
 
-    def internal(self, reserves: list, on_done) -> None:
+    def internal(self, reserves: list, on_done, interim: bool = False, between_steps: bool = False) -> None:
         """The broker's own resize (the vision hand-back and regrow): queued like a client's, never
-        refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client."""
-        self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done))
+        refused for a full queue, and answered to ``on_done(VramReply)`` instead of a client.
+        ``interim``: a step of a series whose last request says where it ends (the stepped
+        hand-back): observed as such, so the broker does not ask every worker for INFO (which would
+        sit ahead of the next decode step) until the series ends. ``between_steps``: sent without
+        waiting for the steps in flight, which keep going (see the module doc)."""
+        self.queue.append(VramFanout(b"", reserves, False, None, on_done=on_done, interim=interim,
+                                     between_steps=between_steps))
 
-    def is_pending(self) -> bool:
-        """Is a resize in flight or waiting? Then no new step starts (a cache must not shrink under one)."""
-        return self.inflight is not None or bool(self.queue)
+    def steps_wait(self, pipeline_empty: bool) -> bool:
+        """Before a new step: start the next resize if it may go now (the pipeline is empty, or the
+        workers apply it between their own steps); True while one holds new steps back."""
+        if self.inflight is None and self.queue and (pipeline_empty or self.queue[0].between_steps):
+            self.start_next()
+        if self.inflight is not None:
+            return not self.inflight.between_steps
+        return bool(self.queue)
 
     def start_next(self) -> bool:
         """Between two steps: start the next resize; True when one is in flight (no step now)."""
@@ -123,7 +137,7 @@ class VramControl:
         self.queries.pop(getattr(fanout, "fanout_id", None), None)
         reply = fanout.aggregate()
         if self.observe is not None:
-            self.observe(fanout.reserves, reply, fanout.query)
+            self.observe(fanout.reserves, reply, fanout.query, fanout.interim)
         if fanout.on_done is not None:
             fanout.on_done(reply)
             return

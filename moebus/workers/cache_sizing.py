@@ -130,10 +130,7 @@ def max_free_bytes(cache) -> int:
     every mapped segment above the slots it keeps for one expert group (``min_slots``). What the
     broker compares with the vision worker's charge to place it (broker/vision_placement.py)."""
     free, _ = cache.arena.memory_info()
-    mapped, count = cache.arena.mapped, 0
-    while count < len(mapped) and cache.arena.slots_after_shrink(count + 1) >= cache.min_slots:
-        count += 1
-    return free + sum(mapped[len(mapped) - count:])
+    return free + cache.arena.tail_to_release(None, cache.min_slots)[1]
 
 
 def startup_capacity_bytes(free_bytes: int, reserve_mib: float, scratch_bytes: int) -> int:

@@ -15,6 +15,8 @@ entry points at a slot only once its copy is complete, and stops pointing at it 
 reused, shrunk away or lent out."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from moebus.cuda.memory.ledger import MIB
@@ -50,6 +52,9 @@ class SyncCopier:
     def mark(self) -> None:
         pass
 
+    def move(self, src: int, dst: int) -> None:
+        self.arena.array[dst] = self.arena.array[src]
+
 
 class ExpertCache:
     def __init__(self, store, arena, copier=None, policy="freq", startup_reserve_mib: float = 0.0,
@@ -77,6 +82,7 @@ class ExpertCache:
         self.hits = self.misses = self.h2d_bytes = 0
         self.key_hits: dict[int, int] = {}  # hits of resident keys since their admission (the dashboard's map)
         self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
+        self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
 
     @property
     def array(self):
@@ -284,32 +290,62 @@ class ExpertCache:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
+        started = time.perf_counter()
         self.finish_admissions()
+        segments = len(self.arena.mapped)
+        self.last_resize = {"admissions_wait_s": time.perf_counter() - started}  # the worker logs it
         if query:
             return self.report()
         if reserve_mib is None:
             self.reserve_mib = self.startup_reserve_mib
             self._grow(None)
-            return self.report()
-        self.reserve_mib = float(reserve_mib)
-        free, _ = self.arena.memory_info()
-        missing = int(self.reserve_mib * MIB) - free
-        if missing > 0:
-            self._shrink_for(missing)
         else:
-            self._grow_within(-missing)
+            self.reserve_mib = float(reserve_mib)
+            free, _ = self.arena.memory_info()
+            missing = int(self.reserve_mib * MIB) - free
+            if missing > 0:
+                self._shrink_for(missing)
+            else:
+                self._grow_within(-missing)
+        self.last_resize["segments"] = len(self.arena.mapped) - segments  # < 0: released
         return self.report()
 
     def _shrink_for(self, missing_bytes: int) -> None:
-        count, freed = 0, 0
-        mapped = self.arena.mapped
-        while freed < missing_bytes and count < len(mapped):
-            if self.arena.slots_after_shrink(count + 1) < self.min_slots:
-                break  # the model must still run: keep enough slots for one expert group
-            count += 1
-            freed += mapped[-count]
-        self._take_out_of_service(self.arena.slots_after_shrink(count))
+        """Release the fewest tail segments that free ``missing_bytes`` (the model must still run:
+        ``min_slots`` stay, enough for one expert group)."""
+        count, _ = self.arena.tail_to_release(missing_bytes, self.min_slots)
+        kept = self.arena.slots_after_shrink(count)
+        self.last_resize["moved"] = self._keep_hottest(kept) if count else 0
+        self._take_out_of_service(kept)
         self.arena.shrink(count)
+
+    def _keep_hottest(self, first: int) -> int:
+        """Before slots from ``first`` leave service: their experts move down (a copy on the device
+        each, ordered before the shrink's unmap) into free slots, or in place of weaker experts, so
+        the cache keeps its hottest rather than whichever sat in the tail (which the next steps would
+        then miss and copy in again over PCIe). Returns how many moved."""
+        leaving = [int(k) for k in self.slot_key[first:self.num_slots] if k != EMPTY]
+        if not leaving:
+            return 0
+        leaving = self.policy.strongest_first(np.array(leaving, np.int64)).tolist()
+        free = [s for s in self.free if s < first]
+        victims = [k for k in self.policy.weakest_first(len(self.key_slot)) if self.key_slot[k] < first]
+        moved = 0
+        for key in leaving:
+            if free:
+                dst = free.pop()
+                self.free.remove(dst)
+            elif victims and self.policy.worth_admitting(key, victims[0]):
+                dst = self.key_slot[victims.pop(0)]
+                self._evict(dst)
+            else:
+                break  # strongest first: the rest would lose too
+            src = self.key_slot[key]
+            self.copier.move(src, dst)
+            self.slot_key[src], self.slot_key[dst], self.key_slot[key] = EMPTY, key, dst
+            self._place(key, dst)
+            moved += 1
+        return moved
 
     def _grow_within(self, spare_bytes: int) -> None:
         count = 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,8 @@ from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
+SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
+SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
 
 
 class GpuWorker:
@@ -47,6 +51,7 @@ class GpuWorker:
         self.last_tokens = None
         self.ahead: dict[int, overlap.Launched | Exception] = {}  # step id -> launched early (workers/overlap.py)
         self.steps_launched_ahead = 0
+        self.recent_decode_s: deque[float] = deque(maxlen=64)
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -87,9 +92,21 @@ class GpuWorker:
         self.steps_served += 1
         compute_s = time.perf_counter() - started
         self.busy_s += compute_s
+        if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
+            self.note_decode(msg.step_id, len(msg.slots), compute_s)
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+
+    def note_decode(self, step_id: int, batch: int, compute_s: float) -> None:
+        """Log a decode step far slower than the recent ones: where a text stream's gap came from."""
+        recent = self.recent_decode_s
+        if len(recent) >= 8:
+            typical = statistics.median(recent)
+            if compute_s > max(SLOW_DECODE_FACTOR * typical, SLOW_DECODE_MIN_S):
+                log.info("gpu%d: decode step %d took %.1f ms (batch %d; median of the last %d: %.1f ms)", self.gpu,
+                         step_id, 1e3 * compute_s, batch, len(recent), 1e3 * typical)
+        recent.append(compute_s)
 
     def launch_next(self, running: overlap.Launched) -> None:
         """While ``running`` computes, wait for the broker's look-ahead step after it and launch that
@@ -147,8 +164,10 @@ class GpuWorker:
             measured, wide = self.stage.scratch_choices
             self.stage.scratch = wide if msg.reserve_mib is None else measured
         if not msg.query:  # a hand-back step holds every text stream for this long
-            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms", self.gpu, msg.reserve_mib, reply.expert_slots,
-                     1e3 * (time.perf_counter() - started))
+            split = getattr(experts, "last_resize", {})
+            log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
+                     "moved down)", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
+                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0))
         return reply
 
     def stats(self) -> dict:

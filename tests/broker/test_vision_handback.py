@@ -19,10 +19,12 @@ class Broker:
     """What the Handback asks of the broker: its VRAM queue, its step count, whether it decodes."""
 
     def __init__(self):
-        self.queued, self.steps, self.running, self.done = [], 0, True, []
+        self.queued, self.steps, self.running, self.done, self.interim = [], 0, True, [], []
 
-    def queue_vram(self, reserves, on_reply):
+    def queue_vram(self, reserves, on_reply, interim=False, between_steps=False):
+        assert between_steps  # every request goes out without draining the steps in flight
         self.queued.append((reserves, on_reply))
+        self.interim.append(interim)
 
     def answer(self, error=None):
         reserves, on_reply = self.queued[-1]
@@ -53,6 +55,7 @@ def test_a_step_passes_between_two_requests():
     assert broker.done == [] and [r for r, _ in broker.queued][-1] == [1024.0, 512.0]
     broker.answer()
     assert [reply.reserve_mib for reply in broker.done] == [[1024.0, 512.0]]
+    assert broker.interim == [True, True, True, False]  # only after the last does the broker ask INFO
 
 
 def test_without_decoding_or_after_the_pause_it_goes_on():

@@ -85,3 +85,36 @@ def test_a_new_worker_gets_its_gpus_reserve_back():
     gpu, msg = wire.to_workers[-1]
     assert gpu == 1 and msg.reserve_mib == 6.0 and not msg.query
     assert vc.on_reply(1, reply(msg, 6.0)) and vc.restoring == {}
+
+
+def test_the_broker_s_interim_steps_are_observed_as_interim():
+    """A stepped hand-back's requests are observed with ``interim`` (the broker then asks no worker
+    for INFO, which would sit ahead of the next decode step) until the request that ends it."""
+    wire, seen, done = Wire(), [], []
+    vc = VramControl(2, wire.worker, wire.client, max_queue=2, timeout_s=1.0,
+                     observe=lambda reserves, answer, query, interim: seen.append((reserves, interim)))
+    for reserves, interim in (([4.0, 2.0], True), ([8.0, 4.0], False)):
+        vc.internal(reserves, done.append, interim=interim)
+        assert vc.start_next()
+        for gpu, msg in wire.to_workers[-2:]:
+            vc.on_reply(gpu, reply(msg, msg.reserve_mib))
+    assert seen == [([4.0, 2.0], True), ([8.0, 4.0], False)] and len(done) == 2 and vc.reserves == [8.0, 4.0] and wire.to_clients == []
+
+
+def test_a_between_steps_resize_goes_out_at_once_and_holds_no_step():
+    """The hand-back's requests are sent with steps in flight and let new steps go; a client's
+    resize still waits for an empty pipeline and holds steps until it is answered."""
+    wire, done = Wire(), []
+    vc = control(wire)
+    vc.internal([4.0, 2.0], done.append, between_steps=True)
+    assert not vc.steps_wait(pipeline_empty=False) and len(wire.to_workers) == 2  # sent, steps go on
+    vc.request(b"c", [8.0, None], query=False, request_id="r")
+    assert not vc.steps_wait(pipeline_empty=False) and len(wire.to_workers) == 2  # the client's waits its turn
+    for gpu, msg in wire.to_workers:
+        vc.on_reply(gpu, reply(msg, msg.reserve_mib))
+    assert len(done) == 1
+    assert vc.steps_wait(pipeline_empty=False) and len(wire.to_workers) == 2  # holds steps, not sent yet
+    assert vc.steps_wait(pipeline_empty=True) and len(wire.to_workers) == 4  # sent once the pipeline is empty
+    for gpu, msg in wire.to_workers[2:]:
+        vc.on_reply(gpu, reply(msg, msg.reserve_mib or 0))
+    assert not vc.steps_wait(pipeline_empty=False) and [m.id for _, m in wire.to_clients] == ["r"]

@@ -69,3 +69,37 @@ def test_launched_ahead_steps_give_the_tokens_of_steps_run_one_at_a_time(micro_m
                                           tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
     np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
+
+
+def test_a_vram_request_between_steps_is_applied_between_them(micro_model):
+    """The vision hand-back's VRAM goes to a worker with look-ahead steps queued around it: the
+    worker never launches the step after it early (it launches ahead only its next message), so
+    the resize runs with nothing in flight, and the tokens are those of steps run one at a time."""
+    from moebus.common.protocol import Vram, VramReply
+
+    rows, link = 2, InboxLink()
+    worker = GpuWorker(LocalModel(micro_model, device="cuda", num_slots=2, max_context=64).stages[0], link, gpu=0)
+    prefill = Step(step_id=1, slots=np.arange(rows, dtype=np.int32), starts=np.zeros(rows, np.int32),
+                   lengths=np.full(rows, len(PROMPT), np.int32), tokens=np.array(PROMPT * rows, np.int32),
+                   temperature=np.array([0.0, 0.7], np.float32), u=np.full(rows, 0.3, np.float32))
+    got = [worker.step(prefill)]
+    for i in range(NUM_STEPS):
+        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
+        if i == NUM_STEPS // 2:
+            link.inbox.put(Vram(id="~resize-1", reserve_mib=0.0))
+    replies = []
+    while not link.inbox.empty():
+        message = link.inbox.get()
+        reply = worker.handle(message)
+        (got if isinstance(message, Step) else replies).append(reply)
+    assert len(replies) == 1 and isinstance(replies[0], VramReply) and replies[0].error is None
+    assert worker.steps_launched_ahead == NUM_STEPS - 2  # all but the first and the one after the VRAM
+
+    model = LocalModel(micro_model, device="cuda", num_slots=2, max_context=64)
+    want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
+                                 tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
+    for i in range(NUM_STEPS):
+        step = decode_step(2 + i, len(PROMPT) + i, rows)
+        want.append(model.step(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
+                                          tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]

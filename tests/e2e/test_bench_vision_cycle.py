@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from moebus.bench.vision_cycle import cycle_ok, slots_per_segment
+from moebus.bench.vision_cycle import cycle_ok, grown_slots, slots_per_segment
 from tests.e2e.vision_helpers import VISION_SERVE
 
 
@@ -20,6 +20,22 @@ def test_the_check_allows_one_segment_between_a_and_c():
     assert not cycle_ok([417], [589], [420], [589], [1])
     assert not cycle_ok([417], [589], [417], [588], [1])  # (d) must regrow to (b) exactly
     assert not cycle_ok([589], [589], [589], [589], [1])  # nothing handed back: every expert fits
+
+
+def test_below_a_the_check_allows_what_the_worker_took_beside_its_cache():
+    """The H200 run at c7ade26: (c) 2 slots below (a) after the text streams' first steps took 16 MiB
+    beside the cache (the hand-back frees until the vision worker's MiB are free, so that came out of
+    the cache); the check allows exactly those slots below (a), and still one segment above."""
+    idle = {"slots": [657], "cache_mib": [5920.0], "free_mib": [278.0]}
+    before = {"slots": [657], "cache_mib": [5920.0], "free_mib": [262.0]}
+    grown = grown_slots(idle, before)
+    assert grown == [2]  # 16 MiB of 9.01 MiB slots, rounded up
+    assert cycle_ok([488], [657], [486], [657], [1], grown)
+    assert not cycle_ok([488], [657], [486], [657], [1])  # without it: 2 below, one segment allows 1
+    assert not cycle_ok([488], [657], [484], [657], [1], grown)
+    assert not cycle_ok([488], [657], [490], [657], [1], grown)  # above (a): one segment only
+    moved = dict(before, cache_mib=[5911.0])  # a cache that changed meanwhile: no claim
+    assert grown_slots(idle, moved) == [0]
 
 
 def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
