@@ -21,13 +21,11 @@ log = logging.getLogger("moebus.vision")
 
 
 class TowerGraph:
-    def __init__(self, backend, capture: bool = True):
-        """``capture``: False keeps the encode eager (a tower whose capture is not verified yet)."""
+    def __init__(self, backend):
         from moebus.cuda.backends.graphs import graphs_available
 
         self.ops = backend
-        self.enabled = capture and backend.name == "cuda" and graphs_available() and \
-            os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
+        self.enabled = backend.name == "cuda" and graphs_available() and os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.key = None
         self.graph = None
 
