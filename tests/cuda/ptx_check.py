@@ -250,6 +250,9 @@ def exercise_tensor_cores(rng) -> None:
     scores = f32(8 * 9 * 16)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out=bits(8 * 9 * 48))
+    from moebus.cuda.kernels import vision_attention
+
+    vision_attention.softmax_triples_cuda(scores, 8 * 9, 13, 16, bits(8 * 9 * 48))  # an image's rows
 
 
 def exercise_vision(rng) -> None:

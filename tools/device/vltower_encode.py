@@ -77,6 +77,13 @@ def main(model_dir: str, repeats: int = 7) -> None:
           f"(min {eager_min:.1f}); max |graph - eager| {diff:.1e}; first == replayed: "
           f"{all(np.array_equal(a, b) for a, b in zip(first, graph))} (target <= 30 ms)")
     _profile(encode)
+    from moebus.cuda.kernels import prefill_attention
+
+    prefill_attention.IMAGE_SOFTMAX = "blocks"  # attention_parts' masked softmax, a block per row (before)
+    blocks_ms, _, blocks = _median_ms(encode, repeats)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(blocks, eager))
+    print(f"eager with the block-per-row softmax: {blocks_ms:.1f} ms (warp per row: {eager_ms:.1f} ms); "
+          f"max |difference| {diff:.1e}")
 
 
 if __name__ == "__main__":
