@@ -11,6 +11,8 @@ the merger (LayerNorm per patch, then the same). Images are encoded one at a tim
 never crosses from one image to another."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
@@ -48,6 +50,14 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     return inputs + kept + max(block, merger)
 
 
+def warm_up_side(merge: int, tensor_cores=None) -> int:
+    """Patches per side of the warm-up image: two merge windows, or (with ``tensor_cores``) enough
+    that even the merger's rows (one per window) reach its ``min_rows``, so the warm-up takes the
+    tensor-core path of every product and of attention, as a real image does."""
+    windows = 2 if tensor_cores is None else max(2, math.isqrt(max(int(tensor_cores.min_rows) - 1, 0)) + 1)
+    return windows * merge
+
+
 class Qwen3VisionModel:
     """The tower and mergers of one Qwen3-VL checkpoint, with their weights on ``backend``."""
 
@@ -63,9 +73,7 @@ class Qwen3VisionModel:
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
         self.axes = backend.persist(vision_axes(config.head_dim))
-        # eager until its capture test passes on a GPU (docs/performance.md, issue 19); with
-        # graph.enabled the encode of the last image size is one CUDA graph, as LLaVA's tower's
-        self.graph = TowerGraph(backend, capture=False)
+        self.graph = TowerGraph(backend)  # on cuda the encode of the last image size is one CUDA graph
         self.max_side = 0
         self._rope_tables(4096 // config.patch_size)  # rows and columns of a 4096 px side; grown if needed
 
@@ -120,8 +128,8 @@ class Qwen3VisionModel:
         """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
         ``embeds`` and ``deepstack0`` ... out."""
         ops = self.ops
-        x = ops.tiled_linear(inputs["patches"], self.patch_weight, self.patch_bias)
-        x = ops.add(x, ops.weighted_rows(self.pos_table, inputs["indices"], inputs["weights"]))
+        positions = ops.weighted_rows(self.pos_table, inputs["indices"], inputs["weights"])
+        x = ops.bias_residual(positions, ops.tiled_linear(inputs["patches"], self.patch_weight), self.patch_bias)
         features = []
         mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
         for i, block in enumerate(self.blocks):
@@ -137,15 +145,15 @@ class Qwen3VisionModel:
         ops, cfg = self.ops, self.cfg
         rows, heads, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
         h = ops.layernorm(x, w["norm1.weight"], w["norm1.bias"], eps)
-        q, k, v = (ops.tiled_linear(h, w[f"attn.{n}.weight"], w[f"attn.{n}.bias"]).reshape(rows, heads, hd)
-                   for n in "qkv")
-        q = ops.mrope(q, rope_pos, self.axes, self.cos, self.sin)
-        k = ops.mrope(k, rope_pos, self.axes, self.cos, self.sin)
+        q, k = (ops.mrope(ops.tiled_linear(h, w[f"attn.{n}.weight"]).reshape(rows, heads, hd), rope_pos, self.axes,
+                          self.cos, self.sin, bias=w[f"attn.{n}.bias"]) for n in "qk")
+        v = ops.tiled_linear(h, w["attn.v.weight"], w["attn.v.bias"]).reshape(rows, heads, hd)
         a = ops.vision_attention(q, k, v, 1, hd ** -0.5).reshape(rows, heads * hd)
-        x = ops.add(x, ops.tiled_linear(a, w["attn.proj.weight"], w["attn.proj.bias"]))
+        x = ops.bias_residual(x, ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
         h = ops.layernorm(x, w["norm2.weight"], w["norm2.bias"], eps)
-        h = ops.activation(ops.tiled_linear(h, w["mlp.linear_fc1.weight"], w["mlp.linear_fc1.bias"]), cfg.hidden_act)
-        return ops.add(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"], w["mlp.linear_fc2.bias"]))
+        h = ops.bias_activation(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
+                                cfg.hidden_act)
+        return ops.bias_residual(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"]), w["mlp.linear_fc2.bias"])
 
     def _merge(self, w: dict, x, post_shuffle_norm: bool):
         """merge^2 consecutive patches (one merge window) -> one row of the text's width."""
@@ -157,7 +165,7 @@ class Qwen3VisionModel:
         else:  # the final merger: LayerNorm per patch, then merged
             h = ops.layernorm(x, w["norm.weight"], w["norm.bias"], cfg.layer_norm_eps)
             h = h.reshape(x.shape[0] // cfg.merge_size ** 2, merged)
-        h = ops.activation(ops.tiled_linear(h, w["linear_fc1.weight"], w["linear_fc1.bias"]), MERGER_ACT)
+        h = ops.bias_activation(ops.tiled_linear(h, w["linear_fc1.weight"]), w["linear_fc1.bias"], MERGER_ACT)
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
 
     def encode_reply(self, images: list) -> dict:
@@ -166,8 +174,9 @@ class Qwen3VisionModel:
         return {"embeds": embeds, "deepstack": deepstack}
 
     def warm_up(self, processor) -> None:
-        """Encode a blank image of one merge window per side x 2: every kernel compiles or loads now."""
-        side = 2 * self.cfg.merge_size
+        """Encode a blank image (warm_up_side): every kernel compiles or loads now, and cuBLAS and
+        the graph capture start, so that a request's first encode pays for neither."""
+        side = warm_up_side(self.cfg.merge_size, getattr(self.ops, "tensor_cores", None))
         self.encode(np.zeros((side * side, self.cfg.patch_dim), np.float32), side, side)
 
     def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:

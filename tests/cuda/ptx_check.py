@@ -250,6 +250,9 @@ def exercise_tensor_cores(rng) -> None:
     scores = f32(8 * 9 * 16)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out=bits(8 * 9 * 48))
+    from moebus.cuda.kernels import vision_attention
+
+    vision_attention.softmax_triples_cuda(scores, 8 * 9, 13, 16, bits(8 * 9 * 48))  # an image's rows
 
 
 def exercise_vision(rng) -> None:
@@ -273,6 +276,25 @@ def exercise_vision(rng) -> None:
         q = f32(2 * 5, 2, head_dim)
         vision_attention.vision_attention_cuda(q, q, q, 2, head_dim ** -0.5, f32(10, 2, head_dim))
     scatter.scatter_rows_cuda(f32(5, 8), np.array([0, 3], np.int32), f32(2, 8))
+    exercise_qwen3vl_tower(rng)
+
+
+def exercise_qwen3vl_tower(rng) -> None:
+    """Qwen3-VL's tower: 2-D rotary (head_dim 72) with and without a bias, the bias epilogues."""
+    from moebus.cuda.kernels import mrope, tiled_linear
+    from moebus.cuda.dtypes import f32_to_bf16
+
+    def f32(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    cos, sin = mrope.vision_rope_tables(72, 10000.0, 8)
+    positions = np.zeros((3, 2), np.int32)
+    for bias in (None, f32_to_bf16(f32(2 * 72)), f32(2 * 72)):
+        mrope.mrope_cuda(f32(3, 2, 72), positions, mrope.vision_axes(72), cos, sin, f32(3, 2, 72), bias=bias)
+    for storage in (lambda a: f32_to_bf16(a), lambda a: a):
+        tiled_linear.bias_residual_cuda(f32(3, 40), f32(3, 40), storage(f32(40)), f32(3, 40))
+        for name in ("gelu", "gelu_pytorch_tanh"):
+            tiled_linear.bias_activation_cuda(f32(3, 40), storage(f32(40)), name, f32(3, 40))
 
 
 def _resources(ptxas: str, ptx: str, cc) -> tuple[int, int]:

@@ -161,9 +161,6 @@ def test_a_grid_beyond_the_rotary_tables_grows_them():
     np.testing.assert_array_equal(model.cos, vision_rope_tables(cfg.head_dim, cfg.rope_theta, side)[0])
 
 
-@pytest.mark.xfail(strict=False, reason="failed on the H200 on 2026-12-01 with a NameError of this test's own "
-                                        "(make_backend not imported; fixed since): the capture itself is not yet seen "
-                                        "on a GPU, and the tower encodes eagerly by default until it is")
 def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():
     from moebus.cuda.kernels.compat import SIMULATOR
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
@@ -179,7 +176,7 @@ def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew()
     cfg = parse_qwen3_vision_config(raw)
     weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
     cpu, cuda = Qwen3VisionModel(cfg, weights, make_backend("cpu")), Qwen3VisionModel(cfg, weights, CudaBackend())
-    cuda.graph.enabled = True  # off by default (see the mark)
+    assert cuda.graph.enabled  # captured by default
     rng = np.random.default_rng(0)
     for grid_h, grid_w in ((4, 6), (6, 4), (4, 6)):
         patches = rng.standard_normal((grid_h * grid_w, cfg.patch_dim)).astype(np.float32)

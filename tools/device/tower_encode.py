@@ -46,7 +46,6 @@ def main(model_dir: str) -> None:
     timed(f"{cfg.tower} tower, {len(vision.layers)} layers, {cfg.image_size} px", vision,
           lambda: vision.encode(pixels))
     model, image = qwen3vl_tower()
-    model.graph.enabled = True  # off by default (qwen3vl_vision.py); a capture that fails falls back, with a warning
     timed(f"Qwen3-VL tower, {model.cfg.depth} blocks, {image.grid_h}x{image.grid_w} patches", model,
           lambda: model.encode(image.patches, image.grid_h, image.grid_w)[0])
 

@@ -118,6 +118,8 @@ class CpuBackend:
     top_logprobs = staticmethod(top_logprobs.top_logprobs_rows_ref)
     # vision tower and stage-0 image embeddings
     layernorm = staticmethod(layernorm.layernorm_ref)
+    bias_activation = staticmethod(tiled_linear.bias_activation_ref)  # before the module's name is taken
+    bias_residual = staticmethod(tiled_linear.bias_residual_ref)
     tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
     activation = staticmethod(activations.activation_ref)
     add_bias = staticmethod(activations.add_bias_ref)

@@ -249,6 +249,14 @@ class CudaBackend:
     def activation(self, x, name: str):
         return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
 
+    def bias_activation(self, y, bias, name: str):
+        """activation(y + bias): a product's bias added where its output is read (tiled_linear.py)."""
+        return tiled_linear.bias_activation_cuda(y, bias, name, self.empty(y.shape), stream=self.stream)
+
+    def bias_residual(self, x, y, bias):
+        """x + (y + bias): a product's bias added in the residual add."""
+        return tiled_linear.bias_residual_cuda(x, y, bias, self.empty(y.shape), stream=self.stream)
+
     def add_bias(self, x, bias):
         return activations.add_bias_cuda(x, bias, self.empty(x.shape), stream=self.stream)
 
@@ -274,9 +282,9 @@ class CudaBackend:
 
     # -- Qwen3-VL ---------------------------------------------------------------------------------
 
-    def mrope(self, x, positions, axes, cos, sin):
-        """Rotary embedding with a position per axis (M-RoPE, the tower's 2-D rotary)."""
-        return mrope.mrope_cuda(x, positions, axes, cos, sin, self.empty(x.shape), stream=self.stream)
+    def mrope(self, x, positions, axes, cos, sin, bias=None):
+        """Rotary embedding with a position per axis (M-RoPE, the tower's 2-D rotary), of x + bias."""
+        return mrope.mrope_cuda(x, positions, axes, cos, sin, self.empty(x.shape), stream=self.stream, bias=bias)
 
     def weighted_rows(self, table, indices, weights):
         """sum_k weights[:, k] * table[indices[:, k]] (interpolated position embeddings)."""

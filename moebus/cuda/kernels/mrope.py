@@ -6,13 +6,19 @@ by the position of axis ``axes[i]`` of its token, ``cos[positions[t, axes[i]], i
 - its vision tower's 2-D rotary: 2 axes (row, column of the patch), ``vision_rope_tables`` (column
   ``i`` of both halves over the same hd/4 inverse frequencies), ``vision_axes(head_dim)``.
 
-Text tokens have three equal positions, so the op then equals plain RoPE (rope.py)."""
+Text tokens have three equal positions, so the op then equals plain RoPE (rope.py). The tower
+passes its q or k projection's ``bias`` (H hd,) here, added before the rotation, so that the
+projection's output is read and written once (the product itself has no bias then)."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
+from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.compat import blocks, cuda, threads, kernel
-from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 
 THREADS = 256
 
@@ -41,8 +47,12 @@ def vision_rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
 
 
-def mrope_ref(x: np.ndarray, positions: np.ndarray, axes: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    # x (T, H, hd) float32, positions (T, A) int32, axes (hd/2,) int32 -> (T, H, hd) float32
+def mrope_ref(x: np.ndarray, positions: np.ndarray, axes: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+              bias: np.ndarray | None = None) -> np.ndarray:
+    # x (T, H, hd) float32, positions (T, A) int32, axes (hd/2,) int32, bias (H hd,) stored or None
+    # -> (T, H, hd) float32: x + bias, rotated
+    if bias is not None:
+        x = np.asarray(x, np.float32) + to_f32(bias).reshape(x.shape[1:])
     half = x.shape[-1] // 2
     chosen = np.take_along_axis(np.asarray(positions), np.broadcast_to(axes, (len(positions), half)), axis=1)
     columns = np.arange(half)[None, :]
@@ -54,27 +64,38 @@ def mrope_ref(x: np.ndarray, positions: np.ndarray, axes: np.ndarray, cos: np.nd
 
 # -- cuda -----------------------------------------------------------------------------------------
 
-@kernel
-def mrope_flat(x, positions, axes, cos, sin, out):
-    # one thread per (token, head, i < half): rotates the pair (i, i + half) by axis axes[i]'s position
-    num_tokens, num_heads, head_dim = x.shape
-    half = head_dim // 2
-    per_token = num_heads * half
-    for n in range(cuda.grid(1), num_tokens * per_token, cuda.gridsize(1)):
-        t = n // per_token
-        h = (n % per_token) // half
-        i = n % half
-        position = positions[t, axes[i]]
-        c = cos[position, i]
-        s = sin[position, i]
-        x1 = x[t, h, i]
-        x2 = x[t, h, i + half]
-        out[t, h, i] = x1 * c - x2 * s
-        out[t, h, i + half] = x2 * c + x1 * s
+@functools.cache
+def _mrope_kernel(bias_storage: str | None):
+    load = SCALAR[bias_storage or "f32"]
+    with_bias = bias_storage is not None
+
+    @kernel
+    def mrope_flat(x, positions, axes, cos, sin, bias, out):
+        # one thread per (token, head, i < half): rotates the pair (i, i + half) (+ their biases) by
+        # axis axes[i]'s position
+        num_tokens, num_heads, head_dim = x.shape
+        half = head_dim // 2
+        per_token = num_heads * half
+        for n in range(cuda.grid(1), num_tokens * per_token, cuda.gridsize(1)):
+            t = n // per_token
+            h = (n % per_token) // half
+            i = n % half
+            position = positions[t, axes[i]]
+            c = cos[position, i]
+            s = sin[position, i]
+            x1 = x[t, h, i]
+            x2 = x[t, h, i + half]
+            if with_bias:
+                x1 += load(bias, 0, h * head_dim + i)
+                x2 += load(bias, 0, h * head_dim + i + half)
+            out[t, h, i] = x1 * c - x2 * s
+            out[t, h, i + half] = x2 * c + x1 * s
+
+    return mrope_flat
 
 
-def mrope_cuda(x, positions, axes, cos, sin, out, stream=0):
-    """out (T, H, hd) = mrope_ref(x, positions, axes, cos, sin). Positions must be < the tables'
+def mrope_cuda(x, positions, axes, cos, sin, out, stream=0, bias=None):
+    """out (T, H, hd) = mrope_ref(x, positions, axes, cos, sin, bias). Positions must be < the tables'
     rows and axes < positions' columns (the callers build both)."""
     num_tokens, num_heads, head_dim = x.shape
     require("x", x, np.float32, ndim=3)
@@ -85,7 +106,11 @@ def mrope_cuda(x, positions, axes, cos, sin, out, stream=0):
     require("cos", cos, np.float32, shape=(None, head_dim // 2))
     require("sin", sin, np.float32, shape=tuple(cos.shape))
     require("out", out, np.float32, shape=tuple(x.shape))
+    if bias is not None:
+        require("bias", bias, WEIGHT_DTYPES, shape=(num_heads * head_dim,))
     total = num_tokens * num_heads * (head_dim // 2)
     if total:
-        mrope_flat[blocks(ceil_div(total, THREADS)), threads(THREADS), stream](x, positions, axes, cos, sin, out)
+        kernel = _mrope_kernel(None if bias is None else storage_of(bias))
+        bias_view = reader_view(bias if bias is not None else cos[0], wide=False)  # never read without bias
+        kernel[blocks(ceil_div(total, THREADS)), threads(THREADS), stream](x, positions, axes, cos, sin, bias_view, out)
     return out

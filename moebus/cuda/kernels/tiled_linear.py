@@ -5,14 +5,20 @@
 which suits a decode step's few tokens. Here each block computes a TM x TN tile of the output from
 TK-wide slabs of x and W staged in shared memory, and each thread an RM x RN micro-tile in
 registers, so every loaded value is used TM or TN times. Each output is a sum in k order by one
-thread: the result of a row does not depend on the other rows."""
+thread: the result of a row does not depend on the other rows.
+
+Its bias can instead be added by the op that reads the product next (``bias_activation``,
+``bias_residual``): the tensor-core path (gemm.py) would add it in a pass of its own over the whole
+output, and these add it where the output is read anyway, with the same float32 additions in the
+same order as the product with its bias followed by that op."""
 from __future__ import annotations
 
 import functools
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import SIMULATOR, blocks, cuda, float32, kernel
+from moebus.cuda.kernels.activations import DEVICE_FNS, activation_ref
+from moebus.cuda.kernels.compat import SIMULATOR, blocks, cuda, float32, kernel, threads
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
@@ -20,12 +26,23 @@ from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 # (TM, TN, TK, RM, RN): output tile, k slab, per-thread micro-tile. The simulator runs each thread
 # as a Python thread, so it gets a tile of 16 threads that the tests' small shapes still cut.
 TILE = (16, 16, 16, 4, 4) if SIMULATOR else (64, 64, 16, 4, 4)
+ROW_THREADS = 32 if SIMULATOR else 256  # the epilogues: a block per row, threads along it
 
 
 def tiled_linear_ref(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     # x (M, K) float32, weight (N, K) stored, bias (N,) stored or None -> (M, N) float32
     out = np.asarray(x, dtype=np.float32) @ to_f32(weight).T
     return out if bias is None else out + to_f32(bias)
+
+
+def bias_activation_ref(y: np.ndarray, bias: np.ndarray, name: str) -> np.ndarray:
+    # y (R, D) float32, bias (D,) stored -> activation(y + bias), (R, D) float32
+    return activation_ref(np.asarray(y, np.float32) + to_f32(bias), name)
+
+
+def bias_residual_ref(x: np.ndarray, y: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    # x, y (R, D) float32, bias (D,) stored -> x + (y + bias), (R, D) float32
+    return (np.asarray(x, np.float32) + (np.asarray(y, np.float32) + to_f32(bias))).astype(np.float32)
 
 
 # -- cuda -----------------------------------------------------------------------------------------
@@ -101,4 +118,61 @@ def tiled_linear_cuda(x, weight, bias, out, stream=0):
     grid = blocks(ceil_div(num_rows, tm) * ceil_div(num_cols, tn))
     bias_view = reader_view(bias if bias is not None else weight[0], wide=False)  # never read without bias
     kernel[grid, num_threads, stream](x, weight, bias_view, out)
+    return out
+
+
+# -- the epilogues --------------------------------------------------------------------------------
+
+@functools.cache
+def _bias_activation_kernel(storage: str, name: str):
+    load, fn = SCALAR[storage], DEVICE_FNS[name]
+
+    @kernel
+    def bias_activation(y, bias, out):
+        # out[r, d] = fn(y[r, d] + bias[d]); a block per row (grid-stride), threads along it
+        for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+                out[r, d] = fn(y[r, d] + load(bias, 0, d))
+
+    return bias_activation
+
+
+@functools.cache
+def _bias_residual_kernel(storage: str):
+    load = SCALAR[storage]
+
+    @kernel
+    def bias_residual(x, y, bias, out):
+        # out[r, d] = x[r, d] + (y[r, d] + bias[d]); a block per row (grid-stride), threads along it
+        for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+                out[r, d] = x[r, d] + (y[r, d] + load(bias, 0, d))
+
+    return bias_residual
+
+
+def _check_bias(y, bias, out) -> None:
+    require("y", y, np.float32, ndim=2)
+    require("bias", bias, WEIGHT_DTYPES, shape=(y.shape[1],))
+    require("out", out, np.float32, shape=tuple(y.shape))
+
+
+def bias_activation_cuda(y, bias, name: str, out, stream=0):
+    """out = bias_activation_ref(y, bias, name): y, out (R, D) float32, bias (D,) stored."""
+    if name not in DEVICE_FNS:
+        raise ValueError(f"unknown activation {name!r} (known: {sorted(DEVICE_FNS)})")
+    _check_bias(y, bias, out)
+    if y.size:
+        kernel = _bias_activation_kernel(storage_of(bias), name)
+        kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](y, reader_view(bias, wide=False), out)
+    return out
+
+
+def bias_residual_cuda(x, y, bias, out, stream=0):
+    """out = bias_residual_ref(x, y, bias): x, y, out (R, D) float32, bias (D,) stored."""
+    _check_bias(y, bias, out)
+    require("x", x, np.float32, shape=tuple(y.shape))
+    if y.size:
+        kernel = _bias_residual_kernel(storage_of(bias))
+        kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](x, y, reader_view(bias, wide=False), out)
     return out
