@@ -250,9 +250,7 @@ def exercise_tensor_cores(rng) -> None:
     scores = f32(8 * 9 * 16)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True)
     attention_parts.masked_softmax_cuda(scores, (8, 9, 16), 0, 0, True, out=bits(8 * 9 * 48))
-    from moebus.cuda.kernels import vision_attention
-
-    vision_attention.softmax_triples_cuda(scores, 8 * 9, 13, 16, bits(8 * 9 * 48))  # an image's rows
+    attention_parts.masked_softmax_cuda(scores, (8, 9, 13), 0, 0, False, out=bits(8 * 9 * 48), pitch=16)  # an image's
 
 
 def exercise_vision(rng) -> None:

@@ -16,7 +16,7 @@ python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 2 
 INIT=$!
 echo "== GPU tests"; date
 MOEBUS_TEST_GPU=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/vision/test_qwen3vl_tower_tc.py \
-  tests/cuda/test_tower_epilogues.py tests/cuda/test_image_softmax.py tests/cuda/test_mrope.py \
+  tests/cuda/test_tower_epilogues.py tests/cuda/test_image_attention_tc.py tests/cuda/test_mrope.py \
   tests/cuda/test_prefill_tensor_cores.py tests/vision/test_qwen3vl_units.py \
   tests/vision/test_vision_model.py -k "tensor or captured or epilogue or bias or mrope or warm or rotary or cuda or softmax or prefill" \
   > $OUT/gpu_tests.txt 2>&1

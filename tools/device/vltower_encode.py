@@ -79,12 +79,6 @@ def main(model_dir: str, repeats: int = 7) -> None:
     _profile(encode)
     from moebus.cuda.kernels import prefill_attention
 
-    prefill_attention.IMAGE_SOFTMAX = "blocks"  # attention_parts' masked softmax, a block per row (before)
-    blocks_ms, _, blocks = _median_ms(encode, repeats)
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(blocks, eager))
-    print(f"eager with the block-per-row softmax: {blocks_ms:.1f} ms (warp per row: {eager_ms:.1f} ms); "
-          f"max |difference| {diff:.1e}")
-    prefill_attention.IMAGE_SOFTMAX = "warps"
     default = prefill_attention.MAX_SCORE_BYTES
     for mib in (64, 16):  # query blocks of ~400 and 64 rows: less scratch; at 16 MiB S and P fit in L2
         prefill_attention.MAX_SCORE_BYTES = mib << 20

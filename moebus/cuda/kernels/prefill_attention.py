@@ -28,11 +28,9 @@ import numpy as np
 from moebus.cuda.kernels.attention_parts import (COPIES_PLANES, COPIES_TRIPLES, K3, Q2, Q3, masked_softmax_cuda,
                                                  masked_softmax_ref, split_copies_cuda)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_N, OP_T, R_16BF, R_32F, address
-from moebus.cuda.kernels.vision_attention import softmax_triples_cuda
 
 MAX_SCORE_BYTES = 512 << 20
 PRECISION = os.environ.get("MOEBUS_ATTENTION_COMPUTE", "split")
-IMAGE_SOFTMAX = os.environ.get("MOEBUS_IMAGE_SOFTMAX", "warps")  # an image's rows: a warp each, or "blocks"
 SCRATCH_BYTES_PER_SCORE = {"split3": 10, "halves": 8, "f32": 4}  # the scores, and the probabilities' parts
 __all__ = ["masked_softmax_cuda", "masked_softmax_ref", "prefill_attention", "image_attention"]
 
@@ -88,11 +86,8 @@ def _attend(ops, tc, q, k, v, out: tuple, heads: int, num_queries: int, num_keys
                  address(s), pitch, alpha=scale, compute=compute, batch=heads, stride_a=k[2], stride_b=q[2],
                  stride_c=num_queries * pitch)
     p = scratch.p if split else s
-    if split and not causal and IMAGE_SOFTMAX == "warps":  # an image's rows, unmasked (vision_attention.py)
-        softmax_triples_cuda(s, heads * num_queries, num_keys, pitch, p, stream=ops.stream)
-    else:
-        masked_softmax_cuda(s, (heads, num_queries, num_keys), first_pos, window, causal, out=p if split else None,
-                            pitch=pitch, copies=COPIES_TRIPLES, stream=ops.stream)
+    masked_softmax_cuda(s, (heads, num_queries, num_keys), first_pos, window, causal, out=p if split else None,
+                        pitch=pitch, copies=COPIES_TRIPLES, stream=ops.stream)
     contraction, p_pitch = (3 * num_keys, 3 * pitch) if split else (num_keys, pitch)
     tc.blas.gemm(ops.stream, OP_N, OP_N, head_dim, num_queries, contraction, v[0], in_type, v[1], address(p), in_type,
                  p_pitch, out[0], out[1], compute=compute, batch=heads, stride_a=v[2],

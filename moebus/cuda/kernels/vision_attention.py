@@ -2,9 +2,8 @@
 [n P, (n + 1) P) of q, k, v belong to image n and attend to each other only. No KV cache, no mask.
 
 Two ways: ``vision_attention_cuda``, one kernel on CUDA cores (few rows, or no cuBLAS), and on the
-tensor cores prefill_attention.image_attention (materialised scores), whose row softmax is
-``softmax_triples_cuda`` here: a warp per row of scores (reductions by shuffles, no block barrier),
-where the masked softmax of causal prefill (attention_parts.py) takes a block per row."""
+tensor cores prefill_attention.image_attention (materialised scores; the row softmax is
+attention_parts.masked_softmax, unmasked: a warp per row)."""
 from __future__ import annotations
 
 import functools
@@ -12,13 +11,11 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.attention_parts import _part
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, warp_max, warp_sum, kernel
 from moebus.cuda.kernels.launch import ceil_div, require
 
 WARPS = 2 if SIMULATOR else 8  # query rows per block, one per warp, sharing each key/value tile
 MAX_HEAD_DIM = 128  # shared memory: 32 x (2 hd + 1) + WARPS x (hd + 32) floats = 38 KiB at 128
-SOFTMAX_WARPS = 2 if SIMULATOR else 8  # softmax_triples: rows per block, one per warp
 NEG_INF = float32(-np.inf)
 
 
@@ -119,60 +116,3 @@ def vision_attention_cuda(q, k, v, num_images: int, scale: float, out, stream=0)
     kernel[blocks(groups), WARPS * WARP, stream](q, k, v, positions, np.float32(scale), out)
     return out
 
-
-# -- the row softmax of the tensor-core path ------------------------------------------------------
-
-def softmax_triples_ref(scores: np.ndarray, num_keys: int) -> np.ndarray:
-    # scores (R, pitch) float32, the first num_keys of each row used -> (R, num_keys, 3) bf16 bits:
-    # per key (hi, hi, lo) of its probability (attention_parts.COPIES_TRIPLES, gemm.split_bf16_ref)
-    from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16
-
-    s = np.asarray(scores, np.float32)[:, :num_keys]
-    e = np.exp(s - s.max(axis=1, keepdims=True))
-    p = (e * (np.float32(1.0) / e.sum(axis=1, keepdims=True, dtype=np.float32))).astype(np.float32)
-    hi = f32_to_bf16(p)
-    lo = f32_to_bf16((p - bf16_to_f32(hi)).astype(np.float32))
-    return np.stack([hi, hi, lo], axis=-1)
-
-
-@kernel
-def softmax_triples(scores, num_rows, num_keys, pitch, out):
-    # a warp per row of ``scores`` (flat, rows ``pitch`` apart), grid-stride: an online max and sum
-    # per lane over keys lane, lane + 32, ..., merged by shuffles; then each probability as the
-    # triple (hi, hi, lo) at out[3 (row pitch + j) ...]
-    lane = cuda.threadIdx.x % WARP
-    per_block = cuda.blockDim.x // WARP
-    for row in range(cuda.blockIdx.x * per_block + cuda.threadIdx.x // WARP, num_rows, cuda.gridDim.x * per_block):
-        at = row * pitch
-        peak, total = NEG_INF, float32(0.0)
-        for j in range(lane, num_keys, WARP):
-            value = scores[at + j]
-            if value > peak:
-                total = total * math.exp(peak - value) + float32(1.0)
-                peak = value
-            else:
-                total += math.exp(value - peak)
-        row_peak = warp_max(peak)
-        total = warp_sum(total * math.exp(peak - row_peak) if total > 0 else float32(0.0))
-        inverse = float32(1.0) / total
-        for j in range(lane, num_keys, WARP):
-            p = math.exp(scores[at + j] - row_peak) * inverse
-            hi = _part(p, 0)
-            out[3 * (at + j)] = hi
-            out[3 * (at + j) + 1] = hi
-            out[3 * (at + j) + 2] = _part(p, 1)
-
-
-def softmax_triples_cuda(scores, num_rows: int, num_keys: int, pitch: int, out, stream=0):
-    """out (flat uint16, rows 3 pitch apart) = softmax_triples_ref of the flat ``scores`` (rows
-    ``pitch`` apart); keys past num_keys are neither read nor written."""
-    require("scores", scores, np.float32, ndim=1)
-    require("out", out, np.uint16, ndim=1)
-    if not 0 < num_keys <= pitch:
-        raise ValueError(f"{num_keys} keys in rows of {pitch}")
-    if num_rows * pitch > scores.shape[0] or 3 * num_rows * pitch > out.shape[0]:
-        raise ValueError(f"scores or out shorter than {num_rows} rows of {pitch}")
-    if num_rows:
-        grid = blocks(ceil_div(num_rows, SOFTMAX_WARPS))
-        softmax_triples[grid, SOFTMAX_WARPS * WARP, stream](scores, int(num_rows), int(num_keys), int(pitch), out)
-    return out
