@@ -109,12 +109,13 @@ def test_expert_weights_bf16_on_the_device_matches_the_numpy_hook(rng, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quant_expert_ffn_long_runs_and_odd_down_row_groups(rng, fmt, monkeypatch):
+def test_quant_expert_ffn_long_runs_and_odd_row_groups(rng, fmt, monkeypatch):
     # 8 tokens: chunk 8 (the long-run unroll), a run of 8 pairs and two of 4; rows of 18 (fp8) / 9
-    # (int4) words; 3 down rows a warp, so the last group of the 144 down rows is partial
+    # (int4) words; 3 down rows and 3 gate|up row pairs a warp: the last groups of 144 and 16 are partial
     from moebus.cuda.kernels import moe_quant
 
     monkeypatch.setattr(moe_quant, "DOWN_ROWS", 3)
+    monkeypatch.setattr(moe_quant, "GATE_UP_ROWS", 3)
     layout = ExpertLayout(fmt, 144, 16)
     x = rng.standard_normal((8, 144), dtype=np.float32)
     arena = _arena(rng, layout, 3)

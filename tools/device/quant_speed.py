@@ -5,10 +5,13 @@
    bytes over it (GB/s).
 2. ``decode``: ``moebus bench decode`` (in-process, CUDA graphs) on MODEL for each experts dtype, every
    expert resident and then a cache of bf16's 25% in MiB (``--cache-mib``) for every dtype.
-3. ``variants``: as 1 at 1 token, fp8 / int4 with 1 and 4 down rows a warp (the default: DOWN_ROWS).
+3. ``variants``: as 1 at 1 token, fp8 / int4 with (gate|up rows a warp, words a lane a round) of
+   (1, 4), (2, 8), (2, 4) (the defaults: GATE_UP_ROWS, MAX_UNROLL).
+4. ``profile``: as 1, each kernel's own GPU time (torch.profiler's CUPTI trace of 20 calls): gate|up
+   and down apart, without the launch gaps that 1's events include.
 
 One JSON object a line on stdout as each figure comes. Usage:
-    quant_speed.py MODEL [kernels] [decode] [variants]   (BATCH, TOKENS, REPEATS, DEVICE from the environment)
+    quant_speed.py MODEL [kernels] [decode] [variants] [profile]   (BATCH, TOKENS, REPEATS, DEVICE from the environment)
     quant_speed.py --table LOG                            (the table of a log's JSON lines)"""
 import contextlib
 import io
@@ -43,37 +46,67 @@ def _arena(dtype: str, rng):
     return layout, blobs
 
 
-def kernels(variants: bool = False) -> list[dict]:
-    from moebus.bench.kernels import time_launches
+def _cases(rng, tokens_list=(1, 8)):
+    """(dtype, tokens, bytes read, run) for each experts dtype and token count: one expert FFN call."""
     from moebus.cuda.kernels import moe_ffn, moe_quant
     from moebus.cuda.kernels.compat import cuda
 
-    rng, stream, rows = np.random.default_rng(0), cuda.stream(), []
-    for dtype in DTYPES[1:] if variants else DTYPES:
+    stream = cuda.stream()
+    for dtype in DTYPES:
         layout, blobs = _arena(dtype, rng)
         arena = cuda.to_device(blobs)
-        for tokens in (1,) if variants else (1, 8):
+        for tokens in tokens_list:
             chosen = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(tokens)]).ravel()
             order = np.argsort(chosen, kind="stable")  # pairs sorted by slot, as the stage sorts them
             tables = [cuda.to_device(a.astype(np.int32)) for a in (order // TOP_K, chosen[order], order)]
             x = cuda.to_device(rng.standard_normal((tokens, HIDDEN), dtype=np.float32))
             out = cuda.device_array((tokens * TOP_K, HIDDEN), np.float32)
             scratch = cuda.device_array((tokens * TOP_K, INTER), np.float32)
-            if layout is None:
-                def run():
+
+            def run(x=x, tables=tables, arena=arena, out=out, scratch=scratch, layout=layout):
+                if layout is None:
                     moe_ffn.expert_ffn_cuda(x, *tables, arena, HIDDEN, INTER, out, scratch, stream=stream)
-            else:
-                def run():
+                else:
                     moe_quant.expert_ffn_quant_cuda(x, *tables, arena, layout, out, scratch, stream=stream)
-            default = moe_quant.DOWN_ROWS
-            for down_rows in (1, 4) if variants else (default,):
-                moe_quant.DOWN_ROWS = down_rows
-                us = time_launches(run, 30, 3, stream)[0]
-                moe_quant.DOWN_ROWS = default
-                nbytes = len(np.unique(chosen)) * blobs.shape[1] * blobs.itemsize
-                rows.append(emit({"section": "kernels", "experts_dtype": dtype, "tokens": tokens,
-                                  "down_rows": None if layout is None else down_rows, "us": us,
-                                  "mb": nbytes / 1e6, "gb_s": nbytes / us / 1e3}))
+            yield dtype, tokens, len(np.unique(chosen)) * blobs.shape[1] * blobs.itemsize, run, stream
+
+
+def profile() -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile as trace  # CUPTI: numba's kernels too
+
+    rows = []
+    for dtype, tokens, nbytes, run, stream in _cases(np.random.default_rng(0)):
+        run()
+        stream.synchronize()
+        with trace(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                run()
+            stream.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        gate_up = [e.device_time for e in kernels[0::2]]  # launch order: gate|up, then down
+        down = [e.device_time for e in kernels[1::2]]
+        rows.append(emit({"section": "profile", "experts_dtype": dtype, "tokens": tokens, "mb": nbytes / 1e6,
+                          "gate_up_us": float(np.median(gate_up)), "down_us": float(np.median(down)),
+                          "names": sorted({e.name[-24:] for e in kernels})}))
+    return rows
+
+
+def kernels(variants: bool = False) -> list[dict]:
+    from moebus.bench.kernels import time_launches
+    from moebus.cuda.kernels import moe_quant
+
+    rows = []
+    for dtype, tokens, nbytes, run, stream in _cases(np.random.default_rng(0), (1,) if variants else (1, 8)):
+        if variants and dtype == "bf16":
+            continue
+        default = moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL
+        for shape in ((1, 4), (2, 8), (2, 4)) if variants else (default,):
+            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = shape
+            us = time_launches(run, 30, 3, stream)[0]
+            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = default
+            rows.append(emit({"section": "kernels", "experts_dtype": dtype, "tokens": tokens,
+                              "shape": None if dtype == "bf16" else list(shape), "us": us, "mb": nbytes / 1e6,
+                              "gb_s": nbytes / us / 1e3}))
     return rows
 
 
@@ -102,10 +135,13 @@ def decode(model: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> None:
-    print("\nexperts  tokens  down rows     us     MB   GB/s   (expert FFN kernels, A3B shapes, 8 of 32 a token)")
+    print("\nexperts  tokens  g|u rows, words     us     MB   GB/s   (expert FFN kernels, A3B shapes, 8 of 32 a token)")
     for r in (r for r in rows if r["section"] == "kernels"):
-        print(f"{r['experts_dtype']:7} {r['tokens']:6} {str(r['down_rows']):>10} {r['us']:6.1f} {r['mb']:6.1f} "
+        print(f"{r['experts_dtype']:7} {r['tokens']:6} {str(r.get('shape')):>16} {r['us']:6.1f} {r['mb']:6.1f} "
               f"{r['gb_s']:6.0f}")
+    for r in (r for r in rows if r["section"] == "profile"):
+        print(f"profile {r['experts_dtype']:5} T={r['tokens']}: gate|up {r['gate_up_us']:6.1f} us, down "
+              f"{r['down_us']:6.1f} us, {r['mb'] / (r['gate_up_us'] + r['down_us']) * 1e3:5.0f} GB/s")
     decoded = [r for r in rows if r["section"] == "decode"]
     base = {(r["cache"], r["batch"]): r["tok_s"] for r in decoded if r["experts_dtype"] == "bf16"}
     if decoded:
@@ -125,6 +161,7 @@ if __name__ == "__main__":
     model, sections = sys.argv[1], sys.argv[2:] or ["kernels", "decode", "variants"]
     for name in sections:
         try:
-            {"kernels": kernels, "decode": lambda: decode(model), "variants": lambda: kernels(True)}[name]()
+            {"kernels": kernels, "decode": lambda: decode(model), "variants": lambda: kernels(True),
+             "profile": profile}[name]()
         except Exception as e:  # noqa: BLE001 - one section's failure leaves the other's figures
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)

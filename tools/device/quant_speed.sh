@@ -5,18 +5,23 @@
 # $LAYERS layers x 32 experts (default 8: quantizing at load costs ~60-110 ms an fp8 expert on the
 # host, so 24 layers' six loads do not fit one call's budget); then tools/device/quant_speed.py:
 # the expert FFN kernels alone (GB/s), bench decode batch 1 and 8 with bf16 / fp8 / int4 experts all
-# resident and in a cache of bf16's 25% in MiB, the down-rows variants; the table at the end.
+# resident and in a cache of bf16's 25% in MiB, the gate|up shape variants; the table at the end.
+# SECTIONS (default: kernels decode variants) and TESTS pick parts: the second call of 2026-12-01 ran
+# SECTIONS='kernels variants' TESTS=tests/cuda/test_moe_quant.py.
 source tools/device/setup.sh
 set -o pipefail
 LAYERS=${LAYERS:-8}
 M=/tmp/a3b-${LAYERS}x32
+SECTIONS=${SECTIONS:-kernels decode variants}
+TESTS=${TESTS:-tests/cuda/test_moe_quant.py tests/cuda/test_moe.py tests/cuda/test_linear.py}
 echo "== GPU tests (background), init-model $LAYERS x 32"; date
-MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/cuda/test_moe_quant.py \
-  tests/cuda/test_moe.py tests/cuda/test_linear.py -k "quant or expert or decode or linear" > $OUT/gpu_tests.txt 2>&1 &
+MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider $TESTS \
+  -k "quant or expert or decode or linear" > $OUT/gpu_tests.txt 2>&1 &
 tests=$!
-timeout 60 python3 -m moebus.cli init-model $M --preset a3b --layers $LAYERS --experts 32 > /dev/null 2>&1
-echo "== kernels, decode, variants"; date
-timeout ${SPEED_S:-100} python3 tools/device/quant_speed.py $M ${SECTIONS:-kernels decode variants} 2>&1 \
+case " $SECTIONS " in *" decode "*)
+  timeout 60 python3 -m moebus.cli init-model $M --preset a3b --layers $LAYERS --experts 32 > /dev/null 2>&1 ;; esac
+echo "== $SECTIONS"; date
+timeout ${SPEED_S:-100} python3 tools/device/quant_speed.py $M $SECTIONS 2>&1 \
   | grep -v Warn | tee $OUT/quant_speed.txt | grep -v '^{'
 wait $tests
 echo "== GPU tests"; grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.txt | tail -8

@@ -4,8 +4,8 @@ Same work split as moe_ffn.py (warp per output row, runs of pairs on one slot in
 negative placement entry read from the mapped host store), so a decode step moves 1 byte (fp8) or
 ~0.56 byte (int4) per weight instead of 2.
 
-One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, then silu(gate) * up into
-the scratch h; down: ``DOWN_ROWS`` rows a warp). A lane reads 8-byte words of the blob (8 fp8 or 16
+One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
+warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS`` rows a warp). A lane reads 8-byte words of the blob (8 fp8 or 16
 4-bit codes, never straddling a block or group: rows are multiples of 16 values, blocks and groups
 128), all of a round's words and their scales in flight before the first use (as linear.py), then
 per word: the codes to float32 with integer bit tricks (fp8: e4m3's bits placed in a float32, exact;
@@ -32,7 +32,11 @@ from moebus.cuda.kernels.loads import can_read_wide, chunk_f32
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
 
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
-DOWN_ROWS = 2  # down rows a warp takes: a down row is short (768: 96 fp8 words, 3 a lane)
+# Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
+# words, 3 a lane): 4 a warp measured fastest of 1 / 2 / 4 on an H200 (2026-12-01, docs/performance.md).
+# Gate|up rows: 1 measured; 2 is covered by the tests (tools/device/quant_speed.py variants).
+DOWN_ROWS = 4
+GATE_UP_ROWS = 1
 MAX_UNROLL = 8  # words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
 LONG_RUN_VALUES = 16  # ... and values a lane loads a round with longer runs (unroll_for)
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
@@ -242,7 +246,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_word = VALUES_PER_WORD[layout.dtype]
     gate_w, up_w, down_w, gate_s, up_s, down_s = layout.kernel_words()  # 4-byte offsets
     blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
-    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, 1)
+    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, GATE_UP_ROWS)
     down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word), 1, DOWN_ROWS)
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
@@ -251,7 +255,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
+        gate_up[(blocks(ceil_div(ceil_div(inter, GATE_UP_ROWS), per_block)), count), block, stream](
             x_words, pair_token, pair_slot, *blobs, hidden, inter, gate_w // 2, up_w // 2, gate_s, up_s, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
