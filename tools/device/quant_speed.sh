@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One H200, one call (~140 s): issue 16's quantized expert GEMVs against bf16's. The fp8 / int4 GEMV
-# tests on the GPU (tests/cuda/test_moe_quant.py, with the bf16 expert and linear GEMVs whose
-# accumulate they share) run in the background while init-model writes an A3B-shaped model of
-# $LAYERS layers x 32 experts (default 8: quantizing at load costs ~60-110 ms an fp8 expert on the
-# host, so 24 layers' six loads do not fit one call's budget); then tools/device/quant_speed.py:
-# the expert FFN kernels alone (GB/s), bench decode batch 1 and 8 with bf16 / fp8 / int4 experts all
-# resident and in a cache of bf16's 25% in MiB, the gate|up shape variants; the table at the end.
-# SECTIONS (default: kernels decode variants) and TESTS pick parts: the second call of 2026-12-01 ran
-# SECTIONS='kernels variants' TESTS=tests/cuda/test_moe_quant.py.
+# One H200, one call (~115 s warm with every section): issue 16's quantized expert GEMVs against bf16's.
+# The GEMV tests on the GPU (fp8 / int4, and the bf16 expert and linear GEMVs whose accumulate they
+# share) run in the background while init-model writes an A3B-shaped model of $LAYERS layers x 32
+# experts (default 8: the six bench runs take ~65 s there, 10-14 s each with quantizing at load; at
+# 8 layers a batch-1 step is host-bound, so 24 or 48 are needed for the all-resident batch-1 ratio);
+# then tools/device/quant_speed.py: the expert FFN kernels alone (GB/s), bench decode batch 1 and 8
+# with bf16 / fp8 / int4 experts all resident and in a cache of bf16's 25% in MiB, the gate|up shape
+# variants, a per-kernel profile; the table at the end.
+# SECTIONS (default: kernels decode variants) and TESTS pick parts, e.g.
+#   SECTIONS='kernels variants profile' TESTS=tests/cuda/test_moe_quant.py bash tools/device/quant_speed.sh
 source tools/device/setup.sh
 set -o pipefail
 LAYERS=${LAYERS:-8}
