@@ -5,8 +5,9 @@
    bytes over it (GB/s).
 2. ``decode``: ``moebus bench decode`` (in-process, CUDA graphs) on MODEL for each experts dtype, every
    expert resident and then a cache of bf16's 25% in MiB (``--cache-mib``) for every dtype.
-3. ``variants``: as 1 at 1 token, fp8 / int4 with (gate|up rows a warp, words a lane a round) of
-   (1, 4), (2, 8), (2, 4) (the defaults: GATE_UP_ROWS, MAX_UNROLL).
+3. ``variants``: as 1 at 1 token, fp8 / int4 with (gate|up rows a warp, 8-byte words' worth a lane a
+   round, bytes a load) of (1, 4, 8), (2, 4, 8), (1, 8, 4), (1, 4, 4) (the defaults: GATE_UP_ROWS,
+   MAX_UNROLL, WORD_BYTES).
 4. ``profile``: as 1, each kernel's own GPU time (torch.profiler's CUPTI trace of 20 calls): gate|up
    and down apart, without the launch gaps that 1's events include.
 
@@ -99,11 +100,11 @@ def kernels(variants: bool = False) -> list[dict]:
     for dtype, tokens, nbytes, run, stream in _cases(np.random.default_rng(0), (1,) if variants else (1, 8)):
         if variants and dtype == "bf16":
             continue
-        default = moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL
-        for shape in ((1, 4), (2, 8), (2, 4)) if variants else (default,):
-            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = shape
+        default = moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES
+        for shape in ((1, 4, 8), (2, 4, 8), (1, 8, 4), (1, 4, 4)) if variants else (default,):
+            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES = shape
             us = time_launches(run, 30, 3, stream)[0]
-            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = default
+            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES = default
             rows.append(emit({"section": "kernels", "experts_dtype": dtype, "tokens": tokens,
                               "shape": None if dtype == "bf16" else list(shape), "us": us, "mb": nbytes / 1e6,
                               "gb_s": nbytes / us / 1e3}))
@@ -114,8 +115,9 @@ def decode(model: str) -> list[dict]:
     from moebus.bench.decode import experts_mib, main
 
     quarter_mib = experts_mib(model, "bf16") / 4
-    args = ["--model", model, "--device", os.environ.get("DEVICE", "cuda"), "--batch", os.environ.get("BATCH", "1,8"), "--tokens",
-            os.environ.get("TOKENS", "64"), "--repeats", os.environ.get("REPEATS", "2"), "--no-service", "--json"]
+    args = ["--model", model, "--device", os.environ.get("DEVICE", "cuda"), "--batch", os.environ.get("BATCH", "1,8"),
+            "--tokens", os.environ.get("TOKENS", "64"), "--repeats", os.environ.get("REPEATS", "2"), "--no-service",
+            "--json"]
     rows = []
     for cache in ([], ["--cache-mib", f"{quarter_mib:.1f}"]):
         for dtype in DTYPES:
@@ -135,9 +137,9 @@ def decode(model: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> None:
-    print("\nexperts  tokens  g|u rows, words     us     MB   GB/s   (expert FFN kernels, A3B shapes, 8 of 32 a token)")
+    print("\nexperts  tokens  g|u rows, words, bytes     us     MB   GB/s   (expert FFN, A3B shapes, 8 of 32 a token)")
     for r in (r for r in rows if r["section"] == "kernels"):
-        print(f"{r['experts_dtype']:7} {r['tokens']:6} {str(r.get('shape')):>16} {r['us']:6.1f} {r['mb']:6.1f} "
+        print(f"{r['experts_dtype']:7} {r['tokens']:6} {str(r.get('shape')):>23} {r['us']:6.1f} {r['mb']:6.1f} "
               f"{r['gb_s']:6.0f}")
     for r in (r for r in rows if r["section"] == "profile"):
         print(f"profile {r['experts_dtype']:5} T={r['tokens']}: gate|up {r['gate_up_us']:6.1f} us, down "
@@ -145,7 +147,8 @@ def table(rows: list[dict]) -> None:
     decoded = [r for r in rows if r["section"] == "decode"]
     base = {(r["cache"], r["batch"]): r["tok_s"] for r in decoded if r["experts_dtype"] == "bf16"}
     if decoded:
-        print(f"\ncache                 experts batch    tok/s  x bf16  us/layer  hit rate  cache MiB  share ({decoded[0]['layers']} layers)")
+        print(f"\ncache                 experts batch    tok/s  x bf16  us/layer  hit rate  cache MiB  share "
+              f"({decoded[0]['layers']} layers)")
     for r in decoded:
         ratio = r["tok_s"] / base[(r["cache"], r["batch"])] if (r["cache"], r["batch"]) in base else float("nan")
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"

@@ -5,13 +5,14 @@ negative placement entry read from the mapped host store), so a decode step move
 ~0.56 byte (int4) per weight instead of 2.
 
 One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
-warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS`` rows a warp). A lane reads 8-byte words of the blob (8 fp8 or 16
-4-bit codes, never straddling a block or group: rows are multiples of 16 values, blocks and groups
-128), all of a round's words and their scales in flight before the first use (as linear.py), then
-per word: the codes to float32 with integer bit tricks (fp8: e4m3's bits placed in a float32, exact;
-int4: the nibble as the low mantissa bits of 2^23, exact) in registers once for every token of the
-run, x read 16 bytes at a time (loads.chunk_f32), and the scale applied once per word and token:
-fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s, m) its group's scale and minimum.
+warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS_*`` rows a warp). A lane reads
+words of the blob (``WORD_BYTES``: 8 bytes = 8 fp8 or 16 4-bit codes, never straddling a block or
+group: rows are multiples of 16 values, blocks and groups 128), all of a round's words and their
+scales in flight before the first use (as linear.py), then per word: the codes to float32 with
+integer bit tricks (fp8: e4m3's bits placed in a float32, exact; int4: the nibble as the low
+mantissa bits of 2^23, exact) in registers once for every token of the run, x read as 8-byte words
+(loads.chunk_f32), and the scale applied once per word and token: fp8 s * sum x_c q_c; int4
+s * sum x_c (q_c + m / s) with (s, m) its group's scale and minimum.
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
 from __future__ import annotations
@@ -23,21 +24,26 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels.compat import SIMULATOR, WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel, threads, \
-    uint64, warp_sum_many
+from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel,
+                                       threads, uint64, warp_sum_many)
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide, chunk_f32
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
 
-VALUES_PER_WORD = {"fp8": 8, "int4": 16}
+VALUES_PER_WORD = {"fp8": 8, "int4": 16}  # in an 8-byte word
+# Bytes a lane loads at once: 8 (measured, the bf16 GEMVs' load); 4 keeps a lane's x reads 16 bytes
+# apart as bf16's are (an fp8 word's 8 floats of x are 32 bytes; L1 serves fewer lanes a load).
+WORD_BYTES = 8
 # Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
-# words, 3 a lane): 4 a warp measured fastest of 1 / 2 / 4 on an H200 (2026-12-01, docs/performance.md).
-# Gate|up rows: 1 measured; 2 is covered by the tests (tools/device/quant_speed.py variants).
-DOWN_ROWS = 4
+# words, 3 a lane): with runs of 1-2 pairs 4 a warp measured fastest of 1 / 2 / 4 on an H200
+# (2026-12-01, docs/performance.md); with longer runs 2 (measured; 4 needs local memory there).
+# Gate|up rows: 1 measured; more are covered by the tests (tools/device/quant_speed.py variants).
+DOWN_ROWS_SHORT = 4
+DOWN_ROWS_LONG = 2
 GATE_UP_ROWS = 1
-MAX_UNROLL = 8  # words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
+MAX_UNROLL = 8  # 8-byte words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
 LONG_RUN_VALUES = 16  # ... and values a lane loads a round with longer runs (unroll_for)
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
 TWO23 = float32(2.0**23)
@@ -78,16 +84,6 @@ def _e4m3(code):
     return e4m3_at(code, np.uint64(0))
 
 
-@device
-def _decode_fp8(u, scale, minimum, buf):
-    """The 8 codes of word u into buf (2, 4); returns the factor of their sum: the block's scale."""
-    lo, hi = u & LO32, u >> SHIFT_HI
-    for c in range(4):
-        buf[0, c] = e4m3_at(lo, np.uint64(8 * c))
-        buf[1, c] = e4m3_at(hi, np.uint64(8 * c))
-    return scale
-
-
 if SIMULATOR:
     def _quotient(a, b):
         return a / b
@@ -99,50 +95,68 @@ else:
         return cuda.libdevice.fast_fdividef(a, b)
 
 
-@device
-def _decode_int4(u, scale, minimum, buf):
-    """The 16 codes of word u as q + m / s into buf (4, 4); returns s. A nibble as the low mantissa
-    bits of 2^23 (float32 2^23 + q, exact), less 2^23."""
-    offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
-    lo, hi = u & LO32, u >> SHIFT_HI
-    for c in range(8):
-        buf[c // 4, c % 4] = (bits_as_f32(((lo >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23) + offset
-        buf[2 + c // 4, c % 4] = (bits_as_f32(((hi >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23) + offset
-    return scale
+@functools.cache
+def _decoder(fmt: str, halves: int):
+    """decode(u, scale, minimum, buf): the codes of a word of ``halves`` 32-bit halves into buf
+    (chunks of 4 floats); returns the factor of their sum. fp8: the e4m3 values, factor the block's
+    scale. int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact,
+    less 2^23), factor s."""
+    if fmt == "fp8":
+        @device
+        def decode_fp8(u, scale, minimum, buf):
+            for h in range(halves):
+                half = (u >> np.uint64(32 * h)) & LO32
+                for c in range(4):
+                    buf[h, c] = e4m3_at(half, np.uint64(8 * c))
+            return scale
+
+        return decode_fp8
+
+    @device
+    def decode_int4(u, scale, minimum, buf):
+        offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
+        for h in range(halves):
+            half = (u >> np.uint64(32 * h)) & LO32
+            for c in range(8):
+                buf[2 * h + c // 4, c % 4] = (bits_as_f32(((half >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23
+                                              + offset)
+        return scale
+
+    return decode_int4
 
 
 @device
-def _params_fp8(floats, words, slot, scale_at, row, col, cols):
+def _params_fp8(floats, slot, scale_at, row, col, cols):
     """(scale, minimum) of the fp8 block holding (row, col); scale_at counts 4-byte floats."""
     per_row = (cols + BLOCK - 1) // BLOCK
     return floats[slot, scale_at + (row // BLOCK) * per_row + col // BLOCK], float32(0.0)
 
 
 @device
-def _params_int4(floats, words, slot, scale_at, row, col, cols):
-    """(scale, minimum) of the 4-bit group holding (row, col): one 8-byte word."""
-    u = words[slot, (scale_at >> 1) + row * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK]
-    return bits_as_f32(u & LO32), bits_as_f32(u >> SHIFT_HI)
+def _params_int4(floats, slot, scale_at, row, col, cols):
+    """(scale, minimum) of the 4-bit group holding (row, col): two floats side by side."""
+    at = scale_at + 2 * (row * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK)
+    return floats[slot, at], floats[slot, at + 1]
 
 
-FORMATS = {"fp8": (_decode_fp8, _params_fp8), "int4": (_decode_int4, _params_int4)}
+PARAMS = {"fp8": _params_fp8, "int4": _params_int4}
 
 
 # -- device: the GEMV ------------------------------------------------------------------------------
 
 @functools.cache
-def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
-    """mats 2: gate|up (a warp takes row i of both, h = silu(gate) * up); mats 1: down (a warp takes
-    ``rows`` consecutive rows, out[pair_out] = the sums)."""
-    decode, read_params = FORMATS[fmt]
-    per_word = VALUES_PER_WORD[fmt]
+def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int, word_bytes: int):
+    """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
+    takes ``rows`` consecutive rows, out[pair_out] = the sums). Words of ``word_bytes`` (8 or 4)."""
+    decode, read_params = _decoder(fmt, word_bytes // 4), PARAMS[fmt]
+    per_word = VALUES_PER_WORD[fmt] * word_bytes // 8
     chunks = per_word // 4  # float32 chunks of x (loads.chunk_f32) per weight word
 
     @kernel
     def quant_rows(x, pair_table, pair_slot, arena, arena_f, store, store_f, cols, num_rows, code0, code1,
                    scale0, scale1, first_pair, out):
         # x: (T, cols) float32 as uint64 (gate|up: rows pair_table[j]; down: h, rows j); arena / store:
-        # the blobs as uint64 and as float32; code* / scale*: word / float offsets of the matrices
+        # the blobs as words and as float32; code* / scale*: word / float offsets of the matrices
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -176,7 +190,7 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
                         for k in range(unroll):
                             word = min(base + k * WARP, row_words - 1)
                             raw[m, r, k] = words[slot, code_at + row * row_words + word]
-                            scales[m, r, k], minima[m, r, k] = read_params(floats, words, slot, scale_at, row,
+                            scales[m, r, k], minima[m, r, k] = read_params(floats, slot, scale_at, row,
                                                                            word * per_word, cols)
                 for k in range(unroll):
                     word = base + k * WARP
@@ -212,11 +226,12 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
     return quant_rows
 
 
-def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
+def unroll_for(row_words: int, chunk: int, per_word: int, word_bytes: int = 8) -> int:
     """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
-    lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
-    values' worth (registers hold the run's sums, and each word then serves several tokens)."""
-    most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
+    lane, one round), at most MAX_UNROLL 8-byte words' worth with runs of 1-2 pairs; with longer
+    runs LONG_RUN_VALUES values' worth (registers hold the run's sums, and each word then serves
+    several tokens)."""
+    most = MAX_UNROLL * 8 // word_bytes if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
     return max(1, min(ceil_div(row_words, WARP), most))
 
 
@@ -243,11 +258,16 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     if num_pairs == 0:
         return out
     chunk = min(MAX_CHUNK, x.shape[0])  # one token's pairs have distinct experts: runs <= tokens
-    per_word = VALUES_PER_WORD[layout.dtype]
-    gate_w, up_w, down_w, gate_s, up_s, down_s = layout.kernel_words()  # 4-byte offsets
-    blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
-    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, GATE_UP_ROWS)
-    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word), 1, DOWN_ROWS)
+    word_bytes = WORD_BYTES
+    per_word, word_type = VALUES_PER_WORD[layout.dtype] * word_bytes // 8, np.dtype(f"uint{8 * word_bytes}")
+    offsets = layout.kernel_words()  # 4-byte units: codes in words below, scales in floats
+    gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n * 4 // word_bytes for n in offsets[:3]), *offsets[3:])
+    blobs = (arena.view(word_type), arena.view(np.float32), store.view(word_type), store.view(np.float32))
+    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word, word_bytes), 2,
+                           GATE_UP_ROWS, word_bytes)
+    down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
+    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word, word_bytes), 1, down_rows,
+                        word_bytes)
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)
@@ -256,9 +276,9 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         gate_up[(blocks(ceil_div(ceil_div(inter, GATE_UP_ROWS), per_block)), count), block, stream](
-            x_words, pair_token, pair_slot, *blobs, hidden, inter, gate_w // 2, up_w // 2, gate_s, up_s, first, h)
+            x_words, pair_token, pair_slot, *blobs, hidden, inter, gate_w, up_w, gate_s, up_s, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        down[(blocks(ceil_div(ceil_div(hidden, DOWN_ROWS), per_block)), count), block, stream](
-            h_words, pair_out, pair_slot, *blobs, inter, hidden, down_w // 2, down_w // 2, down_s, down_s, first, out)
+        down[(blocks(ceil_div(ceil_div(hidden, down_rows), per_block)), count), block, stream](
+            h_words, pair_out, pair_slot, *blobs, inter, hidden, down_w, down_w, down_s, down_s, first, out)
     return out
