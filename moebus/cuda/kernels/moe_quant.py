@@ -167,7 +167,7 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int, word_b
         row_words = cols // per_word
         num_groups = (num_rows + rows - 1) // rows
         x_rows = cuda.local.array(chunk, int32)
-        for t in range(chunk):  # past the run: recompute its last pair, never store it
+        for t in range(chunk):  # past the run: its last pair's row (those sums are skipped, never stored)
             x_rows[t] = pair_table[j + min(t, run - 1)] if mats == 2 else j + min(t, run - 1)
         acc = cuda.local.array((mats, rows, chunk), float32)
         raw = cuda.local.array((mats, rows, unroll), uint64)
