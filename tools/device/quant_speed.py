@@ -6,13 +6,14 @@
 2. ``decode``: ``moebus bench decode`` (in-process, CUDA graphs) on MODEL for each experts dtype, every
    expert resident and then a cache of bf16's 25% in MiB (``--cache-mib``) for every dtype.
 3. ``variants``: as 1 at 1 token, fp8 / int4 with (gate|up rows a warp, 8-byte words' worth a lane a
-   round, bytes a load) of (1, 4, 8), (2, 4, 8), (1, 8, 4), (1, 4, 4) (the defaults: GATE_UP_ROWS,
-   MAX_UNROLL, WORD_BYTES).
+   round, bytes a load) of (1, 8, 8) (the defaults: GATE_UP_ROWS, MAX_UNROLL, WORD_BYTES), (1, 8, 4),
+   (2, 4, 8), (1, 4, 8), (1, 4, 4).
 4. ``profile``: as 1, each kernel's own GPU time (torch.profiler's CUPTI trace of 20 calls): gate|up
    and down apart, without the launch gaps that 1's events include.
 
 One JSON object a line on stdout as each figure comes. Usage:
-    quant_speed.py MODEL [kernels] [decode] [variants] [profile]   (BATCH, TOKENS, REPEATS, DEVICE from the environment)
+    quant_speed.py MODEL [kernels] [decode] [variants] [profile]   (DTYPES, BATCH, TOKENS, REPEATS, DEVICE from
+                                                                    the environment)
     quant_speed.py --table LOG                            (the table of a log's JSON lines)"""
 import contextlib
 import io
@@ -23,7 +24,7 @@ import time
 
 import numpy as np
 
-DTYPES = ("bf16", "fp8", "int4")
+DTYPES = tuple(os.environ.get("DTYPES", "bf16,fp8,int4").split(","))
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 32, 8
 
 
@@ -101,7 +102,7 @@ def kernels(variants: bool = False) -> list[dict]:
         if variants and dtype == "bf16":
             continue
         default = moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES
-        for shape in ((1, 4, 8), (2, 4, 8), (1, 8, 4), (1, 4, 4)) if variants else (default,):
+        for shape in ((1, 8, 8), (1, 8, 4), (2, 4, 8), (1, 4, 8), (1, 4, 4)) if variants else (default,):
             moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES = shape
             us = time_launches(run, 30, 3, stream)[0]
             moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL, moe_quant.WORD_BYTES = default
