@@ -37,11 +37,7 @@ def _run(x, pairs, arena, layout, out, store=None):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("word_bytes", [8, 4])
-def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt, word_bytes, monkeypatch):
-    from moebus.cuda.kernels import moe_quant
-
-    monkeypatch.setattr(moe_quant, "WORD_BYTES", word_bytes)  # a lane's loads: 8 or 4 bytes
+def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt):
     layout = ExpertLayout(fmt, 32, 16)
     x = rng.standard_normal((2, 32), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
@@ -54,11 +50,10 @@ def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("hidden, word_bytes", [(144, 8), (1040, 8), (1040, 4)])
-def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt, hidden, word_bytes, monkeypatch):
+@pytest.mark.parametrize("hidden", [144, 1040])
+def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt, hidden, monkeypatch):
     from moebus.cuda.kernels import moe_quant
 
-    monkeypatch.setattr(moe_quant, "WORD_BYTES", word_bytes)
     monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", 3)  # 1040 down rows: the last group of 3 is partial
     # D = 144: two blocks / groups along the input, the second 16 wide; D = 1040: nine, and rows of
     # 130 (fp8) or 65 (int4) words, more than a warp's unrolled loads, so lanes loop; I = 16
@@ -155,7 +150,7 @@ def test_fp8_words_decode_every_e4m3_code_exactly():
     codes = np.arange(256, dtype=np.uint8)  # 32 words of 8 codes, subnormals and both signs included
     scales = np.full(32, 0.5, np.float32)
     out = poisoned((32, 8))
-    _decode_kernel(moe_quant._decoder("fp8", 2), 8)[1, 32](device(codes.view(np.uint64)), device(scales),
+    _decode_kernel(moe_quant._decoder("fp8"), 8)[1, 32](device(codes.view(np.uint64)), device(scales),
                                                      device(np.zeros(32, np.float32)), out)
     got, expected = out.copy_to_host().reshape(-1), E4M3_VALUES * np.float32(0.5)
     real = ~np.isnan(expected)  # 0x7F / 0xFF: NaN, never written (the encoder saturates at 448)
@@ -170,6 +165,6 @@ def test_int4_words_decode_as_scale_times_code_plus_minimum(rng):
     scales = rng.uniform(0.01, 0.2, 8).astype(np.float32)
     minima = rng.uniform(-2, 1, 8).astype(np.float32)
     out = poisoned((8, 16))
-    _decode_kernel(moe_quant._decoder("int4", 2), 16)[1, 8](device(words), device(scales), device(minima), out)
+    _decode_kernel(moe_quant._decoder("int4"), 16)[1, 8](device(words), device(scales), device(minima), out)
     expected = nibbles.astype(np.float32) * scales[:, None] + minima[:, None]
     np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-6, atol=1e-6 * np.abs(minima).max())

@@ -6,8 +6,8 @@ negative placement entry read from the mapped host store), so a decode step move
 
 One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
 warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS_*`` rows a warp). A lane reads
-words of the blob (``WORD_BYTES``: 8 bytes = 8 fp8 or 16 4-bit codes, never straddling a block or
-group: rows are multiples of 16 values, blocks and groups 128), all of a round's words and their
+8-byte words of the blob (8 fp8 or 16 4-bit codes, never straddling a block or group: rows are
+multiples of 16 values, blocks and groups 128), all of a round's words and their
 scales in flight before the first use (as linear.py), then per word: the codes to float32 with
 integer bit tricks (fp8: e4m3's bits placed in a float32, exact; int4: the nibble as the low
 mantissa bits of 2^23, exact) in registers once for every token of the run, x read as 8-byte words
@@ -32,14 +32,13 @@ from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide, chunk_f32
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
 
-VALUES_PER_WORD = {"fp8": 8, "int4": 16}  # in an 8-byte word
-# Bytes a lane loads at once: 8 (measured, the bf16 GEMVs' load); 4 keeps a lane's x reads 16 bytes
-# apart as bf16's are (an fp8 word's 8 floats of x are 32 bytes; L1 serves fewer lanes a load).
-WORD_BYTES = 8
+# Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
+# 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
+VALUES_PER_WORD = {"fp8": 8, "int4": 16}
 # Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
 # words, 3 a lane): with runs of 1-2 pairs 4 a warp measured fastest of 1 / 2 / 4 on an H200
 # (2026-12-01, docs/performance.md); with longer runs 2 (measured; 4 needs local memory there).
-# Gate|up rows: 1 measured; more are covered by the tests (tools/device/quant_speed.py variants).
+# Gate|up rows: 1 and 2 measured within 3% (2 then needs local memory for int4); the tests cover 3.
 DOWN_ROWS_SHORT = 4
 DOWN_ROWS_LONG = 2
 GATE_UP_ROWS = 1
@@ -96,15 +95,15 @@ else:
 
 
 @functools.cache
-def _decoder(fmt: str, halves: int):
-    """decode(u, scale, minimum, buf): the codes of a word of ``halves`` 32-bit halves into buf
-    (chunks of 4 floats); returns the factor of their sum. fp8: the e4m3 values, factor the block's
+def _decoder(fmt: str):
+    """decode(u, scale, minimum, buf): the codes of an 8-byte word into buf (chunks of 4 floats),
+    a 32-bit half at a time; returns the factor of their sum. fp8: the e4m3 values, factor the block's
     scale. int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact,
     less 2^23), factor s."""
     if fmt == "fp8":
         @device
         def decode_fp8(u, scale, minimum, buf):
-            for h in range(halves):
+            for h in range(2):
                 half = (u >> np.uint64(32 * h)) & LO32
                 for c in range(4):
                     buf[h, c] = e4m3_at(half, np.uint64(8 * c))
@@ -115,7 +114,7 @@ def _decoder(fmt: str, halves: int):
     @device
     def decode_int4(u, scale, minimum, buf):
         offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
-        for h in range(halves):
+        for h in range(2):
             half = (u >> np.uint64(32 * h)) & LO32
             for c in range(8):
                 buf[2 * h + c // 4, c % 4] = (bits_as_f32(((half >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23
@@ -145,18 +144,18 @@ PARAMS = {"fp8": _params_fp8, "int4": _params_int4}
 # -- device: the GEMV ------------------------------------------------------------------------------
 
 @functools.cache
-def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int, word_bytes: int):
+def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
     """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
-    takes ``rows`` consecutive rows, out[pair_out] = the sums). Words of ``word_bytes`` (8 or 4)."""
-    decode, read_params = _decoder(fmt, word_bytes // 4), PARAMS[fmt]
-    per_word = VALUES_PER_WORD[fmt] * word_bytes // 8
+    takes ``rows`` consecutive rows, out[pair_out] = the sums)."""
+    decode, read_params = _decoder(fmt), PARAMS[fmt]
+    per_word = VALUES_PER_WORD[fmt]
     chunks = per_word // 4  # float32 chunks of x (loads.chunk_f32) per weight word
 
     @kernel
     def quant_rows(x, pair_table, pair_slot, arena, arena_f, store, store_f, cols, num_rows, code0, code1,
                    scale0, scale1, first_pair, out):
         # x: (T, cols) float32 as uint64 (gate|up: rows pair_table[j]; down: h, rows j); arena / store:
-        # the blobs as words and as float32; code* / scale*: word / float offsets of the matrices
+        # the blobs as uint64 and as float32; code* / scale*: word / float offsets of the matrices
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -226,12 +225,11 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int, word_b
     return quant_rows
 
 
-def unroll_for(row_words: int, chunk: int, per_word: int, word_bytes: int = 8) -> int:
+def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
     """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
-    lane, one round), at most MAX_UNROLL 8-byte words' worth with runs of 1-2 pairs; with longer
-    runs LONG_RUN_VALUES values' worth (registers hold the run's sums, and each word then serves
-    several tokens)."""
-    most = MAX_UNROLL * 8 // word_bytes if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
+    lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
+    values' worth (registers hold the run's sums, and each word then serves several tokens)."""
+    most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
     return max(1, min(ceil_div(row_words, WARP), most))
 
 
@@ -258,16 +256,13 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     if num_pairs == 0:
         return out
     chunk = min(MAX_CHUNK, x.shape[0])  # one token's pairs have distinct experts: runs <= tokens
-    word_bytes = WORD_BYTES
-    per_word, word_type = VALUES_PER_WORD[layout.dtype] * word_bytes // 8, np.dtype(f"uint{8 * word_bytes}")
-    offsets = layout.kernel_words()  # 4-byte units: codes in words below, scales in floats
-    gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n * 4 // word_bytes for n in offsets[:3]), *offsets[3:])
-    blobs = (arena.view(word_type), arena.view(np.float32), store.view(word_type), store.view(np.float32))
-    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word, word_bytes), 2,
-                           GATE_UP_ROWS, word_bytes)
+    per_word = VALUES_PER_WORD[layout.dtype]
+    offsets = layout.kernel_words()  # 4-byte units: codes in 8-byte words below, scales in floats
+    gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
+    blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
+    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, GATE_UP_ROWS)
     down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
-    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word, word_bytes), 1, down_rows,
-                        word_bytes)
+    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word), 1, down_rows)
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)
