@@ -110,6 +110,30 @@ def _step_overhead(before: dict, after: dict) -> tuple[float, float]:
     return total_s / max(steps, 1) * 1e3, compute_s / max(steps, 1) * 1e3
 
 
+def experts_mib(model_dir: str, experts_dtype: str) -> float:
+    """MiB of all the model's experts stored in ``experts_dtype`` (the host store's blobs)."""
+    import numpy as np
+
+    from moebus.common.checkpoint import Checkpoint
+    from moebus.common.quant_layout import expert_layout
+    from moebus.cuda.dtypes import STORAGE
+
+    ckpt = Checkpoint(model_dir)
+    cfg = ckpt.config
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    layout = expert_layout(experts_dtype, d, inter)
+    blob_bytes = 3 * d * inter * np.dtype(STORAGE[ckpt.weight_dtype]).itemsize if layout is None else layout.blob_bytes
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) * cfg.num_experts * blob_bytes / 2**20
+
+
+def cache_fraction_of_mib(model_dir: str, experts_dtype: str, cache_mib: float) -> float:
+    """The share of the model's experts, stored in ``experts_dtype``, that ``cache_mib`` MiB hold (at
+    most 1): the same MiB holds ~2x the fp8 experts and ~3.5x the int4 ones of bf16."""
+    if cache_mib <= 0:
+        raise ValueError(f"--cache-mib {cache_mib}: a cache needs a positive size")
+    return min(1.0, cache_mib / experts_mib(model_dir, experts_dtype))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moebus bench decode")
     p.add_argument("--model", help="model directory (default: the embedded demo model)")
@@ -119,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-frac", type=float, help="expert cache as a share of the experts (default: all)")
+    p.add_argument("--cache-mib", type=float, help="instead, an expert cache of this many MiB, whatever the experts' "
+                                                   "dtype (e.g. bf16's 25%% for fp8 and int4 experts)")
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
@@ -145,6 +171,10 @@ def main(argv=None) -> int:
     kv_dtype = resolve_kv_dtype(args.kv_dtype, args.device)  # the service resolves its setting the same way
     prompt = [(7 * i + 3) % 200 + 10 for i in range(args.prompt_tokens)]
     batches = [int(b) for b in args.batch.split(",")]
+    if args.cache_mib is not None:
+        if args.cache_frac is not None:
+            p.error("--cache-frac or --cache-mib, not both")
+        args.cache_frac = cache_fraction_of_mib(model_dir, args.experts_dtype, args.cache_mib)
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
                        max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
                        kv_dtype=kv_dtype)

@@ -4,6 +4,7 @@ import pytest
 
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.kernels import moe_ffn
+from moebus.cuda.kernels.compat import cuda, float32
 from moebus.cuda.kernels.moe_quant import expert_ffn_quant_cuda, expert_ffn_quant_ref
 from moebus.cuda.kernels.moe_quant_bf16 import expert_weights_bf16, expert_weights_bf16_cuda
 from moebus.cuda.dtypes import bf16_to_f32
@@ -50,7 +51,10 @@ def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hidden", [144, 1040])
-def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt, hidden):
+def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt, hidden, monkeypatch):
+    from moebus.cuda.kernels import moe_quant
+
+    monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", 3)  # 1040 down rows: the last group of 3 is partial
     # D = 144: two blocks / groups along the input, the second 16 wide; D = 1040: nine, and rows of
     # 130 (fp8) or 65 (int4) words, more than a warp's unrolled loads, so lanes loop; I = 16
     layout = ExpertLayout(fmt, hidden, 16)
@@ -105,3 +109,62 @@ def test_expert_weights_bf16_on_the_device_matches_the_numpy_hook(rng, fmt):
     got, expected = bf16_to_f32(out.copy_to_host()), bf16_to_f32(expert_weights_bf16(layout, arena[slots]))
     # int4's q * s + m may be one fused multiply-add on a GPU: at most one bf16 step apart there
     np.testing.assert_allclose(got, expected, rtol=2**-7 if fmt == "int4" else 0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_long_runs_and_odd_row_groups(rng, fmt, monkeypatch):
+    # 8 tokens: chunk 8 (the long-run unroll), a run of 8 pairs and two of 4; rows of 18 (fp8) / 9
+    # (int4) words; 3 down rows and 3 gate|up row pairs a warp: the last groups of 144 and 16 are partial
+    from moebus.cuda.kernels import moe_quant
+
+    monkeypatch.setattr(moe_quant, "DOWN_ROWS_LONG", 3)
+    monkeypatch.setattr(moe_quant, "GATE_UP_ROWS", 3)
+    layout = ExpertLayout(fmt, 144, 16)
+    x = rng.standard_normal((8, 144), dtype=np.float32)
+    arena = _arena(rng, layout, 3)
+    token_slot = [(t, 0) for t in range(8)] + [(t, 1) for t in range(4)] + [(t, 2) for t in range(4, 8)]
+    pairs = [(t, s, n) for n, (t, s) in enumerate(token_slot)]  # sorted by slot, as the stage sorts them
+    out, expected = poisoned((len(pairs), 144)), np.zeros((len(pairs), 144), np.float32)
+    _run(x, pairs, device(arena), layout, out)
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected)
+    _close(out.copy_to_host(), expected)
+
+
+def _decode_kernel(decode, per_word):
+    @cuda.jit
+    def decode_words(words, scales, minima, out):
+        i = cuda.grid(1)
+        if i < words.shape[0]:
+            buf = cuda.local.array((4, 4), float32)
+            factor = decode(words[i], scales[i], minima[i], buf)
+            for c in range(per_word):
+                out[i, c] = buf[c // 4, c % 4] * factor
+
+    return decode_words
+
+
+def test_fp8_words_decode_every_e4m3_code_exactly():
+    from moebus.common.quant import E4M3_VALUES
+    from moebus.cuda.kernels import moe_quant
+
+    codes = np.arange(256, dtype=np.uint8)  # 32 words of 8 codes, subnormals and both signs included
+    scales = np.full(32, 0.5, np.float32)
+    out = poisoned((32, 8))
+    _decode_kernel(moe_quant._decoder("fp8"), 8)[1, 32](device(codes.view(np.uint64)), device(scales),
+                                                     device(np.zeros(32, np.float32)), out)
+    got, expected = out.copy_to_host().reshape(-1), E4M3_VALUES * np.float32(0.5)
+    real = ~np.isnan(expected)  # 0x7F / 0xFF: NaN, never written (the encoder saturates at 448)
+    np.testing.assert_array_equal(got[real], expected[real])
+
+
+def test_int4_words_decode_as_scale_times_code_plus_minimum(rng):
+    from moebus.cuda.kernels import moe_quant
+
+    nibbles = rng.integers(0, 16, (8, 16)).astype(np.uint64)
+    words = (nibbles << (4 * np.arange(16, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
+    scales = rng.uniform(0.01, 0.2, 8).astype(np.float32)
+    minima = rng.uniform(-2, 1, 8).astype(np.float32)
+    out = poisoned((8, 16))
+    _decode_kernel(moe_quant._decoder("int4"), 16)[1, 8](device(words), device(scales), device(minima), out)
+    expected = nibbles.astype(np.float32) * scales[:, None] + minima[:, None]
+    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-6, atol=1e-6 * np.abs(minima).max())

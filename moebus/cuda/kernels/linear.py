@@ -16,7 +16,8 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import MAX_WARPS, WARP, blocks, cuda, float32, int32, threads, warp_sum_many, kernel
+from moebus.cuda.kernels.compat import MAX_WARPS, WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, \
+    kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -40,6 +41,15 @@ def linear_ref(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 
 # -- cuda -----------------------------------------------------------------------------------------
+
+@device
+def accumulate(total, a, b, width):
+    """total + a[0] b[0] + ... + a[width-1] b[width-1], added in that order: a lane's share of a
+    GEMV row (this file's, the expert GEMVs' of moe_ffn.py and moe_quant.py)."""
+    for c in range(width):
+        total += a[c] * b[c]
+    return total
+
 
 @functools.cache
 def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll: int, rows: int):
@@ -86,10 +96,7 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll
                         for t in range(num_tokens):
                             read_x(x, tokens[t], word, x_buf)
                             for r in range(rows):
-                                total = acc[r, t]
-                                for c in range(width):
-                                    total += x_buf[c] * w_buf[r, u, c]
-                                acc[r, t] = total
+                                acc[r, t] = accumulate(acc[r, t], x_buf, w_buf[r, u], width)
             for r in range(rows):
                 warp_sum_many(acc[r], num_tokens)
             real = start + first < num_groups

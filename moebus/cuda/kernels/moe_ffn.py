@@ -20,6 +20,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, kernel
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
 
 MAX_CHUNK = 8  # pairs per run at most: per-lane accumulators live in registers
@@ -52,6 +53,14 @@ def _run_length(pair_slot, j, chunk):
 
 
 @device
+def warp_rows():
+    """(lane, first row group, stride) of this thread in a warp-per-row-group grid-stride GEMV: x
+    over row groups, a block's warps on consecutive groups (as linear.py)."""
+    warps = cuda.blockDim.x // WARP
+    return cuda.threadIdx.x % WARP, cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP, cuda.gridDim.x * warps
+
+
+@device
 def _placement(arena, store, entry):
     """(array, row) of a placement-table entry: an arena slot, or (negative) a host-store row."""
     if entry >= 0:
@@ -71,10 +80,7 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
         if run == 0:
             return  # the whole block: no reduction is skipped by part of it
         weights, slot = _placement(arena, store, pair_slot[j])
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
+        lane, first, stride = warp_rows()
         up_base = inter * hidden_words
         tokens = cuda.local.array(chunk, int32)
         for t in range(chunk):  # past the run: recompute its last pair, never store it
@@ -99,13 +105,8 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
                     if word < hidden_words:
                         for t in range(chunk):
                             read_x(x, tokens[t], word, x_buf)
-                            g = acc_gate[t]
-                            u = acc_up[t]
-                            for c in range(width):
-                                g += x_buf[c] * gate_buf[k, c]
-                                u += x_buf[c] * up_buf[k, c]
-                            acc_gate[t] = g
-                            acc_up[t] = u
+                            acc_gate[t] = accumulate(acc_gate[t], x_buf, gate_buf[k], width)
+                            acc_up[t] = accumulate(acc_up[t], x_buf, up_buf[k], width)
             warp_sum_many(acc_gate, chunk)
             warp_sum_many(acc_up, chunk)
             if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
@@ -130,10 +131,7 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
         if run == 0:
             return
         weights, slot = _placement(arena, store, pair_slot[j])
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
+        lane, first, stride = warp_rows()
         num_groups = (hidden + per_warp - 1) // per_warp
         down_base = 2 * hidden * inter_words
         rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
@@ -159,10 +157,7 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
                         for t in range(chunk):
                             read_h(h, rows[t], word, h_buf)
                             for r in range(per_warp):
-                                total = acc[r, t]
-                                for c in range(width):
-                                    total += h_buf[c] * w_buf[r, k, c]
-                                acc[r, t] = total
+                                acc[r, t] = accumulate(acc[r, t], h_buf, w_buf[r, k], width)
             for r in range(per_warp):
                 warp_sum_many(acc[r], chunk)
             if lane == 0 and start + first < num_groups:

@@ -4,9 +4,15 @@ Same work split as moe_ffn.py (warp per output row, runs of pairs on one slot in
 negative placement entry read from the mapped host store), so a decode step moves 1 byte (fp8) or
 ~0.56 byte (int4) per weight instead of 2.
 
-The blob is read as 8-byte words: 8 fp8 codes or 16 4-bit codes, never straddling a block or group
-(rows are multiples of 16 values, blocks and groups 128). Per word a lane forms sum_c x_c * code_c
-and scales once: fp8 by its block's scale; int4 as s * sum x_c q_c + m * sum x_c.
+One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
+warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS_*`` rows a warp). A lane reads
+8-byte words of the blob (8 fp8 or 16 4-bit codes, never straddling a block or group: rows are
+multiples of 16 values, blocks and groups 128), all of a round's words and their
+scales in flight before the first use (as linear.py), then per word: the codes to float32 with
+integer bit tricks (fp8: e4m3's bits placed in a float32, exact; int4: the nibble as the low
+mantissa bits of 2^23, exact) in registers once for every token of the run, x read as 8-byte words
+(loads.chunk_f32), and the scale applied once per word and token: fp8 s * sum x_c q_c; int4
+s * sum x_c (q_c + m / s) with (s, m) its group's scale and minimum.
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
 from __future__ import annotations
@@ -18,19 +24,31 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels.compat import WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel, threads, \
-    warp_sum_many
+from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel,
+                                       threads, uint64, warp_sum_many)
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
-from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length
+from moebus.cuda.kernels.linear import accumulate
+from moebus.cuda.kernels.loads import can_read_wide, chunk_f32
+from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
 
-
+# Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
+# 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
+# Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
+# words, 3 a lane): with runs of 1-2 pairs 4 a warp measured fastest of 1 / 2 / 4 on an H200
+# (2026-12-01, docs/performance.md); with longer runs 2 (measured; 4 needs local memory there).
+# Gate|up rows: 1 and 2 measured within 3% (2 then needs local memory for int4); the tests cover 3.
+DOWN_ROWS_SHORT = 4
+DOWN_ROWS_LONG = 2
+GATE_UP_ROWS = 1
+MAX_UNROLL = 8  # 8-byte words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
+LONG_RUN_VALUES = 16  # ... and values a lane loads a round with longer runs (unroll_for)
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
-LO32 = np.uint64(0xFFFFFFFF)
-GATE_UP_SUMS = 2 * MAX_CHUNK  # per-lane sums of the gate_up kernel: gate's, then up's
-MAG7, SIGN8, NIBBLE, BYTE = np.uint64(0x7F), np.uint64(0x80), np.uint64(0xF), np.uint64(0xFF)
-SHIFT_MANT, SHIFT_SIGN, SHIFT_HI = np.uint64(20), np.uint64(24), np.uint64(32)
+TWO23 = float32(2.0**23)
+LO32, SHIFT_HI = np.uint64(0xFFFFFFFF), np.uint64(32)
+SIGN32, MAG32, SHIFT_TOP, SHIFT_MANT = np.uint64(0x80000000), np.uint64(0x07F00000), np.uint64(24), np.uint64(4)
+NIBBLE, MAGIC23 = np.uint64(0xF), np.uint64(0x4B000000)  # MAGIC23: the bits of float32 2^23
 
 
 # -- numpy reference ----------------------------------------------------------------------------------
@@ -49,179 +67,177 @@ def expert_ffn_quant_ref(x, pair_token, pair_slot, pair_out, arena, layout: Expe
     return out
 
 
-# -- device: reading one word ------------------------------------------------------------------------
+# -- device: codes to float32 ------------------------------------------------------------------------
+
+@device
+def e4m3_at(w, shift):
+    """The e4m3 code at bits shift .. shift + 7 (shift <= 24) of a 32-bit word, exact (subnormals
+    included): its bits moved to the top byte, the sign kept there and exponent | mantissa placed at
+    a float32's bits 26..20 (the float32 is then the value times 2^-120), rescaled."""
+    top = w << (SHIFT_TOP - shift)
+    return bits_as_f32((top & SIGN32) | ((top >> SHIFT_MANT) & MAG32)) * E4M3_RESCALE
+
 
 @device
 def _e4m3(code):
-    # exact, subnormals included: e4m3's exponent and mantissa placed in a float32 and rescaled
-    return bits_as_f32(((code & MAG7) << SHIFT_MANT) | ((code & SIGN8) << SHIFT_SIGN)) * E4M3_RESCALE
+    return e4m3_at(code, np.uint64(0))
 
 
-@device
-def _f32_at(words, slot, index):
-    """The float32 at 4-byte index ``index`` of a row of 8-byte words."""
-    u = words[slot, index >> 1]
-    return bits_as_f32((u >> np.uint64(32 * (index & 1))) & LO32)
+if SIMULATOR:
+    def _quotient(a, b):
+        return a / b
+else:
+    @device
+    def _quotient(a, b):
+        """a / b within 2 ulp, without IEEE division's slow path (a branch, which keeps the round's
+        loop from being unrolled and its words in registers)."""
+        return cuda.libdevice.fast_fdividef(a, b)
 
-
-@device
-def _codes_fp8(u, buf):
-    for c in range(8):
-        buf[c] = _e4m3((u >> np.uint64(8 * c)) & BYTE)
-
-
-@device
-def _codes_int4(u, buf):
-    for c in range(16):
-        buf[c] = float32((u >> np.uint64(4 * c)) & NIBBLE)
-
-
-@device
-def _params_fp8(words, slot, scale_index, row, col, cols):
-    """(scale, minimum) of the block holding (row, col); scale_index counts 4-byte floats."""
-    per_row = (cols + BLOCK - 1) // BLOCK
-    return _f32_at(words, slot, scale_index + (row // BLOCK) * per_row + col // BLOCK), float32(0.0)
-
-
-@device
-def _params_int4(words, slot, scale_index, row, col, cols):
-    groups = (cols + BLOCK - 1) // BLOCK
-    u = words[slot, (scale_index >> 1) + row * groups + col // BLOCK]  # (scale, minimum): one word
-    return bits_as_f32(u & LO32), bits_as_f32(u >> SHIFT_HI)
-
-
-FORMATS = {"fp8": (_codes_fp8, _params_fp8), "int4": (_codes_int4, _params_int4)}
-
-
-# -- device: the two GEMVs ------------------------------------------------------------------------------
 
 @functools.cache
-def _gate_up_kernel(fmt: str, chunk: int):
-    read_codes, read_params = FORMATS[fmt]
-    per_word = VALUES_PER_WORD[fmt]
+def _decoder(fmt: str):
+    """decode(u, scale, minimum, buf): the codes of an 8-byte word into buf (chunks of 4 floats),
+    a 32-bit half at a time; returns the factor of their sum. fp8: the e4m3 values, factor the block's
+    scale. int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact,
+    less 2^23), factor s."""
+    if fmt == "fp8":
+        @device
+        def decode_fp8(u, scale, minimum, buf):
+            for h in range(2):
+                half = (u >> np.uint64(32 * h)) & LO32
+                for c in range(4):
+                    buf[h, c] = e4m3_at(half, np.uint64(8 * c))
+            return scale
+
+        return decode_fp8
 
     @device
-    def gate_up_word(gate_raw, up_raw, col, x, tokens, acc, gate_buf, up_buf, words, slot, gate_scale, up_scale,
-                     row, hidden):
-        """One word of a gate row and of an up row into the chunk's sums (acc: gate's, then up's)."""
-        read_codes(gate_raw, gate_buf)
-        read_codes(up_raw, up_buf)
-        g_scale, g_min = read_params(words, slot, gate_scale, row, col, hidden)
-        u_scale, u_min = read_params(words, slot, up_scale, row, col, hidden)
-        for t in range(chunk):
-            g = float32(0.0)
-            u = float32(0.0)
-            total = float32(0.0)
-            for c in range(per_word):
-                xv = x[tokens[t], col + c]
-                g += xv * gate_buf[c]
-                u += xv * up_buf[c]
-                total += xv
-            acc[t] += g_scale * g + g_min * total
-            acc[chunk + t] += u_scale * u + u_min * total
+    def decode_int4(u, scale, minimum, buf):
+        offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
+        for h in range(2):
+            half = (u >> np.uint64(32 * h)) & LO32
+            for c in range(8):
+                buf[2 * h + c // 4, c % 4] = (bits_as_f32(((half >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23
+                                              + offset)
+        return scale
+
+    return decode_int4
+
+
+@device
+def _params_fp8(floats, slot, scale_at, row, col, cols):
+    """(scale, minimum) of the fp8 block holding (row, col); scale_at counts 4-byte floats."""
+    per_row = (cols + BLOCK - 1) // BLOCK
+    return floats[slot, scale_at + (row // BLOCK) * per_row + col // BLOCK], float32(0.0)
+
+
+@device
+def _params_int4(floats, slot, scale_at, row, col, cols):
+    """(scale, minimum) of the 4-bit group holding (row, col): two floats side by side."""
+    at = scale_at + 2 * (row * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK)
+    return floats[slot, at], floats[slot, at + 1]
+
+
+PARAMS = {"fp8": _params_fp8, "int4": _params_int4}
+
+
+# -- device: the GEMV ------------------------------------------------------------------------------
+
+@functools.cache
+def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
+    """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
+    takes ``rows`` consecutive rows, out[pair_out] = the sums)."""
+    decode, read_params = _decoder(fmt), PARAMS[fmt]
+    per_word = VALUES_PER_WORD[fmt]
+    chunks = per_word // 4  # float32 chunks of x (loads.chunk_f32) per weight word
 
     @kernel
-    def quant_gate_up(x, pair_token, pair_slot, arena, store, hidden, inter, gate_word, up_word, gate_scale,
-                      up_scale, first_pair, h):
+    def quant_rows(x, pair_table, pair_slot, arena, arena_f, store, store_f, cols, num_rows, code0, code1,
+                   scale0, scale1, first_pair, out):
+        # x: (T, cols) float32 as uint64 (gate|up: rows pair_table[j]; down: h, rows j); arena / store:
+        # the blobs as uint64 and as float32; code* / scale*: word / float offsets of the matrices
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return  # the whole block: no reduction is skipped by part of it
         words, slot = _placement(arena, store, pair_slot[j])
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
-        row_words = hidden // per_word
-        tokens = cuda.local.array(chunk, int32)
-        for t in range(chunk):  # past the run: recompute its last pair, never store it
-            tokens[t] = pair_token[j + min(t, run - 1)]
-        acc = cuda.local.array(GATE_UP_SUMS, float32)
-        gate_buf = cuda.local.array(per_word, float32)
-        up_buf = cuda.local.array(per_word, float32)
-        for start in range(0, inter, stride):
-            row = min(start + first, inter - 1)
-            for t in range(2 * chunk):
-                acc[t] = float32(0.0)
-            gate_row, up_row = gate_word + row * row_words, up_word + row * row_words
-            for word in range(lane, row_words, 2 * WARP):  # two words in flight per matrix (linear.py)
-                second = min(word + WARP, row_words - 1)
-                gate0, up0 = words[slot, gate_row + word], words[slot, up_row + word]
-                gate1, up1 = words[slot, gate_row + second], words[slot, up_row + second]
-                gate_up_word(gate0, up0, word * per_word, x, tokens, acc, gate_buf, up_buf, words, slot, gate_scale,
-                             up_scale, row, hidden)
-                if word + WARP < row_words:
-                    gate_up_word(gate1, up1, second * per_word, x, tokens, acc, gate_buf, up_buf, words, slot,
-                                 gate_scale, up_scale, row, hidden)
-            warp_sum_many(acc, 2 * chunk)
-            if lane == 0 and start + first < inter:
-                for t in range(chunk):
-                    if t < run:
-                        g = acc[t]
-                        h[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc[chunk + t]
+        floats, _ = _placement(arena_f, store_f, pair_slot[j])
+        lane, first, stride = warp_rows()
+        row_words = cols // per_word
+        num_groups = (num_rows + rows - 1) // rows
+        x_rows = cuda.local.array(chunk, int32)
+        for t in range(chunk):  # past the run: its last pair's row (those sums are skipped, never stored)
+            x_rows[t] = pair_table[j + min(t, run - 1)] if mats == 2 else j + min(t, run - 1)
+        acc = cuda.local.array((mats, rows, chunk), float32)
+        raw = cuda.local.array((mats, rows, unroll), uint64)
+        scales = cuda.local.array((mats, rows, unroll), float32)
+        minima = cuda.local.array((mats, rows, unroll), float32)
+        w_buf = cuda.local.array((mats, rows, chunks, 4), float32)
+        factor = cuda.local.array((mats, rows), float32)
+        x_buf = cuda.local.array((chunks, 4), float32)
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for m in range(mats):
+                for r in range(rows):
+                    for t in range(chunk):
+                        acc[m, r, t] = float32(0.0)
+            for base in range(lane, row_words, WARP * unroll):
+                for m in range(mats):  # every load of the round in flight before the first use
+                    code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
+                    for r in range(rows):
+                        row = min(group * rows + r, num_rows - 1)
+                        for k in range(unroll):
+                            word = min(base + k * WARP, row_words - 1)
+                            raw[m, r, k] = words[slot, code_at + row * row_words + word]
+                            scales[m, r, k], minima[m, r, k] = read_params(floats, slot, scale_at, row,
+                                                                           word * per_word, cols)
+                for k in range(unroll):
+                    word = base + k * WARP
+                    if word < row_words:
+                        for m in range(mats):  # each word decoded once for the run's tokens
+                            for r in range(rows):
+                                factor[m, r] = decode(raw[m, r, k], scales[m, r, k], minima[m, r, k], w_buf[m, r])
+                        for t in range(chunk):
+                            if t < run:  # the same for the whole block: no divergence
+                                for i in range(chunks):
+                                    chunk_f32(x, x_rows[t], word * chunks + i, x_buf[i])
+                                for m in range(mats):
+                                    for r in range(rows):
+                                        dot = float32(0.0)
+                                        for i in range(chunks):
+                                            dot = accumulate(dot, x_buf[i], w_buf[m, r, i], 4)
+                                        acc[m, r, t] += factor[m, r] * dot
+            for m in range(mats):
+                for r in range(rows):
+                    warp_sum_many(acc[m, r], chunk)
+            if lane == 0 and start + first < num_groups:  # constant indices keep the sums in registers
+                for r in range(rows):
+                    row = group * rows + r
+                    if row < num_rows:
+                        for t in range(chunk):
+                            if t < run:
+                                if mats == 2:
+                                    g = acc[0, r, t]
+                                    out[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc[1, r, t]
+                                else:
+                                    out[pair_table[j + t], row] = acc[0, r, t]
 
-    return quant_gate_up
+    return quant_rows
 
 
-@functools.cache
-def _down_kernel(fmt: str, chunk: int):
-    read_codes, read_params = FORMATS[fmt]
-    per_word = VALUES_PER_WORD[fmt]
-
-    @device
-    def down_word(raw, col, h, rows, acc, w_buf, words, slot, down_scale, row, inter):
-        read_codes(raw, w_buf)
-        scale, minimum = read_params(words, slot, down_scale, row, col, inter)
-        for t in range(chunk):
-            dot = float32(0.0)
-            total = float32(0.0)
-            for c in range(per_word):
-                hv = h[rows[t], col + c]
-                dot += hv * w_buf[c]
-                total += hv
-            acc[t] += scale * dot + minimum * total
-
-    @kernel
-    def quant_down(h, pair_slot, pair_out, arena, store, hidden, inter, down_word_at, down_scale, first_pair, out):
-        j = first_pair + cuda.blockIdx.y
-        run = _run_length(pair_slot, j, chunk)
-        if run == 0:
-            return
-        words, slot = _placement(arena, store, pair_slot[j])
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
-        row_words = inter // per_word
-        rows = cuda.local.array(chunk, int32)  # rows of h: this run's pairs
-        for t in range(chunk):
-            rows[t] = j + min(t, run - 1)
-        acc = cuda.local.array(MAX_CHUNK, float32)
-        w_buf = cuda.local.array(per_word, float32)
-        for start in range(0, hidden, stride):
-            row = min(start + first, hidden - 1)
-            for t in range(chunk):
-                acc[t] = float32(0.0)
-            base = down_word_at + row * row_words
-            for word in range(lane, row_words, 2 * WARP):
-                second = min(word + WARP, row_words - 1)
-                raw0, raw1 = words[slot, base + word], words[slot, base + second]
-                down_word(raw0, word * per_word, h, rows, acc, w_buf, words, slot, down_scale, row, inter)
-                if word + WARP < row_words:
-                    down_word(raw1, second * per_word, h, rows, acc, w_buf, words, slot, down_scale, row, inter)
-            warp_sum_many(acc, chunk)
-            if lane == 0 and start + first < hidden:
-                for t in range(chunk):
-                    if t < run:
-                        out[pair_out[j + t], row] = acc[t]
-
-    return quant_down
+def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
+    """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
+    lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
+    values' worth (registers hold the run's sums, and each word then serves several tokens)."""
+    most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
+    return max(1, min(ceil_div(row_words, WARP), most))
 
 
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
                           store=None):
     """expert_ffn_quant_ref on device arrays. ``arena`` and ``store``: (slots, B) uint8 blobs of
-    ``layout``; ``scratch``: (J, I) float32 for the activations between the two kernels."""
+    ``layout``; ``scratch``: (J, I) float32 for the activations between the two kernels; x and
+    scratch 8-byte aligned (x is read 16 bytes a lane)."""
     hidden, inter = layout.hidden, layout.inter
     num_pairs = pair_slot.shape[0]
     require("x", x, np.float32, shape=(None, hidden))
@@ -234,26 +250,30 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     require("scratch", scratch, np.float32, shape=(None, inter))
     if num_pairs > scratch.shape[0]:
         raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
+    for name, array in (("x", x), ("scratch", scratch)):
+        if not can_read_wide(array):
+            raise ValueError(f"{name}: the quantized expert GEMVs need a C-ordered, 8-byte aligned array")
     if num_pairs == 0:
         return out
     chunk = min(MAX_CHUNK, x.shape[0])  # one token's pairs have distinct experts: runs <= tokens
     per_word = VALUES_PER_WORD[layout.dtype]
-    gate_w, up_w, down_w, gate_s, up_s, down_s = layout.kernel_words()  # 4-byte offsets
-    word = 2  # the kernels read 8-byte words: two 4-byte offsets each
-    arena_words, store_words = arena.view(np.uint64), store.view(np.uint64)
-    gate_up, down = _gate_up_kernel(layout.dtype, chunk), _down_kernel(layout.dtype, chunk)
+    offsets = layout.kernel_words()  # 4-byte units: codes in 8-byte words below, scales in floats
+    gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
+    blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
+    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, GATE_UP_ROWS)
+    down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
+    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word), 1, down_rows)
     h = scratch[:num_pairs]
+    x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
-            x, pair_token, pair_slot, arena_words, store_words, hidden, inter, gate_w // word, up_w // word,
-            gate_s, up_s, first, h)
+        gate_up[(blocks(ceil_div(ceil_div(inter, GATE_UP_ROWS), per_block)), count), block, stream](
+            x_words, pair_token, pair_slot, *blobs, hidden, inter, gate_w, up_w, gate_s, up_s, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        down[(blocks(ceil_div(hidden, per_block)), count), block, stream](
-            h, pair_slot, pair_out, arena_words, store_words, hidden, inter, down_w // word, down_s, first, out)
+        down[(blocks(ceil_div(ceil_div(hidden, down_rows), per_block)), count), block, stream](
+            h_words, pair_out, pair_slot, *blobs, inter, hidden, down_w, down_w, down_s, down_s, first, out)
     return out
-
