@@ -2,6 +2,7 @@
 ``LlavaProcessor``), rewritten into the other checkpoint layouts, and test images."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -121,6 +122,31 @@ def in_memory_layout(model, dst: Path) -> Path:
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     model.config.save_pretrained(dst)
     return dst
+
+
+@functools.cache
+def reference_composites_alpha() -> bool:
+    """Whether transformers' image processors composite a transparent image onto white, as moebus
+    does (common/image_processor.to_rgb). transformers 5.21 made convert_to_rgb do so; before it,
+    ``image.convert("RGB")`` dropped the alpha channel (RGBA) or the transparency (palette), so the
+    pixels of such images differ by design, not by a fault of either side."""
+    from PIL import Image
+    from transformers import SiglipImageProcessorPil
+
+    clear = Image.new("RGBA", (1, 1), (0, 0, 0, 0))
+    plain = SiglipImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False)
+    return float(plain(images=[clear], return_tensors="np")["pixel_values"].min()) == 255.0
+
+
+def over_white(image):
+    """``image`` composited onto white, as transformers >= 5.21 and moebus read a transparent image:
+    what an older reference is given so that both sides see the same RGB pixels."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def sample_images(seed: int = 0):

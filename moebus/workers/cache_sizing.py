@@ -189,6 +189,10 @@ def measure_scratch(stage, max_batch: int, max_step_tokens: int) -> ScratchBudge
     stage.scratch = None  # the warm-up itself runs unconstrained
     decode = warmup_batch(stage, max_batch, max_batch)
     largest = warmup_batch(stage, max_batch, max(max_step_tokens, max_batch))
+    if stage.ops.name != "cuda":  # one step first, its figure thrown away: tracemalloc would count what
+        # a process does once, e.g. numpy importing numpy.ma at its first np.unique, which where no
+        # bytecode cache can be read (a fresh or read-only install) compiles it: ~9 MiB at the peak
+        measure_step_bytes(stage, decode)
     decode_bytes = measure_step_bytes(stage, decode)
     largest_bytes = max(decode_bytes, measure_step_bytes(stage, largest))
     if largest.num_tokens > decode.num_tokens:

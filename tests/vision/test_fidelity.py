@@ -11,7 +11,7 @@ from moebus.common.tiny_model import init_model  # noqa: E402
 from moebus.common.tokenizer import TextTokenizer  # noqa: E402
 from moebus.workers.batch import StepBatch  # noqa: E402
 from moebus.workers.local import LocalModel  # noqa: E402
-from tests.vision_models import make_hf_llava, sample_images  # noqa: E402
+from tests.vision_models import make_hf_llava, over_white, reference_composites_alpha, sample_images  # noqa: E402
 
 MODELS = {
     "init_siglip_qwen3": lambda d: init_model(d, "qwen3_moe", "tiny", vision="siglip"),
@@ -35,7 +35,9 @@ def model(tmp_path_factory):
             d = MODELS[name](tmp_path_factory.mktemp(name) / "model")
             hf = transformers.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
             hf.generation_config.eos_token_id = None  # greedy past end-of-sequence, as tests/models.hf_greedy
-            processor = transformers.AutoProcessor.from_pretrained(d)
+            # the PIL backend, which moebus mirrors: where torchvision is installed transformers picks
+            # its torchvision backend, whose resize rounds some pixels to the next 1/255
+            processor = transformers.AutoProcessor.from_pretrained(d, backend="pil")
             cache[name] = (d, hf, processor, LocalModel(d, device="cpu", num_slots=4, max_context=256))
         return cache[name]
 
@@ -53,6 +55,11 @@ def ours_inputs(d, ours, messages, images):
 
 
 def hf_inputs(processor, messages, images):
+    """transformers' prompt text, ids and pixel values. A transformers older than 5.21 drops an
+    image's alpha instead of compositing it onto white (tests/vision_models.reference_composites_alpha):
+    it is given the RGBA image over white, so that the models' fidelity is still compared."""
+    if not reference_composites_alpha():
+        images = [over_white(image) for image in images]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = processor(text=text, images=images, return_tensors="pt")
     return text, out["input_ids"], out["pixel_values"]

@@ -28,7 +28,10 @@ def models(tmp_path_factory):
     hf_dir = make_hf_qwen3vl(root / "hf")
     hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # greedy past end-of-sequence, as tests/models.hf_greedy
-    return {"dir": hf_dir, "hf": hf, "processor": transformers.AutoImageProcessor.from_pretrained(hf_dir),
+    # the PIL image processor, which moebus mirrors (AutoImageProcessor picks the torchvision one where
+    # torchvision is installed: its resize rounds some pixels to the next 1/255)
+    processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(hf_dir)
+    return {"dir": hf_dir, "hf": hf, "processor": processor,
             "tokenizer": transformers.AutoTokenizer.from_pretrained(hf_dir),
             "save_pretrained": Qwen3VLLocal(hf_dir, num_slots=2, max_context=256),
             "hub": Qwen3VLLocal(hub_layout(hf_dir, root / "hub"), num_slots=2, max_context=256),

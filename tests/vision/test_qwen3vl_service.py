@@ -47,7 +47,7 @@ def hf_reference(model_dir, hf, images: list[bytes]):
     text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
     kwargs = {}
     if images:
-        pix = transformers.AutoImageProcessor.from_pretrained(model_dir)(
+        pix = transformers.Qwen2VLImageProcessorPil.from_pretrained(model_dir)(  # the PIL one, as moebus
             images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
         parts = text.split("<|image_pad|>")
         text = parts[0] + "".join("<|image_pad|>" * (int(g.prod()) // 4) + rest

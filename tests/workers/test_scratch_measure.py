@@ -44,3 +44,23 @@ def test_a_middle_stage_is_measured_from_hidden_states(tiny_model):
     stages = LocalModel(tiny_model, parts=2, num_slots=2, max_context=32).stages
     assert measure_scratch(stages[0], 2, 16).standing_bytes > 0  # first: token ids in, hidden out
     assert measure_scratch(stages[1], 2, 16).standing_bytes > 0  # last: hidden in, sampling
+
+
+def test_what_a_process_does_once_at_its_first_step_is_no_scratch(tiny_model):
+    """A first step's one-time allocations (numpy imports numpy.ma at its first np.unique, and compiles
+    it where no bytecode cache can be read: 10.5 MiB measured instead of 1.3 on a fresh install) are
+    left out: a step run first, unmeasured."""
+    stage = LocalModel(tiny_model, parts=1, num_slots=4, max_context=64).stages[0]
+    plain = measure_scratch(stage, 4, 16)
+    forward, once = stage.forward, []
+
+    def first_step_compiles(*args, **kwargs):
+        if not once:
+            once.append(int(np.ones(8 << 20, np.uint8).sum()))  # 8 MiB held for a moment, as a compile
+        return forward(*args, **kwargs)
+
+    stage.forward = first_step_compiles
+    again = measure_scratch(stage, 4, 16)
+    assert once and plain.standing_bytes < 1 << 20
+    assert abs(again.standing_bytes - plain.standing_bytes) <= TRACEMALLOC_NOISE_BYTES
+    assert abs(again.per_token_bytes - plain.per_token_bytes) * 12 <= TRACEMALLOC_NOISE_BYTES
