@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 (~8 min), the figures the fifth session owes, on 48 x 32 A3B-shaped bf16 experts with the
+# One H200 (~9-10 min), the figures the fifth session owes, on 48 x 32 A3B-shaped bf16 experts with the
 # served KV default (bf16): issue 19's prefill at 512/2048/8192; issue 15's decode in-process and
 # through the service (both at the same KV dtype now); issue 17's schema bench (batch 8, nested schema,
 # 3 repeats; each run prints its graph captures and eager short steps); issue 18's Qwen3-VL tower
