@@ -46,13 +46,29 @@ def decode_step(step_id: int, start: int, rows: int) -> Step:
                 temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
 
 
+def prefill_step(rows: int) -> Step:
+    return Step(step_id=1, slots=np.arange(rows, dtype=np.int32), starts=np.zeros(rows, np.int32),
+                lengths=np.full(rows, len(PROMPT), np.int32), tokens=np.array(PROMPT * rows, np.int32),
+                temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
+
+
+def steps_one_at_a_time(model_dir, prefill: Step, rows: int) -> list:
+    """The prefill and NUM_STEPS decode steps on a fresh model, each with the ids sent in full."""
+    model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=64)
+    want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
+                                 tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
+    for i in range(NUM_STEPS):
+        step = decode_step(2 + i, len(PROMPT) + i, rows)
+        want.append(model.step(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
+                                          tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
+    return want
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_launched_ahead_steps_give_the_tokens_of_steps_run_one_at_a_time(micro_model, rows):
     link = InboxLink()
     worker = GpuWorker(LocalModel(micro_model, device="cuda", num_slots=2, max_context=64).stages[0], link, gpu=0)
-    prefill = Step(step_id=1, slots=np.arange(rows, dtype=np.int32), starts=np.zeros(rows, np.int32),
-                   lengths=np.full(rows, len(PROMPT), np.int32), tokens=np.array(PROMPT * rows, np.int32),
-                   temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
+    prefill = prefill_step(rows)
     got = [worker.step(prefill)]
     for i in range(NUM_STEPS):
         link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
@@ -60,13 +76,7 @@ def test_launched_ahead_steps_give_the_tokens_of_steps_run_one_at_a_time(micro_m
         got.append(worker.step(link.inbox.get()))
     assert worker.steps_launched_ahead == NUM_STEPS - 1  # every decode step but the first
 
-    model = LocalModel(micro_model, device="cuda", num_slots=2, max_context=64)
-    want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
-                                 tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
-    for i in range(NUM_STEPS):
-        step = decode_step(2 + i, len(PROMPT) + i, rows)
-        want.append(model.step(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
-                                          tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
+    want = steps_one_at_a_time(micro_model, prefill, rows)
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
     np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
 
@@ -79,9 +89,7 @@ def test_a_vram_request_between_steps_is_applied_between_them(micro_model):
 
     rows, link = 2, InboxLink()
     worker = GpuWorker(LocalModel(micro_model, device="cuda", num_slots=2, max_context=64).stages[0], link, gpu=0)
-    prefill = Step(step_id=1, slots=np.arange(rows, dtype=np.int32), starts=np.zeros(rows, np.int32),
-                   lengths=np.full(rows, len(PROMPT), np.int32), tokens=np.array(PROMPT * rows, np.int32),
-                   temperature=np.array([0.0, 0.7], np.float32), u=np.full(rows, 0.3, np.float32))
+    prefill = prefill_step(rows)
     got = [worker.step(prefill)]
     for i in range(NUM_STEPS):
         link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
@@ -95,11 +103,5 @@ def test_a_vram_request_between_steps_is_applied_between_them(micro_model):
     assert len(replies) == 1 and isinstance(replies[0], VramReply) and replies[0].error is None
     assert worker.steps_launched_ahead == NUM_STEPS - 2  # all but the first and the one after the VRAM
 
-    model = LocalModel(micro_model, device="cuda", num_slots=2, max_context=64)
-    want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
-                                 tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
-    for i in range(NUM_STEPS):
-        step = decode_step(2 + i, len(PROMPT) + i, rows)
-        want.append(model.step(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
-                                          tokens=want[-1].tokens, temperature=step.temperature, u=step.u)))
+    want = steps_one_at_a_time(micro_model, prefill, rows)
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
