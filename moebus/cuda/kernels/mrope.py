@@ -19,6 +19,7 @@ from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.compat import blocks, cuda, threads, kernel
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
+from moebus.cuda.kernels.rope import pair_of, rotate_pair
 
 THREADS = 256
 
@@ -75,21 +76,15 @@ def _mrope_kernel(bias_storage: str | None):
         # axis axes[i]'s position
         num_tokens, num_heads, head_dim = x.shape
         half = head_dim // 2
-        per_token = num_heads * half
-        for n in range(cuda.grid(1), num_tokens * per_token, cuda.gridsize(1)):
-            t = n // per_token
-            h = (n % per_token) // half
-            i = n % half
+        for n in range(cuda.grid(1), num_tokens * num_heads * half, cuda.gridsize(1)):
+            t, h, i = pair_of(n, num_heads, half)
             position = positions[t, axes[i]]
-            c = cos[position, i]
-            s = sin[position, i]
             x1 = x[t, h, i]
             x2 = x[t, h, i + half]
             if with_bias:
                 x1 += load(bias, 0, h * head_dim + i)
                 x2 += load(bias, 0, h * head_dim + i + half)
-            out[t, h, i] = x1 * c - x2 * s
-            out[t, h, i + half] = x2 * c + x1 * s
+            rotate_pair(out, t, h, i, half, x1, x2, cos[position, i], sin[position, i])
 
     return mrope_flat
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import blocks, cuda, threads, kernel
+from moebus.cuda.kernels.compat import blocks, cuda, device, kernel, threads
 from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 256
@@ -29,23 +29,28 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndar
 
 # -- cuda -----------------------------------------------------------------------------------------
 
+@device
+def pair_of(n, num_heads, half):
+    """(token, head, i < half) of flat pair index n: the pair (i, i + half) of that head's row."""
+    per_token = num_heads * half
+    return n // per_token, (n % per_token) // half, n % half
+
+
+@device
+def rotate_pair(out, t, h, i, half, x1, x2, c, s):
+    out[t, h, i] = x1 * c - x2 * s
+    out[t, h, i + half] = x2 * c + x1 * s
+
+
 @kernel
 def rope_flat(x, positions, cos, sin, out):
     # one thread per (token, head, i < half): rotates the pair (i, i + half)
     num_tokens, num_heads, head_dim = x.shape
     half = head_dim // 2
-    per_token = num_heads * half
-    for n in range(cuda.grid(1), num_tokens * per_token, cuda.gridsize(1)):
-        t = n // per_token
-        h = (n % per_token) // half
-        i = n % half
+    for n in range(cuda.grid(1), num_tokens * num_heads * half, cuda.gridsize(1)):
+        t, h, i = pair_of(n, num_heads, half)
         position = positions[t]
-        c = cos[position, i]
-        s = sin[position, i]
-        x1 = x[t, h, i]
-        x2 = x[t, h, i + half]
-        out[t, h, i] = x1 * c - x2 * s
-        out[t, h, i + half] = x2 * c + x1 * s
+        rotate_pair(out, t, h, i, half, x[t, h, i], x[t, h, i + half], cos[position, i], sin[position, i])
 
 
 def rope_cuda(x, positions, cos, sin, out, stream=0):
