@@ -9,6 +9,9 @@ set -o pipefail
 M=/tmp/m48; Q=/tmp/a3b-qwen3vl
 timeout 60 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 2 --experts 16 > $OUT/init_q.log 2>&1 &
 timeout 120 python3 -m moebus.cli init-model $M --preset a3b --layers 48 --experts 32 > $OUT/init_m.log 2>&1
+echo "== GPU tests of the last commits (rope/mrope share pair_of and rotate_pair; launch-ahead tests)"; date
+MOEBUS_TEST_GPU=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_rope.py tests/cuda/test_mrope.py \
+  tests/cuda/test_launch_ahead.py tests/vision/test_qwen3vl_tower_tc.py 2>&1 | tail -3
 echo "== prefill 48 x 32"; date
 timeout 90 python3 -m moebus.cli bench prefill --model $M --device cuda --tokens 512,2048,8192 --repeats 3 \
   2>&1 | grep -v Warn | tee $OUT/prefill.txt | tail -4
