@@ -43,6 +43,9 @@ def qwen3vl_config(text: dict, preset: str, token_ids: dict) -> dict:
     vision = {**VISION_PRESETS.get(preset, VISION_PRESETS["tiny"]), "model_type": "qwen3_vl_moe",
               "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "out_hidden_size": text["hidden_size"]}
+    if text["num_hidden_layers"] < len(vision["deepstack_visual_indexes"]):  # the loader refuses such a config
+        raise ValueError(f"the {preset} tower adds {len(vision['deepstack_visual_indexes'])} DeepStack features "
+                         f"after as many language model layers: --layers must be at least that")
     return {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
             "text_config": text, "vision_config": vision, "tie_word_embeddings": False, **token_ids}
 

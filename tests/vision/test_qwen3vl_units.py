@@ -57,6 +57,14 @@ def test_a3b_preset_has_qwen3_vl_30b_a3b_shapes():
             cfg.deepstack_layers) == (27, 1152, 16, 16, 2, 2048, (8, 16, 24))
 
 
+def test_init_model_refuses_fewer_layers_than_deepstack_features(tmp_path):
+    """The a3b tower adds DeepStack features after 3 LM layers: a 2-layer model fails at init-model,
+    saying so, not later in the loader."""
+    with pytest.raises(ValueError, match="--layers must be at least"):
+        init_model(tmp_path / "m", "qwen3_vl_moe", "a3b", num_layers=2, num_experts=8)
+    assert not (tmp_path / "m" / "config.json").exists()
+
+
 def test_init_model_loads_in_transformers_and_agrees(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

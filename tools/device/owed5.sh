@@ -7,7 +7,7 @@
 source tools/device/setup.sh
 set -o pipefail
 M=/tmp/m48; Q=/tmp/a3b-qwen3vl
-timeout 60 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 2 --experts 16 > $OUT/init_q.log 2>&1 &
+timeout 60 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 3 --experts 16 > $OUT/init_q.log 2>&1 &
 timeout 120 python3 -m moebus.cli init-model $M --preset a3b --layers 48 --experts 32 > $OUT/init_m.log 2>&1
 echo "== GPU tests of the last commits (rope/mrope share pair_of and rotate_pair; launch-ahead tests)"; date
 MOEBUS_TEST_GPU=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_rope.py tests/cuda/test_mrope.py \

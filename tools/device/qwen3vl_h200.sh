@@ -11,7 +11,7 @@ timeout 240 python3 tools/device/qwen3vl_check.py 2>&1 | grep -v "^\s*$\|Loading
 echo "check rc=${PIPESTATUS[0]} ($((SECONDS - t0)) s)"
 M=/tmp/a3b-qwen3vl
 t0=$SECONDS
-python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 2 --experts 16 > /dev/null || exit 1
+python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 3 --experts 16 > /dev/null || exit 1
 echo "init-model: $((SECONDS - t0)) s"; du -sh $M
 timeout 300 python3 -m moebus.cli bench vision-cycle --device cuda --model $M --idle-s 3 --repeats 3 \
   --image-px 1024 --text-streams 2 --text-tokens 16 --timeout-s 280 2>&1 | grep -v "^\s*$" | tail -40

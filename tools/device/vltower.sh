@@ -12,7 +12,7 @@ set -u
 source tools/device/setup.sh
 OUT=${OUT:-/tmp/vltower-out}; mkdir -p $OUT
 M=/tmp/a3b-qwen3vl
-python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 2 --experts 16 > $OUT/init.log 2>&1 &
+python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 3 --experts 16 > $OUT/init.log 2>&1 &
 INIT=$!
 echo "== GPU tests"; date
 MOEBUS_TEST_GPU=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/vision/test_qwen3vl_tower_tc.py \
