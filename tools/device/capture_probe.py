@@ -23,7 +23,7 @@ def cache_files() -> int:
 
 
 t0 = time.perf_counter()
-model = LocalModel(model_dir, device="cuda", num_slots=max_batch, max_context=512, kv_dtype="bf16")
+model = LocalModel(model_dir, device=os.environ.get("PROBE_DEVICE", "cuda"), num_slots=max_batch, max_context=512, kv_dtype="bf16")
 print(f"load {time.perf_counter() - t0:.1f}s")
 vocab = model.ckpt.config.vocab_size
 words = -(-vocab // 32)
