@@ -30,7 +30,7 @@ from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.kv_cache import resolve_kv_dtype
 from moebus.workers.loop import serve
-from moebus.workers.stage import Stage
+from moebus.workers.stage import Stage, warm_sizes
 
 log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
@@ -195,6 +195,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
     link = BrokerLink(connect, f"gpu{gpu}", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
     stage = load_stage(settings, model_dir, gpu, layers, device)
+    warm_decode_graphs(stage, settings.max_batch, f"gpu{gpu}")
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
                      max_batch=settings.max_batch, max_context=settings.max_context))
@@ -205,6 +206,17 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
         return GpuWorker(stage, link, gpu, settings.launch_ahead).serve()
     finally:
         link.close()
+
+
+def warm_decode_graphs(stage: Stage, max_batch: int, label: str) -> None:
+    """Capture the decode graphs before READY (Stage.warm_graphs), so that a batch size seen for the
+    first time while serving does not stall every stream for its capture and compiles."""
+    if not stage.use_graphs:
+        return
+    started = time.perf_counter()
+    count = stage.warm_graphs(warm_sizes(max_batch), progress=lambda it: tqdm(it, desc=f"{label}: decode graphs",
+                                                                              unit="batch size"))
+    log.info("%s: %d decode graphs captured in %.1f s", label, count, time.perf_counter() - started)
 
 
 def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:

@@ -40,18 +40,28 @@ def _layout(host_inputs: dict) -> tuple[dict, int]:
     return offsets, total
 
 
+def shared_pool() -> StepPool:
+    """One scratch pool for all the decode graphs of a stage: graphs replay one at a time on one
+    stream, so they may share buffers (the memory of the largest step, not of the sum of steps). Its
+    buffers are never released: a graph keeps raw pointers into them for its life."""
+    return StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
+
+
 class CapturedStep:
-    def __init__(self, backend, host_inputs: dict[str, np.ndarray], run):
+    def __init__(self, backend, host_inputs: dict[str, np.ndarray], run, pool: StepPool | None = None):
+        """``pool``: a shared_pool() (None: a private pool, released with the graph)."""
         self.backend = backend
+        self.shared_pool = pool is not None
         self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
         self.offsets, total = _layout(host_inputs)
         self.staging = cuda.pinned_array(total, np.uint8)
         self.packed = cuda.device_array(total, np.uint8)
         self.inputs = {name: self._view(self.packed, name) for name in self.specs}
         self.host_views = {name: self._view(self.staging, name) for name in self.specs}
-        self.pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
+        self.pool = pool or StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
         self.stream = _core_stream(backend.stream)
         with backend.private_pool(self.pool):
+            self.pool.recycle()  # a shared pool: the other graphs' buffers serve this one too
             self._upload(host_inputs)
             run(self.inputs)
             backend.synchronize()
@@ -122,7 +132,8 @@ class CapturedStep:
 
     def close(self) -> None:
         self.graph.close()
-        self.pool.release()
+        if not self.shared_pool:
+            self.pool.release()
 
 
 @contextlib.contextmanager
