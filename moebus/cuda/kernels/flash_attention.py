@@ -96,7 +96,9 @@ def _kernel(head_dim: int, f32_kv: bool):
     """The compiled kernel for this GPU (cuda.core Kernel): from the disk cache, else NVRTC."""
     from moebus.cuda.kernels.compat import cuda
 
-    major, minor = cuda.get_current_device().compute_capability
+    gpu = cuda.get_current_device()
+    _core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
     options, source = compile_options(head_dim, f32_kv, f"sm_{major}{minor}"), SOURCE.read_bytes()
     path = _cache_path(options, source)
     if path is not None and path.is_file():
@@ -109,6 +111,14 @@ def _kernel(head_dim: int, f32_kv: bool):
             partial.write_bytes(cubin)
             os.replace(partial, path)  # whole or absent: a reader never sees half a file
     return _object_code().from_cubin(cubin, name=f"flash_attention_hd{head_dim}").get_kernel(ENTRY)
+
+
+def _core_device(index: int):
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import Device
+    return Device(index)
 
 
 def _object_code():
