@@ -6,7 +6,7 @@
 source tools/device/setup.sh
 set -o pipefail
 M=/tmp/m48; Q=/tmp/a3b-qwen3vl
-(timeout 60 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 2 --experts 16 > $OUT/init_q.log 2>&1;
+(timeout 60 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 4 --experts 16 > $OUT/init_q.log 2>&1;
  timeout 90 python3 -m moebus.cli init-model $M --preset a3b --layers 48 --experts 32 > $OUT/init_m.log 2>&1) &
 INIT=$!
 echo "== GPU tests"; date
@@ -23,7 +23,7 @@ echo "== prefill 48 x 32 (kv auto = bf16)"; date
 timeout 60 python3 -m moebus.cli bench prefill --model $M --device cuda --tokens 512,2048,8192 --repeats 2 \
   2>&1 | grep -v Warn | tee $OUT/prefill.txt | tail -5
 echo "== fidelity at bf16 KV (fused attention) against float32 transformers"; date
-timeout 45 python3 tools/device/tc_fidelity.py /tmp/fid split/split/bf16 2>&1 | grep -v Warn | tee $OUT/fidelity.txt | tail -8
+timeout 45 python3 tools/device/tc_fidelity.py /tmp/fid split/split/bf16 2>&1 | grep -a -v "Warn\|Loading" | tee $OUT/fidelity.txt | tail -8
 echo "== Qwen3-VL tower (a3b, 1024 x 768)"; date
 timeout 30 python3 tools/device/vltower_encode.py $Q 5 2>&1 | grep -v "Warn\|warn(" | tee $OUT/tower.txt | head -14
 date
