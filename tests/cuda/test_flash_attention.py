@@ -86,6 +86,34 @@ def test_bad_head_dim_is_refused_at_compile_time():
         nvrtc_compile(SOURCE.read_bytes(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
 
 
+def test_cubin_is_compiled_once_then_read_from_the_cache_dir(tmp_path, monkeypatch):
+    _nvrtc()
+    from moebus.cuda.kernels import flash_attention
+
+    first = flash_attention.cubin(32, False, "sm_90", str(tmp_path))
+    assert [p.suffix for p in (tmp_path / "flash_attention").iterdir()] == [".cubin"]
+    monkeypatch.setattr(flash_attention, "nvrtc_compile", lambda *a, **k: pytest.fail("compiled again"))
+    assert flash_attention.cubin(32, False, "sm_90", str(tmp_path)) == first
+    with pytest.raises(pytest.fail.Exception):  # another head dim is another file
+        flash_attention.cubin(40, False, "sm_90", str(tmp_path))
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_materialised_path(monkeypatch, caplog):
+    from moebus.cuda.kernels import flash_attention
+
+    def no_nvrtc(*_):
+        raise RuntimeError("libnvrtc not found")
+
+    monkeypatch.setattr(flash_attention, "supported", lambda head_dim: True)
+    monkeypatch.setattr(flash_attention, "_kernel", no_nvrtc)
+    flash_attention._builds.cache_clear()
+    try:
+        assert not flash_attention.ready(64, False)
+        assert "flash attention unavailable" in caplog.text and "libnvrtc not found" in caplog.text
+    finally:
+        flash_attention._builds.cache_clear()
+
+
 # -- the kernel on a GPU ----------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(SIMULATOR, reason="the flash kernel is CUDA C++: MOEBUS_TEST_GPU=1")

@@ -6,7 +6,8 @@ scratch, one launch per sequence (prefill) or per call (images).
 The kernel is CUDA C++ compiled by NVRTC at run time (cuda-bindings) for this GPU, one cubin per
 (head dim, key type), kept on disk beside numba's kernels (its name hashes the source, the options,
 the architecture and NVRTC's version), loaded and launched through cuda.core on the backend's
-stream, or into the GraphBuilder that captures it. Why not a numba kernel calling a linked C++
+stream, or into the GraphBuilder that captures it. If it cannot be built (no NVRTC), ``ready`` warns
+once and says no: prefill_attention.py keeps its materialised path. Why not a numba kernel calling a linked C++
 device function: numba cannot keep kernels with linked files in its disk cache, so every worker
 start would pay NVRTC again.
 
@@ -80,37 +81,54 @@ def _check(nvrtc, err, what: str) -> None:
         raise RuntimeError(f"NVRTC {what}: {err}")
 
 
-def _cache_path(options: list[bytes], source: bytes) -> Path | None:
+def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None) -> bytes:
+    """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
+    before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
     from cuda.bindings import nvrtc
 
-    from moebus.cuda.kernels.compat import _numba_config
-
-    if not _numba_config.CACHE_DIR:
-        return None
-    digest = hashlib.sha256(source + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()[:24]
-    return Path(_numba_config.CACHE_DIR) / "flash_attention" / f"{digest}.cubin"
+    options, source = compile_options(head_dim, f32_kv, arch), SOURCE.read_bytes()
+    path = None
+    if cache_dir:
+        digest = hashlib.sha256(source + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        path = Path(cache_dir) / "flash_attention" / f"{digest[:24]}.cubin"
+        if path.is_file():
+            return path.read_bytes()
+    code, _ = nvrtc_compile(source, options)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(code)
+        os.replace(partial, path)  # whole or absent: a reader never sees half a file
+    return code
 
 
 @functools.cache
 def _kernel(head_dim: int, f32_kv: bool):
-    """The compiled kernel for this GPU (cuda.core Kernel): from the disk cache, else NVRTC."""
-    from moebus.cuda.kernels.compat import cuda
+    """The compiled kernel for this GPU (cuda.core Kernel), through numba's kernel cache directory."""
+    from moebus.cuda.kernels.compat import _numba_config, cuda
 
     gpu = cuda.get_current_device()
     _core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options, source = compile_options(head_dim, f32_kv, f"sm_{major}{minor}"), SOURCE.read_bytes()
-    path = _cache_path(options, source)
-    if path is not None and path.is_file():
-        cubin = path.read_bytes()
-    else:
-        cubin, _ = nvrtc_compile(source, options)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.part")
-            partial.write_bytes(cubin)
-            os.replace(partial, path)  # whole or absent: a reader never sees half a file
-    return _object_code().from_cubin(cubin, name=f"flash_attention_hd{head_dim}").get_kernel(ENTRY)
+    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR)
+    return _object_code().from_cubin(code, name=f"flash_attention_hd{head_dim}").get_kernel(ENTRY)
+
+
+def ready(head_dim: int, f32_kv: bool) -> bool:
+    """supported() and the kernel compiled (or loaded) for this GPU; if that fails (no NVRTC, say),
+    a warning once and False: the caller keeps the materialised path."""
+    return supported(head_dim) and _builds(head_dim, f32_kv)
+
+
+@functools.cache
+def _builds(head_dim: int, f32_kv: bool) -> bool:
+    try:
+        _kernel(head_dim, f32_kv)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the other path still works
+        log.warning("flash attention unavailable for head dim %d (%s): attention materialises its scores",
+                    head_dim, exc)
+        return False
+    return True
 
 
 def _core_device(index: int):

@@ -131,7 +131,7 @@ def prefill_attention(ops, tc, q, k_cache, v_cache, segments, scale: float, wind
     (first row, cache slot, start position, length); their keys are in the caches already."""
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, context, _ = k_cache.shape
-    if _mode(k_cache.dtype) == "halves" and flash_attention.supported(head_dim):
+    if _mode(k_cache.dtype) == "halves" and flash_attention.ready(head_dim, False):
         return flash_attention.flash_prefill_cuda(q, k_cache, v_cache, segments, scale, window, out, ops.stream)
     group, mode, row_ld = num_heads // num_kv_heads, _mode(k_cache.dtype), num_heads * head_dim
     cache_bytes = k_cache.dtype.itemsize
@@ -167,7 +167,7 @@ def image_attention(ops, tc, q, k, v, num_images: int, scale: float, out):
     """out = vision_attention_ref(q, k, v, num_images, scale): each image's rows attend to each other."""
     rows, num_heads, head_dim = q.shape
     positions, mode, row_ld = rows // num_images, _mode(q.dtype), num_heads * head_dim
-    if mode == "split3" and flash_attention.supported(head_dim):
+    if mode == "split3" and flash_attention.ready(head_dim, True):
         return flash_attention.flash_images_cuda(q, k, v, num_images, scale, out, ops.stream)
     split = mode == "split3"
     block = min(positions, _block_rows(num_heads, positions, mode))
