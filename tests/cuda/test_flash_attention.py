@@ -78,6 +78,16 @@ def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
     assert cubin and "0 bytes spill stores" in log, log
 
 
+def test_compiling_leaves_the_interpreters_shared_bytes_alone():
+    """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
+    shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+
+    _, log = nvrtc_compile(SOURCE.read_bytes(), compile_options(16, False, "sm_90"))
+    assert log == "" and b" " * 1 == bytes([32]) and b" ".join([b"a", b"b"]) == b"a b"
+
+
 def test_bad_head_dim_is_refused_at_compile_time():
     _nvrtc()
     from moebus.cuda.kernels.flash_attention import SOURCE, nvrtc_compile

@@ -61,19 +61,19 @@ def nvrtc_compile(source: bytes, options: list[bytes], target: str = "cubin") ->
                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
         err, size = size_of(program)
         _check(nvrtc, err, "size")
-        buffer = b" " * size
+        buffer = bytearray(size)  # never b" " * size: at size 1 that is CPython's shared b" ", overwritten
         (err,) = get(program, buffer)
         _check(nvrtc, err, "get")
-        return buffer, log_text
+        return bytes(buffer), log_text
     finally:
         nvrtc.nvrtcDestroyProgram(program)
 
 
 def _program_log(nvrtc, program) -> str:
     err, size = nvrtc.nvrtcGetProgramLogSize(program)
-    buffer = b" " * size
+    buffer = bytearray(size)  # an empty log is 1 byte: b" " * 1 would be the interpreter's shared b" "
     nvrtc.nvrtcGetProgramLog(program, buffer)
-    return buffer.rstrip(b"\0 ").decode(errors="replace")
+    return bytes(buffer).rstrip(b"\0 ").decode(errors="replace")
 
 
 def _check(nvrtc, err, what: str) -> None:
