@@ -42,46 +42,57 @@ def _product(a: np.ndarray, b: np.ndarray, b_exact: bool) -> np.ndarray:
     return a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi
 
 
+def _tile_of(rows: np.ndarray, key_ids: np.ndarray, end: int) -> np.ndarray:
+    """Rows key_ids of ``rows``, zeros at or past ``end`` (the kernel never reads them)."""
+    real = key_ids < end
+    return np.where(real[:, None], rows[np.minimum(key_ids, rows.shape[0] - 1)], 0).astype(np.float32)
+
+
+def _seen(key_ids: np.ndarray, positions: np.ndarray, num_keys: int, window: int, causal: bool) -> np.ndarray:
+    """(queries, keys) mask: causal with an optional sliding window, or every real key."""
+    keys, pos = key_ids[None, :], positions[:, None]
+    if not causal:
+        return np.broadcast_to(keys < num_keys, (len(positions), len(key_ids)))
+    return (keys <= pos) & ((keys > pos - window) if window > 0 else True)
+
+
+def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: bool, scale_log2, kv_exact: bool):
+    """One block: BLOCK_QUERIES rows from q0 (rows past the end computed as zeros, not stored)."""
+    num_queries, head_dim = q.shape
+    per_tile = tile_keys(head_dim, not kv_exact)
+    q_tile = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
+    q_tile[: min(BLOCK_QUERIES, num_queries - q0)] = q[q0:q0 + BLOCK_QUERIES]
+    positions = first_pos + np.arange(q0, q0 + BLOCK_QUERIES)
+    begin, end = key_range(q0, min(q0 + BLOCK_QUERIES, num_queries) - 1, keys.shape[0], first_pos, window, causal,
+                           per_tile)
+    row_max = np.full(BLOCK_QUERIES, -np.inf, np.float32)
+    row_sum = np.zeros(BLOCK_QUERIES, np.float32)
+    acc = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
+    for key0 in range(begin, end, per_tile):
+        key_ids = np.arange(key0, key0 + per_tile)
+        k_tile, v_tile = _tile_of(keys, key_ids, end), _tile_of(values, key_ids, end)
+        s = _product(q_tile, k_tile.T, kv_exact).astype(np.float32)
+        s = np.where(_seen(key_ids, positions, keys.shape[0], window, causal), s * scale_log2, -np.inf)
+        new_max = np.maximum(row_max, s.max(axis=1)).astype(np.float32)
+        base = np.where(new_max == -np.inf, np.float32(0), new_max)  # a row that has seen nothing stays at 0
+        shrink = np.exp2(row_max - base)
+        row_max = new_max
+        p = np.exp2(s - base[:, None]).astype(np.float32)
+        row_sum = row_sum * shrink + p.sum(axis=1)
+        acc = acc * shrink[:, None] + _product(p, v_tile, kv_exact).astype(np.float32)
+    inverse = np.where(row_sum > 0, 1 / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
+    return acc * inverse[:, None]
+
+
 def flash_block_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int, window: int, causal: bool,
                     scale: float, kv_exact: bool) -> np.ndarray:
     """One (sequence or image, head): q (n, hd) float32, keys and values (L, hd) float32 (bf16 values
     when kv_exact) -> (n, hd) float32, tiled as the kernel tiles it."""
-    num_queries, head_dim = q.shape
-    num_keys = keys.shape[0]
-    per_tile = tile_keys(head_dim, not kv_exact)
     scale_log2 = np.float32(scale * np.log2(np.e))
     out = np.zeros_like(q, dtype=np.float32)
-    for q0 in range(0, num_queries, BLOCK_QUERIES):
-        rows = np.arange(q0, q0 + BLOCK_QUERIES)  # a whole tile: rows past the end are computed, not stored
-        q_tile = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
-        q_tile[: min(BLOCK_QUERIES, num_queries - q0)] = q[q0:q0 + BLOCK_QUERIES]
-        begin, end = key_range(q0, min(q0 + BLOCK_QUERIES, num_queries) - 1, num_keys, first_pos, window, causal,
-                               per_tile)
-        row_max = np.full(BLOCK_QUERIES, -np.inf, np.float32)
-        row_sum = np.zeros(BLOCK_QUERIES, np.float32)
-        acc = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
-        for key0 in range(begin, end, per_tile):
-            key_ids = np.arange(key0, key0 + per_tile)
-            real = key_ids < end  # zeros past the block's last key, as the kernel loads them
-            k_tile = np.where(real[:, None], keys[np.minimum(key_ids, num_keys - 1)], 0).astype(np.float32)
-            v_tile = np.where(real[:, None], values[np.minimum(key_ids, num_keys - 1)], 0).astype(np.float32)
-            s = _product(q_tile, k_tile.T, kv_exact).astype(np.float32)
-            pos = first_pos + rows[:, None]
-            if causal:
-                seen = (key_ids[None, :] <= pos) & ((key_ids[None, :] > pos - window) if window > 0 else True)
-            else:
-                seen = np.broadcast_to(key_ids[None, :] < num_keys, s.shape)
-            s = np.where(seen, s * scale_log2, -np.inf).astype(np.float32)
-            new_max = np.maximum(row_max, s.max(axis=1))
-            base = np.where(new_max == -np.inf, np.float32(0), new_max)
-            shrink = np.exp2(row_max - base)
-            row_max = new_max
-            p = np.exp2(s - base[:, None]).astype(np.float32)
-            row_sum = row_sum * shrink + p.sum(axis=1)
-            acc = acc * shrink[:, None] + _product(p, v_tile, kv_exact).astype(np.float32)
-        inverse = np.where(row_sum > 0, 1 / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
-        stored = min(BLOCK_QUERIES, num_queries - q0)
-        out[q0:q0 + stored] = (acc * inverse[:, None])[:stored]
+    for q0 in range(0, q.shape[0], BLOCK_QUERIES):
+        stored = min(BLOCK_QUERIES, q.shape[0] - q0)
+        out[q0:q0 + stored] = _query_tile(q, keys, values, q0, first_pos, window, causal, scale_log2, kv_exact)[:stored]
     return out
 
 
