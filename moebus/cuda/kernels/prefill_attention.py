@@ -16,6 +16,11 @@ hi = bf16(v), lo = bf16(v - hi) (gemm.py; attention_parts.py makes the copies):
 "f32" runs the products on float32 without tensor cores, "tf32" on TF32 tensor cores (which misses
 the fidelity bar of 1e-3 on logits: 2.2e-3 measured, docs/performance.md); both need float32 keys.
 
+Where it can, the fused kernel of flash_attention.py runs instead (a bf16 KV cache, an image's
+float32 rows; head dims multiples of 8 up to 128; MOEBUS_ATTENTION_FLASH=0 turns it off): the
+same split products inside one kernel, no scores in memory. The rest stays here (a float32 KV cache,
+the f32 and tf32 modes, other head dims, the simulator).
+
 Query blocks are as long as keeps the scores within MAX_SCORE_BYTES, so an 8k-token prompt needs a
 bounded scratch. References: attention.attention_ref, vision_attention.vision_attention_ref.
 Shapes: T tokens, H query heads, KVH kv heads, hd head dim, C cache positions, L keys, n queries."""
@@ -25,6 +30,7 @@ import os
 
 import numpy as np
 
+from moebus.cuda.kernels import flash_attention
 from moebus.cuda.kernels.attention_parts import (COPIES_PLANES, COPIES_TRIPLES, K3, Q2, Q3, masked_softmax_cuda,
                                                  masked_softmax_ref, split_copies_cuda)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_N, OP_T, R_16BF, R_32F, address
@@ -125,6 +131,8 @@ def prefill_attention(ops, tc, q, k_cache, v_cache, segments, scale: float, wind
     (first row, cache slot, start position, length); their keys are in the caches already."""
     _, num_heads, head_dim = q.shape
     _, num_kv_heads, context, _ = k_cache.shape
+    if _mode(k_cache.dtype) == "halves" and flash_attention.ready(head_dim, False):
+        return flash_attention.flash_prefill_cuda(q, k_cache, v_cache, segments, scale, window, out, ops.stream)
     group, mode, row_ld = num_heads // num_kv_heads, _mode(k_cache.dtype), num_heads * head_dim
     cache_bytes = k_cache.dtype.itemsize
     for row0, slot, start, length in segments:
@@ -159,6 +167,8 @@ def image_attention(ops, tc, q, k, v, num_images: int, scale: float, out):
     """out = vision_attention_ref(q, k, v, num_images, scale): each image's rows attend to each other."""
     rows, num_heads, head_dim = q.shape
     positions, mode, row_ld = rows // num_images, _mode(q.dtype), num_heads * head_dim
+    if mode == "split3" and flash_attention.ready(head_dim, True):
+        return flash_attention.flash_images_cuda(q, k, v, num_images, scale, out, ops.stream)
     split = mode == "split3"
     block = min(positions, _block_rows(num_heads, positions, mode))
     scratch = _Scratch(ops, num_heads, num_heads, block, positions, head_dim, mode)

@@ -1,0 +1,292 @@
+// Fused (flash) attention on tensor cores: a block of 4 warps per (tile of 64 queries, query head,
+// image); the keys and values stream through shared memory in tiles of BN, the softmax runs online
+// in fp32 registers and the probabilities never leave the SM. Products are mma.sync m16n8k16 bf16
+// -> fp32 on split operands: a float32 x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), so
+//   S = Qhi K + Qlo K            (bf16 keys: exact)      or  Qhi Khi + Qhi Klo + Qlo Khi  (float32 keys)
+//   O = Phi V + Plo V            (bf16 values: exact)    or  Phi Vhi + Phi Vlo + Plo Vhi  (float32 values)
+// which leaves ~2^-16 relative error per term, fp32 sums. flash_attention.py documents the
+// parameters; flash_attention_ref there is this kernel's arithmetic in numpy.
+//
+// Compiled by NVRTC at run time with HEAD_DIM (a multiple of 8, <= 128) and F32_KV (0: keys and
+// values are bf16 bits, 1: float32) defined. Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
+// g = lane / 4 and t = lane % 4, A (16 x 16, row) a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g,
+// 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8, col) b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g); C
+// (16 x 8) c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1).
+
+#ifndef HEAD_DIM
+#error "define HEAD_DIM"
+#endif
+#ifndef F32_KV
+#error "define F32_KV"
+#endif
+
+#define HD HEAD_DIM
+#define HDP ((HD + 15) / 16 * 16)       // the contraction of Q K^T, padded with zeros
+#define KSTEPS (HDP / 16)
+#define DTILES (HD / 8)                 // n-tiles of O
+#define PARTS (F32_KV ? 2 : 1)          // parts of a key / value kept in shared memory
+#define BM 64                           // queries per block: 16 per warp
+#define WARPS 4
+#define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
+#define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
+#define VP (BN + 8)
+#define CHUNK (F32_KV ? 4 : 8)          // elements per 16-byte load
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 f32_bits(float x) { return __float_as_uint(x); }
+
+// bf16 bits of x, rounded to nearest even (as attention_parts._part and gemm.split_rows)
+__device__ __forceinline__ u32 bf16_round(float x) {
+    u32 bits = f32_bits(x);
+    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ float bf16_value(u32 bits) { return __uint_as_float(bits << 16); }
+
+// the two parts of x as bf16 bits: hi = bf16(x), lo = bf16(x - hi)
+__device__ __forceinline__ void split(float x, u32 &hi, u32 &lo) {
+    hi = bf16_round(x);
+    lo = bf16_round(x - bf16_value(hi));
+}
+
+__device__ __forceinline__ u32 pack(u32 first, u32 second) { return first | (second << 16); }
+
+__device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 smem_pair(const u16 *row, int col) {
+    return *reinterpret_cast<const u32 *>(row + col);
+}
+
+// Q's fragments for rows r0 (and r0 + 8) of this warp, both parts, scaled by nothing (the scale
+// multiplies the fp32 scores): columns past HD are zero.
+__device__ __forceinline__ void load_q(const float *q, long long row_pitch, int rows_valid, int r0, u32 qh[KSTEPS][4],
+                                       u32 ql[KSTEPS][4], int t) {
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int row = r0 + (e & 1) * 8, col = ks * 16 + 2 * t + (e >> 1) * 8;
+            float2 x = make_float2(0.f, 0.f);
+            if (row < rows_valid && col < HD) x = *reinterpret_cast<const float2 *>(q + row * row_pitch + col);
+            u32 h0, l0, h1, l1;
+            split(x.x, h0, l0);
+            split(x.y, h1, l1);
+            qh[ks][e] = pack(h0, h1);
+            ql[ks][e] = pack(l0, l1);
+        }
+    }
+}
+
+// Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j]; keys at or
+// past key_end are zeros (never read from memory: a cache's unwritten rows may hold any bits).
+__device__ __forceinline__ void load_tile(const void *k, const void *v, long long row_stride, int key0, int key_end,
+                                          u16 (*ks)[BN][KP], u16 (*vt)[HD][VP]) {
+    const int per_row = HD / CHUNK;
+    for (int idx = threadIdx.x; idx < BN * per_row; idx += WARPS * 32) {
+        int j = idx / per_row, d0 = (idx % per_row) * CHUNK;
+        bool real = key0 + j < key_end;
+        long long at = (long long)(key0 + j) * row_stride + d0;
+#if F32_KV
+        float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
+        if (real) {
+            kx = *reinterpret_cast<const float4 *>(static_cast<const float *>(k) + at);
+            vx = *reinterpret_cast<const float4 *>(static_cast<const float *>(v) + at);
+        }
+        float kv[4] = {kx.x, kx.y, kx.z, kx.w}, vv[4] = {vx.x, vx.y, vx.z, vx.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            u32 hi, lo;
+            split(kv[e], hi, lo);
+            ks[0][j][d0 + e] = hi;
+            ks[1][j][d0 + e] = lo;
+            split(vv[e], hi, lo);
+            vt[0][d0 + e][j] = hi;
+            vt[1][d0 + e][j] = lo;
+        }
+#else
+        uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+        if (real) {
+            kx = *reinterpret_cast<const uint4 *>(static_cast<const u16 *>(k) + at);
+            vx = *reinterpret_cast<const uint4 *>(static_cast<const u16 *>(v) + at);
+        }
+        *reinterpret_cast<uint4 *>(&ks[0][j][d0]) = kx;
+        u32 vw[4] = {vx.x, vx.y, vx.z, vx.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            vt[0][d0 + 2 * e][j] = (u16)(vw[e] & 0xFFFFu);
+            vt[0][d0 + 2 * e + 1][j] = (u16)(vw[e] >> 16);
+        }
+#endif
+    }
+}
+
+// S (16 x BN of this warp) = Q K^T over the tile, split parts summed in fp32
+__device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
+                                       u16 (*ks)[BN][KP], int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const u16 *row = ks[0][nt * 8 + g];
+            u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+            mma(s[nt], ql[kk], b0, b1);
+#if F32_KV
+            const u16 *row_lo = ks[1][nt * 8 + g];
+            mma(s[nt], qh[kk], smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+#endif
+            mma(s[nt], qh[kk], b0, b1);
+        }
+    }
+}
+
+// O (16 x HD of this warp) += P V over the tile, P from the scores' registers, split in two parts
+__device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN / 8][4], u16 (*vt)[HD][VP], int g,
+                                           int t) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 ph[4], pl[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // a0: (g, 2t..) of n-tile 2kk; a1: its row g+8; a2, a3: n-tile 2kk+1
+            const float *c = p[2 * kk + (e >> 1)] + (e & 1) * 2;
+            u32 h0, l0, h1, l1;
+            split(c[0], h0, l0);
+            split(c[1], h1, l1);
+            ph[e] = pack(h0, h1);
+            pl[e] = pack(l0, l1);
+        }
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+            const u16 *row = vt[0][dt * 8 + g];
+            u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+            mma(o[dt], pl, b0, b1);
+#if F32_KV
+            const u16 *row_lo = vt[1][dt * 8 + g];
+            mma(o[dt], ph, smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+#endif
+            mma(o[dt], ph, b0, b1);
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xFFFFFFFFu, x, 1);
+    return x + __shfl_xor_sync(0xFFFFFFFFu, x, 2);
+}
+
+// Block (x, y, z) = (query tile from the end: the causal blocks with the most keys start first,
+// query head, image). q, out: float32 rows of (heads x HD), query i of this z at row
+// q_row0 + z * rows_per_z + i. Keys: key j of kv head h at k + k_base + z * k_z_stride +
+// h * k_head_stride + j * k_row_stride (elements); values likewise. Query i sits at position
+// first_pos + i and sees keys j <= first_pos + i (causal; and j > first_pos + i - window when
+// window > 0), or all num_keys keys (not causal). scale_log2 = scale * log2(e).
+extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
+    const float *q, const void *k, const void *v, float *out, int q_row0, int rows_per_z, int num_queries, int heads,
+    int group, long long k_base, long long k_z_stride, long long k_head_stride, long long k_row_stride, int num_keys,
+    int first_pos, int window, int causal, float scale_log2) {
+    __shared__ __align__(16) u16 ks[PARTS][BN][KP];
+    __shared__ __align__(16) u16 vt[PARTS][HD][VP];
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, z = blockIdx.z;
+    const int q0 = tile * BM;  // the block's first query
+    const long long row_pitch = (long long)heads * HD;
+    const long long q_at = ((long long)q_row0 + (long long)z * rows_per_z + q0) * row_pitch + (long long)head * HD;
+    const long long kv_at = k_base + z * k_z_stride + (long long)(head / group) * k_head_stride;
+    const void *kz, *vz;
+#if F32_KV
+    kz = static_cast<const float *>(k) + kv_at;
+    vz = static_cast<const float *>(v) + kv_at;
+#else
+    kz = static_cast<const u16 *>(k) + kv_at;
+    vz = static_cast<const u16 *>(v) + kv_at;
+#endif
+    const int rows_valid = num_queries - q0;  // of this block, rows at or past it are not stored
+    const int r0 = w * 16 + g;
+    u32 qh[KSTEPS][4], ql[KSTEPS][4];
+    load_q(q + q_at, row_pitch, rows_valid, r0, qh, ql, t);
+
+    for (int idx = threadIdx.x; idx < PARTS * BN * (KP - HD); idx += WARPS * 32) {  // the zero padding
+        int c = idx % (KP - HD), rest = idx / (KP - HD);
+        ks[rest / BN][rest % BN][HD + c] = 0;
+    }
+    const int last_query = min(q0 + BM, num_queries) - 1;
+    const int key_end = causal ? min(num_keys, first_pos + last_query + 1) : num_keys;
+    int key_begin = (causal && window > 0) ? max(0, first_pos + q0 - window + 1) : 0;
+    key_begin -= key_begin % BN;
+
+    float o[DTILES][4];
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};  // rows r0, r0 + 8 (per-thread sums)
+    const int pos[2] = {first_pos + q0 + r0, first_pos + q0 + r0 + 8};
+
+    for (int key0 = key_begin; key0 < key_end; key0 += BN) {
+        __syncthreads();  // the previous tile (and the padding) are done with
+        load_tile(kz, vz, k_row_stride, key0, key_end, ks, vt);
+        __syncthreads();
+        float s[BN / 8][4];
+        scores(s, qh, ql, ks, g, t);
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int key = key0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
+                bool seen = causal ? (key <= pos[r] && (window <= 0 || key > pos[r] - window)) : key < num_keys;
+                s[nt][e] = seen ? s[nt][e] * scale_log2 : NEG_INF;
+                tile_max[r] = fmaxf(tile_max[r], s[nt][e]);
+            }
+        }
+        float shrink[2], base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
+            base[r] = new_max == NEG_INF ? 0.f : new_max;  // a row with nothing seen yet stays at 0
+            shrink[r] = exp2f(row_max[r] - base[r]);
+            row_max[r] = new_max;
+            row_sum[r] *= shrink[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+                row_sum[e >> 1] += s[nt][e];
+            }
+        }
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+            o[dt][0] *= shrink[0];
+            o[dt][1] *= shrink[0];
+            o[dt][2] *= shrink[1];
+            o[dt][3] *= shrink[1];
+        }
+        accumulate(o, s, vt, g, t);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int row = r0 + 8 * r;
+        float total = quad_sum(row_sum[r]);
+        float inverse = total > 0.f ? 1.f / total : 0.f;
+        if (row < rows_valid) {
+            float *dst = out + q_at + row * row_pitch;
+#pragma unroll
+            for (int dt = 0; dt < DTILES; ++dt)
+                *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * t) =
+                    make_float2(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse);
+        }
+    }
+}

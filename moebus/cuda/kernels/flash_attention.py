@@ -1,0 +1,214 @@
+"""Fused (flash) attention on tensor cores (flash_attention.cu): causal prefill over a bf16 KV cache
+(the chunk's own keys plus its earlier context, GQA, a sliding window) and bidirectional attention
+over each image's float32 patches (the vision towers). Scores and probabilities stay on the SM: no
+scratch, one launch per sequence (prefill) or per call (images).
+
+The kernel is CUDA C++ compiled by NVRTC at run time (cuda-bindings) for this GPU, one cubin per
+(head dim, key type), kept on disk beside numba's kernels (its name hashes the source, the options,
+the architecture and NVRTC's version), loaded and launched through cuda.core on the backend's
+stream, or into the GraphBuilder that captures it. If it cannot be built (no NVRTC), ``ready`` warns
+once and says no: prefill_attention.py keeps its materialised path. Why not a numba kernel calling a linked C++
+device function: numba cannot keep kernels with linked files in its disk cache, so every worker
+start would pay NVRTC again.
+
+Precision: split bf16 parts, fp32 sums (the .cu's header); flash_attention_ref.py is the same
+arithmetic in numpy. Shapes: T rows, H query heads, KVH kv heads, hd head dim, C cache positions."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.launch import ceil_div, require
+
+log = logging.getLogger("moebus.cuda")
+SOURCE = Path(__file__).with_suffix(".cu")
+ENTRY = "flash_attention"
+BLOCK_QUERIES, THREADS = 64, 128  # the .cu's BM and WARPS x 32
+MAX_HEAD_DIM = 128
+ENABLED = os.environ.get("MOEBUS_ATTENTION_FLASH", "1") != "0"
+
+
+def supported(head_dim: int) -> bool:
+    """Head dims the kernel is built for: multiples of 8 up to 128 (others keep the cuBLAS path)."""
+    return not SIMULATOR and ENABLED and head_dim % 8 == 0 and 8 <= head_dim <= MAX_HEAD_DIM
+
+
+# -- compiling ------------------------------------------------------------------------------------
+
+def compile_options(head_dim: int, f32_kv: bool, arch: str) -> list[bytes]:
+    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
+            f"-DHEAD_DIM={int(head_dim)}".encode(), f"-DF32_KV={int(bool(f32_kv))}".encode()]
+
+
+def nvrtc_compile(source: bytes, options: list[bytes], target: str = "cubin") -> tuple[bytes, str]:
+    """(the cubin or PTX of ``source``, NVRTC's log); RuntimeError with the log if it fails."""
+    from cuda.bindings import nvrtc
+
+    err, program = nvrtc.nvrtcCreateProgram(source, b"flash_attention.cu", 0, [], [])
+    _check(nvrtc, err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        log_text = _program_log(nvrtc, program)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC could not compile flash_attention.cu ({err}):\n{log_text}")
+        size_of, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if target == "cubin"
+                        else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        err, size = size_of(program)
+        _check(nvrtc, err, "size")
+        buffer = bytearray(size)  # never b" " * size: at size 1 that is CPython's shared b" ", overwritten
+        (err,) = get(program, buffer)
+        _check(nvrtc, err, "get")
+        return bytes(buffer), log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def _program_log(nvrtc, program) -> str:
+    err, size = nvrtc.nvrtcGetProgramLogSize(program)
+    buffer = bytearray(size)  # an empty log is 1 byte: b" " * 1 would be the interpreter's shared b" "
+    nvrtc.nvrtcGetProgramLog(program, buffer)
+    return bytes(buffer).rstrip(b"\0 ").decode(errors="replace")
+
+
+def _check(nvrtc, err, what: str) -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC {what}: {err}")
+
+
+def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None) -> bytes:
+    """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
+    before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
+    from cuda.bindings import nvrtc
+
+    options, source = compile_options(head_dim, f32_kv, arch), SOURCE.read_bytes()
+    path = None
+    if cache_dir:
+        digest = hashlib.sha256(source + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        path = Path(cache_dir) / "flash_attention" / f"{digest[:24]}.cubin"
+        if path.is_file():
+            return path.read_bytes()
+    code, _ = nvrtc_compile(source, options)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(code)
+        os.replace(partial, path)  # whole or absent: a reader never sees half a file
+    return code
+
+
+@functools.cache
+def _kernel(head_dim: int, f32_kv: bool):
+    """The compiled kernel for this GPU (cuda.core Kernel), through numba's kernel cache directory."""
+    from moebus.cuda.kernels.compat import _numba_config, cuda
+
+    gpu = cuda.get_current_device()
+    _core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
+    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR)
+    return _object_code().from_cubin(code, name=f"flash_attention_hd{head_dim}").get_kernel(ENTRY)
+
+
+def ready(head_dim: int, f32_kv: bool) -> bool:
+    """supported() and the kernel compiled (or loaded) for this GPU; if that fails (no NVRTC, say),
+    a warning once and False: the caller keeps the materialised path."""
+    return supported(head_dim) and _builds(head_dim, f32_kv)
+
+
+@functools.cache
+def _builds(head_dim: int, f32_kv: bool) -> bool:
+    try:
+        _kernel(head_dim, f32_kv)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the other path still works
+        log.warning("flash attention unavailable for head dim %d (%s): attention materialises its scores",
+                    head_dim, exc)
+        return False
+    return True
+
+
+def _core_device(index: int):
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import Device
+    return Device(index)
+
+
+def _object_code():
+    try:
+        from cuda.core import ObjectCode
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import ObjectCode
+    return ObjectCode
+
+
+def _core_launch(stream, grid: tuple, kernel, *args) -> None:
+    try:
+        from cuda.core import LaunchConfig, launch
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import LaunchConfig, launch
+    from moebus.cuda.backends.graphs import _core_stream
+
+    target = stream if hasattr(stream, "end_building") else _core_stream(stream)  # a GraphBuilder, or numba's
+    launch(target, LaunchConfig(grid=grid, block=THREADS), kernel, *args)
+
+
+def _pointer(array) -> np.intp:
+    return np.intp(array.device_ctypes_pointer.value or 0)
+
+
+# -- launching ------------------------------------------------------------------------------------
+
+def _launch(stream, q, k, v, out, grid: tuple, q_row0: int, rows_per_z: int, num_queries: int, group: int,
+            strides: tuple, num_keys: int, first_pos: int, window: int, causal: bool, scale: float) -> None:
+    _, heads, head_dim = q.shape
+    k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
+    kernel = _kernel(head_dim, k.dtype == np.float32)
+    _core_launch(stream, grid, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out), np.int32(q_row0),
+                 np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group), k_base, k_z_stride,
+                 k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
+                 np.int32(bool(causal)), np.float32(scale * np.log2(np.e)))
+
+
+def flash_prefill_cuda(q, k_cache, v_cache, segments, scale: float, window: int, out, stream):
+    """out (T, H, hd) = attention_ref(...) for the step's sequences ``segments``: host tuples (first
+    row, cache slot, start position, length), their keys already in the bf16 caches (S, KVH, C, hd)."""
+    require("q", q, np.float32, ndim=3)
+    require("out", out, np.float32, shape=tuple(q.shape))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        require(name, cache, np.uint16, ndim=4)
+    _, heads, head_dim = q.shape
+    slots, kv_heads, context, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"q {tuple(q.shape)} against caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    for row0, slot, start, length in segments:
+        if not (0 <= slot < slots and start >= 0 and start + length <= context and 0 <= row0 <= q.shape[0] - length):
+            raise ValueError(f"segment {(row0, slot, start, length)} outside q {tuple(q.shape)} or the cache")
+        if length:
+            strides = (slot * kv_heads * context * head_dim, 0, context * head_dim, head_dim)
+            _launch(stream, q, k_cache, v_cache, out, (ceil_div(length, BLOCK_QUERIES), heads, 1), row0, 0, length,
+                    heads // kv_heads, strides, start + length, start, window or 0, True, scale)
+    return out
+
+
+def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream):
+    """out = vision_attention_ref(q, k, v, num_images, scale): rows (N P, H, hd) float32, each image's
+    P rows attending to each other."""
+    require("q", q, np.float32, ndim=3)
+    for name, array in (("k", k), ("v", v), ("out", out)):
+        require(name, array, np.float32, shape=tuple(q.shape))
+    rows, heads, head_dim = q.shape
+    if num_images <= 0 or rows % num_images:
+        raise ValueError(f"{rows} rows do not split into {num_images} images")
+    positions = rows // num_images
+    if positions:
+        row_pitch = heads * head_dim
+        strides = (0, positions * row_pitch, head_dim, row_pitch)
+        _launch(stream, q, k, v, out, (ceil_div(positions, BLOCK_QUERIES), heads, num_images), 0, positions,
+                positions, 1, strides, positions, 0, 0, False, scale)
+    return out

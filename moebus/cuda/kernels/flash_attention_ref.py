@@ -1,0 +1,126 @@
+"""flash_attention.cu's arithmetic in numpy, tile by tile: the same query tiles (BLOCK_QUERIES) and key
+tiles (``tile_keys``), the same first and last key of a block (causal, sliding window), the online
+softmax in base 2 with the same guard for a row that has seen no key yet, and the products on split
+bf16 parts summed in fp32. It checks the kernel's index math on CPU (tests/cuda/test_flash_attention)
+against attention_ref / vision_attention_ref; on a GPU the kernel is compared with those too.
+(numpy sums the products in its own order, so kernel and reference agree to rounding, not bits.)"""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda.dtypes import bf16_to_f32
+from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES
+from moebus.cuda.kernels.gemm import split_bf16_ref
+
+
+def tile_keys(head_dim: int, f32_kv: bool) -> int:
+    """BN of the .cu: 32 when float32 keys of more than 80 (padded) dims would pass 48 KiB of shared memory."""
+    padded = -(-head_dim // 16) * 16
+    return 32 if f32_kv and padded > 80 else 64
+
+
+def key_range(first_query: int, last_query: int, num_keys: int, first_pos: int, window: int, causal: bool,
+              keys_per_tile: int) -> tuple[int, int]:
+    """[begin, end) of the keys a block of queries [first_query, last_query] reads: begin on a tile's
+    start, end the last key any of its queries sees, plus one."""
+    end = min(num_keys, first_pos + last_query + 1) if causal else num_keys
+    begin = max(0, first_pos + first_query - window + 1) if causal and window > 0 else 0
+    return begin - begin % keys_per_tile, end
+
+
+def _parts(x: np.ndarray, exact: bool) -> list[np.ndarray]:
+    """[hi, lo] as float32 values (exact bf16 input: [x])."""
+    return [x] if exact else [bf16_to_f32(p) for p in split_bf16_ref(x)]
+
+
+def _product(a: np.ndarray, b: np.ndarray, b_exact: bool) -> np.ndarray:
+    """a @ b as the kernel's mma's: a split in two parts, b split unless exact; lo.lo dropped."""
+    a_hi, a_lo = _parts(a, False)
+    if b_exact:
+        return a_lo @ b + a_hi @ b
+    b_hi, b_lo = _parts(b, False)
+    return a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi
+
+
+def _tile_of(rows: np.ndarray, key_ids: np.ndarray, end: int) -> np.ndarray:
+    """Rows key_ids of ``rows``, zeros at or past ``end`` (the kernel never reads them)."""
+    real = key_ids < end
+    return np.where(real[:, None], rows[np.minimum(key_ids, rows.shape[0] - 1)], 0).astype(np.float32)
+
+
+def _seen(key_ids: np.ndarray, positions: np.ndarray, num_keys: int, window: int, causal: bool) -> np.ndarray:
+    """(queries, keys) mask: causal with an optional sliding window, or every real key."""
+    keys, pos = key_ids[None, :], positions[:, None]
+    if not causal:
+        return np.broadcast_to(keys < num_keys, (len(positions), len(key_ids)))
+    return (keys <= pos) & ((keys > pos - window) if window > 0 else True)
+
+
+def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: bool, scale_log2, kv_exact: bool):
+    """One block: BLOCK_QUERIES rows from q0 (rows past the end computed as zeros, not stored)."""
+    num_queries, head_dim = q.shape
+    per_tile = tile_keys(head_dim, not kv_exact)
+    q_tile = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
+    q_tile[: min(BLOCK_QUERIES, num_queries - q0)] = q[q0:q0 + BLOCK_QUERIES]
+    positions = first_pos + np.arange(q0, q0 + BLOCK_QUERIES)
+    begin, end = key_range(q0, min(q0 + BLOCK_QUERIES, num_queries) - 1, keys.shape[0], first_pos, window, causal,
+                           per_tile)
+    row_max = np.full(BLOCK_QUERIES, -np.inf, np.float32)
+    row_sum = np.zeros(BLOCK_QUERIES, np.float32)
+    acc = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
+    for key0 in range(begin, end, per_tile):
+        key_ids = np.arange(key0, key0 + per_tile)
+        k_tile, v_tile = _tile_of(keys, key_ids, end), _tile_of(values, key_ids, end)
+        s = _product(q_tile, k_tile.T, kv_exact).astype(np.float32)
+        s = np.where(_seen(key_ids, positions, keys.shape[0], window, causal), s * scale_log2, -np.inf)
+        new_max = np.maximum(row_max, s.max(axis=1)).astype(np.float32)
+        base = np.where(new_max == -np.inf, np.float32(0), new_max)  # a row that has seen nothing stays at 0
+        shrink = np.exp2(row_max - base)
+        row_max = new_max
+        p = np.exp2(s - base[:, None]).astype(np.float32)
+        row_sum = row_sum * shrink + p.sum(axis=1)
+        acc = acc * shrink[:, None] + _product(p, v_tile, kv_exact).astype(np.float32)
+    inverse = np.where(row_sum > 0, 1 / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
+    return acc * inverse[:, None]
+
+
+def flash_block_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int, window: int, causal: bool,
+                    scale: float, kv_exact: bool) -> np.ndarray:
+    """One (sequence or image, head): q (n, hd) float32, keys and values (L, hd) float32 (bf16 values
+    when kv_exact) -> (n, hd) float32, tiled as the kernel tiles it."""
+    scale_log2 = np.float32(scale * np.log2(np.e))
+    out = np.zeros_like(q, dtype=np.float32)
+    for q0 in range(0, q.shape[0], BLOCK_QUERIES):
+        stored = min(BLOCK_QUERIES, q.shape[0] - q0)
+        out[q0:q0 + stored] = _query_tile(q, keys, values, q0, first_pos, window, causal, scale_log2, kv_exact)[:stored]
+    return out
+
+
+def flash_prefill_ref(q, k_cache, v_cache, segments, scale: float, window: int) -> np.ndarray:
+    """flash_prefill_cuda in numpy: q (T, H, hd) float32, caches (S, KVH, C, hd) of bf16 bits (uint16)
+    or float32, segments (first row, slot, start, length)."""
+    q = np.asarray(q, np.float32)
+    exact = np.dtype(k_cache.dtype) == np.uint16
+    k_cache, v_cache = ((bf16_to_f32(c) if exact else np.asarray(c, np.float32)) for c in (k_cache, v_cache))
+    _, heads, _ = q.shape
+    group = heads // k_cache.shape[1]
+    out = np.zeros_like(q)
+    for row0, slot, start, length in segments:
+        for h in range(heads):
+            keys, values = (c[slot, h // group, : start + length] for c in (k_cache, v_cache))
+            out[row0:row0 + length, h] = flash_block_ref(q[row0:row0 + length, h], keys, values, start, window or 0,
+                                                         True, scale, exact)
+    return out
+
+
+def flash_images_ref(q, k, v, num_images: int, scale: float) -> np.ndarray:
+    """flash_images_cuda in numpy: rows (N P, H, hd) float32, per image, bidirectional."""
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    rows, heads, _ = q.shape
+    positions = rows // num_images
+    out = np.zeros_like(q)
+    for image in range(num_images):
+        at = slice(image * positions, (image + 1) * positions)
+        for h in range(heads):
+            out[at, h] = flash_block_ref(q[at, h], k[at, h], v[at, h], 0, 0, False, scale, False)
+    return out

@@ -1,0 +1,163 @@
+"""The fused (flash) attention: its tiled numpy reference (the kernel's index math: query and key
+tiles, causal and sliding-window key ranges, GQA, segments, images) against attention_ref and
+vision_attention_ref on CPU; the .cu compiled by NVRTC to a cubin without spills (when the NVRTC
+wheel is installed); and on a GPU (MOEBUS_TEST_GPU=1) the kernel itself against both references."""
+import numpy as np
+import pytest
+
+from moebus.cuda.dtypes import f32_to_bf16
+from moebus.cuda.kernels.attention import attention_ref
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.flash_attention_ref import flash_images_ref, flash_prefill_ref, key_range, tile_keys
+from moebus.cuda.kernels.vision_attention import vision_attention_ref
+
+# (first row, slot, start, length): a chunk after 50 positions of context that crosses a query tile,
+# a fresh prompt of a few tokens, a chunk of one tile exactly
+SEGMENTS = [(0, 1, 50, 70), (70, 0, 0, 5), (75, 2, 3, 64)]
+TOKENS, SLOTS, CONTEXT = 139, 3, 128
+
+
+def _prefill_inputs(rng, heads: int, kv_heads: int, head_dim: int, bf16: bool):
+    q = rng.standard_normal((TOKENS, heads, head_dim), dtype=np.float32)
+    caches = []
+    for _ in range(2):
+        cache = np.full((SLOTS, kv_heads, CONTEXT, head_dim), np.nan, np.float32)  # unwritten rows: NaN
+        for _, slot, start, length in SEGMENTS:
+            cache[slot, :, :start + length] = rng.standard_normal((kv_heads, start + length, head_dim))
+        caches.append(f32_to_bf16(cache) if bf16 else cache)
+    slot_of, pos_of = np.zeros(TOKENS, np.int32), np.zeros(TOKENS, np.int32)
+    for row0, slot, start, length in SEGMENTS:
+        slot_of[row0:row0 + length], pos_of[row0:row0 + length] = slot, start + np.arange(length)
+    return q, caches[0], caches[1], slot_of, pos_of
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_prefill_ref_matches_attention_ref(rng, window, bf16):
+    q, k, v, slot_of, pos_of = _prefill_inputs(rng, 4, 2, 16, bf16)
+    want = attention_ref(q, k, v, slot_of, pos_of, 0.25, window)
+    got = flash_prefill_ref(q, k, v, SEGMENTS, 0.25, window)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=3e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 88])  # 88: float32 keys of 96 padded dims, tiles of 32 keys
+def test_images_ref_matches_vision_attention_ref(rng, head_dim):
+    images, positions, heads = 2, 70, 2
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    scale = head_dim ** -0.5
+    np.testing.assert_allclose(flash_images_ref(q, k, v, images, scale), vision_attention_ref(q, k, v, images, scale),
+                               rtol=1e-4, atol=3e-5)
+
+
+def test_key_ranges():
+    assert tile_keys(128, False) == 64 and tile_keys(72, True) == 64 and tile_keys(88, True) == 32
+    assert key_range(0, 63, 500, 300, 0, True, 64) == (0, 364)  # causal: context then the tile's own keys
+    assert key_range(64, 69, 370, 300, 0, True, 64) == (0, 370)
+    assert key_range(64, 127, 500, 300, 100, True, 64) == (256, 428)  # window: first seen key 265
+    assert key_range(0, 63, 70, 0, 0, False, 64) == (0, 70)  # an image: every key
+
+
+def _nvrtc():
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # the library itself is missing (no nvidia-cuda-nvrtc wheel, no toolkit)
+        pytest.skip(f"NVRTC not installed: {exc}")
+
+
+@pytest.mark.parametrize("head_dim,f32_kv", [(128, False), (72, True), (8, True), (128, True), (40, False)])
+def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+
+    options = compile_options(head_dim, f32_kv, "compute_90")
+    ptx, _ = nvrtc_compile(SOURCE.read_bytes(), options, target="ptx")
+    assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and b".entry flash_attention" in ptx
+    options = compile_options(head_dim, f32_kv, "sm_90") + [b"--ptxas-options=-v"]
+    cubin, log = nvrtc_compile(SOURCE.read_bytes(), options)
+    assert cubin and "0 bytes spill stores" in log, log
+
+
+def test_compiling_leaves_the_interpreters_shared_bytes_alone():
+    """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
+    shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+
+    _, log = nvrtc_compile(SOURCE.read_bytes(), compile_options(16, False, "sm_90"))
+    assert log == "" and b" " * 1 == bytes([32]) and b" ".join([b"a", b"b"]) == b"a b"
+
+
+def test_bad_head_dim_is_refused_at_compile_time():
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import SOURCE, nvrtc_compile
+
+    with pytest.raises(RuntimeError, match="HEAD_DIM"):
+        nvrtc_compile(SOURCE.read_bytes(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
+
+
+def test_cubin_is_compiled_once_then_read_from_the_cache_dir(tmp_path, monkeypatch):
+    _nvrtc()
+    from moebus.cuda.kernels import flash_attention
+
+    first = flash_attention.cubin(32, False, "sm_90", str(tmp_path))
+    assert [p.suffix for p in (tmp_path / "flash_attention").iterdir()] == [".cubin"]
+    monkeypatch.setattr(flash_attention, "nvrtc_compile", lambda *a, **k: pytest.fail("compiled again"))
+    assert flash_attention.cubin(32, False, "sm_90", str(tmp_path)) == first
+    with pytest.raises(pytest.fail.Exception):  # another head dim is another file
+        flash_attention.cubin(40, False, "sm_90", str(tmp_path))
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_materialised_path(monkeypatch, caplog):
+    from moebus.cuda.kernels import flash_attention
+
+    def no_nvrtc(*_):
+        raise RuntimeError("libnvrtc not found")
+
+    monkeypatch.setattr(flash_attention, "supported", lambda head_dim: True)
+    monkeypatch.setattr(flash_attention, "_kernel", no_nvrtc)
+    flash_attention._builds.cache_clear()
+    try:
+        assert not flash_attention.ready(64, False)
+        assert "flash attention unavailable" in caplog.text and "libnvrtc not found" in caplog.text
+    finally:
+        flash_attention._builds.cache_clear()
+
+
+# -- the kernel on a GPU ----------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(SIMULATOR, reason="the flash kernel is CUDA C++: MOEBUS_TEST_GPU=1")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim,window", [(128, 0), (64, 40), (72, 0)])
+def test_prefill_kernel_matches_refs(rng, head_dim, window):
+    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.flash_attention import flash_prefill_cuda
+    from tests.cuda.conftest import device, poisoned
+
+    q, k, v, slot_of, pos_of = _prefill_inputs(rng, 4, 2, head_dim, True)
+    out, stream = poisoned(q.shape), cuda.stream()
+    flash_prefill_cuda(device(q), device(k), device(v), SEGMENTS, head_dim ** -0.5, window, out, stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(got, attention_ref(q, k, v, slot_of, pos_of, head_dim ** -0.5, window), rtol=1e-4,
+                               atol=3e-5)
+    np.testing.assert_allclose(got, flash_prefill_ref(q, k, v, SEGMENTS, head_dim ** -0.5, window), rtol=1e-4,
+                               atol=1e-5)  # the same splits: closer than to the fp32 reference
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [72, 128, 16])
+def test_image_kernel_matches_refs(rng, head_dim):
+    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.flash_attention import flash_images_cuda
+    from tests.cuda.conftest import device, poisoned
+
+    images, positions, heads = 3, 100, 2
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    out, stream = poisoned(q.shape), cuda.stream()
+    flash_images_cuda(device(q), device(k), device(v), images, head_dim ** -0.5, out, stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(got, vision_attention_ref(q, k, v, images, head_dim ** -0.5), rtol=1e-4, atol=3e-5)
