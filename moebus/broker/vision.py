@@ -25,6 +25,7 @@ from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_encodes import READY, STARTING, EncodeMixin
 from moebus.broker.vision_groups import ImageGroups
 from moebus.broker.vision_handback import Handback
+from moebus.broker.vision_phases import PhaseSteps
 from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
@@ -75,6 +76,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.since_s = self.last_seen_s = self.next_beat_s = self.last_image_s = 0.0
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
+        self.phase_steps = PhaseSteps(stats)  # the last cold start's decode steps by phase (vision_phases.py)
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
         self.groups = ImageGroups()  # the choices of one request, which share one encode
         # Qwen3-VL: image token counts come from each image's size, through its processor's settings
@@ -176,6 +178,9 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
 
     def tick(self, now: float) -> None:
         self._supervise_zygote()
+        seq = self.last_cycle.get("seq")
+        if seq is not None and seq.first_token_s is not None:
+            self.phase_steps.mark("first_token")
         self.groups.expire(now)
         for event in self.control.poll():
             self.on_event(event, now)
@@ -240,8 +245,11 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
+        self.phase_steps = PhaseSteps(self.stats)
+        self.phase_steps.mark("began")
         self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
                                  lambda: self.stats.counters["steps_total"], self.hooks.decoding, self._handed_back)
+        self.last_cycle["handback_requests"] = len(self.handback.plan)
         self.handback.start()
 
     def _handed_back(self, reply) -> None:
@@ -252,6 +260,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         free = reply.free_mib if isinstance(reply.free_mib, list) else [reply.free_mib]
         self.handback_free_mib = free[self.gpu] if self.gpu < len(free) and not reply.error else None
         self.last_cycle["handback_s"] = now - self.last_cycle["began_s"]
+        self.phase_steps.mark("handed_back")
         self.last_cycle["handed_back_s"] = now
         if not self.control.send("start", gpu=self.gpu):
             self._start_failed("the vision zygote is not connected", now)
@@ -323,6 +332,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
     def _last_cycle(self) -> dict:
         """The last cold start's time split: hand-back, start, the first encode, its prefill."""
         cycle = {k: v for k, v in self.last_cycle.items() if k in COLD_START_PHASES}
+        cycle.update(handback_requests=self.last_cycle.get("handback_requests"), steps=self.phase_steps.by_phase())
         seq = self.last_cycle.get("seq")
         if seq is not None and seq.first_token_s is not None:
             cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]
