@@ -25,7 +25,7 @@ from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_encodes import READY, STARTING, EncodeMixin
 from moebus.broker.vision_groups import ImageGroups
 from moebus.broker.vision_handback import Handback
-from moebus.broker.vision_phases import PhaseSteps
+from moebus.broker.vision_phases import PhaseSteps, cold_start_split
 from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
@@ -35,7 +35,6 @@ from moebus.common.protocol import Final, Heartbeat, Shutdown
 
 log = logging.getLogger("moebus.broker")
 COLD, HANDING_BACK, STOPPING, REGROWING = "cold", "handing_back", "stopping", "regrowing"  # STARTING, READY: vision_encodes
-COLD_START_PHASES = ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")
 STOP_GRACE_S = 10.0  # a worker told to stop that has not exited by then is killed
 MAX_BACKOFF_S = 30.0
 MIB = 1 << 20
@@ -172,7 +171,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
                            "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
-                           "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
+                           "zygote_ready": self.zygote_info is not None, "last_cold_start": cold_start_split(self.last_cycle, self.phase_steps)}}
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -328,12 +327,3 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         else:
             log.error("vision worker exited (%s)", reason)
             self._regrow()
-
-    def _last_cycle(self) -> dict:
-        """The last cold start's time split: hand-back, start, the first encode, its prefill."""
-        cycle = {k: v for k, v in self.last_cycle.items() if k in COLD_START_PHASES}
-        cycle.update(handback_requests=self.last_cycle.get("handback_requests"), steps=self.phase_steps.by_phase())
-        seq = self.last_cycle.get("seq")
-        if seq is not None and seq.first_token_s is not None:
-            cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]
-        return cycle

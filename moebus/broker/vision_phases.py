@@ -7,6 +7,7 @@ The marks are taken from the broker's step counters (broker/stats.py) as the lif
 the first token's is taken on the loop turn after it was streamed, so it may count one step more."""
 from __future__ import annotations
 
+DURATIONS = ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")
 MARKS = ("began", "handed_back", "ready", "encode_sent", "submitted", "first_token")
 PHASES = {"handback": ("began", "handed_back"), "start": ("handed_back", "ready"),
           "ready_to_encode": ("ready", "encode_sent"), "encode": ("encode_sent", "submitted"),
@@ -36,3 +37,14 @@ class PhaseSteps:
                 out[phase] = {"steps": steps, "step_ms": 1e3 * (step1 - step0) / steps if steps else None,
                               "compute_ms": 1e3 * (compute1 - compute0) / steps if steps else None}
         return out
+
+
+def cold_start_split(cycle: dict, steps: PhaseSteps) -> dict:
+    """INFO's ``vision.last_cold_start`` from the lifecycle's record of it (``last_cycle``): the
+    phases' lengths, the prefill's once its first token came, the hand-back's request count and the
+    steps by phase."""
+    split = {k: v for k, v in cycle.items() if k in DURATIONS}
+    seq = cycle.get("seq")
+    if seq is not None and seq.first_token_s is not None:
+        split["prefill_s"] = seq.first_token_s - cycle["submitted_s"]
+    return {**split, "handback_requests": cycle.get("handback_requests"), "steps": steps.by_phase()}

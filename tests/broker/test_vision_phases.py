@@ -31,3 +31,18 @@ def test_each_phase_counts_the_steps_between_its_marks():
     assert got["handback"] == pytest.approx({"steps": 4, "step_ms": 4.0, "compute_ms": 3.0})
     assert got["start"] == pytest.approx({"steps": 2, "step_ms": 20.0, "compute_ms": 18.0})
     assert got["ready_to_encode"] == {"steps": 0, "step_ms": None, "compute_ms": None}
+
+
+def test_the_split_gives_the_prefill_once_the_first_token_came():
+    from types import SimpleNamespace
+
+    from moebus.broker.vision_phases import cold_start_split
+
+    phases = PhaseSteps(Stats())
+    seq = SimpleNamespace(first_token_s=None)
+    cycle = {"began_s": 10.0, "queued_s": 0.001, "handback_s": 0.2, "handed_back_s": 10.2, "start_s": 0.8,
+             "submitted_s": 11.1, "seq": seq, "handback_requests": 29}
+    split = cold_start_split(cycle, phases)
+    assert split == {"queued_s": 0.001, "handback_s": 0.2, "start_s": 0.8, "handback_requests": 29, "steps": {}}
+    seq.first_token_s = 11.6
+    assert cold_start_split(cycle, phases)["prefill_s"] == pytest.approx(0.5)
