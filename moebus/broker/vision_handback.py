@@ -6,7 +6,13 @@ decode step between two of them whenever sequences are running (or ``MAX_PAUSE_S
 stall does not hold the start); the last asks the full reserves. Each goes to the workers at once,
 which apply it between two of their own steps (``between_steps``, broker/vram_control.py): the
 steps in flight are not drained first. Only after the last does the broker ask every worker for
-INFO (an INFO sits ahead of the next step). On the cpu device's small figures it is one request."""
+INFO (an INFO sits ahead of the next step). On the cpu device's small figures, or when no sequence
+is decoding as it begins, it is one request.
+
+A text stream's gap over one step of the hand-back is a decode step plus the worker's resize, which
+costs ~40 us per 2 MiB segment unmapped on the H200 (docs/performance.md): 256 MiB steps made it
+~5 ms against a ~2 ms decode step, so the default step is 64 MiB (~1.3 ms), at the price of more
+requests (each waits for a decode step to pass)."""
 from __future__ import annotations
 
 import math
@@ -30,7 +36,8 @@ class Handback:
         """``queue_vram(reserves, on_reply)``: the broker's own VRAM fan-out; ``steps_done()``: steps
         completed so far; ``decoding()``: are sequences running; ``on_done(reply)``: the last reply
         (or the first one with an error)."""
-        self.plan = handback_plan(reserves, step_mib)
+        # with nothing decoding no stream waits on the resize: one request, the image's start sooner
+        self.plan = handback_plan(reserves, step_mib) if decoding() else [list(reserves)]
         self.queue_vram, self.steps_done, self.decoding, self.on_done = queue_vram, steps_done, decoding, on_done
         self.sent = 0
         self.waiting_since: tuple[int, float] | None = None  # (steps done, time) when the last reply came
