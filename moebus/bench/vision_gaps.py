@@ -5,7 +5,8 @@ cold start (queued, hand-back, vision worker start, encode, the image prompt's p
 Each stream's gaps are its own (two streams in one batch get their tokens from the same step, so a
 merged timeline would hold a ~0 gap per step). The streams run until the image request has
 answered its last token, so every phase of the cold start has text steps beside it; a gap belongs
-to the phase it ended in, so a gap above the target names its cause."""
+to the phase that holds its middle (most of it: a text token of the step that made the image's
+first token reaches the client just after that one), so a gap above the target names its cause."""
 from __future__ import annotations
 
 import statistics
@@ -62,9 +63,9 @@ class TextStreams:
         return min((ts[-1] for ts in self.times if ts), default=0.0)
 
 
-def gaps_ending_in(times: list[list[float]], start: float, end: float) -> list[list[float]]:
-    """Each stream's own gaps that ended in [start, end)."""
-    return [[b - a for a, b in zip(ts, ts[1:]) if start <= b < end] for ts in times]
+def gaps_within(times: list[list[float]], start: float, end: float) -> list[list[float]]:
+    """Each stream's own gaps whose middle lies in [start, end)."""
+    return [[b - a for a, b in zip(ts, ts[1:]) if start <= (a + b) / 2 < end] for ts in times]
 
 
 def summary_ms(gaps: list[float]) -> dict:
@@ -91,7 +92,7 @@ def phase_bounds(sent: float, split: dict, ended: float) -> list[tuple[str, floa
 def gaps_by_phase(times: list[list[float]], sent: float, split: dict, ended: float) -> dict:
     """Per phase of the cold start: its length and its gaps (pooled over the streams, each gap a
     stream's own): count, median, largest."""
-    return {phase: {"length_ms": 1e3 * (end - start), **summary_ms(sum(gaps_ending_in(times, start, end), []))}
+    return {phase: {"length_ms": 1e3 * (end - start), **summary_ms(sum(gaps_within(times, start, end), []))}
             for phase, start, end in phase_bounds(sent, split, ended)}
 
 
@@ -111,10 +112,10 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
                steps: dict) -> dict:
     """Everything the bench prints about the text streams (plain data, for its JSON line too)."""
     start, end = steady
-    before = gaps_ending_in(streams.times, start, end)
-    cold = gaps_ending_in(streams.times, sent, ended)
+    before = gaps_within(streams.times, start, end)
+    cold = gaps_within(streams.times, sent, ended)
     encoded = sent + sum(split.get(f"{p}_s", 0.0) for p in PHASES[:5])
-    until_encoded = gaps_ending_in(streams.times, sent, encoded)
+    until_encoded = gaps_within(streams.times, sent, encoded)
     per_stream = []
     for mine, through, upto in zip(before, cold, until_encoded):
         median = statistics.median(mine) if mine else None
@@ -131,8 +132,8 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
 
 
 def largest_ms(times: list[list[float]], origin: float, count: int) -> list[tuple[float, float]]:
-    """The ``count`` largest gaps (any stream) that ended after ``origin``: (gap ms, ended ms after origin)."""
-    gaps = [(1e3 * (b - a), 1e3 * (b - origin)) for ts in times for a, b in zip(ts, ts[1:]) if b >= origin]
+    """The ``count`` largest gaps (any stream) whose middle is after ``origin``: (gap ms, ended ms after origin)."""
+    gaps = [(1e3 * (b - a), 1e3 * (b - origin)) for ts in times for a, b in zip(ts, ts[1:]) if a + b >= 2 * origin]
     return sorted(gaps, reverse=True)[:count]
 
 
