@@ -6,6 +6,10 @@ client; then the warm encode. Each row also gives the caches' MiB (from the work
 the driver's free VRAM per GPU. ``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings
 ``gpu_memory_mib``), so a large GPU shows the situation where not every expert fits.
 
+Text streams decode from before the image until it has answered (bench/vision_gaps.py: each
+stream's own gaps, by phase of the cold start, beside the broker's steps). ``--cold-starts 2``
+measures a cold start as it recurs after ``idle_s`` (the first pays the processes' first-use costs).
+
 Expected: (b) == (d) > (a) ≈ (c); and the text streams' largest inter-token gap through the cold
 start at most twice their median. ≈ allows, per GPU, one segment's slots either way (the hand-back
 releases whole segments) and, below (a), the slots of the MiB that the GPU worker took beside its
