@@ -149,12 +149,13 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
           f"{ms(steady['median_ms'])} ms (n {steady['n']}, max {ms(steady['max_ms'])}); broker: {steps['steps']} steps, "
           f"one every {ms(steps['interval_ms'])} ms, {ms(steps['step_ms'])} ms plan to tokens, "
           f"{ms(steps['compute_ms'])} ms in the worker")
-    print(f"  {'phase':<16} {'length ms':>10} {'gaps':>5} {'median ms':>10} {'max ms':>8}   broker: {'steps':>5} "
-          f"{'step ms':>8} {'worker ms':>9}")
+    print(f"  {'phase':<16} {'length ms':>10} {'gaps':>5} {'median ms':>10} {'max ms':>8} {'max/median':>10}   "
+          f"broker: {'steps':>5} {'step ms':>8} {'worker ms':>9}")
     for phase, row in report["by_phase"].items():
         b = broker_steps.get(phase) or {}
+        own = f"{row['max_ms'] / row['median_ms']:.2f}" if row["median_ms"] else "-"  # against the phase's own pace
         print(f"  {phase:<16} {row['length_ms']:>10.1f} {row['n']:>5} {ms(row['median_ms']):>10} {ms(row['max_ms']):>8}"
-              f"           {b.get('steps', '-'):>5} {ms(b.get('step_ms')):>8} {ms(b.get('compute_ms')):>9}")
+              f" {own:>10}           {b.get('steps', '-'):>5} {ms(b.get('step_ms')):>8} {ms(b.get('compute_ms')):>9}")
     for i, s in enumerate(report["per_stream"]):
         print(f"  stream {i}: median before {ms(s['median_before_ms'])} ms; largest through hand-back, start and encode "
               f"{ms(s['max_until_encoded_ms'])} ms ({ms(s['ratio_until_encoded'])}x), through the whole cold start "
