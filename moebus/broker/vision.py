@@ -25,6 +25,7 @@ from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_encodes import READY, STARTING, EncodeMixin
 from moebus.broker.vision_groups import ImageGroups
 from moebus.broker.vision_handback import Handback
+from moebus.broker.vision_phases import PhaseSteps, cold_start_split
 from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
@@ -34,7 +35,6 @@ from moebus.common.protocol import Final, Heartbeat, Shutdown
 
 log = logging.getLogger("moebus.broker")
 COLD, HANDING_BACK, STOPPING, REGROWING = "cold", "handing_back", "stopping", "regrowing"  # STARTING, READY: vision_encodes
-COLD_START_PHASES = ("queued_s", "handback_s", "start_s", "worker_start_s", "ready_to_encode_s", "encode_s")
 STOP_GRACE_S = 10.0  # a worker told to stop that has not exited by then is killed
 MAX_BACKOFF_S = 30.0
 MIB = 1 << 20
@@ -75,6 +75,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.since_s = self.last_seen_s = self.next_beat_s = self.last_image_s = 0.0
         self.backoff_s, self.next_start_s = 0.5, 0.0
         self.last_cycle: dict = {}
+        self.phase_steps = PhaseSteps(stats)  # the last cold start's decode steps by phase (vision_phases.py)
         self.kill_reason: str | None = None  # why the broker had the worker killed, for the error it causes
         self.groups = ImageGroups()  # the choices of one request, which share one encode
         # Qwen3-VL: image token counts come from each image's size, through its processor's settings
@@ -170,12 +171,15 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
                            "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
-                           "zygote_ready": self.zygote_info is not None, "last_cold_start": self._last_cycle()}}
+                           "zygote_ready": self.zygote_info is not None, "last_cold_start": cold_start_split(self.last_cycle, self.phase_steps)}}
 
     # -- the loop -----------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         self._supervise_zygote()
+        seq = self.last_cycle.get("seq")
+        if seq is not None and seq.first_token_s is not None:
+            self.phase_steps.mark("first_token")
         self.groups.expire(now)
         for event in self.control.poll():
             self.on_event(event, now)
@@ -240,8 +244,11 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
+        self.phase_steps = PhaseSteps(self.stats)
+        self.phase_steps.mark("began")
         self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
                                  lambda: self.stats.counters["steps_total"], self.hooks.decoding, self._handed_back)
+        self.last_cycle["handback_requests"] = len(self.handback.plan)
         self.handback.start()
 
     def _handed_back(self, reply) -> None:
@@ -252,6 +259,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         free = reply.free_mib if isinstance(reply.free_mib, list) else [reply.free_mib]
         self.handback_free_mib = free[self.gpu] if self.gpu < len(free) and not reply.error else None
         self.last_cycle["handback_s"] = now - self.last_cycle["began_s"]
+        self.phase_steps.mark("handed_back")
         self.last_cycle["handed_back_s"] = now
         if not self.control.send("start", gpu=self.gpu):
             self._start_failed("the vision zygote is not connected", now)
@@ -319,11 +327,3 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         else:
             log.error("vision worker exited (%s)", reason)
             self._regrow()
-
-    def _last_cycle(self) -> dict:
-        """The last cold start's time split: hand-back, start, the first encode, its prefill."""
-        cycle = {k: v for k, v in self.last_cycle.items() if k in COLD_START_PHASES}
-        seq = self.last_cycle.get("seq")
-        if seq is not None and seq.first_token_s is not None:
-            cycle["prefill_s"] = seq.first_token_s - self.last_cycle["submitted_s"]
-        return cycle

@@ -45,6 +45,7 @@ class EncodeMixin:
         self.backoff_s = 0.5
         began = self.last_cycle.get("handed_back_s", now)
         self.last_cycle.update(start_s=now - began, worker_start_s=msg.start_s, ready_s=now)
+        self.phase_steps.mark("ready")
         self.stats.count("vision_starts_total")
         self.stats.observe("vision_start_seconds", now - self.last_cycle.get("began_s", now))
         log.info("vision worker ready on gpu%d (pid %d, %.1f MiB on the device, start %.2f s)", msg.gpu, msg.pid,
@@ -54,6 +55,8 @@ class EncodeMixin:
         self.encode_id = next(self.encode_ids)
         req.encode_sent_s = now
         self.encoding = req
+        if "ready_s" in self.last_cycle:  # the cold start's first encode (the mark is kept once)
+            self.phase_steps.mark("encode_sent")
         self.hooks.send(Encode(encode_id=self.encode_id, request_id=req.seq.id, images=req.images))
 
     def _on_encoded(self, msg: EncodeReply, now: float) -> None:
@@ -77,6 +80,7 @@ class EncodeMixin:
         if "encode_s" not in self.last_cycle and "start_s" in self.last_cycle:
             self.last_cycle.update(encode_s=now - req.encode_sent_s, submitted_s=now, seq=seq,
                                    ready_to_encode_s=req.encode_sent_s - self.last_cycle["ready_s"])
+            self.phase_steps.mark("submitted")
         self._submit(req)
         for follower in followers:
             self._reuse(follower, embeds)

@@ -83,8 +83,13 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
     backend = make_backend(device)
+    built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend)
+    uploaded = time.perf_counter()
     warm_up(model, processor, cfg)
+    # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
+    log.info("vision worker start on gpu%d: device backend (context) %.3f s, weights %.3f s, warm-up %.3f s", gpu,
+             built - started, uploaded - built, time.perf_counter() - uploaded)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),

@@ -58,10 +58,19 @@ def test_a_step_passes_between_two_requests():
     assert broker.interim == [True, True, True, False]  # only after the last does the broker ask INFO
 
 
-def test_without_decoding_or_after_the_pause_it_goes_on():
+def test_with_nothing_decoding_as_it_begins_it_is_one_request():
     broker = Broker()
     broker.running = False
     h = handback(broker)
+    assert h.plan == [[1024.0, 512.0]] and broker.interim == [False]
+    broker.answer()
+    assert [reply.reserve_mib for reply in broker.done] == [[1024.0, 512.0]]
+
+
+def test_when_decoding_stops_or_after_the_pause_it_goes_on():
+    broker = Broker()
+    h = handback(broker)
+    broker.running = False  # the text streams ended meanwhile: no step will pass
     broker.answer()
     h.tick(0.0)
     assert len(broker.queued) == 2

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from moebus.bench.vision_cycle import cycle_ok, grown_slots, slots_per_segment
 from tests.e2e.vision_helpers import VISION_SERVE
 
@@ -43,7 +45,7 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     vram = [str(v) for v in VISION_SERVE["emulated_vram_mib"]]
     done = subprocess.run([sys.executable, "-m", "moebus.cli", "bench", "vision-cycle", "--model", str(tiny_llava),
                            "--device", "cpu", "--idle-s", "1", "--repeats", "1", "--text-streams", "2",
-                           "--text-tokens", "16", "--max-context", "256", "--segment-mib",
+                           "--cold-starts", "2", "--max-context", "256", "--segment-mib",
                            str(VISION_SERVE["segment_mib"]), "--emulated-vram-mib", *vram, "--timeout-s", "120"],
                           capture_output=True, text=True, env=env, timeout=600)
     out = done.stdout
@@ -55,19 +57,60 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     assert result["idle"]["device_free_mib"] == [None, None]  # the driver's figure is cuda's only
     check = next(line for line in out.splitlines() if line.startswith("(b) == (d) > (a) ≈ (c)"))
     assert check.endswith("True") and done.returncode == 0, out + done.stderr[-3000:]
+    gaps = result["text_gaps"]  # the text streams through the cold start, each stream's own gaps, by phase
+    assert len(gaps["per_stream"]) == 2 and gaps["steady"]["n"] > 0 and gaps["steady"]["broker_steps"]["steps"] > 0
+    assert gaps["by_phase"]["handback"]["length_ms"] > 0 and "phase" in out and "stream 1: median before" in out
+    assert set(result["split"]["steps"]) >= {"handback", "start", "encode", "prefill"}
+    assert len(result["earlier_splits"]) == 1 and "cold image request 1 of 2:" in out  # measured: the second
 
 
-def test_each_gap_is_charged_to_the_phase_it_ended_in():
-    from moebus.bench.vision_cycle import _TextStreams, phase_max_gaps_s
+def test_each_gap_is_charged_to_the_phase_that_holds_its_middle():
+    from moebus.bench.vision_gaps import gaps_by_phase, largest_ms
 
-    streams = object.__new__(_TextStreams)  # its timestamps only, no client
-    streams.times = [[0.0, 0.01, 0.02, 0.15, 0.16, 0.50, 0.51], [0.005, 0.015, 0.30, 0.31]]
+    times = [[0.0, 0.01, 0.02, 0.15, 0.16, 0.50, 0.51], [0.005, 0.015, 0.30, 0.31]]
     split = {"queued_s": 0.0, "handback_s": 0.1, "start_s": 0.1, "ready_to_encode_s": 0.0, "encode_s": 0.1,
-             "prefill_s": 0.3}
-    gaps = phase_max_gaps_s(streams, 0.0, split)
-    assert gaps["queued"] is None and gaps["ready_to_encode"] is None
-    assert abs(gaps["handback"] - 0.01) < 1e-9  # 0.0->0.01, 0.01->0.02, 0.005->0.015
-    assert abs(gaps["start"] - 0.13) < 1e-9  # 0.02->0.15 ended at 0.15
-    assert abs(gaps["encode"] - 0.285) < 1e-9  # 0.015->0.30 ended at 0.30
-    assert abs(gaps["prefill"] - 0.34) < 1e-9  # 0.16->0.50
-    assert [round(g, 3) for g, _ in streams.largest_s(0.0, 2)] == [0.34, 0.285]
+             "prefill_s": 0.2}
+    phases = gaps_by_phase(times, 0.0, split, ended=0.7)
+    assert list(phases) == ["queued", "handback", "start", "ready_to_encode", "encode", "prefill", "decode"]
+    assert phases["queued"]["n"] == 0 and phases["queued"]["max_ms"] is None
+    assert phases["handback"]["n"] == 4 and abs(phases["handback"]["max_ms"] - 130) < 1e-6  # 0.02->0.15
+    assert phases["start"]["n"] == 2 and abs(phases["start"]["max_ms"] - 285) < 1e-6  # 0.015->0.30: middle 0.1575
+    assert phases["encode"]["n"] == 0
+    assert phases["prefill"]["n"] == 2 and abs(phases["prefill"]["max_ms"] - 340) < 1e-6  # 0.16->0.50, 0.30->0.31
+    assert phases["decode"]["n"] == 1 and abs(phases["decode"]["length_ms"] - 200) < 1e-6  # 0.50->0.51
+    assert [round(g) for g, _ in largest_ms(times, 0.0, 2)] == [340, 285]
+    # the first token at the client (0.51) after the broker's mark (0.5): the prefill ends there
+    late = gaps_by_phase(times, 0.0, dict(split, first_token_s=0.51), ended=0.7)
+    assert late["prefill"]["n"] == 3 and late["decode"]["n"] == 0
+
+
+def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
+    """Two streams in one batch get their tokens from the same 10 ms step: pooled as one timeline their
+    gaps would read ~0 and 10 ms; each stream's own gaps read 10 ms. A 25 ms gap of stream 1 in the
+    hand-back is 2.5x its median; stream 0 kept 1.0x."""
+    from types import SimpleNamespace
+
+    from moebus.bench.vision_gaps import gap_report, worst_ratio
+
+    steps = [0.01 * i for i in range(20)]
+    times = [list(steps), [t + 0.0001 for t in steps]]
+    times[1] = [t if t < 0.12 else t + 0.015 for t in times[1]]  # one late token in stream 1 after the image went
+    streams = SimpleNamespace(times=times, ran_until=lambda: min(ts[-1] for ts in times))
+    split = {"queued_s": 0.0, "handback_s": 0.05, "start_s": 0.02, "ready_to_encode_s": 0.0, "encode_s": 0.01,
+             "prefill_s": 0.02}
+    report = gap_report(streams, (0.0, 0.1), 0.1, split, ended=0.19, steps={"steps": 10})
+    assert report["steady"]["n"] == 20 and abs(report["steady"]["median_ms"] - 10) < 1e-6
+    assert [round(s["ratio_until_encoded"], 2) for s in report["per_stream"]] == [1.0, 2.5]
+    assert round(worst_ratio(report, "ratio_until_encoded"), 2) == 2.5 and report["covered"]
+    assert abs(report["by_phase"]["handback"]["max_ms"] - 25) < 1e-6
+
+
+def test_the_broker_steps_of_the_steady_state():
+    from moebus.bench.vision_gaps import steady_steps
+
+    def info(steps, step_s, compute_s):
+        return {"counters": {"steps_total": steps},
+                "histograms": {"step_seconds": {"sum": step_s}, "step_compute_seconds": {"sum": compute_s}}}
+    got = steady_steps(info(100, 1.0, 0.8), info(150, 1.2, 0.9), seconds=0.25)
+    assert got == pytest.approx({"steps": 50, "interval_ms": 5.0, "step_ms": 4.0, "compute_ms": 2.0})
+    assert steady_steps(info(1, 0, 0), info(1, 0, 0), 0.1)["step_ms"] is None

@@ -1,0 +1,172 @@
+"""Text streams decoding through a cold image start (``moebus bench vision-cycle``): each stream's own
+inter-token gaps, the broker's step figures in their steady state, and the gaps by phase of the
+cold start (queued, hand-back, vision worker start, encode, the image prompt's prefill, its decode).
+
+Each stream's gaps are its own (two streams in one batch get their tokens from the same step, so a
+merged timeline would hold a ~0 gap per step). The streams run until the image request has
+answered its last token, so every phase of the cold start has text steps beside it; a gap belongs
+to the phase that holds its middle (most of it: a text token of the step that made the image's
+first token reaches the client just after that one), so a gap above the target names its cause."""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+WARM_TOKENS = 8  # of each text stream before the steady state is measured (batch sizes captured, experts cached)
+STEADY_TOKENS = 24  # each stream's tokens in the steady state measured before the image is sent
+PHASES = ("queued", "handback", "start", "ready_to_encode", "encode", "prefill", "decode")
+
+
+class TextStreams:
+    """``count`` text streams started at once, each up to ``max_tokens`` tokens or until ``stop``:
+    their token arrival times (monotonic s), one list per stream."""
+
+    def __init__(self, client, count: int, max_tokens: int, prompt_tokens: int = 3):
+        self.times: list[list[float]] = [[] for _ in range(count)]
+        self.streams = [client.generate(prompt_tokens=[5 + i] + [17, 99, 23][: prompt_tokens - 1],
+                                        max_tokens=max_tokens, temperature=0, ignore_eos=True) for i in range(count)]
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        stream = self.streams[i]
+        for part in stream:
+            self.times[i] += [time.monotonic()] * len(part.tokens)
+            if self.stopping.is_set():  # cancelled by its own thread, which then reads no more replies
+                stream.close()
+                return
+
+    def wait_tokens(self, count: int, timeout_s: float = 60.0) -> None:
+        """Until every stream holds ``count`` tokens (or has ended)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(len(ts) >= count or not t.is_alive() for ts, t in zip(self.times, self.threads)):
+                return
+            time.sleep(0.002)
+
+    def stop(self) -> float:
+        """Cancel the streams that still run (each at its next token); returns when that was asked."""
+        ended = time.monotonic()
+        self.stopping.set()
+        self.join()
+        return ended
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+    def ran_until(self) -> float:
+        """When the first stream to end had its last token: the record covers the time until then."""
+        return min((ts[-1] for ts in self.times if ts), default=0.0)
+
+
+def gaps_within(times: list[list[float]], start: float, end: float) -> list[list[float]]:
+    """Each stream's own gaps whose middle lies in [start, end)."""
+    return [[b - a for a, b in zip(ts, ts[1:]) if start <= (a + b) / 2 < end] for ts in times]
+
+
+def summary_ms(gaps: list[float]) -> dict:
+    return {"n": len(gaps), "median_ms": 1e3 * statistics.median(gaps) if gaps else None,
+            "max_ms": 1e3 * max(gaps) if gaps else None}
+
+
+def phase_bounds(sent: float, split: dict, ended: float) -> list[tuple[str, float, float]]:
+    """(phase, start, end) from the image request's send time and the broker's time split; the
+    prefill ends at the image's first token at the client (``first_token_s``, when given: the text
+    tokens of the step that made it reach the client with it, after the broker's own mark), and
+    its decode runs from there to ``ended``."""
+    bounds, start = [], sent
+    for phase in PHASES[:-1]:
+        end = start + split.get(f"{phase}_s", 0.0)
+        if phase == "prefill" and "first_token_s" in split:
+            end = max(start, sent + split["first_token_s"])
+        bounds.append((phase, start, end))
+        start = end
+    bounds.append(("decode", start, max(start, ended)))
+    return bounds
+
+
+def gaps_by_phase(times: list[list[float]], sent: float, split: dict, ended: float) -> dict:
+    """Per phase of the cold start: its length and its gaps (pooled over the streams, each gap a
+    stream's own): count, median, largest."""
+    return {phase: {"length_ms": 1e3 * (end - start), **summary_ms(sum(gaps_within(times, start, end), []))}
+            for phase, start, end in phase_bounds(sent, split, ended)}
+
+
+def steady_steps(before: dict, after: dict, seconds: float) -> dict:
+    """The broker's steps between two INFO replies: how many, their interval, their mean time from
+    plan to tokens (``step_seconds``) and the workers' own compute time (``step_compute_seconds``)."""
+    steps = after["counters"]["steps_total"] - before["counters"]["steps_total"]
+
+    def mean_ms(name: str) -> float | None:
+        total = after["histograms"][name]["sum"] - before["histograms"][name]["sum"]
+        return 1e3 * total / steps if steps else None
+    return {"steps": steps, "interval_ms": 1e3 * seconds / steps if steps else None,
+            "step_ms": mean_ms("step_seconds"), "compute_ms": mean_ms("step_compute_seconds")}
+
+
+def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, split: dict, ended: float,
+               steps: dict) -> dict:
+    """Everything the bench prints about the text streams (plain data, for its JSON line too)."""
+    start, end = steady
+    before = gaps_within(streams.times, start, end)
+    cold = gaps_within(streams.times, sent, ended)
+    encoded = sent + sum(split.get(f"{p}_s", 0.0) for p in PHASES[:5])
+    until_encoded = gaps_within(streams.times, sent, encoded)
+    per_stream = []
+    for mine, through, upto in zip(before, cold, until_encoded):
+        median = statistics.median(mine) if mine else None
+        per_stream.append({"median_before_ms": 1e3 * median if median else None,
+                           "max_until_encoded_ms": 1e3 * max(upto) if upto else None,
+                           "max_cold_ms": 1e3 * max(through) if through else None,
+                           "ratio_until_encoded": max(upto) / median if upto and median else None,
+                           "ratio_cold": max(through) / median if through and median else None})
+    pooled = sum(before, [])
+    return {"steady": {**summary_ms(pooled), "broker_steps": steps}, "per_stream": per_stream,
+            "by_phase": gaps_by_phase(streams.times, sent, split, ended),
+            "covered": streams.ran_until() >= ended - 1e-3,
+            "largest": largest_ms(streams.times, sent, 5)}
+
+
+def largest_ms(times: list[list[float]], origin: float, count: int) -> list[tuple[float, float]]:
+    """The ``count`` largest gaps (any stream) whose middle is after ``origin``: (gap ms, ended ms after origin)."""
+    gaps = [(1e3 * (b - a), 1e3 * (b - origin)) for ts in times for a, b in zip(ts, ts[1:]) if a + b >= 2 * origin]
+    return sorted(gaps, reverse=True)[:count]
+
+
+def ms(v) -> str:
+    """A figure in ms as printed ('-': none)."""
+    return "-" if v is None else f"{v:.1f}"
+
+
+def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None:
+    """``broker_steps``: the broker's steps by phase of the cold start (its last_cold_start's ``steps``)."""
+    steady, steps = report["steady"], report["steady"]["broker_steps"]
+    print(f"{num_streams} text streams, steady state before the image: each stream's own gap median "
+          f"{ms(steady['median_ms'])} ms (n {steady['n']}, max {ms(steady['max_ms'])}); broker: {steps['steps']} steps, "
+          f"one every {ms(steps['interval_ms'])} ms, {ms(steps['step_ms'])} ms plan to tokens, "
+          f"{ms(steps['compute_ms'])} ms in the worker")
+    print(f"  {'phase':<16} {'length ms':>10} {'gaps':>5} {'median ms':>10} {'max ms':>8} {'max/median':>10}   "
+          f"broker: {'steps':>5} {'step ms':>8} {'worker ms':>9}")
+    for phase, row in report["by_phase"].items():
+        b = broker_steps.get(phase) or {}
+        own = f"{row['max_ms'] / row['median_ms']:.2f}" if row["median_ms"] else "-"  # against the phase's own pace
+        print(f"  {phase:<16} {row['length_ms']:>10.1f} {row['n']:>5} {ms(row['median_ms']):>10} {ms(row['max_ms']):>8}"
+              f" {own:>10}           {b.get('steps', '-'):>5} {ms(b.get('step_ms')):>8} {ms(b.get('compute_ms')):>9}")
+    for i, s in enumerate(report["per_stream"]):
+        print(f"  stream {i}: median before {ms(s['median_before_ms'])} ms; largest through hand-back, start and encode "
+              f"{ms(s['max_until_encoded_ms'])} ms ({ms(s['ratio_until_encoded'])}x), through the whole cold start "
+              f"to the image's last token {ms(s['max_cold_ms'])} ms ({ms(s['ratio_cold'])}x)")
+    print("  largest gaps (ms, ended ms after the image was sent):",
+          ", ".join(f"{g:.1f} at {t:.0f}" for g, t in report["largest"]))
+    if not report["covered"]:
+        print("  note: a text stream ended before the image's last token (raise --max-context or --text-tokens)")
+
+
+def worst_ratio(report: dict, key: str) -> float | None:
+    """The largest per-stream ratio of ``key`` ('ratio_until_encoded' or 'ratio_cold')."""
+    ratios = [s[key] for s in report["per_stream"] if s[key] is not None]
+    return max(ratios) if ratios else None
