@@ -152,7 +152,7 @@ def exercise(rng) -> None:
     for tokens, experts in ((1, 32), (8, 128)):  # decode's MLP entry (norm + router + top-k + pairs)
         routing.norm_route_cuda(f32(tokens, 2048), f32(tokens, 2048), np.zeros(2048, np.uint16), 1e-6,
                                 np.zeros((experts, 2048), np.uint16), 8, True, np.zeros((2, experts), np.int32), 1,
-                                np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048), empty(tokens, experts),
+                                np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048),
                                 empty(tokens, 8, dtype=np.int32), empty(tokens, 8),
                                 *(empty(tokens * 8, dtype=np.int32) for _ in range(3)))
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))

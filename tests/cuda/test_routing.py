@@ -3,7 +3,6 @@ the expert kernels reading resident experts from the arena and the rest from the
 import numpy as np
 import pytest
 
-from moebus.cuda.kernels.linear import linear_ref
 from moebus.cuda.kernels.moe import expert_ffn_ref
 from moebus.cuda.kernels.moe_ffn import expert_ffn_cuda
 from moebus.cuda.kernels.routing import host_placement, route_pairs_cuda, route_pairs_ref
@@ -47,8 +46,7 @@ def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
     from moebus.cuda.kernels.routing import norm_route_cuda
 
     num_tokens, dim = x.shape
-    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, router.shape[0])),
-            poisoned((num_tokens, top_k), np.int32),
+    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
             poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
     norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
                     row, done, *outs)
@@ -70,30 +68,12 @@ def test_norm_route_matches_the_unfused_ops(rng, dim):
         x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
         got = _norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done)
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 1)
-        np.testing.assert_allclose(got.pop(2), linear_ref(want[1], router), rtol=1e-5, atol=1e-5, err_msg="logits")
         for name, g, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), got, want):
             if g.dtype == np.int32:
                 np.testing.assert_array_equal(g, w, err_msg=name)
             else:
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
         assert done.copy_to_host()[0] == 0
-
-
-def test_norm_route_rows_longer_than_one_round_of_router_loads(rng):
-    # 2056 wide: a lane's first ROUTER_UNROLL words go out before the norm, the rest in a second round
-    from moebus.cuda.kernels.routing import ROUTER_UNROLL, norm_route_ref
-
-    dim, experts, top_k = 4 * (32 * ROUTER_UNROLL + 2), 3, 2
-    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
-    router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * dim ** -0.5, "bf16")
-    table = np.array([[5, -2, 7]], np.int32)
-    x, y = (rng.standard_normal((2, dim), dtype=np.float32) for _ in range(2))
-    got = _norm_route(x, y, norm_weight, router, top_k, True, table, 0, device(np.zeros(1, np.int32)))
-    want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, True, table, 0)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[2], linear_ref(want[1], router), rtol=1e-4, atol=1e-5)
-    for g, w in zip(got[3:], want[2:]):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_norm_route_rejects_too_many_pairs():

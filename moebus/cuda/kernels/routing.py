@@ -10,34 +10,29 @@ placement and its output row. Same-expert pairs end up adjacent, so a run shares
 ``norm_route`` is the decode layer's whole way from attention to the experts in one launch: the
 residual add and the MLP norm (fused.add_rmsnorm), the router's logits, top-k + softmax
 (moe.topk_row) and the pair tables (as route_pairs), where four launches took ~22 us on an H200 at
-batch 1 (6.6 + 8.4 + 3.8 + 3.1). Each warp computes one expert's logit of one token (grid: E / 8
-blocks of 8 warps per token), so the router's rows stream from many SMs at once (one block a token,
-streaming the whole router through one SM, took 15.8 us); the warp issues its router row's loads
-first and computes the norm of x + y by itself meanwhile (its lanes cover the whole row), so no
-barrier stands between the norm and the logits. The block that finishes last (a counter in device
-memory, reset by that block, so a captured graph replays it) does every token's top-k + softmax and
-sorts the step's pairs.
+batch 1 (6.6 + 8.4 + 3.8 + 3.1). A block per token does the first three for its token; the block that
+finishes last (a counter in device memory, reset by that block, so a captured graph replays it) sorts
+the step's pairs.
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts, D hidden."""
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, blocks, cuda, float32, int32, threads, warp_sum, kernel
-from moebus.cuda.kernels.fused import add_rmsnorm_ref
+from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, int32, threads, warp_sum, kernel
+from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import linear_ref
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 
 THREADS = 128
-ROUTE_WARPS = 8  # experts (a warp each) of one token per norm_route block
-MAX_EXPERTS = 1024  # router rows of one layer (the last block holds a row of logits per warp in shared memory)
+ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
+MAX_EXPERTS = 1024  # router rows of one layer (the logits of a token live in shared memory)
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
-ROUTER_UNROLL = 16  # router words a lane loads before their first use: a 2048-wide bf16 row in one round
+ROUTER_UNROLL = 8  # router words each lane loads before their first use
 
 
 def host_placement(row: int) -> int:
@@ -97,92 +92,65 @@ def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize:
 
 
 @functools.cache
-def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_lane: int, top_k: int):
+def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
+                       top_k: int):
+    store_normed = normed_store(norm_storage, per_thread)
+    load_row = row_values(per_thread)
     row_topk = topk_row(per_lane)
     read_weight, width = chunk_reader(router_storage, wide)
-    read_norm, _ = chunk_reader(norm_storage, wide)
-    read_x, _ = chunk_reader("f32", wide)
+    read_h, _ = chunk_reader("f32", wide)
 
     @kernel
-    def norm_route_rows(x, y, norm_weight, eps, router, num_words, normalize, table, layer_row, done,
-                        total, h, logits, ids, weights, pair_token, pair_slot, pair_out):
-        # grid (G, T): warp w of block (g, t) computes expert g * warps + w's logit of token t
-        g, t = cuda.blockIdx.x, cuda.blockIdx.y
-        num_tokens = x.shape[0]
-        dim = num_words * width
+    def norm_route_rows(x, y, norm_weight, eps, router, num_words, h_view, normalize, table, layer_row, done,
+                        total, h, ids, weights, pair_token, pair_slot, pair_out):
+        t = cuda.blockIdx.x  # one block per token, every block real
+        num_tokens, dim = x.shape
         num_experts = router.shape[0]
-        tid, step = cuda.threadIdx.x, cuda.blockDim.x
-        lane, warp, warps = tid % WARP, tid // WARP, step // WARP
-        e = min(g * warps + warp, num_experts - 1)
-        # 1. the router row's first round of loads goes out first: it flies while the norm is computed
+        tid = cuda.threadIdx.x
+        lane, warp, warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
+        # 1. total = x + y and h = rmsnorm(total), as add_rmsnorm_rows
+        values = cuda.local.array(per_thread, float32)
+        square_sum = load_row(x, y, t, dim, values)
+        store_normed(values, norm_weight, block_sum(square_sum), dim, eps, t, total, h)
+        cuda.syncthreads()  # h[t] is read back below by other threads of the block
+        # 2. the router's logits of token t: a warp per expert, lane l sums words l, l + 32, ...
+        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
         w_buf = cuda.local.array((ROUTER_UNROLL, width), float32)
-        for u in range(ROUTER_UNROLL):
-            read_weight(router, e, min(lane + u * WARP, num_words - 1), w_buf[u])
-        # 2. the warp alone: the sum of squares of x + y over the whole row (its lanes cover every word)
-        a = cuda.local.array(width, float32)
-        b = cuda.local.array(width, float32)
-        square_sum = float32(0.0)
-        for base in range(lane, num_words, WARP * ROUTER_UNROLL):
-            for u in range(ROUTER_UNROLL):
-                word = base + u * WARP
-                if word < num_words:
-                    read_x(x, t, word, a)
-                    read_x(y, t, word, b)
-                    for c in range(width):
-                        value = a[c] + b[c]
-                        square_sum += value * value
-        inv_rms = float32(1.0) / math.sqrt(warp_sum(square_sum) / float32(dim) + eps)
-        # 3. h = rmsnorm(x + y) word by word, dotted with the router row (lane l: words l, l + 32, ...)
-        n_buf = cuda.local.array(width, float32)
-        acc = float32(0.0)
-        for base in range(lane, num_words, WARP * ROUTER_UNROLL):
-            if base != lane:  # rows longer than one round: the next round's loads
+        h_buf = cuda.local.array(width, float32)
+        for start in range(0, num_experts, warps):  # same trip count in every warp
+            e = min(start + warp, num_experts - 1)
+            acc = float32(0.0)
+            for base in range(lane, num_words, WARP * ROUTER_UNROLL):
                 for u in range(ROUTER_UNROLL):
                     read_weight(router, e, min(base + u * WARP, num_words - 1), w_buf[u])
-            for u in range(ROUTER_UNROLL):
-                word = base + u * WARP
-                if word < num_words:
-                    read_x(x, t, word, a)
-                    read_x(y, t, word, b)
-                    read_norm(norm_weight, 0, word, n_buf)
-                    for c in range(width):
-                        acc += n_buf[c] * ((a[c] + b[c]) * inv_rms) * w_buf[u, c]
-        if g == 0:  # blocks (0, t) store total and h, word w by warp (w // 32) % warps
-            for word in range(lane + warp * WARP, num_words, WARP * warps):
-                read_x(x, t, word, a)
-                read_x(y, t, word, b)
-                read_norm(norm_weight, 0, word, n_buf)
-                for c in range(width):
-                    value = a[c] + b[c]
-                    total[t, word * width + c] = value
-                    h[t, word * width + c] = n_buf[c] * (value * inv_rms)
-        acc = warp_sum(acc)
-        if lane == 0 and g * warps + warp < num_experts:
-            logits[t, e] = acc
-        cuda.threadfence()  # logits visible device-wide before the block counts itself done
+                for u in range(ROUTER_UNROLL):
+                    word = base + u * WARP
+                    if word < num_words:
+                        read_h(h_view, t, word, h_buf)
+                        for c in range(width):
+                            acc += h_buf[c] * w_buf[u, c]
+            acc = warp_sum(acc)
+            if lane == 0 and start + warp < num_experts:
+                logits[0, e] = acc
         cuda.syncthreads()
-        # 4. the last block to finish: every token's top-k + softmax (a warp a token), then the pairs
+        # 3. top-k + softmax of token t by warp 0
+        if warp == 0:
+            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        cuda.threadfence()  # this token's ids are visible device-wide before the block counts itself done
+        cuda.syncthreads()
+        # 4. the last block to finish sorts the pairs of every token (route_flat's ranks)
         flags = cuda.shared.array(1, int32)
         if tid == 0:
             flags[0] = cuda.atomic.add(done, 0, 1)
         cuda.syncthreads()
-        if flags[0] != num_tokens * cuda.gridDim.x - 1:
+        if flags[0] != num_tokens - 1:
             return  # the whole block
-        rows = cuda.shared.array((ROUTE_WARPS, MAX_EXPERTS), float32)
-        for start in range(0, num_tokens, warps):  # same trip count in every warp
-            row = min(start + warp, num_tokens - 1)
-            for i in range(lane, num_experts, WARP):  # through L2: other blocks wrote them
-                rows[warp, i] = cuda.atomic.add(logits, (row, i), float32(0.0))
-            cuda.syncthreads()  # every warp runs the same trip count
-            row_topk(rows, warp, num_experts, top_k, normalize, ids, weights, row, lane == 0 and start + warp < num_tokens)
-            cuda.syncthreads()  # every warp runs the same trip count
-        cuda.syncthreads()  # ids written by this block's warps, read below by all its threads
         num_pairs = num_tokens * top_k
         experts = cuda.shared.array(MAX_PAIRS, int32)
-        for p in range(tid, num_pairs, step):
-            experts[p] = ids[p // top_k, p % top_k]
+        for p in range(tid, num_pairs, cuda.blockDim.x):  # through L2: other blocks wrote them
+            experts[p] = cuda.atomic.add(ids, (p // top_k, p % top_k), 0)
         cuda.syncthreads()
-        for p in range(tid, num_pairs, step):  # route_flat's ranks
+        for p in range(tid, num_pairs, cuda.blockDim.x):
             expert = experts[p]
             rank = 0
             for q in range(num_pairs):
@@ -199,17 +167,15 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_l
 
 
 def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
-                    total, h, logits, ids, weights, pair_token, pair_slot, pair_out, stream=0):
-    """norm_route_ref into device arrays: total, h (T, D) float32; logits (T, E) float32 scratch;
-    ids (T, A) int32, weights (T, A) float32; pair tables (P,) int32. ``done``: a (1,) int32 device
-    counter, zero between launches."""
+                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
+    """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
+    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches."""
     num_tokens, dim = x.shape
     num_experts = router.shape[0]
     for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
         require(name, a, np.float32, shape=(num_tokens, dim))
     require("norm_weight", norm_weight, WEIGHT_DTYPES, shape=(dim,))
     require("router", router, WEIGHT_DTYPES, shape=(None, dim))
-    require("logits", logits, np.float32, shape=(num_tokens, num_experts))
     require("table", table, np.int32, ndim=2)
     require("done", done, np.int32, shape=(1,))
     require("ids", ids, np.int32, shape=(num_tokens, top_k))
@@ -224,13 +190,12 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
         raise ValueError(f"layer row {layer_row} of a {tuple(table.shape)} table for {num_experts} experts")
     if num_tokens == 0:
         return total, h, ids, weights, pair_token, pair_slot, pair_out
-    wide = all(can_read_wide(a) for a in (x, y, norm_weight, router))
-    block = threads(ROUTE_WARPS * WARP)
-    kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(num_experts, WARP),
-                                int(top_k))
-    grid = (ceil_div(num_experts, block // WARP), num_tokens)
-    kernel[grid, block, stream](
-        reader_view(x, wide), reader_view(y, wide), reader_view(norm_weight, wide), np.float32(eps),
-        reader_view(router, wide), dim // 4 if wide else dim, bool(normalize), table, int(layer_row), done,
-        total, h, logits, ids, weights, pair_token, pair_slot, pair_out)
+    wide = can_read_wide(router) and can_read_wide(h)
+    block = threads(ROUTE_THREADS)
+    kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
+                                ceil_div(num_experts, WARP), int(top_k))
+    kernel[num_tokens, block, stream](
+        x, y, reader_view(norm_weight, wide=False), np.float32(eps), reader_view(router, wide),
+        dim // 4 if wide else dim, reader_view(h, wide), bool(normalize), table, int(layer_row), done,
+        total, h, ids, weights, pair_token, pair_slot, pair_out)
     return total, h, ids, weights, pair_token, pair_slot, pair_out
