@@ -21,7 +21,8 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, int32, threads, warp_sum, kernel
+from moebus.cuda.kernels.compat import (WARP, block_sum, blocks, cuda, device_with_shared, float32, int32, kernel,
+                                        threads, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import linear_ref
@@ -91,6 +92,40 @@ def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize:
     return (total, h, ids, weights) + tuple(route_pairs_ref(ids, table, layer_row))
 
 
+@device_with_shared
+def is_last_block(done, num_blocks):
+    """Whether this block is the last of ``num_blocks`` to get here; what every block wrote before
+    is visible device-wide to that one (a counter in device memory, reset by the last block)."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    flags = cuda.shared.array(1, int32)
+    if cuda.threadIdx.x == 0:
+        flags[0] = cuda.atomic.add(done, 0, 1)
+    cuda.syncthreads()
+    return flags[0] == num_blocks - 1
+
+
+@device_with_shared
+def sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out):
+    """The pair tables of a step's ids, by one block: route_flat's ranks."""
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    num_pairs = num_tokens * top_k
+    experts = cuda.shared.array(MAX_PAIRS, int32)
+    for p in range(tid, num_pairs, step):  # through L2: other blocks may have written them
+        experts[p] = cuda.atomic.add(ids, (p // top_k, p % top_k), 0)
+    cuda.syncthreads()
+    for p in range(tid, num_pairs, step):
+        expert = experts[p]
+        rank = 0
+        for q in range(num_pairs):
+            other = experts[q]
+            if other < expert or (other == expert and q < p):
+                rank += 1
+        pair_token[rank] = p // top_k
+        pair_slot[rank] = table[layer_row, expert]
+        pair_out[rank] = p
+
+
 @functools.cache
 def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
                        top_k: int):
@@ -133,33 +168,12 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
             if lane == 0 and start + warp < num_experts:
                 logits[0, e] = acc
         cuda.syncthreads()
-        # 3. top-k + softmax of token t by warp 0
+        # 3. top-k + softmax of token t by warp 0; 4. the last block to finish sorts every token's pairs
         if warp == 0:
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
-        cuda.threadfence()  # this token's ids are visible device-wide before the block counts itself done
-        cuda.syncthreads()
-        # 4. the last block to finish sorts the pairs of every token (route_flat's ranks)
-        flags = cuda.shared.array(1, int32)
-        if tid == 0:
-            flags[0] = cuda.atomic.add(done, 0, 1)
-        cuda.syncthreads()
-        if flags[0] != num_tokens - 1:
+        if not is_last_block(done, num_tokens):
             return  # the whole block
-        num_pairs = num_tokens * top_k
-        experts = cuda.shared.array(MAX_PAIRS, int32)
-        for p in range(tid, num_pairs, cuda.blockDim.x):  # through L2: other blocks wrote them
-            experts[p] = cuda.atomic.add(ids, (p // top_k, p % top_k), 0)
-        cuda.syncthreads()
-        for p in range(tid, num_pairs, cuda.blockDim.x):
-            expert = experts[p]
-            rank = 0
-            for q in range(num_pairs):
-                other = experts[q]
-                if other < expert or (other == expert and q < p):
-                    rank += 1
-            pair_token[rank] = p // top_k
-            pair_slot[rank] = table[layer_row, expert]
-            pair_out[rank] = p
+        sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out)
         if tid == 0:
             done[0] = 0  # for the next launch (a graph replays this one)
 
