@@ -26,7 +26,7 @@ MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
 UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
 # The work shape of a pass (shape_for). Measured on an H200 (2026-12-01): 4 words a lane, a row a
-# warp. Not yet measured there (tools/device/decode_variants.py times them; tests cover them): 8
+# warp. Not yet measured there (tools/device/decode6_variants.py times them; tests cover them): 8
 # words a lane with 1-2 tokens, 4 rows a warp with 3-8 tokens (each x word loaded then serves 4 rows:
 # at batch 8 the linear kernels ran at 0.5-1 TB/s, bound by their x loads).
 MAX_UNROLL = 4  # words a lane loads a round with one or two tokens a pass

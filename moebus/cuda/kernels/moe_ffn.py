@@ -29,7 +29,7 @@ MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
 # down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
-# short and 4 where long are covered by the tests, not yet measured (tools/device/decode_variants.py)
+# short and 4 where long are covered by the tests, not yet measured (tools/device/decode6_variants.py)
 DOWN_ROWS_SHORT = 1
 DOWN_ROWS_LONG = 1
 
