@@ -26,7 +26,7 @@ from moebus.cuda.kernels.compat import (WARP, block_sum, blocks, cuda, device_wi
                                         threads, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
-from moebus.cuda.kernels.linear import linear_ref
+from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import SCALAR, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 
@@ -168,8 +168,7 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
                     word = base + u * WARP
                     if word < num_words:
                         read_h(h_view, t, word, h_buf)
-                        for c in range(width):
-                            acc += h_buf[c] * w_buf[u, c]
+                        acc = accumulate(acc, h_buf, w_buf[u], width)
             acc = warp_sum(acc)
             if lane == 0 and start + warp < num_experts:
                 logits[0, e] = acc
