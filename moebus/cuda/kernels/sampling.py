@@ -330,7 +330,7 @@ def sample_cuda(logits, temperature, top_k, top_p, u, tokens, logprobs, scratch,
         if mask.shape[1] != mask_words(vocab):
             raise ValueError(f"mask rows of {mask.shape[1]} words; a vocabulary of {vocab} needs {mask_words(vocab)}")
     if not 3 <= vocab < 1 << 24:
-        raise ValueError(f"vocabulary of {vocab}: at least 3 (the scratch row holds the partials) and ids exact in float32")
+        raise ValueError(f"vocabulary of {vocab}: at least 3 (a scratch row holds the partials), ids exact in float32")
     if num_rows:
         if mask is None:
             mask, mask_rows = _no_mask(vocab, on_host=isinstance(logits, np.ndarray))
