@@ -73,7 +73,8 @@ def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch):
     monkeypatch.setattr(linear, "SPLIT_TARGET_WARPS", 1 << 30)
     monkeypatch.setattr(linear, "ROWS_PER_WARP", 4)
     monkeypatch.setattr(linear, "MAX_UNROLL", 8)
-    assert linear.shape_for(MAX_TOKENS) == (2, 4) and linear.shape_for(1) == (8, 1)
+    assert linear.shape_for(MAX_TOKENS, 512) == (2, 4) and linear.shape_for(1, 512) == (8, 1)
+    assert linear.shape_for(1, 40) == (2, 1)  # never more words a round than the span gives a lane
     x = rng.standard_normal((MAX_TOKENS, 40), dtype=np.float32)
     weight = stored(rng.standard_normal((7, 40), dtype=np.float32), "bf16")
     together = _run(x, weight)

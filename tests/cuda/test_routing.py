@@ -46,19 +46,23 @@ def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
     from moebus.cuda.kernels.routing import norm_route_cuda
 
     num_tokens, dim = x.shape
-    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
-            poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
+    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, router.shape[0])),
+            poisoned((num_tokens, top_k), np.int32), poisoned((num_tokens, top_k))] + \
+        [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
     norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
                     row, done, *outs)
-    return [o.copy_to_host() for o in outs]
+    return [o.copy_to_host() for i, o in enumerate(outs) if i != 2]  # not the logits scratch
 
 
+@pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("dim", [40, 13])
-def test_norm_route_matches_the_unfused_ops(rng, dim):
+def test_norm_route_matches_the_unfused_ops(rng, dim, spread, monkeypatch):
     # add + rmsnorm, router, top-k + softmax and the pair tables in one launch; three times with one
     # counter (the last block resets it, as a replayed graph needs), 1 and 3 tokens; wide and narrow reads
+    from moebus.cuda.kernels import routing
     from moebus.cuda.kernels.routing import norm_route_ref
 
+    monkeypatch.setattr(routing, "SPREAD_ROUTER", spread)  # the router over E / 16 blocks a token, or one
     experts, top_k = 37, 3  # 37 experts: two registers per lane, the second one partly padding
     norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
     router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
@@ -74,6 +78,24 @@ def test_norm_route_matches_the_unfused_ops(rng, dim):
             else:
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
         assert done.copy_to_host()[0] == 0
+
+
+def test_norm_route_spread_gives_the_one_block_kernels_bits(rng, monkeypatch):
+    # the same threads sum the row and each lane the same words of each router row: bit for bit;
+    # 2056 wide, so a lane's router words take a second round (ROUTER_UNROLL words a round)
+    from moebus.cuda.kernels import routing
+
+    dim, experts, top_k = 4 * (32 * routing.ROUTER_UNROLL + 2), 5, 2
+    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
+    router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * dim ** -0.5, "bf16")
+    table = np.array([[5, -2, 7, 0, 3]], np.int32)
+    x, y = (rng.standard_normal((2, dim), dtype=np.float32) for _ in range(2))
+    results = []
+    for spread in (False, True):
+        monkeypatch.setattr(routing, "SPREAD_ROUTER", spread)
+        results.append(_norm_route(x, y, norm_weight, router, top_k, True, table, 0, device(np.zeros(1, np.int32))))
+    for one_block, spread in zip(*results):
+        np.testing.assert_array_equal(one_block, spread)
 
 
 def test_norm_route_rejects_too_many_pairs():

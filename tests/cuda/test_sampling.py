@@ -31,3 +31,19 @@ def test_temperature_top_k_top_p_as_the_reference(rng):
         logits, [0.8, 1.0, 1.3, 0.7, 1.0], [0, 7, 0, 20, 3], [1.0, 1.0, 0.6, 0.9, 1.0], [0.42, 0.5, 0.77, 0.1, 0.99999])
     np.testing.assert_array_equal(tokens, ref_tokens)
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5)
+
+
+def test_rows_reduced_over_several_spans_as_over_one(rng, monkeypatch):
+    # row_stats in spans of 16 ids: a tie across spans takes the lowest id, whole spans of -inf add
+    # nothing, and a temperature row still sees the whole row
+    from moebus.cuda.kernels import sampling
+
+    monkeypatch.setattr(sampling, "STATS_SPAN", 16)
+    logits = rng.standard_normal((3, VOCAB), dtype=np.float32)
+    logits[0, [70, 40, 21]] = 9.0
+    logits[1, :32] = -np.inf
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = _sample(logits, [0, 0, 0.9], [0, 0, 5], [1, 1, 0.8],
+                                                             [0.3, 0.9, 0.6])
+    assert tokens[0] == 21
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5)

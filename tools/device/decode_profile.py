@@ -46,9 +46,12 @@ def profile_batch(model, batch: int, num_layers: int) -> None:
             step()
         wall_ms = (time.perf_counter() - start) * 1e3 / STEPS
     by_name = defaultdict(lambda: [0, 0.0])
+    variants = defaultdict(dict)  # short name -> {mangled name: #n}: qkv, o and lm_head are 3 linear kernels
     for e in prof.events():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
-            row = by_name[short_name(e.name)]
+            name = short_name(e.name)
+            number = variants[name].setdefault(e.name, len(variants[name]) + 1)
+            row = by_name[f"{name} #{number}"]
             row[0] += 1
             row[1] += e.device_time_total
     total_us = sum(r[1] for r in by_name.values()) / STEPS
@@ -56,7 +59,8 @@ def profile_batch(model, batch: int, num_layers: int) -> None:
           f"{total_us / num_layers:.1f} us/layer")
     print(f"{'kernel':<52} {'calls/step':>10} {'us/call':>9} {'us/step':>9} {'share':>6}")
     for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
-        print(f"{name[:52]:<52} {calls / STEPS:>10.1f} {us / calls:>9.2f} {us / STEPS:>9.1f} "
+        name = name if len(name) <= 52 else name[:46] + "…" + name[name.rindex(" #"):]
+        print(f"{name:<52} {calls / STEPS:>10.1f} {us / calls:>9.2f} {us / STEPS:>9.1f} "
               f"{us / STEPS / total_us:>6.1%}")
 
 

@@ -22,7 +22,7 @@ from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32,
                                         kernel)
 from moebus.cuda.kernels.launch import ceil_div
 
-SPLIT_POSITIONS = 128  # a split has at least this many positions...
+SPLIT_POSITIONS = 32  # a split has at least this many positions (a short context spreads over blocks)...
 MAX_SPLITS = 64  # ...and a token at most this many splits (bounds the scratch)
 ROWS_AHEAD = 2  # rows each row group loads before it computes (bytes in flight)
 MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers

@@ -26,7 +26,7 @@ MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
 UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
 # The work shape of a pass (shape_for). Measured on an H200 (2026-12-01): 4 words a lane, a row a
-# warp. Not yet measured there (tools/device/decode_variants.py times them; tests cover them): 8
+# warp. Not yet measured there (tools/device/decode6_variants.py times them; tests cover them): 8
 # words a lane with 1-2 tokens, 4 rows a warp with 3-8 tokens (each x word loaded then serves 4 rows:
 # at batch 8 the linear kernels ran at 0.5-1 TB/s, bound by their x loads).
 MAX_UNROLL = 4  # words a lane loads a round with one or two tokens a pass
@@ -136,12 +136,13 @@ def row_split(num_rows: int, num_words: int, warps: int) -> int:
     return split
 
 
-def shape_for(num_tokens: int) -> tuple[int, int]:
-    """(words a lane loads per round, rows a warp takes) for a pass of this many tokens: with one or
-    two tokens registers allow MAX_UNROLL words in flight; with more, each x word loaded (L1, 16
-    bytes a lane) is the cost, and a warp taking ROWS_PER_WARP rows shares it among them."""
+def shape_for(num_tokens: int, span_words: int) -> tuple[int, int]:
+    """(words a lane loads per round, rows a warp takes) for a pass of this many tokens over spans of
+    ``span_words`` words: with one or two tokens registers allow up to MAX_UNROLL words in flight
+    (never more than a span gives a lane); with more, each x word loaded (L1, 16 bytes a lane) is the
+    cost, and a warp taking ROWS_PER_WARP rows shares it among them."""
     if num_tokens <= 2:
-        return MAX_UNROLL, 1
+        return max(1, min(MAX_UNROLL, ceil_div(span_words, WARP))), 1
     return (UNROLL if ROWS_PER_WARP == 1 else max(1, UNROLL // ROWS_PER_WARP * 2)), ROWS_PER_WARP
 
 
@@ -158,9 +159,9 @@ def linear_cuda(x, weight, out, stream=0):
     chunk = min(num_tokens, MAX_TOKENS)
     num_words = dim_in // 4 if wide else dim_in
     block = threads(WARPS * WARP)
-    unroll, rows = shape_for(chunk)
-    num_groups = ceil_div(num_rows, rows)
     split = row_split(num_rows, num_words, block // WARP)  # of the shape only: batch-invariant sums
+    unroll, rows = shape_for(chunk, ceil_div(num_words, split))
+    num_groups = ceil_div(num_rows, rows)
     kernel = _linear_kernel(storage_of(weight), wide, chunk, split, unroll, rows)
     grid = (blocks(ceil_div(num_groups, block // WARP // split)), ceil_div(num_tokens, chunk))
     kernel[grid, block, stream](reader_view(x, wide), reader_view(weight, wide), num_words, out)

@@ -29,7 +29,7 @@ MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
 # down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
-# short and 4 where long are covered by the tests, not yet measured (tools/device/decode_variants.py)
+# short and 4 where long are covered by the tests, not yet measured (tools/device/decode6_variants.py)
 DOWN_ROWS_SHORT = 1
 DOWN_ROWS_LONG = 1
 
@@ -83,7 +83,7 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
         lane, first, stride = warp_rows()
         up_base = inter * hidden_words
         tokens = cuda.local.array(chunk, int32)
-        for t in range(chunk):  # past the run: recompute its last pair, never store it
+        for t in range(chunk):  # past the run: its last pair's token (never read: t < run below)
             tokens[t] = pair_token[j + min(t, run - 1)]
         acc_gate = cuda.local.array(chunk, float32)
         acc_up = cuda.local.array(chunk, float32)
@@ -104,9 +104,10 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
                     word = base + k * WARP
                     if word < hidden_words:
                         for t in range(chunk):
-                            read_x(x, tokens[t], word, x_buf)
-                            acc_gate[t] = accumulate(acc_gate[t], x_buf, gate_buf[k], width)
-                            acc_up[t] = accumulate(acc_up[t], x_buf, up_buf[k], width)
+                            if t < run:  # the same in the whole block: no divergence, no work past the run
+                                read_x(x, tokens[t], word, x_buf)
+                                acc_gate[t] = accumulate(acc_gate[t], x_buf, gate_buf[k], width)
+                                acc_up[t] = accumulate(acc_up[t], x_buf, up_buf[k], width)
             warp_sum_many(acc_gate, chunk)
             warp_sum_many(acc_up, chunk)
             if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
@@ -155,9 +156,10 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
                     word = base + k * WARP
                     if word < inter_words:
                         for t in range(chunk):
-                            read_h(h, rows[t], word, h_buf)
-                            for r in range(per_warp):
-                                acc[r, t] = accumulate(acc[r, t], h_buf, w_buf[r, k], width)
+                            if t < run:
+                                read_h(h, rows[t], word, h_buf)
+                                for r in range(per_warp):
+                                    acc[r, t] = accumulate(acc[r, t], h_buf, w_buf[r, k], width)
             for r in range(per_warp):
                 warp_sum_many(acc[r], chunk)
             if lane == 0 and start + first < num_groups:
