@@ -27,6 +27,7 @@ def test_gaps_before_and_while_a_long_prompt_prefills(tiny_model, capsys, monkey
     for length in (8, n):
         f = {k.removeprefix(f"beside{length}_"): v for k, v in plain.items() if k.startswith(f"beside{length}_")}
         assert 0 < f["gap_before_ms"] and 0 < f["gap_during_ms"] <= f["gap_during_max_ms"]
+        assert 0 < f["gap_during_mean_ms"] <= f["gap_during_max_ms"]
         assert f["gap_ratio"] == pytest.approx(f["gap_during_ms"] / f["gap_before_ms"], rel=1e-2)
         assert f["gaps_during"] >= STREAMS  # each stream's gap that the window cut into, at least
         assert f["prefill_tok_s"] == pytest.approx(length / f["first_token_s"], rel=1e-2)

@@ -4,8 +4,9 @@ median inter-token gap within 2x of the gap without it). Through a private broke
 streams with short prompts decode; once they are steady, one request of N prompt tokens (max_tokens
 1) arrives. Each stream's own inter-token gaps are split into *before* (the steady window just
 before the long request is sent) and *during* (those overlapping the window from its submission to
-its first token at the client). Per N: the median gap before, the median and largest gap during,
-during/before (the issue's figure), the long prompt's time to first token and prefill tok/s, and the
+its first token at the client). Per N: the median gap before, the median, mean and largest gap
+during, median during / median before (the issue's figure; the mean shows what a median would hide
+if only some steps were slow), the long prompt's time to first token and prefill tok/s, and the
 broker's steps in both windows (its INFO histograms). The scheduler's chunking of the long prompt
 (``max_step_tokens``, ``max_prefill_tokens_beside_decode``) comes from the environment, as the
 broker reads it."""
@@ -112,6 +113,7 @@ def _one_round(client, num_tokens: int, stream_tokens: int) -> dict:
 def _figures(num_tokens: int, r: dict) -> dict:
     before_ms, during_ms = statistics.median(r["before"]) * 1e3, statistics.median(r["during"]) * 1e3
     out = {"gap_before_ms": round(before_ms, 2), "gap_during_ms": round(during_ms, 2),
+           "gap_during_mean_ms": round(statistics.fmean(r["during"]) * 1e3, 2),
            "gap_during_max_ms": round(max(r["during"]) * 1e3, 2), "gap_ratio": round(during_ms / before_ms, 3),
            "gaps_during": len(r["during"]), "first_token_s": round(r["first_token_s"], 4),
            "prefill_tok_s": round(num_tokens / r["first_token_s"], 1)}
@@ -123,6 +125,7 @@ def _figures(num_tokens: int, r: dict) -> dict:
 def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
     """Per prompt length N: the gaps of STREAMS decoding streams before and while N tokens prefill.
     A first round (the shortest N) warms up and is not counted."""
+    from moebus.bench.structured import _worker_counts
     from moebus.cli_generate import private_broker
     from moebus.client import Client
     from moebus.common.settings import load_settings
@@ -137,8 +140,11 @@ def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
         client = Client(address)
         try:
             _one_round(client, min(lengths), max_context - 8)
+            counts = _worker_counts(client) if device != "cpu" else {}
             for n in lengths:
                 out.update(_figures(n, _one_round(client, n, max_context - 8)))
+            if counts:  # a graph captured or a short step run eagerly (compiling?) inside the timed rounds
+                out.update({f"beside_worker_{k}": v - counts[k] for k, v in _worker_counts(client).items()})
         finally:
             client.close()
     return out
