@@ -74,3 +74,12 @@ def test_prompts_admitted_together_share_the_capped_budget(tokenizer):
     s.submit(seq(tokenizer, "q", range(20, 30)))
     step = s.plan()
     assert [q.id for q in step.seqs] == ["a", "p", "q"] and step.lengths.tolist() == [1, 4, 2]
+
+
+def test_decoders_in_another_micro_batch_cap_the_prompt_too(tokenizer):
+    """Pipelined: the decoders' micro-batch is in flight (busy), and waits behind this one on a stage."""
+    s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
+    decoders = _decoding(s, tokenizer, "a", "b")
+    s.submit(seq(tokenizer, "long", range(10, 30)))
+    step = s.plan(busy={d.id for d in decoders}, num_groups=2)
+    assert [q.id for q in step.seqs] == ["long"] and step.lengths.tolist() == [4]
