@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One H200 (~4-5 min): issue 19 item 4, the gap of 8 running streams while a long prompt prefills
+# One H200 (~4-5 min; the first bench call compiles and captures on a cold kernel cache, the second
+# loads them): issue 19 item 4, the gap of 8 running streams while a long prompt prefills
 # (target: their median inter-token gap while an 8k prompt prefills at most 2x the gap without it).
 # `bench decode --beside-prefill 2048,8192` on 48 x 32 A3B-shaped bf16 experts through the service,
 # once per value of max_prefill_tokens_beside_decode in CAPS ("none": unset, the chunk of today:
@@ -13,7 +14,7 @@ for cap in $CAPS; do
   echo "== bench decode --beside-prefill 2048,8192, max_prefill_tokens_beside_decode $cap"; date
   if [ "$cap" = none ]; then unset MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE
   else export MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$cap; fi
-  timeout 240 python3 -m moebus.cli bench decode --model $M --device cuda --batch 1 --tokens 2 --repeats 1 \
+  timeout 280 python3 -m moebus.cli bench decode --model $M --device cuda --batch 1 --tokens 2 --repeats 1 \
     --no-service --beside-prefill 2048,8192 --json 2>$OUT/beside_$cap.err | tee $OUT/beside_$cap.json | tail -c 600
   tail -3 $OUT/beside_$cap.err | grep -v Warn
 done
