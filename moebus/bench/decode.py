@@ -9,6 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
+from moebus.bench.beside_prefill import prompt_lengths
 
 
 def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int) -> dict:
@@ -162,6 +163,9 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams for --pipeline")
     p.add_argument("--schema", help="a JSON schema file: also batch 8 through the service with one stream under it "
                                     "vs none (moebus/bench/structured.py)")
+    p.add_argument("--beside-prefill", type=prompt_lengths,
+                   help="prompt lengths N[,N2]: also 8 streams' inter-token gaps through the service before and "
+                        "while one prompt of N tokens prefills (moebus/bench/beside_prefill.py)")
     args = p.parse_args(argv)
     from moebus.common.demo_model import demo_model_dir
     from moebus.workers.kv_cache import resolve_kv_dtype
@@ -227,6 +231,10 @@ def _peer_and_service(args, cfg, prompt: list[int], batches: list[int], rows: li
         from moebus.bench.structured import compare as schema_compare
 
         extra.update(schema_compare(args.model, args.device, prompt, args.tokens, args.schema, args.repeats))
+    if args.beside_prefill:
+        from moebus.bench.beside_prefill import compare as beside_compare
+
+        extra.update(beside_compare(args.model, args.device, args.beside_prefill))
     return extra
 
 

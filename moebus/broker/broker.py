@@ -57,7 +57,8 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
         self.tokenizer = tokenizer
         self.pool = pool
         self.model_name = model_name
-        self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens)
+        self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens,
+                                   settings.max_prefill_tokens_beside_decode)
         self.stats = Stats()
         self.history = History()  # what the dashboard plots over the last minutes
         self.ctx = zmq.Context.instance()

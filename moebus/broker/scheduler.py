@@ -1,6 +1,8 @@
 """FIFO admission and continuous batching. Each step takes every running sequence once: decoding
 ones feed their last token, prefilling ones the next chunk of their prompt within the step's token
-budget. A sequence keeps its KV slot from admission to its end."""
+budget, which is smaller while other sequences decode (``max_prefill_tokens_beside_decode``: a
+mixed step's time is what every running stream waits between two tokens). A sequence keeps its KV
+slot from admission to its end."""
 from __future__ import annotations
 
 from collections import deque
@@ -37,9 +39,13 @@ MASK_WAIT_SHARE = 0.05  # of a step's time: what a late grammar mask may cost th
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_queue: int, max_step_tokens: int):
+    def __init__(self, max_batch: int, max_queue: int, max_step_tokens: int,
+                 max_prefill_tokens_beside_decode: int | None = None):
+        """``max_prefill_tokens_beside_decode``: the prompt tokens a step takes while any running
+        sequence decodes (None: ``max_step_tokens`` less the decode rows, as when none decodes)."""
         self.max_queue = max_queue
         self.max_step_tokens = max_step_tokens
+        self.max_prefill_tokens_beside_decode = max_prefill_tokens_beside_decode
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.free_slots = list(range(max_batch))[::-1]
@@ -79,7 +85,7 @@ class Scheduler:
         decoding = with_ready_masks([s for s in idle if not s.is_prefilling], self.mask_wait_s,
                                     others=any(s.is_prefilling for s in idle))[:max_seqs]
         prefilling = [s for s in idle if s.is_prefilling][: max_seqs - len(decoding)]
-        budget = max(self.max_step_tokens - len(decoding), 0)
+        budget = self._prefill_budget(len(decoding))
         chosen, feeds = [], []
         for seq in decoding + prefilling:
             feed = seq.next_feed(budget if seq.is_prefilling else 1)
@@ -108,6 +114,15 @@ class Scheduler:
             top_logprobs=max((sp[i].logprobs for i in asked), default=0),
             logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples),
             masks=step_masks(chosen, samples))
+
+    def _prefill_budget(self, num_decoding: int) -> int:
+        """Prompt tokens this step may take. While a sequence decodes (in this step, or in another
+        micro-batch that waits behind this one on a stage) a long chunk would stretch its gap."""
+        budget = max(self.max_step_tokens - num_decoding, 0)
+        cap = self.max_prefill_tokens_beside_decode
+        if cap is not None and any(not s.is_prefilling for s in self.running.values()):
+            budget = min(budget, cap)
+        return budget
 
     @property
     def mask_wait_s(self) -> float:

@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     kv_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     max_queue: int = Field(256, ge=0)
     max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
+    # prompt tokens per step while other sequences decode, so their inter-token gap stays short while
+    # a long prompt is read (at the cost of its first token); None: max_step_tokens (docs/config.md)
+    max_prefill_tokens_beside_decode: int | None = Field(None, ge=1)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
     launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)
