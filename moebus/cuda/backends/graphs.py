@@ -9,7 +9,9 @@ same buffers it had in the eager run. The graph then owns those buffers for its 
 writes new inputs, launches the graph and copies the named outputs back, syncing once.
 
 ``run`` must enqueue kernels only (no host copy, sync or data-dependent host logic) and take the
-same code path for the same input shapes. Not available under numba's simulator."""
+same code path for the same input shapes. It may fork a second branch (``SideBranch``: the expert
+prefetch, workers/prefetch.py) and must join it before it returns. Not available under numba's
+simulator."""
 from __future__ import annotations
 
 import contextlib
@@ -160,8 +162,9 @@ def _stream_handle(stream) -> int:
 def _record_and_wait(event, recorder, waiter) -> None:
     from cuda.bindings import driver as cu
 
-    for result in (cu.cuEventRecord(int(event.handle), _stream_handle(recorder)),
-                   cu.cuStreamWaitEvent(_stream_handle(waiter), int(event.handle), 0)):
+    handle = int(getattr(event.handle, "value", event.handle))  # a bindings CUevent, or a ctypes handle
+    for result in (cu.cuEventRecord(handle, _stream_handle(recorder)),
+                   cu.cuStreamWaitEvent(_stream_handle(waiter), handle, 0)):
         if result[0] != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"fork/join of the side branch: {result[0]}")
 
