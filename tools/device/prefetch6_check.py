@@ -47,6 +47,8 @@ def decode(batch, steps=12):
 ok = True
 for batch in (1, 8):
     graph = decode(batch)
+    ok &= stage.use_graphs  # a capture that failed would have turned graphs off (and logged why)
+    print(f"batch {batch}: graphs {stage.use_graphs}, captures {stage.graph_captures}", flush=True)
     stage.use_graphs = False
     eager = decode(batch)
     stage.use_graphs = True
