@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-mib", type=float, help="instead, an expert cache of this many MiB, whatever the experts' "
                                                    "dtype (e.g. bf16's 25%% for fp8 and int4 experts)")
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
-    p.add_argument("--prefetch-slots", type=int, default=4, help="the next layer's experts copied ahead per layer "
-                   "where the cache is partial (settings experts.prefetch_slots; 0: none)")
+    p.add_argument("--prefetch-slots", type=int, default=0, help="the next layer's experts copied ahead per layer "
+                   "where the cache is partial (settings experts.prefetch_slots; 0: none, the default)")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],

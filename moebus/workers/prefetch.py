@@ -22,9 +22,10 @@ from moebus.cuda.kernels import linear, moe
 from moebus.cuda.kernels.prefetch import copy_prefetch_cuda, plan_prefetch_cuda, remap_prefetched_cuda
 
 BANKS = 2
-# per layer: one layer of a 48 x 32 A3B-shaped step at a 25% cache takes ~0.6 ms, in which PCIe (~50
-# GB/s) brings ~3 experts of 9 MiB; batch 1 misses ~2.4 a layer (hit rate 0.7), batch 8 ~7
-DEFAULT_SLOTS_PER_LAYER = 4
+# off: on an H200 (16 x 32 A3B-shaped, 25% cache) 4 slots a layer over each token's top-8 made decode
+# 9-14% slower, 30% of the copies being wasted (docs/performance.md); 2-4 is the range to try, since a
+# layer of a 25% cache takes ~0.6 ms, in which PCIe (~50 GB/s) brings ~3 experts of 9 MiB
+DEFAULT_SLOTS_PER_LAYER = 0
 
 
 class Prefetch:

@@ -12,5 +12,5 @@ echo "== GPU tests of the prefetch kernels"; date
 MOEBUS_TEST_GPU=1 timeout 40 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_prefetch.py 2>&1 | tail -3
 wait; tail -1 $OUT/init.log
 echo "== prefetch6_check.py (16 x 32, 25% cache)"; date
-timeout 120 python3 tools/device/prefetch6_check.py $M 64 4 2>&1 | grep -v Warn | tee $OUT/check.txt | tail -24
+timeout 120 python3 tools/device/prefetch6_check.py $M 64 4:8 2>&1 | grep -v Warn | tee $OUT/check.txt | tail -24
 date

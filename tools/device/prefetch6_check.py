@@ -2,7 +2,8 @@
 (1) graph == eager with the prefetch, and the prefetch on == off (``cache.prefetch = None``; the banks
 stay reserved), same tokens and bit-identical logprobs at batch 1 and 8; (2) bench decode's own
 figures (``_in_process`` + ``_bounds``: tok/s, hit rate, PCIe bound, the prefetch's counters) with the
-prefetch off and on. Usage: prefetch6_check.py MODEL [TOKENS] [SLOTS]"""
+prefetch off and with each variant SLOTS:RANKS (bank slots a layer : predicted experts a token; the
+first variant is the one checked). Usage: prefetch6_check.py MODEL [TOKENS] [SLOTS:RANKS,...]"""
 import sys
 import time
 
@@ -11,15 +12,25 @@ import numpy as np
 from moebus.bench.decode import _bounds, _in_process
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
+from moebus.workers.prefetch import Prefetch
 
 model_dir, tokens = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64
-slots = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+variants = [tuple(int(n) for n in v.split(":")) for v in (sys.argv[3] if len(sys.argv) > 3 else "4:8").split(",")]
+slots = max(k for k, _ in variants)
 prompt = [(7 * i + 3) % 200 + 10 for i in range(32)]
 t0 = time.perf_counter()
 model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt) + tokens + 8, cache_fraction=0.25,
                    prefetch_slots=slots, kv_dtype="bf16")
 stage, cfg = model.stages[0], model.ckpt.config
-cache, prefetch = stage.experts, stage.experts.prefetch
+cache = stage.experts
+
+
+def variant(k: int, ranks: int):
+    """A prefetch of k slots a layer (within the banks built) over each token's top-``ranks`` predicted."""
+    return Prefetch(k, len(cache.store.layers), cfg.num_experts, ranks, cache.store.blob_bytes)
+
+
+prefetch = variant(*variants[0]) if cache.prefetch is not None else None
 print(f"loaded in {time.perf_counter() - t0:.1f}s: {cache.num_slots} slots, {cache.num_reserved} banks, "
       f"prefetch {'on' if prefetch else 'OFF'}, graphs {stage.use_graphs}", flush=True)
 
@@ -61,7 +72,7 @@ for batch in (1, 8):
         print(f"batch {batch} graph+prefetch vs {name}: same tokens {same}, max |dlogprob| {dlp:.1e}", flush=True)
 print("PREFETCH CHECK", "OK" if ok else "FAILED", flush=True)
 rows = []
-for label, on in (("off", None), ("on", prefetch)):
+for label, on in [("off", None)] + [(f"{k}:{r}", variant(k, r)) for k, r in variants]:
     set_prefetch(on)
     for batch in (1, 8):
         r = _in_process(model, prompt, tokens, batch, 2)
@@ -71,7 +82,7 @@ for label, on in (("off", None), ("on", prefetch)):
         print(label, batch, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
 print(f"\n{cfg.num_layers} x {cfg.num_experts}, 25% cache ({cache.num_slots} slots, {cache.num_reserved} of them banks),"
       f" {tokens} tokens x 2 repeats, median step")
-print("prefetch batch    tok/s  hit_rate  pcie_bound  of_bound  h2d_GB/s  prefetched/step  used/step  wasted_MB/step")
+print("k:ranks  batch    tok/s  hit_rate  pcie_bound  of_bound  h2d_GB/s  prefetched/step  used/step  wasted_MB/step")
 for label, r in rows:
     print(f"{label:>8} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>9.3f} {r['pcie_bound_tok_s']:>11.1f} "
           f"{r['of_bound']:>9.3f} {r['h2d_gb_s']:>9.1f} {r['prefetched_per_step']:>16.2f} "
