@@ -30,7 +30,8 @@ DEFAULT_SLOTS_PER_LAYER = 0
 
 class Prefetch:
     def __init__(self, slots_per_layer: int, num_rows: int, num_experts: int, per_token: int, blob_bytes: int):
-        """``per_token``: the predicted experts of each token (the model's top-k)."""
+        """``per_token``: the predicted experts of each token that may be copied (the model's top-k,
+        or fewer: only each token's surest predictions, fewer wasted copies)."""
         self.slots_per_layer = slots_per_layer
         self.num_rows, self.num_experts, self.per_token = num_rows, num_experts, per_token
         self.blob_bytes = blob_bytes
