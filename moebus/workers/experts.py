@@ -6,7 +6,7 @@ from __future__ import annotations
 from moebus.cuda.memory.arena import HostArena, plan_segments
 from moebus.workers.expert_cache import ExpertCache
 from moebus.workers.host_store import HostStore
-from moebus.workers.prefetch import DEFAULT_SLOTS_PER_LAYER, BANKS, Prefetch
+from moebus.workers.prefetch import BANKS, DEFAULT_SLOTS_PER_LAYER, PREDICTED_PER_TOKEN, Prefetch
 
 DEFAULT_SEGMENT_BYTES = 2 << 20
 
@@ -50,7 +50,8 @@ def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None 
     prefetch = None
     if on_cuda and prefetch_slots and store.layers and BANKS * prefetch_slots * 2 + cfg.top_k <= arena.num_slots \
             < store.num_blobs:  # room for the banks and more than them for the cache; and misses to prefetch
-        prefetch = Prefetch(prefetch_slots, len(store.layers), store.num_experts, cfg.top_k, store.blob_bytes)
+        prefetch = Prefetch(prefetch_slots, len(store.layers), store.num_experts, min(cfg.top_k, PREDICTED_PER_TOKEN),
+                            store.blob_bytes)
     reserved = prefetch.num_reserved if prefetch is not None else 0
     cache = ExpertCache(store, arena, copier, policy=policy, startup_reserve_mib=startup_reserve_mib,
                         min_slots=cfg.top_k + reserved, prefetch=prefetch)
