@@ -35,10 +35,16 @@ def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int)
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
     misses = sum(a["misses"] - b["misses"] for a, b in zip(after, before))
     h2d = sum(a["h2d_bytes"] - b["h2d_bytes"] for a, b in zip(after, before))
+    fetched = {k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before))  # the next layer's, ahead
+               for k in ("prefetched", "prefetch_used", "prefetch_wasted_bytes")}
     median_s = statistics.median(step_s[tokens:] if repeats > 1 else step_s)  # the first repeat warms up
     return {"batch": batch, "tok_s": batch / median_s, "ms_per_step": median_s * 1e3,
-            "hit_rate": hits / max(hits + misses, 1), "h2d_bytes_per_step": h2d / tokens,
-            "h2d_gb_s": h2d / counted_s / 1e9, "unique_experts_per_step": (hits + misses) / tokens}
+            "hit_rate": hits / max(hits + misses, 1), "h2d_gb_s": h2d / counted_s / 1e9,
+            # the PCIe bound counts what the step needs: its misses and admissions, not wasted prefetches
+            "h2d_bytes_per_step": (h2d - fetched["prefetch_wasted_bytes"]) / tokens,
+            "unique_experts_per_step": (hits + misses) / tokens, "prefetched_per_step": fetched["prefetched"] / tokens,
+            "prefetch_used_per_step": fetched["prefetch_used"] / tokens,
+            "prefetch_wasted_mb_per_step": fetched["prefetch_wasted_bytes"] / tokens / 1e6}
 
 
 def _bounds(r: dict, cfg, num_layers: int, blob_bytes: int, pcie_gb_s: float, hbm_gb_s: float) -> dict:
@@ -147,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-mib", type=float, help="instead, an expert cache of this many MiB, whatever the experts' "
                                                    "dtype (e.g. bf16's 25%% for fp8 and int4 experts)")
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
+    p.add_argument("--prefetch-slots", type=int, default=0, help="the next layer's experts copied ahead per layer "
+                   "where the cache is partial (settings experts.prefetch_slots; 0: none, the default)")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
@@ -181,12 +189,13 @@ def main(argv=None) -> int:
         args.cache_frac = cache_fraction_of_mib(model_dir, args.experts_dtype, args.cache_mib)
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
                        max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, prefetch_slots=args.prefetch_slots)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
               "experts_dtype": args.experts_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
-              "graphs": any(s.use_graphs for s in model.stages)}
+              "graphs": any(s.use_graphs for s in model.stages),
+              "prefetch_slots": sum(s.experts.num_reserved for s in model.stages) // 2}  # 0: none ran
     rows = []
     for batch in batches:
         r = _in_process(model, prompt, args.tokens, batch, args.repeats)
@@ -261,10 +270,14 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
             "hbm_bound_tok_s")
     first = rows[0]
     print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs",
-                                               "experts_dtype", "kv_dtype", "expert_cache_mib")))
+                                               "experts_dtype", "kv_dtype", "expert_cache_mib", "prefetch_slots")))
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:
         print("  ".join(f"{_fmt(r[h]):>16}" for h in head))
+    for r in rows:
+        if r["prefetched_per_step"]:
+            print(f"batch {r['batch']} prefetch: {_fmt(r['prefetched_per_step'])} experts a step, "
+                  f"{_fmt(r['prefetch_used_per_step'])} used, {_fmt(r['prefetch_wasted_mb_per_step'])} MB wasted")
     for key, value in extra.items():
         print(f"{key:<28}  {_fmt(value)}")
 

@@ -12,7 +12,11 @@ slot, or ``-1 - key`` for an expert read from the host store (routing.py), trave
 and the kernels follow it. After each step ``observe`` learns the step's choices, and misses the
 policy deems worth a slot are copied in (on cuda, on the copy stream while later steps run); an
 entry points at a slot only once its copy is complete, and stops pointing at it before the slot is
-reused, shrunk away or lent out."""
+reused, shrunk away or lent out.
+
+With a prefetch (workers/prefetch.py) the first ``num_reserved`` slots are its banks: never free,
+never an admission's or a preload's; only a prefill group that finds every other slot pinned borrows
+one, until ``release``. The prefetch's wasted copies count in ``h2d_bytes``."""
 from __future__ import annotations
 
 import time
@@ -58,7 +62,9 @@ class SyncCopier:
 
 class ExpertCache:
     def __init__(self, store, arena, copier=None, policy="freq", startup_reserve_mib: float = 0.0,
-                 min_slots: int = 1, max_admissions: int | None = None):
+                 min_slots: int = 1, max_admissions: int | None = None, prefetch=None):
+        """``prefetch``: a workers.prefetch.Prefetch whose banks are the first slots (None: none);
+        ``min_slots`` must then cover them as well as an expert group."""
         self.store = store
         self.arena = arena
         self.copier = copier or SyncCopier(arena)
@@ -76,7 +82,10 @@ class ExpertCache:
         self.startup_reserve_mib = self.reserve_mib = startup_reserve_mib
         self.slot_key = np.full(arena.max_slots, EMPTY, dtype=np.int64)
         self.key_slot: dict[int, int] = {}
-        self.free: list[int] = list(range(arena.num_slots))[::-1]
+        self.prefetch = prefetch
+        self.num_reserved = prefetch.num_reserved if prefetch is not None else 0
+        assert self.num_reserved == 0 or min_slots > self.num_reserved, "shrinks and loans must keep the banks"
+        self.free: list[int] = list(range(self.num_reserved, arena.num_slots))[::-1]
         self.pinned: set[int] = set()
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
@@ -157,12 +166,18 @@ class ExpertCache:
 
     def release(self) -> None:
         self.pinned = set()
+        for slot in range(self.num_reserved):  # the prefetch's banks back from a prefill group
+            if self.slot_key[slot] != EMPTY:
+                self._evict(slot)
 
     def _take_slot(self) -> int:
         if self.free:
             return self.free.pop()
         key = self.policy.victim(lambda k: self.key_slot[k] not in self.pinned)
-        assert key is not None, "every slot pinned: groups are capped at num_slots"
+        if key is None:  # every slot in service pinned: a prefetch bank slot, until release()
+            slot = next((s for s in range(self.num_reserved) if self.slot_key[s] == EMPTY), None)
+            assert slot is not None, "every slot pinned: groups are capped at num_slots"
+            return slot
         slot = self.key_slot[key]
         self._evict(slot)
         return slot
@@ -221,6 +236,10 @@ class ExpertCache:
         self.land_admissions()
         if not self.pending:
             self._admit([k for k in missed.tolist() if k not in self.key_slot], ops)
+
+    def observe_prefetch(self, keys: np.ndarray, chosen: np.ndarray) -> None:
+        """One routed step's prefetch (bank keys (L, K)) against its choices (before ``observe``)."""
+        self.h2d_bytes += self.prefetch.observe(keys, chosen) * self.store.blob_bytes  # wasted copies
 
     def _admit(self, missed: list[int], ops) -> None:
         budget = min(self.max_admissions, len(missed))
@@ -380,7 +399,8 @@ class ExpertCache:
         # the dtype decides how many experts a MiB holds: fp8 ~2x and int4 ~3.5x bf16's slots
         return {"hits": self.hits, "misses": self.misses, "h2d_bytes": self.h2d_bytes,
                 "resident_experts": len(self.key_slot), "experts_dtype": getattr(self.store, "experts_dtype", "bf16"),
-                "expert_slot_bytes": int(self.store.blob_bytes), **self.report()}
+                "expert_slot_bytes": int(self.store.blob_bytes), **self.report(),
+                **(self.prefetch.stats() if self.prefetch is not None else {})}
 
     def residency(self) -> dict:
         """Which (layer, expert) are resident and their hits since admission, compact enough for

@@ -284,7 +284,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
     cache = build_expert_cache(ckpt, stage.layer_range, stage.ops,
                                capacity_bytes=startup_capacity_bytes(free, reserve, scratch_to_keep),
                                segment_bytes=settings.segment_mib * MIB, elastic=settings.vram_elastic, gpu=ledger,
-                               startup_reserve_mib=reserve, store=store)
+                               startup_reserve_mib=reserve, store=store, prefetch_slots=settings.experts.prefetch_slots)
     stage.scratch = scratch  # steps longer than the measured one borrow from the cache
     if ledger is None:  # unless the GPU has room beyond a cache of every expert: then they use that
         spare = free - int(reserve * MIB) - scratch_to_keep - cache.arena.mapped_bytes

@@ -68,6 +68,8 @@ def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None 
 def finish(stage: Stage, launched: Launched) -> StageOutput:
     """Wait for a launched step; its outputs, with the cache told which experts it read."""
     out = launched.launch.collect()
+    if "prefetch_keys" in out:  # the next layers' experts it copied ahead (workers/prefetch.py)
+        stage.experts.observe_prefetch(out["prefetch_keys"], out["expert_ids"])
     if "expert_ids" in out:
         stage.experts.observe(out["expert_ids"], stage.ops)
     return stage._sample_output(launched.batch, out, False)

@@ -118,6 +118,8 @@ class Stage:
             out, device_out = self._eager(batch, inputs, routed, want_logits)
         if self.is_last and batch.top_logprobs:
             out["top_ids"], out["top_logprobs"] = self._top_logprobs(batch, device_out["logits"])
+        if "prefetch_keys" in out:  # before observe: what was prefetched for these choices
+            self.experts.observe_prefetch(out["prefetch_keys"], out["expert_ids"])
         if "expert_ids" in out:
             self.experts.observe(out["expert_ids"], self.ops)
         if not self.is_last:
@@ -147,6 +149,7 @@ class Stage:
     def _wanted(self, batch: StepBatch, want_logits: bool) -> list[str]:
         """The outputs that come back to the host: one step's results and its routing choices."""
         names = ["expert_ids"] if self.experts.store.layers and batch.num_tokens <= ROUTED_MAX_TOKENS else []
+        names += ["prefetch_keys"] if names and self._prefetch() is not None else []
         if not self.is_last:
             return names + ["hidden"]
         return names + ["tokens", "logprobs"] + (["logits"] if want_logits else [])
@@ -229,7 +232,10 @@ class Stage:
         if routed and self.experts.store.layers:
             shape = (len(self.experts.store.layers), batch.num_tokens, self.cfg.top_k)
             out["expert_ids"] = ops.empty(shape, np.int32)
-            route = (self.experts.device_placement(ops), out["expert_ids"])
+            route = (self.experts.device_placement(ops), out["expert_ids"], self._prefetch())
+            if route[2] is not None:
+                route[2].begin(ops)
+                out["prefetch_keys"] = route[2].keys(ops)
         residual = None
         segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
@@ -312,7 +318,11 @@ class Stage:
         return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
                                        w["mlp_down"]))
 
-    def _moe_routed(self, layer: int, w: dict, x, o, placement, expert_ids):
+    def _prefetch(self):
+        """The expert cache's prefetch of the next layer's experts on cuda (workers/prefetch.py), or None."""
+        return getattr(self.experts, "prefetch", None) if self.ops.name == "cuda" else None
+
+    def _moe_routed(self, layer: int, w: dict, x, o, placement, expert_ids, prefetch=None):
         """Decode: residual add, MLP norm, router, top-k and pair tables in one op (norm_route), the
         router's choices going through the placement table on the device; experts that are not
         resident are read from the (mapped) host store by the kernels themselves. Returns (x, the
@@ -322,11 +332,17 @@ class Stage:
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
+        keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
+        if prefetch is not None:  # this layer's copies in, then the next layer's on the side
+            layers = self.experts.store.layers
+            next_router = self.layers[layer + 1]["router"] if layers[row + 1:row + 2] == [layer + 1] else None
+            keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement,
+                                           self.experts.store.device_blobs, self.experts.array)
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,
                        layout=self.experts.store.layout)  # layout: quantized experts (None: bf16)
-        return x, ("moe", out, weights)  # combined by the next norm (_residual_norm)
+        return x, ("moe", out, weights) + keep  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""

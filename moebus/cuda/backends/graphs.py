@@ -9,7 +9,9 @@ same buffers it had in the eager run. The graph then owns those buffers for its 
 writes new inputs, launches the graph and copies the named outputs back, syncing once.
 
 ``run`` must enqueue kernels only (no host copy, sync or data-dependent host logic) and take the
-same code path for the same input shapes. Not available under numba's simulator."""
+same code path for the same input shapes. It may fork a second branch (``SideBranch``: the expert
+prefetch, workers/prefetch.py) and must join it before it returns. Not available under numba's
+simulator."""
 from __future__ import annotations
 
 import contextlib
@@ -134,6 +136,48 @@ class CapturedStep:
         self.graph.close()
         if not self.shared_pool:
             self.pool.release()
+
+
+class SideBranch:
+    """A second stream that forks from the compute stream and joins it again, eagerly or while the
+    compute stream is being captured: an event recorded on the capturing stream and waited on by the
+    side stream pulls the side stream into the graph as a parallel branch, and the join's event
+    brings it back (a capture must end with every branch joined). Under the simulator every launch
+    runs to completion at once, so there is nothing to order."""
+
+    def __init__(self):
+        self.stream = cuda.stream()
+        self.forks = 0  # forks not yet joined: at most one
+        if not SIMULATOR:
+            self._forked, self._joined = cuda.event(timing=False), cuda.event(timing=False)
+
+    def fork(self, main) -> None:
+        """Work launched on ``self.stream`` from now on runs after what ``main`` has so far."""
+        assert self.forks == 0, "fork while a branch is open"
+        self.forks = 1
+        if not SIMULATOR:
+            _record_and_wait(self._forked, main, self.stream)
+
+    def join(self, main) -> None:
+        """Work launched on ``main`` from now on runs after the side branch's."""
+        assert self.forks == 1, "join without a fork"
+        self.forks = 0
+        if not SIMULATOR:
+            _record_and_wait(self._joined, self.stream, main)
+
+
+def _stream_handle(stream) -> int:
+    return int(stream.__cuda_stream__()[1])  # a numba Stream or a cuda.core GraphBuilder
+
+
+def _record_and_wait(event, recorder, waiter) -> None:
+    from cuda.bindings import driver as cu
+
+    handle = int(getattr(event.handle, "value", event.handle))  # a bindings CUevent, or a ctypes handle
+    for result in (cu.cuEventRecord(handle, _stream_handle(recorder)),
+                   cu.cuStreamWaitEvent(_stream_handle(waiter), handle, 0)):
+        if result[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"fork/join of the side branch: {result[0]}")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,62 @@
+"""The prefetch in decode steps (numba's simulator, the micro model of test_e2e: 2 MoE layers of 4
+experts, top-2): the next layer's predicted misses, copied into the bank slots on the side branch,
+change where the experts are read from, never what comes out."""
+import numpy as np
+
+from moebus.common.checkpoint import Checkpoint
+from moebus.cuda.backends import make_backend
+from moebus.cuda.memory.vmm import DeviceArena
+from moebus.workers.batch import StepBatch
+from moebus.workers.expert_cache import ExpertCache
+from moebus.workers.experts import build_expert_cache
+from moebus.workers.host_store import HostStore
+from moebus.workers.prefetch import Prefetch
+from moebus.workers.stage import Stage
+from tests.cuda.test_e2e import micro_model  # noqa: F401 - the fixture
+
+PROMPT = [5, 17, 42]
+
+
+def _stage(model_dir, num_slots: int = 6, slots_per_layer: int = 1):
+    """A stage over a cache of ``num_slots`` of the 8 experts, the first 2 of them the banks."""
+    ckpt, backend = Checkpoint(model_dir), make_backend("cuda")
+    store = HostStore(ckpt, range(2), allocate=backend.host_empty, device_view=backend.host_device_view)
+    arena = DeviceArena(store.blob_bytes, store.dtype, [num_slots * store.blob_bytes])
+    arena.grow()
+    prefetch = Prefetch(slots_per_layer, 2, store.num_experts, ckpt.config.top_k, store.blob_bytes)
+    cache = ExpertCache(store, arena, min_slots=ckpt.config.top_k + 2, prefetch=prefetch)
+    cache.preload()
+    return Stage(ckpt, range(2), backend, 2, 32, experts=cache)
+
+
+def _decode(stage, slot: int, steps: int = 1):
+    stage.forward(StepBatch(slots=[slot], starts=[0], lengths=[len(PROMPT)], tokens=PROMPT))
+    last, tokens, logprobs = [PROMPT[-1]], [], []
+    for i in range(steps):
+        out = stage.forward(StepBatch(slots=[slot], starts=[len(PROMPT) + i], lengths=[1], tokens=last))
+        last = [int(t) for t in out.tokens]
+        tokens.append(last)
+        logprobs.append(out.logprobs.copy())
+    return np.array(tokens), np.array(logprobs)
+
+
+def test_prefetched_experts_give_the_same_tokens_and_logprobs(micro_model):  # noqa: F811
+    stage = _stage(micro_model)
+    cache = stage.experts
+    assert cache.num_reserved == 2 and 0 not in cache.free and 1 not in cache.free
+    with_prefetch = _decode(stage, slot=0)
+    stats = cache.prefetch.stats()  # (as cache.stats() reports it; the simulator has no memory info)
+    assert stats["prefetched"] > 0 and stats["prefetch_used"] > 0  # it ran, and was right at least once
+    assert stats["prefetched"] == stats["prefetch_used"] + stats["prefetch_wasted"]
+    assert all(int(cache.slot_key[s]) == -1 for s in range(2))  # the banks never hold a cached expert
+    prefetch, cache.prefetch = cache.prefetch, None  # the same sequence on another KV slot, read in place
+    without = _decode(stage, slot=1)
+    assert prefetch.prefetched == stats["prefetched"]  # no prefetch ran
+    np.testing.assert_array_equal(with_prefetch[0], without[0])
+    np.testing.assert_array_equal(with_prefetch[1], without[1])
+
+
+def test_no_prefetch_where_the_cache_holds_every_expert(micro_model):  # noqa: F811
+    ckpt = Checkpoint(micro_model)
+    cache = build_expert_cache(ckpt, range(2), make_backend("cuda"), prefetch_slots=1)
+    assert cache.prefetch is None and cache.num_reserved == 0
