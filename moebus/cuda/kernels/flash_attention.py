@@ -199,12 +199,9 @@ def flash_prefill_cuda(q, k_cache, v_cache, segments, scale: float, window: int,
 def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream):
     """out = vision_attention_ref(q, k, v, num_images, scale): rows (N P, H, hd) float32, each image's
     P rows attending to each other."""
-    require("q", q, np.float32, ndim=3)
-    for name, array in (("k", k), ("v", v), ("out", out)):
-        require(name, array, np.float32, shape=tuple(q.shape))
-    rows, heads, head_dim = q.shape
-    if num_images <= 0 or rows % num_images:
-        raise ValueError(f"{rows} rows do not split into {num_images} images")
+    from moebus.cuda.kernels.vision_attention import image_rows
+
+    rows, heads, head_dim = image_rows(q, k, v, out, num_images)
     positions = rows // num_images
     if positions:
         row_pitch = heads * head_dim

@@ -98,14 +98,21 @@ def _vision_attention_kernel(head_dim: int, warps: int):
     return attend
 
 
-def vision_attention_cuda(q, k, v, num_images: int, scale: float, out, stream=0):
-    """out = vision_attention_ref(q, k, v, num_images, scale) on device arrays (N P, H, hd) float32."""
+def image_rows(q, k, v, out, num_images: int) -> tuple[int, int, int]:
+    """(rows, heads, head_dim) of image attention's (N P, H, hd) float32 q, k, v and out, checked to
+    be alike and to split into ``num_images`` images (this kernel's and flash_attention's)."""
     require("q", q, np.float32, ndim=3)
     for name, array in (("k", k), ("v", v), ("out", out)):
         require(name, array, np.float32, shape=tuple(q.shape))
     rows, heads, head_dim = q.shape
     if num_images <= 0 or rows % num_images:
         raise ValueError(f"{rows} rows do not split into {num_images} images")
+    return rows, heads, head_dim
+
+
+def vision_attention_cuda(q, k, v, num_images: int, scale: float, out, stream=0):
+    """out = vision_attention_ref(q, k, v, num_images, scale) on device arrays (N P, H, hd) float32."""
+    rows, heads, head_dim = image_rows(q, k, v, out, num_images)
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} (the shared-memory tiles are sized for it)")
     if rows == 0:
