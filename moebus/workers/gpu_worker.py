@@ -30,7 +30,8 @@ from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.kv_cache import resolve_kv_dtype
 from moebus.workers.loop import serve
-from moebus.workers.stage import Stage, warm_sizes
+from moebus.workers.graph_warmup import warm_graphs, warm_sizes
+from moebus.workers.stage import Stage
 
 log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
@@ -209,12 +210,12 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
 
 
 def warm_decode_graphs(stage: Stage, max_batch: int, label: str) -> None:
-    """Capture the decode graphs before READY (Stage.warm_graphs), so that a batch size seen for the
+    """Capture the decode graphs before READY (graph_warmup.py), so that a batch size seen for the
     first time while serving does not stall every stream for its capture and compiles."""
     if not stage.use_graphs:
         return
     started = time.perf_counter()
-    count = stage.warm_graphs(warm_sizes(max_batch), progress=lambda it: tqdm(it, desc=f"{label}: decode graphs",
+    count = warm_graphs(stage, warm_sizes(max_batch), progress=lambda it: tqdm(it, desc=f"{label}: decode graphs",
                                                                               unit="batch size"))
     log.info("%s: %d decode graphs captured in %.1f s", label, count, time.perf_counter() - started)
 

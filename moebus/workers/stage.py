@@ -200,23 +200,6 @@ class Stage:
             return None
         return graph
 
-    def warm_graphs(self, sizes, masked: bool = True, progress=iter) -> int:
-        """Capture the decode step of every batch size in ``sizes`` now (and, on the last stage, its
-        twin with a grammar mask when ``masked``), so that no step pays a capture (~0.2 s at 48 layers)
-        or kernel compiles (seconds each on a cold kernel cache: linear kernels are specialised by
-        token count) when a batch of a new size first runs. The steps write KV at position 0 of slots
-        that no sequence holds yet. Returns how many graphs were captured."""
-        if not self.use_graphs:
-            return 0
-        before = self.graph_captures
-        for n in progress([n for n in sizes if n <= min(self.kv.num_slots, ROUTED_MAX_TOKENS)]):
-            for with_mask in (False, True) if masked and self.is_last else (False,):
-                batch = warm_decode_batch(self, n, with_mask)
-                hidden = None if self.is_first else np.zeros((n, self.cfg.hidden_size), np.float32)
-                self._graph_for(batch, self._host_inputs(batch, hidden))
-        self.ops.begin_step()
-        return self.graph_captures - before
-
     def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
         """The step on the device: kernels only when ``routed`` (so it can be captured)."""
         ops = self.ops
@@ -378,28 +361,6 @@ class Stage:
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
         return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,
                            top_ids=out.get("top_ids"), top_logprobs=out.get("top_logprobs"))
-
-
-def warm_decode_batch(stage: Stage, n: int, masked: bool) -> StepBatch:
-    """A decode step of ``n`` sequences at position 0 (Stage.warm_graphs); ``masked``: the first
-    row constrained by an all-allowing grammar mask."""
-    last = stage.is_last
-    mask = {}
-    if masked:
-        words = -(-stage.cfg.vocab_size // 32)
-        mask = dict(mask=np.full((1, words), 0xFFFFFFFF, np.uint32), mask_rows=np.array([0] + [-1] * (n - 1), np.int32))
-    return StepBatch(slots=np.arange(n), starts=np.zeros(n), lengths=np.ones(n),
-                     tokens=np.zeros(n, np.int32) if stage.is_first else None,
-                     temperature=np.ones(n, np.float32) if last else None, top_k=np.zeros(n, np.int32) if last else None,
-                     top_p=np.ones(n, np.float32) if last else None, u=np.full(n, 0.5, np.float32) if last else None,
-                     **mask)
-
-
-def warm_sizes(max_batch: int) -> list[int]:
-    """The decode batch sizes a worker captures at start: every size up to 16, then powers of two
-    and max_batch itself (other sizes are captured when they first run)."""
-    sizes = set(range(1, min(max_batch, 16) + 1)) | {1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch}
-    return sorted(sizes | {max_batch})
 
 
 def _segments(batch: StepBatch) -> list[tuple[int, int, int, int]]:

@@ -1,4 +1,4 @@
-"""Decode graphs captured before serving (Stage.warm_graphs, gpu_worker.warm_decode_graphs): every
+"""Decode graphs captured before serving (workers/graph_warmup.py, gpu_worker.warm_decode_graphs): every
 batch size up to max_batch and its grammar-masked twin are captured once, all sharing one scratch
 pool, and a run whose batch size changes from step to step then captures nothing more and gives
 the eager path's tokens and logprobs bit for bit (on a GPU: CUDA graphs do not exist in the simulator)."""
@@ -8,7 +8,7 @@ import pytest
 from moebus.cuda.backends.graphs import graphs_available
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
-from moebus.workers.stage import warm_decode_batch, warm_sizes
+from moebus.workers.graph_warmup import warm_decode_batch, warm_graphs, warm_sizes
 from tests.cuda.test_launch_ahead import micro_model  # noqa: F401 - the fixture
 
 SLOTS = 4
@@ -39,7 +39,7 @@ def _run(model_dir, graphs: bool, monkeypatch):
     monkeypatch.setenv("MOEBUS_CUDA_GRAPHS", "1" if graphs else "0")
     model = LocalModel(model_dir, device="cuda", num_slots=SLOTS, max_context=64)
     stage = model.stages[0]
-    warmed = stage.warm_graphs(range(1, SLOTS + 1))
+    warmed = warm_graphs(stage, range(1, SLOTS + 1))
     out = model.step(StepBatch(slots=range(SLOTS), starts=[0] * SLOTS, lengths=[len(p) for p in PROMPTS],
                                tokens=[t for p in PROMPTS for t in p], temperature=[0.0] * SLOTS))
     last, pos, seen = [int(t) for t in out.tokens], [len(p) for p in PROMPTS], []
