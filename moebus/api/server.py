@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 
 from moebus.api.app import create_app
 from moebus.common.errors import ConfigError
@@ -25,6 +26,7 @@ PR_SET_PDEATHSIG = 1
 SPARE_THREADS = 16  # beyond the streams the broker can hold: /health, /metrics, refusals
 CHANNEL_TIMEOUT_S = 60  # a connection that sends nothing for this long is closed (slow or idle clients)
 STOP_GRACE_S = 1.5  # after SIGTERM: open streams end with an error event within a tick (0.5 s), then exit
+HARD_STOP_S = 5.0  # after the grace: a process that has still not exited (a thread that never returns) ends anyway
 
 
 def _die_with_parent() -> None:
@@ -73,6 +75,7 @@ def _serve(settings, sock: socket.socket) -> int:
         app.extensions["moebus.stopping"].set()
         signal.signal(signal.SIGALRM, _exit)
         signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
+        _exit_anyway_after(STOP_GRACE_S + HARD_STOP_S)
 
     def _exit(_signum, _frame):
         raise SystemExit(0)  # waitress' run() ends on SystemExit and shuts its threads down
@@ -86,6 +89,18 @@ def _serve(settings, sock: socket.socket) -> int:
     finally:
         server.close()
     return 0
+
+
+def _exit_anyway_after(seconds: float) -> None:
+    """A stop that has not ended the process within ``seconds`` ends it hard: an api whose broker is
+    gone must not outlive it (seen once in the suite: alive 30 s after its serve was killed)."""
+    def hard_exit():
+        log.warning("api did not stop within %.1f s of the stop signal; exiting now", seconds)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 def run_api(settings) -> int:
