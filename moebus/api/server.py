@@ -72,6 +72,7 @@ def _serve(settings, sock: socket.socket) -> int:
         # Open streams end with an error event and [DONE], not a cut connection: in `moebus serve` a
         # SIGTERM here means the broker has gone (the parent-death signal). They notice within a
         # tick (api/streaming.py) and waitress writes their last bytes before the process ends.
+        log.info("api stopping (signal %d): open streams end now", _signum)
         app.extensions["moebus.stopping"].set()
         signal.signal(signal.SIGALRM, _exit)
         signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_S)
