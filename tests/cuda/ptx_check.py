@@ -82,10 +82,12 @@ def _numba_type(arg) -> str:
 
 
 class Compiler:
-    def __init__(self, cc, dump_dir=None):
+    def __init__(self, cc, dump_dir=None, shard=(0, 1)):
         self.cc = cc
         self.dump_dir = dump_dir
-        self.results = {}  # (kernel, signature, id) -> (ptx or None, error)
+        self.shard = shard  # (i, n): compile only the i-th of every n variants, in order of first launch
+        self.seen = {}  # (kernel, signature, id) -> order of first launch
+        self.results = {}  # same key -> (ptx or None, error)
         self.threads = {}  # same key -> most threads per block it is launched with
 
     def launch(self, kernel, config, args):
@@ -95,7 +97,8 @@ class Compiler:
         key = (kernel.py_func.__qualname__, signature, id(kernel))
         block = config[1] if isinstance(config[1], tuple) else (config[1],)
         self.threads[key] = max(self.threads.get(key, 0), int(np.prod(block)))
-        if key in self.results:
+        order = self.seen.setdefault(key, len(self.seen))
+        if key in self.results or order % self.shard[1] != self.shard[0]:
             return
         try:
             ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=self.cc)
@@ -317,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-home", default=None)
     parser.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 for H100/H200")
     parser.add_argument("--dump", default=None, help="write each kernel's PTX into this folder")
+    parser.add_argument("--shard", default="0/1", help="I/N: check only the I-th of every N kernel variants "
+                        "(N processes side by side cover them all)")
     args = parser.parse_args(argv)
     cuda_home = args.cuda_home or find_cuda_home()
     if cuda_home is None:
@@ -324,7 +329,10 @@ def main(argv=None) -> int:
         return 2
     cc = tuple(int(p) for p in args.cc.split("."))
     dispatcher_class = _offline_numba(cuda_home, cc)
-    compiler = Compiler(cc, args.dump)
+    shard = tuple(int(p) for p in args.shard.split("/"))
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        parser.error(f"--shard wants I/N with 0 <= I < N, got {args.shard!r}")
+    compiler = Compiler(cc, args.dump, shard)
     dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: compiler.launch(kernel, config, a))
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
@@ -344,7 +352,7 @@ def main(argv=None) -> int:
         flag = "F64 " if f64 else "SIZE" if too_big else "LOCAL" if local else "ok  "
         print(f"{flag} {name:<40} f64 {f64:2d} local {local:2d} regs {registers:3d} x {compiler.threads[key]:4d} "
               f"smem {shared:5d}  {signature}")
-    print(f"{len(compiler.results)} kernel variants, {failures} with problems")
+    print(f"{len(compiler.results)} kernel variants (shard {args.shard} of {len(compiler.seen)}), {failures} with problems")
     return 1 if failures else 0
 
 
