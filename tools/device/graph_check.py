@@ -3,12 +3,11 @@ eager path, and a cache of 25% of the experts (misses read from mapped host memo
 resident. Usage: graph_check.py MODEL_DIR"""
 import os
 import sys
-import time
 
 import numpy as np
 
-from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
+from decode_tokens import decode_tokens  # noqa: E402 - beside this script
 
 model_dir = sys.argv[1]
 prompt = [5, 17, 99, 3, 42, 7, 250, 31, 8]
@@ -18,20 +17,10 @@ def run(graphs: bool, fraction=None, batch=1, tokens=24):
     os.environ["MOEBUS_CUDA_GRAPHS"] = "1" if graphs else "0"
     model = LocalModel(model_dir, device="cuda", num_slots=batch, max_context=64, cache_fraction=fraction)
     assert all(s.use_graphs == graphs for s in model.stages)
-    model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch,
-                         tokens=prompt * batch))
-    out_tokens, out_lp, last = [], [], [prompt[-1] + s for s in range(batch)]
-    t = time.perf_counter()
-    for i in range(tokens):
-        out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
-                                   tokens=last))
-        last = [int(x) for x in out.tokens]
-        out_tokens.append(last)
-        out_lp.append(out.logprobs.copy())
-    dt = time.perf_counter() - t
+    out_tokens, out_lp, dt = decode_tokens(model, prompt, batch, tokens)
     stats = model.stages[0].experts.stats()
     del model
-    return np.array(out_tokens), np.array(out_lp), dt, stats
+    return out_tokens, out_lp, dt, stats
 
 
 ok = True

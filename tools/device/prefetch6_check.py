@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from moebus.bench.decode import _bounds, _in_process
-from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
 from moebus.workers.prefetch import Prefetch
+from decode_tokens import decode_tokens  # noqa: E402 - beside this script
 
 model_dir, tokens = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64
 variants = [tuple(int(n) for n in v.split(":")) for v in (sys.argv[3] if len(sys.argv) > 3 else "4:8").split(",")]
@@ -44,15 +44,7 @@ def set_prefetch(on) -> None:
 
 
 def decode(batch, steps=12):
-    model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
-    last, out_tokens, out_lp = [prompt[-1] + s for s in range(batch)], [], []
-    for i in range(steps):
-        out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
-                                   tokens=last))
-        last = [int(t) for t in out.tokens]
-        out_tokens.append(last)
-        out_lp.append(out.logprobs.copy())
-    return np.array(out_tokens), np.array(out_lp)
+    return decode_tokens(model, prompt, batch, steps)[:2]
 
 
 ok = True
