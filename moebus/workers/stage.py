@@ -4,7 +4,8 @@ and reads its experts through the expert cache's placement table (arena slot or 
 
 A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
 batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
-``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
+``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results. Its
+experts run as GEMVs, or in tiles on tensor cores where each gets many pairs (moe_prefill.py).
 Longer steps (prefill) group experts by expert: on tensor cores where the backend has them and
 the experts are bf16 (moe_prefill.py, planned on the device where the cache holds a whole layer),
 else on the host with GEMVs (``_moe``)."""
