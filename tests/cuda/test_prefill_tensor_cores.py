@@ -97,3 +97,19 @@ def test_a_decode_step_of_many_sequences_groups_its_experts_and_matches_the_cpu_
         np.testing.assert_allclose(got.logits, want.logits, atol=1e-3)
     steps_run_in_python = 1 if cuda.stages[0].use_graphs else 3  # on a GPU: captured once, then replayed
     assert len(placed) == steps_run_in_python * cuda.ckpt.config.num_layers
+
+
+def test_decode_tiles_need_tensor_cores_bf16_experts_and_enough_pairs_per_expert(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 8)
+    ops = SimpleNamespace(tensor_cores=TensorCores(HostBlas()))
+    bf16 = SimpleNamespace(array=np.zeros((1, 4), np.uint16), store=SimpleNamespace(layout=None))
+    assert moe_prefill.groups_in_decode(ops, bf16, 64 * 8, 32)  # batch 64 over 32 experts: 16 pairs each
+    assert not moe_prefill.groups_in_decode(ops, bf16, 16 * 8, 32)  # 4 each: the GEMVs
+    assert not moe_prefill.groups_in_decode(ops, bf16, 64 * 8, 128)  # A3B's 128 experts: 4 each
+    assert not moe_prefill.groups_in_decode(SimpleNamespace(tensor_cores=None), bf16, 64 * 8, 32)
+    quantized = SimpleNamespace(array=np.zeros((1, 4), np.uint8), store=SimpleNamespace(layout=object()))
+    assert not moe_prefill.groups_in_decode(ops, quantized, 64 * 8, 32)
+    monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 0)  # MOEBUS_DECODE_GROUPED_PAIRS_PER_EXPERT=0: never
+    assert not moe_prefill.groups_in_decode(ops, bf16, 64 * 8, 32)
