@@ -10,7 +10,13 @@ to the next; resident experts' gate|up products run while the misses are still b
 (``plan="host"``). Either way a prefill chunk's missed experts are copied in once and serve all of
 the chunk's tokens.
 
-Used where the backend has tensor cores and the experts are bf16; otherwise Stage._moe (GEMVs)."""
+Used where the backend has tensor cores and the experts are bf16; otherwise Stage._moe (GEMVs).
+
+Decode steps of many sequences (``groups_in_decode``: at least ``DECODE_PAIRS_PER_EXPERT`` pairs
+per expert, e.g. batch 64 over 32 experts of 8 chosen: 16) take the same tiles from the router's
+choices on the device, each expert read where decode's placement table says (an arena slot, or the
+host store through its mapping), so the step stays one captured graph (``grouped_moe_placed``);
+smaller batches keep the GEMVs, which read each expert once per run of <= 8 pairs."""
 from __future__ import annotations
 
 import os
@@ -21,11 +27,21 @@ from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles
 
 DEVICE_PLAN_PAIRS_PER_EXPERT = 4  # with P >= 4 E uniform routing leaves < 2% of the experts unchosen
 PLAN = os.environ.get("MOEBUS_EXPERT_PLAN", "auto")  # auto, device or host (for comparison)
+# decode: tiles instead of the GEMVs from this many pairs per expert (0: never); not yet measured
+DECODE_PAIRS_PER_EXPERT = int(os.environ.get("MOEBUS_DECODE_GROUPED_PAIRS_PER_EXPERT", "8"))
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:
     tensor_cores = getattr(ops, "tensor_cores", None)
     return tensor_cores is not None and num_tokens >= tensor_cores.min_rows and experts.array.dtype == np.uint16
+
+
+def groups_in_decode(ops, experts, num_pairs: int, num_experts: int) -> bool:
+    """True where a decode step's experts run in tiles on tensor cores (grouped_moe_placed)."""
+    tensor_cores = getattr(ops, "tensor_cores", None)
+    return (tensor_cores is not None and DECODE_PAIRS_PER_EXPERT > 0 and experts.array.dtype == np.uint16
+            and experts.store.layout is None and num_experts <= MAX_EXPERTS
+            and num_pairs >= DECODE_PAIRS_PER_EXPERT * num_experts)
 
 
 def plans_on_device(experts, num_pairs: int, num_experts: int) -> bool:
@@ -83,4 +99,19 @@ def _planned_on_host(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: 
             work.gate_up(pointers, num_ready)
         work.swiglu(tiles[0], len(tiles))
         work.down(pointers)
+    return work.pair_outputs()
+
+
+def grouped_moe_placed(ops, experts, h, ids, placement_row, hidden: int, inter: int, num_experts: int):
+    """(P, D) float32 expert outputs in pair order for a decode step: ``h`` (T, D) and the router's
+    ``ids`` (T, A) on the device, each expert where ``placement_row`` (E,) (the placement table's row
+    of this layer) says. Kernels and cuBLAS calls only (capturable); tiles of about twice the mean
+    pairs per expert, so that most experts take one tile and are read once."""
+    num_pairs = ids.size
+    t = tile_pairs(2 * num_pairs, num_experts)
+    work = ExpertTiles(ops, ops.tensor_cores, h, ids.shape[1], tile_bound(num_pairs, num_experts, t), hidden, inter, t)
+    pointers = work.plan_on_device(ids, experts.array, placement_row, num_experts, store=experts.store.device_blobs)
+    work.gate_up(pointers)
+    work.swiglu(0, work.max_tiles)
+    work.down(pointers)
     return work.pair_outputs()

@@ -4,7 +4,8 @@ and reads its experts through the expert cache's placement table (arena slot or 
 
 A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
 batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
-``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results.
+``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results. Its
+experts run as GEMVs, or in tiles on tensor cores where each gets many pairs (moe_prefill.py).
 Longer steps (prefill) group experts by expert: on tensor cores where the backend has them and
 the experts are bf16 (moe_prefill.py, planned on the device where the cache holds a whole layer),
 else on the host with GEMVs (``_moe``)."""
@@ -24,7 +25,7 @@ from moebus.workers.kv_cache import KVCache
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 from moebus.workers.qwen3vl_step import add_deepstack, deepstack_inputs, rope_positions
 from moebus.workers.experts import build_expert_cache
-from moebus.workers.moe_prefill import can_group_on_device, grouped_moe
+from moebus.workers.moe_prefill import can_group_on_device, grouped_moe, grouped_moe_placed, groups_in_decode
 
 log = logging.getLogger("moebus.stage")
 ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (decode); longer ones group on the host
@@ -315,6 +316,10 @@ class Stage:
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
+        if prefetch is None and groups_in_decode(ops, self.experts, h.shape[0] * cfg.top_k, cfg.num_experts):
+            y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement[row], cfg.hidden_size,
+                                        cfg.moe_intermediate_size, cfg.num_experts)  # many tokens: tensor cores
+            return x, ("moe", y_pair, weights)
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
         if prefetch is not None:  # this layer's copies in, then the next layer's on the side
             layers = self.experts.store.layers

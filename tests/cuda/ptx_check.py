@@ -242,7 +242,7 @@ def exercise_tensor_cores(rng) -> None:
     gemm.add_bias_rows_cuda(f32(9, 64), bits(64))
     pair_row = np.zeros(6, np.int32)
     grouped_moe.plan_tiles_device[1, 64, 0](np.zeros((3, 2), np.int32), 4, 8, 2, np.zeros(4, np.int32), (0,) * 6,
-                                           (1,) * 6, pair_row, np.zeros((6, 5), np.int64), np.zeros(5, np.int32))
+                                           (1,) * 6, (0,) * 6, pair_row, np.zeros((6, 5), np.int64), np.zeros(5, np.int32))
     grouped_moe._launch(grouped_moe.gather_split_pairs, 6, 0, f32(3, 64), pair_row, 2, 2, 8, bits(64, 64))
     grouped_moe._launch(grouped_moe.swiglu_split_tiles, 8, 0, f32(64, 64), np.zeros(5, np.int32), 0, 1, 2, 8,
                         bits(64, 32))

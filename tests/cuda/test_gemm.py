@@ -262,3 +262,47 @@ def test_image_attention(ops, rng, precision, monkeypatch):
     q, k, v = (rng.standard_normal((2 * 5, 3, 8), dtype=np.float32) for _ in range(3))
     got = ops.to_host(ops.vision_attention(device(q), device(k), device(v), 2, 8 ** -0.5))
     np.testing.assert_allclose(got, vision_attention_ref(q, k, v, 2, 8 ** -0.5), rtol=1e-4, atol=1e-5)
+
+
+def test_expert_tiles_read_the_placement_table(ops, rng):
+    """Decode's plan: an expert has an arena slot or (a negative entry, -1 - row) a host-store row;
+    spare tiles read the first expert that has a slot."""
+    hidden, inter, num_tokens, top_k, t = 16, 8, 40, 3, 16
+    arena, weights = _experts(rng, hidden, inter, 4)
+    store, store_weights = _experts(rng, hidden, inter, 12)
+    x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    ids = _routing(rng, num_tokens, top_k, 6)
+    entries = np.array([-1 - 7, 2, -1 - 0, 0, 3, -1 - 11], np.int32)  # expert -> slot, or -1 - store row
+    max_tiles = tile_bound(ids.size, 6, t)
+    work = ExpertTiles(ops, ops.tensor_cores, device(x), top_k, max_tiles, hidden, inter, pairs_per_tile=t)
+    arena_dev, store_dev = device(arena), device(store)
+    pointers = ops.to_host(work.plan_on_device(device(ids), arena_dev, device(entries), 6, store=store_dev))
+    plan = plan_tiles(ids, ops.tensor_cores.parts, t)
+    assert plan.num_tiles < max_tiles  # spare tiles to check
+    tile_entry = np.full(max_tiles, entries[1])  # expert 1: the first with a slot
+    tile_entry[: plan.num_tiles] = np.repeat(entries[plan.experts], np.diff(plan.first_tile))
+    in_arena = tile_pointers(*work.pointer_layout(arena_dev), np.arange(max_tiles), np.maximum(tile_entry, 0))
+    in_store = tile_pointers(*work.pointer_layout(store_dev), np.arange(max_tiles), np.maximum(-1 - tile_entry, 0))
+    np.testing.assert_array_equal(pointers[1:3], in_arena[1:3])  # the rows: this layer's own
+    for c in (0, 3):
+        np.testing.assert_array_equal(pointers[c], np.where(tile_entry >= 0, in_arena[c], in_store[c]))
+    work.gate_up(device(pointers))
+    work.swiglu(0, max_tiles)
+    work.down(device(pointers))
+    placed = [weights[e] if e >= 0 else store_weights[-1 - e] for e in entries]
+    np.testing.assert_allclose(ops.to_host(work.pair_outputs()), _reference(x, ids, placed, range(6)), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_spare_tiles_read_the_last_real_tile_where_no_expert_has_a_slot(ops, rng):
+    hidden, inter, top_k, t = 16, 8, 2, 16
+    ids = np.array([[0, 1], [1, 2], [0, 2]], np.int32)  # expert 3 unchosen: 3 tiles of a bound of 4
+    store, _ = _experts(rng, hidden, inter, 4)
+    work = ExpertTiles(ops, ops.tensor_cores, device(rng.standard_normal((3, hidden), dtype=np.float32)), top_k,
+                       tile_bound(ids.size, 4, t), hidden, inter, pairs_per_tile=t)
+    assert work.max_tiles == 4
+    arena_dev, store_dev = device(np.zeros((1, store.shape[1]), np.uint16)), device(store)
+    entries = device(np.array([-1, -2, -3, -4], np.int32))  # every expert in the host store
+    pointers = ops.to_host(work.plan_on_device(device(ids), arena_dev, entries, 4, store=store_dev))
+    want = tile_pointers(*work.pointer_layout(store_dev), np.arange(4), np.array([0, 1, 2, 2]))
+    np.testing.assert_array_equal(pointers[[0, 3]], want[[0, 3]])

@@ -103,10 +103,13 @@ def grouped_ffn_ref(x: np.ndarray, ids: np.ndarray, experts_gate_up: dict, exper
 # -- cuda -----------------------------------------------------------------------------------------
 
 @kernel
-def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, strides, pair_row, pointers, tile_fill):
+def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, strides, store_bases, pair_row, pointers,
+                      tile_fill):
     # one block: counts per expert, tile starts (a scan), each pair's rank by atomics, then each
-    # tile's pointers (tile_pointers) and pairs; tiles past the last real one read slot 0 and their
-    # own rows, with no pairs
+    # tile's pointers (tile_pointers) and pairs. slots[e] is an arena slot, or (negative, a
+    # placement-table entry) row -1 - slots[e] of the host store at store_bases; tiles past the last
+    # real one read the first expert with a slot (VRAM; the last real tile's where none has one)
+    # into rows of their own, with no pairs
     counts = cuda.shared.array(COUNTERS, int32)
     starts = cuda.shared.array(COUNTERS, int32)
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
@@ -120,32 +123,45 @@ def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, str
     cuda.syncthreads()
     if tid == 0:
         total = 0
+        spare = -1
         for e in range(num_experts):
             starts[e] = total
             total += (counts[e] + t - 1) // t
             counts[e] = 0  # from here on: pairs placed so far
+            if spare < 0 and slots[e] >= 0:
+                spare = e
         starts[num_experts] = total
+        counts[num_experts] = spare  # the spare tiles' expert (-1: none with a slot)
     cuda.syncthreads()
     for p in range(tid, num_tokens * top_k, step):
         e = ids[p // top_k, p % top_k]
         rank = cuda.atomic.add(counts, e, 1)
         pair_row[p] = (starts[e] + rank // t) * parts * t + rank % t
     cuda.syncthreads()  # counts are whole again
+    num_real = starts[num_experts]
     for j in range(tid, pointers.shape[1], step):
-        e = 0
         tile_fill[j] = 0
-        if j < starts[num_experts]:  # the last expert whose tiles start at or before j
+        e = counts[num_experts]
+        if j < num_real or e < 0:  # the last expert whose tiles start at or before j (or before the end)
+            target = min(j, num_real - 1)
             lo, hi = 0, num_experts - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if starts[mid] <= j:
+                if starts[mid] <= target:
                     lo = mid
                 else:
                     hi = mid - 1
             e = lo
-            tile_fill[j] = min(t, counts[e] - (j - starts[e]) * t)
+            if j < num_real:
+                tile_fill[j] = min(t, counts[e] - (j - starts[e]) * t)
+        entry = slots[e]
         for c in range(6):
-            pointers[c, j] = bases[c] + int64(slots[e] if c == 0 or c == 3 else j) * strides[c]
+            if c != 0 and c != 3:
+                pointers[c, j] = bases[c] + int64(j) * strides[c]
+            elif entry >= 0:
+                pointers[c, j] = bases[c] + int64(entry) * strides[c]
+            else:
+                pointers[c, j] = store_bases[c] + int64(-1 - entry) * strides[c]
 
 
 @kernel
@@ -231,16 +247,19 @@ class ExpertTiles:
         x, gate_up, h, y = self.strides
         return bases, (slot_bytes, x, gate_up, slot_bytes, h, y)
 
-    def plan_on_device(self, ids, arena, slots, num_experts: int):
+    def plan_on_device(self, ids, arena, slots, num_experts: int, store=None):
         """The plan made by one kernel from the router's ``ids`` (T, A) on the device and each
-        expert's arena slot ``slots`` (E,) int32; returns the (6, max_tiles) pointer table."""
+        expert's place ``slots`` (E,) int32: an arena slot, or (decode's placement table, routing.py)
+        ``-1 - row`` of ``store`` (the host store as the device sees it, mapped; rows as the
+        arena's); returns the (6, max_tiles) pointer table."""
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"{num_experts} experts: the device plan counts at most {MAX_EXPERTS}")
         pointers = self.ops.empty((6, self.max_tiles), np.int64)
         bases, strides = self.pointer_layout(arena)
+        store_bases = bases if store is None else self.pointer_layout(store)[0]
         plan_tiles_device[1, threads(PLAN_THREADS), self.ops.stream](
-            ids, int(num_experts), int(self.t), int(self.tc.parts), slots, bases, strides, self.pair_row, pointers,
-            self.tile_fill)
+            ids, int(num_experts), int(self.t), int(self.tc.parts), slots, bases, strides, store_bases, self.pair_row,
+            pointers, self.tile_fill)
         self.gather()
         return pointers
 
