@@ -277,8 +277,7 @@ def _fused_cases(s: dict, t: int) -> list[Case]:
         table = rng.integers(-1000, 1000, size=(4, s["experts"])).astype(np.int32)
         args = [_dev(a, stream) for a in (x, y, w)] + [1e-6, _dev(router, stream), k, True, _dev(table, stream), 2,
                                                         _dev(np.zeros(1, np.int32), stream)]
-        outs = [_out((t, d), stream), _out((t, d), stream), _out((t, s["experts"]), stream),
-                _out((t, k), stream, np.int32), _out((t, k), stream)] + \
+        outs = [_out((t, d), stream), _out((t, d), stream), _out((t, k), stream, np.int32), _out((t, k), stream)] + \
             [_out((t * k,), stream, np.int32) for _ in range(3)]
         return (lambda: routing.norm_route_cuda(*args, *outs, stream=stream), outs[1],
                 lambda: routing.norm_route_ref(x, y, w, 1e-6, router, k, True, table, 2)[1])

@@ -53,8 +53,9 @@ def _f16_bits_to_f32(h):
 
 
 @device
-def chunk_bf16(a, row, word, buf):
-    u = a[row, word]
+def word_bf16(u, buf):
+    """The 4 bf16 of one loaded 8-byte word ``u`` into buf (a kernel that loads its words early,
+    before it converts them: routing.py's router)."""
     buf[0] = bits_as_f32((u & LO16) << 16)
     buf[1] = bits_as_f32(u & HI16)
     buf[2] = bits_as_f32((u >> 16) & HI16)
@@ -62,12 +63,21 @@ def chunk_bf16(a, row, word, buf):
 
 
 @device
-def chunk_f16(a, row, word, buf):
-    u = a[row, word]
+def word_f16(u, buf):
     buf[0] = _f16_bits_to_f32(u & LO16)
     buf[1] = _f16_bits_to_f32((u >> 16) & LO16)
     buf[2] = _f16_bits_to_f32((u >> 32) & LO16)
     buf[3] = _f16_bits_to_f32(u >> 48)
+
+
+@device
+def chunk_bf16(a, row, word, buf):
+    word_bf16(a[row, word], buf)
+
+
+@device
+def chunk_f16(a, row, word, buf):
+    word_f16(a[row, word], buf)
 
 
 @device
@@ -95,6 +105,7 @@ def chunk1_f32(a, row, word, buf):
     buf[0] = a[row, word]
 
 
+WORD = {"bf16": word_bf16, "f16": word_f16}  # storages whose 4 elements are one 8-byte word
 SCALAR = {"bf16": load_bf16, "f16": load_f16, "f32": load_f32}
 CHUNK = {("bf16", True): chunk_bf16, ("f16", True): chunk_f16, ("f32", True): chunk_f32,
          ("bf16", False): chunk1_bf16, ("f16", False): chunk1_f16, ("f32", False): chunk1_f32}

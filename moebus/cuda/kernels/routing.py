@@ -22,24 +22,25 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (WARP, block_sum, blocks, cuda, device_with_shared, float32, int32, kernel,
-                                        threads, warp_sum)
+from moebus.cuda.kernels.compat import (MAX_WARPS, WARP, block_sum, blocks, cuda, device_with_shared, float32,
+                                        int32, kernel, threads, uint64, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
-from moebus.cuda.kernels.loads import SCALAR, can_read_wide, chunk_reader, reader_view, storage_of
+from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 
 THREADS = 128
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 MAX_EXPERTS = 1024  # router rows of one layer (the logits of a token live in shared memory)
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
-ROUTER_UNROLL = 8  # router words each lane loads before their first use
-# The router over E / 16 blocks a token (_spread_route_kernel), the same bits as one block a token:
-# compiled and tested, not yet timed on a GPU (tools/device/decode6_2.sh profiles both). One block a
-# token took 15.8 us on an H200; a warp a (token, expert) that normalised the row by itself, 21.2.
-SPREAD_ROUTER = False
-SPREAD_ROWS = 8  # the spread kernel's shared rows of MAX_EXPERTS floats: h (dim <= 8192), then logits
+ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
+# The in-flight kernel (_inflight_route_kernel, on where the router is bf16/f16 and every row reads
+# wide): a thread's share of the router's rows loaded as raw words before the norm, so the router
+# costs one round trip to memory where the one-block kernel (15.8 us on an H200 at batch 1, 32
+# experts) waited on ~4 dependent rounds of loads and its h re-read from memory. Not yet timed.
+ROUTER_IN_FLIGHT = True
+ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
 
 
 def host_placement(row: int) -> int:
@@ -112,8 +113,9 @@ def is_last_block(done, num_blocks):
 
 
 @device_with_shared
-def sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out):
-    """The pair tables of a step's ids, by one block: route_flat's ranks."""
+def sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out):
+    """The pair tables of a step's ids, by one block: route_flat's ranks; ``places``: the
+    placement table's row of the layer."""
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
     num_pairs = num_tokens * top_k
     experts = cuda.shared.array(MAX_PAIRS, int32)
@@ -128,7 +130,7 @@ def sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, 
             if other < expert or (other == expert and q < p):
                 rank += 1
         pair_token[rank] = p // top_k
-        pair_slot[rank] = table[layer_row, expert]
+        pair_slot[rank] = places[expert]
         pair_out[rank] = p
 
 
@@ -178,7 +180,7 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
         if not is_last_block(done, num_tokens):
             return  # the whole block
-        sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out)
+        sort_pairs(ids, table[layer_row], num_tokens, top_k, pair_token, pair_slot, pair_out)
         if tid == 0:
             done[0] = 0  # for the next launch (a graph replays this one)
 
@@ -186,89 +188,128 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
 
 
 @functools.cache
-def _spread_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
-                         top_k: int):
-    """norm_route with the router over E / 16 blocks a token (SPREAD_ROUTER): block (g, t) normalises
-    token t's row as the one-block kernel does (same threads, same sums: the same bits) into shared
-    memory, its warp w computes expert 16 g + w's logit, whose router row's loads went out before the
-    norm; the last block does every token's top-k and the pairs."""
-    load_weight = SCALAR[norm_storage]
-    load_row = row_values(per_thread)
+def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
+                           groups: int, per_lane: int, top_k: int):
+    """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
+    threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
+    words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
+    round, those words of the expert's router row as raw bits first; then x + y, the norm, and each
+    expert's dot product from registers. One block a token, as the one-block kernel; a step of one
+    token skips the last-block counter (its block is the last)."""
+    read_norm, _ = chunk_reader(norm_storage, True)
+    read_row, _ = chunk_reader("f32", True)
+    word_values = WORD[router_storage]
     row_topk = topk_row(per_lane)
-    read_weight, width = chunk_reader(router_storage, wide)
 
     @kernel
-    def spread_route_rows(x, y, norm_weight, eps, router, num_words, normalize, table, layer_row, done,
-                          total, h, logits, ids, weights, pair_token, pair_slot, pair_out):
-        g, t = cuda.blockIdx.x, cuda.blockIdx.y
-        num_tokens, dim = x.shape
+    def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize,
+                            total, h, ids, weights, pair_token, pair_slot, pair_out):
+        t = cuda.blockIdx.x  # one block per token, every block real
+        num_tokens, dim = total.shape
         num_experts = router.shape[0]
-        tid, step = cuda.threadIdx.x, cuda.blockDim.x
-        lane, warp, warps = tid % WARP, tid // WARP, step // WARP
-        e = min(g * warps + warp, num_experts - 1)
-        w_buf = cuda.local.array((ROUTER_UNROLL, width), float32)
-        for u in range(ROUTER_UNROLL):  # the row's first round in flight while the norm is computed (122
-            # registers a thread with 16 words, too close to 512 x 128: two rounds of 8)
-            read_weight(router, e, min(lane + u * WARP, num_words - 1), w_buf[u])
-        values = cuda.local.array(per_thread, float32)
-        square_sum = block_sum(load_row(x, y, t, dim, values))
-        inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
-        rows = cuda.shared.array((SPREAD_ROWS, MAX_EXPERTS), float32)  # h, later the last block's logits
-        for i in range(per_thread):
-            d = tid + i * step
-            if d < dim:
-                normed = load_weight(norm_weight, 0, d) * (values[i] * inv_rms)  # fused.normed_store's
-                rows[d // MAX_EXPERTS, d % MAX_EXPERTS] = normed
-                if g == 0:
-                    total[t, d] = values[i]
-                    h[t, d] = normed
-        cuda.syncthreads()
-        acc = float32(0.0)
-        for base in range(lane, num_words, WARP * ROUTER_UNROLL):  # lane l: words l, l + 32, ...
-            if base != lane:  # rows longer than one round: the next round's loads
-                for u in range(ROUTER_UNROLL):
-                    read_weight(router, e, min(base + u * WARP, num_words - 1), w_buf[u])
-            for u in range(ROUTER_UNROLL):
-                word = base + u * WARP
-                if word < num_words:
-                    for c in range(width):
-                        d = word * width + c
-                        acc += rows[d // MAX_EXPERTS, d % MAX_EXPERTS] * w_buf[u, c]
-        acc = warp_sum(acc)
-        if lane == 0 and g * warps + warp < num_experts:
-            logits[t, e] = acc
-        if not is_last_block(done, num_tokens * cuda.gridDim.x):
+        tid = cuda.threadIdx.x
+        lane, warp = tid % WARP, tid // WARP
+        span = cuda.blockDim.x // groups
+        g, s = tid // span, tid % span
+        raw = cuda.local.array((per_round, words), uint64)
+        for k in range(per_round):  # round 0's router words out first: nothing below waits on them
+            e = min(g * per_round + k, num_experts - 1)
+            for i in range(words):
+                raw[k, i] = router[e, min(s + i * span, num_words - 1)]
+        places = cuda.shared.array(MAX_EXPERTS, int32)  # the table's row, for the pairs at the end
+        for e in range(tid, num_experts, cuda.blockDim.x):
+            places[e] = table[layer_row, e]
+        # 1. total = x + y, h = rmsnorm(total); group 0 counts the squares and stores
+        values = cuda.local.array((words, 4), float32)
+        x_buf = cuda.local.array(4, float32)
+        y_buf = cuda.local.array(4, float32)
+        square_sum = float32(0.0)
+        for i in range(words):
+            word = min(s + i * span, num_words - 1)
+            read_row(x, t, word, x_buf)
+            read_row(y, t, word, y_buf)
+            for c in range(4):
+                values[i, c] = x_buf[c] + y_buf[c]
+                if g == 0 and s + i * span < num_words:
+                    square_sum += values[i, c] * values[i, c]
+                    total[t, 4 * word + c] = values[i, c]
+        inv_rms = float32(1.0) / math.sqrt(block_sum(square_sum) / float32(dim) + eps)
+        for i in range(words):
+            word = min(s + i * span, num_words - 1)
+            read_norm(norm_weight, 0, word, x_buf)
+            for c in range(4):
+                values[i, c] = x_buf[c] * (values[i, c] * inv_rms)  # fused.normed_store's order
+                if g == 0 and s + i * span < num_words:
+                    h[t, 4 * word + c] = values[i, c]
+        # 2. the logits, a round of groups x per_round experts at a time
+        partial = cuda.shared.array((MAX_WARPS, per_round), float32)
+        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
+        group_warps = span // WARP
+        for r in range(rounds):
+            first = r * groups * per_round
+            if r > 0:
+                for k in range(per_round):
+                    e = min(first + g * per_round + k, num_experts - 1)
+                    for i in range(words):
+                        raw[k, i] = router[e, min(s + i * span, num_words - 1)]
+            for k in range(per_round):
+                acc = float32(0.0)
+                for i in range(words):
+                    if s + i * span < num_words:
+                        word_values(raw[k, i], x_buf)
+                        for c in range(4):
+                            acc += values[i, c] * x_buf[c]
+                acc = warp_sum(acc)
+                if lane == 0:
+                    partial[warp, k] = acc
+            cuda.syncthreads()
+            if tid < groups * per_round:
+                gg, k = tid // per_round, tid % per_round
+                logit = float32(0.0)
+                for w in range(group_warps):  # the group's warps in order
+                    logit += partial[gg * group_warps + w, k]
+                if first + tid < num_experts:
+                    logits[0, first + tid] = logit
+            cuda.syncthreads()
+        # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
+        if warp == 0:
+            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        if num_tokens > 1 and not is_last_block(done, num_tokens):
             return  # the whole block
-        per_pass = min(SPREAD_ROWS, warps)  # tokens whose top-k the block's warps take at once
-        for start in range(0, num_tokens, per_pass):  # same trip count in every warp
-            row = min(start + warp, num_tokens - 1)
-            if warp < per_pass:
-                for i in range(lane, num_experts, WARP):  # through L2: other blocks wrote them
-                    rows[warp, i] = cuda.atomic.add(logits, (row, i), float32(0.0))
-            cuda.syncthreads()
-            if warp < per_pass:
-                row_topk(rows, warp, num_experts, top_k, normalize, ids, weights, row,
-                         lane == 0 and start + warp < num_tokens)
-            cuda.syncthreads()
-        sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out)
-        if tid == 0:
-            done[0] = 0
+        cuda.syncthreads()  # a single token: warp 0's ids written
+        sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out)
+        if tid == 0 and num_tokens > 1:
+            done[0] = 0  # for the next launch (a graph replays this one)
 
-    return spread_route_rows
+    return inflight_route_rows
+
+
+def inflight_shape(dim: int, num_experts: int, block: int) -> tuple[int, int, int, int] | None:
+    """(words a thread, rounds, experts a round a thread, groups) of the in-flight router kernel for
+    rows of ``dim`` over a block of ``block`` threads: a group's threads cover a row's 8-byte words,
+    ROUTER_WORDS_IN_FLIGHT raw words a thread a round; None where the row is too long for it."""
+    num_words = dim // 4
+    words = ceil_div(num_words, block)
+    if words > ROUTER_WORDS_IN_FLIGHT:
+        return None
+    span = WARP
+    while span * words < num_words:
+        span *= 2
+    groups = block // span
+    per_round = min(ROUTER_WORDS_IN_FLIGHT // words, ceil_div(num_experts, groups))
+    return words, ceil_div(num_experts, groups * per_round), per_round, groups
 
 
 def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
-                    total, h, logits, ids, weights, pair_token, pair_slot, pair_out, stream=0):
-    """norm_route_ref into device arrays: total, h (T, D) float32; logits (T, E) float32 scratch (the
-    spread kernel's); ids (T, A) int32, weights (T, A) float32; pair tables (P,) int32. ``done``: a
-    (1,) int32 device counter, zero between launches."""
+                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
+    """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
+    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches."""
     num_tokens, dim = x.shape
     num_experts = router.shape[0]
     for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
         require(name, a, np.float32, shape=(num_tokens, dim))
     require("norm_weight", norm_weight, WEIGHT_DTYPES, shape=(dim,))
     require("router", router, WEIGHT_DTYPES, shape=(None, dim))
-    require("logits", logits, np.float32, shape=(num_tokens, num_experts))
     require("table", table, np.int32, ndim=2)
     require("done", done, np.int32, shape=(1,))
     require("ids", ids, np.int32, shape=(num_tokens, top_k))
@@ -284,14 +325,15 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
     if num_tokens == 0:
         return total, h, ids, weights, pair_token, pair_slot, pair_out
     block = threads(ROUTE_THREADS)
-    if SPREAD_ROUTER and dim <= SPREAD_ROWS * MAX_EXPERTS:
-        wide = can_read_wide(router)
-        kernel = _spread_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
-                                      ceil_div(num_experts, WARP), int(top_k))
-        kernel[(ceil_div(num_experts, block // WARP), num_tokens), block, stream](
-            x, y, reader_view(norm_weight, wide=False), np.float32(eps), reader_view(router, wide),
-            dim // 4 if wide else dim, bool(normalize), table, int(layer_row), done,
-            total, h, logits, ids, weights, pair_token, pair_slot, pair_out)
+    shape = inflight_shape(dim, num_experts, block)
+    if ROUTER_IN_FLIGHT and shape is not None and storage_of(router) in WORD \
+            and all(can_read_wide(a) for a in (x, y, norm_weight, router)):
+        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *shape,
+                                        ceil_div(num_experts, WARP), int(top_k))
+        kernel[num_tokens, block, stream](
+            reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
+            reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize),
+            total, h, ids, weights, pair_token, pair_slot, pair_out)
         return total, h, ids, weights, pair_token, pair_slot, pair_out
     wide = can_read_wide(router) and can_read_wide(h)
     kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
