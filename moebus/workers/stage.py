@@ -270,7 +270,7 @@ class Stage:
         x, h = self._residual_norm(x, residual, w["attn_norm"])
         if self.fuse_qkv:
             q = ops.qkv_rope_store(ops.linear(h, w["qkv"]), heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
-                                   token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n], warm=w["o"])
+                                   token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
             q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
             k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
@@ -312,10 +312,9 @@ class Stage:
         layer's pending MoE output)."""
         ops, cfg = self.ops, self.cfg
         row = self.experts.store.row_of_layer[layer]
-        following = self.layers.get(layer + 1, {})  # its qkv weights into L2 under the experts
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
-            expert_ids[row], warm=following.get("qkv"))
+            expert_ids[row])
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
         if prefetch is not None:  # this layer's copies in, then the next layer's on the side
             layers = self.experts.store.layers

@@ -52,28 +52,3 @@ def test_qkv_rope_store_matches_norm_rope_and_kv_store(rng, storage, kv_dtype):
     tolerance = 2.0**-7 if kv_dtype == "bf16" else 1e-5
     np.testing.assert_allclose(to_f32(dev_k.copy_to_host()), to_f32(want_k), rtol=tolerance, atol=1e-5)
     np.testing.assert_array_equal(dev_v.copy_to_host(), want_v)
-
-
-def test_qkv_rope_store_warming_weights_into_l2_changes_nothing(rng):
-    # the o projection's weights asked into L2 on the way (bulk prefetches on a GPU, none in the
-    # simulator): the same q and caches, the weights untouched; 5 chunks of loads.L2_CHUNK_BYTES
-    from moebus.cuda.kernels import fused
-    from moebus.cuda.kernels.loads import L2_CHUNK_BYTES, l2_chunks
-
-    heads, kv_heads, hd = 4, 2, 64
-    qkv = rng.standard_normal((2, (heads + 2 * kv_heads) * hd), dtype=np.float32)
-    q_weight, k_weight = (stored(rng.standard_normal(hd, dtype=np.float32), "bf16") for _ in range(2))
-    cos, sin = rope_tables(hd, 10000.0, 16)
-    slots, positions = device(np.array([1, 0], np.int32)), device(np.array([3, 11], np.int32))
-    o_weight = stored(rng.standard_normal((4 * L2_CHUNK_BYTES // 2 // 64 + 1, 64), dtype=np.float32), "bf16")
-    assert l2_chunks(o_weight) == 5
-    results = []
-    for warm in (None, device(o_weight)):
-        caches = [device(np.zeros((2, kv_heads, 16, hd), np.float32)) for _ in range(2)]
-        q = poisoned((2, heads, hd))
-        qkv_rope_store_cuda(device(qkv), heads, kv_heads, device(q_weight), device(k_weight), 1e-6, slots, positions,
-                            device(cos), device(sin), *caches, q, warm=warm)
-        results.append([a.copy_to_host() for a in (q, *caches)])
-        assert fused.warm_view(warm, device(qkv))[1] == (0 if warm is None else 5)
-    for without, with_warm in zip(*results):
-        np.testing.assert_array_equal(without, with_warm)

@@ -98,24 +98,3 @@ def test_norm_route_rejects_too_many_pairs():
     with pytest.raises(ValueError, match="pairs"):
         _norm_route(x, x, np.ones(8, np.float32), np.ones((4, 8), np.float32), 2, True, np.zeros((1, 4), np.int32),
                     0, device(np.zeros(1, np.int32)))
-
-
-def test_norm_route_warming_the_next_weights_changes_nothing(rng):
-    # the next layer's qkv asked into L2 by the in-flight kernel (fused.WARM_L2): the same bits
-    dim, experts, top_k = 40, 6, 2
-    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
-    router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
-    table = np.arange(2 * experts, dtype=np.int32).reshape(2, experts)
-    x, y = (rng.standard_normal((2, dim), dtype=np.float32) for _ in range(2))
-    next_qkv = device(stored(rng.standard_normal((96, dim), dtype=np.float32), "bf16"))
-    results = []
-    for warm in (None, next_qkv):
-        from moebus.cuda.kernels.routing import norm_route_cuda
-
-        outs = [poisoned((2, dim)), poisoned((2, dim)), poisoned((2, top_k), np.int32), poisoned((2, top_k))] + \
-            [poisoned((2 * top_k,), np.int32) for _ in range(3)]
-        norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, True, device(table), 1,
-                        device(np.zeros(1, np.int32)), *outs, warm=warm)
-        results.append([o.copy_to_host() for o in outs])
-    for without, with_warm in zip(*results):
-        np.testing.assert_array_equal(without, with_warm)

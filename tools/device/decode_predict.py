@@ -25,8 +25,8 @@ def main() -> None:
     seen = []  # (layer row, h (T, D), ids (T, k)) of each decode layer, in order
     original = ops.norm_route
 
-    def recording(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, ids, **options):
-        out = original(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, ids, **options)
+    def recording(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, ids):
+        out = original(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, ids)
         seen.append((layer_row, ops.to_host(out[1]), ops.to_host(out[2])))
         return out
 

@@ -78,8 +78,7 @@ class CpuBackend:
 
     @staticmethod
     def qkv_rope_store(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
-                       token_pos, cos, sin, k_cache, v_cache, warm=None):
-        """``warm`` (weights for a GPU's L2): nothing to do here."""
+                       token_pos, cos, sin, k_cache, v_cache):
         return fused.qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
                                         token_pos, cos, sin, k_cache, v_cache)
     linear = staticmethod(linear.linear_ref)
@@ -103,8 +102,7 @@ class CpuBackend:
     route_pairs = staticmethod(routing.route_pairs_ref)
 
     @staticmethod
-    def norm_route(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, ids,
-                   warm=None):
+    def norm_route(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, ids):
         out = routing.norm_route_ref(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row)
         ids[...] = out[2]
         return out[:2] + (ids,) + out[3:]

@@ -148,12 +148,11 @@ class CudaBackend:
                                               self.empty(x.shape), stream=self.stream)
 
     def qkv_rope_store(self, qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
-                       token_pos, cos, sin, k_cache, v_cache, warm=None):
-        """q (T, H, hd) after norm and RoPE; k and v (normed, rotated) written into the caches.
-        ``warm``: weights the kernel asks into L2 for a GEMV after it (fused.WARM_L2)."""
+                       token_pos, cos, sin, k_cache, v_cache):
+        """q (T, H, hd) after norm and RoPE; k and v (normed, rotated) written into the caches."""
         q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
         return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
-                                         token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream, warm=warm)
+                                         token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))
@@ -197,16 +196,14 @@ class CudaBackend:
         return routing.route_pairs_cuda(ids, table, layer_row, *tables, stream=self.stream)
 
     def norm_route(self, x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int,
-                   ids, warm=None):
+                   ids):
         """Decode's MLP entry in one launch: (x + y, its rmsnorm h, the router's top-k ids (written
-        into ``ids``, (T, top_k) int32) and weights of h, then pair_token, pair_slot, pair_out).
-        ``warm``: weights the kernel asks into L2 for a GEMV after the experts (fused.WARM_L2)."""
+        into ``ids``, (T, top_k) int32) and weights of h, then pair_token, pair_slot, pair_out)."""
         num_tokens, num_pairs = x.shape[0], x.shape[0] * top_k
         total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((num_tokens, top_k))
         pairs = [self.empty((num_pairs,), np.int32) for _ in range(3)]
         return routing.norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row,
-                                       self.route_done, total, h, ids, weights, *pairs, stream=self.stream,
-                                       warm=warm)
+                                       self.route_done, total, h, ids, weights, *pairs, stream=self.stream)
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

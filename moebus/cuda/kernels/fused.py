@@ -10,8 +10,6 @@ would each be a tiny, latency-bound kernel (measured: a warp-per-row rmsnorm of 
 - ``qkv_rope_store``: from the fused q | k | v projection, Qwen3's per-head q/k rmsnorm, RoPE,
   and k, v written into the KV cache (float32 or bf16), one warp per (token, head) row; a lane holds elements l,
   l + 32, l + 64, l + 96 of a 128-wide head, so both halves of each rotated pair are in its registers.
-  On its way it asks the o projection's weights into L2 (``warm``, WARM_L2), so that the o GEMV
-  after the attention reads them from there.
 
 References are the unfused references composed, so the tests hold the kernels to the same maths."""
 from __future__ import annotations
@@ -21,10 +19,9 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (WARP, block_sum, blocks, cuda, data_ptr, device, float32, is_contiguous, kernel, threads,
-                                        warp_sum)
+from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, device, float32, threads, warp_sum, kernel
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
-from moebus.cuda.kernels.loads import SCALAR, l2_chunks, prefetch_l2, reader_view, storage_of
+from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.attention import STORE, kv_store_ref, require_caches
 from moebus.cuda.kernels.moe import combine_ref
 from moebus.cuda.kernels.rmsnorm import rmsnorm_ref
@@ -33,10 +30,6 @@ from moebus.cuda.kernels.rope import rope_ref
 ROW_THREADS = 1024  # a row's elements over the whole block: one or two per thread at decode widths
 HEAD_WARPS = 4
 MAX_PER_LANE = 8  # head_dim <= 256
-# Kernels with a ``warm`` argument ask the next GEMV's weights into L2 (bulk prefetches, sm_90) while
-# they and the latency-bound kernels after them run with HBM idle: qkv_rope_store the o projection's,
-# norm_route the next layer's qkv. Not yet measured on a GPU.
-WARM_L2 = True
 
 
 def add_rmsnorm_ref(x, y, weight, eps: float):
@@ -194,16 +187,13 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
 
     @kernel
     def qkv_rope_store_rows(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot, token_pos, cos, sin,
-                            q_out, k_cache, v_cache, warm, warm_chunks):
+                            q_out, k_cache, v_cache):
         # one warp per head row: rows [0, T H) are q heads, then T KVH k heads, then T KVH v heads;
-        # a warp's row kind is uniform, so its reductions stay in step. First, thread i of the grid
-        # asks for chunks i, i + threads, ... of ``warm`` in L2 (the o projection's weights)
+        # a warp's row kind is uniform, so its reductions stay in step
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
         stride = cuda.gridDim.x * warps
-        for chunk in range(cuda.grid(1), warm_chunks, cuda.gridsize(1)):
-            prefetch_l2(warm, chunk, warm_chunks)
         num_tokens = qkv.shape[0]
         heads_per_token = num_heads + 2 * num_kv_heads
         num_rows = num_tokens * heads_per_token
@@ -251,9 +241,8 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
 
 
 def qkv_rope_store_cuda(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
-                        token_pos, cos, sin, k_cache, v_cache, q_out, stream=0, warm=None):
-    """qkv_rope_store_ref on device arrays; returns q_out (T, H, hd). hd a multiple of 64, <= 256.
-    ``warm``: a device array the kernel asks into L2 on its way (warm_view; None: nothing)."""
+                        token_pos, cos, sin, k_cache, v_cache, q_out, stream=0):
+    """qkv_rope_store_ref on device arrays; returns q_out (T, H, hd). hd a multiple of 64, <= 256."""
     num_tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
     require("qkv", qkv, np.float32, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
@@ -273,16 +262,8 @@ def qkv_rope_store_cuda(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weig
         kernel = _qkv_kernel(storage_of(q_weight), head_dim, kv_storage)
         kernel[grid, block, stream](
             qkv, int(num_heads), int(num_kv_heads), reader_view(q_weight, wide=False), reader_view(k_weight, wide=False),
-            np.float32(eps), token_slot, token_pos, cos, sin, q_out, k_cache, v_cache, *warm_view(warm, qkv))
+            np.float32(eps), token_slot, token_pos, cos, sin, q_out, k_cache, v_cache)
     return q_out
-
-
-def warm_view(warm, spare) -> tuple:
-    """(bytes, chunks) kernel arguments that warm ``warm`` into L2 (loads.prefetch_l2), or none of
-    ``spare``'s where there is nothing to warm or WARM_L2 is off: one compiled variant either way."""
-    if warm is None or not WARM_L2 or not is_contiguous(warm) or data_ptr(warm) % 16:
-        return spare.reshape(-1).view(np.uint8), 0
-    return warm.reshape(-1).view(np.uint8), l2_chunks(warm)
 
 
 def can_fuse_heads(head_dim: int) -> bool:

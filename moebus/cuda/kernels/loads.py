@@ -136,54 +136,16 @@ def storage_of(array) -> str:
     return storage_name(array)
 
 
-# -- L2 warming and streaming loads ---------------------------------------------------------------
-
-L2_CHUNK_BYTES = 64 * 1024  # bytes one bulk prefetch asks for
-
-
-def l2_chunks(array) -> int:
-    """How many bulk prefetches (L2_CHUNK_BYTES each, the last one shorter) cover ``array``."""
-    return -(-int(array.nbytes) // L2_CHUNK_BYTES)
-
+# -- streaming loads ------------------------------------------------------------------------------
 
 if SIMULATOR:
-    def prefetch_l2(array, chunk, num_chunks):
-        """The simulator has no L2: nothing to warm."""
-
     def load_streaming(a, row, col):
         return a[row, col]
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def _bulk_prefetch_l2(typingctx, array, offset, nbytes):
-        """cp.async.bulk.prefetch.L2 of ``nbytes`` (a multiple of 16) at byte ``offset`` of a
-        contiguous array (sm_90): the bytes come into L2 while the kernel goes on; nothing waits."""
-
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            address = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
-            size = builder.trunc(args[2], ir.IntType(32))
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32)]),
-                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}", side_effect=True)
-            builder.call(asm, [address, size])
-
-        return types.void(array, types.int64, types.int64), codegen
-
-    @device
-    def prefetch_l2(array, chunk, num_chunks):
-        """Bulk prefetch number ``chunk`` of ``num_chunks`` (l2_chunks) of a contiguous array into L2."""
-        nbytes = array.size * array.itemsize
-        offset = chunk * L2_CHUNK_BYTES
-        if chunk < num_chunks and offset < nbytes:
-            _bulk_prefetch_l2(array, int64(offset), int64(min(L2_CHUNK_BYTES, nbytes - offset) // 16 * 16))
-
     @device
     def load_streaming(a, row, col):
         """a[row, col] with the evict-first policy (ld.global.cs): weights read once a step (the
-        experts) do not push out of L2 what was warmed there for the next kernels."""
+        experts, 75 MB a layer at batch 1) pass through the 50 MB L2 without pushing out the rest."""
         return cuda.ldcs(a, (int64(row), int64(col)))
 
 

@@ -28,12 +28,13 @@ WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
-# down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
-# short and 4 where long are covered by the tests, not yet measured (tools/device/decode6_variants.py)
+# down rows a warp takes at once (down_shape), as measured on an H200 (2026-12-02, decode7_1.sh, 48 x 32
+# bench): 4 where runs are long took batch 8 from 668 to 711 tok/s; 2 where short (with 16 words a lane
+# in gate|up) did not help batch 1 (96.7 against 97.5 tok/s, within the run's noise), so 1 stays
 DOWN_ROWS_SHORT = 1
-DOWN_ROWS_LONG = 1
+DOWN_ROWS_LONG = 4
 # the experts' weights loaded evict-first (ld.global.cs): 75 MB a layer at batch 1 pass through the
-# 50 MB L2 without pushing out what norm_route warmed there for the next layer's qkv (fused.WARM_L2)
+# 50 MB L2 without pushing out what the next kernels read (activations, the KV cache)
 STREAM_WEIGHTS = True
 
 

@@ -24,10 +24,10 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (MAX_WARPS, WARP, block_sum, blocks, cuda, device_with_shared, float32,
                                         int32, kernel, threads, uint64, warp_sum)
-from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values, warm_view
+from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
-from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, prefetch_l2, reader_view, storage_of
+from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 
 THREADS = 128
@@ -203,7 +203,7 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
 
     @kernel
     def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize,
-                            total, h, ids, weights, pair_token, pair_slot, pair_out, warm, warm_chunks):
+                            total, h, ids, weights, pair_token, pair_slot, pair_out):
         t = cuda.blockIdx.x  # one block per token, every block real
         num_tokens, dim = total.shape
         num_experts = router.shape[0]
@@ -216,8 +216,6 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             e = min(g * per_round + k, num_experts - 1)
             for i in range(words):
                 raw[k, i] = router[e, min(s + i * span, num_words - 1)]
-        for chunk in range(tid * num_tokens + t, warm_chunks, cuda.blockDim.x * num_tokens):
-            prefetch_l2(warm, chunk, warm_chunks)  # the next layer's qkv weights into L2 (fused.WARM_L2)
         places = cuda.shared.array(MAX_EXPERTS, int32)  # the table's row, for the pairs at the end
         for e in range(tid, num_experts, cuda.blockDim.x):
             places[e] = table[layer_row, e]
@@ -303,10 +301,9 @@ def inflight_shape(dim: int, num_experts: int, block: int) -> tuple[int, int, in
 
 
 def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
-                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0, warm=None):
+                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
     """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
-    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches.
-    ``warm``: a device array the in-flight kernel asks into L2 on its way (fused.warm_view)."""
+    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches."""
     num_tokens, dim = x.shape
     num_experts = router.shape[0]
     for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
@@ -336,7 +333,7 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
         kernel[num_tokens, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize),
-            total, h, ids, weights, pair_token, pair_slot, pair_out, *warm_view(warm, x))
+            total, h, ids, weights, pair_token, pair_slot, pair_out)
         return total, h, ids, weights, pair_token, pair_slot, pair_out
     wide = can_read_wide(router) and can_read_wide(h)
     kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
