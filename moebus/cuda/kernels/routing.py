@@ -22,8 +22,8 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (MAX_WARPS, WARP, block_sum, blocks, cuda, device_with_shared, float32,
-                                        int32, kernel, threads, uint64, warp_sum)
+from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, blocks, cuda, device,
+                                        device_with_shared, float32, int32, kernel, threads, uint64, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
@@ -97,6 +97,42 @@ def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize:
     total, h = add_rmsnorm_ref(x, y, norm_weight, eps)
     ids, weights = topk_softmax_ref(linear_ref(h, router), top_k, normalize)
     return (total, h, ids, weights) + tuple(route_pairs_ref(ids, table, layer_row))
+
+
+HALF_WARP = WARP // 2
+
+if SIMULATOR:
+    @device
+    def half_warp_sum_scatter(values):
+        """The warp's sum of values[lane % 16] (values: 16 floats a lane), by warp_sum in turn."""
+        lane = cuda.threadIdx.x % WARP
+        mine = float32(0.0)
+        for i in range(HALF_WARP):
+            total = warp_sum(values[i])
+            if i == lane % HALF_WARP:
+                mine = total
+        return mine
+else:
+    @device
+    def _scatter_level(values, upper, offset):
+        # values[0:2 offset] -> values[0:offset]: the lower half of the indices kept by lanes without
+        # the offset's bit, the upper half by those with it, each added to its partner lane's
+        for i in range(offset):
+            send = values[i] if upper else values[i + offset]
+            keep = values[i + offset] if upper else values[i]
+            values[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, offset)
+
+    @device
+    def half_warp_sum_scatter(values):
+        """The warp's sum of values[lane % 16] (values: 16 floats a lane, overwritten): a
+        reduce-scatter butterfly over the half-warp, then the two halves added, 16 shuffles where
+        16 warp_sums take 80."""
+        lane = cuda.threadIdx.x % WARP
+        _scatter_level(values, (lane & 8) != 0, 8)
+        _scatter_level(values, (lane & 4) != 0, 4)
+        _scatter_level(values, (lane & 2) != 0, 2)
+        _scatter_level(values, (lane & 1) != 0, 1)
+        return values[0] + cuda.shfl_xor_sync(FULL_MASK, values[0], 16)
 
 
 @device_with_shared
@@ -221,11 +257,13 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             places[e] = table[layer_row, e]
         # 1. total = x + y, h = rmsnorm(total); group 0 counts the squares and stores
         values = cuda.local.array((words, 4), float32)
+        scale = cuda.local.array((words, 4), float32)  # the norm's weights, loaded before they are needed
         x_buf = cuda.local.array(4, float32)
         y_buf = cuda.local.array(4, float32)
         square_sum = float32(0.0)
         for i in range(words):
             word = min(s + i * span, num_words - 1)
+            read_norm(norm_weight, 0, word, scale[i])
             read_row(x, t, word, x_buf)
             read_row(y, t, word, y_buf)
             for c in range(4):
@@ -236,15 +274,15 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
         inv_rms = float32(1.0) / math.sqrt(block_sum(square_sum) / float32(dim) + eps)
         for i in range(words):
             word = min(s + i * span, num_words - 1)
-            read_norm(norm_weight, 0, word, x_buf)
             for c in range(4):
-                values[i, c] = x_buf[c] * (values[i, c] * inv_rms)  # fused.normed_store's order
+                values[i, c] = scale[i, c] * (values[i, c] * inv_rms)  # fused.normed_store's order
                 if g == 0 and s + i * span < num_words:
                     h[t, 4 * word + c] = values[i, c]
         # 2. the logits, a round of groups x per_round experts at a time
         partial = cuda.shared.array((MAX_WARPS, per_round), float32)
         logits = cuda.shared.array((1, MAX_EXPERTS), float32)
         group_warps = span // WARP
+        sums = cuda.local.array(HALF_WARP, float32)
         for r in range(rounds):
             first = r * groups * per_round
             if r > 0:
@@ -252,16 +290,18 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
                     e = min(first + g * per_round + k, num_experts - 1)
                     for i in range(words):
                         raw[k, i] = router[e, min(s + i * span, num_words - 1)]
-            for k in range(per_round):
-                acc = float32(0.0)
-                for i in range(words):
-                    if s + i * span < num_words:
-                        word_values(raw[k, i], x_buf)
-                        for c in range(4):
-                            acc += values[i, c] * x_buf[c]
-                acc = warp_sum(acc)
-                if lane == 0:
-                    partial[warp, k] = acc
+            for half in range(0, per_round, HALF_WARP):  # 16 experts at a time: fewer registers live
+                for k in range(HALF_WARP):  # expert half + k of the round's: this thread's share of its logit
+                    sums[k] = float32(0.0)
+                    if half + k < per_round:
+                        for i in range(words):
+                            if s + i * span < num_words:
+                                word_values(raw[half + k, i], x_buf)
+                                for c in range(4):
+                                    sums[k] += values[i, c] * x_buf[c]
+                logit = half_warp_sum_scatter(sums)  # the warp's sum of expert half + lane % 16's
+                if lane < HALF_WARP and half + lane < per_round:
+                    partial[warp, half + lane] = logit
             cuda.syncthreads()
             if tid < groups * per_round:
                 gg, k = tid // per_round, tid % per_round
