@@ -137,8 +137,7 @@ def attention_case(s: dict, label: str, slots: np.ndarray, positions: np.ndarray
         # K and V of every position each sequence reads, once per sequence
         lengths = [int(positions[slots == sl].max()) + 1 for sl in np.unique(slots)]
         nbytes = sum(lengths) * kvh * hd * 4 * 2
-        done = _dev(np.zeros(tokens * kvh, np.int32), stream)  # the splits' counters, zero between launches
-        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, scratch, stream=stream, done=done),
+        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, scratch, stream=stream),
                 lambda: (_nmse(out.copy_to_host(), ref()), ""), nbytes)
     return Case("attention", label, setup)
 

@@ -169,7 +169,7 @@ def exercise(rng) -> None:
         k_cache, v_cache = kv_dtype(f32(2, 4, 16, 128)), kv_dtype(f32(2, 4, 16, 128))
         attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
         attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
-                                 empty(*attention.attention_scratch_shape(2, 32, 128, 16)), done=np.zeros(8, np.int32))
+                                 empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
     from moebus.cuda.kernels import fused, routing

@@ -96,28 +96,3 @@ def test_attention_rejects_a_head_dim_not_in_fours(rng):
     with pytest.raises(ValueError, match="head_dim 6"):
         _attend(rng.standard_normal((1, 1, 6), dtype=np.float32), k_cache, k_cache, np.array([0], np.int32),
                 np.array([3], np.int32))
-
-
-def test_attention_splits_merged_by_their_last_block_with_one_counter_set(rng):
-    # the last of a (token, kv head)'s splits merges them; its counter is back at zero after every
-    # launch, so the same counters serve launch after launch (a replayed graph); 3, 2 and 1 splits
-    context = SPLIT_POSITIONS * 3
-    k_cache, v_cache = _cache(rng, 2, context), _cache(rng, 2, context)
-    done = device(np.zeros(8, np.int32))
-    for positions in ([context - 1, SPLIT_POSITIONS + 1, 3], [SPLIT_POSITIONS * 2 + 5, 0, context - 2]):
-        slots, positions = np.array([0, 2, 1], np.int32), np.array(positions, np.int32)
-        q = rng.standard_normal((3, 4, HEAD_DIM), dtype=np.float32)
-        out = poisoned(q.shape)
-        attention_cuda(device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0, out,
-                       done=done)
-        np.testing.assert_allclose(out.copy_to_host(), attention_ref(q, k_cache, v_cache, slots, positions, 0.35),
-                                   rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(done.copy_to_host(), 0)
-
-
-def test_attention_rejects_too_few_counters(rng):
-    k_cache = _cache(rng, 2, 8)
-    with pytest.raises(ValueError, match="counters"):
-        attention_cuda(device(rng.standard_normal((3, 2, HEAD_DIM), dtype=np.float32)), device(k_cache),
-                       device(k_cache), device(np.zeros(3, np.int32)), device(np.ones(3, np.int32)), 0.35, 0,
-                       poisoned((3, 2, HEAD_DIM)), done=device(np.zeros(5, np.int32)))

@@ -32,7 +32,6 @@ class CudaBackend:
         self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
         self.tensor_cores = make_tensor_cores()  # cuBLAS for steps of many tokens (None: GEMVs only)
         self.route_done = cuda.to_device(np.zeros(1, np.int32), stream=self.stream)  # norm_route's counter
-        self.attention_done = []  # the decode attention's counters, each kept for the graphs that use it
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -182,15 +181,7 @@ class CudaBackend:
                                                        window or 0, out)
         scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
         return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
-                                        stream=self.stream, done=self._attention_counters(q.shape[0] * k_cache.shape[1]))
-
-    def _attention_counters(self, count: int):
-        """>= ``count`` zeroed int32 counters (attention_cuda's ``done``); a larger set replaces the
-        last one but never frees it: a captured graph keeps its address."""
-        if not self.attention_done or self.attention_done[-1].shape[0] < count:
-            size = max(count, 2 * self.attention_done[-1].shape[0] if self.attention_done else 256)
-            self.attention_done.append(cuda.to_device(np.zeros(size, np.int32), stream=self.stream))
-        return self.attention_done[-1]
+                                        stream=self.stream)
 
     def topk_softmax(self, logits, top_k: int, normalize: bool, ids=None):
         """``ids``: a (T, top_k) int32 array to write the choices into (else scratch)."""

@@ -10,9 +10,7 @@ each (each lane keeps its elements of its heads' queries and outputs in register
 over STREAMS warps. A row's score is the lanes' partial dot products summed over the row's LPR
 lanes (xor shuffles); each row group keeps its own online softmax (running max and sum) and output,
 so nothing is shared until the end, when the row groups' states are combined through shared memory
-into the split's (output, max, sum); the last of a (token, kv head)'s splits to finish (a counter in
-device memory, reset by that block, so a replayed graph finds it at zero) merges them into the
-output, where a second kernel did it before (3.4 us a layer on an H200 at batch 1)."""
+into the split's (output, max, sum) for merge_splits."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +19,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
-                                        int32, int64, kernel)
+                                        kernel)
 from moebus.cuda.kernels.launch import ceil_div
 
 SPLIT_POSITIONS = 32  # a split has at least this many positions (a short context spreads over blocks)...
@@ -70,9 +68,6 @@ def quad_f32(words, row, quad, buf, at):
 QUAD = {"bf16": quad_bf16, "fp32": quad_f32}  # 4 elements of a cache row (as 8-byte words) into registers
 
 if SIMULATOR:
-    def load_l2(a, i, j, k, m):
-        return a[i, j, k, m]
-
     from moebus.cuda.kernels import sim_warps
 
     def lanes_sum(value, width):
@@ -89,11 +84,6 @@ if SIMULATOR:
             offset //= 2
         return values[lane - first]
 else:
-    @device
-    def load_l2(a, i, j, k, m):
-        """a[i, j, k, m] read past L1 (ld.global.cg): what other blocks of the kernel wrote."""
-        return cuda.ldcg(a, (int64(i), int64(j), int64(k), int64(m)))
-
     @device
     def lanes_sum(value, width):
         offset = width // 2
@@ -167,28 +157,8 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                 partial[t, head, split, head_dim] = peak
                 partial[t, head, split, head_dim + 1] = total
 
-    @device_with_shared
-    def merge_if_last(t, kv_head, num_kv_heads, num_splits, partial, out, done):
-        # the last of the (token, kv head)'s splits to get here merges them into out, as merge_splits did
-        # (the same order, the same bits); a counter per (token, kv head), reset by that block
-        tid = cuda.threadIdx.x
-        cuda.threadfence()
-        cuda.syncthreads()
-        arrived = cuda.shared.array(1, int32)
-        if tid == 0:
-            arrived[0] = cuda.atomic.add(done, t * num_kv_heads + kv_head, 1) if num_splits > 1 else 0
-        cuda.syncthreads()
-        if arrived[0] != num_splits - 1:
-            return
-        if tid == 0 and num_splits > 1:
-            done[t * num_kv_heads + kv_head] = 0  # for the next launch (a graph replays this one)
-        for e in range(tid, group * head_dim, num_threads):
-            head = kv_head * group + e // head_dim
-            merge_one(t, head, e % head_dim, num_splits, head_dim, partial, out)
-
     @kernel
-    def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial,
-                        out, done):
+    def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
         t = cuda.blockIdx.x
         kv_head = cuda.blockIdx.y
         split = cuda.blockIdx.z
@@ -245,22 +215,28 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                         for i in range(per_lane):
                             acc[h * per_lane + i] += p * v_reg[a * per_lane + i]
         combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial)
-        merge_if_last(t, kv_head, num_kv_heads, num_splits, partial, out, done)
 
     return attention_split
 
 
-@device
-def merge_one(t, h, d, num_splits, head_dim, partial, out):
-    """out[t, h, d] from the splits' (output, max, sum), combined in split order (deterministic);
-    read through L2 (other blocks wrote them)."""
-    peak = NEG_INF
-    for s in range(num_splits):
-        peak = max(peak, load_l2(partial, t, h, s, head_dim))
-    total = float32(0.0)
-    value = float32(0.0)
-    for s in range(num_splits):
-        weight = math.exp(load_l2(partial, t, h, s, head_dim) - peak)
-        total += load_l2(partial, t, h, s, head_dim + 1) * weight
-        value += load_l2(partial, t, h, s, d) * weight
-    out[t, h, d] = value / total
+@kernel
+def merge_splits(token_pos, window, partial, out):
+    # one thread per output (t, h, d): splits combined in order, so the result is deterministic
+    num_tokens, num_heads, head_dim = out.shape
+    for n in range(cuda.grid(1), num_tokens * num_heads * head_dim, cuda.gridsize(1)):
+        t = n // (num_heads * head_dim)
+        h = (n // head_dim) % num_heads
+        d = n % head_dim
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        num_splits = split_range(lo, pos, 0)[2]
+        peak = NEG_INF
+        for s in range(num_splits):
+            peak = max(peak, partial[t, h, s, head_dim])
+        total = float32(0.0)
+        value = float32(0.0)
+        for s in range(num_splits):
+            weight = math.exp(partial[t, h, s, head_dim] - peak)
+            total += partial[t, h, s, head_dim + 1] * weight
+            value += partial[t, h, s, d] * weight
+        out[t, h, d] = value / total
