@@ -2,7 +2,8 @@
 # of routing and attention beside graph == eager (4 x 32), the per-kernel profile at batch 1 and 8,
 # the host work of a step (decode7_host.py, cpu backend), then decode7_bench.py on 48 x 32 over
 # decode7_2.json: this branch with the settings before it, its defaults, its defaults without the
-# evict-first expert loads. (The attention's merge inside its split kernel has no switch: in all three.)
+# evict-first expert loads. (The attention's merge inside its split kernel, in all three, was reverted after
+# this call: slower, docs/performance.md.)
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
 M=/tmp/m48
