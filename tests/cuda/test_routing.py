@@ -43,7 +43,7 @@ def test_experts_read_from_the_arena_or_the_host_store_give_the_same_result(rng)
 
 
 def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
-    from moebus.cuda.kernels.routing import norm_route_cuda
+    from moebus.cuda.kernels.norm_route import norm_route_cuda
 
     num_tokens, dim = x.shape
     outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
@@ -59,10 +59,10 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
     # add + rmsnorm, router, top-k + softmax and the pair tables in one launch; three times with one
     # counter (the last block resets it, as a replayed graph needs), 1 and 3 tokens; wide and narrow
     # reads; 400 wide: the in-flight kernel's threads hold 2 words and take its 37 experts in 3 rounds
-    from moebus.cuda.kernels import routing
-    from moebus.cuda.kernels.routing import norm_route_ref
+    from moebus.cuda.kernels import norm_route
+    from moebus.cuda.kernels.norm_route import norm_route_ref
 
-    monkeypatch.setattr(routing, "ROUTER_IN_FLIGHT", in_flight)  # the router's rows in flight first, or not
+    monkeypatch.setattr(norm_route, "ROUTER_IN_FLIGHT", in_flight)  # the router's rows in flight first, or not
     experts, top_k = 37, 3  # 37 experts: two registers per lane, the second one partly padding
     norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
     router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
@@ -82,7 +82,7 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
 
 def test_norm_route_in_flight_shapes():
     # 2048 wide (A3B) over 512 threads: a word a thread, 32 experts in one round; 64 experts two
-    from moebus.cuda.kernels.routing import inflight_shape
+    from moebus.cuda.kernels.norm_route import inflight_shape
 
     assert inflight_shape(2048, 32, 512) == (1, 1, 32, 1)
     assert inflight_shape(2048, 128, 512) == (1, 4, 32, 1)
@@ -92,7 +92,7 @@ def test_norm_route_in_flight_shapes():
 
 
 def test_norm_route_rejects_too_many_pairs():
-    from moebus.cuda.kernels.routing import MAX_PAIRS
+    from moebus.cuda.kernels.norm_route import MAX_PAIRS
 
     x = np.zeros((MAX_PAIRS // 2 + 1, 8), np.float32)
     with pytest.raises(ValueError, match="pairs"):

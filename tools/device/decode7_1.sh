@@ -3,6 +3,8 @@
 # loads), the per-kernel profile of a 4 x 32 model's replayed graph (batch 1 and 8), then
 # decode7_bench.py on 48 x 32 (batch 1, 8) over the settings of decode7_1.json: the tree before this
 # branch's kernels, each change added in turn, then the work-shape variants on top.
+# (It measured code since taken out: the L2 warming of commit fae2c82 and its fused.WARM_L2 setting;
+# as it stands it no longer runs. decode7_2.sh measures the tree that stayed.)
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
 M=/tmp/m48

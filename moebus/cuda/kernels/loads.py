@@ -55,7 +55,7 @@ def _f16_bits_to_f32(h):
 @device
 def word_bf16(u, buf):
     """The 4 bf16 of one loaded 8-byte word ``u`` into buf (a kernel that loads its words early,
-    before it converts them: routing.py's router)."""
+    before it converts them: norm_route.py's router)."""
     buf[0] = bits_as_f32((u & LO16) << 16)
     buf[1] = bits_as_f32(u & HI16)
     buf[2] = bits_as_f32((u >> 16) & HI16)
