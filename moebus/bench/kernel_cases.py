@@ -230,8 +230,9 @@ def _elementwise_cases(s: dict, t: int) -> list[Case]:
 
 
 def _fused_cases(s: dict, t: int) -> list[Case]:
-    """The decode path's fused kernels and the device-side routing (fused.py, routing.py)."""
+    """The decode path's fused kernels and the device-side routing (fused.py, routing.py, norm_route.py)."""
     from moebus.cuda.kernels import fused, routing
+    from moebus.cuda.kernels.norm_route import norm_route_cuda, norm_route_ref
 
     d, h, kvh, hd, k = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["top_k"]
 
@@ -277,11 +278,10 @@ def _fused_cases(s: dict, t: int) -> list[Case]:
         table = rng.integers(-1000, 1000, size=(4, s["experts"])).astype(np.int32)
         args = [_dev(a, stream) for a in (x, y, w)] + [1e-6, _dev(router, stream), k, True, _dev(table, stream), 2,
                                                         _dev(np.zeros(1, np.int32), stream)]
-        outs = [_out((t, d), stream), _out((t, d), stream), _out((t, s["experts"]), stream),
-                _out((t, k), stream, np.int32), _out((t, k), stream)] + \
+        outs = [_out((t, d), stream), _out((t, d), stream), _out((t, k), stream, np.int32), _out((t, k), stream)] + \
             [_out((t * k,), stream, np.int32) for _ in range(3)]
-        return (lambda: routing.norm_route_cuda(*args, *outs, stream=stream), outs[1],
-                lambda: routing.norm_route_ref(x, y, w, 1e-6, router, k, True, table, 2)[1])
+        return (lambda: norm_route_cuda(*args, *outs, stream=stream), outs[1],
+                lambda: norm_route_ref(x, y, w, 1e-6, router, k, True, table, 2)[1])
 
     cases = [_simple("add_rmsnorm", f"{t}x{d}", add_norm), _simple("combine_add_rmsnorm", f"T={t} k={k}", combine_norm),
              _simple("route_pairs", f"T={t} k={k}", route),

@@ -150,16 +150,16 @@ def exercise(rng) -> None:
             moe_ffn.expert_ffn_cuda(f32(tokens, 2048), pairs // 2, pairs % 2, pairs, big_arena, 2048, 768,
                                     empty(tokens * 2, 2048), empty(tokens * 2, 768))
     linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG = defaults
-    from moebus.cuda.kernels import routing
+    from moebus.cuda.kernels import norm_route
 
-    for tokens, experts, spread in ((1, 32, False), (8, 128, False), (1, 32, True), (8, 128, True)):
-        routing.SPREAD_ROUTER = spread  # decode's MLP entry (norm + router + top-k + pairs), both kernels
-        routing.norm_route_cuda(f32(tokens, 2048), f32(tokens, 2048), np.zeros(2048, np.uint16), 1e-6,
+    for tokens, experts, in_flight in ((1, 32, True), (8, 128, True), (1, 32, False), (8, 128, False)):
+        norm_route.ROUTER_IN_FLIGHT = in_flight  # decode's MLP entry (norm + router + top-k + pairs), both kernels
+        norm_route.norm_route_cuda(f32(tokens, 2048), f32(tokens, 2048), np.zeros(2048, np.uint16), 1e-6,
                                 np.zeros((experts, 2048), np.uint16), 8, True, np.zeros((2, experts), np.int32), 1,
-                                np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048), empty(tokens, experts),
+                                np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048),
                                 empty(tokens, 8, dtype=np.int32), empty(tokens, 8),
                                 *(empty(tokens * 8, dtype=np.int32) for _ in range(3)))
-    routing.SPREAD_ROUTER = False
+    norm_route.ROUTER_IN_FLIGHT = True
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.fill_cuda(empty(4), 0)

@@ -93,3 +93,18 @@ def test_expert_ffn_with_several_down_rows_a_warp(rng, monkeypatch, short_rows, 
         _ffn(xs, np.array(pairs).T, device(arena), out)
         expert_ffn_ref(xs, *np.array(pairs, np.int32).T, arena, HIDDEN, INTER, expected)
         np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "f16"])
+def test_expert_ffn_streaming_weight_loads_give_the_same_bits(rng, monkeypatch, storage):
+    # evict-first loads (moe_ffn.STREAM_WEIGHTS, loads.STREAMING) read the same words
+    x = rng.standard_normal((2, HIDDEN), dtype=np.float32)
+    dev_arena = device(_arena(rng, storage))
+    pairs = np.array([(0, 1, 0), (1, 1, 2), (0, 3, 1), (1, 0, 3)]).T
+    results = []
+    for streaming in (False, True):
+        monkeypatch.setattr(moe_ffn, "STREAM_WEIGHTS", streaming)
+        out = poisoned((4, HIDDEN))
+        _ffn(x, pairs, dev_arena, out)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[0], results[1])

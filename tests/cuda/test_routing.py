@@ -43,26 +43,26 @@ def test_experts_read_from_the_arena_or_the_host_store_give_the_same_result(rng)
 
 
 def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
-    from moebus.cuda.kernels.routing import norm_route_cuda
+    from moebus.cuda.kernels.norm_route import norm_route_cuda
 
     num_tokens, dim = x.shape
-    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, router.shape[0])),
-            poisoned((num_tokens, top_k), np.int32), poisoned((num_tokens, top_k))] + \
-        [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
+    outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
+            poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
     norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
                     row, done, *outs)
-    return [o.copy_to_host() for i, o in enumerate(outs) if i != 2]  # not the logits scratch
+    return [o.copy_to_host() for o in outs]
 
 
-@pytest.mark.parametrize("spread", [False, True])
-@pytest.mark.parametrize("dim", [40, 13])
-def test_norm_route_matches_the_unfused_ops(rng, dim, spread, monkeypatch):
+@pytest.mark.parametrize("in_flight", [True, False])
+@pytest.mark.parametrize("dim", [40, 13, 400])
+def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
     # add + rmsnorm, router, top-k + softmax and the pair tables in one launch; three times with one
-    # counter (the last block resets it, as a replayed graph needs), 1 and 3 tokens; wide and narrow reads
-    from moebus.cuda.kernels import routing
-    from moebus.cuda.kernels.routing import norm_route_ref
+    # counter (the last block resets it, as a replayed graph needs), 1 and 3 tokens; wide and narrow
+    # reads; 400 wide: the in-flight kernel's threads hold 2 words and take its 37 experts in 3 rounds
+    from moebus.cuda.kernels import norm_route
+    from moebus.cuda.kernels.norm_route import norm_route_ref
 
-    monkeypatch.setattr(routing, "SPREAD_ROUTER", spread)  # the router over E / 16 blocks a token, or one
+    monkeypatch.setattr(norm_route, "ROUTER_IN_FLIGHT", in_flight)  # the router's rows in flight first, or not
     experts, top_k = 37, 3  # 37 experts: two registers per lane, the second one partly padding
     norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
     router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
@@ -80,26 +80,19 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, spread, monkeypatch):
         assert done.copy_to_host()[0] == 0
 
 
-def test_norm_route_spread_gives_the_one_block_kernels_bits(rng, monkeypatch):
-    # the same threads sum the row and each lane the same words of each router row: bit for bit;
-    # 2056 wide, so a lane's router words take a second round (ROUTER_UNROLL words a round)
-    from moebus.cuda.kernels import routing
+def test_norm_route_in_flight_shapes():
+    # 2048 wide (A3B) over 512 threads: a word a thread, 32 experts in one round; 64 experts two
+    from moebus.cuda.kernels.norm_route import inflight_shape
 
-    dim, experts, top_k = 4 * (32 * routing.ROUTER_UNROLL + 2), 5, 2
-    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
-    router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * dim ** -0.5, "bf16")
-    table = np.array([[5, -2, 7, 0, 3]], np.int32)
-    x, y = (rng.standard_normal((2, dim), dtype=np.float32) for _ in range(2))
-    results = []
-    for spread in (False, True):
-        monkeypatch.setattr(routing, "SPREAD_ROUTER", spread)
-        results.append(_norm_route(x, y, norm_weight, router, top_k, True, table, 0, device(np.zeros(1, np.int32))))
-    for one_block, spread in zip(*results):
-        np.testing.assert_array_equal(one_block, spread)
+    assert inflight_shape(2048, 32, 512) == (1, 1, 32, 1)
+    assert inflight_shape(2048, 128, 512) == (1, 4, 32, 1)
+    assert inflight_shape(40, 37, 64) == (1, 1, 19, 2)  # 10 words: two groups of a warp
+    assert inflight_shape(400, 37, 64) == (2, 3, 16, 1)
+    assert inflight_shape(4 * 64 * 33, 8, 64) is None  # 33 words a thread: more than a round holds
 
 
 def test_norm_route_rejects_too_many_pairs():
-    from moebus.cuda.kernels.routing import MAX_PAIRS
+    from moebus.cuda.kernels.norm_route import MAX_PAIRS
 
     x = np.zeros((MAX_PAIRS // 2 + 1, 8), np.float32)
     with pytest.raises(ValueError, match="pairs"):

@@ -15,6 +15,7 @@ from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linea
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import moe_quant  # quantized experts
+from moebus.cuda.kernels.norm_route import norm_route_ref  # decode's MLP entry
 
 
 class CpuBackend:
@@ -103,7 +104,7 @@ class CpuBackend:
 
     @staticmethod
     def norm_route(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, ids):
-        out = routing.norm_route_ref(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row)
+        out = norm_route_ref(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row)
         ids[...] = out[2]
         return out[:2] + (ids,) + out[3:]
 

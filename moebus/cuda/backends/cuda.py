@@ -11,6 +11,7 @@ import numpy as np
 from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, moe_ffn, rmsnorm,
                                  rope, routing, sampling, top_logprobs)
 from moebus.cuda.kernels import penalties, prefill_attention
+from moebus.cuda.kernels.norm_route import norm_route_cuda  # decode's MLP entry
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
@@ -201,10 +202,9 @@ class CudaBackend:
         into ``ids``, (T, top_k) int32) and weights of h, then pair_token, pair_slot, pair_out)."""
         num_tokens, num_pairs = x.shape[0], x.shape[0] * top_k
         total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((num_tokens, top_k))
-        logits = self.empty((num_tokens, router.shape[0]))  # the spread kernel's (routing.SPREAD_ROUTER)
         pairs = [self.empty((num_pairs,), np.int32) for _ in range(3)]
-        return routing.norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row,
-                                       self.route_done, total, h, logits, ids, weights, *pairs, stream=self.stream)
+        return norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, self.route_done,
+                               total, h, ids, weights, *pairs, stream=self.stream)
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

@@ -25,12 +25,11 @@ from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, 
 MAX_TOKENS = 8  # tokens per pass: per-lane accumulators live in registers
 WARPS = 4  # output rows in flight per block
 UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by loads in flight
-# The work shape of a pass (shape_for). Measured on an H200 (2026-12-01): 4 words a lane, a row a
-# warp. Not yet measured there (tools/device/decode6_variants.py times them; tests cover them): 8
-# words a lane with 1-2 tokens, 4 rows a warp with 3-8 tokens (each x word loaded then serves 4 rows:
-# at batch 8 the linear kernels ran at 0.5-1 TB/s, bound by their x loads).
+# The work shape of a pass (shape_for), as measured on an H200 (2026-12-02, tools/device/decode7_1.sh,
+# 48 x 32 A3B bench): 4 rows a warp with 3..8 tokens (each x word loaded then serves 4 rows) took
+# batch 8 from 588 to 668 tok/s; 8 words a lane with 1..2 tokens was no faster than 4 at batch 1.
 MAX_UNROLL = 4  # words a lane loads a round with one or two tokens a pass
-ROWS_PER_WARP = 1  # rows a warp takes at once with 3..8 tokens a pass
+ROWS_PER_WARP = 4  # rows a warp takes at once with 3..8 tokens a pass
 SPLIT_TARGET_WARPS = 8192  # ~62 warps per SM of an H200: rows x split below this get split further
 MIN_SPAN_WORDS = WARP * UNROLL  # words of a row one warp of a split keeps at least
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import bits_as_f32, data_ptr, device, float32, is_contiguous, uint32
+from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, cuda, data_ptr, device, float32, int64, is_contiguous, uint32
 from moebus.cuda.dtypes import storage_name
 
 WIDE = 4  # elements per wide word
@@ -53,8 +53,9 @@ def _f16_bits_to_f32(h):
 
 
 @device
-def chunk_bf16(a, row, word, buf):
-    u = a[row, word]
+def word_bf16(u, buf):
+    """The 4 bf16 of one loaded 8-byte word ``u`` into buf (a kernel that loads its words early,
+    before it converts them: norm_route.py's router)."""
     buf[0] = bits_as_f32((u & LO16) << 16)
     buf[1] = bits_as_f32(u & HI16)
     buf[2] = bits_as_f32((u >> 16) & HI16)
@@ -62,12 +63,21 @@ def chunk_bf16(a, row, word, buf):
 
 
 @device
-def chunk_f16(a, row, word, buf):
-    u = a[row, word]
+def word_f16(u, buf):
     buf[0] = _f16_bits_to_f32(u & LO16)
     buf[1] = _f16_bits_to_f32((u >> 16) & LO16)
     buf[2] = _f16_bits_to_f32((u >> 32) & LO16)
     buf[3] = _f16_bits_to_f32(u >> 48)
+
+
+@device
+def chunk_bf16(a, row, word, buf):
+    word_bf16(a[row, word], buf)
+
+
+@device
+def chunk_f16(a, row, word, buf):
+    word_f16(a[row, word], buf)
 
 
 @device
@@ -95,13 +105,17 @@ def chunk1_f32(a, row, word, buf):
     buf[0] = a[row, word]
 
 
+WORD = {"bf16": word_bf16, "f16": word_f16}  # storages whose 4 elements are one 8-byte word
 SCALAR = {"bf16": load_bf16, "f16": load_f16, "f32": load_f32}
 CHUNK = {("bf16", True): chunk_bf16, ("f16", True): chunk_f16, ("f32", True): chunk_f32,
          ("bf16", False): chunk1_bf16, ("f16", False): chunk1_f16, ("f32", False): chunk1_f32}
 
 
-def chunk_reader(storage: str, wide: bool):
-    """(chunk device function, its width in elements)."""
+def chunk_reader(storage: str, wide: bool, streaming: bool = False):
+    """(chunk device function, its width in elements). ``streaming``: bf16 / f16 wide words loaded
+    with the evict-first policy (load_streaming), for weights read once a step."""
+    if streaming and wide and storage in WORD:
+        return STREAMING[storage], WIDE
     return CHUNK[(storage, wide)], (WIDE if wide else 1)
 
 
@@ -120,3 +134,29 @@ def reader_view(array, wide: bool):
 
 def storage_of(array) -> str:
     return storage_name(array)
+
+
+# -- streaming loads ------------------------------------------------------------------------------
+
+if SIMULATOR:
+    def load_streaming(a, row, col):
+        return a[row, col]
+else:
+    @device
+    def load_streaming(a, row, col):
+        """a[row, col] with the evict-first policy (ld.global.cs): weights read once a step (the
+        experts, 75 MB a layer at batch 1) pass through the 50 MB L2 without pushing out the rest."""
+        return cuda.ldcs(a, (int64(row), int64(col)))
+
+
+@device
+def chunk_bf16_streaming(a, row, word, buf):
+    word_bf16(load_streaming(a, row, word), buf)
+
+
+@device
+def chunk_f16_streaming(a, row, word, buf):
+    word_f16(load_streaming(a, row, word), buf)
+
+
+STREAMING = {"bf16": chunk_bf16_streaming, "f16": chunk_f16_streaming}

@@ -28,10 +28,15 @@ WARPS = 4
 MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
-# down rows a warp takes at once (down_shape): 1 as measured on an H200 (2026-12-01); 2 where runs are
-# short and 4 where long are covered by the tests, not yet measured (tools/device/decode6_variants.py)
+# down rows a warp takes at once (down_shape), as measured on an H200 (2026-12-02, decode7_1.sh, 48 x 32
+# bench): 4 where runs are long took batch 8 from 668 to 711 tok/s; 2 where short (with 16 words a lane
+# in gate|up) did not help batch 1 (96.7 against 97.5 tok/s, within the run's noise), so 1 stays
 DOWN_ROWS_SHORT = 1
-DOWN_ROWS_LONG = 1
+DOWN_ROWS_LONG = 4
+# the experts' weights loaded evict-first (ld.global.cs): 75 MB a layer at batch 1 pass through the
+# 50 MB L2 without pushing out what the next kernels read (activations, the KV cache). Measured on an
+# H200 (decode7_2.sh, 48 x 32 bench): batch 8 799 -> 855 tok/s; batch 1 within the run's noise
+STREAM_WEIGHTS = True
 
 
 def unroll_for(words: int, chunk: int) -> int:
@@ -69,8 +74,8 @@ def _placement(arena, store, entry):
 
 
 @functools.cache
-def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
-    read_weight, width = chunk_reader(storage, wide)
+def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming: bool):
+    read_weight, width = chunk_reader(storage, wide, streaming)
     read_x, _ = chunk_reader("f32", wide)
 
     @kernel
@@ -120,8 +125,8 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int):
 
 
 @functools.cache
-def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int):
-    read_weight, width = chunk_reader(storage, wide)
+def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int, streaming: bool):
+    read_weight, width = chunk_reader(storage, wide, streaming)
     read_h, _ = chunk_reader("f32", wide)
 
     @kernel
@@ -212,9 +217,9 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     per_block = block // WARP
     arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
     hidden_words, inter_words = hidden // width, inter // width
-    gate_up = _gate_up_kernel(storage, wide, chunk, unroll_for(hidden_words, chunk))
+    gate_up = _gate_up_kernel(storage, wide, chunk, unroll_for(hidden_words, chunk), STREAM_WEIGHTS)
     down_unroll, per_warp = down_shape(inter_words, chunk)
-    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp)
+    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):

@@ -6,40 +6,19 @@ cuda is mapped pinned memory that kernels read straight over PCIe (see moe_ffn.p
 ``route_pairs`` turns ids (T, A) into the tables ``expert_ffn`` takes: pairs p = t * A + k sorted by
 expert (stable, so a pair's place depends only on the step's choices), each with its token, its
 placement and its output row. Same-expert pairs end up adjacent, so a run shares one weight read.
+Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``.
 
-``norm_route`` is the decode layer's whole way from attention to the experts in one launch: the
-residual add and the MLP norm (fused.add_rmsnorm), the router's logits, top-k + softmax
-(moe.topk_row) and the pair tables (as route_pairs), where four launches took ~22 us on an H200 at
-batch 1 (6.6 + 8.4 + 3.8 + 3.1). A block per token does the first three for its token; the block that
-finishes last (a counter in device memory, reset by that block, so a captured graph replays it) sorts
-the step's pairs.
-
-Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts, D hidden."""
+Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
-
-import functools
-import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (WARP, block_sum, blocks, cuda, device_with_shared, float32, int32, kernel,
-                                        threads, warp_sum)
-from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
-from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
-from moebus.cuda.kernels.linear import accumulate, linear_ref
-from moebus.cuda.kernels.loads import SCALAR, can_read_wide, chunk_reader, reader_view, storage_of
-from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
+from moebus.cuda.kernels.compat import blocks, cuda, device_with_shared, int32, kernel, threads
+from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 128
-ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
-MAX_EXPERTS = 1024  # router rows of one layer (the logits of a token live in shared memory)
+MAX_EXPERTS = 1024  # router rows of one layer (norm_route keeps a token's logits in shared memory)
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
-ROUTER_UNROLL = 8  # router words each lane loads before their first use
-# The router over E / 16 blocks a token (_spread_route_kernel), the same bits as one block a token:
-# compiled and tested, not yet timed on a GPU (tools/device/decode6_2.sh profiles both). One block a
-# token took 15.8 us on an H200; a warp a (token, expert) that normalised the row by itself, 21.2.
-SPREAD_ROUTER = False
-SPREAD_ROWS = 8  # the spread kernel's shared rows of MAX_EXPERTS floats: h (dim <= 8192), then logits
 
 
 def host_placement(row: int) -> int:
@@ -90,14 +69,6 @@ def route_pairs_cuda(ids, table, layer_row: int, pair_token, pair_slot, pair_out
     return pair_token, pair_slot, pair_out
 
 
-def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
-    # -> (total, h, ids, weights, pair_token, pair_slot, pair_out): total = x + y, h its rmsnorm,
-    # the router's top-k of h and the pair tables of route_pairs_ref
-    total, h = add_rmsnorm_ref(x, y, norm_weight, eps)
-    ids, weights = topk_softmax_ref(linear_ref(h, router), top_k, normalize)
-    return (total, h, ids, weights) + tuple(route_pairs_ref(ids, table, layer_row))
-
-
 @device_with_shared
 def is_last_block(done, num_blocks):
     """Whether this block is the last of ``num_blocks`` to get here; what every block wrote before
@@ -112,8 +83,9 @@ def is_last_block(done, num_blocks):
 
 
 @device_with_shared
-def sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out):
-    """The pair tables of a step's ids, by one block: route_flat's ranks."""
+def sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out):
+    """The pair tables of a step's ids, by one block: route_flat's ranks; ``places``: the
+    placement table's row of the layer."""
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
     num_pairs = num_tokens * top_k
     experts = cuda.shared.array(MAX_PAIRS, int32)
@@ -128,176 +100,5 @@ def sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, 
             if other < expert or (other == expert and q < p):
                 rank += 1
         pair_token[rank] = p // top_k
-        pair_slot[rank] = table[layer_row, expert]
+        pair_slot[rank] = places[expert]
         pair_out[rank] = p
-
-
-@functools.cache
-def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
-                       top_k: int):
-    store_normed = normed_store(norm_storage, per_thread)
-    load_row = row_values(per_thread)
-    row_topk = topk_row(per_lane)
-    read_weight, width = chunk_reader(router_storage, wide)
-    read_h, _ = chunk_reader("f32", wide)
-
-    @kernel
-    def norm_route_rows(x, y, norm_weight, eps, router, num_words, h_view, normalize, table, layer_row, done,
-                        total, h, ids, weights, pair_token, pair_slot, pair_out):
-        t = cuda.blockIdx.x  # one block per token, every block real
-        num_tokens, dim = x.shape
-        num_experts = router.shape[0]
-        tid = cuda.threadIdx.x
-        lane, warp, warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
-        # 1. total = x + y and h = rmsnorm(total), as add_rmsnorm_rows
-        values = cuda.local.array(per_thread, float32)
-        square_sum = load_row(x, y, t, dim, values)
-        store_normed(values, norm_weight, block_sum(square_sum), dim, eps, t, total, h)
-        cuda.syncthreads()  # h[t] is read back below by other threads of the block
-        # 2. the router's logits of token t: a warp per expert, lane l sums words l, l + 32, ...
-        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
-        w_buf = cuda.local.array((ROUTER_UNROLL, width), float32)
-        h_buf = cuda.local.array(width, float32)
-        for start in range(0, num_experts, warps):  # same trip count in every warp
-            e = min(start + warp, num_experts - 1)
-            acc = float32(0.0)
-            for base in range(lane, num_words, WARP * ROUTER_UNROLL):
-                for u in range(ROUTER_UNROLL):
-                    read_weight(router, e, min(base + u * WARP, num_words - 1), w_buf[u])
-                for u in range(ROUTER_UNROLL):
-                    word = base + u * WARP
-                    if word < num_words:
-                        read_h(h_view, t, word, h_buf)
-                        acc = accumulate(acc, h_buf, w_buf[u], width)
-            acc = warp_sum(acc)
-            if lane == 0 and start + warp < num_experts:
-                logits[0, e] = acc
-        cuda.syncthreads()
-        # 3. top-k + softmax of token t by warp 0; 4. the last block to finish sorts every token's pairs
-        if warp == 0:
-            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
-        if not is_last_block(done, num_tokens):
-            return  # the whole block
-        sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out)
-        if tid == 0:
-            done[0] = 0  # for the next launch (a graph replays this one)
-
-    return norm_route_rows
-
-
-@functools.cache
-def _spread_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
-                         top_k: int):
-    """norm_route with the router over E / 16 blocks a token (SPREAD_ROUTER): block (g, t) normalises
-    token t's row as the one-block kernel does (same threads, same sums: the same bits) into shared
-    memory, its warp w computes expert 16 g + w's logit, whose router row's loads went out before the
-    norm; the last block does every token's top-k and the pairs."""
-    load_weight = SCALAR[norm_storage]
-    load_row = row_values(per_thread)
-    row_topk = topk_row(per_lane)
-    read_weight, width = chunk_reader(router_storage, wide)
-
-    @kernel
-    def spread_route_rows(x, y, norm_weight, eps, router, num_words, normalize, table, layer_row, done,
-                          total, h, logits, ids, weights, pair_token, pair_slot, pair_out):
-        g, t = cuda.blockIdx.x, cuda.blockIdx.y
-        num_tokens, dim = x.shape
-        num_experts = router.shape[0]
-        tid, step = cuda.threadIdx.x, cuda.blockDim.x
-        lane, warp, warps = tid % WARP, tid // WARP, step // WARP
-        e = min(g * warps + warp, num_experts - 1)
-        w_buf = cuda.local.array((ROUTER_UNROLL, width), float32)
-        for u in range(ROUTER_UNROLL):  # the row's first round in flight while the norm is computed (122
-            # registers a thread with 16 words, too close to 512 x 128: two rounds of 8)
-            read_weight(router, e, min(lane + u * WARP, num_words - 1), w_buf[u])
-        values = cuda.local.array(per_thread, float32)
-        square_sum = block_sum(load_row(x, y, t, dim, values))
-        inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
-        rows = cuda.shared.array((SPREAD_ROWS, MAX_EXPERTS), float32)  # h, later the last block's logits
-        for i in range(per_thread):
-            d = tid + i * step
-            if d < dim:
-                normed = load_weight(norm_weight, 0, d) * (values[i] * inv_rms)  # fused.normed_store's
-                rows[d // MAX_EXPERTS, d % MAX_EXPERTS] = normed
-                if g == 0:
-                    total[t, d] = values[i]
-                    h[t, d] = normed
-        cuda.syncthreads()
-        acc = float32(0.0)
-        for base in range(lane, num_words, WARP * ROUTER_UNROLL):  # lane l: words l, l + 32, ...
-            if base != lane:  # rows longer than one round: the next round's loads
-                for u in range(ROUTER_UNROLL):
-                    read_weight(router, e, min(base + u * WARP, num_words - 1), w_buf[u])
-            for u in range(ROUTER_UNROLL):
-                word = base + u * WARP
-                if word < num_words:
-                    for c in range(width):
-                        d = word * width + c
-                        acc += rows[d // MAX_EXPERTS, d % MAX_EXPERTS] * w_buf[u, c]
-        acc = warp_sum(acc)
-        if lane == 0 and g * warps + warp < num_experts:
-            logits[t, e] = acc
-        if not is_last_block(done, num_tokens * cuda.gridDim.x):
-            return  # the whole block
-        per_pass = min(SPREAD_ROWS, warps)  # tokens whose top-k the block's warps take at once
-        for start in range(0, num_tokens, per_pass):  # same trip count in every warp
-            row = min(start + warp, num_tokens - 1)
-            if warp < per_pass:
-                for i in range(lane, num_experts, WARP):  # through L2: other blocks wrote them
-                    rows[warp, i] = cuda.atomic.add(logits, (row, i), float32(0.0))
-            cuda.syncthreads()
-            if warp < per_pass:
-                row_topk(rows, warp, num_experts, top_k, normalize, ids, weights, row,
-                         lane == 0 and start + warp < num_tokens)
-            cuda.syncthreads()
-        sort_pairs(ids, table, layer_row, num_tokens, top_k, pair_token, pair_slot, pair_out)
-        if tid == 0:
-            done[0] = 0
-
-    return spread_route_rows
-
-
-def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
-                    total, h, logits, ids, weights, pair_token, pair_slot, pair_out, stream=0):
-    """norm_route_ref into device arrays: total, h (T, D) float32; logits (T, E) float32 scratch (the
-    spread kernel's); ids (T, A) int32, weights (T, A) float32; pair tables (P,) int32. ``done``: a
-    (1,) int32 device counter, zero between launches."""
-    num_tokens, dim = x.shape
-    num_experts = router.shape[0]
-    for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
-        require(name, a, np.float32, shape=(num_tokens, dim))
-    require("norm_weight", norm_weight, WEIGHT_DTYPES, shape=(dim,))
-    require("router", router, WEIGHT_DTYPES, shape=(None, dim))
-    require("logits", logits, np.float32, shape=(num_tokens, num_experts))
-    require("table", table, np.int32, ndim=2)
-    require("done", done, np.int32, shape=(1,))
-    require("ids", ids, np.int32, shape=(num_tokens, top_k))
-    require("weights", weights, np.float32, shape=(num_tokens, top_k))
-    for name, out in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
-        require(name, out, np.int32, shape=(num_tokens * top_k,))
-    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"top_k {top_k} of {num_experts} experts: 1 <= top_k <= experts <= {MAX_EXPERTS}")
-    if num_tokens * top_k > MAX_PAIRS:
-        raise ValueError(f"{num_tokens} tokens x top {top_k}: more than {MAX_PAIRS} pairs in one step")
-    if table.shape[1] != num_experts or not 0 <= layer_row < table.shape[0]:
-        raise ValueError(f"layer row {layer_row} of a {tuple(table.shape)} table for {num_experts} experts")
-    if num_tokens == 0:
-        return total, h, ids, weights, pair_token, pair_slot, pair_out
-    block = threads(ROUTE_THREADS)
-    if SPREAD_ROUTER and dim <= SPREAD_ROWS * MAX_EXPERTS:
-        wide = can_read_wide(router)
-        kernel = _spread_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
-                                      ceil_div(num_experts, WARP), int(top_k))
-        kernel[(ceil_div(num_experts, block // WARP), num_tokens), block, stream](
-            x, y, reader_view(norm_weight, wide=False), np.float32(eps), reader_view(router, wide),
-            dim // 4 if wide else dim, bool(normalize), table, int(layer_row), done,
-            total, h, logits, ids, weights, pair_token, pair_slot, pair_out)
-        return total, h, ids, weights, pair_token, pair_slot, pair_out
-    wide = can_read_wide(router) and can_read_wide(h)
-    kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
-                                ceil_div(num_experts, WARP), int(top_k))
-    kernel[num_tokens, block, stream](
-        x, y, reader_view(norm_weight, wide=False), np.float32(eps), reader_view(router, wide),
-        dim // 4 if wide else dim, reader_view(h, wide), bool(normalize), table, int(layer_row), done,
-        total, h, ids, weights, pair_token, pair_slot, pair_out)
-    return total, h, ids, weights, pair_token, pair_slot, pair_out

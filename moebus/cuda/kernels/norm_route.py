@@ -1,0 +1,291 @@
+"""Decode's MLP entry in one launch, ``norm_route``: the residual add and the MLP norm
+(fused.add_rmsnorm), the router's logits, top-k + softmax (moe.topk_row) and the pair tables (as
+routing.route_pairs), where four launches took ~22 us on an H200 at batch 1 (6.6 + 8.4 + 3.8 + 3.1).
+A block per token does the first three for its token; the block that finishes last (a counter in
+device memory, reset by that block, so a captured graph replays it) sorts the step's pairs.
+
+Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
+the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
+us at batch 1, 32 experts, on an H200); the one-block kernel, for the other routers, loads them in
+rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
+
+Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device, float32,
+                                        int32, kernel, threads, uint64, warp_sum)
+from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
+from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
+from moebus.cuda.kernels.linear import accumulate, linear_ref
+from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
+from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
+from moebus.cuda.kernels.routing import MAX_EXPERTS, MAX_PAIRS, is_last_block, route_pairs_ref, sort_pairs
+
+ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
+ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
+ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
+ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
+
+
+def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
+    # -> (total, h, ids, weights, pair_token, pair_slot, pair_out): total = x + y, h its rmsnorm,
+    # the router's top-k of h and the pair tables of route_pairs_ref
+    total, h = add_rmsnorm_ref(x, y, norm_weight, eps)
+    ids, weights = topk_softmax_ref(linear_ref(h, router), top_k, normalize)
+    return (total, h, ids, weights) + tuple(route_pairs_ref(ids, table, layer_row))
+
+
+HALF_WARP = WARP // 2
+
+if SIMULATOR:
+    @device
+    def half_warp_sum_scatter(values):
+        """The warp's sum of values[lane % 16] (values: 16 floats a lane), by warp_sum in turn."""
+        lane = cuda.threadIdx.x % WARP
+        mine = float32(0.0)
+        for i in range(HALF_WARP):
+            total = warp_sum(values[i])
+            if i == lane % HALF_WARP:
+                mine = total
+        return mine
+else:
+    @device
+    def _scatter_level(values, upper, offset):
+        # values[0:2 offset] -> values[0:offset]: the lower half of the indices kept by lanes without
+        # the offset's bit, the upper half by those with it, each added to its partner lane's
+        for i in range(offset):
+            send = values[i] if upper else values[i + offset]
+            keep = values[i + offset] if upper else values[i]
+            values[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, offset)
+
+    @device
+    def half_warp_sum_scatter(values):
+        """The warp's sum of values[lane % 16] (values: 16 floats a lane, overwritten): a
+        reduce-scatter butterfly over the half-warp, then the two halves added, 16 shuffles where
+        16 warp_sums take 80."""
+        lane = cuda.threadIdx.x % WARP
+        _scatter_level(values, (lane & 8) != 0, 8)
+        _scatter_level(values, (lane & 4) != 0, 4)
+        _scatter_level(values, (lane & 2) != 0, 2)
+        _scatter_level(values, (lane & 1) != 0, 1)
+        return values[0] + cuda.shfl_xor_sync(FULL_MASK, values[0], 16)
+
+
+@functools.cache
+def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_thread: int, per_lane: int,
+                       top_k: int):
+    store_normed = normed_store(norm_storage, per_thread)
+    load_row = row_values(per_thread)
+    row_topk = topk_row(per_lane)
+    read_weight, width = chunk_reader(router_storage, wide)
+    read_h, _ = chunk_reader("f32", wide)
+
+    @kernel
+    def norm_route_rows(x, y, norm_weight, eps, router, num_words, h_view, normalize, table, layer_row, done,
+                        total, h, ids, weights, pair_token, pair_slot, pair_out):
+        t = cuda.blockIdx.x  # one block per token, every block real
+        num_tokens, dim = x.shape
+        num_experts = router.shape[0]
+        tid = cuda.threadIdx.x
+        lane, warp, warps = tid % WARP, tid // WARP, cuda.blockDim.x // WARP
+        # 1. total = x + y and h = rmsnorm(total), as add_rmsnorm_rows
+        values = cuda.local.array(per_thread, float32)
+        square_sum = load_row(x, y, t, dim, values)
+        store_normed(values, norm_weight, block_sum(square_sum), dim, eps, t, total, h)
+        cuda.syncthreads()  # h[t] is read back below by other threads of the block
+        # 2. the router's logits of token t: a warp per expert, lane l sums words l, l + 32, ...
+        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
+        w_buf = cuda.local.array((ROUTER_UNROLL, width), float32)
+        h_buf = cuda.local.array(width, float32)
+        for start in range(0, num_experts, warps):  # same trip count in every warp
+            e = min(start + warp, num_experts - 1)
+            acc = float32(0.0)
+            for base in range(lane, num_words, WARP * ROUTER_UNROLL):
+                for u in range(ROUTER_UNROLL):
+                    read_weight(router, e, min(base + u * WARP, num_words - 1), w_buf[u])
+                for u in range(ROUTER_UNROLL):
+                    word = base + u * WARP
+                    if word < num_words:
+                        read_h(h_view, t, word, h_buf)
+                        acc = accumulate(acc, h_buf, w_buf[u], width)
+            acc = warp_sum(acc)
+            if lane == 0 and start + warp < num_experts:
+                logits[0, e] = acc
+        cuda.syncthreads()
+        # 3. top-k + softmax of token t by warp 0; 4. the last block to finish sorts every token's pairs
+        if warp == 0:
+            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        if not is_last_block(done, num_tokens):
+            return  # the whole block
+        sort_pairs(ids, table[layer_row], num_tokens, top_k, pair_token, pair_slot, pair_out)
+        if tid == 0:
+            done[0] = 0  # for the next launch (a graph replays this one)
+
+    return norm_route_rows
+
+
+@functools.cache
+def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
+                           groups: int, per_lane: int, top_k: int):
+    """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
+    threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
+    words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
+    round, those words of the expert's router row as raw bits first; then x + y, the norm, and each
+    expert's dot product from registers. One block a token, as the one-block kernel; a step of one
+    token skips the last-block counter (its block is the last)."""
+    read_norm, _ = chunk_reader(norm_storage, True)
+    read_row, _ = chunk_reader("f32", True)
+    word_values = WORD[router_storage]
+    row_topk = topk_row(per_lane)
+
+    @kernel
+    def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize,
+                            total, h, ids, weights, pair_token, pair_slot, pair_out):
+        t = cuda.blockIdx.x  # one block per token, every block real
+        num_tokens, dim = total.shape
+        num_experts = router.shape[0]
+        tid = cuda.threadIdx.x
+        lane, warp = tid % WARP, tid // WARP
+        span = cuda.blockDim.x // groups
+        g, s = tid // span, tid % span
+        raw = cuda.local.array((per_round, words), uint64)
+        for k in range(per_round):  # round 0's router words out first: nothing below waits on them
+            e = min(g * per_round + k, num_experts - 1)
+            for i in range(words):
+                raw[k, i] = router[e, min(s + i * span, num_words - 1)]
+        places = cuda.shared.array(MAX_EXPERTS, int32)  # the table's row, for the pairs at the end
+        for e in range(tid, num_experts, cuda.blockDim.x):
+            places[e] = table[layer_row, e]
+        # 1. total = x + y, h = rmsnorm(total); group 0 counts the squares and stores
+        values = cuda.local.array((words, 4), float32)
+        scale = cuda.local.array((words, 4), float32)  # the norm's weights, loaded before they are needed
+        x_buf = cuda.local.array(4, float32)
+        y_buf = cuda.local.array(4, float32)
+        square_sum = float32(0.0)
+        for i in range(words):
+            word = min(s + i * span, num_words - 1)
+            read_norm(norm_weight, 0, word, scale[i])
+            read_row(x, t, word, x_buf)
+            read_row(y, t, word, y_buf)
+            for c in range(4):
+                values[i, c] = x_buf[c] + y_buf[c]
+                if g == 0 and s + i * span < num_words:
+                    square_sum += values[i, c] * values[i, c]
+                    total[t, 4 * word + c] = values[i, c]
+        inv_rms = float32(1.0) / math.sqrt(block_sum(square_sum) / float32(dim) + eps)
+        for i in range(words):
+            word = min(s + i * span, num_words - 1)
+            for c in range(4):
+                values[i, c] = scale[i, c] * (values[i, c] * inv_rms)  # fused.normed_store's order
+                if g == 0 and s + i * span < num_words:
+                    h[t, 4 * word + c] = values[i, c]
+        # 2. the logits, a round of groups x per_round experts at a time
+        partial = cuda.shared.array((MAX_WARPS, per_round), float32)
+        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
+        group_warps = span // WARP
+        sums = cuda.local.array(HALF_WARP, float32)
+        for r in range(rounds):
+            first = r * groups * per_round
+            if r > 0:
+                for k in range(per_round):
+                    e = min(first + g * per_round + k, num_experts - 1)
+                    for i in range(words):
+                        raw[k, i] = router[e, min(s + i * span, num_words - 1)]
+            for half in range(0, per_round, HALF_WARP):  # 16 experts at a time: fewer registers live
+                for k in range(HALF_WARP):  # expert half + k of the round's: this thread's share of its logit
+                    sums[k] = float32(0.0)
+                    if half + k < per_round:
+                        for i in range(words):
+                            if s + i * span < num_words:
+                                word_values(raw[half + k, i], x_buf)
+                                for c in range(4):
+                                    sums[k] += values[i, c] * x_buf[c]
+                logit = half_warp_sum_scatter(sums)  # the warp's sum of expert half + lane % 16's
+                if lane < HALF_WARP and half + lane < per_round:
+                    partial[warp, half + lane] = logit
+            cuda.syncthreads()
+            if tid < groups * per_round:
+                gg, k = tid // per_round, tid % per_round
+                logit = float32(0.0)
+                for w in range(group_warps):  # the group's warps in order
+                    logit += partial[gg * group_warps + w, k]
+                if first + tid < num_experts:
+                    logits[0, first + tid] = logit
+            cuda.syncthreads()
+        # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
+        if warp == 0:
+            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        if num_tokens > 1 and not is_last_block(done, num_tokens):
+            return  # the whole block
+        cuda.syncthreads()  # a single token: warp 0's ids written
+        sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out)
+        if tid == 0 and num_tokens > 1:
+            done[0] = 0  # for the next launch (a graph replays this one)
+
+    return inflight_route_rows
+
+
+def inflight_shape(dim: int, num_experts: int, block: int) -> tuple[int, int, int, int] | None:
+    """(words a thread, rounds, experts a round a thread, groups) of the in-flight router kernel for
+    rows of ``dim`` over a block of ``block`` threads: a group's threads cover a row's 8-byte words,
+    ROUTER_WORDS_IN_FLIGHT raw words a thread a round; None where the row is too long for it."""
+    num_words = dim // 4
+    words = ceil_div(num_words, block)
+    if words > ROUTER_WORDS_IN_FLIGHT:
+        return None
+    span = WARP
+    while span * words < num_words:
+        span *= 2
+    groups = block // span
+    per_round = min(ROUTER_WORDS_IN_FLIGHT // words, ceil_div(num_experts, groups))
+    return words, ceil_div(num_experts, groups * per_round), per_round, groups
+
+
+def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
+                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
+    """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
+    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches."""
+    num_tokens, dim = x.shape
+    num_experts = router.shape[0]
+    for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
+        require(name, a, np.float32, shape=(num_tokens, dim))
+    require("norm_weight", norm_weight, WEIGHT_DTYPES, shape=(dim,))
+    require("router", router, WEIGHT_DTYPES, shape=(None, dim))
+    require("table", table, np.int32, ndim=2)
+    require("done", done, np.int32, shape=(1,))
+    require("ids", ids, np.int32, shape=(num_tokens, top_k))
+    require("weights", weights, np.float32, shape=(num_tokens, top_k))
+    for name, out in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
+        require(name, out, np.int32, shape=(num_tokens * top_k,))
+    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"top_k {top_k} of {num_experts} experts: 1 <= top_k <= experts <= {MAX_EXPERTS}")
+    if num_tokens * top_k > MAX_PAIRS:
+        raise ValueError(f"{num_tokens} tokens x top {top_k}: more than {MAX_PAIRS} pairs in one step")
+    if table.shape[1] != num_experts or not 0 <= layer_row < table.shape[0]:
+        raise ValueError(f"layer row {layer_row} of a {tuple(table.shape)} table for {num_experts} experts")
+    if num_tokens == 0:
+        return total, h, ids, weights, pair_token, pair_slot, pair_out
+    block = threads(ROUTE_THREADS)
+    shape = inflight_shape(dim, num_experts, block)
+    if ROUTER_IN_FLIGHT and shape is not None and storage_of(router) in WORD \
+            and all(can_read_wide(a) for a in (x, y, norm_weight, router)):
+        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *shape,
+                                        ceil_div(num_experts, WARP), int(top_k))
+        kernel[num_tokens, block, stream](
+            reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
+            reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize),
+            total, h, ids, weights, pair_token, pair_slot, pair_out)
+        return total, h, ids, weights, pair_token, pair_slot, pair_out
+    wide = can_read_wide(router) and can_read_wide(h)
+    kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),
+                                ceil_div(num_experts, WARP), int(top_k))
+    kernel[num_tokens, block, stream](
+        x, y, reader_view(norm_weight, wide=False), np.float32(eps), reader_view(router, wide),
+        dim // 4 if wide else dim, reader_view(h, wide), bool(normalize), table, int(layer_row), done,
+        total, h, ids, weights, pair_token, pair_slot, pair_out)
+    return total, h, ids, weights, pair_token, pair_slot, pair_out
