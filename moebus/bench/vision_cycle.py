@@ -128,6 +128,8 @@ def _settings(args, lazy: bool) -> dict:
         settings["max_context"] = args.max_context
     if args.gpu_memory_mib:
         settings["gpu_memory_mib"] = args.gpu_memory_mib
+    if args.handback_step_mib:
+        settings["vision"]["handback_step_mib"] = args.handback_step_mib
     return settings
 
 
@@ -168,7 +170,9 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     first_s = _chat(client, image, started=sent)
     ended = streams.stop() if streams else None
     during = _row(client)  # before idle_s can pass
-    split = dict(client.info()["vision"]["last_cold_start"], first_token_s=first_s)
+    vision = client.info()["vision"]
+    split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
+                 measured_mib=vision.get("measured_mib"))
     gaps = gap_report(streams, steady, sent, split, ended, steps) if streams else {}
     return before_image, during, split, gaps
 
@@ -193,7 +197,9 @@ def _earlier_cold_starts(client, args) -> list[dict]:
     for n in range(args.cold_starts - 1):
         sent = time.monotonic()
         first_s = _chat(client, _image_png(args.image_px, seed=100 + n), max_tokens=1, started=sent)
-        splits.append(dict(client.info()["vision"]["last_cold_start"], first_token_s=first_s))
+        vision = client.info()["vision"]
+        splits.append(dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
+                           measured_mib=vision.get("measured_mib")))
         _wait(client, lambda i: i["vision"]["state"] == "cold", args.idle_s + args.timeout_s, "vision unloaded")
     return splits
 
@@ -266,6 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-mib", type=float, nargs="*",
                    help="cuda: each GPU's VRAM budget (gpu_memory_mib), e.g. 8192 on an H200")
     p.add_argument("--max-context", type=int)
+    p.add_argument("--handback-step-mib", type=float, help="vision.handback_step_mib (default: the setting's)")
     p.add_argument("--repeats", type=int, default=5, help="warm encodes")
     p.add_argument("--text-streams", type=int, default=4, help="text streams decoding through the cold start")
     p.add_argument("--text-tokens", type=int, help="at most this many tokens a text stream (default: what the context "
@@ -287,6 +294,9 @@ def main(argv=None) -> int:
         print(f"{what}:", ", ".join(f"{k[:-2]} {1e3 * split[k]:.1f} ms" for k in
                                     ("handback_s", "start_s", "encode_s", "prefill_s", "first_token_s") if k in split),
               f"({split.get('handback_requests', '-')} hand-back requests)")
+        if split.get("measured_mib"):  # cuda: what the start took, and the reserve the next hand-back frees
+            print(f"  the vision worker's start took {split['measured_mib']} MiB (driver's count); the next hand-back "
+                  f"frees {split.get('vram_mib')} MiB")
     split = cycle["split"]
     if cycle["text_gaps"]:
         _print_gaps(cycle["text_gaps"], split, args.text_streams)

@@ -132,4 +132,5 @@ class WorkerMessages:
             send=self._send_vision,
             queue_vram=self.vram.internal,
             submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready,
-            worker_info=lambda: [w.info for w in self.pool], decoding=lambda: bool(self.scheduler.running))
+            worker_info=lambda: [w.info for w in self.pool], decoding=lambda: bool(self.scheduler.running),
+            steps_sent=lambda: self.stats.counters["steps_total"] + len(self.inflight))
