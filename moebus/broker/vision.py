@@ -172,7 +172,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
                            "placement": self.placement.to_dict() if self.placement else None,
                            "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
-                           "measured_mib": {g: round(b / MIB, 1) for g, b in self.measured_bytes.items()},
+                           "measured_mib": self.measured_mib(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": cold_start_split(self.last_cycle, self.phase_steps)}}
 

@@ -127,6 +127,12 @@ class PlacementMixin:
         values = [float(v) for v in values[: self.num_gpus]]
         return values + [None] * (self.num_gpus - len(values))
 
+    def measured_mib(self) -> list[float | None]:
+        """Per GPU (worker order), what the last vision start there measured (None: none yet). A list,
+        as every per-GPU figure in INFO: the wire's maps take string keys only."""
+        return [round(self.measured_bytes[g] / MIB, 1) if g in self.measured_bytes else None
+                for g in range(self.num_gpus)]
+
     def _need_mib(self, gpu: int) -> float:
         """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote
         measured (the worker charges exactly that to the ledger; the default reserve only rounds it

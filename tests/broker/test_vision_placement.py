@@ -7,6 +7,9 @@ from types import SimpleNamespace
 from moebus.broker.vision_placement import (PlacementMixin, default_vram_mib, measured_reserve_mib, place,
                                             short_of)
 
+from moebus.common import wire
+from moebus.common.protocol import InfoReply
+
 MIB = 1 << 20
 
 
@@ -83,3 +86,14 @@ def test_a_measured_start_sizes_the_next_hand_back_on_its_gpu():
     cpu = Lifecycle(device="cpu")
     cpu.measured_bytes[0] = 1100 * MIB  # never sent on cpu: the ledger's charge is exact there
     assert cpu.reserves(0) == [1729.0]
+
+
+def test_the_measured_figures_travel_in_info_as_a_list_per_gpu():
+    life = Lifecycle(num_gpus=2)
+    life.measured_bytes[1] = int(1735.6 * MIB)
+    assert life.measured_mib() == [None, 1735.6]
+    # the seventh session's H200 call: a map keyed by GPU number made every INFO_REPLY undecodable
+    # (the wire's maps take string keys only), and the client waited for it until its timeout
+    reply = wire.decode(wire.encode(InfoReply(id="i", stats={"vision": {"measured_mib": life.measured_mib(),
+                                                                       "vram_mib": life.reserves(1)}})))
+    assert reply.stats["vision"] == {"measured_mib": [None, 1735.6], "vram_mib": [600.0, 1823.0]}
