@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from moebus.bench.vision_gaps import (STEADY_TOKENS, WARM_TOKENS, TextStreams, gap_report, print_gap_report,
-                                      steady_steps, worst_ratio)
+                                      steady_cache, steady_steps, worst_ratio)
 from moebus.common.settings import Settings
 
 
@@ -145,8 +145,9 @@ def _resident(args) -> dict:
             client.close()
 
 
-def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict]:
-    """Text streams in their steady state: (the streams, the steady window, the broker's steps in it)."""
+def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict, dict | None]:
+    """Text streams in their steady state: (the streams, the steady window, the broker's steps in it,
+    the caches' traffic per step over the next two INFO replies: up to ~6 s more of decoding alone)."""
     # a first round captures every batch size's graph (the image request's decode joins the streams'
     # batch) and fills the cache; then the streams run until stopped, up to what the context allows
     TextStreams(client, args.text_streams + 1, WARM_TOKENS).join()
@@ -156,7 +157,7 @@ def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dic
     start, before = time.monotonic(), client.info()
     streams.wait_tokens(WARM_TOKENS + STEADY_TOKENS)
     end, after = time.monotonic(), client.info()
-    return streams, (start, end), steady_steps(before, after, end - start)
+    return streams, (start, end), steady_steps(before, after, end - start), steady_cache(client)
 
 
 def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
@@ -164,7 +165,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     before it is sent, the row while vision is loaded, the time split, the text streams' gaps)."""
     streams = None
     if args.text_streams:
-        streams, steady, steps = _steady_streams(client, args)
+        streams, steady, steps, cache = _steady_streams(client, args)
     before_image = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
     sent = time.monotonic()
     first_s = _chat(client, image, started=sent)
@@ -173,7 +174,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     vision = client.info()["vision"]
     split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
                  measured_mib=vision.get("measured_mib"))
-    gaps = gap_report(streams, steady, sent, split, ended, steps) if streams else {}
+    gaps = gap_report(streams, steady, sent, split, ended, steps, cache) if streams else {}
     return before_image, during, split, gaps
 
 

@@ -52,6 +52,7 @@ class VisionHooks:
     worker_info: Callable  # () -> [each GPU worker's last INFO stats ({} before its first)]
     decoding: Callable  # () -> bool: sequences are running (the hand-back lets a step pass between its parts)
     steps_sent: Callable  # () -> int: decode steps sent to the workers so far (started; aborted ones may drop out)
+    ask_info: Callable  # () -> None: every ready GPU worker is asked for INFO (the cold start's cache counters)
 
 
 class VisionLifecycle(PlacementMixin, EncodeMixin):
@@ -247,7 +248,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
-        self.phase_steps = PhaseSteps(self.stats)
+        self.phase_steps = PhaseSteps(self.stats, self.num_gpus, self.hooks.ask_info)
         self.phase_steps.mark("began")
         free = [info.get("free_mib") for info in self.hooks.worker_info()]
         self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,

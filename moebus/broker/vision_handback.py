@@ -6,7 +6,8 @@ decode step between two of them whenever sequences are running (or ``MAX_PAUSE_S
 stall does not hold the start); the last asks the full reserves. Each goes to the workers at once,
 which apply it between two of their own steps (``between_steps``, broker/vram_control.py): the
 steps in flight are not drained first. Only after the last does the broker ask every worker for
-INFO (an INFO sits ahead of the next step). On the cpu device's small figures, or when no sequence
+INFO (an INFO sits ahead of the next step; the cold start's phase marks ask one each, as each phase
+begins: broker/vision_phases.py). On the cpu device's small figures, or when no sequence
 is decoding as it begins, it is one request.
 
 Each request goes out as soon as a decode step has been sent after the previous one (in practice
