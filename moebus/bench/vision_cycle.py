@@ -147,7 +147,7 @@ def _resident(args) -> dict:
 
 def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict, dict | None]:
     """Text streams in their steady state: (the streams, the steady window, the broker's steps in it,
-    the caches' traffic per step over the next two INFO replies: up to ~6 s more of decoding alone)."""
+    the caches' traffic per step over the next ~0.5 s, between two INFO replies asked for)."""
     # a first round captures every batch size's graph (the image request's decode joins the streams'
     # batch) and fills the cache; then the streams run until stopped, up to what the context allows
     TextStreams(client, args.text_streams + 1, WARM_TOKENS).join()

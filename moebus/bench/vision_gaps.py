@@ -118,22 +118,31 @@ def _worker_counters(info: dict) -> dict:
     return out
 
 
-def steady_cache(client, timeout_s: float = 6.0) -> dict | None:
-    """The caches' traffic per step while the text streams decode alone, between two INFO replies
-    of the workers (the broker asks every ~2 s; the figures it shows are the last reply's, so the
-    first change is waited for, then the next): misses, MiB over PCIe and copies beyond the misses,
-    per step (vision_phases.cache_per_step). None when the workers did not answer twice in time."""
+def _fresh_counters(client, timeout_s: float) -> dict | None:
+    """The workers' counters from an INFO asked for now: a VRAM query's answer makes the broker ask
+    every worker for INFO on its next turn; the figures are fresh once their step count moves."""
+    old = _worker_counters(client.info())
+    client.vram(query=True)
     deadline = time.monotonic() + timeout_s
-    readings = [_worker_counters(client.info())]
-    while len(readings) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while time.monotonic() < deadline:
         now = _worker_counters(client.info())
-        if now["steps"] != readings[-1]["steps"]:
-            readings.append(now)
-    if len(readings) < 3 or readings[2]["steps"] <= readings[1]["steps"]:
+        if now["steps"] != old["steps"]:
+            return now
+        time.sleep(0.01)
+    return None
+
+
+def steady_cache(client, window_s: float = 0.5, timeout_s: float = 5.0) -> dict | None:
+    """The caches' traffic per step while the text streams decode alone, between two fresh INFO
+    replies of the workers ``window_s`` apart: misses, MiB over PCIe and copies beyond the misses,
+    per step (vision_phases.cache_per_step). None when the workers did not answer in time."""
+    first = _fresh_counters(client, timeout_s)
+    time.sleep(window_s)
+    second = _fresh_counters(client, timeout_s) if first else None
+    if second is None or second["steps"] <= first["steps"]:
         return None
-    return {"steps": readings[2]["steps"] - readings[1]["steps"],
-            **cache_per_step(readings[1], readings[2], readings[2]["steps"] - readings[1]["steps"])}
+    steps = second["steps"] - first["steps"]
+    return {"steps": steps, **cache_per_step(first, second, steps)}
 
 
 def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, split: dict, ended: float,
