@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from moebus.bench.vision_gaps import (STEADY_TOKENS, WARM_TOKENS, TextStreams, gap_report, print_gap_report,
-                                      steady_steps, worst_ratio)
+                                      steady_cache, steady_steps, worst_ratio)
 from moebus.common.settings import Settings
 
 
@@ -128,6 +128,8 @@ def _settings(args, lazy: bool) -> dict:
         settings["max_context"] = args.max_context
     if args.gpu_memory_mib:
         settings["gpu_memory_mib"] = args.gpu_memory_mib
+    if args.handback_step_mib:
+        settings["vision"]["handback_step_mib"] = args.handback_step_mib
     return settings
 
 
@@ -143,8 +145,9 @@ def _resident(args) -> dict:
             client.close()
 
 
-def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict]:
-    """Text streams in their steady state: (the streams, the steady window, the broker's steps in it)."""
+def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict, dict | None]:
+    """Text streams in their steady state: (the streams, the steady window, the broker's steps in it,
+    the caches' traffic per step over the next ~0.5 s, between two INFO replies asked for)."""
     # a first round captures every batch size's graph (the image request's decode joins the streams'
     # batch) and fills the cache; then the streams run until stopped, up to what the context allows
     TextStreams(client, args.text_streams + 1, WARM_TOKENS).join()
@@ -154,7 +157,7 @@ def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dic
     start, before = time.monotonic(), client.info()
     streams.wait_tokens(WARM_TOKENS + STEADY_TOKENS)
     end, after = time.monotonic(), client.info()
-    return streams, (start, end), steady_steps(before, after, end - start)
+    return streams, (start, end), steady_steps(before, after, end - start), steady_cache(client)
 
 
 def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
@@ -162,14 +165,16 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     before it is sent, the row while vision is loaded, the time split, the text streams' gaps)."""
     streams = None
     if args.text_streams:
-        streams, steady, steps = _steady_streams(client, args)
+        streams, steady, steps, cache = _steady_streams(client, args)
     before_image = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
     sent = time.monotonic()
     first_s = _chat(client, image, started=sent)
     ended = streams.stop() if streams else None
     during = _row(client)  # before idle_s can pass
-    split = dict(client.info()["vision"]["last_cold_start"], first_token_s=first_s)
-    gaps = gap_report(streams, steady, sent, split, ended, steps) if streams else {}
+    vision = client.info()["vision"]
+    split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
+                 measured_mib=vision.get("measured_mib"))
+    gaps = gap_report(streams, steady, sent, split, ended, steps, cache) if streams else {}
     return before_image, during, split, gaps
 
 
@@ -193,7 +198,9 @@ def _earlier_cold_starts(client, args) -> list[dict]:
     for n in range(args.cold_starts - 1):
         sent = time.monotonic()
         first_s = _chat(client, _image_png(args.image_px, seed=100 + n), max_tokens=1, started=sent)
-        splits.append(dict(client.info()["vision"]["last_cold_start"], first_token_s=first_s))
+        vision = client.info()["vision"]
+        splits.append(dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
+                           measured_mib=vision.get("measured_mib")))
         _wait(client, lambda i: i["vision"]["state"] == "cold", args.idle_s + args.timeout_s, "vision unloaded")
     return splits
 
@@ -266,6 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-mib", type=float, nargs="*",
                    help="cuda: each GPU's VRAM budget (gpu_memory_mib), e.g. 8192 on an H200")
     p.add_argument("--max-context", type=int)
+    p.add_argument("--handback-step-mib", type=float, help="vision.handback_step_mib (default: the setting's)")
     p.add_argument("--repeats", type=int, default=5, help="warm encodes")
     p.add_argument("--text-streams", type=int, default=4, help="text streams decoding through the cold start")
     p.add_argument("--text-tokens", type=int, help="at most this many tokens a text stream (default: what the context "
@@ -287,6 +295,9 @@ def main(argv=None) -> int:
         print(f"{what}:", ", ".join(f"{k[:-2]} {1e3 * split[k]:.1f} ms" for k in
                                     ("handback_s", "start_s", "encode_s", "prefill_s", "first_token_s") if k in split),
               f"({split.get('handback_requests', '-')} hand-back requests)")
+        if any(m is not None for m in split.get("measured_mib") or []):  # cuda: the start's footprint
+            print(f"  the vision worker's start took {split['measured_mib']} MiB (driver's count); the next hand-back "
+                  f"frees {split.get('vram_mib')} MiB")
     split = cycle["split"]
     if cycle["text_gaps"]:
         _print_gaps(cycle["text_gaps"], split, args.text_streams)

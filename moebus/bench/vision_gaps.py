@@ -13,6 +13,8 @@ import statistics
 import threading
 import time
 
+from moebus.broker.vision_phases import CACHE_KEYS, cache_per_step
+
 WARM_TOKENS = 8  # of each text stream before the steady state is measured (batch sizes captured, experts cached)
 STEADY_TOKENS = 24  # each stream's tokens in the steady state measured before the image is sent
 PHASES = ("queued", "handback", "start", "ready_to_encode", "encode", "prefill", "decode")
@@ -108,8 +110,43 @@ def steady_steps(before: dict, after: dict, seconds: float) -> dict:
             "step_ms": mean_ms("step_seconds"), "compute_ms": mean_ms("step_compute_seconds")}
 
 
+def _worker_counters(info: dict) -> dict:
+    """The GPU workers' steps and caches' counters in a broker INFO, summed over the workers."""
+    gpus = info.get("gpus") or []
+    out = {k: sum(int(g.get(k, 0)) for g in gpus) for k in ("steps", *CACHE_KEYS)}
+    out["slot_bytes"] = max((int(g.get("expert_slot_bytes", 0)) for g in gpus), default=0)
+    return out
+
+
+def _fresh_counters(client, timeout_s: float) -> dict | None:
+    """The workers' counters from an INFO asked for now: a VRAM query's answer makes the broker ask
+    every worker for INFO on its next turn; the figures are fresh once their step count moves."""
+    old = _worker_counters(client.info())
+    client.vram(query=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = _worker_counters(client.info())
+        if now["steps"] != old["steps"]:
+            return now
+        time.sleep(0.01)
+    return None
+
+
+def steady_cache(client, window_s: float = 0.5, timeout_s: float = 5.0) -> dict | None:
+    """The caches' traffic per step while the text streams decode alone, between two fresh INFO
+    replies of the workers ``window_s`` apart: misses, MiB over PCIe and copies beyond the misses,
+    per step (vision_phases.cache_per_step). None when the workers did not answer in time."""
+    first = _fresh_counters(client, timeout_s)
+    time.sleep(window_s)
+    second = _fresh_counters(client, timeout_s) if first else None
+    if second is None or second["steps"] <= first["steps"]:
+        return None
+    steps = second["steps"] - first["steps"]
+    return {"steps": steps, **cache_per_step(first, second, steps)}
+
+
 def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, split: dict, ended: float,
-               steps: dict) -> dict:
+               steps: dict, cache: dict | None = None) -> dict:
     """Everything the bench prints about the text streams (plain data, for its JSON line too)."""
     start, end = steady
     before = gaps_within(streams.times, start, end)
@@ -125,7 +162,7 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
                            "ratio_until_encoded": max(upto) / median if upto and median else None,
                            "ratio_cold": max(through) / median if through and median else None})
     pooled = sum(before, [])
-    return {"steady": {**summary_ms(pooled), "broker_steps": steps}, "per_stream": per_stream,
+    return {"steady": {**summary_ms(pooled), "broker_steps": steps, "cache": cache}, "per_stream": per_stream,
             "by_phase": gaps_by_phase(streams.times, sent, split, ended),
             "covered": streams.ran_until() >= ended - 1e-3,
             "largest": largest_ms(streams.times, sent, 5)}
@@ -149,13 +186,20 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
           f"{ms(steady['median_ms'])} ms (n {steady['n']}, max {ms(steady['max_ms'])}); broker: {steps['steps']} steps, "
           f"one every {ms(steps['interval_ms'])} ms, {ms(steps['step_ms'])} ms plan to tokens, "
           f"{ms(steps['compute_ms'])} ms in the worker")
+    cache = report["steady"].get("cache")
+    if cache:
+        print(f"  caches while they decode alone: {cache['misses_per_step']:.1f} experts missed a step, "
+              f"{cache['h2d_mib_per_step']:.1f} MiB over PCIe a step, {ms(cache['copies_per_step'])} copies a step "
+              f"beyond the misses ({cache['steps']} steps between two INFO replies)")
     print(f"  {'phase':<16} {'length ms':>10} {'gaps':>5} {'median ms':>10} {'max ms':>8} {'max/median':>10}   "
-          f"broker: {'steps':>5} {'step ms':>8} {'worker ms':>9}")
+          f"broker: {'steps':>5} {'step ms':>8} {'worker ms':>9}   caches: {'missed':>6} {'MiB':>6} {'copies':>6} a step")
     for phase, row in report["by_phase"].items():
         b = broker_steps.get(phase) or {}
         own = f"{row['max_ms'] / row['median_ms']:.2f}" if row["median_ms"] else "-"  # against the phase's own pace
         print(f"  {phase:<16} {row['length_ms']:>10.1f} {row['n']:>5} {ms(row['median_ms']):>10} {ms(row['max_ms']):>8}"
-              f" {own:>10}           {b.get('steps', '-'):>5} {ms(b.get('step_ms')):>8} {ms(b.get('compute_ms')):>9}")
+              f" {own:>10}           {b.get('steps', '-'):>5} {ms(b.get('step_ms')):>8} {ms(b.get('compute_ms')):>9}"
+              f"           {ms(b.get('misses_per_step')):>6} {ms(b.get('h2d_mib_per_step')):>6}"
+              f" {ms(b.get('copies_per_step')):>6}")
     for i, s in enumerate(report["per_stream"]):
         print(f"  stream {i}: median before {ms(s['median_before_ms'])} ms; largest through hand-back, start and encode "
               f"{ms(s['max_until_encoded_ms'])} ms ({ms(s['ratio_until_encoded'])}x), through the whole cold start "

@@ -51,6 +51,8 @@ class VisionHooks:
     workers_ready: Callable  # () -> bool
     worker_info: Callable  # () -> [each GPU worker's last INFO stats ({} before its first)]
     decoding: Callable  # () -> bool: sequences are running (the hand-back lets a step pass between its parts)
+    steps_sent: Callable  # () -> int: decode steps sent to the workers so far (started; aborted ones may drop out)
+    ask_info: Callable  # () -> None: every ready GPU worker is asked for INFO (the cold start's cache counters)
 
 
 class VisionLifecycle(PlacementMixin, EncodeMixin):
@@ -82,6 +84,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.processor = load_image_processor(settings.model) if vision_config.tower == "qwen3_vl" else None
         self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
         self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
+        self.measured_bytes: dict[int, int] = {}  # gpu -> what the last start there took (cuda; reserves())
         self.handback: Handback | None = None  # the hand-back in progress, in steps (vision_handback.py)
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
@@ -170,6 +173,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
                            "placement": self.placement.to_dict() if self.placement else None,
                            "problem": self.placement.problem if self.placement else None,  # a row of the page
                            "vram_mib": self.reserves(),
+                           "measured_mib": self.measured_mib(),
                            "waiting": len(self.waiting) + (self.encoding is not None) + len(self.groups.followers()),
                            "zygote_ready": self.zygote_info is not None, "last_cold_start": cold_start_split(self.last_cycle, self.phase_steps)}}
 
@@ -244,10 +248,11 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
     def _hand_back(self, now: float) -> None:
         self.state, self.since_s = HANDING_BACK, now
         self.last_cycle = {"began_s": now, "queued_s": now - self.waiting[0].arrived_s if self.waiting else 0.0}
-        self.phase_steps = PhaseSteps(self.stats)
+        self.phase_steps = PhaseSteps(self.stats, self.num_gpus, self.hooks.ask_info)
         self.phase_steps.mark("began")
+        free = [info.get("free_mib") for info in self.hooks.worker_info()]
         self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
-                                 lambda: self.stats.counters["steps_total"], self.hooks.decoding, self._handed_back)
+                                 self.hooks.steps_sent, self.hooks.decoding, self._handed_back, free)
         self.last_cycle["handback_requests"] = len(self.handback.plan)
         self.handback.start()
 

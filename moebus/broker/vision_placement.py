@@ -2,7 +2,8 @@
 zygote says what a vision worker charges (its ``hello``); each GPU worker says, in its INFO, the
 most MiB its GPU can have free once its cache hands back all it may (``max_free_mib``: free now
 plus every segment above one expert group). A GPU can host the vision worker when that is at
-least what must be free there (``vision.vram_mib`` for it, or the default by device).
+least what must be free there (``vision.vram_mib`` for it, else on cuda what the last start there
+measured, plus a margin, else the default by device).
 
 ``vision.gpu: auto`` picks, among the GPUs that can, the one left with the most room; a fixed
 ``vision.gpu`` is checked. When none can, ``problem`` says by how many MiB each falls short and
@@ -36,8 +37,9 @@ def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: 
                      cuda_vision_mib: int | None = None) -> list[int]:
     """cuda: [1800] on one GPU; 1700 on the vision GPU and 600 on each other one (the seed's
     measured split: context + tower + activations on the vision GPU, and room for the embeddings'
-    traffic and the loaned prefill scratch elsewhere); ``cuda_vision_mib`` (Qwen3-VL: derived from
-    its tower, broker/vision_qwen3vl.py) replaces the vision GPU's figure. cpu: exactly what the vision
+    traffic and the loaned prefill scratch elsewhere); ``cuda_vision_mib`` (a start's measured
+    footprint, or Qwen3-VL's derived from its tower, broker/vision_qwen3vl.py) replaces the vision
+    GPU's figure. cpu: exactly what the vision
     worker charges to the emulated GPU's ledger (its weights as the cpu backend holds them plus the
     activations of one tower pass: the worker encodes one image at a time), in whole MiB, on the
     vision GPU only."""
@@ -46,6 +48,17 @@ def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: 
         return [mine if g == vision_gpu else 600 for g in range(num_gpus)]
     need = -(-charge_bytes // MIB) + 1
     return [need if g == vision_gpu else 0 for g in range(num_gpus)]
+
+
+MEASURED_MARGIN_MIB = 64  # above a start's measured footprint: what the next start may take more
+MEASURED_MARGIN_SHARE = 0.05  # (the driver's rounding, a larger image's scratch), the larger of the two
+
+
+def measured_reserve_mib(measured_bytes: int) -> int:
+    """The reserve for a vision worker whose last start on that GPU took ``measured_bytes`` (the
+    driver's count, context included: workers/vision_footprint.py), in whole MiB with a margin."""
+    mib = measured_bytes / MIB
+    return int(-(-(mib + max(MEASURED_MARGIN_MIB, MEASURED_MARGIN_SHARE * mib)) // 1))
 
 
 def memory_setting(device: str) -> str:
@@ -90,6 +103,7 @@ class PlacementMixin:
     zygote_info: dict | None
     placement: Placement | None
     hooks: object
+    measured_bytes: dict  # gpu -> what the last vision start there took (VISION_READY's measured_bytes)
 
     @property
     def gpu(self) -> int:
@@ -99,13 +113,25 @@ class PlacementMixin:
         return self.vision.gpu if self.vision.gpu != "auto" else 0
 
     def reserves(self, gpu: int | None = None) -> list[float | None]:
-        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU)."""
+        """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU): the
+        operator's ``vision.vram_mib``, else on the vision GPU what the last start there measured
+        (plus a margin; cuda; LLaVA's warm-up encodes a full image, Qwen3-VL's a small one, so for
+        Qwen3-VL at least the figure from its tower), else the default."""
         gpu = self.gpu if gpu is None else gpu
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
-        tower = vision_qwen3vl.cuda_vision_mib(self.config, self.processor) if self.processor else None
-        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge, tower)
+        measured = self.measured_bytes.get(gpu)  # what the last start there really took (cuda)
+        mine = measured_reserve_mib(measured) if measured else None
+        if self.processor:  # Qwen3-VL warms up on a small image: a large one's scratch is in its tower figure
+            mine = max(mine or 0, vision_qwen3vl.cuda_vision_mib(self.config, self.processor))
+        values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge, mine)
         values = [float(v) for v in values[: self.num_gpus]]
         return values + [None] * (self.num_gpus - len(values))
+
+    def measured_mib(self) -> list[float | None]:
+        """Per GPU (worker order), what the last vision start there measured (None: none yet). A list,
+        as every per-GPU figure in INFO: the wire's maps take string keys only."""
+        return [round(self.measured_bytes[g] / MIB, 1) if g in self.measured_bytes else None
+                for g in range(self.num_gpus)]
 
     def _need_mib(self, gpu: int) -> float:
         """MiB that must be free on ``gpu`` to start the worker there. On cpu the charge the zygote

@@ -16,7 +16,7 @@ from moebus.broker.vision import VisionHooks
 from moebus.broker.vram_control import VramControl
 from moebus.broker.worker_pool import WorkerPool, WorkerState, ready_mismatch
 from moebus.common import transport, wire
-from moebus.common.protocol import InfoReply, Ready, Shutdown, StepReply, VramReply, WorkerError
+from moebus.common.protocol import Info, InfoReply, Ready, Shutdown, StepReply, VramReply, WorkerError
 
 log = logging.getLogger("moebus.broker")
 WORKER_VRAM_KEYS = ("reserve_mib", "free_mib", "expert_slots", "expert_cache_mib")  # of a VRAM_REPLY, kept for INFO
@@ -117,6 +117,13 @@ class WorkerMessages:
 
     def _on_info_reply(self, worker: WorkerState, msg: InfoReply) -> None:
         worker.info = msg.stats
+        if self.vision is not None:  # a cold image start's phases keep the caches' counters
+            self.vision.phase_steps.on_worker_info(worker.gpu, msg.stats)
+
+    def _ask_info(self) -> None:
+        for w in self.pool:
+            if w.is_ready:
+                self._send_worker(w.gpu, Info())
 
     def _on_vision(self, frames) -> None:
         try:
@@ -132,4 +139,5 @@ class WorkerMessages:
             send=self._send_vision,
             queue_vram=self.vram.internal,
             submit=self.scheduler.submit, reply=self._reply, workers_ready=self.pool.all_ready,
-            worker_info=lambda: [w.info for w in self.pool], decoding=lambda: bool(self.scheduler.running))
+            worker_info=lambda: [w.info for w in self.pool], decoding=lambda: bool(self.scheduler.running),
+            steps_sent=lambda: self.stats.counters["steps_total"] + len(self.inflight), ask_info=self._ask_info)

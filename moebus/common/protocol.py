@@ -479,7 +479,9 @@ def _check_qwen3vl_arrays(step: Step, num_tokens: int) -> None:
 
 class VisionReady(Message):
     """The vision worker has its device context and weights uploaded and is warm (its kernels ran
-    once), so the first ENCODE does not compile. ``start_s``: its own part of the start."""
+    once), so the first ENCODE does not compile. ``start_s``: its own part of the start.
+    ``device_bytes``: its weights (cpu: what it charged the ledger); ``measured_bytes``: cuda, what
+    its start took from the GPU as the driver counts it, context included (0: not measured)."""
 
     TYPE = b"VISION_READY"
     generation: ShortText
@@ -487,6 +489,7 @@ class VisionReady(Message):
     device: ShortText
     pid: Count
     device_bytes: Annotated[int, Field(ge=0, le=MAX_INT64)] = 0
+    measured_bytes: Annotated[int, Field(ge=0, le=MAX_INT64)] = 0
     num_image_tokens: Count
     hidden_size: Count
     start_s: Seconds = 0.0

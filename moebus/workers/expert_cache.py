@@ -354,7 +354,7 @@ class ExpertCache:
             if free:
                 dst = free.pop()
                 self.free.remove(dst)
-            elif victims and self.policy.worth_admitting(key, victims[0]):
+            elif victims and self.policy.worth_keeping(key, victims[0]):
                 dst = self.key_slot[victims.pop(0)]
                 self._evict(dst)
             else:

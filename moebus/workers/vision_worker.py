@@ -21,6 +21,7 @@ from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
+from moebus.workers.vision_footprint import StartFootprint
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
 
 log = logging.getLogger("moebus.vision")
@@ -75,6 +76,21 @@ def warm_up(model: VisionModel, processor, cfg) -> None:
     model.warm_up(processor)
 
 
+def _driver_free(device: str, flush: bool = False) -> int | None:
+    """cuda: the driver's free bytes now (cuMemGetInfo); ``flush``: numba's deferred frees first, so
+    that memory the warm-up let go of is not counted as the worker's. None elsewhere."""
+    if device != "cuda":
+        return None
+    from numba import cuda
+
+    from moebus.cuda.memory.vmm import device_memory_info
+
+    context = cuda.current_context()
+    if flush and hasattr(context, "deallocations"):  # not in the simulator
+        context.deallocations.clear()
+    return device_memory_info()[0]
+
+
 def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int,
                       gpu: int) -> int:
     """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
@@ -82,11 +98,15 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     started = time.perf_counter()
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
+    footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
     backend = make_backend(device)
+    footprint.context_made(_driver_free(device))
     built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend)
+    footprint.weights_loaded(_driver_free(device, flush=True))
     uploaded = time.perf_counter()
     warm_up(model, processor, cfg)
+    measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: device backend (context) %.3f s, weights %.3f s, warm-up %.3f s", gpu,
              built - started, uploaded - built, time.perf_counter() - uploaded)
@@ -94,10 +114,13 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
                            device_bytes=charge if device == "cpu" else model.device_bytes,
+                           measured_bytes=measured or 0,
                            num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
                            start_s=time.perf_counter() - started))
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
+    if device == "cuda":
+        log.info("vision worker footprint: %s", footprint.describe(model.device_bytes))
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
     try:
         return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision)).serve()

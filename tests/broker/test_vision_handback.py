@@ -1,6 +1,7 @@
-"""The vision hand-back in steps (broker/vision_handback.py): evenly growing reserves, the next
-request only after a decode step has passed (or none is running, or the pause ran out), the last
-reply handed on, an error ending it early. The broker's VRAM fan-out is played by a queue here."""
+"""The vision hand-back in steps (broker/vision_handback.py): evenly growing reserves from what each
+GPU has free, the next request once a decode step has been sent after the last one (or none is
+running, or the pause ran out), the last reply handed on, an error ending it early. The broker's
+VRAM fan-out is played by a queue here."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,11 +16,21 @@ def test_the_plan_grows_evenly_to_the_reserves():
     assert handback_plan([None, None], 256) == [[None, None]]
 
 
+def test_the_plan_starts_from_what_is_free():
+    # gap6's hand-back: 278 MiB free, 1800 asked in 64 MiB steps took 29 requests, the first three
+    # asking for room that was there; from the free MiB, 24 each free a step
+    plan = handback_plan([1800.0], 64, [278.0])
+    assert len(plan) == 24 and plan[0] == [278.0 + (1800 - 278) / 24] and plan[-1] == [1800.0]
+    assert handback_plan([1800.0, 500.0], 256, [1700.0, 0.0]) == [[1750.0, 250.0], [1800.0, 500.0]]
+    assert handback_plan([500.0], 256, [900.0]) == [[500.0]]  # already free: one request, nothing to shrink
+    assert handback_plan([1700.0, None], 1000, [None, 5.0]) == [[850.0, None], [1700.0, None]]  # None: nothing known
+
+
 class Broker:
-    """What the Handback asks of the broker: its VRAM queue, its step count, whether it decodes."""
+    """What the Handback asks of the broker: its VRAM queue, its count of steps sent, whether it decodes."""
 
     def __init__(self):
-        self.queued, self.steps, self.running, self.done, self.interim = [], 0, True, [], []
+        self.queued, self.sent, self.running, self.done, self.interim = [], 0, True, [], []
 
     def queue_vram(self, reserves, on_reply, interim=False, between_steps=False):
         assert between_steps  # every request goes out without draining the steps in flight
@@ -31,31 +42,36 @@ class Broker:
         on_reply(SimpleNamespace(error=error, reserve_mib=reserves))
 
 
-def handback(broker, reserves=(1024.0, 512.0)):
-    h = Handback(list(reserves), 256, broker.queue_vram, lambda: broker.steps, lambda: broker.running,
-                 broker.done.append)
+def handback(broker, reserves=(1024.0, 512.0), free=None):
+    h = Handback(list(reserves), 256, broker.queue_vram, lambda: broker.sent, lambda: broker.running,
+                 broker.done.append, free)
     h.start()
     return h
 
 
-def test_a_step_passes_between_two_requests():
+def test_a_step_sent_after_a_request_lets_the_next_one_go():
     broker = Broker()
     h = handback(broker)
     assert [r for r, _ in broker.queued] == [[256.0, 128.0]]
-    broker.answer()
-    h.tick(0.0)  # no step yet: the next request waits
+    broker.answer()  # no step sent since the request: the next one waits (two resizes would meet)
+    h.tick(0.0)
     assert len(broker.queued) == 1
-    broker.steps += 1
+    broker.sent += 1  # a step goes out behind the request: it will run between the two resizes
     h.tick(0.0)
     assert [r for r, _ in broker.queued][-1] == [512.0, 256.0]
-    for _ in range(2):
+    for _ in range(2):  # the usual order: the look-ahead step is out before the reply comes,
+        broker.sent += 1  # so the next request goes with the reply
         broker.answer()
-        broker.steps += 1
-        h.tick(0.0)
     assert broker.done == [] and [r for r, _ in broker.queued][-1] == [1024.0, 512.0]
     broker.answer()
     assert [reply.reserve_mib for reply in broker.done] == [[1024.0, 512.0]]
     assert broker.interim == [True, True, True, False]  # only after the last does the broker ask INFO
+
+
+def test_the_free_mib_shorten_the_plan():
+    broker = Broker()
+    h = handback(broker, free=[600.0, 0.0])
+    assert h.plan == [[812.0, 256.0], [1024.0, 512.0]]
 
 
 def test_with_nothing_decoding_as_it_begins_it_is_one_request():
@@ -77,6 +93,7 @@ def test_when_decoding_stops_or_after_the_pause_it_goes_on():
     broker.running = True
     broker.answer()
     h.tick(0.0)
+    assert len(broker.queued) == 2  # no step sent since: it waits
     h.tick(1e9)  # a stalled pipeline does not hold the start for ever
     assert len(broker.queued) == 3 and MAX_PAUSE_S < 1
 

@@ -46,3 +46,28 @@ def test_the_split_gives_the_prefill_once_the_first_token_came():
     assert split == {"queued_s": 0.001, "handback_s": 0.2, "start_s": 0.8, "handback_requests": 29, "steps": {}}
     seq.first_token_s = 11.6
     assert cold_start_split(cycle, phases)["prefill_s"] == pytest.approx(0.5)
+
+
+def test_each_mark_asks_the_workers_and_keeps_their_cache_counters():
+    stats, asked = Stats(), []
+    phases = PhaseSteps(stats, num_workers=2, ask_info=lambda: asked.append(1))
+    slot = 9 << 20
+
+    def info(hits, misses, copies):
+        return {"hits": hits, "misses": misses, "h2d_bytes": (misses + copies) * slot, "expert_slot_bytes": slot}
+
+    phases.mark("began")
+    phases.on_worker_info(0, info(100, 10, 5))
+    assert "began" not in phases.cache  # gpu1 has not answered since the mark
+    phases.on_worker_info(1, info(50, 4, 0))
+    steps(stats, 10, 0.011, 0.010)
+    phases.mark("handed_back")
+    phases.mark("handed_back")  # asked once per mark
+    phases.on_worker_info(1, info(60, 34, 20))
+    phases.on_worker_info(0, info(150, 40, 25))
+    assert len(asked) == 2 and phases.cache["began"]["misses"] == 14 and phases.cache["handed_back"]["misses"] == 74
+    got = phases.by_phase()["handback"]
+    # 60 misses and 40 copies beyond them over 10 steps
+    assert got == pytest.approx({"steps": 10, "step_ms": 11.0, "compute_ms": 10.0, "misses_per_step": 6.0,
+                                 "h2d_mib_per_step": 90.0, "copies_per_step": 4.0})
+    assert "misses_per_step" not in PhaseSteps(stats).by_phase().get("handback", {})  # no ask_info: no counters

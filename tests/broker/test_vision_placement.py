@@ -1,7 +1,16 @@
 """Where the vision worker goes (broker/vision_placement.py): auto picks a GPU whose cache can make
 room, leaving the most; a fixed GPU is checked; when none can, the problem names the MiB missing on
-each GPU and the setting that changes it."""
-from moebus.broker.vision_placement import default_vram_mib, place, short_of
+each GPU and the setting that changes it; on cuda a start's measured footprint sizes the next
+hand-back there."""
+from types import SimpleNamespace
+
+from moebus.broker.vision_placement import (PlacementMixin, default_vram_mib, measured_reserve_mib, place,
+                                            short_of)
+
+from moebus.common import wire
+from moebus.common.protocol import InfoReply
+
+MIB = 1 << 20
 
 
 def need(values):
@@ -52,3 +61,39 @@ def test_a_placed_start_that_found_no_room_says_how_much_was_missing():
 def test_default_reserves_follow_the_vision_gpu():
     assert default_vram_mib("cuda", 2, 1, 0) == [600, 1700]
     assert default_vram_mib("cpu", 2, 1, 15 * (1 << 20) + 1) == [0, 17]
+
+
+class Lifecycle(PlacementMixin):
+    """The state PlacementMixin reads (VisionLifecycle's), for a LLaVA tower on ``num_gpus`` GPUs."""
+
+    def __init__(self, device="cuda", num_gpus=1, vram_mib=None):
+        self.settings = SimpleNamespace(device=device)
+        self.vision = SimpleNamespace(gpu="auto", vram_mib=vram_mib)
+        self.num_gpus, self.placement, self.processor = num_gpus, None, None
+        self.zygote_info = {"charge_bytes": 1728 * MIB}
+        self.measured_bytes = {}
+
+
+def test_a_measured_start_sizes_the_next_hand_back_on_its_gpu():
+    assert measured_reserve_mib(1433 * MIB) == 1505  # 5% above
+    assert measured_reserve_mib(500 * MIB) == 564  # at least 64 MiB above
+    life = Lifecycle(num_gpus=2)
+    assert life.reserves(0) == [1700.0, 600.0]  # nothing measured yet: the default
+    life.measured_bytes[0] = 1100 * MIB
+    assert life.reserves(0) == [1164.0, 600.0] and life._need_mib(0) == 1164.0
+    assert life.reserves(1) == [600.0, 1700.0]  # measured on gpu0 only
+    assert Lifecycle(vram_mib=[2000]).reserves(0) == [2000.0]  # the operator's setting wins
+    cpu = Lifecycle(device="cpu")
+    cpu.measured_bytes[0] = 1100 * MIB  # never sent on cpu: the ledger's charge is exact there
+    assert cpu.reserves(0) == [1729.0]
+
+
+def test_the_measured_figures_travel_in_info_as_a_list_per_gpu():
+    life = Lifecycle(num_gpus=2)
+    life.measured_bytes[1] = int(1735.6 * MIB)
+    assert life.measured_mib() == [None, 1735.6]
+    # the seventh session's H200 call: a map keyed by GPU number made every INFO_REPLY undecodable
+    # (the wire's maps take string keys only), and the client waited for it until its timeout
+    reply = wire.decode(wire.encode(InfoReply(id="i", stats={"vision": {"measured_mib": life.measured_mib(),
+                                                                       "vram_mib": life.reserves(1)}})))
+    assert reply.stats["vision"] == {"measured_mib": [None, 1735.6], "vram_mib": [600.0, 1823.0]}

@@ -65,6 +65,8 @@ SAMPLES = [
            embed_rows=np.array([0, 2], np.int32)),
     p.VisionReady(generation="v", gpu=0, device="cpu", pid=9, device_bytes=1 << 20, num_image_tokens=4,
                   hidden_size=8, start_s=0.2),
+    p.VisionReady(generation="v", gpu=0, device="cuda", pid=9, device_bytes=801 << 20, measured_bytes=1433 << 20,
+                  num_image_tokens=4, hidden_size=8, start_s=0.2),
     p.Encode(encode_id=2, request_id="r4", images=[np.frombuffer(b"abc", np.uint8)]),
     p.EncodeReply(encode_id=2, generation="v", compute_s=0.1, embeds=np.ones((4, 8), np.float32)),
     p.EncodeReply(encode_id=3, generation="v", error="image 1 is not an image", image=1),

@@ -61,6 +61,8 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     assert len(gaps["per_stream"]) == 2 and gaps["steady"]["n"] > 0 and gaps["steady"]["broker_steps"]["steps"] > 0
     assert gaps["by_phase"]["handback"]["length_ms"] > 0 and "phase" in out and "stream 1: median before" in out
     assert set(result["split"]["steps"]) >= {"handback", "start", "encode", "prefill"}
+    start = result["split"]["steps"]["start"]  # each mark asked the workers for their caches' counters
+    assert start["steps"] == 0 or start["misses_per_step"] >= 0 and start["h2d_mib_per_step"] >= 0, start
     assert len(result["earlier_splits"]) == 1 and "cold image request 1 of 2:" in out  # measured: the second
 
 

@@ -2,6 +2,7 @@
 text streams keep decoding with their solo tokens while the first image starts the vision worker;
 idle unloads racing new images; a vision worker SIGKILLed during an encode; /metrics through it all.
 The full 200 race rounds: ``MOEBUS_VISION_RACE_ROUNDS=200``."""
+import math
 import os
 import random
 import signal
@@ -293,21 +294,26 @@ def test_when_no_gpu_can_make_room_the_boot_says_so_and_images_learn_why(tmp_pat
 
 
 def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_dir, image):
-    """vision.handback_step_mib 0.25 of a 1 MiB reserve: four VRAM requests, growing, while a text
-    stream decodes; then the image is answered as before."""
+    """vision.handback_step_mib 0.125 of a 1 MiB reserve: VRAM requests that grow evenly from what
+    gpu0 had free (no request asks for room that is there) to the reserve, while a text stream
+    decodes; then the image is answered as before."""
     import requests
 
-    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.25)
+    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.125)
     client = Client(svc.zmq_address, timeout_s=30)
     try:
         wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
+        free_mib = client.info()["gpus"][0]["free_mib"]
         text = client.generate(prompt_tokens=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True)
         next(iter(text))
         assert len(_image_request(client, image).collect()["tokens"]) == 2
         assert len(text.collect()["tokens"]) >= 1
         events = requests.get(svc.base_url + "/v1/cache", timeout=10).json()["vram_events"]
         handback = [e["reserve_mib"][0] for e in events if e["reserve_mib"][0] is not None]
-        assert handback[:4] == [0.25, 0.5, 0.75, 1.0], events
+        handback = handback[: handback.index(1.0) + 1]
+        steps = [b - a for a, b in zip([min(free_mib, 1.0)] + handback, handback)]
+        assert free_mib < 1.0 and len(handback) == math.ceil((1.0 - free_mib) / 0.125 - 1e-9), (free_mib, events)
+        assert all(abs(d - steps[0]) < 1e-6 and 0 < d <= 0.125 for d in steps), (free_mib, events)
     finally:
         client.close()
         assert svc.stop() == []

@@ -1,0 +1,131 @@
+"""What a vision worker's start takes from its GPU, as the driver counts it: its CUDA context, the
+tower's weights, the encode's scratch and pools, the modules its kernels load. The broker sizes
+the next hand-back from it (broker/vision_placement.py) instead of a fixed default, since the
+weights the model counts (``device_bytes``) are only a part of it.
+
+Every process's memory on a GPU comes out of one pool, so "before" must be read before this
+process has a context: NVML (libnvidia-ml, which the driver installs; no context needed) gives the
+device's used bytes then and after the warm-up, and the difference is the start's footprint. The
+GPU is found by its UUID (cuDeviceGetUuid needs cuInit, not a context). The text workers decode
+meanwhile, but their memory does not move between steps (graphs and pools are sized before
+READY; the cache moves only on VRAM requests, and none is sent while the vision worker starts).
+cuMemGetInfo once the context exists splits the footprint into the context and the rest.
+
+Where NVML cannot be read (no library, another driver) the footprint is unknown (None): the broker
+keeps its default reserve rather than trust a figure without the context."""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger("moebus.vision")
+MIB = 1 << 20
+NVML_SUCCESS = 0
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def uuid_text(raw: bytes) -> str:
+    """NVML's spelling of a 16-byte device UUID: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    h = bytes(raw)[:16].hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def cuda_device_uuid() -> str:
+    """The UUID of this process's CUDA device 0 (after CUDA_VISIBLE_DEVICES), without a context."""
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuInit(0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuInit: {err}")
+    err, device = cu.cuDeviceGet(0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuDeviceGet: {err}")
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+    err, uuid = get_uuid(device)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuDeviceGetUuid: {err}")
+    return uuid_text(uuid.bytes)
+
+
+class Nvml:
+    """The used bytes of one GPU, by UUID, through libnvidia-ml (ctypes: no package needed)."""
+
+    def __init__(self, uuid: str, library: str = "libnvidia-ml.so.1"):
+        self.lib = ctypes.CDLL(library)
+        self._call("nvmlInit_v2")
+        self.handle = ctypes.c_void_p()
+        self._call("nvmlDeviceGetHandleByUUID", uuid.encode(), ctypes.byref(self.handle))
+
+    def _call(self, name: str, *args) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status != NVML_SUCCESS:
+            raise RuntimeError(f"{name}: NVML status {status}")
+
+    def used_bytes(self) -> int:
+        memory = _NvmlMemory()
+        self._call("nvmlDeviceGetMemoryInfo", self.handle, ctypes.byref(memory))
+        return int(memory.used)
+
+    def close(self) -> None:
+        self.lib.nvmlShutdown()
+
+
+class StartFootprint:
+    """Read before the context (``StartFootprint()``), then ``context_made()`` once it exists and
+    ``done()`` after the warm-up: ``total_bytes`` (None: unknown) and its parts for the log."""
+
+    def __init__(self, device: str, make_nvml=None):
+        self.device = device
+        self.nvml = None
+        self.before_used = self.context_free = self.weights_free = self.after_free = None
+        self.total_bytes = self.context_bytes = None
+        if device != "cuda":
+            return
+        try:
+            self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
+            self.before_used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001 - no NVML: the footprint stays unknown, the start goes on
+            log.info("vision worker footprint not measured (NVML: %s); the broker keeps its default reserve", e)
+            self.nvml = None
+
+    def context_made(self, free_bytes: int | None) -> None:
+        """The driver's free bytes (cuMemGetInfo) as soon as the context exists."""
+        self.context_free = free_bytes
+
+    def weights_loaded(self, free_bytes: int | None) -> None:
+        """The driver's free bytes once the weights are up (the rest is the warm-up's)."""
+        self.weights_free = free_bytes
+
+    def done(self, free_bytes: int | None) -> int | None:
+        """After the warm-up (numba's deferred frees flushed): the footprint in bytes, or None."""
+        if self.nvml is None:
+            return None
+        try:
+            used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001
+            log.info("vision worker footprint not measured (NVML: %s)", e)
+            return None
+        finally:
+            self.nvml.close()
+            self.nvml = None
+        self.total_bytes = max(0, used - self.before_used)
+        self.after_free = free_bytes
+        if self.context_free is not None and free_bytes is not None:
+            self.context_bytes = max(0, self.total_bytes - max(0, self.context_free - free_bytes))
+        return self.total_bytes
+
+    def describe(self, weights_bytes: int) -> str:
+        """The footprint and, where the driver's free bytes were read, its parts: the context, the
+        weights' upload (the model counts ``weights_bytes`` of arrays) and the warm-up's."""
+        if self.total_bytes is None:
+            return "not measured"
+        parts = [f"the model's arrays {weights_bytes / MIB:.1f} MiB"]
+        if self.context_bytes is not None:
+            parts.insert(0, f"context {self.context_bytes / MIB:.1f} MiB")
+        if None not in (self.context_free, self.weights_free, self.after_free):
+            parts.append(f"upload {(self.context_free - self.weights_free) / MIB:.1f} MiB, "
+                         f"warm-up {(self.weights_free - self.after_free) / MIB:.1f} MiB")
+        return f"{self.total_bytes / MIB:.1f} MiB on the device ({'; '.join(parts)})"

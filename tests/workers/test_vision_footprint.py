@@ -1,0 +1,28 @@
+"""The vision worker's start footprint (workers/vision_footprint.py) where no GPU is: NVML's spelling
+of a UUID, and a start that cannot read NVML goes on with the footprint unknown (None), so the
+broker keeps its default reserve. On a GPU: tests/cuda/test_vision_footprint.py."""
+import pytest
+
+from moebus.workers.vision_footprint import Nvml, StartFootprint, uuid_text
+
+
+def test_a_uuid_is_spelled_as_nvml_spells_it():
+    raw = bytes(range(16))
+    assert uuid_text(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+
+def test_cpu_measures_nothing():
+    footprint = StartFootprint("cpu")
+    footprint.context_made(None)
+    assert footprint.done(None) is None and footprint.describe(1 << 20) == "not measured"
+
+
+def test_without_nvml_the_footprint_is_unknown_and_the_start_goes_on():
+    def no_library():
+        return Nvml("GPU-00000000-0000-0000-0000-000000000000", library="libnvidia-ml-absent.so.1")
+
+    with pytest.raises(OSError):
+        no_library()
+    footprint = StartFootprint("cuda", make_nvml=no_library)
+    footprint.context_made(1 << 30)
+    assert footprint.done(1 << 29) is None and footprint.total_bytes is None
