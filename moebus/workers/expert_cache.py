@@ -89,7 +89,7 @@ class ExpertCache:
         self.pinned: set[int] = set()
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
-        self.key_hits: dict[int, int] = {}  # hits of resident keys since their admission (the dashboard's map)
+        self.key_hits = np.zeros(num_keys, np.int64)  # hits of resident keys since their admission (the dashboard's map)
         self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
         self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
 
@@ -148,11 +148,16 @@ class ExpertCache:
                 self.pinned.add(slot)
                 self.policy.touch(key)
                 self.hits += 1
-                self.key_hits[key] = self.key_hits.get(key, 0) + 1
-        for i, key in enumerate(keys):
-            if key in self.key_slot:
-                continue
-            slot = self._take_slot()
+                self.key_hits[key] += 1
+        missed = [i for i, key in enumerate(keys) if key not in self.key_slot]
+        victims = self._victims(len(missed) - len(self.free))
+        for i in missed:
+            key = keys[i]
+            if self.free or not victims:
+                slot = self._take_slot()
+            else:
+                slot = self.key_slot[victims.pop()]
+                self._evict(slot)
             self._assign(slot, key)
             ready[i] = self.copier.copy(slot, self.store.blob(key))
             slots[i] = slot
@@ -169,6 +174,14 @@ class ExpertCache:
         for slot in range(self.num_reserved):  # the prefetch's banks back from a prefill group
             if self.slot_key[slot] != EMPTY:
                 self._evict(slot)
+
+    def _victims(self, count: int) -> list[int]:
+        """The ``count`` resident keys _take_slot would evict one after another (scores do not move
+        while a group's misses take slots), last to evict first: one sort instead of a scan each."""
+        if count <= 0:
+            return []
+        weakest = self.policy.weakest_first(count + len(self.pinned))
+        return [k for k in weakest if self.key_slot[k] not in self.pinned][:count][::-1]
 
     def _take_slot(self) -> int:
         if self.free:
@@ -195,7 +208,7 @@ class ExpertCache:
         key = int(self.slot_key[slot])
         self.slot_key[slot] = EMPTY
         del self.key_slot[key]
-        self.key_hits.pop(key, None)  # an expert admitted again counts its hits anew
+        self.key_hits[key] = 0  # an expert admitted again counts its hits anew
         self.policy.remove(key)
         self.pending.pop(key, None)
         self._place(key, host_placement(key))
@@ -227,8 +240,7 @@ class ExpertCache:
         keys = np.unique((rows * num_experts + chosen).reshape(-1))
         resident = self._flat_placement[keys] >= 0
         self.hits += int(resident.sum())
-        for key in keys[resident].tolist():  # the dashboard's map counts hits per resident expert
-            self.key_hits[key] = self.key_hits.get(key, 0) + 1
+        self.key_hits[keys[resident]] += 1  # the dashboard's map counts hits per resident expert (keys unique)
         missed = keys[~resident]
         self.misses += len(missed)
         self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels
@@ -408,4 +420,4 @@ class ExpertCache:
         indexes ``layers``), ``hits`` the hit count of each, in the same order."""
         keys = sorted(self.key_slot)
         return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
-                "keys": keys, "hits": [self.key_hits.get(k, 0) for k in keys]}
+                "keys": keys, "hits": self.key_hits[keys].tolist()}

@@ -269,3 +269,41 @@ def test_the_tail_walks_agree_with_the_sums_they_replace():
             [slots_kept(arena, n) for n in range(len(arena.mapped) + 2)]
         released = arena.shrink(count)
         assert released == count and arena.mapped_bytes == sum(arena.mapped)
+
+
+@pytest.mark.parametrize("policy", ["freq", "lru"])
+def test_a_groups_misses_evict_what_one_victim_at_a_time_would(tmp_path, policy):
+    """acquire() picks all of a group's victims by one sort (weakest_first): the same keys leave, and
+    the same slots take the misses, as asking the policy for one victim per miss (the scan it
+    replaced), and never a slot of the group's own hits."""
+    from moebus.workers.eviction import make_policy
+
+    def fill(cache):
+        cache.policy = make_policy(policy, NUM_LAYERS * NUM_EXPERTS)
+        for layer, experts in ((0, range(6)), (2, range(3)), (1, range(3))):  # 12 keys in 12 slots
+            cache.acquire(layer, list(experts))
+            cache.release()
+        for key in np.random.default_rng(3).integers(0, 18, size=60):
+            if int(key) in cache.key_slot:
+                cache.policy.touch(int(key))
+        return cache
+
+    grouped = fill(make_cache(tmp_path / "a", segments=3)[0])
+    scanned = fill(make_cache(tmp_path / "b", segments=3)[0])
+    assert not grouped.free and len(grouped.key_slot) == 12
+    group = list(range(NUM_EXPERTS))  # layer 1: experts 0-2 hit (pinned), 3-5 miss with no free slot
+    slots, ready = grouped.acquire(1, group)
+    hits = [scanned.store.key(1, e) for e in group[:3]]
+    scanned.pinned = {scanned.key_slot[k] for k in hits}
+    for key in hits:
+        scanned.policy.touch(key)
+    expected = []
+    for _ in group[3:]:  # the old path: one scan a miss, each new key pinned as it lands
+        key = scanned.policy.victim(lambda k: scanned.key_slot[k] not in scanned.pinned)
+        slot = scanned.key_slot[key]
+        scanned._evict(slot)
+        scanned.pinned.add(slot)
+        expected.append((key, slot))
+    assert [int(s) for s in slots[3:]] == [slot for _, slot in expected]
+    assert all(k not in grouped.key_slot for k, _ in expected)
+    assert all(grouped.store.key(1, e) in grouped.key_slot for e in group)
