@@ -263,8 +263,7 @@ class CudaBackend:
 
     def vision_attention(self, q, k, v, num_images: int, scale: float):
         if self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
-            return prefill_attention.image_attention(self, self.tensor_cores, q, k, v, num_images, scale,
-                                                     self.empty(q.shape))
+            return vision_attention.image_attention_cuda(self, q, k, v, num_images, scale, self.empty(q.shape))
         return vision_attention.vision_attention_cuda(q, k, v, num_images, scale, self.empty(q.shape),
                                                       stream=self.stream)
 
