@@ -40,12 +40,16 @@ def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
 def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     """An upper bound of the device memory one image of ``num_patches`` patches needs beyond the
     weights on the cuda backend: the step's inputs, the kept hidden state and DeepStack features,
-    and one block's temporaries (recycled block to block) or one merger's."""
+    and one block's temporaries (recycled block to block) or one merger's. A block on the tensor
+    cores takes 13 (rows, hidden) results or split inputs, the fused attention's two bf16 planes of
+    the keys and values (flash_attention.plane_shapes) and two (rows, intermediate) ones."""
     n, tokens = num_patches, num_patches // cfg.merge_size ** 2
     hidden, inter = _pool_bytes(n * cfg.hidden_size * 4), _pool_bytes(n * cfg.intermediate_size * 4)
+    padded_keys, padded_dim = -(-n // 64) * 64, -(-cfg.head_dim // 16) * 16
+    planes = _pool_bytes(padded_keys * cfg.num_heads * 2 * max(padded_dim, cfg.head_dim) * 2)
     inputs = _pool_bytes(n * cfg.patch_dim * 4) + 3 * _pool_bytes(n * 4 * 4)
     kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * _pool_bytes(tokens * cfg.out_hidden_size * 4)
-    block = 10 * hidden + 2 * inter
+    block = 13 * hidden + 2 * planes + 2 * inter
     merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
     return inputs + kept + max(block, merger)
 
@@ -144,15 +148,15 @@ class Qwen3VisionModel:
     def _encoder_block(self, w: dict, x, rope_pos):
         ops, cfg = self.ops, self.cfg
         rows, heads, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
-        h = ops.layernorm(x, w["norm1.weight"], w["norm1.bias"], eps)
+        h = ops.layernorm_into(x, w["norm1.weight"], w["norm1.bias"], eps, w["attn.q.weight"])  # split once for q, k, v
         q, k = (ops.mrope(ops.tiled_linear(h, w[f"attn.{n}.weight"]).reshape(rows, heads, hd), rope_pos, self.axes,
                           self.cos, self.sin, bias=w[f"attn.{n}.bias"]) for n in "qk")
         v = ops.tiled_linear(h, w["attn.v.weight"], w["attn.v.bias"]).reshape(rows, heads, hd)
         a = ops.vision_attention(q, k, v, 1, hd ** -0.5).reshape(rows, heads * hd)
         x = ops.bias_residual(x, ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
-        h = ops.layernorm(x, w["norm2.weight"], w["norm2.bias"], eps)
-        h = ops.bias_activation(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
-                                cfg.hidden_act)
+        h = ops.layernorm_into(x, w["norm2.weight"], w["norm2.bias"], eps, w["mlp.linear_fc1.weight"])
+        h = ops.bias_activation_into(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
+                                     cfg.hidden_act, w["mlp.linear_fc2.weight"])
         return ops.bias_residual(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"]), w["mlp.linear_fc2.bias"])
 
     def _merge(self, w: dict, x, post_shuffle_norm: bool):

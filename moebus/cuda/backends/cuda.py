@@ -17,6 +17,7 @@ from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
 
 
@@ -238,8 +239,11 @@ class CudaBackend:
         return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
 
     def tiled_linear(self, x, weight, bias=None):
-        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
+        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens.
+        x: float32, or split already (SplitRows, from the ``*_into`` ops)."""
         out = self.empty((x.shape[0], weight.shape[0]))
+        if isinstance(x, split_epilogues.SplitRows):
+            return split_epilogues.linear_of_parts(self, x, weight, bias, out)
         if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
             if bias is None or bias.dtype == np.uint16:  # a bf16 bias: added by a row kernel of gemm.py
                 return self.tensor_cores.linear(self, x, weight, out, bias)
@@ -253,6 +257,26 @@ class CudaBackend:
     def bias_activation(self, y, bias, name: str):
         """activation(y + bias): a product's bias added where its output is read (tiled_linear.py)."""
         return tiled_linear.bias_activation_cuda(y, bias, name, self.empty(y.shape), stream=self.stream)
+
+    def _splits_for(self, x, next_weight) -> bool:
+        return self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], next_weight)
+
+    def layernorm_into(self, x, weight, bias, eps: float, next_weight):
+        """layernorm(x) as the input of products by ``next_weight``: split for the tensor cores
+        (SplitRows) where they will take them, else float32."""
+        if not self._splits_for(x, next_weight):
+            return self.layernorm(x, weight, bias, eps)
+        parts = self.empty((self.tensor_cores.parts, *x.shape), np.uint16)
+        return split_epilogues.SplitRows(split_epilogues.layernorm_split_cuda(x, weight, bias, eps, parts,
+                                                                              stream=self.stream))
+
+    def bias_activation_into(self, y, bias, name: str, next_weight):
+        """bias_activation(y, bias, name) as the input of products by ``next_weight`` (layernorm_into)."""
+        if not self._splits_for(y, next_weight):
+            return self.bias_activation(y, bias, name)
+        parts = self.empty((self.tensor_cores.parts, *y.shape), np.uint16)
+        return split_epilogues.SplitRows(split_epilogues.bias_activation_split_cuda(y, bias, name, parts,
+                                                                                    stream=self.stream))
 
     def bias_residual(self, x, y, bias):
         """x + (y + bias): a product's bias added in the residual add."""
