@@ -164,12 +164,13 @@ class Qwen3VisionModel:
         ops, cfg = self.ops, self.cfg
         merged = cfg.merged_hidden
         if post_shuffle_norm:  # DeepStack: LayerNorm over the merged row
-            h = ops.layernorm(x.reshape(x.shape[0] // cfg.merge_size ** 2, merged), w["norm.weight"], w["norm.bias"],
-                              cfg.layer_norm_eps)
+            h = ops.layernorm_into(x.reshape(x.shape[0] // cfg.merge_size ** 2, merged), w["norm.weight"],
+                                   w["norm.bias"], cfg.layer_norm_eps, w["linear_fc1.weight"])
         else:  # the final merger: LayerNorm per patch, then merged
             h = ops.layernorm(x, w["norm.weight"], w["norm.bias"], cfg.layer_norm_eps)
             h = h.reshape(x.shape[0] // cfg.merge_size ** 2, merged)
-        h = ops.bias_activation(ops.tiled_linear(h, w["linear_fc1.weight"]), w["linear_fc1.bias"], MERGER_ACT)
+        h = ops.bias_activation_into(ops.tiled_linear(h, w["linear_fc1.weight"]), w["linear_fc1.bias"], MERGER_ACT,
+                                     w["linear_fc2.weight"])
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
 
     def encode_reply(self, images: list) -> dict:
