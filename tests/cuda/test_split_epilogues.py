@@ -84,3 +84,31 @@ def test_the_backends_products_over_split_inputs_equal_the_unfused_ones(rng):
     for name in ("layernorm_into", "bias_activation_into"):
         assert list(inspect.signature(getattr(CudaBackend, name)).parameters)[1:] == \
             list(inspect.signature(getattr(CpuBackend, name)).parameters)
+
+
+def test_q_k_v_of_one_fused_weight_in_one_product_per_part(rng):
+    """tiled_linears over split rows: a strided-batched product per part (2 calls, not 6), each
+    result contiguous, equal to three products by the weight's row blocks; on cpu the same values."""
+    from tests.cuda.test_prefill_tensor_cores import CountingBlas
+    from moebus.cuda.kernels.split_epilogues import tiled_linears_ref
+
+    ops = CudaBackend()
+    blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
+    ops.tensor_cores = TensorCores(blas, min_rows=4)
+    ops.begin_step()
+    x = rng.standard_normal((6, 16), dtype=np.float32)
+    weight = f32_to_bf16(rng.standard_normal((3 * 8, 16), dtype=np.float32))
+    v_bias = f32_to_bf16(rng.standard_normal(8, dtype=np.float32))
+    norm = np.ones(16, np.float32)
+    h = ops.layernorm_into(ops.weight(x), ops.weight(norm), ops.weight(0 * norm), 1e-6, ops.weight(weight))
+    got = ops.tiled_linears(h, ops.weight(weight), (None, None, ops.weight(v_bias)))
+    assert blas.calls == 2 and all(y.shape == (6, 8) and y.is_c_contiguous() for y in got)
+    separate = [ops.tiled_linear(h, ops.weight(weight[i * 8:(i + 1) * 8]), b) for i, b in
+                enumerate((None, None, ops.weight(v_bias)))]
+    for a, b in zip(got, separate):
+        np.testing.assert_allclose(ops.to_host(a), ops.to_host(b), rtol=1e-6, atol=1e-6)
+    want = tiled_linears_ref(layernorm_ref(x, norm, 0 * norm, 1e-6), weight, (None, None, v_bias))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(ops.to_host(a), b, rtol=1e-4, atol=1e-4)
+    cpu = CpuBackend().tiled_linears(x, weight, (None, None, v_bias))
+    assert [y.shape for y in cpu] == [(6, 8)] * 3

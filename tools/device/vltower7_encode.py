@@ -2,7 +2,8 @@
 image (48 x 64 patches), on cuda: the first encode (a new size: eager run + capture), the warm encode
 as a graph (median of REPEATS) and its variants in the same process — the fused attention's images at
 8 warps a block instead of 4, the products' inputs split by their own pass (split_rows) instead of by
-LayerNorm / GELU (split_epilogues.py), eager — each against the default's outputs; the image
+LayerNorm / GELU (split_epilogues.py), q, k and v as three products, eager — each against the
+default's outputs; the image
 attention alone (CUDA events, 3072 and 729 patches, 4 and 8 warps); and the GPU time by kernel of the
 replayed graph (torch.profiler's CUPTI trace sees each kernel node).
 
@@ -112,6 +113,7 @@ def main() -> None:
     from where_time_goes import qwen3vl_tower
 
     from moebus.cuda.kernels import flash_attention
+    from moebus.workers import qwen3vl_vision
 
     start = time.perf_counter()
     model, image = qwen3vl_tower()
@@ -142,6 +144,8 @@ def main() -> None:
         ops.layernorm_into, ops.bias_activation_into = fused
 
     _variant("inputs split by split_rows (no fused splits)", model, encode, base, unfused, refused)
+    _variant("q, k, v as three products (not one strided-batched)", model, encode, base,
+             lambda: setattr(qwen3vl_vision, "STACKED_QKV", False), lambda: setattr(qwen3vl_vision, "STACKED_QKV", True))
     model.graph.enabled = False
     eager_ms, eager = _median_ms(encode, 3)
     model.graph.enabled = True

@@ -124,6 +124,7 @@ class CpuBackend:
     tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
     layernorm_into = staticmethod(split_epilogues.layernorm_into_ref)  # float32 here: products read it
     bias_activation_into = staticmethod(split_epilogues.bias_activation_into_ref)
+    tiled_linears = staticmethod(split_epilogues.tiled_linears_ref)
     activation = staticmethod(activations.activation_ref)
     add_bias = staticmethod(activations.add_bias_ref)
     vision_attention = staticmethod(vision_attention.vision_attention_ref)

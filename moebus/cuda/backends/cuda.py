@@ -251,6 +251,15 @@ class CudaBackend:
             return activations.add_bias_cuda(out, bias, out, stream=self.stream)
         return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
+    def tiled_linears(self, x, weight, biases):
+        """tiled_linear by each of the len(biases) equal row blocks of ``weight`` (q, k and v of a fused
+        qkv), each with its bias or None: one strided-batched product per part where x is split."""
+        count, rows = len(biases), x.shape[0]
+        size = weight.shape[0] // count
+        if isinstance(x, split_epilogues.SplitRows):
+            return split_epilogues.linears_of_parts(self, x, weight, biases, self.empty((count, rows, size)))
+        return tuple(self.tiled_linear(x, weight[i * size:(i + 1) * size], bias) for i, bias in enumerate(biases))
+
     def activation(self, x, name: str):
         return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
 

@@ -4,8 +4,9 @@ result that gemm.split_rows would read back and split (once per product: three t
 q, k and v). The parts hold the same float32 values (layernorm_ref, bias_activation_ref) split as
 split_rows splits them, so the products over them equal the unfused ones bit for bit.
 
-``SplitRows`` carries the parts to CudaBackend.tiled_linear (``linear_of_parts``); ``shape`` is
-x's (R, D). The ``*_into_ref`` functions are the cpu backend's ops: there every product reads
+``SplitRows`` carries the parts to CudaBackend.tiled_linear (``linear_of_parts``) and
+tiled_linears (``linears_of_parts``: q, k and v of one fused weight in one strided-batched product
+per part, each result contiguous); ``shape`` is x's (R, D). The ``*_into_ref`` functions are the cpu backend's ops: there every product reads
 float32, so they return the float32 result."""
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import numpy as np
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads,
                                         uint16, warp_sum)
-from moebus.cuda.kernels.gemm import add_bias_rows_cuda, address, split_bf16_ref
+from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.layernorm import MAX_WARPS, layernorm_ref
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
-from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref
+from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
 
 
 class SplitRows:
@@ -40,6 +41,13 @@ def layernorm_into_ref(x, weight, bias, eps: float, next_weight) -> np.ndarray:
 def bias_activation_into_ref(y, bias, name: str, next_weight) -> np.ndarray:
     """activation(y + bias) as the input of products by ``next_weight``: float32 (the cpu backend's)."""
     return bias_activation_ref(y, bias, name)
+
+
+def tiled_linears_ref(x, weight, biases) -> tuple:
+    """x @ W_i^T (+ b_i) for the ``len(biases)`` equal row blocks W_i of ``weight`` (q, k, v of a
+    fused qkv), each bias None or (N / count,) stored."""
+    size = weight.shape[0] // len(biases)
+    return tuple(tiled_linear_ref(x, weight[i * size:(i + 1) * size], bias) for i, bias in enumerate(biases))
 
 
 def layernorm_split_ref(x, weight, bias, eps: float, parts: int = 2) -> np.ndarray:
@@ -149,6 +157,29 @@ def linear_of_parts(ops, x: SplitRows, weight, bias, out):
     if x.parts.shape[0] != tc.parts:
         raise ValueError(f"{x.parts.shape[0]} parts for tensor cores of precision {tc.precision!r}")
     tc.matmul_nt(ops, x.parts, 0, x.shape[0], address(weight), weight.shape[0], out)
+    return _with_bias(ops, out, bias)
+
+
+def linears_of_parts(ops, x: SplitRows, weight, biases, out) -> tuple:
+    """tiled_linears_ref(x, weight, biases) on ``ops``' tensor cores into out (count, R, N / count)
+    float32: per part one strided-batched product over the count row blocks of weight (bf16), the
+    second part accumulating into the first; then each bias that is not None."""
+    tc, count = ops.tensor_cores, len(biases)
+    rows, dim_in = x.shape
+    size = weight.shape[0] // count
+    require("weight", weight, np.uint16, shape=(count * size, dim_in))
+    require("out", out, np.float32, shape=(count, rows, size))
+    if x.parts.shape[0] != tc.parts:
+        raise ValueError(f"{x.parts.shape[0]} parts for tensor cores of precision {tc.precision!r}")
+    for i in range(tc.parts):
+        tc.blas.gemm(ops.stream, OP_T, OP_N, size, rows, dim_in, address(weight), R_16BF, dim_in,
+                     address(x.parts) + i * rows * dim_in * 2, R_16BF, dim_in, address(out), size,
+                     beta=1.0 if i else 0.0, compute=COMPUTE_32F, batch=count, stride_a=size * dim_in, stride_b=0,
+                     stride_c=rows * size)
+    return tuple(_with_bias(ops, out[i], bias) for i, bias in enumerate(biases))
+
+
+def _with_bias(ops, out, bias):
     if bias is None:
         return out
     if bias.dtype == np.uint16:
