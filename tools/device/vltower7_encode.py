@@ -1,7 +1,7 @@
 """The Qwen3-VL-30B-A3B tower (random bf16 weights, where_time_goes.qwen3vl_tower) on one 1024 x 768
 image (48 x 64 patches), on cuda: the first encode (a new size: eager run + capture), the warm encode
 as a graph (median of REPEATS) and its variants in the same process — the fused attention's images at
-8 warps a block instead of 4, the products' inputs split by their own pass (split_rows) instead of by
+the other of 4 and 8 warps a block, the products' inputs split by their own pass (split_rows) instead of by
 LayerNorm / GELU (split_epilogues.py), q, k and v as three products, eager — each against the
 default's outputs; the image
 attention alone (CUDA events, 3072 and 729 patches, 4 and 8 warps); and the GPU time by kernel of the
@@ -56,7 +56,7 @@ def attention_alone() -> None:
     from moebus.cuda.kernels.compat import cuda
     from moebus.cuda.kernels.vision_attention import image_attention_cuda
 
-    ops = CudaBackend()
+    ops, default = CudaBackend(), flash_attention.IMAGE_WARPS
     for positions in (3072, 729):
         rng = np.random.default_rng(positions)
         q, k, v = (ops.weight(rng.standard_normal((positions, 16, 72), dtype=np.float32)) for _ in range(3))
@@ -77,7 +77,7 @@ def attention_alone() -> None:
             tflops = 4 * positions * positions * 16 * 72 / ms / 1e9
             print(f"image attention, {positions} patches, 16 heads, hd 72, {warps} warps: {ms:.3f} ms "
                   f"(planes + fused), {tflops:.1f} TFLOP/s useful")
-        flash_attention.IMAGE_WARPS = 4
+        flash_attention.IMAGE_WARPS = default
         print(f"  4 vs 8 warps: max |diff| {float(np.abs(outs[4] - outs[8]).max()):.1e}")
 
 
@@ -136,8 +136,10 @@ def main() -> None:
     print(f"warm encode as a graph, median of {REPEATS}: {graph_ms:.1f} ms (target <= 30); first == replayed: "
           f"{all(np.array_equal(a, b) for a, b in zip(first, base))}")
     by_kernel(encode)
-    _variant("images at 8 warps a block", model, encode, base, lambda: setattr(flash_attention, "IMAGE_WARPS", 8),
-             lambda: setattr(flash_attention, "IMAGE_WARPS", 4))
+    warps = flash_attention.IMAGE_WARPS
+    _variant(f"images at {12 - warps} warps a block (default {warps})", model, encode, base,
+             lambda: setattr(flash_attention, "IMAGE_WARPS", 12 - warps),
+             lambda: setattr(flash_attention, "IMAGE_WARPS", warps))
     fused = (ops.layernorm_into, ops.bias_activation_into)
 
     def unfused():
