@@ -55,6 +55,14 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     return inputs + kept + max(block, merger)
 
 
+def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
+    outputs, perhaps its pinned buffers): one copy of each."""
+    embeds = np.array(out["embeds"])
+    features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
+    return embeds, np.stack(features) if features else np.zeros((0,) + embeds.shape, np.float32)
+
+
 def warm_up_side(merge: int, tensor_cores=None) -> int:
     """Patches per side of the warm-up image: two merge windows, or (with ``tensor_cores``) enough
     that even the merger's rows (one per window) reach its ``min_rows``, so the warm-up takes the
@@ -123,11 +131,7 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
-        out = self.graph.run((grid_h, grid_w), inputs, self._forward)
-        embeds = out.pop("embeds")
-        stacked = np.stack([out[f"deepstack{j}"] for j in range(len(out))]) if out else \
-            np.zeros((0,) + embeds.shape, np.float32)
-        return embeds, stacked
+        return self.graph.run((grid_h, grid_w), inputs, self._forward, collect=_embeds_and_deepstack)
 
     def _forward(self, inputs: dict) -> dict:
         """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
