@@ -36,6 +36,10 @@
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
 #define VP (BN + 8)
 #define CHUNK 8                         // bf16 elements per 16-byte load
+// Float32 keys of up to 96 dims: each product's mma interleaved over the n-tiles / d-tiles (scores,
+// accumulate); at more dims the fragments this holds would not fit the registers
+#define INTERLEAVE (F32_KV && HDP <= 96)
+#define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -58,6 +62,19 @@ __device__ __forceinline__ void split(float x, u32 &hi, u32 &lo) {
 }
 
 __device__ __forceinline__ u32 pack(u32 first, u32 second) { return first | (second << 16); }
+
+// pack(bf16_round(a), bf16_round(b)) in one instruction (round to nearest even, as bf16_round)
+__device__ __forceinline__ u32 bf16x2(float a, float b) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));
+    return d;
+}
+
+// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1))
+__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
+    hi = bf16x2(x0, x1);
+    lo = bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
+}
 
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -135,6 +152,72 @@ __device__ __forceinline__ void load_tile(const void *k, const void *v, long lon
 }
 #endif
 
+#if INTERLEAVE
+// S (16 x BN of this warp) = Q K^T over the tile: per k-step, each of the three split products over
+// every n-tile in turn, so that consecutive mma feed different accumulators (a chain of dependent
+// mma per n-tile would leave the tensor cores waiting on each one's latency); each accumulator
+// still sums Qlo Khi, Qhi Klo, Qhi Khi per k-step, in that order.
+__device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
+                                       u16 (*ks)[BN][KP], int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int col = kk * 16 + 2 * t;
+        u32 hi[BN / 8][2];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            hi[nt][0] = smem_pair(ks[0][nt * 8 + g], col);
+            hi[nt][1] = smem_pair(ks[0][nt * 8 + g], col + 8);
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], ql[kk], hi[nt][0], hi[nt][1]);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+            mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], col), smem_pair(ks[1][nt * 8 + g], col + 8));
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], qh[kk], hi[nt][0], hi[nt][1]);
+    }
+}
+
+// O (16 x HD of this warp) += P V over the tile, P from the scores' registers split in two parts;
+// the products interleaved over the d-tiles as in scores: per accumulator Plo Vhi, Phi Vlo, Phi Vhi.
+__device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN / 8][4], u16 (*vt)[HD][VP], int g,
+                                           int t) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 ph[4], pl[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // a0: (g, 2t..) of n-tile 2kk; a1: its row g+8; a2, a3: n-tile 2kk+1
+            const float *c = p[2 * kk + (e >> 1)] + (e & 1) * 2;
+            split_pair(c[0], c[1], ph[e], pl[e]);
+        }
+        const int col = kk * 16 + 2 * t;
+#pragma unroll
+        for (int d0 = 0; d0 < DTILES; d0 += DGROUP) {  // groups of d-tiles: their Vhi fragments in registers
+            u32 hi[DGROUP][2];
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j) {
+                if (d0 + j < DTILES) {
+                    hi[j][0] = smem_pair(vt[0][(d0 + j) * 8 + g], col);
+                    hi[j][1] = smem_pair(vt[0][(d0 + j) * 8 + g], col + 8);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES) mma(o[d0 + j], pl, hi[j][0], hi[j][1]);
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES)
+                    mma(o[d0 + j], ph, smem_pair(vt[1][(d0 + j) * 8 + g], col),
+                        smem_pair(vt[1][(d0 + j) * 8 + g], col + 8));
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES) mma(o[d0 + j], ph, hi[j][0], hi[j][1]);
+        }
+    }
+}
+#else
 // S (16 x BN of this warp) = Q K^T over the tile, split parts summed in fp32
 __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
                                        u16 (*ks)[BN][KP], int g, int t) {
@@ -147,8 +230,8 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
             mma(s[nt], ql[kk], b0, b1);
 #if F32_KV
-            const u16 *row_lo = ks[1][nt * 8 + g];
-            mma(s[nt], qh[kk], smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+            mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t),
+                smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
             mma(s[nt], qh[kk], b0, b1);
         }
@@ -176,13 +259,14 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
             mma(o[dt], pl, b0, b1);
 #if F32_KV
-            const u16 *row_lo = vt[1][dt * 8 + g];
-            mma(o[dt], ph, smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+            mma(o[dt], ph, smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t),
+                smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
             mma(o[dt], ph, b0, b1);
         }
     }
 }
+#endif
 
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
@@ -253,6 +337,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
         float s[BN / 8][4];
         scores(s, qh, ql, ks, g, t);
         float tile_max[2] = {NEG_INF, NEG_INF};
+#if F32_KV
+        if (!causal && key0 + BN <= num_keys) {  // an image's tile of real keys only: no mask to compute
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] *= scale_log2;
+                    tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+                }
+            }
+        } else
+#endif
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
