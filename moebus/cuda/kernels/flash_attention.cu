@@ -63,17 +63,13 @@ __device__ __forceinline__ void split(float x, u32 &hi, u32 &lo) {
 
 __device__ __forceinline__ u32 pack(u32 first, u32 second) { return first | (second << 16); }
 
-// pack(bf16_round(a), bf16_round(b)) in one instruction (round to nearest even, as bf16_round)
-__device__ __forceinline__ u32 bf16x2(float a, float b) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));
-    return d;
-}
-
 // split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1))
 __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
-    hi = bf16x2(x0, x1);
-    lo = bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
+    u32 h0, l0, h1, l1;
+    split(x0, h0, l0);
+    split(x1, h1, l1);
+    hi = pack(h0, h1);
+    lo = pack(l0, l1);
 }
 
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
