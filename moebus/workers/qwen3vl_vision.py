@@ -202,4 +202,6 @@ class Qwen3VisionModel:
     def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:
         """Several images (ImagePatches) -> (embeddings (sum N_i, D), DeepStack (L, sum N_i, D))."""
         outs = [self.encode(image.patches, image.grid_h, image.grid_w) for image in images]
+        if len(outs) == 1:
+            return outs[0]  # one image (the usual request): its arrays are fresh copies already
         return np.concatenate([e for e, _ in outs]), np.concatenate([f for _, f in outs], axis=1)
