@@ -12,7 +12,7 @@ Q=/tmp/a3b-qwen3vl-8
   > $OUT/init.log 2>&1 || { echo "init-model failed"; tail -5 $OUT/init.log; exit 1; }
 echo "== vision-cycle under 8 GiB (Qwen3-VL a3b, 8 layers)"; date
 timeout 200 python3 -m moebus.cli bench vision-cycle --device cuda --model $Q --gpu-memory-mib 8192 -v \
-  --idle-s 1 --repeats 3 --image-px 1024 --text-streams 2 --text-tokens 16 --cold-starts 2 --timeout-s 150 \
+  --idle-s 1 --repeats 3 --image-px 1024 --text-streams 2 --cold-starts 2 --timeout-s 150 \
   > $OUT/cycle.log 2>&1
 echo "rc=$?"
 grep -vE "^\{" $OUT/cycle.log | grep -E "^\(|^  |cold image|text streams|warm image|target|not checked" | cut -c1-230
