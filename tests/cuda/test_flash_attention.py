@@ -84,15 +84,15 @@ def _nvrtc():
 @pytest.mark.parametrize("head_dim,f32_kv", [(128, False), (72, True), (8, True), (128, True), (40, False)])
 def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
 
     options = compile_options(head_dim, f32_kv, "compute_90")
-    ptx, _ = nvrtc_compile(SOURCE.read_bytes(), options, target="ptx")
+    ptx, _ = nvrtc_compile(source(), options, target="ptx")
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and b".entry flash_attention" in ptx
     assert b".entry split_planes" in ptx
     for warps in (4, 8) if f32_kv else (4,):
         options = compile_options(head_dim, f32_kv, "sm_90", warps) + [b"--ptxas-options=-v"]
-        cubin, log = nvrtc_compile(SOURCE.read_bytes(), options)
+        cubin, log = nvrtc_compile(source(), options)
         assert cubin and log.count(" 0 bytes spill stores") == 2, log  # both entries
 
 
@@ -100,18 +100,18 @@ def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
     shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
 
-    _, log = nvrtc_compile(SOURCE.read_bytes(), compile_options(16, False, "sm_90"))
+    _, log = nvrtc_compile(source(), compile_options(16, False, "sm_90"))
     assert log == "" and b" " * 1 == bytes([32]) and b" ".join([b"a", b"b"]) == b"a b"
 
 
 def test_bad_head_dim_is_refused_at_compile_time():
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import nvrtc_compile, source
 
     with pytest.raises(RuntimeError, match="HEAD_DIM"):
-        nvrtc_compile(SOURCE.read_bytes(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
+        nvrtc_compile(source(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
 
 
 def test_cubin_is_compiled_once_then_read_from_the_cache_dir(tmp_path, monkeypatch):

@@ -28,6 +28,8 @@ from moebus.cuda.kernels.launch import ceil_div, require
 
 log = logging.getLogger("moebus.cuda")
 SOURCE = Path(__file__).with_suffix(".cu")
+PLANES = SOURCE.with_name("flash_planes.cuh")  # what float32 keys take: included by the .cu
+INCLUDE = b'#include "flash_planes.cuh"'
 ENTRY, PLANES_ENTRY = "flash_attention", "split_planes"
 WARPS = 4  # warps per block, 16 queries each (the .cu's WARPS): prefill
 IMAGE_WARPS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARPS", "8"))  # images: 8 (measured faster, vltower7) or 4
@@ -49,6 +51,15 @@ def compile_options(head_dim: int, f32_kv: bool, arch: str, warps: int = WARPS) 
         raise ValueError(f"{warps} warps a block: the kernel is built for 4 or 8")
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DHEAD_DIM={int(head_dim)}".encode(),
             f"-DF32_KV={int(bool(f32_kv))}".encode(), f"-DWARPS={int(warps)}".encode()]
+
+
+def source() -> bytes:
+    """The kernels' CUDA C++: the .cu with flash_planes.cuh in place of its #include (one text, so
+    the cubin's name hashes both)."""
+    main = SOURCE.read_bytes()
+    if INCLUDE not in main:
+        raise RuntimeError(f"{SOURCE.name} lacks {INCLUDE.decode()}")
+    return main.replace(INCLUDE, PLANES.read_bytes(), 1)
 
 
 def nvrtc_compile(source: bytes, options: list[bytes], target: str = "cubin") -> tuple[bytes, str]:
@@ -91,14 +102,14 @@ def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: 
     before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
     from cuda.bindings import nvrtc
 
-    options, source = compile_options(head_dim, f32_kv, arch, warps), SOURCE.read_bytes()
+    options, text = compile_options(head_dim, f32_kv, arch, warps), source()
     path = None
     if cache_dir:
-        digest = hashlib.sha256(source + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
         path = Path(cache_dir) / "flash_attention" / f"{digest[:24]}.cubin"
         if path.is_file():
             return path.read_bytes()
-    code, _ = nvrtc_compile(source, options)
+    code, _ = nvrtc_compile(text, options)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.part")
