@@ -21,8 +21,8 @@ from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs,
 from moebus.cuda.kernels import moe_quant  # quantized experts
 
 
-class CudaBackend:
-    """numba.cuda kernels on the current device."""
+class CudaBackend(split_epilogues.SplitInputOps):
+    """numba.cuda kernels on the current device (the towers' split-input ops: split_epilogues.py)."""
 
     name = "cuda"
 
@@ -251,41 +251,12 @@ class CudaBackend:
             return activations.add_bias_cuda(out, bias, out, stream=self.stream)
         return tiled_linear.tiled_linear_cuda(x, weight, bias, out, stream=self.stream)
 
-    def tiled_linears(self, x, weight, biases):
-        """tiled_linear by each of the len(biases) equal row blocks of ``weight`` (q, k and v of a fused
-        qkv), each with its bias or None: one strided-batched product per part where x is split."""
-        count, rows = len(biases), x.shape[0]
-        size = weight.shape[0] // count
-        if isinstance(x, split_epilogues.SplitRows):
-            return split_epilogues.linears_of_parts(self, x, weight, biases, self.empty((count, rows, size)))
-        return tuple(self.tiled_linear(x, weight[i * size:(i + 1) * size], bias) for i, bias in enumerate(biases))
-
     def activation(self, x, name: str):
         return activations.activation_cuda(x, name, self.empty(x.shape), stream=self.stream)
 
     def bias_activation(self, y, bias, name: str):
         """activation(y + bias): a product's bias added where its output is read (tiled_linear.py)."""
         return tiled_linear.bias_activation_cuda(y, bias, name, self.empty(y.shape), stream=self.stream)
-
-    def _splits_for(self, x, next_weight) -> bool:
-        return self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], next_weight)
-
-    def layernorm_into(self, x, weight, bias, eps: float, next_weight):
-        """layernorm(x) as the input of products by ``next_weight``: split for the tensor cores
-        (SplitRows) where they will take them, else float32."""
-        if not self._splits_for(x, next_weight):
-            return self.layernorm(x, weight, bias, eps)
-        parts = self.empty((self.tensor_cores.parts, *x.shape), np.uint16)
-        return split_epilogues.SplitRows(split_epilogues.layernorm_split_cuda(x, weight, bias, eps, parts,
-                                                                              stream=self.stream))
-
-    def bias_activation_into(self, y, bias, name: str, next_weight):
-        """bias_activation(y, bias, name) as the input of products by ``next_weight`` (layernorm_into)."""
-        if not self._splits_for(y, next_weight):
-            return self.bias_activation(y, bias, name)
-        parts = self.empty((self.tensor_cores.parts, *y.shape), np.uint16)
-        return split_epilogues.SplitRows(split_epilogues.bias_activation_split_cuda(y, bias, name, parts,
-                                                                                    stream=self.stream))
 
     def bias_residual(self, x, y, bias):
         """x + (y + bias): a product's bias added in the residual add."""

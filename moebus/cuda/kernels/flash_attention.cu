@@ -97,8 +97,9 @@ __device__ __forceinline__ void load_q(const float *q, long long row_pitch, int 
 #include "flash_planes.cuh"  // float32 keys and values: their bf16 planes (flash_attention.source inlines it)
 
 #if !F32_KV
-// Keys [key0, key0 + BN) into ks[0][j][d] and values transposed into vt[0][d][j]// from the bf16 cache; keys at or past key_end are zeros (never read from memory: a cache's
-// unwritten rows may hold any bits).
+// Keys [key0, key0 + BN) into ks[0][j][d] and values transposed into vt[0][d][j], from the bf16
+// cache; keys at or past key_end are zeros (never read from memory: a cache's unwritten rows may
+// hold any bits).
 __device__ __forceinline__ void load_tile(const void *k, const void *v, long long row_stride, int key0, int key_end,
                                           u16 (*ks)[BN][KP], u16 (*vt)[HD][VP]) {
     const int per_row = HD / CHUNK;

@@ -196,9 +196,9 @@ def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, nu
     k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
     kernel, warps = _kernel(head_dim, f32_kv), _warps(f32_kv)
     grid = (ceil_div(num_queries, 16 * warps), heads, num_z)
-    _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out), np.int32(q_row0),
-                 np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group), k_base, k_z_stride,
-                 k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
+    _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out),
+                 np.int32(q_row0), np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group),
+                 k_base, k_z_stride, k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
                  np.int32(bool(causal)), np.float32(scale * np.log2(np.e)))
 
 

@@ -14,8 +14,9 @@ __device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo)
 }
 
 #if F32_KV
-// Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j]: // From split_planes' planes: keys (2, keys_padded, HDP) and values (2, HD, keys_padded) of this
-// (image, head), already zero past the last key and HD: plain 16-byte copies.
+// Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j], from
+// split_planes' planes of this (image, head): keys (2, keys_padded, HDP) and values (2, HD,
+// keys_padded), already zero past the last key and HD: plain 16-byte copies.
 __device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys_padded, int key0, u16 (*ks)[BN][KP],
                                           u16 (*vt)[HD][VP]) {
     const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;

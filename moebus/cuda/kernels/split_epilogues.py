@@ -4,10 +4,11 @@ result that gemm.split_rows would read back and split (once per product: three t
 q, k and v). The parts hold the same float32 values (layernorm_ref, bias_activation_ref) split as
 split_rows splits them, so the products over them equal the unfused ones bit for bit.
 
-``SplitRows`` carries the parts to CudaBackend.tiled_linear (``linear_of_parts``) and
-tiled_linears (``linears_of_parts``: q, k and v of one fused weight in one strided-batched product
-per part, each result contiguous); ``shape`` is x's (R, D). The ``*_into_ref`` functions are the cpu backend's ops: there every product reads
-float32, so they return the float32 result."""
+``SplitRows`` carries the parts to CudaBackend.tiled_linear (``linear_of_parts``) and to
+``tiled_linears`` (``linears_of_parts``: q, k and v of one fused weight in one strided-batched
+product per part, each result contiguous); ``shape`` is x's (R, D). ``SplitInputOps`` (CudaBackend's
+base) holds the backend's ops; the ``*_into_ref`` and ``tiled_linears_ref`` functions are the cpu
+backend's: there every product reads float32, so they return the float32 results."""
 from __future__ import annotations
 
 import functools
@@ -185,3 +186,35 @@ def _with_bias(ops, out, bias):
     if bias.dtype == np.uint16:
         return add_bias_rows_cuda(out, bias, stream=ops.stream)
     return add_bias_cuda(out, bias, out, stream=ops.stream)
+
+
+class SplitInputOps:
+    """CudaBackend's ops that hand products split inputs (``self``: the backend: ``tensor_cores``,
+    ``empty``, ``stream``, ``layernorm``, ``bias_activation``, ``tiled_linear``)."""
+
+    def _splits_for(self, x, next_weight) -> bool:
+        return self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], next_weight)
+
+    def layernorm_into(self, x, weight, bias, eps: float, next_weight):
+        """layernorm(x) as the input of products by ``next_weight``: split for the tensor cores
+        (SplitRows) where they will take them, else float32."""
+        if not self._splits_for(x, next_weight):
+            return self.layernorm(x, weight, bias, eps)
+        parts = self.empty((self.tensor_cores.parts, *x.shape), np.uint16)
+        return SplitRows(layernorm_split_cuda(x, weight, bias, eps, parts, stream=self.stream))
+
+    def bias_activation_into(self, y, bias, name: str, next_weight):
+        """bias_activation(y, bias, name) as the input of products by ``next_weight`` (layernorm_into)."""
+        if not self._splits_for(y, next_weight):
+            return self.bias_activation(y, bias, name)
+        parts = self.empty((self.tensor_cores.parts, *y.shape), np.uint16)
+        return SplitRows(bias_activation_split_cuda(y, bias, name, parts, stream=self.stream))
+
+    def tiled_linears(self, x, weight, biases):
+        """tiled_linear by each of the len(biases) equal row blocks of ``weight`` (q, k and v of a fused
+        qkv), each with its bias or None: one strided-batched product per part where x is split."""
+        count, rows = len(biases), x.shape[0]
+        size = weight.shape[0] // count
+        if isinstance(x, SplitRows):
+            return linears_of_parts(self, x, weight, biases, self.empty((count, rows, size)))
+        return tuple(self.tiled_linear(x, weight[i * size:(i + 1) * size], bias) for i, bias in enumerate(biases))
