@@ -4,8 +4,8 @@ embeddings and one DeepStack feature per listed block out (transformers' ``Qwen3
 
 Per image: the 3-D patch convolution is a linear over the flattened (C, T, p, p) patches; the
 learned position table is resampled to the patch grid (weighted_rows); pre-norm blocks (LayerNorm,
-fused qkv with bias, split into three linears at load, 2-D rotary on q and k, attention over the
-image's patches only, GELU-tanh MLP); after each block listed in ``deepstack_visual_indexes`` a
+fused qkv with bias: one strided-batched product, q, k and v each contiguous; 2-D rotary on q and
+k, attention over the image's patches only, GELU-tanh MLP); after each block listed in ``deepstack_visual_indexes`` a
 DeepStack merger (4 patches -> one row, LayerNorm over the merged row, fc1, GELU, fc2); at the end
 the merger (LayerNorm per patch, then the same). Images are encoded one at a time, so attention
 never crosses from one image to another."""
@@ -22,6 +22,7 @@ from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
+STACKED_QKV = True  # q, k, v as one strided-batched product (False: three; tools/device/vltower7_encode.py's A/B)
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
@@ -40,14 +41,26 @@ def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
 def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     """An upper bound of the device memory one image of ``num_patches`` patches needs beyond the
     weights on the cuda backend: the step's inputs, the kept hidden state and DeepStack features,
-    and one block's temporaries (recycled block to block) or one merger's."""
+    and one block's temporaries (recycled block to block) or one merger's. A block on the tensor
+    cores takes 13 (rows, hidden) results or split inputs, the fused attention's two bf16 planes of
+    the keys and values (flash_attention.plane_shapes) and two (rows, intermediate) ones."""
     n, tokens = num_patches, num_patches // cfg.merge_size ** 2
     hidden, inter = _pool_bytes(n * cfg.hidden_size * 4), _pool_bytes(n * cfg.intermediate_size * 4)
+    padded_keys, padded_dim = -(-n // 64) * 64, -(-cfg.head_dim // 16) * 16
+    planes = _pool_bytes(padded_keys * cfg.num_heads * 2 * max(padded_dim, cfg.head_dim) * 2)
     inputs = _pool_bytes(n * cfg.patch_dim * 4) + 3 * _pool_bytes(n * 4 * 4)
     kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * _pool_bytes(tokens * cfg.out_hidden_size * 4)
-    block = 10 * hidden + 2 * inter
+    block = 13 * hidden + 2 * planes + 2 * inter
     merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
     return inputs + kept + max(block, merger)
+
+
+def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
+    outputs, perhaps its pinned buffers): one copy of each."""
+    embeds = np.array(out["embeds"])
+    features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
+    return embeds, np.stack(features) if features else np.zeros((0,) + embeds.shape, np.float32)
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:
@@ -93,9 +106,9 @@ class Qwen3VisionModel:
     def _block(self, weights: dict, i: int) -> dict:
         prefix, d = BLOCK.format(i=i), self.cfg.hidden_size
         w = {name[len(prefix):]: weights[name] for name in weights if name.startswith(prefix)}
-        qkv, qkv_bias = w.pop("attn.qkv.weight"), w.pop("attn.qkv.bias")
-        for j, name in enumerate("qkv"):  # three linears: each result is a contiguous (rows, heads, hd)
-            w[f"attn.{name}.weight"], w[f"attn.{name}.bias"] = qkv[j * d : (j + 1) * d], qkv_bias[j * d : (j + 1) * d]
+        qkv_bias = w.pop("attn.qkv.bias")  # the fused weight stays: q, k and v in one product (tiled_linears)
+        for j, name in enumerate("qkv"):  # each bias where its result is read next (mrope, the v product)
+            w[f"attn.{name}.bias"] = qkv_bias[j * d : (j + 1) * d]
         return {name: self._weight(array) for name, array in w.items()}
 
     def _merger(self, weights: dict, prefix: str) -> dict:
@@ -118,11 +131,7 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
-        out = self.graph.run((grid_h, grid_w), inputs, self._forward)
-        embeds = out.pop("embeds")
-        stacked = np.stack([out[f"deepstack{j}"] for j in range(len(out))]) if out else \
-            np.zeros((0,) + embeds.shape, np.float32)
-        return embeds, stacked
+        return self.graph.run((grid_h, grid_w), inputs, self._forward, collect=_embeds_and_deepstack)
 
     def _forward(self, inputs: dict) -> dict:
         """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
@@ -144,28 +153,39 @@ class Qwen3VisionModel:
     def _encoder_block(self, w: dict, x, rope_pos):
         ops, cfg = self.ops, self.cfg
         rows, heads, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
-        h = ops.layernorm(x, w["norm1.weight"], w["norm1.bias"], eps)
-        q, k = (ops.mrope(ops.tiled_linear(h, w[f"attn.{n}.weight"]).reshape(rows, heads, hd), rope_pos, self.axes,
-                          self.cos, self.sin, bias=w[f"attn.{n}.bias"]) for n in "qk")
-        v = ops.tiled_linear(h, w["attn.v.weight"], w["attn.v.bias"]).reshape(rows, heads, hd)
+        h = ops.layernorm_into(x, w["norm1.weight"], w["norm1.bias"], eps, w["attn.qkv.weight"])  # split once
+        q, k, v = (y.reshape(rows, heads, hd) for y in self._qkv(h, w))
+        q, k = (ops.mrope(y, rope_pos, self.axes, self.cos, self.sin, bias=w[f"attn.{n}.bias"])
+                for y, n in ((q, "q"), (k, "k")))
         a = ops.vision_attention(q, k, v, 1, hd ** -0.5).reshape(rows, heads * hd)
         x = ops.bias_residual(x, ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
-        h = ops.layernorm(x, w["norm2.weight"], w["norm2.bias"], eps)
-        h = ops.bias_activation(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
-                                cfg.hidden_act)
+        h = ops.layernorm_into(x, w["norm2.weight"], w["norm2.bias"], eps, w["mlp.linear_fc1.weight"])
+        h = ops.bias_activation_into(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
+                                     cfg.hidden_act, w["mlp.linear_fc2.weight"])
         return ops.bias_residual(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"]), w["mlp.linear_fc2.bias"])
+
+    def _qkv(self, h, w: dict) -> tuple:
+        """q and k without their biases (mrope adds them), v with its own: one product of the fused
+        weight per part where h is split (STACKED_QKV), else three."""
+        biases = (None, None, w["attn.v.bias"])
+        if STACKED_QKV:
+            return self.ops.tiled_linears(h, w["attn.qkv.weight"], biases)
+        d = self.cfg.hidden_size
+        return tuple(self.ops.tiled_linear(h, w["attn.qkv.weight"][j * d:(j + 1) * d], bias)
+                     for j, bias in enumerate(biases))
 
     def _merge(self, w: dict, x, post_shuffle_norm: bool):
         """merge^2 consecutive patches (one merge window) -> one row of the text's width."""
         ops, cfg = self.ops, self.cfg
         merged = cfg.merged_hidden
         if post_shuffle_norm:  # DeepStack: LayerNorm over the merged row
-            h = ops.layernorm(x.reshape(x.shape[0] // cfg.merge_size ** 2, merged), w["norm.weight"], w["norm.bias"],
-                              cfg.layer_norm_eps)
+            h = ops.layernorm_into(x.reshape(x.shape[0] // cfg.merge_size ** 2, merged), w["norm.weight"],
+                                   w["norm.bias"], cfg.layer_norm_eps, w["linear_fc1.weight"])
         else:  # the final merger: LayerNorm per patch, then merged
             h = ops.layernorm(x, w["norm.weight"], w["norm.bias"], cfg.layer_norm_eps)
             h = h.reshape(x.shape[0] // cfg.merge_size ** 2, merged)
-        h = ops.bias_activation(ops.tiled_linear(h, w["linear_fc1.weight"]), w["linear_fc1.bias"], MERGER_ACT)
+        h = ops.bias_activation_into(ops.tiled_linear(h, w["linear_fc1.weight"]), w["linear_fc1.bias"], MERGER_ACT,
+                                     w["linear_fc2.weight"])
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
 
     def encode_reply(self, images: list) -> dict:
@@ -182,4 +202,6 @@ class Qwen3VisionModel:
     def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:
         """Several images (ImagePatches) -> (embeddings (sum N_i, D), DeepStack (L, sum N_i, D))."""
         outs = [self.encode(image.patches, image.grid_h, image.grid_w) for image in images]
+        if len(outs) == 1:
+            return outs[0]  # one image (the usual request): its arrays are fresh copies already
         return np.concatenate([e for e, _ in outs]), np.concatenate([f for _, f in outs], axis=1)

@@ -9,7 +9,10 @@ capture that fails) the same ``forward`` runs eagerly.
 
 ``forward(inputs)`` takes the device inputs by name and returns the device outputs by name; it
 must only enqueue work (no host copy, no sync; graphs.py), and the same shapes must take the same
-path."""
+path. ``collect(outputs)`` makes the caller's host results out of the host outputs by name, which
+may be the graph's pinned buffers (overwritten by the next encode): it must copy what it keeps, and
+so the outputs are copied once (the default: a copy of each; Qwen3-VL stacks its DeepStack features
+in the same copy)."""
 from __future__ import annotations
 
 import logging
@@ -31,19 +34,20 @@ class TowerGraph:
         self.key = None
         self.graph = None
 
-    def run(self, key, host_inputs: dict[str, np.ndarray], forward) -> dict[str, np.ndarray]:
-        """Host copies of ``forward``'s outputs for these inputs; ``key`` names what else the
-        captured work depends on (buffers sized by it), so a new key captures anew."""
+    def run(self, key, host_inputs: dict[str, np.ndarray], forward, collect=None):
+        """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
+        names what else the captured work depends on (buffers sized by it), so a new key captures anew."""
+        collect = collect or _copies
         runs = []  # forward's outputs when a new graph is made: its eager run's, then the capture's
         graph = self._graph_for(key, host_inputs, lambda inputs: _kept(runs, forward(inputs))) if self.enabled else None
         if graph is not None:
-            if len(runs) == 2 and _same_buffers(*runs):
-                return _copied_out(graph)  # the eager run's results, still in the captured outputs
-            return graph.replay(host_inputs)
+            if not (len(runs) == 2 and _same_buffers(*runs)):  # else the eager run's results are in the outputs
+                graph.replay(host_inputs, names=[])  # uploads, launches, waits; no copies
+            return collect(_pinned_out(graph))
         ops = self.ops
         ops.begin_step()
         outputs = forward({name: ops.upload(array) for name, array in host_inputs.items()})
-        return {name: ops.to_host(array) for name, array in outputs.items()}
+        return collect({name: ops.to_host(array) for name, array in outputs.items()})
 
     def _graph_for(self, key, host_inputs: dict, forward):
         if self.graph is not None and self.key == key and self.graph.matches(host_inputs):
@@ -82,10 +86,14 @@ def _same_buffers(eager: dict, captured: dict) -> bool:
     return eager.keys() == captured.keys() and all(address(eager[n]) == address(captured[n]) for n in eager)
 
 
-def _copied_out(graph) -> dict[str, np.ndarray]:
-    """The outputs as they are, through the graph's pinned buffers (what replay copies out)."""
+def _pinned_out(graph) -> dict[str, np.ndarray]:
+    """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies)."""
     stream = graph.backend.stream
     for name, array in graph.outputs.items():
         array.copy_to_host(graph.host_outputs[name], stream=stream)
     stream.synchronize()
-    return {name: np.array(out) for name, out in graph.host_outputs.items()}
+    return graph.host_outputs
+
+
+def _copies(outputs: dict) -> dict[str, np.ndarray]:
+    return {name: np.array(out) for name, out in outputs.items()}

@@ -179,12 +179,14 @@ class VisionModel:
     def _encoder_layer(self, w: dict, x, num_images: int):
         ops, cfg = self.ops, self.cfg
         rows, heads, hd = x.shape[0], cfg.num_heads, cfg.head_dim
-        h = ops.layernorm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], cfg.layer_norm_eps)
+        h = ops.layernorm_into(x, w["layer_norm1.weight"], w["layer_norm1.bias"], cfg.layer_norm_eps,
+                               w["self_attn.q_proj.weight"])  # split once for q, k, v on the tensor cores
         q, k, v = (ops.tiled_linear(h, w[f"self_attn.{n}_proj.weight"], w[f"self_attn.{n}_proj.bias"])
                    .reshape(rows, heads, hd) for n in "qkv")
         a = ops.vision_attention(q, k, v, num_images, hd ** -0.5).reshape(rows, heads * hd)
         x = ops.add(x, ops.tiled_linear(a, w["self_attn.out_proj.weight"], w["self_attn.out_proj.bias"]))
-        h = ops.layernorm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], cfg.layer_norm_eps)
+        h = ops.layernorm_into(x, w["layer_norm2.weight"], w["layer_norm2.bias"], cfg.layer_norm_eps,
+                               w["mlp.fc1.weight"])
         h = ops.activation(ops.tiled_linear(h, w["mlp.fc1.weight"], w["mlp.fc1.bias"]), cfg.hidden_act)
         return ops.add(x, ops.tiled_linear(h, w["mlp.fc2.weight"], w["mlp.fc2.bias"]))
 

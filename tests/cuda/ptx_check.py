@@ -283,8 +283,9 @@ def exercise_vision(rng) -> None:
 
 
 def exercise_qwen3vl_tower(rng) -> None:
-    """Qwen3-VL's tower: 2-D rotary (head_dim 72) with and without a bias, the bias epilogues."""
-    from moebus.cuda.kernels import mrope, tiled_linear
+    """Qwen3-VL's tower: 2-D rotary (head_dim 72) with and without a bias, the bias epilogues, the
+    epilogues that split the products' inputs."""
+    from moebus.cuda.kernels import mrope, split_epilogues, tiled_linear
     from moebus.cuda.dtypes import f32_to_bf16
 
     def f32(*shape):
@@ -298,6 +299,9 @@ def exercise_qwen3vl_tower(rng) -> None:
         tiled_linear.bias_residual_cuda(f32(3, 40), f32(3, 40), storage(f32(40)), f32(3, 40))
         for name in ("gelu", "gelu_pytorch_tanh"):
             tiled_linear.bias_activation_cuda(f32(3, 40), storage(f32(40)), name, f32(3, 40))
+            split_epilogues.bias_activation_split_cuda(f32(3, 40), storage(f32(40)), name, np.zeros((2, 3, 40), np.uint16))
+        split_epilogues.layernorm_split_cuda(f32(3, 64), storage(f32(64)), storage(f32(64)), 1e-6,
+                                             np.zeros((2, 3, 64), np.uint16))
 
 
 def _resources(ptxas: str, ptx: str, cc) -> tuple[int, int]:

@@ -8,7 +8,9 @@ import pytest
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.attention import attention_ref
 from moebus.cuda.kernels.compat import SIMULATOR
-from moebus.cuda.kernels.flash_attention_ref import flash_images_ref, flash_prefill_ref, key_range, tile_keys
+from moebus.cuda.dtypes import bf16_to_f32
+from moebus.cuda.kernels.flash_attention_ref import (flash_images_ref, flash_prefill_ref, key_range, split_planes_ref,
+                                                     tile_keys)
 from moebus.cuda.kernels.vision_attention import vision_attention_ref
 
 # (first row, slot, start, length): a chunk after 50 positions of context that crosses a query tile,
@@ -57,6 +59,20 @@ def test_key_ranges():
     assert key_range(0, 63, 70, 0, 0, False, 64) == (0, 70)  # an image: every key
 
 
+def test_planes_hold_each_images_keys_and_values_split_and_padded(rng):
+    images, positions, heads, head_dim = 2, 70, 3, 72
+    k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(2))
+    k_planes, v_planes = split_planes_ref(k, v, images)
+    assert k_planes.shape == (2, 3, 2, 128, 80) and v_planes.shape == (2, 3, 2, 72, 128)  # keys to 64s, dims to 16s
+    keys = bf16_to_f32(k_planes[..., :positions, :head_dim]).sum(axis=2)  # hi + lo, (images, heads, P, hd)
+    values = bf16_to_f32(v_planes[..., :positions]).sum(axis=2).transpose(0, 1, 3, 2)
+    for got, want in ((keys, k), (values, v)):
+        want = want.reshape(images, positions, heads, head_dim).transpose(0, 2, 1, 3)
+        np.testing.assert_allclose(got, want, rtol=2 ** -16, atol=0)
+    assert not k_planes[..., positions:, :].any() and not k_planes[..., head_dim:].any()
+    assert not v_planes[..., positions:].any()
+
+
 def _nvrtc():
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     try:
@@ -68,32 +84,34 @@ def _nvrtc():
 @pytest.mark.parametrize("head_dim,f32_kv", [(128, False), (72, True), (8, True), (128, True), (40, False)])
 def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
 
     options = compile_options(head_dim, f32_kv, "compute_90")
-    ptx, _ = nvrtc_compile(SOURCE.read_bytes(), options, target="ptx")
+    ptx, _ = nvrtc_compile(source(), options, target="ptx")
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and b".entry flash_attention" in ptx
-    options = compile_options(head_dim, f32_kv, "sm_90") + [b"--ptxas-options=-v"]
-    cubin, log = nvrtc_compile(SOURCE.read_bytes(), options)
-    assert cubin and "0 bytes spill stores" in log, log
+    assert b".entry split_planes" in ptx
+    for warps in (4, 8) if f32_kv else (4,):
+        options = compile_options(head_dim, f32_kv, "sm_90", warps) + [b"--ptxas-options=-v"]
+        cubin, log = nvrtc_compile(source(), options)
+        assert cubin and log.count(" 0 bytes spill stores") == 2, log  # both entries
 
 
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
     shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, compile_options, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
 
-    _, log = nvrtc_compile(SOURCE.read_bytes(), compile_options(16, False, "sm_90"))
+    _, log = nvrtc_compile(source(), compile_options(16, False, "sm_90"))
     assert log == "" and b" " * 1 == bytes([32]) and b" ".join([b"a", b"b"]) == b"a b"
 
 
 def test_bad_head_dim_is_refused_at_compile_time():
     _nvrtc()
-    from moebus.cuda.kernels.flash_attention import SOURCE, nvrtc_compile
+    from moebus.cuda.kernels.flash_attention import nvrtc_compile, source
 
     with pytest.raises(RuntimeError, match="HEAD_DIM"):
-        nvrtc_compile(SOURCE.read_bytes(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
+        nvrtc_compile(source(), [b"--gpu-architecture=compute_90", b"-DF32_KV=0"], target="ptx")
 
 
 def test_cubin_is_compiled_once_then_read_from_the_cache_dir(tmp_path, monkeypatch):
@@ -161,3 +179,20 @@ def test_image_kernel_matches_refs(rng, head_dim):
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_allclose(got, vision_attention_ref(q, k, v, images, head_dim ** -0.5), rtol=1e-4, atol=3e-5)
+
+
+@gpu
+def test_planes_kernel_matches_ref(rng):
+    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.flash_attention import plane_shapes, split_planes_cuda
+    from tests.cuda.conftest import device
+
+    images, positions, heads, head_dim = 2, 100, 3, 72
+    k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(2))
+    stream = cuda.stream()
+    planes = [cuda.to_device(np.full(shape, 0xFFFF, np.uint16)) for shape in plane_shapes(images, positions, heads,
+                                                                                         head_dim)]  # poisoned
+    split_planes_cuda(device(k), device(v), images, *planes, stream)
+    stream.synchronize()
+    for got, want in zip(planes, split_planes_ref(k, v, images)):
+        np.testing.assert_array_equal(got.copy_to_host(), want)

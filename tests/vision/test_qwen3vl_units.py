@@ -169,6 +169,31 @@ def test_a_grid_beyond_the_rotary_tables_grows_them():
     np.testing.assert_array_equal(model.cos, vision_rope_tables(cfg.head_dim, cfg.rope_theta, side)[0])
 
 
+def test_several_images_encode_one_after_another_and_concatenate():
+    from types import SimpleNamespace
+
+    from moebus.cuda.backends import make_backend
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+    from moebus.common.qwen3vl_tiny import vision_tensors
+    from moebus.common.tiny_model import _Random
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
+    rng = np.random.default_rng(1)
+    images = [SimpleNamespace(patches=rng.standard_normal((h * w, cfg.patch_dim)).astype(np.float32), grid_h=h,
+                              grid_w=w) for h, w in ((4, 6), (2, 4))]
+    alone = [model.encode(i.patches, i.grid_h, i.grid_w) for i in images]
+    embeds, deepstack = model.encode_images(images[:1])
+    np.testing.assert_array_equal(embeds, alone[0][0])
+    np.testing.assert_array_equal(deepstack, alone[0][1])
+    embeds, deepstack = model.encode_images(images)
+    assert embeds.shape == (6 + 2, 64) and deepstack.shape == (2, 8, 64)
+    np.testing.assert_array_equal(embeds, np.concatenate([alone[0][0], alone[1][0]]))
+    np.testing.assert_array_equal(deepstack, np.concatenate([alone[0][1], alone[1][1]], axis=1))
+
+
 def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():
     from moebus.cuda.kernels.compat import SIMULATOR
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel

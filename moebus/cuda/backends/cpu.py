@@ -14,6 +14,7 @@ from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linea
                                  routing, sampling, top_logprobs)
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
 from moebus.cuda.kernels.norm_route import norm_route_ref  # decode's MLP entry
 
@@ -122,6 +123,9 @@ class CpuBackend:
     bias_activation = staticmethod(tiled_linear.bias_activation_ref)  # before the module's name is taken
     bias_residual = staticmethod(tiled_linear.bias_residual_ref)
     tiled_linear = staticmethod(tiled_linear.tiled_linear_ref)
+    layernorm_into = staticmethod(split_epilogues.layernorm_into_ref)  # float32 here: products read it
+    bias_activation_into = staticmethod(split_epilogues.bias_activation_into_ref)
+    tiled_linears = staticmethod(split_epilogues.tiled_linears_ref)
     activation = staticmethod(activations.activation_ref)
     add_bias = staticmethod(activations.add_bias_ref)
     vision_attention = staticmethod(vision_attention.vision_attention_ref)

@@ -18,11 +18,12 @@ from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
 
 
-class CudaBackend:
-    """numba.cuda kernels on the current device."""
+class CudaBackend(split_epilogues.SplitInputOps):
+    """numba.cuda kernels on the current device (the towers' split-input ops: split_epilogues.py)."""
 
     name = "cuda"
 
@@ -238,8 +239,11 @@ class CudaBackend:
         return layernorm.layernorm_cuda(x, weight, bias, eps, self.empty(x.shape), stream=self.stream)
 
     def tiled_linear(self, x, weight, bias=None):
-        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens."""
+        """x @ weight^T (+ bias) for many rows (a tower's patches); ``linear`` suits a few tokens.
+        x: float32, or split already (SplitRows, from the ``*_into`` ops)."""
         out = self.empty((x.shape[0], weight.shape[0]))
+        if isinstance(x, split_epilogues.SplitRows):
+            return split_epilogues.linear_of_parts(self, x, weight, bias, out)
         if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
             if bias is None or bias.dtype == np.uint16:  # a bf16 bias: added by a row kernel of gemm.py
                 return self.tensor_cores.linear(self, x, weight, out, bias)
@@ -263,8 +267,7 @@ class CudaBackend:
 
     def vision_attention(self, q, k, v, num_images: int, scale: float):
         if self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
-            return prefill_attention.image_attention(self, self.tensor_cores, q, k, v, num_images, scale,
-                                                     self.empty(q.shape))
+            return vision_attention.image_attention_cuda(self, q, k, v, num_images, scale, self.empty(q.shape))
         return vision_attention.vision_attention_cuda(q, k, v, num_images, scale, self.empty(q.shape),
                                                       stream=self.stream)
 

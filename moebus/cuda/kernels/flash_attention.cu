@@ -8,7 +8,9 @@
 // parameters; flash_attention_ref there is this kernel's arithmetic in numpy.
 //
 // Compiled by NVRTC at run time with HEAD_DIM (a multiple of 8, <= 128) and F32_KV (0: keys and
-// values are bf16 bits, 1: float32) defined. Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
+// values are bf16 bits, 1: float32) defined, and WARPS (4 or 8: 16 queries each). Float32 keys and
+// values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below).
+// Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
 // g = lane / 4 and t = lane % 4, A (16 x 16, row) a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g,
 // 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8, col) b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g); C
 // (16 x 8) c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1).
@@ -25,12 +27,19 @@
 #define KSTEPS (HDP / 16)
 #define DTILES (HD / 8)                 // n-tiles of O
 #define PARTS (F32_KV ? 2 : 1)          // parts of a key / value kept in shared memory
-#define BM 64                           // queries per block: 16 per warp
+#ifndef WARPS
 #define WARPS 4
+#endif
+#define BM (16 * WARPS)                 // queries per block: 16 per warp
+#define PLANE_KEYS 64                   // split_planes pads the keys to a multiple of this (and of BN)
 #define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
 #define VP (BN + 8)
-#define CHUNK (F32_KV ? 4 : 8)          // elements per 16-byte load
+#define CHUNK 8                         // bf16 elements per 16-byte load
+// Float32 keys of up to 96 dims: each product's mma interleaved over the n-tiles / d-tiles (scores,
+// accumulate); at more dims the fragments this holds would not fit the registers
+#define INTERLEAVE (F32_KV && HDP <= 96)
+#define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -85,8 +94,12 @@ __device__ __forceinline__ void load_q(const float *q, long long row_pitch, int 
     }
 }
 
-// Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j]; keys at or
-// past key_end are zeros (never read from memory: a cache's unwritten rows may hold any bits).
+#include "flash_planes.cuh"  // float32 keys and values: their bf16 planes (flash_attention.source inlines it)
+
+#if !F32_KV
+// Keys [key0, key0 + BN) into ks[0][j][d] and values transposed into vt[0][d][j], from the bf16
+// cache; keys at or past key_end are zeros (never read from memory: a cache's unwritten rows may
+// hold any bits).
 __device__ __forceinline__ void load_tile(const void *k, const void *v, long long row_stride, int key0, int key_end,
                                           u16 (*ks)[BN][KP], u16 (*vt)[HD][VP]) {
     const int per_row = HD / CHUNK;
@@ -94,24 +107,6 @@ __device__ __forceinline__ void load_tile(const void *k, const void *v, long lon
         int j = idx / per_row, d0 = (idx % per_row) * CHUNK;
         bool real = key0 + j < key_end;
         long long at = (long long)(key0 + j) * row_stride + d0;
-#if F32_KV
-        float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
-        if (real) {
-            kx = *reinterpret_cast<const float4 *>(static_cast<const float *>(k) + at);
-            vx = *reinterpret_cast<const float4 *>(static_cast<const float *>(v) + at);
-        }
-        float kv[4] = {kx.x, kx.y, kx.z, kx.w}, vv[4] = {vx.x, vx.y, vx.z, vx.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            u32 hi, lo;
-            split(kv[e], hi, lo);
-            ks[0][j][d0 + e] = hi;
-            ks[1][j][d0 + e] = lo;
-            split(vv[e], hi, lo);
-            vt[0][d0 + e][j] = hi;
-            vt[1][d0 + e][j] = lo;
-        }
-#else
         uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
         if (real) {
             kx = *reinterpret_cast<const uint4 *>(static_cast<const u16 *>(k) + at);
@@ -124,10 +119,11 @@ __device__ __forceinline__ void load_tile(const void *k, const void *v, long lon
             vt[0][d0 + 2 * e][j] = (u16)(vw[e] & 0xFFFFu);
             vt[0][d0 + 2 * e + 1][j] = (u16)(vw[e] >> 16);
         }
-#endif
     }
 }
+#endif
 
+#if !INTERLEAVE
 // S (16 x BN of this warp) = Q K^T over the tile, split parts summed in fp32
 __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
                                        u16 (*ks)[BN][KP], int g, int t) {
@@ -140,8 +136,8 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
             mma(s[nt], ql[kk], b0, b1);
 #if F32_KV
-            const u16 *row_lo = ks[1][nt * 8 + g];
-            mma(s[nt], qh[kk], smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+            mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t),
+                smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
             mma(s[nt], qh[kk], b0, b1);
         }
@@ -169,13 +165,14 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
             mma(o[dt], pl, b0, b1);
 #if F32_KV
-            const u16 *row_lo = vt[1][dt * 8 + g];
-            mma(o[dt], ph, smem_pair(row_lo, kk * 16 + 2 * t), smem_pair(row_lo, kk * 16 + 2 * t + 8));
+            mma(o[dt], ph, smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t),
+                smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
             mma(o[dt], ph, b0, b1);
         }
     }
 }
+#endif
 
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
@@ -204,24 +201,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
     const int q0 = tile * BM;  // the block's first query
     const long long row_pitch = (long long)heads * HD;
     const long long q_at = ((long long)q_row0 + (long long)z * rows_per_z + q0) * row_pitch + (long long)head * HD;
-    const long long kv_at = k_base + z * k_z_stride + (long long)(head / group) * k_head_stride;
-    const void *kz, *vz;
 #if F32_KV
-    kz = static_cast<const float *>(k) + kv_at;
-    vz = static_cast<const float *>(v) + kv_at;
+    // split_planes' planes of this (image, head); k_row_stride is their keys_padded
+    const int keys_padded = (int)k_row_stride;
+    const long long plane_at = ((long long)z * heads + head / group) * PARTS * keys_padded;
+    const u16 *kz = static_cast<const u16 *>(k) + plane_at * HDP, *vz = static_cast<const u16 *>(v) + plane_at * HD;
 #else
-    kz = static_cast<const u16 *>(k) + kv_at;
-    vz = static_cast<const u16 *>(v) + kv_at;
+    const long long kv_at = k_base + z * k_z_stride + (long long)(head / group) * k_head_stride;
+    const u16 *kz = static_cast<const u16 *>(k) + kv_at, *vz = static_cast<const u16 *>(v) + kv_at;
 #endif
     const int rows_valid = num_queries - q0;  // of this block, rows at or past it are not stored
     const int r0 = w * 16 + g;
     u32 qh[KSTEPS][4], ql[KSTEPS][4];
     load_q(q + q_at, row_pitch, rows_valid, r0, qh, ql, t);
 
+#if !F32_KV
     for (int idx = threadIdx.x; idx < PARTS * BN * (KP - HD); idx += WARPS * 32) {  // the zero padding
         int c = idx % (KP - HD), rest = idx / (KP - HD);
         ks[rest / BN][rest % BN][HD + c] = 0;
     }
+#endif
     const int last_query = min(q0 + BM, num_queries) - 1;
     const int key_end = causal ? min(num_keys, first_pos + last_query + 1) : num_keys;
     int key_begin = (causal && window > 0) ? max(0, first_pos + q0 - window + 1) : 0;
@@ -235,11 +234,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
 
     for (int key0 = key_begin; key0 < key_end; key0 += BN) {
         __syncthreads();  // the previous tile (and the padding) are done with
+#if F32_KV
+        load_tile(kz, vz, keys_padded, key0, ks, vt);
+#else
         load_tile(kz, vz, k_row_stride, key0, key_end, ks, vt);
+#endif
         __syncthreads();
         float s[BN / 8][4];
         scores(s, qh, ql, ks, g, t);
         float tile_max[2] = {NEG_INF, NEG_INF};
+#if F32_KV
+        if (!causal && key0 + BN <= num_keys) {  // an image's tile of real keys only: no mask to compute
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[nt][e] *= scale_log2;
+                    tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+                }
+            }
+        } else
+#endif
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -290,3 +305,4 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
         }
     }
 }
+

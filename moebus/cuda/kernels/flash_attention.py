@@ -28,8 +28,13 @@ from moebus.cuda.kernels.launch import ceil_div, require
 
 log = logging.getLogger("moebus.cuda")
 SOURCE = Path(__file__).with_suffix(".cu")
-ENTRY = "flash_attention"
-BLOCK_QUERIES, THREADS = 64, 128  # the .cu's BM and WARPS x 32
+PLANES = SOURCE.with_name("flash_planes.cuh")  # what float32 keys take: included by the .cu
+INCLUDE = b'#include "flash_planes.cuh"'
+ENTRY, PLANES_ENTRY = "flash_attention", "split_planes"
+WARPS = 4  # warps per block, 16 queries each (the .cu's WARPS): prefill
+IMAGE_WARPS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARPS", "8"))  # images: 8 (measured faster, vltower7) or 4
+BLOCK_QUERIES = 16 * WARPS  # the .cu's BM
+PLANE_KEYS, PLANE_THREADS = 64, 256  # split_planes: keys per block (the .cu's PLANE_KEYS), threads
 MAX_HEAD_DIM = 128
 ENABLED = os.environ.get("MOEBUS_ATTENTION_FLASH", "1") != "0"
 
@@ -41,9 +46,20 @@ def supported(head_dim: int) -> bool:
 
 # -- compiling ------------------------------------------------------------------------------------
 
-def compile_options(head_dim: int, f32_kv: bool, arch: str) -> list[bytes]:
-    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17",
-            f"-DHEAD_DIM={int(head_dim)}".encode(), f"-DF32_KV={int(bool(f32_kv))}".encode()]
+def compile_options(head_dim: int, f32_kv: bool, arch: str, warps: int = WARPS) -> list[bytes]:
+    if warps not in (4, 8):
+        raise ValueError(f"{warps} warps a block: the kernel is built for 4 or 8")
+    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DHEAD_DIM={int(head_dim)}".encode(),
+            f"-DF32_KV={int(bool(f32_kv))}".encode(), f"-DWARPS={int(warps)}".encode()]
+
+
+def source() -> bytes:
+    """The kernels' CUDA C++: the .cu with flash_planes.cuh in place of its #include (one text, so
+    the cubin's name hashes both)."""
+    main = SOURCE.read_bytes()
+    if INCLUDE not in main:
+        raise RuntimeError(f"{SOURCE.name} lacks {INCLUDE.decode()}")
+    return main.replace(INCLUDE, PLANES.read_bytes(), 1)
 
 
 def nvrtc_compile(source: bytes, options: list[bytes], target: str = "cubin") -> tuple[bytes, str]:
@@ -81,19 +97,19 @@ def _check(nvrtc, err, what: str) -> None:
         raise RuntimeError(f"NVRTC {what}: {err}")
 
 
-def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None) -> bytes:
+def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: int = WARPS) -> bytes:
     """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
     before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
     from cuda.bindings import nvrtc
 
-    options, source = compile_options(head_dim, f32_kv, arch), SOURCE.read_bytes()
+    options, text = compile_options(head_dim, f32_kv, arch, warps), source()
     path = None
     if cache_dir:
-        digest = hashlib.sha256(source + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
         path = Path(cache_dir) / "flash_attention" / f"{digest[:24]}.cubin"
         if path.is_file():
             return path.read_bytes()
-    code, _ = nvrtc_compile(source, options)
+    code, _ = nvrtc_compile(text, options)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.part")
@@ -102,16 +118,25 @@ def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None) -> byte
     return code
 
 
+def _warps(f32_kv: bool) -> int:
+    return IMAGE_WARPS if f32_kv else WARPS  # float32 keys: the towers' images
+
+
 @functools.cache
-def _kernel(head_dim: int, f32_kv: bool):
-    """The compiled kernel for this GPU (cuda.core Kernel), through numba's kernel cache directory."""
+def _module(head_dim: int, f32_kv: bool, warps: int):
+    """The compiled cubin for this GPU (cuda.core ObjectCode), through numba's kernel cache directory."""
     from moebus.cuda.kernels.compat import _numba_config, cuda
 
     gpu = cuda.get_current_device()
     _core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR)
-    return _object_code().from_cubin(code, name=f"flash_attention_hd{head_dim}").get_kernel(ENTRY)
+    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR, warps)
+    return _object_code().from_cubin(code, name=f"flash_attention_hd{head_dim}_{int(f32_kv)}_{warps}w")
+
+
+def _kernel(head_dim: int, f32_kv: bool, entry: str = ENTRY):
+    """One entry of the compiled kernels (cuda.core Kernel): the attention or split_planes."""
+    return _module(head_dim, f32_kv, _warps(f32_kv)).get_kernel(entry)
 
 
 def ready(head_dim: int, f32_kv: bool) -> bool:
@@ -147,7 +172,7 @@ def _object_code():
     return ObjectCode
 
 
-def _core_launch(stream, grid: tuple, kernel, *args) -> None:
+def _core_launch(stream, grid: tuple, threads: int, kernel, *args) -> None:
     try:
         from cuda.core import LaunchConfig, launch
     except ImportError:  # cuda.core < 1.0
@@ -155,7 +180,7 @@ def _core_launch(stream, grid: tuple, kernel, *args) -> None:
     from moebus.cuda.backends.graphs import _core_stream
 
     target = stream if hasattr(stream, "end_building") else _core_stream(stream)  # a GraphBuilder, or numba's
-    launch(target, LaunchConfig(grid=grid, block=THREADS), kernel, *args)
+    launch(target, LaunchConfig(grid=grid, block=threads), kernel, *args)
 
 
 def _pointer(array) -> np.intp:
@@ -164,14 +189,16 @@ def _pointer(array) -> np.intp:
 
 # -- launching ------------------------------------------------------------------------------------
 
-def _launch(stream, q, k, v, out, grid: tuple, q_row0: int, rows_per_z: int, num_queries: int, group: int,
-            strides: tuple, num_keys: int, first_pos: int, window: int, causal: bool, scale: float) -> None:
+def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, num_queries: int, group: int,
+            strides: tuple, num_keys: int, first_pos: int, window: int, causal: bool, scale: float,
+            num_z: int = 1) -> None:
     _, heads, head_dim = q.shape
     k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
-    kernel = _kernel(head_dim, k.dtype == np.float32)
-    _core_launch(stream, grid, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out), np.int32(q_row0),
-                 np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group), k_base, k_z_stride,
-                 k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
+    kernel, warps = _kernel(head_dim, f32_kv), _warps(f32_kv)
+    grid = (ceil_div(num_queries, 16 * warps), heads, num_z)
+    _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out),
+                 np.int32(q_row0), np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group),
+                 k_base, k_z_stride, k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
                  np.int32(bool(causal)), np.float32(scale * np.log2(np.e)))
 
 
@@ -191,21 +218,46 @@ def flash_prefill_cuda(q, k_cache, v_cache, segments, scale: float, window: int,
             raise ValueError(f"segment {(row0, slot, start, length)} outside q {tuple(q.shape)} or the cache")
         if length:
             strides = (slot * kv_heads * context * head_dim, 0, context * head_dim, head_dim)
-            _launch(stream, q, k_cache, v_cache, out, (ceil_div(length, BLOCK_QUERIES), heads, 1), row0, 0, length,
-                    heads // kv_heads, strides, start + length, start, window or 0, True, scale)
+            _launch(stream, q, k_cache, v_cache, out, False, row0, 0, length, heads // kv_heads, strides,
+                    start + length, start, window or 0, True, scale)
     return out
 
 
-def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream):
+def plane_shapes(num_images: int, positions: int, heads: int, head_dim: int) -> tuple[tuple, tuple]:
+    """Shapes of split_planes' bf16 planes (uint16) of the keys and the values of an image call."""
+    keys_padded, padded_dim = ceil_div(positions, PLANE_KEYS) * PLANE_KEYS, ceil_div(head_dim, 16) * 16
+    return (num_images, heads, 2, keys_padded, padded_dim), (num_images, heads, 2, head_dim, keys_padded)
+
+
+def split_planes_cuda(k, v, num_images: int, k_planes, v_planes, stream):
+    """k, v (N P, H, hd) float32 -> their bf16 planes (plane_shapes): keys (N, H, 2, P', hd') hi and
+    lo, zero past P and hd; values transposed (N, H, 2, hd, P'), zero past P (flash_attention.cu)."""
+    rows, heads, head_dim = k.shape
+    positions = rows // num_images
+    k_shape, v_shape = plane_shapes(num_images, positions, heads, head_dim)
+    require("k_planes", k_planes, np.uint16, shape=k_shape)
+    require("v_planes", v_planes, np.uint16, shape=v_shape)
+    kernel = _kernel(head_dim, True, PLANES_ENTRY)
+    _core_launch(stream, (k_shape[3] // PLANE_KEYS, heads, num_images), PLANE_THREADS, kernel, _pointer(k), _pointer(v),
+                 _pointer(k_planes), _pointer(v_planes), np.int32(positions), np.int32(k_shape[3]), np.int32(heads))
+    return k_planes, v_planes
+
+
+def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream, planes=None):
     """out = vision_attention_ref(q, k, v, num_images, scale): rows (N P, H, hd) float32, each image's
-    P rows attending to each other."""
+    P rows attending to each other. ``planes``: scratch for the keys' and values' bf16 planes
+    (plane_shapes, uint16; the caller's pool), else allocated here."""
+    from moebus.cuda.kernels.compat import cuda
     from moebus.cuda.kernels.vision_attention import image_rows
 
     rows, heads, head_dim = image_rows(q, k, v, out, num_images)
     positions = rows // num_images
     if positions:
-        row_pitch = heads * head_dim
-        strides = (0, positions * row_pitch, head_dim, row_pitch)
-        _launch(stream, q, k, v, out, (ceil_div(positions, BLOCK_QUERIES), heads, num_images), 0, positions,
-                positions, 1, strides, positions, 0, 0, False, scale)
+        shapes = plane_shapes(num_images, positions, heads, head_dim)
+        if planes is None:
+            planes = tuple(cuda.device_array(shape, np.uint16) for shape in shapes)
+        k_planes, v_planes = split_planes_cuda(k, v, num_images, *planes, stream)
+        strides = (0, 0, 0, shapes[0][3])  # the kernel reads the planes' keys_padded from k_row_stride
+        _launch(stream, q, k_planes, v_planes, out, True, 0, positions, positions, 1, strides, positions, 0, 0, False,
+                scale, num_z=num_images)
     return out

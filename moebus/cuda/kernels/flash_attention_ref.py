@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.dtypes import bf16_to_f32
-from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES
+from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES, plane_shapes
 from moebus.cuda.kernels.gemm import split_bf16_ref
 
 
@@ -124,3 +124,20 @@ def flash_images_ref(q, k, v, num_images: int, scale: float) -> np.ndarray:
         for h in range(heads):
             out[at, h] = flash_block_ref(q[at, h], k[at, h], v[at, h], 0, 0, False, scale, False)
     return out
+
+
+def split_planes_ref(k, v, num_images: int) -> tuple[np.ndarray, np.ndarray]:
+    """split_planes_cuda in numpy: k, v (N P, H, hd) float32 -> bf16 bits (uint16) of the keys
+    (N, H, 2, P', hd') [hi, lo], zero past P and hd, and of the values transposed (N, H, 2, hd, P')."""
+    k, v = (np.asarray(a, np.float32) for a in (k, v))
+    rows, heads, head_dim = k.shape
+    positions = rows // num_images
+    k_shape, v_shape = plane_shapes(num_images, positions, heads, head_dim)
+    k_planes, v_planes = np.zeros(k_shape, np.uint16), np.zeros(v_shape, np.uint16)
+    for image in range(num_images):
+        at = slice(image * positions, (image + 1) * positions)
+        keys = split_bf16_ref(k[at].reshape(-1, head_dim)).reshape(2, positions, heads, head_dim)
+        values = split_bf16_ref(v[at].reshape(-1, head_dim)).reshape(2, positions, heads, head_dim)
+        k_planes[image, :, :, :positions, :head_dim] = keys.transpose(2, 0, 1, 3)
+        v_planes[image, :, :, :, :positions] = values.transpose(2, 0, 3, 1)
+    return k_planes, v_planes

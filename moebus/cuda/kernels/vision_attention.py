@@ -1,8 +1,10 @@
 """Non-causal multi-head attention over the patches of each image (the vision towers): rows
 [n P, (n + 1) P) of q, k, v belong to image n and attend to each other only. No KV cache, no mask.
 
-Two ways: ``vision_attention_cuda``, one kernel on CUDA cores (few rows, or no cuBLAS), and on the
-tensor cores prefill_attention.image_attention (materialised scores; the row softmax is
+Three ways: ``vision_attention_cuda``, one kernel on CUDA cores (few rows, or no cuBLAS); on the
+tensor cores (``image_attention_cuda``) the fused kernel (flash_attention.py: the keys and values
+split once into bf16 planes, scratch from the backend's pool), or where it cannot run
+prefill_attention.image_attention (materialised scores; the row softmax is
 attention_parts.masked_softmax, unmasked: a warp per row)."""
 from __future__ import annotations
 
@@ -123,3 +125,17 @@ def vision_attention_cuda(q, k, v, num_images: int, scale: float, out, stream=0)
     kernel[blocks(groups), WARPS * WARP, stream](q, k, v, positions, np.float32(scale), out)
     return out
 
+
+
+def image_attention_cuda(ops, q, k, v, num_images: int, scale: float, out):
+    """out = vision_attention_ref(q, k, v, num_images, scale) on the tensor cores of backend ``ops``:
+    the fused kernel where it runs (split precision, a built kernel), its planes from ``ops.empty``
+    (so a captured encode owns them), else the materialised path."""
+    from moebus.cuda.kernels import flash_attention, prefill_attention
+
+    rows, heads, head_dim = image_rows(q, k, v, out, num_images)
+    if prefill_attention.PRECISION == "split" and flash_attention.ready(head_dim, True):
+        shapes = flash_attention.plane_shapes(num_images, rows // num_images, heads, head_dim)
+        planes = tuple(ops.empty(shape, np.uint16) for shape in shapes)
+        return flash_attention.flash_images_cuda(q, k, v, num_images, scale, out, ops.stream, planes)
+    return prefill_attention.image_attention(ops, ops.tensor_cores, q, k, v, num_images, scale, out)

@@ -1,0 +1,134 @@
+// Included by flash_attention.cu (flash_attention.source inlines it there, after the helpers): what
+// float32 keys and values take. split_planes splits them once per call into bf16 planes, hi and lo,
+// the keys padded to HDP dims and 64 keys, the values transposed, so that every tile of every query
+// block is a plain 16-byte copy into shared memory (load_tile); and at up to 96 dims the products'
+// mma are issued over every n-tile / d-tile in turn (scores, accumulate: INTERLEAVE).
+
+// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1))
+__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
+    u32 h0, l0, h1, l1;
+    split(x0, h0, l0);
+    split(x1, h1, l1);
+    hi = pack(h0, h1);
+    lo = pack(l0, l1);
+}
+
+#if F32_KV
+// Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j], from
+// split_planes' planes of this (image, head): keys (2, keys_padded, HDP) and values (2, HD,
+// keys_padded), already zero past the last key and HD: plain 16-byte copies.
+__device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys_padded, int key0, u16 (*ks)[BN][KP],
+                                          u16 (*vt)[HD][VP]) {
+    const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
+    const int k_chunks = HDP / CHUNK, v_chunks = BN / CHUNK;
+    for (int idx = threadIdx.x; idx < PARTS * BN * k_chunks; idx += WARPS * 32) {
+        int part = idx / (BN * k_chunks), rest = idx % (BN * k_chunks), j = rest / k_chunks, c = rest % k_chunks;
+        *reinterpret_cast<uint4 *>(&ks[part][j][c * CHUNK]) =
+            *reinterpret_cast<const uint4 *>(kp + part * k_part + (long long)(key0 + j) * HDP + c * CHUNK);
+    }
+    for (int idx = threadIdx.x; idx < PARTS * HD * v_chunks; idx += WARPS * 32) {
+        int part = idx / (HD * v_chunks), rest = idx % (HD * v_chunks), d = rest / v_chunks, c = rest % v_chunks;
+        *reinterpret_cast<uint4 *>(&vt[part][d][c * CHUNK]) =
+            *reinterpret_cast<const uint4 *>(vp + part * v_part + (long long)d * keys_padded + key0 + c * CHUNK);
+    }
+}
+#endif
+
+#if INTERLEAVE
+// S (16 x BN of this warp) = Q K^T over the tile: per k-step, each of the three split products over
+// every n-tile in turn, so that consecutive mma feed different accumulators (a chain of dependent
+// mma per n-tile would leave the tensor cores waiting on each one's latency); each accumulator
+// still sums Qlo Khi, Qhi Klo, Qhi Khi per k-step, in that order.
+__device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
+                                       u16 (*ks)[BN][KP], int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int col = kk * 16 + 2 * t;
+        u32 hi[BN / 8][2];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            hi[nt][0] = smem_pair(ks[0][nt * 8 + g], col);
+            hi[nt][1] = smem_pair(ks[0][nt * 8 + g], col + 8);
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], ql[kk], hi[nt][0], hi[nt][1]);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+            mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], col), smem_pair(ks[1][nt * 8 + g], col + 8));
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], qh[kk], hi[nt][0], hi[nt][1]);
+    }
+}
+
+// O (16 x HD of this warp) += P V over the tile, P from the scores' registers split in two parts;
+// the products interleaved over the d-tiles as in scores: per accumulator Plo Vhi, Phi Vlo, Phi Vhi.
+__device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN / 8][4], u16 (*vt)[HD][VP], int g,
+                                           int t) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 ph[4], pl[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // a0: (g, 2t..) of n-tile 2kk; a1: its row g+8; a2, a3: n-tile 2kk+1
+            const float *c = p[2 * kk + (e >> 1)] + (e & 1) * 2;
+            split_pair(c[0], c[1], ph[e], pl[e]);
+        }
+        const int col = kk * 16 + 2 * t;
+#pragma unroll
+        for (int d0 = 0; d0 < DTILES; d0 += DGROUP) {  // groups of d-tiles: their Vhi fragments in registers
+            u32 hi[DGROUP][2];
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j) {
+                if (d0 + j < DTILES) {
+                    hi[j][0] = smem_pair(vt[0][(d0 + j) * 8 + g], col);
+                    hi[j][1] = smem_pair(vt[0][(d0 + j) * 8 + g], col + 8);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES) mma(o[d0 + j], pl, hi[j][0], hi[j][1]);
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES)
+                    mma(o[d0 + j], ph, smem_pair(vt[1][(d0 + j) * 8 + g], col),
+                        smem_pair(vt[1][(d0 + j) * 8 + g], col + 8));
+#pragma unroll
+            for (int j = 0; j < DGROUP; ++j)
+                if (d0 + j < DTILES) mma(o[d0 + j], ph, hi[j][0], hi[j][1]);
+        }
+    }
+}
+#endif
+
+// Float32 keys and values (rows of heads x HD, image z's key j at row z * positions + j) -> bf16
+// planes per (image, head): keys (2, keys_padded, HDP) hi and lo, values transposed (2, HD,
+// keys_padded); zero past the last key and (keys) past HD. Block (x, y, z) = (PLANE_KEYS keys, head,
+// image), 256 threads; the values pass through shared memory to be written along the keys.
+extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, const float *v, u16 *kp, u16 *vp,
+                                                               int positions, int keys_padded, int heads) {
+    __shared__ float tile[PLANE_KEYS][HD + 1];
+    const int key0 = blockIdx.x * PLANE_KEYS, head = blockIdx.y, z = blockIdx.z;
+    const long long row_pitch = (long long)heads * HD, rows_at = (long long)z * positions;
+    const long long plane_at = ((long long)z * heads + head) * 2 * keys_padded;
+    u16 *kz = kp + plane_at * HDP, *vz = vp + plane_at * HD;
+    const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
+    for (int idx = threadIdx.x; idx < PLANE_KEYS * HDP; idx += blockDim.x) {
+        int j = idx / HDP, d = idx % HDP, key = key0 + j;
+        bool real = key < positions && d < HD;
+        long long at = (rows_at + key) * row_pitch + (long long)head * HD + d;
+        u32 hi = 0, lo = 0;
+        if (real) split(k[at], hi, lo);
+        kz[(long long)key * HDP + d] = (u16)hi;
+        kz[k_part + (long long)key * HDP + d] = (u16)lo;
+        if (d < HD) tile[j][d] = key < positions ? v[at] : 0.f;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
+        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
+        u32 hi, lo;
+        split(tile[j][d], hi, lo);
+        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
+        vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
+    }
+}
