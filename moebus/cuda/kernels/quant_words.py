@@ -1,0 +1,129 @@
+"""Quantized experts' 8-byte words (common/quant_layout.py) to float32 in registers, for the expert
+GEMVs of moe_quant.py: ``decoder(fmt, hardware)`` gives decode(u, scale, minimum, buf), which puts
+the word's codes into buf (chunks of 4 floats) and returns the factor of their sum.
+
+Why this is its own file: at one token the quantized GEMVs were bound by these few lines, not by
+their bytes. Compiled for sm_90 (tools/device/quant7_sass.py), the old decode spent ~7 integer
+instructions a code (64-bit shifts and masks: each is two 32-bit ones), and the integer pipe issues
+half as fast as the float pipe. Now everything runs on 32-bit halves, and on GPUs that convert e4m3
+in hardware (compute capability 8.9+: Ada, Hopper) two codes become an f16 pair in one instruction
+(``cvt.rn.f16x2.e4m3x2``) and each f16 a float32 in another; both conversions are exact (every
+e4m3 value is an f16), so the GPU's sums are the same bits whichever path decoded them.
+
+- fp8: the e4m3 values, factor the block's scale.
+- int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact, less
+  2^23), factor s."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, cuda, device, float32, uint32
+
+E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
+TWO23 = float32(2.0**23)
+SIGN32, MAG32 = np.uint32(0x80000000), np.uint32(0x07F00000)
+NIBBLE, MAGIC23 = np.uint32(0xF), np.uint32(0x4B000000)  # MAGIC23: the bits of float32 2^23
+HARDWARE_E4M3_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2: PTX ISA 7.8, sm_89 and later
+
+
+@functools.cache
+def hardware_e4m3() -> bool:
+    """Whether this process's GPU converts e4m3 pairs in one instruction."""
+    return not SIMULATOR and tuple(cuda.get_current_device().compute_capability) >= HARDWARE_E4M3_CC
+
+
+@device
+def _halves(u):
+    """The low and high 32 bits of a uint64."""
+    return uint32(u & np.uint64(0xFFFFFFFF)), uint32(u >> np.uint64(32))
+
+
+@device
+def e4m3_at(w, shift):
+    """The e4m3 code at bits shift .. shift + 7 (shift <= 24) of a 32-bit word, exact (subnormals
+    included): its bits moved to the top byte, the sign kept there and exponent | mantissa placed at
+    a float32's bits 26..20 (the float32 is then the value times 2^-120), rescaled."""
+    top = uint32(w) << uint32(24 - shift)
+    return bits_as_f32((top & SIGN32) | ((top >> uint32(4)) & MAG32)) * E4M3_RESCALE
+
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _E4M3X4 = ("{.reg .b16 lo, hi, a, b, c, d; .reg .b32 p, q;\n"
+               "mov.b32 {lo, hi}, $4;\n"
+               "cvt.rn.f16x2.e4m3x2 p, lo;\n"
+               "cvt.rn.f16x2.e4m3x2 q, hi;\n"
+               "mov.b32 {a, b}, p;\n"
+               "mov.b32 {c, d}, q;\n"
+               "cvt.f32.f16 $0, a;\n"
+               "cvt.f32.f16 $1, b;\n"
+               "cvt.f32.f16 $2, c;\n"
+               "cvt.f32.f16 $3, d;}")
+
+    @intrinsic
+    def _e4m3x4(typingctx, word):
+        """The 4 e4m3 codes of a uint32 (lowest byte first) as 4 float32, by the hardware."""
+        signature = types.UniTuple(types.float32, 4)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(32)]), _E4M3X4,
+                               "=f,=f,=f,=f,r")
+            out = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+        return signature, codegen
+
+
+@functools.cache
+def decoder(fmt: str, hardware: bool = False):
+    """decode(u, scale, minimum, buf) for ``fmt``; ``hardware``: e4m3 by the GPU's conversion
+    instruction (``hardware_e4m3``), else by 32-bit integer bit moves."""
+    if fmt == "fp8" and hardware:
+        @device
+        def decode_fp8_hardware(u, scale, minimum, buf):
+            lo, hi = _halves(u)
+            buf[0, 0], buf[0, 1], buf[0, 2], buf[0, 3] = _e4m3x4(lo)
+            buf[1, 0], buf[1, 1], buf[1, 2], buf[1, 3] = _e4m3x4(hi)
+            return scale
+
+        return decode_fp8_hardware
+    if fmt == "fp8":
+        @device
+        def decode_fp8(u, scale, minimum, buf):
+            lo, hi = _halves(u)
+            for c in range(4):
+                buf[0, c] = e4m3_at(lo, 8 * c)
+                buf[1, c] = e4m3_at(hi, 8 * c)
+            return scale
+
+        return decode_fp8
+    if fmt != "int4":
+        raise ValueError(f"no decoder for experts dtype {fmt!r}")
+
+    @device
+    def decode_int4(u, scale, minimum, buf):
+        offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
+        lo, hi = _halves(u)
+        for c in range(8):
+            buf[c // 4, c % 4] = bits_as_f32(((lo >> uint32(4 * c)) & NIBBLE) | MAGIC23) - TWO23 + offset
+            buf[2 + c // 4, c % 4] = bits_as_f32(((hi >> uint32(4 * c)) & NIBBLE) | MAGIC23) - TWO23 + offset
+        return scale
+
+    return decode_int4
+
+
+if SIMULATOR:
+    def _quotient(a, b):
+        return a / b
+else:
+    @device
+    def _quotient(a, b):
+        """a / b within 2 ulp, without IEEE division's slow path (a branch, which keeps the round's
+        loop from being unrolled and its words in registers)."""
+        return cuda.libdevice.fast_fdividef(a, b)
