@@ -24,7 +24,7 @@ from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, cuda, device, flo
 E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
 TWO23 = float32(2.0**23)
 SIGN32, MAG32 = np.uint32(0x80000000), np.uint32(0x07F00000)
-NIBBLE, MAGIC23 = np.uint32(0xF), np.uint32(0x4B000000)  # MAGIC23: the bits of float32 2^23
+NIBBLE, NIBBLES, MAGIC23 = np.uint32(0xF), np.uint32(0x0F0F0F0F), np.uint32(0x4B000000)  # MAGIC23: float32 2^23
 HARDWARE_E4M3_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2: PTX ISA 7.8, sm_89 and later
 
 
@@ -79,6 +79,39 @@ if not SIMULATOR:
 
         return signature, codegen
 
+    def _byte_permute(selector: int):
+        """PTX prmt.b32 with a fixed selector: each byte of the result picked from the 8 bytes of
+        (a, b) by a nibble of ``selector`` (an immediate: a register selector costs a move each)."""
+        @intrinsic
+        def permute(typingctx, a, b):
+            signature = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 2), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r")
+                return builder.call(asm, args)
+
+            return signature, codegen
+
+        return permute
+
+    # [byte j of a, 0, 0, 0x4B] from a and 2^23's bits: float32 2^23 + a nibble held in byte j
+    _BYTE0, _BYTE1, _BYTE2, _BYTE3 = (_byte_permute(0x7650 + j) for j in range(4))
+
+    @device
+    def _int4_quad(nibbles, offset, buf, row, col):
+        """The 4 codes held in the bytes of ``nibbles`` (0..15 each), as q + offset, into buf[row + j // 2,
+        col + 2 (j % 2)] for byte j."""
+        buf[row, col] = bits_as_f32(_BYTE0(nibbles, MAGIC23)) - TWO23 + offset
+        buf[row, col + 2] = bits_as_f32(_BYTE1(nibbles, MAGIC23)) - TWO23 + offset
+        buf[row + 1, col] = bits_as_f32(_BYTE2(nibbles, MAGIC23)) - TWO23 + offset
+        buf[row + 1, col + 2] = bits_as_f32(_BYTE3(nibbles, MAGIC23)) - TWO23 + offset
+else:
+    def _int4_quad(nibbles, offset, buf, row, col):
+        for j in range(4):
+            bits = ((nibbles >> np.uint32(8 * j)) & NIBBLE) | MAGIC23
+            buf[row + j // 2, col + 2 * (j % 2)] = bits_as_f32(bits) - TWO23 + offset
+
 
 @functools.cache
 def decoder(fmt: str, hardware: bool = False):
@@ -110,9 +143,11 @@ def decoder(fmt: str, hardware: bool = False):
     def decode_int4(u, scale, minimum, buf):
         offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
         lo, hi = _halves(u)
-        for c in range(8):
-            buf[c // 4, c % 4] = bits_as_f32(((lo >> uint32(4 * c)) & NIBBLE) | MAGIC23) - TWO23 + offset
-            buf[2 + c // 4, c % 4] = bits_as_f32(((hi >> uint32(4 * c)) & NIBBLE) | MAGIC23) - TWO23 + offset
+        for h in range(2):
+            half = lo if h == 0 else hi
+            # codes 2j and 2j + 1 of the half in byte j of even and odd
+            _int4_quad(uint32(half & NIBBLES), offset, buf, 2 * h, 0)
+            _int4_quad(uint32((half >> uint32(4)) & NIBBLES), offset, buf, 2 * h, 1)
         return scale
 
     return decode_int4
