@@ -26,14 +26,14 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, device, float32, kernel, threads, uint32, uint64,
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, float32, kernel, threads, uint32, uint64,
                                        warp_sum_many)
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3
+from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
 # 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
@@ -90,9 +90,9 @@ def _params_int4(floats, slot, at):
 
 @device
 def _x_chunk(x, row, at, buf):
-    """4 float32 of x from its uint64 view: words at and at + 1 (unsigned indices: numba then adds
-    no wraparound arithmetic for negative ones)."""
-    lo, hi = x[row, at], x[row, at + ONE]
+    """4 float32 of x from its uint64 view: words at and at + 1, one 16-byte load (unsigned indices:
+    numba then adds no wraparound arithmetic for negative ones)."""
+    lo, hi = load_pair(x, row, at)
     buf[0] = bits_as_f32(lo)
     buf[1] = bits_as_f32(lo >> SHIFT_HI)
     buf[2] = bits_as_f32(hi)
@@ -203,9 +203,13 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
 def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
     """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
     lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
-    values' worth (registers hold the run's sums, and each word then serves several tokens)."""
+    values' worth (registers hold the run's sums, and each word then serves several tokens), or one
+    more where that makes rows whole rounds (fp8 down rows of 768: 3 a lane, not 2; see _round)."""
     most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
-    return max(1, min(ceil_div(row_words, WARP), most))
+    unroll = max(1, min(ceil_div(row_words, WARP), most))
+    if row_words % (WARP * unroll) and row_words % (WARP * (unroll + 1)) == 0:
+        return unroll + 1
+    return unroll
 
 
 def _round(row_words: int, chunk: int, per_word: int) -> tuple[int, bool]:
@@ -218,7 +222,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
                           store=None):
     """expert_ffn_quant_ref on device arrays. ``arena`` and ``store``: (slots, B) uint8 blobs of
     ``layout``; ``scratch``: (J, I) float32 for the activations between the two kernels; x and
-    scratch 8-byte aligned (x is read 16 bytes a lane)."""
+    scratch 16-byte aligned (their rows are read 16 bytes a lane)."""
     hidden, inter = layout.hidden, layout.inter
     num_pairs = pair_slot.shape[0]
     require("x", x, np.float32, shape=(None, hidden))
@@ -231,9 +235,9 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     require("scratch", scratch, np.float32, shape=(None, inter))
     if num_pairs > scratch.shape[0]:
         raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
-    for name, array in (("x", x), ("scratch", scratch)):
-        if not can_read_wide(array):
-            raise ValueError(f"{name}: the quantized expert GEMVs need a C-ordered, 8-byte aligned array")
+    for name, array in (("x", x), ("scratch", scratch)):  # rows of x and h are read 16 bytes a lane
+        if not (can_read_wide(array) and data_ptr(array) % 16 == 0):
+            raise ValueError(f"{name}: the quantized expert GEMVs need a C-ordered, 16-byte aligned array")
     if num_pairs == 0:
         return out
     chunk = min(MAX_CHUNK, x.shape[0])  # one token's pairs have distinct experts: runs <= tokens

@@ -51,8 +51,28 @@ def e4m3_at(w, shift):
 
 if not SIMULATOR:
     from llvmlite import ir
-    from numba.cuda import types
+    from numba.cuda import cgutils, types
     from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_pair(typingctx, array, row, at):
+        """array[row, at] and array[row, at + 1] of a C-ordered 2-D uint64 array in one 16-byte load
+        (ld.global.v2.u64: at even and rows 16-byte aligned), half the load instructions of two."""
+        signature = types.UniTuple(types.uint64, 2)(array, row, at)
+
+        def codegen(context, builder, sig, args):
+            array_type = sig.args[0]
+            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+            pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                               context.make_array(array_type)(context, builder, value=args[0]),
+                                               indices, wraparound=False)
+            i64 = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i64, i64]), [pointer.type]),
+                               "ld.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l")
+            out = builder.call(asm, [pointer])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(2)])
+
+        return signature, codegen
 
     _E4M3X4 = ("{.reg .b16 lo, hi, a, b, c, d; .reg .b32 p, q;\n"
                "mov.b32 {lo, hi}, $4;\n"
@@ -107,6 +127,9 @@ if not SIMULATOR:
         buf[row + 1, col] = bits_as_f32(_BYTE2(nibbles, MAGIC23)) - TWO23 + offset
         buf[row + 1, col + 2] = bits_as_f32(_BYTE3(nibbles, MAGIC23)) - TWO23 + offset
 else:
+    def load_pair(array, row, at):
+        return array[row, at], array[row, at + 1]
+
     def _int4_quad(nibbles, offset, buf, row, col):
         for j in range(4):
             bits = ((nibbles >> np.uint32(8 * j)) & NIBBLE) | MAGIC23
