@@ -12,9 +12,10 @@ before the first use (as linear.py), then per word: the codes to float32 in regi
 (quant_words.py) once for every token of the run, x read as 8-byte words, and the scale applied once
 per word and token: fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s, m) its group's
 scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to every signed index) and,
-where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: at
-one token these kernels were bound by their integer instructions, not by their bytes
-(tools/device/quant7_sass.py counts them; docs/performance.md).
+where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
+halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
+~1.1x (docs/performance.md). At one token what is left is latency and the two launches; with runs of
+8 tokens on one expert the kernels are bound by the instructions they issue.
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
 from __future__ import annotations

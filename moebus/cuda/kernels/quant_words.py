@@ -2,13 +2,15 @@
 GEMVs of moe_quant.py: ``decoder(fmt, hardware)`` gives decode(u, scale, minimum, buf), which puts
 the word's codes into buf (chunks of 4 floats) and returns the factor of their sum.
 
-Why this is its own file: at one token the quantized GEMVs were bound by these few lines, not by
-their bytes. Compiled for sm_90 (tools/device/quant7_sass.py), the old decode spent ~7 integer
-instructions a code (64-bit shifts and masks: each is two 32-bit ones), and the integer pipe issues
-half as fast as the float pipe. Now everything runs on 32-bit halves, and on GPUs that convert e4m3
-in hardware (compute capability 8.9+: Ada, Hopper) two codes become an f16 pair in one instruction
-(``cvt.rn.f16x2.e4m3x2``) and each f16 a float32 in another; both conversions are exact (every
-e4m3 value is an f16), so the GPU's sums are the same bits whichever path decoded them.
+Why this is its own file: at one token the quantized GEMVs looked bound by these few lines. Compiled
+for sm_90 (tools/device/quant7_sass.py), the old decode spent ~7 integer instructions a code
+(64-bit shifts and masks, each two 32-bit ones). Now codes move in 32-bit halves (fp8: 4 bit moves
+and a multiply a code; int4: one byte permute, prmt.b32, a code), and GPUs of compute capability
+8.9+ (Ada, Hopper) can convert two e4m3 codes to an f16 pair in one instruction
+(``cvt.rn.f16x2.e4m3x2``) and each f16 to float32 in another; every e4m3 value is an f16, so both
+fp8 paths give the same bits. Measured on an H200 (docs/performance.md), fewer instructions did not
+make one-token calls much faster (they are bound by latency and launches there), so the
+instruction path is off by default (``PREFER_HARDWARE_E4M3``).
 
 - fp8: the e4m3 values, factor the block's scale.
 - int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact, less
@@ -28,10 +30,21 @@ NIBBLE, NIBBLES, MAGIC23 = np.uint32(0xF), np.uint32(0x0F0F0F0F), np.uint32(0x4B
 HARDWARE_E4M3_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2: PTX ISA 7.8, sm_89 and later
 
 
+# e4m3 by the conversion instruction or by bit moves: the same bits, and at one token on an H200 the
+# instruction measured 6% slower (29.6 vs 27.9 us the expert FFN, 2026-12-02, docs/performance.md:
+# these kernels are not bound by their instructions there), so bit moves by default.
+PREFER_HARDWARE_E4M3 = False
+
+
 @functools.cache
-def hardware_e4m3() -> bool:
+def can_convert_e4m3() -> bool:
     """Whether this process's GPU converts e4m3 pairs in one instruction."""
     return not SIMULATOR and tuple(cuda.get_current_device().compute_capability) >= HARDWARE_E4M3_CC
+
+
+def hardware_e4m3() -> bool:
+    """Whether the fp8 GEMVs decode e4m3 by the conversion instruction (``decoder``'s hardware)."""
+    return PREFER_HARDWARE_E4M3 and can_convert_e4m3()
 
 
 @device
