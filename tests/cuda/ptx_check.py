@@ -212,7 +212,7 @@ def exercise_quant(rng) -> None:
     from moebus.cuda.kernels import moe_quant, moe_quant_bf16
 
     for fmt, hardware in (("fp8", False), ("fp8", True), ("int4", False)):
-        moe_quant.hardware_e4m3 = lambda hardware=hardware: hardware  # the e4m3 conversion by instruction or not
+        moe_quant.hardware_e4m3 = lambda chunk, hardware=hardware: hardware  # e4m3 by instruction or not
         for hidden in (64, 2048):  # 2048: whole rounds of words (A3B's rows), no clamped loads
             layout = ExpertLayout(fmt, hidden, 32)
             arena = np.zeros((4, layout.blob_bytes), np.uint8)

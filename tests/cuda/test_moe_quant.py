@@ -171,3 +171,13 @@ def test_int4_words_decode_as_scale_times_code_plus_minimum(rng):
     _decode_kernel(decoder("int4"), 16)[1, 8](device(words), device(scales), device(minima), out)
     expected = nibbles.astype(np.float32) * scales[:, None] + minima[:, None]
     np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-6, atol=1e-6 * np.abs(minima).max())
+
+
+def test_fp8_runs_of_several_tokens_take_the_conversion_instruction_where_the_gpu_has_it(monkeypatch):
+    from moebus.cuda.kernels import quant_words
+
+    # one token: bit moves (measured faster there); runs of 3+: the instruction (fewer instructions)
+    monkeypatch.setattr(quant_words, "can_convert_e4m3", lambda: True)
+    assert [quant_words.hardware_e4m3(chunk) for chunk in (1, 2, 3, 8)] == [False, False, True, True]
+    monkeypatch.setattr(quant_words, "can_convert_e4m3", lambda: False)
+    assert not quant_words.hardware_e4m3(8)

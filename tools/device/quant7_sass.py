@@ -53,7 +53,7 @@ def exercise(tokens_list, dtypes, hardware=False):
     from moebus.common.quant_layout import ExpertLayout
     from moebus.cuda.kernels import moe_ffn, moe_quant
 
-    moe_quant.hardware_e4m3 = lambda: hardware  # no GPU to ask here
+    moe_quant.hardware_e4m3 = lambda chunk: hardware  # no GPU to ask here
 
     rng = np.random.default_rng(0)
     hidden, inter = 2048, 768

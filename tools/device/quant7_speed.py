@@ -95,13 +95,13 @@ def kernels() -> list[dict]:
 
     cases = list(_kernel_cases(np.random.default_rng(0)))
     for dtype, decode, tokens, case, mb, run, stream in cases:  # compile while the tests run
-        moe_quant.hardware_e4m3 = lambda decode=decode: decode == "hw" and can_convert_e4m3()
+        moe_quant.hardware_e4m3 = lambda chunk, decode=decode: decode == "hw" and can_convert_e4m3()
         run()
         stream.synchronize()
     _wait_for_tests()
     rows = []
     for dtype, decode, tokens, case, mb, run, stream in cases:
-        moe_quant.hardware_e4m3 = lambda decode=decode: decode == "hw" and can_convert_e4m3()
+        moe_quant.hardware_e4m3 = lambda chunk, decode=decode: decode == "hw" and can_convert_e4m3()
         us = time_launches(run, 30, 3, stream)[0]
         rows.append(emit({"section": "kernels", "experts_dtype": dtype, "decode": decode, "tokens": tokens,
                           "case": case, "us": us, "mb": mb, "gb_s": mb / us * 1e3 if us else None}))

@@ -246,7 +246,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     offsets = layout.kernel_words()  # 4-byte units: codes in 8-byte words below, scales in floats
     gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
     blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
-    hardware = hardware_e4m3() and layout.dtype == "fp8"
+    hardware = layout.dtype == "fp8" and hardware_e4m3(chunk)
     gate_up = _rows_kernel(layout.dtype, chunk, 2, GATE_UP_ROWS, hardware, *_round(hidden // per_word, chunk, per_word))
     down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
     down = _rows_kernel(layout.dtype, chunk, 1, down_rows, hardware, *_round(inter // per_word, chunk, per_word))

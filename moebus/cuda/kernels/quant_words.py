@@ -9,8 +9,8 @@ and a multiply a code; int4: one byte permute, prmt.b32, a code), and GPUs of co
 8.9+ (Ada, Hopper) can convert two e4m3 codes to an f16 pair in one instruction
 (``cvt.rn.f16x2.e4m3x2``) and each f16 to float32 in another; every e4m3 value is an f16, so both
 fp8 paths give the same bits. Measured on an H200 (docs/performance.md), fewer instructions did not
-make one-token calls much faster (they are bound by latency and launches there), so the
-instruction path is off by default (``PREFER_HARDWARE_E4M3``).
+make one-token calls faster (they are bound by latency and launches there), so the instruction
+path serves runs of several tokens only (``HARDWARE_E4M3_MIN_RUN``).
 
 - fp8: the e4m3 values, factor the block's scale.
 - int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact, less
@@ -30,10 +30,12 @@ NIBBLE, NIBBLES, MAGIC23 = np.uint32(0xF), np.uint32(0x0F0F0F0F), np.uint32(0x4B
 HARDWARE_E4M3_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2: PTX ISA 7.8, sm_89 and later
 
 
-# e4m3 by the conversion instruction or by bit moves: the same bits, and at one token on an H200 the
-# instruction measured 6% slower (29.6 vs 27.9 us the expert FFN, 2026-12-02, docs/performance.md:
-# these kernels are not bound by their instructions there), so bit moves by default.
-PREFER_HARDWARE_E4M3 = False
+# e4m3 by the conversion instruction or by bit moves: the same bits. On an H200 (2026-12-02,
+# docs/performance.md) the instruction measured 6% slower at one token (29.6 vs 27.9 us the expert
+# FFN: those calls are not bound by their instructions), while runs of many tokens are, and there it
+# issues 5-7% fewer (tools/device/quant7_sass.py; the 8-token figures were measured with it). So:
+# the instruction for runs of this many tokens or more, bit moves below.
+HARDWARE_E4M3_MIN_RUN = 3
 
 
 @functools.cache
@@ -42,9 +44,10 @@ def can_convert_e4m3() -> bool:
     return not SIMULATOR and tuple(cuda.get_current_device().compute_capability) >= HARDWARE_E4M3_CC
 
 
-def hardware_e4m3() -> bool:
-    """Whether the fp8 GEMVs decode e4m3 by the conversion instruction (``decoder``'s hardware)."""
-    return PREFER_HARDWARE_E4M3 and can_convert_e4m3()
+def hardware_e4m3(chunk: int) -> bool:
+    """Whether the fp8 GEMVs with runs of up to ``chunk`` tokens decode e4m3 by the conversion
+    instruction (``decoder``'s hardware)."""
+    return chunk >= HARDWARE_E4M3_MIN_RUN and can_convert_e4m3()
 
 
 @device
