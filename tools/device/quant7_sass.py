@@ -89,14 +89,14 @@ def main(argv=None) -> int:
         dispatcher_class.__getitem__ = lambda kernel, config, c=compiler: (lambda *a: c.launch(kernel, config, a))
         list(exercise([tokens], [dtype], hardware))
         dtype += "/hw" if hardware else ""
-        for (name, _, _), (ptx, error) in compiler.results.items():
+        for n, ((name, _, _), (ptx, error)) in enumerate(compiler.results.items()):
             if error:
                 print(f"{dtype} T={tokens} {name}: {error[:200]}")
                 continue
             ops, info = sass(ptx, ptxas, args.nvdisasm)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                with open(os.path.join(args.dump, f"{dtype.replace('/', '_')}_{tokens}_{name[-10:]}.ptx"), "w") as f:
+                with open(os.path.join(args.dump, f"{dtype.replace('/', '_')}_{tokens}_{n}_{name[-10:]}.ptx"), "w") as f:
                     f.write(ptx)
             by_class = collections.Counter(opcode_class(op) for op in ops)
             top = collections.Counter(op.split(".")[0] for op in ops).most_common(8)

@@ -15,7 +15,7 @@ scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to eve
 where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
 halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
 ~1.1x (docs/performance.md). At one token what is left is latency and the two launches; with runs of
-8 tokens on one expert the kernels are bound by the instructions they issue.
+8 tokens on one expert the bound is not established yet (not the instruction count).
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
 from __future__ import annotations

@@ -32,9 +32,9 @@ HARDWARE_E4M3_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2: PTX ISA 7.8, sm_89 and later
 
 # e4m3 by the conversion instruction or by bit moves: the same bits. On an H200 (2026-12-02,
 # docs/performance.md) the instruction measured 6% slower at one token (29.6 vs 27.9 us the expert
-# FFN: those calls are not bound by their instructions), while runs of many tokens are, and there it
-# issues 5-7% fewer (tools/device/quant7_sass.py; the 8-token figures were measured with it). So:
-# the instruction for runs of this many tokens or more, bit moves below.
+# FFN), while for runs of many tokens it issues 5-7% fewer instructions (tools/device/quant7_sass.py)
+# and the 8-token figures were measured with it. So: the instruction for runs of this many tokens or
+# more, bit moves below.
 HARDWARE_E4M3_MIN_RUN = 3
 
 
