@@ -214,15 +214,20 @@ def exercise_quant(rng) -> None:
     from moebus.common.quant_layout import ExpertLayout
     from moebus.cuda.kernels import moe_quant, moe_quant_bf16
 
-    for fmt in ("fp8", "int4"):
+    for fmt, hardware in (("fp8", False), ("fp8", True), ("int4", False)):
+        moe_quant.hardware_e4m3 = lambda chunk, hardware=hardware: hardware  # e4m3 by instruction or not
+        for hidden in (64, 2048):  # 2048: whole rounds of words (A3B's rows), no clamped loads
+            layout = ExpertLayout(fmt, hidden, 32)
+            arena = np.zeros((4, layout.blob_bytes), np.uint8)
+            for tokens in (1, 2, 8):
+                pairs = np.arange(tokens * 2, dtype=np.int32)
+                moe_quant.expert_ffn_quant_cuda(rng.standard_normal((tokens, hidden), dtype=np.float32), pairs // 2,
+                                                pairs % 4, pairs, arena, layout,
+                                                np.empty((tokens * 2, hidden), np.float32),
+                                                np.empty((tokens * 2, 32), np.float32))
         layout = ExpertLayout(fmt, 64, 32)
-        arena = np.zeros((4, layout.blob_bytes), np.uint8)
-        for tokens in (1, 2, 8):
-            pairs = np.arange(tokens * 2, dtype=np.int32)
-            moe_quant.expert_ffn_quant_cuda(rng.standard_normal((tokens, 64), dtype=np.float32), pairs // 2,
-                                            pairs % 4, pairs, arena, layout, np.empty((tokens * 2, 64), np.float32),
-                                            np.empty((tokens * 2, 32), np.float32))
-        moe_quant_bf16.expert_weights_bf16_cuda(layout, arena, np.zeros(2, np.int32), np.empty((2, 3 * 64 * 32), np.uint16))
+        moe_quant_bf16.expert_weights_bf16_cuda(layout, np.zeros((4, layout.blob_bytes), np.uint8), np.zeros(2, np.int32),
+                                                np.empty((2, 3 * 64 * 32), np.uint16))
 
 
 def exercise_tensor_cores(rng) -> None:

@@ -143,28 +143,41 @@ def _decode_kernel(decode, per_word):
     return decode_words
 
 
-def test_fp8_words_decode_every_e4m3_code_exactly():
+@pytest.mark.parametrize("hardware", [False, True])
+def test_fp8_words_decode_every_e4m3_code_exactly(hardware):
     from moebus.common.quant import E4M3_VALUES
-    from moebus.cuda.kernels import moe_quant
+    from moebus.cuda.kernels.quant_words import can_convert_e4m3, decoder
 
+    if hardware and not can_convert_e4m3():
+        pytest.skip("cvt.rn.f16x2.e4m3x2 needs a GPU of compute capability 8.9 or later")
     codes = np.arange(256, dtype=np.uint8)  # 32 words of 8 codes, subnormals and both signs included
     scales = np.full(32, 0.5, np.float32)
     out = poisoned((32, 8))
-    _decode_kernel(moe_quant._decoder("fp8"), 8)[1, 32](device(codes.view(np.uint64)), device(scales),
-                                                     device(np.zeros(32, np.float32)), out)
+    _decode_kernel(decoder("fp8", hardware), 8)[1, 32](device(codes.view(np.uint64)), device(scales),
+                                                      device(np.zeros(32, np.float32)), out)
     got, expected = out.copy_to_host().reshape(-1), E4M3_VALUES * np.float32(0.5)
     real = ~np.isnan(expected)  # 0x7F / 0xFF: NaN, never written (the encoder saturates at 448)
     np.testing.assert_array_equal(got[real], expected[real])
 
 
 def test_int4_words_decode_as_scale_times_code_plus_minimum(rng):
-    from moebus.cuda.kernels import moe_quant
+    from moebus.cuda.kernels.quant_words import decoder
 
     nibbles = rng.integers(0, 16, (8, 16)).astype(np.uint64)
     words = (nibbles << (4 * np.arange(16, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
     scales = rng.uniform(0.01, 0.2, 8).astype(np.float32)
     minima = rng.uniform(-2, 1, 8).astype(np.float32)
     out = poisoned((8, 16))
-    _decode_kernel(moe_quant._decoder("int4"), 16)[1, 8](device(words), device(scales), device(minima), out)
+    _decode_kernel(decoder("int4"), 16)[1, 8](device(words), device(scales), device(minima), out)
     expected = nibbles.astype(np.float32) * scales[:, None] + minima[:, None]
     np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-6, atol=1e-6 * np.abs(minima).max())
+
+
+def test_fp8_runs_of_several_tokens_take_the_conversion_instruction_where_the_gpu_has_it(monkeypatch):
+    from moebus.cuda.kernels import quant_words
+
+    # one token: bit moves (measured faster there); runs of 3+: the instruction (fewer instructions)
+    monkeypatch.setattr(quant_words, "can_convert_e4m3", lambda: True)
+    assert [quant_words.hardware_e4m3(chunk) for chunk in (1, 2, 3, 8)] == [False, False, True, True]
+    monkeypatch.setattr(quant_words, "can_convert_e4m3", lambda: False)
+    assert not quant_words.hardware_e4m3(8)

@@ -7,12 +7,15 @@ negative placement entry read from the mapped host store), so a decode step move
 One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
 warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS_*`` rows a warp). A lane reads
 8-byte words of the blob (8 fp8 or 16 4-bit codes, never straddling a block or group: rows are
-multiples of 16 values, blocks and groups 128), all of a round's words and their
-scales in flight before the first use (as linear.py), then per word: the codes to float32 with
-integer bit tricks (fp8: e4m3's bits placed in a float32, exact; int4: the nibble as the low
-mantissa bits of 2^23, exact) in registers once for every token of the run, x read as 8-byte words
-(loads.chunk_f32), and the scale applied once per word and token: fp8 s * sum x_c q_c; int4
-s * sum x_c (q_c + m / s) with (s, m) its group's scale and minimum.
+multiples of 16 values, blocks and groups 128), all of a round's words and their scales in flight
+before the first use (as linear.py), then per word: the codes to float32 in registers
+(quant_words.py) once for every token of the run, x read as 8-byte words, and the scale applied once
+per word and token: fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s, m) its group's
+scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to every signed index) and,
+where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
+halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
+~1.1x (docs/performance.md). At one token what is left is latency and the two launches; with runs of
+8 tokens on one expert the bound is not established yet (not the instruction count).
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
 from __future__ import annotations
@@ -24,13 +27,14 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, blocks, cuda, device, float32, int32, kernel,
-                                       threads, uint64, warp_sum_many)
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, float32, kernel, threads, uint32, uint64,
+                                       warp_sum_many)
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
-from moebus.cuda.kernels.loads import can_read_wide, chunk_f32
+from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
+from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
 # 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
@@ -44,11 +48,7 @@ DOWN_ROWS_LONG = 2
 GATE_UP_ROWS = 1
 MAX_UNROLL = 8  # 8-byte words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
 LONG_RUN_VALUES = 16  # ... and values a lane loads a round with longer runs (unroll_for)
-E4M3_RESCALE = float32(2.0**120)  # float32 exponent bias 127 - e4m3 bias 7
-TWO23 = float32(2.0**23)
-LO32, SHIFT_HI = np.uint64(0xFFFFFFFF), np.uint64(32)
-SIGN32, MAG32, SHIFT_TOP, SHIFT_MANT = np.uint64(0x80000000), np.uint64(0x07F00000), np.uint64(24), np.uint64(4)
-NIBBLE, MAGIC23 = np.uint64(0xF), np.uint64(0x4B000000)  # MAGIC23: the bits of float32 2^23
+ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
 # -- numpy reference ----------------------------------------------------------------------------------
@@ -67,89 +67,57 @@ def expert_ffn_quant_ref(x, pair_token, pair_slot, pair_out, arena, layout: Expe
     return out
 
 
-# -- device: codes to float32 ------------------------------------------------------------------------
-
 @device
-def e4m3_at(w, shift):
-    """The e4m3 code at bits shift .. shift + 7 (shift <= 24) of a 32-bit word, exact (subnormals
-    included): its bits moved to the top byte, the sign kept there and exponent | mantissa placed at
-    a float32's bits 26..20 (the float32 is then the value times 2^-120), rescaled."""
-    top = w << (SHIFT_TOP - shift)
-    return bits_as_f32((top & SIGN32) | ((top >> SHIFT_MANT) & MAG32)) * E4M3_RESCALE
+def _scale_index_fp8(scale_at, row, col, cols):
+    """The float index of the fp8 block scale holding (row, col); scale_at counts 4-byte floats."""
+    return uint64(scale_at + (row // BLOCK) * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK)
 
 
 @device
-def _e4m3(code):
-    return e4m3_at(code, np.uint64(0))
-
-
-if SIMULATOR:
-    def _quotient(a, b):
-        return a / b
-else:
-    @device
-    def _quotient(a, b):
-        """a / b within 2 ulp, without IEEE division's slow path (a branch, which keeps the round's
-        loop from being unrolled and its words in registers)."""
-        return cuda.libdevice.fast_fdividef(a, b)
-
-
-@functools.cache
-def _decoder(fmt: str):
-    """decode(u, scale, minimum, buf): the codes of an 8-byte word into buf (chunks of 4 floats),
-    a 32-bit half at a time; returns the factor of their sum. fp8: the e4m3 values, factor the block's
-    scale. int4: q + m / s (the nibble as the low mantissa bits of 2^23: float32 2^23 + q, exact,
-    less 2^23), factor s."""
-    if fmt == "fp8":
-        @device
-        def decode_fp8(u, scale, minimum, buf):
-            for h in range(2):
-                half = (u >> np.uint64(32 * h)) & LO32
-                for c in range(4):
-                    buf[h, c] = e4m3_at(half, np.uint64(8 * c))
-            return scale
-
-        return decode_fp8
-
-    @device
-    def decode_int4(u, scale, minimum, buf):
-        offset = _quotient(minimum, scale)  # int4_quantize's scales are never 0
-        for h in range(2):
-            half = (u >> np.uint64(32 * h)) & LO32
-            for c in range(8):
-                buf[2 * h + c // 4, c % 4] = (bits_as_f32(((half >> np.uint64(4 * c)) & NIBBLE) | MAGIC23) - TWO23
-                                              + offset)
-        return scale
-
-    return decode_int4
+def _scale_index_int4(scale_at, row, col, cols):
+    """The float index of the 4-bit group (row, col)'s scale; its minimum is the next float."""
+    return uint64(scale_at + 2 * (row * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK))
 
 
 @device
-def _params_fp8(floats, slot, scale_at, row, col, cols):
-    """(scale, minimum) of the fp8 block holding (row, col); scale_at counts 4-byte floats."""
-    per_row = (cols + BLOCK - 1) // BLOCK
-    return floats[slot, scale_at + (row // BLOCK) * per_row + col // BLOCK], float32(0.0)
+def _params_fp8(floats, slot, at):
+    return floats[slot, at], float32(0.0)
 
 
 @device
-def _params_int4(floats, slot, scale_at, row, col, cols):
-    """(scale, minimum) of the 4-bit group holding (row, col): two floats side by side."""
-    at = scale_at + 2 * (row * ((cols + BLOCK - 1) // BLOCK) + col // BLOCK)
-    return floats[slot, at], floats[slot, at + 1]
+def _params_int4(floats, slot, at):
+    return floats[slot, at], floats[slot, at + ONE]
 
 
-PARAMS = {"fp8": _params_fp8, "int4": _params_int4}
+@device
+def _x_chunk(x, row, at, buf):
+    """4 float32 of x from its uint64 view: words at and at + 1, one 16-byte load (unsigned indices:
+    numba then adds no wraparound arithmetic for negative ones)."""
+    lo, hi = load_pair(x, row, at)
+    buf[0] = bits_as_f32(lo)
+    buf[1] = bits_as_f32(lo >> SHIFT_HI)
+    buf[2] = bits_as_f32(hi)
+    buf[3] = bits_as_f32(hi >> SHIFT_HI)
+
+
+PARAMS = {"fp8": (_scale_index_fp8, _params_fp8), "int4": (_scale_index_int4, _params_int4)}
+# floats between the scale entries of two words WARP apart in a row (WARP words span whole blocks)
+SCALE_STEP = {"fp8": WARP * 8 // BLOCK, "int4": 2 * WARP * 16 // BLOCK}
 
 
 # -- device: the GEMV ------------------------------------------------------------------------------
 
 @functools.cache
-def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
+def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unroll: int, exact: bool):
     """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
-    takes ``rows`` consecutive rows, out[pair_out] = the sums)."""
-    decode, read_params = _decoder(fmt), PARAMS[fmt]
+    takes ``rows`` consecutive rows, out[pair_out] = the sums). ``hardware``: quant_words.decoder's.
+    ``exact``: a row is whole rounds of WARP x unroll words, so a round's loads sit at constant offsets
+    from one address (no clamp, no test a word)."""
+    decode = decoder(fmt, hardware)
+    scale_index, read_params = PARAMS[fmt]
     per_word = VALUES_PER_WORD[fmt]
-    chunks = per_word // 4  # float32 chunks of x (loads.chunk_f32) per weight word
+    chunks = per_word // 4  # 4-float chunks of x per weight word, 2 x words each
+    step = SCALE_STEP[fmt]
 
     @kernel
     def quant_rows(x, pair_table, pair_slot, arena, arena_f, store, store_f, cols, num_rows, code0, code1,
@@ -165,7 +133,7 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
         lane, first, stride = warp_rows()
         row_words = cols // per_word
         num_groups = (num_rows + rows - 1) // rows
-        x_rows = cuda.local.array(chunk, int32)
+        x_rows = cuda.local.array(chunk, uint32)
         for t in range(chunk):  # past the run: its last pair's row (those sums are skipped, never stored)
             x_rows[t] = pair_table[j + min(t, run - 1)] if mats == 2 else j + min(t, run - 1)
         acc = cuda.local.array((mats, rows, chunk), float32)
@@ -186,21 +154,29 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
                     code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
                     for r in range(rows):
                         row = min(group * rows + r, num_rows - 1)
+                        at = uint64(code_at + row * row_words + base)
+                        first_scale = scale_index(scale_at, row, base * per_word, cols)
                         for k in range(unroll):
-                            word = min(base + k * WARP, row_words - 1)
-                            raw[m, r, k] = words[slot, code_at + row * row_words + word]
-                            scales[m, r, k], minima[m, r, k] = read_params(floats, slot, scale_at, row,
-                                                                           word * per_word, cols)
+                            if exact:
+                                raw[m, r, k] = words[slot, at + uint64(k * WARP)]
+                                scales[m, r, k], minima[m, r, k] = read_params(floats, slot,
+                                                                               first_scale + uint64(k * step))
+                            else:
+                                word = min(base + k * WARP, row_words - 1)
+                                raw[m, r, k] = words[slot, at + uint64(word - base)]
+                                scales[m, r, k], minima[m, r, k] = read_params(
+                                    floats, slot, scale_index(scale_at, row, word * per_word, cols))
+                x_at = uint64(base * 2 * chunks)
                 for k in range(unroll):
                     word = base + k * WARP
-                    if word < row_words:
+                    if exact or word < row_words:
                         for m in range(mats):  # each word decoded once for the run's tokens
                             for r in range(rows):
                                 factor[m, r] = decode(raw[m, r, k], scales[m, r, k], minima[m, r, k], w_buf[m, r])
                         for t in range(chunk):
                             if t < run:  # the same for the whole block: no divergence
                                 for i in range(chunks):
-                                    chunk_f32(x, x_rows[t], word * chunks + i, x_buf[i])
+                                    _x_chunk(x, x_rows[t], x_at + uint64(2 * (k * WARP * chunks + i)), x_buf[i])
                                 for m in range(mats):
                                     for r in range(rows):
                                         dot = float32(0.0)
@@ -228,16 +204,26 @@ def _rows_kernel(fmt: str, chunk: int, unroll: int, mats: int, rows: int):
 def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
     """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
     lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
-    values' worth (registers hold the run's sums, and each word then serves several tokens)."""
+    values' worth (registers hold the run's sums, and each word then serves several tokens), or one
+    more where that makes rows whole rounds (fp8 down rows of 768: 3 a lane, not 2; see _round)."""
     most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
-    return max(1, min(ceil_div(row_words, WARP), most))
+    unroll = max(1, min(ceil_div(row_words, WARP), most))
+    if row_words % (WARP * unroll) and row_words % (WARP * (unroll + 1)) == 0:
+        return unroll + 1
+    return unroll
+
+
+def _round(row_words: int, chunk: int, per_word: int) -> tuple[int, bool]:
+    """(words a lane loads a round, whether rows are whole rounds): the kernel's unroll and exact."""
+    unroll = unroll_for(row_words, chunk, per_word)
+    return unroll, row_words % (WARP * unroll) == 0
 
 
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
                           store=None):
     """expert_ffn_quant_ref on device arrays. ``arena`` and ``store``: (slots, B) uint8 blobs of
     ``layout``; ``scratch``: (J, I) float32 for the activations between the two kernels; x and
-    scratch 8-byte aligned (x is read 16 bytes a lane)."""
+    scratch 16-byte aligned (their rows are read 16 bytes a lane)."""
     hidden, inter = layout.hidden, layout.inter
     num_pairs = pair_slot.shape[0]
     require("x", x, np.float32, shape=(None, hidden))
@@ -250,9 +236,9 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     require("scratch", scratch, np.float32, shape=(None, inter))
     if num_pairs > scratch.shape[0]:
         raise ValueError(f"{num_pairs} pairs: more than the {scratch.shape[0]} scratch rows")
-    for name, array in (("x", x), ("scratch", scratch)):
-        if not can_read_wide(array):
-            raise ValueError(f"{name}: the quantized expert GEMVs need a C-ordered, 8-byte aligned array")
+    for name, array in (("x", x), ("scratch", scratch)):  # rows of x and h are read 16 bytes a lane
+        if not (can_read_wide(array) and data_ptr(array) % 16 == 0):
+            raise ValueError(f"{name}: the quantized expert GEMVs need a C-ordered, 16-byte aligned array")
     if num_pairs == 0:
         return out
     chunk = min(MAX_CHUNK, x.shape[0])  # one token's pairs have distinct experts: runs <= tokens
@@ -260,9 +246,10 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     offsets = layout.kernel_words()  # 4-byte units: codes in 8-byte words below, scales in floats
     gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
     blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
-    gate_up = _rows_kernel(layout.dtype, chunk, unroll_for(hidden // per_word, chunk, per_word), 2, GATE_UP_ROWS)
+    hardware = layout.dtype == "fp8" and hardware_e4m3(chunk)
+    gate_up = _rows_kernel(layout.dtype, chunk, 2, GATE_UP_ROWS, hardware, *_round(hidden // per_word, chunk, per_word))
     down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
-    down = _rows_kernel(layout.dtype, chunk, unroll_for(inter // per_word, chunk, per_word), 1, down_rows)
+    down = _rows_kernel(layout.dtype, chunk, 1, down_rows, hardware, *_round(inter // per_word, chunk, per_word))
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)

@@ -15,7 +15,7 @@ from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.compat import SIMULATOR, blocks, cuda, device, float32, kernel, threads, uint32, uint64
 from moebus.cuda.kernels.launch import ceil_div, require
-from moebus.cuda.kernels.moe_quant import _e4m3
+from moebus.cuda.kernels.quant_words import e4m3_at
 from numba import uint16  # noqa: E402 (compat configured numba above)
 
 
@@ -67,7 +67,7 @@ def _to_bf16_kernel(fmt: str):
             code_at = gate_at if m == 0 else (up_at if m == 1 else down_at)
             scale_at = (gate_scale if m == 0 else (up_scale if m == 1 else down_scale)) // 4
             if is_fp8:
-                value = _e4m3(uint64(codes[slot, code_at + r * cols + c])) * \
+                value = e4m3_at(uint32(codes[slot, code_at + r * cols + c]), 0) * \
                     floats[slot, scale_at + (r // BLOCK) * ((cols + BLOCK - 1) // BLOCK) + c // BLOCK]
             else:
                 nibble = (codes[slot, code_at + (r * cols + c) // 2] >> (4 * (c % 2))) & 15
