@@ -40,10 +40,7 @@ class SyncCopier:
     def __init__(self, arena):
         self.arena = arena
 
-    def record_compute(self):
-        return None
-
-    def copy(self, slot: int, blob, after=None) -> bool:
+    def copy(self, slot: int, blob) -> bool:
         self.arena.write(slot, blob)
         return True
 
@@ -90,9 +87,6 @@ class ExpertCache:
         assert self.num_reserved == 0 or min_slots > self.num_reserved, "shrinks and loans must keep the banks"
         self.free: list[int] = list(range(self.num_reserved, arena.num_slots))[::-1]
         self.pinned: set[int] = set()
-        # the prefill's groups, for copies that need not wait for the layer before (_copy_fence):
-        self._group_layer: int | None = None  # the layer of the group acquired and not yet released
-        self._released: list[tuple[int, object, frozenset]] = []  # the last two: (layer, event, slots)
         self.loaned_from: int | None = None  # slots from here on are lent out as step scratch
         self.hits = self.misses = self.h2d_bytes = 0
         self.key_hits = np.zeros(num_keys, np.int64)  # hits of resident keys since their admission (the dashboard's map)
@@ -144,7 +138,6 @@ class ExpertCache:
         keys = [self.store.key(layer, e) for e in expert_ids]
         if len(keys) > self.num_slots:
             raise CacheTooSmall(f"{len(keys)} experts in one group, {self.num_slots} slots")
-        after, protected = self._copy_fence(layer)
         self.pinned = set()
         slots = np.empty(len(keys), dtype=np.int32)
         ready = np.ones(len(keys), dtype=bool)
@@ -157,9 +150,7 @@ class ExpertCache:
                 self.hits += 1
                 self.key_hits[key] += 1
         missed = [i for i, key in enumerate(keys) if key not in self.key_slot]
-        victims = self._victims(len(missed) - len(self.free), protected)
-        if len(victims) < len(missed) - len(self.free):  # the layer before holds too much: wait for it
-            after, victims = None, self._victims(len(missed) - len(self.free))
+        victims = self._victims(len(missed) - len(self.free))
         for i in missed:
             key = keys[i]
             if self.free or not victims:
@@ -168,7 +159,7 @@ class ExpertCache:
                 slot = self.key_slot[victims.pop()]
                 self._evict(slot)
             self._assign(slot, key)
-            ready[i] = self.copier.copy(slot, self.store.blob(key), after)
+            ready[i] = self.copier.copy(slot, self.store.blob(key))
             slots[i] = slot
             self.pinned.add(slot)
             self.misses += 1
@@ -178,38 +169,19 @@ class ExpertCache:
     def wait(self) -> None:
         self.copier.wait()
 
-    def _copy_fence(self, layer: int) -> tuple[object, frozenset]:
-        """(after, protected) for the copies of ``layer``'s group. Where the last two groups released
-        were layers ``layer - 2`` and ``layer - 1`` of this forward pass (one group a layer, nothing
-        else reading slots in between: a pass starts at the stage's first layer, so a decode step or
-        another pass breaks the run), a copy need only wait for the compute stream as it was when
-        group ``layer - 2`` was released, provided it spares group ``layer - 1``'s slots: their
-        kernels may still run. Else (None, empty): the copy stream waits for everything so far."""
-        chained = self._group_layer is None and [r[0] for r in self._released] == [layer - 2, layer - 1]
-        self._released = self._released if self._group_layer is None else []  # two groups in one layer
-        self._group_layer = layer
-        return (self._released[0][1], self._released[1][2]) if chained else (None, frozenset())
-
     def release(self) -> None:
-        if self._group_layer is None:  # a step without a group (decode): slots read outside groups
-            self._released = []
-        else:
-            event = self.copier.record_compute()
-            self._released = (self._released + [(self._group_layer, event, frozenset(self.pinned))])[-2:]
-            self._group_layer = None
         self.pinned = set()
         for slot in range(self.num_reserved):  # the prefetch's banks back from a prefill group
             if self.slot_key[slot] != EMPTY:
                 self._evict(slot)
 
-    def _victims(self, count: int, protected=frozenset()) -> list[int]:
+    def _victims(self, count: int) -> list[int]:
         """The ``count`` resident keys _take_slot would evict one after another (scores do not move
-        while a group's misses take slots), last to evict first: one sort instead of a scan each.
-        Slots in ``protected`` are spared as the pinned ones are (fewer than ``count`` may come back)."""
+        while a group's misses take slots), last to evict first: one sort instead of a scan each."""
         if count <= 0:
             return []
-        weakest = self.policy.weakest_first(count + len(self.pinned) + len(protected))
-        return [k for k in weakest if self.key_slot[k] not in self.pinned and self.key_slot[k] not in protected][:count][::-1]
+        weakest = self.policy.weakest_first(count + len(self.pinned))
+        return [k for k in weakest if self.key_slot[k] not in self.pinned][:count][::-1]
 
     def _take_slot(self) -> int:
         if self.free:

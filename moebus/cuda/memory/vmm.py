@@ -178,10 +178,7 @@ def make_device_arena(slot_bytes: int, dtype, segments: list[int], elastic: bool
 class StreamCopier:
     """Host -> slot copies on their own stream. Before the first copy after a wait(), the copy stream
     waits for the compute stream's work so far, so a slot is never overwritten while a kernel that
-    was enqueued earlier still reads it; wait() makes the compute stream wait for the copies. A copy
-    given ``after`` (an event from ``record_compute``) waits for that point of the compute stream
-    instead: the caller vouches that no kernel enqueued since reads the slot (the expert cache's
-    consecutive layers of one prefill step), so the copies of layer L+1 run beside layer L's work."""
+    was enqueued earlier still reads it; wait() makes the compute stream wait for the copies."""
 
     def __init__(self, arena: Arena, backend):
         self.arena = arena
@@ -190,20 +187,9 @@ class StreamCopier:
         self._fenced = False
         self._done = None  # recorded after the last batch of copies (mark)
         self._driver_moves = True  # move(): one cuMemcpyDtoDAsync (False after the bindings refused one)
-        self._after = None  # the last ``after`` event the copy stream was made to wait for
 
-    def record_compute(self):
-        """An event at the compute stream's current end (for a later copy's ``after``)."""
-        event = cuda.event()
-        event.record(self.compute_stream)
-        return event
-
-    def copy(self, slot: int, blob, after=None) -> bool:
-        if after is not None:
-            if after is not self._after:
-                after.wait(self.stream)
-                self._after = after
-        elif not self._fenced:
+    def copy(self, slot: int, blob) -> bool:
+        if not self._fenced:
             fence = cuda.event()
             fence.record(self.compute_stream)
             fence.wait(self.stream)
