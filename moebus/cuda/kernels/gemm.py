@@ -28,7 +28,9 @@ from moebus.cuda.kernels.loads import load_bf16
 
 log = logging.getLogger("moebus.cuda")
 ROW_THREADS = 128  # the conversion kernels: a block per row
-MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "65"))  # decode steps (<= 64 tokens) keep their GEMVs
+# steps of >= 33 tokens (decode of 33+ sequences too) on tensor cores: decode of 64 sequences at 48 x 32 took
+# 23.2 ms a step with 65 here and 13.3 with 33 (H200, tools/device/merged7.sh); smaller steps keep their GEMVs
+MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "33"))
 PRECISION = os.environ.get("MOEBUS_GEMM_PRECISION", "split")
 PARTS = {"split": 2, "bf16": 1}
 R_32F, R_16BF = 0, 14  # cudaDataType_t
