@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import WARP, cuda, float32, warp_sum, kernel
+from moebus.cuda.kernels.compat import WARP, cuda, device, float32, warp_sum, kernel
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
@@ -27,6 +27,21 @@ def layernorm_ref(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: floa
 
 # -- cuda -----------------------------------------------------------------------------------------
 
+@device
+def row_mean_inv_std(x, row, dim, lane, eps):
+    """(mean, 1 / sqrt(var + eps)) of x[row, :dim] over one warp's lanes, in two passes (mean, then
+    the centered variance: no cancellation); every lane gets both."""
+    total = float32(0.0)
+    for d in range(lane, dim, WARP):
+        total += x[row, d]
+    mean = warp_sum(total) / float32(dim)
+    square_sum = float32(0.0)
+    for d in range(lane, dim, WARP):
+        centered = x[row, d] - mean
+        square_sum += centered * centered
+    return mean, float32(1.0) / math.sqrt(warp_sum(square_sum) / float32(dim) + eps)
+
+
 @functools.cache
 def _layernorm_kernel(storage: str):
     load = SCALAR[storage]
@@ -42,15 +57,7 @@ def _layernorm_kernel(storage: str):
         num_rows, dim = x.shape
         for start in range(0, num_rows, stride):
             row = min(start + first, num_rows - 1)
-            total = float32(0.0)
-            for d in range(lane, dim, WARP):
-                total += x[row, d]
-            mean = warp_sum(total) / float32(dim)
-            square_sum = float32(0.0)
-            for d in range(lane, dim, WARP):
-                centered = x[row, d] - mean
-                square_sum += centered * centered
-            inv_std = float32(1.0) / math.sqrt(warp_sum(square_sum) / float32(dim) + eps)
+            mean, inv_std = row_mean_inv_std(x, row, dim, lane, eps)
             if start + first < num_rows:
                 for d in range(lane, dim, WARP):
                     out[row, d] = (x[row, d] - mean) * inv_std * load(weight, 0, d) + load(bias, 0, d)

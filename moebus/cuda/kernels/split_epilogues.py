@@ -12,16 +12,15 @@ backend's: there every product reads float32, so they return the float32 results
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads,
-                                        uint16, warp_sum)
+                                        uint16)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
-from moebus.cuda.kernels.layernorm import MAX_WARPS, layernorm_ref
+from moebus.cuda.kernels.layernorm import MAX_WARPS, layernorm_ref, row_mean_inv_std
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
 
@@ -78,7 +77,7 @@ def _layernorm_split_kernel(storage: str):
 
     @kernel
     def layernorm_split_rows(x, weight, bias, eps, out):
-        # layernorm.py's kernel (a warp per row, two passes), its result stored as parts
+        # layernorm.py's kernel (a warp per row, its statistics), its result stored as parts
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -86,15 +85,7 @@ def _layernorm_split_kernel(storage: str):
         num_rows, dim = x.shape
         for start in range(0, num_rows, stride):
             row = min(start + first, num_rows - 1)
-            total = float32(0.0)
-            for d in range(lane, dim, WARP):
-                total += x[row, d]
-            mean = warp_sum(total) / float32(dim)
-            square_sum = float32(0.0)
-            for d in range(lane, dim, WARP):
-                centered = x[row, d] - mean
-                square_sum += centered * centered
-            inv_std = float32(1.0) / math.sqrt(warp_sum(square_sum) / float32(dim) + eps)
+            mean, inv_std = row_mean_inv_std(x, row, dim, lane, eps)
             if start + first < num_rows:
                 for d in range(lane, dim, WARP):
                     _store_split(out, row, d, (x[row, d] - mean) * inv_std * load(weight, 0, d) + load(bias, 0, d))
