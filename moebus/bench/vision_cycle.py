@@ -284,6 +284,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.text_streams and args.text_tokens is not None and args.text_tokens <= WARM_TOKENS + STEADY_TOKENS:
+        p.error(f"--text-tokens {args.text_tokens}: the text streams need more than {WARM_TOKENS + STEADY_TOKENS} "
+                f"tokens ({WARM_TOKENS} to warm, {STEADY_TOKENS} in the steady state before the image is sent) to "
+                "still be decoding through the cold start; leave it out to decode as far as the context allows")
 
     image = _image_png(args.image_px, seed=0)
     resident = None if args.skip_resident else _resident(args)

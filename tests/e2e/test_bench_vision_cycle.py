@@ -116,3 +116,14 @@ def test_the_broker_steps_of_the_steady_state():
     got = steady_steps(info(100, 1.0, 0.8), info(150, 1.2, 0.9), seconds=0.25)
     assert got == pytest.approx({"steps": 50, "interval_ms": 5.0, "step_ms": 4.0, "compute_ms": 2.0})
     assert steady_steps(info(1, 0, 0), info(1, 0, 0), 0.1)["step_ms"] is None
+
+
+def test_text_streams_too_short_to_outlast_the_steady_state_are_refused(capsys):
+    """--text-tokens at or below the warm-up + steady window would end the streams before the image
+    goes, so its gaps would measure nothing: a clear argparse error (exit 2), before any broker."""
+    from moebus.bench.vision_cycle import main
+    from moebus.bench.vision_gaps import STEADY_TOKENS, WARM_TOKENS
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--text-tokens", str(WARM_TOKENS + STEADY_TOKENS), "--device", "cpu"])
+    assert ended.value.code == 2 and "--text-tokens" in capsys.readouterr().err
