@@ -49,7 +49,7 @@ print(min(1.0, 0.25 * ratio))")
       --layers 2 --experts 16 --vision siglip >/dev/null
     for dtype in bf16 fp8; do  # the served workers read the dtype from the environment
       MOEBUS_EXPERTS__DTYPE=$dtype timeout 190 python3 -m moebus.cli bench vision-cycle --device cuda \
-        --model /tmp/a3b-vision --idle-s 3 --repeats 2 --text-streams 2 --text-tokens 16 --timeout-s 180 2>&1 \
+        --model /tmp/a3b-vision --idle-s 3 --repeats 2 --text-streams 2 --text-tokens 64 --timeout-s 180 2>&1 \
         | grep -v "^\s*$" | tail -25 | tee $OUT/vision_cycle_$dtype.txt
     done ;;
   esac

@@ -14,5 +14,5 @@ t0=$SECONDS
 python3 -m moebus.cli init-model $M --arch qwen3_vl_moe --preset a3b --layers 3 --experts 16 > /dev/null || exit 1
 echo "init-model: $((SECONDS - t0)) s"; du -sh $M
 timeout 300 python3 -m moebus.cli bench vision-cycle --device cuda --model $M --idle-s 3 --repeats 3 \
-  --image-px 1024 --text-streams 2 --text-tokens 16 --timeout-s 280 2>&1 | grep -v "^\s*$" | tail -40
+  --image-px 1024 --text-streams 2 --text-tokens 64 --timeout-s 280 2>&1 | grep -v "^\s*$" | tail -40
 echo "rc=$?"

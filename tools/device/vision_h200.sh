@@ -8,5 +8,5 @@ t0=$SECONDS
 python3 -m moebus.cli init-model $M --preset a3b --layers 2 --experts 16 --vision siglip > /dev/null || exit 1
 echo "init-model: $((SECONDS - t0)) s"; du -sh $M
 timeout 330 python3 -m moebus.cli bench vision-cycle --device cuda --model $M --idle-s 3 --repeats 3 \
-  --text-streams 2 --text-tokens 16 --timeout-s 300 2>&1 | grep -v "^\s*$" | tail -60
+  --text-streams 2 --text-tokens 64 --timeout-s 300 2>&1 | grep -v "^\s*$" | tail -60
 echo "rc=$?"
