@@ -1,5 +1,5 @@
-# Issue 15 item 1, seventh session (branch decode7), first call (~190 s on one H200): the GPU tests of
 # (As it ran: its settings name fused.WARM_L2 and routing.ROUTER_IN_FLIGHT, taken out after it; decode7_2.sh runs on this tree.)
+# Issue 15 item 1, seventh session (branch decode7), first call (~190 s on one H200): the GPU tests of
 # the kernels this branch changed (norm_route's in-flight router, the L2 warming, evict-first expert
 # loads), the per-kernel profile of a 4 x 32 model's replayed graph (batch 1 and 8), then
 # decode7_bench.py on 48 x 32 (batch 1, 8) over the settings of decode7_1.json: the tree before this
