@@ -32,7 +32,8 @@ import numpy as np
 
 from moebus.bench.vision_gaps import (STEADY_TOKENS, WARM_TOKENS, TextStreams, gap_report, print_gap_report,
                                       steady_cache, steady_steps, worst_ratio)
-from moebus.common.settings import Settings
+from moebus.common.errors import ConfigError
+from moebus.common.settings import Settings, load_settings
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -128,8 +129,10 @@ def _settings(args, lazy: bool) -> dict:
         settings["max_context"] = args.max_context
     if args.gpu_memory_mib:
         settings["gpu_memory_mib"] = args.gpu_memory_mib
-    if args.handback_step_mib:
+    if args.handback_step_mib is not None:  # 0 too: the settings refuse it (main), never a silent default
         settings["vision"]["handback_step_mib"] = args.handback_step_mib
+    if args.max_batch is not None:
+        settings["max_batch"] = args.max_batch
     return settings
 
 
@@ -274,6 +277,8 @@ def main(argv=None) -> int:
                    help="cuda: each GPU's VRAM budget (gpu_memory_mib), e.g. 8192 on an H200")
     p.add_argument("--max-context", type=int)
     p.add_argument("--handback-step-mib", type=float, help="vision.handback_step_mib (default: the setting's)")
+    p.add_argument("--max-batch", type=int, help="max_batch (default: the setting's); the decode graphs captured at "
+                   "a worker's start are one per batch size up to it (fewer: a shorter start on a cold kernel cache)")
     p.add_argument("--repeats", type=int, default=5, help="warm encodes")
     p.add_argument("--text-streams", type=int, default=4, help="text streams decoding through the cold start")
     p.add_argument("--text-tokens", type=int, help="at most this many tokens a text stream (default: what the context "
@@ -288,6 +293,10 @@ def main(argv=None) -> int:
         p.error(f"--text-tokens {args.text_tokens}: the text streams need more than {WARM_TOKENS + STEADY_TOKENS} "
                 f"tokens ({WARM_TOKENS} to warm, {STEADY_TOKENS} in the steady state before the image is sent) to "
                 "still be decoding through the cold start; leave it out to decode as far as the context allows")
+    try:  # the brokers' settings, refused here with the key's name rather than by a broker that cannot start
+        load_settings(**_settings(args, lazy=True))
+    except ConfigError as e:
+        p.error(str(e))
 
     image = _image_png(args.image_px, seed=0)
     resident = None if args.skip_resident else _resident(args)

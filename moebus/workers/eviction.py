@@ -28,8 +28,22 @@ from typing import Callable
 
 import numpy as np
 
+from moebus.common.errors import ConfigError
+
 POLICIES = ("freq", "lru")
-ADMISSION_MARGIN = float(os.environ.get("MOEBUS_ADMISSION_MARGIN", "0"))
+
+
+def admission_margin_from_env(environ=os.environ) -> float:
+    """``MOEBUS_ADMISSION_MARGIN`` (default 0): a number >= 0, else a ConfigError naming it, raised
+    where a cache is built (a worker's start), not at import."""
+    text = environ.get("MOEBUS_ADMISSION_MARGIN", "0")
+    try:
+        margin = float(text)
+    except ValueError:
+        margin = float("nan")
+    if not margin >= 0 or margin == float("inf"):  # nan and inf fail here too
+        raise ConfigError(f"MOEBUS_ADMISSION_MARGIN must be a number >= 0 (a decayed use count), got {text!r}")
+    return margin
 
 
 class LruPolicy:
@@ -79,7 +93,7 @@ class FreqPolicy:
 
     def __init__(self, num_keys: int, decay: float = 0.9, admission_margin: float | None = None):
         self.decay = decay
-        self.admission_margin = ADMISSION_MARGIN if admission_margin is None else admission_margin
+        self.admission_margin = admission_margin_from_env() if admission_margin is None else admission_margin
         self.score = np.zeros(num_keys, np.float64)  # decayed use count, for every key
         self._resident: dict[int, None] = {}  # insertion order breaks ties: oldest goes first
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,8 +91,6 @@ def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
     """Two streams in one batch get their tokens from the same 10 ms step: pooled as one timeline their
     gaps would read ~0 and 10 ms; each stream's own gaps read 10 ms. A 25 ms gap of stream 1 in the
     hand-back is 2.5x its median; stream 0 kept 1.0x."""
-    from types import SimpleNamespace
-
     from moebus.bench.vision_gaps import gap_report, worst_ratio
 
     steps = [0.01 * i for i in range(20)]
@@ -127,3 +126,19 @@ def test_text_streams_too_short_to_outlast_the_steady_state_are_refused(capsys):
     with pytest.raises(SystemExit) as ended:
         main(["--text-tokens", str(WARM_TOKENS + STEADY_TOKENS), "--device", "cpu"])
     assert ended.value.code == 2 and "--text-tokens" in capsys.readouterr().err
+
+
+def test_settings_the_brokers_would_refuse_are_refused_before_any_broker(capsys):
+    """--handback-step-mib 0 was once dropped as falsy (the default hand-back ran instead): it now
+    reaches the settings, which refuse it with the key's name (exit 2); so does --max-batch 0."""
+    from moebus.bench.vision_cycle import _settings, main
+
+    for flag in (["--handback-step-mib", "0"], ["--max-batch", "0"]):
+        with pytest.raises(SystemExit) as ended:
+            main(flag + ["--device", "cpu", "--text-streams", "0"])
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and ("vision.handback_step_mib" in err or "max_batch" in err), err
+    args = SimpleNamespace(idle_s=1.0, emulated_vram_mib=None, segment_mib=None, max_context=None,
+                           gpu_memory_mib=None, handback_step_mib=64.0, max_batch=3)
+    assert _settings(args, lazy=True) == {"vision": {"lazy": True, "idle_s": 1.0, "handback_step_mib": 64.0},
+                                          "max_batch": 3}

@@ -3,11 +3,13 @@ near-uniform routing (a randomly initialised model) every miss beats a resident 
 steps, so margin 0 copies in up to the cap every step for no hits; a margin of 1 copies far fewer
 with the same hit rate. The shrink's moves keep comparing without a margin."""
 import numpy as np
+import pytest
 
 from moebus.bench.cache import TraceStore
+from moebus.common.errors import ConfigError
 from moebus.cuda.memory.arena import HostArena
 from moebus.workers.expert_cache import ExpertCache
-from moebus.workers.eviction import FreqPolicy
+from moebus.workers.eviction import FreqPolicy, admission_margin_from_env
 
 LAYERS, EXPERTS, BATCH, TOP_K, STEPS, WARM = 2, 128, 2, 8, 200, 20  # the A3B shape's layer, fewer layers
 
@@ -47,3 +49,18 @@ def test_the_margin_applies_to_admissions_not_to_the_shrinks_moves():
     policy.observe(np.array([0]))  # key 0 2.71, key 1 0.81
     assert policy.worth_admitting(0, 1) and not policy.worth_admitting(1, 0)
     assert FreqPolicy(4).admission_margin == 0.0  # the default (unless MOEBUS_ADMISSION_MARGIN is set)
+
+
+def test_a_margin_that_is_not_a_number_is_a_clear_settings_error():
+    assert admission_margin_from_env({}) == 0.0 and admission_margin_from_env({"MOEBUS_ADMISSION_MARGIN": "1.5"}) == 1.5
+    for text in ("one", "", "-1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="MOEBUS_ADMISSION_MARGIN must be a number >= 0"):
+            admission_margin_from_env({"MOEBUS_ADMISSION_MARGIN": text})
+
+
+def test_the_setting_is_read_where_a_policy_is_made_not_at_import(monkeypatch):
+    monkeypatch.setenv("MOEBUS_ADMISSION_MARGIN", "two")
+    with pytest.raises(ConfigError, match="'two'"):
+        FreqPolicy(4)
+    monkeypatch.setenv("MOEBUS_ADMISSION_MARGIN", "2")
+    assert FreqPolicy(4).admission_margin == 2.0
