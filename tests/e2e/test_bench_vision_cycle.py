@@ -103,6 +103,9 @@ def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
     assert report["steady"]["n"] == 20 and abs(report["steady"]["median_ms"] - 10) < 1e-6
     assert [round(s["ratio_until_encoded"], 2) for s in report["per_stream"]] == [1.0, 2.5]
     assert round(worst_ratio(report, "ratio_until_encoded"), 2) == 2.5 and report["covered"]
+    # over the whole cycle (steady window to the end) stream 1's median is still 10 ms: one gap of 25, the rest 10
+    assert [round(s["median_cycle_ms"], 3) for s in report["per_stream"]] == [10.0, 10.0]
+    assert round(worst_ratio(report, "ratio_until_encoded_cycle"), 2) == 2.5
     assert abs(report["by_phase"]["handback"]["max_ms"] - 25) < 1e-6
 
 
