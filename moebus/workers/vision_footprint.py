@@ -11,20 +11,14 @@ meanwhile, but their memory does not move between steps (graphs and pools are si
 READY; the cache moves only on VRAM requests, and none is sent while the vision worker starts).
 cuMemGetInfo once the context exists splits the footprint into the context and the rest.
 
-Where NVML cannot be read (no library, another driver) the footprint is unknown (None): the broker
-keeps its default reserve rather than trust a figure without the context."""
+Where NVML cannot be read (no pynvml, no library, another driver) the footprint is unknown (None):
+the broker keeps its default reserve rather than trust a figure without the context."""
 from __future__ import annotations
 
-import ctypes
 import logging
 
 log = logging.getLogger("moebus.vision")
 MIB = 1 << 20
-NVML_SUCCESS = 0
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
 def uuid_text(raw: bytes) -> str:
@@ -51,26 +45,25 @@ def cuda_device_uuid() -> str:
 
 
 class Nvml:
-    """The used bytes of one GPU, by UUID, through libnvidia-ml (ctypes: no package needed)."""
+    """The used bytes of one GPU, by UUID, through NVML (nvidia-ml-py's ``pynvml``, the cuda extra's;
+    the library itself, libnvidia-ml, comes with the driver)."""
 
-    def __init__(self, uuid: str, library: str = "libnvidia-ml.so.1"):
-        self.lib = ctypes.CDLL(library)
-        self._call("nvmlInit_v2")
-        self.handle = ctypes.c_void_p()
-        self._call("nvmlDeviceGetHandleByUUID", uuid.encode(), ctypes.byref(self.handle))
+    def __init__(self, uuid: str):
+        import pynvml
 
-    def _call(self, name: str, *args) -> None:
-        status = getattr(self.lib, name)(*args)
-        if status != NVML_SUCCESS:
-            raise RuntimeError(f"{name}: NVML status {status}")
+        self.pynvml = pynvml
+        pynvml.nvmlInit()
+        try:
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        except Exception:
+            pynvml.nvmlShutdown()
+            raise
 
     def used_bytes(self) -> int:
-        memory = _NvmlMemory()
-        self._call("nvmlDeviceGetMemoryInfo", self.handle, ctypes.byref(memory))
-        return int(memory.used)
+        return int(self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
 
     def close(self) -> None:
-        self.lib.nvmlShutdown()
+        self.pynvml.nvmlShutdown()
 
 
 class StartFootprint:
