@@ -9,17 +9,19 @@ straight from host memory and admission is optional, whether a missed key is wor
   when its count beats the weakest resident's, so a scan of one-off experts never flushes the hot
   set (TinyLFU-style admission); the victim is the resident key with the lowest count.
 
-  ``MOEBUS_ADMISSION_MARGIN`` (default 0, a knob for comparison on a GPU): a miss must beat the
-  weakest resident's count by more than this to be admitted. A miss's count has just grown by one,
-  so with near-uniform routing (a randomly initialised model) nearly every miss beats a resident
-  unused for a few steps, and the cache copies in up to its cap every step with no gain in hits;
-  misses read in place and those copies share one PCIe link. On such a trace through this cache
-  (8 layers × 128 experts, batch 2, top-8) a margin of 1 cut the experts over PCIe a step by 27 %
-  at 64 % resident (84 → 62) and 10 % at 47 %, hit rates unchanged; on ``bench cache``'s skewed
-  synthetic traces and the demo model's recorded one it moved fewer too (but in one case: 1.9 →
-  2.0 a step), with hit rates within a point (docs/performance.md, seventh session). Whether fewer
-  copies make a faster step on a GPU is not measured yet, so the default stays 0. The shrink's
-  moves (``worth_keeping``) use no margin: a move is a device copy, not a PCIe one."""
+  ``MOEBUS_ADMISSION_MARGIN`` (default 1): a miss must beat the weakest resident's count by more
+  than this to be admitted. A miss's count has just grown by one, so with a margin of 0 and
+  near-uniform routing (a randomly initialised model) nearly every miss beats a resident unused for
+  a few steps, and the cache copies in up to its cap every step with no gain in hits; misses read in
+  place and those copies share one PCIe link. On the H200 (8 × 128 A3B-shaped LLaVA under an 8 GiB
+  budget, two text streams through a cold image; docs/performance.md, eighth session) a margin of 1
+  moved 33-52 % fewer bytes over PCIe a decode step (steady 314 → 199 MiB, with the smaller cache
+  of an image 408-555 → 198-324) for fewer misses; the steps of the steady state kept their time
+  (6.5 / 6.6 ms), those beside the image's hand-back, start and encode took 28-44 % less (12.3 →
+  6.9, 12.7 → 9.1, 21.2 → 13.6 ms): there the link was the bottleneck. On ``bench cache``'s
+  skewed traces it moved fewer too but in one case (1.9 → 2.0 a step), hit rates within a point.
+  The shrink's moves (``worth_keeping``) use no margin: a move is a device copy, not a PCIe one.
+"""
 from __future__ import annotations
 
 import os
@@ -34,9 +36,10 @@ POLICIES = ("freq", "lru")
 
 
 def admission_margin_from_env(environ=os.environ) -> float:
-    """``MOEBUS_ADMISSION_MARGIN`` (default 0): a number >= 0, else a ConfigError naming it, raised
-    where a cache is built (a worker's start), not at import."""
-    text = environ.get("MOEBUS_ADMISSION_MARGIN", "0")
+    """``MOEBUS_ADMISSION_MARGIN`` (default 1; 0: every miss that beats the weakest resident): a
+    number >= 0, else a ConfigError naming it, raised where a cache is built (a worker's start), not
+    at import."""
+    text = environ.get("MOEBUS_ADMISSION_MARGIN", "1")
     try:
         margin = float(text)
     except ValueError:
