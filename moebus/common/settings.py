@@ -27,7 +27,8 @@ class VisionSettings(_Section):
     # the GPU (worker order) the vision worker runs on; auto: one whose cache can make room for it
     gpu: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
     start_timeout_s: float = Field(120.0, gt=0)  # hand-back + start longer than this fails the waiting images
-    handback_step_mib: float = Field(256.0, gt=0)  # the hand-back frees at most this per GPU between two decode steps
+    # the hand-back frees at most this per GPU between two decode steps (64: within 2x the streams' gap, H200)
+    handback_step_mib: float = Field(64.0, gt=0)
     max_image_bytes: int = Field(8 * 1024 * 1024, gt=0)  # one encoded image file
     max_image_pixels: int = Field(40_000_000, gt=0)  # width x height, checked from the header before decoding
     min_image_side_px: int = Field(2, ge=1)
