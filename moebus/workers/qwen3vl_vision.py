@@ -18,7 +18,7 @@ import numpy as np
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
-from moebus.workers.tower_graph import TowerGraph
+from moebus.workers.tower_graph import TowerGraph, copy_pairs
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
@@ -57,10 +57,12 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
 
 def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
     """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
-    outputs, perhaps its pinned buffers): one copy of each."""
-    embeds = np.array(out["embeds"])
+    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs)."""
     features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
-    return embeds, np.stack(features) if features else np.zeros((0,) + embeds.shape, np.float32)
+    embeds = np.empty(out["embeds"].shape, out["embeds"].dtype)
+    stacked = np.empty((len(features),) + embeds.shape, embeds.dtype)
+    copy_pairs([(embeds, out["embeds"])] + [(stacked[j], feature) for j, feature in enumerate(features)])
+    return embeds, stacked
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:

@@ -51,6 +51,28 @@ def test_images_ref_matches_vision_attention_ref(rng, head_dim):
                                rtol=1e-4, atol=3e-5)
 
 
+@pytest.mark.parametrize("precision,atol", [("split_scores", 3e-3), ("bf16", 1e-2)])
+def test_images_ref_with_plain_bf16_products_stays_near_vision_attention_ref(rng, precision, atol):
+    """The plain bf16 products round q, k (and p, v) to 8 bits: ~2^-9 relative per operand, so the
+    outputs (O(1) here) move by ~1e-3, far more than the split products' ~1e-6, and no more."""
+    images, positions, heads, head_dim = 2, 70, 2, 72
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    want = vision_attention_ref(q, k, v, images, head_dim ** -0.5)
+    split = np.abs(flash_images_ref(q, k, v, images, head_dim ** -0.5) - want).max()
+    plain = np.abs(flash_images_ref(q, k, v, images, head_dim ** -0.5, precision) - want).max()
+    assert split < 3e-5 and 10 * split < plain < atol
+
+
+def test_a_bad_image_precision_is_refused(monkeypatch):
+    from moebus.cuda.kernels import flash_attention
+
+    monkeypatch.setattr(flash_attention, "IMAGE_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="MOEBUS_IMAGE_ATTENTION"):
+        flash_attention.ready(72, True)
+    with pytest.raises(ValueError, match="one of split, split_scores, bf16"):
+        flash_attention.compile_options(72, True, "sm_90", 8, "tf32")
+
+
 def test_key_ranges():
     assert tile_keys(128, False) == 64 and tile_keys(72, True) == 64 and tile_keys(88, True) == 32
     assert key_range(0, 63, 500, 300, 0, True, 64) == (0, 364)  # causal: context then the tile's own keys
@@ -94,6 +116,21 @@ def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
         options = compile_options(head_dim, f32_kv, "sm_90", warps) + [b"--ptxas-options=-v"]
         cubin, log = nvrtc_compile(source(), options)
         assert cubin and log.count(" 0 bytes spill stores") == 2, log  # both entries
+
+
+@pytest.mark.parametrize("head_dim", [72, 128])
+@pytest.mark.parametrize("precision", ["split_scores", "bf16"])
+def test_image_kernel_with_plain_bf16_products_compiles_without_spills(head_dim, precision):
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    split_ptx, _ = nvrtc_compile(source(), compile_options(head_dim, True, "compute_90", 8), target="ptx")
+    ptx, _ = nvrtc_compile(source(), compile_options(head_dim, True, "compute_90", 8, precision), target="ptx")
+    mma = b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert 0 < ptx.count(mma) < split_ptx.count(mma)  # fewer products on the tensor cores
+    options = compile_options(head_dim, True, "sm_90", 8, precision) + [b"--ptxas-options=-v"]
+    cubin, log = nvrtc_compile(source(), options)
+    assert cubin and log.count(" 0 bytes spill stores") == 2, log
 
 
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
@@ -179,6 +216,24 @@ def test_image_kernel_matches_refs(rng, head_dim):
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_allclose(got, vision_attention_ref(q, k, v, images, head_dim ** -0.5), rtol=1e-4, atol=3e-5)
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["split_scores", "bf16"])
+def test_image_kernel_with_plain_bf16_products_matches_its_ref(rng, monkeypatch, precision):
+    from moebus.cuda.kernels import flash_attention
+    from moebus.cuda.kernels.compat import cuda
+    from tests.cuda.conftest import device, poisoned
+
+    monkeypatch.setattr(flash_attention, "IMAGE_PRECISION", precision)
+    images, positions, heads, head_dim = 2, 200, 2, 72
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    out, stream = poisoned(q.shape), cuda.stream()
+    flash_attention.flash_images_cuda(device(q), device(k), device(v), images, head_dim ** -0.5, out, stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(got, flash_images_ref(q, k, v, images, head_dim ** -0.5, precision), rtol=1e-4,
+                               atol=1e-5)  # the same roundings: as close as the split kernel to its twin
 
 
 @gpu

@@ -4,12 +4,16 @@
 // -> fp32 on split operands: a float32 x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), so
 //   S = Qhi K + Qlo K            (bf16 keys: exact)      or  Qhi Khi + Qhi Klo + Qlo Khi  (float32 keys)
 //   O = Phi V + Plo V            (bf16 values: exact)    or  Phi Vhi + Phi Vlo + Plo Vhi  (float32 values)
-// which leaves ~2^-16 relative error per term, fp32 sums. flash_attention.py documents the
-// parameters; flash_attention_ref there is this kernel's arithmetic in numpy.
+// which leaves ~2^-16 relative error per term, fp32 sums. Float32 keys and values may take plain
+// bf16 products instead (one mma: S = Qhi Khi with SPLIT_QK 0, O = Phi Vhi with SPLIT_PV 0; ~2^-9
+// relative per operand): the towers' precision choice (flash_attention.IMAGE_PRECISION).
+// flash_attention.py documents the parameters; flash_attention_ref there is this kernel's
+// arithmetic in numpy.
 //
 // Compiled by NVRTC at run time with HEAD_DIM (a multiple of 8, <= 128) and F32_KV (0: keys and
 // values are bf16 bits, 1: float32) defined, and WARPS (4 or 8: 16 queries each). Float32 keys and
-// values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below).
+// values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below);
+// SPLIT_QK and SPLIT_PV (default 1) say whether their products use the lo planes.
 // Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
 // g = lane / 4 and t = lane % 4, A (16 x 16, row) a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g,
 // 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8, col) b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g); C
@@ -26,11 +30,24 @@
 #define HDP ((HD + 15) / 16 * 16)       // the contraction of Q K^T, padded with zeros
 #define KSTEPS (HDP / 16)
 #define DTILES (HD / 8)                 // n-tiles of O
-#define PARTS (F32_KV ? 2 : 1)          // parts of a key / value kept in shared memory
+#define PARTS (F32_KV ? 2 : 1)          // parts of a key / value in split_planes' planes
+#ifndef SPLIT_QK
+#define SPLIT_QK 1
+#endif
+#ifndef SPLIT_PV
+#define SPLIT_PV 1
+#endif
+#define K_PARTS (F32_KV && SPLIT_QK ? 2 : 1)  // parts of a key / value kept in shared memory
+#define V_PARTS (F32_KV && SPLIT_PV ? 2 : 1)
+#define Q_LO (!F32_KV || SPLIT_QK)      // Qlo's products: exact bf16 keys, or split ones
+#define P_LO (!F32_KV || SPLIT_PV)
 #ifndef WARPS
 #define WARPS 4
 #endif
 #define BM (16 * WARPS)                 // queries per block: 16 per warp
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1                    // blocks an SM must hold at once (registers per thread capped to fit)
+#endif
 #define PLANE_KEYS 64                   // split_planes pads the keys to a multiple of this (and of BN)
 #define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
@@ -134,8 +151,10 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const u16 *row = ks[0][nt * 8 + g];
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+#if Q_LO
             mma(s[nt], ql[kk], b0, b1);
-#if F32_KV
+#endif
+#if K_PARTS == 2
             mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t),
                 smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
@@ -163,8 +182,10 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
         for (int dt = 0; dt < DTILES; ++dt) {
             const u16 *row = vt[0][dt * 8 + g];
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+#if P_LO
             mma(o[dt], pl, b0, b1);
-#if F32_KV
+#endif
+#if V_PARTS == 2
             mma(o[dt], ph, smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t),
                 smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
@@ -190,12 +211,12 @@ __device__ __forceinline__ float quad_sum(float x) {
 // h * k_head_stride + j * k_row_stride (elements); values likewise. Query i sits at position
 // first_pos + i and sees keys j <= first_pos + i (causal; and j > first_pos + i - window when
 // window > 0), or all num_keys keys (not causal). scale_log2 = scale * log2(e).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_attention(
     const float *q, const void *k, const void *v, float *out, int q_row0, int rows_per_z, int num_queries, int heads,
     int group, long long k_base, long long k_z_stride, long long k_head_stride, long long k_row_stride, int num_keys,
     int first_pos, int window, int causal, float scale_log2) {
-    __shared__ __align__(16) u16 ks[PARTS][BN][KP];
-    __shared__ __align__(16) u16 vt[PARTS][HD][VP];
+    __shared__ __align__(16) u16 ks[K_PARTS][BN][KP];
+    __shared__ __align__(16) u16 vt[V_PARTS][HD][VP];
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, z = blockIdx.z;
     const int q0 = tile * BM;  // the block's first query
