@@ -133,6 +133,26 @@ def test_image_kernel_with_plain_bf16_products_compiles_without_spills(head_dim,
     assert cubin and log.count(" 0 bytes spill stores") == 2, log
 
 
+@pytest.mark.parametrize("head_dim,precision,defines,stages", [
+    (72, "split", (), 1),  # two tiles of 64 split keys and values pass 48 KiB: one
+    (72, "split", (("TILE_KEYS", 32),), 2),
+    (16, "split", (), 2),
+    (72, "bf16", (), 2),
+    (72, "bf16", (("STAGES_WANTED", 1),), 1),
+    (72, "bf16", (("MIN_BLOCKS", 2),), 2),
+])
+def test_images_copy_the_next_tile_while_computing_where_two_fit(head_dim, precision, defines, stages):
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    options = compile_options(head_dim, True, "compute_90", 8, precision, defines)
+    ptx, _ = nvrtc_compile(source(), options, target="ptx")
+    assert (b"cp.async.cg.shared.global" in ptx) == (stages == 2)
+    cubin, log = nvrtc_compile(source(), compile_options(head_dim, True, "sm_90", 8, precision, defines) +
+                               [b"--ptxas-options=-v"])
+    assert cubin and log.count(" 0 bytes spill stores") == 2, log
+
+
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
     shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
@@ -219,13 +239,15 @@ def test_image_kernel_matches_refs(rng, head_dim):
 
 
 @gpu
-@pytest.mark.parametrize("precision", ["split_scores", "bf16"])
-def test_image_kernel_with_plain_bf16_products_matches_its_ref(rng, monkeypatch, precision):
+@pytest.mark.parametrize("precision,defines", [("split_scores", ()), ("bf16", ()), ("bf16", (("MIN_BLOCKS", 2),)),
+                                               ("bf16", (("STAGES_WANTED", 1),)), ("split", (("TILE_KEYS", 32),))])
+def test_image_kernel_variants_match_their_ref(rng, monkeypatch, precision, defines):
     from moebus.cuda.kernels import flash_attention
     from moebus.cuda.kernels.compat import cuda
     from tests.cuda.conftest import device, poisoned
 
     monkeypatch.setattr(flash_attention, "IMAGE_PRECISION", precision)
+    monkeypatch.setattr(flash_attention, "IMAGE_DEFINES", defines)
     images, positions, heads, head_dim = 2, 200, 2, 72
     q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
     out, stream = poisoned(q.shape), cuda.stream()

@@ -49,7 +49,11 @@
 #define MIN_BLOCKS 1                    // blocks an SM must hold at once (registers per thread capped to fit)
 #endif
 #define PLANE_KEYS 64                   // split_planes pads the keys to a multiple of this (and of BN)
+#ifdef TILE_KEYS
+#define BN TILE_KEYS                    // keys per tile: 16, 32 or 64 (PLANE_KEYS a multiple of it)
+#else
 #define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
+#endif
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
 #define VP (BN + 8)
 #define CHUNK 8                         // bf16 elements per 16-byte load
@@ -57,6 +61,17 @@
 // accumulate); at more dims the fragments this holds would not fit the registers
 #define INTERLEAVE (F32_KV && HDP <= 96)
 #define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
+// Float32 keys and values: with STAGES_WANTED 2 (the default) and where two tiles fit the 48 KiB of
+// static shared memory, the next tile's copies (cp.async) run while the block computes on this one
+#ifndef STAGES_WANTED
+#define STAGES_WANTED 2
+#endif
+#define TILE_BYTES (2 * (K_PARTS * BN * KP + V_PARTS * HD * VP))
+#if F32_KV && STAGES_WANTED == 2 && 2 * TILE_BYTES <= 48 * 1024
+#define STAGES 2
+#else
+#define STAGES 1
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -78,7 +93,19 @@ __device__ __forceinline__ void split(float x, u32 &hi, u32 &lo) {
     lo = bf16_round(x - bf16_value(hi));
 }
 
-__device__ __forceinline__ u32 pack(u32 first, u32 second) { return first | (second << 16); }
+// (bf16(x0), bf16(x1)) packed, x0 in the low half: one cvt, rounded to nearest even as bf16_round
+__device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x1), "f"(x0));  // the first source is the high half
+    return packed;
+}
+
+// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1)); where lo is unused
+// (plain bf16 products) the compiler drops its arithmetic
+__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
+    hi = pack_bf16(x0, x1);
+    lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
+}
 
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -102,11 +129,7 @@ __device__ __forceinline__ void load_q(const float *q, long long row_pitch, int 
             int row = r0 + (e & 1) * 8, col = ks * 16 + 2 * t + (e >> 1) * 8;
             float2 x = make_float2(0.f, 0.f);
             if (row < rows_valid && col < HD) x = *reinterpret_cast<const float2 *>(q + row * row_pitch + col);
-            u32 h0, l0, h1, l1;
-            split(x.x, h0, l0);
-            split(x.y, h1, l1);
-            qh[ks][e] = pack(h0, h1);
-            ql[ks][e] = pack(l0, l1);
+            split_pair(x.x, x.y, qh[ks][e], ql[ks][e]);
         }
     }
 }
@@ -172,11 +195,7 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {  // a0: (g, 2t..) of n-tile 2kk; a1: its row g+8; a2, a3: n-tile 2kk+1
             const float *c = p[2 * kk + (e >> 1)] + (e & 1) * 2;
-            u32 h0, l0, h1, l1;
-            split(c[0], h0, l0);
-            split(c[1], h1, l1);
-            ph[e] = pack(h0, h1);
-            pl[e] = pack(l0, l1);
+            split_pair(c[0], c[1], ph[e], pl[e]);
         }
 #pragma unroll
         for (int dt = 0; dt < DTILES; ++dt) {
@@ -215,8 +234,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
     const float *q, const void *k, const void *v, float *out, int q_row0, int rows_per_z, int num_queries, int heads,
     int group, long long k_base, long long k_z_stride, long long k_head_stride, long long k_row_stride, int num_keys,
     int first_pos, int window, int causal, float scale_log2) {
-    __shared__ __align__(16) u16 ks[K_PARTS][BN][KP];
-    __shared__ __align__(16) u16 vt[V_PARTS][HD][VP];
+    __shared__ __align__(16) u16 ks_all[STAGES][K_PARTS][BN][KP];
+    __shared__ __align__(16) u16 vt_all[STAGES][V_PARTS][HD][VP];
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, z = blockIdx.z;
     const int q0 = tile * BM;  // the block's first query
@@ -239,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
 #if !F32_KV
     for (int idx = threadIdx.x; idx < PARTS * BN * (KP - HD); idx += WARPS * 32) {  // the zero padding
         int c = idx % (KP - HD), rest = idx / (KP - HD);
-        ks[rest / BN][rest % BN][HD + c] = 0;
+        ks_all[0][rest / BN][rest % BN][HD + c] = 0;
     }
 #endif
     const int last_query = min(q0 + BM, num_queries) - 1;
@@ -253,14 +272,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
     float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};  // rows r0, r0 + 8 (per-thread sums)
     const int pos[2] = {first_pos + q0 + r0, first_pos + q0 + r0 + 8};
 
+    int stage = 0;
+#if STAGES == 2
+    if (key_begin < key_end) load_tile(kz, vz, keys_padded, key_begin, ks_all[0], vt_all[0]);
+    cp_async_commit();
+#endif
     for (int key0 = key_begin; key0 < key_end; key0 += BN) {
+#if STAGES == 2
+        if (key0 + BN < key_end) load_tile(kz, vz, keys_padded, key0 + BN, ks_all[stage ^ 1], vt_all[stage ^ 1]);
+        cp_async_commit();
+        cp_async_wait_all_but_newest();  // this thread's copies of this tile have landed
+        __syncthreads();                 // and every thread's
+#else
         __syncthreads();  // the previous tile (and the padding) are done with
 #if F32_KV
-        load_tile(kz, vz, keys_padded, key0, ks, vt);
+        load_tile(kz, vz, keys_padded, key0, ks_all[0], vt_all[0]);
 #else
-        load_tile(kz, vz, k_row_stride, key0, key_end, ks, vt);
+        load_tile(kz, vz, k_row_stride, key0, key_end, ks_all[0], vt_all[0]);
 #endif
         __syncthreads();
+#endif
+        u16(*ks)[BN][KP] = ks_all[stage];
+        u16(*vt)[HD][VP] = vt_all[stage];
         float s[BN / 8][4];
         scores(s, qh, ql, ks, g, t);
         float tile_max[2] = {NEG_INF, NEG_INF};
@@ -311,6 +344,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
             o[dt][3] *= shrink[1];
         }
         accumulate(o, s, vt, g, t);
+#if STAGES == 2
+        __syncthreads();  // every warp is done with this stage before the next round's copies refill it
+        stage ^= 1;
+#endif
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -6,16 +6,22 @@
 // (SPLIT_PV) 0 the products of the keys (values) are plain bf16, and their lo planes are neither
 // written nor read.
 
-// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1))
-__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
-    u32 h0, l0, h1, l1;
-    split(x0, h0, l0);
-    split(x1, h1, l1);
-    hi = pack(h0, h1);
-    lo = pack(l0, l1);
+#if F32_KV
+// 16 bytes from global to shared memory: cp.async (completes at cp_async_wait_*) when two tiles
+// alternate (STAGES 2), else a plain load and store
+__device__ __forceinline__ void copy16(u16 *dst, const u16 *src) {
+#if STAGES == 2
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+#endif
 }
 
-#if F32_KV
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
 // Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j], from
 // split_planes' planes of this (image, head): keys (2, keys_padded, HDP) and values (2, HD,
 // keys_padded), already zero past the last key and HD: plain 16-byte copies (the hi parts alone
@@ -26,13 +32,11 @@ __device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys
     const int k_chunks = HDP / CHUNK, v_chunks = BN / CHUNK;
     for (int idx = threadIdx.x; idx < K_PARTS * BN * k_chunks; idx += WARPS * 32) {
         int part = idx / (BN * k_chunks), rest = idx % (BN * k_chunks), j = rest / k_chunks, c = rest % k_chunks;
-        *reinterpret_cast<uint4 *>(&ks[part][j][c * CHUNK]) =
-            *reinterpret_cast<const uint4 *>(kp + part * k_part + (long long)(key0 + j) * HDP + c * CHUNK);
+        copy16(&ks[part][j][c * CHUNK], kp + part * k_part + (long long)(key0 + j) * HDP + c * CHUNK);
     }
     for (int idx = threadIdx.x; idx < V_PARTS * HD * v_chunks; idx += WARPS * 32) {
         int part = idx / (HD * v_chunks), rest = idx % (HD * v_chunks), d = rest / v_chunks, c = rest % v_chunks;
-        *reinterpret_cast<uint4 *>(&vt[part][d][c * CHUNK]) =
-            *reinterpret_cast<const uint4 *>(vp + part * v_part + (long long)d * keys_padded + key0 + c * CHUNK);
+        copy16(&vt[part][d][c * CHUNK], vp + part * v_part + (long long)d * keys_padded + key0 + c * CHUNK);
     }
 }
 #endif
