@@ -11,7 +11,9 @@ the merger (LayerNorm per patch, then the same). Images are encoded one at a tim
 never crosses from one image to another."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import numpy as np
 
@@ -23,6 +25,9 @@ from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
 STACKED_QKV = True  # q, k, v as one strided-batched product (False: three; tools/device/vltower7_encode.py's A/B)
+# the tower's tensor-core products: "" = the backend's (gemm.PRECISION, split inputs), or "bf16" (one
+# product on bf16-rounded inputs: half the GEMMs; its fidelity and time in docs/performance.md, vltower8)
+GEMM_PRECISION = os.environ.get("MOEBUS_TOWER_GEMM_PRECISION", "")
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
@@ -133,7 +138,21 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
-        return self.graph.run((grid_h, grid_w), inputs, self._forward, collect=_embeds_and_deepstack)
+        with self._products():
+            return self.graph.run((grid_h, grid_w, GEMM_PRECISION), inputs, self._forward, collect=_embeds_and_deepstack)
+
+    @contextlib.contextmanager
+    def _products(self):
+        """The backend's tensor cores at the tower's GEMM_PRECISION while an encode runs (or is captured)."""
+        tc = getattr(self.ops, "tensor_cores", None)
+        if not GEMM_PRECISION or tc is None or tc.precision == GEMM_PRECISION:
+            yield
+            return
+        from moebus.cuda.backends.graphs import swapped
+        from moebus.cuda.kernels.gemm import TensorCores
+
+        with swapped(self.ops, tensor_cores=TensorCores(tc.blas, GEMM_PRECISION, tc.min_rows)):
+            yield
 
     def _forward(self, inputs: dict) -> dict:
         """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
