@@ -49,25 +49,37 @@
 #define MIN_BLOCKS 1                    // blocks an SM must hold at once (registers per thread capped to fit)
 #endif
 #define PLANE_KEYS 64                   // split_planes pads the keys to a multiple of this (and of BN)
-#ifdef TILE_KEYS
-#define BN TILE_KEYS                    // keys per tile: 16, 32 or 64 (PLANE_KEYS a multiple of it)
-#else
-#define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
+// Float32 keys and values: with STAGES_WANTED 2 (the default) and where two tiles fit the 48 KiB of
+// static shared memory, the next tile's copies (cp.async) run while the block computes on this one
+#ifndef STAGES_WANTED
+#define STAGES_WANTED 2
 #endif
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
+#define TILE_BYTES_AT(bn) (2 * (K_PARTS * (bn) * KP + V_PARTS * HD * ((bn) + 8)))
+#define SMEM_BYTES (48 * 1024)
+// Keys per tile (BN; PLANE_KEYS a multiple of it): 64, unless float32 keys and values then fit one
+// stage only: two stages of 32 (split images at hd 72: 0.558 ms an attention instead of 0.728 with
+// one stage of 64, H200, vltower8), else what one stage holds. flash_attention_ref.tile_keys mirrors it.
+#if defined(TILE_KEYS)
+#define BN TILE_KEYS
+#elif !F32_KV
+#define BN 64
+#elif STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(64) <= SMEM_BYTES
+#define BN 64
+#elif STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(32) <= SMEM_BYTES
+#define BN 32
+#elif TILE_BYTES_AT(64) <= SMEM_BYTES
+#define BN 64
+#else
+#define BN 32
+#endif
 #define VP (BN + 8)
 #define CHUNK 8                         // bf16 elements per 16-byte load
 // Float32 keys of up to 96 dims: each product's mma interleaved over the n-tiles / d-tiles (scores,
 // accumulate); at more dims the fragments this holds would not fit the registers
 #define INTERLEAVE (F32_KV && HDP <= 96)
 #define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
-// Float32 keys and values: with STAGES_WANTED 2 (the default) and where two tiles fit the 48 KiB of
-// static shared memory, the next tile's copies (cp.async) run while the block computes on this one
-#ifndef STAGES_WANTED
-#define STAGES_WANTED 2
-#endif
-#define TILE_BYTES (2 * (K_PARTS * BN * KP + V_PARTS * HD * VP))
-#if F32_KV && STAGES_WANTED == 2 && 2 * TILE_BYTES <= 48 * 1024
+#if F32_KV && STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(BN) <= SMEM_BYTES
 #define STAGES 2
 #else
 #define STAGES 1

@@ -12,11 +12,24 @@ from moebus.cuda.dtypes import bf16_to_f32
 from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES, PRECISIONS, plane_shapes
 from moebus.cuda.kernels.gemm import split_bf16_ref
 
+SMEM_BYTES = 48 * 1024  # the .cu's static shared memory per block
 
-def tile_keys(head_dim: int, f32_kv: bool) -> int:
-    """BN of the .cu: 32 when float32 keys of more than 80 (padded) dims would pass 48 KiB of shared memory."""
+
+def tile_keys(head_dim: int, f32_kv: bool, precision: str = "split", stages_wanted: int = 2) -> int:
+    """BN of the .cu (its default, no TILE_KEYS): 64 keys, unless float32 keys and values then fit one
+    stage of 48 KiB only: two stages of 32, else what one stage holds."""
+    if not f32_kv:
+        return 64
+    k_parts, v_parts = (1 + split for split in PRECISIONS[precision])
     padded = -(-head_dim // 16) * 16
-    return 32 if f32_kv and padded > 80 else 64
+
+    def tile_bytes(keys: int) -> int:
+        return 2 * (k_parts * keys * (padded + 8) + v_parts * head_dim * (keys + 8))
+
+    for keys, stages in ((64, 2), (32, 2), (64, 1)):
+        if stages <= stages_wanted and stages * tile_bytes(keys) <= SMEM_BYTES:
+            return keys
+    return 32
 
 
 def key_range(first_query: int, last_query: int, num_keys: int, first_pos: int, window: int, causal: bool,
@@ -60,11 +73,11 @@ def _seen(key_ids: np.ndarray, positions: np.ndarray, num_keys: int, window: int
 
 
 def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: bool, scale_log2, kv_exact: bool,
-                splits: tuple = (1, 1)):
+                precision: str = "split"):
     """One block: BLOCK_QUERIES rows from q0 (rows past the end computed as zeros, not stored);
-    ``splits``: (SPLIT_QK, SPLIT_PV) of float32 keys and values."""
+    ``precision`` of float32 keys and values (flash_attention.PRECISIONS)."""
     num_queries, head_dim = q.shape
-    per_tile = tile_keys(head_dim, not kv_exact)
+    splits, per_tile = PRECISIONS[precision], tile_keys(head_dim, not kv_exact, precision)
     q_tile = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
     q_tile[: min(BLOCK_QUERIES, num_queries - q0)] = q[q0:q0 + BLOCK_QUERIES]
     positions = first_pos + np.arange(q0, q0 + BLOCK_QUERIES)
@@ -99,7 +112,7 @@ def flash_block_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_p
     for q0 in range(0, q.shape[0], BLOCK_QUERIES):
         stored = min(BLOCK_QUERIES, q.shape[0] - q0)
         out[q0:q0 + stored] = _query_tile(q, keys, values, q0, first_pos, window, causal, scale_log2, kv_exact,
-                                          PRECISIONS[precision])[:stored]
+                                          precision)[:stored]
     return out
 
 
