@@ -136,8 +136,10 @@ def test_image_kernel_with_plain_bf16_products_compiles_without_spills(head_dim,
 
 
 @pytest.mark.parametrize("head_dim,precision,defines,stages", [
-    (72, "split", (), 1),  # two tiles of 64 split keys and values pass 48 KiB: one
-    (72, "split", (("TILE_KEYS", 32),), 2),
+    (72, "split", (), 2),  # two tiles of 64 split keys and values pass 48 KiB: two of 32
+    (72, "split", (("STAGES_WANTED", 1),), 1),
+    (72, "split", (("TILE_KEYS", 64),), 1),
+    (128, "split", (), 1),  # two tiles of 32 pass 48 KiB
     (16, "split", (), 2),
     (72, "bf16", (), 2),
     (72, "bf16", (("STAGES_WANTED", 1),), 1),
@@ -154,15 +156,6 @@ def test_images_copy_the_next_tile_while_computing_where_two_fit(head_dim, preci
     ptx, _ = nvrtc_compile(source(), options, target="ptx")
     assert (b"cp.async.cg.shared.global" in ptx) == (stages == 2)
     assert b"cp.async.wait_group" in ptx if stages == 2 else b"cp.async" not in ptx
-
-
-def test_split_images_in_tiles_of_32_keys_compile_without_spills():
-    _nvrtc()
-    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
-
-    cubin, log = nvrtc_compile(source(), compile_options(72, True, "sm_90", 8, "split", (("TILE_KEYS", 32),)) +
-                               [b"--ptxas-options=-v"])
-    assert cubin and log.count(" 0 bytes spill stores") == 2, log
 
 
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
@@ -252,7 +245,7 @@ def test_image_kernel_matches_refs(rng, head_dim):
 
 @gpu
 @pytest.mark.parametrize("precision,defines", [("split_scores", ()), ("bf16", ()), ("bf16", (("MIN_BLOCKS", 2),)),
-                                               ("bf16", (("STAGES_WANTED", 1),)), ("split", (("TILE_KEYS", 32),))])
+                                               ("bf16", (("STAGES_WANTED", 1),)), ("split", (("STAGES_WANTED", 1),))])
 def test_image_kernel_variants_match_their_ref(rng, monkeypatch, precision, defines):
     from moebus.cuda.kernels import flash_attention
     from moebus.cuda.kernels.compat import cuda
@@ -271,6 +264,8 @@ def test_image_kernel_variants_match_their_ref(rng, monkeypatch, precision, defi
     # The same roundings, but a probability (or score) one fp32 ulp from a bf16 rounding boundary
     # may round the other way in the kernel (exp2f) than in numpy, moving its row by up to ~2^-9 of
     # that probability: on the H200 0.1-0.4% of the outputs moved by more than 1e-5, up to 3.8e-4.
+    if precision == "split":  # no plain bf16 rounding: as close as the default build
+        np.testing.assert_allclose(got, twin, rtol=1e-4, atol=1e-5)
     moved = np.abs(got - twin) > 1e-5
     assert moved.mean() < 0.01, moved.mean()
     np.testing.assert_allclose(got, twin, rtol=0, atol=2e-3)
