@@ -19,9 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vltower7_encode import by_kernel  # noqa: E402
-
-REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+from vltower7_encode import REPEATS, _median_ms as median_ms, by_kernel  # noqa: E402
 # label -> (attention precision, attention defines, tower GEMM precision, copy threads, attention warps a
 # block); None: the default's
 B2, B4 = ("MIN_BLOCKS", 2), ("MIN_BLOCKS", 4)
@@ -38,15 +36,6 @@ VARIANTS = {
     "attention bf16 (2 blocks an SM) + products bf16": ("bf16", (B2,), "bf16", None, None),
     "host copies on 1 thread": (None, None, None, 1, None),
 }
-
-
-def median_ms(run, repeats: int = REPEATS) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, out
 
 
 def relative(a, b) -> str:

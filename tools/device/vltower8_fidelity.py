@@ -21,34 +21,18 @@ CONFIGS = [("split", ""), ("split_scores", ""), ("bf16", ""), ("split", "bf16"),
 
 
 def main() -> bool:
-    import torch
-    import transformers
-    from PIL import Image
-
-    from moebus.common.tokenizer import TextTokenizer
     from moebus.cuda.kernels import flash_attention
     from moebus.workers import qwen3vl_vision
-    from moebus.workers.qwen3vl_local import Qwen3VLLocal
-    from qwen3vl_check import TEXT, _hf_greedy
-    from tests.vision.qwen3vl_models import make_hf_qwen3vl
-    from vltower_fidelity import _allow_larger_images
+    from qwen3vl_check import _hf_greedy
+    from vltower_fidelity import images, models, prompt
 
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (170, 150, 3), dtype=np.uint8)),
-              Image.fromarray(rng.integers(0, 256, (130, 190, 3), dtype=np.uint8))]
     default_ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        d = make_hf_qwen3vl(Path(tmp) / "hf", dtype="bf16", vision=WIDER)
-        _allow_larger_images(d)
-        hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None
-        ours = Qwen3VLLocal(d, device=DEVICE, num_slots=2, max_context=512)
+        d, hf, ours = models(Path(tmp), DEVICE, WIDER)
         tc = getattr(ours.lm.backend, "tensor_cores", None)
         prompts = []
         for n in (1, 2):
-            content = [{"type": "image"}] * n + [{"type": "text", "text": TEXT}]
-            ids, patches = ours.prepare(TextTokenizer(d).encode_chat([{"role": "user", "content": content}]),
-                                        images[:n])
+            ids, patches = prompt(ours, d, images()[:n])
             prompts.append((n, ids, patches, _hf_greedy(hf, ids, patches, NUM_TOKENS)))
         print(f"tower: head dim {ours.vision_config.head_dim}, weights {ours.vision.patch_weight.dtype}, tensor "
               f"cores from {tc.min_rows if tc else None} rows; images {[(p.grid_h, p.grid_w) for p in prompts[1][2]]}")
