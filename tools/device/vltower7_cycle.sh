@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 (~120-150 s on a bare machine, never run yet): issue 18's owed figures, trimmed in the
-# eighth session (was 8 layers, 3 repeats, ~200 s) — the cold image request's first token after the hand-back (target <= 1.0 s) and the
-# four-row table of `bench vision-cycle` on the a3b preset of Qwen3-VL-30B-A3B, now 4 language layers
+# eighth session (was 8 layers, 3 repeats, ~200 s) — the cold image request's first token after
+# the hand-back (target <= 1.0 s) and the four-row table of `bench vision-cycle` on the a3b preset of Qwen3-VL-30B-A3B, now 4 language layers
 # x 128 experts (the fewest that take its 3 DeepStack features; ~4.8 GB of experts, half of 8 layers'
 # init and load) with the full 27-block tower, random weights, under an 8 GiB VRAM budget, one
 # 1024 px image, two cold starts (the second measured: the first pays the processes' first-use
