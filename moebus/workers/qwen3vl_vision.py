@@ -11,18 +11,23 @@ the merger (LayerNorm per patch, then the same). Images are encoded one at a tim
 never crosses from one image to another."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import numpy as np
 
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
-from moebus.workers.tower_graph import TowerGraph
+from moebus.workers.tower_graph import TowerGraph, copy_pairs
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
 STACKED_QKV = True  # q, k, v as one strided-batched product (False: three; tools/device/vltower7_encode.py's A/B)
+# the tower's tensor-core products: "" = the backend's (gemm.PRECISION, split inputs), or "bf16" (one
+# product on bf16-rounded inputs: half the GEMMs; its fidelity and time in docs/performance.md, vltower8)
+GEMM_PRECISION = os.environ.get("MOEBUS_TOWER_GEMM_PRECISION", "")
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
@@ -57,10 +62,12 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
 
 def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
     """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
-    outputs, perhaps its pinned buffers): one copy of each."""
-    embeds = np.array(out["embeds"])
+    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs)."""
     features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
-    return embeds, np.stack(features) if features else np.zeros((0,) + embeds.shape, np.float32)
+    embeds = np.empty(out["embeds"].shape, out["embeds"].dtype)
+    stacked = np.empty((len(features),) + embeds.shape, embeds.dtype)
+    copy_pairs([(embeds, out["embeds"])] + [(stacked[j], feature) for j, feature in enumerate(features)])
+    return embeds, stacked
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:
@@ -131,7 +138,21 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
-        return self.graph.run((grid_h, grid_w), inputs, self._forward, collect=_embeds_and_deepstack)
+        with self._products():
+            return self.graph.run((grid_h, grid_w, GEMM_PRECISION), inputs, self._forward, collect=_embeds_and_deepstack)
+
+    @contextlib.contextmanager
+    def _products(self):
+        """The backend's tensor cores at the tower's GEMM_PRECISION while an encode runs (or is captured)."""
+        tc = getattr(self.ops, "tensor_cores", None)
+        if not GEMM_PRECISION or tc is None or tc.precision == GEMM_PRECISION:
+            yield
+            return
+        from moebus.cuda.backends.graphs import swapped
+        from moebus.cuda.kernels.gemm import TensorCores
+
+        with swapped(self.ops, tensor_cores=TensorCores(tc.blas, GEMM_PRECISION, tc.min_rows)):
+            yield
 
     def _forward(self, inputs: dict) -> dict:
         """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);

@@ -120,13 +120,14 @@ def _cache_check(cache_dir: Path, *flags: str) -> dict:
 
 @pytest.mark.skipif(find_cuda_home() is None, reason="no CUDA toolkit with NVVM and libdevice")
 def test_a_second_process_loads_the_kernels_instead_of_compiling(tmp_path):
-    # a module-level kernel (add_flat), closures over a device function (layernorm_rows: one per
-    # weight storage) and over ints that size shared memory (attend: one per head_dim)
+    # a module-level kernel (add_flat), closures over device functions (layernorm_rows: one per
+    # weight storage and store, the float32 rows' or split_epilogues' bf16 parts) and over ints that
+    # size shared memory (attend: one per head_dim)
     first = _cache_check(tmp_path)
-    assert first["kernel_variants"] == first["compiled"] == first["nvvm_calls"] == first["data_files"] == 7
+    assert first["kernel_variants"] == first["compiled"] == first["nvvm_calls"] == first["data_files"] == 9
     second = _cache_check(tmp_path, "--expect-loaded")
-    assert (second["loaded"], second["compiled"], second["nvvm_calls"]) == (7, 0, 0)
-    assert first["disk_cache_counts"] == [0, 7] and second["disk_cache_counts"] == [7, 0]  # what the workers log
+    assert (second["loaded"], second["compiled"], second["nvvm_calls"]) == (9, 0, 0)
+    assert first["disk_cache_counts"] == [0, 9] and second["disk_cache_counts"] == [9, 0]  # what the workers log
     assert second["cache_dir"] == str(role_cache_dir(str(tmp_path), "gpu0"))
 
 

@@ -56,6 +56,28 @@ def test_every_product_and_attention_take_the_tensor_cores():
     np.testing.assert_allclose(deepstack, want_deepstack, rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_products_halve_the_calls_and_stay_near_the_cpu(monkeypatch):
+    from moebus.cuda.backends.cuda import CudaBackend
+    from moebus.workers import qwen3vl_vision
+
+    cfg, weights = _tower()
+    cpu, cuda = Qwen3VisionModel(cfg, weights, make_backend("cpu")), Qwen3VisionModel(cfg, weights, CudaBackend())
+    blas = CountingBlas(HostBlas() if SIMULATOR else cublas_blas())
+    split = cuda.ops.tensor_cores = TensorCores(blas, min_rows=4)
+    cuda.graph.enabled = False
+    monkeypatch.setattr(qwen3vl_vision, "GEMM_PRECISION", "bf16")
+    grid_h, grid_w = 4, 6
+    patches = _patches(cfg, grid_h, grid_w)
+    got, want = cuda.encode(patches, grid_h, grid_w), cpu.encode(patches, grid_h, grid_w)
+    assert cuda.ops.tensor_cores is split  # the tower's precision only while it encodes
+    attention_calls = 0 if flash_attention.ready(cfg.head_dim, True) else 2
+    mergers = 1 + len(cfg.deepstack_layers)
+    assert blas.calls == (4 * cfg.depth + 1 + 2 * mergers) + attention_calls * cfg.depth  # one call a product
+    for plain, ref in zip(got, want):  # inputs rounded to bf16 (~2^-9): far from the split's 6e-6, near enough
+        err = float(np.abs(plain - ref).max())
+        assert 1e-5 < err < 1e-2 * float(np.abs(ref).max()), err  # 3e-3 of 1.2 here
+
+
 def test_the_warm_up_image_reaches_the_tensor_core_threshold():
     assert warm_up_side(2) == 4  # no tensor cores: two merge windows a side
     for min_rows in (1, 4, 5, 64, 65, 100):
@@ -75,7 +97,7 @@ def test_a_captured_tensor_core_encode_equals_eager_and_the_cpu():
     assert grid_h * grid_w // 4 >= cuda.ops.tensor_cores.min_rows
     patches = _patches(cfg, grid_h, grid_w)
     captured, want = cuda.encode(patches, grid_h, grid_w), cpu.encode(patches, grid_h, grid_w)
-    assert cuda.graph.key == (grid_h, grid_w)
+    assert cuda.graph.key == (grid_h, grid_w, "")
     replayed = cuda.encode(patches, grid_h, grid_w)
     cuda.graph.close()
     cuda.graph.enabled = False

@@ -30,31 +30,49 @@ def _allow_larger_images(model_dir: Path) -> None:
     path.write_text(json.dumps(raw, indent=2))
 
 
-def main() -> bool:
-    import torch
-    import transformers
+def images() -> list:
+    """Two images of different sizes, each ~400 patches once preprocessed (MAX_PIXELS)."""
     from PIL import Image
 
-    from moebus.common.tokenizer import TextTokenizer
+    rng = np.random.default_rng(1)
+    return [Image.fromarray(rng.integers(0, 256, (170, 150, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 256, (130, 190, 3), dtype=np.uint8))]
+
+
+def models(tmp: Path, device: str = "cuda", vision: dict | None = None):
+    """(checkpoint dir, transformers' float32 model, ours on ``device``) of a bf16 Qwen3-VL-MoE whose
+    images may reach ~400 patches; ``vision``: its tower's config overrides."""
+    import torch
+    import transformers
+
     from moebus.workers.qwen3vl_local import Qwen3VLLocal
-    from qwen3vl_check import TEXT, _hf_greedy
     from tests.vision.qwen3vl_models import make_hf_qwen3vl
 
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (170, 150, 3), dtype=np.uint8)),
-              Image.fromarray(rng.integers(0, 256, (130, 190, 3), dtype=np.uint8))]
+    d = make_hf_qwen3vl(tmp / "hf", dtype="bf16", vision=vision)
+    _allow_larger_images(d)
+    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return d, hf, Qwen3VLLocal(d, device=device, num_slots=2, max_context=512)
+
+
+def prompt(ours, d: Path, pictures: list):
+    """(token ids, ImagePatches) of a chat with ``pictures`` and the check's question."""
+    from moebus.common.tokenizer import TextTokenizer
+    from qwen3vl_check import TEXT
+
+    content = [{"type": "image"}] * len(pictures) + [{"type": "text", "text": TEXT}]
+    return ours.prepare(TextTokenizer(d).encode_chat([{"role": "user", "content": content}]), pictures)
+
+
+def main() -> bool:
+    from qwen3vl_check import _hf_greedy
+
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        d = make_hf_qwen3vl(Path(tmp) / "hf", dtype="bf16")
-        _allow_larger_images(d)
-        hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None
-        ours = Qwen3VLLocal(d, device="cuda", num_slots=2, max_context=512)
+        d, hf, ours = models(Path(tmp))
         tc = getattr(ours.lm.backend, "tensor_cores", None)
         for n in (1, 2):
-            content = [{"type": "image"}] * n + [{"type": "text", "text": TEXT}]
-            ids, patches = ours.prepare(TextTokenizer(d).encode_chat([{"role": "user", "content": content}]),
-                                        images[:n])
+            ids, patches = prompt(ours, d, images()[:n])
             merged = [p.grid_h * p.grid_w // 4 for p in patches]
             on_tc = tc is not None and min(merged) >= tc.min_rows and ours.vision.patch_weight.dtype == np.uint16
             out = ours.generate(ids, NUM_TOKENS, patches)

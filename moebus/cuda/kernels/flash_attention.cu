@@ -4,12 +4,16 @@
 // -> fp32 on split operands: a float32 x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), so
 //   S = Qhi K + Qlo K            (bf16 keys: exact)      or  Qhi Khi + Qhi Klo + Qlo Khi  (float32 keys)
 //   O = Phi V + Plo V            (bf16 values: exact)    or  Phi Vhi + Phi Vlo + Plo Vhi  (float32 values)
-// which leaves ~2^-16 relative error per term, fp32 sums. flash_attention.py documents the
-// parameters; flash_attention_ref there is this kernel's arithmetic in numpy.
+// which leaves ~2^-16 relative error per term, fp32 sums. Float32 keys and values may take plain
+// bf16 products instead (one mma: S = Qhi Khi with SPLIT_QK 0, O = Phi Vhi with SPLIT_PV 0; ~2^-9
+// relative per operand): the towers' precision choice (flash_attention.IMAGE_PRECISION).
+// flash_attention.py documents the parameters; flash_attention_ref there is this kernel's
+// arithmetic in numpy.
 //
 // Compiled by NVRTC at run time with HEAD_DIM (a multiple of 8, <= 128) and F32_KV (0: keys and
 // values are bf16 bits, 1: float32) defined, and WARPS (4 or 8: 16 queries each). Float32 keys and
-// values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below).
+// values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below);
+// SPLIT_QK and SPLIT_PV (default 1) say whether their products use the lo planes.
 // Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
 // g = lane / 4 and t = lane % 4, A (16 x 16, row) a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g,
 // 2t+8..), a3 = (g+8, 2t+8..); B (16 x 8, col) b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g); C
@@ -26,20 +30,60 @@
 #define HDP ((HD + 15) / 16 * 16)       // the contraction of Q K^T, padded with zeros
 #define KSTEPS (HDP / 16)
 #define DTILES (HD / 8)                 // n-tiles of O
-#define PARTS (F32_KV ? 2 : 1)          // parts of a key / value kept in shared memory
+#define PARTS (F32_KV ? 2 : 1)          // parts of a key / value in split_planes' planes
+#ifndef SPLIT_QK
+#define SPLIT_QK 1
+#endif
+#ifndef SPLIT_PV
+#define SPLIT_PV 1
+#endif
+#define K_PARTS (F32_KV && SPLIT_QK ? 2 : 1)  // parts of a key / value kept in shared memory
+#define V_PARTS (F32_KV && SPLIT_PV ? 2 : 1)
+#define Q_LO (!F32_KV || SPLIT_QK)      // Qlo's products: exact bf16 keys, or split ones
+#define P_LO (!F32_KV || SPLIT_PV)
 #ifndef WARPS
 #define WARPS 4
 #endif
 #define BM (16 * WARPS)                 // queries per block: 16 per warp
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1                    // blocks an SM must hold at once (registers per thread capped to fit)
+#endif
 #define PLANE_KEYS 64                   // split_planes pads the keys to a multiple of this (and of BN)
-#define BN ((F32_KV && HDP > 80) ? 32 : 64)  // keys per tile (shared memory under 48 KiB)
+// Float32 keys and values: with STAGES_WANTED 2 (the default) and where two tiles fit the 48 KiB of
+// static shared memory, the next tile's copies (cp.async) run while the block computes on this one
+#ifndef STAGES_WANTED
+#define STAGES_WANTED 2
+#endif
 #define KP (HDP + 8)                    // row pitches (bf16): conflict-free fragment reads
+#define TILE_BYTES_AT(bn) (2 * (K_PARTS * (bn) * KP + V_PARTS * HD * ((bn) + 8)))
+#define SMEM_BYTES (48 * 1024)
+// Keys per tile (BN; PLANE_KEYS a multiple of it): 64, unless float32 keys and values then fit one
+// stage only: two stages of 32 (split images at hd 72: 0.558 ms an attention instead of 0.728 with
+// one stage of 64, H200, vltower8), else what one stage holds. flash_attention_ref.tile_keys mirrors it.
+#if defined(TILE_KEYS)
+#define BN TILE_KEYS
+#elif !F32_KV
+#define BN 64
+#elif STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(64) <= SMEM_BYTES
+#define BN 64
+#elif STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(32) <= SMEM_BYTES
+#define BN 32
+#elif TILE_BYTES_AT(64) <= SMEM_BYTES
+#define BN 64
+#else
+#define BN 32
+#endif
 #define VP (BN + 8)
 #define CHUNK 8                         // bf16 elements per 16-byte load
 // Float32 keys of up to 96 dims: each product's mma interleaved over the n-tiles / d-tiles (scores,
 // accumulate); at more dims the fragments this holds would not fit the registers
 #define INTERLEAVE (F32_KV && HDP <= 96)
 #define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
+#if F32_KV && STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(BN) <= SMEM_BYTES
+#define STAGES 2
+#else
+#define STAGES 1
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -61,7 +105,19 @@ __device__ __forceinline__ void split(float x, u32 &hi, u32 &lo) {
     lo = bf16_round(x - bf16_value(hi));
 }
 
-__device__ __forceinline__ u32 pack(u32 first, u32 second) { return first | (second << 16); }
+// (bf16(x0), bf16(x1)) packed, x0 in the low half: one cvt, rounded to nearest even as bf16_round
+__device__ __forceinline__ u32 pack_bf16(float x0, float x1) {
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x1), "f"(x0));  // the first source is the high half
+    return packed;
+}
+
+// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1)); where lo is unused
+// (plain bf16 products) the compiler drops its arithmetic
+__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
+    hi = pack_bf16(x0, x1);
+    lo = pack_bf16(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
+}
 
 __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -85,11 +141,7 @@ __device__ __forceinline__ void load_q(const float *q, long long row_pitch, int 
             int row = r0 + (e & 1) * 8, col = ks * 16 + 2 * t + (e >> 1) * 8;
             float2 x = make_float2(0.f, 0.f);
             if (row < rows_valid && col < HD) x = *reinterpret_cast<const float2 *>(q + row * row_pitch + col);
-            u32 h0, l0, h1, l1;
-            split(x.x, h0, l0);
-            split(x.y, h1, l1);
-            qh[ks][e] = pack(h0, h1);
-            ql[ks][e] = pack(l0, l1);
+            split_pair(x.x, x.y, qh[ks][e], ql[ks][e]);
         }
     }
 }
@@ -134,8 +186,10 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const u16 *row = ks[0][nt * 8 + g];
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+#if Q_LO
             mma(s[nt], ql[kk], b0, b1);
-#if F32_KV
+#endif
+#if K_PARTS == 2
             mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t),
                 smem_pair(ks[1][nt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
@@ -153,18 +207,16 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {  // a0: (g, 2t..) of n-tile 2kk; a1: its row g+8; a2, a3: n-tile 2kk+1
             const float *c = p[2 * kk + (e >> 1)] + (e & 1) * 2;
-            u32 h0, l0, h1, l1;
-            split(c[0], h0, l0);
-            split(c[1], h1, l1);
-            ph[e] = pack(h0, h1);
-            pl[e] = pack(l0, l1);
+            split_pair(c[0], c[1], ph[e], pl[e]);
         }
 #pragma unroll
         for (int dt = 0; dt < DTILES; ++dt) {
             const u16 *row = vt[0][dt * 8 + g];
             u32 b0 = smem_pair(row, kk * 16 + 2 * t), b1 = smem_pair(row, kk * 16 + 2 * t + 8);
+#if P_LO
             mma(o[dt], pl, b0, b1);
-#if F32_KV
+#endif
+#if V_PARTS == 2
             mma(o[dt], ph, smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t),
                 smem_pair(vt[1][dt * 8 + g], kk * 16 + 2 * t + 8));
 #endif
@@ -190,12 +242,12 @@ __device__ __forceinline__ float quad_sum(float x) {
 // h * k_head_stride + j * k_row_stride (elements); values likewise. Query i sits at position
 // first_pos + i and sees keys j <= first_pos + i (causal; and j > first_pos + i - window when
 // window > 0), or all num_keys keys (not causal). scale_log2 = scale * log2(e).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_attention(
     const float *q, const void *k, const void *v, float *out, int q_row0, int rows_per_z, int num_queries, int heads,
     int group, long long k_base, long long k_z_stride, long long k_head_stride, long long k_row_stride, int num_keys,
     int first_pos, int window, int causal, float scale_log2) {
-    __shared__ __align__(16) u16 ks[PARTS][BN][KP];
-    __shared__ __align__(16) u16 vt[PARTS][HD][VP];
+    __shared__ __align__(16) u16 ks_all[STAGES][K_PARTS][BN][KP];
+    __shared__ __align__(16) u16 vt_all[STAGES][V_PARTS][HD][VP];
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int tile = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, z = blockIdx.z;
     const int q0 = tile * BM;  // the block's first query
@@ -218,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
 #if !F32_KV
     for (int idx = threadIdx.x; idx < PARTS * BN * (KP - HD); idx += WARPS * 32) {  // the zero padding
         int c = idx % (KP - HD), rest = idx / (KP - HD);
-        ks[rest / BN][rest % BN][HD + c] = 0;
+        ks_all[0][rest / BN][rest % BN][HD + c] = 0;
     }
 #endif
     const int last_query = min(q0 + BM, num_queries) - 1;
@@ -232,14 +284,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
     float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};  // rows r0, r0 + 8 (per-thread sums)
     const int pos[2] = {first_pos + q0 + r0, first_pos + q0 + r0 + 8};
 
+    int stage = 0;
+#if STAGES == 2
+    if (key_begin < key_end) load_tile(kz, vz, keys_padded, key_begin, ks_all[0], vt_all[0]);
+    cp_async_commit();
+#endif
     for (int key0 = key_begin; key0 < key_end; key0 += BN) {
+#if STAGES == 2
+        if (key0 + BN < key_end) load_tile(kz, vz, keys_padded, key0 + BN, ks_all[stage ^ 1], vt_all[stage ^ 1]);
+        cp_async_commit();
+        cp_async_wait_all_but_newest();  // this thread's copies of this tile have landed
+        __syncthreads();                 // and every thread's
+#else
         __syncthreads();  // the previous tile (and the padding) are done with
 #if F32_KV
-        load_tile(kz, vz, keys_padded, key0, ks, vt);
+        load_tile(kz, vz, keys_padded, key0, ks_all[0], vt_all[0]);
 #else
-        load_tile(kz, vz, k_row_stride, key0, key_end, ks, vt);
+        load_tile(kz, vz, k_row_stride, key0, key_end, ks_all[0], vt_all[0]);
 #endif
         __syncthreads();
+#endif
+        u16(*ks)[BN][KP] = ks_all[stage];
+        u16(*vt)[HD][VP] = vt_all[stage];
         float s[BN / 8][4];
         scores(s, qh, ql, ks, g, t);
         float tile_max[2] = {NEG_INF, NEG_INF};
@@ -290,6 +356,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_attention(
             o[dt][3] *= shrink[1];
         }
         accumulate(o, s, vt, g, t);
+#if STAGES == 2
+        __syncthreads();  // every warp is done with this stage before the next round's copies refill it
+        stage ^= 1;
+#endif
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -12,7 +12,9 @@ device function: numba cannot keep kernels with linked files in its disk cache, 
 start would pay NVRTC again.
 
 Precision: split bf16 parts, fp32 sums (the .cu's header); flash_attention_ref.py is the same
-arithmetic in numpy. Shapes: T rows, H query heads, KVH kv heads, hd head dim, C cache positions."""
+arithmetic in numpy. The images' products may instead be plain bf16 (IMAGE_PRECISION, below): the
+towers' choice, measured against the split one for time and fidelity (docs/performance.md).
+Shapes: T rows, H query heads, KVH kv heads, hd head dim, C cache positions."""
 from __future__ import annotations
 
 import functools
@@ -37,6 +39,14 @@ BLOCK_QUERIES = 16 * WARPS  # the .cu's BM
 PLANE_KEYS, PLANE_THREADS = 64, 256  # split_planes: keys per block (the .cu's PLANE_KEYS), threads
 MAX_HEAD_DIM = 128
 ENABLED = os.environ.get("MOEBUS_ATTENTION_FLASH", "1") != "0"
+# Images' products: "split" (Q K and P V on split bf16 parts, 3 mma each: ~fp32), "split_scores"
+# (Q K split, P V plain bf16) or "bf16" (both plain: one mma each). Prefill is always split.
+PRECISIONS = {"split": (1, 1), "split_scores": (1, 0), "bf16": (0, 0)}  # -> (SPLIT_QK, SPLIT_PV)
+IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
+# images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
+# must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
+# knobs of tools/device/vltower8_encode.py
+IMAGE_DEFINES: tuple = ()
 
 
 def supported(head_dim: int) -> bool:
@@ -46,11 +56,22 @@ def supported(head_dim: int) -> bool:
 
 # -- compiling ------------------------------------------------------------------------------------
 
-def compile_options(head_dim: int, f32_kv: bool, arch: str, warps: int = WARPS) -> list[bytes]:
+def compile_options(head_dim: int, f32_kv: bool, arch: str, warps: int = WARPS,
+                    precision: str = "split", defines: tuple = ()) -> list[bytes]:
     if warps not in (4, 8):
         raise ValueError(f"{warps} warps a block: the kernel is built for 4 or 8")
+    split_qk, split_pv = _splits(precision)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DHEAD_DIM={int(head_dim)}".encode(),
-            f"-DF32_KV={int(bool(f32_kv))}".encode(), f"-DWARPS={int(warps)}".encode()]
+            f"-DF32_KV={int(bool(f32_kv))}".encode(), f"-DWARPS={int(warps)}".encode(),
+            f"-DSPLIT_QK={split_qk}".encode(), f"-DSPLIT_PV={split_pv}".encode()] + \
+        [f"-D{name}={int(value)}".encode() for name, value in defines]
+
+
+def _splits(precision: str) -> tuple[int, int]:
+    if precision not in PRECISIONS:
+        raise ValueError(f"image attention precision {precision!r}: one of {', '.join(PRECISIONS)} "
+                         "(MOEBUS_IMAGE_ATTENTION)")
+    return PRECISIONS[precision]
 
 
 def source() -> bytes:
@@ -97,12 +118,13 @@ def _check(nvrtc, err, what: str) -> None:
         raise RuntimeError(f"NVRTC {what}: {err}")
 
 
-def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: int = WARPS) -> bytes:
+def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: int = WARPS,
+          precision: str = "split", defines: tuple = ()) -> bytes:
     """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
     before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
     from cuda.bindings import nvrtc
 
-    options, text = compile_options(head_dim, f32_kv, arch, warps), source()
+    options, text = compile_options(head_dim, f32_kv, arch, warps, precision, defines), source()
     path = None
     if cache_dir:
         digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
@@ -122,26 +144,36 @@ def _warps(f32_kv: bool) -> int:
     return IMAGE_WARPS if f32_kv else WARPS  # float32 keys: the towers' images
 
 
+def _precision(f32_kv: bool) -> str:
+    return IMAGE_PRECISION if f32_kv else "split"
+
+
+def _defines(f32_kv: bool) -> tuple:
+    return tuple(IMAGE_DEFINES) if f32_kv else ()
+
+
 @functools.cache
-def _module(head_dim: int, f32_kv: bool, warps: int):
+def _module(head_dim: int, f32_kv: bool, warps: int, precision: str, defines: tuple):
     """The compiled cubin for this GPU (cuda.core ObjectCode), through numba's kernel cache directory."""
     from moebus.cuda.kernels.compat import _numba_config, cuda
 
     gpu = cuda.get_current_device()
     _core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR, warps)
-    return _object_code().from_cubin(code, name=f"flash_attention_hd{head_dim}_{int(f32_kv)}_{warps}w")
+    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR, warps, precision, defines)
+    name = f"flash_attention_hd{head_dim}_{int(f32_kv)}_{warps}w_{precision}" + "".join(f"_{v}" for _, v in defines)
+    return _object_code().from_cubin(code, name=name)
 
 
 def _kernel(head_dim: int, f32_kv: bool, entry: str = ENTRY):
     """One entry of the compiled kernels (cuda.core Kernel): the attention or split_planes."""
-    return _module(head_dim, f32_kv, _warps(f32_kv)).get_kernel(entry)
+    return _module(head_dim, f32_kv, _warps(f32_kv), _precision(f32_kv), _defines(f32_kv)).get_kernel(entry)
 
 
 def ready(head_dim: int, f32_kv: bool) -> bool:
     """supported() and the kernel compiled (or loaded) for this GPU; if that fails (no NVRTC, say),
     a warning once and False: the caller keeps the materialised path."""
+    _splits(_precision(f32_kv))  # a bad MOEBUS_IMAGE_ATTENTION is an error, not a quiet fallback
     return supported(head_dim) and _builds(head_dim, f32_kv)
 
 

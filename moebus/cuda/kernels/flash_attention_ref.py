@@ -9,14 +9,27 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.dtypes import bf16_to_f32
-from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES, plane_shapes
+from moebus.cuda.kernels.flash_attention import BLOCK_QUERIES, PRECISIONS, plane_shapes
 from moebus.cuda.kernels.gemm import split_bf16_ref
 
+SMEM_BYTES = 48 * 1024  # the .cu's static shared memory per block
 
-def tile_keys(head_dim: int, f32_kv: bool) -> int:
-    """BN of the .cu: 32 when float32 keys of more than 80 (padded) dims would pass 48 KiB of shared memory."""
+
+def tile_keys(head_dim: int, f32_kv: bool, precision: str = "split", stages_wanted: int = 2) -> int:
+    """BN of the .cu (its default, no TILE_KEYS): 64 keys, unless float32 keys and values then fit one
+    stage of 48 KiB only: two stages of 32, else what one stage holds."""
+    if not f32_kv:
+        return 64
+    k_parts, v_parts = (1 + split for split in PRECISIONS[precision])
     padded = -(-head_dim // 16) * 16
-    return 32 if f32_kv and padded > 80 else 64
+
+    def tile_bytes(keys: int) -> int:
+        return 2 * (k_parts * keys * (padded + 8) + v_parts * head_dim * (keys + 8))
+
+    for keys, stages in ((64, 2), (32, 2), (64, 1)):
+        if stages <= stages_wanted and stages * tile_bytes(keys) <= SMEM_BYTES:
+            return keys
+    return 32
 
 
 def key_range(first_query: int, last_query: int, num_keys: int, first_pos: int, window: int, causal: bool,
@@ -33,9 +46,12 @@ def _parts(x: np.ndarray, exact: bool) -> list[np.ndarray]:
     return [x] if exact else [bf16_to_f32(p) for p in split_bf16_ref(x)]
 
 
-def _product(a: np.ndarray, b: np.ndarray, b_exact: bool) -> np.ndarray:
-    """a @ b as the kernel's mma's: a split in two parts, b split unless exact; lo.lo dropped."""
+def _product(a: np.ndarray, b: np.ndarray, b_exact: bool, split: bool = True) -> np.ndarray:
+    """a @ b as the kernel's mma's: a split in two parts, b split unless exact; lo.lo dropped. Not
+    ``split`` (float32 b): one plain bf16 product, hi(a) @ hi(b)."""
     a_hi, a_lo = _parts(a, False)
+    if not split and not b_exact:
+        return a_hi @ _parts(b, False)[0]
     if b_exact:
         return a_lo @ b + a_hi @ b
     b_hi, b_lo = _parts(b, False)
@@ -56,10 +72,12 @@ def _seen(key_ids: np.ndarray, positions: np.ndarray, num_keys: int, window: int
     return (keys <= pos) & ((keys > pos - window) if window > 0 else True)
 
 
-def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: bool, scale_log2, kv_exact: bool):
-    """One block: BLOCK_QUERIES rows from q0 (rows past the end computed as zeros, not stored)."""
+def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: bool, scale_log2, kv_exact: bool,
+                precision: str = "split"):
+    """One block: BLOCK_QUERIES rows from q0 (rows past the end computed as zeros, not stored);
+    ``precision`` of float32 keys and values (flash_attention.PRECISIONS)."""
     num_queries, head_dim = q.shape
-    per_tile = tile_keys(head_dim, not kv_exact)
+    splits, per_tile = PRECISIONS[precision], tile_keys(head_dim, not kv_exact, precision)
     q_tile = np.zeros((BLOCK_QUERIES, head_dim), np.float32)
     q_tile[: min(BLOCK_QUERIES, num_queries - q0)] = q[q0:q0 + BLOCK_QUERIES]
     positions = first_pos + np.arange(q0, q0 + BLOCK_QUERIES)
@@ -71,7 +89,7 @@ def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: b
     for key0 in range(begin, end, per_tile):
         key_ids = np.arange(key0, key0 + per_tile)
         k_tile, v_tile = _tile_of(keys, key_ids, end), _tile_of(values, key_ids, end)
-        s = _product(q_tile, k_tile.T, kv_exact).astype(np.float32)
+        s = _product(q_tile, k_tile.T, kv_exact, splits[0]).astype(np.float32)
         s = np.where(_seen(key_ids, positions, keys.shape[0], window, causal), s * scale_log2, -np.inf)
         new_max = np.maximum(row_max, s.max(axis=1)).astype(np.float32)
         base = np.where(new_max == -np.inf, np.float32(0), new_max)  # a row that has seen nothing stays at 0
@@ -79,20 +97,22 @@ def _query_tile(q, keys, values, q0: int, first_pos: int, window: int, causal: b
         row_max = new_max
         p = np.exp2(s - base[:, None]).astype(np.float32)
         row_sum = row_sum * shrink + p.sum(axis=1)
-        acc = acc * shrink[:, None] + _product(p, v_tile, kv_exact).astype(np.float32)
+        acc = acc * shrink[:, None] + _product(p, v_tile, kv_exact, splits[1]).astype(np.float32)
     inverse = np.where(row_sum > 0, 1 / np.where(row_sum > 0, row_sum, 1), 0).astype(np.float32)
     return acc * inverse[:, None]
 
 
 def flash_block_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first_pos: int, window: int, causal: bool,
-                    scale: float, kv_exact: bool) -> np.ndarray:
+                    scale: float, kv_exact: bool, precision: str = "split") -> np.ndarray:
     """One (sequence or image, head): q (n, hd) float32, keys and values (L, hd) float32 (bf16 values
-    when kv_exact) -> (n, hd) float32, tiled as the kernel tiles it."""
+    when kv_exact) -> (n, hd) float32, tiled as the kernel tiles it; ``precision`` of float32 keys
+    and values as flash_attention.PRECISIONS."""
     scale_log2 = np.float32(scale * np.log2(np.e))
     out = np.zeros_like(q, dtype=np.float32)
     for q0 in range(0, q.shape[0], BLOCK_QUERIES):
         stored = min(BLOCK_QUERIES, q.shape[0] - q0)
-        out[q0:q0 + stored] = _query_tile(q, keys, values, q0, first_pos, window, causal, scale_log2, kv_exact)[:stored]
+        out[q0:q0 + stored] = _query_tile(q, keys, values, q0, first_pos, window, causal, scale_log2, kv_exact,
+                                          precision)[:stored]
     return out
 
 
@@ -113,8 +133,9 @@ def flash_prefill_ref(q, k_cache, v_cache, segments, scale: float, window: int) 
     return out
 
 
-def flash_images_ref(q, k, v, num_images: int, scale: float) -> np.ndarray:
-    """flash_images_cuda in numpy: rows (N P, H, hd) float32, per image, bidirectional."""
+def flash_images_ref(q, k, v, num_images: int, scale: float, precision: str = "split") -> np.ndarray:
+    """flash_images_cuda in numpy: rows (N P, H, hd) float32, per image, bidirectional, its products
+    split or plain bf16 (``precision``, flash_attention.PRECISIONS)."""
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     rows, heads, _ = q.shape
     positions = rows // num_images
@@ -122,7 +143,7 @@ def flash_images_ref(q, k, v, num_images: int, scale: float) -> np.ndarray:
     for image in range(num_images):
         at = slice(image * positions, (image + 1) * positions)
         for h in range(heads):
-            out[at, h] = flash_block_ref(q[at, h], k[at, h], v[at, h], 0, 0, False, scale, False)
+            out[at, h] = flash_block_ref(q[at, h], k[at, h], v[at, h], 0, 0, False, scale, False, precision)
     return out
 
 

@@ -2,34 +2,41 @@
 // float32 keys and values take. split_planes splits them once per call into bf16 planes, hi and lo,
 // the keys padded to HDP dims and 64 keys, the values transposed, so that every tile of every query
 // block is a plain 16-byte copy into shared memory (load_tile); and at up to 96 dims the products'
-// mma are issued over every n-tile / d-tile in turn (scores, accumulate: INTERLEAVE).
-
-// split() of a pair, packed: hi = (hi(x0), hi(x1)), lo = (lo(x0), lo(x1))
-__device__ __forceinline__ void split_pair(float x0, float x1, u32 &hi, u32 &lo) {
-    u32 h0, l0, h1, l1;
-    split(x0, h0, l0);
-    split(x1, h1, l1);
-    hi = pack(h0, h1);
-    lo = pack(l0, l1);
-}
+// mma are issued over every n-tile / d-tile in turn (scores, accumulate: INTERLEAVE). With SPLIT_QK
+// (SPLIT_PV) 0 the products of the keys (values) are plain bf16, and their lo planes are neither
+// written nor read.
 
 #if F32_KV
+// 16 bytes from global to shared memory: cp.async (completes at cp_async_wait_*) when two tiles
+// alternate (STAGES 2), else a plain load and store
+__device__ __forceinline__ void copy16(u16 *dst, const u16 *src) {
+#if STAGES == 2
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all_but_newest() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
 // Keys [key0, key0 + BN) into ks[part][j][d] and values transposed into vt[part][d][j], from
 // split_planes' planes of this (image, head): keys (2, keys_padded, HDP) and values (2, HD,
-// keys_padded), already zero past the last key and HD: plain 16-byte copies.
+// keys_padded), already zero past the last key and HD: plain 16-byte copies (the hi parts alone
+// where a product is plain bf16).
 __device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys_padded, int key0, u16 (*ks)[BN][KP],
                                           u16 (*vt)[HD][VP]) {
     const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
     const int k_chunks = HDP / CHUNK, v_chunks = BN / CHUNK;
-    for (int idx = threadIdx.x; idx < PARTS * BN * k_chunks; idx += WARPS * 32) {
+    for (int idx = threadIdx.x; idx < K_PARTS * BN * k_chunks; idx += WARPS * 32) {
         int part = idx / (BN * k_chunks), rest = idx % (BN * k_chunks), j = rest / k_chunks, c = rest % k_chunks;
-        *reinterpret_cast<uint4 *>(&ks[part][j][c * CHUNK]) =
-            *reinterpret_cast<const uint4 *>(kp + part * k_part + (long long)(key0 + j) * HDP + c * CHUNK);
+        copy16(&ks[part][j][c * CHUNK], kp + part * k_part + (long long)(key0 + j) * HDP + c * CHUNK);
     }
-    for (int idx = threadIdx.x; idx < PARTS * HD * v_chunks; idx += WARPS * 32) {
+    for (int idx = threadIdx.x; idx < V_PARTS * HD * v_chunks; idx += WARPS * 32) {
         int part = idx / (HD * v_chunks), rest = idx % (HD * v_chunks), d = rest / v_chunks, c = rest % v_chunks;
-        *reinterpret_cast<uint4 *>(&vt[part][d][c * CHUNK]) =
-            *reinterpret_cast<const uint4 *>(vp + part * v_part + (long long)d * keys_padded + key0 + c * CHUNK);
+        copy16(&vt[part][d][c * CHUNK], vp + part * v_part + (long long)d * keys_padded + key0 + c * CHUNK);
     }
 }
 #endif
@@ -52,11 +59,13 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
             hi[nt][0] = smem_pair(ks[0][nt * 8 + g], col);
             hi[nt][1] = smem_pair(ks[0][nt * 8 + g], col + 8);
         }
+#if SPLIT_QK
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], ql[kk], hi[nt][0], hi[nt][1]);
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt)
             mma(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], col), smem_pair(ks[1][nt * 8 + g], col + 8));
+#endif
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) mma(s[nt], qh[kk], hi[nt][0], hi[nt][1]);
     }
@@ -85,6 +94,7 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
                     hi[j][1] = smem_pair(vt[0][(d0 + j) * 8 + g], col + 8);
                 }
             }
+#if SPLIT_PV
 #pragma unroll
             for (int j = 0; j < DGROUP; ++j)
                 if (d0 + j < DTILES) mma(o[d0 + j], pl, hi[j][0], hi[j][1]);
@@ -93,6 +103,7 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
                 if (d0 + j < DTILES)
                     mma(o[d0 + j], ph, smem_pair(vt[1][(d0 + j) * 8 + g], col),
                         smem_pair(vt[1][(d0 + j) * 8 + g], col + 8));
+#endif
 #pragma unroll
             for (int j = 0; j < DGROUP; ++j)
                 if (d0 + j < DTILES) mma(o[d0 + j], ph, hi[j][0], hi[j][1]);
@@ -103,7 +114,7 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
 
 // Float32 keys and values (rows of heads x HD, image z's key j at row z * positions + j) -> bf16
 // planes per (image, head): keys (2, keys_padded, HDP) hi and lo, values transposed (2, HD,
-// keys_padded); zero past the last key and (keys) past HD. Block (x, y, z) = (PLANE_KEYS keys, head,
+// keys_padded); zero past the last key and (keys) past HD; a lo plane only where its product is split. Block (x, y, z) = (PLANE_KEYS keys, head,
 // image), 256 threads; the values pass through shared memory to be written along the keys.
 extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, const float *v, u16 *kp, u16 *vp,
                                                                int positions, int keys_padded, int heads) {
@@ -120,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
         u32 hi = 0, lo = 0;
         if (real) split(k[at], hi, lo);
         kz[(long long)key * HDP + d] = (u16)hi;
-        kz[k_part + (long long)key * HDP + d] = (u16)lo;
+        if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
         if (d < HD) tile[j][d] = key < positions ? v[at] : 0.f;
     }
     __syncthreads();
@@ -129,6 +140,6 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
         u32 hi, lo;
         split(tile[j][d], hi, lo);
         vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
-        vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
+        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
     }
 }

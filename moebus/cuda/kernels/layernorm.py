@@ -42,8 +42,15 @@ def row_mean_inv_std(x, row, dim, lane, eps):
     return mean, float32(1.0) / math.sqrt(warp_sum(square_sum) / float32(dim) + eps)
 
 
+@device
+def store_row(out, r, d, value):
+    out[r, d] = value
+
+
 @functools.cache
-def _layernorm_kernel(storage: str):
+def _layernorm_kernel(storage: str, store=store_row):
+    """The LayerNorm kernel for weights of ``storage``; ``store(out, r, d, value)`` writes each result
+    (float32 here; split_epilogues.py's store writes a product's bf16 parts)."""
     load = SCALAR[storage]
 
     @kernel
@@ -60,7 +67,7 @@ def _layernorm_kernel(storage: str):
             mean, inv_std = row_mean_inv_std(x, row, dim, lane, eps)
             if start + first < num_rows:
                 for d in range(lane, dim, WARP):
-                    out[row, d] = (x[row, d] - mean) * inv_std * load(weight, 0, d) + load(bias, 0, d)
+                    store(out, row, d, (x[row, d] - mean) * inv_std * load(weight, 0, d) + load(bias, 0, d))
 
     return layernorm_rows
 

@@ -16,11 +16,10 @@ import functools
 import numpy as np
 
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
-from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads,
-                                        uint16)
+from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
-from moebus.cuda.kernels.layernorm import MAX_WARPS, layernorm_ref, row_mean_inv_std
+from moebus.cuda.kernels.layernorm import MAX_WARPS, _layernorm_kernel, layernorm_ref
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
 
@@ -72,28 +71,6 @@ def _store_split(out, r, d, value):
 
 
 @functools.cache
-def _layernorm_split_kernel(storage: str):
-    load = SCALAR[storage]
-
-    @kernel
-    def layernorm_split_rows(x, weight, bias, eps, out):
-        # layernorm.py's kernel (a warp per row, its statistics), its result stored as parts
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        stride = cuda.gridDim.x * warps
-        num_rows, dim = x.shape
-        for start in range(0, num_rows, stride):
-            row = min(start + first, num_rows - 1)
-            mean, inv_std = row_mean_inv_std(x, row, dim, lane, eps)
-            if start + first < num_rows:
-                for d in range(lane, dim, WARP):
-                    _store_split(out, row, d, (x[row, d] - mean) * inv_std * load(weight, 0, d) + load(bias, 0, d))
-
-    return layernorm_split_rows
-
-
-@functools.cache
 def _bias_activation_split_kernel(storage: str, name: str):
     load, fn = SCALAR[storage], DEVICE_FNS[name]
 
@@ -122,7 +99,7 @@ def layernorm_split_cuda(x, weight, bias, eps: float, out, stream=0):
     _check_out(out, num_rows, dim)
     if num_rows:
         grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
-        kernel = _layernorm_split_kernel(storage_of(weight))
+        kernel = _layernorm_kernel(storage_of(weight), _store_split)  # layernorm.py's, its result stored as parts
         kernel[grid, block, stream](x, reader_view(weight, wide=False), reader_view(bias, wide=False), np.float32(eps),
                                     out)
     return out
