@@ -229,7 +229,7 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     try:
         return Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                     kv_dtype=resolve_kv_dtype(settings.kv_dtype, device),
+                     kv_dtype=resolve_kv_dtype(settings.kv_dtype, device), attention_dtype=settings.attention.dtype,
                      experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
                      progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here
