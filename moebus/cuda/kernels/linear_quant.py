@@ -34,7 +34,8 @@ from moebus.cuda.kernels.quant_words import decoder, e4m3_at, hardware_e4m3
 
 MAX_TOKENS = 8  # tokens a pass: per-lane sums live in registers
 WARPS = 4  # rows in flight a block
-MAX_UNROLL = 8  # words a lane loads a round (a q/k/v row of 2048 inputs: 256 words, one round)
+MAX_UNROLL = 8  # words a lane loads a round with 1-2 tokens (a q/k/v row of 2048 inputs: 256 words, one round)
+LONG_RUN_UNROLL = 2  # ... with 3-8 tokens (as moe_quant.LONG_RUN_VALUES)
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 
@@ -88,7 +89,7 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool):
         w_buf = cuda.local.array((2, 4), float32)
         x_buf = cuda.local.array((2, 4), float32)
         for start in range(0, num_rows, stride):
-            row = min(start + first, num_rows - 1)
+            row = uint32(min(start + first, num_rows - 1))  # unsigned: no wraparound arithmetic a load
             for t in range(chunk):
                 acc[t] = float32(0.0)
             for base in range(lane, row_words, WARP * unroll):
@@ -117,9 +118,11 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool):
     return fp8_rows
 
 
-def unroll_for(row_words: int) -> tuple[int, bool]:
-    """(words a lane loads a round, whether rows are whole rounds): all of a row's where they fit."""
-    unroll = max(1, min(MAX_UNROLL, ceil_div(row_words, WARP)))
+def unroll_for(row_words: int, chunk: int) -> tuple[int, bool]:
+    """(words a lane loads a round, whether rows are whole rounds): all of a row's where they fit
+    with 1-2 tokens a pass; with more, LONG_RUN_UNROLL (at 8 tokens an unroll of 8 spills the sums
+    to local memory, ptx_check), each word then serving several tokens."""
+    unroll = max(1, min(MAX_UNROLL if chunk <= 2 else LONG_RUN_UNROLL, ceil_div(row_words, WARP)))
     return unroll, row_words % (WARP * unroll) == 0
 
 
@@ -144,7 +147,7 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
         return out
     chunk = min(MAX_TOKENS, num_tokens)
     row_words = cols // VALUES_PER_WORD
-    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words))
+    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words, chunk))
     grid = (blocks(ceil_div(codes.shape[0], WARPS)), ceil_div(num_tokens, chunk))
     kernel_[grid, threads(WARPS * WARP), stream](x.view(np.uint64), codes.view(np.uint64), scales, row_words, out)
     return out
