@@ -174,7 +174,7 @@ class GpuWorker:
     def stats(self) -> dict:
         stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
                  "busy_s": self.busy_s,
-                 "dropped_messages": self.link.dropped_messages}
+                 "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
         if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here

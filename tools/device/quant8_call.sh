@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200, one call (~130 s): issue 16, eighth session (branch quant8).
+# One H200, one call (~130 s; a partial log keeps the configs that finished): issue 16, eighth session (branch quant8).
 # - GPU tests (background, $TESTS): the FP8 dense GEMV (both e4m3 decoders) and its bf16 conversion
 #   against their numpy references; nothing is timed until they end.
 # - init-model: an A3B-shaped model of $LAYERS layers x 32 experts (24: a batch-1 step is GPU-bound).
@@ -11,11 +11,11 @@ LAYERS=${LAYERS:-24}
 M=/tmp/a3b-${LAYERS}x32
 TESTS=${TESTS:-tests/cuda/test_linear_quant.py}
 echo "== GPU tests (background), init-model $LAYERS x 32"; date
-MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-50} python3 -m pytest -q -p no:cacheprovider $TESTS > $OUT/gpu_tests.txt 2>&1 &
+MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-40} python3 -m pytest -q -p no:cacheprovider $TESTS > $OUT/gpu_tests.txt 2>&1 &
 export WAIT_PID=$!
-timeout ${INIT_S:-45} python3 -m moebus.cli init-model $M --preset a3b --layers $LAYERS --experts 32 > /dev/null 2>&1
+timeout ${INIT_S:-40} python3 -m moebus.cli init-model $M --preset a3b --layers $LAYERS --experts 32 > /dev/null 2>&1
 echo "== decode"; date
-(cd tools/device && timeout ${SPEED_S:-75} python3 quant8_speed.py $M 2>&1) \
+(cd tools/device && timeout ${SPEED_S:-80} python3 quant8_speed.py $M 2>&1) \
   | grep -v Warn | tee $OUT/quant8_speed.txt | grep -v '^{'
 wait $WAIT_PID
 echo "== GPU tests"; grep -E "passed|failed|FAILED|Error|skipped" $OUT/gpu_tests.txt | tail -8
