@@ -5,6 +5,7 @@
 # - init-model: an A3B-shaped model of $LAYERS layers x 32 experts (24: a batch-1 step is GPU-bound).
 # - tools/device/quant8_speed.py: bench decode, experts bf16 / fp8 / int4 with attention bf16 or fp8,
 #   all resident and in a cache of bf16's 25% MiB, batch 1 and 8; the table at the end.
+# - PROFILE (optional, "EXPERTS:ATTENTION ..."): quant8_profile.py, GPU time by kernel of replayed steps.
 source tools/device/setup.sh
 set -o pipefail
 LAYERS=${LAYERS:-24}
@@ -20,4 +21,9 @@ echo "== decode"; date
 wait $WAIT_PID
 echo "== GPU tests"; grep -E "passed|failed|FAILED|Error|skipped" $OUT/gpu_tests.txt | tail -8
 python3 tools/device/quant8_speed.py --table $OUT/quant8_speed.txt | tee $OUT/table.txt
+# PROFILE="bf16:bf16 fp8:fp8 fp8:bf16": GPU time by kernel of replayed steps at batch 1 and 8 (~20 s each)
+for c in $PROFILE; do
+  (cd tools/device && timeout ${PROFILE_S:-40} python3 quant8_profile.py $M ${c%%:*} ${c##*:} 1 8 2>&1) \
+    | grep -v Warn | tee -a $OUT/quant8_profile.txt
+done
 date
