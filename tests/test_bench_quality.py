@@ -27,3 +27,11 @@ def test_fp8_checkpoint_quality_run(tmp_path, capsys):
     assert main(["--model", str(model), "--experts-dtype", "int4", "--steps", "3", "--prompts", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["experts_dtype"] == "int4" and row["comparisons"] == 6 and 0 <= row["top1_agreement"] <= 1
+
+
+def test_fp8_attention_quality_run(tmp_path):
+    """An FP8 checkpoint's own q/k/v/o codes against their bf16 rounding: close, not identical."""
+    model = init_model(tmp_path / "fp8", experts_dtype="fp8")
+    r = measure(str(model), "fp8", steps=4, num_prompts=2, attention_dtype="fp8")
+    assert r["attention_dtype"] == "fp8" and r["comparisons"] == 8
+    assert r["top1_agreement"] == 1.0 and 0 < r["mean_kl"] < 1e-3

@@ -23,10 +23,12 @@ def fp8_dirs(tmp_path_factory, model_dirs):
             "hf_mixtral": fp8_copy(model_dirs["hf_mixtral_bf16"], root / "hf_mixtral")}
 
 
-def _pair(fp8_dirs, tmp_path, name, experts_dtype):
-    ref_dir = dequantized_copy(fp8_dirs[name], tmp_path / "ref", experts_exact=experts_dtype == "fp8")
+def _pair(fp8_dirs, tmp_path, name, experts_dtype, attention_dtype="bf16"):
+    ref_dir = dequantized_copy(fp8_dirs[name], tmp_path / "ref", experts_exact=experts_dtype == "fp8",
+                               attention_exact=attention_dtype == "fp8")
     hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    return hf, LocalModel(fp8_dirs[name], num_slots=4, max_context=128, experts_dtype=experts_dtype)
+    return hf, LocalModel(fp8_dirs[name], num_slots=4, max_context=128, experts_dtype=experts_dtype,
+                          attention_dtype=attention_dtype)
 
 
 def _log_softmax(logits):
@@ -35,9 +37,11 @@ def _log_softmax(logits):
 
 
 @pytest.mark.parametrize("name", ["init_qwen3", "hf_qwen3", "hf_mixtral"])
-@pytest.mark.parametrize("experts_dtype", ["fp8", "bf16"])
-def test_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_dirs, tmp_path, name, experts_dtype):
-    hf, ours = _pair(fp8_dirs, tmp_path, name, experts_dtype)
+@pytest.mark.parametrize("experts_dtype,attention_dtype", [("fp8", "bf16"), ("bf16", "bf16"), ("fp8", "fp8")])
+def test_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_dirs, tmp_path, name, experts_dtype,
+                                                                        attention_dtype):
+    """attention_dtype fp8: the checkpoint's own q/k/v/o codes and scales, read as FP8."""
+    hf, ours = _pair(fp8_dirs, tmp_path, name, experts_dtype, attention_dtype)
     logits = ours.prefill_logits(PROMPTS)
     for prompt, row in zip(PROMPTS, logits):
         with torch.no_grad():

@@ -4,7 +4,8 @@ the broker keeps (tok/s, hit rate, VRAM events); the vision worker's state when 
 from __future__ import annotations
 
 GPU_KEYS = ("gpu", "ready", "layers", "expert_slots", "expert_cache_mib", "free_mib", "reserve_mib",
-            "resident_experts", "hits", "misses", "h2d_bytes", "restarts", "experts_dtype", "expert_slot_bytes")
+            "resident_experts", "hits", "misses", "h2d_bytes", "restarts", "experts_dtype", "expert_slot_bytes",
+            "attention_dtype")
 
 
 def hit_rate(hits, misses) -> float | None:

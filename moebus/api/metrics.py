@@ -106,13 +106,14 @@ def _gpu_families(gpus: list[dict]):
             yield _labelled(GaugeMetricFamily(PREFIX + "gpu_" + key, doc, labels=["gpu"]), values)
         if values and key in TOTALS:
             yield GaugeMetricFamily(PREFIX + key, doc + " All GPUs.", value=sum(v for _, v in values))
-    dtypes = [(str(g.get("gpu")), g["experts_dtype"]) for g in gpus if isinstance(g.get("experts_dtype"), str)]
-    if dtypes:  # an info-style gauge: the dtype is a label
-        family = GaugeMetricFamily(PREFIX + "gpu_experts_dtype", "1 for the dtype the GPU's experts are held in.",
-                                   labels=["gpu", "dtype"])
-        for gpu, dtype in dtypes:
-            family.add_metric([gpu, dtype], 1)
-        yield family
+    for key, held in (("experts_dtype", "experts"), ("attention_dtype", "attention projections")):
+        dtypes = [(str(g.get("gpu")), g[key]) for g in gpus if isinstance(g.get(key), str)]
+        if dtypes:  # an info-style gauge: the dtype is a label
+            family = GaugeMetricFamily(PREFIX + "gpu_" + key, f"1 for the dtype the GPU's {held} are held in.",
+                                       labels=["gpu", "dtype"])
+            for gpu, dtype in dtypes:
+                family.add_metric([gpu, dtype], 1)
+            yield family
     for key, (name, doc) in GPU_COUNTERS.items():
         values = _per_gpu(gpus, key)
         if values:

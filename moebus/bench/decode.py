@@ -157,6 +157,8 @@ def main(argv=None) -> int:
                    "where the cache is partial (settings experts.prefetch_slots; 0: none, the default)")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
+    p.add_argument("--attention-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="q/k/v/o projections (in-process; the service reads MOEBUS_ATTENTION__DTYPE)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="the in-process KV cache's (auto: as the service's, bf16 on cuda, fp32 on cpu)")
     p.add_argument("--peer", choices=["hf"], help="also time the HF transformers peer in this call")
@@ -189,11 +191,11 @@ def main(argv=None) -> int:
         args.cache_frac = cache_fraction_of_mib(model_dir, args.experts_dtype, args.cache_mib)
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
                        max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
-                       kv_dtype=kv_dtype, prefetch_slots=args.prefetch_slots)
+                       kv_dtype=kv_dtype, prefetch_slots=args.prefetch_slots, attention_dtype=args.attention_dtype)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
-              "experts_dtype": args.experts_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
+              "experts_dtype": args.experts_dtype, "attention_dtype": args.attention_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
               "graphs": any(s.use_graphs for s in model.stages),
               "prefetch_slots": sum(s.experts.num_reserved for s in model.stages) // 2}  # 0: none ran
     rows = []
@@ -270,7 +272,8 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
             "hbm_bound_tok_s")
     first = rows[0]
     print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs",
-                                               "experts_dtype", "kv_dtype", "expert_cache_mib", "prefetch_slots")))
+                                               "experts_dtype", "attention_dtype", "kv_dtype", "expert_cache_mib",
+                                               "prefetch_slots")))
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:
         print("  ".join(f"{_fmt(r[h]):>16}" for h in head))

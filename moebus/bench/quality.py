@@ -44,19 +44,22 @@ def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int) -> list[
     return (prompts * (-(-num_prompts // len(prompts))))[:num_prompts]
 
 
-def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu") -> dict:
-    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts."""
+def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu",
+            attention_dtype: str = "bf16") -> dict:
+    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts, the
+    bf16 model against experts in ``experts_dtype`` and attention projections in ``attention_dtype``."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
-    def load(dtype):
-        return LocalModel(model_dir, device=device, num_slots=num_prompts, max_context=context, experts_dtype=dtype)
+    def load(dtype, attention="bf16"):
+        return LocalModel(model_dir, device=device, num_slots=num_prompts, max_context=context, experts_dtype=dtype,
+                          attention_dtype=attention)
 
     from moebus.common.model_config import load_config
 
     prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size)
     context = max(len(p) for p in prompts) + steps + 1
-    ref, test = load("bf16"), load(experts_dtype)
+    ref, test = load("bf16"), load(experts_dtype, attention_dtype)
     slots = np.arange(len(prompts))
     batch = StepBatch(slots=slots, starts=np.zeros(len(prompts)), lengths=[len(p) for p in prompts],
                       tokens=np.concatenate(prompts))
@@ -73,7 +76,8 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
                          tokens=ref_logits.argmax(axis=-1).astype(np.int32))
         ref_logits, test_logits = ref.step(step, want_logits=True).logits, test.step(step, want_logits=True).logits
     agree, kl = np.concatenate(agree), np.concatenate(kl)
-    return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "steps": steps, "prompts": len(prompts),
+    return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "attention_dtype": attention_dtype,
+            "steps": steps, "prompts": len(prompts),
             "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
             "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
             "expert_bytes_ratio": ref.stages[0].experts.store.blob_bytes / test.stages[0].experts.store.blob_bytes}
@@ -83,6 +87,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moebus bench quality")
     p.add_argument("--model", help="model directory (default: the embedded demo model)")
     p.add_argument("--experts-dtype", default="fp8,int4", help="fp8, int4 or both, comma separated")
+    p.add_argument("--attention-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="the quantized model's q/k/v/o projections (settings attention.dtype)")
     p.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded side by side")
     p.add_argument("--device", default="cpu")
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
 
     model_dir = args.model or str(demo_model_dir())
     for dtype in args.experts_dtype.split(","):
-        r = measure(model_dir, dtype, args.steps, args.prompts, args.device)
+        r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype)
         print(json.dumps(r) if args.json else "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
     return 0
 

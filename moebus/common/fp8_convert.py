@@ -58,10 +58,11 @@ def fp8_copy(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
-def dequantized_copy(src: str | Path, dst: str | Path, experts_exact: bool = True) -> Path:
+def dequantized_copy(src: str | Path, dst: str | Path, experts_exact: bool = True, attention_exact: bool = False) -> Path:
     """An FP8 checkpoint as float32 tensors, no quantization_config: what moebus computes with.
     Non-expert FP8 weights are rounded to bf16 (moebus dequantizes them to bf16 at load); experts
-    stay exact when ``experts_exact`` (fp8 experts compute with the codes times their scales)."""
+    stay exact when ``experts_exact`` (fp8 experts compute with the codes times their scales), the
+    attention projections when ``attention_exact`` (attention.dtype fp8 reads them so too)."""
     src, dst = Path(src), Path(dst)
     shards = _shards(src)
     config = _copy_other_files(src, dst, shards)
@@ -76,7 +77,8 @@ def dequantized_copy(src: str | Path, dst: str | Path, experts_exact: bool = Tru
                 tensors[name] = (to_f32(f.array(name)), "F32")
                 continue
             values = dequantize(f.array(name), to_f32(f.array(name + SCALE_SUFFIX)), name)
-            if not (experts_exact and ".experts." in name):
+            exact = (experts_exact and ".experts." in name) or (attention_exact and ".self_attn." in name)
+            if not exact:
                 values = bf16_to_f32(f32_to_bf16(values))
             tensors[name] = (np.ascontiguousarray(values, np.float32), "F32")
         out[fname] = tensors

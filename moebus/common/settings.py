@@ -49,6 +49,15 @@ class ExpertsSettings(_Section):
     prefetch_slots: int = Field(0, ge=0, le=64)
 
 
+class AttentionSettings(_Section):
+    """How the attention projections are held (docs/expert-cache.md, FP8 attention)."""
+
+    # bf16: as stored (an FP8 checkpoint's dequantized); fp8: q/k/v/o as e4m3 with 128x128 block
+    # scales (an FP8 checkpoint's own, a bf16 one's quantized at load), read by an FP8 GEMV at decode.
+    # Env MOEBUS_ATTENTION__DTYPE.
+    dtype: Literal["bf16", "fp8"] = "bf16"
+
+
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -106,6 +115,7 @@ class Settings(BaseSettings):
     segment_mib: int = Field(2, ge=1)
     vision: VisionSettings = Field(default_factory=VisionSettings)
     experts: ExpertsSettings = Field(default_factory=ExpertsSettings)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
     max_batch: int = Field(8, ge=1)
     max_context: int = Field(2048, ge=16)
     # the KV cache's elements: bf16 halves what decode attention reads at long contexts; fp32 keeps

@@ -174,7 +174,7 @@ class GpuWorker:
     def stats(self) -> dict:
         stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
                  "busy_s": self.busy_s,
-                 "dropped_messages": self.link.dropped_messages}
+                 "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype}
         if hasattr(self.stage.experts, "stats"):
             stats.update(self.stage.experts.stats())
         if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
@@ -229,7 +229,7 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     try:
         return Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                     kv_dtype=resolve_kv_dtype(settings.kv_dtype, device),
+                     kv_dtype=resolve_kv_dtype(settings.kv_dtype, device), attention_dtype=settings.attention.dtype,
                      experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
                      progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
@@ -33,9 +34,13 @@ ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (deco
 
 class Stage:
     def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
-                 progress=iter, use_graphs: bool | None = None, kv_dtype: str = "fp32"):
+                 progress=iter, use_graphs: bool | None = None, kv_dtype: str = "fp32", attention_dtype: str = "bf16"):
         """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0);
-        ``kv_dtype``: the KV cache's elements, bf16 or fp32 (kv_cache.py)."""
+        ``kv_dtype``: the KV cache's elements, bf16 or fp32 (kv_cache.py); ``attention_dtype``: the
+        q/k/v/o projections', bf16 or fp8 (common/fp8_dense.py)."""
+        if attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"attention dtype {attention_dtype!r}: choose one of {', '.join(ATTENTION_DTYPES)}")
+        self.attention_dtype = attention_dtype
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -74,9 +79,12 @@ class Stage:
 
     def _load_layer(self, ckpt, i: int) -> dict:
         tensors = ckpt.attention(i)
+        if self.attention_dtype == "fp8":  # q, k, v, o as (codes, scales)
+            tensors.update(attention_fp8(ckpt, i, tensors))
         if self.fuse_qkv:  # one projection launch; the fused kernel splits its columns
-            tensors["qkv"] = np.concatenate([tensors.pop("q"), tensors.pop("k"), tensors.pop("v")])
-        w = {k: self.ops.weight(v) for k, v in tensors.items()}
+            parts = [tensors.pop("q"), tensors.pop("k"), tensors.pop("v")]
+            tensors["qkv"] = concat_rows(parts) if isinstance(parts[0], tuple) else np.concatenate(parts)
+        w = {k: self.ops.fp8_weight(*v) if isinstance(v, tuple) else self.ops.weight(v) for k, v in tensors.items()}
         if self.cfg.is_moe_layer(i):
             w["router"] = self.ops.weight(ckpt.router(i))
         else:

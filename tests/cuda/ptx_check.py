@@ -228,6 +228,22 @@ def exercise_quant(rng) -> None:
         layout = ExpertLayout(fmt, 64, 32)
         moe_quant_bf16.expert_weights_bf16_cuda(layout, np.zeros((4, layout.blob_bytes), np.uint8), np.zeros(2, np.int32),
                                                 np.empty((2, 3 * 64 * 32), np.uint16))
+    exercise_fp8_linear(rng)
+
+
+def exercise_fp8_linear(rng) -> None:
+    """The FP8 dense GEMV (attention.dtype fp8) at 1, 2 and 8 tokens, q/k/v's and o's row lengths."""
+    from moebus.cuda.kernels import linear_quant
+
+    for hardware in (False, True):
+        linear_quant.hardware_e4m3 = lambda chunk, hardware=hardware: hardware
+        for cols in (136, 2048, 4096):
+            for tokens in (1, 2, 8):
+                linear_quant.linear_fp8_cuda(rng.standard_normal((tokens, cols), dtype=np.float32),
+                                             np.zeros((16, cols), np.uint8), np.zeros((16, -(-cols // 128)), np.float32),
+                                             np.empty((tokens, 16), np.float32))
+    linear_quant.fp8_to_bf16_cuda(np.zeros((16, 136), np.uint8), np.zeros((16, 2), np.float32),
+                                  np.empty((16, 136), np.uint16))
 
 
 def exercise_tensor_cores(rng) -> None:

@@ -7,7 +7,7 @@
   const STATS = [  // [field of /v1/cache's gpu, label]
     ["expert_slots", "expert slots"], ["expert_cache_mib", "cache MiB"], ["free_mib", "free MiB"],
     ["reserve_mib", "reserve MiB"], ["resident_experts", "resident"], ["hit_rate", "hit rate"],
-    ["experts_dtype", "experts dtype"],
+    ["experts_dtype", "experts dtype"], ["attention_dtype", "attention dtype"],
   ];
   const state = { polls: 0, failures: 0, last: null };
   window.moebusDashboard = state;  // for tests and curious operators

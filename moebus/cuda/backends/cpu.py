@@ -16,6 +16,7 @@ from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, v
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
+from moebus.cuda.kernels.linear_quant import fp8_rows_dequantize  # FP8 attention projections
 from moebus.cuda.kernels.norm_route import norm_route_ref  # decode's MLP entry
 
 
@@ -36,6 +37,10 @@ class CpuBackend:
 
     def weight(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(to_f32(array))
+
+    def fp8_weight(self, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """An FP8 dense weight (common/fp8_dense.py) dequantized to float32: the FP8 GEMV's reference."""
+        return np.ascontiguousarray(fp8_rows_dequantize(codes, scales))
 
     def table(self, array: np.ndarray) -> np.ndarray:
         """A weight read by row (embedding), kept in its stored dtype."""

@@ -20,6 +20,7 @@ from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, v
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
+from moebus.cuda.kernels import linear_quant  # FP8 attention projections (attention.dtype fp8)
 
 
 class CudaBackend(split_epilogues.SplitInputOps):
@@ -55,6 +56,10 @@ class CudaBackend(split_epilogues.SplitInputOps):
     def weight(self, array: np.ndarray):
         """Dense weights stay in their stored dtype (bf16 bits, f16, f32); kernels convert in registers."""
         return cuda.to_device(np.ascontiguousarray(array), stream=self.stream)
+
+    def fp8_weight(self, codes: np.ndarray, scales: np.ndarray):
+        """An FP8 dense weight (common/fp8_dense.py) as the FP8 GEMV reads it (linear_quant.py)."""
+        return linear_quant.Fp8Weight(self.weight(codes), self.weight(scales))
 
     def table(self, array: np.ndarray):
         """A weight read by row (embedding), kept in its stored dtype."""
@@ -158,9 +163,19 @@ class CudaBackend(split_epilogues.SplitInputOps):
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))
+        if isinstance(weight, linear_quant.Fp8Weight):
+            return self._linear_fp8(x, weight, out)
         if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
             return self.tensor_cores.linear(self, x, weight, out)
         return linear.linear_cuda(x, weight, out, stream=self.stream)
+
+    def _linear_fp8(self, x, weight, out):
+        """Decode: the FP8 GEMV; a step long enough for the tensor cores: the weight as bf16 scratch."""
+        if self.tensor_cores is not None and x.shape[0] >= self.tensor_cores.min_rows:
+            bf16 = linear_quant.fp8_to_bf16_cuda(weight.codes, weight.scales, self.empty(weight.shape, np.uint16),
+                                                 stream=self.stream)
+            return self.tensor_cores.linear(self, x, bf16, out)
+        return linear_quant.linear_fp8_cuda(x, weight.codes, weight.scales, out, stream=self.stream)
 
     def add(self, x, y):
         return elementwise.add_cuda(x, y, self.empty(x.shape), stream=self.stream)
