@@ -158,8 +158,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))
-        if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
-            return self.tensor_cores.linear(self, x, weight, out)
+        if self.tensor_cores is not None and self.tensor_cores.takes_linear(x.shape[0], weight):
+            return self.tensor_cores.linear(self, x, weight, out)  # many rows, or a few (gemm.FEW_ROWS)
         return linear.linear_cuda(x, weight, out, stream=self.stream)
 
     def add(self, x, y):
