@@ -3,7 +3,7 @@
 # lasts): the GPU tests of the few-rows products, the decode tiles and the captured chunk steps while
 # the 48 x 32 A3B model is written; then on it (bf16, bf16 KV, all resident unless said):
 #   decode   tc8_decode.py: batch 1/4/8/16, experts GEMVs vs tiles x dense GEMVs vs tensor cores, one
-#            process; then 8 decode rows beside a chunk of 16 / 32 prompt tokens at context 4k / 8k
+#            process; then 8 decode rows beside a chunk of 8 / 16 / 32 prompt tokens at context 4k / 8k
 #            (captured) against the decode step of 8;
 #   prefill  tc8_prefill.py: 2048 tokens, median of 5 (and 8192, of 3) all resident, then through a
 #            25% cache, bench's prompt and prefill_cache_check's in one process each;
@@ -25,7 +25,7 @@ echo "rc=$?"; grep -aE "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.txt | cut 
 wait $INIT; tail -1 $OUT/init48.log
 if (( $(left) > 40 )); then
   echo "== decode, batch 1/4/8/16 and chunks beside 8 rows, at $(now) s"
-  timeout $(( $(left) < 100 ? $(left) : 100 )) python3 tools/device/tc8_decode.py $M 1,4,8,16 16 16,32 4096,8176 2>&1 \
+  timeout $(( $(left) < 100 ? $(left) : 100 )) python3 tools/device/tc8_decode.py $M 1,4,8,16 16 8,16,32 4096,8176 2>&1 \
     | grep -av "Warn\|warn(" > $OUT/decode.txt
   echo "rc=$?"; grep -a -A40 "^batch" $OUT/decode.txt | grep -av "^{"
 fi
