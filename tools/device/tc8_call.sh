@@ -5,6 +5,7 @@
 #   decode   tc8_decode.py: batch 1/4/8/16, experts GEMVs vs tiles x dense GEMVs vs tensor cores, one
 #            process; then 8 decode rows beside a chunk of 8 / 16 / 32 prompt tokens at context 4k / 8k
 #            (captured) against the decode step of 8;
+#   (then beside, then prefill)
 #   prefill  tc8_prefill.py: 2048 tokens, median of 5 (and 8192, of 3) all resident, then through a
 #            25% cache, bench's prompt and prefill_cache_check's in one process each;
 #   beside   bench decode --batch 1,8 (in-process, the defaults) and 8 streams beside 2048 / 8192
@@ -33,15 +34,9 @@ if (( $(left) > 40 )); then
     | grep -av "Warn\|warn(" > $OUT/decode.txt
   echo "rc=$?"; grep -a -A40 "^batch" $OUT/decode.txt | grep -av "^{"
 fi
-if (( $(left) > 50 )); then
-  echo "== prefill 2048 (and 8192), all resident and 25%, at $(now) s"
-  timeout $(( $(left) < 80 ? $(left) : 80 )) python3 tools/device/tc8_prefill.py $M 2048 5 1,0.25 8192 2>&1 \
-    | grep -av "Warn\|warn(" > $OUT/prefill.txt
-  echo "rc=$?"; grep -a -A12 "^cache" $OUT/prefill.txt
-fi
 if (( $(left) > 40 )); then
   echo "== beside 2048,8192, cap $CAP, at $(now) s"
-  MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$CAP timeout $(( $(left) - 3 )) python3 -m moebus.cli bench decode --model $M \
+  MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$CAP timeout $(( $(left) < 123 ? $(left) - 3 : 120 )) python3 -m moebus.cli bench decode --model $M \
     --device cuda --batch 1,8 --tokens 64 --repeats 2 --no-service --beside-prefill 2048,8192 --json \
     2>$OUT/beside.err > $OUT/beside.json
   echo "rc=$?"; grep -a "Error" $OUT/beside.err | tail -2
@@ -55,5 +50,11 @@ for r in rows:
     short = {k: v for k, v in r.items() if k in ("batch", "tok_s", "ms_per_step") or (k.startswith("beside") and r is rows[0])}
     print(json.dumps(short))
 PY
+fi
+if (( $(left) > 50 )); then
+  echo "== prefill 2048 (and 8192), all resident and 25%, at $(now) s"
+  timeout $(( $(left) < 80 ? $(left) : 80 )) python3 tools/device/tc8_prefill.py $M 2048 5 1,0.25 8192 2>&1 \
+    | grep -av "Warn\|warn(" > $OUT/prefill.txt
+  echo "rc=$?"; grep -a -A12 "^cache" $OUT/prefill.txt
 fi
 echo "end at $(now) s"
