@@ -16,5 +16,5 @@ def test_prefill_rows_and_kv_dtype(tiny_model, capsys, asked, resolved):
     assert [r["tokens"] for r in rows] == [8, 24]
     assert all(r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["tflop"] > 0 for r in rows)
     # the figure is the median of the runs after the warm-up; the fastest beside it
-    assert all(len(r["runs"]) == 2 and r["seconds_min"] == min(r["runs"]) and r["best_tok_s"] >= r["tok_s"]
+    assert all(len(r["runs"]) == 2 and r["seconds_min"] == pytest.approx(min(r["runs"]), abs=1e-4) and r["best_tok_s"] >= r["tok_s"]
                for r in rows)

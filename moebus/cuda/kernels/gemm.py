@@ -33,8 +33,8 @@ ROW_THREADS = 128  # the conversion kernels: a block per row
 MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "33"))
 # decode steps of FEW_ROWS ... MIN_ROWS - 1 tokens: their dense products (backend ``linear``: q/k/v, o,
 # lm_head) in one product over the split parts as 2 x rows columns (the weights read once), then the
-# parts summed (``linear_few``); 0: never. Tensor cores at n = 16 against CUDA-core GEMVs whose words
-# each serve ~8 tokens: figures in docs/performance.md (branch tc8)
+# parts summed (``linear_few``); 0: never. H200, 48 x 32, experts in tiles: batch 8 8.73 -> 8.60 ms a
+# step, batch 16 10.60 -> 8.75; batch 4 6.58 -> 7.33 (slower: hence 8) (docs/performance.md, branch tc8)
 FEW_ROWS = int(os.environ.get("MOEBUS_GEMM_FEW_ROWS", "8"))
 PRECISION = os.environ.get("MOEBUS_GEMM_PRECISION", "split")
 PARTS = {"split": 2, "bf16": 1}
