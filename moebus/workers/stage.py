@@ -209,6 +209,11 @@ class Stage:
             self.graphs.pop(key, None)
             if is_fatal_device_error(e) or is_out_of_memory(e):
                 raise  # out of memory fails this step only; graphs stay on for the next
+            if len(key) > 2:  # a chunk's shape: that shape runs eagerly, decode keeps its graphs
+                log.warning("CUDA graph capture of a %s-token step of %s sequences failed (%s: %s); it runs eagerly",
+                            key[0], key[2], type(e).__name__, e)
+                self.mixed_shapes[key] = -1 << 30
+                return None
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
             self.use_graphs = False
             return None

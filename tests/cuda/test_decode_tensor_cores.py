@@ -114,3 +114,30 @@ def test_a_chunk_beside_decode_rows_is_captured_from_its_second_step(micro_model
     assert (5, False, 3) in stage.graphs and stage.eager_short_steps == 2  # the prompts, the first chunk
     for a, b in zip(captured, eager):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_chunk_shape_that_cannot_be_captured_runs_eagerly_and_decode_keeps_its_graphs(micro_model,  # noqa: F811
+                                                                                       monkeypatch):
+    """(Anywhere: the capture is made to fail.) The chunk's shape is tried once, from its second step,
+    then runs eagerly; the stage's decode graphs stay on."""
+    from moebus.cuda.backends import graphs
+
+    attempts = []
+
+    def failing_capture(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("no capture here")
+
+    monkeypatch.setattr(graphs, "CapturedStep", failing_capture)
+    model = LocalModel(micro_model, device="cuda", num_slots=3, max_context=32)
+    stage = model.stages[0]
+    stage.use_graphs = True
+    for n in range(3):
+        batch = StepBatch(slots=[0, 1], starts=[2 * n, 0 if n == 0 else 3 + n], lengths=[2, 3 if n == 0 else 1],
+                          tokens=[40 + n, 41 + n] + ([5, 17, 42] if n == 0 else [9]))
+        if n == 0:  # the prompts: 5 tokens of 2 sequences; then a chunk of 2 beside one decode row
+            model.step(batch)
+            continue
+        inputs = stage._host_inputs(batch, None)
+        assert stage._graph_for(batch, inputs) is None
+    assert len(attempts) == 1 and stage.use_graphs  # tried at the chunk's second step only
