@@ -1,5 +1,6 @@
 """``moebus bench prefill``: one prompt of T tokens in one step (``LocalModel.step``), tok/s and the
-TFLOP/s that the step's matrix work amounts to, per length; ``--peer hf`` times HF transformers'
+TFLOP/s that the step's matrix work amounts to, per length, from the median of ``--repeats`` runs
+after a warm-up (the fastest run and every run's seconds beside it); ``--peer hf`` times HF transformers'
 forward over the same checkpoint and lengths in the same call (bench/prefill_peer.py)."""
 from __future__ import annotations
 
@@ -26,18 +27,28 @@ def prefill_flops(cfg, num_tokens: int) -> float:
     return 2.0 * (per_token * num_tokens + attention + d * cfg.vocab_size)
 
 
-def _time_prefill(model, num_tokens: int, repeats: int) -> float:
+def bench_prompt(num_tokens: int, vocab: int) -> list[int]:
+    return [(7 * i + 3) % (vocab - 10) + 10 for i in range(num_tokens)]
+
+
+def prefill_times(model, prompt: list[int], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` prefills of ``prompt`` in one step, after one that warms up
+    (kernels, scratch, the cuBLAS handle; with a partial cache, the experts the last layers left)."""
     from moebus.workers.batch import StepBatch
 
-    vocab = model.ckpt.config.vocab_size
-    prompt = [(7 * i + 3) % (vocab - 10) + 10 for i in range(num_tokens)]
-    batch = StepBatch(slots=[0], starts=[0], lengths=[num_tokens], tokens=prompt)
+    batch = StepBatch(slots=[0], starts=[0], lengths=[len(prompt)], tokens=prompt)
     times = []
-    for _ in range(repeats + 1):  # the first warms up (kernels, scratch, the cuBLAS handle)
+    for _ in range(repeats + 1):
         start = time.perf_counter()
         model.step(batch)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times[1:]
+
+
+def _time_prefill(model, num_tokens: int, repeats: int) -> dict:
+    """The median (the figure), the fastest and every run, in seconds."""
+    times = prefill_times(model, bench_prompt(num_tokens, model.ckpt.config.vocab_size), repeats)
+    return {"seconds": statistics.median(times), "seconds_min": min(times), "runs": [round(t, 4) for t in times]}
 
 
 def _peer(model_dir: str, lengths: list[int], repeats: int) -> dict[int, float]:
@@ -77,14 +88,15 @@ def main(argv=None) -> int:
                        cache_fraction=args.cache_frac, kv_dtype=kv_dtype)
     cfg = model.ckpt.config
     tensor_cores = getattr(model.backend, "tensor_cores", None)
-    rows = [{"tokens": n, "seconds": _time_prefill(model, n, args.repeats), "tflop": prefill_flops(cfg, n) / 1e12}
+    rows = [{"tokens": n, **_time_prefill(model, n, args.repeats), "tflop": prefill_flops(cfg, n) / 1e12}
             for n in lengths]
     del model
     peer = _peer(model_dir, lengths, args.repeats) if args.peer == "hf" else {}
     print(f"model={Path(model_dir).name} device={args.device} layers={cfg.num_layers} experts={cfg.num_experts} "
           f"cache_frac={args.cache_frac or 1.0} kv_dtype={kv_dtype} tensor_cores={tensor_cores.precision if tensor_cores else None}")
     for r in rows:
-        r.update(tok_s=r["tokens"] / r["seconds"], tflop_s=r["tflop"] / r["seconds"])
+        r.update(tok_s=r["tokens"] / r["seconds"], tflop_s=r["tflop"] / r["seconds"],
+                 best_tok_s=r["tokens"] / r["seconds_min"])
         if r["tokens"] in peer:
             r.update(hf_seconds=peer[r["tokens"]], hf_tok_s=r["tokens"] / peer[r["tokens"]])
         print(json.dumps(r) if args.json else "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -12,11 +12,12 @@ the chunk's tokens.
 
 Used where the backend has tensor cores and the experts are bf16; otherwise Stage._moe (GEMVs).
 
-Decode steps of many sequences (``groups_in_decode``: at least ``DECODE_PAIRS_PER_EXPERT`` pairs
-per expert, e.g. batch 64 over 32 experts of 8 chosen: 16) take the same tiles from the router's
+Decode steps of several sequences (``groups_in_decode``: at least ``DECODE_PAIRS_PER_EXPERT`` pairs
+per expert, e.g. batch 8 over 32 experts of 8 chosen: 2; batch 64: 16) take the same tiles from the router's
 choices on the device, each expert read where decode's placement table says (an arena slot, or the
 host store through its mapping), so the step stays one captured graph (``grouped_moe_placed``);
-smaller batches keep the GEMVs, which read each expert once per run of <= 8 pairs."""
+smaller batches keep the GEMVs, which read each expert once per run of <= 8 pairs but do their
+arithmetic on CUDA cores (at batch 8 each word of an expert serves ~2.4 tokens)."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles
 
 DEVICE_PLAN_PAIRS_PER_EXPERT = 4  # with P >= 4 E uniform routing leaves < 2% of the experts unchosen
 PLAN = os.environ.get("MOEBUS_EXPERT_PLAN", "auto")  # auto, device or host (for comparison)
-# decode: tiles instead of the GEMVs from this many pairs per expert (0: never); not yet measured
-DECODE_PAIRS_PER_EXPERT = int(os.environ.get("MOEBUS_DECODE_GROUPED_PAIRS_PER_EXPERT", "8"))
+# decode: tiles instead of the GEMVs from this many pairs per expert (0: never): batch 8 over 32
+# experts of 8 chosen has 2; H200, 48 x 32: batch 8 9.26 -> 8.73 ms a step, 16: 15.53 -> 10.60 (tc8)
+DECODE_PAIRS_PER_EXPERT = int(os.environ.get("MOEBUS_DECODE_GROUPED_PAIRS_PER_EXPERT", "2"))
+# decode's tiles: at least this many pairs (2 x as many rows, the split parts: the products' n), so
+# that a step of 8 sequences (~2 pairs per chosen expert) reads most experts in one tile of 16 rows
+DECODE_MIN_TILE_PAIRS = int(os.environ.get("MOEBUS_DECODE_MIN_TILE_PAIRS", "8"))
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:
@@ -108,7 +113,7 @@ def grouped_moe_placed(ops, experts, h, ids, placement_row, hidden: int, inter: 
     of this layer) says. Kernels and cuBLAS calls only (capturable); tiles of about twice the mean
     pairs per expert, so that most experts take one tile and are read once."""
     num_pairs = ids.size
-    t = tile_pairs(2 * num_pairs, num_experts)
+    t = tile_pairs(2 * num_pairs, num_experts, least=DECODE_MIN_TILE_PAIRS)
     work = ExpertTiles(ops, ops.tensor_cores, h, ids.shape[1], tile_bound(num_pairs, num_experts, t), hidden, inter, t)
     pointers = work.plan_on_device(ids, experts.array, placement_row, num_experts, store=experts.store.device_blobs)
     work.gate_up(pointers)

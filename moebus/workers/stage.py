@@ -3,9 +3,10 @@ last applies the final norm and lm_head and samples; every stage keeps the KV ca
 and reads its experts through the expert cache's placement table (arena slot or host store).
 
 A decode step (<= ROUTED_MAX_TOKENS tokens) routes on the device and, on cuda, is captured once per
-batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); the same
+batch size as a CUDA graph and replayed (one input copy, one launch, one output copy); so is a
+routed step with a prompt's chunk beside decode rows, from the second step of its shape; the same
 ``_run`` runs eagerly on cpu, in the simulator and when graphs are off, with identical results. Its
-experts run as GEMVs, or in tiles on tensor cores where each gets many pairs (moe_prefill.py).
+experts run as GEMVs, or in tiles on tensor cores where each gets a few pairs (moe_prefill.py).
 Longer steps (prefill) group experts by expert: on tensor cores where the backend has them and
 the experts are bf16 (moe_prefill.py, planned on the device where the cache holds a whole layer),
 else on the host with GEMVs (``_moe``)."""
@@ -71,6 +72,8 @@ class Stage:
         self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
         self.graph_pool = None  # their shared scratch (graphs.shared_pool), made with the first
         self.graph_captures = self.eager_short_steps = 0  # for INFO: a graph recaptured per step shows here
+        self.mixed_shapes: dict = {}  # (tokens, masked, sequences) of routed steps with chunks -> times seen
+        self.mixed_counted = None  # the last step counted there
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:
@@ -181,11 +184,21 @@ class Stage:
         return inputs
 
     def _graph_for(self, batch: StepBatch, inputs: dict):
-        """The captured decode step for this batch size, captured on first use (None: run eagerly)."""
+        """The captured decode step for this batch size, captured on first use (None: run eagerly). A
+        routed step with a prompt's chunk beside decode rows (a long prompt read while others decode)
+        is captured from the second step of its shape on: an eager step of many layers costs its
+        Python launches (~10x the graph), and the chunks of one prompt repeat one shape."""
         if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
-                or batch.deepstack is not None or int(batch.lengths.max()) != 1:
+                or batch.deepstack is not None:
             return None
         key = (batch.num_tokens, "mask" in inputs)  # a batch with a constrained row has its own graph
+        if batch.num_seqs != batch.num_tokens:  # chunks: their own graphs, once the shape comes again
+            key += (batch.num_seqs,)
+            if self.mixed_counted is not batch:  # a worker may ask twice for one step (overlap.launch)
+                self.mixed_counted = batch
+                self.mixed_shapes[key] = self.mixed_shapes.get(key, 0) + 1
+            if self.mixed_shapes[key] < 2 and key not in self.graphs:
+                return None
         graph = self.graphs.get(key)
         if graph is not None and graph.matches(inputs):
             return graph
@@ -204,6 +217,11 @@ class Stage:
             self.graphs.pop(key, None)
             if is_fatal_device_error(e) or is_out_of_memory(e):
                 raise  # out of memory fails this step only; graphs stay on for the next
+            if len(key) > 2:  # a chunk's shape: that shape runs eagerly, decode keeps its graphs
+                log.warning("CUDA graph capture of a %s-token step of %s sequences failed (%s: %s); it runs eagerly",
+                            key[0], key[2], type(e).__name__, e)
+                self.mixed_shapes[key] = -1 << 30
+                return None
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
             self.use_graphs = False
             return None

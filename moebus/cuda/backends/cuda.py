@@ -165,8 +165,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
         out = self.empty((x.shape[0], weight.shape[0]))
         if isinstance(weight, linear_quant.Fp8Weight):
             return self._linear_fp8(x, weight, out)
-        if self.tensor_cores is not None and self.tensor_cores.wants(x.shape[0], weight):
-            return self.tensor_cores.linear(self, x, weight, out)
+        if self.tensor_cores is not None and self.tensor_cores.takes_linear(x.shape[0], weight):
+            return self.tensor_cores.linear(self, x, weight, out)  # many rows, or a few (gemm.FEW_ROWS)
         return linear.linear_cuda(x, weight, out, stream=self.stream)
 
     def _linear_fp8(self, x, weight, out):

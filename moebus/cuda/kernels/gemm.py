@@ -31,6 +31,11 @@ ROW_THREADS = 128  # the conversion kernels: a block per row
 # steps of >= 33 tokens (decode of 33+ sequences too) on tensor cores: decode of 64 sequences at 48 x 32 took
 # 23.2 ms a step with 65 here and 13.3 with 33 (H200, tools/device/merged7.sh); smaller steps keep their GEMVs
 MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "33"))
+# decode steps of FEW_ROWS ... MIN_ROWS - 1 tokens: their dense products (backend ``linear``: q/k/v, o,
+# lm_head) in one product over the split parts as 2 x rows columns (the weights read once), then the
+# parts summed (``linear_few``); 0: never. H200, 48 x 32, experts in tiles: batch 8 8.73 -> 8.60 ms a
+# step, batch 16 10.60 -> 8.75; batch 4 6.58 -> 7.33 (slower: hence 8) (docs/performance.md, branch tc8)
+FEW_ROWS = int(os.environ.get("MOEBUS_GEMM_FEW_ROWS", "8"))
 PRECISION = os.environ.get("MOEBUS_GEMM_PRECISION", "split")
 PARTS = {"split": 2, "bf16": 1}
 R_32F, R_16BF = 0, 14  # cudaDataType_t
@@ -87,6 +92,27 @@ def split_rows_cuda(x, out, rows=None, stream=0):
 
 
 @kernel
+def sum_parts(y, out):
+    # out[i] = sum over parts q of y[q, i]; y (parts, n), out (n,) float32: flat, grid-stride
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        total = float32(0.0)
+        for q in range(y.shape[0]):
+            total += y[q, i]
+        out[i] = total
+
+
+def sum_parts_cuda(y, out, stream=0):
+    """out (R, N) float32 = y (parts, R, N) summed over its parts (the few-rows product's outputs)."""
+    require("out", out, np.float32, ndim=2)
+    require("y", y, np.float32, shape=(None, *out.shape))
+    if out.size:
+        flat = out.size
+        sum_parts[blocks(min(-(-flat // ROW_THREADS), 4096)), threads(ROW_THREADS), stream](
+            y.reshape(y.shape[0], flat), out.reshape(flat))
+    return out
+
+
+@kernel
 def add_bias_rows(out, bias):
     # out (T, N) float32 += bias (1, N) bf16 bits, in place; a block per row, threads along it
     for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
@@ -122,14 +148,23 @@ class TensorCores:
     """The multi-token products of one backend: ``blas`` (cublas_blas() or HostBlas) on the
     backend's stream; rows >= ``min_rows`` and bf16 weights take this path, the rest their GEMVs."""
 
-    def __init__(self, blas, precision: str = PRECISION, min_rows: int = MIN_ROWS):
+    def __init__(self, blas, precision: str = PRECISION, min_rows: int = MIN_ROWS, few_rows: int = FEW_ROWS):
         if precision not in PARTS:
             raise ValueError(f"gemm precision {precision!r}: expected one of {sorted(PARTS)}")
         self.blas, self.parts, self.min_rows = blas, PARTS[precision], int(min_rows)
+        self.few_rows = int(few_rows)  # the backend's ``linear`` from this many rows (0: from min_rows)
         self.precision = precision
 
     def wants(self, num_rows: int, weight) -> bool:
         return num_rows >= self.min_rows and weight.dtype == np.uint16 and len(weight.shape) == 2
+
+    def takes_linear(self, num_rows: int, weight) -> bool:
+        """The backend's ``linear`` (a step's dense products, lm_head): ``wants``, or a few rows from
+        ``few_rows`` on (decode of several sequences, linear_few)."""
+        if self.wants(num_rows, weight):
+            return True
+        few = 0 < self.few_rows <= num_rows
+        return few and weight.dtype == np.uint16 and len(weight.shape) == 2
 
     def split(self, ops, x, rows=None):
         """(parts, R, K) bf16 bits of x (or of its rows ``rows``, a device int32 array)."""
@@ -157,8 +192,21 @@ class TensorCores:
         require("weight", weight, np.uint16, shape=(None, x.shape[1]))
         require("out", out, np.float32, shape=(x.shape[0], weight.shape[0]))
         parts = self.split(ops, x)
-        self.matmul_nt(ops, parts, 0, x.shape[0], address(weight), weight.shape[0], out)
+        if x.shape[0] < self.min_rows and self.parts > 1:
+            self.linear_few(ops, parts, address(weight), weight.shape[0], out)
+        else:
+            self.matmul_nt(ops, parts, 0, x.shape[0], address(weight), weight.shape[0], out)
         return out if bias is None else add_bias_rows_cuda(out, bias, stream=ops.stream)
+
+    def linear_few(self, ops, parts, weight_ptr: int, num_out: int, out) -> None:
+        """out (R, num_out) = x @ W^T for a few rows: one product over all the split ``parts`` (parts,
+        R, K) as parts x R columns, so the weights are read once (the two products of matmul_nt read
+        them twice: a step of few rows is bound by those reads), then the parts summed."""
+        num_parts, num_rows, dim_in = parts.shape
+        y = ops.empty((num_parts, num_rows, num_out))
+        self.blas.gemm(ops.stream, OP_T, OP_N, num_out, num_parts * num_rows, dim_in, weight_ptr, R_16BF, dim_in,
+                       address(parts), R_16BF, dim_in, address(y), num_out, beta=0.0, compute=COMPUTE_32F)
+        sum_parts_cuda(y, out, stream=ops.stream)
 
 
 def make_tensor_cores():

@@ -39,11 +39,11 @@ COUNTERS = MAX_EXPERTS + 1  # a constant: the shape of a shared array
 GATE_UP_ROWS, DOWN_ROWS = (0, 1, 2), (3, 4, 5)
 
 
-def tile_pairs(num_pairs: int, num_experts: int) -> int:
-    """Pairs per tile for a step: the mean pairs per expert, as a power of two in [MIN_TILE_PAIRS,
+def tile_pairs(num_pairs: int, num_experts: int, least: int = MIN_TILE_PAIRS) -> int:
+    """Pairs per tile for a step: the mean pairs per expert, as a power of two in [least,
     PAIRS_PER_TILE], so that the padding (at most E t pairs) stays of the order of the pairs."""
     mean = max(1, -(-num_pairs // max(1, num_experts)))
-    return int(min(PAIRS_PER_TILE, max(MIN_TILE_PAIRS, 1 << (mean - 1).bit_length())))
+    return int(min(PAIRS_PER_TILE, max(least, 1 << (mean - 1).bit_length())))
 
 
 def tile_bound(num_pairs: int, num_experts: int, pairs_per_tile: int = PAIRS_PER_TILE) -> int:
