@@ -237,7 +237,9 @@ class ExpertCache:
             self.trace.append(np.array(chosen))
         num_experts = self.store.num_experts
         rows = np.arange(chosen.shape[0], dtype=np.int64)[:, None, None]
-        keys = np.unique((rows * num_experts + chosen).reshape(-1))
+        seen = np.zeros(len(self._flat_placement), bool)  # the distinct keys, ascending (np.unique's
+        seen[(rows * num_experts + chosen).reshape(-1)] = True  # hash: ~190 us at 48 layers x 8 tokens)
+        keys = np.flatnonzero(seen)
         resident = self._flat_placement[keys] >= 0
         self.hits += int(resident.sum())
         self.key_hits[keys[resident]] += 1  # the dashboard's map counts hits per resident expert (keys unique)
