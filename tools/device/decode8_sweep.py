@@ -1,0 +1,115 @@
+"""Decode at batch 1 under several settings of the kernels' constants on one loaded model, each with
+bench decode's own timing (decode7_bench.py: greedy after a 32-token prompt, median step of the
+second of 2 repeats of 64 tokens, in-process, all resident) and a CUPTI trace of replayed steps:
+each kernel's GPU us a call, the idle time between kernel nodes inside the step (gap before each
+kernel, by kernel), and the host time around the graph (wall - first kernel start to last kernel end).
+Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
+import json
+import sys
+import time
+from collections import defaultdict
+
+from torch.profiler import ProfilerActivity, profile
+
+from decode7_bench import PROMPT, REPEATS, TOKENS, constant, drop_graphs
+from decode_profile import short_name
+from moebus.bench.decode import _in_process
+from moebus.workers.batch import StepBatch
+from moebus.workers.local import LocalModel
+
+
+def kernel_events(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, short name) of every kernel, in start order."""
+    events = [(e.time_range.start, e.time_range.end, short_name(e.name)) for e in prof.events()
+              if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    return sorted(events)
+
+
+def profile_steps(model, steps: int) -> dict:
+    """Per-kernel us a call, the gaps before each kernel inside a step, host time, over ``steps``
+    replayed decode steps at batch 1."""
+    model.step(StepBatch(slots=range(1), starts=[0], lengths=[len(PROMPT)], tokens=PROMPT))
+    last, pos = [PROMPT[-1]], len(PROMPT)
+    walls = []
+
+    def step():
+        nonlocal last, pos
+        start = time.perf_counter()
+        out = model.step(StepBatch(slots=range(1), starts=[pos], lengths=[1], tokens=last))
+        walls.append(time.perf_counter() - start)
+        last, pos = [int(t) for t in out.tokens], pos + 1
+
+    for _ in range(4):
+        step()
+    walls.clear()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    events = kernel_events(prof)
+    if not events:  # no CUPTI (the simulator): nothing to report
+        return None
+    return step_figures(events, sum(walls) / len(walls) * 1e6)
+
+
+def step_figures(events: list[tuple[float, float, str]], wall_us: float) -> dict:
+    """The figures of profile_steps from kernel events (start, end, name) in start order: steps are
+    told apart by > 50 us without a kernel (the host's work between steps)."""
+    busy, gaps, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    spans, step_start, prev_end = [], None, None
+    for start, end, name in events:
+        if prev_end is None or start - prev_end > 50.0:
+            if step_start is not None:
+                spans.append(prev_end - step_start)
+            step_start = start
+        else:
+            gaps[name] += max(0.0, start - prev_end)
+        busy[name] += end - start
+        calls[name] += 1
+        prev_end = max(end, prev_end or end)
+    spans.append(prev_end - step_start)
+    n = len(spans)
+    span_us = sum(spans) / n
+    return {"steps": n, "span_us": span_us, "busy_us": sum(busy.values()) / n, "gap_us": sum(gaps.values()) / n,
+            "host_us": wall_us - span_us, "wall_us": wall_us,
+            "kernels": {k: (calls[k] / n, busy[k] / calls[k], gaps[k] / calls[k]) for k in busy}}
+
+
+def print_profile(name: str, p: dict) -> None:
+    print(f"-- {name}: {p['steps']} steps, wall {p['wall_us']:.0f} us/step under the profiler, graph span "
+          f"{p['span_us']:.0f} (kernels {p['busy_us']:.0f} + gaps {p['gap_us']:.0f}), host {p['host_us']:.0f}")
+    print(f"   {'kernel':<40} {'calls':>6} {'us/call':>8} {'gap/call':>8} {'us/step':>8}")
+    for k, (calls, us, gap) in sorted(p["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+        print(f"   {k[:40]:<40} {calls:6.1f} {us:8.2f} {gap:8.2f} {calls * us:8.1f}")
+
+
+def main() -> None:
+    model_dir, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
+    with open(sys.argv[3]) as f:
+        settings = json.load(f)
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+    model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=len(PROMPT) + TOKENS + 32,
+                       kv_dtype="bf16")
+    layers = model.ckpt.config.num_layers
+    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values}
+    rows = []
+    for name, values in settings:
+        for key, value in {**defaults, **values}.items():
+            setattr(*constant(key), value)
+        drop_graphs(model)
+        started = time.perf_counter()
+        figures = [_in_process(model, PROMPT, TOKENS, batch, REPEATS) for batch in batches]
+        line = "  ".join(f"b{r['batch']} {r['tok_s']:7.1f} tok/s {r['ms_per_step']:6.3f} ms "
+                         f"{r['ms_per_step'] * 1e3 / layers:5.1f} us/layer" for r in figures)
+        p = profile_steps(model, steps) if steps else None
+        if p:
+            line += f"  | span {p['span_us']:5.0f} = kernels {p['busy_us']:5.0f} + gaps {p['gap_us']:4.0f}, host {p['host_us']:4.0f}"
+        rows.append(f"{name:<30} {line}")
+        print(f"{rows[-1]}   ({time.perf_counter() - started:.0f} s, {values})", flush=True)
+        if p:
+            print_profile(name, p)
+    print("== decode8_sweep", model_dir, layers, "layers")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
