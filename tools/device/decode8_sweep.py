@@ -3,7 +3,7 @@ bench decode's own timing (decode7_bench.py: greedy after a 32-token prompt, med
 second of 2 repeats of 64 tokens, in-process, all resident) and a CUPTI trace of replayed steps:
 each kernel's GPU us a call, the idle time between kernel nodes inside the step (gap before each
 kernel, by kernel), and the host time around the graph (wall - first kernel start to last kernel end).
-Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
+A setting with "probe": true is followed by host_probe. Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
 import json
 import sys
 import time
@@ -74,6 +74,48 @@ def step_figures(events: list[tuple[float, float, str]], wall_us: float) -> dict
             "kernels": {k: (calls[k] / n, busy[k] / calls[k], gaps[k] / calls[k]) for k in busy}}
 
 
+def host_probe(model, steps: int = 24) -> None:
+    """Where a batch-1 step's time outside the kernels goes: the step's wall time, the captured graph
+    replayed alone (launch + synchronize; its launch call alone), and cProfile's top host functions."""
+    import cProfile
+    import pstats
+    import statistics
+
+    model.step(StepBatch(slots=range(1), starts=[0], lengths=[len(PROMPT)], tokens=PROMPT))
+    last, pos, walls = [PROMPT[-1]], len(PROMPT), []
+    for i in range(steps):
+        start = time.perf_counter()
+        out = model.step(StepBatch(slots=range(1), starts=[pos], lengths=[1], tokens=last))
+        walls.append(time.perf_counter() - start)
+        last, pos = [int(t) for t in out.tokens], pos + 1
+    stage = model.stages[-1]
+    captured = next(g for key, g in stage.graphs.items() if key[0] == 1)
+    stream = captured.backend.stream
+    launch_s, replay_s = [], []
+    for _ in range(steps):
+        stream.synchronize()
+        start = time.perf_counter()
+        captured.graph.launch(captured.stream)
+        launched = time.perf_counter()
+        stream.synchronize()
+        launch_s.append(launched - start)
+        replay_s.append(time.perf_counter() - start)
+    print(f"-- host probe: step {statistics.median(walls) * 1e6:.0f} us (median of {steps}), graph replayed alone "
+          f"{statistics.median(replay_s) * 1e6:.0f} us (launch call {statistics.median(launch_s) * 1e6:.0f} us)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        out = model.step(StepBatch(slots=range(1), starts=[pos], lengths=[1], tokens=last))
+        last, pos = [int(t) for t in out.tokens], pos + 1
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:18]  # by own time
+    print(f"   {'own us/step':>11} {'cum us/step':>11} {'calls/step':>10}  function")
+    for (file, line, func), (_, calls, own, cum, _) in rows:
+        print(f"   {own / steps * 1e6:11.1f} {cum / steps * 1e6:11.1f} {calls / steps:10.1f}  "
+              f"{file.rsplit('/', 2)[-1]}:{line} {func}")
+
+
 def print_profile(name: str, p: dict) -> None:
     print(f"-- {name}: {p['steps']} steps, wall {p['wall_us']:.0f} us/step under the profiler, graph span "
           f"{p['span_us']:.0f} (kernels {p['busy_us']:.0f} + gaps {p['gap_us']:.0f}), host {p['host_us']:.0f}")
@@ -90,14 +132,19 @@ def main() -> None:
     model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=len(PROMPT) + TOKENS + 32,
                        kv_dtype="bf16")
     layers = model.ckpt.config.num_layers
-    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values}
+    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values if key != "probe"}
     rows = []
     for name, values in settings:
         for key, value in {**defaults, **values}.items():
-            setattr(*constant(key), value)
+            if key != "probe":  # {"probe": true}: host_probe after the setting's figures
+                setattr(*constant(key), value)
         drop_graphs(model)
         started = time.perf_counter()
-        figures = [_in_process(model, PROMPT, TOKENS, batch, REPEATS) for batch in batches]
+        try:
+            figures = [_in_process(model, PROMPT, TOKENS, batch, REPEATS) for batch in batches]
+        except Exception as e:  # noqa: BLE001 - one setting that fails leaves the others to run
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
         line = "  ".join(f"b{r['batch']} {r['tok_s']:7.1f} tok/s {r['ms_per_step']:6.3f} ms "
                          f"{r['ms_per_step'] * 1e3 / layers:5.1f} us/layer" for r in figures)
         p = profile_steps(model, steps) if steps else None
@@ -107,6 +154,8 @@ def main() -> None:
         print(f"{rows[-1]}   ({time.perf_counter() - started:.0f} s, {values})", flush=True)
         if p:
             print_profile(name, p)
+        if values.get("probe"):
+            host_probe(model)
     print("== decode8_sweep", model_dir, layers, "layers")
     print("\n".join(rows))
 
