@@ -17,7 +17,7 @@ class WarmBranch:
 
     @staticmethod
     def wanted(ops) -> bool:
-        return ops.name == "cuda" and (loads.WARM_O_PROJ or loads.WARM_NEXT_QKV)
+        return ops.name == "cuda" and (loads.WARM_O_PROJ or loads.WARM_NEXT_QKV or bool(loads.WARM_EXPERTS))
 
     def begin(self) -> None:
         """Start of a step's run: no branch is open (a failed capture may have left one)."""
@@ -28,13 +28,23 @@ class WarmBranch:
     def ahead(self, weight) -> None:
         """Fork: ``weight`` into L2 on the side, after what the main branch has so far (the branch
         before it joined first: one open at a time)."""
+        loads.l2_warm_cuda(weight, stream=self._fork())
+
+    def experts_ahead(self, arena, pair_slot, hidden: int, inter: int) -> None:
+        """Fork: the routed experts' weights (loads.WARM_EXPERTS: "down" or "all") from their arena
+        slots into L2 while the expert GEMVs read them (arena: bf16 / f16 blobs, moe.py's layout)."""
+        first = 2 * hidden * inter * arena.dtype.itemsize if loads.WARM_EXPERTS == "down" else 0
+        loads.l2_warm_slots_cuda(arena, pair_slot, first, 3 * hidden * inter * arena.dtype.itemsize - first,
+                                 stream=self._fork())
+
+    def _fork(self):
         from moebus.cuda.backends.graphs import SideBranch
 
         self.join()
         self.side = self.side or SideBranch()
         self.side.fork(self.ops.stream)
-        loads.l2_warm_cuda(weight, stream=self.side.stream)
         self.open = True
+        return self.side.stream
 
     def join(self) -> None:
         """What the main branch launches from now on runs after the side branch's work."""

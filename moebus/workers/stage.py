@@ -324,7 +324,9 @@ class Stage:
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
-        if loads.WARM_NEXT_QKV and WarmBranch.wanted(ops) and "qkv" in self.layers.get(layer + 1, {}):
+        if loads.WARM_EXPERTS and WarmBranch.wanted(ops) and prefetch is None and self.experts.store.layout is None:
+            self.warm.experts_ahead(self.experts.array, pair_slot, cfg.hidden_size, cfg.moe_intermediate_size)
+        elif loads.WARM_NEXT_QKV and WarmBranch.wanted(ops) and "qkv" in self.layers.get(layer + 1, {}):
             self.warm.ahead(self.layers[layer + 1]["qkv"])  # into L2 while the experts stream theirs
         if prefetch is None and groups_in_decode(ops, self.experts, h.shape[0] * cfg.top_k, cfg.num_experts):
             y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement[row], cfg.hidden_size,

@@ -156,6 +156,7 @@ def exercise(rng) -> None:
     from moebus.cuda.kernels import loads
 
     loads.l2_warm_cuda(np.zeros((64, 2048), np.uint16))  # a weight into L2 on a side branch (workers/l2_warm.py)
+    loads.l2_warm_slots_cuda(big_arena, np.zeros(8, np.int32), 0, big_arena.nbytes // 2)  # routed experts' slots
     from moebus.cuda.kernels import norm_route
 
     for tokens, experts, in_flight in ((1, 32, True), (8, 128, True), (1, 32, False), (8, 128, False)):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moebus.cuda.kernels import loads
-from moebus.cuda.kernels.loads import L2_CHUNK_BYTES, l2_chunks, l2_warm_cuda
+from moebus.cuda.kernels.loads import L2_CHUNK_BYTES, l2_chunks, l2_warm_cuda, l2_warm_slots_cuda
 from moebus.workers.local import LocalModel
 from tests.cuda.conftest import device
 from tests.cuda.test_e2e import MICRO
@@ -33,6 +33,19 @@ def test_l2_warm_covers_the_array_in_chunks_and_changes_nothing(rng):
     assert l2_warm_cuda(device(np.zeros((0, 8), np.uint16))) == 0
 
 
+def test_l2_warm_of_arena_slots_changes_nothing_and_checks_its_range(rng):
+    arena = rng.integers(0, 1 << 16, (3, L2_CHUNK_BYTES // 2 + 64), dtype=np.uint16)  # a slot: a chunk + 128 bytes
+    on_device = device(arena)
+    pair_slot = device(np.array([2, 2, -1, 0], np.int32))  # a run on slot 2, one pair read from the host store
+    assert l2_warm_slots_cuda(on_device, pair_slot, 0, arena.shape[1] * 2) == 2
+    assert l2_warm_slots_cuda(on_device, pair_slot, 1024, 256) == 1
+    np.testing.assert_array_equal(on_device.copy_to_host(), arena)
+    with pytest.raises(ValueError, match="outside an arena slot"):
+        l2_warm_slots_cuda(on_device, pair_slot, 1024, arena.shape[1] * 2)
+    with pytest.raises(ValueError, match="16-byte"):
+        l2_warm_slots_cuda(on_device, pair_slot, 8, 256)
+
+
 def test_l2_warm_refuses_a_strided_array(rng):
     with pytest.raises(ValueError, match="contiguous"):
         l2_warm_cuda(device(np.zeros((4, 8), np.float32))[:, 1:5])
@@ -52,10 +65,13 @@ def _decode(model, steps: int = 3):
     return np.array(tokens), np.array(logprobs)
 
 
-def test_decode_with_weights_warmed_on_the_side_gives_the_same_tokens_and_logprobs(fused_model, monkeypatch):
+@pytest.mark.parametrize("switches", [dict(WARM_O_PROJ=True, WARM_NEXT_QKV=True),
+                                      dict(WARM_O_PROJ=True, WARM_EXPERTS="down"), dict(WARM_EXPERTS="all")])
+def test_decode_with_weights_warmed_on_the_side_gives_the_same_tokens_and_logprobs(fused_model, monkeypatch,
+                                                                                   switches):
     without = _decode(LocalModel(fused_model, device="cuda", max_context=32))
-    monkeypatch.setattr(loads, "WARM_O_PROJ", True)
-    monkeypatch.setattr(loads, "WARM_NEXT_QKV", True)
+    for name, value in switches.items():
+        monkeypatch.setattr(loads, name, value)
     model = LocalModel(fused_model, device="cuda", max_context=32)
     warmed = _decode(model)
     stage = model.stages[0]

@@ -3,7 +3,7 @@ bench decode's own timing (decode7_bench.py: greedy after a 32-token prompt, med
 second of 2 repeats of 64 tokens, in-process, all resident) and a CUPTI trace of replayed steps:
 each kernel's GPU us a call, the idle time between kernel nodes inside the step (gap before each
 kernel, by kernel), and the host time around the graph (wall - first kernel start to last kernel end).
-A setting with "probe": true is followed by host_probe. Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
+A setting with "probe": true is followed by host_probe; "batches": [1, 8] sets its own batch sizes. Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
 import json
 import sys
 import time
@@ -55,8 +55,12 @@ def step_figures(events: list[tuple[float, float, str]], wall_us: float) -> dict
     """The figures of profile_steps from kernel events (start, end, name) in start order: steps are
     told apart by > 50 us without a kernel (the host's work between steps)."""
     busy, gaps, calls = defaultdict(float), defaultdict(float), defaultdict(int)
-    spans, step_start, prev_end = [], None, None
+    spans, step_start, prev_end, prev_name, big, since = [], None, None, None, [], 0
     for start, end, name in events:
+        since += 1
+        if prev_end is not None and start - prev_end > 20.0:  # where the GPU waited: after which kernel
+            big.append((start - prev_end, prev_name, name, since))
+            since = 0
         if prev_end is None or start - prev_end > 50.0:
             if step_start is not None:
                 spans.append(prev_end - step_start)
@@ -65,12 +69,12 @@ def step_figures(events: list[tuple[float, float, str]], wall_us: float) -> dict
             gaps[name] += max(0.0, start - prev_end)
         busy[name] += end - start
         calls[name] += 1
-        prev_end = max(end, prev_end or end)
+        prev_end, prev_name = max(end, prev_end or end), name
     spans.append(prev_end - step_start)
     n = len(spans)
     span_us = sum(spans) / n
     return {"steps": n, "span_us": span_us, "busy_us": sum(busy.values()) / n, "gap_us": sum(gaps.values()) / n,
-            "host_us": wall_us - span_us, "wall_us": wall_us,
+            "host_us": wall_us - span_us, "wall_us": wall_us, "big_gaps": big,
             "kernels": {k: (calls[k] / n, busy[k] / calls[k], gaps[k] / calls[k]) for k in busy}}
 
 
@@ -119,6 +123,8 @@ def host_probe(model, steps: int = 24) -> None:
 def print_profile(name: str, p: dict) -> None:
     print(f"-- {name}: {p['steps']} steps, wall {p['wall_us']:.0f} us/step under the profiler, graph span "
           f"{p['span_us']:.0f} (kernels {p['busy_us']:.0f} + gaps {p['gap_us']:.0f}), host {p['host_us']:.0f}")
+    for gap, before, after, kernels in p["big_gaps"][:8]:
+        print(f"   idle {gap:7.1f} us after {before[-40:]} before {after[-40:]} ({kernels} kernels since the last)")
     print(f"   {'kernel':<40} {'calls':>6} {'us/call':>8} {'gap/call':>8} {'us/step':>8}")
     for k, (calls, us, gap) in sorted(p["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1]):
         print(f"   {k[:40]:<40} {calls:6.1f} {us:8.2f} {gap:8.2f} {calls * us:8.1f}")
@@ -129,19 +135,21 @@ def main() -> None:
     with open(sys.argv[3]) as f:
         settings = json.load(f)
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-    model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=len(PROMPT) + TOKENS + 32,
+    most = max([*batches, *(b for _, values in settings for b in values.get("batches", []))])
+    model = LocalModel(model_dir, device="cuda", num_slots=most, max_context=len(PROMPT) + TOKENS + 32,
                        kv_dtype="bf16")
     layers = model.ckpt.config.num_layers
-    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values if key != "probe"}
+    special = ("probe", "batches")  # not constants: host_probe after it; its own batch sizes
+    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values if key not in special}
     rows = []
     for name, values in settings:
         for key, value in {**defaults, **values}.items():
-            if key != "probe":  # {"probe": true}: host_probe after the setting's figures
+            if key not in special:
                 setattr(*constant(key), value)
         drop_graphs(model)
         started = time.perf_counter()
         try:
-            figures = [_in_process(model, PROMPT, TOKENS, batch, REPEATS) for batch in batches]
+            figures = [_in_process(model, PROMPT, TOKENS, batch, REPEATS) for batch in values.get("batches", batches)]
         except Exception as e:  # noqa: BLE001 - one setting that fails leaves the others to run
             print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
             continue

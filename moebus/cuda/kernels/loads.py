@@ -174,6 +174,9 @@ L2_CHUNK_BYTES = 64 * 1024  # bytes one bulk prefetch asks for
 WARM_CHUNKS_PER_BLOCK = 2  # prefetches a block issues (one a thread): the chunks spread over the SMs
 WARM_O_PROJ = False  # stage.py: the o projection's weights, forked after the qkv GEMV
 WARM_NEXT_QKV = False  # stage.py: the next layer's qkv weights, forked after norm_route
+# stage.py: the routed experts' weights from their arena slots, forked after norm_route, while the
+# expert GEMVs read them ("down": the down parts, "all": gate|up and down, "": none)
+WARM_EXPERTS = ""
 
 
 def l2_chunks(array) -> int:
@@ -206,11 +209,41 @@ else:
 
 
 @kernel
-def _l2_warm(flat, nbytes, num_chunks):
-    chunk = cuda.blockIdx.x * WARM_CHUNKS_PER_BLOCK + cuda.threadIdx.x
+def _l2_warm(flat, nbytes, num_chunks, per_block):
+    chunk = cuda.blockIdx.x * per_block + cuda.threadIdx.x
     offset = int64(chunk) * L2_CHUNK_BYTES
-    if cuda.threadIdx.x < WARM_CHUNKS_PER_BLOCK and chunk < num_chunks:
+    if cuda.threadIdx.x < per_block and chunk < num_chunks:
         _prefetch_chunk(flat, offset, min(int64(L2_CHUNK_BYTES), nbytes - offset) // 16 * 16)
+
+
+@kernel
+def _l2_warm_slots(arena, pair_slot, first_byte, nbytes, per_block):
+    # grid: x over a slot's chunks of [first_byte, first_byte + nbytes), y over pairs; a pair that
+    # repeats the pair before it (a run on one slot) or is not resident (negative) asks for nothing
+    j = cuda.blockIdx.y
+    slot = pair_slot[j]
+    chunk = cuda.blockIdx.x * per_block + cuda.threadIdx.x
+    offset = int64(chunk) * L2_CHUNK_BYTES
+    if slot >= 0 and (j == 0 or pair_slot[j - 1] != slot) and cuda.threadIdx.x < per_block and offset < nbytes:
+        _prefetch_chunk(arena, int64(slot) * arena.shape[1] + first_byte + offset,
+                        min(int64(L2_CHUNK_BYTES), nbytes - offset) // 16 * 16)
+
+
+def l2_warm_slots_cuda(arena, pair_slot, first_byte: int, nbytes: int, stream=0) -> int:
+    """Ask bytes [first_byte, first_byte + nbytes) of each listed arena slot into L2 (the experts a
+    step's pairs read, pair_slot as norm_route leaves it on the device: runs on one slot asked once,
+    host-store entries skipped); returns the chunks a slot takes."""
+    if not is_contiguous(arena) or data_ptr(arena) % 16 or first_byte % 16 or arena.nbytes // max(1, arena.shape[0]) % 16:
+        raise ValueError("L2 warming needs a contiguous arena, its slots and the range on 16-byte boundaries")
+    if not 0 <= first_byte <= first_byte + nbytes <= arena.nbytes // max(1, arena.shape[0]):
+        raise ValueError(f"bytes [{first_byte}, {first_byte + nbytes}) outside an arena slot")
+    chunks = -(-int(nbytes) // L2_CHUNK_BYTES)
+    if chunks and pair_slot.shape[0]:
+        per_block = min(WARM_CHUNKS_PER_BLOCK, WARP)
+        flat = arena.view(np.uint8).reshape(arena.shape[0], arena.nbytes // arena.shape[0])
+        _l2_warm_slots[(ceil_div(chunks, per_block), pair_slot.shape[0]), WARP, stream](
+            flat, pair_slot, int64(first_byte), int64(nbytes), per_block)
+    return chunks
 
 
 def l2_warm_cuda(array, stream=0) -> int:
@@ -222,5 +255,6 @@ def l2_warm_cuda(array, stream=0) -> int:
     num_chunks = l2_chunks(array)
     if num_chunks:
         flat = array.reshape(array.size).view(np.uint8)
-        _l2_warm[ceil_div(num_chunks, WARM_CHUNKS_PER_BLOCK), WARP, stream](flat, int64(array.nbytes), num_chunks)
+        per_block = min(WARM_CHUNKS_PER_BLOCK, WARP)
+        _l2_warm[ceil_div(num_chunks, per_block), WARP, stream](flat, int64(array.nbytes), num_chunks, per_block)
     return num_chunks
