@@ -17,13 +17,11 @@ import os
 import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
-from moebus.cuda.kernels import loads
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
-from moebus.workers.l2_warm import WarmBranch
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 from moebus.workers.qwen3vl_step import add_deepstack, deepstack_inputs, rope_positions
 from moebus.workers.experts import build_expert_cache
@@ -73,7 +71,6 @@ class Stage:
         if experts is None:
             experts = build_expert_cache(ckpt, layers, backend)
         self.experts = experts(self) if callable(experts) else experts
-        self.warm = WarmBranch(backend)  # weights into L2 beside the attention (l2_warm.py; off by default)
 
     def _load_layer(self, ckpt, i: int) -> dict:
         tensors = ckpt.attention(i)
@@ -224,7 +221,6 @@ class Stage:
                 route[2].begin(ops)
                 out["prefetch_keys"] = route[2].keys(ops)
         residual = None
-        self.warm.begin()
         segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
@@ -233,7 +229,6 @@ class Stage:
                 x, residual = add_deepstack(ops, self._residual_add(x, residual), inputs, i), None
             # the rest of the layer's buffers serve the next
             ops.recycle_layer(mark, (x,) + (residual[1:] if residual else ()))
-        self.warm.join()  # a capture ends with every branch joined
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out
@@ -275,10 +270,7 @@ class Stage:
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         x, h = self._residual_norm(x, residual, w["attn_norm"])
         if self.fuse_qkv:
-            qkv = ops.linear(h, w["qkv"])
-            if route is not None and loads.WARM_O_PROJ and WarmBranch.wanted(ops):
-                self.warm.ahead(w["o"])  # into L2 while the attention runs on few SMs
-            q = ops.qkv_rope_store(qkv, heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
+            q = ops.qkv_rope_store(ops.linear(h, w["qkv"]), heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
                                    token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
             q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
@@ -324,10 +316,6 @@ class Stage:
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
-        if loads.WARM_EXPERTS and WarmBranch.wanted(ops) and prefetch is None and self.experts.store.layout is None:
-            self.warm.experts_ahead(self.experts.array, pair_slot, cfg.hidden_size, cfg.moe_intermediate_size)
-        elif loads.WARM_NEXT_QKV and WarmBranch.wanted(ops) and "qkv" in self.layers.get(layer + 1, {}):
-            self.warm.ahead(self.layers[layer + 1]["qkv"])  # into L2 while the experts stream theirs
         if prefetch is None and groups_in_decode(ops, self.experts, h.shape[0] * cfg.top_k, cfg.num_experts):
             y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement[row], cfg.hidden_size,
                                         cfg.moe_intermediate_size, cfg.num_experts)  # many tokens: tensor cores

@@ -153,10 +153,6 @@ def exercise(rng) -> None:
                                     empty(tokens * 2, 2048), empty(tokens * 2, 768))
     (linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG,
      moe_ffn.GATE_UP_ROWS_SHORT) = defaults
-    from moebus.cuda.kernels import loads
-
-    loads.l2_warm_cuda(np.zeros((64, 2048), np.uint16))  # a weight into L2 on a side branch (workers/l2_warm.py)
-    loads.l2_warm_slots_cuda(big_arena, np.zeros(8, np.int32), 0, big_arena.nbytes // 2)  # routed experts' slots
     from moebus.cuda.kernels import norm_route
 
     for tokens, experts, in_flight in ((1, 32, True), (8, 128, True), (1, 32, False), (8, 128, False)):

@@ -64,7 +64,7 @@ def test_linear_splits_few_long_rows_only():
     assert row_split(32, 512, 2) == 2  # never more warps than a block has
 
 
-@pytest.mark.parametrize("short_rows", [1, 2, 3])
+@pytest.mark.parametrize("short_rows", [1, 2, 3, 4])
 def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch, short_rows):
     # a pass of 1 token (ROWS_PER_WARP_SHORT rows a warp) and of MAX_TOKENS (ROWS_PER_WARP rows a
     # warp) sum a row the same way, split or not: bit for bit

@@ -1,8 +1,10 @@
-# Issue 15 item 1, eighth session (branch decode8), second call (~150 s on one H200): the GPU tests of
-# the GEMVs' work shapes beside graph == eager (4 x 32), then decode8_sweep.py on 48 x 32 over
-# decode8_2.json (batch-1 tok/s, per-kernel us, gaps between graph nodes for each setting) with the
-# host probe after the defaults: the step's wall time against the captured graph replayed alone, and
-# cProfile's host functions of a step.
+# Issue 15 item 1, eighth session (branch decode8), second call (run at f70b86f under `timeout 150`,
+# which cut it during its 9th setting): the GPU tests of the GEMVs' work shapes and of L2 warming beside
+# graph == eager (4 x 32), then decode8_sweep.py on 48 x 32 over decode8_2.json (batch-1 tok/s,
+# per-kernel us, gaps between graph nodes for each setting) with the host probe after the defaults:
+# the step's wall time against the captured graph replayed alone, and cProfile's host functions.
+# L2 warming (loads.WARM_*, tests/cuda/test_l2_warm.py) was taken out after it (slower,
+# docs/performance.md): this script and its settings run only at that commit; decode8_3.sh is the next.
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
 M=/tmp/m48

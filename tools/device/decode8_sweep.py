@@ -2,7 +2,7 @@
 bench decode's own timing (decode7_bench.py: greedy after a 32-token prompt, median step of the
 second of 2 repeats of 64 tokens, in-process, all resident) and a CUPTI trace of replayed steps:
 each kernel's GPU us a call, the idle time between kernel nodes inside the step (gap before each
-kernel, by kernel), and the host time around the graph (wall - first kernel start to last kernel end).
+kernel, by kernel) and the idle stretches > 20 us (the graph launch, the host between steps).
 A setting with "probe": true is followed by host_probe; "batches": [1, 8] sets its own batch sizes. Usage: decode8_sweep.py MODEL_DIR BATCHES SETTINGS.json [PROFILE_STEPS]"""
 import json
 import sys
@@ -48,34 +48,34 @@ def profile_steps(model, steps: int) -> dict:
     events = kernel_events(prof)
     if not events:  # no CUPTI (the simulator): nothing to report
         return None
-    return step_figures(events, sum(walls) / len(walls) * 1e6)
+    return step_figures(events, sum(walls) / len(walls) * 1e6, steps)
 
 
-def step_figures(events: list[tuple[float, float, str]], wall_us: float) -> dict:
-    """The figures of profile_steps from kernel events (start, end, name) in start order: steps are
-    told apart by > 50 us without a kernel (the host's work between steps)."""
+def step_figures(events: list[tuple[float, float, str]], wall_us: float, steps: int) -> dict:
+    """The figures of profile_steps from the kernel (and copy) events (start, end, name) in start
+    order of ``steps`` steps. Stretches > 50 us without an event (the host between steps, and the
+    graph's launch after its input copy) cut the trace into segments: a step's span is its segments'
+    total; idle stretches > 20 us are listed with the events around them."""
     busy, gaps, calls = defaultdict(float), defaultdict(float), defaultdict(int)
-    spans, step_start, prev_end, prev_name, big, since = [], None, None, None, [], 0
+    span_us, seg_start, prev_end, prev_name, big, since = 0.0, None, None, None, [], 0
     for start, end, name in events:
         since += 1
-        if prev_end is not None and start - prev_end > 20.0:  # where the GPU waited: after which kernel
+        if prev_end is not None and start - prev_end > 20.0:  # where the GPU waited: after which event
             big.append((start - prev_end, prev_name, name, since))
             since = 0
         if prev_end is None or start - prev_end > 50.0:
-            if step_start is not None:
-                spans.append(prev_end - step_start)
-            step_start = start
+            if seg_start is not None:
+                span_us += prev_end - seg_start
+            seg_start = start
         else:
             gaps[name] += max(0.0, start - prev_end)
         busy[name] += end - start
         calls[name] += 1
         prev_end, prev_name = max(end, prev_end or end), name
-    spans.append(prev_end - step_start)
-    n = len(spans)
-    span_us = sum(spans) / n
-    return {"steps": n, "span_us": span_us, "busy_us": sum(busy.values()) / n, "gap_us": sum(gaps.values()) / n,
-            "host_us": wall_us - span_us, "wall_us": wall_us, "big_gaps": big,
-            "kernels": {k: (calls[k] / n, busy[k] / calls[k], gaps[k] / calls[k]) for k in busy}}
+    span_us = (span_us + prev_end - seg_start) / steps
+    return {"steps": steps, "span_us": span_us, "busy_us": sum(busy.values()) / steps,
+            "gap_us": sum(gaps.values()) / steps, "host_us": wall_us - span_us, "wall_us": wall_us, "big_gaps": big,
+            "kernels": {k: (calls[k] / steps, busy[k] / calls[k], gaps[k] / calls[k]) for k in busy}}
 
 
 def host_probe(model, steps: int = 24) -> None:
@@ -121,8 +121,9 @@ def host_probe(model, steps: int = 24) -> None:
 
 
 def print_profile(name: str, p: dict) -> None:
-    print(f"-- {name}: {p['steps']} steps, wall {p['wall_us']:.0f} us/step under the profiler, graph span "
-          f"{p['span_us']:.0f} (kernels {p['busy_us']:.0f} + gaps {p['gap_us']:.0f}), host {p['host_us']:.0f}")
+    print(f"-- {name}: {p['steps']} steps, wall {p['wall_us']:.0f} us/step under the profiler, busy span "
+          f"{p['span_us']:.0f} (kernels {p['busy_us']:.0f} + gaps {p['gap_us']:.0f}), rest {p['host_us']:.0f} "
+          f"(host, graph launch, profiler)")
     for gap, before, after, kernels in p["big_gaps"][:8]:
         print(f"   idle {gap:7.1f} us after {before[-40:]} before {after[-40:]} ({kernels} kernels since the last)")
     print(f"   {'kernel':<40} {'calls':>6} {'us/call':>8} {'gap/call':>8} {'us/step':>8}")
@@ -157,7 +158,7 @@ def main() -> None:
                          f"{r['ms_per_step'] * 1e3 / layers:5.1f} us/layer" for r in figures)
         p = profile_steps(model, steps) if steps else None
         if p:
-            line += f"  | span {p['span_us']:5.0f} = kernels {p['busy_us']:5.0f} + gaps {p['gap_us']:4.0f}, host {p['host_us']:4.0f}"
+            line += f"  | busy span {p['span_us']:5.0f} = kernels {p['busy_us']:5.0f} + gaps {p['gap_us']:4.0f}"
         rows.append(f"{name:<30} {line}")
         print(f"{rows[-1]}   ({time.perf_counter() - started:.0f} s, {values})", flush=True)
         if p:

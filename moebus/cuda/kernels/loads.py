@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, cuda, data_ptr, device, float32, int64, is_contiguous,
-                                        kernel, uint32)
-from moebus.cuda.kernels.launch import ceil_div
+from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, cuda, data_ptr, device, float32, int64, is_contiguous, uint32
 from moebus.cuda.dtypes import storage_name
 
 WIDE = 4  # elements per wide word
@@ -162,99 +160,3 @@ def chunk_f16_streaming(a, row, word, buf):
 
 
 STREAMING = {"bf16": chunk_bf16_streaming, "f16": chunk_f16_streaming}
-
-
-# -- L2 warming from a side branch ----------------------------------------------------------------
-# A weight matrix asked into L2 (cp.async.bulk.prefetch.L2, sm_90) by a kernel of its own on a second
-# branch of the decode graph, spread over the SMs that the latency-bound kernels before its GEMV leave
-# idle (stage.py: the o projection during the attention). decode7 issued the same prefetches from the
-# latency-bound kernels' own threads, all from one SM, and stalled them (docs/performance.md).
-
-L2_CHUNK_BYTES = 64 * 1024  # bytes one bulk prefetch asks for
-WARM_CHUNKS_PER_BLOCK = 2  # prefetches a block issues (one a thread): the chunks spread over the SMs
-WARM_O_PROJ = False  # stage.py: the o projection's weights, forked after the qkv GEMV
-WARM_NEXT_QKV = False  # stage.py: the next layer's qkv weights, forked after norm_route
-# stage.py: the routed experts' weights from their arena slots, forked after norm_route, while the
-# expert GEMVs read them ("down": the down parts, "all": gate|up and down, "": none)
-WARM_EXPERTS = ""
-
-
-def l2_chunks(array) -> int:
-    """How many bulk prefetches (L2_CHUNK_BYTES each, the last one shorter) cover ``array``."""
-    return -(-int(array.nbytes) // L2_CHUNK_BYTES)
-
-
-if SIMULATOR:
-    def _prefetch_chunk(flat, offset, nbytes):
-        """The simulator has no L2: nothing to warm."""
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def _prefetch_chunk(typingctx, flat, offset, nbytes):
-        """cp.async.bulk.prefetch.L2 of ``nbytes`` (a multiple of 16) at byte ``offset`` of a
-        contiguous array: the bytes come into L2 while the thread goes on; nothing waits for them."""
-
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            address = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
-            size = builder.trunc(args[2], ir.IntType(32))
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32)]),
-                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}", side_effect=True)
-            builder.call(asm, [address, size])
-
-        return types.void(flat, types.int64, types.int64), codegen
-
-
-@kernel
-def _l2_warm(flat, nbytes, num_chunks, per_block):
-    chunk = cuda.blockIdx.x * per_block + cuda.threadIdx.x
-    offset = int64(chunk) * L2_CHUNK_BYTES
-    if cuda.threadIdx.x < per_block and chunk < num_chunks:
-        _prefetch_chunk(flat, offset, min(int64(L2_CHUNK_BYTES), nbytes - offset) // 16 * 16)
-
-
-@kernel
-def _l2_warm_slots(arena, pair_slot, first_byte, nbytes, per_block):
-    # grid: x over a slot's chunks of [first_byte, first_byte + nbytes), y over pairs; a pair that
-    # repeats the pair before it (a run on one slot) or is not resident (negative) asks for nothing
-    j = cuda.blockIdx.y
-    slot = pair_slot[j]
-    chunk = cuda.blockIdx.x * per_block + cuda.threadIdx.x
-    offset = int64(chunk) * L2_CHUNK_BYTES
-    if slot >= 0 and (j == 0 or pair_slot[j - 1] != slot) and cuda.threadIdx.x < per_block and offset < nbytes:
-        _prefetch_chunk(arena, int64(slot) * arena.shape[1] + first_byte + offset,
-                        min(int64(L2_CHUNK_BYTES), nbytes - offset) // 16 * 16)
-
-
-def l2_warm_slots_cuda(arena, pair_slot, first_byte: int, nbytes: int, stream=0) -> int:
-    """Ask bytes [first_byte, first_byte + nbytes) of each listed arena slot into L2 (the experts a
-    step's pairs read, pair_slot as norm_route leaves it on the device: runs on one slot asked once,
-    host-store entries skipped); returns the chunks a slot takes."""
-    if not is_contiguous(arena) or data_ptr(arena) % 16 or first_byte % 16 or arena.nbytes // max(1, arena.shape[0]) % 16:
-        raise ValueError("L2 warming needs a contiguous arena, its slots and the range on 16-byte boundaries")
-    if not 0 <= first_byte <= first_byte + nbytes <= arena.nbytes // max(1, arena.shape[0]):
-        raise ValueError(f"bytes [{first_byte}, {first_byte + nbytes}) outside an arena slot")
-    chunks = -(-int(nbytes) // L2_CHUNK_BYTES)
-    if chunks and pair_slot.shape[0]:
-        per_block = min(WARM_CHUNKS_PER_BLOCK, WARP)
-        flat = arena.view(np.uint8).reshape(arena.shape[0], arena.nbytes // arena.shape[0])
-        _l2_warm_slots[(ceil_div(chunks, per_block), pair_slot.shape[0]), WARP, stream](
-            flat, pair_slot, int64(first_byte), int64(nbytes), per_block)
-    return chunks
-
-
-def l2_warm_cuda(array, stream=0) -> int:
-    """Ask a contiguous device array's bytes into L2 (a whole 16-byte tail short of its end), over
-    ceil(chunks / WARM_CHUNKS_PER_BLOCK) blocks of one warp; returns the chunks asked for. Nothing
-    reads the result: the array is unchanged, a later kernel finds its lines in L2."""
-    if not is_contiguous(array) or data_ptr(array) % 16:
-        raise ValueError("L2 warming needs a contiguous array on a 16-byte boundary")
-    num_chunks = l2_chunks(array)
-    if num_chunks:
-        flat = array.reshape(array.size).view(np.uint8)
-        per_block = min(WARM_CHUNKS_PER_BLOCK, WARP)
-        _l2_warm[ceil_div(num_chunks, per_block), WARP, stream](flat, int64(array.nbytes), num_chunks, per_block)
-    return num_chunks

@@ -34,8 +34,10 @@ MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one t
 DOWN_ROWS_SHORT = 2
 DOWN_ROWS_LONG = 4
 # rows of I a gate|up warp takes at once where runs are short (decode at batch 1), its words a lane
-# a round then MAX_UNROLL // GATE_UP_ROWS_SHORT: the same bytes in flight a warp, half the blocks
-GATE_UP_ROWS_SHORT = 1
+# a round then MAX_UNROLL // GATE_UP_ROWS_SHORT: the same bytes in flight a warp, half the blocks (768
+# at batch 1: one wave of 6 blocks an SM, not 1.94). 2 took the kernel from 18.2 to 15.3 us a layer
+# (H200, decode8_2.sh's profile of the 48 x 32 graph); 2 rows x 8 words a round: 21.1
+GATE_UP_ROWS_SHORT = 2
 # the experts' weights loaded evict-first (ld.global.cs): 75 MB a layer at batch 1 pass through the
 # 50 MB L2 without pushing out what the next kernels read (activations, the KV cache). Measured on an
 # H200 (decode7_2.sh, 48 x 32 bench): batch 8 799 -> 855 tok/s; batch 1 within the run's noise
