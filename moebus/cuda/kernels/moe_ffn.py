@@ -5,8 +5,9 @@ with x = x[pair_token[j]] and the expert in arena slot pair_slot[j] (see moe.py 
 A negative slot is a placement-table entry for an expert that is not resident (routing.py): the
 kernels then read its row of the host store, which on cuda is mapped pinned memory (zero copy).
 
-Two kernels, both warp-per-output-row GEMVs like linear.py: gate|up (rows of I, writes the
-activation h (J, I) to scratch) then down (rows of D). Pairs are cut into *runs*: consecutive pairs
+Two kernels, both warp-per-output-row GEMVs like linear.py (a warp may take a few rows at once: the
+``*_ROWS_*`` constants below): gate|up (rows of I, writes the activation h (J, I) to scratch) then
+down (rows of D). Pairs are cut into *runs*: consecutive pairs
 on the same slot inside one aligned chunk of ``chunk`` pairs; the block of a run's first pair
 computes the whole run, so an expert's rows are read once for all its tokens in the chunk (the
 stage sorts pairs by slot), and blocks of other pairs return at once. A pair's arithmetic is the
