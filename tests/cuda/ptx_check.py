@@ -141,15 +141,18 @@ def exercise(rng) -> None:
     # A3B decode widths: split rows (a router's 32 rows of 2048), the experts' unrolled rounds; then
     # the work shapes that sit behind constants (tools/device/decode_variants.py times them)
     big_arena = np.zeros((2, 3 * 768 * 2048), np.uint16)
-    defaults = linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG
-    for shapes in (defaults, (4, 8, 2, 4)):
-        linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG = shapes
+    defaults = (linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG,
+                moe_ffn.GATE_UP_ROWS_SHORT)
+    for shapes in (defaults, (4, 8, 2, 4, 2)):
+        (linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG,
+         moe_ffn.GATE_UP_ROWS_SHORT) = shapes
         for tokens in (1, 8):
             linear.linear_cuda(f32(tokens, 2048), np.zeros((32, 2048), np.uint16), empty(tokens, 32))
             pairs = np.arange(tokens * 2, dtype=np.int32)
             moe_ffn.expert_ffn_cuda(f32(tokens, 2048), pairs // 2, pairs % 2, pairs, big_arena, 2048, 768,
                                     empty(tokens * 2, 2048), empty(tokens * 2, 768))
-    linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG = defaults
+    (linear.ROWS_PER_WARP, linear.MAX_UNROLL, moe_ffn.DOWN_ROWS_SHORT, moe_ffn.DOWN_ROWS_LONG,
+     moe_ffn.GATE_UP_ROWS_SHORT) = defaults
     from moebus.cuda.kernels import norm_route
 
     for tokens, experts, in_flight in ((1, 32, True), (8, 128, True), (1, 32, False), (8, 128, False)):

@@ -64,17 +64,19 @@ def test_linear_splits_few_long_rows_only():
     assert row_split(32, 512, 2) == 2  # never more warps than a block has
 
 
-def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch):
-    # a pass of 1 token (one row a warp) and of MAX_TOKENS (ROWS_PER_WARP rows a warp) sum a row the
-    # same way, split or not: bit for bit
+@pytest.mark.parametrize("short_rows", [1, 2, 3, 4])
+def test_linear_row_is_the_same_whatever_the_rows_per_warp(rng, monkeypatch, short_rows):
+    # a pass of 1 token (ROWS_PER_WARP_SHORT rows a warp) and of MAX_TOKENS (ROWS_PER_WARP rows a
+    # warp) sum a row the same way, split or not: bit for bit
     from moebus.cuda.kernels import linear
 
     monkeypatch.setattr(linear, "MIN_SPAN_WORDS", 1)
     monkeypatch.setattr(linear, "SPLIT_TARGET_WARPS", 1 << 30)
     monkeypatch.setattr(linear, "ROWS_PER_WARP", 4)
+    monkeypatch.setattr(linear, "ROWS_PER_WARP_SHORT", short_rows)
     monkeypatch.setattr(linear, "MAX_UNROLL", 8)
-    assert linear.shape_for(MAX_TOKENS, 512) == (2, 4) and linear.shape_for(1, 512) == (8, 1)
-    assert linear.shape_for(1, 40) == (2, 1)  # never more words a round than the span gives a lane
+    assert linear.shape_for(MAX_TOKENS, 512) == (2, 4) and linear.shape_for(1, 512) == (8, short_rows)
+    assert linear.shape_for(1, 40) == (2, short_rows)  # never more words a round than the span gives a lane
     x = rng.standard_normal((MAX_TOKENS, 40), dtype=np.float32)
     weight = stored(rng.standard_normal((7, 40), dtype=np.float32), "bf16")
     together = _run(x, weight)

@@ -95,6 +95,25 @@ def test_expert_ffn_with_several_down_rows_a_warp(rng, monkeypatch, short_rows, 
         np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [2, 3])
+def test_expert_ffn_with_several_gate_up_rows_a_warp_gives_the_same_bits(rng, monkeypatch, rows):
+    # moe_ffn.gate_up_shape with short runs (one token a pass): a warp takes `rows` rows of I (8: not
+    # always a multiple), each lane's words in the same order, so the same bits as one row a warp
+    x = rng.standard_normal((1, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, "bf16")
+    pairs = np.array([(0, 2, 0), (0, 0, 1), (0, 3, 2)]).T
+    results = []
+    for gate_up_rows in (1, rows):
+        monkeypatch.setattr(moe_ffn, "GATE_UP_ROWS_SHORT", gate_up_rows)
+        out = poisoned((3, HIDDEN))
+        _ffn(x, pairs, device(arena), out)
+        results.append(out.copy_to_host())
+    expected = np.full((3, HIDDEN), np.nan, np.float32)
+    expert_ffn_ref(x, *pairs.astype(np.int32), arena, HIDDEN, INTER, expected)
+    np.testing.assert_allclose(results[1], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("storage", ["bf16", "f16"])
 def test_expert_ffn_streaming_weight_loads_give_the_same_bits(rng, monkeypatch, storage):
     # evict-first loads (moe_ffn.STREAM_WEIGHTS, loads.STREAMING) read the same words

@@ -30,6 +30,10 @@ UNROLL = 4  # weight words each lane loads before using them: a GEMV is bound by
 # batch 8 from 588 to 668 tok/s; 8 words a lane with 1..2 tokens was no faster than 4 at batch 1.
 MAX_UNROLL = 4  # words a lane loads a round with one or two tokens a pass
 ROWS_PER_WARP = 4  # rows a warp takes at once with 3..8 tokens a pass
+# ... and with one or two (more weight bytes in flight a warp): qkv + o + lm_head in 24 layers of the
+# 48 x 32 graph at batch 1 (H200, 2026-12-02, decode8_2.sh's CUPTI profile): 631 us with 1 row, 568 with
+# 2, 578 with 3, 438 with 4 (9.0 us a call on average, against 13.0)
+ROWS_PER_WARP_SHORT = 4
 SPLIT_TARGET_WARPS = 8192  # ~62 warps per SM of an H200: rows x split below this get split further
 MIN_SPAN_WORDS = WARP * UNROLL  # words of a row one warp of a split keeps at least
 
@@ -141,7 +145,7 @@ def shape_for(num_tokens: int, span_words: int) -> tuple[int, int]:
     (never more than a span gives a lane); with more, each x word loaded (L1, 16 bytes a lane) is the
     cost, and a warp taking ROWS_PER_WARP rows shares it among them."""
     if num_tokens <= 2:
-        return max(1, min(MAX_UNROLL, ceil_div(span_words, WARP))), 1
+        return max(1, min(MAX_UNROLL, ceil_div(span_words, WARP))), ROWS_PER_WARP_SHORT
     return (UNROLL if ROWS_PER_WARP == 1 else max(1, UNROLL // ROWS_PER_WARP * 2)), ROWS_PER_WARP
 
 

@@ -5,8 +5,9 @@ with x = x[pair_token[j]] and the expert in arena slot pair_slot[j] (see moe.py 
 A negative slot is a placement-table entry for an expert that is not resident (routing.py): the
 kernels then read its row of the host store, which on cuda is mapped pinned memory (zero copy).
 
-Two kernels, both warp-per-output-row GEMVs like linear.py: gate|up (rows of I, writes the
-activation h (J, I) to scratch) then down (rows of D). Pairs are cut into *runs*: consecutive pairs
+Two kernels, both warp-per-output-row GEMVs like linear.py (a warp may take a few rows at once: the
+``*_ROWS_*`` constants below): gate|up (rows of I, writes the activation h (J, I) to scratch) then
+down (rows of D). Pairs are cut into *runs*: consecutive pairs
 on the same slot inside one aligned chunk of ``chunk`` pairs; the block of a run's first pair
 computes the whole run, so an expert's rows are read once for all its tokens in the chunk (the
 stage sorts pairs by slot), and blocks of other pairs return at once. A pair's arithmetic is the
@@ -29,10 +30,15 @@ MAX_GRID_Y = 65535  # pairs per launch; more go in several launches
 UNROLL = 4  # weight words each lane loads before using them (linear.py) where the run is long
 MAX_UNROLL = 8  # ... and at most where runs are short (decode at batch 1: one token per run)
 # down rows a warp takes at once (down_shape), as measured on an H200 (2026-12-02, decode7_1.sh, 48 x 32
-# bench): 4 where runs are long took batch 8 from 668 to 711 tok/s; 2 where short (with 16 words a lane
-# in gate|up) did not help batch 1 (96.7 against 97.5 tok/s, within the run's noise), so 1 stays
-DOWN_ROWS_SHORT = 1
+# bench): 4 where runs are long took batch 8 from 668 to 711 tok/s; 2 where short took the down kernel
+# at batch 1 from 13.6 to 12.0 us a layer (decode8_1.sh's CUPTI profile of the 48 x 32 graph; 4: 12.1)
+DOWN_ROWS_SHORT = 2
 DOWN_ROWS_LONG = 4
+# rows of I a gate|up warp takes at once where runs are short (decode at batch 1), its words a lane
+# a round then MAX_UNROLL // GATE_UP_ROWS_SHORT: the same bytes in flight a warp, half the blocks (768
+# at batch 1: one wave of 6 blocks an SM, not 1.94). 2 took the kernel from 18.2 to 15.3 us a layer
+# (H200, decode8_2.sh's profile of the 48 x 32 graph); 2 rows x 8 words a round: 21.1
+GATE_UP_ROWS_SHORT = 2
 # the experts' weights loaded evict-first (ld.global.cs): 75 MB a layer at batch 1 pass through the
 # 50 MB L2 without pushing out what the next kernels read (activations, the KV cache). Measured on an
 # H200 (decode7_2.sh, 48 x 32 bench): batch 8 799 -> 855 tok/s; batch 1 within the run's noise
@@ -74,52 +80,61 @@ def _placement(arena, store, entry):
 
 
 @functools.cache
-def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming: bool):
+def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming: bool, per_warp: int = 1):
     read_weight, width = chunk_reader(storage, wide, streaming)
     read_x, _ = chunk_reader("f32", wide)
 
     @kernel
     def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
+        # a warp takes per_warp consecutive rows of I (their gate and up rows) at once
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return  # the whole block: no reduction is skipped by part of it
         weights, slot = _placement(arena, store, pair_slot[j])
         lane, first, stride = warp_rows()
+        num_groups = (inter + per_warp - 1) // per_warp
         up_base = inter * hidden_words
         tokens = cuda.local.array(chunk, int32)
         for t in range(chunk):  # past the run: its last pair's token (never read: t < run below)
             tokens[t] = pair_token[j + min(t, run - 1)]
-        acc_gate = cuda.local.array(chunk, float32)
-        acc_up = cuda.local.array(chunk, float32)
-        gate_buf = cuda.local.array((unroll, width), float32)
-        up_buf = cuda.local.array((unroll, width), float32)
+        acc_gate = cuda.local.array((per_warp, chunk), float32)
+        acc_up = cuda.local.array((per_warp, chunk), float32)
+        gate_buf = cuda.local.array((per_warp, unroll, width), float32)
+        up_buf = cuda.local.array((per_warp, unroll, width), float32)
         x_buf = cuda.local.array(width, float32)
-        for start in range(0, inter, stride):
-            row = min(start + first, inter - 1)
-            for t in range(chunk):
-                acc_gate[t] = float32(0.0)
-                acc_up[t] = float32(0.0)
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for r in range(per_warp):
+                for t in range(chunk):
+                    acc_gate[r, t] = float32(0.0)
+                    acc_up[r, t] = float32(0.0)
             for base in range(lane, hidden_words, WARP * unroll):
-                for k in range(unroll):  # the loads in flight first (linear.py)
-                    word = min(base + k * WARP, hidden_words - 1)
-                    read_weight(weights, slot, row * hidden_words + word, gate_buf[k])
-                    read_weight(weights, slot, up_base + row * hidden_words + word, up_buf[k])
+                for r in range(per_warp):  # the loads in flight first (linear.py)
+                    row = min(group * per_warp + r, inter - 1)
+                    for k in range(unroll):
+                        word = min(base + k * WARP, hidden_words - 1)
+                        read_weight(weights, slot, row * hidden_words + word, gate_buf[r, k])
+                        read_weight(weights, slot, up_base + row * hidden_words + word, up_buf[r, k])
                 for k in range(unroll):
                     word = base + k * WARP
                     if word < hidden_words:
                         for t in range(chunk):
                             if t < run:  # the same in the whole block: no divergence, no work past the run
                                 read_x(x, tokens[t], word, x_buf)
-                                acc_gate[t] = accumulate(acc_gate[t], x_buf, gate_buf[k], width)
-                                acc_up[t] = accumulate(acc_up[t], x_buf, up_buf[k], width)
-            warp_sum_many(acc_gate, chunk)
-            warp_sum_many(acc_up, chunk)
-            if lane == 0 and start + first < inter:  # constant indices keep the sums in registers
-                for t in range(chunk):
-                    if t < run:
-                        g = acc_gate[t]
-                        h[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc_up[t]
+                                for r in range(per_warp):
+                                    acc_gate[r, t] = accumulate(acc_gate[r, t], x_buf, gate_buf[r, k], width)
+                                    acc_up[r, t] = accumulate(acc_up[r, t], x_buf, up_buf[r, k], width)
+            for r in range(per_warp):
+                warp_sum_many(acc_gate[r], chunk)
+                warp_sum_many(acc_up[r], chunk)
+            if lane == 0 and start + first < num_groups:  # constant indices keep the sums in registers
+                for r in range(per_warp):
+                    if group * per_warp + r < inter:
+                        for t in range(chunk):
+                            if t < run:
+                                g = acc_gate[r, t]
+                                h[j + t, group * per_warp + r] = g / (float32(1.0) + math.exp(-g)) * acc_up[r, t]
 
     return expert_gate_up
 
@@ -177,6 +192,12 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
     return expert_down
 
 
+def gate_up_shape(hidden_words: int, chunk: int) -> tuple[int, int]:
+    """(words a lane loads per round, rows of I a warp takes) of the gate|up kernel."""
+    rows = GATE_UP_ROWS_SHORT if chunk <= 2 else 1
+    return max(1, unroll_for(hidden_words, chunk) // rows), rows
+
+
 def down_shape(inter_words: int, chunk: int) -> tuple[int, int]:
     """(words a lane loads per round, rows a warp takes) of the down kernel: a down row is short
     (768 wide: 6 words a lane, all loaded in one round), so more rows a warp mean more bytes in
@@ -217,14 +238,15 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     per_block = block // WARP
     arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
     hidden_words, inter_words = hidden // width, inter // width
-    gate_up = _gate_up_kernel(storage, wide, chunk, unroll_for(hidden_words, chunk), STREAM_WEIGHTS)
+    gate_unroll, gate_rows = gate_up_shape(hidden_words, chunk)
+    gate_up = _gate_up_kernel(storage, wide, chunk, gate_unroll, STREAM_WEIGHTS, gate_rows)
     down_unroll, per_warp = down_shape(inter_words, chunk)
     down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        gate_up[(blocks(ceil_div(inter, per_block)), count), block, stream](
+        gate_up[(blocks(ceil_div(ceil_div(inter, gate_rows), per_block)), count), block, stream](
             x_view, pair_token, pair_slot, arena_view, store_view, hidden_words, inter, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
