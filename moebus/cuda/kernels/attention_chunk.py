@@ -1,0 +1,225 @@
+"""The attention of a routed step whose rows come in runs of one sequence (a prompt's chunk beside
+decode rows): the keys and values a run reads are loaded once into shared memory and used by all its
+rows, where the decode kernel (attention_decode.py) reads them again for every row.
+
+The step's rows are cut into tiles: consecutive rows of one sequence at ascending positions, at most
+``rows_per_tile(group)`` of them. A tile table (num_tiles, 3) int32 (first row, rows, KV slot) is a
+step input built on the host (``chunk_tiles``); its size depends on the step's tokens and sequences
+only, so a captured step keeps its grid while its chunk moves; tiles of 0 rows exit at once. One
+block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as the
+decode kernel cuts one token's (split_range), so the scratch and the merge have its layout. A block
+walks its split in key tiles of KEYS_PER_TILE keys (K and V unpacked to float32 in shared memory);
+each warp owns some (row, head) pairs of the tile, a lane holding hd / 32 elements of each pair's
+query and output; a score is the lanes' dot products summed by xor shuffles (every lane gets the same
+bits), then an online softmax per pair. A row sees keys <= its position (causal; no sliding window:
+such models keep the decode kernel). ``merge_tile_splits`` combines a row's splits in order."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape, require_caches, words
+from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, lanes_sum, split_range
+from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, kernel, threads
+from moebus.cuda.kernels.launch import ceil_div, require
+
+PAIRS_PER_TILE = 64  # (row, query head) pairs of a tile: rows_per_tile = PAIRS_PER_TILE // group
+WARPS = 2 if SIMULATOR else 8
+KV_SHARED_BYTES = (2 if SIMULATOR else 32) * 1024  # a key tile's K and V as float32 (simulator: several a split)
+THREADS = 256  # the merge's
+
+
+def rows_per_tile(group: int) -> int:
+    """Rows of one sequence a tile holds, for ``group`` query heads per kv head."""
+    return max(1, PAIRS_PER_TILE // group)
+
+
+def max_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
+    """Tiles a step of num_tokens rows in num_seqs sequences can need at ``rows`` rows a tile
+    (ceil(L / rows) <= 1 + (L - 1) // rows, summed over the sequences)."""
+    return num_seqs + (num_tokens - num_seqs) // rows
+
+
+def chunk_tiles(segments, num_tokens: int, rows: int) -> np.ndarray:
+    """The tile table (max_tiles, 3) int32 of a step's sequences, ``segments`` its (first row, slot,
+    start, length) tuples (stage._segments); unused tiles are (0, 0, 0)."""
+    tiles = np.zeros((max_tiles(num_tokens, len(segments), rows), 3), np.int32)
+    n = 0
+    for first_row, slot, _, length in segments:
+        for offset in range(0, length, rows):
+            tiles[n] = first_row + offset, min(rows, length - offset), slot
+            n += 1
+    return tiles
+
+
+def check_tiles(tiles: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray, group: int) -> None:
+    """Every row in exactly one tile, of the tile's slot, at ascending positions; else ValueError."""
+    tiles, token_slot, token_pos = (np.asarray(a) for a in (tiles, token_slot, token_pos))
+    if tiles.ndim != 2 or tiles.shape[1] != 3:
+        raise ValueError(f"a tile table is (tiles, 3), not {tiles.shape}")
+    seen = np.zeros(len(token_pos), np.int32)
+    for first, rows, slot in tiles:
+        if not 0 <= rows <= rows_per_tile(group) or first < 0 or first + rows > len(token_pos):
+            raise ValueError(f"tile (first {first}, rows {rows}) outside the step's {len(token_pos)} rows")
+        seen[first:first + rows] += 1
+        if np.any(token_slot[first:first + rows] != slot) or np.any(np.diff(token_pos[first:first + rows]) <= 0):
+            raise ValueError(f"tile (first {first}, rows {rows}): rows of slot {slot} at ascending positions")
+    if np.any(seen != 1):
+        raise ValueError("a tile table must hold every row of the step exactly once")
+
+
+def attention_tiles_ref(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float) -> np.ndarray:
+    """The reference: per tile, its rows against its slot's keys [0, pos] (float32)."""
+    check_tiles(tiles, token_slot, token_pos, q.shape[1] // k_cache.shape[1])
+    out = np.empty_like(q, dtype=np.float32)
+    for first, rows, slot in np.asarray(tiles):
+        if rows:
+            rows_at = slice(first, first + rows)
+            out[rows_at] = attention_ref(q[rows_at], k_cache, v_cache, np.full(rows, slot, np.int32),
+                                         np.asarray(token_pos)[rows_at], scale)
+    return out
+
+
+def keys_per_tile(head_dim: int) -> int:
+    return max(1, KV_SHARED_BYTES // (8 * head_dim))
+
+
+@functools.cache
+def tile_kernel(storage: str, head_dim: int, group: int):
+    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32'); hd a multiple of 32."""
+    if head_dim % WARP:
+        raise ValueError(f"head_dim {head_dim}: the tile kernel spreads a row over {WARP} lanes")
+    load_quad = QUAD[storage]
+    per_lane = head_dim // WARP
+    quads = head_dim // 4
+    pairs_per_warp = -(-rows_per_tile(group) * group // WARPS)
+    keys = keys_per_tile(head_dim)
+    num_threads = WARPS * WARP
+    regs = pairs_per_warp * per_lane
+    tile_size = keys * head_dim  # float32 of a key tile's K (and of its V)
+
+    @kernel
+    def attention_tile_split(q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, partial):
+        tile, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        first_row, rows, slot = tiles[tile, 0], tiles[tile, 1], tiles[tile, 2]
+        if rows == 0:
+            return  # an unused tile: the whole block
+        first, end, num_splits = split_range(0, token_pos[first_row + rows - 1], split)
+        if split >= num_splits:
+            return
+        k_tile = cuda.shared.array(tile_size, float32)
+        v_tile = cuda.shared.array(tile_size, float32)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        q_reg = cuda.local.array(regs, float32)
+        acc = cuda.local.array(regs, float32)
+        run_max = cuda.local.array(pairs_per_warp, float32)
+        run_sum = cuda.local.array(pairs_per_warp, float32)
+        row_pos = cuda.local.array(pairs_per_warp, np.int32)
+        for i in range(pairs_per_warp):  # pair warp + WARPS i: row pair // group, head pair % group
+            pair = warp + WARPS * i
+            r = pair // group
+            row_pos[i] = token_pos[first_row + r] if r < rows else -1  # -1: sees no key
+            run_max[i] = NEG_INF
+            run_sum[i] = float32(0.0)
+            for e in range(per_lane):
+                q_reg[i * per_lane + e] = float32(0.0)
+                acc[i * per_lane + e] = float32(0.0)
+                if r < rows:
+                    head = kv_head * group + pair % group
+                    q_reg[i * per_lane + e] = q[first_row + r, head, lane + WARP * e] * scale
+        base = (slot * num_kv_heads + kv_head) * context
+        for start in range(first, end, keys):
+            cuda.syncthreads()  # the previous key tile is used up
+            for n in range(tid, keys * quads, num_threads):
+                row = base + min(start + n // quads, end - 1)
+                load_quad(k_words, row, n % quads, k_tile, 4 * n)
+                load_quad(v_words, row, n % quads, v_tile, 4 * n)
+            cuda.syncthreads()
+            for kk in range(min(keys, end - start)):
+                key = start + kk
+                for i in range(pairs_per_warp):
+                    if key <= row_pos[i]:  # the same in every lane of the warp (shuffles)
+                        dot = float32(0.0)
+                        for e in range(per_lane):
+                            dot += q_reg[i * per_lane + e] * k_tile[kk * head_dim + lane + WARP * e]
+                        score = lanes_sum(dot, WARP)
+                        if score > run_max[i]:
+                            alpha = math.exp(run_max[i] - score)
+                            run_sum[i] *= alpha
+                            for e in range(per_lane):
+                                acc[i * per_lane + e] *= alpha
+                            run_max[i] = score
+                        p = math.exp(score - run_max[i])
+                        run_sum[i] += p
+                        for e in range(per_lane):
+                            acc[i * per_lane + e] += p * v_tile[kk * head_dim + lane + WARP * e]
+        for i in range(pairs_per_warp):
+            pair = warp + WARPS * i
+            r = pair // group
+            if r < rows:  # a row that saw no key of this split leaves (0, -inf, 0): weight 0 in the merge
+                t, head = first_row + r, kv_head * group + pair % group
+                for e in range(per_lane):
+                    partial[t, head, split, lane + WARP * e] = acc[i * per_lane + e]
+                if lane == 0:
+                    partial[t, head, split, head_dim] = run_max[i]
+                    partial[t, head, split, head_dim + 1] = run_sum[i]
+
+    return attention_tile_split, num_threads
+
+
+@kernel
+def merge_tile_splits(tiles, max_rows, token_pos, partial, out):
+    # one thread per output (tile, row, h, d): the tile's splits combined in order (deterministic)
+    num_tiles = tiles.shape[0]
+    _, num_heads, head_dim = out.shape
+    per_row = num_heads * head_dim
+    for n in range(cuda.grid(1), num_tiles * max_rows * per_row, cuda.gridsize(1)):
+        tile, r = n // (max_rows * per_row), (n // per_row) % max_rows
+        first_row, rows = tiles[tile, 0], tiles[tile, 1]
+        if r >= rows:
+            continue
+        t, h, d = first_row + r, (n // head_dim) % num_heads, n % head_dim
+        num_splits = split_range(0, token_pos[first_row + rows - 1], 0)[2]
+        peak = NEG_INF
+        for s in range(num_splits):
+            peak = max(peak, partial[t, h, s, head_dim])
+        total = float32(0.0)
+        value = float32(0.0)
+        for s in range(num_splits):
+            weight = math.exp(partial[t, h, s, head_dim] - peak)
+            total += partial[t, h, s, head_dim + 1] * weight
+            value += partial[t, h, s, d] * weight
+        out[t, h, d] = value / total
+
+
+def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_pos, scale: float, out, scratch=None, stream=0):
+    """out (T, H, hd) = attention_tiles_ref(...) on device arrays (the table is not checked here: the
+    stage builds it, chunk_tiles). Every row's own position must already be in the cache. ``scratch``:
+    float32 of attention.attention_scratch_shape (allocated here when None). hd: a multiple of 32."""
+    num_tokens, num_heads, head_dim = q.shape
+    require("q", q, np.float32, ndim=3)
+    storage = require_caches(k_cache, v_cache, head_dim=head_dim)
+    require("tiles", tiles, np.int32, shape=(None, 3))
+    require("token_pos", token_pos, np.int32, shape=(num_tokens,))
+    require("out", out, np.float32, shape=tuple(q.shape))
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not split into {num_kv_heads} kv heads")
+    if num_tokens == 0 or tiles.shape[0] == 0:
+        return out
+    group = num_heads // num_kv_heads
+    context = k_cache.shape[2]
+    scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
+    if scratch is None:
+        scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
+    require("scratch", scratch, np.float32, shape=scratch_shape)
+    attend, num_threads = tile_kernel(storage, head_dim, group)
+    attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), num_threads, stream](
+        q, words(k_cache), words(v_cache), num_kv_heads, context, tiles, token_pos, np.float32(scale), scratch)
+    max_rows = rows_per_tile(group)
+    merge_tile_splits[blocks(ceil_div(tiles.shape[0] * max_rows * num_heads * head_dim, THREADS)), threads(THREADS),
+                      stream](tiles, max_rows, token_pos, scratch, out)
+    return out
