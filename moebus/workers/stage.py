@@ -20,6 +20,7 @@ import numpy as np
 from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.kernels.attention_chunk import chunk_tiles, rows_per_tile
+from moebus.cuda.kernels.compat import WARP
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
@@ -402,11 +403,11 @@ class Stage:
 
 def chunk_attention_rows(cfg) -> int:
     """Rows a tile of the chunk attention holds for this model, 0 where it is off: by the setting
-    MOEBUS_CHUNK_ATTENTION (default on), and for sliding-window models or a head_dim the kernel's
-    lanes do not divide (those keep the decode kernel)."""
-    if os.environ.get("MOEBUS_CHUNK_ATTENTION", "1") == "0" or cfg.sliding_window or cfg.head_dim % 32:
+    MOEBUS_CHUNK_ATTENTION (default on), and for sliding-window models, a head_dim the kernel's
+    lanes do not divide or a tile of one row that does not fit (those keep the decode kernel)."""
+    if os.environ.get("MOEBUS_CHUNK_ATTENTION", "1") == "0" or cfg.sliding_window or cfg.head_dim % WARP:
         return 0
-    return rows_per_tile(cfg.num_heads // cfg.num_kv_heads)
+    return rows_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
 
 
 def _segments(batch: StepBatch) -> list[tuple[int, int, int, int]]:

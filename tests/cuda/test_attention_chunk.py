@@ -4,8 +4,7 @@ import pytest
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.attention import SPLIT_POSITIONS, attention_ref
 from moebus.cuda.kernels.attention_chunk import (attention_tiles_cuda, attention_tiles_ref, check_tiles, chunk_tiles,
-                                                 keys_per_tile, max_tiles, rows_per_tile)
-from moebus.cuda.kernels.compat import SIMULATOR
+                                                 max_tiles, rows_per_tile)
 from tests.cuda.conftest import device, poisoned
 
 SLOTS, HEAD_DIM = 3, 32
@@ -38,19 +37,21 @@ def test_tiles_cover_each_sequence_in_runs_of_rows_and_pad_to_a_fixed_count():
     # the fewest tiles for 7 rows in 3 sequences, whatever the lengths: the table keeps its size
     assert all(len(chunk_tiles(_step(s)[2], 7, 2)) == 5 for s in ([(0, 0, 5), (1, 0, 1), (2, 0, 1)],
                                                                    [(0, 0, 3), (1, 0, 3), (2, 0, 1)]))
-    assert rows_per_tile(8) == 8 and rows_per_tile(4) == 16 and rows_per_tile(128) == 1
+    # A3B (group 8, hd 128): 5 rows (40 pairs); a group of 4: 11; micro32 (group 2, hd 32): 32 (64 pairs)
+    assert rows_per_tile(8, 128) == 5 and rows_per_tile(4, 128) == 11 and rows_per_tile(2, 32) == 32
+    assert rows_per_tile(64, 128) == 0  # not one row: the decode kernel
 
 
 def test_a_table_that_misses_a_row_or_mixes_slots_is_refused():
     slots, positions, segments = _step([(0, 3, 4), (1, 9, 1)])
     tiles = chunk_tiles(segments, 5, rows=4)
-    check_tiles(tiles, slots, positions, group=2)
+    check_tiles(tiles, slots, positions, max_rows=4)
     with pytest.raises(ValueError, match="exactly once"):
-        check_tiles(tiles[:1], slots, positions, group=2)
+        check_tiles(tiles[:1], slots, positions, max_rows=4)
     bad = tiles.copy()
     bad[0, 2] = 1
     with pytest.raises(ValueError, match="slot"):
-        check_tiles(bad, slots, positions, group=2)
+        check_tiles(bad, slots, positions, max_rows=4)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
@@ -61,7 +62,7 @@ def test_a_chunk_beside_decode_rows_matches_the_reference(rng, heads, kv_heads, 
     context = 3 * SPLIT_POSITIONS
     k_cache, v_cache = _cache(rng, kv_heads, context, kv_dtype), _cache(rng, kv_heads, context, kv_dtype)
     slots, positions, segments = _step([(2, 70, 1), (0, SPLIT_POSITIONS + 20, 5), (1, 0, 1)])
-    rows = min(4, rows_per_tile(heads // kv_heads))  # the chunk in two tiles
+    rows = min(4, rows_per_tile(heads // kv_heads, HEAD_DIM))  # the chunk in two tiles
     q = rng.standard_normal((len(slots), heads, HEAD_DIM), dtype=np.float32)
     tiles = chunk_tiles(segments, len(slots), rows)
     expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35)
@@ -82,8 +83,7 @@ def test_a_chunk_from_position_zero_sees_only_the_keys_before_it(rng):
 
 
 def test_long_context_splits_and_key_tiles(rng):
-    assert keys_per_tile(HEAD_DIM) < SPLIT_POSITIONS or not SIMULATOR
-    # splits longer than a key tile (the simulator's are 8 keys at this head_dim): a block walks several
+    # splits longer than a key tile (WARP keys): a block walks two, the second one partly
     context = 2 * SPLIT_POSITIONS + 8
     k_cache, v_cache = _cache(rng, 1, context, "bf16"), _cache(rng, 1, context, "bf16")
     slots, positions, segments = _step([(1, context - 3, 3), (0, context // 2, 1)])

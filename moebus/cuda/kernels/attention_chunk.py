@@ -3,16 +3,18 @@ decode rows): the keys and values a run reads are loaded once into shared memory
 rows, where the decode kernel (attention_decode.py) reads them again for every row.
 
 The step's rows are cut into tiles: consecutive rows of one sequence at ascending positions, at most
-``rows_per_tile(group)`` of them. A tile table (num_tiles, 3) int32 (first row, rows, KV slot) is a
-step input built on the host (``chunk_tiles``); its size depends on the step's tokens and sequences
-only, so a captured step keeps its grid while its chunk moves; tiles of 0 rows exit at once. One
-block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as the
-decode kernel cuts one token's (split_range), so the scratch and the merge have its layout. A block
-walks its split in key tiles of KEYS_PER_TILE keys (K and V unpacked to float32 in shared memory);
-each warp owns some (row, head) pairs of the tile, a lane holding hd / 32 elements of each pair's
-query and output; a score is the lanes' dot products summed by xor shuffles (every lane gets the same
-bits), then an online softmax per pair. A row sees keys <= its position (causal; no sliding window:
-such models keep the decode kernel). ``merge_tile_splits`` combines a row's splits in order."""
+``rows_per_tile(group, head_dim)`` of them. A tile table (num_tiles, 3) int32 (first row, rows, KV
+slot) is a step input built on the host (``chunk_tiles``); its size depends on the step's tokens and
+sequences only, so a captured step keeps its grid while its chunk moves; tiles of 0 rows exit at once.
+One block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as
+the decode kernel cuts one token's (split_range), so the scratch has its layout; ``merge_tile_splits``
+combines a row's splits in order. A block holds its (row, query head) pairs' scaled queries in shared
+memory and walks its split WARP keys at a time, flash-attention style: the keys are unpacked to float32
+into shared memory, each warp takes some pairs, a lane computes the whole dot product of one key with
+each of its warp's pairs (no shuffle per key), the warp's max and sum per pair are two shuffle
+reductions per WARP keys; then the values replace the keys in shared memory and a lane accumulates
+hd / WARP output elements of each pair over the WARP keys. A row sees keys <= its position (causal; no
+sliding window: such models keep the decode kernel)."""
 from __future__ import annotations
 
 import functools
@@ -21,19 +23,26 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape, require_caches, words
-from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, lanes_sum, split_range
-from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, kernel, threads
+from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, split_range
+from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, kernel, threads, warp_max, warp_sum
 from moebus.cuda.kernels.launch import ceil_div, require
 
-PAIRS_PER_TILE = 64  # (row, query head) pairs of a tile: rows_per_tile = PAIRS_PER_TILE // group
+MAX_PAIRS = 64  # (row, query head) pairs of a tile, at most
 WARPS = 2 if SIMULATOR else 8
-KV_SHARED_BYTES = (2 if SIMULATOR else 32) * 1024  # a key tile's K and V as float32 (simulator: several a split)
+SHARED_BYTES = 44 * 1024  # queries + a key tile + probabilities (static shared memory is 48 KiB at most)
 THREADS = 256  # the merge's
 
 
-def rows_per_tile(group: int) -> int:
-    """Rows of one sequence a tile holds, for ``group`` query heads per kv head."""
-    return max(1, PAIRS_PER_TILE // group)
+def _shared_bytes(pairs: int, head_dim: int) -> int:
+    # scaled queries (pairs, hd), a key (or value) tile (WARP, hd + 1: no bank conflicts), probabilities
+    return 4 * (pairs * head_dim + WARP * (head_dim + 1) + pairs * WARP)
+
+
+def rows_per_tile(group: int, head_dim: int) -> int:
+    """Rows of one sequence a tile holds, for ``group`` query heads per kv head (its pairs' queries
+    and a key tile fit SHARED_BYTES); 0 where not even one row fits (such models keep the decode kernel)."""
+    fit = (SHARED_BYTES - 4 * WARP * (head_dim + 1)) // (4 * (head_dim + WARP))
+    return min(MAX_PAIRS, fit) // group
 
 
 def max_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
@@ -54,14 +63,14 @@ def chunk_tiles(segments, num_tokens: int, rows: int) -> np.ndarray:
     return tiles
 
 
-def check_tiles(tiles: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray, group: int) -> None:
+def check_tiles(tiles: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray, max_rows: int) -> None:
     """Every row in exactly one tile, of the tile's slot, at ascending positions; else ValueError."""
     tiles, token_slot, token_pos = (np.asarray(a) for a in (tiles, token_slot, token_pos))
     if tiles.ndim != 2 or tiles.shape[1] != 3:
         raise ValueError(f"a tile table is (tiles, 3), not {tiles.shape}")
     seen = np.zeros(len(token_pos), np.int32)
     for first, rows, slot in tiles:
-        if not 0 <= rows <= rows_per_tile(group) or first < 0 or first + rows > len(token_pos):
+        if not 0 <= rows <= max_rows or first < 0 or first + rows > len(token_pos):
             raise ValueError(f"tile (first {first}, rows {rows}) outside the step's {len(token_pos)} rows")
         seen[first:first + rows] += 1
         if np.any(token_slot[first:first + rows] != slot) or np.any(np.diff(token_pos[first:first + rows]) <= 0):
@@ -72,7 +81,7 @@ def check_tiles(tiles: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray
 
 def attention_tiles_ref(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float) -> np.ndarray:
     """The reference: per tile, its rows against its slot's keys [0, pos] (float32)."""
-    check_tiles(tiles, token_slot, token_pos, q.shape[1] // k_cache.shape[1])
+    check_tiles(tiles, token_slot, token_pos, rows_per_tile(q.shape[1] // k_cache.shape[1], q.shape[2]))
     out = np.empty_like(q, dtype=np.float32)
     for first, rows, slot in np.asarray(tiles):
         if rows:
@@ -82,23 +91,21 @@ def attention_tiles_ref(q, k_cache, v_cache, tiles, token_slot, token_pos, scale
     return out
 
 
-def keys_per_tile(head_dim: int) -> int:
-    return max(1, KV_SHARED_BYTES // (8 * head_dim))
-
-
 @functools.cache
 def tile_kernel(storage: str, head_dim: int, group: int):
-    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32'); hd a multiple of 32."""
+    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32'); hd a multiple of WARP."""
     if head_dim % WARP:
         raise ValueError(f"head_dim {head_dim}: the tile kernel spreads a row over {WARP} lanes")
+    pairs = rows_per_tile(group, head_dim) * group
+    if not pairs:
+        raise ValueError(f"attention tiles of {group} heads of {head_dim} need more shared memory")
     load_quad = QUAD[storage]
-    per_lane = head_dim // WARP
+    per_lane = head_dim // WARP  # output elements of a pair per lane
     quads = head_dim // 4
-    pairs_per_warp = -(-rows_per_tile(group) * group // WARPS)
-    keys = keys_per_tile(head_dim)
+    stride = head_dim + 1  # of a key's row in shared memory
+    pairs_per_warp = -(-pairs // WARPS)
     num_threads = WARPS * WARP
-    regs = pairs_per_warp * per_lane
-    tile_size = keys * head_dim  # float32 of a key tile's K (and of its V)
+    q_size, kv_size, p_size = pairs * head_dim, WARP * stride, pairs * WARP
 
     @kernel
     def attention_tile_split(q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, partial):
@@ -109,58 +116,69 @@ def tile_kernel(storage: str, head_dim: int, group: int):
         first, end, num_splits = split_range(0, token_pos[first_row + rows - 1], split)
         if split >= num_splits:
             return
-        k_tile = cuda.shared.array(tile_size, float32)
-        v_tile = cuda.shared.array(tile_size, float32)
+        q_tile = cuda.shared.array(q_size, float32)  # pair p = (row p // group, head p % group)
+        kv_tile = cuda.shared.array(kv_size, float32)  # WARP keys, then their values
+        probs = cuda.shared.array(p_size, float32)  # (pair, key of the tile)
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
-        q_reg = cuda.local.array(regs, float32)
-        acc = cuda.local.array(regs, float32)
+        for n in range(tid, q_size, num_threads):  # zeros past the tile's rows
+            pair, d = n // head_dim, n % head_dim
+            q_tile[n] = q[first_row + pair // group, kv_head * group + pair % group, d] * scale \
+                if pair < rows * group else float32(0.0)
+        scores = cuda.local.array(pairs_per_warp, float32)
         run_max = cuda.local.array(pairs_per_warp, float32)
         run_sum = cuda.local.array(pairs_per_warp, float32)
         row_pos = cuda.local.array(pairs_per_warp, np.int32)
-        for i in range(pairs_per_warp):  # pair warp + WARPS i: row pair // group, head pair % group
-            pair = warp + WARPS * i
-            r = pair // group
-            row_pos[i] = token_pos[first_row + r] if r < rows else -1  # -1: sees no key
+        acc = cuda.local.array(pairs_per_warp * per_lane, float32)
+        for i in range(pairs_per_warp):  # the warp's pairs: warp + WARPS i
+            r = (warp + WARPS * i) // group
+            row_pos[i] = token_pos[first_row + r] if r < rows else -1  # -1: not a pair of this tile
             run_max[i] = NEG_INF
             run_sum[i] = float32(0.0)
             for e in range(per_lane):
-                q_reg[i * per_lane + e] = float32(0.0)
                 acc[i * per_lane + e] = float32(0.0)
-                if r < rows:
-                    head = kv_head * group + pair % group
-                    q_reg[i * per_lane + e] = q[first_row + r, head, lane + WARP * e] * scale
         base = (slot * num_kv_heads + kv_head) * context
-        for start in range(first, end, keys):
-            cuda.syncthreads()  # the previous key tile is used up
-            for n in range(tid, keys * quads, num_threads):
-                row = base + min(start + n // quads, end - 1)
-                load_quad(k_words, row, n % quads, k_tile, 4 * n)
-                load_quad(v_words, row, n % quads, v_tile, 4 * n)
+        for start in range(first, end, WARP):
+            cuda.syncthreads()  # the previous values are used up (and the queries are in)
+            for n in range(tid, WARP * quads, num_threads):
+                load_quad(k_words, base + min(start + n // quads, end - 1), n % quads, kv_tile,
+                          (n // quads) * stride + 4 * (n % quads))
             cuda.syncthreads()
-            for kk in range(min(keys, end - start)):
-                key = start + kk
+            key = start + lane  # this lane's key
+            for i in range(pairs_per_warp):
+                scores[i] = float32(0.0)
+            for d in range(head_dim):
+                k = kv_tile[lane * stride + d]
                 for i in range(pairs_per_warp):
-                    if key <= row_pos[i]:  # the same in every lane of the warp (shuffles)
-                        dot = float32(0.0)
+                    scores[i] += q_tile[min(warp + WARPS * i, pairs - 1) * head_dim + d] * k
+            for i in range(pairs_per_warp):
+                if row_pos[i] >= 0:  # the same in every lane (shuffles)
+                    score = scores[i] if key < end and key <= row_pos[i] else NEG_INF
+                    peak = max(run_max[i], warp_max(score))
+                    p = float32(0.0)
+                    if peak > NEG_INF:  # else no key of this tile is visible to the row yet
+                        alpha = math.exp(run_max[i] - peak)
+                        p = math.exp(score - peak)
+                        run_sum[i] = run_sum[i] * alpha + warp_sum(p)
                         for e in range(per_lane):
-                            dot += q_reg[i * per_lane + e] * k_tile[kk * head_dim + lane + WARP * e]
-                        score = lanes_sum(dot, WARP)
-                        if score > run_max[i]:
-                            alpha = math.exp(run_max[i] - score)
-                            run_sum[i] *= alpha
-                            for e in range(per_lane):
-                                acc[i * per_lane + e] *= alpha
-                            run_max[i] = score
-                        p = math.exp(score - run_max[i])
-                        run_sum[i] += p
+                            acc[i * per_lane + e] *= alpha
+                        run_max[i] = peak
+                    probs[(warp + WARPS * i) * WARP + lane] = p
+            cuda.syncthreads()  # the keys are used up
+            for n in range(tid, WARP * quads, num_threads):
+                load_quad(v_words, base + min(start + n // quads, end - 1), n % quads, kv_tile,
+                          (n // quads) * stride + 4 * (n % quads))
+            cuda.syncthreads()
+            for kk in range(min(WARP, end - start)):
+                for i in range(pairs_per_warp):
+                    if row_pos[i] >= 0:
+                        p = probs[(warp + WARPS * i) * WARP + kk]
                         for e in range(per_lane):
-                            acc[i * per_lane + e] += p * v_tile[kk * head_dim + lane + WARP * e]
+                            acc[i * per_lane + e] += p * kv_tile[kk * stride + lane + WARP * e]
         for i in range(pairs_per_warp):
-            pair = warp + WARPS * i
-            r = pair // group
-            if r < rows:  # a row that saw no key of this split leaves (0, -inf, 0): weight 0 in the merge
-                t, head = first_row + r, kv_head * group + pair % group
+            if row_pos[i] >= 0:  # a row that saw no key of this split leaves (0, -inf, 0): weight 0 in the merge
+                pair = warp + WARPS * i
+                t, head = first_row + pair // group, kv_head * group + pair % group
                 for e in range(per_lane):
                     partial[t, head, split, lane + WARP * e] = acc[i * per_lane + e]
                 if lane == 0:
@@ -219,7 +237,7 @@ def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_pos, scale: float, ou
     attend, num_threads = tile_kernel(storage, head_dim, group)
     attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), num_threads, stream](
         q, words(k_cache), words(v_cache), num_kv_heads, context, tiles, token_pos, np.float32(scale), scratch)
-    max_rows = rows_per_tile(group)
+    max_rows = rows_per_tile(group, head_dim)
     merge_tile_splits[blocks(ceil_div(tiles.shape[0] * max_rows * num_heads * head_dim, THREADS)), threads(THREADS),
                       stream](tiles, max_rows, token_pos, scratch, out)
     return out
