@@ -181,7 +181,7 @@ class Stage:
                 inputs.update(embed_rows=batch.embed_rows, embeds=batch.embeds)
         else:
             inputs["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32)
-        if self.tile_rows and batch.num_seqs != batch.num_tokens <= ROUTED_MAX_TOKENS:
+        if self.tile_rows and batch.num_seqs != batch.num_tokens and batch.num_tokens <= ROUTED_MAX_TOKENS:
             inputs["attn_tiles"] = chunk_tiles(_segments(batch), batch.num_tokens, self.tile_rows)
         if self.is_last:
             temperature, top_k, top_p, u = batch.sampling_arrays()

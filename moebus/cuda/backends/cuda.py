@@ -199,7 +199,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
         out = self.empty(q.shape)
         if tiles is not None:
             scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
-            return attention_chunk.attention_tiles_cuda(q, k_cache, v_cache, tiles, token_pos, scale, out, scratch,
+            return attention_chunk.attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scale, out,
+                                                        scratch, self.empty((q.shape[0],), np.int32),
                                                         stream=self.stream)
         if segments is not None and self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
             return prefill_attention.prefill_attention(self, self.tensor_cores, q, k_cache, v_cache, segments, scale,

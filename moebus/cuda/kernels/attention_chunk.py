@@ -6,7 +6,9 @@ The step's rows are cut into tiles: consecutive rows of one sequence at ascendin
 ``rows_per_tile(group, head_dim)`` of them. A tile table (num_tiles, 3) int32 (first row, rows, KV
 slot) is a step input built on the host (``chunk_tiles``); its size depends on the step's tokens and
 sequences only, so a captured step keeps its grid while its chunk moves; tiles of 0 rows exit at once.
-One block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as
+Tiles of one row (decode rows) run on the decode kernel, which streams one row's keys at HBM speed:
+``decode_positions`` gives it their positions and 0 for a chunk's rows (a block per kv head over key
+0, overwritten). The tile kernel takes the tiles of 2 rows or more: one block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as
 the decode kernel cuts one token's (split_range), so the scratch has its layout; ``merge_tile_splits``
 combines a row's splits in order. A block holds its (row, query head) pairs' scaled queries in shared
 memory and walks its split WARP keys at a time, flash-attention style: the keys are unpacked to float32
@@ -23,7 +25,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape, require_caches, words
-from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, split_range
+from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, decode_kernel, split_range
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, kernel, threads, warp_max, warp_sum
 from moebus.cuda.kernels.launch import ceil_div, require
 
@@ -106,13 +108,14 @@ def tile_kernel(storage: str, head_dim: int, group: int):
     pairs_per_warp = -(-pairs // WARPS)
     num_threads = WARPS * WARP
     q_size, kv_size, p_size = pairs * head_dim, WARP * stride, pairs * WARP
+    acc_size = pairs_per_warp * per_lane
 
     @kernel
     def attention_tile_split(q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, partial):
         tile, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         first_row, rows, slot = tiles[tile, 0], tiles[tile, 1], tiles[tile, 2]
-        if rows == 0:
-            return  # an unused tile: the whole block
+        if rows < 2:
+            return  # an unused tile, or a decode row (the decode kernel's): the whole block
         first, end, num_splits = split_range(0, token_pos[first_row + rows - 1], split)
         if split >= num_splits:
             return
@@ -129,7 +132,7 @@ def tile_kernel(storage: str, head_dim: int, group: int):
         run_max = cuda.local.array(pairs_per_warp, float32)
         run_sum = cuda.local.array(pairs_per_warp, float32)
         row_pos = cuda.local.array(pairs_per_warp, np.int32)
-        acc = cuda.local.array(pairs_per_warp * per_lane, float32)
+        acc = cuda.local.array(acc_size, float32)
         for i in range(pairs_per_warp):  # the warp's pairs: warp + WARPS i
             r = (warp + WARPS * i) // group
             row_pos[i] = token_pos[first_row + r] if r < rows else -1  # -1: not a pair of this tile
@@ -213,14 +216,29 @@ def merge_tile_splits(tiles, max_rows, token_pos, partial, out):
         out[t, h, d] = value / total
 
 
-def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_pos, scale: float, out, scratch=None, stream=0):
+@kernel
+def decode_positions(tiles, max_rows, token_pos, out):
+    # out[t]: row t's position where its tile has one row (a decode row), else 0 (one key: the decode
+    # kernel's work for a chunk row is a block per kv head over key 0, overwritten by the tile kernel)
+    for n in range(cuda.grid(1), tiles.shape[0] * max_rows, cuda.gridsize(1)):
+        first_row, rows = tiles[n // max_rows, 0], tiles[n // max_rows, 1]
+        if n % max_rows < rows:
+            out[first_row + n % max_rows] = token_pos[first_row] if rows == 1 else 0
+
+
+def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float, out, scratch=None,
+                         decode_pos=None, stream=0):
     """out (T, H, hd) = attention_tiles_ref(...) on device arrays (the table is not checked here: the
-    stage builds it, chunk_tiles). Every row's own position must already be in the cache. ``scratch``:
-    float32 of attention.attention_scratch_shape (allocated here when None). hd: a multiple of 32."""
+    stage builds it, chunk_tiles). Tiles of one row (decode rows) run on the decode kernel, as in a
+    step without a chunk (same splits, same bits); the others on the tile kernel; one merge. Every
+    row's own position must already be in the cache. ``scratch``: float32 of
+    attention.attention_scratch_shape, ``decode_pos``: (T,) int32 (each allocated here when None).
+    hd: a multiple of 32."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     storage = require_caches(k_cache, v_cache, head_dim=head_dim)
     require("tiles", tiles, np.int32, shape=(None, 3))
+    require("token_slot", token_slot, np.int32, shape=(num_tokens,))
     require("token_pos", token_pos, np.int32, shape=(num_tokens,))
     require("out", out, np.float32, shape=tuple(q.shape))
     num_kv_heads = k_cache.shape[1]
@@ -229,15 +247,24 @@ def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_pos, scale: float, ou
     if num_tokens == 0 or tiles.shape[0] == 0:
         return out
     group = num_heads // num_kv_heads
+    attend, tile_threads = tile_kernel(storage, head_dim, group)  # (refuses a head_dim before any launch)
     context = k_cache.shape[2]
     scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
     if scratch is None:
         scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
     require("scratch", scratch, np.float32, shape=scratch_shape)
-    attend, num_threads = tile_kernel(storage, head_dim, group)
-    attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), num_threads, stream](
-        q, words(k_cache), words(v_cache), num_kv_heads, context, tiles, token_pos, np.float32(scale), scratch)
+    if decode_pos is None:
+        decode_pos = cuda.device_array(num_tokens, np.int32, stream=stream)
+    require("decode_pos", decode_pos, np.int32, shape=(num_tokens,))
     max_rows = rows_per_tile(group, head_dim)
+    grid = blocks(ceil_div(tiles.shape[0] * max_rows, THREADS))
+    decode_positions[grid, threads(THREADS), stream](tiles, max_rows, token_pos, decode_pos)
+    k_words, v_words, scale = words(k_cache), words(v_cache), np.float32(scale)
+    decode, num_threads = decode_kernel(storage, head_dim, group)
+    decode[(num_tokens, num_kv_heads, scratch_shape[2]), num_threads, stream](
+        q, k_words, v_words, num_kv_heads, context, token_slot, decode_pos, scale, 0, scratch)
+    attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), tile_threads, stream](
+        q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, scratch)
     merge_tile_splits[blocks(ceil_div(tiles.shape[0] * max_rows * num_heads * head_dim, THREADS)), threads(THREADS),
                       stream](tiles, max_rows, token_pos, scratch, out)
     return out
