@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from moebus.cuda.backends.graphs import graphs_available
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.attention import SPLIT_POSITIONS, attention_cuda, attention_ref
 from moebus.cuda.kernels.attention_chunk import (attention_tiles_cuda, attention_tiles_ref, check_tiles, chunk_tiles,
@@ -128,13 +129,13 @@ def micro32_model(tmp_path_factory):
         return tiny_model.init_model(tmp_path_factory.mktemp("micro32"), "qwen3_moe", "micro32")
 
 
-def _mixed_steps(model, prompt):
+def _mixed_steps(model, prompt, steps=2):
     """Two sequences decode while a third's prompt is read 3 tokens a step; the logits of each step."""
     from moebus.workers.batch import StepBatch
 
     out = model.step(StepBatch(slots=[0, 1], starts=[0, 0], lengths=[3, 2], tokens=[5, 17, 42, 9, 77]))
     last, seen = [int(t) for t in out.tokens], []
-    for n in range(2):
+    for n in range(steps):
         batch = StepBatch(slots=[0, 1, 2], starts=[3 + n, 2 + n, 3 * n], lengths=[1, 1, 3],
                           tokens=last + prompt[3 * n:3 * n + 3])
         out = model.step(batch, want_logits=True)
@@ -169,3 +170,20 @@ def test_the_setting_switches_the_chunk_attention_off(micro32_model, monkeypatch
     monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "0")
     off = LocalModel(micro32_model, device="cpu", num_slots=2, max_context=32).stages[0]
     assert off.tile_rows == 0 and "attn_tiles" not in off._host_inputs(batch, None)
+
+
+@pytest.mark.skipif(not graphs_available(), reason="CUDA graphs need a GPU")
+def test_the_captured_mixed_steps_give_the_eager_ones_bits(micro32_model):
+    """On a GPU: the tile table is a step input, so replays of one captured shape follow the chunk."""
+    from moebus.workers.local import LocalModel
+
+    def run(graphs: bool):
+        model = LocalModel(micro32_model, device="cuda", num_slots=3, max_context=32)
+        model.stages[0].use_graphs = graphs and model.stages[0].use_graphs
+        return model.stages[0], _mixed_steps(model, list(range(40, 52)), steps=4)
+
+    stage, captured = run(True)
+    _, eager = run(False)
+    assert (5, False, 3) in stage.graphs
+    for a, b in zip(captured, eager):
+        np.testing.assert_array_equal(a, b)

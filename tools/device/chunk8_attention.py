@@ -58,8 +58,8 @@ def main() -> None:
             out_tiles = cuda.device_array((len(pos), HEADS, HEAD_DIM), np.float32)
             decode_us = timed_us(lambda: attention_cuda(q, k_cache, v_cache, d_slots, d_pos, HEAD_DIM ** -0.5, 0,
                                                         out_decode, scratch), repeats)
-            tiles_us = timed_us(lambda: attention_tiles_cuda(q, k_cache, v_cache, tiles, d_slots, d_pos, HEAD_DIM ** -0.5,
-                                                             out_tiles, scratch), repeats)
+            tiles_us = timed_us(lambda: attention_tiles_cuda(q, k_cache, v_cache, tiles, d_slots, d_pos,
+                                                             HEAD_DIM ** -0.5, out_tiles, scratch), repeats)
             diff = float(np.abs(out_decode.copy_to_host() - out_tiles.copy_to_host()).max())
             print(f"{chunk:>5} {position:>5} {decode_us:>13.1f} {tiles_us:>11.1f} {decode_us / tiles_us:>8.2f} "
                   f"{diff:>10.2e}", flush=True)

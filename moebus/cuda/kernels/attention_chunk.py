@@ -7,16 +7,17 @@ The step's rows are cut into tiles: consecutive rows of one sequence at ascendin
 slot) is a step input built on the host (``chunk_tiles``); its size depends on the step's tokens and
 sequences only, so a captured step keeps its grid while its chunk moves; tiles of 0 rows exit at once.
 Tiles of one row (decode rows) run on the decode kernel, which streams one row's keys at HBM speed:
-``decode_positions`` gives it their positions and 0 for a chunk's rows (a block per kv head over key
-0, overwritten). The tile kernel takes the tiles of 2 rows or more: one block per (tile, kv head, split): the tile's keys [0, pos of its last row] are cut into splits as
-the decode kernel cuts one token's (split_range), so the scratch has its layout; ``merge_tile_splits``
-combines a row's splits in order. A block holds its (row, query head) pairs' scaled queries in shared
-memory and walks its split WARP keys at a time, flash-attention style: the keys are unpacked to float32
-into shared memory, each warp takes some pairs, a lane computes the whole dot product of one key with
-each of its warp's pairs (no shuffle per key), the warp's max and sum per pair are two shuffle
-reductions per WARP keys; then the values replace the keys in shared memory and a lane accumulates
-hd / WARP output elements of each pair over the WARP keys. A row sees keys <= its position (causal; no
-sliding window: such models keep the decode kernel)."""
+``decode_positions`` gives it their positions and 0 for a chunk's rows (a block per kv head over key 0,
+overwritten). The tile kernel takes the tiles of 2 rows or more: one block per (tile, kv head, split):
+the tile's keys [0, pos of its last row] are cut into splits as the decode kernel cuts one token's
+(split_range), so the scratch has its layout; ``merge_tile_splits`` combines a row's splits in order. A
+block holds its (row, query head) pairs' scaled queries in shared memory and walks its split WARP keys
+at a time, flash-attention style: the keys are unpacked to float32 into shared memory, each warp takes
+some pairs, a lane computes the whole dot product of one key with each of its warp's pairs (no shuffle
+per key), the warp's max and sum per pair are two shuffle reductions per WARP keys; then the values
+replace the keys in shared memory and a lane accumulates hd / WARP output elements of each pair over
+the WARP keys. A row sees keys <= its position (causal; no sliding window: such models keep the decode
+kernel)."""
 from __future__ import annotations
 
 import functools
