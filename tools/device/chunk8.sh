@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One H200 (~5-6 min wall; not yet run), issue 19 item 4, branch chunk8: the tile kernel for a routed
+# One H200 (~7-9 min wall; not yet run), issue 19 item 4, branch chunk8: the tile kernel for a routed
 # step's chunk beside decode rows (moebus/cuda/kernels/attention_chunk.py, MOEBUS_CHUNK_ATTENTION).
 #   tests    the chunk kernel's and the decode kernel's GPU tests, the captured chunk steps;
 #   kernel   chunk8_attention.py: one layer's attention of 8 decode rows + a chunk of 8/16/32 at
 #            P 4096/8176, decode kernel vs tile kernel (us, and the outputs' largest difference);
 #   steps    tc8_decode.py's table (8 decode rows beside a chunk of 16/32 at 4k/8k, 48 x 32 A3B,
-#            captured) with MOEBUS_CHUNK_ATTENTION=0 then 1, one process each;
+#            captured) with MOEBUS_CHUNK_ATTENTION=0 then 1, one process each (its decode part at
+#            batch 1 only, 4 steps: the mixed steps always have 8 decode rows);
 #   beside   bench decode --beside-prefill 8192 (8 streams) at caps 16 and 32, the switch on.
-# Sections in order, each only while BUDGET (s) lasts. Logs under $OUT.
+# Sections in order, each only while BUDGET (s) lasts (cap 32 needs BUDGET ~560). Logs under $OUT.
 source tools/device/setup.sh
 set -o pipefail
 M=/tmp/m48; BUDGET=${BUDGET:-420}; CAPS=${CAPS:-"16 32"}; T0=$(date +%s)
@@ -27,7 +28,7 @@ wait; tail -1 $OUT/init48.log
 for switch in 0 1; do
   (( $(left) > 60 )) || break
   echo "== 8 decode rows beside a chunk, MOEBUS_CHUNK_ATTENTION=$switch, at $(now) s"
-  MOEBUS_CHUNK_ATTENTION=$switch timeout $(cap_s 110) python3 tools/device/tc8_decode.py $M 8 8 16,32 4096,8176 2>&1 \
+  MOEBUS_CHUNK_ATTENTION=$switch timeout $(cap_s 100) python3 tools/device/tc8_decode.py $M 1 4 16,32 4096,8176 2>&1 \
     | grep -av "Warn\|warn(" > $OUT/steps_$switch.txt
   echo "rc=$?"; grep -a -A8 "^chunk" $OUT/steps_$switch.txt
 done
