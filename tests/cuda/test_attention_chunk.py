@@ -98,6 +98,16 @@ def test_long_context_splits_and_key_tiles(rng):
     np.testing.assert_allclose(got, attention_ref(q, k_cache, v_cache, slots, positions, 0.35), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_that_see_no_key_of_a_split_leave_it_out_of_their_merge(rng):
+    # one tile of 26 rows at 20..45: its keys [0, 46) in two splits [0, 23) and [23, 46); the rows at
+    # 20-22 see nothing of the second (their (0, -inf, 0) weighs 0)
+    k_cache, v_cache = _cache(rng, 2, 48, "fp32"), _cache(rng, 2, 48, "fp32")
+    slots, positions, segments = _step([(1, 20, 26)])
+    q = rng.standard_normal((26, 4, HEAD_DIM), dtype=np.float32)
+    got = _attend(q, k_cache, v_cache, chunk_tiles(segments, 26, rows=26), positions, slots)
+    np.testing.assert_allclose(got, attention_ref(q, k_cache, v_cache, slots, positions, 0.35), rtol=1e-5, atol=1e-5)
+
+
 def test_unused_tiles_write_nothing(rng):
     k_cache, v_cache = _cache(rng, 1, 16, "fp32"), _cache(rng, 1, 16, "fp32")
     slots, positions, segments = _step([(0, 4, 2)])
