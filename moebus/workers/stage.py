@@ -19,6 +19,8 @@ import numpy as np
 
 from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.cuda.kernels.attention_chunk import chunk_tiles, rows_per_tile
+from moebus.cuda.kernels.compat import WARP
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
@@ -71,6 +73,8 @@ class Stage:
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
         self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
         self.graph_pool = None  # their shared scratch (graphs.shared_pool), made with the first
+        # a routed step with a prompt's chunk: its rows share their keys' reads (attention_chunk.py)
+        self.tile_rows = chunk_attention_rows(cfg)
         self.graph_captures = self.eager_short_steps = 0  # for INFO: a graph recaptured per step shows here
         self.mixed_shapes: dict = {}  # (tokens, masked, sequences) of routed steps with chunks -> times seen
         self.mixed_counted = None  # the last step counted there
@@ -177,6 +181,8 @@ class Stage:
                 inputs.update(embed_rows=batch.embed_rows, embeds=batch.embeds)
         else:
             inputs["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32)
+        if self.tile_rows and batch.num_seqs != batch.num_tokens and batch.num_tokens <= ROUTED_MAX_TOKENS:
+            inputs["attn_tiles"] = chunk_tiles(_segments(batch), batch.num_tokens, self.tile_rows)
         if self.is_last:
             temperature, top_k, top_p, u = batch.sampling_arrays()
             inputs.update(last_index=batch.last_token_index(), temperature=temperature, top_k=top_k, top_p=top_p, u=u,
@@ -250,7 +256,8 @@ class Stage:
         segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
         for n, i in enumerate(self.layer_range):
-            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments, inputs.get("rope_pos"))
+            x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments, inputs.get("rope_pos"),
+                                      inputs.get("attn_tiles"))
             if "deepstack" in inputs and i < inputs["deepstack"].shape[0]:  # Qwen3-VL's DeepStack
                 x, residual = add_deepstack(ops, self._residual_add(x, residual), inputs, i), None
             # the rest of the layer's buffers serve the next
@@ -288,7 +295,7 @@ class Stage:
         return self.ops.add(x, y)
 
     def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None, segments=None,
-               rope_pos=None):
+               rope_pos=None, tiles=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
         (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
@@ -313,7 +320,7 @@ class Stage:
                 k = ops.rope(k, token_pos, self.cos, self.sin)
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
-                          segments=segments)
+                          segments=segments, tiles=tiles)
         o = ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
         if cfg.is_moe_layer(i) and route is not None:
             return self._moe_routed(i, w, x, o, *route)
@@ -392,6 +399,15 @@ class Stage:
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
         return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,
                            top_ids=out.get("top_ids"), top_logprobs=out.get("top_logprobs"))
+
+
+def chunk_attention_rows(cfg) -> int:
+    """Rows a tile of the chunk attention holds for this model, 0 where it is off: by the setting
+    MOEBUS_CHUNK_ATTENTION (default on), and for sliding-window models, a head_dim the kernel's
+    lanes do not divide or a tile of one row that does not fit (those keep the decode kernel)."""
+    if os.environ.get("MOEBUS_CHUNK_ATTENTION", "1") == "0" or cfg.sliding_window or cfg.head_dim % WARP:
+        return 0
+    return rows_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
 
 
 def _segments(batch: StepBatch) -> list[tuple[int, int, int, int]]:

@@ -13,6 +13,7 @@ from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linear, moe, penalties, rmsnorm, rope,
                                  routing, sampling, top_logprobs)
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
+from moebus.cuda.kernels import attention_chunk  # a routed step's chunk beside decode rows
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
@@ -95,9 +96,16 @@ class CpuBackend:
     kv_store = staticmethod(attention.kv_store_ref)
 
     @staticmethod
-    def attention(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None):
-        """``segments`` (the step's sequences, for a backend's prefill path): the reference needs none."""
+    def attention(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None,
+                  tiles=None):
+        """``segments`` (the step's sequences, for a backend's prefill path): the reference needs none;
+        ``tiles``: a routed step's tile table (attention_chunk.py): checked; the reference's sums are
+        those of a step without one (the cpu device's results do not depend on the setting)."""
+        if tiles is not None:
+            max_rows = attention_chunk.rows_per_tile(q.shape[1] // k_cache.shape[1], q.shape[2])
+            attention_chunk.check_tiles(tiles, token_slot, token_pos, max_rows)
         return attention.attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window)
+
     @staticmethod
     def topk_softmax(logits, top_k: int, normalize: bool, ids=None):
         chosen, weights = moe.topk_softmax_ref(logits, top_k, normalize)
