@@ -403,9 +403,11 @@ class Stage:
 
 def chunk_attention_rows(cfg) -> int:
     """Rows a tile of the chunk attention holds for this model, 0 where it is off: by the setting
-    MOEBUS_CHUNK_ATTENTION (default on), and for sliding-window models, a head_dim the kernel's
-    lanes do not divide or a tile of one row that does not fit (those keep the decode kernel)."""
-    if os.environ.get("MOEBUS_CHUNK_ATTENTION", "1") == "0" or cfg.sliding_window or cfg.head_dim % WARP:
+    MOEBUS_CHUNK_ATTENTION=1 (default off until the kernel has been timed and checked on a GPU: it
+    would take every routed step with a prompt's rows, short prompts beside decode included), and
+    for sliding-window models, a head_dim the kernel's lanes do not divide or a tile of one row that
+    does not fit (those keep the decode kernel)."""
+    if os.environ.get("MOEBUS_CHUNK_ATTENTION", "0") != "1" or cfg.sliding_window or cfg.head_dim % WARP:
         return 0
     return rows_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
 

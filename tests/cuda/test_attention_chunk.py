@@ -157,10 +157,11 @@ def _mixed_steps(model, prompt, steps=2):
 def test_a_chunk_beside_decode_rows_on_the_cuda_device_matches_the_cpu_device(micro32_model, monkeypatch):
     from moebus.workers.local import LocalModel
 
+    monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "1")
     prompt = list(range(40, 46))
     cpu = LocalModel(micro32_model, device="cpu", num_slots=3, max_context=32)
     cuda = LocalModel(micro32_model, device="cuda", num_slots=3, max_context=32)
-    assert cpu.stages[0].tile_rows == cuda.stages[0].tile_rows == 32  # on by default; group 2
+    assert cpu.stages[0].tile_rows == cuda.stages[0].tile_rows == 32  # switched on; group 2
     called = []
     inner = cuda.backend.attention
     monkeypatch.setattr(cuda.backend, "attention", lambda *a, **k: called.append(k["tiles"] is not None) or
@@ -170,11 +171,15 @@ def test_a_chunk_beside_decode_rows_on_the_cuda_device_matches_the_cpu_device(mi
     assert called == [True] * 3 * 2  # the prompts (2 sequences of 5 tokens: routed too), 2 mixed steps; 2 layers
 
 
-def test_the_setting_switches_the_chunk_attention_off(micro32_model, monkeypatch):
+def test_the_setting_switches_the_chunk_attention_on_and_it_is_off_by_default(micro32_model, monkeypatch):
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
     batch = StepBatch(slots=[0, 1], starts=[4, 0], lengths=[1, 3], tokens=[5, 17, 42, 9])
+    monkeypatch.delenv("MOEBUS_CHUNK_ATTENTION", raising=False)
+    default = LocalModel(micro32_model, device="cpu", num_slots=2, max_context=32).stages[0]
+    assert default.tile_rows == 0 and "attn_tiles" not in default._host_inputs(batch, None)
+    monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "1")
     on = LocalModel(micro32_model, device="cpu", num_slots=2, max_context=32).stages[0]
     np.testing.assert_array_equal(on._host_inputs(batch, None)["attn_tiles"], [[0, 1, 0], [1, 3, 1]])
     monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "0")
@@ -183,10 +188,11 @@ def test_the_setting_switches_the_chunk_attention_off(micro32_model, monkeypatch
 
 
 @pytest.mark.skipif(not graphs_available(), reason="CUDA graphs need a GPU")
-def test_the_captured_mixed_steps_give_the_eager_ones_bits(micro32_model):
+def test_the_captured_mixed_steps_give_the_eager_ones_bits(micro32_model, monkeypatch):
     """On a GPU: the tile table is a step input, so replays of one captured shape follow the chunk."""
     from moebus.workers.local import LocalModel
 
+    monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "1")
     def run(graphs: bool):
         model = LocalModel(micro32_model, device="cuda", num_slots=3, max_context=32)
         model.stages[0].use_graphs = graphs and model.stages[0].use_graphs

@@ -35,7 +35,7 @@ done
 for cap in $CAPS; do
   (( $(left) > 60 )) || break
   echo "== 8 streams beside 8192, cap $cap, switch on, at $(now) s"
-  MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$cap timeout $(cap_s 150) python3 -m moebus.cli bench decode --model $M \
+  MOEBUS_CHUNK_ATTENTION=1 MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$cap timeout $(cap_s 150) python3 -m moebus.cli bench decode --model $M \
     --device cuda --batch 8 --tokens 16 --repeats 1 --no-service --beside-prefill 8192 --json \
     2>$OUT/beside_$cap.err > $OUT/beside_$cap.json
   echo "rc=$?"; grep -a "Error" $OUT/beside_$cap.err | tail -2 | cut -c1-240
