@@ -36,18 +36,19 @@ def compare_step(ref_logits: np.ndarray, test_logits: np.ndarray) -> tuple[np.nd
     return agree, np.sum(np.exp(ref) * (ref - test), axis=-1)
 
 
-def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int) -> list[list[int]]:
+def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int, texts=HELD_OUT) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    prompts = [[t % vocab_size for t in tokenizer.encode(text).ids] or [1] for text in HELD_OUT]
+    prompts = [[t % vocab_size for t in tokenizer.encode(text).ids] or [1] for text in texts]
     return (prompts * (-(-num_prompts // len(prompts))))[:num_prompts]
 
 
 def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu",
-            attention_dtype: str = "bf16") -> dict:
-    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts, the
-    bf16 model against experts in ``experts_dtype`` and attention projections in ``attention_dtype``."""
+            attention_dtype: str = "bf16", texts=HELD_OUT) -> dict:
+    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts (cut
+    from ``texts``), the bf16 model against experts in ``experts_dtype`` and attention projections
+    in ``attention_dtype``."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
@@ -57,7 +58,7 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
 
     from moebus.common.model_config import load_config
 
-    prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size)
+    prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size, texts)
     context = max(len(p) for p in prompts) + steps + 1
     ref, test = load("bf16"), load(experts_dtype, attention_dtype)
     slots = np.arange(len(prompts))
@@ -91,14 +92,18 @@ def main(argv=None) -> int:
                    help="the quantized model's q/k/v/o projections (settings attention.dtype)")
     p.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded side by side")
+    p.add_argument("--prompt-file", help="a JSON list of prompt texts (default: the bench's own HELD_OUT)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    texts = json.loads(Path(args.prompt_file).read_text()) if args.prompt_file else HELD_OUT
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise SystemExit(f"{args.prompt_file}: expected a non-empty JSON list of strings")
     from moebus.common.demo_model import demo_model_dir
 
     model_dir = args.model or str(demo_model_dir())
     for dtype in args.experts_dtype.split(","):
-        r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype)
+        r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype, texts)
         print(json.dumps(r) if args.json else "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
     return 0
 
