@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from moebus.bench.quality import compare_step, main, measure
+from moebus.bench.quality import _entropy, compare_step, main, measure
 from moebus.common.tiny_model import init_model
 
 
@@ -19,11 +19,17 @@ def test_compare_step_agreement_and_kl():
     assert compare_step(ref, ref + 3.0)[1].max() < 1e-12  # a shift of the logits changes nothing
 
 
+def test_entropy_of_the_next_token_distribution():
+    logits = np.array([[0.0, 0.0, 0.0, 0.0], [50.0, 0.0, 0.0, 0.0], np.log([0.5, 0.25, 0.25, 1e-30])])
+    np.testing.assert_allclose(_entropy(logits), [np.log(4), 0.0, 1.5 * np.log(2)], atol=1e-9)
+
+
 def test_fp8_checkpoint_quality_run(tmp_path, capsys):
     model = init_model(tmp_path / "fp8", experts_dtype="fp8")
     r = measure(str(model), "fp8", steps=6, num_prompts=3)
     assert r["comparisons"] == 18 and r["expert_bytes_ratio"] > 1.9
     assert r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-3  # the same values, bf16-rounded or not
+    assert 0 < r["ref_entropy"] < np.log(384) and 0 < r["ref_distinct_tokens"] <= 1
     assert main(["--model", str(model), "--experts-dtype", "int4", "--steps", "3", "--prompts", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["experts_dtype"] == "int4" and row["comparisons"] == 6 and 0 <= row["top1_agreement"] <= 1

@@ -1,7 +1,10 @@
 """``moebus bench quality``: quantized experts against the bf16 model. Both models decode the same
 held-out prompts in lock step, teacher-forced on the bf16 model's greedy tokens; at every decode
 step the bench compares the two next-token distributions: top-1 agreement (same argmax) and
-KL(p_bf16 || p_quantized). An FP8 checkpoint's reference is its experts dequantized to bf16."""
+KL(p_bf16 || p_quantized). An FP8 checkpoint's reference is its experts dequantized to bf16.
+How hard the test is shows in two more figures of the bf16 model: the mean entropy of its next-token
+distributions (a sure model agrees with a perturbed copy of itself more easily) and the fraction of
+distinct tokens in its greedy continuations (a model stuck in a loop repeats itself)."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +39,13 @@ def compare_step(ref_logits: np.ndarray, test_logits: np.ndarray) -> tuple[np.nd
     return agree, np.sum(np.exp(ref) * (ref - test), axis=-1)
 
 
+def _entropy(logits: np.ndarray) -> np.ndarray:
+    """Per row: the entropy (nats) of the softmax; near log(vocab) for the near-uniform logits of
+    random weights, small where a model is sure of the next token."""
+    lp = _log_softmax(logits)
+    return -np.sum(np.exp(lp) * lp, axis=-1)
+
+
 def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int, texts=HELD_OUT) -> list[list[int]]:
     from tokenizers import Tokenizer
 
@@ -64,13 +74,15 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
     slots = np.arange(len(prompts))
     batch = StepBatch(slots=slots, starts=np.zeros(len(prompts)), lengths=[len(p) for p in prompts],
                       tokens=np.concatenate(prompts))
-    agree, kl = [], []
+    agree, kl, entropy, greedy = [], [], [], []
     ref_logits, test_logits = ref.step(batch, want_logits=True).logits, test.step(batch, want_logits=True).logits
     positions = np.array([len(p) for p in prompts])
     for i in range(steps):  # the first comparison is the prefill's last position
         a, k = compare_step(ref_logits, test_logits)
         agree.append(a)
         kl.append(k)
+        entropy.append(_entropy(ref_logits))
+        greedy.append(ref_logits.argmax(axis=-1))
         if i == steps - 1:
             break
         step = StepBatch(slots=slots, starts=positions + i, lengths=np.ones(len(prompts)),
@@ -81,6 +93,8 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
             "steps": steps, "prompts": len(prompts),
             "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
             "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
+            "ref_entropy": float(np.mean(entropy)),
+            "ref_distinct_tokens": float(np.mean([len(set(col)) for col in np.stack(greedy, axis=1)]) / len(greedy)),
             "expert_bytes_ratio": ref.stages[0].experts.store.blob_bytes / test.stages[0].experts.store.blob_bytes}
 
 
