@@ -3,8 +3,9 @@ fp8 experts are the very values its bf16 reference rounds (so they must agree cl
 import json
 
 import numpy as np
+import pytest
 
-from moebus.bench.quality import _entropy, compare_step, main, measure
+from moebus.bench.quality import HELD_OUT, _entropy, compare_step, main, measure
 from moebus.common.tiny_model import init_model
 
 
@@ -33,6 +34,18 @@ def test_fp8_checkpoint_quality_run(tmp_path, capsys):
     assert main(["--model", str(model), "--experts-dtype", "int4", "--steps", "3", "--prompts", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["experts_dtype"] == "int4" and row["comparisons"] == 6 and 0 <= row["top1_agreement"] <= 1
+
+
+def test_follow_text_feeds_the_text_not_the_greedy_tokens(tmp_path):
+    model = init_model(tmp_path / "fp8", experts_dtype="fp8")
+    text = " ".join(HELD_OUT)
+    greedy = measure(str(model), "fp8", steps=5, num_prompts=2, texts=[text])
+    follow = measure(str(model), "fp8", steps=5, num_prompts=2, texts=[text], follow_text=True)
+    assert follow["follow"] == "text" and greedy["follow"] == "greedy" and follow["comparisons"] == 10
+    assert follow["ref_entropy"] != greedy["ref_entropy"]  # other tokens fed after the prompt
+    assert follow["top1_agreement"] == 1.0 and follow["mean_kl"] < 1e-3
+    with pytest.raises(ValueError, match="needs texts of"):
+        measure(str(model), "fp8", steps=5, num_prompts=1, texts=["too short"], follow_text=True)
 
 
 def test_fp8_attention_quality_run(tmp_path):

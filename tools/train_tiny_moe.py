@@ -6,8 +6,9 @@ Corpus: Python's own standard library sources (code, docstrings, comments; found
 ``--held-out-every``-th file sorted by path is held out); the tokenizer (byte-level BPE) is trained
 on the training split only. The model is trained in float32 with the router's load-balancing loss
 and saved by transformers' ``save_pretrained`` in bf16 (safetensors, config, tokenizer), beside
-``train_log.json`` (the loss curve, held-out loss before and after) and ``held_out_prompts.json``
-(prompts cut from held-out files, for ``moebus bench quality --prompt-file``). ``--fp8 DIR`` also
+``train_log.json`` (the loss curve, held-out loss before and after), ``held_out_prompts.json``
+(prompts cut from held-out files, for ``moebus bench quality --prompt-file``) and
+``held_out_texts.json`` (longer pieces, for ``--prompt-file … --follow-text``). ``--fp8 DIR`` also
 writes the trained model as an FP8 checkpoint in Qwen's format (common/fp8_convert.fp8_copy);
 ``--check`` compares moebus with transformers on what was written.
 
@@ -135,24 +136,30 @@ def train(model, train_ids: np.ndarray, held_ids: np.ndarray, seconds: float, se
     return log
 
 
-def prompts_from(texts: list[str], count: int, chars: int, seed: int) -> list[str]:
-    """``count`` prompts of at most ``chars`` characters: 10 lines from a random line start of a
-    random held-out text."""
+def prompts_from(texts: list[str], count: int, chars: int, seed: int, lines_each: int = 10) -> list[str]:
+    """``count`` prompts of at most ``chars`` characters: ``lines_each`` lines from a random line
+    start of a random held-out text."""
     rng = np.random.default_rng(seed)
     texts = [t.splitlines(keepends=True) for t in texts if t.strip()]
+    texts = [lines for lines in texts if len(lines) >= 2 * lines_each] or texts  # long files where there are
     if not texts:
         raise ValueError("no held-out text to cut prompts from")
     out = []
     while len(out) < count:
         lines = texts[int(rng.integers(len(texts)))]
-        first = int(rng.integers(max(1, len(lines) - 10)))
-        piece = "".join(lines[first:first + 10])[:chars]
+        first = int(rng.integers(max(1, len(lines) - lines_each)))
+        piece = "".join(lines[first:first + lines_each])[:chars]
         if piece.strip():
             out.append(piece)
     return out
 
 
-def save(model, tokenizer, out: Path, log: dict, prompts: list[str]) -> None:
+def held_out_texts(texts: list[str], seed: int) -> list[str]:
+    """Eight pieces of ~80 lines for ``bench quality --follow-text`` (32 prompt tokens + 255 fed)."""
+    return prompts_from(texts, 8, 3000, seed + 1, lines_each=80)
+
+
+def save(model, tokenizer, out: Path, log: dict, prompts: list[str], texts: list[str]) -> None:
     import torch
 
     from moebus.common.tiny_tokenizer import SPECIAL_TOKENS
@@ -165,6 +172,7 @@ def save(model, tokenizer, out: Path, log: dict, prompts: list[str]) -> None:
         "pad_token": "<|endoftext|>", "additional_special_tokens": SPECIAL_TOKENS[1:]}, indent=2))
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     (out / "held_out_prompts.json").write_text(json.dumps(prompts, indent=1))
+    (out / "held_out_texts.json").write_text(json.dumps(texts, indent=1))
 
 
 def check_against_transformers(model_dir: Path, prompts: list[str], num_tokens: int = 32, fp8: bool = False) -> dict:
@@ -221,7 +229,7 @@ def run(out: Path, seconds: float, threads: int = 2, shapes: dict | None = None,
     log = train(model, train_ids, held_ids, seconds, seq_len, batch_size, lr, seed, max_steps)
     log.update(corpus_train_tokens=int(len(train_ids)), corpus_held_out_tokens=int(len(held_ids)),
                threads=threads, seq_len=seq_len, batch_size=batch_size, lr=lr)
-    save(model, tokenizer, out, log, prompts_from(held_texts, 8, 400, seed))
+    save(model, tokenizer, out, log, prompts_from(held_texts, 8, 400, seed), held_out_texts(held_texts, seed))
     if fp8:
         fp8_copy(out, fp8)
     return log
