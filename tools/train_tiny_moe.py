@@ -1,5 +1,5 @@
 """Train a small Qwen3-MoE on real text on the CPU, so that ``moebus bench quality`` measures
-quantization on a TRAINED model (random-weight models have near-uniform, chaotic logits).
+quantization on a TRAINED model (a random-weight model's argmax flips under any small perturbation).
 
 Corpus: Python's own standard library sources (code, docstrings, comments; found through
 ``sysconfig``), or any files given with ``--corpus``. Files are split by name (every

@@ -44,8 +44,8 @@ def compare_step(ref_logits: np.ndarray, test_logits: np.ndarray) -> tuple[np.nd
 
 
 def _entropy(logits: np.ndarray) -> np.ndarray:
-    """Per row: the entropy (nats) of the softmax; near log(vocab) for the near-uniform logits of
-    random weights, small where a model is sure of the next token."""
+    """Per row: the entropy (nats) of the softmax: log(vocab) for uniform logits, 0 where a model is
+    sure of the next token."""
     lp = _log_softmax(logits)
     return -np.sum(np.exp(lp) * lp, axis=-1)
 
