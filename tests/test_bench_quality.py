@@ -3,8 +3,9 @@ fp8 experts are the very values its bf16 reference rounds (so they must agree cl
 import json
 
 import numpy as np
+import pytest
 
-from moebus.bench.quality import compare_step, main, measure
+from moebus.bench.quality import HELD_OUT, _entropy, compare_step, main, measure
 from moebus.common.tiny_model import init_model
 
 
@@ -19,14 +20,32 @@ def test_compare_step_agreement_and_kl():
     assert compare_step(ref, ref + 3.0)[1].max() < 1e-12  # a shift of the logits changes nothing
 
 
+def test_entropy_of_the_next_token_distribution():
+    logits = np.array([[0.0, 0.0, 0.0, 0.0], [50.0, 0.0, 0.0, 0.0], np.log([0.5, 0.25, 0.25, 1e-30])])
+    np.testing.assert_allclose(_entropy(logits), [np.log(4), 0.0, 1.5 * np.log(2)], atol=1e-9)
+
+
 def test_fp8_checkpoint_quality_run(tmp_path, capsys):
     model = init_model(tmp_path / "fp8", experts_dtype="fp8")
     r = measure(str(model), "fp8", steps=6, num_prompts=3)
     assert r["comparisons"] == 18 and r["expert_bytes_ratio"] > 1.9
     assert r["top1_agreement"] == 1.0 and r["mean_kl"] < 1e-3  # the same values, bf16-rounded or not
+    assert 0 < r["ref_entropy"] < np.log(384) and 0 < r["ref_distinct_tokens"] <= 1
     assert main(["--model", str(model), "--experts-dtype", "int4", "--steps", "3", "--prompts", "2", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["experts_dtype"] == "int4" and row["comparisons"] == 6 and 0 <= row["top1_agreement"] <= 1
+
+
+def test_follow_text_feeds_the_text_not_the_greedy_tokens(tmp_path):
+    model = init_model(tmp_path / "fp8", experts_dtype="fp8")
+    text = " ".join(HELD_OUT)
+    greedy = measure(str(model), "fp8", steps=5, num_prompts=2, texts=[text])
+    follow = measure(str(model), "fp8", steps=5, num_prompts=2, texts=[text], follow_text=True)
+    assert follow["follow"] == "text" and greedy["follow"] == "greedy" and follow["comparisons"] == 10
+    assert follow["ref_entropy"] != greedy["ref_entropy"]  # other tokens fed after the prompt
+    assert follow["top1_agreement"] == 1.0 and follow["mean_kl"] < 1e-3
+    with pytest.raises(ValueError, match="needs texts of"):
+        measure(str(model), "fp8", steps=5, num_prompts=1, texts=["too short"], follow_text=True)
 
 
 def test_fp8_attention_quality_run(tmp_path):

@@ -1,7 +1,11 @@
 """``moebus bench quality``: quantized experts against the bf16 model. Both models decode the same
-held-out prompts in lock step, teacher-forced on the bf16 model's greedy tokens; at every decode
+held-out prompts in lock step, teacher-forced on the bf16 model's greedy tokens (or, ``--follow-text``,
+on the prompt text's own next tokens); at every decode
 step the bench compares the two next-token distributions: top-1 agreement (same argmax) and
-KL(p_bf16 || p_quantized). An FP8 checkpoint's reference is its experts dequantized to bf16."""
+KL(p_bf16 || p_quantized). An FP8 checkpoint's reference is its experts dequantized to bf16.
+How hard the test is shows in two more figures of the bf16 model: the mean entropy of its next-token
+distributions (a sure model agrees with a perturbed copy of itself more easily) and the fraction of
+distinct tokens in its greedy continuations (a model stuck in a loop repeats itself)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +27,9 @@ HELD_OUT = (
 )
 
 
+FOLLOW_PROMPT = 32  # --follow-text: the prompt's tokens; the text's next ones are fed step by step
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     z = np.asarray(logits, np.float64)
     z = z - z.max(axis=-1, keepdims=True)
@@ -36,18 +43,28 @@ def compare_step(ref_logits: np.ndarray, test_logits: np.ndarray) -> tuple[np.nd
     return agree, np.sum(np.exp(ref) * (ref - test), axis=-1)
 
 
-def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int) -> list[list[int]]:
+def _entropy(logits: np.ndarray) -> np.ndarray:
+    """Per row: the entropy (nats) of the softmax: log(vocab) for uniform logits, 0 where a model is
+    sure of the next token."""
+    lp = _log_softmax(logits)
+    return -np.sum(np.exp(lp) * lp, axis=-1)
+
+
+def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int, texts=HELD_OUT) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    prompts = [[t % vocab_size for t in tokenizer.encode(text).ids] or [1] for text in HELD_OUT]
+    prompts = [[t % vocab_size for t in tokenizer.encode(text).ids] or [1] for text in texts]
     return (prompts * (-(-num_prompts // len(prompts))))[:num_prompts]
 
 
 def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu",
-            attention_dtype: str = "bf16") -> dict:
-    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts, the
-    bf16 model against experts in ``experts_dtype`` and attention projections in ``attention_dtype``."""
+            attention_dtype: str = "bf16", texts=HELD_OUT, follow_text: bool = False) -> dict:
+    """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts (cut
+    from ``texts``), the bf16 model against experts in ``experts_dtype`` and attention projections
+    in ``attention_dtype``. ``follow_text``: each prompt is a text's first FOLLOW_PROMPT tokens and
+    the steps feed the text's own next tokens instead of the bf16 model's greedy ones (a weak model's
+    greedy continuation soon loops; the text does not)."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
@@ -57,29 +74,39 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
 
     from moebus.common.model_config import load_config
 
-    prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size)
+    prompts = held_out_prompts(model_dir, num_prompts, load_config(model_dir).vocab_size, texts)
+    if follow_text:
+        short = [len(p) for p in prompts if len(p) < FOLLOW_PROMPT + steps - 1]
+        if short:
+            raise ValueError(f"--follow-text needs texts of {FOLLOW_PROMPT + steps - 1} tokens; one has {min(short)}")
+        forced = np.array([p[FOLLOW_PROMPT:FOLLOW_PROMPT + steps - 1] for p in prompts], np.int32)
+        prompts = [p[:FOLLOW_PROMPT] for p in prompts]
     context = max(len(p) for p in prompts) + steps + 1
     ref, test = load("bf16"), load(experts_dtype, attention_dtype)
     slots = np.arange(len(prompts))
     batch = StepBatch(slots=slots, starts=np.zeros(len(prompts)), lengths=[len(p) for p in prompts],
                       tokens=np.concatenate(prompts))
-    agree, kl = [], []
+    agree, kl, entropy, greedy = [], [], [], []
     ref_logits, test_logits = ref.step(batch, want_logits=True).logits, test.step(batch, want_logits=True).logits
     positions = np.array([len(p) for p in prompts])
     for i in range(steps):  # the first comparison is the prefill's last position
         a, k = compare_step(ref_logits, test_logits)
         agree.append(a)
         kl.append(k)
+        entropy.append(_entropy(ref_logits))
+        greedy.append(ref_logits.argmax(axis=-1))
         if i == steps - 1:
             break
         step = StepBatch(slots=slots, starts=positions + i, lengths=np.ones(len(prompts)),
-                         tokens=ref_logits.argmax(axis=-1).astype(np.int32))
+                         tokens=forced[:, i] if follow_text else ref_logits.argmax(axis=-1).astype(np.int32))
         ref_logits, test_logits = ref.step(step, want_logits=True).logits, test.step(step, want_logits=True).logits
     agree, kl = np.concatenate(agree), np.concatenate(kl)
     return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "attention_dtype": attention_dtype,
-            "steps": steps, "prompts": len(prompts),
+            "follow": "text" if follow_text else "greedy", "steps": steps, "prompts": len(prompts),
             "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
             "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
+            "ref_entropy": float(np.mean(entropy)),
+            "ref_distinct_tokens": float(np.mean([len(set(col)) for col in np.stack(greedy, axis=1)]) / len(greedy)),
             "expert_bytes_ratio": ref.stages[0].experts.store.blob_bytes / test.stages[0].experts.store.blob_bytes}
 
 
@@ -91,14 +118,21 @@ def main(argv=None) -> int:
                    help="the quantized model's q/k/v/o projections (settings attention.dtype)")
     p.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded side by side")
+    p.add_argument("--prompt-file", help="a JSON list of prompt texts (default: the bench's own HELD_OUT)")
+    p.add_argument("--follow-text", action="store_true",
+                   help="feed each prompt text's own tokens after its first 32 instead of the bf16 model's greedy ones")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    texts = json.loads(Path(args.prompt_file).read_text()) if args.prompt_file else HELD_OUT
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise SystemExit(f"{args.prompt_file}: expected a non-empty JSON list of strings")
     from moebus.common.demo_model import demo_model_dir
 
     model_dir = args.model or str(demo_model_dir())
     for dtype in args.experts_dtype.split(","):
-        r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype)
+        r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype, texts,
+                    args.follow_text)
         print(json.dumps(r) if args.json else "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
     return 0
 
