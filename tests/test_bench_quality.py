@@ -54,3 +54,15 @@ def test_fp8_attention_quality_run(tmp_path):
     r = measure(str(model), "fp8", steps=4, num_prompts=2, attention_dtype="fp8")
     assert r["attention_dtype"] == "fp8" and r["comparisons"] == 8
     assert r["top1_agreement"] == 1.0 and 0 < r["mean_kl"] < 1e-3
+
+
+@pytest.mark.parametrize("content, says", [(None, "FileNotFoundError"), (b"not json", "JSONDecodeError"),
+                                           (b"\xff\xfe", "UnicodeDecodeError"), (b'"one text"', "a non-empty JSON list"),
+                                           (b"[]", "a non-empty JSON list"), (b'["a", 3]', "a non-empty JSON list")])
+def test_a_bad_prompt_file_ends_with_a_message_naming_it(tmp_path, content, says):
+    path = tmp_path / "prompts.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as ended:
+        main(["--prompt-file", str(path), "--steps", "1"])
+    assert str(path) in str(ended.value) and says in str(ended.value)

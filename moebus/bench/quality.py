@@ -110,6 +110,18 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
             "expert_bytes_ratio": ref.stages[0].experts.store.blob_bytes / test.stages[0].experts.store.blob_bytes}
 
 
+
+def _prompt_texts(path: str) -> list[str]:
+    """--prompt-file's texts: a non-empty JSON list of strings, else a clear exit naming the file."""
+    try:
+        texts = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read a JSON list of prompt texts ({type(e).__name__}: {e})")
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise SystemExit(f"{path}: expected a non-empty JSON list of strings")
+    return texts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moebus bench quality")
     p.add_argument("--model", help="model directory (default: the embedded demo model)")
@@ -124,9 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    texts = json.loads(Path(args.prompt_file).read_text()) if args.prompt_file else HELD_OUT
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise SystemExit(f"{args.prompt_file}: expected a non-empty JSON list of strings")
+    texts = _prompt_texts(args.prompt_file) if args.prompt_file else HELD_OUT
     from moebus.common.demo_model import demo_model_dir
 
     model_dir = args.model or str(demo_model_dir())
