@@ -115,6 +115,29 @@ class StepBatch:
         return temperature, top_k, top_p, u
 
 
+def select_rows(batch: StepBatch, rows) -> StepBatch:
+    """The step's sequences ``rows`` (ascending) as a step of their own: their tokens, sampling,
+    masks, logit rules and top-logprob requests; image rows only within a row of its own (a
+    prompt's chunk: one contiguous token range). Not for Qwen3-VL steps (M-RoPE, DeepStack)."""
+    rows = np.asarray(rows, np.int64)
+    assert batch.rope_positions is None and batch.deepstack is None, "Qwen3-VL steps are not split by rows"
+    first = np.cumsum(batch.lengths) - batch.lengths
+    token_idx = np.concatenate([np.arange(first[r], first[r] + batch.lengths[r]) for r in rows]).astype(np.int64)
+    images = {}
+    if batch.embeds is not None:
+        inside = np.isin(batch.embed_rows, token_idx)
+        assert inside.sum() == 0 or len(rows) == 1, "image rows only in a row selected alone"
+        offset = int(first[rows[0]]) if len(rows) == 1 else 0
+        images = {"embeds": batch.embeds[inside], "embed_rows": batch.embed_rows[inside] - offset}
+    temperature, top_k, top_p, u = batch.sampling_arrays()
+    ends = np.ones(len(rows), bool)  # every selected row samples at its last token, as in the step
+    return StepBatch(slots=batch.slots[rows], starts=batch.starts[rows], lengths=batch.lengths[rows],
+                     tokens=None if batch.tokens is None else batch.tokens[token_idx], temperature=temperature[rows],
+                     top_k=top_k[rows], top_p=top_p[rows], u=u[rows], top_logprobs=batch.top_logprobs,
+                     logprob_rows=_rows_within(batch, rows, ends), logit_rules=None if batch.logit_rules is None
+                     else batch.logit_rules.take(rows), **images, **_masks_within(batch, rows, ends))
+
+
 def _embeds_within(batch: StepBatch, first_token: int, count: int) -> dict:
     """The embedding rows of tokens [first_token, first_token + count), renumbered for that piece."""
     extra = qwen3vl_within(batch, first_token, count)
@@ -145,6 +168,9 @@ class StageOutput:
     top_ids: np.ndarray | None = None  # (R, n) int32 for the R rows of batch.top_rows() (top_logprobs = n)
     top_logprobs: np.ndarray | None = None  # (R, n) float32
     logits: np.ndarray | None = None  # (S, V) float32 when asked for (tests, fidelity checks)
+    # rows whose feed is not done yet (a prompt chunk that spans steps, workers/spanning_chunk.py):
+    # their tokens are placeholders and their keys and values are not all written
+    pending_rows: np.ndarray | None = None  # (N,) int32
 
 
 

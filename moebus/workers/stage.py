@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -265,6 +266,11 @@ class Stage:
         if not self.is_last:
             out["hidden"] = self._residual_add(x, residual)
             return out
+        return self._head(batch, inputs, x, residual, out)
+
+    def _head(self, batch: StepBatch, inputs: dict, x, residual, out: dict) -> dict:
+        """The last stage's end of a step: final norm, lm_head over each sequence's last token, sampling."""
+        ops = self.ops
         _, h = self._residual_norm(x, residual, self.final_norm)
         logits = ops.linear(ops.embedding(h, inputs["last_index"]), self.lm_head)
         sampling = inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["u"]
@@ -298,6 +304,28 @@ class Stage:
                rope_pos=None, tiles=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
         (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
+        x, o = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles)
+        ops, cfg, w = self.ops, self.cfg, self.layers[i]
+        num_tokens, eps = x.shape[0], cfg.rms_norm_eps
+        if cfg.is_moe_layer(i) and route is not None:
+            return self._moe_routed(i, w, x, o, *route)
+        x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], eps)
+        if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
+            ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
+            y_pair = grouped_moe(ops, self.experts, i, h, ids, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 cfg.num_experts)
+            return x, ("moe", y_pair, weights)  # tensor cores (moe_prefill.py); combined by the next norm
+        if cfg.is_moe_layer(i):
+            return x, ("dense", self._moe(i, w, h))
+        return x, ("dense", self._dense_mlp(w, h))
+
+    def _dense_mlp(self, w: dict, h):
+        ops = self.ops
+        return ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
+
+    def _attend(self, n: int, i: int, x, token_slot, token_pos, residual=None, segments=None, rope_pos=None,
+                tiles=None):
+        """A layer's first half: (x with the pending residual added, the attention's output projection)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
@@ -321,19 +349,7 @@ class Stage:
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
                           segments=segments, tiles=tiles)
-        o = ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
-        if cfg.is_moe_layer(i) and route is not None:
-            return self._moe_routed(i, w, x, o, *route)
-        x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], eps)
-        if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
-            ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
-            y_pair = grouped_moe(ops, self.experts, i, h, ids, cfg.hidden_size, cfg.moe_intermediate_size,
-                                 cfg.num_experts)
-            return x, ("moe", y_pair, weights)  # tensor cores (moe_prefill.py); combined by the next norm
-        if cfg.is_moe_layer(i):
-            return x, ("dense", self._moe(i, w, h))
-        return x, ("dense", ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])),
-                                       w["mlp_down"]))
+        return x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
 
     def _prefetch(self):
         """The expert cache's prefetch of the next layer's experts on cuda (workers/prefetch.py), or None."""
@@ -367,38 +383,59 @@ class Stage:
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""
+        routed = self._route_on_host(layer, w, h, self.ops.empty)
+        group = max(1, self.experts.num_slots)  # a cache smaller than the layer's experts: in groups
+        for first in range(0, len(routed.unique), group):
+            self._moe_group(layer, h, routed, first, min(first + group, len(routed.unique)))
+        self.experts.release()
+        return self.ops.combine(routed.out, routed.weights)
+
+    def _route_on_host(self, layer: int, w: dict, h, allocate) -> "HostRouting":
+        """The router's choices for a long step, on the host (its one round trip per layer), and the
+        pair outputs' buffer from ``allocate`` (the step's scratch, or one that outlives the step)."""
         ops, cfg = self.ops, self.cfg
         num_tokens, top_k = h.shape[0], cfg.top_k
         ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), top_k, cfg.norm_topk_prob)
-        pair_expert = ops.to_host(ids).ravel()  # the one host round trip per layer: which experts
+        pair_expert = ops.to_host(ids).ravel()
         unique = np.unique(pair_expert)
-        pair_group_index = np.searchsorted(unique, pair_expert)
-        pair_token = np.repeat(np.arange(num_tokens, dtype=np.int32), top_k)
-        out = ops.empty((num_tokens * top_k, cfg.hidden_size), np.float32)
-        group = max(1, self.experts.num_slots)  # a cache smaller than the layer's experts: in groups
-        for first in range(0, len(unique), group):
-            slots, ready = self.experts.acquire(layer, unique[first : first + group])
-            members = np.nonzero((pair_group_index >= first) & (pair_group_index < first + group))[0]
-            member_slot = slots[pair_group_index[members] - first]
-            member_ready = ready[pair_group_index[members] - first]
-            # Resident experts compute while missing ones are still being copied in; then the rest.
-            for is_ready in (True, False):
-                pairs = members[member_ready == is_ready].astype(np.int32)
-                if len(pairs) == 0:
-                    continue
-                if not is_ready:
-                    self.experts.wait()
-                pair_slot = member_slot[member_ready == is_ready]
-                order = np.argsort(pair_slot, kind="stable")  # same expert back to back
-                table = ops.upload(np.stack([pair_token[pairs[order]], pair_slot[order], pairs[order]]))
-                ops.expert_ffn(h, table[0], table[1], table[2], self.experts.array, cfg.hidden_size,
-                               cfg.moe_intermediate_size, out, layout=self.experts.store.layout)
-        self.experts.release()
-        return ops.combine(out, weights)
+        return HostRouting(weights=weights, unique=unique, pair_group_index=np.searchsorted(unique, pair_expert),
+                           pair_token=np.repeat(np.arange(num_tokens, dtype=np.int32), top_k),
+                           out=allocate((num_tokens * top_k, cfg.hidden_size), np.float32))
+
+    def _moe_group(self, layer: int, h, routed: "HostRouting", first: int, end: int) -> None:
+        """The pairs of the experts ``routed.unique[first:end]`` into ``routed.out``: resident experts
+        compute while missing ones are still being copied in; then the rest."""
+        ops, cfg = self.ops, self.cfg
+        slots, ready = self.experts.acquire(layer, routed.unique[first:end])
+        index = routed.pair_group_index
+        members = np.nonzero((index >= first) & (index < end))[0]
+        member_slot = slots[index[members] - first]
+        member_ready = ready[index[members] - first]
+        for is_ready in (True, False):
+            pairs = members[member_ready == is_ready].astype(np.int32)
+            if len(pairs) == 0:
+                continue
+            if not is_ready:
+                self.experts.wait()
+            pair_slot = member_slot[member_ready == is_ready]
+            order = np.argsort(pair_slot, kind="stable")  # same expert back to back
+            table = ops.upload(np.stack([routed.pair_token[pairs[order]], pair_slot[order], pairs[order]]))
+            ops.expert_ffn(h, table[0], table[1], table[2], self.experts.array, cfg.hidden_size,
+                           cfg.moe_intermediate_size, routed.out, layout=self.experts.store.layout)
 
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
         return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,
                            top_ids=out.get("top_ids"), top_logprobs=out.get("top_logprobs"))
+
+
+@dataclass
+class HostRouting:
+    """A long step's routing for one layer, on the host, and its pair outputs (Stage._moe)."""
+    weights: object  # (T, A) float32 on the device
+    unique: np.ndarray  # the experts chosen, ascending
+    pair_group_index: np.ndarray  # (T * A,) each pair's index into ``unique``
+    pair_token: np.ndarray  # (T * A,) int32
+    out: object  # (T * A, D) float32 pair outputs
 
 
 def chunk_attention_rows(cfg) -> int:
