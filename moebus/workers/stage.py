@@ -25,6 +25,7 @@ from moebus.cuda.kernels.compat import WARP
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
+from moebus.workers import spanning_chunk
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
@@ -79,6 +80,11 @@ class Stage:
         self.graph_captures = self.eager_short_steps = 0  # for INFO: a graph recaptured per step shows here
         self.mixed_shapes: dict = {}  # (tokens, masked, sequences) of routed steps with chunks -> times seen
         self.mixed_counted = None  # the last step counted there
+        # a prompt's chunk beside decode rows copies at most this many bytes of experts a step, and
+        # spans steps (spanning_chunk.py; 0: a chunk runs whole in its step)
+        self.chunk_copy_budget_bytes = 0
+        self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
+        self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:
@@ -103,7 +109,19 @@ class Stage:
 
     def forward(self, batch: StepBatch, hidden: np.ndarray | None = None, want_logits: bool = False) -> StageOutput:
         """Run this stage's layers over one step. ``hidden`` (T, D) comes from the previous stage.
-        A step longer than the standing scratch covers runs on the prompt-path loan (prompt_loan.py)."""
+        A step longer than the standing scratch covers runs on the prompt-path loan (prompt_loan.py).
+        A prompt's chunk beside decode rows whose experts must be copied in may span steps
+        (spanning_chunk.py): its row is then in the output's ``pending_rows`` until it is done."""
+        self.check(batch)
+        row = spanning_chunk.chosen_row(self, batch, hidden, ROUTED_MAX_TOKENS)
+        if row is not None:
+            return spanning_chunk.forward(self, batch, row, want_logits)
+        if self.chunk is not None and self.chunk.slot in batch.slots:
+            spanning_chunk.drop(self, "its feed runs whole")
+        return self.forward_whole(batch, hidden, want_logits)
+
+    def forward_whole(self, batch: StepBatch, hidden, want_logits: bool = False) -> StageOutput:
+        """The step in one pass (on the prompt-path loan, in pieces where it is short)."""
         if self.scratch is None or batch.num_tokens <= self.scratch.tokens:
             return self._forward(batch, hidden, want_logits)
         with prompt_loan(self.experts, self.ops, self.scratch, batch.num_tokens) as max_piece_tokens:
@@ -112,7 +130,13 @@ class Stage:
             return forward_in_pieces(self._forward, batch, hidden, want_logits, max_piece_tokens, self.is_last)
 
     def check(self, batch: StepBatch) -> None:
-        """Refuse a step whose positions or KV slots this stage does not have, before any work."""
+        """Refuse a step whose positions or KV slots this stage does not have, before any work. Every
+        step the worker runs passes here once (forward, overlap.launch): a held chunk that the step
+        says will not continue is dropped (spanning_chunk.note_step)."""
+        self._check_bounds(batch)
+        spanning_chunk.note_step(self, batch)
+
+    def _check_bounds(self, batch: StepBatch) -> None:
         if int((batch.starts + batch.lengths).max()) > self.max_context:
             raise ValueError(f"a sequence exceeds max_context {self.max_context}")
         if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.kv.num_slots:
@@ -121,7 +145,7 @@ class Stage:
             raise ValueError(f"a rope position exceeds max_context {self.max_context}")
 
     def _forward(self, batch: StepBatch, hidden, want_logits: bool) -> StageOutput:
-        self.check(batch)
+        self._check_bounds(batch)
         routed = batch.num_tokens <= ROUTED_MAX_TOKENS
         inputs = self._host_inputs(batch, hidden)
         graph = self._graph_for(batch, inputs) if routed else None

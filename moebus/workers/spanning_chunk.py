@@ -1,0 +1,290 @@
+"""A prompt's chunk that spans steps (issue 20). Beside decode rows, a chunk whose experts must be
+copied in holds every stream for the whole copy: on the H200 (8 x 128 experts, a cache of 457 slots)
+~740 experts, ~6.9 GB, a step of 110-215 ms against a decode step of ~6.5 ms. Here the stage runs
+the decode rows first (their own step: their graph, as any decode step), then advances the chunk
+while the experts it copies stay within a budget of bytes a step, and reports the chunk's row as
+pending (``StageOutput.pending_rows``); the broker re-sends the same feed until the row is done
+(broker/steps.py), and the stage continues what it holds for that slot, start and length.
+
+What the stage holds between steps lives outside the step scratch (which every ``begin_step``
+recycles and a prompt loan lends from the cache): at a layer boundary the hidden state and the
+pending residual (T x D float32 each), within a layer the attention's sum, the MLP's input, the
+router's weights and the pair outputs of the expert groups done (T x A x D). The kernels are those of
+the chunk run whole on the host-grouped path (``Stage._attend``, ``_route_on_host``, ``_moe_group``,
+``_head``) over the same rows in the same layer order, each expert's pairs in one group, so its
+tokens and logprobs equal those of the chunk run alone in one step, bit for bit on the cpu
+(tests/workers/test_spanning_chunk.py). On cuda with bf16 experts the whole chunk runs on tensor
+cores (moe_prefill.py); a spanning chunk runs Stage._moe's GEMVs instead (equal within the GEMVs'
+rounding, not bit for bit): its pair outputs are the state kept, per expert group.
+
+Where it applies (``chosen_row``): one stage holding the whole model, a budget > 0, a step with
+exactly one prompt row beside decode rows and more than ``routed_max_tokens`` tokens (a routed step
+copies nothing: it reads misses in place), a cache that does not hold every expert (else nothing
+changes: no extra steps), not a Qwen3-VL step (M-RoPE, DeepStack). Once held, the chunk continues
+in any step that carries the same feed, alone or beside decode rows (alone: with no budget). It is
+dropped when a step carries its slot with another feed, when two steps in a row do not carry it (a
+look-ahead step without it comes between two that do; two mean it was cancelled or failed), when a
+step carrying it runs whole, and when a step advancing it raises."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moebus.workers.batch import StageOutput, StepBatch, select_rows
+from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
+
+log = logging.getLogger("moebus.stage")
+MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the look-ahead step
+
+
+@dataclass
+class LayerInProgress:
+    """A layer whose experts are not all done: what its remaining groups and its end need."""
+    x: object  # the residual stream after the attention's add
+    h: object  # the MLP's input
+    routed: object  # stage.HostRouting: the router's choices, weights and pair outputs
+    next_expert: int = 0  # index into routed.unique of the first expert not computed
+
+
+@dataclass
+class ChunkInProgress:
+    slot: int
+    start: int
+    length: int
+    batch: StepBatch  # the chunk's row as a step of its own
+    layer: int = 0  # layers of the stage done
+    x: object = None  # at a layer boundary: the hidden state (None before the first layer)
+    residual: object = None  # and the last layer's MLP output, still to be added
+    within: LayerInProgress | None = None
+    steps: int = 0
+    copies: int = 0  # experts copied in for it
+    absent_steps: int = 0
+    kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
+
+    @classmethod
+    def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":
+        return cls(slot=int(batch.slots[row]), start=int(batch.starts[row]), length=int(batch.lengths[row]),
+                   batch=select_rows(batch, [row]))
+
+    def matches(self, batch: StepBatch, row: int) -> bool:
+        """Is ``row`` of ``batch`` this chunk's feed (slot, start, length and tokens)?"""
+        if (int(batch.slots[row]), int(batch.starts[row]), int(batch.lengths[row])) != (self.slot, self.start,
+                                                                                         self.length):
+            return False
+        if batch.tokens is None or self.batch.tokens is None:
+            return batch.tokens is None and self.batch.tokens is None
+        first = int(np.sum(batch.lengths[:row]))
+        return np.array_equal(batch.tokens[first:first + self.length], self.batch.tokens)
+
+    def keep(self, ops, name: str, array):
+        """``array`` copied into this chunk's buffer ``name`` (made on first use), which the next
+        step's ``begin_step`` leaves alone."""
+        buffer = self.kept.get(name)
+        if buffer is array:
+            return buffer
+        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+            buffer = self.kept[name] = ops.zeros(array.shape, array.dtype)
+        if isinstance(buffer, np.ndarray):
+            np.copyto(buffer, array)
+        else:  # a device array: a copy in stream order
+            buffer.copy_to_device(array, stream=ops.stream)
+        return buffer
+
+
+def all_resident(experts) -> bool:
+    key_slot = getattr(experts, "key_slot", None)
+    return key_slot is None or len(key_slot) >= len(experts.store.layers) * experts.store.num_experts
+
+
+def note_step(stage, batch: StepBatch) -> None:
+    """Every step the stage is given: drop the held chunk when this step says it will not continue."""
+    held = stage.chunk
+    if held is None:
+        return
+    rows = np.nonzero(batch.slots == held.slot)[0]
+    if not len(rows):
+        held.absent_steps += 1
+        if held.absent_steps > MAX_ABSENT_STEPS:
+            drop(stage, "absent")
+        return
+    held.absent_steps = 0
+    if not held.matches(batch, int(rows[0])):
+        drop(stage, "another feed in its slot")
+
+
+def drop(stage, why: str) -> None:
+    held, stage.chunk = stage.chunk, None
+    if held is not None:
+        stage.chunks_dropped += 1
+        log.info("a prompt chunk of %d tokens (slot %d, from %d) dropped after %d steps (%s)", held.length, held.slot,
+                 held.start, held.steps, why)
+
+
+def chosen_row(stage, batch: StepBatch, hidden, routed_max_tokens: int) -> int | None:
+    """The row of ``batch`` to advance as a spanning chunk; None: the step runs whole."""
+    if stage.chunk_copy_budget_bytes <= 0 or hidden is not None or not (stage.is_first and stage.is_last):
+        return None
+    if batch.rope_positions is not None or batch.deepstack is not None:
+        return None
+    prompt_rows = np.nonzero(batch.lengths > 1)[0]
+    if len(prompt_rows) != 1:
+        return None
+    row = int(prompt_rows[0])
+    if stage.chunk is not None and stage.chunk.matches(batch, row):
+        return row
+    if batch.num_seqs == 1 or batch.num_tokens <= routed_max_tokens or all_resident(stage.experts):
+        return None
+    return row
+
+
+def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput:
+    """One step with ``row`` the spanning chunk: the other rows whole, then the chunk advanced."""
+    held = stage.chunk
+    if held is None or not held.matches(batch, row):
+        held = stage.chunk = ChunkInProgress.of(batch, row)
+    others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
+    decode = select_rows(batch, others) if len(others) else None
+    decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
+    budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
+    try:
+        chunk_out = _advance_in_loan(stage, held, budget, want_logits)
+    except BaseException:
+        drop(stage, "the step failed")
+        raise
+    held.steps += 1
+    stage.chunk_steps += 1
+    if chunk_out is not None:
+        stage.chunk = None
+        stage.chunks_spanned += 1
+        log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in",
+                 held.length, held.slot, held.start, held.steps, held.copies)
+    pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
+             ([(np.array([row]), held.batch, chunk_out)] if chunk_out is not None else [])
+    return merged(batch, pieces, None if chunk_out is not None else np.array([row], np.int32), want_logits)
+
+
+def _advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
+    """The chunk on the prompt-path loan when it is longer than the standing scratch covers (taken
+    per step). A loan too short for the whole chunk: it runs whole, in pieces, as it would have."""
+    if stage.scratch is None or chunk.length <= stage.scratch.tokens:
+        return advance(stage, chunk, budget, want_logits)
+    with prompt_loan(stage.experts, stage.ops, stage.scratch, chunk.length) as max_piece_tokens:
+        if max_piece_tokens >= chunk.length:
+            return advance(stage, chunk, budget, want_logits)
+        return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
+
+
+def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool) -> StageOutput | None:
+    """Run the chunk's layers (within a layer, its expert groups) while the experts copied in this
+    step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
+    output once its last layer is done, else None (its state kept for the next step)."""
+    ops, cfg = stage.ops, stage.cfg
+    ops.begin_step()
+    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(chunk.batch, None).items() if name != "attn_tiles"}
+    segments = [(0, chunk.slot, chunk.start, chunk.length)]
+    x, residual = chunk.x, chunk.residual
+    if x is None and chunk.within is None:  # the first layer's input
+        x = ops.embedding(stage.embed, inputs["tokens"])
+        if "embeds" in inputs:
+            x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
+    spent = [0, False]  # bytes copied in this step, whether a group ran
+    mark = ops.layer_mark()
+    try:
+        while chunk.layer < len(stage.layer_range):
+            n, i = chunk.layer, stage.layer_range[chunk.layer]
+            if chunk.within is None:
+                w = stage.layers[i]
+                x, o = stage._attend(n, i, x, inputs["token_slot"], inputs["token_pos"], residual, segments)
+                x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], cfg.rms_norm_eps)
+                if not cfg.is_moe_layer(i):
+                    x, residual = x, ("dense", stage._dense_mlp(w, h))
+                    chunk.layer += 1
+                    ops.recycle_layer(mark, (x, residual[1]))
+                    continue
+                chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
+            if not _run_groups(stage, chunk, i, budget_bytes, spent):
+                _keep_within(ops, chunk)
+                return None
+            within, chunk.within = chunk.within, None
+            x, residual = within.x, ("dense", ops.combine(within.routed.out, within.routed.weights))
+            chunk.layer += 1
+            ops.recycle_layer(mark, (x, residual[1]))
+    finally:
+        stage.experts.release()
+    out = stage._head(chunk.batch, inputs, x, residual, {})
+    if chunk.batch.top_logprobs:
+        out["top_ids"], out["top_logprobs"] = stage._top_logprobs(chunk.batch, out["logits"])
+    host = {name: ops.to_host(out[name]) for name in ("tokens", "logprobs") + (("logits",) if want_logits else ())}
+    return stage._sample_output(chunk.batch, {**out, **host}, want_logits)
+
+
+def _pair_buffer(stage, chunk: ChunkInProgress):
+    def allocate(shape, dtype):  # one for the chunk's layers, outside the step scratch
+        buffer = chunk.kept.get("pairs")
+        if buffer is None or buffer.shape != tuple(shape):
+            buffer = chunk.kept["pairs"] = stage.ops.zeros(shape, dtype)
+        return buffer
+    return allocate
+
+
+def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | None, spent: list) -> bool:
+    """The layer's next expert groups within the budget; True when its last expert is done."""
+    within, experts = chunk.within, stage.experts
+    unique = within.routed.unique
+    while within.next_expert < len(unique):
+        left = None if budget_bytes is None else budget_bytes - spent[0]
+        end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
+        if end == within.next_expert:
+            return False
+        stage._moe_group(layer, within.h, within.routed, within.next_expert, end)
+        within.next_expert = end
+        spent[0] += cost
+        spent[1] = True
+        chunk.copies += cost // experts.store.blob_bytes
+    return True
+
+
+def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: int | None, must_run: bool):
+    """(end, bytes): the group ``unique[first:end]`` that the cache can hold at once and whose misses
+    fit ``left_bytes`` (None: any); at least one expert when ``must_run``, so every step advances."""
+    limit = min(len(unique), first + max(1, experts.num_slots))
+    end, cost = first, 0
+    while end < limit:
+        miss = experts.store.key(layer, int(unique[end])) not in experts.key_slot
+        extra = experts.store.blob_bytes if miss else 0
+        if left_bytes is not None and cost + extra > left_bytes and (end > first or not must_run):
+            break
+        end, cost = end + 1, cost + extra
+    return end, cost
+
+
+def _keep_within(ops, chunk: ChunkInProgress) -> None:
+    within = chunk.within
+    within.x = chunk.keep(ops, "x", within.x)
+    within.h = chunk.keep(ops, "h", within.h)
+    within.routed.weights = chunk.keep(ops, "weights", within.routed.weights)
+    chunk.x = chunk.residual = None
+
+
+def merged(batch: StepBatch, pieces: list, pending_rows, want_logits: bool) -> StageOutput:
+    """The step's output from its pieces (rows of the step, the piece's batch, its output); a
+    pending row's token and logprob are placeholders (0), its top logprobs zeros."""
+    out = StageOutput(tokens=np.zeros(batch.num_seqs, np.int32), logprobs=np.zeros(batch.num_seqs, np.float32),
+                      pending_rows=pending_rows)
+    asked = batch.top_rows()
+    if len(asked):
+        out.top_ids = np.zeros((len(asked), batch.top_logprobs), np.int32)
+        out.top_logprobs = np.zeros((len(asked), batch.top_logprobs), np.float32)
+    for rows, piece, piece_out in pieces:
+        out.tokens[rows] = piece_out.tokens
+        out.logprobs[rows] = piece_out.logprobs
+        if want_logits:
+            if out.logits is None:
+                out.logits = np.zeros((batch.num_seqs, piece_out.logits.shape[1]), np.float32)
+            out.logits[rows] = piece_out.logits
+        if len(asked) and piece_out.top_ids is not None and len(piece.top_rows()):
+            at = np.searchsorted(asked, rows[piece.top_rows()])
+            out.top_ids[at], out.top_logprobs[at] = piece_out.top_ids, piece_out.top_logprobs
+    return out

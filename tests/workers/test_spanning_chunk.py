@@ -1,0 +1,116 @@
+"""A prompt's chunk that spans steps (workers/spanning_chunk.py): beside a decode row, with a cache of
+a few slots and a budget of one expert's bytes a step, the chunk takes many steps; its sampled
+token, logprob, logits and the keys and values it wrote equal those of the chunk run whole in one
+step, bit for bit, and the decode row's equal those of its step run alone."""
+import numpy as np
+import pytest
+
+from moebus.workers.batch import StepBatch
+from moebus.workers.local import LocalModel
+
+CHUNK = list(range(3, 83))  # 80 tokens: more than a routed step's 64, so the step would copy experts
+
+
+def _model(model_dir, budget_blobs: float | None) -> LocalModel:
+    model = LocalModel(model_dir, device="cpu", cache_fraction=0.3)
+    stage = model.stages[0]
+    assert stage.experts.num_slots < 0.5 * 8 * 4  # of 8 experts x 4 layers: really a few slots
+    if budget_blobs is not None:
+        stage.chunk_copy_budget_bytes = int(budget_blobs * stage.experts.store.blob_bytes)
+    return model
+
+
+def _decode_ready(model) -> None:
+    """Slot 0 holds a short prompt, so that its next token can decode beside the chunk."""
+    model.step(StepBatch(slots=[0], starts=[0], lengths=[3], tokens=[11, 12, 13]))
+
+
+def _mixed(position: int, chunk=CHUNK, start: int = 0) -> StepBatch:
+    return StepBatch(slots=[0, 1], starts=[position, start], lengths=[1, len(chunk)], tokens=[21] + chunk,
+                     top_logprobs=2)
+
+
+def _kv(model, slot: int, upto: int):
+    kv = model.stages[0].kv
+    return [np.array(k[slot, :, :upto]) for k in kv.k] + [np.array(v[slot, :, :upto]) for v in kv.v]
+
+
+def test_a_chunk_run_in_many_steps_equals_it_run_whole(model_dirs):
+    whole = _model(model_dirs["init_qwen3"], None)
+    _decode_ready(whole)
+    want_chunk = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2),
+                            want_logits=True)
+    want_decode = whole.step(StepBatch(slots=[0], starts=[3], lengths=[1], tokens=[21], top_logprobs=2),
+                             want_logits=True)
+
+    sliced = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(sliced)
+    stage = sliced.stages[0]
+    misses_before = stage.experts.misses
+    steps, position = 0, 3
+    while True:
+        out = sliced.step(_mixed(position), want_logits=True)
+        steps += 1
+        # the decode row samples in every step, exactly as its step alone would (it is run alone)
+        if steps == 1:
+            assert out.tokens[0] == want_decode.tokens[0]
+            assert np.array_equal(out.logits[0], want_decode.logits[0])
+        if out.pending_rows is None:
+            break
+        assert list(out.pending_rows) == [1] and stage.chunk is not None
+        assert steps < 200
+    assert steps > 3  # a budget of one expert: many steps
+    assert stage.chunk is None and stage.chunks_spanned == 1
+    assert out.tokens[1] == want_chunk.tokens[0]
+    assert out.logprobs[1] == want_chunk.logprobs[0]
+    assert np.array_equal(out.logits[1], want_chunk.logits[0])
+    assert np.array_equal(out.top_ids[1], want_chunk.top_ids[0])
+    assert np.array_equal(out.top_logprobs[1], want_chunk.top_logprobs[0])
+    for got, want in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
+        assert np.array_equal(got, want)
+    # within the budget: one expert's copy a step, besides the decode rows' own misses
+    assert stage.experts.misses - misses_before > steps / 2
+
+
+def test_with_every_expert_resident_nothing_changes(model_dirs):
+    model = LocalModel(model_dirs["init_qwen3"], device="cpu")
+    model.stages[0].chunk_copy_budget_bytes = 1
+    _decode_ready(model)
+    out = model.step(_mixed(3))
+    assert out.pending_rows is None and model.stages[0].chunk is None and model.stages[0].chunk_steps == 0
+
+
+def test_a_budget_of_zero_runs_the_chunk_whole(model_dirs):
+    model = _model(model_dirs["init_qwen3"], None)
+    _decode_ready(model)
+    assert model.step(_mixed(3)).pending_rows is None and model.stages[0].chunk_steps == 0
+
+
+@pytest.mark.parametrize("then", ["another feed", "absent twice", "runs whole"])
+def test_the_held_chunk_is_dropped_when_the_steps_say_it_will_not_continue(model_dirs, then):
+    model = _model(model_dirs["init_qwen3"], 1.0)
+    stage = model.stages[0]
+    _decode_ready(model)
+    assert model.step(_mixed(3)).pending_rows is not None and stage.chunk is not None
+    decode_only = StepBatch(slots=[0], starts=[4], lengths=[1], tokens=[22])
+    if then == "another feed":  # the slot reused by another prompt
+        model.step(_mixed(4, chunk=list(range(5, 90))))
+        assert stage.chunk is not None and stage.chunk.length == 85
+    elif then == "absent twice":  # one look-ahead step keeps it, a second step without it drops it
+        model.step(decode_only)
+        assert stage.chunk is not None
+        model.step(StepBatch(slots=[0], starts=[5], lengths=[1], tokens=[23]))
+        assert stage.chunk is None
+    else:  # the same feed beside a second prompt: the step runs whole
+        out = model.step(StepBatch(slots=[0, 1, 2], starts=[4, 0, 0], lengths=[1, 80, 5], tokens=[22] + CHUNK + [1] * 5))
+        assert out.pending_rows is None and stage.chunk is None
+    assert stage.chunks_dropped == 1
+
+
+def test_a_held_chunk_alone_finishes_in_one_step(model_dirs):
+    """Once nobody decodes beside it, the chunk's rest runs without a budget."""
+    model = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(model)
+    assert model.step(_mixed(3)).pending_rows is not None
+    out = model.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK))
+    assert out.pending_rows is None and model.stages[0].chunk is None
