@@ -12,7 +12,9 @@ on the token in flight) sits the look-ahead step out: the step holds the other r
 (``tokens_rows`` names which of the step in flight's ids each takes), and, as the step in flight
 then no longer holds every running sequence, the step after it is an ordinary one, which the sitting
 sequence joins with its token and mask. So one constrained sequence costs the others the broker's
-hop on every other step, not on every step. A sequence that ends by a stop token in the step in flight wastes its row of the
+hop on every other step, not on every step. A prompt chunk that the worker holds part-done
+(``Sequence.held_feed``, workers/spanning_chunk.py) sits it out too: the chunk goes again in the
+ordinary step after it, and its decode rows need not wait for that step's reply. A sequence that ends by a stop token in the step in flight wastes its row of the
 look-ahead step; its answer is dropped (the sequence is no longer running), and the KV it wrote in
 its slot lies beyond what any later occupant of the slot reads before writing."""
 from __future__ import annotations
@@ -27,13 +29,16 @@ def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int
     """The step after ``previous`` (in flight, id ``previous_id``) over its rows that can take the
     token ``previous`` samples for them; None when that step is not certain (see above)."""
     seqs = previous.seqs
-    if not seqs or not all(previous.samples) or len(seqs) != len(scheduler.running):
+    if not seqs or len(seqs) != len(scheduler.running):
+        return None
+    held = [int(length) > 1 and seq.held_feed > 0 for seq, length in zip(seqs, previous.lengths)]
+    if not all(take or is_held for take, is_held in zip(previous.samples, held)):
         return None
     if scheduler.waiting and scheduler.free_slots:  # a new request joins at the next ordinary step
         return None
-    if not all(_continues(scheduler, seq) for seq in seqs):
+    if not all(_continues(scheduler, seq) for seq, is_held in zip(seqs, held) if not is_held):
         return None
-    keep = [i for i, seq in enumerate(seqs) if not _sits_out(seq)]
+    keep = [i for i, seq in enumerate(seqs) if not _sits_out(seq) and not held[i]]
     if not keep:
         return None
     rows = np.array(keep, np.int32)

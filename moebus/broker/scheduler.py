@@ -110,7 +110,7 @@ class Scheduler:
             top_k=np.array([p.top_k for p in sp], np.int32),
             top_p=np.array([p.top_p for p in sp], np.float32),
             # the draw is consumed only when the token counts, so chunking never shifts a seed's stream
-            u=np.array([s.rng.random() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
+            u=np.array([s.draw() if take else 0.0 for s, take in zip(chosen, samples)], np.float32),
             top_logprobs=max((sp[i].logprobs for i in asked), default=0),
             logprob_rows=np.array(asked, np.int32), logit_rules=logit_rules(chosen, samples),
             masks=step_masks(chosen, samples))
@@ -129,10 +129,18 @@ class Scheduler:
         """How long a step waits for a late mask before its sequence sits out: a share of a step."""
         return MASK_WAIT_SHARE * self.last_step_s
 
-    def advance(self, step: PlannedStep) -> None:
-        """The step's tokens are now in every stage's KV cache."""
-        for seq, length in zip(step.seqs, step.lengths):
+    def advance(self, step: PlannedStep, pending_rows=()) -> None:
+        """The step's tokens are now in every stage's KV cache, but those of ``pending_rows``: a chunk
+        the worker holds part-done (workers/spanning_chunk.py), whose feed goes again as it was."""
+        pending = {int(r) for r in pending_rows}
+        for i, (seq, length) in enumerate(zip(step.seqs, step.lengths)):
+            if i in pending:
+                seq.held_feed = int(length)
+                seq.held_draw = float(step.u[i]) if step.samples[i] else None
+                continue
             seq.fed += int(length)
+            if length > 1 or seq.held_feed:
+                seq.held_feed, seq.held_draw = 0, None
 
 
 def logit_rules(seqs: list[Sequence], samples: list[bool]) -> dict[str, np.ndarray] | None:

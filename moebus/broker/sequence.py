@@ -23,6 +23,10 @@ class Sequence:
     arrived_s: float = field(default_factory=time.monotonic)
     slot: int = -1
     fed: int = 0  # tokens whose keys and values are in the KV cache
+    # a prompt chunk the worker holds part-done (workers/spanning_chunk.py): its length, sent again as
+    # it was until the worker reports it done, and the draw its last row samples with (0: none held)
+    held_feed: int = 0
+    held_draw: float | None = None
     generated: list[int] = field(default_factory=list)
     text: str = ""
     emitted_chars: int = 0
@@ -50,9 +54,16 @@ class Sequence:
 
     def next_feed(self, budget: int) -> list[int]:
         """The tokens to feed this step: the next prompt chunk, or the last sampled token."""
+        if self.held_feed:  # the same feed, whatever the budget: the worker continues what it holds
+            return self.prompt[self.fed : self.fed + self.held_feed]
         if self.is_prefilling:
-            return self.prompt[self.fed : self.fed + budget]
+            return self.prompt[self.fed : self.fed + max(budget, 0)]
         return [self.generated[-1]]
+
+    def draw(self) -> float:
+        """The uniform draw for a step whose token counts: a held chunk's again, so that a chunk
+        spanning steps samples with the draw it would have had in one."""
+        return self.held_draw if self.held_draw is not None else float(self.rng.random())
 
     def accept(self, token: int, now: float) -> str:
         """Record a sampled token; returns the text to stream now (stop strings held back)."""

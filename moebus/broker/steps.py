@@ -39,6 +39,14 @@ def step_message(step: InflightStep, hidden, num_stages: int, first_layer: int =
                 **step_qwen3vl(plan.seqs, plan.starts, plan.lengths, first_layer))  # M-RoPE, DeepStack
 
 
+def pending_rows_fit(rows, plan: PlannedStep) -> bool:
+    """A reply's pending rows must be rows of the step that fed part of a prompt (a decode row's
+    token is never held back)."""
+    if rows is None:
+        return True
+    return all(0 <= int(r) < len(plan.seqs) and int(plan.lengths[int(r)]) > 1 for r in rows)
+
+
 class StepDriver:
     """The Broker's step methods (a mixin: the state is the Broker's, named below)."""
 
@@ -110,6 +118,10 @@ class StepDriver:
         if msg.tokens is None or msg.logprobs is None or len(msg.tokens) != len(step.plan.seqs):
             self._abort_step(f"gpu{worker.gpu} answered the step without one token per sequence", step=step)
             return
+        if not pending_rows_fit(msg.pending_rows, step.plan):
+            self._abort_step(f"gpu{worker.gpu} answered the step with pending rows that are not prompt chunks "
+                             "of it", step=step)
+            return
         self._finish_step(step, msg)
 
     def _finish_step(self, step: InflightStep, msg: StepReply) -> None:
@@ -123,13 +135,14 @@ class StepDriver:
         self.stats.observe("step_seconds", now - step.started_s)
         self.stats.observe("step_compute_seconds", step.compute_s)
         self.scheduler.last_step_s = now - step.started_s
-        self.scheduler.advance(step.plan)
+        pending = () if msg.pending_rows is None else {int(r) for r in msg.pending_rows}
+        self.scheduler.advance(step.plan, pending)
         top_row = {int(r): j for j, r in enumerate(step.plan.logprob_rows)}  # the reply's top_* rows
         if msg.top_ids is None or len(msg.top_ids) != len(top_row) or len(msg.top_logprobs) != len(top_row):
             top_row = {}  # a reply that disagrees about who asked: no top logprobs rather than wrong ones
         accepted = []
         for i, (seq, samples) in enumerate(zip(step.plan.seqs, step.plan.samples)):
-            if samples and self.scheduler.running.get(seq.id) is seq:
+            if samples and i not in pending and self.scheduler.running.get(seq.id) is seq:
                 token = int(msg.tokens[i])
                 accepted.append((seq, token, self._accept(seq, token, now), finite_logprob(msg.logprobs[i]),
                                  top_row.get(i)))

@@ -359,7 +359,7 @@ class Step(Message):
 
 class StepReply(Message):
     TYPE = b"STEP_REPLY"
-    TENSORS = ("hidden", "tokens", "logprobs", "top_ids", "top_logprobs")
+    TENSORS = ("hidden", "tokens", "logprobs", "top_ids", "top_logprobs", "pending_rows")
     step_id: Int64
     generation: ShortText
     compute_s: Seconds = 0.0  # time the stage spent on the step, so the broker can tell its own overhead
@@ -368,6 +368,18 @@ class StepReply(Message):
     logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # (N,) int32, ascending: rows of the step whose feed the stage has not finished (a prompt's chunk
+    # that spans steps, workers/spanning_chunk.py): their tokens are placeholders, their ``fed`` does
+    # not move, and the broker sends the same feed again (broker/steps.py). None: every row is done.
+    pending_rows: np.ndarray | None = None
+
+    @model_validator(mode="after")
+    def _pending_rows(self):
+        rows = self.pending_rows
+        if rows is not None and (rows.ndim != 1 or rows.dtype.kind not in "iu" or
+                                 (rows.size and (int(rows.min()) < 0 or np.any(np.diff(rows) <= 0)))):
+            raise ValueError(f"pending_rows must be ascending distinct rows, got {rows.dtype}{list(rows.shape)}")
+        return self
 
 
 class WorkerError(Message):

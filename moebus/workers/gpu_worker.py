@@ -97,7 +97,8 @@ class GpuWorker:
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
-                         logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+                         logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
+                         pending_rows=out.pending_rows)
 
     def note_decode(self, step_id: int, batch: int, compute_s: float) -> None:
         """Log a decode step far slower than the recent ones: where a text stream's gap came from."""
@@ -172,7 +173,10 @@ class GpuWorker:
         return reply
 
     def stats(self) -> dict:
+        stage = self.stage  # prompt chunks that spanned steps (workers/spanning_chunk.py)
         stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
+                 "chunks_spanned": stage.chunks_spanned, "chunk_steps": stage.chunk_steps,
+                 "chunks_dropped": stage.chunks_dropped,
                  "busy_s": self.busy_s,
                  "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype}
         if hasattr(self.stage.experts, "stats"):
@@ -228,15 +232,17 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
     budget = cuda_budget(settings, gpu) if device == "cuda" else None  # after the context, before the weights
     label = f"gpu{gpu} layers {layers.start}-{layers.stop - 1}"
     try:
-        return Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
-                     kv_dtype=resolve_kv_dtype(settings.kv_dtype, device), attention_dtype=settings.attention.dtype,
-                     experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
-                     progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
+        stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
+                      kv_dtype=resolve_kv_dtype(settings.kv_dtype, device), attention_dtype=settings.attention.dtype,
+                      experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
+                      progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here
         if not is_out_of_memory(e):
             raise
         raise ConfigError(f"gpu{gpu} ({label}) does not fit: {e}; give it fewer layers (layer_split), a smaller "
                           f"max_batch / max_context / max_step_tokens, or more memory") from e
+    stage.chunk_copy_budget_bytes = int(settings.max_prefill_copy_mib_beside_decode * MIB)
+    return stage
 
 
 def cuda_budget(settings, gpu: int) -> DeviceBudget | None:

@@ -57,6 +57,8 @@ SAMPLES = [
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
                 logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
                 top_logprobs=np.zeros((2, 3), np.float32)),
+    p.StepReply(step_id=4, generation="g", compute_s=0.02, tokens=np.array([5, 0], np.int32),
+                logprobs=np.array([-0.5, 0.0], np.float32), pending_rows=np.array([1], np.int32)),
     p.WorkerError(generation="g", step_id=3, message="boom", fatal=True),
     p.Generate(id="r4", messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
                images=[np.frombuffer(b"\x89PNG fake", np.uint8), np.frombuffer(b"GIF89a", np.uint8)]),
@@ -172,3 +174,10 @@ def test_tokens_rows_come_with_tokens_from_one_per_row_and_name_rows(extra):
     with pytest.raises(ValueError, match="tokens_rows|2 entries|shape|length"):
         p.Step(**{**fields, **extra})
 
+
+
+@pytest.mark.parametrize("rows", [np.array([1, 1], np.int32), np.array([2, 0], np.int32), np.array([-1], np.int32),
+                                  np.zeros((1, 1), np.int32), np.array([0.5])])
+def test_step_reply_pending_rows_must_be_ascending_distinct_rows(rows):
+    with pytest.raises(ValueError):
+        p.StepReply(step_id=1, generation="g", tokens=np.zeros(3, np.int32), pending_rows=rows)
