@@ -14,7 +14,9 @@ then no longer holds every running sequence, the step after it is an ordinary on
 sequence joins with its token and mask. So one constrained sequence costs the others the broker's
 hop on every other step, not on every step. A prompt chunk that the worker holds part-done
 (``Sequence.held_feed``, workers/spanning_chunk.py) sits it out too: the chunk goes again in the
-ordinary step after it, and its decode rows need not wait for that step's reply. A sequence that ends by a stop token in the step in flight wastes its row of the
+ordinary step after it, and its decode rows need not wait for that step's reply; so does a prompt's
+last chunk beside decode rows where the worker may hold it (its token is not certain: the row may
+come back pending). A sequence that ends by a stop token in the step in flight wastes its row of the
 look-ahead step; its answer is dropped (the sequence is no longer running), and the KV it wrote in
 its slot lies beyond what any later occupant of the slot reads before writing."""
 from __future__ import annotations
@@ -25,13 +27,17 @@ from moebus.broker.scheduler import PlannedStep, Scheduler
 from moebus.broker.sequence import Sequence
 
 
-def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int) -> PlannedStep | None:
+def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int,
+                   chunks_span: bool = False) -> PlannedStep | None:
     """The step after ``previous`` (in flight, id ``previous_id``) over its rows that can take the
-    token ``previous`` samples for them; None when that step is not certain (see above)."""
+    token ``previous`` samples for them; None when that step is not certain (see above).
+    ``chunks_span``: the worker may hold a prompt chunk part-done (a copy budget is set): a prompt
+    row of ``previous`` beside decode rows may then not sample in it, and sits the step out."""
     seqs = previous.seqs
     if not seqs or len(seqs) != len(scheduler.running):
         return None
-    held = [int(length) > 1 and seq.held_feed > 0 for seq, length in zip(seqs, previous.lengths)]
+    beside_decode = chunks_span and bool(np.any(previous.lengths == 1))
+    held = [int(length) > 1 and (seq.held_feed > 0 or beside_decode) for seq, length in zip(seqs, previous.lengths)]
     if not all(take or is_held for take, is_held in zip(previous.samples, held)):
         return None
     if scheduler.waiting and scheduler.free_slots:  # a new request joins at the next ordinary step

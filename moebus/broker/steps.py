@@ -78,7 +78,8 @@ class StepDriver:
         if not self.settings.broker.lookahead or len(self.pool) != 1 or len(self.inflight) != 1:
             return
         previous = next(iter(self.inflight))
-        plan = lookahead_plan(self.scheduler, previous.plan, previous.step_id)
+        plan = lookahead_plan(self.scheduler, previous.plan, previous.step_id,
+                              chunks_span=self.settings.max_prefill_copy_mib_beside_decode > 0)
         if plan is not None:
             self.stats.count("lookahead_steps_total")
             self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moebus.workers.batch import StageOutput, StepBatch, select_rows
+from moebus.workers.batch import StageOutput, StepBatch, select_rows, split_tokens
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 
 log = logging.getLogger("moebus.stage")
@@ -54,6 +54,10 @@ class ChunkInProgress:
     start: int
     length: int
     batch: StepBatch  # the chunk's row as a step of its own
+    # the pieces it runs in, one after the other (one: the whole chunk; several where the prompt loan
+    # covers fewer tokens, as Stage.forward_whole would run them): fixed at its first step
+    pieces: list | None = None
+    piece: int = 0  # the piece in progress; its state below
     layer: int = 0  # layers of the stage done
     x: object = None  # at a layer boundary: the hidden state (None before the first layer)
     residual: object = None  # and the last layer's MLP output, still to be added
@@ -161,35 +165,53 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in",
                  held.length, held.slot, held.start, held.steps, held.copies)
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
-             ([(np.array([row]), held.batch, chunk_out)] if chunk_out is not None else [])
+             ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
+              if chunk_out is not None else [])
     return merged(batch, pieces, None if chunk_out is not None else np.array([row], np.int32), want_logits)
 
 
 def _advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
-    """The chunk on the prompt-path loan when it is longer than the standing scratch covers (taken
-    per step). A loan too short for the whole chunk: it runs whole, in pieces, as it would have."""
+    """The chunk on the prompt-path loan where it is longer than the standing scratch covers (taken
+    per step), in pieces of as many tokens as the first step's loan covers. A later loan too short
+    for them: the chunk runs whole, in that loan's pieces, as it would have."""
     if stage.scratch is None or chunk.length <= stage.scratch.tokens:
-        return advance(stage, chunk, budget, want_logits)
+        return advance(stage, chunk, budget, want_logits, chunk.length)
     with prompt_loan(stage.experts, stage.ops, stage.scratch, chunk.length) as max_piece_tokens:
-        if max_piece_tokens >= chunk.length:
-            return advance(stage, chunk, budget, want_logits)
-        return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
+        if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
+            return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
+        return advance(stage, chunk, budget, want_logits, max_piece_tokens)
 
 
-def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool) -> StageOutput | None:
-    """Run the chunk's layers (within a layer, its expert groups) while the experts copied in this
-    step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
-    output once its last layer is done, else None (its state kept for the next step)."""
+def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
+            max_piece_tokens: int) -> StageOutput | None:
+    """Run the chunk's pieces, layers and, within a layer, expert groups while the experts copied in
+    this step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
+    output once its last piece is through the last layer, else None (its state kept)."""
+    if chunk.pieces is None:
+        chunk.pieces = [chunk.batch] if max_piece_tokens >= chunk.length else \
+            [piece for piece, _, _, _ in split_tokens(chunk.batch, max_piece_tokens)]
+    spent = [0, False]  # bytes copied in this step, whether a group ran
+    while True:
+        is_last = chunk.piece == len(chunk.pieces) - 1
+        out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits)
+        if out is None or is_last:
+            return out
+        chunk.piece, chunk.layer, chunk.x, chunk.residual = chunk.piece + 1, 0, None, None
+
+
+def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes, spent: list, is_last: bool,
+                   want_logits: bool):
+    """One piece's layers from where it stands; None while some are left, else (last piece) the
+    chunk's output, (another) True."""
     ops, cfg = stage.ops, stage.cfg
     ops.begin_step()
-    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(chunk.batch, None).items() if name != "attn_tiles"}
-    segments = [(0, chunk.slot, chunk.start, chunk.length)]
+    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
+    segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
     x, residual = chunk.x, chunk.residual
     if x is None and chunk.within is None:  # the first layer's input
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
-    spent = [0, False]  # bytes copied in this step, whether a group ran
     mark = ops.layer_mark()
     try:
         while chunk.layer < len(stage.layer_range):
@@ -213,11 +235,13 @@ def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits
             ops.recycle_layer(mark, (x, residual[1]))
     finally:
         stage.experts.release()
-    out = stage._head(chunk.batch, inputs, x, residual, {})
-    if chunk.batch.top_logprobs:
-        out["top_ids"], out["top_logprobs"] = stage._top_logprobs(chunk.batch, out["logits"])
+    if not is_last:  # its keys and values are written: the next piece reads them
+        return True
+    out = stage._head(piece, inputs, x, residual, {})
+    if piece.top_logprobs:
+        out["top_ids"], out["top_logprobs"] = stage._top_logprobs(piece, out["logits"])
     host = {name: ops.to_host(out[name]) for name in ("tokens", "logprobs") + (("logits",) if want_logits else ())}
-    return stage._sample_output(chunk.batch, {**out, **host}, want_logits)
+    return stage._sample_output(piece, {**out, **host}, want_logits)
 
 
 def _pair_buffer(stage, chunk: ChunkInProgress):

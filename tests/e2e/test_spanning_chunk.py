@@ -1,0 +1,80 @@
+"""A prompt chunk that spans steps, through a real broker and worker on the cpu (workers/
+spanning_chunk.py, STEP_REPLY ``pending_rows``): with half of the experts cached and a budget of one
+expert's copy a step, a stream keeps decoding while a long prompt is read in many steps; both answer
+what they answer alone. A cancel in the middle drops the chunk the worker holds."""
+import time
+
+import numpy as np
+import pytest
+
+from moebus.client import Client
+from tests.service import Service
+
+LONG = {"prompt_tokens": list(range(3, 153)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+STREAM = {"prompt_tokens": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+BLOB_MIB = 0.012  # the tiny model's expert: 3 x 64 x 32 bf16 = 12 KiB
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("spanning")
+    svc = Service(tmp, tiny_model, emulated_vram_mib=[1.6], emulated_vram_dir=str(tmp / "vram"), command="broker",
+                  vram_elastic=False, max_batch=4, max_context=256,
+                  max_prefill_copy_mib_beside_decode=BLOB_MIB).wait_ready(http=False)
+    client = Client(svc.zmq_address, timeout_s=60)
+    try:
+        yield client
+    finally:
+        client.close()
+        assert svc.stop() == []
+
+
+def worker_stats(client: Client, **at_least) -> dict:
+    """The worker's figures as the broker last polled them, once they reach ``at_least``."""
+    deadline = time.monotonic() + 15
+    while True:
+        gpu = client.info()["gpus"][0]
+        if all(gpu.get(k, -1) >= v for k, v in at_least.items()) or time.monotonic() > deadline:
+            return gpu
+        time.sleep(0.2)
+
+
+def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served):
+    gpu = worker_stats(served, expert_slots=1)
+    assert 0 < gpu["expert_slots"] < 32  # of 4 layers x 8 experts: the chunk must copy experts in
+    want_long, want_stream = served.generate(**LONG).collect(), served.generate(**STREAM).collect()
+    before = worker_stats(served)
+    stream = served.generate(**STREAM)
+    tokens, logprobs = [], []
+    for part in stream:
+        tokens += part.tokens
+        logprobs += part.logprobs
+        if len(tokens) == 3:
+            long = served.generate(**LONG)
+    got_long = long.collect()
+    # the stream's rows run alone while the chunk is held; beside the long request's decode rows after
+    assert tokens == want_stream["tokens"]
+    np.testing.assert_allclose(logprobs, want_stream["logprobs"], atol=1e-4)
+    assert got_long["tokens"][0] == want_long["tokens"][0]
+    assert got_long["logprobs"][0] == want_long["logprobs"][0]  # bit for bit: the same kernels, rows, order
+    assert got_long["tokens"] == want_long["tokens"]
+    np.testing.assert_allclose(got_long["logprobs"], want_long["logprobs"], atol=1e-4)
+    after = worker_stats(served, chunks_spanned=before["chunks_spanned"] + 1)
+    assert after["chunks_spanned"] == before["chunks_spanned"] + 1
+    assert after["chunk_steps"] - before["chunk_steps"] > 3  # the prompt was read in many steps
+
+
+def test_a_cancel_in_the_middle_drops_the_held_chunk(served):
+    before = worker_stats(served)
+    stream = served.generate(**STREAM)
+    count, long = 0, None
+    for part in stream:
+        count += len(part.tokens)
+        if count == 3:
+            long = served.generate(**LONG)
+        elif count == 6:
+            long.close()  # cancels it: its chunk is a few steps in
+    assert count == STREAM["max_tokens"]
+    after = worker_stats(served, chunks_dropped=before["chunks_dropped"] + 1)
+    assert after["chunks_dropped"] == before["chunks_dropped"] + 1
+    assert after["chunks_spanned"] == before["chunks_spanned"] and after["chunk_steps"] > before["chunk_steps"]
