@@ -25,9 +25,21 @@ def _decode_ready(model) -> None:
     model.step(StepBatch(slots=[0], starts=[0], lengths=[3], tokens=[11, 12, 13]))
 
 
-def _mixed(position: int, chunk=CHUNK, start: int = 0) -> StepBatch:
+IMAGE_ROWS = np.array([5, 6, 7, 40], np.int32)  # rows of the chunk whose embedding an image's replaces
+IMAGE = np.random.default_rng(1).standard_normal((len(IMAGE_ROWS), 64)).astype(np.float32)
+
+
+def _mixed(position: int, chunk=CHUNK, start: int = 0, image: bool = False) -> StepBatch:
+    images = {"embeds": IMAGE, "embed_rows": IMAGE_ROWS + 1} if image else {}  # after the decode row's token
     return StepBatch(slots=[0, 1], starts=[position, start], lengths=[1, len(chunk)], tokens=[21] + chunk,
-                     top_logprobs=2)
+                     top_logprobs=2, **images)
+
+
+def _small_scratch(model) -> None:
+    """A standing scratch of 4 tokens: the chunk borrows from the cache and runs in pieces."""
+    from moebus.workers.cache_sizing import ScratchBudget
+
+    model.stages[0].scratch = ScratchBudget(model.stages[0].cfg, tokens=4)
 
 
 def _kv(model, slot: int, upto: int):
@@ -35,21 +47,32 @@ def _kv(model, slot: int, upto: int):
     return [np.array(k[slot, :, :upto]) for k in kv.k] + [np.array(v[slot, :, :upto]) for v in kv.v]
 
 
-def test_a_chunk_run_in_many_steps_equals_it_run_whole(model_dirs):
+@pytest.mark.parametrize("case", ["plain", "image rows", "in pieces"])
+def test_a_chunk_run_in_many_steps_equals_it_run_whole(model_dirs, case):
+    """``image rows``: some of the chunk's embeddings replaced (a LLaVA prompt); ``in pieces``: a
+    prompt loan shorter than the chunk, which then runs in pieces, whole or spanning steps."""
+    image = case == "image rows"
     whole = _model(model_dirs["init_qwen3"], None)
     _decode_ready(whole)
-    want_chunk = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2),
+    if case == "in pieces":
+        _small_scratch(whole)
+    images = {"embeds": IMAGE, "embed_rows": IMAGE_ROWS} if image else {}
+    want_chunk = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2, **images),
                             want_logits=True)
     want_decode = whole.step(StepBatch(slots=[0], starts=[3], lengths=[1], tokens=[21], top_logprobs=2),
                              want_logits=True)
 
     sliced = _model(model_dirs["init_qwen3"], 1.0)
     _decode_ready(sliced)
+    if case == "in pieces":
+        _small_scratch(sliced)
     stage = sliced.stages[0]
     misses_before = stage.experts.misses
     steps, position = 0, 3
     while True:
-        out = sliced.step(_mixed(position), want_logits=True)
+        out = sliced.step(_mixed(position, image=image), want_logits=True)
+        if steps == 0 and case == "in pieces":
+            assert len(stage.chunk.pieces) > 1
         steps += 1
         # the decode row samples in every step, exactly as its step alone would (it is run alone)
         if steps == 1:
@@ -58,7 +81,7 @@ def test_a_chunk_run_in_many_steps_equals_it_run_whole(model_dirs):
         if out.pending_rows is None:
             break
         assert list(out.pending_rows) == [1] and stage.chunk is not None
-        assert steps < 200
+        assert steps < 400
     assert steps > 3  # a budget of one expert: many steps
     assert stage.chunk is None and stage.chunks_spanned == 1
     assert out.tokens[1] == want_chunk.tokens[0]
