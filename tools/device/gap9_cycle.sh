@@ -8,12 +8,18 @@
 #   within ~2x the steady decode step (gap8: 2 steps of 110-215 ms, 25-34x);
 # - budget off (MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=0: the chunk runs whole, as at gap8) with
 #   --skip-resident, for the baseline in the same call, if the call is under 125 s by then.
+# Beside the model's build: MOEBUS_TEST_GPU=1 pytest tests/cuda/test_spanning_chunk.py (the chunk's
+# state in device buffers across steps, its token against the chunk run whole; micro model).
 # Per run: the bench's rows and target lines, the phases (tools/device/gap6_logs.py), the worker's
 # spanning chunks (steps, experts copied in) and the ERROR count. Logs under $OUT.
 source tools/device/setup.sh
 set -o pipefail
 V=/tmp/a3b-8x128-vision
+( MOEBUS_TEST_GPU=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_spanning_chunk.py \
+    > $OUT/spanning_test.log 2>&1; echo "spanning chunk GPU test rc=$?" >> $OUT/spanning_test.log ) &
 [ -d $V ] || timeout 90 python3 -m moebus.cli init-model $V --preset a3b --layers 8 --vision siglip > $OUT/init.log 2>&1
+wait
+tail -3 $OUT/spanning_test.log
 echo "model built at ${SECONDS} s"
 cycle() {  # name, budget MiB, timeout s, extra flags...
   local L=$OUT/cycle_$1.log B=$2 T=$3

@@ -1,0 +1,80 @@
+"""A prompt chunk that spans steps on the cuda backend (workers/spanning_chunk.py). In the simulator:
+its state kept in device buffers outside the step pool (a kept array survives begin_step, a buffer
+is reused for the same shape) and given back when the chunk ends. On a GPU only (~30 s in the
+simulator): a cache missing half the experts and a budget of one expert's copy a step; the chunk's
+token and logprob are those of it run whole (the routed limit lowered so that micro-sized steps take
+the long path)."""
+import numpy as np
+import pytest
+
+from moebus.common import tiny_model
+from moebus.cuda.backends import make_backend
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.workers import spanning_chunk
+from moebus.workers import stage as stage_module
+from moebus.workers.batch import StepBatch
+from moebus.workers.local import LocalModel
+from tests.cuda.test_e2e import MICRO
+
+CHUNK = [5, 17, 42, 9, 77, 3]
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(tiny_model.PRESETS, "micro", MICRO)
+        patch.setitem(tiny_model.PRESET_SHARDED, "micro", False)
+        return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
+
+
+def _stage(model_dir, budget_blobs: float):
+    model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=16)
+    stage = model.stages[0]
+    stage.chunk_copy_budget_bytes = int(budget_blobs * stage.experts.store.blob_bytes)
+    stage.forward(StepBatch(slots=[0], starts=[0], lengths=[2], tokens=[11, 12]))  # slot 0 decodes next
+    experts = stage.experts
+    experts.max_admissions = 1  # the decode rows' misses come back one a step
+    for key in range(0, len(experts.store.blobs), 2):  # half of them out (the arena, 2 MiB, holds all)
+        experts._evict(experts.key_slot[key])
+    return stage
+
+
+def test_kept_buffers_outlive_the_step_and_go_back_with_the_chunk():
+    ops = make_backend("cuda")
+    chunk = spanning_chunk.ChunkInProgress(slot=0, start=0, length=3, batch=StepBatch(slots=[0], starts=[0], lengths=[3]))
+    ops.begin_step()
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    kept = chunk.keep(ops, "x", ops.upload(values))
+    ops.begin_step()
+    ops.upload(np.zeros((3, 4), np.float32))  # the step pool hands its buffers out again
+    np.testing.assert_array_equal(ops.to_host(kept), values)
+    assert chunk.keep(ops, "x", ops.upload(values + 1)) is kept and chunk.keep(ops, "x", kept) is kept
+    np.testing.assert_array_equal(ops.to_host(kept), values + 1)
+
+    class Holder:  # what release needs of a stage
+        chunk = None
+    holder = Holder()
+    holder.chunk = chunk
+    spanning_chunk.release(holder)
+    assert holder.chunk is None and not chunk.kept
+
+
+@pytest.mark.skipif(SIMULATOR, reason="~30 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
+def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch):
+    monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
+    whole = _stage(micro_model, 0)
+    want = whole.forward(StepBatch(slots=[1], starts=[0], lengths=[6], tokens=CHUNK))
+    sliced = _stage(micro_model, 1.0)
+    assert len(sliced.experts.key_slot) < 8
+    steps = 0
+    while True:
+        out = sliced.forward(StepBatch(slots=[0, 1], starts=[2, 0], lengths=[1, 6], tokens=[21] + CHUNK))
+        steps += 1
+        if out.pending_rows is None:
+            break
+        kept = sliced.chunk.kept
+        assert kept and not any(isinstance(b, np.ndarray) for b in kept.values())  # device buffers
+        assert steps < 20
+    assert steps > 1 and sliced.chunk is None and sliced.chunks_spanned == 1
+    assert out.tokens[1] == want.tokens[0]
+    np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)
