@@ -7,7 +7,9 @@
 #   and the gaps by phase; the image's prefill chunks should now take ~25-35 steps each, every one
 #   within ~2x the steady decode step (gap8: 2 steps of 110-215 ms, 25-34x);
 # - budget off (MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=0: the chunk runs whole, as at gap8) with
-#   --skip-resident, for the baseline in the same call, if the call is under 125 s by then.
+#   --skip-resident, for the baseline in the same call, if the call is under 125 s by then;
+# - budget 100 MiB with --skip-resident if it is under 150 s by then (more steps a chunk, each one
+#   nearer the decode step: which default keeps the largest gap <= 2x with room).
 # Beside the model's build: MOEBUS_TEST_GPU=1 pytest tests/cuda/test_spanning_chunk.py (the chunk's
 # state in device buffers across steps, its token against the chunk run whole; micro model).
 # Per run: the bench's rows and target lines, the phases (tools/device/gap6_logs.py), the worker's
@@ -40,9 +42,14 @@ cycle() {  # name, budget MiB, timeout s, extra flags...
 }
 cycle budget200 200 125
 if [ $SECONDS -lt 125 ]; then
-  cycle budget0 0 $((195 - SECONDS)) --skip-resident
+  cycle budget0 0 $((192 - SECONDS)) --skip-resident
 else
   echo "budget 0 not run: ${SECONDS} s spent"
+fi
+if [ $SECONDS -lt 150 ]; then  # a smaller budget: more steps a chunk, each nearer the decode step
+  cycle budget100 100 $((192 - SECONDS)) --skip-resident
+else
+  echo "budget 100 not run: ${SECONDS} s spent"
 fi
 echo "== summary (s: ${SECONDS})"
 for L in $OUT/cycle_*.log; do
