@@ -165,7 +165,9 @@ def chosen_row(stage, batch: StepBatch, hidden, routed_max_tokens: int) -> int |
 def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput:
     """One step with ``row`` the spanning chunk: the other rows whole, then the chunk advanced."""
     held = stage.chunk
-    if held is None or not held.matches(batch, row):
+    if held is not None and not held.matches(batch, row):
+        drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
+    if stage.chunk is None:
         held = stage.chunk = ChunkInProgress.of(batch, row)
     others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
     decode = select_rows(batch, others) if len(others) else None

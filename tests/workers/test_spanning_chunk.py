@@ -109,7 +109,7 @@ def test_a_budget_of_zero_runs_the_chunk_whole(model_dirs):
     assert model.step(_mixed(3)).pending_rows is None and model.stages[0].chunk_steps == 0
 
 
-@pytest.mark.parametrize("then", ["another feed", "absent twice", "runs whole"])
+@pytest.mark.parametrize("then", ["another feed", "absent twice", "runs whole", "another prompt"])
 def test_the_held_chunk_is_dropped_when_the_steps_say_it_will_not_continue(model_dirs, then):
     model = _model(model_dirs["init_qwen3"], 1.0)
     stage = model.stages[0]
@@ -124,6 +124,9 @@ def test_the_held_chunk_is_dropped_when_the_steps_say_it_will_not_continue(model
         assert stage.chunk is not None
         model.step(StepBatch(slots=[0], starts=[5], lengths=[1], tokens=[23]))
         assert stage.chunk is None
+    elif then == "another prompt":  # in another slot, while its own is absent once (cancelled)
+        model.step(StepBatch(slots=[0, 2], starts=[4, 0], lengths=[1, 80], tokens=[22] + CHUNK))
+        assert stage.chunk is not None and stage.chunk.slot == 2
     else:  # the same feed beside a second prompt: the step runs whole
         out = model.step(StepBatch(slots=[0, 1, 2], starts=[4, 0, 0], lengths=[1, 80, 5], tokens=[22] + CHUNK + [1] * 5))
         assert out.pending_rows is None and stage.chunk is None
