@@ -37,7 +37,10 @@ def lookahead_plan(scheduler: Scheduler, previous: PlannedStep, previous_id: int
     if not seqs or len(seqs) != len(scheduler.running):
         return None
     beside_decode = chunks_span and bool(np.any(previous.lengths == 1))
-    held = [int(length) > 1 and (seq.held_feed > 0 or beside_decode) for seq, length in zip(seqs, previous.lengths)]
+    # a held chunk goes again in the next ordinary step; a last chunk beside decode rows may come back
+    # pending. A chunk that is neither keeps today's rule: its row does not sample, no look-ahead
+    held = [int(length) > 1 and (seq.held_feed > 0 or (beside_decode and take))
+            for seq, length, take in zip(seqs, previous.lengths, previous.samples)]
     if not all(take or is_held for take, is_held in zip(previous.samples, held)):
         return None
     if scheduler.waiting and scheduler.free_slots:  # a new request joins at the next ordinary step

@@ -64,12 +64,21 @@ def test_a_chunk_that_is_not_the_last_holds_no_draw(tokenizer):
 def test_the_look_ahead_step_leaves_a_held_chunk_out(tokenizer):
     s = beside_decode(tokenizer, cap=40)
     step = s.plan()
-    assert lookahead_plan(s, step, 7) is None  # not held: the chunk's row does not sample, no look-ahead
+    for chunks_span in (False, True):  # not held, not the last: its row does not sample, no look-ahead
+        assert lookahead_plan(s, step, 7, chunks_span) is None  # (as before: no extra decode-only steps)
     s.advance(step, pending_rows=[1])
     step.seqs[0].accept(41, 0.0)
     held = s.plan()
-    ahead = lookahead_plan(s, held, 8)
+    ahead = lookahead_plan(s, held, 8, chunks_span=True)
     assert [q.id for q in ahead.seqs] == ["a"] and ahead.tokens_rows.tolist() == [0] and ahead.starts.tolist() == [5]
+
+
+def test_a_last_chunk_beside_decode_sits_the_look_ahead_out_where_chunks_may_span(tokenizer):
+    s = beside_decode(tokenizer)
+    step = s.plan()
+    assert step.samples == [True, True]
+    assert [q.id for q in lookahead_plan(s, step, 7).seqs] == ["a", "b"]  # no budget: its token is certain
+    assert [q.id for q in lookahead_plan(s, step, 7, chunks_span=True).seqs] == ["a"]
 
 
 def test_pending_rows_must_be_prompt_rows_of_the_step(tokenizer):
