@@ -3,13 +3,14 @@
 # through a cold image with the prompt chunk that spans steps (workers/spanning_chunk.py) on and off.
 # The 8 x 128 A3B-shaped LLaVA (so400m) as gap6/gap7/gap8 build it, under --gpu-memory-mib 8192,
 # --max-batch 4 as in gap8_cycle.sh / gap8_owed.sh:
-# - budget on (max_prefill_copy_mib_beside_decode's default, 200 MiB a step): the four rows (a)-(d)
-#   and the gaps by phase; the image's prefill chunks should now take ~25-35 steps each, every one
-#   within ~2x the steady decode step (gap8: 2 steps of 110-215 ms, 25-34x);
+# - budget on (max_prefill_copy_mib_beside_decode's default, 128 MiB a step): the four rows (a)-(d)
+#   and the gaps by phase; the image's prefill chunks should now take ~40-55 chunk steps each (with
+#   the look-ahead's decode-only steps between them), every one within ~2x the steady decode step
+#   (gap8: 2 steps of 110-215 ms, 25-34x);
 # - budget off (MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=0: the chunk runs whole, as at gap8) with
 #   --skip-resident, for the baseline in the same call, if the call is under 125 s by then;
-# - budget 100 MiB with --skip-resident if it is under 150 s by then (more steps a chunk, each one
-#   nearer the decode step: which default keeps the largest gap <= 2x with room).
+# - budget 256 MiB with --skip-resident if it is under 150 s by then (fewer, longer steps a chunk:
+#   whether the default could be larger and keep the largest gap <= 2x).
 # Beside the model's build: MOEBUS_TEST_GPU=1 pytest tests/cuda/test_spanning_chunk.py (the chunk's
 # state in device buffers across steps, its token against the chunk run whole; micro model).
 # Per run: the bench's rows and target lines, the phases (tools/device/gap6_logs.py), the worker's
@@ -40,16 +41,16 @@ cycle() {  # name, budget MiB, timeout s, extra flags...
   echo "-- ERROR lines in the whole log: $(grep -c ERROR $L)"
   grep ERROR $L | cut -c1-200 | sort | uniq -c | head -5
 }
-cycle budget200 200 125
+cycle budget128 128 125
 if [ $SECONDS -lt 125 ]; then
   cycle budget0 0 $((192 - SECONDS)) --skip-resident
 else
   echo "budget 0 not run: ${SECONDS} s spent"
 fi
-if [ $SECONDS -lt 150 ]; then  # a smaller budget: more steps a chunk, each nearer the decode step
-  cycle budget100 100 $((192 - SECONDS)) --skip-resident
+if [ $SECONDS -lt 150 ]; then  # a larger budget: fewer steps a chunk, each longer
+  cycle budget256 256 $((192 - SECONDS)) --skip-resident
 else
-  echo "budget 100 not run: ${SECONDS} s spent"
+  echo "budget 256 not run: ${SECONDS} s spent"
 fi
 echo "== summary (s: ${SECONDS})"
 for L in $OUT/cycle_*.log; do
