@@ -7,9 +7,11 @@ pending (``StageOutput.pending_rows``); the broker re-sends the same feed until 
 (broker/steps.py), and the stage continues what it holds for that slot, start and length.
 
 What the stage holds between steps lives outside the step scratch (which every ``begin_step``
-recycles and a prompt loan lends from the cache): at a layer boundary the hidden state and the
-pending residual (T x D float32 each), within a layer the attention's sum, the MLP's input, the
-router's weights and the pair outputs of the expert groups done (T x A x D). The kernels are those of
+recycles and a prompt loan lends from the cache). A step ends a chunk's work inside a layer (the
+attention costs no copies: a step that stops goes on to the next layer's attention first), so that
+is the attention's sum and the MLP's input (T x D float32 each), the router's weights and the pair
+outputs of the expert groups done (T x A x D), with the layer and the next expert group; where the
+prompt loan covers fewer tokens than the chunk, the piece in progress too. The kernels are those of
 the chunk run whole on the host-grouped path (``Stage._attend``, ``_route_on_host``, ``_moe_group``,
 ``_head``) over the same rows in the same layer order, each expert's pairs in one group, so its
 tokens and logprobs equal those of the chunk run alone in one step, bit for bit on the cpu
