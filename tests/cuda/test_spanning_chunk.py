@@ -1,6 +1,6 @@
 """A prompt chunk that spans steps on the cuda backend (workers/spanning_chunk.py). In the simulator:
 its state kept in device buffers outside the step pool (a kept array survives begin_step, a buffer
-is reused for the same shape) and given back when the chunk ends. On a GPU only (~30 s in the
+is reused for the same shape) and given back when the chunk ends. On a GPU only (~55 s in the
 simulator): a cache missing half the experts and a budget of one expert's copy a step; the chunk's
 token and logprob are those of it run whole (the routed limit lowered so that micro-sized steps take
 the long path)."""
@@ -59,7 +59,7 @@ def test_kept_buffers_outlive_the_step_and_go_back_with_the_chunk():
     assert holder.chunk is None and not chunk.kept
 
 
-@pytest.mark.skipif(SIMULATOR, reason="~30 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
+@pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
 def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch):
     monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
     whole = _stage(micro_model, 0)
