@@ -14,11 +14,25 @@ policy deems worth a slot are copied in (on cuda, on the copy stream while later
 entry points at a slot only once its copy is complete, and stops pointing at it before the slot is
 reused, shrunk away or lent out.
 
+A prefill's groups (``acquire``/``release`` a layer, or a part of one, at a time) chain their copies
+where the copier has per-slot fences (cuda's StreamCopier): a missed expert's copy waits only for the
+release of the group that last read the slot it overwrites (or, for a slot no group of this pass read,
+for the compute stream as it was at the pass's first acquire), not for all the work enqueued so far,
+so layer L's copies run beside layers L-1 and L-2's attention and experts. Victims then come
+farthest-next-use first (a prefill reads every layer in order, so the expert read longest ago is the
+next one needed): the slots of groups released two or more groups ago, the latest first; then slots
+no group of this pass has read, the layer farthest ahead first; the last group's slots last (their
+copies wait for its kernels). A prefill larger than the cache then keeps most of the cache resident
+from pass to pass and cycles a few layers' worth of slots, where least-recently-used victims missed
+every expert every pass. ``MOEBUS_PREFILL_COPY_FENCE=all`` (the fence behind all the work, the
+policy's victims) is the previous behaviour, for comparison.
+
 With a prefetch (workers/prefetch.py) the first ``num_reserved`` slots are its banks: never free,
 never an admission's or a preload's; only a prefill group that finds every other slot pinned borrows
 one, until ``release``. The prefetch's wasted copies count in ``h2d_bytes``."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -28,6 +42,10 @@ from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.eviction import make_policy
 
 EMPTY = -1
+# a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
+# fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
+COPY_FENCES = ("slot", "slot-policy", "all")
+COPY_FENCE = os.environ.get("MOEBUS_PREFILL_COPY_FENCE", "slot")
 
 
 class CacheTooSmall(RuntimeError):
@@ -40,7 +58,9 @@ class SyncCopier:
     def __init__(self, arena):
         self.arena = arena
 
-    def copy(self, slot: int, blob) -> bool:
+    fences = False  # copies complete at once: nothing to chain
+
+    def copy(self, slot: int, blob, after=None) -> bool:
         self.arena.write(slot, blob)
         return True
 
@@ -92,6 +112,11 @@ class ExpertCache:
         self.key_hits = np.zeros(num_keys, np.int64)  # hits of resident keys since their admission (the dashboard's map)
         self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
         self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
+        self.copy_fence = COPY_FENCE  # see COPY_FENCES; read at each acquire (a benchmark may switch it)
+        if self.copy_fence not in COPY_FENCES:
+            raise ValueError(f"MOEBUS_PREFILL_COPY_FENCE must be one of {', '.join(COPY_FENCES)}, got {self.copy_fence!r}")
+        self._chain: _Chain | None = None  # this pass's groups, while their copies chain (see the module doc)
+        self.timeline: list | None = None  # a list: each group's host times and events (tools/device/prefill9_*)
 
     @property
     def array(self):
@@ -111,6 +136,7 @@ class ExpertCache:
         At least ``min_slots`` stay in service. The loan is computed against the cache as it is
         now, so it never covers memory that a shrink handed back."""
         assert self.loaned_from is None and not self.pinned
+        self._end_chain()
         self.finish_admissions()  # no copy may still write into a slot that becomes scratch
         wanted = -(-num_bytes // self.arena.slot_bytes)
         count = max(0, min(wanted, self.num_slots - self.min_slots))
@@ -125,6 +151,7 @@ class ExpertCache:
         return self.arena.array[lo:hi].view(np.uint8).reshape(-1)
 
     def end_loan(self) -> None:
+        self._end_chain()
         if self.loaned_from is not None:
             lo, self.loaned_from = self.loaned_from, None
             self._put_in_service(lo)
@@ -134,10 +161,12 @@ class ExpertCache:
     def acquire(self, layer: int, expert_ids) -> tuple[np.ndarray, np.ndarray]:
         """Pin the experts of one group and return (slots, ready). Misses are being copied in;
         call wait() before reading a slot that is not ready. Replaces the previous group's pins."""
+        started = time.perf_counter()
         self.finish_admissions()
         keys = [self.store.key(layer, e) for e in expert_ids]
         if len(keys) > self.num_slots:
             raise CacheTooSmall(f"{len(keys)} experts in one group, {self.num_slots} slots")
+        chain = self._chain_for_group()
         self.pinned = set()
         slots = np.empty(len(keys), dtype=np.int32)
         ready = np.ones(len(keys), dtype=bool)
@@ -150,7 +179,15 @@ class ExpertCache:
                 self.hits += 1
                 self.key_hits[key] += 1
         missed = [i for i, key in enumerate(keys) if key not in self.key_slot]
-        victims = self._victims(len(missed) - len(self.free))
+        if chain is None:
+            victims = self._victims(len(missed) - len(self.free))
+        elif self.copy_fence == "slot":
+            victims = chain.victims(self, len(missed) - len(self.free), self.store.row_of_layer[layer])
+        else:  # the policy's victims, sparing the last group's slots where it can
+            victims = self._victims(len(missed) - len(self.free), chain.last_group(self))
+            if len(victims) < len(missed) - len(self.free):
+                victims = self._victims(len(missed) - len(self.free))
+        copies = []
         for i in missed:
             key = keys[i]
             if self.free or not victims:
@@ -159,29 +196,98 @@ class ExpertCache:
                 slot = self.key_slot[victims.pop()]
                 self._evict(slot)
             self._assign(slot, key)
-            ready[i] = self.copier.copy(slot, self.store.blob(key))
+            copies.append((slot, key))
             slots[i] = slot
             self.pinned.add(slot)
             self.misses += 1
             self.h2d_bytes += self.store.blob_bytes
+        if copies:
+            ready[missed] = self._copy_in(copies, chain)
+        if self.timeline is not None:
+            self.timeline.append(dict(layer=layer, group=len(keys), misses=len(copies), host_s=time.perf_counter() - started,
+                                      **self._timeline_events(chain)))
         return slots, ready
+
+    def _copy_in(self, copies: list[tuple[int, int]], chain) -> bool:
+        """Enqueue the copies of (slot, key): in a chain each after its slot's fence, the earliest
+        fences first, runs of consecutive slots and keys as one copy. Returns what the copier says of
+        readiness (True: complete now)."""
+        if chain is None:
+            return all([self.copier.copy(slot, self.store.blob(key)) for slot, key in copies])
+        fences = [chain.fence_of(slot) for slot, _ in copies]
+        order = sorted(range(len(copies)), key=lambda i: (fences[i].seq, copies[i][0]))
+        runs = []  # [first slot, first key, count, fence]
+        for i in order:
+            slot, key = copies[i]
+            last = runs[-1] if runs else None
+            if last is not None and slot == last[0] + last[2] and key == last[1] + last[2] and self._contiguous():
+                last[2] += 1
+                last[3] = fences[i] if fences[i].seq > last[3].seq else last[3]
+            else:
+                runs.append([slot, key, 1, fences[i]])
+        if self.timeline is not None:
+            chain.copy_events = (self.copier.record_copy(), None)
+        done = True
+        for slot, key, count, fence in runs:
+            blob = self.store.blobs[key:key + count] if count > 1 else self.store.blob(key)
+            done &= self.copier.copy(slot, blob, fence)
+        if self.timeline is not None:
+            chain.copy_events = (chain.copy_events[0], self.copier.record_copy())
+            chain.runs = len(runs)
+        return done
+
+    def _contiguous(self) -> bool:
+        """Whether consecutive keys' blobs may be copied as one (slots hold exactly one blob each)."""
+        return self.arena.slot_bytes == self.store.blob_bytes and hasattr(self.store, "blobs")
+
+    def _chain_for_group(self):
+        """The chain this group's copies join (None: they wait for all the work so far)."""
+        if self.copy_fence == "all" or not getattr(self.copier, "fences", False):
+            self._chain = None
+            return None
+        if self._chain is None:
+            self._chain = _Chain(self.copier.record_compute(), self.arena.max_slots)
+        return self._chain
+
+    def _end_chain(self) -> None:
+        """Slots may be read outside groups from here on (a decode step, a loan, a resize): the next
+        group's copies start a new chain, behind all the work enqueued before it."""
+        self._chain = None
+
+    def _timeline_events(self, chain) -> dict:
+        events = {"compute_at_acquire": self.copier.record_compute().event if getattr(self.copier, "fences", False) else None}
+        if chain is not None and chain.copy_events is not None:
+            events.update(copy_start=chain.copy_events[0], copy_end=chain.copy_events[1], runs=chain.runs)
+            chain.copy_events = None
+        return events
 
     def wait(self) -> None:
         self.copier.wait()
 
     def release(self) -> None:
+        """End the group: its slots may be evicted again. In a chain, the point of the compute stream
+        after the group's kernels is each of its slots' fence; a release without a group (the end of a
+        step) ends the chain."""
+        if self._chain is not None:
+            if self.pinned:
+                self._chain.released(self.copier.record_compute(), self.pinned)
+                if self.timeline is not None and self.timeline:
+                    self.timeline[-1]["released"] = self._chain.last.event
+            else:
+                self._end_chain()
         self.pinned = set()
         for slot in range(self.num_reserved):  # the prefetch's banks back from a prefill group
             if self.slot_key[slot] != EMPTY:
                 self._evict(slot)
 
-    def _victims(self, count: int) -> list[int]:
+    def _victims(self, count: int, protected=frozenset()) -> list[int]:
         """The ``count`` resident keys _take_slot would evict one after another (scores do not move
-        while a group's misses take slots), last to evict first: one sort instead of a scan each."""
+        while a group's misses take slots), last to evict first: one sort instead of a scan each.
+        Slots in ``protected`` are spared as the pinned ones are (fewer than ``count`` may come back)."""
         if count <= 0:
             return []
-        weakest = self.policy.weakest_first(count + len(self.pinned))
-        return [k for k in weakest if self.key_slot[k] not in self.pinned][:count][::-1]
+        weakest = self.policy.weakest_first(count + len(self.pinned) + len(protected))
+        return [k for k in weakest if self.key_slot[k] not in self.pinned and self.key_slot[k] not in protected][:count][::-1]
 
     def _take_slot(self) -> int:
         if self.free:
@@ -222,6 +328,7 @@ class ExpertCache:
     def device_placement(self, ops):
         """The placement table as the kernels see it, brought up to date in stream order: every
         kernel enqueued after this call reads the table as it is now."""
+        self._end_chain()  # decode kernels read slots outside groups
         if self._device_placement is None:
             self._device_placement = ops.persist(self.placement)
         elif self._placement_dirty:
@@ -233,6 +340,7 @@ class ExpertCache:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
         backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        self._end_chain()
         if self.trace is not None:
             self.trace.append(np.array(chosen))
         num_experts = self.store.num_experts
@@ -301,6 +409,7 @@ class ExpertCache:
     def preload(self) -> int:
         """Fill free slots before serving, expert-major across layers (every layer gets its share);
         returns how many experts were copied. Copies are complete when it returns."""
+        self._end_chain()
         rows, num_experts = self.placement.shape
         order = [row * num_experts + e for e in range(num_experts) for row in range(rows)]
         count = 0
@@ -323,6 +432,7 @@ class ExpertCache:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
+        self._end_chain()
         started = time.perf_counter()
         self.finish_admissions()
         segments = len(self.arena.mapped)
@@ -423,3 +533,51 @@ class ExpertCache:
         keys = sorted(self.key_slot)
         return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
                 "keys": keys, "hits": self.key_hits[keys].tolist()}
+
+
+class _Chain:
+    """A prefill's groups while their copies chain: each slot's fence (the compute stream's point
+    after the last group that read it, or the chain's start for a slot no group of it read)."""
+
+    def __init__(self, start, max_slots: int):
+        self.start = start
+        self.last = None  # the last release's fence
+        self.fence = [None] * max_slots
+        self.seq = np.full(max_slots, -1, np.int64)  # each slot's fence's order (-1: the chain's start)
+        self.copy_events = None  # (start, end) on the copy stream, for a timeline
+        self.runs = 0
+
+    def fence_of(self, slot: int):
+        return self.fence[slot] or self.start
+
+    def released(self, fence, slots) -> None:
+        self.last = fence
+        for slot in slots:
+            self.fence[slot] = fence
+            self.seq[slot] = fence.seq
+
+    def last_group(self, cache) -> frozenset:
+        """The slots of the group released last, which may still be read."""
+        if self.last is None:
+            return frozenset()
+        return frozenset(np.flatnonzero(self.seq == self.last.seq).tolist())
+
+    def victims(self, cache, count: int, row: int) -> list[int]:
+        """``count`` resident keys, last to evict first, farthest next use first: slots released two
+        or more groups ago (the latest first), then slots no group of this chain read (the layer
+        farthest ahead of ``row`` first), then the last group's (their copies wait for its kernels)."""
+        if count <= 0:
+            return []
+        used = np.flatnonzero(cache.slot_key[:cache.num_slots] != EMPTY)
+        if cache.pinned:
+            used = used[~np.isin(used, np.fromiter(cache.pinned, np.int64, len(cache.pinned)))]
+        keys = cache.slot_key[used]
+        seq = self.seq[used]
+        last = self.last.seq if self.last is not None else -2
+        rows = cache.placement.shape[0]
+        ahead = (keys // cache.store.num_experts - row) % rows  # groups until this key's layer comes again
+        tier = np.where(seq < 0, 1, np.where(seq == last, 2, 0))
+        # tier 0: latest release first; tier 1: farthest ahead first; tier 2 (one release): any; ties: lower slot
+        within = np.where(tier == 0, -seq, np.where(tier == 1, -ahead, 0))
+        order = np.lexsort((used, within, tier))[:count]
+        return keys[order].tolist()[::-1]
