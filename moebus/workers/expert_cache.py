@@ -117,6 +117,7 @@ class ExpertCache:
             raise ValueError(f"MOEBUS_PREFILL_COPY_FENCE must be one of {', '.join(COPY_FENCES)}, got {self.copy_fence!r}")
         self._chain: _Chain | None = None  # this pass's groups, while their copies chain (see the module doc)
         self.timeline: list | None = None  # a list: each group's host times and events (tools/device/prefill9_*)
+        self._copy_events = None  # the group's copy-stream events, for the timeline
 
     @property
     def array(self):
@@ -167,6 +168,8 @@ class ExpertCache:
         if len(keys) > self.num_slots:
             raise CacheTooSmall(f"{len(keys)} experts in one group, {self.num_slots} slots")
         chain = self._chain_for_group()
+        if chain is not None and self.pinned:  # a layer in several groups: the group before is released here,
+            chain.released(self.copier.record_compute(), self.pinned)  # after its kernels (enqueued already)
         self.pinned = set()
         slots = np.empty(len(keys), dtype=np.int32)
         ready = np.ones(len(keys), dtype=bool)
@@ -212,8 +215,13 @@ class ExpertCache:
         """Enqueue the copies of (slot, key): in a chain each after its slot's fence, the earliest
         fences first, runs of consecutive slots and keys as one copy. Returns what the copier says of
         readiness (True: complete now)."""
+        timed = self.timeline is not None and hasattr(self.copier, "record_copy")
         if chain is None:
-            return all([self.copier.copy(slot, self.store.blob(key)) for slot, key in copies])
+            start = self.copier.record_copy() if timed else None
+            done = all([self.copier.copy(slot, self.store.blob(key)) for slot, key in copies])
+            if timed:  # (the first copy's fence comes after this event: its start is the fence's end at the latest)
+                self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(copies))
+            return done
         fences = [chain.fence_of(slot) for slot, _ in copies]
         order = sorted(range(len(copies)), key=lambda i: (fences[i].seq, copies[i][0]))
         runs = []  # [first slot, first key, count, fence]
@@ -225,15 +233,13 @@ class ExpertCache:
                 last[3] = fences[i] if fences[i].seq > last[3].seq else last[3]
             else:
                 runs.append([slot, key, 1, fences[i]])
-        if self.timeline is not None:
-            chain.copy_events = (self.copier.record_copy(), None)
+        start = self.copier.record_copy() if timed else None
         done = True
         for slot, key, count, fence in runs:
             blob = self.store.blobs[key:key + count] if count > 1 else self.store.blob(key)
             done &= self.copier.copy(slot, blob, fence)
-        if self.timeline is not None:
-            chain.copy_events = (chain.copy_events[0], self.copier.record_copy())
-            chain.runs = len(runs)
+        if timed:
+            self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(runs))
         return done
 
     def _contiguous(self) -> bool:
@@ -255,10 +261,11 @@ class ExpertCache:
         self._chain = None
 
     def _timeline_events(self, chain) -> dict:
+        """A group's events for a timeline: the compute stream at the end of its acquire (the work
+        before its experts), its copies' start and end on the copy stream (where it had misses)."""
         events = {"compute_at_acquire": self.copier.record_compute().event if getattr(self.copier, "fences", False) else None}
-        if chain is not None and chain.copy_events is not None:
-            events.update(copy_start=chain.copy_events[0], copy_end=chain.copy_events[1], runs=chain.runs)
-            chain.copy_events = None
+        events.update(self._copy_events or {})
+        self._copy_events = None
         return events
 
     def wait(self) -> None:
@@ -544,8 +551,6 @@ class _Chain:
         self.last = None  # the last release's fence
         self.fence = [None] * max_slots
         self.seq = np.full(max_slots, -1, np.int64)  # each slot's fence's order (-1: the chain's start)
-        self.copy_events = None  # (start, end) on the copy stream, for a timeline
-        self.runs = 0
 
     def fence_of(self, slot: int):
         return self.fence[slot] or self.start
