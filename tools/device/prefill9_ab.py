@@ -39,7 +39,7 @@ def timeline(model, batch, cache) -> tuple[list[dict], float]:
     cache.copier.sync()
     entries, cache.timeline = cache.timeline, None
     t0 = entries[0]["compute_at_acquire"]
-    ms = lambda ev: round(cuda.event_elapsed_time(t0, ev), 2) if ev is not None else None  # noqa: E731
+    ms = lambda ev: round(t0.elapsed_time(ev), 2) if ev is not None else None  # noqa: E731
     rows = [dict(layer=e["layer"], misses=e["misses"], runs=e.get("runs", 0), host_ms=round(e["host_s"] * 1e3, 2),
                  acq=ms(e["compute_at_acquire"]), cs=ms(e.get("copy_start")), ce=ms(e.get("copy_end")),
                  rel=ms(e.get("released"))) for e in entries]
