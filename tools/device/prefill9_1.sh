@@ -15,10 +15,12 @@ set -o pipefail
 M=/tmp/m48; M8=/tmp/m8; BUDGET=${BUDGET:-120}; T0=$(date +%s)
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
+([ -f $M/generation_config.json ] && echo "init48: there already" > $OUT/init48.log) || \
 (timeout 100 python3 -m moebus.cli init-model $M --preset a3b --layers 48 --experts 32 > $OUT/init48.log 2>&1
  echo "init48 rc=$? at $(now) s" >> $OUT/init48.log) &
 INIT=$!
-timeout 25 python3 -m moebus.cli init-model $M8 --preset a3b --layers 8 --experts 32 > $OUT/init8.log 2>&1
+[ -f $M8/generation_config.json ] || timeout 25 python3 -m moebus.cli init-model $M8 --preset a3b --layers 8 \
+  --experts 32 > $OUT/init8.log 2>&1
 echo "init8 rc=$? at $(now) s"
 (timeout 75 python3 tools/device/prefill9_ab.py $M8 2048 0 1 0.25 2>&1 | grep -av "Warn\|warn(" > $OUT/warm.txt
  echo "warm rc=$? at $(now) s" >> $OUT/warm.txt) &
