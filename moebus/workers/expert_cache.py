@@ -185,7 +185,8 @@ class ExpertCache:
         if chain is None:
             victims = self._victims(len(missed) - len(self.free))
         elif self.copy_fence == "slot":
-            victims = chain.victims(self, len(missed) - len(self.free), self.store.row_of_layer[layer])
+            row = getattr(self.store, "row_of_layer", {}).get(layer, 0)  # (a store without layers: no order ahead)
+            victims = chain.victims(self, len(missed) - len(self.free), row)
         else:  # the policy's victims, sparing the last group's slots where it can
             victims = self._victims(len(missed) - len(self.free), chain.last_group(self))
             if len(victims) < len(missed) - len(self.free):
@@ -236,8 +237,12 @@ class ExpertCache:
         start = self.copier.record_copy() if timed else None
         done = True
         for slot, key, count, fence in runs:
-            blob = self.store.blobs[key:key + count] if count > 1 else self.store.blob(key)
-            done &= self.copier.copy(slot, blob, fence)
+            blob = self._run_blob(key, count)
+            if blob is None:  # a store whose keys are not its rows in order: one copy a blob
+                for j in range(count):
+                    done &= self.copier.copy(slot + j, self.store.blob(key + j), fence)
+            else:
+                done &= self.copier.copy(slot, blob, fence)
         if timed:
             self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(runs))
         return done
@@ -245,6 +250,17 @@ class ExpertCache:
     def _contiguous(self) -> bool:
         """Whether consecutive keys' blobs may be copied as one (slots hold exactly one blob each)."""
         return self.arena.slot_bytes == self.store.blob_bytes and hasattr(self.store, "blobs")
+
+    def _run_blob(self, key: int, count: int):
+        """The blobs of keys key..key+count-1 as one (count, elems) array, or None where the store's
+        rows are not its keys in order (HostStore's are)."""
+        if count == 1:
+            return self.store.blob(key)
+        run = self.store.blobs[key:key + count]
+        if len(run) != count or run.ctypes.data != self.store.blob(key).ctypes.data \
+                or run[-1].ctypes.data != self.store.blob(key + count - 1).ctypes.data:
+            return None
+        return run
 
     def _chain_for_group(self):
         """The chain this group's copies join (None: they wait for all the work so far)."""

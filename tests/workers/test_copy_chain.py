@@ -186,3 +186,20 @@ def test_an_unknown_fence_setting_is_refused(monkeypatch):
     monkeypatch.setattr(expert_cache, "COPY_FENCE", "some")
     with pytest.raises(ValueError, match="MOEBUS_PREFILL_COPY_FENCE"):
         make_cache(layers=2, experts=2, slots=4)
+
+
+def test_a_store_whose_rows_are_not_its_keys_is_copied_a_blob_at_a_time():
+    """bench vram's store: keys past its rows wrap around; no run may read past or beside them."""
+    cache, copier = make_cache(layers=2, experts=4, slots=8)
+    store = cache.store
+    wrapped = store.blobs[:4]
+    store.blob = lambda key: wrapped[key % 4]
+    del store.row_of_layer
+    cache.free = list(range(8))[::-1]
+    for slot in range(8):
+        if cache.slot_key[slot] >= 0:
+            cache._evict(slot)
+    first = len(copier.copies)
+    cache.acquire(1, np.arange(4))
+    assert [count for _, count, _ in copier.copies[first:]] == [1, 1, 1, 1]
+    assert (cache.arena.array[:4] == wrapped).all()
