@@ -39,9 +39,9 @@ import numpy as np
 
 from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
+from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
 from moebus.workers.eviction import make_policy
 
-EMPTY = -1
 # a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
 # fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
 COPY_FENCES = ("slot", "slot-policy", "all")
@@ -114,8 +114,9 @@ class ExpertCache:
         self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
         self.copy_fence = COPY_FENCE  # see COPY_FENCES; read at each acquire (a benchmark may switch it)
         if self.copy_fence not in COPY_FENCES:
-            raise ValueError(f"MOEBUS_PREFILL_COPY_FENCE must be one of {', '.join(COPY_FENCES)}, got {self.copy_fence!r}")
-        self._chain: _Chain | None = None  # this pass's groups, while their copies chain (see the module doc)
+            raise ValueError(f"MOEBUS_PREFILL_COPY_FENCE must be one of {', '.join(COPY_FENCES)}, "
+                             f"got {self.copy_fence!r}")
+        self._chain: Chain | None = None  # this pass's groups, while their copies chain (see the module doc)
         self.timeline: list | None = None  # a list: each group's host times and events (tools/device/prefill9_*)
         self._copy_events = None  # the group's copy-stream events, for the timeline
 
@@ -208,8 +209,8 @@ class ExpertCache:
         if copies:
             ready[missed] = self._copy_in(copies, chain)
         if self.timeline is not None:
-            self.timeline.append(dict(layer=layer, group=len(keys), misses=len(copies), host_s=time.perf_counter() - started,
-                                      **self._timeline_events(chain)))
+            self.timeline.append(dict(layer=layer, group=len(keys), misses=len(copies),
+                                      host_s=time.perf_counter() - started, **self._timeline_events(chain)))
         return slots, ready
 
     def _copy_in(self, copies: list[tuple[int, int]], chain) -> bool:
@@ -223,17 +224,7 @@ class ExpertCache:
             if timed:  # (the first copy's fence comes after this event: its start is the fence's end at the latest)
                 self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(copies))
             return done
-        fences = [chain.fence_of(slot) for slot, _ in copies]
-        order = sorted(range(len(copies)), key=lambda i: (fences[i].seq, copies[i][0]))
-        runs = []  # [first slot, first key, count, fence]
-        for i in order:
-            slot, key = copies[i]
-            last = runs[-1] if runs else None
-            if last is not None and slot == last[0] + last[2] and key == last[1] + last[2] and self._contiguous():
-                last[2] += 1
-                last[3] = fences[i] if fences[i].seq > last[3].seq else last[3]
-            else:
-                runs.append([slot, key, 1, fences[i]])
+        runs = copy_runs(copies, [chain.fence_of(slot) for slot, _ in copies], self._contiguous())
         start = self.copier.record_copy() if timed else None
         done = True
         for slot, key, count, fence in runs:
@@ -268,7 +259,7 @@ class ExpertCache:
             self._chain = None
             return None
         if self._chain is None:
-            self._chain = _Chain(self.copier.record_compute(), self.arena.max_slots)
+            self._chain = Chain(self.copier.record_compute(), self.arena.max_slots)
         return self._chain
 
     def _end_chain(self) -> None:
@@ -279,7 +270,8 @@ class ExpertCache:
     def _timeline_events(self, chain) -> dict:
         """A group's events for a timeline: the compute stream at the end of its acquire (the work
         before its experts), its copies' start and end on the copy stream (where it had misses)."""
-        events = {"compute_at_acquire": self.copier.record_compute().event if getattr(self.copier, "fences", False) else None}
+        fenced = getattr(self.copier, "fences", False)
+        events = {"compute_at_acquire": self.copier.record_compute().event if fenced else None}
         events.update(self._copy_events or {})
         self._copy_events = None
         return events
@@ -310,7 +302,8 @@ class ExpertCache:
         if count <= 0:
             return []
         weakest = self.policy.weakest_first(count + len(self.pinned) + len(protected))
-        return [k for k in weakest if self.key_slot[k] not in self.pinned and self.key_slot[k] not in protected][:count][::-1]
+        spared = self.pinned | protected
+        return [k for k in weakest if self.key_slot[k] not in spared][:count][::-1]
 
     def _take_slot(self) -> int:
         if self.free:
@@ -557,48 +550,3 @@ class ExpertCache:
         return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
                 "keys": keys, "hits": self.key_hits[keys].tolist()}
 
-
-class _Chain:
-    """A prefill's groups while their copies chain: each slot's fence (the compute stream's point
-    after the last group that read it, or the chain's start for a slot no group of it read)."""
-
-    def __init__(self, start, max_slots: int):
-        self.start = start
-        self.last = None  # the last release's fence
-        self.fence = [None] * max_slots
-        self.seq = np.full(max_slots, -1, np.int64)  # each slot's fence's order (-1: the chain's start)
-
-    def fence_of(self, slot: int):
-        return self.fence[slot] or self.start
-
-    def released(self, fence, slots) -> None:
-        self.last = fence
-        for slot in slots:
-            self.fence[slot] = fence
-            self.seq[slot] = fence.seq
-
-    def last_group(self, cache) -> frozenset:
-        """The slots of the group released last, which may still be read."""
-        if self.last is None:
-            return frozenset()
-        return frozenset(np.flatnonzero(self.seq == self.last.seq).tolist())
-
-    def victims(self, cache, count: int, row: int) -> list[int]:
-        """``count`` resident keys, last to evict first, farthest next use first: slots released two
-        or more groups ago (the latest first), then slots no group of this chain read (the layer
-        farthest ahead of ``row`` first), then the last group's (their copies wait for its kernels)."""
-        if count <= 0:
-            return []
-        used = np.flatnonzero(cache.slot_key[:cache.num_slots] != EMPTY)
-        if cache.pinned:
-            used = used[~np.isin(used, np.fromiter(cache.pinned, np.int64, len(cache.pinned)))]
-        keys = cache.slot_key[used]
-        seq = self.seq[used]
-        last = self.last.seq if self.last is not None else -2
-        rows = cache.placement.shape[0]
-        ahead = (keys // cache.store.num_experts - row) % rows  # groups until this key's layer comes again
-        tier = np.where(seq < 0, 1, np.where(seq == last, 2, 0))
-        # tier 0: latest release first; tier 1: farthest ahead first; tier 2 (one release): any; ties: lower slot
-        within = np.where(tier == 0, -seq, np.where(tier == 1, -ahead, 0))
-        order = np.lexsort((used, within, tier))[:count]
-        return keys[order].tolist()[::-1]
