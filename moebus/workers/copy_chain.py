@@ -55,8 +55,11 @@ class Chain:
 
     def victims(self, cache, count: int, row: int) -> list[int]:
         """``count`` resident keys, last to evict first, farthest next use first: slots released two
-        or more groups ago (the latest first), then slots no group of this chain read (the layer
-        farthest ahead of ``row`` first), then the last group's (their copies wait for its kernels)."""
+        or more groups ago (the policy's weakest, among equals the latest release: a key a pass has
+        just inserted has not been touched yet, a key that hits every pass or that decode steps use
+        has; so the same keys stay from pass to pass), then slots no group of this chain read (the
+        layer farthest ahead of ``row`` first), then the last group's (their copies wait for its
+        kernels)."""
         if count <= 0:
             return []
         used = np.flatnonzero(cache.slot_key[:cache.num_slots] != EMPTY)
@@ -68,7 +71,11 @@ class Chain:
         rows = cache.placement.shape[0]
         ahead = (keys // cache.store.num_experts - row) % rows  # groups until this key's layer comes again
         tier = np.where(seq < 0, 1, np.where(seq == last, 2, 0))
-        # tier 0: latest release first; tier 1: farthest ahead first; tier 2 (one release): any; ties: lower slot
-        within = np.where(tier == 0, -seq, np.where(tier == 1, -ahead, 0))
-        order = np.lexsort((used, within, tier))[:count]
+        # tier 0: the policy's weakest first (decode's hot experts stay), among equals the latest release;
+        # tier 1: farthest ahead first; tier 2 (one release): any; ties: lower slot
+        score = getattr(cache.policy, "score", None)
+        weakness = score[keys] if score is not None else np.zeros(len(keys))
+        first = np.where(tier == 0, weakness, np.where(tier == 1, -ahead, 0))
+        then = np.where(tier == 0, -seq, 0)
+        order = np.lexsort((used, then, first, tier))[:count]
         return keys[order].tolist()[::-1]
