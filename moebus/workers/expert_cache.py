@@ -20,7 +20,8 @@ release of the group that last read the slot it overwrites (or, for a slot no gr
 for the compute stream as it was at the pass's first acquire), not for all the work enqueued so far,
 so layer L's copies run beside layers L-1 and L-2's attention and experts. Victims then come
 farthest-next-use first (a prefill reads every layer in order, so the expert read longest ago is the
-next one needed): the slots of groups released two or more groups ago, the latest first; then slots
+next one needed): the slots of groups released two or more groups ago (the policy's weakest, among
+equals the latest release: decode's hot experts stay); then slots
 no group of this pass has read, the layer farthest ahead first; the last group's slots last (their
 copies wait for its kernels). A prefill larger than the cache then keeps most of the cache resident
 from pass to pass and cycles a few layers' worth of slots, where least-recently-used victims missed
