@@ -14,20 +14,39 @@ policy deems worth a slot are copied in (on cuda, on the copy stream while later
 entry points at a slot only once its copy is complete, and stops pointing at it before the slot is
 reused, shrunk away or lent out.
 
+A prefill's groups (``acquire``/``release`` a layer, or a part of one, at a time) chain their copies
+where the copier has per-slot fences (cuda's StreamCopier): a missed expert's copy waits only for the
+release of the group that last read the slot it overwrites (or, for a slot no group of this pass read,
+for the compute stream as it was at the pass's first acquire), not for all the work enqueued so far,
+so layer L's copies run beside layers L-1 and L-2's attention and experts. Victims then come
+farthest-next-use first (a prefill reads every layer in order, so the expert read longest ago is the
+next one needed): the slots of groups released two or more groups ago (the policy's weakest, among
+equals the latest release: decode's hot experts stay); then slots
+no group of this pass has read, the layer farthest ahead first; the last group's slots last (their
+copies wait for its kernels). A prefill larger than the cache then keeps most of the cache resident
+from pass to pass and cycles a few layers' worth of slots, where least-recently-used victims missed
+every expert every pass. ``MOEBUS_PREFILL_COPY_FENCE=all`` (the fence behind all the work, the
+policy's victims) is the previous behaviour, for comparison.
+
 With a prefetch (workers/prefetch.py) the first ``num_reserved`` slots are its banks: never free,
 never an admission's or a preload's; only a prefill group that finds every other slot pinned borrows
 one, until ``release``. The prefetch's wasted copies count in ``h2d_bytes``."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
+from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
 from moebus.workers.eviction import make_policy
 
-EMPTY = -1
+# a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
+# fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
+COPY_FENCES = ("slot", "slot-policy", "all")
+COPY_FENCE = os.environ.get("MOEBUS_PREFILL_COPY_FENCE", "slot")
 
 
 class CacheTooSmall(RuntimeError):
@@ -40,7 +59,9 @@ class SyncCopier:
     def __init__(self, arena):
         self.arena = arena
 
-    def copy(self, slot: int, blob) -> bool:
+    fences = False  # copies complete at once: nothing to chain
+
+    def copy(self, slot: int, blob, after=None) -> bool:
         self.arena.write(slot, blob)
         return True
 
@@ -92,6 +113,13 @@ class ExpertCache:
         self.key_hits = np.zeros(num_keys, np.int64)  # hits of resident keys since their admission (the dashboard's map)
         self.trace: list | None = None  # a list: every routed step's choices are appended (bench cache)
         self.last_resize: dict = {}  # the last resize's split: admissions_wait_s, segments (mapped minus unmapped)
+        self.copy_fence = COPY_FENCE  # see COPY_FENCES; read at each acquire (a benchmark may switch it)
+        if self.copy_fence not in COPY_FENCES:
+            raise ValueError(f"MOEBUS_PREFILL_COPY_FENCE must be one of {', '.join(COPY_FENCES)}, "
+                             f"got {self.copy_fence!r}")
+        self._chain: Chain | None = None  # this pass's groups, while their copies chain (see the module doc)
+        self.timeline: list | None = None  # a list: each group's host times and events (tools/device/prefill9_*)
+        self._copy_events = None  # the group's copy-stream events, for the timeline
 
     @property
     def array(self):
@@ -111,6 +139,7 @@ class ExpertCache:
         At least ``min_slots`` stay in service. The loan is computed against the cache as it is
         now, so it never covers memory that a shrink handed back."""
         assert self.loaned_from is None and not self.pinned
+        self._end_chain()
         self.finish_admissions()  # no copy may still write into a slot that becomes scratch
         wanted = -(-num_bytes // self.arena.slot_bytes)
         count = max(0, min(wanted, self.num_slots - self.min_slots))
@@ -125,6 +154,7 @@ class ExpertCache:
         return self.arena.array[lo:hi].view(np.uint8).reshape(-1)
 
     def end_loan(self) -> None:
+        self._end_chain()
         if self.loaned_from is not None:
             lo, self.loaned_from = self.loaned_from, None
             self._put_in_service(lo)
@@ -134,10 +164,14 @@ class ExpertCache:
     def acquire(self, layer: int, expert_ids) -> tuple[np.ndarray, np.ndarray]:
         """Pin the experts of one group and return (slots, ready). Misses are being copied in;
         call wait() before reading a slot that is not ready. Replaces the previous group's pins."""
+        started = time.perf_counter()
         self.finish_admissions()
         keys = [self.store.key(layer, e) for e in expert_ids]
         if len(keys) > self.num_slots:
             raise CacheTooSmall(f"{len(keys)} experts in one group, {self.num_slots} slots")
+        chain = self._chain_for_group()
+        if chain is not None and self.pinned:  # a layer in several groups: the group before is released here,
+            chain.released(self.copier.record_compute(), self.pinned)  # after its kernels (enqueued already)
         self.pinned = set()
         slots = np.empty(len(keys), dtype=np.int32)
         ready = np.ones(len(keys), dtype=bool)
@@ -150,7 +184,16 @@ class ExpertCache:
                 self.hits += 1
                 self.key_hits[key] += 1
         missed = [i for i, key in enumerate(keys) if key not in self.key_slot]
-        victims = self._victims(len(missed) - len(self.free))
+        if chain is None:
+            victims = self._victims(len(missed) - len(self.free))
+        elif self.copy_fence == "slot":
+            row = getattr(self.store, "row_of_layer", {}).get(layer, 0)  # (a store without layers: no order ahead)
+            victims = chain.victims(self, len(missed) - len(self.free), row)
+        else:  # the policy's victims, sparing the last group's slots where it can
+            victims = self._victims(len(missed) - len(self.free), chain.last_group(self))
+            if len(victims) < len(missed) - len(self.free):
+                victims = self._victims(len(missed) - len(self.free))
+        copies = []
         for i in missed:
             key = keys[i]
             if self.free or not victims:
@@ -159,29 +202,109 @@ class ExpertCache:
                 slot = self.key_slot[victims.pop()]
                 self._evict(slot)
             self._assign(slot, key)
-            ready[i] = self.copier.copy(slot, self.store.blob(key))
+            copies.append((slot, key))
             slots[i] = slot
             self.pinned.add(slot)
             self.misses += 1
             self.h2d_bytes += self.store.blob_bytes
+        if copies:
+            ready[missed] = self._copy_in(copies, chain)
+        if self.timeline is not None:
+            self.timeline.append(dict(layer=layer, group=len(keys), misses=len(copies),
+                                      host_s=time.perf_counter() - started, **self._timeline_events(chain)))
         return slots, ready
+
+    def _copy_in(self, copies: list[tuple[int, int]], chain) -> bool:
+        """Enqueue the copies of (slot, key): in a chain each after its slot's fence, the earliest
+        fences first, runs of consecutive slots and keys as one copy. Returns what the copier says of
+        readiness (True: complete now)."""
+        timed = self.timeline is not None and hasattr(self.copier, "record_copy")
+        if chain is None:
+            start = self.copier.record_copy() if timed else None
+            done = all([self.copier.copy(slot, self.store.blob(key)) for slot, key in copies])
+            if timed:  # (the first copy's fence comes after this event: its start is the fence's end at the latest)
+                self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(copies))
+            return done
+        runs = copy_runs(copies, [chain.fence_of(slot) for slot, _ in copies], self._contiguous())
+        start = self.copier.record_copy() if timed else None
+        done = True
+        for slot, key, count, fence in runs:
+            blob = self._run_blob(key, count)
+            if blob is None:  # a store whose keys are not its rows in order: one copy a blob
+                for j in range(count):
+                    done &= self.copier.copy(slot + j, self.store.blob(key + j), fence)
+            else:
+                done &= self.copier.copy(slot, blob, fence)
+        if timed:
+            self._copy_events = dict(copy_start=start, copy_end=self.copier.record_copy(), runs=len(runs))
+        return done
+
+    def _contiguous(self) -> bool:
+        """Whether consecutive keys' blobs may be copied as one (slots hold exactly one blob each)."""
+        return self.arena.slot_bytes == self.store.blob_bytes and hasattr(self.store, "blobs")
+
+    def _run_blob(self, key: int, count: int):
+        """The blobs of keys key..key+count-1 as one (count, elems) array, or None where the store's
+        rows are not its keys in order (HostStore's are)."""
+        if count == 1:
+            return self.store.blob(key)
+        run = self.store.blobs[key:key + count]
+        if len(run) != count or run.ctypes.data != self.store.blob(key).ctypes.data \
+                or run[-1].ctypes.data != self.store.blob(key + count - 1).ctypes.data:
+            return None
+        return run
+
+    def _chain_for_group(self):
+        """The chain this group's copies join (None: they wait for all the work so far)."""
+        if self.copy_fence == "all" or not getattr(self.copier, "fences", False):
+            self._chain = None
+            return None
+        if self._chain is None:
+            self._chain = Chain(self.copier.record_compute(), self.arena.max_slots)
+        return self._chain
+
+    def _end_chain(self) -> None:
+        """Slots may be read outside groups from here on (a decode step, a loan, a resize): the next
+        group's copies start a new chain, behind all the work enqueued before it."""
+        self._chain = None
+
+    def _timeline_events(self, chain) -> dict:
+        """A group's events for a timeline: the compute stream at the end of its acquire (the work
+        before its experts), its copies' start and end on the copy stream (where it had misses)."""
+        fenced = getattr(self.copier, "fences", False)
+        events = {"compute_at_acquire": self.copier.record_compute().event if fenced else None}
+        events.update(self._copy_events or {})
+        self._copy_events = None
+        return events
 
     def wait(self) -> None:
         self.copier.wait()
 
     def release(self) -> None:
+        """End the group: its slots may be evicted again. In a chain, the point of the compute stream
+        after the group's kernels is each of its slots' fence; a release without a group (the end of a
+        step) ends the chain."""
+        if self._chain is not None:
+            if self.pinned:
+                self._chain.released(self.copier.record_compute(), self.pinned)
+                if self.timeline is not None and self.timeline:
+                    self.timeline[-1]["released"] = self._chain.last.event
+            else:
+                self._end_chain()
         self.pinned = set()
         for slot in range(self.num_reserved):  # the prefetch's banks back from a prefill group
             if self.slot_key[slot] != EMPTY:
                 self._evict(slot)
 
-    def _victims(self, count: int) -> list[int]:
+    def _victims(self, count: int, protected=frozenset()) -> list[int]:
         """The ``count`` resident keys _take_slot would evict one after another (scores do not move
-        while a group's misses take slots), last to evict first: one sort instead of a scan each."""
+        while a group's misses take slots), last to evict first: one sort instead of a scan each.
+        Slots in ``protected`` are spared as the pinned ones are (fewer than ``count`` may come back)."""
         if count <= 0:
             return []
-        weakest = self.policy.weakest_first(count + len(self.pinned))
-        return [k for k in weakest if self.key_slot[k] not in self.pinned][:count][::-1]
+        weakest = self.policy.weakest_first(count + len(self.pinned) + len(protected))
+        spared = self.pinned | protected
+        return [k for k in weakest if self.key_slot[k] not in spared][:count][::-1]
 
     def _take_slot(self) -> int:
         if self.free:
@@ -222,6 +345,7 @@ class ExpertCache:
     def device_placement(self, ops):
         """The placement table as the kernels see it, brought up to date in stream order: every
         kernel enqueued after this call reads the table as it is now."""
+        self._end_chain()  # decode kernels read slots outside groups
         if self._device_placement is None:
             self._device_placement = ops.persist(self.placement)
         elif self._placement_dirty:
@@ -233,6 +357,7 @@ class ExpertCache:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
         backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        self._end_chain()
         if self.trace is not None:
             self.trace.append(np.array(chosen))
         num_experts = self.store.num_experts
@@ -301,6 +426,7 @@ class ExpertCache:
     def preload(self) -> int:
         """Fill free slots before serving, expert-major across layers (every layer gets its share);
         returns how many experts were copied. Copies are complete when it returns."""
+        self._end_chain()
         rows, num_experts = self.placement.shape
         order = [row * num_experts + e for e in range(num_experts) for row in range(rows)]
         count = 0
@@ -323,6 +449,7 @@ class ExpertCache:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
         start-up size. Runs between steps: nothing is pinned."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
+        self._end_chain()
         started = time.perf_counter()
         self.finish_admissions()
         segments = len(self.arena.mapped)
@@ -423,3 +550,4 @@ class ExpertCache:
         keys = sorted(self.key_slot)
         return {"layers": list(getattr(self.store, "layers", [])), "num_experts": int(self.store.num_experts),
                 "keys": keys, "hits": self.key_hits[keys].tolist()}
+

@@ -156,7 +156,11 @@ class HostArena(Arena):
         return self.gpu.memory_info()
 
     def write(self, slot: int, blob: np.ndarray, stream=None) -> None:
-        self.array[slot] = blob
+        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
+        if blob.ndim == 2:
+            self.array[slot:slot + blob.shape[0]] = blob
+        else:
+            self.array[slot] = blob
 
     def read(self, slot: int) -> np.ndarray:
         return np.array(self.array[slot])

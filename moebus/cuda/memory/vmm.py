@@ -140,7 +140,9 @@ class VmmArena(Arena):
         _check(self._cu.cuMemAddressFree(self._base, self.reserved_bytes))
 
     def write(self, slot: int, blob, stream=0) -> None:
-        self.array[slot].copy_to_device(blob, stream=stream)
+        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
+        target = self.array[slot:slot + blob.shape[0]] if blob.ndim == 2 else self.array[slot]
+        target.copy_to_device(blob, stream=stream)
 
     def read(self, slot: int) -> np.ndarray:
         return self.array[slot].copy_to_host()
@@ -162,8 +164,16 @@ class DeviceArena(Arena):
     def memory_info(self) -> tuple[int, int]:
         return device_memory_info()
 
+    def slot_address(self, slot: int) -> int:
+        """The device address where ``slot`` starts."""
+        if not 0 <= slot < self.max_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.max_slots})")
+        return int(self.array.device_ctypes_pointer.value) + slot * self.slot_bytes
+
     def write(self, slot: int, blob, stream=0) -> None:
-        self.array[slot].copy_to_device(blob, stream=stream)
+        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
+        target = self.array[slot:slot + blob.shape[0]] if blob.ndim == 2 else self.array[slot]
+        target.copy_to_device(blob, stream=stream)
 
     def read(self, slot: int) -> np.ndarray:
         return self.array[slot].copy_to_host()
@@ -175,10 +185,31 @@ def make_device_arena(slot_bytes: int, dtype, segments: list[int], elastic: bool
     return DeviceArena(slot_bytes, dtype, segments)
 
 
+class Fence:
+    """A point of the compute stream: its event and its order among the points a copier handed out
+    (a later point implies every earlier one, the stream runs in order)."""
+
+    __slots__ = ("seq", "event")
+
+    def __init__(self, seq: int, event):
+        self.seq, self.event = seq, event
+
+
 class StreamCopier:
-    """Host -> slot copies on their own stream. Before the first copy after a wait(), the copy stream
-    waits for the compute stream's work so far, so a slot is never overwritten while a kernel that
-    was enqueued earlier still reads it; wait() makes the compute stream wait for the copies."""
+    """Host -> slot copies on their own stream. A copy given no ``after``: before the first such copy
+    after a wait(), the copy stream waits for the compute stream's work so far, so a slot is never
+    overwritten while a kernel that was enqueued earlier still reads it. A copy given ``after`` (a
+    Fence from ``record_compute``) waits for that point of the compute stream only: the caller vouches
+    that no kernel enqueued since reads the slot (the expert cache's per-slot fences within a prefill,
+    expert_cache.py), so a layer's copies run beside the layers before. wait() makes the compute stream
+    wait for the copies.
+
+    A copy is one ``cuMemcpyHtoDAsync`` from the pinned store to the slot's address (numba's
+    slice-and-copy costs tens of microseconds of host time a call, ~1,500 calls a 2048-token prefill
+    at a 25% cache); a run of consecutive blobs into consecutive slots is one copy. numba's copy is
+    the fallback (the simulator, or bindings that refuse the call)."""
+
+    fences = True  # per-slot fences (record_compute / copy(after=...)): the expert cache chains on them
 
     def __init__(self, arena: Arena, backend):
         self.arena = arena
@@ -187,15 +218,52 @@ class StreamCopier:
         self._fenced = False
         self._done = None  # recorded after the last batch of copies (mark)
         self._driver_moves = True  # move(): one cuMemcpyDtoDAsync (False after the bindings refused one)
+        self.driver_copies = not compat.SIMULATOR  # copy(): one cuMemcpyHtoDAsync (False: numba's copy)
+        self._seq = 0  # compute-stream points handed out (record_compute)
+        self._waited = 0  # the copy stream waits for every point up to this one
 
-    def copy(self, slot: int, blob) -> bool:
-        if not self._fenced:
-            fence = cuda.event()
-            fence.record(self.compute_stream)
-            fence.wait(self.stream)
+    def record_compute(self) -> Fence:
+        """The compute stream's current end, as a Fence for later copies."""
+        event = cuda.event()
+        event.record(self.compute_stream)
+        self._seq += 1
+        return Fence(self._seq, event)
+
+    def record_copy(self):
+        """An event at the copy stream's current end (timelines)."""
+        event = cuda.event()
+        event.record(self.stream)
+        return event
+
+    def copy(self, slot: int, blob, after: Fence | None = None) -> bool:
+        """Enqueue ``blob`` (one blob, or (n, elems) blobs for slots slot..slot+n-1) into its slot(s);
+        returns False: the copy completes on the copy stream (wait() orders the compute after it)."""
+        if after is not None:
+            if after.seq > self._waited:
+                after.event.wait(self.stream)
+                self._waited = after.seq
+        elif not self._fenced:
+            fence = self.record_compute()
+            fence.event.wait(self.stream)
+            self._waited = fence.seq  # every point handed out so far is behind this one
             self._fenced = True
-        self.arena.write(slot, blob, stream=self.stream)
+        self._write(slot, blob)
         return False
+
+    def _write(self, slot: int, blob) -> None:
+        arena = self.arena
+        if self.driver_copies and hasattr(arena, "slot_address") and blob.flags.c_contiguous:
+            count = blob.shape[0] if blob.ndim == 2 else 1
+            try:
+                from cuda.bindings import driver as cu
+
+                arena.slot_address(slot + count - 1)  # raises past the arena's end
+                _check(cu.cuMemcpyHtoDAsync(arena.slot_address(slot), blob.ctypes.data, blob.nbytes,
+                                            _stream_handle(self.stream)))
+                return
+            except (VmmError, TypeError, ImportError):  # bindings that want other types: numba's copy from now on
+                self.driver_copies = False
+        arena.write(slot, blob, stream=self.stream)
 
     def wait(self) -> None:
         done = cuda.event()
