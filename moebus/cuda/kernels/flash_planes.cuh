@@ -143,3 +143,61 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
         if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
     }
 }
+
+// The product's value at dim d of a head's row after the 2-D (or M-) rotary, rotate-half form: the
+// pair (i, i + HD/2) turns by cos/sin of its frequency i at the position of axis axes[i]; each
+// product and sum rounded on its own (no fused multiply-add), as mrope_ref in numpy computes it.
+__device__ __forceinline__ float rotated(float own, float partner, float c, float s, bool first_half) {
+    return first_half ? __fsub_rn(__fmul_rn(own, c), __fmul_rn(partner, s))
+                      : __fadd_rn(__fmul_rn(own, c), __fmul_rn(partner, s));
+}
+
+// split_planes after the tower's rotary, with the qkv product's biases, in one pass: q, k, v the three
+// results of the fused qkv product without their biases (rows of heads x HD each; image z's key j at
+// row z * positions + j), bias (3, heads x HD) bf16 bits (q's, k's, v's); the rotary's positions
+// rope_pos (rows, axes_count) int32, axes (HD/2) int32, tables cos, sin (., HD/2) float32. Writes
+// q_out = mrope(q + q's bias) (float32, q's shape) and the planes of mrope(k + k's bias) and of
+// v + v's bias exactly as split_planes writes those of its k and v. Block (x, y, z) = (PLANE_KEYS
+// keys, head, image), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, const float *k, const float *v,
+                                                              const u16 *bias, const int *rope_pos, int axes_count,
+                                                              const int *axes, const float *cos_table,
+                                                              const float *sin_table, float *q_out, u16 *kp, u16 *vp,
+                                                              int positions, int keys_padded, int heads) {
+    __shared__ float tile[PLANE_KEYS][HD + 1];
+    const int key0 = blockIdx.x * PLANE_KEYS, head = blockIdx.y, z = blockIdx.z, half = HD / 2;
+    const long long row_pitch = (long long)heads * HD, rows_at = (long long)z * positions;
+    const long long plane_at = ((long long)z * heads + head) * 2 * keys_padded;
+    u16 *kz = kp + plane_at * HDP, *vz = vp + plane_at * HD;
+    const u16 *q_bias = bias + head * HD, *k_bias = q_bias + row_pitch, *v_bias = k_bias + row_pitch;
+    const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
+    for (int idx = threadIdx.x; idx < PLANE_KEYS * HDP; idx += blockDim.x) {
+        int j = idx / HDP, d = idx % HDP, key = key0 + j;
+        bool real = key < positions && d < HD;
+        long long row = rows_at + key, at = row * row_pitch + (long long)head * HD + d;
+        u32 hi = 0, lo = 0;
+        if (real) {
+            const bool first_half = d < half;
+            const int i = first_half ? d : d - half, other = first_half ? d + half : d - half;
+            const long long other_at = at - d + other;
+            const int p = rope_pos[row * axes_count + axes[i]];
+            const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+            q_out[at] = rotated(__fadd_rn(q[at], bf16_value(q_bias[d])), __fadd_rn(q[other_at], bf16_value(q_bias[other])),
+                                c, s, first_half);
+            split(rotated(__fadd_rn(k[at], bf16_value(k_bias[d])), __fadd_rn(k[other_at], bf16_value(k_bias[other])), c,
+                          s, first_half),
+                  hi, lo);
+        }
+        kz[(long long)key * HDP + d] = (u16)hi;
+        if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
+        if (d < HD) tile[j][d] = key < positions ? __fadd_rn(v[at], bf16_value(v_bias[d])) : 0.f;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
+        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
+        u32 hi, lo;
+        split(tile[j][d], hi, lo);
+        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
+        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
+    }
+}
