@@ -158,6 +158,17 @@ def test_images_copy_the_next_tile_while_computing_where_two_fit(head_dim, preci
     assert b"cp.async.wait_group" in ptx if stages == 2 else b"cp.async" not in ptx
 
 
+@pytest.mark.parametrize("head_dim,defines,k8", [(72, (), 3 * 32 // 8), (72, (("HALF_KSTEP", 0),), 0), (64, (), 0)])
+def test_a_head_dim_on_half_a_k_step_ends_q_k_on_k8_products(head_dim, defines, k8):
+    """hd 72 (the towers'): the last 8 dims of Q K^T on m16n8k8 (the three split products of each
+    n-tile of a 32-key tile), not on m16n8k16 over 8 dims of zero padding; HALF_KSTEP 0 turns it off."""
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    ptx, _ = nvrtc_compile(source(), compile_options(head_dim, True, "compute_90", 8, "split", defines), target="ptx")
+    assert ptx.count(b"mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32") == k8
+
+
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
     shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""

@@ -46,6 +46,21 @@ __device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys
 // every n-tile in turn, so that consecutive mma feed different accumulators (a chain of dependent
 // mma per n-tile would leave the tensor cores waiting on each one's latency); each accumulator
 // still sums Qlo Khi, Qhi Klo, Qhi Khi per k-step, in that order.
+// A head dim of 8 past a multiple of 16 (72: the Qwen3-VL and SigLIP towers') ends on half a k-step:
+// with HALF_KSTEP (default 1) its products are m16n8k8 (the last 8 dims, not 16 of which 8 are the
+// planes' zero padding): a tenth fewer mma and key fragment reads for Q K^T at hd 72.
+#ifndef HALF_KSTEP
+#define HALF_KSTEP 1
+#endif
+#define LAST_HALF (HALF_KSTEP && HD % 16 == 8)
+
+// c += a (16 x 8, row: a[0], a[1] as m16n8k16's) b (8 x 8, col: b0), bf16 -> fp32
+__device__ __forceinline__ void mma_k8(float c[4], const u32 a[4], u32 b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b0));
+}
+
 __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
                                        u16 (*ks)[BN][KP], int g, int t) {
 #pragma unroll
@@ -53,6 +68,20 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         const int col = kk * 16 + 2 * t;
+        if (LAST_HALF && kk == KSTEPS - 1) {  // dims kk * 16 ... + 7 only; the same three products in order
+            u32 hi[BN / 8];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) hi[nt] = smem_pair(ks[0][nt * 8 + g], col);
+#if SPLIT_QK
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], ql[kk], hi[nt]);
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], col));
+#endif
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], qh[kk], hi[nt]);
+            continue;
+        }
         u32 hi[BN / 8][2];
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
