@@ -205,12 +205,14 @@ class Qwen3VisionModel:
         q, k, v = (y.reshape(rows, heads, hd) for y in self._qkv(h, w, with_v_bias=not fused))
         if fused:  # the rotary, the biases and the keys' and values' split in one pass, then attention
             a = ops.rope_image_attention(q, k, v, w["attn.qkv.bias"], rope_pos, self.axes, self.cos, self.sin,
-                                         hd ** -0.5)
+                                         hd ** -0.5, w["attn.proj.weight"])  # split for proj as it is stored
         else:
             q, k = (ops.mrope(y, rope_pos, self.axes, self.cos, self.sin, bias=w[f"attn.{n}.bias"])
                     for y, n in ((q, "q"), (k, "k")))
             a = ops.vision_attention(q, k, v, 1, hd ** -0.5)
-        proj = (ops.tiled_linear(a.reshape(rows, heads * hd), w["attn.proj.weight"]), w["attn.proj.bias"])
+        if len(a.shape) == 3:
+            a = a.reshape(rows, heads * hd)
+        proj = (ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
         x, h = self._norm_into(x, proj, w["norm2.weight"], w["norm2.bias"], w["mlp.linear_fc1.weight"])
         h = ops.bias_activation_into(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
                                      cfg.hidden_act, w["mlp.linear_fc2.weight"])

@@ -352,7 +352,9 @@ def test_rope_image_attention_matches_the_unfused_ops(rng):
     """The tower's fused path (rotary, biases and planes in one pass, then the kernel) against the
     rotary, the biases and vision_attention_ref in numpy, and against the backend's unfused ops."""
     from moebus.cuda.backends.cuda import CudaBackend
+    from moebus.cuda.kernels.gemm import split_rows_cuda
     from moebus.cuda.kernels.mrope import mrope_ref
+    from moebus.cuda.kernels.split_epilogues import SplitRows
 
     ops = CudaBackend()
     assert ops.tensor_cores is not None
@@ -370,3 +372,8 @@ def test_rope_image_attention_matches_the_unfused_ops(rng):
               for i in (0, 1))
     unfused = ops.to_host(ops.vision_attention(uq, uk, ops.upload(rv), 1, head_dim ** -0.5))
     np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-6)
+    # stored as the split input of a product (proj): gemm.split_rows' parts of the same values, bit for bit
+    split = ops.rope_image_attention(*args, head_dim ** -0.5, next_weight=ops.upload(np.zeros((8, dim), np.uint16)))
+    assert isinstance(split, SplitRows) and split.shape == (positions, dim)
+    want = split_rows_cuda(ops.upload(got.reshape(positions, dim)), ops.empty((2, positions, dim), np.uint16))
+    np.testing.assert_array_equal(ops.to_host(split.parts), ops.to_host(want))

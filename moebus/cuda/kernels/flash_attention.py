@@ -223,7 +223,7 @@ def _pointer(array) -> np.intp:
 
 def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, num_queries: int, group: int,
             strides: tuple, num_keys: int, first_pos: int, window: int, causal: bool, scale: float,
-            num_z: int = 1) -> None:
+            num_z: int = 1, out_parts: int = 0) -> None:
     _, heads, head_dim = q.shape
     k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
     kernel, warps = _kernel(head_dim, f32_kv), _warps(f32_kv)
@@ -231,7 +231,7 @@ def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, nu
     _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out),
                  np.int32(q_row0), np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group),
                  k_base, k_z_stride, k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
-                 np.int32(bool(causal)), np.float32(scale * np.log2(np.e)))
+                 np.int32(bool(causal)), np.float32(scale * np.log2(np.e)), np.int32(out_parts))
 
 
 def flash_prefill_cuda(q, k_cache, v_cache, segments, scale: float, window: int, out, stream):
@@ -306,9 +306,19 @@ def rope_planes_cuda(q, k, v, bias, rope_pos, axes, cos, sin, num_images: int, q
 
 def flash_planes_cuda(q, k_planes, v_planes, num_images: int, scale: float, out, stream):
     """out = attention of q (N P, H, hd) float32 over the keys and values whose planes split_planes
-    (or rope_planes) wrote: the fused kernel alone."""
+    (or rope_planes) wrote: the fused kernel alone. ``out``: (N P, H, hd) float32, or the split
+    input of the product that reads it next, (parts, N P, H hd) bf16 bits as gemm.split_rows writes
+    them (parts 1 or 2)."""
     rows, heads, head_dim = q.shape
-    require("out", out, np.float32, shape=tuple(q.shape))
+    require("q", q, np.float32, ndim=3)
+    out_parts = 0
+    if np.dtype(out.dtype) == np.uint16:
+        require("out", out, np.uint16, shape=(None, rows, heads * head_dim))
+        out_parts = out.shape[0]
+        if out_parts not in (1, 2):
+            raise ValueError(f"out: {out_parts} parts, expected 1 or 2")
+    else:
+        require("out", out, np.float32, shape=tuple(q.shape))
     positions = rows // num_images
     shapes = plane_shapes(num_images, positions, heads, head_dim)
     require("k_planes", k_planes, np.uint16, shape=shapes[0])
@@ -316,7 +326,7 @@ def flash_planes_cuda(q, k_planes, v_planes, num_images: int, scale: float, out,
     if positions:
         strides = (0, 0, 0, shapes[0][3])  # the kernel reads the planes' keys_padded from k_row_stride
         _launch(stream, q, k_planes, v_planes, out, True, 0, positions, positions, 1, strides, positions, 0, 0, False,
-                scale, num_z=num_images)
+                scale, num_z=num_images, out_parts=out_parts)
     return out
 
 

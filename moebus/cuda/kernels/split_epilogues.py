@@ -220,9 +220,16 @@ class SplitInputOps:
         """Whether ``rope_image_attention`` takes a tower's attention of ``rows`` patches (one image)."""
         return vision_attention.rope_attention_ready(self.tensor_cores, rows, head_dim, bias)
 
-    def rope_image_attention(self, q, k, v, bias, rope_pos, axes, cos, sin, scale: float):
+    def rope_image_attention(self, q, k, v, bias, rope_pos, axes, cos, sin, scale: float, next_weight=None):
         """One image's attention after the tower's rotary, from the qkv product's results without
         their biases (q, k, v (P, H, hd) float32, bias (3 H hd,) bf16): rotary, biases and the keys'
-        and values' split in one pass, then the fused kernel (vision_attention.rope_image_attention_cuda)."""
-        return vision_attention.rope_image_attention_cuda(self, q, k, v, bias, rope_pos, axes, cos, sin, 1, scale,
-                                                          self.empty(q.shape))
+        and values' split in one pass, then the fused kernel (vision_attention.rope_image_attention_cuda).
+        (P, H, hd) float32, or, where products by ``next_weight`` take split inputs (layernorm_into),
+        its (P, H hd) rows split by the kernel as it stores them (SplitRows)."""
+        rows, heads, head_dim = q.shape
+        if next_weight is None or not self._splits_for(q, next_weight):
+            return vision_attention.rope_image_attention_cuda(self, q, k, v, bias, rope_pos, axes, cos, sin, 1, scale,
+                                                              self.empty(q.shape))
+        parts = self.empty((self.tensor_cores.parts, rows, heads * head_dim), np.uint16)
+        vision_attention.rope_image_attention_cuda(self, q, k, v, bias, rope_pos, axes, cos, sin, 1, scale, parts)
+        return SplitRows(parts)

@@ -157,10 +157,11 @@ def rope_image_attention_cuda(ops, q, k, v, bias, rope_pos, axes, cos, sin, num_
     tensor cores of backend ``ops`` (rope_attention_ready): the rotary, the biases and the split of
     the keys and values in one pass (flash_attention.rope_planes_cuda; q rotated into a temporary),
     then the fused kernel. q, k, v (N P, H, hd) float32, the qkv product's results without biases;
-    bias (3 H hd,) bf16 bits; the rotary's arguments as mrope_ref's."""
+    bias (3 H hd,) bf16 bits; the rotary's arguments as mrope_ref's. ``out``: (N P, H, hd) float32,
+    or (parts, N P, H hd) bf16 bits: the next product's split input (flash_planes_cuda)."""
     from moebus.cuda.kernels import flash_attention
 
-    rows, heads, head_dim = image_rows(q, k, v, out, num_images)
+    rows, heads, head_dim = image_rows(q, k, v, q, num_images)
     k_shape, v_shape = flash_attention.plane_shapes(num_images, rows // num_images, heads, head_dim)
     k_planes, v_planes, q_rotated = ops.empty(k_shape, np.uint16), ops.empty(v_shape, np.uint16), ops.empty(q.shape)
     flash_attention.rope_planes_cuda(q, k, v, bias, rope_pos, axes, cos, sin, num_images, q_rotated, k_planes, v_planes,
