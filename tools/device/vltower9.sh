@@ -5,7 +5,8 @@
 #    phases, the fused passes on/off, the host copies on 8 threads, the GPU time by kernel;
 # 3. the owed cold-image cycle (vltower7_cycle.sh's run: the first token after the hand-back and
 #    `bench vision-cycle`'s four rows, a3b preset, 4 language layers), with what time is left.
-# Logs under $OUT; the figures on stdout.
+# LEAN=1: vltower9_encode.py without the residual test and the second profile. Logs under $OUT;
+# the figures on stdout.
 source tools/device/setup.sh
 set -o pipefail
 T0=$(date +%s)
@@ -14,11 +15,11 @@ Q=/tmp/a3b-qwen3vl-4
   echo "init-model rc=$?" >> $OUT/init.log ) &
 INIT=$!
 echo "== Qwen3-VL tower (a3b shapes, 1024 x 768); init-model runs beside it (CPU, disk)"; date
-timeout 75 python3 tools/device/vltower9_encode.py 10 2>&1 | grep -av "Warn\|warn(" | tee $OUT/tower.txt | cut -c1-250
+VLTOWER9_LEAN=${LEAN:-0} timeout 75 python3 tools/device/vltower9_encode.py 10 2>&1 | grep -av "Warn\|warn(" | tee $OUT/tower.txt | cut -c1-250
 echo "tower rc=$?"
 wait $INIT
 tail -2 $OUT/init.log
-LEFT=$(( 158 - ($(date +%s) - T0) ))
+LEFT=$(( ${BUDGET:-158} - ($(date +%s) - T0) ))  # BUDGET: seconds of wall for the whole script
 echo "== vision-cycle under 8 GiB (Qwen3-VL a3b, 4 layers), ${LEFT} s left"; date
 if [ -f $Q/config.json ] && [ $LEFT -gt 30 ]; then
   timeout $LEFT python3 -m moebus.cli bench vision-cycle --device cuda --model $Q --gpu-memory-mib 8192 -v \
