@@ -33,6 +33,8 @@ GEMM_PRECISION = os.environ.get("MOEBUS_TOWER_GEMM_PRECISION", "")
 # (``rope_image_attention``), and a product's residual add in the next LayerNorm (``residual_layernorm_into``)
 FUSED_ROPE = os.environ.get("MOEBUS_TOWER_FUSED_ROPE", "1") != "0"
 FUSED_RESIDUAL = os.environ.get("MOEBUS_TOWER_FUSED_RESIDUAL", "1") != "0"
+# with FUSED_ROPE, the attention stores proj's split input itself (0: float32 rows, split by split_rows)
+SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "1") != "0"
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
@@ -144,7 +146,7 @@ class Qwen3VisionModel:
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
         with self._products():
-            key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL)
+            key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
             return self.graph.run(key, inputs, self._forward, collect=_embeds_and_deepstack)
 
     @contextlib.contextmanager
@@ -205,7 +207,7 @@ class Qwen3VisionModel:
         q, k, v = (y.reshape(rows, heads, hd) for y in self._qkv(h, w, with_v_bias=not fused))
         if fused:  # the rotary, the biases and the keys' and values' split in one pass, then attention
             a = ops.rope_image_attention(q, k, v, w["attn.qkv.bias"], rope_pos, self.axes, self.cos, self.sin,
-                                         hd ** -0.5, w["attn.proj.weight"])  # split for proj as it is stored
+                                         hd ** -0.5, w["attn.proj.weight"] if SPLIT_ATTENTION_OUT else None)
         else:
             q, k = (ops.mrope(y, rope_pos, self.axes, self.cos, self.sin, bias=w[f"attn.{n}.bias"])
                     for y, n in ((q, "q"), (k, "k")))

@@ -7,10 +7,10 @@ against the unfused ops, the residual + LayerNorm pass against bias_residual the
 bit (and with VLTOWER9_TINY_TOWER=1 the tiny tower captured against eager and the cpu). Then the warm encode as a graph (median of
 REPEATS) by phase, and variants in the same process, each re-captured, against the default's
 outputs (max |diff| / max |default|, per output): the fused passes off one by one and both
-(qwen3vl_vision.FUSED_ROPE / FUSED_RESIDUAL), Q K's last half k-step on k16 (the attention's
-HALF_KSTEP 0), all three off (the eighth session's tower, with this session's unrolled LayerNorm and
+(qwen3vl_vision.SPLIT_ATTENTION_OUT / FUSED_ROPE / FUSED_RESIDUAL), Q K's last half k-step on k16
+(the attention's HALF_KSTEP 0), all off (the eighth session's tower, with this session's unrolled LayerNorm and
 bias + GELU kept), the host copies on 8 threads; graph == eager; the GPU time by kernel of the
-default and of all three off (torch.profiler's CUPTI trace).
+default and of all off (torch.profiler's CUPTI trace).
 
     vltower9_encode.py [REPEATS]"""
 import os
@@ -28,13 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vltower7_encode import REPEATS, _median_ms as median_ms, by_kernel  # noqa: E402
 
 LEAN = os.environ.get("VLTOWER9_LEAN") == "1"  # vltower9_tower.sh: fewer tests, one profile (a short allowance)
-VARIANTS = {  # label -> (FUSED_ROPE, FUSED_RESIDUAL, COPY_THREADS, flash IMAGE_DEFINES); None: the default's
-    "rotary unfused (mrope x2, v's bias, split_planes)": (False, None, None, None),
-    "residual unfused (bias_residual, then LayerNorm)": (None, False, None, None),
-    "both unfused (the eighth session's passes)": (False, False, None, None),
-    "attention: Q K's last 8 dims on k16 (HALF_KSTEP 0)": (None, None, None, (("HALF_KSTEP", 0),)),
-    "all three off (the eighth session's tower, unrolled passes kept)": (False, False, None, (("HALF_KSTEP", 0),)),
-    "host copies on 8 threads": (None, None, 8, None),
+VARIANTS = {  # label -> (FUSED_ROPE, FUSED_RESIDUAL, COPY_THREADS, flash IMAGE_DEFINES, SPLIT_ATTENTION_OUT);
+    # None: the default's
+    "attention output float32, split_rows before proj": (None, None, None, None, False),
+    "rotary unfused (mrope x2, v's bias, split_planes)": (False, None, None, None, None),
+    "residual unfused (bias_residual, then LayerNorm): must differ by 0": (None, False, None, None, None),
+    "both unfused (the eighth session's passes)": (False, False, None, None, None),
+    "attention: Q K's last 8 dims on k16 (HALF_KSTEP 0)": (None, None, None, (("HALF_KSTEP", 0),), None),
+    "all off (the eighth session's tower, unrolled passes kept)": (False, False, None, (("HALF_KSTEP", 0),), None),
+    "host copies on 8 threads": (None, None, 8, None, None),
 }
 
 
@@ -78,7 +80,8 @@ class Settings:
         from moebus.workers import qwen3vl_vision, tower_graph
 
         self.places = {"rope": (qwen3vl_vision, "FUSED_ROPE"), "residual": (qwen3vl_vision, "FUSED_RESIDUAL"),
-                       "threads": (tower_graph, "COPY_THREADS"), "defines": (flash_attention, "IMAGE_DEFINES")}
+                       "threads": (tower_graph, "COPY_THREADS"), "defines": (flash_attention, "IMAGE_DEFINES"),
+                       "split_out": (qwen3vl_vision, "SPLIT_ATTENTION_OUT")}
         self.default = {name: getattr(*place) for name, place in self.places.items()}
 
     def apply(self, values: tuple) -> None:
@@ -142,12 +145,12 @@ def main() -> None:
     if LEAN:
         print(f"summary: default {graph_ms:.1f} ms; " + "; ".join(f"{k} {v:.1f}" for k, v in results.items()))
         return
-    unfused = VARIANTS["all three off (the eighth session's tower, unrolled passes kept)"]
+    unfused = VARIANTS["all off (the eighth session's tower, unrolled passes kept)"]
     settings.apply(unfused)
     model.graph.close()
     try:
         encode()
-        print("GPU time by kernel, all three off:")
+        print("GPU time by kernel, all off:")
         by_kernel(encode)
     finally:
         settings.restore()

@@ -46,7 +46,9 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
 # must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
 # knobs of tools/device/vltower8_encode.py
-IMAGE_DEFINES: tuple = ()
+# MOEBUS_FLASH_HALF_KSTEP=0: hd 72's last 8 dims of Q K^T on an m16n8k16 over zero padding, as before the
+# ninth session (HALF_KSTEP in flash_planes.cuh; not yet measured on a GPU)
+IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
 
 
 def supported(head_dim: int) -> bool:
