@@ -3,14 +3,15 @@ image (48 x 64 patches), on cuda (tools/device/vltower9.sh), ninth session (bran
 
 First the new kernels' tests, called in this process (MOEBUS_TEST_GPU=1; a pytest run would compile
 every kernel once more): rope_planes against its numpy twin bit for bit, the fused rotary + attention
-against the unfused ops, the residual + LayerNorm pass against bias_residual then LayerNorm bit for
-bit (and with VLTOWER9_TINY_TOWER=1 the tiny tower captured against eager and the cpu). Then the warm encode as a graph (median of
-REPEATS) by phase, and variants in the same process, each re-captured, against the default's
-outputs (max |diff| / max |default|, per output): the fused passes off one by one and both
-(qwen3vl_vision.SPLIT_ATTENTION_OUT / FUSED_ROPE / FUSED_RESIDUAL), Q K's last half k-step on k16
-(the attention's HALF_KSTEP 0), all off (the eighth session's tower, with this session's unrolled LayerNorm and
-bias + GELU kept), the host copies on 8 threads; graph == eager; the GPU time by kernel of the
-default and of all off (torch.profiler's CUPTI trace).
+(and its split store) against the unfused ops, the image kernel at hd 72 against its references, the
+residual + LayerNorm pass against bias_residual then LayerNorm bit for bit (and with
+VLTOWER9_TINY_TOWER=1 the tiny tower captured against eager and the cpu). Then the warm encode as a
+graph (median of REPEATS) by phase, and variants in the same process, each re-captured, against the
+default's outputs (max |diff| / max |default|, per output): the fused passes off one by one and
+together (qwen3vl_vision.SPLIT_ATTENTION_OUT / FUSED_ROPE / FUSED_RESIDUAL), Q K's last half k-step
+on k16 (the attention's HALF_KSTEP 0), all off (the eighth session's tower, with this session's
+unrolled LayerNorm and bias + GELU kept), the host copies on 8 threads; graph == eager; the GPU time
+by kernel of the default and of all off (torch.profiler's CUPTI trace).
 
     vltower9_encode.py [REPEATS]"""
 import os
@@ -54,8 +55,9 @@ def gpu_tests() -> bool:
              ("fused rotary + attention vs refs and unfused ops",
               lambda: fa.test_rope_image_attention_matches_the_unfused_ops(np.random.default_rng(3))),
              ("image kernel vs ref, hd 72", lambda: fa.test_image_kernel_matches_refs(np.random.default_rng(4), 72)),
-             ("residual + LayerNorm == unfused, split", lambda: ln.test_residual_layernorm_is_bias_residual_then_layernorm_bit_for_bit(
-                 np.random.default_rng(7), 2))]
+             ("residual + LayerNorm == unfused, split",
+              lambda: ln.test_residual_layernorm_is_bias_residual_then_layernorm_bit_for_bit(
+                  np.random.default_rng(7), 2))]
     if LEAN:  # the tower's "residual unfused" variant checks that pass (it must differ by exactly 0)
         cases.pop()
     if os.environ.get("VLTOWER9_TINY_TOWER") == "1":  # ~13 s more (its own kernels' compiles): off in vltower9.sh
@@ -139,7 +141,8 @@ def main() -> None:
     model.graph.enabled = False
     eager_ms, eager = median_ms(encode, 3)
     model.graph.enabled = True
-    print(f"eager, median of 3: {eager_ms:.1f} ms; graph == eager: {all(np.array_equal(a, b) for a, b in zip(base, eager))}")
+    same = all(np.array_equal(a, b) for a, b in zip(base, eager))
+    print(f"eager, median of 3: {eager_ms:.1f} ms; graph == eager: {same}")
     print("GPU time by kernel, default:")
     by_kernel(encode)
     if LEAN:

@@ -211,11 +211,12 @@ extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, co
             const long long other_at = at - d + other;
             const int p = rope_pos[row * axes_count + axes[i]];
             const float c = cos_table[p * half + i], s = sin_table[p * half + i];
-            q_out[at] = rotated(__fadd_rn(q[at], bf16_value(q_bias[d])), __fadd_rn(q[other_at], bf16_value(q_bias[other])),
-                                c, s, first_half);
-            split(rotated(__fadd_rn(k[at], bf16_value(k_bias[d])), __fadd_rn(k[other_at], bf16_value(k_bias[other])), c,
-                          s, first_half),
-                  hi, lo);
+            const float q_own = __fadd_rn(q[at], bf16_value(q_bias[d]));
+            const float q_other = __fadd_rn(q[other_at], bf16_value(q_bias[other]));
+            const float k_own = __fadd_rn(k[at], bf16_value(k_bias[d]));
+            const float k_other = __fadd_rn(k[other_at], bf16_value(k_bias[other]));
+            q_out[at] = rotated(q_own, q_other, c, s, first_half);
+            split(rotated(k_own, k_other, c, s, first_half), hi, lo);
         }
         kz[(long long)key * HDP + d] = (u16)hi;
         if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
