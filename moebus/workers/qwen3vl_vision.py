@@ -28,6 +28,13 @@ STACKED_QKV = True  # q, k, v as one strided-batched product (False: three; tool
 # the tower's tensor-core products: "" = the backend's (gemm.PRECISION, split inputs), or "bf16" (one
 # product on bf16-rounded inputs: half the GEMMs; its fidelity and time in docs/performance.md, vltower8)
 GEMM_PRECISION = os.environ.get("MOEBUS_TOWER_GEMM_PRECISION", "")
+# fused passes where the backend has them (0: the separate kernels, for A/Bs; tools/device/vltower9_encode.py):
+# the rotary, the qkv biases and the split of the keys and values in one pass before the fused attention
+# (``rope_image_attention``), and a product's residual add in the next LayerNorm (``residual_layernorm_into``)
+FUSED_ROPE = os.environ.get("MOEBUS_TOWER_FUSED_ROPE", "1") != "0"
+FUSED_RESIDUAL = os.environ.get("MOEBUS_TOWER_FUSED_RESIDUAL", "1") != "0"
+# with FUSED_ROPE, the attention stores proj's split input itself (0: float32 rows, split by split_rows)
+SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "1") != "0"
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
@@ -113,9 +120,9 @@ class Qwen3VisionModel:
     def _block(self, weights: dict, i: int) -> dict:
         prefix, d = BLOCK.format(i=i), self.cfg.hidden_size
         w = {name[len(prefix):]: weights[name] for name in weights if name.startswith(prefix)}
-        qkv_bias = w.pop("attn.qkv.bias")  # the fused weight stays: q, k and v in one product (tiled_linears)
-        for j, name in enumerate("qkv"):  # each bias where its result is read next (mrope, the v product)
-            w[f"attn.{name}.bias"] = qkv_bias[j * d : (j + 1) * d]
+        qkv_bias = w["attn.qkv.bias"]  # the fused weight stays: q, k and v in one product (tiled_linears)
+        for j, name in enumerate("qkv"):  # each bias where its result is read next (mrope, the v product),
+            w[f"attn.{name}.bias"] = qkv_bias[j * d : (j + 1) * d]  # or all three in rope_image_attention
         return {name: self._weight(array) for name, array in w.items()}
 
     def _merger(self, weights: dict, prefix: str) -> dict:
@@ -139,7 +146,8 @@ class Qwen3VisionModel:
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
         with self._products():
-            return self.graph.run((grid_h, grid_w, GEMM_PRECISION), inputs, self._forward, collect=_embeds_and_deepstack)
+            key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
+            return self.graph.run(key, inputs, self._forward, collect=_embeds_and_deepstack)
 
     @contextlib.contextmanager
     def _products(self):
@@ -162,33 +170,61 @@ class Qwen3VisionModel:
         x = ops.bias_residual(positions, ops.tiled_linear(inputs["patches"], self.patch_weight), self.patch_bias)
         features = []
         mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
+        pending = None  # the last block's (fc2 product, its bias), added to x by the next block's first norm
         for i, block in enumerate(self.blocks):
-            x = self._encoder_block(block, x, inputs["rope_pos"])
+            x, pending = self._encoder_block(block, x, inputs["rope_pos"], pending)
+            if i in self.deepstack or i == len(self.blocks) - 1 or not self._fuses_residual():
+                x, pending = ops.bias_residual(x, *pending), None
             if i in self.deepstack:
                 features.append(self._merge(self.deepstack[i], x, post_shuffle_norm=True))
-            ops.recycle_layer(mark, (x, *features))
+            ops.recycle_layer(mark, (x, *features) + (pending[:1] if pending else ()))
         out = {"embeds": self._merge(self.merger, x, post_shuffle_norm=False)}
         out.update({f"deepstack{j}": feature for j, feature in enumerate(features)})
         return out
 
-    def _encoder_block(self, w: dict, x, rope_pos):
+    def _fuses_residual(self) -> bool:
+        return FUSED_RESIDUAL and hasattr(self.ops, "residual_layernorm_into")
+
+    def _norm_into(self, x, residual, weight, bias, next_weight):
+        """(x + residual's product and bias if ``residual``, the LayerNorm of that as the input of
+        ``next_weight``'s products): one pass where the backend fuses them."""
+        eps = self.cfg.layer_norm_eps
+        if residual is None:
+            return x, self.ops.layernorm_into(x, weight, bias, eps, next_weight)
+        if self._fuses_residual():
+            return self.ops.residual_layernorm_into(x, *residual, weight, bias, eps, next_weight)
+        x = self.ops.bias_residual(x, *residual)
+        return x, self.ops.layernorm_into(x, weight, bias, eps, next_weight)
+
+    def _encoder_block(self, w: dict, x, rope_pos, residual=None) -> tuple:
+        """One block over x (plus ``residual``: the last block's fc2 (product, bias), not yet added)
+        -> (x after attention, (its fc2 product, bias)): the caller adds them, or the next block."""
         ops, cfg = self.ops, self.cfg
-        rows, heads, hd, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.layer_norm_eps
-        h = ops.layernorm_into(x, w["norm1.weight"], w["norm1.bias"], eps, w["attn.qkv.weight"])  # split once
-        q, k, v = (y.reshape(rows, heads, hd) for y in self._qkv(h, w))
-        q, k = (ops.mrope(y, rope_pos, self.axes, self.cos, self.sin, bias=w[f"attn.{n}.bias"])
-                for y, n in ((q, "q"), (k, "k")))
-        a = ops.vision_attention(q, k, v, 1, hd ** -0.5).reshape(rows, heads * hd)
-        x = ops.bias_residual(x, ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
-        h = ops.layernorm_into(x, w["norm2.weight"], w["norm2.bias"], eps, w["mlp.linear_fc1.weight"])
+        rows, heads, hd = x.shape[0], cfg.num_heads, cfg.head_dim
+        x, h = self._norm_into(x, residual, w["norm1.weight"], w["norm1.bias"], w["attn.qkv.weight"])  # split once
+        fused = FUSED_ROPE and hasattr(ops, "rope_image_attention") and ops.rope_attention_ready(
+            rows, hd, w["attn.qkv.bias"])
+        q, k, v = (y.reshape(rows, heads, hd) for y in self._qkv(h, w, with_v_bias=not fused))
+        if fused:  # the rotary, the biases and the keys' and values' split in one pass, then attention
+            a = ops.rope_image_attention(q, k, v, w["attn.qkv.bias"], rope_pos, self.axes, self.cos, self.sin,
+                                         hd ** -0.5, w["attn.proj.weight"] if SPLIT_ATTENTION_OUT else None)
+        else:
+            q, k = (ops.mrope(y, rope_pos, self.axes, self.cos, self.sin, bias=w[f"attn.{n}.bias"])
+                    for y, n in ((q, "q"), (k, "k")))
+            a = ops.vision_attention(q, k, v, 1, hd ** -0.5)
+        if len(a.shape) == 3:
+            a = a.reshape(rows, heads * hd)
+        proj = (ops.tiled_linear(a, w["attn.proj.weight"]), w["attn.proj.bias"])
+        x, h = self._norm_into(x, proj, w["norm2.weight"], w["norm2.bias"], w["mlp.linear_fc1.weight"])
         h = ops.bias_activation_into(ops.tiled_linear(h, w["mlp.linear_fc1.weight"]), w["mlp.linear_fc1.bias"],
                                      cfg.hidden_act, w["mlp.linear_fc2.weight"])
-        return ops.bias_residual(x, ops.tiled_linear(h, w["mlp.linear_fc2.weight"]), w["mlp.linear_fc2.bias"])
+        return x, (ops.tiled_linear(h, w["mlp.linear_fc2.weight"]), w["mlp.linear_fc2.bias"])
 
-    def _qkv(self, h, w: dict) -> tuple:
-        """q and k without their biases (mrope adds them), v with its own: one product of the fused
-        weight per part where h is split (STACKED_QKV), else three."""
-        biases = (None, None, w["attn.v.bias"])
+    def _qkv(self, h, w: dict, with_v_bias: bool = True) -> tuple:
+        """q and k without their biases (mrope adds them), v with its own (or without: the fused
+        rotary adds all three): one product of the fused weight per part where h is split
+        (STACKED_QKV), else three."""
+        biases = (None, None, w["attn.v.bias"] if with_v_bias else None)
         if STACKED_QKV:
             return self.ops.tiled_linears(h, w["attn.qkv.weight"], biases)
         d = self.cfg.hidden_size

@@ -113,11 +113,11 @@ def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
     options = compile_options(head_dim, f32_kv, "compute_90")
     ptx, _ = nvrtc_compile(source(), options, target="ptx")
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx and b".entry flash_attention" in ptx
-    assert b".entry split_planes" in ptx
+    assert b".entry split_planes" in ptx and b".entry rope_planes" in ptx
     for warps in (4, 8) if f32_kv else (4,):
         options = compile_options(head_dim, f32_kv, "sm_90", warps) + [b"--ptxas-options=-v"]
         cubin, log = nvrtc_compile(source(), options)
-        assert cubin and log.count(" 0 bytes spill stores") == 2, log  # both entries
+        assert cubin and log.count(" 0 bytes spill stores") == 3, log  # every entry
 
 
 @pytest.mark.parametrize("head_dim", [72, 128])
@@ -132,7 +132,7 @@ def test_image_kernel_with_plain_bf16_products_compiles_without_spills(head_dim,
     assert 0 < ptx.count(mma) < split_ptx.count(mma)  # fewer products on the tensor cores
     options = compile_options(head_dim, True, "sm_90", 8, precision) + [b"--ptxas-options=-v"]
     cubin, log = nvrtc_compile(source(), options)
-    assert cubin and log.count(" 0 bytes spill stores") == 2, log
+    assert cubin and log.count(" 0 bytes spill stores") == 3, log
 
 
 @pytest.mark.parametrize("head_dim,precision,defines,stages", [
@@ -156,6 +156,17 @@ def test_images_copy_the_next_tile_while_computing_where_two_fit(head_dim, preci
     ptx, _ = nvrtc_compile(source(), options, target="ptx")
     assert (b"cp.async.cg.shared.global" in ptx) == (stages == 2)
     assert b"cp.async.wait_group" in ptx if stages == 2 else b"cp.async" not in ptx
+
+
+@pytest.mark.parametrize("head_dim,defines,k8", [(72, (), 3 * 32 // 8), (72, (("HALF_KSTEP", 0),), 0), (64, (), 0)])
+def test_a_head_dim_on_half_a_k_step_ends_q_k_on_k8_products(head_dim, defines, k8):
+    """hd 72 (the towers'): the last 8 dims of Q K^T on m16n8k8 (the three split products of each
+    n-tile of a 32-key tile), not on m16n8k16 over 8 dims of zero padding; HALF_KSTEP 0 turns it off."""
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    ptx, _ = nvrtc_compile(source(), compile_options(head_dim, True, "compute_90", 8, "split", defines), target="ptx")
+    assert ptx.count(b"mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32") == k8
 
 
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
@@ -287,3 +298,82 @@ def test_planes_kernel_matches_ref(rng):
     stream.synchronize()
     for got, want in zip(planes, split_planes_ref(k, v, images)):
         np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+def _rope_inputs(rng, images: int, positions: int, heads: int, head_dim: int):
+    """q, k, v without biases, the three biases (bf16), a 2-D rotary's positions, axes and tables
+    (the tower's: mrope.vision_axes, vision_rope_tables)."""
+    from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
+
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    bias = f32_to_bf16(0.5 * rng.standard_normal(3 * heads * head_dim, dtype=np.float32))
+    rope_pos = rng.integers(0, 12, (images * positions, 2)).astype(np.int32)
+    cos, sin = vision_rope_tables(head_dim, 10000.0, 12)
+    return q, k, v, bias, rope_pos, vision_axes(head_dim), cos, sin
+
+
+def test_rope_planes_ref_is_the_rotary_with_biases_then_split_planes(rng):
+    from moebus.cuda.kernels.flash_attention_ref import rope_planes_ref
+    from moebus.cuda.kernels.mrope import mrope_ref
+
+    images, positions, heads, head_dim = 2, 20, 3, 8
+    q, k, v, bias, rope_pos, axes, cos, sin = _rope_inputs(rng, images, positions, heads, head_dim)
+    q_out, k_planes, v_planes = rope_planes_ref(q, k, v, bias, rope_pos, axes, cos, sin, images)
+    dim = heads * head_dim
+    np.testing.assert_array_equal(q_out, mrope_ref(q, rope_pos, axes, cos, sin, bias[:dim]))
+    values = v + bf16_to_f32(bias[2 * dim:]).reshape(heads, head_dim)
+    want = split_planes_ref(mrope_ref(k, rope_pos, axes, cos, sin, bias[dim:2 * dim]), values, images)
+    np.testing.assert_array_equal(k_planes, want[0])
+    np.testing.assert_array_equal(v_planes, want[1])
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [72, 16])
+def test_rope_planes_kernel_matches_ref_bit_for_bit(rng, head_dim):
+    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.flash_attention import plane_shapes, rope_planes_cuda
+    from moebus.cuda.kernels.flash_attention_ref import rope_planes_ref
+    from tests.cuda.conftest import device, poisoned
+
+    images, positions, heads = 2, 100, 3
+    inputs = _rope_inputs(rng, images, positions, heads, head_dim)
+    stream = cuda.stream()
+    planes = [cuda.to_device(np.full(shape, 0xFFFF, np.uint16)) for shape in plane_shapes(images, positions, heads,
+                                                                                         head_dim)]  # poisoned
+    q_out = poisoned(inputs[0].shape)
+    rope_planes_cuda(*(device(a) for a in inputs), images, q_out, *planes, stream)
+    stream.synchronize()
+    for got, want in zip([q_out] + planes, rope_planes_ref(*inputs, images)):
+        np.testing.assert_array_equal(got.copy_to_host(), want)
+
+
+@gpu
+def test_rope_image_attention_matches_the_unfused_ops(rng):
+    """The tower's fused path (rotary, biases and planes in one pass, then the kernel) against the
+    rotary, the biases and vision_attention_ref in numpy, and against the backend's unfused ops."""
+    from moebus.cuda.backends.cuda import CudaBackend
+    from moebus.cuda.kernels.gemm import split_rows_cuda
+    from moebus.cuda.kernels.mrope import mrope_ref
+    from moebus.cuda.kernels.split_epilogues import SplitRows
+
+    ops = CudaBackend()
+    assert ops.tensor_cores is not None
+    positions, heads, head_dim = 300, 4, 72
+    q, k, v, bias, rope_pos, axes, cos, sin = _rope_inputs(rng, 1, positions, heads, head_dim)
+    assert ops.rope_attention_ready(positions, head_dim, bias)
+    assert not ops.rope_attention_ready(positions, head_dim, bf16_to_f32(bias))  # the kernel reads bf16 biases
+    args = [ops.upload(a) for a in (q, k, v, bias, rope_pos, axes, cos, sin)]
+    got = ops.to_host(ops.rope_image_attention(*args, head_dim ** -0.5))
+    dim = heads * head_dim
+    rq, rk = (mrope_ref(x, rope_pos, axes, cos, sin, bias[i * dim:(i + 1) * dim]) for i, x in enumerate((q, k)))
+    rv = v + bf16_to_f32(bias[2 * dim:]).reshape(heads, head_dim)
+    np.testing.assert_allclose(got, vision_attention_ref(rq, rk, rv, 1, head_dim ** -0.5), rtol=1e-4, atol=3e-5)
+    uq, uk = (ops.mrope(args[i], args[4], args[5], args[6], args[7], bias=ops.upload(bias[i * dim:(i + 1) * dim]))
+              for i in (0, 1))
+    unfused = ops.to_host(ops.vision_attention(uq, uk, ops.upload(rv), 1, head_dim ** -0.5))
+    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-6)
+    # stored as the split input of a product (proj): gemm.split_rows' parts of the same values, bit for bit
+    split = ops.rope_image_attention(*args, head_dim ** -0.5, next_weight=ops.upload(np.zeros((8, dim), np.uint16)))
+    assert isinstance(split, SplitRows) and split.shape == (positions, dim)
+    want = split_rows_cuda(ops.upload(got.reshape(positions, dim)), ops.empty((2, positions, dim), np.uint16))
+    np.testing.assert_array_equal(ops.to_host(split.parts), ops.to_host(want))

@@ -97,7 +97,7 @@ def test_a_captured_tensor_core_encode_equals_eager_and_the_cpu():
     assert grid_h * grid_w // 4 >= cuda.ops.tensor_cores.min_rows
     patches = _patches(cfg, grid_h, grid_w)
     captured, want = cuda.encode(patches, grid_h, grid_w), cpu.encode(patches, grid_h, grid_w)
-    assert cuda.graph.key == (grid_h, grid_w, "")
+    assert cuda.graph.key == (grid_h, grid_w, "", True, True, True)  # products split, the fused passes on
     replayed = cuda.encode(patches, grid_h, grid_w)
     cuda.graph.close()
     cuda.graph.enabled = False

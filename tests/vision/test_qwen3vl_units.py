@@ -215,7 +215,7 @@ def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew()
         patches = rng.standard_normal((grid_h * grid_w, cfg.patch_dim)).astype(np.float32)
         (embeds, deepstack), (want_embeds, want_deepstack) = cuda.encode(patches, grid_h, grid_w), \
             cpu.encode(patches, grid_h, grid_w)
-        assert cuda.graph.key == (grid_h, grid_w, "")  # and the products' precision (the backend's)
+        assert cuda.graph.key[:3] == (grid_h, grid_w, "")  # and the products' precision (the backend's)
         np.testing.assert_allclose(embeds, want_embeds, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(deepstack, want_deepstack, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(cuda.encode(patches, grid_h, grid_w)[0], embeds)  # replayed

@@ -245,7 +245,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_attention(
     const float *q, const void *k, const void *v, float *out, int q_row0, int rows_per_z, int num_queries, int heads,
     int group, long long k_base, long long k_z_stride, long long k_head_stride, long long k_row_stride, int num_keys,
-    int first_pos, int window, int causal, float scale_log2) {
+    int first_pos, int window, int causal, float scale_log2, int out_parts) {
     __shared__ __align__(16) u16 ks_all[STAGES][K_PARTS][BN][KP];
     __shared__ __align__(16) u16 vt_all[STAGES][V_PARTS][HD][VP];
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
@@ -361,17 +361,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
         stage ^= 1;
 #endif
     }
+    // out_parts 0: float32 rows; 1 or 2: the next product's split input instead (gemm.split_rows'
+    // parts of those values: (out_parts, gridDim.z * rows_per_z, heads x HD) bf16 bits at out)
+    const long long part_stride = (long long)gridDim.z * rows_per_z * row_pitch;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int row = r0 + 8 * r;
         float total = quad_sum(row_sum[r]);
         float inverse = total > 0.f ? 1.f / total : 0.f;
         if (row < rows_valid) {
-            float *dst = out + q_at + row * row_pitch;
+            if (out_parts) {
+                u32 *dst = reinterpret_cast<u32 *>(reinterpret_cast<u16 *>(out) + q_at + row * row_pitch);
 #pragma unroll
-            for (int dt = 0; dt < DTILES; ++dt)
-                *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * t) =
-                    make_float2(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse);
+                for (int dt = 0; dt < DTILES; ++dt) {
+                    u32 hi, lo;
+                    split_pair(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse, hi, lo);
+                    dst[(dt * 8 + 2 * t) / 2] = hi;
+                    if (out_parts == 2) dst[(part_stride + dt * 8 + 2 * t) / 2] = lo;
+                }
+            } else {
+                float *dst = out + q_at + row * row_pitch;
+#pragma unroll
+                for (int dt = 0; dt < DTILES; ++dt)
+                    *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * t) =
+                        make_float2(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse);
+            }
         }
     }
 }

@@ -32,7 +32,7 @@ log = logging.getLogger("moebus.cuda")
 SOURCE = Path(__file__).with_suffix(".cu")
 PLANES = SOURCE.with_name("flash_planes.cuh")  # what float32 keys take: included by the .cu
 INCLUDE = b'#include "flash_planes.cuh"'
-ENTRY, PLANES_ENTRY = "flash_attention", "split_planes"
+ENTRY, PLANES_ENTRY, ROPE_ENTRY = "flash_attention", "split_planes", "rope_planes"
 WARPS = 4  # warps per block, 16 queries each (the .cu's WARPS): prefill
 IMAGE_WARPS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARPS", "8"))  # images: 8 (measured faster, vltower7) or 4
 BLOCK_QUERIES = 16 * WARPS  # the .cu's BM
@@ -46,7 +46,9 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
 # must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
 # knobs of tools/device/vltower8_encode.py
-IMAGE_DEFINES: tuple = ()
+# MOEBUS_FLASH_HALF_KSTEP=0: hd 72's last 8 dims of Q K^T on an m16n8k16 over zero padding, as before the
+# ninth session (HALF_KSTEP in flash_planes.cuh; not yet measured on a GPU)
+IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
 
 
 def supported(head_dim: int) -> bool:
@@ -223,7 +225,7 @@ def _pointer(array) -> np.intp:
 
 def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, num_queries: int, group: int,
             strides: tuple, num_keys: int, first_pos: int, window: int, causal: bool, scale: float,
-            num_z: int = 1) -> None:
+            num_z: int = 1, out_parts: int = 0) -> None:
     _, heads, head_dim = q.shape
     k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
     kernel, warps = _kernel(head_dim, f32_kv), _warps(f32_kv)
@@ -231,7 +233,7 @@ def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, nu
     _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out),
                  np.int32(q_row0), np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group),
                  k_base, k_z_stride, k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),
-                 np.int32(bool(causal)), np.float32(scale * np.log2(np.e)))
+                 np.int32(bool(causal)), np.float32(scale * np.log2(np.e)), np.int32(out_parts))
 
 
 def flash_prefill_cuda(q, k_cache, v_cache, segments, scale: float, window: int, out, stream):
@@ -275,6 +277,61 @@ def split_planes_cuda(k, v, num_images: int, k_planes, v_planes, stream):
     return k_planes, v_planes
 
 
+def rope_planes_cuda(q, k, v, bias, rope_pos, axes, cos, sin, num_images: int, q_out, k_planes, v_planes, stream):
+    """The tower's rotary and the qkv product's biases, then split_planes, in one pass: q, k, v (N P,
+    H, hd) float32 without their biases, bias (3 H hd,) bf16 bits (q's, k's, v's), the rotary's
+    rope_pos (N P, A) int32, axes (hd/2,) int32 < A, cos and sin (., hd/2) float32 ->
+    q_out = mrope_ref(q, rope_pos, axes, cos, sin, q's bias) and the planes of that of k and of
+    v + v's bias (flash_attention_ref.rope_planes_ref)."""
+    from moebus.cuda.kernels.vision_attention import image_rows
+
+    rows, heads, head_dim = image_rows(q, k, v, q_out, num_images)
+    positions = rows // num_images
+    k_shape, v_shape = plane_shapes(num_images, positions, heads, head_dim)
+    require("k_planes", k_planes, np.uint16, shape=k_shape)
+    require("v_planes", v_planes, np.uint16, shape=v_shape)
+    require("bias", bias, np.uint16, shape=(3 * heads * head_dim,))
+    require("rope_pos", rope_pos, np.int32, shape=(rows, None))
+    require("axes", axes, np.int32, shape=(head_dim // 2,))
+    require("cos", cos, np.float32, shape=(None, head_dim // 2))
+    require("sin", sin, np.float32, shape=tuple(cos.shape))
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim}: the rotary turns pairs")
+    if positions:
+        kernel = _kernel(head_dim, True, ROPE_ENTRY)
+        _core_launch(stream, (k_shape[3] // PLANE_KEYS, heads, num_images), PLANE_THREADS, kernel, _pointer(q),
+                     _pointer(k), _pointer(v), _pointer(bias), _pointer(rope_pos), np.int32(rope_pos.shape[1]),
+                     _pointer(axes), _pointer(cos), _pointer(sin), _pointer(q_out), _pointer(k_planes),
+                     _pointer(v_planes), np.int32(positions), np.int32(k_shape[3]), np.int32(heads))
+    return q_out, k_planes, v_planes
+
+
+def flash_planes_cuda(q, k_planes, v_planes, num_images: int, scale: float, out, stream):
+    """out = attention of q (N P, H, hd) float32 over the keys and values whose planes split_planes
+    (or rope_planes) wrote: the fused kernel alone. ``out``: (N P, H, hd) float32, or the split
+    input of the product that reads it next, (parts, N P, H hd) bf16 bits as gemm.split_rows writes
+    them (parts 1 or 2)."""
+    rows, heads, head_dim = q.shape
+    require("q", q, np.float32, ndim=3)
+    out_parts = 0
+    if np.dtype(out.dtype) == np.uint16:
+        require("out", out, np.uint16, shape=(None, rows, heads * head_dim))
+        out_parts = out.shape[0]
+        if out_parts not in (1, 2):
+            raise ValueError(f"out: {out_parts} parts, expected 1 or 2")
+    else:
+        require("out", out, np.float32, shape=tuple(q.shape))
+    positions = rows // num_images
+    shapes = plane_shapes(num_images, positions, heads, head_dim)
+    require("k_planes", k_planes, np.uint16, shape=shapes[0])
+    require("v_planes", v_planes, np.uint16, shape=shapes[1])
+    if positions:
+        strides = (0, 0, 0, shapes[0][3])  # the kernel reads the planes' keys_padded from k_row_stride
+        _launch(stream, q, k_planes, v_planes, out, True, 0, positions, positions, 1, strides, positions, 0, 0, False,
+                scale, num_z=num_images, out_parts=out_parts)
+    return out
+
+
 def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream, planes=None):
     """out = vision_attention_ref(q, k, v, num_images, scale): rows (N P, H, hd) float32, each image's
     P rows attending to each other. ``planes``: scratch for the keys' and values' bf16 planes
@@ -289,7 +346,5 @@ def flash_images_cuda(q, k, v, num_images: int, scale: float, out, stream, plane
         if planes is None:
             planes = tuple(cuda.device_array(shape, np.uint16) for shape in shapes)
         k_planes, v_planes = split_planes_cuda(k, v, num_images, *planes, stream)
-        strides = (0, 0, 0, shapes[0][3])  # the kernel reads the planes' keys_padded from k_row_stride
-        _launch(stream, q, k_planes, v_planes, out, True, 0, positions, positions, 1, strides, positions, 0, 0, False,
-                scale, num_z=num_images)
+        flash_planes_cuda(q, k_planes, v_planes, num_images, scale, out, stream)
     return out

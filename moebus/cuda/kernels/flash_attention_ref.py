@@ -162,3 +162,18 @@ def split_planes_ref(k, v, num_images: int) -> tuple[np.ndarray, np.ndarray]:
         k_planes[image, :, :, :positions, :head_dim] = keys.transpose(2, 0, 1, 3)
         v_planes[image, :, :, :, :positions] = values.transpose(2, 0, 3, 1)
     return k_planes, v_planes
+
+
+def rope_planes_ref(q, k, v, bias, rope_pos, axes, cos, sin, num_images: int) -> tuple:
+    """rope_planes_cuda in numpy: (mrope_ref(q + q's bias), *split_planes_ref(mrope_ref(k + k's
+    bias), v + v's bias)), bias (3 H hd,) stored (q's, k's, v's)."""
+    from moebus.cuda.dtypes import to_f32
+    from moebus.cuda.kernels.mrope import mrope_ref
+
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    _, heads, head_dim = q.shape
+    q_bias, k_bias, v_bias = np.asarray(bias).reshape(3, heads * head_dim)
+    q_out = mrope_ref(q, rope_pos, axes, cos, sin, q_bias)
+    keys = mrope_ref(k, rope_pos, axes, cos, sin, k_bias)
+    values = (v + to_f32(v_bias).reshape(heads, head_dim)).astype(np.float32)
+    return (q_out, *split_planes_ref(keys, values, num_images))

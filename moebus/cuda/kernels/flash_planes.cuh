@@ -46,6 +46,21 @@ __device__ __forceinline__ void load_tile(const u16 *kp, const u16 *vp, int keys
 // every n-tile in turn, so that consecutive mma feed different accumulators (a chain of dependent
 // mma per n-tile would leave the tensor cores waiting on each one's latency); each accumulator
 // still sums Qlo Khi, Qhi Klo, Qhi Khi per k-step, in that order.
+// A head dim of 8 past a multiple of 16 (72: the Qwen3-VL and SigLIP towers') ends on half a k-step:
+// with HALF_KSTEP (default 1) its products are m16n8k8 (the last 8 dims, not 16 of which 8 are the
+// planes' zero padding): a tenth fewer mma and key fragment reads for Q K^T at hd 72.
+#ifndef HALF_KSTEP
+#define HALF_KSTEP 1
+#endif
+#define LAST_HALF (HALF_KSTEP && HD % 16 == 8)
+
+// c += a (16 x 8, row: a[0], a[1] as m16n8k16's) b (8 x 8, col: b0), bf16 -> fp32
+__device__ __forceinline__ void mma_k8(float c[4], const u32 a[4], u32 b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b0));
+}
+
 __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][4], const u32 ql[KSTEPS][4],
                                        u16 (*ks)[BN][KP], int g, int t) {
 #pragma unroll
@@ -53,6 +68,20 @@ __device__ __forceinline__ void scores(float s[BN / 8][4], const u32 qh[KSTEPS][
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         const int col = kk * 16 + 2 * t;
+        if (LAST_HALF && kk == KSTEPS - 1) {  // dims kk * 16 ... + 7 only; the same three products in order
+            u32 hi[BN / 8];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) hi[nt] = smem_pair(ks[0][nt * 8 + g], col);
+#if SPLIT_QK
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], ql[kk], hi[nt]);
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], qh[kk], smem_pair(ks[1][nt * 8 + g], col));
+#endif
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[nt], qh[kk], hi[nt]);
+            continue;
+        }
         u32 hi[BN / 8][2];
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
@@ -133,6 +162,65 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
         kz[(long long)key * HDP + d] = (u16)hi;
         if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
         if (d < HD) tile[j][d] = key < positions ? v[at] : 0.f;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
+        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
+        u32 hi, lo;
+        split(tile[j][d], hi, lo);
+        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
+        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
+    }
+}
+
+// The product's value at dim d of a head's row after the 2-D (or M-) rotary, rotate-half form: the
+// pair (i, i + HD/2) turns by cos/sin of its frequency i at the position of axis axes[i]; each
+// product and sum rounded on its own (no fused multiply-add), as mrope_ref in numpy computes it.
+__device__ __forceinline__ float rotated(float own, float partner, float c, float s, bool first_half) {
+    return first_half ? __fsub_rn(__fmul_rn(own, c), __fmul_rn(partner, s))
+                      : __fadd_rn(__fmul_rn(own, c), __fmul_rn(partner, s));
+}
+
+// split_planes after the tower's rotary, with the qkv product's biases, in one pass: q, k, v the three
+// results of the fused qkv product without their biases (rows of heads x HD each; image z's key j at
+// row z * positions + j), bias (3, heads x HD) bf16 bits (q's, k's, v's); the rotary's positions
+// rope_pos (rows, axes_count) int32, axes (HD/2) int32, tables cos, sin (., HD/2) float32. Writes
+// q_out = mrope(q + q's bias) (float32, q's shape) and the planes of mrope(k + k's bias) and of
+// v + v's bias exactly as split_planes writes those of its k and v. Block (x, y, z) = (PLANE_KEYS
+// keys, head, image), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, const float *k, const float *v,
+                                                              const u16 *bias, const int *rope_pos, int axes_count,
+                                                              const int *axes, const float *cos_table,
+                                                              const float *sin_table, float *q_out, u16 *kp, u16 *vp,
+                                                              int positions, int keys_padded, int heads) {
+    __shared__ float tile[PLANE_KEYS][HD + 1];
+    const int key0 = blockIdx.x * PLANE_KEYS, head = blockIdx.y, z = blockIdx.z, half = HD / 2;
+    const long long row_pitch = (long long)heads * HD, rows_at = (long long)z * positions;
+    const long long plane_at = ((long long)z * heads + head) * 2 * keys_padded;
+    u16 *kz = kp + plane_at * HDP, *vz = vp + plane_at * HD;
+    const u16 *q_bias = bias + head * HD, *k_bias = q_bias + row_pitch, *v_bias = k_bias + row_pitch;
+    const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
+    for (int idx = threadIdx.x; idx < PLANE_KEYS * HDP; idx += blockDim.x) {
+        int j = idx / HDP, d = idx % HDP, key = key0 + j;
+        bool real = key < positions && d < HD;
+        long long row = rows_at + key, at = row * row_pitch + (long long)head * HD + d;
+        u32 hi = 0, lo = 0;
+        if (real) {
+            const bool first_half = d < half;
+            const int i = first_half ? d : d - half, other = first_half ? d + half : d - half;
+            const long long other_at = at - d + other;
+            const int p = rope_pos[row * axes_count + axes[i]];
+            const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+            const float q_own = __fadd_rn(q[at], bf16_value(q_bias[d]));
+            const float q_other = __fadd_rn(q[other_at], bf16_value(q_bias[other]));
+            const float k_own = __fadd_rn(k[at], bf16_value(k_bias[d]));
+            const float k_other = __fadd_rn(k[other_at], bf16_value(k_bias[other]));
+            q_out[at] = rotated(q_own, q_other, c, s, first_half);
+            split(rotated(k_own, k_other, c, s, first_half), hi, lo);
+        }
+        kz[(long long)key * HDP + d] = (u16)hi;
+        if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
+        if (d < HD) tile[j][d] = key < positions ? __fadd_rn(v[at], bf16_value(v_bias[d])) : 0.f;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {

@@ -15,6 +15,7 @@ import functools
 
 import numpy as np
 
+from moebus.cuda.kernels import layernorm, vision_attention
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
@@ -35,6 +36,11 @@ class SplitRows:
 def layernorm_into_ref(x, weight, bias, eps: float, next_weight) -> np.ndarray:
     """LayerNorm of x as the input of products by ``next_weight``: float32 (the cpu backend's)."""
     return layernorm_ref(x, weight, bias, eps)
+
+
+def residual_layernorm_into_ref(x, y, residual_bias, weight, bias, eps: float, next_weight) -> tuple:
+    """(x + (y + residual_bias), its LayerNorm) as the input of products by ``next_weight``: float32."""
+    return layernorm.residual_layernorm_ref(x, y, residual_bias, weight, bias, eps)
 
 
 def bias_activation_into_ref(y, bias, name: str, next_weight) -> np.ndarray:
@@ -76,10 +82,22 @@ def _bias_activation_split_kernel(storage: str, name: str):
 
     @kernel
     def bias_activation_split(y, bias, out):
-        # out[:, r, d] = the parts of fn(y[r, d] + bias[d]); a block per row, threads along it
+        # out[:, r, d] = the parts of fn(y[r, d] + bias[d]); a block per row, threads along it, each
+        # thread's four elements (a block's width apart) loaded before any is computed (layernorm.py:
+        # one load at a time waits out each load's latency); indices past the row clamped, unused
+        dim, step = y.shape[1], cuda.blockDim.x
         for r in range(cuda.blockIdx.x, y.shape[0], cuda.gridDim.x):
-            for d in range(cuda.threadIdx.x, y.shape[1], cuda.blockDim.x):
-                _store_split(out, r, d, fn(y[r, d] + load(bias, 0, d)))
+            for d in range(cuda.threadIdx.x, dim, 4 * step):
+                d1, d2, d3 = min(d + step, dim - 1), min(d + 2 * step, dim - 1), min(d + 3 * step, dim - 1)
+                y0, y1, y2, y3 = y[r, d], y[r, d1], y[r, d2], y[r, d3]
+                b0, b1, b2, b3 = load(bias, 0, d), load(bias, 0, d1), load(bias, 0, d2), load(bias, 0, d3)
+                _store_split(out, r, d, fn(y0 + b0))
+                if d + step < dim:
+                    _store_split(out, r, d1, fn(y1 + b1))
+                if d + 2 * step < dim:
+                    _store_split(out, r, d2, fn(y2 + b2))
+                if d + 3 * step < dim:
+                    _store_split(out, r, d3, fn(y3 + b3))
 
     return bias_activation_split
 
@@ -171,6 +189,17 @@ class SplitInputOps:
         parts = self.empty((self.tensor_cores.parts, *x.shape), np.uint16)
         return SplitRows(layernorm_split_cuda(x, weight, bias, eps, parts, stream=self.stream))
 
+    def residual_layernorm_into(self, x, y, residual_bias, weight, bias, eps: float, next_weight):
+        """(x + (y + residual_bias), the layernorm_into of that) in one pass (layernorm.py's
+        residual_layernorm_cuda): the residual add of a product before the next block's norm."""
+        x_out = self.empty(x.shape)
+        if not self._splits_for(x, next_weight):
+            return layernorm.residual_layernorm_cuda(x, y, residual_bias, weight, bias, eps, x_out, self.empty(x.shape),
+                                                     stream=self.stream)
+        parts = self.empty((self.tensor_cores.parts, *x.shape), np.uint16)
+        layernorm.residual_layernorm_cuda(x, y, residual_bias, weight, bias, eps, x_out, parts, stream=self.stream)
+        return x_out, SplitRows(parts)
+
     def bias_activation_into(self, y, bias, name: str, next_weight):
         """bias_activation(y, bias, name) as the input of products by ``next_weight`` (layernorm_into)."""
         if not self._splits_for(y, next_weight):
@@ -186,3 +215,21 @@ class SplitInputOps:
         if isinstance(x, SplitRows):
             return linears_of_parts(self, x, weight, biases, self.empty((count, rows, size)))
         return tuple(self.tiled_linear(x, weight[i * size:(i + 1) * size], bias) for i, bias in enumerate(biases))
+
+    def rope_attention_ready(self, rows: int, head_dim: int, bias) -> bool:
+        """Whether ``rope_image_attention`` takes a tower's attention of ``rows`` patches (one image)."""
+        return vision_attention.rope_attention_ready(self.tensor_cores, rows, head_dim, bias)
+
+    def rope_image_attention(self, q, k, v, bias, rope_pos, axes, cos, sin, scale: float, next_weight=None):
+        """One image's attention after the tower's rotary, from the qkv product's results without
+        their biases (q, k, v (P, H, hd) float32, bias (3 H hd,) bf16): rotary, biases and the keys'
+        and values' split in one pass, then the fused kernel (vision_attention.rope_image_attention_cuda).
+        (P, H, hd) float32, or, where products by ``next_weight`` take split inputs (layernorm_into),
+        its (P, H hd) rows split by the kernel as it stores them (SplitRows)."""
+        rows, heads, head_dim = q.shape
+        if next_weight is None or not self._splits_for(q, next_weight):
+            return vision_attention.rope_image_attention_cuda(self, q, k, v, bias, rope_pos, axes, cos, sin, 1, scale,
+                                                              self.empty(q.shape))
+        parts = self.empty((self.tensor_cores.parts, rows, heads * head_dim), np.uint16)
+        vision_attention.rope_image_attention_cuda(self, q, k, v, bias, rope_pos, axes, cos, sin, 1, scale, parts)
+        return SplitRows(parts)

@@ -139,3 +139,31 @@ def image_attention_cuda(ops, q, k, v, num_images: int, scale: float, out):
         planes = tuple(ops.empty(shape, np.uint16) for shape in shapes)
         return flash_attention.flash_images_cuda(q, k, v, num_images, scale, out, ops.stream, planes)
     return prefill_attention.image_attention(ops, ops.tensor_cores, q, k, v, num_images, scale, out)
+
+
+def rope_attention_ready(tensor_cores, rows: int, head_dim: int, bias) -> bool:
+    """Whether ``rope_image_attention_cuda`` runs for a tower's (rows, H, hd) q, k, v: the fused
+    kernel's path of image_attention_cuda (tensor cores for these rows, split precision, the kernel
+    built), an even head dim and a bf16 qkv bias."""
+    from moebus.cuda.kernels import flash_attention, prefill_attention
+
+    return (tensor_cores is not None and rows >= tensor_cores.min_rows and head_dim % 2 == 0
+            and np.dtype(bias.dtype) == np.uint16 and prefill_attention.PRECISION == "split"
+            and flash_attention.ready(head_dim, True))
+
+
+def rope_image_attention_cuda(ops, q, k, v, bias, rope_pos, axes, cos, sin, num_images: int, scale: float, out):
+    """out = vision_attention_ref(mrope(q + q's bias), mrope(k + k's bias), v + v's bias) on the
+    tensor cores of backend ``ops`` (rope_attention_ready): the rotary, the biases and the split of
+    the keys and values in one pass (flash_attention.rope_planes_cuda; q rotated into a temporary),
+    then the fused kernel. q, k, v (N P, H, hd) float32, the qkv product's results without biases;
+    bias (3 H hd,) bf16 bits; the rotary's arguments as mrope_ref's. ``out``: (N P, H, hd) float32,
+    or (parts, N P, H hd) bf16 bits: the next product's split input (flash_planes_cuda)."""
+    from moebus.cuda.kernels import flash_attention
+
+    rows, heads, head_dim = image_rows(q, k, v, q, num_images)
+    k_shape, v_shape = flash_attention.plane_shapes(num_images, rows // num_images, heads, head_dim)
+    k_planes, v_planes, q_rotated = ops.empty(k_shape, np.uint16), ops.empty(v_shape, np.uint16), ops.empty(q.shape)
+    flash_attention.rope_planes_cuda(q, k, v, bias, rope_pos, axes, cos, sin, num_images, q_rotated, k_planes, v_planes,
+                                     ops.stream)
+    return flash_attention.flash_planes_cuda(q_rotated, k_planes, v_planes, num_images, scale, out, ops.stream)
