@@ -189,16 +189,15 @@ def test_quant_expert_ffn_gives_the_same_bits_whatever_the_rows_a_warp(rng, fmt,
     # each row a round): the work shapes the decode sweep chooses between change no result
     from moebus.cuda.kernels import moe_quant
 
-    layout = ExpertLayout(fmt, 144, 16)  # 144: a partial second block / group; 3 rows: partial last groups
-    x = rng.standard_normal((2, 144), dtype=np.float32)
-    arena = device(_arena(rng, layout, 3))
-    pairs = [(0, 0, 0), (1, 0, 2), (0, 2, 1), (1, 1, 3)]
+    layout = ExpertLayout(fmt, 144, 16)  # 144: a partial second block / group; 3 and 5 rows: partial groups
+    x = rng.standard_normal((1, 144), dtype=np.float32)
+    arena = device(_arena(rng, layout, 2))
+    pairs = [(0, 1, 0), (0, 0, 1)]
     results = []
-    for gate_rows, words, down_rows in ((1, 8, 1), (2, 4, 2), (3, 8, 3), (2, 2, 4)):
+    for gate_rows, words, down_rows in ((1, 8, 1), (3, 2, 5)):
         monkeypatch.setattr(moe_quant, "GATE_UP_SHORT", {fmt: (gate_rows, words)})
         monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", {fmt: down_rows})
-        out = poisoned((4, 144))
+        out = poisoned((2, 144))
         _run(x, pairs, arena, layout, out)
         results.append(out.copy_to_host())
-    for other in results[1:]:
-        np.testing.assert_array_equal(other, results[0])
+    np.testing.assert_array_equal(results[1], results[0])
