@@ -201,3 +201,25 @@ def test_quant_expert_ffn_gives_the_same_bits_whatever_the_rows_a_warp(rng, fmt,
         _run(x, pairs, arena, layout, out)
         results.append(out.copy_to_host())
     np.testing.assert_array_equal(results[1], results[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_evict_first_loads_give_the_same_bits(rng, fmt, monkeypatch):
+    # STREAM_WEIGHTS: a round's words by one asm statement of ld.global.cs (rows of whole rounds: 512
+    # wide, 64 fp8 / 32 int4 words) or one load each (down rows of 16): the same words, the same sums
+    from moebus.cuda.kernels import moe_quant
+
+    layout = ExpertLayout(fmt, 512, 16)
+    x = rng.standard_normal((1, 512), dtype=np.float32)
+    blobs = _arena(rng, layout, 1)
+    arena = device(blobs)
+    results = []
+    for streaming in (False, True):
+        monkeypatch.setattr(moe_quant, "STREAM_WEIGHTS", streaming)
+        out = poisoned((1, 512))
+        _run(x, [(0, 0, 0)], arena, layout, out)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[1], results[0])
+    expected = np.zeros((1, 512), np.float32)
+    expert_ffn_quant_ref(x, [0], [0], [0], blobs, layout, expected)
+    _close(results[1], expected)

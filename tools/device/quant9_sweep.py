@@ -137,6 +137,7 @@ def main() -> None:
             table([json.loads(line) for line in log if line.startswith("{")])
         return
     from quant7_speed import _keep_stores
+    from quant8_speed import _keep_attention
 
     model_dir = sys.argv[1]
     with open(sys.argv[2]) as f:
@@ -144,6 +145,7 @@ def main() -> None:
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     only = os.environ.get("ONLY")  # "experts:attention,...": this process's part of the plan (warm-ups)
     _keep_stores()
+    _keep_attention()  # each layer's FP8 q/k/v/o quantized once for every load
     for experts, attention, settings in plan:
         if only and f"{experts}:{attention}" not in only.split(","):
             continue

@@ -34,7 +34,7 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming
+from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming, streaming_round
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
 # 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
@@ -129,6 +129,7 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
     from one address (no clamp, no test a word). ``streaming``: weight words loaded evict-first."""
     decode = decoder(fmt, hardware)
     load_word = load_streaming if streaming else _load_plain
+    load_round = streaming_round(unroll, WARP) if streaming and exact else None
     scale_index, read_params = PARAMS[fmt]
     per_word = VALUES_PER_WORD[fmt]
     chunks = per_word // 4  # 4-float chunks of x per weight word, 2 x words each
@@ -171,9 +172,12 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                         row = min(group * rows + r, num_rows - 1)
                         at = uint64(code_at + row * row_words + base)
                         first_scale = scale_index(scale_at, row, base * per_word, cols)
+                        if load_round is not None:  # the round's words in one asm statement
+                            load_round(words, slot, at, raw, m, r)
                         for k in range(unroll):
                             if exact:
-                                raw[m, r, k] = load_word(words, slot, at + uint64(k * WARP))
+                                if load_round is None:
+                                    raw[m, r, k] = load_word(words, slot, at + uint64(k * WARP))
                                 scales[m, r, k], minima[m, r, k] = read_params(floats, slot,
                                                                                first_scale + uint64(k * step))
                             else:
