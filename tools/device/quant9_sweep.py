@@ -32,6 +32,17 @@ def emit(row: dict) -> dict:
     return row
 
 
+def kernel_name(name: str) -> str:
+    """module.function of a numba kernel's name as the trace gives it, demangled
+    ("moebus::cuda::kernels::moe_quant::_rows_kernel::_3clocals_3e::quant_rows[abi:...](...)") or
+    mangled; other kernels' (cuBLAS, copies) names cut to 60 characters."""
+    if name.startswith("moebus::"):
+        parts = [p.split("[")[0].split("(")[0] for p in name.split("::")[3:]]
+        parts = [p for p in parts if p and not p.startswith("_3c")]
+        return f"{parts[0]}.{parts[-1]}" if len(parts) > 1 else parts[0] if parts else name[:60]
+    return short_name(name)
+
+
 def kernel_table(prof, steps: int, layers: int) -> dict:
     """{label: (calls a step, us a call)} of the CUDA kernels in a trace of ``steps`` steps."""
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -44,7 +55,7 @@ def kernel_table(prof, steps: int, layers: int) -> dict:
     for start, end, name in events:
         per_step = counts[name] // steps
         per_layer = per_step // layers if per_step % layers == 0 and per_step >= 2 * layers else 1
-        short = short_name(name)
+        short = kernel_name(name)
         number = variants[short].setdefault(name, len(variants[short]))
         label = f"{short} v{number}" + (f" #{seen[name] % per_layer}" if per_layer > 1 else "")
         seen[name] += 1
@@ -133,8 +144,14 @@ def table(rows: list[dict]) -> None:
 
 def main() -> None:
     if sys.argv[1] == "--table":
+        rows = []
         with open(sys.argv[2]) as log:
-            table([json.loads(line) for line in log if line.startswith("{")])
+            for line in log:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut by the call's time limit, or not JSON
+                    pass
+        table([r for r in rows if isinstance(r, dict)])
         return
     from quant7_speed import _keep_stores
     from quant8_speed import _keep_attention

@@ -42,7 +42,8 @@ LONG_RUN_UNROLL = 2  # ... words of each row with 3-8 tokens (as moe_quant.LONG_
 # and ROWS_PER_WARP for bf16 (4 and 4: qkv / o 13.0 -> 9.0 us a call at batch 1 in the 48 x 32 graph,
 # batch 8 588 -> 668 tok/s): with 1-2 tokens a pass and with 3-8; fewer where a projection's rows would
 # then make fewer than MIN_WARPS warps (the o projection's 2048 rows of 4096: with 4 rows a warp 512
-# warps, 4 an SM, too few loads in flight).
+# warps, 4 an SM, too few loads in flight). Chosen by that analogy and ptxas (2 x 4 words: 66
+# registers; 4 rows at 8 tokens: 126); not yet timed on a GPU (tools/device/quant9_call.sh).
 ROWS_PER_WARP_SHORT = 2
 ROWS_PER_WARP = 4
 MIN_WARPS = 1024

@@ -41,20 +41,24 @@ from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, l
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
 # Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
 # words, 3 a lane): with runs of 1-2 pairs 4 a warp measured fastest of 1 / 2 / 4 on an H200
-# (2026-12-01, event-timed calls, docs/performance.md); with longer runs 2 (4 needs local memory there).
-DOWN_ROWS_SHORT = {"fp8": 2, "int4": 2}
+# (2026-12-01, event-timed calls of the expert FFN, fp8 and int4, docs/performance.md); with longer
+# runs 2 (4 needs local memory there). By format: tools/device/quant9_call.sh times 2 and 3 as well.
+DOWN_ROWS_SHORT = {"fp8": 4, "int4": 4}
 DOWN_ROWS_LONG = 2
 # Gate|up rows (of both matrices) a warp takes with runs of 1-2 pairs and the words of each a lane
-# loads a round, by format: fewer blocks for the same bytes in flight a warp (fp8 at batch 1: 2 rows x
-# 4 words make 768 blocks, all resident at 80 registers, where 1 row x 8 words made 1536, 1.45 waves),
-# as moe_ffn.GATE_UP_ROWS_SHORT for bf16 (18.2 -> 15.3 us a layer in the 48 x 32 graph); with longer
+# loads a round, by format: fp8 2 rows x 4 words (768 blocks at batch 1, all resident at 80 registers,
+# where 1 row x 8 words made 1536, 1.45 waves at 64) measured 3% faster than 1 x 8 in the fifth
+# session's event-timed calls, and the same change took bf16's gate|up from 18.2 to 15.3 us a layer in
+# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round;
+# 2 x 2 takes 96 registers, 2 x 4 128). Not yet timed in the decode graph: quant9_call.sh. With longer
 # runs GATE_UP_ROWS_LONG rows and LONG_RUN_VALUES values' worth of words. The tests cover 1-3 rows.
-GATE_UP_SHORT = {"fp8": (2, 4), "int4": (2, 2)}
+GATE_UP_SHORT = {"fp8": (2, 4), "int4": (1, 4)}
 GATE_UP_ROWS_LONG = 1
 LONG_RUN_VALUES = 16
 # weight words loaded evict-first (ld.global.cs), as moe_ffn.STREAM_WEIGHTS for bf16 experts (batch 8
 # 799 -> 855 tok/s there): read once a step, they need not push the activations and the attention's
-# weights out of the 50 MB L2
+# weights out of the 50 MB L2. A round's words by one asm statement (quant_words.streaming_round): the
+# fp8 gate|up then takes 96 registers against 80 (ptxas, sm_90), down 64 against 96. Off until timed.
 STREAM_WEIGHTS = False
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
