@@ -28,7 +28,8 @@ wait
 echo "== warmed"; date; tail -c 100 $OUT/init.log; echo; grep -h '"setting"\|failed' $OUT/warm_*.txt | cut -c1-160
 grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.txt | tail -6
 python3 tools/device/quant9_cache_merge.py /tmp/nc /tmp/nc1 /tmp/nc2 /tmp/nc3
-(cd tools/device && NUMBA_CACHE_DIR=/tmp/nc timeout ${SWEEP_S:-100} python3 quant9_sweep.py $M ${PLAN:-quant9_plan.json} ${STEPS:-4}) 2>&1 \
+(cd tools/device && NUMBA_CACHE_DIR=/tmp/nc timeout ${SWEEP_S:-100} \
+  python3 quant9_sweep.py $M ${PLAN:-quant9_plan.json} ${STEPS:-4}) 2>&1 \
   | grep -v Warn > $OUT/sweep.txt
 echo "== sweep rc $?"; date
 grep -v '^{' $OUT/sweep.txt | tail -5
