@@ -81,3 +81,34 @@ def test_backend_linear_takes_fp8_weights(rng, tokens):
     out = ops.to_host(ops.linear(ops.upload(x), ops.fp8_weight(codes, scales)))
     expected = linear_fp8_ref(x, codes, scales)
     np.testing.assert_allclose(out, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_linear_fp8_gives_the_same_bits_whatever_the_rows_a_warp(rng, tokens, monkeypatch):
+    # lane l sums words l, l + 32, ... of a row in that order whatever rows its warp takes: the work
+    # shapes (linear_quant.ROWS_PER_WARP*, MIN_WARPS) change no result; 7 rows: partial last groups
+    from moebus.cuda.kernels import linear_quant
+
+    codes, scales = fp8_rows(_weight(rng, 7, 520))  # 65 words a row: lanes loop, rounds are not whole
+    x = rng.standard_normal((tokens, 520), dtype=np.float32)
+    monkeypatch.setattr(linear_quant, "MIN_WARPS", 1)
+    results = []
+    for rows in (1, 2, 3, 4):
+        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP_SHORT", rows)
+        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP", rows)
+        out = poisoned((tokens, 7))
+        linear_fp8_cuda(device(x), device(codes), device(scales), out)
+        results.append(out.copy_to_host())
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    _close(results[0], linear_fp8_ref(x, codes, scales))
+
+
+def test_projection_rows_a_warp_keep_enough_warps(monkeypatch):
+    from moebus.cuda.kernels import linear_quant
+
+    monkeypatch.setattr(linear_quant, "ROWS_PER_WARP_SHORT", 4)
+    monkeypatch.setattr(linear_quant, "MIN_WARPS", 1024)
+    assert linear_quant.rows_for(5120, 1) == 4  # A3B's qkv: 1280 warps
+    assert linear_quant.rows_for(2048, 1) == 2  # its o: 1024 warps, not 512
+    assert linear_quant.rows_for(100, 1) == 1

@@ -54,7 +54,7 @@ def test_quant_expert_ffn_matches_ref_with_runs_and_host_store_misses(rng, fmt):
 def test_quant_expert_ffn_partial_edge_blocks_and_groups(rng, fmt, hidden, monkeypatch):
     from moebus.cuda.kernels import moe_quant
 
-    monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", 3)  # 1040 down rows: the last group of 3 is partial
+    monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", {fmt: 3})  # 1040 down rows: the last group of 3 is partial
     # D = 144: two blocks / groups along the input, the second 16 wide; D = 1040: nine, and rows of
     # 130 (fp8) or 65 (int4) words, more than a warp's unrolled loads, so lanes loop; I = 16
     layout = ExpertLayout(fmt, hidden, 16)
@@ -118,7 +118,7 @@ def test_quant_expert_ffn_long_runs_and_odd_row_groups(rng, fmt, monkeypatch):
     from moebus.cuda.kernels import moe_quant
 
     monkeypatch.setattr(moe_quant, "DOWN_ROWS_LONG", 3)
-    monkeypatch.setattr(moe_quant, "GATE_UP_ROWS", 3)
+    monkeypatch.setattr(moe_quant, "GATE_UP_ROWS_LONG", 3)
     layout = ExpertLayout(fmt, 144, 16)
     x = rng.standard_normal((8, 144), dtype=np.float32)
     arena = _arena(rng, layout, 3)
@@ -181,3 +181,45 @@ def test_fp8_runs_of_several_tokens_take_the_conversion_instruction_where_the_gp
     assert [quant_words.hardware_e4m3(chunk) for chunk in (1, 2, 3, 8)] == [False, False, True, True]
     monkeypatch.setattr(quant_words, "can_convert_e4m3", lambda: False)
     assert not quant_words.hardware_e4m3(8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_gives_the_same_bits_whatever_the_rows_a_warp(rng, fmt, monkeypatch):
+    # a lane sums its words in the same order whatever rows its warp takes (and however many words of
+    # each row a round): the work shapes the decode sweep chooses between change no result
+    from moebus.cuda.kernels import moe_quant
+
+    layout = ExpertLayout(fmt, 144, 16)  # 144: a partial second block / group; 3 and 5 rows: partial groups
+    x = rng.standard_normal((1, 144), dtype=np.float32)
+    arena = device(_arena(rng, layout, 2))
+    pairs = [(0, 1, 0), (0, 0, 1)]
+    results = []
+    for gate_rows, words, down_rows in ((1, 8, 1), (3, 2, 5)):
+        monkeypatch.setattr(moe_quant, "GATE_UP_SHORT", {fmt: (gate_rows, words)})
+        monkeypatch.setattr(moe_quant, "DOWN_ROWS_SHORT", {fmt: down_rows})
+        out = poisoned((2, 144))
+        _run(x, pairs, arena, layout, out)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[1], results[0])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_expert_ffn_evict_first_loads_give_the_same_bits(rng, fmt, monkeypatch):
+    # STREAM_WEIGHTS: a round's words by one asm statement of ld.global.cs (rows of whole rounds: 512
+    # wide, 64 fp8 / 32 int4 words) or one load each (down rows of 16): the same words, the same sums
+    from moebus.cuda.kernels import moe_quant
+
+    layout = ExpertLayout(fmt, 512, 16)
+    x = rng.standard_normal((1, 512), dtype=np.float32)
+    blobs = _arena(rng, layout, 1)
+    arena = device(blobs)
+    results = []
+    for streaming in (False, True):
+        monkeypatch.setattr(moe_quant, "STREAM_WEIGHTS", streaming)
+        out = poisoned((1, 512))
+        _run(x, [(0, 0, 0)], arena, layout, out)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[1], results[0])
+    expected = np.zeros((1, 512), np.float32)
+    expert_ffn_quant_ref(x, [0], [0], [0], blobs, layout, expected)
+    _close(results[1], expected)

@@ -6,8 +6,8 @@
 2. ``decode``: ``moebus bench decode`` (in-process, CUDA graphs) on MODEL for each experts dtype, every
    expert resident and then a cache of bf16's 25% in MiB (``--cache-mib``) for every dtype.
 3. ``variants``: as 1 at 1 token, fp8 / int4 with (gate|up rows a warp, words a lane a round) of
-   (1, 8) (the defaults: GATE_UP_ROWS, MAX_UNROLL), (2, 4), (1, 4). (4-byte words were measured
-   with the second call's tree, 2026-12-01, then dropped: docs/performance.md.)
+   (1, 8) (then the defaults; moe_quant.GATE_UP_SHORT's rows and words now), (2, 4), (1, 4). (4-byte
+   words were measured with the second call's tree, 2026-12-01, then dropped: docs/performance.md.)
 4. ``profile``: as 1, each kernel's own GPU time (torch.profiler's CUPTI trace of 20 calls): gate|up
    and down apart, without the launch gaps that 1's events include.
 
@@ -101,11 +101,11 @@ def kernels(variants: bool = False) -> list[dict]:
     for dtype, tokens, nbytes, run, stream in _cases(np.random.default_rng(0), (1,) if variants else (1, 8)):
         if variants and dtype == "bf16":
             continue
-        default = moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL
+        default = moe_quant.GATE_UP_SHORT[dtype]
         for shape in ((1, 8), (2, 4), (1, 4)) if variants else (default,):
-            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = shape
+            moe_quant.GATE_UP_SHORT = {**moe_quant.GATE_UP_SHORT, dtype: shape}
             us = time_launches(run, 30, 3, stream)[0]
-            moe_quant.GATE_UP_ROWS, moe_quant.MAX_UNROLL = default
+            moe_quant.GATE_UP_SHORT = {**moe_quant.GATE_UP_SHORT, dtype: default}
             rows.append(emit({"section": "kernels", "experts_dtype": dtype, "tokens": tokens,
                               "shape": None if dtype == "bf16" else list(shape), "us": us, "mb": nbytes / 1e6,
                               "gb_s": nbytes / us / 1e3}))

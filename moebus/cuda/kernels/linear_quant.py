@@ -7,9 +7,9 @@ The scales are the checkpoint's 128 x 128 block grid repeated for each row of a 
 concatenate into the fused qkv projection whatever their row counts.
 
 Decode (up to ``MAX_TOKENS`` tokens a pass, more as a second grid dimension of token chunks): a warp
-per output row, a lane loading ``unroll`` 8-byte words of the row (8 codes each, never straddling a
-block: 128 is a multiple of 8) and their scales before the first use, decoding each word once for all
-tokens of the pass (quant_words.decoder) and reading x 16 bytes a load, as the quantized expert GEMVs
+per ``rows_for`` output rows, a lane loading ``unroll`` 8-byte words of each row (8 codes each, never
+straddling a block: 128 is a multiple of 8) and their scales before the first use, decoding each word
+once for all tokens of the pass (quant_words.decoder) and reading x 16 bytes a load, as the quantized expert GEMVs
 (moe_quant.py). Many tokens (prefill): the weight is dequantized to a bf16 scratch matrix and the
 bf16 path (tensor cores) runs on it (``backends/cuda.py``).
 
@@ -33,9 +33,20 @@ from moebus.cuda.kernels.moe_quant_bf16 import _bf16_bits
 from moebus.cuda.kernels.quant_words import decoder, e4m3_at, hardware_e4m3
 
 MAX_TOKENS = 8  # tokens a pass: per-lane sums live in registers
-WARPS = 4  # rows in flight a block
-MAX_UNROLL = 8  # words a lane loads a round with 1-2 tokens (a q/k/v row of 2048 inputs: 256 words, one round)
-LONG_RUN_UNROLL = 2  # ... with 3-8 tokens (as moe_quant.LONG_RUN_VALUES)
+WARPS = 4  # warps a block
+MAX_UNROLL = 8  # words a lane loads a round with 1-2 tokens, over the rows it takes (a q/k/v row of 2048
+# inputs is 256 words: one round of 8 words at 1 row a warp, two rounds of 4 words a row at 2 rows)
+LONG_RUN_UNROLL = 2  # ... words of each row with 3-8 tokens (as moe_quant.LONG_RUN_VALUES)
+# Rows a warp takes (each x word it loads serves all of them; a row's sums are the same whatever the
+# rows a warp, lane l taking words l, l + 32, ... in that order), as linear.py's ROWS_PER_WARP_SHORT
+# and ROWS_PER_WARP for bf16 (4 and 4: qkv / o 13.0 -> 9.0 us a call at batch 1 in the 48 x 32 graph,
+# batch 8 588 -> 668 tok/s): with 1-2 tokens a pass and with 3-8; fewer where a projection's rows would
+# then make fewer than MIN_WARPS warps (the o projection's 2048 rows of 4096: with 4 rows a warp 512
+# warps, 4 an SM, too few loads in flight). Chosen by that analogy and ptxas (2 x 4 words: 66
+# registers; 4 rows at 8 tokens: 126); not yet timed on a GPU (tools/device/quant9_call.sh).
+ROWS_PER_WARP_SHORT = 2
+ROWS_PER_WARP = 4
+MIN_WARPS = 1024
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 
@@ -72,8 +83,9 @@ def linear_fp8_ref(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.n
 # -- device: the GEMV ---------------------------------------------------------------------------------
 
 @functools.cache
-def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool):
-    """``exact``: rows are whole rounds of WARP x unroll words (a round's loads need no clamp)."""
+def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows: int = 1):
+    """A warp takes ``rows`` consecutive rows. ``exact``: rows are whole rounds of WARP x unroll words
+    (a round's loads need no clamp)."""
     decode = decoder("fp8", hardware)
 
     @kernel
@@ -81,48 +93,68 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool):
         # x (T, C) float32 as uint64; codes (R, C / 8) as uint64; scales (R, G) float32; out (T, R)
         lane, first, stride = warp_rows()
         total_tokens, num_rows = out.shape
+        num_groups = (num_rows + rows - 1) // rows
         t0 = cuda.blockIdx.y * chunk
         run = min(chunk, total_tokens - t0)
-        acc = cuda.local.array(chunk, float32)
-        raw = cuda.local.array(unroll, uint64)
-        factor = cuda.local.array(unroll, float32)
-        w_buf = cuda.local.array((2, 4), float32)
+        acc = cuda.local.array((rows, chunk), float32)
+        raw = cuda.local.array((rows, unroll), uint64)
+        factor = cuda.local.array((rows, unroll), float32)
+        w_buf = cuda.local.array((rows, 2, 4), float32)
         x_buf = cuda.local.array((2, 4), float32)
-        for start in range(0, num_rows, stride):
-            row = uint32(min(start + first, num_rows - 1))  # unsigned: no wraparound arithmetic a load
-            for t in range(chunk):
-                acc[t] = float32(0.0)
+        for start in range(0, num_groups, stride):
+            group = min(start + first, num_groups - 1)
+            for r in range(rows):
+                for t in range(chunk):
+                    acc[r, t] = float32(0.0)
             for base in range(lane, row_words, WARP * unroll):
-                for k in range(unroll):  # every load of the round in flight before the first use
-                    word = uint32(base + k * WARP) if exact else uint32(min(base + k * WARP, row_words - 1))
-                    raw[k] = codes[row, word]
-                    factor[k] = scales[row, word // uint32(WORDS_PER_BLOCK)]
+                for r in range(rows):  # every load of the round in flight before the first use
+                    row = uint32(min(group * rows + r, num_rows - 1))  # unsigned: no wraparound arithmetic
+                    for k in range(unroll):
+                        word = uint32(base + k * WARP) if exact else uint32(min(base + k * WARP, row_words - 1))
+                        raw[r, k] = codes[row, word]
+                        factor[r, k] = scales[row, word // uint32(WORDS_PER_BLOCK)]
                 for k in range(unroll):
                     word = base + k * WARP
                     if exact or word < row_words:
-                        decode(raw[k], factor[k], float32(0.0), w_buf)  # once for the pass's tokens
+                        for r in range(rows):
+                            decode(raw[r, k], factor[r, k], float32(0.0), w_buf[r])  # once for the pass's tokens
                         for t in range(chunk):
                             if t < run:  # the same for the whole block: no divergence
                                 for i in range(2):
                                     _x_chunk(x, uint32(t0 + t), uint64(4 * word + 2 * i), x_buf[i])
-                                dot = float32(0.0)
-                                for i in range(2):
-                                    dot = accumulate(dot, x_buf[i], w_buf[i], 4)
-                                acc[t] += factor[k] * dot
-            warp_sum_many(acc, chunk)
-            if lane == 0 and start + first < num_rows:  # constant indices keep the sums in registers
-                for t in range(chunk):
-                    if t < run:
-                        out[t0 + t, row] = acc[t]
+                                for r in range(rows):
+                                    dot = float32(0.0)
+                                    for i in range(2):
+                                        dot = accumulate(dot, x_buf[i], w_buf[r, i], 4)
+                                    acc[r, t] += factor[r, k] * dot
+            for r in range(rows):
+                warp_sum_many(acc[r], chunk)
+            if lane == 0 and start + first < num_groups:  # constant indices keep the sums in registers
+                for r in range(rows):
+                    if group * rows + r < num_rows:
+                        for t in range(chunk):
+                            if t < run:
+                                out[t0 + t, group * rows + r] = acc[r, t]
 
     return fp8_rows
 
 
-def unroll_for(row_words: int, chunk: int) -> tuple[int, bool]:
-    """(words a lane loads a round, whether rows are whole rounds): all of a row's where they fit
-    with 1-2 tokens a pass; with more, LONG_RUN_UNROLL (at 8 tokens an unroll of 8 spills the sums
-    to local memory, ptx_check), each word then serving several tokens."""
-    unroll = max(1, min(MAX_UNROLL if chunk <= 2 else LONG_RUN_UNROLL, ceil_div(row_words, WARP)))
+def rows_for(num_rows: int, chunk: int) -> int:
+    """Rows a warp takes: ROWS_PER_WARP_SHORT with 1-2 tokens a pass, ROWS_PER_WARP with more, halved
+    while the projection would get fewer than MIN_WARPS warps."""
+    rows = ROWS_PER_WARP_SHORT if chunk <= 2 else ROWS_PER_WARP
+    while rows > 1 and ceil_div(num_rows, rows) < MIN_WARPS:
+        rows //= 2
+    return max(1, rows)
+
+
+def unroll_for(row_words: int, chunk: int, rows: int = 1) -> tuple[int, bool]:
+    """(words of each row a lane loads a round, whether rows are whole rounds): all of a row's where
+    they fit with 1-2 tokens a pass, at most MAX_UNROLL over the warp's rows; with more,
+    LONG_RUN_UNROLL (at 8 tokens an unroll of 8 spills the sums to local memory, ptx_check), each word
+    then serving several tokens."""
+    most = max(1, MAX_UNROLL // rows) if chunk <= 2 else LONG_RUN_UNROLL
+    unroll = max(1, min(most, ceil_div(row_words, WARP)))
     return unroll, row_words % (WARP * unroll) == 0
 
 
@@ -147,8 +179,9 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
         return out
     chunk = min(MAX_TOKENS, num_tokens)
     row_words = cols // VALUES_PER_WORD
-    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words, chunk))
-    grid = (blocks(ceil_div(codes.shape[0], WARPS)), ceil_div(num_tokens, chunk))
+    rows = rows_for(codes.shape[0], chunk)
+    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words, chunk, rows), rows)
+    grid = (blocks(ceil_div(ceil_div(codes.shape[0], rows), WARPS)), ceil_div(num_tokens, chunk))
     kernel_[grid, threads(WARPS * WARP), stream](x.view(np.uint64), codes.view(np.uint64), scales, row_words, out)
     return out
 

@@ -4,7 +4,7 @@ Same work split as moe_ffn.py (warp per output row, runs of pairs on one slot in
 negative placement entry read from the mapped host store), so a decode step moves 1 byte (fp8) or
 ~0.56 byte (int4) per weight instead of 2.
 
-One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS`` of each a
+One kernel serves both GEMVs (gate|up: two matrices whose rows pair up, ``GATE_UP_ROWS_*`` of each a
 warp, then silu(gate) * up into the scratch h; down: ``DOWN_ROWS_*`` rows a warp). A lane reads
 8-byte words of the blob (8 fp8 or 16 4-bit codes, never straddling a block or group: rows are
 multiples of 16 values, blocks and groups 128), all of a round's words and their scales in flight
@@ -34,20 +34,32 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair
+from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming, streaming_round
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
 # 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
 VALUES_PER_WORD = {"fp8": 8, "int4": 16}
 # Rows a warp takes (each x word a lane loads serves all of them). Down rows are short (768: 96 fp8
 # words, 3 a lane): with runs of 1-2 pairs 4 a warp measured fastest of 1 / 2 / 4 on an H200
-# (2026-12-01, docs/performance.md); with longer runs 2 (measured; 4 needs local memory there).
-# Gate|up rows: 1 and 2 measured within 3% (2 then needs local memory for int4); the tests cover 3.
-DOWN_ROWS_SHORT = 4
+# (2026-12-01, event-timed calls of the expert FFN, fp8 and int4, docs/performance.md); with longer
+# runs 2 (4 needs local memory there). By format: tools/device/quant9_call.sh times 2 and 3 as well.
+DOWN_ROWS_SHORT = {"fp8": 4, "int4": 4}
 DOWN_ROWS_LONG = 2
-GATE_UP_ROWS = 1
-MAX_UNROLL = 8  # 8-byte words a lane loads a round with runs of 1-2 pairs (decode at batch 1) ...
-LONG_RUN_VALUES = 16  # ... and values a lane loads a round with longer runs (unroll_for)
+# Gate|up rows (of both matrices) a warp takes with runs of 1-2 pairs and the words of each a lane
+# loads a round, by format: fp8 2 rows x 4 words (768 blocks at batch 1, all resident at 80 registers,
+# where 1 row x 8 words made 1536, 1.45 waves at 64) measured 3% faster than 1 x 8 in the fifth
+# session's event-timed calls, and the same change took bf16's gate|up from 18.2 to 15.3 us a layer in
+# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round;
+# 2 x 2 takes 96 registers, 2 x 4 128). Not yet timed in the decode graph: quant9_call.sh. With longer
+# runs GATE_UP_ROWS_LONG rows and LONG_RUN_VALUES values' worth of words. The tests cover 1-3 rows.
+GATE_UP_SHORT = {"fp8": (2, 4), "int4": (1, 4)}
+GATE_UP_ROWS_LONG = 1
+LONG_RUN_VALUES = 16
+# weight words loaded evict-first (ld.global.cs), as moe_ffn.STREAM_WEIGHTS for bf16 experts (batch 8
+# 799 -> 855 tok/s there): read once a step, they need not push the activations and the attention's
+# weights out of the 50 MB L2. A round's words by one asm statement (quant_words.streaming_round): the
+# fp8 gate|up then takes 96 registers against 80 (ptxas, sm_90), down 64 against 96. Off until timed.
+STREAM_WEIGHTS = False
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
@@ -90,6 +102,11 @@ def _params_int4(floats, slot, at):
 
 
 @device
+def _load_plain(array, row, at):
+    return array[row, at]
+
+
+@device
 def _x_chunk(x, row, at, buf):
     """4 float32 of x from its uint64 view: words at and at + 1, one 16-byte load (unsigned indices:
     numba then adds no wraparound arithmetic for negative ones)."""
@@ -108,12 +125,15 @@ SCALE_STEP = {"fp8": WARP * 8 // BLOCK, "int4": 2 * WARP * 16 // BLOCK}
 # -- device: the GEMV ------------------------------------------------------------------------------
 
 @functools.cache
-def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unroll: int, exact: bool):
+def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unroll: int, exact: bool,
+                 streaming: bool = False):
     """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
     takes ``rows`` consecutive rows, out[pair_out] = the sums). ``hardware``: quant_words.decoder's.
     ``exact``: a row is whole rounds of WARP x unroll words, so a round's loads sit at constant offsets
-    from one address (no clamp, no test a word)."""
+    from one address (no clamp, no test a word). ``streaming``: weight words loaded evict-first."""
     decode = decoder(fmt, hardware)
+    load_word = load_streaming if streaming else _load_plain
+    load_round = streaming_round(unroll, WARP) if streaming and exact else None
     scale_index, read_params = PARAMS[fmt]
     per_word = VALUES_PER_WORD[fmt]
     chunks = per_word // 4  # 4-float chunks of x per weight word, 2 x words each
@@ -156,14 +176,17 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                         row = min(group * rows + r, num_rows - 1)
                         at = uint64(code_at + row * row_words + base)
                         first_scale = scale_index(scale_at, row, base * per_word, cols)
+                        if load_round is not None:  # the round's words in one asm statement
+                            load_round(words, slot, at, raw, m, r)
                         for k in range(unroll):
                             if exact:
-                                raw[m, r, k] = words[slot, at + uint64(k * WARP)]
+                                if load_round is None:
+                                    raw[m, r, k] = load_word(words, slot, at + uint64(k * WARP))
                                 scales[m, r, k], minima[m, r, k] = read_params(floats, slot,
                                                                                first_scale + uint64(k * step))
                             else:
                                 word = min(base + k * WARP, row_words - 1)
-                                raw[m, r, k] = words[slot, at + uint64(word - base)]
+                                raw[m, r, k] = load_word(words, slot, at + uint64(word - base))
                                 scales[m, r, k], minima[m, r, k] = read_params(
                                     floats, slot, scale_index(scale_at, row, word * per_word, cols))
                 x_at = uint64(base * 2 * chunks)
@@ -201,22 +224,32 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
     return quant_rows
 
 
-def unroll_for(row_words: int, chunk: int, per_word: int) -> int:
-    """Words a lane loads a round: all of a row's where they fit (fp8 gate|up rows of 2048: 8 a
-    lane, one round), at most MAX_UNROLL with runs of 1-2 pairs; with longer runs LONG_RUN_VALUES
-    values' worth (registers hold the run's sums, and each word then serves several tokens), or one
-    more where that makes rows whole rounds (fp8 down rows of 768: 3 a lane, not 2; see _round)."""
-    most = MAX_UNROLL if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
+def unroll_for(row_words: int, chunk: int, per_word: int, most: int = 8) -> int:
+    """Words of each row a lane loads a round: all of a row's where they fit, at most ``most`` with
+    runs of 1-2 pairs (GATE_UP_SHORT's words; down rows of 768 are 3 fp8 words a lane, one round);
+    with longer runs LONG_RUN_VALUES values' worth (registers hold the run's sums, and each word then
+    serves several tokens), or one more where that makes rows whole rounds (fp8 down rows of 768: 3 a
+    lane, not 2; see _round)."""
+    most = most if chunk <= 2 else max(1, LONG_RUN_VALUES // per_word)
     unroll = max(1, min(ceil_div(row_words, WARP), most))
     if row_words % (WARP * unroll) and row_words % (WARP * (unroll + 1)) == 0:
         return unroll + 1
     return unroll
 
 
-def _round(row_words: int, chunk: int, per_word: int) -> tuple[int, bool]:
+def _round(row_words: int, chunk: int, per_word: int, most: int = 8) -> tuple[int, bool]:
     """(words a lane loads a round, whether rows are whole rounds): the kernel's unroll and exact."""
-    unroll = unroll_for(row_words, chunk, per_word)
+    unroll = unroll_for(row_words, chunk, per_word, most)
     return unroll, row_words % (WARP * unroll) == 0
+
+
+def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
+    """(gate|up rows, at most the words of each a lane loads a round, down rows) of a warp with runs of
+    up to ``chunk`` pairs."""
+    if chunk <= 2:
+        rows, words = GATE_UP_SHORT[fmt]
+        return rows, words, DOWN_ROWS_SHORT[fmt]
+    return GATE_UP_ROWS_LONG, 8, DOWN_ROWS_LONG
 
 
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
@@ -247,9 +280,11 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
     blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
     hardware = layout.dtype == "fp8" and hardware_e4m3(chunk)
-    gate_up = _rows_kernel(layout.dtype, chunk, 2, GATE_UP_ROWS, hardware, *_round(hidden // per_word, chunk, per_word))
-    down_rows = DOWN_ROWS_SHORT if chunk <= 2 else DOWN_ROWS_LONG
-    down = _rows_kernel(layout.dtype, chunk, 1, down_rows, hardware, *_round(inter // per_word, chunk, per_word))
+    gate_rows, gate_words, down_rows = work_shape(layout.dtype, chunk)
+    gate_up = _rows_kernel(layout.dtype, chunk, 2, gate_rows, hardware,
+                           *_round(hidden // per_word, chunk, per_word, gate_words), STREAM_WEIGHTS)
+    down = _rows_kernel(layout.dtype, chunk, 1, down_rows, hardware, *_round(inter // per_word, chunk, per_word),
+                        STREAM_WEIGHTS)
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)
@@ -257,7 +292,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        gate_up[(blocks(ceil_div(ceil_div(inter, GATE_UP_ROWS), per_block)), count), block, stream](
+        gate_up[(blocks(ceil_div(ceil_div(inter, gate_rows), per_block)), count), block, stream](
             x_words, pair_token, pair_slot, *blobs, hidden, inter, gate_w, up_w, gate_s, up_s, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)

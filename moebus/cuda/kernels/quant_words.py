@@ -90,6 +90,59 @@ if not SIMULATOR:
 
         return signature, codegen
 
+    @intrinsic
+    def load_streaming(typingctx, array, row, at):
+        """array[row, at] of a C-ordered 2-D uint64 array, loaded evict-first (ld.global.cs, as
+        loads.load_streaming for bf16 weights): an expert's words are read once a step, and 38 MB (fp8)
+        a layer at batch 1 then pass through the 50 MB L2 without pushing out what the next kernels
+        read. Unsigned indices, no wraparound arithmetic (as load_pair)."""
+        signature = types.uint64(array, row, at)
+
+        def codegen(context, builder, sig, args):
+            array_type = sig.args[0]
+            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+            pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                               context.make_array(array_type)(context, builder, value=args[0]),
+                                               indices, wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), [pointer.type]), "ld.global.cs.u64 $0, [$1];", "=l,l")
+            return builder.call(asm, [pointer])
+
+        return signature, codegen
+
+    @functools.cache
+    def streaming_round(count: int, stride: int):
+        """load(array, row, at, out, m, r): out[m, r, k] = array[row, at + k * stride] for k < count,
+        evict-first (ld.global.cs), in one asm statement at immediate offsets of one address: a
+        load a word through load_streaming costs an address (two registers) each, which ptxas counted
+        as 16-48 more registers a thread in the expert GEMVs (tools/device/quant9_regs.py)."""
+        body = "\n".join(f"ld.global.cs.u64 ${k}, [${count}+{k * stride * 8}];" for k in range(count))
+
+        @intrinsic
+        def load(typingctx, array, row, at, out, m, r):
+            signature = types.void(array, row, at, out, m, r)
+
+            def codegen(context, builder, sig, args):
+                array_type, out_type = sig.args[0], sig.args[3]
+                indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:3], sig.args[1:3])]
+                pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                                   context.make_array(array_type)(context, builder, value=args[0]),
+                                                   indices, wraparound=False)
+                i64 = ir.IntType(64)
+                returns = ir.LiteralStructType([i64] * count) if count > 1 else i64  # one output: no struct
+                asm = ir.InlineAsm(ir.FunctionType(returns, [pointer.type]), body, ",".join(["=l"] * count + ["l"]))
+                words = builder.call(asm, [pointer])
+                target = context.make_array(out_type)(context, builder, value=args[3])
+                first = [context.cast(builder, v, t, types.intp) for v, t in zip(args[4:], sig.args[4:])]
+                for k in range(count):
+                    slot = cgutils.get_item_pointer(context, builder, out_type, target,
+                                                    first + [context.get_constant(types.intp, k)], wraparound=False)
+                    builder.store(builder.extract_value(words, k) if count > 1 else words, slot)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return load
+
     _E4M3X4 = ("{.reg .b16 lo, hi, a, b, c, d; .reg .b32 p, q;\n"
                "mov.b32 {lo, hi}, $4;\n"
                "cvt.rn.f16x2.e4m3x2 p, lo;\n"
@@ -145,6 +198,17 @@ if not SIMULATOR:
 else:
     def load_pair(array, row, at):
         return array[row, at], array[row, at + 1]
+
+    def load_streaming(array, row, at):
+        return array[row, at]
+
+    @functools.cache
+    def streaming_round(count: int, stride: int):
+        def load(array, row, at, out, m, r):
+            for k in range(count):
+                out[m, r, k] = array[row, at + k * stride]
+
+        return load
 
     def _int4_quad(nibbles, offset, buf, row, col):
         for j in range(4):
