@@ -7,8 +7,9 @@ device memory, reset by that block, so a captured graph replays it) sorts the st
 Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
 the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
 us at batch 1, 32 experts, on an H200), and a step of one token with at most 32 experts ends by
-ranks (one_token_tail) instead of top_k argmaxes in turn and the pairs re-read through L2; the one-block kernel, for the other routers, loads them in
-rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
+ranks (one_token_tail) instead of top_k argmaxes in turn and the pairs re-read through L2; the
+one-block kernel, for the other routers, loads them in rounds of ROUTER_UNROLL words a lane after
+the norm and re-reads h from memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
