@@ -9,13 +9,13 @@ M=/tmp/m48
 timeout 100 python3 -m moebus.cli init-model $M --preset a3b --layers 48 --experts 32 > $OUT/init48.log 2>&1 &
 timeout 30 python3 -m moebus.cli init-model /tmp/m4 --preset a3b --layers 4 --experts 32 2>&1 | tail -1
 echo "== GPU tests, graph == eager (4 x 32)"; date
-timeout 75 python3 tools/device/graph_check.py /tmp/m4 > $OUT/graph_check.txt 2>&1 & GC=$!
-timeout 75 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_routing.py tests/cuda/test_launch_ahead.py \
+timeout 70 python3 tools/device/graph_check.py /tmp/m4 > $OUT/graph_check.txt 2>&1 & GC=$!
+timeout 70 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_routing.py tests/cuda/test_launch_ahead.py \
   2>&1 | tee $OUT/tests.txt | tail -4
 wait $GC; echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error" $OUT/graph_check.txt | head -12
 echo "== decode9_sweep 48 x 32"; date
 wait; tail -1 $OUT/init48.log
-timeout 110 python3 tools/device/decode9_sweep.py $M 1 tools/device/decode9_1.json 6 2>&1 | grep -v Warn \
+timeout 100 python3 tools/device/decode9_sweep.py $M 1 tools/device/decode9_1.json 6 2>&1 | grep -v Warn \
   > $OUT/sweep48.txt; echo "sweep rc $?"
 grep -E "^-- |norm_route|inflight|idle|attention_split|merge_splits" $OUT/sweep48.txt | head -60
 sed -n '/== decode9_sweep/,$p' $OUT/sweep48.txt
