@@ -3,7 +3,7 @@ tests, benchmarks and ``moebus generate --local``. The service does the same acr
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class LocalModel:
     def _decode_in_turn(self, batches: Iterable[StepBatch]) -> Iterator[StageOutput]:
         tokens = None
         for batch in batches:
-            out = self.step(batch if tokens is None else replace(batch, tokens=tokens))
+            out = self.step(batch if tokens is None else overlap.fed(batch, tokens))
             tokens = out.tokens
             yield out
 

@@ -98,7 +98,7 @@ def decode_ahead(stage: Stage, batches: Iterable[StepBatch], step) -> Iterator[S
                 if launched is not None:
                     continue
                 tokens = out.tokens
-            batch = batch if tokens is None else replace(batch, tokens=tokens)
+            batch = batch if tokens is None else fed(batch, tokens)
             running = launch(stage, batch, step_id) if batch.num_tokens == batch.num_seqs else None
             if running is None:
                 out = step(batch)
@@ -110,3 +110,11 @@ def decode_ahead(stage: Stage, batches: Iterable[StepBatch], step) -> Iterator[S
     finally:
         if running is not None:  # the caller stopped early: the step in flight still feeds the cache
             finish(stage, running)
+
+
+def fed(batch: StepBatch, tokens) -> StepBatch:
+    """``batch`` with the ids the step before it sampled as its tokens (a decode step: one each)."""
+    if batch.num_tokens != len(tokens) or batch.num_seqs != len(tokens):
+        raise ValueError(f"a step of {batch.num_tokens} tokens of {batch.num_seqs} sequences after a step that "
+                         f"sampled {len(tokens)} ids: decode's steps take one token a sequence")
+    return replace(batch, tokens=tokens)

@@ -89,3 +89,11 @@ def test_local_decode_gives_the_tokens_of_steps_run_one_at_a_time(tiny_model, la
     got = list(LocalModel(tiny_model, num_slots=2, max_context=32).decode(batches, launch_ahead))
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
     np.testing.assert_array_equal([g.logprobs for g in got], [w.logprobs for w in want])
+
+
+@pytest.mark.parametrize("launch_ahead", [True, False])
+def test_a_step_that_does_not_take_one_token_a_sequence_is_refused_by_name(tiny_model, launch_ahead):
+    batches = [StepBatch(slots=[0], starts=[0], lengths=[3], tokens=[5, 17, 99]),
+               StepBatch(slots=[0], starts=[3], lengths=[2], tokens=[0, 0])]
+    with pytest.raises(ValueError, match="one token a sequence"):
+        list(LocalModel(tiny_model, max_context=32).decode(batches, launch_ahead))
