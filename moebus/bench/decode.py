@@ -12,9 +12,11 @@ from pathlib import Path
 from moebus.bench.beside_prefill import prompt_lengths
 
 
-def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int) -> dict:
-    """Greedy decode of ``batch`` sequences after a prompt each; per-step wall times (the step's
-    host work included) and the expert caches' counters over the timed steps."""
+def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int, launch_ahead: bool = True) -> dict:
+    """Greedy decode of ``batch`` sequences after a prompt each (LocalModel.decode: each step
+    launched before the one before is read, unless ``launch_ahead`` is off); per-step wall times
+    (from one step's tokens on the host to the next's, the host's work included) and the expert
+    caches' counters over the timed steps."""
     from moebus.workers.batch import StepBatch
 
     caches = [s.experts for s in model.stages]
@@ -22,14 +24,15 @@ def _in_process(model, prompt: list[int], tokens: int, batch: int, repeats: int)
     for _ in range(repeats):
         model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch,
                              tokens=prompt * batch))
-        last = [prompt[-1]] * batch
         before = [dict(c.stats()) for c in caches]  # the last repeat's decode is what is counted
-        for i in range(tokens):
-            start = time.perf_counter()
-            out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
-                                       tokens=last))
-            step_s.append(time.perf_counter() - start)
-            last = [int(t) for t in out.tokens]
+        steps = (StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
+                           tokens=[prompt[-1]] * batch) for i in range(tokens))  # then the ids sampled
+        start = time.perf_counter()
+        for out in model.decode(steps, launch_ahead):
+            out.tokens.tolist()  # the ids on the host, as a caller takes them
+            now = time.perf_counter()
+            step_s.append(now - start)
+            start = now
     after = [c.stats() for c in caches]
     counted_s = sum(step_s[-tokens:])
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
@@ -167,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-gb-s", type=float, default=4800.0, help="for the HBM bound (H200 datasheet)")
     p.add_argument("--json", action="store_true", help="one JSON object per line and batch size")
     p.add_argument("--no-service", action="store_true")
+    p.add_argument("--no-launch-ahead", action="store_true",
+                   help="in-process, run each step after the one before has been read (LocalModel.decode)")
     p.add_argument("--pipeline", choices=["on", "off", "both"],
                    help="also: --streams greedy streams on a two-stage split, pipelined or not (both: side by "
                         "side, with the model on one stage)")
@@ -196,11 +201,11 @@ def main(argv=None) -> int:
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
               "experts_dtype": args.experts_dtype, "attention_dtype": args.attention_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
-              "graphs": any(s.use_graphs for s in model.stages),
+              "graphs": any(s.use_graphs for s in model.stages), "launch_ahead": not args.no_launch_ahead,
               "prefetch_slots": sum(s.experts.num_reserved for s in model.stages) // 2}  # 0: none ran
     rows = []
     for batch in batches:
-        r = _in_process(model, prompt, args.tokens, batch, args.repeats)
+        r = _in_process(model, prompt, args.tokens, batch, args.repeats, not args.no_launch_ahead)
         r.update(_bounds(r, cfg, cfg.num_layers, store.blob_bytes, args.pcie_gb_s, args.hbm_gb_s))
         r["us_per_layer"] = r["ms_per_step"] * 1e3 / cfg.num_layers
         rows.append({**common, **r})
@@ -271,7 +276,7 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
     head = ("batch", "tok_s", "ms_per_step", "us_per_layer", "hit_rate", "h2d_gb_s", "pcie_bound_tok_s",
             "hbm_bound_tok_s")
     first = rows[0]
-    print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs",
+    print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs", "launch_ahead",
                                                "experts_dtype", "attention_dtype", "kv_dtype", "expert_cache_mib",
                                                "prefetch_slots")))
     print("  ".join(f"{h:>16}" for h in head))

@@ -2,6 +2,7 @@
 tests, benchmarks and ``moebus generate --local``. The service does the same across processes."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,8 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common.layer_split import split_layers
 from moebus.common.vision_config import load_vision_config
 from moebus.cuda.backends import make_backend
-from moebus.workers.batch import StepBatch
+from moebus.workers import overlap
+from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.experts import build_expert_cache
 from moebus.workers.stage import Stage
 from moebus.workers.prefetch import DEFAULT_SLOTS_PER_LAYER
@@ -80,6 +82,24 @@ class LocalModel:
             hidden = stage.forward(batch, hidden).hidden
         return self.stages[-1].forward(batch, hidden, want_logits=want_logits)
 
+    def decode(self, batches: Iterable[StepBatch], launch_ahead: bool = True) -> Iterator[StageOutput]:
+        """The outputs of ``batches``, steps of the same sequences (a prompt step may come first),
+        each step after the first taking as its tokens the ids the step before sampled (its own
+        ``tokens`` are not read). With ``launch_ahead``, one stage and captured graphs, a decode step
+        is launched before the outputs of the step before are read (workers/overlap.py, as the
+        service's worker does), so the host's work between steps runs while the GPU computes; the
+        tokens and logprobs are those of the steps run one at a time."""
+        if launch_ahead:
+            return overlap.decode_ahead(self.stages[0], batches, self.step)
+        return self._decode_in_turn(batches)
+
+    def _decode_in_turn(self, batches: Iterable[StepBatch]) -> Iterator[StageOutput]:
+        tokens = None
+        for batch in batches:
+            out = self.step(batch if tokens is None else overlap.fed(batch, tokens))
+            tokens = out.tokens
+            yield out
+
     def prefill_logits(self, prompts: list[list[int]], images: list | None = None) -> np.ndarray:
         """Last-position logits (S, V) of a batch of prompts of any lengths, one slot each;
         ``images``: per prompt, pixel values for its image tokens (or None)."""
@@ -94,18 +114,22 @@ class LocalModel:
         """``images``: (n, C, H, W) pixel values for the prompt's n images' tokens."""
         rng = np.random.default_rng(seed)
         out = Generation()
-        tokens, start = list(prompt), 0
-        embeds = self.image_embeds([tokens], [images]) if images is not None else {}
-        while len(out.tokens) < max_tokens:
-            batch = StepBatch(slots=[slot], starts=[start], lengths=[len(tokens)], tokens=tokens,
-                              temperature=[temperature], top_k=[top_k], top_p=[top_p], u=[rng.random()],
-                              **(embeds if start == 0 else {}))
-            result = self.step(batch)
+        if max_tokens <= 0:
+            return out
+        sampling = dict(temperature=[temperature], top_k=[top_k], top_p=[top_p])
+        embeds = self.image_embeds([list(prompt)], [images]) if images is not None else {}
+
+        def batches():  # the prompt, then one token a step (its id: the one the step before sampled)
+            yield StepBatch(slots=[slot], starts=[0], lengths=[len(prompt)], tokens=prompt, u=[rng.random()],
+                            **sampling, **embeds)
+            for i in range(max_tokens - 1):
+                yield StepBatch(slots=[slot], starts=[len(prompt) + i], lengths=[1], tokens=[0], u=[rng.random()],
+                                **sampling)
+
+        for result in self.decode(batches()):
             token = int(result.tokens[0])
             out.tokens.append(token)
             out.logprobs.append(float(result.logprobs[0]))
-            start += len(tokens)
-            tokens = [token]
             if token in stop_ids:
                 out.finish_reason = "stop"
                 break

@@ -10,7 +10,10 @@ and an expert cache that cannot evict while the launched step runs (an eviction 
 step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
@@ -73,3 +76,45 @@ def finish(stage: Stage, launched: Launched) -> StageOutput:
     if "expert_ids" in out:
         stage.experts.observe(out["expert_ids"], stage.ops)
     return stage._sample_output(launched.batch, out, False)
+
+
+def decode_ahead(stage: Stage, batches: Iterable[StepBatch], step) -> Iterator[StageOutput]:
+    """In-process decode with launch-ahead (LocalModel.decode): the outputs of ``batches``, steps of
+    the same sequences whose tokens, from the second on, are the ids the step before sampled. Each
+    step is launched before the outputs of the one before are read, so the host's work of a step
+    (outputs, the cache's bookkeeping, the caller's use of the tokens, the next batch) runs while
+    the GPU computes the next. A step that cannot be launched runs as ``step(batch)`` (Stage.forward
+    or the model's whole step), after the step in flight has finished, with the same results."""
+    running: Launched | None = None  # launched, not yet collected
+    tokens = None  # the host ids of the last step that ran without launch-ahead
+    try:
+        for step_id, batch in enumerate(batches):
+            if running is not None:
+                launched = launch(stage, replace(batch, tokens=np.zeros(batch.num_tokens, np.int32)), step_id,
+                                  after=running) if batch.num_tokens == running.batch.num_tokens else None
+                out = finish(stage, running)
+                running = launched  # before the yield: a caller that stops there leaves it in flight
+                yield out
+                if launched is not None:
+                    continue
+                tokens = out.tokens
+            batch = batch if tokens is None else fed(batch, tokens)
+            running = launch(stage, batch, step_id) if batch.num_tokens == batch.num_seqs else None
+            if running is None:
+                out = step(batch)
+                tokens = out.tokens
+                yield out
+        if running is not None:
+            out, running = finish(stage, running), None
+            yield out
+    finally:
+        if running is not None:  # the caller stopped early: the step in flight still feeds the cache
+            finish(stage, running)
+
+
+def fed(batch: StepBatch, tokens) -> StepBatch:
+    """``batch`` with the ids the step before it sampled as its tokens (a decode step: one each)."""
+    if batch.num_tokens != len(tokens) or batch.num_seqs != len(tokens):
+        raise ValueError(f"a step of {batch.num_tokens} tokens of {batch.num_seqs} sequences after a step that "
+                         f"sampled {len(tokens)} ids: decode's steps take one token a sequence")
+    return replace(batch, tokens=tokens)

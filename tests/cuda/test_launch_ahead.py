@@ -105,3 +105,39 @@ def test_a_vram_request_between_steps_is_applied_between_them(micro_model):
 
     want = steps_one_at_a_time(micro_model, prefill, rows)
     assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_local_decode_launches_ahead_and_gives_the_tokens_of_steps_one_at_a_time(micro_model, rows, monkeypatch):
+    """LocalModel.decode (in-process launch-ahead, overlap.decode_ahead): every decode step but the
+    first launched after the one before it, and a caller that stops early leaves nothing in flight."""
+    from moebus.workers import overlap
+
+    launched_after = []
+    launch = overlap.launch
+
+    def counting_launch(stage, batch, step_id, after=None):
+        out = launch(stage, batch, step_id, after=after)
+        launched_after.append(out is not None and after is not None)
+        return out
+
+    monkeypatch.setattr(overlap, "launch", counting_launch)
+    prefill = prefill_step(rows)
+    batches = [StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths, tokens=prefill.tokens,
+                         temperature=prefill.temperature, u=prefill.u)]
+    for i in range(NUM_STEPS):
+        step = decode_step(2 + i, len(PROMPT) + i, rows)
+        batches.append(StepBatch(slots=step.slots, starts=step.starts, lengths=step.lengths,
+                                 tokens=np.zeros(rows, np.int32), temperature=step.temperature, u=step.u))
+    model = LocalModel(micro_model, device="cuda", num_slots=2, max_context=64)
+    got = list(model.decode(batches))
+    assert sum(launched_after) == NUM_STEPS - 1
+
+    want = steps_one_at_a_time(micro_model, prefill, rows)
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+    np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
+    first = model.decode(batches)
+    for _ in range(4):
+        next(first)
+    first.close()  # the step launched ahead is collected: the stream is idle, the graph's buffers free
+    assert all(launch.is_done() for graph in model.stages[0].graphs.values() for launch in graph.launches or ())

@@ -21,3 +21,17 @@ def decode_tokens(model, prompt: list[int], batch: int, steps: int, first_offset
         out_tokens.append(last)
         out_lp.append(out.logprobs.copy())
     return np.array(out_tokens), np.array(out_lp), time.perf_counter() - t
+
+
+def decode_tokens_ahead(model, prompt: list[int], batch: int, steps: int, first_offset: int = 1):
+    """decode_tokens through LocalModel.decode: each step launched before the one before is read."""
+    model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
+    first = [prompt[-1] + s * first_offset for s in range(batch)]
+    batches = (StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch, tokens=first)
+               for i in range(steps))
+    out_tokens, out_lp = [], []
+    t = time.perf_counter()
+    for out in model.decode(batches):
+        out_tokens.append([int(x) for x in out.tokens])
+        out_lp.append(out.logprobs.copy())
+    return np.array(out_tokens), np.array(out_lp), time.perf_counter() - t

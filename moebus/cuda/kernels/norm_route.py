@@ -6,8 +6,10 @@ device memory, reset by that block, so a captured graph replays it) sorts the st
 
 Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
 the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
-us at batch 1, 32 experts, on an H200); the one-block kernel, for the other routers, loads them in
-rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
+us at batch 1, 32 experts, on an H200), and a step of one token with at most 32 experts ends by
+ranks (one_token_tail) instead of top_k argmaxes in turn and the pairs re-read through L2; the
+one-block kernel, for the other routers, loads them in rounds of ROUTER_UNROLL words a lane after
+the norm and re-reads h from memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -17,19 +19,20 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device, float32,
-                                        int32, kernel, threads, uint64, warp_sum)
+from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device,
+                                        device_with_shared, float32, int32, kernel, threads, uint64, warp_max, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
-from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
+from moebus.cuda.kernels.moe import NEG_INF, topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import MAX_EXPERTS, MAX_PAIRS, is_last_block, route_pairs_ref, sort_pairs
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
 ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
+ONE_TOKEN_RANKS = True  # a step of one token and <= 32 experts: top-k and pairs by ranks (one_token_tail)
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -74,6 +77,51 @@ else:
         _scatter_level(values, (lane & 2) != 0, 2)
         _scatter_level(values, (lane & 1) != 0, 1)
         return values[0] + cuda.shfl_xor_sync(FULL_MASK, values[0], 16)
+
+
+@device_with_shared
+def one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot, pair_out):
+    """Top-k + softmax and the pair tables of a step of one token with at most 32 experts, by the
+    whole block (it syncs): each expert's rank among the probabilities (descending, ties to the lower
+    id) is a count over the others, and a chosen expert's place among the pairs (by expert id) the
+    count of chosen experts below it, where topk_row takes top_k warp argmaxes in turn and
+    sort_pairs re-reads the ids through L2 and ranks the pairs. The same bits as those two."""
+    tid = cuda.threadIdx.x
+    probs = cuda.shared.array(WARP, float32)
+    ranks = cuda.shared.array(WARP, int32)
+    by_rank = cuda.shared.array(WARP, float32)  # the chosen probabilities in rank order
+    prob = float32(0.0)
+    if tid < WARP:  # warp 0, a lane an expert: softmax as topk_row
+        prob = logits[0, tid] if tid < num_experts else NEG_INF
+        peak = warp_max(prob)
+        prob = math.exp(prob - peak)
+        total = warp_sum(prob)
+        prob = prob / total
+        probs[tid] = prob
+    cuda.syncthreads()
+    if tid < num_experts:
+        rank = 0
+        for j in range(num_experts):
+            if probs[j] > prob or (probs[j] == prob and j < tid):
+                rank += 1
+        ranks[tid] = rank
+        if rank < top_k:
+            by_rank[rank] = prob
+    cuda.syncthreads()
+    if tid < num_experts and ranks[tid] < top_k:
+        rank = ranks[tid]
+        chosen = float32(0.0)
+        for k in range(top_k):  # in rank order, as topk_row adds them
+            chosen += by_rank[k]
+        place = 0
+        for j in range(tid):
+            if ranks[j] < top_k:
+                place += 1
+        ids[0, rank] = tid
+        weights[0, rank] = prob / chosen if normalize else prob
+        pair_token[place] = 0
+        pair_slot[place] = places[tid]
+        pair_out[place] = rank  # pair t * A + k of token 0
 
 
 @functools.cache
@@ -131,13 +179,14 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
 
 @functools.cache
 def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
-                           groups: int, per_lane: int, top_k: int):
+                           groups: int, per_lane: int, top_k: int, by_ranks: bool):
     """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
     threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
     words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
     round, those words of the expert's router row as raw bits first; then x + y, the norm, and each
     expert's dot product from registers. One block a token, as the one-block kernel; a step of one
-    token skips the last-block counter (its block is the last)."""
+    token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
+    experts) ends with one_token_tail."""
     read_norm, _ = chunk_reader(norm_storage, True)
     read_row, _ = chunk_reader("f32", True)
     word_values = WORD[router_storage]
@@ -218,6 +267,10 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
                     logits[0, first + tid] = logit
             cuda.syncthreads()
         # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
+        if by_ranks and num_tokens == 1:
+            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                           pair_out)
+            return
         if warp == 0:
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
         if num_tokens > 1 and not is_last_block(done, num_tokens):
@@ -275,7 +328,8 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
     if ROUTER_IN_FLIGHT and shape is not None and storage_of(router) in WORD \
             and all(can_read_wide(a) for a in (x, y, norm_weight, router)):
         kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *shape,
-                                        ceil_div(num_experts, WARP), int(top_k))
+                                        ceil_div(num_experts, WARP), int(top_k),
+                                        ONE_TOKEN_RANKS and num_experts <= WARP)
         kernel[num_tokens, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize),
