@@ -50,30 +50,34 @@ def tiny_llava(tmp_path_factory):
 # Work units: a test module goes to one worker whole (its module fixtures are made once), and every
 # test that uses a package-scoped fixture (the one `moebus serve` of tests/api, of tests/e2e) goes
 # with the rest of its package's users (one service, in the order the tests expect). Units start
-# longest first so that the last one to finish is short; the figures are seconds of one run on the
-# 2-core CI machine (pytest --durations), rough: they only order the units.
+# longest first so that the last one to finish is short (SLOW_FIRST: rough seconds, an order only).
 # xdist's own loadgroup marks a group by appending it to the node id, which pytest 9.2's node ids
 # no longer take (pytest-xdist issue 1386: the marks are silently ignored); so the workers write
 # each test's unit to a file that a scheduler of ours (loadscope's, by unit) reads.
-SLOW_FIRST = {
-    "tests/cuda/test_ptx.py": 150,
-    "tests/docker/test_docker.py": 115,
-    "tests/e2e": 110,
+SLOW_FIRST = {  # seconds of each unit in one run on a loaded 2-core box (session 9, 2 workers): an order only
+    "tests/cuda/test_ptx.py": 140,
+    "tests/e2e": 150,  # the users of tests/e2e's one service
+    "tests/e2e/test_vision_lifecycle.py": 120,
+    "tests/cuda/test_attention_chunk.py": 118,
     "tests/api": 100,
-    "tests/e2e/test_vision_lifecycle.py": 90,
-    "tests/cuda/test_attention_chunk.py": 75,
-    "tests/cuda/test_prefill_tensor_cores.py": 70,
-    "tests/cuda/test_quant_e2e.py": 60,
-    "tests/cuda/test_layer_recycling.py": 56,
-    "tests/e2e/test_make_serve.py": 54,
-    "tests/cuda/test_e2e.py": 52,
-    "tests/cuda/test_decode_tensor_cores.py": 42,
-    "tests/cuda/test_bench_kernels.py": 36,
-    "tests/e2e/test_bench_vision_cycle.py": 36,
-    "tests/e2e/test_split.py": 35,
-    "tests/cuda/test_prefetch_stage.py": 35,
-    "tests/e2e/test_soak.py": 29,
-    "tests/cuda/test_kernel_cache.py": 29,
+    "tests/docker/test_docker.py": 95,
+    "tests/cuda/test_prefill_tensor_cores.py": 65,
+    "tests/cuda/test_e2e.py": 65,
+    "tests/e2e/test_split.py": 61,
+    "tests/e2e/test_make_serve.py": 59,
+    "tests/cuda/test_decode_tensor_cores.py": 45,
+    "tests/cuda/test_moe_quant.py": 44,
+    "tests/cuda/test_bench_kernels.py": 43,
+    "tests/cuda/test_prefetch_stage.py": 43,
+    "tests/e2e/test_vision_fidelity.py": 38,
+    "tests/cuda/test_layer_recycling.py": 38,
+    "tests/e2e/test_deadlines.py": 37,
+    "tests/cuda/test_qwen3vl_stage.py": 36,
+    "tests/cuda/test_quant_e2e.py": 35,
+    "tests/e2e/test_soak.py": 32,
+    "tests/e2e/test_ledger_broker.py": 32,
+    "tests/cuda/test_flash_attention.py": 31,
+    "tests/cuda/test_e2e_fp8_attention.py": 31,
 }
 # Units that must not run at the same time as each other: both build the package from this tree
 # (`pip install .` / `make serve`'s `pip install -e .` write build/ and moebus.egg-info here).
