@@ -38,8 +38,11 @@ system-tools:
 serve: $(RUNTIME)
 	$(BIN)/moebus serve $(ARGS)
 
+# Two pytest-xdist workers (CI has 2 cores); tests/conftest.py says how the tests are shared out.
+# TEST_WORKERS=0: one process, in the collection's order.
+TEST_WORKERS ?= 2
 test: $(TESTING) system-tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: $(RUNTIME)
 	$(BIN)/moebus bench decode

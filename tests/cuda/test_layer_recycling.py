@@ -11,7 +11,7 @@ from moebus.workers.cache_sizing import measure_scratch
 from moebus.workers.local import LocalModel
 from tests.cuda.test_e2e import MICRO
 
-MICRO6 = dict(MICRO, num_hidden_layers=6)
+MICRO6 = dict(MICRO, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")

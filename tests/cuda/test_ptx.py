@@ -20,7 +20,7 @@ def test_every_kernel_compiles_for_sm90_without_f64_or_local_memory():
     shards = [subprocess.Popen([sys.executable, "-m", "tests.cuda.ptx_check", "--shard", f"{i}/{SHARDS}"], cwd=ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for i in range(SHARDS)]
-    outputs = [shard.communicate(timeout=300)[0] for shard in shards]
+    outputs = [shard.communicate(timeout=600)[0] for shard in shards]
     for shard, output in zip(shards, outputs):
         assert shard.returncode == 0, output[-4000:]
         assert " with problems" in output, output[-4000:]
