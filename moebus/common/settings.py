@@ -127,10 +127,10 @@ class Settings(BaseSettings):
     # a long prompt is read (at the cost of its first token); None: max_step_tokens (docs/config.md)
     max_prefill_tokens_beside_decode: int | None = Field(None, ge=1)
     # experts a step beside decode rows may copy in for a prompt's chunk, in MiB: a chunk that needs
-    # more spans steps (workers/spanning_chunk.py). 128: ~4 ms at the ~33 GB/s an H200's steps reach,
-    # so that with the chunk's own layer work (~1-3 ms) a step stays within ~2x the decode step
-    # (8 x 128 experts: 6.5 ms, decode alone copying ~199 MiB); 0: off
-    max_prefill_copy_mib_beside_decode: float = Field(128.0, ge=0)
+    # more spans steps (workers/spanning_chunk.py). 256: measured on an H200 (merged9b.sh, 8 x 128
+    # LLaVA under 8 GiB) the text streams' largest gap through the image's prefill 51 ms against 164
+    # ms with the chunk whole (0); 128 was not measured warm; 0: off
+    max_prefill_copy_mib_beside_decode: float = Field(256.0, ge=0)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
     launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)

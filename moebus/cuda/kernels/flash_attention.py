@@ -46,9 +46,10 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
 # must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
 # knobs of tools/device/vltower8_encode.py
-# MOEBUS_FLASH_HALF_KSTEP=0: hd 72's last 8 dims of Q K^T on an m16n8k16 over zero padding, as before the
-# ninth session (HALF_KSTEP in flash_planes.cuh; not yet measured on a GPU)
-IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
+# MOEBUS_FLASH_HALF_KSTEP=1: hd 72's last 8 dims of Q K^T on an m16n8k8 instead of an m16n8k16 over zero
+# padding (HALF_KSTEP in flash_planes.cuh). Off by default: its outputs have not yet been compared with the
+# k16 path's on a GPU (the ninth session's merged call ran it but did not bring that comparison back)
+IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "0") != "0" else (("HALF_KSTEP", 0),)
 
 
 def supported(head_dim: int) -> bool:
