@@ -141,6 +141,19 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
 }
 #endif
 
+// The values' planes of a block's PLANE_KEYS keys from its shared tile (key j's value at tile[j][d]),
+// written along the keys: hi at vz[d * keys_padded + key], lo v_part further where P V is split.
+__device__ __forceinline__ void store_value_planes(float (*tile)[HD + 1], u16 *vz, long long v_part,
+                                                   int keys_padded, int key0) {
+    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
+        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
+        u32 hi, lo;
+        split(tile[j][d], hi, lo);
+        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
+        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
+    }
+}
+
 // Float32 keys and values (rows of heads x HD, image z's key j at row z * positions + j) -> bf16
 // planes per (image, head): keys (2, keys_padded, HDP) hi and lo, values transposed (2, HD,
 // keys_padded); zero past the last key and (keys) past HD; a lo plane only where its product is split. Block (x, y, z) = (PLANE_KEYS keys, head,
@@ -164,13 +177,7 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
         if (d < HD) tile[j][d] = key < positions ? v[at] : 0.f;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
-        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
-        u32 hi, lo;
-        split(tile[j][d], hi, lo);
-        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
-        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
-    }
+    store_value_planes(tile, vz, v_part, keys_padded, key0);
 }
 
 // The product's value at dim d of a head's row after the 2-D (or M-) rotary, rotate-half form: the
@@ -223,11 +230,5 @@ extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, co
         if (d < HD) tile[j][d] = key < positions ? __fadd_rn(v[at], bf16_value(v_bias[d])) : 0.f;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < HD * PLANE_KEYS; idx += blockDim.x) {
-        int d = idx / PLANE_KEYS, j = idx % PLANE_KEYS;
-        u32 hi, lo;
-        split(tile[j][d], hi, lo);
-        vz[(long long)d * keys_padded + key0 + j] = (u16)hi;
-        if (SPLIT_PV) vz[v_part + (long long)d * keys_padded + key0 + j] = (u16)lo;
-    }
+    store_value_planes(tile, vz, v_part, keys_padded, key0);
 }
