@@ -15,7 +15,9 @@ from moebus.common.errors import ConfigError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no setting takes an infinite or NaN number: inf MiB or seconds would pass `ge` / `gt` and
+    # overflow where a worker turns them into bytes or a deadline
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class VisionSettings(_Section):
@@ -95,7 +97,8 @@ class BrokerSettings(_Section):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="MOEBUS_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="MOEBUS_", env_nested_delimiter="__", extra="forbid", validate_default=True,
+        allow_inf_nan=False,  # as _Section's
     )
 
     model: str | None = None  # a Hugging Face model directory; None: the embedded demo model

@@ -32,6 +32,16 @@ def test_bad_values_name_key_and_value(monkeypatch, env, key):
         load_settings()
 
 
+@pytest.mark.parametrize("env,key,value", [("MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE", "max_prefill_copy_mib_beside_decode", "inf"),
+                                           ("MOEBUS_VISION__HANDBACK_STEP_MIB", "vision.handback_step_mib", "nan"),
+                                           ("MOEBUS_EMULATED_VRAM_MIB", "emulated_vram_mib.0", "[1e999, 64]")])
+def test_infinite_and_nan_numbers_are_refused_by_name(monkeypatch, env, key, value):
+    """inf passes ge=0 / gt=0 and overflows where a worker turns MiB into bytes: refused at load."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError, match=rf"'{key}'.*finite"):
+        load_settings()
+
+
 def test_unknown_key_and_bad_file(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"max_bacth": 3}))
