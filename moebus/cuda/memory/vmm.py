@@ -52,7 +52,29 @@ def device_memory_info() -> tuple[int, int]:
     return int(info[0]), int(info[1])
 
 
-class VmmArena(Arena):
+class _DeviceSlots:
+    """What both device arenas do with their ``array`` of (max_slots, elems) slots: slot i at
+    ``_base_address() + i * slot_bytes``."""
+
+    def slot_address(self, slot: int) -> int:
+        """The device address where ``slot`` starts."""
+        if not 0 <= slot < self.max_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.max_slots})")
+        return self._base_address() + slot * self.slot_bytes
+
+    def write(self, slot: int, blob, stream=0) -> None:
+        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
+        target = self.array[slot:slot + blob.shape[0]] if blob.ndim == 2 else self.array[slot]
+        target.copy_to_device(blob, stream=stream)
+
+    def read(self, slot: int) -> np.ndarray:
+        return self.array[slot].copy_to_host()
+
+    def memory_info(self) -> tuple[int, int]:
+        return device_memory_info()
+
+
+class VmmArena(_DeviceSlots, Arena):
     def __init__(self, slot_bytes: int, dtype, startup_segments: list[int]):
         from cuda.bindings import driver as cu
 
@@ -126,29 +148,15 @@ class VmmArena(Arena):
         for _ in sizes:
             _check(self._cu.cuMemRelease(self._handles.pop()))
 
-    def memory_info(self) -> tuple[int, int]:
-        return device_memory_info()
-
-    def slot_address(self, slot: int) -> int:
-        """The device address where ``slot`` starts (slot i at i * slot_bytes, as ``array`` strides it)."""
-        if not 0 <= slot < self.max_slots:
-            raise IndexError(f"slot {slot} outside [0, {self.max_slots})")
-        return self._base + slot * self.slot_bytes
+    def _base_address(self) -> int:
+        return self._base
 
     def close(self) -> None:
         super().close()
         _check(self._cu.cuMemAddressFree(self._base, self.reserved_bytes))
 
-    def write(self, slot: int, blob, stream=0) -> None:
-        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
-        target = self.array[slot:slot + blob.shape[0]] if blob.ndim == 2 else self.array[slot]
-        target.copy_to_device(blob, stream=stream)
 
-    def read(self, slot: int) -> np.ndarray:
-        return self.array[slot].copy_to_host()
-
-
-class DeviceArena(Arena):
+class DeviceArena(_DeviceSlots, Arena):
     """One allocation of the start-up size: segments are bookkeeping only."""
 
     def __init__(self, slot_bytes: int, dtype, startup_segments: list[int]):
@@ -161,22 +169,8 @@ class DeviceArena(Arena):
     def _unmap(self, offset: int, size: int) -> None:
         pass
 
-    def memory_info(self) -> tuple[int, int]:
-        return device_memory_info()
-
-    def slot_address(self, slot: int) -> int:
-        """The device address where ``slot`` starts."""
-        if not 0 <= slot < self.max_slots:
-            raise IndexError(f"slot {slot} outside [0, {self.max_slots})")
-        return int(self.array.device_ctypes_pointer.value) + slot * self.slot_bytes
-
-    def write(self, slot: int, blob, stream=0) -> None:
-        """One blob into ``slot``, or (n, elems) blobs into slots slot..slot+n-1."""
-        target = self.array[slot:slot + blob.shape[0]] if blob.ndim == 2 else self.array[slot]
-        target.copy_to_device(blob, stream=stream)
-
-    def read(self, slot: int) -> np.ndarray:
-        return self.array[slot].copy_to_host()
+    def _base_address(self) -> int:
+        return int(self.array.device_ctypes_pointer.value)
 
 
 def make_device_arena(slot_bytes: int, dtype, segments: list[int], elastic: bool) -> Arena:
