@@ -47,7 +47,7 @@ class Chain:
             self.fence[slot] = fence
             self.seq[slot] = fence.seq
 
-    def last_group(self, cache) -> frozenset:
+    def last_group(self) -> frozenset:
         """The slots of the group released last, which may still be read."""
         if self.last is None:
             return frozenset()

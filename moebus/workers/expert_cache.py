@@ -190,7 +190,7 @@ class ExpertCache:
             row = getattr(self.store, "row_of_layer", {}).get(layer, 0)  # (a store without layers: no order ahead)
             victims = chain.victims(self, len(missed) - len(self.free), row)
         else:  # the policy's victims, sparing the last group's slots where it can
-            victims = self._victims(len(missed) - len(self.free), chain.last_group(self))
+            victims = self._victims(len(missed) - len(self.free), chain.last_group())
             if len(victims) < len(missed) - len(self.free):
                 victims = self._victims(len(missed) - len(self.free))
         copies = []
