@@ -33,21 +33,22 @@ def _second_process_allocates(num_bytes: int) -> bool:
 
 
 class _BlobStore:
-    """Expert-sized random blobs in pinned memory (a HostStore without a checkpoint)."""
+    """Expert-sized blobs in pinned memory (a HostStore without a checkpoint): ``layers`` x
+    ``num_experts`` keys, one blob each, so that every key the cache is asked for has its blob."""
 
-    def __init__(self, blob_bytes: int, count: int):
+    def __init__(self, blob_bytes: int, layers: int, num_experts: int):
         from numba import cuda
 
         self.blob_bytes = blob_bytes
-        self.num_experts = count
-        self.blobs = cuda.pinned_array((count, blob_bytes // 2), dtype=np.uint16)
-        self.blobs[:] = np.random.default_rng(0).integers(0, 1 << 16, self.blobs.shape, dtype=np.uint16)
+        self.num_experts = num_experts
+        self.blobs = cuda.pinned_array((layers * num_experts, blob_bytes // 2), dtype=np.uint16)
+        self.blobs[:] = np.arange(self.blobs.shape[1], dtype=np.uint16)  # the values do not matter
 
     def key(self, layer, expert):
         return layer * self.num_experts + int(expert)
 
     def blob(self, key):
-        return self.blobs[key % self.num_experts]
+        return self.blobs[key]
 
 
 def main(argv=None) -> int:
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     arena.grow()
     map_s = time.perf_counter() - t
-    store = _BlobStore(blob_bytes, 64)
+    store = _BlobStore(blob_bytes, args.repeats, 64)  # a layer of 64 fresh experts per repeat
 
     class _Backend:
         stream = cuda.stream()
@@ -81,10 +82,9 @@ def main(argv=None) -> int:
     cache = ExpertCache(store, arena, StreamCopier(arena, _Backend()), startup_reserve_mib=0.0, min_slots=8)
     copy_rates = []
     for rep in range(args.repeats):
-        ids = list(range(rep * 64, rep * 64 + 64))
         cuda.synchronize()
         t = time.perf_counter()
-        cache.acquire(rep + 1, ids)
+        cache.acquire(rep, range(64))  # 64 misses: their copies in
         cache.wait()
         cuda.synchronize()
         copy_rates.append(64 * blob_bytes / (time.perf_counter() - t) / 1e9)
