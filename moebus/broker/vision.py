@@ -24,7 +24,7 @@ from moebus.broker import vision_qwen3vl
 from moebus.broker.vision_control import ZygoteControl
 from moebus.broker.vision_encodes import READY, STARTING, EncodeMixin
 from moebus.broker.vision_groups import ImageGroups
-from moebus.broker.vision_handback import Handback
+from moebus.broker.vision_handback import Handback, regrow_plan
 from moebus.broker.vision_phases import PhaseSteps, cold_start_split
 from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
@@ -85,7 +85,8 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
         self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
         self.measured_bytes: dict[int, int] = {}  # gpu -> what the last start there took (cuda; reserves())
-        self.handback: Handback | None = None  # the hand-back in progress, in steps (vision_handback.py)
+        self.handback: Handback | None = None  # the hand-back or regrow in progress, in steps (vision_handback.py)
+        self.held_reserves: list[float | None] | None = None  # what the last hand-back asked; the regrow starts there
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request
 
     # -- the broker's hooks -------------------------------------------------------------------
@@ -193,7 +194,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
                 self._refuse_waiting(placement.problem)
             else:
                 self._hand_back(now)
-        elif self.state == HANDING_BACK and self.handback is not None:
+        elif self.state in (HANDING_BACK, REGROWING) and self.handback is not None:
             self.handback.tick(now)
         elif self.state == STARTING and now - self.since_s > self.vision.start_timeout_s:
             log.error("vision worker not ready after %.0f s; killing it", now - self.since_s)
@@ -251,7 +252,8 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.phase_steps = PhaseSteps(self.stats, self.num_gpus, self.hooks.ask_info)
         self.phase_steps.mark("began")
         free = [info.get("free_mib") for info in self.hooks.worker_info()]
-        self.handback = Handback(self.reserves(), self.vision.handback_step_mib, self.hooks.queue_vram,
+        self.held_reserves = self.reserves()
+        self.handback = Handback(self.held_reserves, self.vision.handback_step_mib, self.hooks.queue_vram,
                                  self.hooks.steps_sent, self.hooks.decoding, self._handed_back, free)
         self.last_cycle["handback_requests"] = len(self.handback.plan)
         self.handback.start()
@@ -288,12 +290,20 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self._regrow()
 
     def _regrow(self) -> None:
+        """Every cache back to its start-up size, in steps as the hand-back (vision_handback.py); an
+        image that comes meanwhile waits for the last step, then starts the worker again."""
         self.state = REGROWING
-        self.hooks.queue_vram([None] * self.num_gpus, self._regrown, between_steps=True)  # as the hand-back
+        held = self.held_reserves or [None] * self.num_gpus
+        self.handback = Handback(held, self.vision.handback_step_mib, self.hooks.queue_vram, self.hooks.steps_sent,
+                                 self.hooks.decoding, self._regrown,
+                                 plan=regrow_plan(held, self.vision.handback_step_mib))
+        self.handback.start()
 
     def _regrown(self, reply) -> None:
+        self.handback = None
         if reply.error:
             log.warning("vision regrow: %s", reply.error)
+        self.held_reserves = None
         self.state = COLD
 
     def on_event(self, event: dict, now: float) -> None:

@@ -1,12 +1,12 @@
 """The vision hand-back in steps (broker/vision_handback.py): evenly growing reserves from what each
 GPU has free, the next request once a decode step has been sent after the last one (or none is
-running, or the pause ran out), the last reply handed on, an error ending it early. The broker's
-VRAM fan-out is played by a queue here."""
+running, or the pause ran out), the last reply handed on, an error ending it early. The regrow after a stop
+goes down the same way to a bare VRAM. The broker's VRAM fan-out is played by a queue here."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from moebus.broker.vision_handback import MAX_PAUSE_S, Handback, handback_plan
+from moebus.broker.vision_handback import MAX_PAUSE_S, Handback, handback_plan, regrow_plan
 
 
 def test_the_plan_grows_evenly_to_the_reserves():
@@ -103,3 +103,34 @@ def test_an_error_ends_it_early():
     handback(broker)
     broker.answer(error="gpu0: not elastic")
     assert len(broker.done) == 1 and broker.done[0].error == "gpu0: not elastic" and len(broker.queued) == 1
+
+
+def test_the_regrow_falls_evenly_to_a_bare_vram():
+    assert regrow_plan([1024.0, 512.0], 256) == [[768.0, 384.0], [512.0, 256.0], [256.0, 128.0], [None, None]]
+    assert regrow_plan([1700.0, None], 1000) == [[850.0, None], [None, None]]  # a GPU not handed back stays bare
+    assert regrow_plan([17.0], 256) == [[None]]  # the cpu demo: one request
+    assert regrow_plan([None, None], 64) == [[None, None]]
+
+
+def test_the_regrow_goes_a_step_at_a_time_and_ends_with_the_bare_reply():
+    broker = Broker()
+    plan = regrow_plan([1024.0, 512.0], 256)
+    h = Handback([1024.0, 512.0], 256, broker.queue_vram, lambda: broker.sent, lambda: broker.running,
+                 broker.done.append, plan=plan)
+    h.start()
+    for i in range(3):
+        assert [r for r, _ in broker.queued][-1] == plan[i]
+        broker.sent += 1  # a decode step runs between two resizes
+        broker.answer()
+    assert broker.done == [] and [r for r, _ in broker.queued][-1] == [None, None]
+    broker.answer()
+    assert [reply.reserve_mib for reply in broker.done] == [[None, None]]
+    assert broker.interim == [True, True, True, False]
+
+
+def test_with_nothing_decoding_the_regrow_is_one_bare_request():
+    broker = Broker()
+    broker.running = False
+    Handback([1024.0], 256, broker.queue_vram, lambda: broker.sent, lambda: broker.running, broker.done.append,
+             plan=regrow_plan([1024.0], 256)).start()
+    assert [r for r, _ in broker.queued] == [[None]] and broker.interim == [False]
