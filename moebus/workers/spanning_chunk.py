@@ -15,9 +15,12 @@ prompt loan covers fewer tokens than the chunk, the piece in progress too. The k
 the chunk run whole on the host-grouped path (``Stage._attend``, ``_route_on_host``, ``_moe_group``,
 ``_head``) over the same rows in the same layer order, each expert's pairs in one group, so its
 tokens and logprobs equal those of the chunk run alone in one step, bit for bit on the cpu
-(tests/workers/test_spanning_chunk.py). On cuda with bf16 experts the whole chunk runs on tensor
-cores (moe_prefill.py); a spanning chunk runs Stage._moe's GEMVs instead (equal within the GEMVs'
-rounding, not bit for bit): its pair outputs are the state kept, per expert group.
+(tests/workers/test_spanning_chunk.py). On cuda with bf16 experts a spanning chunk's expert groups
+run on tensor cores, as the chunk run whole does (moe_prefill.HostTiles: the layer planned on the
+host and gathered into tiles each step, each group's tiles multiplied once its experts are in; equal
+to the whole chunk within the products' rounding, not bit for bit: the whole chunk may plan on the
+device); elsewhere Stage._moe's GEMVs. Its pair outputs are the state kept, per expert group.
+``warm`` runs one short chunk at a worker's start, so that the first image's chunk compiles nothing.
 
 Where it applies (``chosen_row``): one stage holding the whole model, a budget > 0, a step with
 exactly one prompt row beside decode rows and more than ``routed_max_tokens`` tokens (a routed step
@@ -30,11 +33,14 @@ step carrying it runs whole, and when a step advancing it raises."""
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch, select_rows, split_tokens
+from moebus.workers.moe_prefill import HostTiles, can_group_on_device
 from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
 
 log = logging.getLogger("moebus.stage")
@@ -66,6 +72,7 @@ class ChunkInProgress:
     within: LayerInProgress | None = None
     steps: int = 0
     copies: int = 0  # experts copied in for it
+    step_ms: list = field(default_factory=list)  # each step's host time to its reply, with the decode rows
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
 
@@ -166,6 +173,7 @@ def chosen_row(stage, batch: StepBatch, hidden, routed_max_tokens: int) -> int |
 
 def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput:
     """One step with ``row`` the spanning chunk: the other rows whole, then the chunk advanced."""
+    started = time.perf_counter()
     held = stage.chunk
     if held is not None and not held.matches(batch, row):
         drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
@@ -182,11 +190,14 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         raise
     held.steps += 1
     stage.chunk_steps += 1
+    held.step_ms.append(1e3 * (time.perf_counter() - started))
     if chunk_out is not None:
         release(stage)
         stage.chunks_spanned += 1
-        log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in",
-                 held.length, held.slot, held.start, held.steps, held.copies)
+        log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
+                 "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows)",
+                 held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
+                 statistics.median(held.step_ms), max(held.step_ms))
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
@@ -280,17 +291,39 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
     """The layer's next expert groups within the budget; True when its last expert is done."""
     within, experts = chunk.within, stage.experts
     unique = within.routed.unique
+    run = None  # this step's runner of the layer's groups, made with its first group
     while within.next_expert < len(unique):
         left = None if budget_bytes is None else budget_bytes - spent[0]
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
-        stage._moe_group(layer, within.h, within.routed, within.next_expert, end)
+        run = run or group_runner(stage, layer, within)
+        run(within.next_expert, end)
         within.next_expert = end
         spent[0] += cost
         spent[1] = True
         chunk.copies += cost // experts.store.blob_bytes
     return True
+
+
+def group_runner(stage, layer: int, within: LayerInProgress):
+    """A function ``(first, end)`` that computes the pairs of the experts ``routed.unique[first:end]``
+    into ``routed.out``: on tensor cores where the whole chunk would run there (the layer's pairs
+    planned and gathered into tiles once a step, moe_prefill.HostTiles, each group's tiles then
+    multiplied from its arena slots and its pairs' outputs scattered to their rows), else
+    ``Stage._moe_group``'s GEMVs. The tiles' buffers are the step's: a step that continues the layer
+    plans and gathers it again (host work and one gather, no copies)."""
+    ops, cfg, routed, h = stage.ops, stage.cfg, within.routed, within.h
+    if not can_group_on_device(ops, stage.experts, h.shape[0]):
+        return lambda first, end: stage._moe_group(layer, h, routed, first, end)
+    ids = routed.unique[routed.pair_group_index].reshape(h.shape[0], -1)
+    tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size)
+    index = routed.pair_group_index
+
+    def run(first: int, end: int) -> None:
+        tiles.run_group(layer, first, end)
+        tiles.write_pairs(routed.out, np.flatnonzero((index >= first) & (index < end)))
+    return run
 
 
 def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: int | None, must_run: bool):
@@ -335,3 +368,27 @@ def merged(batch: StepBatch, pieces: list, pending_rows, want_logits: bool) -> S
             at = np.searchsorted(asked, rows[piece.top_rows()])
             out.top_ids[at], out.top_logprobs[at] = piece_out.top_ids, piece_out.top_logprobs
     return out
+
+
+def warm(stage, num_tokens: int) -> bool:
+    """Run a chunk of ``num_tokens`` (more than a routed step's) through this module once, as a
+    worker's start does before its cache is sized (gpu_worker.make_cache): two calls, the first
+    stopping after one expert group (the state kept across steps), the second to the sampled token,
+    so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
+    steps beside text streams. One token repeated: its rows route alike, so few experts are copied.
+    It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
+    (a stage that is not the whole model, a context too short)."""
+    if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None:
+        return False
+    n = num_tokens
+    batch = StepBatch(slots=[0], starts=[0], lengths=[n], tokens=np.zeros(n, np.int32),
+                      temperature=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
+                      u=np.full(1, 0.5, np.float32))
+    chunk = stage.chunk = ChunkInProgress.of(batch, 0)
+    try:
+        if advance(stage, chunk, 0, False, n) is None:
+            advance(stage, chunk, None, False, n)
+    finally:
+        release(stage)
+    stage.ops.begin_step()
+    return True

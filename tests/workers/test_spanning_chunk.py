@@ -140,3 +140,32 @@ def test_a_held_chunk_alone_finishes_in_one_step(model_dirs):
     assert model.step(_mixed(3)).pending_rows is not None
     out = model.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK))
     assert out.pending_rows is None and model.stages[0].chunk is None
+
+
+def test_warm_runs_a_chunk_across_two_calls_and_leaves_nothing_behind(model_dirs, monkeypatch):
+    """spanning_chunk.warm (a worker's start on cuda): a chunk stopped after its first expert group,
+    then finished; afterwards the stage holds no chunk, and a prompt in slot 0 (where it wrote keys
+    and values) reads the same as on a stage never warmed."""
+    from moebus.workers import spanning_chunk
+
+    calls = []
+    advance = spanning_chunk.advance
+
+    def spy(stage, chunk, budget_bytes, *rest):
+        out = advance(stage, chunk, budget_bytes, *rest)
+        calls.append((budget_bytes, out is None, chunk.within is not None))
+        return out
+    monkeypatch.setattr(spanning_chunk, "advance", spy)
+    warmed, fresh = _model(model_dirs["init_qwen3"], 1.0), _model(model_dirs["init_qwen3"], 1.0)
+    stage = warmed.stages[0]
+    assert spanning_chunk.warm(stage, len(CHUNK))
+    (first_budget, stopped, within), (second_budget, finished_pending, _) = calls
+    assert first_budget == 0 and stopped and within  # stopped at a miss within a layer, its state kept
+    assert second_budget is None and not finished_pending  # then to the sampled token
+    assert stage.chunk is None and stage.chunks_spanned == stage.chunk_steps == 0
+    for model in (warmed, fresh):
+        _decode_ready(model)
+    want = fresh.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK), want_logits=True)
+    got = warmed.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK), want_logits=True)
+    assert np.array_equal(got.logits, want.logits)
+    assert not spanning_chunk.warm(stage, stage.max_context + 1)  # longer than the context: not run
