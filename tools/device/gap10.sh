@@ -35,7 +35,7 @@ cycle() {  # name, copy budget MiB, timeout s
   grep ERROR $L | cut -c1-200 | sort | uniq -c | head -3
 }
 left() { echo $((BUDGET - SECONDS)); }
-cycle budget256 256 $(( $(left) < 80 ? $(left) : 80 ))
-if [ $(left) -gt 28 ]; then cycle budget128 128 $(( $(left) - 2 )); else echo "budget 128 not run: ${SECONDS} s spent"; fi
+cycle budget256 256 $(( $(left) < 88 ? $(left) : 88 ))
+if [ $(left) -gt 22 ]; then cycle budget128 128 $(( $(left) - 2 )); else echo "budget 128 not run: ${SECONDS} s spent"; fi
 if [ $(left) -gt 28 ]; then cycle budget64 64 $(( $(left) - 2 )); else echo "budget 64 not run: ${SECONDS} s spent"; fi
 echo "== done at ${SECONDS} s"
