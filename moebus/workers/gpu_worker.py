@@ -159,6 +159,7 @@ class GpuWorker:
             return VramReply(id=msg.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
                              error="this worker's expert cache is not elastic")
         started = time.perf_counter()
+        spanning_chunk.return_loan(self.stage)  # a resize (or query) needs the cache whole; the chunk lends again
         reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
         if not msg.query and self.stage.scratch_choices is not None:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one

@@ -41,7 +41,7 @@ import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch, select_rows, split_tokens
 from moebus.workers.moe_prefill import HostTiles, can_group_on_device
-from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
+from moebus.workers.prompt_loan import forward_in_pieces
 
 log = logging.getLogger("moebus.stage")
 MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the look-ahead step
@@ -73,6 +73,7 @@ class ChunkInProgress:
     steps: int = 0
     copies: int = 0  # experts copied in for it
     step_ms: list = field(default_factory=list)  # each step's host time to its reply, with the decode rows
+    lent: tuple | None = None  # the cache's slots [lo, hi) lent to it as scratch, held across its steps
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
 
@@ -112,7 +113,8 @@ def all_resident(experts) -> bool:
 
 
 def note_step(stage, batch: StepBatch) -> None:
-    """Every step the stage is given: drop the held chunk when this step says it will not continue."""
+    """Every step the stage is given: drop the held chunk when this step says it will not continue,
+    and return its loan when this step is a long one of others (it runs whole, on a loan of its own)."""
     held = stage.chunk
     if held is None:
         return
@@ -121,16 +123,23 @@ def note_step(stage, batch: StepBatch) -> None:
         held.absent_steps += 1
         if held.absent_steps > MAX_ABSENT_STEPS:
             drop(stage, "absent")
+    else:
+        held.absent_steps = 0
+        if not held.matches(batch, int(rows[0])):
+            drop(stage, "another feed in its slot")
+    if stage.chunk is None or stage.chunk.lent is None:
         return
-    held.absent_steps = 0
-    if not held.matches(batch, int(rows[0])):
-        drop(stage, "another feed in its slot")
+    prompt_rows = np.nonzero(batch.lengths > 1)[0]
+    continues = len(prompt_rows) == 1 and int(batch.slots[prompt_rows[0]]) == held.slot
+    if not continues and stage.scratch is not None and batch.num_tokens > stage.scratch.tokens:
+        return_loan(stage)
 
 
 def release(stage) -> None:
     """Forget the held chunk and give its buffers back now (on cuda numba frees device arrays
     lazily: a GPU under a VRAM budget would count them against its cache until then; ~45 MiB at
     510 tokens x 8 choices x 2048 hidden)."""
+    return_loan(stage)
     held, stage.chunk = stage.chunk, None
     if held is None or not held.kept:
         return
@@ -205,15 +214,45 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
 
 
 def _advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
-    """The chunk on the prompt-path loan where it is longer than the standing scratch covers (taken
-    per step), in pieces of as many tokens as the first step's loan covers. A later loan too short
-    for them: the chunk runs whole, in that loan's pieces, as it would have."""
+    """The chunk on the prompt-path loan where it is longer than the standing scratch covers, in
+    pieces of as many tokens as the first step's loan covers. The cache's slots stay lent from the
+    chunk's first step to its end (``hold_loan``); each step borrows them as its scratch. A loan
+    taken again (after ``return_loan``) too short for the pieces: the chunk runs whole, in that
+    loan's pieces, as it would have."""
     if stage.scratch is None or chunk.length <= stage.scratch.tokens:
         return advance(stage, chunk, budget, want_logits, chunk.length)
-    with prompt_loan(stage.experts, stage.ops, stage.scratch, chunk.length) as max_piece_tokens:
+    max_piece_tokens = hold_loan(stage, chunk)
+    stage.ops.borrow(stage.experts.lent_bytes(*chunk.lent))
+    try:
         if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
             return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
         return advance(stage, chunk, budget, want_logits, max_piece_tokens)
+    finally:
+        stage.ops.end_borrow()
+
+
+def hold_loan(stage, chunk: ChunkInProgress) -> int:
+    """Lend the cache's tail to the chunk unless it holds a loan already (prompt_loan's arithmetic);
+    returns the tokens a piece may have. Held across steps, because a loan taken and returned each
+    step churns the cache: its slots come back empty, the decode steps between admit experts into
+    them (and their misses rise), the next step's loan waits for those copies and evicts them again
+    (H200, 8 x 128 under 8 GiB, a 510-token chunk: a loan of ~42 slots, ~28 admissions and ~40 extra
+    misses read over PCIe a step, ~750 MiB a step against the budget's 256). While it is held, the
+    cache serves decode steps with the slots below it and admits nothing (ExpertCache._admit)."""
+    experts, scratch = stage.experts, stage.scratch
+    if chunk.lent is None:
+        chunk.lent = experts.lend(scratch.bytes_for(chunk.length) - scratch.standing_bytes)
+    lo, hi = chunk.lent
+    return scratch.tokens_within((hi - lo) * experts.arena.slot_bytes)
+
+
+def return_loan(stage) -> None:
+    """The held chunk's loan back to the cache (its end, a resize, a step that needs a loan of its
+    own); the chunk stays held and lends again at its next step."""
+    held = stage.chunk
+    if held is not None and held.lent is not None:
+        held.lent = None
+        stage.experts.end_loan()
 
 
 def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,

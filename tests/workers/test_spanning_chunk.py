@@ -169,3 +169,35 @@ def test_warm_runs_a_chunk_across_two_calls_and_leaves_nothing_behind(model_dirs
     got = warmed.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK), want_logits=True)
     assert np.array_equal(got.logits, want.logits)
     assert not spanning_chunk.warm(stage, stage.max_context + 1)  # longer than the context: not run
+
+
+def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_needs_it(model_dirs):
+    """A chunk longer than the standing scratch holds the cache's lent slots from its first step to
+    its end (a loan taken and returned each step would come back empty, and the steps between would
+    admit into it); a VRAM request or a long step of another prompt takes the loan back, and the
+    chunk lends again at its next step."""
+    from moebus.workers import spanning_chunk
+
+    model = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(model)
+    _small_scratch(model)
+    stage, experts = model.stages[0], model.stages[0].experts
+    slots = experts.num_slots
+    assert model.step(_mixed(3)).pending_rows is not None
+    lent = stage.chunk.lent
+    assert lent is not None and experts.loaned_from == lent[0] and experts.num_slots < slots
+    resident = dict(experts.key_slot)
+    model.step(StepBatch(slots=[0], starts=[4], lengths=[1], tokens=[22]))  # a look-ahead step between
+    assert stage.chunk.lent == lent and experts.loaned_from == lent[0]
+    assert experts.key_slot == resident  # nothing admitted into the cache while it is lent
+    spanning_chunk.return_loan(stage)  # what the worker does before a VRAM request
+    assert experts.loaned_from is None and experts.num_slots == slots and stage.chunk is not None
+    experts.resize(None, query=True)
+    assert model.step(_mixed(5)).pending_rows is not None and stage.chunk.lent is not None
+    other = model.step(StepBatch(slots=[2], starts=[0], lengths=[80], tokens=CHUNK))  # runs whole, its own loan
+    assert other.pending_rows is None and stage.chunk is not None and stage.chunk.lent is None
+    position = 6
+    while model.step(_mixed(position)).pending_rows is not None:
+        position += 1
+        assert position < 400
+    assert stage.chunk is None and experts.loaned_from is None and experts.num_slots == slots
