@@ -1,5 +1,5 @@
 """A long step's layer in expert groups on tensor cores (moe_prefill.HostTiles), as a prompt chunk that
-spans steps runs it (spanning_chunk.group_runner): each step plans and gathers the layer again, runs
+spans steps runs it (chunk_advance.group_runner): each step plans and gathers the layer again, runs
 the groups its budget allows and scatters their pairs' outputs into the chunk's kept buffer; the
 other rows stay as they were. Against grouped_ffn_ref; under the simulator the products run on
 HostBlas (numpy over the same addresses), on a GPU (MOEBUS_TEST_GPU=1) on cuBLAS."""
