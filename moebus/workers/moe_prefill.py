@@ -94,7 +94,7 @@ class HostTiles:
     """A layer of a long step planned on the host (``plan_tiles``) and its pairs gathered into tiles,
     whose experts are then computed group by group, each group acquired from the cache: by
     ``_planned_on_host`` (a cache that cannot hold the layer's experts at once) and by a prompt chunk
-    that spans steps (spanning_chunk.py: a step runs the groups whose copies fit its budget, and
+    that spans steps (chunk_advance.py: a step runs the groups whose copies fit its budget, and
     writes their pairs' outputs with ``write_pairs``). Group g is the plan's experts[g] (ascending:
     the same order as ``np.unique`` of the ids), its tiles first_tile[g] ... first_tile[g + 1] - 1."""
 
