@@ -5,11 +5,12 @@
 # A3B-shaped LLaVA (so400m) under --gpu-memory-mib 8192, 2 text streams, --max-batch 4, cold start 2
 # of 2, --skip-resident (rows (b)-(d) only), at each max_prefill_copy_mib_beside_decode of BUDGETS in
 # turn while BUDGET allows (the first call, at 13:23 UTC: "256 128 64", only 256 fitted; the call owed,
-# with the loan held across the chunk's steps: BUDGETS="128 256"). Beside the model's build: the GPU tests of the spanning chunk and HostTiles.
+# with the loan held across the chunk's steps: BUDGETS="128 256"). Beside the model's build: the GPU
+# tests of the spanning chunk and HostTiles.
 # Per run: the bench's rows and gap lines, the workers' phase lines (tools/device/gap6_logs.py), the
 # spanning chunks (steps, experts copied in, step times), the warm-up line, the ERROR count.
 #   BUDGET=122 bash tools/device/gap10.sh                   (as run: 109 s on a bare H200)
-#   BUDGET=122 BUDGETS="128 256" bash tools/device/gap10.sh  (owed)
+#   BUDGET=150 BUDGETS="128 256" bash tools/device/gap10.sh  (owed; BUDGET=115 BUDGETS=128: 128 alone)
 source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-122}
