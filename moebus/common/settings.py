@@ -130,10 +130,11 @@ class Settings(BaseSettings):
     # a long prompt is read (at the cost of its first token); None: max_step_tokens (docs/config.md)
     max_prefill_tokens_beside_decode: int | None = Field(None, ge=1)
     # experts a step beside decode rows may copy in for a prompt's chunk, in MiB: a chunk that needs
-    # more spans steps (workers/spanning_chunk.py). 256: measured on an H200 (merged9b.sh, 8 x 128
-    # LLaVA under 8 GiB) the text streams' largest gap through the image's prefill 51 ms against 164
-    # ms with the chunk whole (0); 128 was not measured warm; 0: off
-    max_prefill_copy_mib_beside_decode: float = Field(256.0, ge=0)
+    # more spans steps (workers/spanning_chunk.py). 128: on an H200 (gap10.sh, 8 x 128 LLaVA under
+    # 8 GiB) a step at 256 copied ~242 MiB for its chunk, ~7 ms at the ~33 GB/s the link gives, more
+    # than the 5.7 ms decode step itself, so 256 cannot keep a stream's gap within 2x; 128 (~3.7 ms)
+    # can, by that arithmetic (not yet measured with the loan held across steps); 0: off
+    max_prefill_copy_mib_beside_decode: float = Field(128.0, ge=0)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
     launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)

@@ -72,10 +72,12 @@ class Chain:
         ahead = (keys // cache.store.num_experts - row) % rows  # groups until this key's layer comes again
         tier = np.where(seq < 0, 1, np.where(seq == last, 2, 0))
         # tier 0: the policy's weakest first (decode's hot experts stay), among equals the latest release;
-        # tier 1: farthest ahead first; tier 2 (one release): any; ties: lower slot
+        # tier 1: farthest ahead first, within a layer the policy's weakest (a prompt chunk that spans
+        # steps starts a chain each step: every slot is tier 1, and the layer it has just done holds
+        # the decode steps' experts too); tier 2 (one release): any; ties: lower slot
         score = getattr(cache.policy, "score", None)
         weakness = score[keys] if score is not None else np.zeros(len(keys))
         first = np.where(tier == 0, weakness, np.where(tier == 1, -ahead, 0))
-        then = np.where(tier == 0, -seq, 0)
+        then = np.where(tier == 0, -seq, np.where(tier == 1, weakness, 0))
         order = np.lexsort((used, then, first, tier))[:count]
         return keys[order].tolist()[::-1]

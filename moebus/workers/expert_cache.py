@@ -382,7 +382,7 @@ class ExpertCache:
 
     def _admit(self, missed: list[int], ops) -> None:
         budget = min(self.max_admissions, len(missed))
-        if budget == 0 or self.loaned_from is not None:
+        if budget == 0:  # (a loan held across steps, spanning_chunk.py: the slots below it; the lent are out of service)
             return
         candidates = self.policy.strongest_first(np.array(missed, np.int64))[:budget].tolist()
         victims = self.policy.weakest_first(max(0, budget - len(self.free)))

@@ -21,7 +21,7 @@ from moebus.common.errors import ConfigError
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers import overlap
+from moebus.workers import overlap, spanning_chunk
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
@@ -31,7 +31,7 @@ from moebus.workers.link import BrokerLink
 from moebus.workers.kv_cache import resolve_kv_dtype
 from moebus.workers.loop import serve
 from moebus.workers.graph_warmup import warm_graphs, warm_sizes
-from moebus.workers.stage import Stage
+from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
 
 log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
@@ -159,6 +159,7 @@ class GpuWorker:
             return VramReply(id=msg.id, reserve_mib=0, free_mib=0, expert_slots=0, expert_cache_mib=0,
                              error="this worker's expert cache is not elastic")
         started = time.perf_counter()
+        spanning_chunk.return_loan(self.stage)  # a resize (or query) needs the cache whole; the chunk lends again
         reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
         if not msg.query and self.stage.scratch_choices is not None:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one
@@ -224,6 +225,24 @@ def warm_decode_graphs(stage: Stage, max_batch: int, label: str) -> None:
     log.info("%s: %d decode graphs captured in %.1f s", label, count, time.perf_counter() - started)
 
 
+def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:
+    """On cuda, a prompt chunk that spans steps run once at start (spanning_chunk.warm), over the
+    sizing's small cache and before the cache takes the free VRAM, its buffers then given back: the
+    first image's chunk beside text streams would otherwise compile or load its kernels there."""
+    if stage.ops.name != "cuda" or settings.max_prefill_copy_mib_beside_decode <= 0:
+        return
+    started = time.perf_counter()
+    if not spanning_chunk.warm(stage, ROUTED_MAX_TOKENS + 1):
+        return
+    stage.ops.device_pool.release()
+    from numba import cuda
+
+    context = cuda.current_context()
+    if hasattr(context, "deallocations"):  # not in the simulator
+        context.deallocations.clear()
+    log.info("%s: the spanning chunk's kernels warmed in %.2f s", label, time.perf_counter() - started)
+
+
 def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:
     """The stage on its device. A checkpoint the loader refuses raises CheckpointError; a stage that
     does not fit its GPU raises ConfigError: neither start can succeed by trying again."""
@@ -272,6 +291,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
                                        experts_dtype=settings.experts.dtype,
                                        progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))
     scratch = measure_scratch(stage, settings.max_batch, settings.max_step_tokens)
+    warm_spanning_chunk(stage, settings, label)
     stage.experts.arena.close()
     store, stage.experts = stage.experts.store, None
     if ledger is not None:

@@ -83,20 +83,40 @@ def _planned_on_device(ops, experts, layer: int, h, ids, hidden: int, inter: int
 
 
 def _planned_on_host(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: int, inter: int):
-    t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
-    plan = plan_tiles(ids_host, ops.tensor_cores.parts, t)
-    work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter, t)
-    work.plan_on_host(plan)
-    bases, strides = work.pointer_layout(experts.array)
-    tiles_of = np.diff(plan.first_tile)
+    tiles = HostTiles(ops, experts, h, ids_host, hidden, inter)
     group = max(1, experts.num_slots)  # a cache smaller than the layer's active experts: in groups
-    for first in range(0, len(plan.experts), group):
-        end = min(first + group, len(plan.experts))
+    for first in range(0, len(tiles.plan.experts), group):
+        tiles.run_group(layer, first, min(first + group, len(tiles.plan.experts)))
+    return tiles.work.pair_outputs()
+
+
+class HostTiles:
+    """A layer of a long step planned on the host (``plan_tiles``) and its pairs gathered into tiles,
+    whose experts are then computed group by group, each group acquired from the cache: by
+    ``_planned_on_host`` (a cache that cannot hold the layer's experts at once) and by a prompt chunk
+    that spans steps (chunk_advance.py: a step runs the groups whose copies fit its budget, and
+    writes their pairs' outputs with ``write_pairs``). Group g is the plan's experts[g] (ascending:
+    the same order as ``np.unique`` of the ids), its tiles first_tile[g] ... first_tile[g + 1] - 1."""
+
+    def __init__(self, ops, experts, h, ids_host: np.ndarray, hidden: int, inter: int):
+        self.ops, self.experts = ops, experts
+        t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
+        self.plan = plan = plan_tiles(ids_host, ops.tensor_cores.parts, t)
+        self.work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter, t)
+        self.work.plan_on_host(plan)
+        self.bases, self.strides = self.work.pointer_layout(experts.array)
+        self.tiles_of = np.diff(plan.first_tile)
+
+    def run_group(self, layer: int, first: int, end: int) -> None:
+        """The experts plan.experts[first:end], acquired: the resident ones' gate|up products run
+        while the misses are still being copied in, then the rest, SwiGLU and down."""
+        plan, work, experts = self.plan, self.work, self.experts
         slots, ready = experts.acquire(layer, plan.experts[first:end])
         tiles = np.arange(plan.first_tile[first], plan.first_tile[end])
-        tile_slots, tile_ready = np.repeat(slots, tiles_of[first:end]), np.repeat(ready, tiles_of[first:end])
+        tiles_of = self.tiles_of[first:end]
+        tile_slots, tile_ready = np.repeat(slots, tiles_of), np.repeat(ready, tiles_of)
         order = np.argsort(~tile_ready, kind="stable")  # ready tiles first
-        pointers = ops.upload(tile_pointers(bases, strides, tiles[order], tile_slots[order]))
+        pointers = self.ops.upload(tile_pointers(self.bases, self.strides, tiles[order], tile_slots[order]))
         num_ready = int(tile_ready.sum())
         work.gate_up(pointers, 0, num_ready)
         if num_ready < len(tiles):
@@ -104,7 +124,15 @@ def _planned_on_host(ops, experts, layer: int, h, ids_host: np.ndarray, hidden: 
             work.gate_up(pointers, num_ready)
         work.swiglu(tiles[0], len(tiles))
         work.down(pointers)
-    return work.pair_outputs()
+
+    def write_pairs(self, out, pairs: np.ndarray) -> None:
+        """The outputs of ``pairs`` (indices in pair order, their groups run) into those rows of
+        ``out`` (P, D) float32 on the device; the other rows are left as they are."""
+        if not len(pairs):
+            return
+        rows = self.ops.upload(np.asarray(pairs, np.int32))
+        values = self.work.pair_outputs(self.ops.upload(self.plan.pair_row[pairs]))
+        self.ops.scatter_rows(out, rows, values)
 
 
 def grouped_moe_placed(ops, experts, h, ids, placement_row, hidden: int, inter: int, num_experts: int):

@@ -15,9 +15,14 @@ prompt loan covers fewer tokens than the chunk, the piece in progress too. The k
 the chunk run whole on the host-grouped path (``Stage._attend``, ``_route_on_host``, ``_moe_group``,
 ``_head``) over the same rows in the same layer order, each expert's pairs in one group, so its
 tokens and logprobs equal those of the chunk run alone in one step, bit for bit on the cpu
-(tests/workers/test_spanning_chunk.py). On cuda with bf16 experts the whole chunk runs on tensor
-cores (moe_prefill.py); a spanning chunk runs Stage._moe's GEMVs instead (equal within the GEMVs'
-rounding, not bit for bit): its pair outputs are the state kept, per expert group.
+(tests/workers/test_spanning_chunk.py). On cuda with bf16 experts a spanning chunk's expert groups
+run on tensor cores, as the chunk run whole does (moe_prefill.HostTiles: the layer planned on the
+host and gathered into tiles each step, each group's tiles multiplied once its experts are in; equal
+to the whole chunk within the products' rounding, not bit for bit: the whole chunk may plan on the
+device); elsewhere Stage._moe's GEMVs. Its pair outputs are the state kept, per expert group.
+``warm`` runs one short chunk at a worker's start, so that the first image's chunk compiles nothing.
+Here: which row spans, the chunk held between steps and when it is dropped; its work within a step
+is chunk_advance.py's.
 
 Where it applies (``chosen_row``): one stage holding the whole model, a budget > 0, a step with
 exactly one prompt row beside decode rows and more than ``routed_max_tokens`` tokens (a routed step
@@ -30,24 +35,17 @@ step carrying it runs whole, and when a step advancing it raises."""
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from moebus.workers.batch import StageOutput, StepBatch, select_rows, split_tokens
-from moebus.workers.prompt_loan import forward_in_pieces, prompt_loan
+from moebus.workers.batch import StageOutput, StepBatch, select_rows
+from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
 
 log = logging.getLogger("moebus.stage")
 MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the look-ahead step
-
-
-@dataclass
-class LayerInProgress:
-    """A layer whose experts are not all done: what its remaining groups and its end need."""
-    x: object  # the residual stream after the attention's add
-    h: object  # the MLP's input
-    routed: object  # stage.HostRouting: the router's choices, weights and pair outputs
-    next_expert: int = 0  # index into routed.unique of the first expert not computed
 
 
 @dataclass
@@ -63,9 +61,11 @@ class ChunkInProgress:
     layer: int = 0  # layers of the stage done
     x: object = None  # at a layer boundary: the hidden state (None before the first layer)
     residual: object = None  # and the last layer's MLP output, still to be added
-    within: LayerInProgress | None = None
+    within: LayerInProgress | None = None  # a layer whose expert groups are not all done
     steps: int = 0
     copies: int = 0  # experts copied in for it
+    step_ms: list = field(default_factory=list)  # each step's host time to its reply, with the decode rows
+    lent: tuple | None = None  # the cache's slots [lo, hi) lent to it as scratch, held across its steps
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
 
@@ -105,7 +105,8 @@ def all_resident(experts) -> bool:
 
 
 def note_step(stage, batch: StepBatch) -> None:
-    """Every step the stage is given: drop the held chunk when this step says it will not continue."""
+    """Every step the stage is given: drop the held chunk when this step says it will not continue,
+    and return its loan when this step is a long one of others (it runs whole, on a loan of its own)."""
     held = stage.chunk
     if held is None:
         return
@@ -114,16 +115,23 @@ def note_step(stage, batch: StepBatch) -> None:
         held.absent_steps += 1
         if held.absent_steps > MAX_ABSENT_STEPS:
             drop(stage, "absent")
+    else:
+        held.absent_steps = 0
+        if not held.matches(batch, int(rows[0])):
+            drop(stage, "another feed in its slot")
+    if stage.chunk is None or stage.chunk.lent is None:
         return
-    held.absent_steps = 0
-    if not held.matches(batch, int(rows[0])):
-        drop(stage, "another feed in its slot")
+    prompt_rows = np.nonzero(batch.lengths > 1)[0]
+    continues = len(prompt_rows) == 1 and int(batch.slots[prompt_rows[0]]) == held.slot
+    if not continues and stage.scratch is not None and batch.num_tokens > stage.scratch.tokens:
+        return_loan(stage)
 
 
 def release(stage) -> None:
     """Forget the held chunk and give its buffers back now (on cuda numba frees device arrays
     lazily: a GPU under a VRAM budget would count them against its cache until then; ~45 MiB at
     510 tokens x 8 choices x 2048 hidden)."""
+    return_loan(stage)
     held, stage.chunk = stage.chunk, None
     if held is None or not held.kept:
         return
@@ -166,6 +174,7 @@ def chosen_row(stage, batch: StepBatch, hidden, routed_max_tokens: int) -> int |
 
 def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput:
     """One step with ``row`` the spanning chunk: the other rows whole, then the chunk advanced."""
+    started = time.perf_counter()
     held = stage.chunk
     if held is not None and not held.matches(batch, row):
         drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
@@ -176,143 +185,33 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
     decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
     budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
     try:
-        chunk_out = _advance_in_loan(stage, held, budget, want_logits)
+        chunk_out = advance_in_loan(stage, held, budget, want_logits)
     except BaseException:
         drop(stage, "the step failed")
         raise
     held.steps += 1
     stage.chunk_steps += 1
+    held.step_ms.append(1e3 * (time.perf_counter() - started))
     if chunk_out is not None:
         release(stage)
         stage.chunks_spanned += 1
-        log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in",
-                 held.length, held.slot, held.start, held.steps, held.copies)
+        log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
+                 "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows)",
+                 held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
+                 statistics.median(held.step_ms), max(held.step_ms))
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
     return merged(batch, pieces, None if chunk_out is not None else np.array([row], np.int32), want_logits)
 
 
-def _advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
-    """The chunk on the prompt-path loan where it is longer than the standing scratch covers (taken
-    per step), in pieces of as many tokens as the first step's loan covers. A later loan too short
-    for them: the chunk runs whole, in that loan's pieces, as it would have."""
-    if stage.scratch is None or chunk.length <= stage.scratch.tokens:
-        return advance(stage, chunk, budget, want_logits, chunk.length)
-    with prompt_loan(stage.experts, stage.ops, stage.scratch, chunk.length) as max_piece_tokens:
-        if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
-            return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
-        return advance(stage, chunk, budget, want_logits, max_piece_tokens)
-
-
-def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
-            max_piece_tokens: int) -> StageOutput | None:
-    """Run the chunk's pieces, layers and, within a layer, expert groups while the experts copied in
-    this step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
-    output once its last piece is through the last layer, else None (its state kept)."""
-    if chunk.pieces is None:
-        chunk.pieces = [chunk.batch] if max_piece_tokens >= chunk.length else \
-            [piece for piece, _, _, _ in split_tokens(chunk.batch, max_piece_tokens)]
-    spent = [0, False]  # bytes copied in this step, whether a group ran
-    while True:
-        is_last = chunk.piece == len(chunk.pieces) - 1
-        out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits)
-        if out is None or is_last:
-            return out
-        chunk.piece, chunk.layer, chunk.x, chunk.residual = chunk.piece + 1, 0, None, None
-
-
-def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes, spent: list, is_last: bool,
-                   want_logits: bool):
-    """One piece's layers from where it stands; None while some are left, else (last piece) the
-    chunk's output, (another) True."""
-    ops, cfg = stage.ops, stage.cfg
-    ops.begin_step()
-    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
-    segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
-    x, residual = chunk.x, chunk.residual
-    if x is None and chunk.within is None:  # the first layer's input
-        x = ops.embedding(stage.embed, inputs["tokens"])
-        if "embeds" in inputs:
-            x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
-    mark = ops.layer_mark()
-    try:
-        while chunk.layer < len(stage.layer_range):
-            n, i = chunk.layer, stage.layer_range[chunk.layer]
-            if chunk.within is None:
-                w = stage.layers[i]
-                x, o = stage._attend(n, i, x, inputs["token_slot"], inputs["token_pos"], residual, segments)
-                x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], cfg.rms_norm_eps)
-                if not cfg.is_moe_layer(i):
-                    x, residual = x, ("dense", stage._dense_mlp(w, h))
-                    chunk.layer += 1
-                    ops.recycle_layer(mark, (x, residual[1]))
-                    continue
-                chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
-            if not _run_groups(stage, chunk, i, budget_bytes, spent):
-                _keep_within(ops, chunk)
-                return None
-            within, chunk.within = chunk.within, None
-            x, residual = within.x, ("dense", ops.combine(within.routed.out, within.routed.weights))
-            chunk.layer += 1
-            ops.recycle_layer(mark, (x, residual[1]))
-    finally:
-        stage.experts.release()
-    if not is_last:  # its keys and values are written: the next piece reads them
-        return True
-    out = stage._head(piece, inputs, x, residual, {})
-    if piece.top_logprobs:
-        out["top_ids"], out["top_logprobs"] = stage._top_logprobs(piece, out["logits"])
-    host = {name: ops.to_host(out[name]) for name in ("tokens", "logprobs") + (("logits",) if want_logits else ())}
-    return stage._sample_output(piece, {**out, **host}, want_logits)
-
-
-def _pair_buffer(stage, chunk: ChunkInProgress):
-    def allocate(shape, dtype):  # one for the chunk's layers, outside the step scratch
-        buffer = chunk.kept.get("pairs")
-        if buffer is None or buffer.shape != tuple(shape):
-            buffer = chunk.kept["pairs"] = stage.ops.zeros(shape, dtype)
-        return buffer
-    return allocate
-
-
-def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | None, spent: list) -> bool:
-    """The layer's next expert groups within the budget; True when its last expert is done."""
-    within, experts = chunk.within, stage.experts
-    unique = within.routed.unique
-    while within.next_expert < len(unique):
-        left = None if budget_bytes is None else budget_bytes - spent[0]
-        end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
-        if end == within.next_expert:
-            return False
-        stage._moe_group(layer, within.h, within.routed, within.next_expert, end)
-        within.next_expert = end
-        spent[0] += cost
-        spent[1] = True
-        chunk.copies += cost // experts.store.blob_bytes
-    return True
-
-
-def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: int | None, must_run: bool):
-    """(end, bytes): the group ``unique[first:end]`` that the cache can hold at once and whose misses
-    fit ``left_bytes`` (None: any); at least one expert when ``must_run``, so every step advances."""
-    limit = min(len(unique), first + max(1, experts.num_slots))
-    end, cost = first, 0
-    while end < limit:
-        miss = experts.store.key(layer, int(unique[end])) not in experts.key_slot
-        extra = experts.store.blob_bytes if miss else 0
-        if left_bytes is not None and cost + extra > left_bytes and (end > first or not must_run):
-            break
-        end, cost = end + 1, cost + extra
-    return end, cost
-
-
-def _keep_within(ops, chunk: ChunkInProgress) -> None:
-    within = chunk.within
-    within.x = chunk.keep(ops, "x", within.x)
-    within.h = chunk.keep(ops, "h", within.h)
-    within.routed.weights = chunk.keep(ops, "weights", within.routed.weights)
-    chunk.x = chunk.residual = None
+def return_loan(stage) -> None:
+    """The held chunk's loan back to the cache (its end, a resize, a step that needs a loan of its
+    own); the chunk stays held and lends again at its next step."""
+    held = stage.chunk
+    if held is not None and held.lent is not None:
+        held.lent = None
+        stage.experts.end_loan()
 
 
 def merged(batch: StepBatch, pieces: list, pending_rows, want_logits: bool) -> StageOutput:
@@ -335,3 +234,27 @@ def merged(batch: StepBatch, pieces: list, pending_rows, want_logits: bool) -> S
             at = np.searchsorted(asked, rows[piece.top_rows()])
             out.top_ids[at], out.top_logprobs[at] = piece_out.top_ids, piece_out.top_logprobs
     return out
+
+
+def warm(stage, num_tokens: int) -> bool:
+    """Run a chunk of ``num_tokens`` (more than a routed step's) through this module once, as a
+    worker's start does before its cache is sized (gpu_worker.make_cache): two calls, the first
+    stopping after one expert group (the state kept across steps), the second to the sampled token,
+    so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
+    steps beside text streams. One token repeated: its rows route alike, so few experts are copied.
+    It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
+    (a stage that is not the whole model, a context too short)."""
+    if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None:
+        return False
+    n = num_tokens
+    batch = StepBatch(slots=[0], starts=[0], lengths=[n], tokens=np.zeros(n, np.int32),
+                      temperature=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), top_p=np.ones(1, np.float32),
+                      u=np.full(1, 0.5, np.float32))
+    chunk = stage.chunk = ChunkInProgress.of(batch, 0)
+    try:
+        if advance(stage, chunk, 0, False, n) is None:
+            advance(stage, chunk, None, False, n)
+    finally:
+        release(stage)
+    stage.ops.begin_step()
+    return True

@@ -10,10 +10,13 @@ import pytest
 from moebus.common import tiny_model
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.gemm import TensorCores
+from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
 from moebus.workers import spanning_chunk
 from moebus.workers import stage as stage_module
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
+from moebus.workers.moe_prefill import HostTiles
 from tests.cuda.test_e2e import MICRO
 
 CHUNK = [5, 17, 42, 9, 77, 3]
@@ -27,9 +30,13 @@ def micro_model(tmp_path_factory):
         return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
 
 
-def _stage(model_dir, budget_blobs: float):
+def _stage(model_dir, budget_blobs: float, experts_on: str = "gemv"):
     model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=16)
     stage = model.stages[0]
+    if experts_on == "tensor cores":  # a step of 6 tokens on them (cuBLAS; HostBlas in the simulator)
+        stage.ops.tensor_cores = TensorCores(HostBlas() if SIMULATOR else cublas_blas(), min_rows=3)
+    else:
+        stage.ops.tensor_cores = None
     stage.chunk_copy_budget_bytes = int(budget_blobs * stage.experts.store.blob_bytes)
     stage.forward(StepBatch(slots=[0], starts=[0], lengths=[2], tokens=[11, 12]))  # slot 0 decodes next
     experts = stage.experts
@@ -60,11 +67,18 @@ def test_kept_buffers_outlive_the_step_and_go_back_with_the_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
-def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch):
+@pytest.mark.parametrize("experts_on", ["gemv", "tensor cores"])
+def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on):
+    """``tensor cores``: the threshold lowered so that the chunk's 6 tokens take the tiles
+    (moe_prefill.HostTiles, as the chunk run whole does here: planned on the host), not the GEMVs."""
     monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
-    whole = _stage(micro_model, 0)
+    groups = []
+    run_group = HostTiles.run_group
+    monkeypatch.setattr(HostTiles, "run_group", lambda self, *a: groups.append(a) or run_group(self, *a))
+    whole = _stage(micro_model, 0, experts_on)
     want = whole.forward(StepBatch(slots=[1], starts=[0], lengths=[6], tokens=CHUNK))
-    sliced = _stage(micro_model, 1.0)
+    whole_groups = len(groups)
+    sliced = _stage(micro_model, 1.0, experts_on)
     assert len(sliced.experts.key_slot) < 8
     steps = 0
     while True:
@@ -76,5 +90,6 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
         assert kept and not any(isinstance(b, np.ndarray) for b in kept.values())  # device buffers
         assert steps < 20
     assert steps > 1 and sliced.chunk is None and sliced.chunks_spanned == 1
+    assert (whole_groups > 0 and len(groups) > whole_groups) == (experts_on == "tensor cores")
     assert out.tokens[1] == want.tokens[0]
     np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)

@@ -216,3 +216,18 @@ def test_decodes_hot_experts_stay_through_prefills():
             cache.policy.observe(hot)  # decode steps choose them
         assert prefill(cache, copier, 48, 32) == 1200
         assert all(int(k) in cache.key_slot for k in hot)
+
+
+def test_a_new_chain_evicts_the_weakest_of_the_farthest_layer_first():
+    """Every slot of a chain's first group is one no group of it read (a prompt chunk that spans
+    steps starts a chain each step): the layer farthest ahead goes first, and within it the policy's
+    weakest, so the decode steps' hot expert of that layer stays (was: the lowest slot)."""
+    cache, _ = make_cache(layers=2, experts=4, slots=6)  # preloaded (0,0) (1,0) (0,1) (1,1) (0,2) (1,2)
+    hot = cache.store.key(1, 0)
+    assert cache.key_slot[hot] == 1
+    for _ in range(3):
+        cache.policy.touch(hot)
+    cache.acquire(0, [3])  # a miss in layer 0: one victim from layer 1, the farthest ahead
+    cache.release()
+    assert hot in cache.key_slot and cache.store.key(0, 3) in cache.key_slot
+    assert sum(cache.store.key(1, e) in cache.key_slot for e in range(4)) == 2  # a cold one of layer 1 went

@@ -140,3 +140,64 @@ def test_a_held_chunk_alone_finishes_in_one_step(model_dirs):
     assert model.step(_mixed(3)).pending_rows is not None
     out = model.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK))
     assert out.pending_rows is None and model.stages[0].chunk is None
+
+
+def test_warm_runs_a_chunk_across_two_calls_and_leaves_nothing_behind(model_dirs, monkeypatch):
+    """spanning_chunk.warm (a worker's start on cuda): a chunk stopped after its first expert group,
+    then finished; afterwards the stage holds no chunk, and a prompt in slot 0 (where it wrote keys
+    and values) reads the same as on a stage never warmed."""
+    from moebus.workers import spanning_chunk
+
+    calls = []
+    advance = spanning_chunk.advance
+
+    def spy(stage, chunk, budget_bytes, *rest):
+        out = advance(stage, chunk, budget_bytes, *rest)
+        calls.append((budget_bytes, out is None, chunk.within is not None))
+        return out
+    monkeypatch.setattr(spanning_chunk, "advance", spy)
+    warmed, fresh = _model(model_dirs["init_qwen3"], 1.0), _model(model_dirs["init_qwen3"], 1.0)
+    stage = warmed.stages[0]
+    assert spanning_chunk.warm(stage, len(CHUNK))
+    (first_budget, stopped, within), (second_budget, finished_pending, _) = calls
+    assert first_budget == 0 and stopped and within  # stopped at a miss within a layer, its state kept
+    assert second_budget is None and not finished_pending  # then to the sampled token
+    assert stage.chunk is None and stage.chunks_spanned == stage.chunk_steps == 0
+    for model in (warmed, fresh):
+        _decode_ready(model)
+    want = fresh.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK), want_logits=True)
+    got = warmed.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK), want_logits=True)
+    assert np.array_equal(got.logits, want.logits)
+    assert not spanning_chunk.warm(stage, stage.max_context + 1)  # longer than the context: not run
+
+
+def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_needs_it(model_dirs):
+    """A chunk longer than the standing scratch holds the cache's lent slots from its first step to
+    its end (a loan taken and returned each step would come back empty, and the steps between would
+    admit into it); the steps between admit below it; a VRAM request or a long step of another prompt
+    takes the loan back, and the chunk lends again at its next step."""
+    from moebus.workers import spanning_chunk
+
+    model = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(model)
+    _small_scratch(model)
+    stage, experts = model.stages[0], model.stages[0].experts
+    slots = experts.num_slots
+    assert model.step(_mixed(3)).pending_rows is not None
+    lent = stage.chunk.lent
+    assert lent is not None and experts.loaned_from == lent[0] and experts.num_slots < slots
+    model.step(StepBatch(slots=[0], starts=[4], lengths=[1], tokens=[22]))  # a look-ahead step between
+    assert stage.chunk.lent == lent and experts.loaned_from == lent[0]
+    assert max(experts.key_slot.values()) < lent[0]  # its admissions went below the lent slots
+    assert np.all(experts.slot_key[lent[0]:lent[1]] == -1) and not set(experts.free) & set(range(*lent))
+    spanning_chunk.return_loan(stage)  # what the worker does before a VRAM request
+    assert experts.loaned_from is None and experts.num_slots == slots and stage.chunk is not None
+    experts.resize(None, query=True)
+    assert model.step(_mixed(5)).pending_rows is not None and stage.chunk.lent is not None
+    other = model.step(StepBatch(slots=[2], starts=[0], lengths=[80], tokens=CHUNK))  # runs whole, its own loan
+    assert other.pending_rows is None and stage.chunk is not None and stage.chunk.lent is None
+    position = 6
+    while model.step(_mixed(position)).pending_rows is not None:
+        position += 1
+        assert position < 400
+    assert stage.chunk is None and experts.loaned_from is None and experts.num_slots == slots

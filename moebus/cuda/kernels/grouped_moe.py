@@ -292,8 +292,10 @@ class ExpertTiles:
         self.tc.blas.gemm_batched(self.ops.stream, OP_T, OP_N, dim_out, self.tc.parts * self.t, dim_in, a, R_16BF,
                                   dim_in, b, R_16BF, dim_in, c, dim_out, compute=COMPUTE_32F, batch=count)
 
-    def pair_outputs(self):
-        """(P, D) float32: row p is pair p's expert output (moe.combine's y_pair)."""
-        out = self.ops.empty((self.pair_row.shape[0], self.hidden))
-        _launch(sum_parts_pairs, out.shape[0], self.ops.stream, self.y_rows, self.pair_row, self.tc.parts, self.t, out)
+    def pair_outputs(self, pair_row=None):
+        """(P, D) float32: row p is pair p's expert output (moe.combine's y_pair); with ``pair_row``
+        (a device subset of the plan's, some pairs' rows), those pairs' outputs in its order."""
+        pair_row = self.pair_row if pair_row is None else pair_row
+        out = self.ops.empty((pair_row.shape[0], self.hidden))
+        _launch(sum_parts_pairs, out.shape[0], self.ops.stream, self.y_rows, pair_row, self.tc.parts, self.t, out)
         return out

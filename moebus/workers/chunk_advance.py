@@ -1,0 +1,191 @@
+"""A prompt chunk that spans steps (spanning_chunk.py): its work within one step. Its pieces, layers
+and, within a layer, expert groups run while the experts they copy in stay within the step's budget;
+what the next step needs is kept outside the step scratch (``ChunkInProgress.keep``). A chunk longer
+than the standing scratch holds the cache's prompt-path loan from its first step to its end."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moebus.workers.batch import StageOutput, StepBatch, split_tokens
+from moebus.workers.moe_prefill import HostTiles, can_group_on_device
+from moebus.workers.prompt_loan import forward_in_pieces
+
+if TYPE_CHECKING:
+    from moebus.workers.spanning_chunk import ChunkInProgress
+
+
+@dataclass
+class LayerInProgress:
+    """A layer whose experts are not all done: what its remaining groups and its end need."""
+    x: object  # the residual stream after the attention's add
+    h: object  # the MLP's input
+    routed: object  # stage.HostRouting: the router's choices, weights and pair outputs
+    next_expert: int = 0  # index into routed.unique of the first expert not computed
+
+
+def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
+    """The chunk on the prompt-path loan where it is longer than the standing scratch covers, in
+    pieces of as many tokens as the first step's loan covers. The cache's slots stay lent from the
+    chunk's first step to its end (``hold_loan``); each step borrows them as its scratch. A loan
+    taken again (after ``return_loan``) too short for the pieces: the chunk runs whole, in that
+    loan's pieces, as it would have."""
+    if stage.scratch is None or chunk.length <= stage.scratch.tokens:
+        return advance(stage, chunk, budget, want_logits, chunk.length)
+    max_piece_tokens = hold_loan(stage, chunk)
+    stage.ops.borrow(stage.experts.lent_bytes(*chunk.lent))
+    try:
+        if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
+            return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
+        return advance(stage, chunk, budget, want_logits, max_piece_tokens)
+    finally:
+        stage.ops.end_borrow()
+
+
+def hold_loan(stage, chunk: ChunkInProgress) -> int:
+    """Lend the cache's tail to the chunk unless it holds a loan already (prompt_loan's arithmetic);
+    returns the tokens a piece may have. Held across steps, because a loan taken and returned each
+    step churns the cache: its slots come back empty, the decode steps between admit experts into
+    them (and their misses rise), the next step's loan waits for those copies and evicts them again
+    (H200, 8 x 128 under 8 GiB, a 510-token chunk: a loan of ~42 slots, ~28 admissions and ~40 extra
+    misses read over PCIe a step, ~750 MiB a step against the budget's 256). While it is held, the
+    cache serves decode steps with the slots below it and admits nothing (ExpertCache._admit)."""
+    experts, scratch = stage.experts, stage.scratch
+    if chunk.lent is None:
+        chunk.lent = experts.lend(scratch.bytes_for(chunk.length) - scratch.standing_bytes)
+    lo, hi = chunk.lent
+    return scratch.tokens_within((hi - lo) * experts.arena.slot_bytes)
+
+
+def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
+            max_piece_tokens: int) -> StageOutput | None:
+    """Run the chunk's pieces, layers and, within a layer, expert groups while the experts copied in
+    this step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
+    output once its last piece is through the last layer, else None (its state kept)."""
+    if chunk.pieces is None:
+        chunk.pieces = [chunk.batch] if max_piece_tokens >= chunk.length else \
+            [piece for piece, _, _, _ in split_tokens(chunk.batch, max_piece_tokens)]
+    spent = [0, False]  # bytes copied in this step, whether a group ran
+    while True:
+        is_last = chunk.piece == len(chunk.pieces) - 1
+        out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits)
+        if out is None or is_last:
+            return out
+        chunk.piece, chunk.layer, chunk.x, chunk.residual = chunk.piece + 1, 0, None, None
+
+
+def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes, spent: list, is_last: bool,
+                   want_logits: bool):
+    """One piece's layers from where it stands; None while some are left, else (last piece) the
+    chunk's output, (another) True."""
+    ops, cfg = stage.ops, stage.cfg
+    ops.begin_step()
+    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
+    segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
+    x, residual = chunk.x, chunk.residual
+    if x is None and chunk.within is None:  # the first layer's input
+        x = ops.embedding(stage.embed, inputs["tokens"])
+        if "embeds" in inputs:
+            x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
+    mark = ops.layer_mark()
+    try:
+        while chunk.layer < len(stage.layer_range):
+            n, i = chunk.layer, stage.layer_range[chunk.layer]
+            if chunk.within is None:
+                w = stage.layers[i]
+                x, o = stage._attend(n, i, x, inputs["token_slot"], inputs["token_pos"], residual, segments)
+                x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], cfg.rms_norm_eps)
+                if not cfg.is_moe_layer(i):
+                    x, residual = x, ("dense", stage._dense_mlp(w, h))
+                    chunk.layer += 1
+                    ops.recycle_layer(mark, (x, residual[1]))
+                    continue
+                chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
+            if not _run_groups(stage, chunk, i, budget_bytes, spent):
+                _keep_within(ops, chunk)
+                return None
+            within, chunk.within = chunk.within, None
+            x, residual = within.x, ("dense", ops.combine(within.routed.out, within.routed.weights))
+            chunk.layer += 1
+            ops.recycle_layer(mark, (x, residual[1]))
+    finally:
+        stage.experts.release()
+    if not is_last:  # its keys and values are written: the next piece reads them
+        return True
+    out = stage._head(piece, inputs, x, residual, {})
+    if piece.top_logprobs:
+        out["top_ids"], out["top_logprobs"] = stage._top_logprobs(piece, out["logits"])
+    host = {name: ops.to_host(out[name]) for name in ("tokens", "logprobs") + (("logits",) if want_logits else ())}
+    return stage._sample_output(piece, {**out, **host}, want_logits)
+
+
+def _pair_buffer(stage, chunk: ChunkInProgress):
+    def allocate(shape, dtype):  # one for the chunk's layers, outside the step scratch
+        buffer = chunk.kept.get("pairs")
+        if buffer is None or buffer.shape != tuple(shape):
+            buffer = chunk.kept["pairs"] = stage.ops.zeros(shape, dtype)
+        return buffer
+    return allocate
+
+
+def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | None, spent: list) -> bool:
+    """The layer's next expert groups within the budget; True when its last expert is done."""
+    within, experts = chunk.within, stage.experts
+    unique = within.routed.unique
+    run = None  # this step's runner of the layer's groups, made with its first group
+    while within.next_expert < len(unique):
+        left = None if budget_bytes is None else budget_bytes - spent[0]
+        end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
+        if end == within.next_expert:
+            return False
+        run = run or group_runner(stage, layer, within)
+        run(within.next_expert, end)
+        within.next_expert = end
+        spent[0] += cost
+        spent[1] = True
+        chunk.copies += cost // experts.store.blob_bytes
+    return True
+
+
+def group_runner(stage, layer: int, within: LayerInProgress):
+    """A function ``(first, end)`` that computes the pairs of the experts ``routed.unique[first:end]``
+    into ``routed.out``: on tensor cores where the whole chunk would run there (the layer's pairs
+    planned and gathered into tiles once a step, moe_prefill.HostTiles, each group's tiles then
+    multiplied from its arena slots and its pairs' outputs scattered to their rows), else
+    ``Stage._moe_group``'s GEMVs. The tiles' buffers are the step's: a step that continues the layer
+    plans and gathers it again (host work and one gather, no copies)."""
+    ops, cfg, routed, h = stage.ops, stage.cfg, within.routed, within.h
+    if not can_group_on_device(ops, stage.experts, h.shape[0]):
+        return lambda first, end: stage._moe_group(layer, h, routed, first, end)
+    ids = routed.unique[routed.pair_group_index].reshape(h.shape[0], -1)
+    tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size)
+    index = routed.pair_group_index
+
+    def run(first: int, end: int) -> None:
+        tiles.run_group(layer, first, end)
+        tiles.write_pairs(routed.out, np.flatnonzero((index >= first) & (index < end)))
+    return run
+
+
+def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: int | None, must_run: bool):
+    """(end, bytes): the group ``unique[first:end]`` that the cache can hold at once and whose misses
+    fit ``left_bytes`` (None: any); at least one expert when ``must_run``, so every step advances."""
+    limit = min(len(unique), first + max(1, experts.num_slots))
+    end, cost = first, 0
+    while end < limit:
+        miss = experts.store.key(layer, int(unique[end])) not in experts.key_slot
+        extra = experts.store.blob_bytes if miss else 0
+        if left_bytes is not None and cost + extra > left_bytes and (end > first or not must_run):
+            break
+        end, cost = end + 1, cost + extra
+    return end, cost
+
+
+def _keep_within(ops, chunk: ChunkInProgress) -> None:
+    within = chunk.within
+    within.x = chunk.keep(ops, "x", within.x)
+    within.h = chunk.keep(ops, "h", within.h)
+    within.routed.weights = chunk.keep(ops, "weights", within.routed.weights)
+    chunk.x = chunk.residual = None

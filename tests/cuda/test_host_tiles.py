@@ -1,0 +1,81 @@
+"""A long step's layer in expert groups on tensor cores (moe_prefill.HostTiles), as a prompt chunk that
+spans steps runs it (chunk_advance.group_runner): each step plans and gathers the layer again, runs
+the groups its budget allows and scatters their pairs' outputs into the chunk's kept buffer; the
+other rows stay as they were. Against grouped_ffn_ref; under the simulator the products run on
+HostBlas (numpy over the same addresses), on a GPU (MOEBUS_TEST_GPU=1) on cuBLAS."""
+import numpy as np
+import pytest
+
+from moebus.cuda.backends.cuda import CudaBackend
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.gemm import TensorCores
+from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
+from moebus.workers.moe_prefill import HostTiles
+from tests.cuda.conftest import device
+from tests.cuda.test_gemm import _experts, _reference, _routing
+
+SENTINEL = np.float32(7.0)
+
+
+class FixedCache:
+    """What HostTiles asks of an expert cache: each expert in a fixed arena slot; the odd ones
+    reported as still being copied in (so both halves of gate|up run), ``wait`` counted."""
+
+    def __init__(self, arena, slot_of):
+        self.array, self.slot_of, self.waits, self.acquired = arena, slot_of, 0, []
+
+    def acquire(self, layer, expert_ids):
+        self.acquired.append(list(expert_ids))
+        return self.slot_of[expert_ids], np.asarray(expert_ids) % 2 == 0
+
+    def wait(self):
+        self.waits += 1
+
+
+@pytest.fixture
+def ops():
+    backend = CudaBackend()
+    backend.tensor_cores = TensorCores(HostBlas() if SIMULATOR else cublas_blas(), min_rows=1)
+    backend.begin_step()
+    return backend
+
+
+def test_groups_run_in_separate_steps_write_only_their_pairs(ops, rng):
+    hidden, inter, num_tokens, top_k = 16, 8, 40, 3
+    arena, weights = _experts(rng, hidden, inter, 6)
+    x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    ids = _routing(rng, num_tokens, top_k, 6)
+    slot_of = np.array([3, 0, 5, 1, 2, 4], np.int32)  # expert -> arena slot
+    want = _reference(x, ids, weights, slot_of)
+    cache = FixedCache(device(arena), slot_of)
+    h = device(x)
+    out = device(np.full((ids.size, hidden), SENTINEL, np.float32))  # the chunk's kept pair outputs
+    unique = np.unique(ids)
+    group_of_pair = np.searchsorted(unique, ids.ravel())
+    done = np.zeros(ids.size, bool)
+    for first, end in ((0, 2), (2, 3), (3, len(unique))):  # a step each: the plan and gather made again
+        ops.begin_step()
+        tiles = HostTiles(ops, cache, h, ids, hidden, inter)
+        assert np.array_equal(tiles.plan.experts, unique)
+        tiles.run_group(0, first, end)
+        pairs = np.flatnonzero((group_of_pair >= first) & (group_of_pair < end))
+        tiles.write_pairs(out, pairs)
+        done[pairs] = True
+        got = ops.to_host(out)
+        np.testing.assert_allclose(got[done], want[done], rtol=1e-4, atol=1e-4)
+        assert np.all(got[~done] == SENTINEL)
+    assert done.all()
+    assert cache.acquired == [list(unique[:2]), list(unique[2:3]), list(unique[3:])]
+    groups = ((0, 2), (2, 3), (3, len(unique)))
+    assert cache.waits == sum(bool(np.any(unique[a:b] % 2)) for a, b in groups)  # a miss: its tiles after the wait
+
+
+def test_no_pairs_write_nothing(ops, rng):
+    hidden, inter = 16, 8
+    arena, _ = _experts(rng, hidden, inter, 6)
+    ids = _routing(rng, 8, 3, 6)
+    tiles = HostTiles(ops, FixedCache(device(arena), np.arange(6, dtype=np.int32)),
+                      device(rng.standard_normal((8, hidden), dtype=np.float32)), ids, hidden, inter)
+    out = device(np.full((ids.size, hidden), SENTINEL, np.float32))
+    tiles.write_pairs(out, np.array([], np.int64))
+    assert np.all(ops.to_host(out) == SENTINEL)
