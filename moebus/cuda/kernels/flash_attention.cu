@@ -1,4 +1,4 @@
-// Fused (flash) attention on tensor cores: a block of 4 warps per (tile of 64 queries, query head,
+// Fused (flash) attention on tensor cores: a block of WARPS warps per (tile of BM queries, query head,
 // image); the keys and values stream through shared memory in tiles of BN, the softmax runs online
 // in fp32 registers and the probabilities never leave the SM. Products are mma.sync m16n8k16 bf16
 // -> fp32 on split operands: a float32 x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), so
