@@ -433,7 +433,9 @@ def test_rope_image_attention_matches_the_unfused_ops(rng):
     uq, uk = (ops.mrope(args[i], args[4], args[5], args[6], args[7], bias=ops.upload(bias[i * dim:(i + 1) * dim]))
               for i in (0, 1))
     unfused = ops.to_host(ops.vision_attention(uq, uk, ops.upload(rv), 1, head_dim ** -0.5))
-    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-6)
+    # the mrope kernel's multiply-adds are FMAs (NVVM contracts them), rope_planes rounds each product as
+    # mrope_ref does: an ulp apart at places, the outputs up to 1.3e-6 (2 of 86,400 past 1e-6, H200, vltower10)
+    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=5e-6)
     # stored as the split input of a product (proj): gemm.split_rows' parts of the same values, bit for bit
     split = ops.rope_image_attention(*args, head_dim ** -0.5, next_weight=ops.upload(np.zeros((8, dim), np.uint16)))
     assert isinstance(split, SplitRows) and split.shape == (positions, dim)

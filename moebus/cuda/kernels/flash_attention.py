@@ -36,7 +36,8 @@ ENTRY, PLANES_ENTRY, ROPE_ENTRY = "flash_attention", "split_planes", "rope_plane
 WARPS = 4  # warps per block, 16 queries each (the .cu's WARPS): prefill
 IMAGE_WARPS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARPS", "8"))  # images: 8 (measured faster, vltower7) or 4
 # images: query rows a warp (the .cu's WARP_ROWS): 16, or 32 (two m-tiles sharing each key and value
-# fragment read from shared memory; float32 keys of up to 96 dims); a row's results are the same
+# fragment read from shared memory; float32 keys of up to 96 dims); a row's results are the same. 16: at
+# 3072 patches 32 rows measured slower on the H200 (0.614 ms at 4 warps, 0.600 at 8, against 0.560; vltower10)
 IMAGE_WARP_ROWS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARP_ROWS", "16"))
 BLOCK_QUERIES = 16 * WARPS  # the .cu's BM
 PLANE_KEYS, PLANE_THREADS = 64, 256  # split_planes: keys per block (the .cu's PLANE_KEYS), threads
@@ -49,10 +50,10 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
 # must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
 # knobs of tools/device/vltower8_encode.py
-# MOEBUS_FLASH_HALF_KSTEP=1: hd 72's last 8 dims of Q K^T on an m16n8k8 instead of an m16n8k16 over zero
-# padding (HALF_KSTEP in flash_planes.cuh). Off by default: its outputs have not yet been compared with the
-# k16 path's on a GPU (the ninth session's merged call ran it but did not bring that comparison back)
-IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "0") != "0" else (("HALF_KSTEP", 0),)
+# MOEBUS_FLASH_HALF_KSTEP=0: hd 72's last 8 dims of Q K^T on an m16n8k16 over zero padding instead of an
+# m16n8k8 (HALF_KSTEP in flash_planes.cuh; default on: on the H200 its outputs equal the k16 path's bit for bit,
+# vltower10)
+IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
 
 
 def supported(head_dim: int) -> bool:
