@@ -28,16 +28,16 @@ STACKED_QKV = True  # q, k, v as one strided-batched product (False: three; tool
 # the tower's tensor-core products: "" = the backend's (gemm.PRECISION, split inputs), or "bf16" (one
 # product on bf16-rounded inputs: half the GEMMs; its fidelity and time in docs/performance.md, vltower8)
 GEMM_PRECISION = os.environ.get("MOEBUS_TOWER_GEMM_PRECISION", "")
-# fused passes where the backend has them (1 / 0; tools/device/vltower9_encode.py A/Bs them). FUSED_ROPE and
-# SPLIT_ATTENTION_OUT are off by default until a GPU run compares them with the separate kernels (merged9a
-# measured 34.2 ms with both on against 35.8 with the rotary unfused, but its per-variant differences
-# were not brought back); the residual + LayerNorm pass is bit for bit the two kernels (simulator test):
-# the rotary, the qkv biases and the split of the keys and values in one pass before the fused attention
-# (``rope_image_attention``), and a product's residual add in the next LayerNorm (``residual_layernorm_into``)
-FUSED_ROPE = os.environ.get("MOEBUS_TOWER_FUSED_ROPE", "0") != "0"
+# fused passes where the backend has them (1 / 0; tools/device/vltower10_encode.py A/Bs them): the rotary, the
+# qkv biases and the split of the keys and values in one pass before the fused attention
+# (``rope_image_attention``), and a product's residual add in the next LayerNorm (``residual_layernorm_into``).
+# On the H200 (vltower10, docs/performance.md) the residual pass and the split attention output equal their
+# unfused twins bit for bit; the fused rotary equals numpy's mrope_ref bit for bit where the separate mrope
+# kernel does not (NVVM contracts its multiply-adds into FMAs): the tower's outputs 3.7e-6 (relative) apart
+FUSED_ROPE = os.environ.get("MOEBUS_TOWER_FUSED_ROPE", "1") != "0"
 FUSED_RESIDUAL = os.environ.get("MOEBUS_TOWER_FUSED_RESIDUAL", "1") != "0"
 # with FUSED_ROPE, the attention stores proj's split input itself (0: float32 rows, split by split_rows)
-SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "0") != "0"
+SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "1") != "0"
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024

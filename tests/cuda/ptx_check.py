@@ -334,7 +334,9 @@ def exercise_qwen3vl_tower(rng) -> None:
         tiled_linear.bias_residual_cuda(f32(3, 40), f32(3, 40), storage(f32(40)), f32(3, 40))
         for name in ("gelu", "gelu_pytorch_tanh"):
             tiled_linear.bias_activation_cuda(f32(3, 40), storage(f32(40)), name, f32(3, 40))
-            split_epilogues.bias_activation_split_cuda(f32(3, 40), storage(f32(40)), name, np.zeros((2, 3, 40), np.uint16))
+            for width in (40, 41):  # even: two elements' parts a 32-bit store; odd: one element at a time
+                split_epilogues.bias_activation_split_cuda(f32(3, width), storage(f32(width)), name,
+                                                           np.zeros((2, 3, width), np.uint16))
         split_epilogues.layernorm_split_cuda(f32(3, 64), storage(f32(64)), storage(f32(64)), 1e-6,
                                              np.zeros((2, 3, 64), np.uint16))
 

@@ -169,6 +169,40 @@ def test_a_head_dim_on_half_a_k_step_ends_q_k_on_k8_products(head_dim, defines, 
     assert ptx.count(b"mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32") == k8
 
 
+@pytest.mark.parametrize("head_dim,precision", [(72, "split"), (16, "split"), (72, "bf16")])
+def test_thirty_two_rows_a_warp_feed_each_fragment_read_to_two_mma(head_dim, precision):
+    """WARP_ROWS 32 (two m-tiles a warp): twice the mma of a tile for the same shared-memory reads of
+    its keys and values (the planes' fragments), the same copies of the tiles."""
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    def counts(rows: int) -> tuple[int, int, int]:
+        ptx, _ = nvrtc_compile(source(), compile_options(head_dim, True, "compute_90", 4, precision, (), rows),
+                               target="ptx")
+        return (ptx.count(b"mma.sync.aligned.m16n8k16") + ptx.count(b"mma.sync.aligned.m16n8k8"),
+                ptx.count(b"ld.shared.u32") + ptx.count(b"ld.shared.b32"), ptx.count(b"cp.async.cg.shared.global"))
+
+    (mma16, reads16, copies16), (mma32, reads32, copies32) = counts(16), counts(32)
+    assert mma32 == 2 * mma16 and reads32 == reads16 > 0 and copies32 == copies16
+
+
+def test_thirty_two_rows_a_warp_are_for_float32_keys_of_up_to_96_dims(monkeypatch):
+    from moebus.cuda.kernels import flash_attention
+
+    for head_dim, f32_kv in ((128, True), (72, False)):
+        with pytest.raises(ValueError, match="32 query rows"):
+            flash_attention.compile_options(head_dim, f32_kv, "sm_90", 4, "split", (), 32)
+    monkeypatch.setattr(flash_attention, "IMAGE_WARP_ROWS", 32)
+    monkeypatch.setattr(flash_attention, "IMAGE_WARPS", 4)
+    assert flash_attention.block_queries(72, True) == 128  # the launch's grid: 4 warps of 32 queries
+    assert flash_attention.block_queries(128, True) == 64  # the .cu has 16 rows a warp there
+    assert flash_attention.block_queries(72, False) == flash_attention.BLOCK_QUERIES  # prefill: unchanged
+    _nvrtc()
+    with pytest.raises(RuntimeError, match="WARP_ROWS"):
+        flash_attention.nvrtc_compile(flash_attention.source(), [b"--gpu-architecture=compute_90", b"-DHEAD_DIM=128",
+                                                                 b"-DF32_KV=1", b"-DWARP_ROWS=32"], target="ptx")
+
+
 def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     """NVRTC fills the buffers it is given: an empty log is one byte, and b" " * 1 is CPython's one
     shared b" " (once overwritten, every b" " in the process reads b"\\0": JSON headers broke)."""
@@ -284,6 +318,34 @@ def test_image_kernel_variants_match_their_ref(rng, monkeypatch, precision, defi
 
 
 @gpu
+@pytest.mark.parametrize("head_dim,warps", [(72, 4), (72, 8), (16, 4)])
+def test_image_kernel_at_thirty_two_rows_a_warp_equals_sixteen_bit_for_bit(rng, monkeypatch, head_dim, warps):
+    """Each row's products and sums are the same at either layout; its split store (proj's input) too."""
+    from moebus.cuda.kernels import flash_attention
+    from moebus.cuda.kernels.compat import cuda
+    from tests.cuda.conftest import device, poisoned
+
+    images, positions, heads = 2, 300, 2
+    q, k, v = (rng.standard_normal((images * positions, heads, head_dim), dtype=np.float32) for _ in range(3))
+    got = {}
+    for rows in (16, 32):
+        monkeypatch.setattr(flash_attention, "IMAGE_WARP_ROWS", rows)
+        monkeypatch.setattr(flash_attention, "IMAGE_WARPS", warps if rows == 32 else 8)
+        stream = cuda.stream()
+        out = poisoned(q.shape)
+        planes = [cuda.device_array(shape, np.uint16) for shape in flash_attention.plane_shapes(
+            images, positions, heads, head_dim)]
+        flash_attention.flash_images_cuda(device(q), device(k), device(v), images, head_dim ** -0.5, out, stream,
+                                          planes)
+        parts = cuda.to_device(np.full((2, images * positions, heads * head_dim), 0xFFFF, np.uint16))
+        flash_attention.flash_planes_cuda(device(q), *planes, images, head_dim ** -0.5, parts, stream)
+        got[rows] = (out.copy_to_host(stream=stream), parts.copy_to_host(stream=stream))
+        stream.synchronize()
+    for a, b in zip(got[16], got[32]):
+        np.testing.assert_array_equal(a, b)
+
+
+@gpu
 def test_planes_kernel_matches_ref(rng):
     from moebus.cuda.kernels.compat import cuda
     from moebus.cuda.kernels.flash_attention import plane_shapes, split_planes_cuda
@@ -371,7 +433,9 @@ def test_rope_image_attention_matches_the_unfused_ops(rng):
     uq, uk = (ops.mrope(args[i], args[4], args[5], args[6], args[7], bias=ops.upload(bias[i * dim:(i + 1) * dim]))
               for i in (0, 1))
     unfused = ops.to_host(ops.vision_attention(uq, uk, ops.upload(rv), 1, head_dim ** -0.5))
-    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-6)
+    # the mrope kernel's multiply-adds are FMAs (NVVM contracts them), rope_planes rounds each product as
+    # mrope_ref does: an ulp apart at places, the outputs up to 1.3e-6 (2 of 86,400 past 1e-6, H200, vltower10)
+    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=5e-6)
     # stored as the split input of a product (proj): gemm.split_rows' parts of the same values, bit for bit
     split = ops.rope_image_attention(*args, head_dim ** -0.5, next_weight=ops.upload(np.zeros((8, dim), np.uint16)))
     assert isinstance(split, SplitRows) and split.shape == (positions, dim)

@@ -38,13 +38,20 @@ def test_layernorm_split_is_layernorm_then_split(rng, storage, parts):
 
 
 @pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu"])
-def test_bias_activation_split_is_bias_activation_then_split(rng, name):
-    y = rng.standard_normal((5, 37), dtype=np.float32)
-    bias = device(f32_to_bf16(rng.standard_normal(37, dtype=np.float32)))
-    got = bias_activation_split_cuda(device(y), bias, name, device(np.zeros((2, 5, 37), np.uint16))).copy_to_host()
-    unfused = bias_activation_cuda(device(y), bias, name, device(np.zeros((5, 37), np.float32)))
-    np.testing.assert_array_equal(got, _split_of(unfused, 2))
-    want = bias_activation_split_ref(y, bias.copy_to_host(), name)
+@pytest.mark.parametrize("dim,parts,paired", [(37, 2, True), (150, 2, True), (150, 1, True), (150, 2, False)])
+def test_bias_activation_split_is_bias_activation_then_split(rng, monkeypatch, name, dim, parts, paired):
+    """Odd widths store element by element; even ones two elements' parts a 32-bit word (PAIRED_STORES),
+    150 = a pair past the simulator's 32 threads x 2 pairs: the clamped second pair and the loop's tail."""
+    from moebus.cuda.kernels import split_epilogues
+
+    monkeypatch.setattr(split_epilogues, "PAIRED_STORES", paired)
+    y = rng.standard_normal((5, dim), dtype=np.float32)
+    bias = device(f32_to_bf16(rng.standard_normal(dim, dtype=np.float32)))
+    got = bias_activation_split_cuda(device(y), bias, name, device(np.full((parts, 5, dim), 0xFFFF, np.uint16)))
+    got = got.copy_to_host()
+    unfused = bias_activation_cuda(device(y), bias, name, device(np.zeros((5, dim), np.float32)))
+    np.testing.assert_array_equal(got, _split_of(unfused, parts))
+    want = bias_activation_split_ref(y, bias.copy_to_host(), name, parts)
     np.testing.assert_allclose(bf16_to_f32(got).sum(0), bf16_to_f32(want).sum(0), rtol=1e-5, atol=1e-6)
 
 

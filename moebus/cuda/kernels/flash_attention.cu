@@ -1,4 +1,4 @@
-// Fused (flash) attention on tensor cores: a block of 4 warps per (tile of 64 queries, query head,
+// Fused (flash) attention on tensor cores: a block of WARPS warps per (tile of BM queries, query head,
 // image); the keys and values stream through shared memory in tiles of BN, the softmax runs online
 // in fp32 registers and the probabilities never leave the SM. Products are mma.sync m16n8k16 bf16
 // -> fp32 on split operands: a float32 x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), so
@@ -11,7 +11,9 @@
 // arithmetic in numpy.
 //
 // Compiled by NVRTC at run time with HEAD_DIM (a multiple of 8, <= 128) and F32_KV (0: keys and
-// values are bf16 bits, 1: float32) defined, and WARPS (4 or 8: 16 queries each). Float32 keys and
+// values are bf16 bits, 1: float32) defined, WARPS (4 or 8) and WARP_ROWS (queries a warp: 16, or
+// 32 for float32 keys of up to 96 dims: two m-tiles, so that each key / value fragment read from
+// shared memory feeds two mma; each row's arithmetic is the same at either). Float32 keys and
 // values come split once per call into bf16 planes (split_planes, flash_planes.cuh, included below);
 // SPLIT_QK and SPLIT_PV (default 1) say whether their products use the lo planes.
 // Fragment layouts (PTX ISA, mma.m16n8k16, bf16): with
@@ -44,7 +46,11 @@
 #ifndef WARPS
 #define WARPS 4
 #endif
-#define BM (16 * WARPS)                 // queries per block: 16 per warp
+#ifndef WARP_ROWS
+#define WARP_ROWS 16
+#endif
+#define MT (WARP_ROWS / 16)             // m-tiles of 16 queries a warp
+#define BM (WARP_ROWS * WARPS)          // queries per block
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1                    // blocks an SM must hold at once (registers per thread capped to fit)
 #endif
@@ -79,6 +85,9 @@
 // accumulate); at more dims the fragments this holds would not fit the registers
 #define INTERLEAVE (F32_KV && HDP <= 96)
 #define DGROUP (DTILES <= 9 ? DTILES : 8)  // d-tiles whose products accumulate interleaved (accumulate)
+#if WARP_ROWS != 16 && !(WARP_ROWS == 32 && INTERLEAVE)
+#error "WARP_ROWS: 16, or 32 for float32 keys of up to 96 dims"
+#endif
 #if F32_KV && STAGES_WANTED == 2 && 2 * TILE_BYTES_AT(BN) <= SMEM_BYTES
 #define STAGES 2
 #else
@@ -263,9 +272,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
     const u16 *kz = static_cast<const u16 *>(k) + kv_at, *vz = static_cast<const u16 *>(v) + kv_at;
 #endif
     const int rows_valid = num_queries - q0;  // of this block, rows at or past it are not stored
-    const int r0 = w * 16 + g;
-    u32 qh[KSTEPS][4], ql[KSTEPS][4];
-    load_q(q + q_at, row_pitch, rows_valid, r0, qh, ql, t);
+    const int r0 = w * WARP_ROWS + g;          // m-tile m's rows: r0 + 16 m and r0 + 16 m + 8
+    u32 qh[MT][KSTEPS][4], ql[MT][KSTEPS][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) load_q(q + q_at, row_pitch, rows_valid, r0 + 16 * m, qh[m], ql[m], t);
 
 #if !F32_KV
     for (int idx = threadIdx.x; idx < PARTS * BN * (KP - HD); idx += WARPS * 32) {  // the zero padding
@@ -278,11 +288,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
     int key_begin = (causal && window > 0) ? max(0, first_pos + q0 - window + 1) : 0;
     key_begin -= key_begin % BN;
 
-    float o[DTILES][4];
+    float o[MT][DTILES][4], row_max[MT][2], row_sum[MT][2];  // rows r0 + 16 m, + 8 (per-thread sums)
 #pragma unroll
-    for (int dt = 0; dt < DTILES; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};  // rows r0, r0 + 8 (per-thread sums)
-    const int pos[2] = {first_pos + q0 + r0, first_pos + q0 + r0 + 8};
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) o[m][dt][0] = o[m][dt][1] = o[m][dt][2] = o[m][dt][3] = 0.f;
+        row_max[m][0] = row_max[m][1] = NEG_INF;
+        row_sum[m][0] = row_sum[m][1] = 0.f;
+    }
+    int pos[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) pos[m][0] = first_pos + q0 + r0 + 16 * m, pos[m][1] = pos[m][0] + 8;
 
     int stage = 0;
 #if STAGES == 2
@@ -306,56 +322,67 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
 #endif
         u16(*ks)[BN][KP] = ks_all[stage];
         u16(*vt)[HD][VP] = vt_all[stage];
-        float s[BN / 8][4];
-        scores(s, qh, ql, ks, g, t);
-        float tile_max[2] = {NEG_INF, NEG_INF};
+        float s[MT][BN / 8][4];
+#if MT == 1
+        scores(s[0], qh[0], ql[0], ks, g, t);
+#else
+        scores_rows(s, qh, ql, ks, g, t);
+#endif
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            float tile_max[2] = {NEG_INF, NEG_INF};
 #if F32_KV
-        if (!causal && key0 + BN <= num_keys) {  // an image's tile of real keys only: no mask to compute
+            if (!causal && key0 + BN <= num_keys) {  // an image's tile of real keys only: no mask to compute
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[m][nt][e] *= scale_log2;
+                        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[m][nt][e]);
+                    }
+                }
+            } else
+#endif
 #pragma unroll
             for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[nt][e] *= scale_log2;
-                    tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[nt][e]);
+                    int key = key0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
+                    bool seen = causal ? (key <= pos[m][r] && (window <= 0 || key > pos[m][r] - window)) : key < num_keys;
+                    s[m][nt][e] = seen ? s[m][nt][e] * scale_log2 : NEG_INF;
+                    tile_max[r] = fmaxf(tile_max[r], s[m][nt][e]);
                 }
             }
-        } else
+            float shrink[2], base[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float new_max = fmaxf(row_max[m][r], quad_max(tile_max[r]));
+                base[r] = new_max == NEG_INF ? 0.f : new_max;  // a row with nothing seen yet stays at 0
+                shrink[r] = exp2f(row_max[m][r] - base[r]);
+                row_max[m][r] = new_max;
+                row_sum[m][r] *= shrink[r];
+            }
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[m][nt][e] = exp2f(s[m][nt][e] - base[e >> 1]);
+                    row_sum[m][e >> 1] += s[m][nt][e];
+                }
+            }
+#pragma unroll
+            for (int dt = 0; dt < DTILES; ++dt) {
+                o[m][dt][0] *= shrink[0];
+                o[m][dt][1] *= shrink[0];
+                o[m][dt][2] *= shrink[1];
+                o[m][dt][3] *= shrink[1];
+            }
+        }
+#if MT == 1
+        accumulate(o[0], s[0], vt, g, t);
+#else
+        accumulate_rows(o, s, vt, g, t);
 #endif
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int key = key0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
-                bool seen = causal ? (key <= pos[r] && (window <= 0 || key > pos[r] - window)) : key < num_keys;
-                s[nt][e] = seen ? s[nt][e] * scale_log2 : NEG_INF;
-                tile_max[r] = fmaxf(tile_max[r], s[nt][e]);
-            }
-        }
-        float shrink[2], base[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
-            base[r] = new_max == NEG_INF ? 0.f : new_max;  // a row with nothing seen yet stays at 0
-            shrink[r] = exp2f(row_max[r] - base[r]);
-            row_max[r] = new_max;
-            row_sum[r] *= shrink[r];
-        }
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
-                row_sum[e >> 1] += s[nt][e];
-            }
-        }
-#pragma unroll
-        for (int dt = 0; dt < DTILES; ++dt) {
-            o[dt][0] *= shrink[0];
-            o[dt][1] *= shrink[0];
-            o[dt][2] *= shrink[1];
-            o[dt][3] *= shrink[1];
-        }
-        accumulate(o, s, vt, g, t);
 #if STAGES == 2
         __syncthreads();  // every warp is done with this stage before the next round's copies refill it
         stage ^= 1;
@@ -365,26 +392,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) flash_atten
     // parts of those values: (out_parts, gridDim.z * rows_per_z, heads x HD) bf16 bits at out)
     const long long part_stride = (long long)gridDim.z * rows_per_z * row_pitch;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int row = r0 + 8 * r;
-        float total = quad_sum(row_sum[r]);
-        float inverse = total > 0.f ? 1.f / total : 0.f;
-        if (row < rows_valid) {
-            if (out_parts) {
-                u32 *dst = reinterpret_cast<u32 *>(reinterpret_cast<u16 *>(out) + q_at + row * row_pitch);
+    for (int m = 0; m < MT; ++m) {
 #pragma unroll
-                for (int dt = 0; dt < DTILES; ++dt) {
-                    u32 hi, lo;
-                    split_pair(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse, hi, lo);
-                    dst[(dt * 8 + 2 * t) / 2] = hi;
-                    if (out_parts == 2) dst[(part_stride + dt * 8 + 2 * t) / 2] = lo;
+        for (int r = 0; r < 2; ++r) {
+            int row = r0 + 16 * m + 8 * r;
+            float total = quad_sum(row_sum[m][r]);
+            float inverse = total > 0.f ? 1.f / total : 0.f;
+            if (row < rows_valid) {
+                if (out_parts) {
+                    u32 *dst = reinterpret_cast<u32 *>(reinterpret_cast<u16 *>(out) + q_at + row * row_pitch);
+#pragma unroll
+                    for (int dt = 0; dt < DTILES; ++dt) {
+                        u32 hi, lo;
+                        split_pair(o[m][dt][2 * r] * inverse, o[m][dt][2 * r + 1] * inverse, hi, lo);
+                        dst[(dt * 8 + 2 * t) / 2] = hi;
+                        if (out_parts == 2) dst[(part_stride + dt * 8 + 2 * t) / 2] = lo;
+                    }
+                } else {
+                    float *dst = out + q_at + row * row_pitch;
+#pragma unroll
+                    for (int dt = 0; dt < DTILES; ++dt)
+                        *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * t) =
+                            make_float2(o[m][dt][2 * r] * inverse, o[m][dt][2 * r + 1] * inverse);
                 }
-            } else {
-                float *dst = out + q_at + row * row_pitch;
-#pragma unroll
-                for (int dt = 0; dt < DTILES; ++dt)
-                    *reinterpret_cast<float2 *>(dst + dt * 8 + 2 * t) =
-                        make_float2(o[dt][2 * r] * inverse, o[dt][2 * r + 1] * inverse);
             }
         }
     }

@@ -35,6 +35,10 @@ INCLUDE = b'#include "flash_planes.cuh"'
 ENTRY, PLANES_ENTRY, ROPE_ENTRY = "flash_attention", "split_planes", "rope_planes"
 WARPS = 4  # warps per block, 16 queries each (the .cu's WARPS): prefill
 IMAGE_WARPS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARPS", "8"))  # images: 8 (measured faster, vltower7) or 4
+# images: query rows a warp (the .cu's WARP_ROWS): 16, or 32 (two m-tiles sharing each key and value
+# fragment read from shared memory; float32 keys of up to 96 dims); a row's results are the same. 16: at
+# 3072 patches 32 rows measured slower on the H200 (0.614 ms at 4 warps, 0.600 at 8, against 0.560; vltower10)
+IMAGE_WARP_ROWS = int(os.environ.get("MOEBUS_FLASH_IMAGE_WARP_ROWS", "16"))
 BLOCK_QUERIES = 16 * WARPS  # the .cu's BM
 PLANE_KEYS, PLANE_THREADS = 64, 256  # split_planes: keys per block (the .cu's PLANE_KEYS), threads
 MAX_HEAD_DIM = 128
@@ -46,10 +50,10 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # images: more of the .cu's compile-time settings, as (name, value) pairs: MIN_BLOCKS (blocks an SM
 # must hold), STAGES_WANTED (1: no cp.async double buffering), TILE_KEYS (keys per tile); the A/B
 # knobs of tools/device/vltower8_encode.py
-# MOEBUS_FLASH_HALF_KSTEP=1: hd 72's last 8 dims of Q K^T on an m16n8k8 instead of an m16n8k16 over zero
-# padding (HALF_KSTEP in flash_planes.cuh). Off by default: its outputs have not yet been compared with the
-# k16 path's on a GPU (the ninth session's merged call ran it but did not bring that comparison back)
-IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "0") != "0" else (("HALF_KSTEP", 0),)
+# MOEBUS_FLASH_HALF_KSTEP=0: hd 72's last 8 dims of Q K^T on an m16n8k16 over zero padding instead of an
+# m16n8k8 (HALF_KSTEP in flash_planes.cuh; default on: on the H200 its outputs equal the k16 path's bit for bit,
+# vltower10)
+IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
 
 
 def supported(head_dim: int) -> bool:
@@ -60,13 +64,16 @@ def supported(head_dim: int) -> bool:
 # -- compiling ------------------------------------------------------------------------------------
 
 def compile_options(head_dim: int, f32_kv: bool, arch: str, warps: int = WARPS,
-                    precision: str = "split", defines: tuple = ()) -> list[bytes]:
+                    precision: str = "split", defines: tuple = (), warp_rows: int = 16) -> list[bytes]:
     if warps not in (4, 8):
         raise ValueError(f"{warps} warps a block: the kernel is built for 4 or 8")
+    if warp_rows not in (16, 32) or (warp_rows == 32 and not (f32_kv and head_dim <= 96)):
+        raise ValueError(f"{warp_rows} query rows a warp: 16, or 32 for float32 keys of up to 96 dims")
     split_qk, split_pv = _splits(precision)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DHEAD_DIM={int(head_dim)}".encode(),
             f"-DF32_KV={int(bool(f32_kv))}".encode(), f"-DWARPS={int(warps)}".encode(),
             f"-DSPLIT_QK={split_qk}".encode(), f"-DSPLIT_PV={split_pv}".encode()] + \
+        [f"-DWARP_ROWS={int(warp_rows)}".encode()] * (warp_rows != 16) + \
         [f"-D{name}={int(value)}".encode() for name, value in defines]
 
 
@@ -122,12 +129,12 @@ def _check(nvrtc, err, what: str) -> None:
 
 
 def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: int = WARPS,
-          precision: str = "split", defines: tuple = ()) -> bytes:
+          precision: str = "split", defines: tuple = (), warp_rows: int = 16) -> bytes:
     """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
     before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
     from cuda.bindings import nvrtc
 
-    options, text = compile_options(head_dim, f32_kv, arch, warps, precision, defines), source()
+    options, text = compile_options(head_dim, f32_kv, arch, warps, precision, defines, warp_rows), source()
     path = None
     if cache_dir:
         digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
@@ -155,22 +162,35 @@ def _defines(f32_kv: bool) -> tuple:
     return tuple(IMAGE_DEFINES) if f32_kv else ()
 
 
+def warp_rows(head_dim: int, f32_kv: bool) -> int:
+    """Query rows a warp takes: IMAGE_WARP_ROWS for float32 keys where the .cu has 32 (up to 96
+    dims), else 16 (prefill always)."""
+    return IMAGE_WARP_ROWS if f32_kv and head_dim <= 96 else 16
+
+
+def block_queries(head_dim: int, f32_kv: bool) -> int:
+    """Queries a block of the kernel takes (the .cu's BM)."""
+    return warp_rows(head_dim, f32_kv) * _warps(f32_kv)
+
+
 @functools.cache
-def _module(head_dim: int, f32_kv: bool, warps: int, precision: str, defines: tuple):
+def _module(head_dim: int, f32_kv: bool, warps: int, precision: str, defines: tuple, rows: int = 16):
     """The compiled cubin for this GPU (cuda.core ObjectCode), through numba's kernel cache directory."""
     from moebus.cuda.kernels.compat import _numba_config, cuda
 
     gpu = cuda.get_current_device()
     _core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR, warps, precision, defines)
-    name = f"flash_attention_hd{head_dim}_{int(f32_kv)}_{warps}w_{precision}" + "".join(f"_{v}" for _, v in defines)
+    code = cubin(head_dim, f32_kv, f"sm_{major}{minor}", _numba_config.CACHE_DIR, warps, precision, defines, rows)
+    name = f"flash_attention_hd{head_dim}_{int(f32_kv)}_{warps}w{rows}r_{precision}" + \
+        "".join(f"_{v}" for _, v in defines)
     return _object_code().from_cubin(code, name=name)
 
 
 def _kernel(head_dim: int, f32_kv: bool, entry: str = ENTRY):
     """One entry of the compiled kernels (cuda.core Kernel): the attention or split_planes."""
-    return _module(head_dim, f32_kv, _warps(f32_kv), _precision(f32_kv), _defines(f32_kv)).get_kernel(entry)
+    return _module(head_dim, f32_kv, _warps(f32_kv), _precision(f32_kv), _defines(f32_kv),
+                   warp_rows(head_dim, f32_kv)).get_kernel(entry)
 
 
 def ready(head_dim: int, f32_kv: bool) -> bool:
@@ -230,7 +250,7 @@ def _launch(stream, q, k, v, out, f32_kv: bool, q_row0: int, rows_per_z: int, nu
     _, heads, head_dim = q.shape
     k_base, k_z_stride, k_head_stride, k_row_stride = (np.int64(s) for s in strides)
     kernel, warps = _kernel(head_dim, f32_kv), _warps(f32_kv)
-    grid = (ceil_div(num_queries, 16 * warps), heads, num_z)
+    grid = (ceil_div(num_queries, block_queries(head_dim, f32_kv)), heads, num_z)
     _core_launch(stream, grid, 32 * warps, kernel, _pointer(q), _pointer(k), _pointer(v), _pointer(out),
                  np.int32(q_row0), np.int32(rows_per_z), np.int32(num_queries), np.int32(heads), np.int32(group),
                  k_base, k_z_stride, k_head_stride, k_row_stride, np.int32(num_keys), np.int32(first_pos), np.int32(window),

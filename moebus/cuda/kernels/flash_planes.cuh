@@ -141,6 +141,121 @@ __device__ __forceinline__ void accumulate(float o[DTILES][4], const float p[BN 
 }
 #endif
 
+#if MT > 1
+// scores() for a warp's MT m-tiles of 16 queries (WARP_ROWS 32): each key fragment read from shared
+// memory feeds the mma of every m-tile; each accumulator s[m][nt] sums the same products in the same
+// order as scores() (Qlo Khi, Qhi Klo, Qhi Khi per k-step), so a row's scores are those of WARP_ROWS 16.
+__device__ __forceinline__ void scores_rows(float s[MT][BN / 8][4], const u32 qh[MT][KSTEPS][4],
+                                            const u32 ql[MT][KSTEPS][4], u16 (*ks)[BN][KP], int g, int t) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) s[m][nt][0] = s[m][nt][1] = s[m][nt][2] = s[m][nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int col = kk * 16 + 2 * t;
+        if (LAST_HALF && kk == KSTEPS - 1) {  // dims kk * 16 ... + 7 only (m16n8k8), as in scores()
+            u32 hi[BN / 8];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) hi[nt] = smem_pair(ks[0][nt * 8 + g], col);
+#if SPLIT_QK
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[m][nt], ql[m][kk], hi[nt]);
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                const u32 lo = smem_pair(ks[1][nt * 8 + g], col);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) mma_k8(s[m][nt], qh[m][kk], lo);
+            }
+#endif
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) mma_k8(s[m][nt], qh[m][kk], hi[nt]);
+            continue;
+        }
+        u32 hi[BN / 8][2];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            hi[nt][0] = smem_pair(ks[0][nt * 8 + g], col);
+            hi[nt][1] = smem_pair(ks[0][nt * 8 + g], col + 8);
+        }
+#if SPLIT_QK
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma(s[m][nt], ql[m][kk], hi[nt][0], hi[nt][1]);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            const u32 lo0 = smem_pair(ks[1][nt * 8 + g], col), lo1 = smem_pair(ks[1][nt * 8 + g], col + 8);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) mma(s[m][nt], qh[m][kk], lo0, lo1);
+        }
+#endif
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mma(s[m][nt], qh[m][kk], hi[nt][0], hi[nt][1]);
+    }
+}
+
+// accumulate() for MT m-tiles: each value fragment feeds every m-tile's mma; per accumulator Plo Vhi,
+// Phi Vlo, Phi Vhi, as in accumulate(). RGROUP d-tiles' fragments at a time (MT of them interleaved each:
+// fewer registers held than DGROUP's, which at 32 rows a warp spill)
+#ifndef RGROUP
+#define RGROUP (DTILES % 3 == 0 ? 3 : DTILES % 2 == 0 ? 2 : 1)
+#endif
+__device__ __forceinline__ void accumulate_rows(float o[MT][DTILES][4], const float p[MT][BN / 8][4],
+                                                u16 (*vt)[HD][VP], int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 ph[MT][4], pl[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float *c = p[m][2 * kk + (e >> 1)] + (e & 1) * 2;
+                split_pair(c[0], c[1], ph[m][e], pl[m][e]);
+            }
+        }
+        const int col = kk * 16 + 2 * t;
+#pragma unroll
+        for (int d0 = 0; d0 < DTILES; d0 += RGROUP) {
+            u32 hi[RGROUP][2];
+#pragma unroll
+            for (int j = 0; j < RGROUP; ++j) {
+                if (d0 + j < DTILES) {
+                    hi[j][0] = smem_pair(vt[0][(d0 + j) * 8 + g], col);
+                    hi[j][1] = smem_pair(vt[0][(d0 + j) * 8 + g], col + 8);
+                }
+            }
+#if SPLIT_PV
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int j = 0; j < RGROUP; ++j)
+                    if (d0 + j < DTILES) mma(o[m][d0 + j], pl[m], hi[j][0], hi[j][1]);
+#pragma unroll
+            for (int j = 0; j < RGROUP; ++j) {
+                if (d0 + j < DTILES) {
+                    const u32 lo0 = smem_pair(vt[1][(d0 + j) * 8 + g], col), lo1 = smem_pair(vt[1][(d0 + j) * 8 + g], col + 8);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) mma(o[m][d0 + j], ph[m], lo0, lo1);
+                }
+            }
+#endif
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int j = 0; j < RGROUP; ++j)
+                    if (d0 + j < DTILES) mma(o[m][d0 + j], ph[m], hi[j][0], hi[j][1]);
+        }
+    }
+}
+#endif
+
 // The values' planes of a block's PLANE_KEYS keys from its shared tile (key j's value at tile[j][d]),
 // written along the keys: hi at vz[d * keys_padded + key], lo v_part further where P V is split.
 __device__ __forceinline__ void store_value_planes(float (*tile)[HD + 1], u16 *vz, long long v_part,

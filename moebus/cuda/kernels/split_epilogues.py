@@ -12,17 +12,24 @@ backend's: there every product reads float32, so they return the float32 results
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
 from moebus.cuda.kernels import layernorm, vision_attention
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
-from moebus.cuda.kernels.compat import bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16
+from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16,
+                                        uint32)
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.layernorm import MAX_WARPS, _layernorm_kernel, layernorm_ref
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
+
+
+# bias + activation (split) over rows of an even width: each thread stores two elements' parts as one
+# 32-bit word (bias_activation_split_pairs; 0: one 16-bit store per element and part, the ninth session's)
+PAIRED_STORES = os.environ.get("MOEBUS_SPLIT_PAIRED_STORES", "1") != "0"
 
 
 class SplitRows:
@@ -102,6 +109,48 @@ def _bias_activation_split_kernel(storage: str, name: str):
     return bias_activation_split
 
 
+@device
+def _bf16_rounded(value):
+    # bf16 bits of value, rounded to nearest even, as _store_split (f32_to_bf16)
+    bits = f32_bits(value)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@device
+def _store_split_pair(out, r, j, value0, value1):
+    # out[:, r, j] = the parts of value0 (low half) and value1 (high half), each as _store_split computes them
+    rest0, rest1 = value0, value1
+    for i in range(out.shape[0]):
+        hi0, hi1 = _bf16_rounded(rest0), _bf16_rounded(rest1)
+        out[i, r, j] = uint32(hi0 | (hi1 << 16))
+        rest0 = float32(rest0 - bits_as_f32(hi0 << 16))
+        rest1 = float32(rest1 - bits_as_f32(hi1 << 16))
+
+
+@functools.cache
+def _bias_activation_split_pairs_kernel(storage: str, name: str):
+    load, fn = SCALAR[storage], DEVICE_FNS[name]
+
+    @kernel
+    def bias_activation_split_pairs(y, bias, out):
+        # out (parts, R, D / 2) uint32 = the parts of fn(y[r, d] + bias[d]) for d = 2j (low half), 2j + 1
+        # (high half): the values and roundings of bias_activation_split, each thread's two pairs (a
+        # block's width apart) loaded before any is computed, one 32-bit store per pair and part
+        pairs, step = out.shape[2], cuda.blockDim.x
+        for r in range(cuda.blockIdx.x, y.shape[0], cuda.gridDim.x):
+            for j in range(cuda.threadIdx.x, pairs, 2 * step):
+                j1 = min(j + step, pairs - 1)
+                d0, d1 = 2 * j, 2 * j1
+                y0, y1, y2, y3 = y[r, d0], y[r, d0 + 1], y[r, d1], y[r, d1 + 1]
+                b0, b1 = load(bias, 0, d0), load(bias, 0, d0 + 1)
+                b2, b3 = load(bias, 0, d1), load(bias, 0, d1 + 1)
+                _store_split_pair(out, r, j, fn(y0 + b0), fn(y1 + b1))
+                if j + step < pairs:
+                    _store_split_pair(out, r, j1, fn(y2 + b2), fn(y3 + b3))
+
+    return bias_activation_split_pairs
+
+
 def _check_out(out, rows: int, dim: int) -> None:
     require("out", out, np.uint16, ndim=3)
     if tuple(out.shape[1:]) != (rows, dim):
@@ -130,7 +179,10 @@ def bias_activation_split_cuda(y, bias, name: str, out, stream=0):
     require("y", y, np.float32, ndim=2)
     require("bias", bias, WEIGHT_DTYPES, shape=(y.shape[1],))
     _check_out(out, *y.shape)
-    if y.size:
+    if y.size and PAIRED_STORES and y.shape[1] % 2 == 0:
+        kernel = _bias_activation_split_pairs_kernel(storage_of(bias), name)
+        kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](y, reader_view(bias, wide=False), out.view(np.uint32))
+    elif y.size:
         kernel = _bias_activation_split_kernel(storage_of(bias), name)
         kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](y, reader_view(bias, wide=False), out)
     return out
