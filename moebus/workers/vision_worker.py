@@ -160,6 +160,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
     footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
+    read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
     backend = make_backend(device)
@@ -173,8 +174,9 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     warm_up(model, processor, cfg)
     measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
-    log.info("vision worker start on gpu%d: fork %.3f s, context %.3f s, backend %.3f s, weights %.3f s, "
-             "first kernel %.3f s, warm-up %.3f s (%s)", gpu, since_fork, contexted - started, built - contexted,
+    log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
+             "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s)", gpu, since_fork,
+             read - started, contexted - read, built - contexted,
              uploaded - built, launched - uploaded, time.perf_counter() - launched,
              getattr(model.graph, "last_path", None))
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
