@@ -11,7 +11,8 @@ from moebus.common.tiny_model import _Random, hf_config
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.workers import vision_weight_pack
 from moebus.workers.vision_model import make_vision_model
-from moebus.workers.vision_weight_pack import ALIGN_BYTES, DeviceWeights, HostWeights, pack, upload_bytes
+from moebus.workers.vision_weight_pack import (ALIGN_BYTES, PAGE_BYTES, DeviceWeights, HostWeights, pack,
+                                                 upload_bytes)
 
 
 def _weights():
@@ -31,15 +32,15 @@ def test_packed_tensors_equal_the_originals_and_start_aligned():
         np.testing.assert_array_equal(view, array)
         assert view.dtype == array.dtype and view.flags.c_contiguous and np.shares_memory(view, packed.buffer)
         assert (view.__array_interface__["data"][0] - base) % ALIGN_BYTES == 0
-    assert packed.buffer.nbytes == 3 * ALIGN_BYTES
+    assert packed.buffer.nbytes == PAGE_BYTES and base % PAGE_BYTES == 0  # 3 x 256 bytes of tensors, one page
 
 
-@pytest.mark.parametrize("mode", ["pinned", "pageable"])
+@pytest.mark.parametrize("mode", ["pinned", "pageable", "register"])  # register: pinned chunks in the simulator
 def test_one_upload_gives_views_of_every_packed_tensor(mode, monkeypatch):
     from moebus.cuda.backends.cuda import CudaBackend
 
     monkeypatch.setattr(vision_weight_pack, "UPLOAD_MODE", mode)
-    monkeypatch.setattr(vision_weight_pack, "CHUNK_BYTES", 200)  # 768 bytes in 4 chunks through 2 buffers
+    monkeypatch.setattr(vision_weight_pack, "CHUNK_BYTES", 1000)  # a page in 5 chunks through 2 buffers
     packed = pack(_weights())
     device = DeviceWeights(CudaBackend(), packed)
     assert device.nbytes == packed.buffer.nbytes

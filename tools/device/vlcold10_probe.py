@@ -2,7 +2,7 @@
 (tools/device/vlcold10.sh). A parent that imports what the zygote imports (no CUDA context) forks
 children that each time: the CUDA context, the cuda backend (stream, pools, cuBLAS handle), the
 first numba kernel and its wait, and the libraries mapped since the fork; then (the last child) the
-upload of a WEIGHT_MIB buffer pageable against pinned in chunks (vision_weight_pack.upload_bytes).
+upload of a WEIGHT_MIB buffer pageable, pinned in chunks and registered read-only (vision_weight_pack.upload_bytes).
 Children 1 and 2 fork before the zygote's preload_libraries(), child 3 after it (child 1 compiles
 the fill kernel on a fresh cache; compare 2 with 3). Prints ``preload safe: True|False`` (a child
 forked after the preloads could not use CUDA: the cycle then runs with MOEBUS_VISION_PRELOAD=0).
@@ -40,8 +40,10 @@ def child(label: str, weight_mib: int) -> int:
     if weight_mib:
         from moebus.workers.vision_weight_pack import upload_bytes
 
-        host = np.arange(weight_mib << 20, dtype=np.uint8)  # wraps at 256: cheap to make
-        for mode in ("pageable", "pinned", "pageable", "pinned"):
+        from moebus.workers.vision_weight_pack import pack
+
+        host = pack({"w": np.arange(weight_mib << 20, dtype=np.uint8)}).buffer  # page-aligned, as the zygote's
+        for mode in ("pageable", "pinned", "register", "pageable", "pinned", "register"):
             start = time.perf_counter()
             device = upload_bytes(backend, host, mode=mode)
             seconds = time.perf_counter() - start
