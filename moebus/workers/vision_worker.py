@@ -49,7 +49,6 @@ class VisionWorker:
         self.processor = processor
         self.link = link
         self.limits = limits
-
         self.num_encodes = 0
 
     def serve(self) -> int:
@@ -90,7 +89,8 @@ class VisionWorker:
 class CaptureAfterReply:
     """The broker link for the worker loop, whose ``send`` then captures the tower's graph of an
     image size seen for the first time (tower_graph.py): the reply is on its way first, so the
-    capture (~0.2 s of host work) no longer delays the image request that brought the new size."""
+    capture (80-117 ms of host work for a 1024 px image on the H200) no longer delays the image
+    request that brought the new size."""
 
     def __init__(self, link: BrokerLink, model):
         self.link, self.model = link, model
