@@ -8,9 +8,10 @@ The first encode of a new shape runs **eagerly** in the graph-to-be's own scratc
 its results; the capture (no GPU work, but the launches again from Python, the graph's
 instantiation and its pinned buffers: 80-117 ms for Qwen3-VL's a3b tower at 64 x 64 patches on the
 H200) waits for ``capture_pending``, which the vision worker calls once the reply has left
-(workers/vision_worker.py), or for the next encode of that shape. So a cold image request pays one eager pass, not a pass and a capture, and
-the capture records the same launches into the same buffers (the pool hands them out in the same
-order), so the graph's results equal the eager ones bit for bit. Elsewhere (cpu, the simulator,
+(workers/vision_worker.py), or for the next encode of that shape. So a cold image request pays one
+eager pass, not a pass and a capture, and the capture records the same launches into the same
+buffers (the pool hands them out in the same order), so the graph's results equal the eager ones
+bit for bit. Elsewhere (cpu, the simulator,
 MOEBUS_CUDA_GRAPHS=0, a capture that fails) the same ``forward`` runs eagerly.
 
 ``forward(inputs)`` takes the device inputs by name and returns the device outputs by name; it
