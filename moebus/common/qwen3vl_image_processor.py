@@ -105,13 +105,30 @@ class Qwen3VLImageProcessor:
             resized = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
             pixels = np.array(resized.resize((new_w, new_h), resample=self.resample))
             pixels = pixels[..., None] if pixels.ndim == 2 else pixels
-        pixels = np.moveaxis(pixels, -1, 0)  # (C, H, W)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        # the arithmetic on the (H, W, C) pixels as decoded, element by element the same operations as
+        # transformers' (the same values), ~8x faster than on the (C, H, W) view: patchify reads that view
+        if self.do_rescale:  # the product in float64, rounded to float32 (as .astype(np.float32) rounds)
+            scaled = np.empty(pixels.shape, np.float32)
+            np.multiply(pixels, np.float64(self.rescale_factor), out=scaled, dtype=np.float64, casting="unsafe")
+            pixels = scaled
         pixels = pixels.astype(np.float32, copy=False)
         if self.do_normalize:
-            pixels = (pixels - self.mean[:, None, None]) / self.std[:, None, None]
-        return patchify(pixels.astype(np.float32), self.patch_size, self.merge_size, self.temporal_patch_size)
+            pixels = normalize_rows(pixels, self.mean, self.std)
+        pixels = np.moveaxis(pixels, -1, 0)  # (C, H, W)
+        return patchify(pixels.astype(np.float32, copy=False), self.patch_size, self.merge_size,
+                        self.temporal_patch_size)
+
+
+def normalize_rows(pixels: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """(x - mean) / std per channel of (H, W, C) float32 pixels, computed over rows of W * C values
+    (numpy's inner loop over a length-C axis is ~10x slower); the same operations per element."""
+    height, width, channels = pixels.shape
+    if mean.shape != (channels,):  # (a grey image without do_convert_rgb: broadcast as before)
+        return (pixels - mean) / std
+    rows = pixels.reshape(height, width * channels)
+    out = np.subtract(rows, np.tile(mean, width))
+    np.divide(out, np.tile(std, width), out=out)
+    return out.reshape(height, width, channels)
 
 
 def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> ImagePatches:

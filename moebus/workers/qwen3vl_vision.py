@@ -91,9 +91,11 @@ def warm_up_side(merge: int, tensor_cores=None) -> int:
 class Qwen3VisionModel:
     """The tower and mergers of one Qwen3-VL checkpoint, with their weights on ``backend``."""
 
-    def __init__(self, config: Qwen3VisionConfig, weights: dict, backend):
+    def __init__(self, config: Qwen3VisionConfig, weights: dict, backend, packed=None):
+        """``packed``: the weights' one device upload (vision_weight_pack.DeviceWeights), or None."""
         self.cfg, self.ops = config, backend
-        self._bytes = 0
+        self.packed = packed
+        self._bytes = packed.nbytes if packed is not None else 0
         d = config.hidden_size
         self.patch_weight = self._weight(weights["patch_embed.proj.weight"].reshape(d, -1))
         self.patch_bias = self._weight(weights["patch_embed.proj.bias"])
@@ -116,8 +118,11 @@ class Qwen3VisionModel:
             self.cos, self.sin, self.max_side = self.ops.persist(cos), self.ops.persist(sin), side
 
     def _weight(self, array, table: bool = False):
-        out = (self.ops.table if table else self.ops.weight)(np.ascontiguousarray(array))
-        self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
+        array = np.ascontiguousarray(array)
+        out = self.packed.view(array) if self.packed is not None else None
+        if out is None:  # (cuda's table is its weight: a view serves both)
+            out = (self.ops.table if table else self.ops.weight)(array)
+            self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
         return out
 
     def _block(self, weights: dict, i: int) -> dict:
@@ -148,9 +153,17 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
+        key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
+        return self.graph.run(key, inputs, self._forward_products, collect=_embeds_and_deepstack)
+
+    def capture_pending(self) -> float | None:
+        """Capture the graph of the last image size's first encode (tower_graph.py); its seconds."""
+        return self.graph.capture_pending()
+
+    def _forward_products(self, inputs: dict) -> dict:
+        """_forward at the tower's GEMM_PRECISION: now, or when its graph is captured later."""
         with self._products():
-            key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
-            return self.graph.run(key, inputs, self._forward, collect=_embeds_and_deepstack)
+            return self._forward(inputs)
 
     @contextlib.contextmanager
     def _products(self):
@@ -254,8 +267,9 @@ class Qwen3VisionModel:
         return {"embeds": embeds, "deepstack": deepstack}
 
     def warm_up(self, processor) -> None:
-        """Encode a blank image (warm_up_side): every kernel compiles or loads now, and cuBLAS and
-        the graph capture start, so that a request's first encode pays for neither."""
+        """Encode a blank image (warm_up_side): every kernel compiles or loads now, and cuBLAS
+        starts, so that a request's first encode (eager, tower_graph.py) pays for neither. Its
+        graph is never captured (the next image size replaces it)."""
         side = warm_up_side(self.cfg.merge_size, getattr(self.ops, "tensor_cores", None))
         self.encode(np.zeros((side * side, self.cfg.patch_dim), np.float32), side, side)
 

@@ -2,10 +2,17 @@
 hundreds of launches (~30 us each from Python) over a few ms of GPU work, so on cuda the encode of
 the last input shape is captured once and replayed (one input copy, one launch, the outputs copied
 back into pinned memory). A new shape replaces the graph (its scratch goes with it), so a tower
-holds one encode's scratch as before. The encode that makes a graph returns the results of the
-eager run that the capture starts with (graphs.py), so a new shape costs one pass on the GPU, not
-two (Qwen3-VL's images come in many sizes). Elsewhere (cpu, the simulator, MOEBUS_CUDA_GRAPHS=0, a
-capture that fails) the same ``forward`` runs eagerly.
+holds one encode's scratch as before.
+
+The first encode of a new shape runs **eagerly** in the graph-to-be's own scratch pool and returns
+its results; the capture (no GPU work, but the launches again from Python, the graph's
+instantiation and its pinned buffers: 80-117 ms for Qwen3-VL's a3b tower at 64 x 64 patches on the
+H200) waits for ``capture_pending``, which the vision worker calls once the reply has left
+(workers/vision_worker.py), or for the next encode of that shape. So a cold image request pays one
+eager pass, not a pass and a capture, and the capture records the same launches into the same
+buffers (the pool hands them out in the same order), so the graph's results equal the eager ones
+bit for bit. Elsewhere (cpu, the simulator,
+MOEBUS_CUDA_GRAPHS=0, a capture that fails) the same ``forward`` runs eagerly.
 
 ``forward(inputs)`` takes the device inputs by name and returns the device outputs by name; it
 must only enqueue work (no host copy, no sync; graphs.py), and the same shapes must take the same
@@ -20,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -29,6 +37,8 @@ from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 log = logging.getLogger("moebus.vision")
 COPY_THREADS = int(os.environ.get("MOEBUS_TOWER_COPY_THREADS", "4"))  # 1: plain numpy copies
 COPY_SLICE_BYTES = 2 << 20  # copies are cut into slices of this size, COPY_THREADS at a time
+# 0: a new shape's first encode runs eagerly and is captured at once (the ninth session's way, for A/Bs)
+EAGER_FIRST = os.environ.get("MOEBUS_TOWER_EAGER_FIRST", "1") != "0"
 
 
 class TowerGraph:
@@ -38,39 +48,71 @@ class TowerGraph:
         self.ops = backend
         self.enabled = backend.name == "cuda" and graphs_available() and os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.key = None
-        self.graph = None
+        self.graph = None  # a DeferredCapture: the last shape's pool, its graph once captured
+        self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
 
     def run(self, key, host_inputs: dict[str, np.ndarray], forward, collect=None):
         """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
         names what else the captured work depends on (buffers sized by it), so a new key captures anew."""
         collect = collect or _copies
-        runs = []  # forward's outputs when a new graph is made: its eager run's, then the capture's
-        graph = self._graph_for(key, host_inputs, lambda inputs: _kept(runs, forward(inputs))) if self.enabled else None
-        if graph is not None:
-            if not (len(runs) == 2 and _same_buffers(*runs)):  # else the eager run's results are in the outputs
-                upload(graph, host_inputs)
-                graph.graph.launch(graph.stream)
-            return collect(pinned_out(graph))
+        if self.enabled:
+            host_outputs = self._graph_outputs(key, host_inputs, forward)
+            if host_outputs is not None:
+                return collect(host_outputs)
+        self.last_path = "eager"
         ops = self.ops
         ops.begin_step()
         outputs = forward({name: ops.upload(array) for name, array in host_inputs.items()})
         return collect({name: ops.to_host(array) for name, array in outputs.items()})
 
-    def _graph_for(self, key, host_inputs: dict, forward):
-        if self.graph is not None and self.key == key and self.graph.matches(host_inputs):
-            return self.graph
-        from moebus.cuda.backends.graphs import CapturedStep
-
+    def _graph_outputs(self, key, host_inputs: dict, forward) -> dict | None:
+        """The host outputs through this shape's graph (a replay, or a new shape's eager run in the
+        graph's pool); None where it must run eagerly (a capture that failed)."""
+        graph = self.graph
+        if graph is not None and self.key == key and graph.matches(host_inputs):
+            if graph.graph is None and not self._capture():  # seen again before capture_pending
+                return None
+            self.last_path = "replay"
+            upload(graph, host_inputs)
+            graph.graph.launch(graph.stream)
+            return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
         try:
-            self.graph, self.key = CapturedStep(self.ops, host_inputs, forward), key
+            graph = DeferredCapture(self.ops, host_inputs, forward)
+            self.graph, self.key = graph, key
+            if not EAGER_FIRST and not self._capture():
+                return None
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: encode eagerly
             if is_fatal_device_error(e) or is_out_of_memory(e):
                 raise
             log.warning("CUDA graph capture of the vision tower failed (%s: %s); it encodes eagerly",
                         type(e).__name__, e)
+            self.close()
             self.enabled = False
-        return self.graph
+            return None
+        self.last_path = "new shape, eager" if graph.graph is None else "new shape, eager and captured"
+        return graph.eager_results()  # a capture runs nothing: the eager run's buffers still hold them
+
+    def capture_pending(self) -> float | None:
+        """Capture the graph of the shape that has only run eagerly so far (after its reply has
+        left): the seconds it took, or None when there was nothing to capture (or it failed)."""
+        if not self.enabled or self.graph is None or self.graph.graph is not None:
+            return None
+        started = time.perf_counter()
+        return time.perf_counter() - started if self._capture() else None
+
+    def _capture(self) -> bool:
+        try:
+            self.graph.capture()
+            return True
+        except Exception as e:  # noqa: BLE001 - as in _graph_outputs: encode eagerly from now on
+            if is_fatal_device_error(e) or is_out_of_memory(e):
+                raise
+            log.warning("CUDA graph capture of the vision tower failed (%s: %s); it encodes eagerly",
+                        type(e).__name__, e)
+            self.close()
+            self.enabled = False
+            return False
 
     def close(self) -> None:
         """Drop the captured graph (before buffers it reads are replaced, or to free its scratch)."""
@@ -79,18 +121,58 @@ class TowerGraph:
         self.graph, self.key = None, None
 
 
-def _kept(runs: list, outputs: dict) -> dict:
-    runs.append(outputs)
-    return outputs
+@functools.cache
+def _deferred_capture_class():
+    """DeferredCapture's base is graphs.py's CapturedStep, imported on first use (numba.cuda: not
+    in the broker, which imports this module through vision_model.py)."""
+    from moebus.cuda.backends import graphs
+    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.memory.step_pool import StepPool
+
+    class _DeferredCapture(graphs.CapturedStep):
+        """CapturedStep in two halves: the eager run in the graph's own pool now (it allocates every
+        buffer and does the encode's real work), the capture of the same launches later
+        (``capture``), into the same buffers: the pool hands them out again in the same order."""
+
+        def __init__(self, backend, host_inputs: dict, forward):
+            self.backend, self.shared_pool = backend, False
+            self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
+            self.offsets, self.total_bytes = graphs._layout(host_inputs)
+            self.packed = cuda.device_array(self.total_bytes, np.uint8)
+            self.inputs = {name: self._view(self.packed, name) for name in self.specs}
+            self.pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
+            self.stream = graphs._core_stream(backend.stream)
+            self.forward, self.graph, self.launches = forward, None, None
+            with backend.private_pool(self.pool):
+                for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
+                    if view.size:
+                        view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
+                self.eager_outputs = forward(self.inputs)
+
+        def eager_results(self) -> dict[str, np.ndarray]:
+            return {name: self.backend.to_host(array) for name, array in self.eager_outputs.items()}
+
+        def capture(self) -> None:
+            self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
+            self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+            with self.backend.private_pool(self.pool):
+                self.backend.synchronize()  # the eager run no longer uses the buffers
+                self.pool.recycle()
+                outputs, graph = self._capture(self.forward)
+            self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+            self.outputs, self.graph, self.forward = outputs, graph, None
+
+        def close(self) -> None:
+            if self.graph is not None:
+                self.graph.close()
+            self.pool.release()
+
+    return _DeferredCapture
 
 
-def _same_buffers(eager: dict, captured: dict) -> bool:
-    """A new graph ran ``forward`` once eagerly (to fill its pool) and then captured it without
-    running it: the same takes in the same order got the same buffers (step_pool.py), so the
-    captured outputs hold the eager run's results and the encode need not replay the graph."""
-    from moebus.cuda.kernels.gemm import address
-
-    return eager.keys() == captured.keys() and all(address(eager[n]) == address(captured[n]) for n in eager)
+def DeferredCapture(backend, host_inputs: dict, forward):  # noqa: N802 - a class made on first use
+    """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class)."""
+    return _deferred_capture_class()(backend, host_inputs, forward)
 
 
 def upload(graph, host_inputs: dict) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
 from moebus.workers.tower_graph import TowerGraph
+from moebus.workers.vision_weight_pack import DeviceWeights, HostWeights
 from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
 
 
@@ -58,20 +59,37 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> 
 
 def make_vision_model(cfg, weights: dict, backend):
     """The vision model of a config: LLaVA's VisionModel or Qwen3-VL's Qwen3VisionModel, which
-    share ``encode_reply``, ``warm_up`` and ``device_bytes`` (what the vision worker uses)."""
+    share ``encode_reply``, ``warm_up``, ``capture_pending`` and ``device_bytes`` (what the vision
+    worker uses). ``weights`` packed in one host buffer (vision_weight_pack.pack, the zygote's) go
+    to a cuda device in one copy; the tensors a model derives from them (not views of the buffer)
+    are uploaded one by one as before."""
+    packed = None
+    if isinstance(weights, HostWeights) and backend.name == "cuda":
+        packed = DeviceWeights(backend, weights)
     if cfg.tower == "qwen3_vl":
         from moebus.workers.qwen3vl_vision import Qwen3VisionModel
 
-        return Qwen3VisionModel(cfg, weights, backend)
-    return VisionModel(cfg, weights, backend)
+        return Qwen3VisionModel(cfg, weights, backend, packed)
+    return VisionModel(cfg, weights, backend, packed)
+
+
+def device_weight(ops, packed, array):
+    """(the device array of a weight, the bytes of a new allocation it took): a view of the packed
+    upload where the array lies in it, else its own upload through the backend."""
+    out = packed.view(array) if packed is not None else None
+    if out is not None:
+        return out, 0
+    out = ops.weight(array)
+    return out, int(out.size) * np.dtype(out.dtype).itemsize
 
 
 class VisionModel:
     """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
 
-    def __init__(self, config: VisionConfig, weights: dict, backend):
+    def __init__(self, config: VisionConfig, weights: dict, backend, packed: DeviceWeights | None = None):
         self.cfg, self.ops = config, backend
-        self._bytes = 0
+        self.packed = packed
+        self._bytes = packed.nbytes if packed is not None else 0
         self._kept = None  # device buffers that outlive a step (see _kept_buffers)
         self.graph = TowerGraph(backend)  # on cuda the encode is one CUDA graph
         d = config.hidden_size
@@ -94,8 +112,8 @@ class VisionModel:
     def _weight(self, array):
         if array is None:
             return None
-        out = self.ops.weight(np.ascontiguousarray(array))
-        self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
+        out, nbytes = device_weight(self.ops, self.packed, np.ascontiguousarray(array))
+        self._bytes += nbytes
         return out
 
     def _layer(self, weights: dict, i: int) -> dict:
@@ -106,6 +124,10 @@ class VisionModel:
     def device_bytes(self) -> int:
         """Bytes of weights this model holds on its device (what the cpu ledger is charged)."""
         return self._bytes
+
+    def capture_pending(self) -> float | None:
+        """Capture the graph of the last image count's first encode (tower_graph.py); its seconds."""
+        return self.graph.capture_pending()
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """(N, C, H, W) float32 pixel values -> (N, num_image_tokens, text_hidden_size) float32."""

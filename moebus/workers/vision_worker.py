@@ -4,6 +4,11 @@ and projector, runs them once so that no kernel is compiled (or loaded from numb
 during a request, registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
 exits then, so that everything it holds on the device, context included, goes back to the driver.
 
+A cold image request waits for this start and the first encode, so the log splits both (INFO: the
+fork, the context, the backend, the upload, the first kernel, the warm-up, the libraries loaded
+since the fork; each of a worker's first encodes by decode and preprocess, tower and its path),
+and the tower's graph of a new image size is captured after that encode's reply has left.
+
 On the cpu device its memory is charged to the emulated GPU's ledger before anything is built, so
 it really fails to start when the expert caches did not hand the memory back."""
 from __future__ import annotations
@@ -28,6 +33,7 @@ log = logging.getLogger("moebus.vision")
 
 
 IMAGES_PER_PASS = 1
+LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -43,10 +49,11 @@ class VisionWorker:
         self.processor = processor
         self.link = link
         self.limits = limits
+        self.num_encodes = 0
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
-        return serve(self.link, self.handle, self.failure)
+        return serve(CaptureAfterReply(self.link, self.model), self.handle, self.failure)
 
     def failure(self, message, text: str, fatal: bool) -> WorkerError:
         return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "encode_id", None),
@@ -67,13 +74,57 @@ class VisionWorker:
                 return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, error=e.message, image=i)
             with image:
                 pixels.append(self.processor.preprocess(image))
-        return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation,
-                           compute_s=time.perf_counter() - started, **self.model.encode_reply(pixels))
+        preprocessed = time.perf_counter()
+        arrays = self.model.encode_reply(pixels)
+        done = time.perf_counter()
+        self.num_encodes += 1
+        log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
+                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)", self.num_encodes,
+                len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
+                getattr(self.model.graph, "last_path", None))
+        return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
+                           **arrays)
+
+
+class CaptureAfterReply:
+    """The broker link for the worker loop, whose ``send`` then captures the tower's graph of an
+    image size seen for the first time (tower_graph.py): the reply is on its way first, so the
+    capture (80-117 ms of host work for a 1024 px image on the H200) no longer delays the image
+    request that brought the new size."""
+
+    def __init__(self, link: BrokerLink, model):
+        self.link, self.model = link, model
+
+    def recv(self, timeout_s: float | None = None):
+        return self.link.recv(timeout_s=timeout_s)
+
+    def send(self, message) -> None:
+        self.link.send(message)
+        if isinstance(message, EncodeReply) and message.error is None:
+            seconds = self.model.capture_pending()
+            if seconds is not None:
+                log.info("tower graph of the last image size captured after its reply: %.1f ms", 1e3 * seconds)
 
 
 def warm_up(model: VisionModel, processor, cfg) -> None:
     """Run the tower once on a blank image (VisionModel.warm_up): no kernel compiles in a request."""
     model.warm_up(processor)
+
+
+def first_kernel(backend) -> None:
+    """One tiny kernel and its wait: what the first launch of a process loads (numba's launch path,
+    the module) is timed apart from the warm-up's tower."""
+    backend.zeros((1,))
+    backend.synchronize()
+
+
+def loaded_libraries() -> set[str]:
+    """Shared libraries mapped into this process (/proc/self/maps; empty where there is none)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.rsplit("/", 1)[-1].strip() for line in maps if ".so" in line}
+    except OSError:
+        return set()
 
 
 def _driver_free(device: str, flush: bool = False) -> int | None:
@@ -91,25 +142,45 @@ def _driver_free(device: str, flush: bool = False) -> int | None:
     return device_memory_info()[0]
 
 
+def _context(device: str) -> None:
+    if device == "cuda":
+        from numba import cuda
+
+        cuda.current_context()
+
+
 def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int,
-                      gpu: int) -> int:
+                      gpu: int, forked_at: float | None = None) -> int:
     """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
-    the only visible device). Raises on a failed start (the zygote reports why)."""
+    the only visible device); ``forked_at``: the zygote's time.time() at the fork. Raises on a
+    failed start (the zygote reports why)."""
     started = time.perf_counter()
+    since_fork = time.time() - forked_at if forked_at is not None else 0.0
+    libraries = loaded_libraries()
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
     footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
+    read = time.perf_counter()
+    _context(device)
+    contexted = time.perf_counter()
     backend = make_backend(device)
     footprint.context_made(_driver_free(device))
     built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend)
     footprint.weights_loaded(_driver_free(device, flush=True))
     uploaded = time.perf_counter()
+    first_kernel(backend)
+    launched = time.perf_counter()
     warm_up(model, processor, cfg)
     measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
-    log.info("vision worker start on gpu%d: device backend (context) %.3f s, weights %.3f s, warm-up %.3f s", gpu,
-             built - started, uploaded - built, time.perf_counter() - uploaded)
+    log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
+             "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s)", gpu, since_fork,
+             read - started, contexted - read, built - contexted,
+             uploaded - built, launched - uploaded, time.perf_counter() - launched,
+             getattr(model.graph, "last_path", None))
+    log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
+             or "none")
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),

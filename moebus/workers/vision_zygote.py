@@ -2,7 +2,11 @@
 vision worker runs and reads the vision weights into host RAM once, but creates no device context
 and no thread (a fork after CUDA init, or while another thread holds a lock, is not allowed).
 On each ``start`` it forks a fresh vision worker (workers/vision_worker.py), which pays only for its
-context and the upload; the worker exits on stop and the zygote reaps it.
+context and the upload; the worker exits on stop and the zygote reaps it. What a worker would
+otherwise do after its fork is done here once: the weights packed into one buffer (one upload,
+workers/vision_weight_pack.py), a tiny image decoded and preprocessed (``warm_host_path``: Pillow's
+format plugins load on its first open), and on cuda the host libraries its first kernels and
+products load (``preload_libraries``: NVRTC, cuBLAS; no call that initialises the driver).
 
 Its one loop owns the control socket (a Unix stream socket; JSON lines, see
 broker/vision_control.py). A child that fails to start writes one line of reason into a pipe
@@ -10,6 +14,7 @@ before exiting; the zygote adds it to the ``exited`` event, so the image request
 start learns why (e.g. the emulated GPU had no room because a cache did not hand memory back)."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -17,6 +22,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -25,9 +31,12 @@ from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights
+from moebus.workers.vision_weight_pack import pack
 
 log = logging.getLogger("moebus.vision")
 LOOP_S = 0.2
+PRELOAD = os.environ.get("MOEBUS_VISION_PRELOAD", "1") != "0"  # 0: no library loads before the fork (A/Bs)
+PACK_WEIGHTS = os.environ.get("MOEBUS_VISION_PACK", "1") != "0"  # 0: one upload per tensor (A/Bs)
 MAX_REASON_BYTES = 4000  # below PIPE_BUF: one write, read whole
 
 
@@ -41,13 +50,14 @@ class Zygote:
             from moebus.cuda.kernels.compat import load_numba_target
 
             load_numba_target()  # once here, not in each worker's warm-up (which then only loads kernels)
-            try:  # the tower's products run on cuBLAS (cuda/kernels/gemm.py): its bindings too, before the fork
-                import nvmath.bindings.cublas  # noqa: F401
-            except ImportError:
-                pass  # no tensor cores for the tower: the worker warns and uses the tiled kernels
+            if PRELOAD:
+                preload_libraries()
         self.config = load_vision_config(model_dir)
         self.processor = load_image_processor(model_dir)  # LLaVA's or Qwen3-VL's
-        self.weights = load_vision_weights(model_dir)  # host RAM, shared copy-on-write with each child
+        warm_host_path(self.processor, settings)
+        # host RAM, shared copy-on-write with each child; one buffer, so one upload in each
+        self.weights = pack(load_vision_weights(model_dir)) if PACK_WEIGHTS else load_vision_weights(model_dir)
+        self.forked_at: float | None = None
         self.charge = vision_worker.charge_bytes(self.config, self.weights, self.processor)
         self.control_path = control_path
         self.listener: socket.socket | None = None
@@ -163,6 +173,7 @@ class Zygote:
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
+        self.forked_at = time.time()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
@@ -187,7 +198,7 @@ class Zygote:
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
-                                                   self.connect, self.device, self.charge, gpu)
+                                                   self.connect, self.device, self.charge, gpu, self.forked_at)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
             log.error("vision worker failed: %s", "".join(traceback.format_exception_only(type(e), e)).strip())
             os.write(reason_fd, f"{type(e).__name__}: {e}"[:MAX_REASON_BYTES].encode())
@@ -195,6 +206,58 @@ class Zygote:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def warm_host_path(processor, settings) -> None:
+    """Decode and preprocess a tiny PNG once, as an ENCODE does: Pillow's format plugins and the
+    first call's imports load here, before the fork, not in a cold request's first encode."""
+    from PIL import Image
+
+    from moebus.common.images import ImageLimits, decode_image
+
+    started = time.perf_counter()
+    data = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(data, format="PNG")
+    try:
+        with decode_image(data.getvalue(), ImageLimits.from_settings(settings.vision), "warm-up") as image:
+            processor.preprocess(image)
+    except Exception as e:  # noqa: BLE001 - an optional speed-up: the first request pays it instead
+        log.warning("vision zygote: the image path was not warmed (%s: %s)", type(e).__name__, e)
+        return
+    log.info("vision zygote: image decode and preprocessing warmed in %.1f ms", 1e3 * (time.perf_counter() - started))
+
+
+def preload_libraries() -> dict[str, float]:
+    """Load the host libraries that a vision worker's first kernels and products would load after
+    its fork (seconds each, logged): NVRTC (numba's cache key and the flash attention cubin's name
+    ask its version), cuBLAS and cuBLASLt (nvmath's bindings resolve their symbols; they ask only
+    cuDriverGetVersion, which does not initialise the driver). A library that is missing is left
+    to the worker, as before."""
+    steps = {"nvrtc": _load_nvrtc, "cublas": _load_cublas}
+    seconds = {}
+    for name, load in steps.items():
+        started = time.perf_counter()
+        try:
+            load()
+        except Exception as e:  # noqa: BLE001 - an optional speed-up: the worker loads it itself
+            log.warning("vision zygote: %s not preloaded (%s: %s)", name, type(e).__name__, e)
+            continue
+        seconds[name] = time.perf_counter() - started
+    log.info("vision zygote preloaded %s",
+             ", ".join(f"{name} in {1e3 * s:.1f} ms" for name, s in seconds.items()) or "nothing")
+    return seconds
+
+
+def _load_nvrtc() -> None:
+    from numba.cuda.cudadrv import runtime
+
+    runtime.get_version()
+
+
+def _load_cublas() -> None:
+    from nvmath.bindings._internal import cublas
+
+    cublas._inspect_function_pointers()  # dlopen and dlsym, no cuBLAS call
 
 
 def _drain(fd: int) -> None:

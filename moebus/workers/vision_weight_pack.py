@@ -1,0 +1,134 @@
+"""A vision tower's weights as one host buffer, uploaded as one device buffer: the vision zygote packs
+them once before it forks (``pack``), and each vision worker it forks makes one device allocation
+and one copy (``DeviceWeights``) instead of one of each per tensor (~350 for Qwen3-VL's tower).
+That is the better part of a cold start's upload (each allocation rounds to the driver's 2 MiB, and
+each copy from pageable memory waits for the driver's staging), and the tensors' device arrays are
+views at their offsets in the one buffer.
+
+The copy goes through two pinned staging chunks in turn (UPLOAD_MODE "pinned", the default): COPY_THREADS
+host threads fill one (tower_graph.copy_pairs) while the other's copy runs on the stream, instead of
+the driver's single-threaded staging of pageable memory (H200: 800 MiB in 91-99 ms against 119 ms).
+"pageable": one plain copy. "register" (not yet measured on a GPU): the buffer itself is registered
+with the driver read-only (cuMemHostRegister; read-only, so the pages the worker shares with the
+zygote stay shared) for one copy at the link's speed, then unregistered; pinned chunks if the driver
+refuses. The buffer starts and ends on a page boundary for it."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+log = logging.getLogger("moebus.vision")
+
+ALIGN_BYTES = 256  # every tensor starts at this alignment (wide loads, cuBLAS)
+PAGE_BYTES = 4096  # the buffer's own alignment and size multiple (a host registration's unit)
+CHUNK_BYTES = 32 << 20  # one pinned staging chunk
+UPLOAD_MODE = os.environ.get("MOEBUS_VISION_UPLOAD", "pinned")  # or "pageable"
+
+
+class HostWeights(dict):
+    """name -> array, each a C-contiguous view into ``buffer`` (one uint8 array) at an offset
+    that is a multiple of ALIGN_BYTES."""
+
+    def __init__(self, arrays: dict, buffer: np.ndarray):
+        super().__init__(arrays)
+        self.buffer = buffer
+
+
+def pack(weights: dict) -> HostWeights:
+    """The same tensors (same names, shapes, dtypes and values) as views into one buffer."""
+    offsets, total = {}, 0
+    for name, array in weights.items():
+        offsets[name] = total
+        total += -(-max(int(array.nbytes), 1) // ALIGN_BYTES) * ALIGN_BYTES
+    total = -(-max(total, 1) // PAGE_BYTES) * PAGE_BYTES
+    raw = np.empty(total + PAGE_BYTES, np.uint8)
+    start = -_address(raw) % PAGE_BYTES
+    buffer = raw[start : start + total]
+    views = {}
+    for name, array in weights.items():
+        array = np.asarray(array)
+        start = offsets[name]
+        views[name] = view = buffer[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+        view[...] = array
+    return HostWeights(views, buffer)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+class DeviceWeights:
+    """One device copy of a HostWeights' buffer; ``view(array)``: the device array of a host
+    array that lies in the buffer (a view of it), None for one that does not."""
+
+    def __init__(self, backend, host: HostWeights):
+        self.host = host.buffer
+        self.base = _address(self.host)
+        self.device = upload_bytes(backend, self.host)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host.nbytes)
+
+    def view(self, array):
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
+            return None
+        start = _address(array) - self.base
+        if start < 0 or start + array.nbytes > self.host.nbytes:
+            return None
+        return self.device[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+
+
+def upload_bytes(backend, host: np.ndarray, chunk_bytes: int = CHUNK_BYTES, mode: str | None = None):
+    """A device copy of the 1-D uint8 array ``host``, complete when this returns (see the module's
+    docstring for the two modes)."""
+    from moebus.cuda.kernels.compat import cuda
+
+    stream = backend.stream
+    device = cuda.device_array(host.size, np.uint8, stream=stream)
+    mode = mode or UPLOAD_MODE
+    if mode == "register" and _copy_registered(host, device, stream):
+        return device
+    if mode == "pageable" or host.size <= chunk_bytes:
+        device.copy_to_device(host, stream=stream)
+        stream.synchronize()
+        return device
+    from moebus.workers.tower_graph import copy_pairs
+
+    staging = [cuda.pinned_array(chunk_bytes, np.uint8) for _ in range(2)]
+    copied = [cuda.event(), cuda.event()]  # recorded after each staging chunk's last copy
+    for i, start in enumerate(range(0, host.size, chunk_bytes)):
+        k = i % 2
+        if i >= 2:
+            copied[k].synchronize()  # its previous copy has left it
+        piece = host[start : start + chunk_bytes]
+        chunk = staging[k][: piece.size]
+        copy_pairs([(chunk, piece)])
+        device[start : start + piece.size].copy_to_device(chunk, stream=stream)
+        copied[k].record(stream)
+    stream.synchronize()
+    return device
+
+
+def _copy_registered(host: np.ndarray, device, stream) -> bool:
+    """One copy of ``host`` registered read-only with the driver for its length; False (nothing
+    copied) where it cannot be registered (the simulator, an old driver, an unaligned buffer)."""
+    from moebus.cuda.kernels.compat import SIMULATOR
+
+    if SIMULATOR:
+        return False
+    from cuda.bindings import driver as cu
+
+    pointer = _address(host)
+    (err,) = cu.cuMemHostRegister(pointer, host.nbytes, cu.CU_MEMHOSTREGISTER_READ_ONLY)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        log.warning("the vision weights could not be registered with the driver (%s): pinned chunks instead", err)
+        return False
+    try:
+        device.copy_to_device(host, stream=stream)
+        stream.synchronize()
+    finally:
+        cu.cuMemHostUnregister(pointer)
+    return True

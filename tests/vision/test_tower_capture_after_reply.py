@@ -1,0 +1,70 @@
+"""A new image size's first encode runs eagerly; its graph is captured once the reply has left
+(workers/vision_worker.CaptureAfterReply, tower_graph.capture_pending). On a GPU
+(MOEBUS_TEST_GPU=1): the replayed graph equals that eager encode bit for bit, on packed weights."""
+import numpy as np
+import pytest
+
+from moebus.common.protocol import EncodeReply
+from moebus.common.qwen3vl_config import parse_qwen3_vision_config
+from moebus.common.qwen3vl_tiny import qwen3vl_config, vision_tensors
+from moebus.common.tiny_model import _Random, hf_config
+from moebus.cuda.dtypes import f32_to_bf16
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.workers.vision_worker import CaptureAfterReply
+
+
+class Link:
+    def __init__(self, events):
+        self.events = events
+
+    def send(self, message):
+        self.events.append(("sent", type(message).__name__))
+
+    def recv(self, timeout_s=None):
+        return None
+
+
+class Model:
+    def __init__(self, events):
+        self.events = events
+
+    def capture_pending(self):
+        self.events.append(("captured",))
+        return 0.2
+
+
+def test_the_capture_follows_the_reply_and_only_a_good_encode_reply():
+    events = []
+    link = CaptureAfterReply(Link(events), Model(events))
+    link.send(EncodeReply(encode_id=1, generation="g1", embeds=np.zeros((1, 2), np.float32)))
+    link.send(EncodeReply(encode_id=2, generation="g1", error="bad image", image=0))
+    assert events == [("sent", "EncodeReply"), ("captured",), ("sent", "EncodeReply")]
+    assert link.recv(timeout_s=0.1) is None
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+def test_the_graph_captured_after_an_eager_encode_replays_it_bit_for_bit():
+    from moebus.cuda.backends.cuda import CudaBackend
+    from moebus.workers.vision_model import make_vision_model
+    from moebus.workers.vision_weight_pack import pack
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: f32_to_bf16(v) for k, v in vision_tensors(raw, _Random(3, False)).items()}
+    model = make_vision_model(cfg, pack(weights), CudaBackend())
+    assert model.packed is not None and model.graph.enabled
+    grid_h, grid_w = 18, 16  # over the tensor cores' threshold, as a real image
+    patches = np.random.default_rng(2).standard_normal((grid_h * grid_w, cfg.patch_dim)).astype(np.float32)
+    eager = model.encode(patches, grid_h, grid_w)
+    assert model.graph.last_path == "new shape, eager" and model.graph.graph.graph is None
+    assert model.capture_pending() > 0
+    replayed = model.encode(patches, grid_h, grid_w)
+    assert model.graph.last_path == "replay"
+    for got, want in zip(replayed, eager):
+        np.testing.assert_array_equal(got, want)
+    other = np.random.default_rng(3).standard_normal(patches.shape).astype(np.float32)
+    again = model.encode(other, grid_h, grid_w)  # new inputs through the replay
+    model.graph.close()
+    model.graph.enabled = False
+    for got, want in zip(again, model.encode(other, grid_h, grid_w)):
+        np.testing.assert_array_equal(got, want)
