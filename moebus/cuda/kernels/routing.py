@@ -6,15 +6,20 @@ cuda is mapped pinned memory that kernels read straight over PCIe (see moe_ffn.p
 ``route_pairs`` turns ids (T, A) into the tables ``expert_ffn`` takes: pairs p = t * A + k sorted by
 expert (stable, so a pair's place depends only on the step's choices), each with its token, its
 placement and its output row. Same-expert pairs end up adjacent, so a run shares one weight read.
-Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``.
+Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``, or
+at batch 1 ranks them with ``one_token_tail``.
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from moebus.cuda.kernels.compat import blocks, cuda, device_with_shared, int32, kernel, threads
+from moebus.cuda.kernels.compat import (WARP, blocks, cuda, device_with_shared, float32, int32, kernel, threads,
+                                        warp_max, warp_sum)
 from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.moe import NEG_INF
 
 THREADS = 128
 MAX_EXPERTS = 1024  # router rows of one layer (norm_route keeps a token's logits in shared memory)
@@ -102,3 +107,48 @@ def sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out):
         pair_token[rank] = p // top_k
         pair_slot[rank] = places[expert]
         pair_out[rank] = p
+
+
+@device_with_shared
+def one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot, pair_out):
+    """Top-k + softmax and the pair tables of a step of one token with at most 32 experts, by the
+    whole block (it syncs): each expert's rank among the probabilities (descending, ties to the lower
+    id) is a count over the others, and a chosen expert's place among the pairs (by expert id) the
+    count of chosen experts below it, where topk_row takes top_k warp argmaxes in turn and
+    sort_pairs re-reads the ids through L2 and ranks the pairs. The same bits as those two."""
+    tid = cuda.threadIdx.x
+    probs = cuda.shared.array(WARP, float32)
+    ranks = cuda.shared.array(WARP, int32)
+    by_rank = cuda.shared.array(WARP, float32)  # the chosen probabilities in rank order
+    prob = float32(0.0)
+    if tid < WARP:  # warp 0, a lane an expert: softmax as topk_row
+        prob = logits[0, tid] if tid < num_experts else NEG_INF
+        peak = warp_max(prob)
+        prob = math.exp(prob - peak)
+        total = warp_sum(prob)
+        prob = prob / total
+        probs[tid] = prob
+    cuda.syncthreads()
+    if tid < num_experts:
+        rank = 0
+        for j in range(num_experts):
+            if probs[j] > prob or (probs[j] == prob and j < tid):
+                rank += 1
+        ranks[tid] = rank
+        if rank < top_k:
+            by_rank[rank] = prob
+    cuda.syncthreads()
+    if tid < num_experts and ranks[tid] < top_k:
+        rank = ranks[tid]
+        chosen = float32(0.0)
+        for k in range(top_k):  # in rank order, as topk_row adds them
+            chosen += by_rank[k]
+        place = 0
+        for j in range(tid):
+            if ranks[j] < top_k:
+                place += 1
+        ids[0, rank] = tid
+        weights[0, rank] = prob / chosen if normalize else prob
+        pair_token[place] = 0
+        pair_slot[place] = places[tid]
+        pair_out[place] = rank  # pair t * A + k of token 0
