@@ -2,7 +2,10 @@
 (fused.add_rmsnorm), the router's logits, top-k + softmax (moe.topk_row) and the pair tables (as
 routing.route_pairs), where four launches took ~22 us on an H200 at batch 1 (6.6 + 8.4 + 3.8 + 3.1).
 A block per token does the first three for its token; the block that finishes last (a counter in
-device memory, reset by that block, so a captured graph replays it) sorts the step's pairs.
+device memory, reset by that block, so a captured graph replays it) sorts the step's pairs. Given a
+logits scratch (the backend's step pool), the in-flight kernel spreads a token's router rows over
+ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts' logits; the grid's last
+block does every token's top-k and the pairs (spread_tail), with the same bits.
 
 Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
 the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
@@ -20,14 +23,14 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device,
-                                        device_with_shared, float32, int32, kernel, threads, uint64, warp_sum)
+                                        float32, int32, kernel, threads, uint64, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
-from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, is_last_block, one_token_tail, route_pairs_ref,
-                                         sort_pairs)
+from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
+                                         one_token_tail, route_pairs_ref, sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
@@ -35,8 +38,6 @@ ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: deco
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
 ONE_TOKEN_RANKS = True  # a step of one token and <= 32 experts: top-k and pairs by ranks (one_token_tail)
 ROUTER_BLOCKS = 8  # blocks a token that share the router's rows (the in-flight kernel, given a scratch)
-SPREAD_TOKENS = 16  # most tokens of a spread launch: its last block holds every token's logits in shared memory
-SPREAD_EXPERTS = 128  # most experts of a spread launch
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -254,41 +255,6 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             done[0] = 0  # for the next launch (a graph replays this one)
 
     return inflight_route_rows
-
-
-@functools.cache
-def spread_tail(per_lane: int, by_ranks: bool):
-    """Device function, by every block of a spread norm_route: the last block of the grid to get
-    here (the counter ``done``, which it resets) reads every token's logits from ``scratch``
-    (T, E) through L2 into shared memory, then does top-k + softmax (by ranks for one token with
-    ``by_ranks``, else a warp a token, topk_row) and the pair tables, as the one-block-a-token
-    kernel's tail does from the same logits: the same bits."""
-    row_topk = topk_row(per_lane)
-
-    @device_with_shared
-    def finish(scratch, num_experts, top_k, normalize, places, done, ids, weights, pair_token, pair_slot, pair_out):
-        if not is_last_block(done, cuda.gridDim.x):
-            return  # the whole block
-        tid, step = cuda.threadIdx.x, cuda.blockDim.x
-        lane, warp = tid % WARP, tid // WARP
-        if tid == 0:
-            done[0] = 0  # for the next launch (a graph replays this one); every block has counted
-        num_tokens = scratch.shape[0]
-        logits = cuda.shared.array((SPREAD_TOKENS, SPREAD_EXPERTS), float32)
-        for i in range(tid, num_tokens * num_experts, step):  # other blocks wrote them: through L2
-            logits[i // num_experts, i % num_experts] = cuda.atomic.add(
-                scratch, (i // num_experts, i % num_experts), float32(0.0))
-        cuda.syncthreads()
-        if by_ranks and num_tokens == 1:
-            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
-                           pair_out)
-            return
-        for t in range(warp, num_tokens, step // WARP):
-            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, lane == 0)
-        cuda.syncthreads()  # every token's ids written
-        sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out)
-
-    return finish
 
 
 def inflight_shape(dim: int, num_experts: int, block: int) -> tuple[int, int, int, int] | None:

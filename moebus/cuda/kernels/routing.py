@@ -7,11 +7,13 @@ cuda is mapped pinned memory that kernels read straight over PCIe (see moe_ffn.p
 expert (stable, so a pair's place depends only on the step's choices), each with its token, its
 placement and its output row. Same-expert pairs end up adjacent, so a run shares one weight read.
 Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``, or
-at batch 1 ranks them with ``one_token_tail``.
+at batch 1 ranks them with ``one_token_tail``; with its router rows spread over several blocks a
+token, the last block finishes from the logits the others left in a scratch (``spread_tail``).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,11 +21,13 @@ import numpy as np
 from moebus.cuda.kernels.compat import (WARP, blocks, cuda, device_with_shared, float32, int32, kernel, threads,
                                         warp_max, warp_sum)
 from moebus.cuda.kernels.launch import ceil_div, require
-from moebus.cuda.kernels.moe import NEG_INF
+from moebus.cuda.kernels.moe import NEG_INF, topk_row
 
 THREADS = 128
 MAX_EXPERTS = 1024  # router rows of one layer (norm_route keeps a token's logits in shared memory)
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
+SPREAD_TOKENS = 16  # spread_tail: most tokens, whose logits its block holds in shared memory...
+SPREAD_EXPERTS = 128  # ...and most experts
 
 
 def host_placement(row: int) -> int:
@@ -152,3 +156,38 @@ def one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, 
         pair_token[place] = 0
         pair_slot[place] = places[tid]
         pair_out[place] = rank  # pair t * A + k of token 0
+
+
+@functools.cache
+def spread_tail(per_lane: int, by_ranks: bool):
+    """Device function, by every block of a spread norm_route: the last block of the grid to get
+    here (the counter ``done``, which it resets) reads every token's logits from ``scratch``
+    (T, E) through L2 into shared memory, then does top-k + softmax (by ranks for one token with
+    ``by_ranks``, else a warp a token, topk_row) and the pair tables, as the one-block-a-token
+    kernel's tail does from the same logits: the same bits."""
+    row_topk = topk_row(per_lane)
+
+    @device_with_shared
+    def finish(scratch, num_experts, top_k, normalize, places, done, ids, weights, pair_token, pair_slot, pair_out):
+        if not is_last_block(done, cuda.gridDim.x):
+            return  # the whole block
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        lane, warp = tid % WARP, tid // WARP
+        if tid == 0:
+            done[0] = 0  # for the next launch (a graph replays this one); every block has counted
+        num_tokens = scratch.shape[0]
+        logits = cuda.shared.array((SPREAD_TOKENS, SPREAD_EXPERTS), float32)
+        for i in range(tid, num_tokens * num_experts, step):  # other blocks wrote them: through L2
+            logits[i // num_experts, i % num_experts] = cuda.atomic.add(
+                scratch, (i // num_experts, i % num_experts), float32(0.0))
+        cuda.syncthreads()
+        if by_ranks and num_tokens == 1:
+            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                           pair_out)
+            return
+        for t in range(warp, num_tokens, step // WARP):
+            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        cuda.syncthreads()  # every token's ids written
+        sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out)
+
+    return finish
