@@ -136,11 +136,12 @@ def test_norm_route_spread_over_blocks_gives_the_bits_of_one_block_a_token(rng, 
             np.testing.assert_allclose(one, w, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_norm_route_router_share():
+def test_norm_route_router_share(monkeypatch):
     # experts a block: a token's router rows over ROUTER_BLOCKS blocks, given a scratch and few tokens
-    from moebus.cuda.kernels.norm_route import ROUTER_BLOCKS, SPREAD_EXPERTS, SPREAD_TOKENS, router_share
+    from moebus.cuda.kernels import norm_route
+    from moebus.cuda.kernels.norm_route import SPREAD_EXPERTS, SPREAD_TOKENS, router_share
 
-    assert ROUTER_BLOCKS == 8
+    monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", 8)
     assert router_share(1, 32, True) == 4 and router_share(8, 32, True) == 4
     assert router_share(1, 37, True) == 5  # 8 blocks: 7 of 5 experts and one of 2
     assert router_share(1, 4, True) == 1  # no more blocks than experts

@@ -37,7 +37,7 @@ ROUTER_UNROLL = 8  # router words each lane loads before their first use (the on
 ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
 ONE_TOKEN_RANKS = True  # a step of one token and <= 32 experts: top-k and pairs by ranks (one_token_tail)
-ROUTER_BLOCKS = 8  # blocks a token that share the router's rows (the in-flight kernel, given a scratch)
+ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight kernel, given a scratch; decode10.sh)
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
