@@ -81,9 +81,12 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
 
 
 @pytest.mark.parametrize("experts, top_k, tied", [(32, 8, False), (12, 4, True)])
-def test_norm_route_of_one_token_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, monkeypatch):
-    # one token, <= 32 experts: top-k and pairs by ranks (one_token_tail) or by topk_row + sort_pairs,
-    # bit for bit, both normalisations; a router of zeros ties every expert (the lower ids win)
+@pytest.mark.parametrize("num_tokens, spread", [(1, False), (1, True), (3, True)])
+def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, num_tokens, spread,
+                                                                monkeypatch):
+    # <= 32 experts: top-k and pairs by ranks (ranks_tail) or by topk_row + sort_pairs, bit for bit,
+    # both normalisations: one token in one block, or 1 and 3 tokens with the router spread over
+    # blocks (a scratch); a router of zeros ties every expert (the lower ids win, every token the same)
     from moebus.cuda.kernels import norm_route
     from moebus.cuda.kernels.norm_route import norm_route_ref
 
@@ -91,19 +94,21 @@ def test_norm_route_of_one_token_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng
     norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
     router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * (0 if tied else 1), "bf16")
     table = rng.integers(-30, 30, size=(1, experts)).astype(np.int32)
-    x, y = (rng.standard_normal((1, dim), dtype=np.float32) for _ in range(2))
+    x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
     for normalize in (True, False):
         runs = []
         for by_ranks in (True, False):
-            monkeypatch.setattr(norm_route, "ONE_TOKEN_RANKS", by_ranks)
-            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0, device(np.zeros(1, np.int32))))
+            monkeypatch.setattr(norm_route, "ROUTER_RANKS", by_ranks)
+            scratch = poisoned((num_tokens, experts)) if spread else None
+            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0,
+                                    device(np.zeros(1, np.int32)), scratch))
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 0)
         for name, ranked, in_turn, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"),
                                             *runs, want):
             np.testing.assert_array_equal(ranked, in_turn, err_msg=name)
             np.testing.assert_allclose(ranked, w, rtol=1e-5, atol=1e-6, err_msg=name)
         if tied:
-            assert runs[0][2].tolist() == [list(range(top_k))]
+            assert runs[0][2].tolist() == [list(range(top_k))] * num_tokens
 
 
 @pytest.mark.parametrize("experts, top_k, dim", [(32, 8, 40), (37, 3, 400)])

@@ -2,17 +2,17 @@
 (fused.add_rmsnorm), the router's logits, top-k + softmax (moe.topk_row) and the pair tables (as
 routing.route_pairs), where four launches took ~22 us on an H200 at batch 1 (6.6 + 8.4 + 3.8 + 3.1).
 A block per token does the first three for its token; the block that finishes last (a counter in
-device memory, reset by that block, so a captured graph replays it) sorts the step's pairs. Given a
-logits scratch (the backend's step pool), the in-flight kernel spreads a token's router rows over
-ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts' logits; the grid's last
-block does every token's top-k and the pairs (spread_tail), with the same bits.
+device memory, reset by that block, so a captured graph replays it) sorts the step's pairs.
 
 Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
-the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
-us at batch 1, 32 experts, on an H200), and a step of one token with at most 32 experts ends by
-ranks (one_token_tail) instead of top_k argmaxes in turn and the pairs re-read through L2; the
-one-block kernel, for the other routers, loads them in rounds of ROUTER_UNROLL words a lane after
-the norm and re-reads h from memory (15.8 us).
+the router's rows as raw words before the norm, so the router costs one round trip to memory. Given a
+logits scratch (the backend's step pool) and at most SPREAD_TOKENS tokens, it spreads a token's
+router rows over ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts'
+logits; the grid's last block does every token's top-k and the pairs (routing.spread_tail), with the
+same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at batch 8, 16 blocks).
+With at most 32 experts the tail goes by ranks (routing.ranks_tail) instead of top_k argmaxes in
+turn and the pairs re-read through L2. The one-block kernel, for the other routers, loads them in
+rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -30,13 +30,13 @@ from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
-                                         one_token_tail, route_pairs_ref, sort_pairs, spread_tail)
+                                         ranks_tail, route_pairs_ref, sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
 ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
-ONE_TOKEN_RANKS = True  # a step of one token and <= 32 experts: top-k and pairs by ranks (one_token_tail)
+ROUTER_RANKS = True  # <= 32 experts: top-k and pairs by ranks (routing.ranks_tail), one token, or few spread
 ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight kernel, given a scratch; decode10.sh)
 
 
@@ -147,7 +147,7 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     expert's dot product from registers. ``spread`` blocks a token, block (t, part) the experts
     [part * share, (part + 1) * share); with one, the logits stay in shared memory, a step of one
     token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
-    experts) ends with one_token_tail; with several, they go to ``scratch`` and the last block of
+    experts) ends with ranks_tail; with several, they go to ``scratch`` and the last block of
     the grid finishes (spread_tail). An expert's logit has the same bits whatever the spread: its
     group's threads and their order are the same."""
     read_norm, _ = chunk_reader(norm_storage, True)
@@ -242,8 +242,8 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             return
         # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
         if by_ranks and num_tokens == 1:
-            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
-                           pair_out)
+            ranks_tail(logits, 1, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                       pair_out)
             return
         if warp == 0:
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
@@ -318,7 +318,7 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
             require("scratch", scratch, np.float32, shape=(num_tokens, num_experts))
         kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *inflight_shape(dim, share, block),
                                         ceil_div(num_experts, WARP), int(top_k),
-                                        ONE_TOKEN_RANKS and num_experts <= WARP, spread)
+                                        ROUTER_RANKS and num_experts <= WARP, spread)
         kernel[num_tokens * spread, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize), share,
