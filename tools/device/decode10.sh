@@ -1,4 +1,5 @@
-# Issue 15 item 1, tenth session (branch decode10): one call (~125 s of command, BUDGET seconds).
+# Issue 15 item 1, tenth session (branch decode10): one call (~125 s of command, BUDGET seconds; run at 4910d2e,
+# with ROUTER_BLOCKS 8 as the default and the ranks tail for one token only).
 # The GPU tests of norm_route (the router's rows over ROUTER_BLOCKS blocks a token, bit for bit
 # against one block a token), graph == eager (4 x 32, batch 1 and 8, graph and launched ahead), then
 # decode10_sweep.py on 48 x 32: bench decode's in-process tok/s at batch 1 and 8 (64 tokens, 2
