@@ -42,14 +42,14 @@ def test_experts_read_from_the_arena_or_the_host_store_give_the_same_result(rng)
     np.testing.assert_allclose(out.copy_to_host(), everything_resident, rtol=1e-5, atol=1e-6)
 
 
-def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done):
+def _norm_route(x, y, norm_weight, router, top_k, normalize, table, row, done, scratch=None):
     from moebus.cuda.kernels.norm_route import norm_route_cuda
 
     num_tokens, dim = x.shape
     outs = [poisoned((num_tokens, dim)), poisoned((num_tokens, dim)), poisoned((num_tokens, top_k), np.int32),
             poisoned((num_tokens, top_k))] + [poisoned((num_tokens * top_k,), np.int32) for _ in range(3)]
     norm_route_cuda(device(x), device(y), device(norm_weight), 1e-6, device(router), top_k, normalize, device(table),
-                    row, done, *outs)
+                    row, done, *outs, scratch=scratch)
     return [o.copy_to_host() for o in outs]
 
 
@@ -81,9 +81,12 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
 
 
 @pytest.mark.parametrize("experts, top_k, tied", [(32, 8, False), (12, 4, True)])
-def test_norm_route_of_one_token_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, monkeypatch):
-    # one token, <= 32 experts: top-k and pairs by ranks (one_token_tail) or by topk_row + sort_pairs,
-    # bit for bit, both normalisations; a router of zeros ties every expert (the lower ids win)
+@pytest.mark.parametrize("num_tokens, spread", [(1, False), (1, True), (3, True)])
+def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, num_tokens, spread,
+                                                                monkeypatch):
+    # <= 32 experts: top-k and pairs by ranks (ranks_tail) or by topk_row + sort_pairs, bit for bit,
+    # both normalisations: one token in one block, or 1 and 3 tokens with the router spread over
+    # blocks (a scratch); a router of zeros ties every expert (the lower ids win, every token the same)
     from moebus.cuda.kernels import norm_route
     from moebus.cuda.kernels.norm_route import norm_route_ref
 
@@ -91,19 +94,65 @@ def test_norm_route_of_one_token_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng
     norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
     router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * (0 if tied else 1), "bf16")
     table = rng.integers(-30, 30, size=(1, experts)).astype(np.int32)
-    x, y = (rng.standard_normal((1, dim), dtype=np.float32) for _ in range(2))
+    x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
     for normalize in (True, False):
         runs = []
         for by_ranks in (True, False):
-            monkeypatch.setattr(norm_route, "ONE_TOKEN_RANKS", by_ranks)
-            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0, device(np.zeros(1, np.int32))))
+            monkeypatch.setattr(norm_route, "ROUTER_RANKS", by_ranks)
+            scratch = poisoned((num_tokens, experts)) if spread else None
+            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0,
+                                    device(np.zeros(1, np.int32)), scratch))
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 0)
         for name, ranked, in_turn, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"),
                                             *runs, want):
             np.testing.assert_array_equal(ranked, in_turn, err_msg=name)
             np.testing.assert_allclose(ranked, w, rtol=1e-5, atol=1e-6, err_msg=name)
         if tied:
-            assert runs[0][2].tolist() == [list(range(top_k))]
+            assert runs[0][2].tolist() == [list(range(top_k))] * num_tokens
+
+
+@pytest.mark.parametrize("experts, top_k, dim", [(32, 8, 40), (37, 3, 400)])
+def test_norm_route_spread_over_blocks_gives_the_bits_of_one_block_a_token(rng, experts, top_k, dim, monkeypatch):
+    # the router's rows over several blocks a token (logits through a scratch, the grid's last block
+    # finishes) or one block a token: the same bits, 1 and 3 tokens, ranks (32 experts) and argmaxes;
+    # one counter for every launch (each launch's last block resets it)
+    from moebus.cuda.kernels import norm_route
+    from moebus.cuda.kernels.norm_route import norm_route_ref
+
+    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
+    router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
+    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
+    done = device(np.zeros(1, np.int32))
+    for num_tokens, normalize in ((1, True), (3, False)):
+        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
+        runs = []
+        for blocks in (1, 3, 8):  # 8: 37 experts as 7 blocks of 5 and one of 2
+            monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", blocks)
+            scratch = poisoned((num_tokens, experts))
+            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done, scratch))
+            assert done.copy_to_host()[0] == 0
+            if blocks > 1:  # the spread kernel ran: the scratch holds every logit
+                assert not np.isnan(scratch.copy_to_host()).any()
+        want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 1)
+        for name, one, three, eight, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"),
+                                              *runs, want):
+            np.testing.assert_array_equal(three, one, err_msg=name)
+            np.testing.assert_array_equal(eight, one, err_msg=name)
+            np.testing.assert_allclose(one, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_norm_route_router_share(monkeypatch):
+    # experts a block: a token's router rows over ROUTER_BLOCKS blocks, given a scratch and few tokens
+    from moebus.cuda.kernels import norm_route
+    from moebus.cuda.kernels.norm_route import SPREAD_EXPERTS, SPREAD_TOKENS, router_share
+
+    monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", 8)
+    assert router_share(1, 32, True) == 4 and router_share(8, 32, True) == 4
+    assert router_share(1, 37, True) == 5  # 8 blocks: 7 of 5 experts and one of 2
+    assert router_share(1, 4, True) == 1  # no more blocks than experts
+    assert router_share(1, 32, False) == 32  # no scratch: one block a token
+    assert router_share(SPREAD_TOKENS + 1, 32, True) == 32
+    assert router_share(1, SPREAD_EXPERTS + 1, True) == SPREAD_EXPERTS + 1
 
 
 def test_norm_route_in_flight_shapes():

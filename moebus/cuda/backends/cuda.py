@@ -228,8 +228,9 @@ class CudaBackend(split_epilogues.SplitInputOps):
         num_tokens, num_pairs = x.shape[0], x.shape[0] * top_k
         total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((num_tokens, top_k))
         pairs = [self.empty((num_pairs,), np.int32) for _ in range(3)]
+        scratch = self.empty((num_tokens, router.shape[0]))  # the logits, where the router's rows are spread
         return norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, self.route_done,
-                               total, h, ids, weights, *pairs, stream=self.stream)
+                               total, h, ids, weights, *pairs, stream=self.stream, scratch=scratch)
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

@@ -5,11 +5,14 @@ A block per token does the first three for its token; the block that finishes la
 device memory, reset by that block, so a captured graph replays it) sorts the step's pairs.
 
 Two kernels: the in-flight one (bf16 / f16 routers read wide, the default) issues a thread's share of
-the router's rows as raw words before the norm, so the router costs one round trip to memory (10.9
-us at batch 1, 32 experts, on an H200), and a step of one token with at most 32 experts ends by
-ranks (one_token_tail) instead of top_k argmaxes in turn and the pairs re-read through L2; the
-one-block kernel, for the other routers, loads them in rounds of ROUTER_UNROLL words a lane after
-the norm and re-reads h from memory (15.8 us).
+the router's rows as raw words before the norm, so the router costs one round trip to memory. Given a
+logits scratch (the backend's step pool) and at most SPREAD_TOKENS tokens, it spreads a token's
+router rows over ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts'
+logits; the grid's last block does every token's top-k and the pairs (routing.spread_tail), with the
+same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at batch 8, 16 blocks).
+With at most 32 experts the tail goes by ranks (routing.ranks_tail) instead of top_k argmaxes in
+turn and the pairs re-read through L2. The one-block kernel, for the other routers, loads them in
+rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -20,19 +23,21 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device,
-                                        device_with_shared, float32, int32, kernel, threads, uint64, warp_max, warp_sum)
+                                        float32, int32, kernel, threads, uint64, warp_sum)
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
-from moebus.cuda.kernels.moe import NEG_INF, topk_row, topk_softmax_ref
-from moebus.cuda.kernels.routing import MAX_EXPERTS, MAX_PAIRS, is_last_block, route_pairs_ref, sort_pairs
+from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
+from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
+                                         ranks_tail, route_pairs_ref, sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
 ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
-ONE_TOKEN_RANKS = True  # a step of one token and <= 32 experts: top-k and pairs by ranks (one_token_tail)
+ROUTER_RANKS = True  # <= 32 experts: top-k and pairs by ranks (routing.ranks_tail), one token, or few spread
+ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight kernel, given a scratch; decode10.sh)
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -77,51 +82,6 @@ else:
         _scatter_level(values, (lane & 2) != 0, 2)
         _scatter_level(values, (lane & 1) != 0, 1)
         return values[0] + cuda.shfl_xor_sync(FULL_MASK, values[0], 16)
-
-
-@device_with_shared
-def one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot, pair_out):
-    """Top-k + softmax and the pair tables of a step of one token with at most 32 experts, by the
-    whole block (it syncs): each expert's rank among the probabilities (descending, ties to the lower
-    id) is a count over the others, and a chosen expert's place among the pairs (by expert id) the
-    count of chosen experts below it, where topk_row takes top_k warp argmaxes in turn and
-    sort_pairs re-reads the ids through L2 and ranks the pairs. The same bits as those two."""
-    tid = cuda.threadIdx.x
-    probs = cuda.shared.array(WARP, float32)
-    ranks = cuda.shared.array(WARP, int32)
-    by_rank = cuda.shared.array(WARP, float32)  # the chosen probabilities in rank order
-    prob = float32(0.0)
-    if tid < WARP:  # warp 0, a lane an expert: softmax as topk_row
-        prob = logits[0, tid] if tid < num_experts else NEG_INF
-        peak = warp_max(prob)
-        prob = math.exp(prob - peak)
-        total = warp_sum(prob)
-        prob = prob / total
-        probs[tid] = prob
-    cuda.syncthreads()
-    if tid < num_experts:
-        rank = 0
-        for j in range(num_experts):
-            if probs[j] > prob or (probs[j] == prob and j < tid):
-                rank += 1
-        ranks[tid] = rank
-        if rank < top_k:
-            by_rank[rank] = prob
-    cuda.syncthreads()
-    if tid < num_experts and ranks[tid] < top_k:
-        rank = ranks[tid]
-        chosen = float32(0.0)
-        for k in range(top_k):  # in rank order, as topk_row adds them
-            chosen += by_rank[k]
-        place = 0
-        for j in range(tid):
-            if ranks[j] < top_k:
-                place += 1
-        ids[0, rank] = tid
-        weights[0, rank] = prob / chosen if normalize else prob
-        pair_token[place] = 0
-        pair_slot[place] = places[tid]
-        pair_out[place] = rank  # pair t * A + k of token 0
 
 
 @functools.cache
@@ -179,38 +139,44 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
 
 @functools.cache
 def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
-                           groups: int, per_lane: int, top_k: int, by_ranks: bool):
+                           groups: int, per_lane: int, top_k: int, by_ranks: bool, spread: int):
     """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
     threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
     words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
     round, those words of the expert's router row as raw bits first; then x + y, the norm, and each
-    expert's dot product from registers. One block a token, as the one-block kernel; a step of one
+    expert's dot product from registers. ``spread`` blocks a token, block (t, part) the experts
+    [part * share, (part + 1) * share); with one, the logits stay in shared memory, a step of one
     token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
-    experts) ends with one_token_tail."""
+    experts) ends with ranks_tail; with several, they go to ``scratch`` and the last block of
+    the grid finishes (spread_tail). An expert's logit has the same bits whatever the spread: its
+    group's threads and their order are the same."""
     read_norm, _ = chunk_reader(norm_storage, True)
     read_row, _ = chunk_reader("f32", True)
     word_values = WORD[router_storage]
     row_topk = topk_row(per_lane)
+    finish = spread_tail(per_lane, by_ranks)
 
     @kernel
-    def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize,
-                            total, h, ids, weights, pair_token, pair_slot, pair_out):
-        t = cuda.blockIdx.x  # one block per token, every block real
+    def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize, share,
+                            scratch, total, h, ids, weights, pair_token, pair_slot, pair_out):
+        t, part = cuda.blockIdx.x // spread, cuda.blockIdx.x % spread  # every block real
         num_tokens, dim = total.shape
         num_experts = router.shape[0]
+        lo = part * share  # this block's experts: lo .. hi - 1
+        hi = min(lo + share, num_experts)
         tid = cuda.threadIdx.x
         lane, warp = tid % WARP, tid // WARP
         span = cuda.blockDim.x // groups
         g, s = tid // span, tid % span
         raw = cuda.local.array((per_round, words), uint64)
         for k in range(per_round):  # round 0's router words out first: nothing below waits on them
-            e = min(g * per_round + k, num_experts - 1)
+            e = min(lo + g * per_round + k, hi - 1)
             for i in range(words):
                 raw[k, i] = router[e, min(s + i * span, num_words - 1)]
         places = cuda.shared.array(MAX_EXPERTS, int32)  # the table's row, for the pairs at the end
         for e in range(tid, num_experts, cuda.blockDim.x):
             places[e] = table[layer_row, e]
-        # 1. total = x + y, h = rmsnorm(total); group 0 counts the squares and stores
+        # 1. total = x + y, h = rmsnorm(total); group 0 counts the squares, part 0's group 0 stores
         values = cuda.local.array((words, 4), float32)
         scale = cuda.local.array((words, 4), float32)  # the norm's weights, loaded before they are needed
         x_buf = cuda.local.array(4, float32)
@@ -225,13 +191,14 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
                 values[i, c] = x_buf[c] + y_buf[c]
                 if g == 0 and s + i * span < num_words:
                     square_sum += values[i, c] * values[i, c]
-                    total[t, 4 * word + c] = values[i, c]
+                    if part == 0:
+                        total[t, 4 * word + c] = values[i, c]
         inv_rms = float32(1.0) / math.sqrt(block_sum(square_sum) / float32(dim) + eps)
         for i in range(words):
             word = min(s + i * span, num_words - 1)
             for c in range(4):
                 values[i, c] = scale[i, c] * (values[i, c] * inv_rms)  # fused.normed_store's order
-                if g == 0 and s + i * span < num_words:
+                if part == 0 and g == 0 and s + i * span < num_words:
                     h[t, 4 * word + c] = values[i, c]
         # 2. the logits, a round of groups x per_round experts at a time
         partial = cuda.shared.array((MAX_WARPS, per_round), float32)
@@ -239,10 +206,10 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
         group_warps = span // WARP
         sums = cuda.local.array(HALF_WARP, float32)
         for r in range(rounds):
-            first = r * groups * per_round
+            first = lo + r * groups * per_round
             if r > 0:
                 for k in range(per_round):
-                    e = min(first + g * per_round + k, num_experts - 1)
+                    e = min(first + g * per_round + k, hi - 1)
                     for i in range(words):
                         raw[k, i] = router[e, min(s + i * span, num_words - 1)]
             for half in range(0, per_round, HALF_WARP):  # 16 experts at a time: fewer registers live
@@ -263,13 +230,20 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
                 logit = float32(0.0)
                 for w in range(group_warps):  # the group's warps in order
                     logit += partial[gg * group_warps + w, k]
-                if first + tid < num_experts:
-                    logits[0, first + tid] = logit
+                if first + tid < hi:
+                    if spread == 1:
+                        logits[0, first + tid] = logit
+                    else:
+                        scratch[t, first + tid] = logit
             cuda.syncthreads()
+        if spread > 1:  # 3-4. the grid's last block: every token's top-k and the pairs
+            finish(scratch, num_experts, top_k, normalize, places, done, ids, weights, pair_token, pair_slot,
+                   pair_out)
+            return
         # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
         if by_ranks and num_tokens == 1:
-            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
-                           pair_out)
+            ranks_tail(logits, 1, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                       pair_out)
             return
         if warp == 0:
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
@@ -299,10 +273,22 @@ def inflight_shape(dim: int, num_experts: int, block: int) -> tuple[int, int, in
     return words, ceil_div(num_experts, groups * per_round), per_round, groups
 
 
+def router_share(num_tokens: int, num_experts: int, has_scratch: bool) -> int:
+    """Experts a block of the in-flight kernel takes: all of them (one block a token), or with a
+    logits scratch and at most SPREAD_TOKENS tokens and SPREAD_EXPERTS experts, the router's rows
+    over ROUTER_BLOCKS blocks a token."""
+    if not has_scratch or num_tokens > SPREAD_TOKENS or num_experts > SPREAD_EXPERTS:
+        return num_experts
+    return ceil_div(num_experts, max(1, min(ROUTER_BLOCKS, num_experts)))
+
+
 def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
-                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
+                    total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0, scratch=None):
     """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
-    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches."""
+    float32; pair tables (P,) int32. ``done``: a (1,) int32 device counter, zero between launches.
+    ``scratch``: a (T, E) float32 device array for the logits, which lets the in-flight kernel
+    spread a token's router rows over ROUTER_BLOCKS blocks (router_share); its contents are
+    overwritten, and it must keep its address where a graph replays the launch."""
     num_tokens, dim = x.shape
     num_experts = router.shape[0]
     for name, a in (("x", x), ("y", y), ("total", total), ("h", h)):
@@ -324,16 +310,19 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
     if num_tokens == 0:
         return total, h, ids, weights, pair_token, pair_slot, pair_out
     block = threads(ROUTE_THREADS)
-    shape = inflight_shape(dim, num_experts, block)
-    if ROUTER_IN_FLIGHT and shape is not None and storage_of(router) in WORD \
+    if ROUTER_IN_FLIGHT and inflight_shape(dim, num_experts, block) is not None and storage_of(router) in WORD \
             and all(can_read_wide(a) for a in (x, y, norm_weight, router)):
-        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *shape,
+        share = router_share(num_tokens, num_experts, scratch is not None)
+        spread = ceil_div(num_experts, share)
+        if spread > 1:
+            require("scratch", scratch, np.float32, shape=(num_tokens, num_experts))
+        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *inflight_shape(dim, share, block),
                                         ceil_div(num_experts, WARP), int(top_k),
-                                        ONE_TOKEN_RANKS and num_experts <= WARP)
-        kernel[num_tokens, block, stream](
+                                        ROUTER_RANKS and num_experts <= WARP, spread)
+        kernel[num_tokens * spread, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
-            reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize),
-            total, h, ids, weights, pair_token, pair_slot, pair_out)
+            reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize), share,
+            scratch if spread > 1 else total, total, h, ids, weights, pair_token, pair_slot, pair_out)
         return total, h, ids, weights, pair_token, pair_slot, pair_out
     wide = can_read_wide(router) and can_read_wide(h)
     kernel = _norm_route_kernel(storage_of(norm_weight), storage_of(router), wide, ceil_div(dim, block),

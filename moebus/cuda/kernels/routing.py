@@ -6,19 +6,28 @@ cuda is mapped pinned memory that kernels read straight over PCIe (see moe_ffn.p
 ``route_pairs`` turns ids (T, A) into the tables ``expert_ffn`` takes: pairs p = t * A + k sorted by
 expert (stable, so a pair's place depends only on the step's choices), each with its token, its
 placement and its output row. Same-expert pairs end up adjacent, so a run shares one weight read.
-Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``.
+Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``,
+or with ``ranks_tail`` (few tokens, at most 32 experts); with its router rows spread over several
+blocks a token, the last block finishes from the logits the others left in a scratch (``spread_tail``).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
-from moebus.cuda.kernels.compat import blocks, cuda, device_with_shared, int32, kernel, threads
+from moebus.cuda.kernels.compat import (WARP, blocks, cuda, device_with_shared, float32, int32, kernel, threads,
+                                        warp_max, warp_sum)
 from moebus.cuda.kernels.launch import ceil_div, require
+from moebus.cuda.kernels.moe import NEG_INF, topk_row
 
 THREADS = 128
 MAX_EXPERTS = 1024  # router rows of one layer (norm_route keeps a token's logits in shared memory)
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
+SPREAD_TOKENS = 16  # spread_tail, ranks_tail: most tokens, whose logits a block holds in shared memory...
+SPREAD_EXPERTS = 128  # ...and most experts
 
 
 def host_placement(row: int) -> int:
@@ -102,3 +111,101 @@ def sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out):
         pair_token[rank] = p // top_k
         pair_slot[rank] = places[expert]
         pair_out[rank] = p
+
+
+@device_with_shared
+def ranks_tail(logits, num_tokens, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+               pair_out):
+    """Top-k + softmax and the pair tables of a step of at most SPREAD_TOKENS tokens with at most 32
+    experts, from their logits (T, E) in shared memory, by the whole block (it syncs): a warp a
+    token's softmax (a lane an expert, as topk_row); each expert's rank among its token's
+    probabilities (descending, ties to the lower id) a count over the others; a chosen pair's place
+    (by expert, then token) the chosen pairs of lower experts plus those of its expert's earlier
+    tokens. Where topk_row takes top_k warp argmaxes in turn and sort_pairs re-reads the ids through
+    L2 and ranks the pairs: the same bits as those two."""
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    lane, warp = tid % WARP, tid // WARP
+    probs = cuda.shared.array((SPREAD_TOKENS, WARP), float32)
+    ranks = cuda.shared.array((SPREAD_TOKENS, WARP), int32)
+    by_rank = cuda.shared.array((SPREAD_TOKENS, WARP), float32)  # a token's chosen probabilities in rank order
+    counts = cuda.shared.array(WARP, int32)  # tokens that chose each expert
+    for t in range(warp, num_tokens, step // WARP):  # the same trip count in a warp's lanes (shuffles)
+        prob = logits[t, lane] if lane < num_experts else NEG_INF
+        peak = warp_max(prob)
+        prob = math.exp(prob - peak)
+        total = warp_sum(prob)
+        probs[t, lane] = prob / total
+    cuda.syncthreads()
+    for i in range(tid, num_tokens * WARP, step):
+        t, e = i // WARP, i % WARP
+        if e < num_experts:
+            prob = probs[t, e]
+            rank = 0
+            for j in range(num_experts):
+                if probs[t, j] > prob or (probs[t, j] == prob and j < e):
+                    rank += 1
+            ranks[t, e] = rank
+            if rank < top_k:
+                by_rank[t, rank] = prob
+    cuda.syncthreads()
+    for e in range(tid, num_experts, step):
+        count = 0
+        for t in range(num_tokens):
+            if ranks[t, e] < top_k:
+                count += 1
+        counts[e] = count
+    cuda.syncthreads()
+    for i in range(tid, num_tokens * WARP, step):
+        t, e = i // WARP, i % WARP
+        if e < num_experts and ranks[t, e] < top_k:
+            rank = ranks[t, e]
+            chosen = float32(0.0)
+            for k in range(top_k):  # in rank order, as topk_row adds them
+                chosen += by_rank[t, k]
+            place = 0
+            for j in range(e):
+                place += counts[j]
+            for u in range(t):
+                if ranks[u, e] < top_k:
+                    place += 1
+            prob = probs[t, e]
+            ids[t, rank] = e
+            weights[t, rank] = prob / chosen if normalize else prob
+            pair_token[place] = t
+            pair_slot[place] = places[e]
+            pair_out[place] = t * top_k + rank
+
+
+@functools.cache
+def spread_tail(per_lane: int, by_ranks: bool):
+    """Device function, by every block of a spread norm_route: the last block of the grid to get
+    here (the counter ``done``, which it resets) reads every token's logits from ``scratch``
+    (T, E) through L2 into shared memory, then does top-k + softmax and the pair tables (ranks_tail
+    with ``by_ranks``, else topk_row a warp a token and sort_pairs), as the one-block-a-token
+    kernel's tail does from the same logits: the same bits."""
+    row_topk = topk_row(per_lane)
+
+    @device_with_shared
+    def finish(scratch, num_experts, top_k, normalize, places, done, ids, weights, pair_token, pair_slot, pair_out):
+        if not is_last_block(done, cuda.gridDim.x):
+            return  # the whole block
+        tid, step = cuda.threadIdx.x, cuda.blockDim.x
+        lane, warp = tid % WARP, tid // WARP
+        if tid == 0:
+            done[0] = 0  # for the next launch (a graph replays this one); every block has counted
+        num_tokens = scratch.shape[0]
+        logits = cuda.shared.array((SPREAD_TOKENS, SPREAD_EXPERTS), float32)
+        for i in range(tid, num_tokens * num_experts, step):  # other blocks wrote them: through L2
+            logits[i // num_experts, i % num_experts] = cuda.atomic.add(
+                scratch, (i // num_experts, i % num_experts), float32(0.0))
+        cuda.syncthreads()
+        if by_ranks:
+            ranks_tail(logits, num_tokens, num_experts, top_k, normalize, places, ids, weights, pair_token,
+                       pair_slot, pair_out)
+            return
+        for t in range(warp, num_tokens, step // WARP):
+            row_topk(logits, t, num_experts, top_k, normalize, ids, weights, t, lane == 0)
+        cuda.syncthreads()  # every token's ids written
+        sort_pairs(ids, places, num_tokens, top_k, pair_token, pair_slot, pair_out)
+
+    return finish
