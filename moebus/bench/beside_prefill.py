@@ -7,7 +7,9 @@ before the long request is sent) and *during* (those overlapping the window from
 its first token at the client). Per N: the median gap before, the median, mean and largest gap
 during, median during / median before (the issue's figure; the mean shows what a median would hide
 if only some steps were slow), the long prompt's time to first token and prefill tok/s, and the
-broker's steps in both windows (its INFO histograms). The scheduler's chunking of the long prompt
+broker's steps in both windows (its INFO histograms). A first round with a prompt of at most
+WARM_PROMPT_TOKENS warms up (its chunks' step shapes are the timed ones', and are captured there) and
+is not counted. The scheduler's chunking of the long prompt
 (``max_step_tokens``, ``max_prefill_tokens_beside_decode``) comes from the environment, as the
 broker reads it."""
 from __future__ import annotations
@@ -22,6 +24,7 @@ WARM_TOKENS = 8  # each stream's tokens before the steady window (its batch size
 BEFORE_GAPS = 16  # each stream's gaps in the steady window
 MIN_STREAM_CONTEXT = 512  # the streams' room to keep decoding while a short prompt is read on a slow device
 WAIT_S = 600.0  # for a stream's tokens, or the long request's first token
+WARM_PROMPT_TOKENS = 1024  # the warm-up round's long prompt, at most (its chunks repeat the timed rounds' shapes)
 
 
 class _Streams:
@@ -124,7 +127,7 @@ def _figures(num_tokens: int, r: dict) -> dict:
 
 def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
     """Per prompt length N: the gaps of STREAMS decoding streams before and while N tokens prefill.
-    A first round (the shortest N) warms up and is not counted."""
+    A first round (the shortest N, at most WARM_PROMPT_TOKENS) warms up and is not counted."""
     from moebus.bench.structured import _worker_counts
     from moebus.cli_generate import private_broker
     from moebus.client import Client
@@ -139,7 +142,7 @@ def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
     with private_broker(flags, env=env) as address:
         client = Client(address)
         try:
-            _one_round(client, min(lengths), max_context - 8)
+            _one_round(client, min(min(lengths), WARM_PROMPT_TOKENS), max_context - 8)
             counts = _worker_counts(client) if device != "cpu" else {}
             for n in lengths:
                 out.update(_figures(n, _one_round(client, n, max_context - 8)))

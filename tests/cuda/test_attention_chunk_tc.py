@@ -58,10 +58,14 @@ def test_a_chunk_beside_decode_rows_matches_the_reference(rng, monkeypatch, head
     rows = tile_rows("tc", heads // kv_heads, head_dim)
     tiles = np.concatenate([chunk_tiles(stage_segments, len(slots), rows), np.zeros((2, 3), np.int32)])  # unused
     want = attention_tiles_ref(q, k, v, tiles, slots, positions, 0.1, kernel="tc")
-    out = poisoned(q.shape)
+    from moebus.cuda.kernels.compat import cuda
+
+    out, stream = poisoned(q.shape), cuda.stream()  # a cuda.core launch takes a stream object
     attention_tiles_cuda(device(q), device(k), device(v), device(tiles), device(slots), device(positions), 0.1, out,
-                         kernel="tc")
-    np.testing.assert_allclose(out.copy_to_host(), want, atol=2e-5, rtol=1e-4)
+                         stream=stream, kernel="tc")
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's fallback")

@@ -112,7 +112,10 @@ def _builds(head_dim: int) -> bool:
 def launch(q, k_cache, v_cache, tiles, token_pos, scale: float, scratch, stream, split_keys: int) -> None:
     """The partials of every tile of 2 rows or more into ``scratch`` (attention_scratch_shape's):
     their split s of [0, last row's position] (num_splits(., split_keys)) at [t, h, s]. Shapes are
-    checked by attention_chunk.attention_tiles_cuda."""
+    checked by attention_chunk.attention_tiles_cuda. ``stream``: a numba stream or a GraphBuilder
+    (not 0: a cuda.core launch takes a stream object)."""
+    if not hasattr(stream, "__cuda_stream__"):
+        raise ValueError("the tensor-core chunk attention launches on a stream object, not the default stream 0")
     num_tokens, heads, head_dim = q.shape
     _, kv_heads, context, _ = k_cache.shape
     grid = (tiles.shape[0], kv_heads, num_splits(context, split_keys))
