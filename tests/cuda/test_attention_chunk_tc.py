@@ -8,7 +8,10 @@ import pytest
 
 from moebus.cuda.backends.graphs import graphs_available
 from moebus.cuda.dtypes import f32_to_bf16
-from moebus.cuda.kernels.attention_chunk import attention_tiles_cuda, attention_tiles_ref, chunk_tiles, tile_rows
+from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape
+from moebus.cuda.kernels.attention_chunk import (attention_tiles_cuda, attention_tiles_ref, chunk_tiles,
+                                                 merge_tile_splits, tile_rows)
+from moebus.cuda.kernels.attention_chunk_tc import partials_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_attention_chunk import _mixed_steps, _step, micro32_model  # noqa: F401 - a fixture
@@ -44,6 +47,20 @@ def _inputs(rng, segments, heads, kv_heads, head_dim, context):
     return q, caches, slots, positions, stage_segments
 
 
+def test_the_merge_of_the_reference_partials_is_the_attention(rng):
+    """partials_ref (what the kernel writes) through attention_chunk's merge, told the splits' keys."""
+    segments = [(1, 250, 5), (0, 0, 3), (2, 40, 2)]
+    q, (k, v), slots, positions, stage_segments = _inputs(rng, segments, 4, 2, 32, 300)
+    tiles = chunk_tiles(stage_segments, len(slots), 2)  # tiles of 2 rows: a 1-row tail of the first chunk
+    tiles = tiles[tiles[:, 1] >= 2]  # (a decode row's partials are the decode kernel's: left out here)
+    partial = partials_ref(q, k, v, tiles, positions, 0.1, attention_scratch_shape(len(slots), 4, 32, 300)[2], 64)
+    out = poisoned(q.shape)
+    merge_tile_splits[4, 64](device(tiles), 2, device(positions), 64, device(np.nan_to_num(partial, nan=7.0)), out)
+    got, want = out.copy_to_host(), attention_ref(q, k, v, slots, positions, 0.1)
+    rows = np.concatenate([np.arange(f, f + n) for f, n, _ in tiles])
+    np.testing.assert_allclose(got[rows], want[rows], atol=2e-6, rtol=1e-5)
+
+
 @on_gpu
 @pytest.mark.parametrize("heads,kv_heads,head_dim,split_keys", [(32, 4, 128, 256), (4, 2, 64, 64), (8, 1, 128, 32)])
 def test_a_chunk_beside_decode_rows_matches_the_reference(rng, monkeypatch, heads, kv_heads, head_dim, split_keys):
@@ -61,10 +78,14 @@ def test_a_chunk_beside_decode_rows_matches_the_reference(rng, monkeypatch, head
     from moebus.cuda.kernels.compat import cuda
 
     out, stream = poisoned(q.shape), cuda.stream()  # a cuda.core launch takes a stream object
+    scratch = poisoned(attention_scratch_shape(len(slots), heads, head_dim, context))
     attention_tiles_cuda(device(q), device(k), device(v), device(tiles), device(slots), device(positions), 0.1, out,
-                         stream=stream, kernel="tc")
-    got = out.copy_to_host(stream=stream)
+                         scratch, stream=stream, kernel="tc")
+    got, partial = out.copy_to_host(stream=stream), scratch.copy_to_host(stream=stream)
     stream.synchronize()
+    want_partial = partials_ref(q, k, v, tiles, positions, 0.1, partial.shape[2], split_keys)
+    written = ~np.isnan(want_partial)
+    np.testing.assert_allclose(partial[written], want_partial[written], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 

@@ -124,3 +124,36 @@ def launch(q, k_cache, v_cache, tiles, token_pos, scale: float, scratch, stream,
                                  ptr(scratch), ptr(tiles), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
                                  np.int32(context), np.int32(heads // kv_heads), np.int32(scratch.shape[2]),
                                  np.int32(split_keys), np.int32(MAX_SPLITS), np.float32(scale * np.log2(np.e)))
+
+
+def partials_ref(q, k_cache, v_cache, tiles, token_pos, scale: float, scratch_splits: int, split_keys: int):
+    """What ``launch`` writes, in numpy (float64 sums): (T, H, scratch_splits, hd + 2) float32, NaN
+    where it writes nothing; for each pair of a tile of 2+ rows and each split s of its tile's keys:
+    sum_j e^(s_j - m) v_j, m (the split's largest score, -inf where the row sees none of its keys), and
+    sum_j e^(s_j - m), over the keys j of the split the row sees (j <= its position)."""
+    from moebus.cuda.dtypes import bf16_to_f32
+
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = np.full((num_tokens, heads, scratch_splits, head_dim + 2), np.nan, np.float32)
+    for first_row, rows, slot in np.asarray(tiles):
+        if rows < 2:
+            continue
+        count = int(token_pos[first_row + rows - 1]) + 1
+        splits = min(MAX_SPLITS, ceil_div(count, split_keys))
+        keys = bf16_to_f32(k_cache[slot]).astype(np.float64)  # (KVH, C, hd)
+        values = bf16_to_f32(v_cache[slot]).astype(np.float64)
+        for t in range(first_row, first_row + rows):
+            for h in range(heads):
+                scores = keys[h // group, :count] @ q[t, h].astype(np.float64) * scale
+                for s in range(splits):
+                    lo, hi = s * count // splits, min((s + 1) * count // splits, int(token_pos[t]) + 1)
+                    if hi <= lo:
+                        out[t, h, s, :head_dim], out[t, h, s, head_dim:] = 0.0, (-np.inf, 0.0)
+                        continue
+                    peak = scores[lo:hi].max()
+                    weights = np.exp(scores[lo:hi] - peak)
+                    out[t, h, s, :head_dim] = weights @ values[h // group, lo:hi]
+                    out[t, h, s, head_dim:] = peak, weights.sum()
+    return out
