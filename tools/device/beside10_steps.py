@@ -8,7 +8,10 @@ attention on
   tc      attention_chunk_tc's tensor-core kernel (=tc),
 switched at run time (the stages' tile_kernel / tile_rows, graphs dropped). Per row: captured ==
 eager bit for bit, and the eager step's logits against the decode kernel's (max |dlogit|, greedy
-tokens equal).
+tokens equal; each context's chunk has its own KV slot, so the cells of every mode see the same keys:
+the tenth session's call shared one slot, and a chunk at 8176 saw what the previous sweep's chunks
+had written at 4096.., which made its |dlogit| against the decode kernel's 1.2-1.5 where the keys
+were equal 4e-4).
 Usage: beside10_steps.py MODEL [CHUNKS=8,16,32,56] [CONTEXTS=4096,8176] [MODES=decode,tc,numba]
   [NUMBA_CELLS=16:8176,32:8176 (the numba mode's cells; all: every one)]"""
 import statistics
@@ -37,11 +40,13 @@ def set_mode(model, mode: str) -> None:
     drop_graphs(model)
 
 
-def one_cell(model, chunk: int, context: int) -> dict:
+def one_cell(model, chunk: int, context: int, slot: int) -> dict:
+    """``slot``: the chunk's sequence, one per context (a chunk at 8k must not see what a chunk at 4k
+    of another mode's sweep left in its cache: every mode's cell then sees the same keys)."""
     last = [11] * DECODE_ROWS
 
     def step(i):
-        return StepBatch(slots=list(range(DECODE_ROWS)) + ([DECODE_ROWS] if chunk else []),
+        return StepBatch(slots=list(range(DECODE_ROWS)) + ([slot] if chunk else []),
                          starts=[PROMPT + i] * DECODE_ROWS + ([context] if chunk else []),
                          lengths=[1] * DECODE_ROWS + ([chunk] if chunk else []),
                          tokens=last + [(13 * j + 5) % 200 + 10 for j in range(chunk)])
@@ -63,7 +68,7 @@ def main() -> None:
     modes = (sys.argv[4] if len(sys.argv) > 4 else "decode,tc,numba").split(",")
     numba_cells = sys.argv[5] if len(sys.argv) > 5 else "16:8176,32:8176"
     max_context = max(contexts) + max(chunks) + 16
-    model = LocalModel(model_dir, device="cuda", num_slots=DECODE_ROWS + 1, max_context=max_context, kv_dtype="bf16",
+    model = LocalModel(model_dir, device="cuda", num_slots=DECODE_ROWS + len(contexts), max_context=max_context, kv_dtype="bf16",
                        prefetch_slots=0)
     cfg = model.ckpt.config
     print(f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts; max_context {max_context}; "
@@ -76,7 +81,7 @@ def main() -> None:
         if mode == "numba" and numba_cells != "all":
             cells = [(0, 0)] + [tuple(int(v) for v in cell.split(":")) for cell in numba_cells.split(",")]
         for chunk, context in cells:
-            r = one_cell(model, chunk, context)
+            r = one_cell(model, chunk, context, DECODE_ROWS + (contexts.index(context) if chunk else 0))
             base = base or r["ms"]
             ref = reference.setdefault((chunk, context), r["logits"])
             row = dict(mode=mode, chunk=chunk, context=context, ms=round(r["ms"], 3), x_decode8=round(r["ms"] / base, 3),
