@@ -68,8 +68,8 @@ def main() -> None:
     modes = (sys.argv[4] if len(sys.argv) > 4 else "decode,tc,numba").split(",")
     numba_cells = sys.argv[5] if len(sys.argv) > 5 else "16:8176,32:8176"
     max_context = max(contexts) + max(chunks) + 16
-    model = LocalModel(model_dir, device="cuda", num_slots=DECODE_ROWS + len(contexts), max_context=max_context, kv_dtype="bf16",
-                       prefetch_slots=0)
+    model = LocalModel(model_dir, device="cuda", num_slots=DECODE_ROWS + len(contexts), max_context=max_context,
+                       kv_dtype="bf16", prefetch_slots=0)
     cfg = model.ckpt.config
     print(f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts; max_context {max_context}; "
           f"tc splits of >= {attention_chunk_tc.SPLIT_KEYS} keys", flush=True)
@@ -84,8 +84,8 @@ def main() -> None:
             r = one_cell(model, chunk, context, DECODE_ROWS + (contexts.index(context) if chunk else 0))
             base = base or r["ms"]
             ref = reference.setdefault((chunk, context), r["logits"])
-            row = dict(mode=mode, chunk=chunk, context=context, ms=round(r["ms"], 3), x_decode8=round(r["ms"] / base, 3),
-                       graph_equals_eager=r["graph_equals_eager"],
+            row = dict(mode=mode, chunk=chunk, context=context, ms=round(r["ms"], 3),
+                       x_decode8=round(r["ms"] / base, 3), graph_equals_eager=r["graph_equals_eager"],
                        max_dlogit_vs_decode=float(np.abs(r["logits"] - ref).max()),
                        tokens_equal=bool(np.array_equal(r["logits"].argmax(1), ref.argmax(1))))
             rows.append(row)
