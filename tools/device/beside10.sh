@@ -49,8 +49,8 @@ for cap in $CAPS; do
   echo "== 8 streams beside 8192, cap $cap, MOEBUS_CHUNK_ATTENTION=$ATTN, at $(now) s"
   MOEBUS_CHUNK_ATTENTION=$ATTN MOEBUS_MAX_PREFILL_TOKENS_BESIDE_DECODE=$cap timeout $(cap_s $first) python3 -c "
 import json; from moebus.bench.beside_prefill import compare
-print(json.dumps(compare('$M', 'cuda', [8192])))" 2>$OUT/beside_$cap.err | tail -1
-  echo "rc=$?"; grep -a "Error" $OUT/beside_$cap.err | tail -2 | cut -c1-240
+print(json.dumps(compare('$M', 'cuda', [8192], quiet=False)))" 2>$OUT/beside_$cap.err | tail -1
+  echo "rc=$?"; grep -a "Error\|beside_prefill:" $OUT/beside_$cap.err | tail -5 | cut -c1-240
   first=$CAP_S
 done
 echo "end at $(now) s"
