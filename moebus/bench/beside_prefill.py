@@ -7,13 +7,16 @@ before the long request is sent) and *during* (those overlapping the window from
 its first token at the client). Per N: the median gap before, the median, mean and largest gap
 during, median during / median before (the issue's figure; the mean shows what a median would hide
 if only some steps were slow), the long prompt's time to first token and prefill tok/s, and the
-broker's steps in both windows (its INFO histograms). The scheduler's chunking of the long prompt
+broker's steps in both windows (its INFO histograms). A first round with a prompt of at most
+WARM_PROMPT_TOKENS warms up (its chunks' step shapes are the timed ones', and are captured there) and
+is not counted. The scheduler's chunking of the long prompt
 (``max_step_tokens``, ``max_prefill_tokens_beside_decode``) comes from the environment, as the
 broker reads it."""
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 
@@ -22,6 +25,7 @@ WARM_TOKENS = 8  # each stream's tokens before the steady window (its batch size
 BEFORE_GAPS = 16  # each stream's gaps in the steady window
 MIN_STREAM_CONTEXT = 512  # the streams' room to keep decoding while a short prompt is read on a slow device
 WAIT_S = 600.0  # for a stream's tokens, or the long request's first token
+WARM_PROMPT_TOKENS = 1024  # the warm-up round's long prompt, at most (its chunks repeat the timed rounds' shapes)
 
 
 class _Streams:
@@ -122,9 +126,11 @@ def _figures(num_tokens: int, r: dict) -> dict:
     return {f"beside{num_tokens}_{k}": v for k, v in out.items()}
 
 
-def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
+def compare(model_dir: str | None, device: str, lengths: list[int], quiet: bool = True) -> dict:
     """Per prompt length N: the gaps of STREAMS decoding streams before and while N tokens prefill.
-    A first round (the shortest N) warms up and is not counted."""
+    A first round (the shortest N, at most WARM_PROMPT_TOKENS) warms up and is not counted; the
+    broker's start (to READY, its workers' warm-up included) is ``beside_broker_ready_s``.
+    ``quiet`` False: the broker's and workers' logs go to stderr, with a line per round."""
     from moebus.bench.structured import _worker_counts
     from moebus.cli_generate import private_broker
     from moebus.client import Client
@@ -136,15 +142,25 @@ def compare(model_dir: str | None, device: str, lengths: list[int]) -> dict:
     env = {"MOEBUS_MAX_CONTEXT": str(max_context), "MOEBUS_MAX_BATCH": str(STREAMS + 1)}
     out = {"beside_max_step_tokens": settings.max_step_tokens,
            "beside_max_prefill_tokens_beside_decode": settings.max_prefill_tokens_beside_decode}
-    with private_broker(flags, env=env) as address:
+    started = time.perf_counter()
+    with private_broker(flags, env=env, quiet=quiet) as address:
+        out["beside_broker_ready_s"] = round(time.perf_counter() - started, 1)
+        _say(quiet, f"broker ready after {out['beside_broker_ready_s']} s")
         client = Client(address)
         try:
-            _one_round(client, min(lengths), max_context - 8)
+            _one_round(client, min(min(lengths), WARM_PROMPT_TOKENS), max_context - 8)
+            _say(quiet, f"warm-up round done at {time.perf_counter() - started:.1f} s")
             counts = _worker_counts(client) if device != "cpu" else {}
             for n in lengths:
                 out.update(_figures(n, _one_round(client, n, max_context - 8)))
+                _say(quiet, f"round of {n} done at {time.perf_counter() - started:.1f} s")
             if counts:  # a graph captured or a short step run eagerly (compiling?) inside the timed rounds
                 out.update({f"beside_worker_{k}": v - counts[k] for k, v in _worker_counts(client).items()})
         finally:
             client.close()
     return out
+
+
+def _say(quiet: bool, line: str) -> None:
+    if not quiet:
+        print(f"beside_prefill: {line}", file=sys.stderr, flush=True)

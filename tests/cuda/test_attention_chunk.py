@@ -173,12 +173,12 @@ def test_a_chunk_beside_decode_rows_on_the_cuda_device_matches_the_cpu_device(mi
     assert called == [True] * (3 * 2 + 2 * cuda.stages[0].graph_captures)
 
 
-def test_the_setting_switches_the_chunk_attention_on_and_it_is_off_by_default(micro32_model, monkeypatch):
+def test_the_setting_switches_the_numba_tile_kernel_on(micro32_model, monkeypatch):
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
     batch = StepBatch(slots=[0, 1], starts=[4, 0], lengths=[1, 3], tokens=[5, 17, 42, 9])
-    monkeypatch.delenv("MOEBUS_CHUNK_ATTENTION", raising=False)
+    monkeypatch.delenv("MOEBUS_CHUNK_ATTENTION", raising=False)  # tc by default: off with the cpu's fp32 cache
     default = LocalModel(micro32_model, device="cpu", num_slots=2, max_context=32).stages[0]
     assert default.tile_rows == 0 and "attn_tiles" not in default._host_inputs(batch, None)
     monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "1")

@@ -97,12 +97,12 @@ class CpuBackend:
 
     @staticmethod
     def attention(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None,
-                  tiles=None):
+                  tiles=None, tile_kernel: str = "numba"):
         """``segments`` (the step's sequences, for a backend's prefill path): the reference needs none;
-        ``tiles``: a routed step's tile table (attention_chunk.py): checked; the reference's sums are
-        those of a step without one (the cpu device's results do not depend on the setting)."""
+        ``tiles``: a routed step's tile table (attention_chunk.py) for ``tile_kernel``: checked; the
+        reference's sums are those of a step without one (the cpu device's results do not depend on the setting)."""
         if tiles is not None:
-            max_rows = attention_chunk.rows_per_tile(q.shape[1] // k_cache.shape[1], q.shape[2])
+            max_rows = attention_chunk.tile_rows(tile_kernel, q.shape[1] // k_cache.shape[1], q.shape[2])
             attention_chunk.check_tiles(tiles, token_slot, token_pos, max_rows)
         return attention.attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window)
 

@@ -17,7 +17,9 @@ some pairs, a lane computes the whole dot product of one key with each of its wa
 per key), the warp's max and sum per pair are two shuffle reductions per WARP keys; then the values
 replace the keys in shared memory and a lane accumulates hd / WARP output elements of each pair over
 the WARP keys. A row sees keys <= its position (causal; no sliding window: such models keep the decode
-kernel)."""
+kernel). Measured on an H200 (tenth session, captured) this numba kernel is 2.0-2.7x slower than the
+decode kernel; ``kernel="tc"`` runs the tiles on tensor cores instead (attention_chunk_tc.py: 64
+(row, head) pairs a tile, splits of its own size, told to the merge), the stage's default."""
 from __future__ import annotations
 
 import functools
@@ -26,7 +28,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape, require_caches, words
-from moebus.cuda.kernels.attention_decode import NEG_INF, QUAD, decode_kernel, split_range
+from moebus.cuda.kernels.attention_decode import MAX_SPLITS, NEG_INF, QUAD, SPLIT_POSITIONS, decode_kernel, split_range
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, blocks, cuda, float32, kernel, threads, warp_max, warp_sum
 from moebus.cuda.kernels.launch import ceil_div, require
 
@@ -34,6 +36,7 @@ MAX_PAIRS = 64  # (row, query head) pairs of a tile, at most
 WARPS = 2 if SIMULATOR else 8
 SHARED_BYTES = 44 * 1024  # queries + a key tile + probabilities (static shared memory is 48 KiB at most)
 THREADS = 256  # the merge's
+KERNELS = ("numba", "tc")  # the tile step's kernels (attention_tiles_cuda)
 
 
 def _shared_bytes(pairs: int, head_dim: int) -> int:
@@ -46,6 +49,15 @@ def rows_per_tile(group: int, head_dim: int) -> int:
     and a key tile fit SHARED_BYTES); 0 where not even one row fits (such models keep the decode kernel)."""
     fit = (SHARED_BYTES - 4 * WARP * (head_dim + 1)) // (4 * (head_dim + WARP))
     return min(MAX_PAIRS, fit) // group
+
+
+def tile_rows(kernel: str, group: int, head_dim: int) -> int:
+    """Rows a tile holds for ``kernel`` ("numba": rows_per_tile, "tc": attention_chunk_tc's 64 pairs)."""
+    if kernel == "tc":
+        from moebus.cuda.kernels.attention_chunk_tc import tile_rows as tc_rows
+
+        return tc_rows(group)
+    return rows_per_tile(group, head_dim)
 
 
 def max_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
@@ -82,9 +94,11 @@ def check_tiles(tiles: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray
         raise ValueError("a tile table must hold every row of the step exactly once")
 
 
-def attention_tiles_ref(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float) -> np.ndarray:
-    """The reference: per tile, its rows against its slot's keys [0, pos] (float32)."""
-    check_tiles(tiles, token_slot, token_pos, rows_per_tile(q.shape[1] // k_cache.shape[1], q.shape[2]))
+def attention_tiles_ref(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float,
+                        kernel: str = "numba") -> np.ndarray:
+    """The reference: per tile, its rows against its slot's keys [0, pos] (float32); the table is
+    checked against ``kernel``'s rows a tile."""
+    check_tiles(tiles, token_slot, token_pos, tile_rows(kernel, q.shape[1] // k_cache.shape[1], q.shape[2]))
     out = np.empty_like(q, dtype=np.float32)
     for first, rows, slot in np.asarray(tiles):
         if rows:
@@ -193,8 +207,10 @@ def tile_kernel(storage: str, head_dim: int, group: int):
 
 
 @kernel
-def merge_tile_splits(tiles, max_rows, token_pos, partial, out):
-    # one thread per output (tile, row, h, d): the tile's splits combined in order (deterministic)
+def merge_tile_splits(tiles, max_rows, token_pos, split_positions, partial, out):
+    # one thread per output (tile, row, h, d): the tile's splits combined in order (deterministic);
+    # a tile of 2+ rows has splits of at least split_positions keys (its kernel's), a decode row the
+    # decode kernel's
     num_tiles = tiles.shape[0]
     _, num_heads, head_dim = out.shape
     per_row = num_heads * head_dim
@@ -204,7 +220,9 @@ def merge_tile_splits(tiles, max_rows, token_pos, partial, out):
         if r >= rows:
             continue
         t, h, d = first_row + r, (n // head_dim) % num_heads, n % head_dim
-        num_splits = split_range(0, token_pos[first_row + rows - 1], 0)[2]
+        count = token_pos[first_row + rows - 1] + 1
+        num_splits = split_range(0, count - 1, 0)[2] if rows == 1 else \
+            min(MAX_SPLITS, (count + split_positions - 1) // split_positions)
         peak = NEG_INF
         for s in range(num_splits):
             peak = max(peak, partial[t, h, s, head_dim])
@@ -228,13 +246,14 @@ def decode_positions(tiles, max_rows, token_pos, out):
 
 
 def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scale: float, out, scratch=None,
-                         decode_pos=None, stream=0):
+                         decode_pos=None, stream=0, kernel: str = "numba"):
     """out (T, H, hd) = attention_tiles_ref(...) on device arrays (the table is not checked here: the
-    stage builds it, chunk_tiles). Tiles of one row (decode rows) run on the decode kernel, as in a
-    step without a chunk (same splits, same bits); the others on the tile kernel; one merge. Every
-    row's own position must already be in the cache. ``scratch``: float32 of
-    attention.attention_scratch_shape, ``decode_pos``: (T,) int32 (each allocated here when None).
-    hd: a multiple of 32."""
+    stage builds it, chunk_tiles, with tile_rows(kernel, ...) rows a tile). Tiles of one row (decode
+    rows) run on the decode kernel, as in a step without a chunk (same splits, same bits); the
+    others on the tile kernel, ``kernel`` "numba" (this file's) or "tc" (attention_chunk_tc.py:
+    tensor cores, bf16 caches); one merge. Every row's own position must already be in the cache.
+    ``scratch``: float32 of attention.attention_scratch_shape, ``decode_pos``: (T,) int32 (each
+    allocated here when None). hd: a multiple of 32 (numba)."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     storage = require_caches(k_cache, v_cache, head_dim=head_dim)
@@ -248,7 +267,12 @@ def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scal
     if num_tokens == 0 or tiles.shape[0] == 0:
         return out
     group = num_heads // num_kv_heads
-    attend, tile_threads = tile_kernel(storage, head_dim, group)  # (refuses a head_dim before any launch)
+    if kernel not in KERNELS:
+        raise ValueError(f"chunk attention kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    if kernel == "tc" and storage != "bf16":
+        raise ValueError(f"the tensor-core chunk attention reads bf16 caches, not {storage}")
+    if kernel == "numba":
+        attend, tile_threads = tile_kernel(storage, head_dim, group)  # (refuses a head_dim before any launch)
     context = k_cache.shape[2]
     scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
     if scratch is None:
@@ -257,15 +281,22 @@ def attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scal
     if decode_pos is None:
         decode_pos = cuda.device_array(num_tokens, np.int32, stream=stream)
     require("decode_pos", decode_pos, np.int32, shape=(num_tokens,))
-    max_rows = rows_per_tile(group, head_dim)
+    max_rows = tile_rows(kernel, group, head_dim)
     grid = blocks(ceil_div(tiles.shape[0] * max_rows, THREADS))
     decode_positions[grid, threads(THREADS), stream](tiles, max_rows, token_pos, decode_pos)
     k_words, v_words, scale = words(k_cache), words(v_cache), np.float32(scale)
     decode, num_threads = decode_kernel(storage, head_dim, group)
     decode[(num_tokens, num_kv_heads, scratch_shape[2]), num_threads, stream](
         q, k_words, v_words, num_kv_heads, context, token_slot, decode_pos, scale, 0, scratch)
-    attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), tile_threads, stream](
-        q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, scratch)
+    if kernel == "tc":
+        from moebus.cuda.kernels import attention_chunk_tc
+
+        split_keys = attention_chunk_tc.SPLIT_KEYS
+        attention_chunk_tc.launch(q, k_cache, v_cache, tiles, token_pos, scale, scratch, stream, split_keys)
+    else:
+        split_keys = SPLIT_POSITIONS
+        attend[(tiles.shape[0], num_kv_heads, scratch_shape[2]), tile_threads, stream](
+            q, k_words, v_words, num_kv_heads, context, tiles, token_pos, scale, scratch)
     merge_tile_splits[blocks(ceil_div(tiles.shape[0] * max_rows * num_heads * head_dim, THREADS)), threads(THREADS),
-                      stream](tiles, max_rows, token_pos, scratch, out)
+                      stream](tiles, max_rows, token_pos, split_keys, scratch, out)
     return out
