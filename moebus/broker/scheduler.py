@@ -85,14 +85,15 @@ class Scheduler:
         decoding = with_ready_masks([s for s in idle if not s.is_prefilling], self.mask_wait_s,
                                     others=any(s.is_prefilling for s in idle))[:max_seqs]
         prefilling = [s for s in idle if s.is_prefilling][: max_seqs - len(decoding)]
-        budget = self._prefill_budget(len(decoding))
+        whole = max(self.max_step_tokens - len(decoding), 0)  # prompt tokens the step may take
+        capped = self._prefill_budget(len(decoding))  # of them, for prompts without images
         chosen, feeds = [], []
         for seq in decoding + prefilling:
-            feed = seq.next_feed(budget if seq.is_prefilling else 1)
+            feed = seq.next_feed((whole if seq.embeds is not None else min(capped, whole)) if seq.is_prefilling else 1)
             if not feed:
                 continue
             if seq.is_prefilling:
-                budget -= len(feed)
+                whole, capped = whole - len(feed), capped - len(feed)
             chosen.append(seq)
             feeds.append(feed)
         if not chosen:
@@ -117,7 +118,11 @@ class Scheduler:
 
     def _prefill_budget(self, num_decoding: int) -> int:
         """Prompt tokens this step may take. While a sequence decodes (in this step, or in another
-        micro-batch that waits behind this one on a stage) a long chunk would stretch its gap."""
+        micro-batch that waits behind this one on a stage) a long chunk would stretch its gap, so
+        ``max_prefill_tokens_beside_decode`` caps it. Not for a prompt with images (the caller): a
+        step holding image embeddings is never captured (Stage._graph_for), so small chunks of it
+        would each pay an eager step, and its experts' copies are bounded by the chunk that spans
+        steps (max_prefill_copy_mib_beside_decode) instead."""
         budget = max(self.max_step_tokens - num_decoding, 0)
         cap = self.max_prefill_tokens_beside_decode
         if cap is not None and any(not s.is_prefilling for s in self.running.values()):

@@ -83,3 +83,29 @@ def test_decoders_in_another_micro_batch_cap_the_prompt_too(tokenizer):
     s.submit(seq(tokenizer, "long", range(10, 30)))
     step = s.plan(busy={d.id for d in decoders}, num_groups=2)
     assert [q.id for q in step.seqs] == ["long"] and step.lengths.tolist() == [4]
+
+
+def test_a_prompt_with_images_takes_the_whole_step_budget_beside_decoding_sequences(tokenizer):
+    """Its steps hold image embeddings and are never captured: small chunks would each pay an eager
+    step (its copies are bounded by the chunk that spans steps instead)."""
+    import numpy as np
+
+    s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
+    decoders = _decoding(s, tokenizer, "a", "b")
+    image = seq(tokenizer, "image", range(10, 30))
+    image.embeds, image.embed_positions = np.zeros((3, 8), np.float32), np.array([2, 3, 4], np.int32)
+    s.submit(image)
+    assert _chunks(s, "image", decoders) == [14, 6]
+
+
+def test_an_image_prompt_s_tokens_count_against_the_cap_of_a_text_prompt_beside_it(tokenizer):
+    import numpy as np
+
+    s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
+    _decoding(s, tokenizer, "a")
+    image = seq(tokenizer, "image", range(10, 14))
+    image.embeds, image.embed_positions = np.zeros((1, 8), np.float32), np.array([1], np.int32)
+    s.submit(image)
+    s.submit(seq(tokenizer, "text", range(20, 30)))
+    step = s.plan()
+    assert [q.id for q in step.seqs] == ["a", "image"] and step.lengths.tolist() == [1, 4]  # the text waits
