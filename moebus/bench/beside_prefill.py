@@ -132,6 +132,7 @@ def compare(model_dir: str | None, device: str, lengths: list[int], quiet: bool 
     broker's start (to READY, its workers' warm-up included) is ``beside_broker_ready_s``.
     ``quiet`` False: the broker's and workers' logs go to stderr, with a line per round."""
     from moebus.bench.structured import _worker_counts
+    from moebus.broker.scheduler import prefill_tokens_beside_decode
     from moebus.cli_generate import private_broker
     from moebus.client import Client
     from moebus.common.settings import load_settings
@@ -141,7 +142,8 @@ def compare(model_dir: str | None, device: str, lengths: list[int], quiet: bool 
     flags = ["--device", device] + (["--model", model_dir] if model_dir else [])
     env = {"MOEBUS_MAX_CONTEXT": str(max_context), "MOEBUS_MAX_BATCH": str(STREAMS + 1)}
     out = {"beside_max_step_tokens": settings.max_step_tokens,
-           "beside_max_prefill_tokens_beside_decode": settings.max_prefill_tokens_beside_decode}
+           "beside_max_prefill_tokens_beside_decode": prefill_tokens_beside_decode(
+               settings.max_prefill_tokens_beside_decode, device)}
     started = time.perf_counter()
     with private_broker(flags, env=env, quiet=quiet) as address:
         out["beside_broker_ready_s"] = round(time.perf_counter() - started, 1)

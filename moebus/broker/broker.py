@@ -23,7 +23,7 @@ from moebus.broker.clients import ClientTable
 from moebus.broker.history import History
 from moebus.broker.inflight import Inflight
 from moebus.broker.outbox import Outbox
-from moebus.broker.scheduler import Scheduler
+from moebus.broker.scheduler import Scheduler, prefill_tokens_beside_decode
 from moebus.broker.stats import Stats
 from moebus.broker.steps import StepDriver
 from moebus.broker.streaming import Streaming
@@ -58,7 +58,8 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
         self.pool = pool
         self.model_name = model_name
         self.scheduler = Scheduler(settings.max_batch, settings.max_queue, settings.max_step_tokens,
-                                   settings.max_prefill_tokens_beside_decode)
+                                   prefill_tokens_beside_decode(settings.max_prefill_tokens_beside_decode,
+                                                                settings.device))
         self.stats = Stats()
         self.history = History()  # what the dashboard plots over the last minutes
         self.ctx = zmq.Context.instance()

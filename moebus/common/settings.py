@@ -127,8 +127,9 @@ class Settings(BaseSettings):
     max_queue: int = Field(256, ge=0)
     max_step_tokens: int = Field(512, ge=1)  # prompt tokens per step (longer prompts prefill in chunks)
     # prompt tokens per step while other sequences decode, so their inter-token gap stays short while
-    # a long prompt is read (at the cost of its first token); None: max_step_tokens (docs/config.md)
-    max_prefill_tokens_beside_decode: int | None = Field(None, ge=1)
+    # a long prompt is read (at the cost of its first token); None: max_step_tokens; auto: 16 on cuda
+    # (8 streams within 2x of their gap while an 8k prompt is read, H200), None on cpu (docs/config.md)
+    max_prefill_tokens_beside_decode: Literal["auto"] | Annotated[int, Field(ge=1)] | None = "auto"
     # experts a step beside decode rows may copy in for a prompt's chunk, in MiB: a chunk that needs
     # more spans steps (workers/spanning_chunk.py). 128: on an H200 (gap10.sh, 8 x 128 LLaVA under
     # 8 GiB) a step at 256 copied ~242 MiB for its chunk, ~7 ms at the ~33 GB/s the link gives, more

@@ -109,3 +109,13 @@ def test_an_image_prompt_s_tokens_count_against_the_cap_of_a_text_prompt_beside_
     s.submit(seq(tokenizer, "text", range(20, 30)))
     step = s.plan()
     assert [q.id for q in step.seqs] == ["a", "image"] and step.lengths.tolist() == [1, 4]  # the text waits
+
+
+def test_auto_caps_on_cuda_only():
+    from moebus.broker.scheduler import AUTO_PREFILL_TOKENS_BESIDE_DECODE_CUDA, prefill_tokens_beside_decode
+    from moebus.common.settings import Settings
+
+    assert Settings().max_prefill_tokens_beside_decode == "auto"
+    assert prefill_tokens_beside_decode("auto", "cuda") == AUTO_PREFILL_TOKENS_BESIDE_DECODE_CUDA == 16
+    assert prefill_tokens_beside_decode("auto", "cpu") is None
+    assert prefill_tokens_beside_decode(64, "cuda") == 64 and prefill_tokens_beside_decode(None, "cuda") is None
