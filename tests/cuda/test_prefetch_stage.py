@@ -64,9 +64,10 @@ def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_lo
     for cuBLAS), which plan from the layer's placement row with the prefetched experts at their banks."""
     from moebus.cuda.kernels.gemm import TensorCores
     from moebus.cuda.kernels.gemm_host import HostBlas
-    from moebus.workers import moe_prefill, stage as stage_module
+    from moebus.workers import expert_cache, moe_prefill, stage as stage_module
 
     monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
+    monkeypatch.setattr(expert_cache, "MISSES_IN_GEMVS", False)  # tiles, though the cache is partial
     rows = []
     inner = moe_prefill.grouped_moe_placed
     monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: rows.append(a[4]) or inner(*a))
@@ -80,6 +81,24 @@ def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_lo
     without = _decode(stage, slot=4, steps=2, batch=4)
     np.testing.assert_array_equal(with_prefetch[0], without[0])
     np.testing.assert_array_equal(with_prefetch[1], without[1])
+
+
+def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_model, monkeypatch):  # noqa: F811
+    """expert_cache.MISSES_IN_GEMVS (the default): where the cache cannot hold every expert, batch 4
+    (2 pairs an expert, enough for tiles) runs its experts on the GEMV kernels, the same tokens."""
+    from moebus.cuda.kernels.gemm import TensorCores
+    from moebus.cuda.kernels.gemm_host import HostBlas
+    from moebus.workers import moe_prefill, stage as stage_module
+
+    monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
+    calls = []
+    inner = moe_prefill.grouped_moe_placed
+    monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: calls.append(1) or inner(*a))
+    stage = _stage(micro_model, kv_slots=4)
+    stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
+    assert not stage.experts.decode_tiles  # 4 slots for 8 experts
+    _decode(stage, slot=0, steps=1, batch=4)
+    assert calls == [] and stage.experts.prefetch.prefetched > 0
 
 
 def test_no_prefetch_where_the_cache_holds_every_expert(micro_model):  # noqa: F811

@@ -2,18 +2,20 @@
 (experts.prefetch_slots = the largest variant's slots), tenth session (issue 15 item 2):
 
 (1) check: graph + prefetch (the first variant) == graph without the prefetch, same tokens and
-    bit-identical logprobs at batch 1 and 8 (batch 8 now in tiles on tensor cores with the prefetch);
+    bit-identical logprobs at batch 1 and 8 (batch 8 on the expert path the tree picks);
 (2) variants: bench decode's own figures (``_in_process`` + ``_bounds``: tok/s, hit rate, PCIe bound at
     50 GB/s, share of it, PCIe GB/s, the prefetch's counters) with the prefetch off and each SLOTS:RANKS
     (bank slots a layer : predicted experts a token), at batch 1 and 8; ``gemv`` after a variant: batch 8
-    on the GEMV expert kernels instead of the tiles (moe_prefill.DECODE_PAIRS_PER_EXPERT 0);
+    on the GEMV expert kernels instead of the tiles (moe_prefill.DECODE_PAIRS_PER_EXPERT 0), ``tiles``:
+    in tiles though the cache is partial (expert_cache.MISSES_IN_GEMVS off; on by default since this
+    session, so a plain variant's batch 8 runs on the GEMVs);
 (3) timeline (torch.profiler's CUPTI trace of replayed steps, if torch imports): per step the wall
     time, the GPU's busy time (union of kernel intervals), the kernels' summed time (> busy where the
     side branch overlaps), the expert kernels' busy time (their reads of missed experts: PCIe) and
     the busy time with no expert kernel running (PCIe idle but for prefetch copies), by kernel;
 (4) mapped reads: the prefetch's copy kernel alone, K experts from the mapped host store into arena
     slots, at 16/32/64 blocks a slot (GB/s, CUDA events).
-Usage: miss10_check.py MODEL [TOKENS] [SLOTS:RANKS[:gemv][:bN],...] [PROFILED]"""
+Usage: miss10_check.py MODEL [TOKENS] [SLOTS:RANKS[:gemv|:tiles][:bN],...] [PROFILED]"""
 import os
 import sys
 import time
@@ -21,7 +23,7 @@ import time
 import numpy as np
 
 from moebus.bench.decode import _bounds, _in_process
-from moebus.workers import moe_prefill
+from moebus.workers import expert_cache, moe_prefill
 from moebus.workers.local import LocalModel
 from moebus.workers.prefetch import Prefetch
 from decode_tokens import decode_tokens  # noqa: E402 - beside this script
@@ -31,7 +33,7 @@ variants = [v.split(":") for v in (sys.argv[3] if len(sys.argv) > 3 else "2:2").
 profiled = (sys.argv[4] if len(sys.argv) > 4 else "off,2:2").split(",")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",") if b]  # fewer under the simulator
 deadline = time.time() + float(os.environ.get("CHECK_BUDGET", "1e9"))
-slots = max(int(v[0]) for v in variants)
+slots = max(int(v[0]) for v in variants if v[0] != "off")
 prompt = [(7 * i + 3) % 200 + 10 for i in range(int(os.environ.get("PROMPT_TOKENS", "32")))]
 t0 = time.perf_counter()
 model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt) + tokens + 40, cache_fraction=0.25,
@@ -46,11 +48,12 @@ print(f"loaded in {time.perf_counter() - t0:.1f}s: {cfg.num_layers} x {cfg.num_e
 
 
 def make(v):
-    """(label, prefetch or None, tiles on) of a variant SLOTS:RANKS[:gemv][:bN] or off[:gemv]; bN: the
-    copy kernel's blocks a slot (cuda/kernels/prefetch.COPY_BLOCKS_PER_SLOT, 16) while it runs."""
+    """(label, prefetch or None, tiles: None as the tree decides, False never, True even with misses)
+    of a variant SLOTS:RANKS[:gemv|:tiles][:bN] or off[...]; bN: the copy kernel's blocks a slot
+    (cuda/kernels/prefetch.COPY_BLOCKS_PER_SLOT, 16) while it runs."""
     from moebus.cuda.kernels import prefetch as kernels
 
-    tiles = "gemv" not in v
+    tiles = False if "gemv" in v else True if "tiles" in v else None
     kernels.COPY_BLOCKS_PER_SLOT = next((int(f[1:]) for f in v[2:] if f.startswith("b")), 16)
     if v[0] == "off":
         return ":".join(v), None, tiles
@@ -58,10 +61,11 @@ def make(v):
                                  cache.store.blob_bytes), tiles
 
 
-def use(prefetch, tiles=True) -> None:
+def use(prefetch, tiles=None) -> None:
     """The prefetch on or off, tiles or GEMVs; the captured graphs go (they hold the old kernels)."""
     cache.prefetch = prefetch
-    moe_prefill.DECODE_PAIRS_PER_EXPERT = TILES if tiles else 0
+    moe_prefill.DECODE_PAIRS_PER_EXPERT = 0 if tiles is False else TILES
+    expert_cache.MISSES_IN_GEMVS = tiles is not True
     for graph in stage.graphs.values():
         graph.close()
     stage.graphs.clear()
@@ -85,7 +89,7 @@ rows = []
 for v in [["off"]] + variants:
     label, prefetch, tiles = make(v)
     use(prefetch, tiles)
-    for batch in BATCHES if tiles else [b for b in BATCHES if b > 1]:
+    for batch in BATCHES if tiles is None else [b for b in BATCHES if b > 1]:
         if time.time() > deadline - 40:
             print("(budget: variants cut here)", flush=True)
             break
@@ -114,13 +118,13 @@ def union_us(intervals) -> float:
     return total
 
 
-def timeline(label, prefetch, batch, steps=8) -> None:
+def timeline(label, prefetch, batch, tiles=None, steps=8) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from moebus.workers.batch import StepBatch
     from decode_profile import short_name
 
-    use(prefetch)
+    use(prefetch, tiles)
     decode_tokens(model, prompt, batch, 4)  # captured, warm
     model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
     last = [prompt[-1]] * batch
@@ -133,7 +137,7 @@ def timeline(label, prefetch, batch, steps=8) -> None:
         wall_us = (time.perf_counter() - start) * 1e6 / steps
     kernels = [(short_name(e.name), e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type.name == "CUDA" and e.device_time_total > 0]
-    is_expert = [("expert" in n or any(w in n.lower() for w in ("gemm", "cutlass", "sm90", "nvjet")))
+    is_expert = [("moe_ffn" in n or any(w in n.lower() for w in ("gemm", "cutlass", "sm90", "nvjet")))
                  for n, _, _ in kernels]
     # cuBLAS also runs the dense products at batch 8 (few rows): counted with the experts there, see the table
     spans = [(a, b) for _, a, b in kernels]
@@ -161,8 +165,8 @@ try:
             if time.time() > deadline - 20:
                 print("(budget: timelines cut here)", flush=True)
                 break
-            label, prefetch, _ = make(v.split(":"))
-            timeline(label, prefetch, batch)
+            label, prefetch, tiles = make(v.split(":"))
+            timeline(label, prefetch, batch, tiles)
 except Exception as e:  # no torch, or no CUPTI: the rest goes on
     print("no timeline:", type(e).__name__, e, flush=True)
 
@@ -192,7 +196,7 @@ def mapped_reads() -> None:
     kernels.COPY_BLOCKS_PER_SLOT = 16
 
 
-if time.time() < deadline - 5:
+if time.time() < deadline - 5 and os.environ.get("MAPPED_READS", "1") == "1":
     use(None)
     mapped_reads()
 sys.exit(0 if ok else 1)
