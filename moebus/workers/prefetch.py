@@ -25,10 +25,11 @@ from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, plan_prefetch_cuda
                                           remap_prefetched_cuda)
 
 BANKS = 2
-# off: on an H200 (16 x 32 A3B-shaped, 25% cache) 4 slots a layer over each token's top-8 made decode
-# 9-14% slower, 30% of the copies being wasted (docs/performance.md); 2-4 is the range to try, since a
-# layer of a 25% cache takes ~0.6 ms, in which PCIe (~50 GB/s) brings ~3 experts of 9 MiB
-DEFAULT_SLOTS_PER_LAYER = 0
+# H200, 16 x 32 A3B-shaped, 25% cache (docs/performance.md, tenth session): 2 slots over each token's
+# top-2, with batch 8's misses on the GEMVs (expert_cache.MISSES_IN_GEMVS), 69.4 -> 70.8 tok/s at batch 1
+# (within the runs' spread) and 530 -> 571 at batch 8 against no prefetch with tiles; 9% of the copies
+# wasted. 4 slots over the top-4 wasted 15% and was slower (65.9, 518); 4 over the top-8 30% (sixth session)
+DEFAULT_SLOTS_PER_LAYER = 2
 # each token's surest predictions only: on an 8 x 32 A3B-shaped model (cpu, tools/device/
 # prefetch6_precision.py) the predicted ranks 0-7 were right 0.97 0.95 0.91 0.82 0.74 0.68 0.54 0.51
 # of the time; a wasted copy costs more than a prefetched expert saves (docs/expert-cache.md)
