@@ -26,7 +26,7 @@ from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, plan_prefetch_cuda
 
 BANKS = 2
 # H200, 16 x 32 A3B-shaped, 25% cache (docs/performance.md, tenth session): 2 slots over each token's
-# top-2, with batch 8's misses on the GEMVs (expert_cache.MISSES_IN_GEMVS), 69.4 -> 70.8 tok/s at batch 1
+# top-2, with batch 8's misses on the GEMVs (expert_cache.MISSES_IN_GEMVS_UP_TO), 69.4 -> 70.8 tok/s at batch 1
 # (within the runs' spread) and 530 -> 571 at batch 8 against no prefetch with tiles; 9% of the copies
 # wasted. 4 slots over the top-4 wasted 15% and was slower (65.9, 518); 4 over the top-8 30% (sixth session)
 DEFAULT_SLOTS_PER_LAYER = 2

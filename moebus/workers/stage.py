@@ -392,7 +392,8 @@ class Stage:
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
         layers, store, arena = self.experts.store.layers, self.experts.store.device_blobs, self.experts.array
         next_router = self.layers[layer + 1]["router"] if layers[row + 1:row + 2] == [layer + 1] else None
-        if self.experts.decode_tiles and groups_in_decode(ops, self.experts, h.shape[0] * cfg.top_k, cfg.num_experts):
+        num_pairs = h.shape[0] * cfg.top_k
+        if self.experts.decode_tiles(h.shape[0]) and groups_in_decode(ops, self.experts, num_pairs, cfg.num_experts):
             placement_row = placement[row]
             if prefetch is not None:  # this layer's copies in, then the next layer's on the side
                 placement_row, keep = prefetch.around_tiles(ops, row, h, next_router, placement, store, arena)

@@ -67,7 +67,7 @@ def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_lo
     from moebus.workers import expert_cache, moe_prefill, stage as stage_module
 
     monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
-    monkeypatch.setattr(expert_cache, "MISSES_IN_GEMVS", False)  # tiles, though the cache is partial
+    monkeypatch.setattr(expert_cache, "MISSES_IN_GEMVS_UP_TO", 0)  # tiles, though the cache is partial
     rows = []
     inner = moe_prefill.grouped_moe_placed
     monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: rows.append(a[4]) or inner(*a))
@@ -84,8 +84,9 @@ def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_lo
 
 
 def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_model, monkeypatch):  # noqa: F811
-    """expert_cache.MISSES_IN_GEMVS (the default): where the cache cannot hold every expert, batch 4
-    (2 pairs an expert, enough for tiles) runs its experts on the GEMV kernels, the same tokens."""
+    """expert_cache.MISSES_IN_GEMVS_UP_TO (8 by default): where the cache cannot hold every expert,
+    batch 4 (2 pairs an expert, enough for tiles) runs its experts on the GEMV kernels; the prompts'
+    step of 12 tokens keeps the tiles."""
     from moebus.cuda.kernels.gemm import TensorCores
     from moebus.cuda.kernels.gemm_host import HostBlas
     from moebus.workers import moe_prefill, stage as stage_module
@@ -93,12 +94,12 @@ def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_mod
     monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
     calls = []
     inner = moe_prefill.grouped_moe_placed
-    monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: calls.append(1) or inner(*a))
+    monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: calls.append(a[2].shape[0]) or inner(*a))
     stage = _stage(micro_model, kv_slots=4)
     stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
-    assert not stage.experts.decode_tiles  # 4 slots for 8 experts
-    _decode(stage, slot=0, steps=1, batch=4)
-    assert calls == [] and stage.experts.prefetch.prefetched > 0
+    assert not stage.experts.decode_tiles(4)  # 4 slots for 8 experts
+    _decode(stage, slot=0, steps=2, batch=4)
+    assert calls == [12, 12] and stage.experts.prefetch.used > 0  # the prompts' 2 layers only
 
 
 def test_no_prefetch_where_the_cache_holds_every_expert(micro_model):  # noqa: F811

@@ -7,7 +7,7 @@
     50 GB/s, share of it, PCIe GB/s, the prefetch's counters) with the prefetch off and each SLOTS:RANKS
     (bank slots a layer : predicted experts a token), at batch 1 and 8; ``gemv`` after a variant: batch 8
     on the GEMV expert kernels instead of the tiles (moe_prefill.DECODE_PAIRS_PER_EXPERT 0), ``tiles``:
-    in tiles though the cache is partial (expert_cache.MISSES_IN_GEMVS off; on by default since this
+    in tiles though the cache is partial (expert_cache.MISSES_IN_GEMVS_UP_TO 0; 8 by default since this
     session, so a plain variant's batch 8 runs on the GEMVs);
 (3) timeline (torch.profiler's CUPTI trace of replayed steps, if torch imports): per step the wall
     time, the GPU's busy time (union of kernel intervals), the kernels' summed time (> busy where the
@@ -40,7 +40,7 @@ model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt
                    prefetch_slots=slots, kv_dtype="bf16")
 stage, cfg = model.stages[0], model.ckpt.config
 cache = stage.experts
-TILES = moe_prefill.DECODE_PAIRS_PER_EXPERT
+TILES, MISSES_UP_TO = moe_prefill.DECODE_PAIRS_PER_EXPERT, expert_cache.MISSES_IN_GEMVS_UP_TO
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":  # a dry run of this script: the simulator has no memory info
     cache.arena.memory_info = lambda: (0, 0)
 print(f"loaded in {time.perf_counter() - t0:.1f}s: {cfg.num_layers} x {cfg.num_experts}, {cache.num_slots} slots, "
@@ -65,7 +65,7 @@ def use(prefetch, tiles=None) -> None:
     """The prefetch on or off, tiles or GEMVs; the captured graphs go (they hold the old kernels)."""
     cache.prefetch = prefetch
     moe_prefill.DECODE_PAIRS_PER_EXPERT = 0 if tiles is False else TILES
-    expert_cache.MISSES_IN_GEMVS = tiles is not True
+    expert_cache.MISSES_IN_GEMVS_UP_TO = 0 if tiles is True else MISSES_UP_TO
     for graph in stage.graphs.values():
         graph.close()
     stage.graphs.clear()
