@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-mib", type=float, help="instead, an expert cache of this many MiB, whatever the experts' "
                                                    "dtype (e.g. bf16's 25%% for fp8 and int4 experts)")
     p.add_argument("--policy", default="freq", help="expert cache policy: freq (default) or lru")
-    p.add_argument("--prefetch-slots", type=int, default=0, help="the next layer's experts copied ahead per layer "
-                   "where the cache is partial (settings experts.prefetch_slots; 0: none, the default)")
+    p.add_argument("--prefetch-slots", type=int, help="the next layer's experts copied ahead per layer where the "
+                   "cache is partial (settings experts.prefetch_slots, default 2; 0: none)")
     p.add_argument("--experts-dtype", default="bf16", choices=["bf16", "fp8", "int4"],
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
     p.add_argument("--attention-dtype", default="bf16", choices=["bf16", "fp8"],
@@ -194,9 +194,10 @@ def main(argv=None) -> int:
         if args.cache_frac is not None:
             p.error("--cache-frac or --cache-mib, not both")
         args.cache_frac = cache_fraction_of_mib(model_dir, args.experts_dtype, args.cache_mib)
+    prefetch = {} if args.prefetch_slots is None else {"prefetch_slots": args.prefetch_slots}  # else LocalModel's
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
                        max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
-                       kv_dtype=kv_dtype, prefetch_slots=args.prefetch_slots, attention_dtype=args.attention_dtype)
+                       kv_dtype=kv_dtype, attention_dtype=args.attention_dtype, **prefetch)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,

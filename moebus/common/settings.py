@@ -47,8 +47,8 @@ class ExpertsSettings(_Section):
     # bf16: as stored (an FP8 checkpoint's dequantized); fp8: e4m3, 128x128 block scales (an FP8
     # checkpoint's own); int4: 4-bit, a scale and minimum per 128 inputs. Env MOEBUS_EXPERTS__DTYPE.
     dtype: Literal["bf16", "fp8", "int4"] = "bf16"
-    # the next layer's experts copied ahead per layer (0: none, the default: measured slower so far); 2x out of the cache
-    prefetch_slots: int = Field(0, ge=0, le=64)
+    # the next layer's experts copied ahead per layer (0: none); 2x out of the cache (workers/prefetch.py)
+    prefetch_slots: int = Field(2, ge=0, le=64)
 
 
 class AttentionSettings(_Section):

@@ -47,6 +47,12 @@ from moebus.workers.eviction import make_policy
 # fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
 COPY_FENCES = ("slot", "slot-policy", "all")
 COPY_FENCE = os.environ.get("MOEBUS_PREFILL_COPY_FENCE", "slot")
+# routed steps of up to this many tokens read their experts on the GEMV kernels, not in tiles on
+# tensor cores, where the cache cannot hold every expert (``decode_tiles``): on an H200 (16 x 32
+# A3B-shaped, 25% cache, batch 8) cuBLAS's tiles read the mapped host store at ~39 GB/s, the GEMVs and
+# the prefetch's copies at ~50 (docs/performance.md, tenth session). Measured at 8 tokens only; more
+# tokens keep the tiles (more arithmetic a missed expert). 0: tiles wherever they apply
+MISSES_IN_GEMVS_UP_TO = int(os.environ.get("MOEBUS_DECODE_MISSES_IN_GEMVS_UP_TO", "8"))
 
 
 class CacheTooSmall(RuntimeError):
@@ -131,6 +137,12 @@ class ExpertCache:
         """Slots in service: mapped, and not lent to a prefill."""
         mapped = self.arena.num_slots
         return mapped if self.loaned_from is None else min(mapped, self.loaned_from)
+
+    def decode_tiles(self, num_tokens: int) -> bool:
+        """May a routed step of ``num_tokens`` run its experts in tiles on tensor cores? Not where
+        misses are read in place (a cache that cannot hold every expert) by a step of at most
+        MISSES_IN_GEMVS_UP_TO tokens."""
+        return num_tokens > MISSES_IN_GEMVS_UP_TO or self.num_slots - self.num_reserved >= len(self.store.blobs)
 
     # -- the prompt-path loan ---------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Misses under compute: during decode layer L, on a second branch of the step (graphs.SideBranch),
 layer L+1's router ranks layer L's MLP input, and the predicted experts of L+1 that are not resident
 are copied from the mapped host store into a bank of reserved arena slots; layer L+1's pairs then
-read those experts from VRAM, and the rest in place as before (cuda/kernels/prefetch.py).
+read those experts from VRAM, and the rest in place as before (cuda/kernels/prefetch.py). Where the
+layer's experts run in tiles on tensor cores (many tokens, moe_prefill.grouped_moe_placed), the tiles
+plan from a copy of the layer's placement row with the prefetched experts pointing at their slots.
 
 Two banks of ``slots_per_layer`` slots, the arena's first slots (the cache never places an expert
 there, see ExpertCache.num_reserved): layer row r fills bank r % 2 while the experts of row r - 1
@@ -19,13 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.kernels import linear, moe
-from moebus.cuda.kernels.prefetch import copy_prefetch_cuda, plan_prefetch_cuda, remap_prefetched_cuda
+from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, plan_prefetch_cuda, remap_placement_cuda,
+                                          remap_prefetched_cuda)
 
 BANKS = 2
-# off: on an H200 (16 x 32 A3B-shaped, 25% cache) 4 slots a layer over each token's top-8 made decode
-# 9-14% slower, 30% of the copies being wasted (docs/performance.md); 2-4 is the range to try, since a
-# layer of a 25% cache takes ~0.6 ms, in which PCIe (~50 GB/s) brings ~3 experts of 9 MiB
-DEFAULT_SLOTS_PER_LAYER = 0
+# H200, 16 x 32 A3B-shaped, 25% cache (docs/performance.md, tenth session): 2 slots over each token's
+# top-2, with batch 8's misses on the GEMVs (expert_cache.MISSES_IN_GEMVS_UP_TO), 69.4 -> 70.8 tok/s at batch 1
+# (within the runs' spread) and 530 -> 571 at batch 8 against no prefetch with tiles; 9% of the copies
+# wasted. 4 slots over the top-4 wasted 15% and was slower (65.9, 518); 4 over the top-8 30% (sixth session)
+DEFAULT_SLOTS_PER_LAYER = 2
 # each token's surest predictions only: on an 8 x 32 A3B-shaped model (cpu, tools/device/
 # prefetch6_precision.py) the predicted ranks 0-7 were right 0.97 0.95 0.91 0.82 0.74 0.68 0.54 0.51
 # of the time; a wasted copy costs more than a prefetched expert saves (docs/expert-cache.md)
@@ -112,6 +116,26 @@ class Prefetch:
             return ()
         self.launch(ops, h, next_router, row + 1, placement, store, arena)
         return (h,)
+
+    def around_tiles(self, ops, row: int, h, next_router, placement, store, arena) -> tuple:
+        """around_experts for a layer whose experts run in tiles: returns (the placement row the
+        tiles plan from, what the caller keeps alive until row + 1's experts)."""
+        placement_row = self.remapped_row(ops, placement, row)
+        if next_router is None:
+            return placement_row, ()
+        self.launch(ops, h, next_router, row + 1, placement, store, arena)
+        return placement_row, (h,)
+
+    def remapped_row(self, ops, placement, row: int):
+        """Layer row ``row``'s placement, its prefetched experts at their bank slots (after their
+        copies), or the table's own row where nothing was prefetched for it."""
+        if self.open_row != row:
+            return placement[row]
+        keys, side, _ = self._on(ops)
+        side.join(ops.stream)
+        self.open_row = None
+        out = ops.empty((placement.shape[1],), np.int32)
+        return remap_placement_cuda(placement, row, keys[row], self.first_slot(row), out, stream=ops.stream)
 
     def remap(self, ops, pair_slot, row: int) -> None:
         """Before layer row ``row``'s experts: wait for its copies and point its pairs at them."""

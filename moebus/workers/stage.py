@@ -389,16 +389,19 @@ class Stage:
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
             x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
-        if prefetch is None and groups_in_decode(ops, self.experts, h.shape[0] * cfg.top_k, cfg.num_experts):
-            y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement[row], cfg.hidden_size,
-                                        cfg.moe_intermediate_size, cfg.num_experts)  # many tokens: tensor cores
-            return x, ("moe", y_pair, weights)
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
-        if prefetch is not None:  # this layer's copies in, then the next layer's on the side
-            layers = self.experts.store.layers
-            next_router = self.layers[layer + 1]["router"] if layers[row + 1:row + 2] == [layer + 1] else None
-            keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement,
-                                           self.experts.store.device_blobs, self.experts.array)
+        layers, store, arena = self.experts.store.layers, self.experts.store.device_blobs, self.experts.array
+        next_router = self.layers[layer + 1]["router"] if layers[row + 1:row + 2] == [layer + 1] else None
+        num_pairs = h.shape[0] * cfg.top_k
+        if self.experts.decode_tiles(h.shape[0]) and groups_in_decode(ops, self.experts, num_pairs, cfg.num_experts):
+            placement_row = placement[row]
+            if prefetch is not None:  # this layer's copies in, then the next layer's on the side
+                placement_row, keep = prefetch.around_tiles(ops, row, h, next_router, placement, store, arena)
+            y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement_row, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, cfg.num_experts)  # many tokens: tensor cores
+            return x, ("moe", y_pair, weights) + keep
+        if prefetch is not None:
+            keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement, store, arena)
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,

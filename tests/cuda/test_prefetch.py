@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, copy_prefetch_ref, plan_prefetch_cuda,
-                                          plan_prefetch_ref, remap_prefetched_cuda, remap_prefetched_ref)
+                                          plan_prefetch_ref, remap_placement_cuda, remap_placement_ref,
+                                          remap_prefetched_cuda, remap_prefetched_ref)
 from moebus.cuda.kernels.routing import host_placement
 from tests.cuda.conftest import device, poisoned
 
@@ -68,3 +69,13 @@ def test_remap_points_prefetched_misses_at_their_bank_slot():
     remap_prefetched_cuda(got, device(keys), 10)
     assert got.copy_to_host().tolist() == [4, 11, 11, host_placement(2), 0, 10]
     np.testing.assert_array_equal(got.copy_to_host(), remap_prefetched_ref(pair_slot, keys, 10))
+
+
+def test_remap_placement_copies_the_row_with_prefetched_experts_at_their_bank_slot():
+    table = _table({(1, 0): 4, (1, 3): 5})  # row 1: experts 0 and 3 resident, the rest in the host store
+    keys = np.array([1 * EXPERTS + 5, 1 * EXPERTS + 2, -1], np.int32)  # row 1's experts 5 and 2 prefetched
+    out = device(np.full(EXPERTS, 99, np.int32))
+    remap_placement_cuda(device(table), 1, device(keys), 10, out)
+    assert out.copy_to_host().tolist() == [4, host_placement(7), 11, 5, host_placement(10), 10]
+    np.testing.assert_array_equal(out.copy_to_host(), remap_placement_ref(table, 1, keys, 10))
+    np.testing.assert_array_equal(table[1], _table({(1, 0): 4, (1, 3): 5})[1])  # the table itself unchanged

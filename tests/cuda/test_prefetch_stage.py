@@ -17,7 +17,7 @@ from tests.cuda.test_e2e import micro_model  # noqa: F401 - the fixture
 PROMPT = [5, 17, 42]
 
 
-def _stage(model_dir, num_slots: int = 6, slots_per_layer: int = 1):
+def _stage(model_dir, num_slots: int = 6, slots_per_layer: int = 1, kv_slots: int = 2):
     """A stage over a cache of ``num_slots`` of the 8 experts, the first 2 of them the banks."""
     ckpt, backend = Checkpoint(model_dir), make_backend("cuda")
     store = HostStore(ckpt, range(2), allocate=backend.host_empty, device_view=backend.host_device_view)
@@ -26,14 +26,16 @@ def _stage(model_dir, num_slots: int = 6, slots_per_layer: int = 1):
     prefetch = Prefetch(slots_per_layer, 2, store.num_experts, ckpt.config.top_k, store.blob_bytes)
     cache = ExpertCache(store, arena, min_slots=ckpt.config.top_k + 2, prefetch=prefetch)
     cache.preload()
-    return Stage(ckpt, range(2), backend, 2, 32, experts=cache)
+    return Stage(ckpt, range(2), backend, kv_slots, 32, experts=cache)
 
 
-def _decode(stage, slot: int, steps: int = 1):
-    stage.forward(StepBatch(slots=[slot], starts=[0], lengths=[len(PROMPT)], tokens=PROMPT))
-    last, tokens, logprobs = [PROMPT[-1]], [], []
+def _decode(stage, slot: int, steps: int = 1, batch: int = 1):
+    """Greedy steps of ``batch`` sequences of PROMPT on KV slots slot ... slot + batch - 1."""
+    slots = list(range(slot, slot + batch))
+    stage.forward(StepBatch(slots=slots, starts=[0] * batch, lengths=[len(PROMPT)] * batch, tokens=PROMPT * batch))
+    last, tokens, logprobs = [PROMPT[-1] + s for s in range(batch)], [], []
     for i in range(steps):
-        out = stage.forward(StepBatch(slots=[slot], starts=[len(PROMPT) + i], lengths=[1], tokens=last))
+        out = stage.forward(StepBatch(slots=slots, starts=[len(PROMPT) + i] * batch, lengths=[1] * batch, tokens=last))
         last = [int(t) for t in out.tokens]
         tokens.append(last)
         logprobs.append(out.logprobs.copy())
@@ -54,6 +56,50 @@ def test_prefetched_experts_give_the_same_tokens_and_logprobs(micro_model):  # n
     assert prefetch.prefetched == stats["prefetched"]  # no prefetch ran
     np.testing.assert_array_equal(with_prefetch[0], without[0])
     np.testing.assert_array_equal(with_prefetch[1], without[1])
+
+
+def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_logprobs(micro_model,  # noqa: F811
+                                                                                      monkeypatch):
+    """Batch 4 over 4 experts of top-2 (2 pairs an expert): the experts run in tiles (HostBlas stands in
+    for cuBLAS), which plan from the layer's placement row with the prefetched experts at their banks."""
+    from moebus.cuda.kernels.gemm import TensorCores
+    from moebus.cuda.kernels.gemm_host import HostBlas
+    from moebus.workers import expert_cache, moe_prefill, stage as stage_module
+
+    monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
+    monkeypatch.setattr(expert_cache, "MISSES_IN_GEMVS_UP_TO", 0)  # tiles, though the cache is partial
+    rows = []
+    inner = moe_prefill.grouped_moe_placed
+    monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: rows.append(a[4]) or inner(*a))
+    stage = _stage(micro_model, kv_slots=8)
+    stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
+    cache = stage.experts
+    with_prefetch = _decode(stage, slot=0, steps=2, batch=4)
+    assert len(rows) == 6  # the prompts and 2 steps, 2 layers each, in tiles
+    assert cache.prefetch.prefetched > 0 and cache.prefetch.used > 0
+    cache.prefetch = None
+    without = _decode(stage, slot=4, steps=2, batch=4)
+    np.testing.assert_array_equal(with_prefetch[0], without[0])
+    np.testing.assert_array_equal(with_prefetch[1], without[1])
+
+
+def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_model, monkeypatch):  # noqa: F811
+    """expert_cache.MISSES_IN_GEMVS_UP_TO (8 by default): where the cache cannot hold every expert,
+    batch 4 (2 pairs an expert, enough for tiles) runs its experts on the GEMV kernels; the prompts'
+    step of 12 tokens keeps the tiles."""
+    from moebus.cuda.kernels.gemm import TensorCores
+    from moebus.cuda.kernels.gemm_host import HostBlas
+    from moebus.workers import moe_prefill, stage as stage_module
+
+    monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
+    calls = []
+    inner = moe_prefill.grouped_moe_placed
+    monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: calls.append(a[2].shape[0]) or inner(*a))
+    stage = _stage(micro_model, kv_slots=4)
+    stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
+    assert not stage.experts.decode_tiles(4)  # 4 slots for 8 experts
+    _decode(stage, slot=0, steps=2, batch=4)
+    assert calls == [12, 12] and stage.experts.prefetch.used > 0  # the prompts' 2 layers only
 
 
 def test_no_prefetch_where_the_cache_holds_every_expert(micro_model):  # noqa: F811

@@ -59,3 +59,14 @@ def test_prefetch_counters_and_wasted_bytes(tmp_path):
     stats = cache.stats()
     assert (stats["prefetched"], stats["prefetch_used"], stats["prefetch_wasted"]) == (2, 1, 1)
     assert stats["prefetch_wasted_bytes"] == BLOB_BYTES and cache.h2d_bytes - before == BLOB_BYTES
+
+
+def test_decode_tiles_only_where_the_cache_holds_every_expert_besides_its_banks(tmp_path, monkeypatch):
+    from moebus.workers import expert_cache
+
+    partial = make_cache(tmp_path / "a", segments=2)  # 8 slots, 2 of them banks, for more keys
+    assert partial.num_slots - partial.num_reserved < NUM_LAYERS * NUM_EXPERTS
+    assert not partial.decode_tiles(8) and partial.decode_tiles(9)  # up to 8 tokens (the default) on GEMVs
+    assert make_cache(tmp_path / "b", segments=5).decode_tiles(8)  # 20 slots: 2 banks + all 18 experts
+    monkeypatch.setattr(expert_cache, "MISSES_IN_GEMVS_UP_TO", 0)
+    assert partial.decode_tiles(1)

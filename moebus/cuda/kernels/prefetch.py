@@ -8,7 +8,10 @@ input (linear + topk_softmax, the existing kernels), and
 - ``copy_prefetch`` copies those rows of the mapped host store into the bank's K arena slots (a
   kernel, since which rows is known only on the device);
 - ``remap_prefetched`` (after the branch joins, before layer L+1's experts) points each pair whose
-  placement is the host store at the bank slot that now holds its expert.
+  placement is the host store at the bank slot that now holds its expert (the GEMV path);
+- ``remap_placement`` does the same for layer L+1's row of the placement table, into a copy (the
+  tiles on tensor cores, moe_prefill.grouped_moe_placed, plan from the row; the table itself
+  stays as the cache keeps it, since the banks are overwritten by every step).
 
 An expert read from a bank slot holds the same bytes as its host-store row, so the experts compute
 the same bits either way (moe_ffn.py: a pair's arithmetic does not depend on its slot).
@@ -190,3 +193,33 @@ def remap_prefetched_cuda(pair_slot, keys, first_slot: int, stream=0):
         remap_pairs[blocks(ceil_div(pair_slot.shape[0], REMAP_THREADS)), threads(REMAP_THREADS), stream](
             pair_slot, keys, int(first_slot))
     return pair_slot
+
+
+def remap_placement_ref(table, layer_row: int, keys, first_slot: int) -> np.ndarray:
+    # table (L, E) int32, keys (K,) -> (E,) int32: the row, host-store entries that a bank slot holds
+    # pointing at that slot
+    return remap_prefetched_ref(np.asarray(table)[layer_row], keys, first_slot)
+
+
+@kernel
+def remap_row(table, layer_row, keys, first_slot, out):
+    for e in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        entry = table[layer_row, e]
+        out[e] = entry
+        if entry < 0:
+            for k in range(keys.shape[0]):
+                if keys[k] == -1 - entry:
+                    out[e] = first_slot + k
+                    break
+
+
+def remap_placement_cuda(table, layer_row: int, keys, first_slot: int, out, stream=0):
+    """remap_placement_ref into ``out`` (E,) int32 on the device."""
+    require("table", table, np.int32, ndim=2)
+    require("keys", keys, np.int32, ndim=1)
+    require("out", out, np.int32, ndim=1)
+    if out.shape[0] != table.shape[1] or not 0 <= layer_row < table.shape[0]:
+        raise ValueError(f"row {layer_row} of a {tuple(table.shape)} table into {out.shape[0]} entries")
+    remap_row[blocks(ceil_div(out.shape[0], REMAP_THREADS)), threads(REMAP_THREADS), stream](
+        table, int(layer_row), keys, int(first_slot), out)
+    return out
