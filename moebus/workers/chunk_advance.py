@@ -51,7 +51,7 @@ def hold_loan(stage, chunk: ChunkInProgress) -> int:
     them (and their misses rise), the next step's loan waits for those copies and evicts them again
     (H200, 8 x 128 under 8 GiB, a 510-token chunk: a loan of ~42 slots, ~28 admissions and ~40 extra
     misses read over PCIe a step, ~750 MiB a step against the budget's 256). While it is held, the
-    cache serves decode steps with the slots below it and admits nothing (ExpertCache._admit)."""
+    cache serves decode steps with the slots below it, and admits into those (ExpertCache._admit)."""
     experts, scratch = stage.experts, stage.scratch
     if chunk.lent is None:
         chunk.lent = experts.lend(scratch.bytes_for(chunk.length) - scratch.standing_bytes)

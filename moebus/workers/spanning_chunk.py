@@ -243,8 +243,9 @@ def warm(stage, num_tokens: int) -> bool:
     so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
     steps beside text streams. One token repeated: its rows route alike, so few experts are copied.
     It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
-    (a stage that is not the whole model, a context too short)."""
-    if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None:
+    (a stage that is not the whole model, a context too short, Qwen3-VL: its steps never span)."""
+    if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None \
+            or stage.mrope_axes is not None:
         return False
     n = num_tokens
     batch = StepBatch(slots=[0], starts=[0], lengths=[n], tokens=np.zeros(n, np.int32),
