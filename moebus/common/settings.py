@@ -131,11 +131,11 @@ class Settings(BaseSettings):
     # (8 streams within 2x of their gap while an 8k prompt is read, H200), None on cpu (docs/config.md)
     max_prefill_tokens_beside_decode: Literal["auto"] | Annotated[int, Field(ge=1)] | None = "auto"
     # experts a step beside decode rows may copy in for a prompt's chunk, in MiB: a chunk that needs
-    # more spans steps (workers/spanning_chunk.py). 128: on an H200 (gap10.sh, 8 x 128 LLaVA under
-    # 8 GiB) a step at 256 copied ~242 MiB for its chunk, ~7 ms at the ~33 GB/s the link gives, more
-    # than the 5.7 ms decode step itself, so 256 cannot keep a stream's gap within 2x; 128 (~3.7 ms)
-    # can, by that arithmetic (not yet measured with the loan held across steps); 0: off
-    max_prefill_copy_mib_beside_decode: float = Field(128.0, ge=0)
+    # more spans steps (workers/spanning_chunk.py). 256: on an H200 (8 x 128 LLaVA under 8 GiB, a cold
+    # image beside 2 text streams, tenth session) 128 gave the streams the same largest gap through the
+    # image's prefill as 256 (17x their median: a chunk step took ~40-60 ms either way) and the image's
+    # first token 4.1 s against 2.9 s; 0: off
+    max_prefill_copy_mib_beside_decode: float = Field(256.0, ge=0)
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # largest ZeroMQ message a client may send
     launch_ahead: bool = True  # cuda, one stage: a look-ahead step is launched while the one before runs (workers/overlap.py)
     api: ApiSettings = Field(default_factory=ApiSettings)
