@@ -18,11 +18,13 @@ then chosen on a 48 x 32 A3B-shaped model: docs/performance.md), and a bank is c
 brings in about one layer's time, since the next layer waits for the copies at the join."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from moebus.cuda.kernels import linear, moe
-from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, plan_prefetch_cuda, remap_placement_cuda,
-                                          remap_prefetched_cuda)
+from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, plan_from_logits_cuda, plan_prefetch_cuda,
+                                          remap_placement_cuda, remap_prefetched_cuda)
 
 BANKS = 2
 # H200, 16 x 32 A3B-shaped, 25% cache (docs/performance.md, tenth session): 2 slots over each token's
@@ -34,6 +36,10 @@ DEFAULT_SLOTS_PER_LAYER = 2
 # prefetch6_precision.py) the predicted ranks 0-7 were right 0.97 0.95 0.91 0.82 0.74 0.68 0.54 0.51
 # of the time; a wasted copy costs more than a prefetched expert saves (docs/expert-cache.md)
 PREDICTED_PER_TOKEN = 2
+# the side branch ranks the router's logits in the plan kernel itself (one launch less to wait for SMs
+# beside the expert kernels: on the H200 topk_softmax took 116 us a call there and the plan 57, a few
+# alone; tenth session). Not yet measured on a GPU, so off: MOEBUS_PREFETCH_PLAN_FROM_LOGITS=1
+PLAN_FROM_LOGITS = os.environ.get("MOEBUS_PREFETCH_PLAN_FROM_LOGITS", "0") == "1"
 
 
 class Prefetch:
@@ -102,8 +108,11 @@ class Prefetch:
         logits, ids, weights = self._buffers(ops, h.shape[0])
         side.fork(ops.stream)
         linear.linear_cuda(h, next_router, logits, stream=side.stream)
-        moe.topk_softmax_cuda(logits, self.per_token, False, ids, weights, stream=side.stream)
-        plan_prefetch_cuda(ids, placement, next_row, keys[next_row], stream=side.stream)
+        if PLAN_FROM_LOGITS:
+            plan_from_logits_cuda(logits, self.per_token, placement, next_row, keys[next_row], stream=side.stream)
+        else:
+            moe.topk_softmax_cuda(logits, self.per_token, False, ids, weights, stream=side.stream)
+            plan_prefetch_cuda(ids, placement, next_row, keys[next_row], stream=side.stream)
         copy_prefetch_cuda(keys[next_row], store, arena, self.first_slot(next_row), stream=side.stream)
         self.open_row = next_row
 

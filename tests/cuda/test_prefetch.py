@@ -3,7 +3,8 @@ next layer, in which order), the copy of host-store rows into bank slots, the re
 import numpy as np
 import pytest
 
-from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, copy_prefetch_ref, plan_prefetch_cuda,
+from moebus.cuda.kernels.prefetch import (copy_prefetch_cuda, copy_prefetch_ref, plan_from_logits_cuda,
+                                          plan_from_logits_ref, plan_prefetch_cuda,
                                           plan_prefetch_ref, remap_placement_cuda, remap_placement_ref,
                                           remap_prefetched_cuda, remap_prefetched_ref)
 from moebus.cuda.kernels.routing import host_placement
@@ -79,3 +80,17 @@ def test_remap_placement_copies_the_row_with_prefetched_experts_at_their_bank_sl
     assert out.copy_to_host().tolist() == [4, host_placement(7), 11, 5, host_placement(10), 10]
     np.testing.assert_array_equal(out.copy_to_host(), remap_placement_ref(table, 1, keys, 10))
     np.testing.assert_array_equal(table[1], _table({(1, 0): 4, (1, 3): 5})[1])  # the table itself unchanged
+
+
+def test_plan_from_logits_ranks_each_tokens_top_experts_as_the_reference(rng):
+    logits = rng.standard_normal((5, EXPERTS)).astype(np.float32)
+    logits[0, 4] = logits[0, 1] = 9.0  # a tie at the top: the lower id ranks first
+    table = _table({(0, 2): 3})
+    for per_token, num_slots in ((2, 3), (1, 2), (3, 6)):
+        keys = device(np.full(num_slots, 77, np.int32))
+        plan_from_logits_cuda(device(logits), per_token, device(table), 0, keys)
+        want = plan_from_logits_ref(logits, per_token, table, 0, num_slots)
+        np.testing.assert_array_equal(keys.copy_to_host(), want)
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :2]
+    assert ids[0].tolist() == [1, 4]
+    np.testing.assert_array_equal(plan_from_logits_ref(logits, 2, table, 0, 3), plan_prefetch_ref(ids, table, 0, 3))

@@ -58,6 +58,21 @@ def test_prefetched_experts_give_the_same_tokens_and_logprobs(micro_model):  # n
     np.testing.assert_array_equal(with_prefetch[1], without[1])
 
 
+def test_the_plan_from_logits_gives_the_same_tokens_and_logprobs(micro_model, monkeypatch):  # noqa: F811
+    """MOEBUS_PREFETCH_PLAN_FROM_LOGITS: the side branch ranks the router's logits in the plan kernel."""
+    from moebus.workers import prefetch as prefetch_module
+
+    monkeypatch.setattr(prefetch_module, "PLAN_FROM_LOGITS", True)
+    stage = _stage(micro_model)
+    cache = stage.experts
+    with_prefetch = _decode(stage, slot=0)
+    assert cache.prefetch.prefetched > 0 and cache.prefetch.used > 0
+    cache.prefetch = None
+    without = _decode(stage, slot=1)
+    np.testing.assert_array_equal(with_prefetch[0], without[0])
+    np.testing.assert_array_equal(with_prefetch[1], without[1])
+
+
 def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_logprobs(micro_model,  # noqa: F811
                                                                                       monkeypatch):
     """Batch 4 over 4 experts of top-2 (2 pairs an expert): the experts run in tiles (HostBlas stands in

@@ -15,7 +15,7 @@
     the busy time with no expert kernel running (PCIe idle but for prefetch copies), by kernel;
 (4) mapped reads: the prefetch's copy kernel alone, K experts from the mapped host store into arena
     slots, at 16/32/64 blocks a slot (GB/s, CUDA events).
-Usage: miss10_check.py MODEL [TOKENS] [SLOTS:RANKS[:gemv|:tiles][:bN],...] [PROFILED]"""
+Usage: miss10_check.py MODEL [TOKENS] [SLOTS:RANKS[:gemv|:tiles][:bN][:logits],...] [PROFILED]"""
 import os
 import sys
 import time
@@ -49,9 +49,13 @@ print(f"loaded in {time.perf_counter() - t0:.1f}s: {cfg.num_layers} x {cfg.num_e
 
 def make(v):
     """(label, prefetch or None, tiles: None as the tree decides, False never, True even with misses)
-    of a variant SLOTS:RANKS[:gemv|:tiles][:bN] or off[...]; bN: the copy kernel's blocks a slot
-    (cuda/kernels/prefetch.COPY_BLOCKS_PER_SLOT, 16) while it runs."""
+    of a variant SLOTS:RANKS[:gemv|:tiles][:bN][:logits] or off[...]; bN: the copy kernel's blocks a
+    slot (cuda/kernels/prefetch.COPY_BLOCKS_PER_SLOT, 16); logits: top-k and plan in one kernel
+    (workers/prefetch.PLAN_FROM_LOGITS), both while the variant runs."""
     from moebus.cuda.kernels import prefetch as kernels
+    from moebus.workers import prefetch as prefetch_module
+
+    prefetch_module.PLAN_FROM_LOGITS = "logits" in v
 
     tiles = False if "gemv" in v else True if "tiles" in v else None
     kernels.COPY_BLOCKS_PER_SLOT = next((int(f[1:]) for f in v[2:] if f.startswith("b")), 16)

@@ -1,6 +1,7 @@
 """Prefetch of the next layer's experts (issue 15, item 2): kernels for a second branch of the decode
 step. While layer L's experts and layer L+1's attention run, layer L+1's router ranks layer L's MLP
-input (linear + topk_softmax, the existing kernels), and
+input (linear + topk_softmax, the existing kernels; or ``plan_from_logits``, top-k and plan in one
+launch), and
 
 - ``plan_prefetch`` (one block) picks the predicted experts of layer L+1 that the placement table
   says are not resident: most tokens first, then the best rank a token gave it, then the lowest id,
@@ -23,7 +24,7 @@ import functools
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import blocks, cuda, int32, threads, kernel, uint16, uint32, uint64
+from moebus.cuda.kernels.compat import blocks, cuda, device, int32, threads, kernel, uint16, uint32, uint64
 from numba import uint8  # noqa: E402 - after compat, which readies numpy for numba
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.routing import MAX_EXPERTS
@@ -57,7 +58,6 @@ def plan_prefetch_ref(ids, table, layer_row: int, num_slots: int) -> np.ndarray:
 def plan_rows(ids, table, layer_row, keys):
     num_tokens, per_token = ids.shape
     num_experts = table.shape[1]
-    num_slots = keys.shape[0]
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
     votes = cuda.shared.array(MAX_EXPERTS, int32)
     best = cuda.shared.array(MAX_EXPERTS, int32)
@@ -73,6 +73,15 @@ def plan_rows(ids, table, layer_row, keys):
         cuda.atomic.add(votes, e, 1)
         cuda.atomic.min(best, e, p % per_token)
     cuda.syncthreads()
+    _choose(votes, best, table, layer_row, keys, count)
+
+
+@device
+def _choose(votes, best, table, layer_row, keys, count):
+    """The block's shared ``votes`` and ``best`` (E,) counted, ``count`` [0] zero: the candidates
+    into ``keys``, most votes first, -1 after the last."""
+    num_experts, num_slots = table.shape[1], keys.shape[0]
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
     for e in range(tid, num_experts, step):
         if votes[e] > 0 and table[layer_row, e] < 0:
             cuda.atomic.add(count, 0, 1)
@@ -88,6 +97,52 @@ def plan_rows(ids, table, layer_row, keys):
     for k in range(tid, num_slots, step):
         if k >= count[0]:
             keys[k] = -1
+
+
+@kernel
+def plan_rows_from_logits(logits, per_token, table, layer_row, keys):
+    """plan_rows over each token's top ``per_token`` of the router's ``logits`` (T, E), ranked here:
+    one launch on the side branch instead of top-k + plan (each waits for SMs beside the experts)."""
+    num_tokens, num_experts = logits.shape
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    votes = cuda.shared.array(MAX_EXPERTS, int32)
+    best = cuda.shared.array(MAX_EXPERTS, int32)
+    count = cuda.shared.array(1, int32)
+    for e in range(tid, num_experts, step):
+        votes[e] = 0
+        best[e] = per_token
+    if tid == 0:
+        count[0] = 0
+    cuda.syncthreads()
+    for p in range(tid, num_tokens * num_experts, step):
+        t, e = p // num_experts, p % num_experts
+        rank = 0  # experts ahead of e for token t: a larger logit, or an equal one and a lower id
+        for other in range(num_experts):
+            if logits[t, other] > logits[t, e] or (logits[t, other] == logits[t, e] and other < e):
+                rank += 1
+        if rank < per_token:
+            cuda.atomic.add(votes, e, 1)
+            cuda.atomic.min(best, e, rank)
+    cuda.syncthreads()
+    _choose(votes, best, table, layer_row, keys, count)
+
+
+def plan_from_logits_ref(logits, per_token: int, table, layer_row: int, num_slots: int) -> np.ndarray:
+    # logits (T, E) float32 -> plan_prefetch_ref over each token's top per_token (ties: the lower id)
+    ids = np.argsort(-np.asarray(logits), axis=1, kind="stable")[:, :per_token]
+    return plan_prefetch_ref(ids, table, layer_row, num_slots)
+
+
+def plan_from_logits_cuda(logits, per_token: int, table, layer_row: int, keys, stream=0):
+    """plan_from_logits_ref into ``keys`` (K,) int32 on the device."""
+    require("logits", logits, np.float32, ndim=2)
+    require("table", table, np.int32, ndim=2)
+    require("keys", keys, np.int32, ndim=1)
+    if table.shape[1] > MAX_EXPERTS or logits.shape[1] != table.shape[1] or not 0 <= layer_row < table.shape[0]:
+        raise ValueError(f"layer row {layer_row} of a {tuple(table.shape)} table, logits {tuple(logits.shape)} "
+                         f"(at most {MAX_EXPERTS} experts)")
+    plan_rows_from_logits[1, threads(PLAN_THREADS), stream](logits, int(per_token), table, int(layer_row), keys)
+    return keys
 
 
 def plan_prefetch_cuda(ids, table, layer_row: int, keys, stream=0):
