@@ -9,7 +9,7 @@
     ["reserve_mib", "reserve MiB"], ["resident_experts", "resident"], ["hit_rate", "hit rate"],
     ["experts_dtype", "experts dtype"], ["attention_dtype", "attention dtype"],
   ];
-  const state = { polls: 0, failures: 0, last: null };
+  const state = { polls: 0, failures: 0, last: null, round: 0 };
   window.moebusDashboard = state;  // for tests and curious operators
 
   const $ = (id) => document.getElementById(id);
@@ -228,8 +228,10 @@
   async function poll() {
     clearTimeout(state.timer);
     const key = apiKey();
+    const round = ++state.round;  // a key typed meanwhile starts a newer round: an older answer is stale
     try {
       const resp = await fetch("/v1/cache", { cache: "no-store", headers: key ? { Authorization: "Bearer " + key } : {} });
+      if (round !== state.round) return;  // (a keyless 401 would otherwise forget the key just given)
       if (resp.status === 401) {
         if (key !== null) askForKey("The server did not take that key: type it again.");
         else askForKey($("key-note").textContent);
@@ -242,6 +244,7 @@
       state.polls += 1;
       document.body.dataset.polls = String(state.polls);
     } catch (err) {
+      if (round !== state.round) return;
       state.failures += 1;
       $("status").textContent = "no answer: " + err.message;
       $("status").className = "badge bad";
