@@ -62,18 +62,25 @@ def plan_rows(ids, table, layer_row, keys):
     votes = cuda.shared.array(MAX_EXPERTS, int32)
     best = cuda.shared.array(MAX_EXPERTS, int32)
     count = cuda.shared.array(1, int32)
-    for e in range(tid, num_experts, step):
-        votes[e] = 0
-        best[e] = per_token
-    if tid == 0:
-        count[0] = 0
-    cuda.syncthreads()
+    _clear_votes(votes, best, count, num_experts, per_token)
     for p in range(tid, num_tokens * per_token, step):
         e = ids[p // per_token, p % per_token]
         cuda.atomic.add(votes, e, 1)
         cuda.atomic.min(best, e, p % per_token)
     cuda.syncthreads()
     _choose(votes, best, table, layer_row, keys, count)
+
+
+@device
+def _clear_votes(votes, best, count, num_experts, per_token):
+    """The block's shared ``votes`` zero, ``best`` ``per_token`` (no rank yet), ``count`` [0] zero."""
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    for e in range(tid, num_experts, step):
+        votes[e] = 0
+        best[e] = per_token
+    if tid == 0:
+        count[0] = 0
+    cuda.syncthreads()
 
 
 @device
@@ -108,12 +115,7 @@ def plan_rows_from_logits(logits, per_token, table, layer_row, keys):
     votes = cuda.shared.array(MAX_EXPERTS, int32)
     best = cuda.shared.array(MAX_EXPERTS, int32)
     count = cuda.shared.array(1, int32)
-    for e in range(tid, num_experts, step):
-        votes[e] = 0
-        best[e] = per_token
-    if tid == 0:
-        count[0] = 0
-    cuda.syncthreads()
+    _clear_votes(votes, best, count, num_experts, per_token)
     for p in range(tid, num_tokens * num_experts, step):
         t, e = p // num_experts, p % num_experts
         rank = 0  # experts ahead of e for token t: a larger logit, or an equal one and a lower id
