@@ -58,7 +58,6 @@ SLOW_FIRST = {  # seconds of each unit in one run on a loaded 2-core box (sessio
     "tests/cuda/test_ptx.py": 140,
     "tests/e2e": 150,  # the users of tests/e2e's one service
     "tests/e2e/test_vision_lifecycle.py": 120,
-    "tests/cuda/test_attention_chunk.py": 118,
     "tests/api": 100,
     "tests/docker/test_docker.py": 95,
     "tests/cuda/test_prefill_tensor_cores.py": 65,

@@ -20,8 +20,7 @@ import numpy as np
 
 from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
-from moebus.cuda.kernels.attention_chunk import chunk_tiles, rows_per_tile, tile_rows
-from moebus.cuda.kernels.compat import WARP
+from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
@@ -76,7 +75,7 @@ class Stage:
         self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
         self.graph_pool = None  # their shared scratch (graphs.shared_pool), made with the first
         # a routed step with a prompt's chunk: its rows share their keys' reads (attention_chunk.py)
-        self.tile_kernel, self.tile_rows = chunk_attention(cfg, backend.name, kv_dtype)
+        self.tile_rows = chunk_attention(cfg, backend.name, kv_dtype)
         self.graph_captures = self.eager_short_steps = 0  # for INFO: a graph recaptured per step shows here
         self.mixed_shapes: dict = {}  # (tokens, masked, sequences) of routed steps with chunks -> times seen
         self.mixed_counted = None  # the last step counted there
@@ -372,7 +371,7 @@ class Stage:
                 k = ops.rope(k, token_pos, self.cos, self.sin)
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
-                          segments=segments, tiles=tiles, tile_kernel=self.tile_kernel)
+                          segments=segments, tiles=tiles)
         return x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
 
     def _prefetch(self):
@@ -465,29 +464,26 @@ class HostRouting:
     out: object  # (T * A, D) float32 pair outputs
 
 
-def chunk_attention(cfg, device: str, kv_dtype: str) -> tuple[str, int]:
-    """(kernel, rows a tile holds) of the chunk attention for this model, rows 0 where it is off (the
-    decode kernel takes a chunk's rows). The setting MOEBUS_CHUNK_ATTENTION: tc (the default: tensor
-    cores, attention_chunk_tc.py, where the cache is bf16 on a GPU; else off, as in the simulator;
-    the cpu device checks tc's tables), 1 (attention_chunk's numba tile kernel) or 0 (off). On an
-    H200 (48 x 32 A3B, tenth session) tc took a step of 8 decode rows + 16 at 8k context from 23.6 ms
-    to 15.2 ms; the numba kernel made it 40.7. Sliding-window models keep the decode kernel."""
+def chunk_attention(cfg, device: str, kv_dtype: str) -> int:
+    """Rows a tile of the chunk attention holds for this model, 0 where it is off (the decode kernel
+    takes a chunk's rows). The setting MOEBUS_CHUNK_ATTENTION: tc (the default: tensor cores,
+    attention_chunk_tc.py, where the cache is bf16 on a GPU; else off, as in the simulator; the cpu
+    device checks its tables) or 0 (off); 1 (a numba tile kernel, 2.0-2.7x slower than the decode
+    kernel) was removed in the eleventh session. On an H200 (48 x 32 A3B, tenth session) tc took a
+    step of 8 decode rows + 16 at 8k context from 23.6 ms to 15.2 ms. Sliding-window models keep the
+    decode kernel."""
     setting = os.environ.get("MOEBUS_CHUNK_ATTENTION", "tc")
-    if setting not in ("0", "1", "tc"):
-        raise ValueError(f"MOEBUS_CHUNK_ATTENTION={setting!r}: 0, 1 or tc")
+    if setting not in ("0", "tc"):
+        raise ValueError(f"MOEBUS_CHUNK_ATTENTION={setting!r}: tc or 0 (1, the numba tile kernel, was removed)")
     if setting == "0" or cfg.sliding_window:
-        return "numba", 0
-    group = cfg.num_heads // cfg.num_kv_heads
-    if setting == "tc":
-        from moebus.cuda.kernels import attention_chunk_tc
+        return 0
+    from moebus.cuda.kernels import attention_chunk_tc
 
-        rows = tile_rows("tc", group, cfg.head_dim)
-        usable = kv_dtype == "bf16" and rows >= 2 and \
-            (device == "cpu" or attention_chunk_tc.ready(cfg.head_dim, group, kv_dtype))
-        return ("tc", rows) if usable else ("numba", 0)
-    if cfg.head_dim % WARP:  # the numba kernel spreads a row over a warp's lanes
-        return "numba", 0
-    return "numba", rows_per_tile(group, cfg.head_dim)
+    group = cfg.num_heads // cfg.num_kv_heads
+    rows = attention_chunk_tc.tile_rows(group)
+    usable = kv_dtype == "bf16" and rows >= 2 and \
+        (device == "cpu" or attention_chunk_tc.ready(cfg.head_dim, group, kv_dtype))
+    return rows if usable else 0
 
 
 def _segments(batch: StepBatch) -> list[tuple[int, int, int, int]]:

@@ -1,6 +1,6 @@
 """The chunk attention on tensor cores (attention_chunk_tc.py): its .cu compiled by NVRTC without
-spills (where the NVRTC wheel is installed); the stage's choice of kernel by MOEBUS_CHUNK_ATTENTION
-(the simulator keeps the numba tile kernel, the cpu device checks tc's tables); and on a GPU
+spills (where the NVRTC wheel is installed); the stage's choice by MOEBUS_CHUNK_ATTENTION (the
+simulator keeps the decode kernel, the cpu device checks tc's tables); and on a GPU
 (MOEBUS_TEST_GPU=1) the kernel against attention_tiles_ref, and a stage's mixed steps against the cpu
 device, captured equal to eager."""
 import numpy as np
@@ -10,8 +10,8 @@ from moebus.cuda.backends.graphs import graphs_available
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.attention import attention_ref, attention_scratch_shape
 from moebus.cuda.kernels.attention_chunk import (attention_tiles_cuda, attention_tiles_ref, chunk_tiles,
-                                                 merge_tile_splits, tile_rows)
-from moebus.cuda.kernels.attention_chunk_tc import partials_ref
+                                                 merge_tile_splits)
+from moebus.cuda.kernels.attention_chunk_tc import partials_ref, tile_rows
 from moebus.cuda.kernels.compat import SIMULATOR
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_attention_chunk import _mixed_steps, _step, micro32_model  # noqa: F401 - a fixture
@@ -20,7 +20,7 @@ on_gpu = pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 
 
 def test_tiles_hold_64_pairs():
-    assert tile_rows("tc", 8, 128) == 8 and tile_rows("tc", 2, 64) == 32 and tile_rows("tc", 128, 64) == 0
+    assert tile_rows(8) == 8 and tile_rows(2) == 32 and tile_rows(128) == 0
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -74,15 +74,15 @@ def test_a_chunk_beside_decode_rows_matches_the_reference(rng, monkeypatch, head
     context = 1200
     segments = [(0, 700, 1), (2, 1100, 1), (1, 1023, 19), (2, 1150, 1), (0, 0, 2)]
     q, (k, v), slots, positions, stage_segments = _inputs(rng, segments, heads, kv_heads, head_dim, context)
-    rows = tile_rows("tc", heads // kv_heads, head_dim)
+    rows = tile_rows(heads // kv_heads)
     tiles = np.concatenate([chunk_tiles(stage_segments, len(slots), rows), np.zeros((2, 3), np.int32)])  # unused
-    want = attention_tiles_ref(q, k, v, tiles, slots, positions, 0.1, kernel="tc")
+    want = attention_tiles_ref(q, k, v, tiles, slots, positions, 0.1)
     from moebus.cuda.kernels.compat import cuda
 
     out, stream = poisoned(q.shape), cuda.stream()  # a cuda.core launch takes a stream object
     scratch = poisoned(attention_scratch_shape(len(slots), heads, head_dim, context))
     attention_tiles_cuda(device(q), device(k), device(v), device(tiles), device(slots), device(positions), 0.1, out,
-                         scratch, stream=stream, kernel="tc")
+                         scratch, stream=stream)
     got, partial = out.copy_to_host(stream=stream), scratch.copy_to_host(stream=stream)
     stream.synchronize()
     want_partial = partials_ref(q, k, v, tiles, positions, 0.1, partial.shape[2], split_keys)
@@ -97,7 +97,7 @@ def test_the_simulator_keeps_the_decode_kernel(micro32_model, monkeypatch):  # n
 
     monkeypatch.delenv("MOEBUS_CHUNK_ATTENTION", raising=False)  # tc by default
     stage = LocalModel(micro32_model, device="cuda", num_slots=3, max_context=32, kv_dtype="bf16").stages[0]
-    assert stage.tile_rows == 0  # off: the numba tile kernel is slower than the decode kernel (H200)
+    assert stage.tile_rows == 0  # off: the decode kernel takes the chunk's rows
 
 
 def test_the_cpu_device_checks_the_tensor_core_tables(micro32_model, monkeypatch):  # noqa: F811
@@ -105,7 +105,7 @@ def test_the_cpu_device_checks_the_tensor_core_tables(micro32_model, monkeypatch
 
     monkeypatch.delenv("MOEBUS_CHUNK_ATTENTION", raising=False)  # tc by default
     stage = LocalModel(micro32_model, device="cpu", num_slots=3, max_context=32, kv_dtype="bf16").stages[0]
-    assert (stage.tile_kernel, stage.tile_rows) == ("tc", 32)  # group 2: 64 pairs
+    assert stage.tile_rows == 32  # group 2: 64 pairs
     fp32 = LocalModel(micro32_model, device="cpu", num_slots=3, max_context=32).stages[0]
     assert fp32.tile_rows == 0  # the tensor-core kernel reads bf16 caches only: off
     monkeypatch.setenv("MOEBUS_CHUNK_ATTENTION", "yes")
@@ -123,7 +123,7 @@ def test_mixed_steps_on_tensor_cores_match_the_cpu_device_and_capture(micro32_mo
     runs = []
     for graphs in (True, False):
         model = LocalModel(micro32_model, device="cuda", num_slots=3, max_context=32, kv_dtype="bf16")
-        assert model.stages[0].tile_kernel == "tc"
+        assert model.stages[0].tile_rows == 32
         model.stages[0].use_graphs = graphs and model.stages[0].use_graphs
         runs.append(_mixed_steps(model, prompt, steps=4))
     for want, got, eager in zip(_mixed_steps(cpu, prompt, steps=4), *runs):

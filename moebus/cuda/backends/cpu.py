@@ -14,6 +14,7 @@ from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linea
                                  routing, sampling, top_logprobs)
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import attention_chunk  # a routed step's chunk beside decode rows
+from moebus.cuda.kernels import attention_chunk_tc  # its rows a tile
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
@@ -97,12 +98,12 @@ class CpuBackend:
 
     @staticmethod
     def attention(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None,
-                  tiles=None, tile_kernel: str = "numba"):
+                  tiles=None):
         """``segments`` (the step's sequences, for a backend's prefill path): the reference needs none;
-        ``tiles``: a routed step's tile table (attention_chunk.py) for ``tile_kernel``: checked; the
-        reference's sums are those of a step without one (the cpu device's results do not depend on the setting)."""
+        ``tiles``: a routed step's tile table (attention_chunk.py): checked; the reference's sums are
+        those of a step without one (the cpu device's results do not depend on the setting)."""
         if tiles is not None:
-            max_rows = attention_chunk.tile_rows(tile_kernel, q.shape[1] // k_cache.shape[1], q.shape[2])
+            max_rows = attention_chunk_tc.tile_rows(q.shape[1] // k_cache.shape[1])
             attention_chunk.check_tiles(tiles, token_slot, token_pos, max_rows)
         return attention.attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window)
 

@@ -191,17 +191,17 @@ class CudaBackend(split_epilogues.SplitInputOps):
         attention.kv_store_cuda(k_cache, v_cache, k, v, token_slot, token_pos, stream=self.stream)
 
     def attention(self, q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int = 0, segments=None,
-                  tiles=None, tile_kernel: str = "numba"):
+                  tiles=None):
         """``segments``: the step's sequences as host (first row, slot, start, length) tuples, for
         the tensor-core path of a long step (prefill_attention.py); None for a decode step.
         ``tiles``: a routed step's tile table (device, attention_chunk.py): a chunk's rows share
-        their keys' reads (no sliding window), on ``tile_kernel`` ("numba" or "tc")."""
+        their keys' reads on tensor cores (bf16 caches, no sliding window)."""
         out = self.empty(q.shape)
         if tiles is not None:
             scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
             return attention_chunk.attention_tiles_cuda(q, k_cache, v_cache, tiles, token_slot, token_pos, scale, out,
                                                         scratch, self.empty((q.shape[0],), np.int32),
-                                                        stream=self.stream, kernel=tile_kernel)
+                                                        stream=self.stream)
         if segments is not None and self.tensor_cores is not None and q.shape[0] >= self.tensor_cores.min_rows:
             return prefill_attention.prefill_attention(self, self.tensor_cores, q, k_cache, v_cache, segments, scale,
                                                        window or 0, out)

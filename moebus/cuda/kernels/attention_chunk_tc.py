@@ -1,9 +1,9 @@
 """A prompt's chunk beside decode rows, its attention on tensor cores (attention_chunk_tc.cu): the
-tile step of attention_chunk.attention_tiles_cuda (``kernel="tc"``) where the cache is bf16.
+tile step of attention_chunk.attention_tiles_cuda where the cache is bf16.
 
 Why: on the decode kernel each of a chunk's rows reads and unpacks its sequence's whole context
-again, and the numba tile kernel (attention_chunk.py) measured 2.1-2.6x slower still (H200, ninth
-session). Here a block takes BM = 64 (row, query head) pairs of one kv head (BM / group rows of one
+again, and a numba tile kernel on CUDA cores measured 2.1-2.6x slower still (H200, ninth session;
+removed in the eleventh). Here a block takes BM = 64 (row, query head) pairs of one kv head (BM / group rows of one
 sequence: 8 at A3B's group of 8) over one split of the tile's keys, on flash_attention.cu's mma.sync
 products (split bf16 parts, fp32 sums): each key is read once for all of them. The tile table
 comes from the device (the step input ``attn_tiles``), the grid is (tiles, kv heads, splits) sized
@@ -13,7 +13,7 @@ captured step follows its chunk.
 Splits: of at least SPLIT_KEYS keys (at most attention_decode.MAX_SPLITS), fewer and longer than
 the decode kernel's, so a block's query load and partial stores are spread over more keys; the merge
 (attention_chunk.merge_tile_splits) is told the same. The reference is attention_chunk's
-(attention_tiles_ref); the simulator and fp32 caches keep the numba tile kernel (``ready``)."""
+(attention_tiles_ref); the simulator and fp32 caches keep the decode kernel (``ready``)."""
 from __future__ import annotations
 
 import functools
@@ -95,7 +95,7 @@ def _kernel(head_dim: int):
 def ready(head_dim: int, group: int, storage: str) -> bool:
     """Whether this kernel takes a bf16 cache's chunks on this device: a GPU (not the simulator),
     flash attention's head dims, a tile of at least 2 rows, and the kernel built (a failure warns
-    once: the numba tile kernel stays)."""
+    once: the decode kernel takes the chunk's rows)."""
     return storage == "bf16" and tile_rows(group) >= 2 and flash_attention.supported(head_dim) and _builds(head_dim)
 
 
@@ -103,7 +103,7 @@ def ready(head_dim: int, group: int, storage: str) -> bool:
 def _builds(head_dim: int) -> bool:
     try:
         _kernel(head_dim)
-    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernel still works
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the decode kernel still works
         log.warning("chunk attention on tensor cores unavailable for head dim %d (%s)", head_dim, exc)
         return False
     return True
