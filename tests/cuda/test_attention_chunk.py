@@ -63,13 +63,9 @@ def test_a_float32_cache_is_refused():
 @pytest.fixture(scope="module")
 def micro32_model(tmp_path_factory):
     """test_e2e's micro model with head_dim 32 (group 2: a tile of 32 rows on tensor cores)."""
-    from moebus.common import tiny_model
-    from tests.cuda.test_e2e import MICRO
+    from tests.cuda.test_e2e import init_micro
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_model.PRESETS, "micro32", dict(MICRO, head_dim=32))
-        patch.setitem(tiny_model.PRESET_SHARDED, "micro32", False)
-        return tiny_model.init_model(tmp_path_factory.mktemp("micro32"), "qwen3_moe", "micro32")
+    return init_micro(tmp_path_factory, "micro32", head_dim=32)
 
 
 def _mixed_steps(model, prompt, steps=2):

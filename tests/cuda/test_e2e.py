@@ -12,12 +12,19 @@ MICRO = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_
              max_position_embeddings=64, rope_theta=10000.0)
 
 
+def init_micro(tmp_path_factory, preset: str = "micro", arch: str = "qwen3_moe", folder: str | None = None,
+               **overrides):
+    """A micro model (MICRO with ``overrides``, as preset ``preset``) in one safetensors file, in a
+    fresh temporary ``folder`` (the preset's name by default)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(tiny_model.PRESETS, preset, dict(MICRO, **overrides))
+        patch.setitem(tiny_model.PRESET_SHARDED, preset, False)
+        return tiny_model.init_model(tmp_path_factory.mktemp(folder or preset), arch, preset)
+
+
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_model.PRESETS, "micro", MICRO)
-        patch.setitem(tiny_model.PRESET_SHARDED, "micro", False)  # one safetensors file
-        return tiny_model.init_model(tmp_path_factory.mktemp("micro"), "qwen3_moe", "micro")
+    return init_micro(tmp_path_factory)
 
 
 def test_greedy_tokens_and_logprobs_match_the_cpu_device(micro_model):

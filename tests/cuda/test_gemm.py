@@ -26,6 +26,7 @@ from tests.cuda.conftest import device
 
 @pytest.fixture
 def ops():
+    """The cuda backend with tensor cores for every row count (HostBlas under the simulator)."""
     backend = CudaBackend()
     backend.tensor_cores = TensorCores(HostBlas() if SIMULATOR else cublas_blas(), min_rows=1)
     backend.begin_step()

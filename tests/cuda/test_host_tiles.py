@@ -4,15 +4,10 @@ the groups its budget allows and scatters their pairs' outputs into the chunk's 
 other rows stay as they were. Against grouped_ffn_ref; under the simulator the products run on
 HostBlas (numpy over the same addresses), on a GPU (MOEBUS_TEST_GPU=1) on cuBLAS."""
 import numpy as np
-import pytest
 
-from moebus.cuda.backends.cuda import CudaBackend
-from moebus.cuda.kernels.compat import SIMULATOR
-from moebus.cuda.kernels.gemm import TensorCores
-from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
 from moebus.workers.moe_prefill import HostTiles
 from tests.cuda.conftest import device
-from tests.cuda.test_gemm import _experts, _reference, _routing
+from tests.cuda.test_gemm import _experts, _reference, _routing, ops  # noqa: F401 - a fixture
 
 SENTINEL = np.float32(7.0)
 
@@ -30,14 +25,6 @@ class FixedCache:
 
     def wait(self):
         self.waits += 1
-
-
-@pytest.fixture
-def ops():
-    backend = CudaBackend()
-    backend.tensor_cores = TensorCores(HostBlas() if SIMULATOR else cublas_blas(), min_rows=1)
-    backend.begin_step()
-    return backend
 
 
 def test_groups_run_in_separate_steps_write_only_their_pairs(ops, rng):

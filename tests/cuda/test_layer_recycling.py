@@ -5,21 +5,15 @@ kernels, which the simulator runs slowly.)"""
 import numpy as np
 import pytest
 
-from moebus.common import tiny_model
 from moebus.workers.batch import StepBatch
 from moebus.workers.cache_sizing import measure_scratch
 from moebus.workers.local import LocalModel
-from tests.cuda.test_e2e import MICRO
-
-MICRO6 = dict(MICRO, num_hidden_layers=4)
+from tests.cuda.test_e2e import init_micro
 
 
 @pytest.fixture(scope="module")
 def micro6(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_model.PRESETS, "micro6", MICRO6)
-        patch.setitem(tiny_model.PRESET_SHARDED, "micro6", False)
-        return tiny_model.init_model(tmp_path_factory.mktemp("micro6"), "qwen3_moe", "micro6")
+    return init_micro(tmp_path_factory, "micro6", num_hidden_layers=4)
 
 
 def test_per_layer_recycling_holds_less_changes_nothing_and_is_measured(micro6):

@@ -4,19 +4,15 @@ the sequence's rope offset; the language model split over two stages (DeepStack 
 import numpy as np
 import pytest
 
-from moebus.common import tiny_model
 from moebus.common.qwen3vl_positions import expand_image_pads, rope_index, step_rope_positions
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
-from tests.cuda.test_e2e import MICRO
+from tests.cuda.test_e2e import init_micro
 
 
 @pytest.fixture(scope="module")
 def micro_qwen3vl(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(tiny_model.PRESETS, "micro", MICRO)
-        patch.setitem(tiny_model.PRESET_SHARDED, "micro", False)
-        return tiny_model.init_model(tmp_path_factory.mktemp("micro-vl"), "qwen3_vl_moe", "micro")
+    return init_micro(tmp_path_factory, arch="qwen3_vl_moe", folder="micro-vl")
 
 
 def test_mrope_and_deepstack_steps_match_the_cpu_device(micro_qwen3vl):
