@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -121,6 +122,16 @@ class Service:
                 pass
         self.log.close()
         return left
+
+
+@contextmanager
+def running(svc: Service, **wait):
+    """``svc`` once ready (wait_ready's arguments) for the block, then stopped: every process it
+    started must be gone (a fixture: ``with running(Service(...)) as svc: yield svc``)."""
+    try:
+        yield svc.wait_ready(**wait)
+    finally:
+        assert svc.stop() == []
 
 
 def _gpu_of(cmdline: bytes) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.helpers import keyed_session
-from tests.service import Service
+from tests.api.helpers import keyed_session_fixture, openai_sdk
+from tests.service import Service, running
 
 API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"
@@ -15,35 +15,22 @@ ALLOWED_ORIGIN = "http://localhost:3000"  # a page of ours on another port (test
 
 @pytest.fixture(scope="package")
 def service(tmp_path_factory, tiny_model):
-    svc = Service(tmp_path_factory.mktemp("api"), tiny_model,
-                  api={"api_key": API_KEY, "admin_key": ADMIN_KEY, "max_body_bytes": MAX_BODY_BYTES,
-                       "allowed_origins": [ALLOWED_ORIGIN]})
-    try:
-        yield svc.wait_ready()
-    finally:
-        assert svc.stop() == []
+    with running(Service(tmp_path_factory.mktemp("api"), tiny_model,
+                         api={"api_key": API_KEY, "admin_key": ADMIN_KEY, "max_body_bytes": MAX_BODY_BYTES,
+                              "allowed_origins": [ALLOWED_ORIGIN]})) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="package")
 def openai_client(service):
-    from openai import OpenAI
-
-    with OpenAI(base_url=service.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30) as client:
+    with openai_sdk(service.base_url, API_KEY, timeout_s=30) as client:
         yield client
 
 
-@pytest.fixture(scope="package")
-def http(service):
-    """A requests session that sends the API key; ``http.url(path)`` is the service's URL."""
-    with keyed_session(service.base_url, API_KEY) as session:
-        yield session
-
-
-@pytest.fixture(scope="package")
-def admin(service):
-    """A requests session that sends the admin key (for /v1/vram)."""
-    with keyed_session(service.base_url, ADMIN_KEY) as session:
-        yield session
+http = keyed_session_fixture("http", "service", API_KEY, "package",
+                             "A requests session that sends the API key; ``http.url(path)`` is the service's URL.")
+admin = keyed_session_fixture("admin", "service", ADMIN_KEY, "package",
+                              "A requests session that sends the admin key (for /v1/vram).")
 
 
 @pytest.fixture(scope="package")
@@ -52,3 +39,11 @@ def tokenizer(tiny_model):
     from moebus.common.tokenizer import TextTokenizer
 
     return TextTokenizer(tiny_model, load_config(tiny_model).eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    """transformers' tokenizer of the module's own ``model_dir`` (a module that serves a model of its own)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,5 @@
-"""Shared by the api and e2e tests: read /metrics, wait for a condition, a session with a key."""
+"""Shared by the api and e2e tests: read /metrics, wait for a condition, a session with a key (and
+a fixture of one), the openai SDK's client."""
 from __future__ import annotations
 
 import time
@@ -42,3 +43,23 @@ def keyed_session(base_url: str, key: str):
         yield session
     finally:
         session.close()
+
+
+def keyed_session_fixture(name: str, service: str, key: str, scope: str, doc: str):
+    """A fixture ``name`` of ``scope``: a keyed_session to the fixture ``service``'s URL sending ``key``."""
+    import pytest
+
+    def session(request):
+        with keyed_session(request.getfixturevalue(service).base_url, key) as keyed:
+            yield keyed
+
+    session.__doc__ = doc
+    return pytest.fixture(scope=scope, name=name)(session)
+
+
+def openai_sdk(base_url: str, api_key: str = "unused", timeout_s: float = 60, path: str = "/v1"):
+    """The openai SDK's client of a service at ``base_url`` + ``path``, without retries (a context
+    manager: ``with openai_sdk(service.base_url) as client``)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=base_url + path, api_key=api_key, max_retries=0, timeout=timeout_s)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.api.helpers import keyed_session, wait_for
+from tests.api.helpers import keyed_session_fixture, wait_for
 from tests.browser import Browser, chromium_path
-from tests.service import Service
+from tests.service import Service, running
 
 KEY = "dashboard-key"
 ADMIN_KEY = "dashboard-admin-key"
@@ -28,23 +28,13 @@ def demo_service(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("dashboard")
     svc = Service(tmp, demo_model, emulated_vram_mib=[56, 56], emulated_vram_dir=str(tmp / "vram"),
                   max_context=512, api={"api_key": KEY, "admin_key": ADMIN_KEY})
-    try:
-        yield svc.wait_ready(timeout_s=180)
-    finally:
-        assert svc.stop() == []
+    with running(svc, timeout_s=180) as ready:
+        yield ready
 
 
-@pytest.fixture(scope="module")
-def http(demo_service):
-    with keyed_session(demo_service.base_url, KEY) as session:
-        yield session
-
-
-@pytest.fixture(scope="module")
-def admin(demo_service):
-    """/v1/vram takes the admin key, distinct from the inference key the page and /v1/cache use."""
-    with keyed_session(demo_service.base_url, ADMIN_KEY) as session:
-        yield session
+http = keyed_session_fixture("http", "demo_service", KEY, "module", "A requests session that sends the inference key.")
+admin = keyed_session_fixture("admin", "demo_service", ADMIN_KEY, "module",
+                              "/v1/vram takes the admin key, distinct from the inference key the page and /v1/cache use.")
 
 
 @pytest.fixture(scope="module")

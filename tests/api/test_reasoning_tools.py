@@ -4,10 +4,11 @@ prompt opens a ``<think>`` block unless ``enable_thinking`` is false. The tags a
 so logit_bias can make the random model write them; transformers is the oracle of every prompt."""
 import pytest
 
+from tests.api.helpers import openai_sdk
 from tests.api.oracle import Oracle
 from tests.common.test_chat_template_fidelity import CONVERSATIONS, TOOLS
 from tests.reasoning_model import make_reasoning_model
-from tests.service import Service
+from tests.service import Service, running
 
 transformers = pytest.importorskip("transformers")
 USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -21,33 +22,21 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def service(tmp_path_factory, model_dir):
-    svc = Service(tmp_path_factory.mktemp("reasoning_svc"), model_dir, max_context=MAX_CONTEXT)
-    try:
-        yield svc.wait_ready()
-    finally:
-        assert svc.stop() == []
+    with running(Service(tmp_path_factory.mktemp("reasoning_svc"), model_dir, max_context=MAX_CONTEXT)) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")
 def client(service):
-    from openai import OpenAI
-
-    with OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_sdk(service.base_url) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def root_client(service):
     """The SDK at the server's root, for /tokenize and /detokenize (vLLM's paths, outside /v1)."""
-    from openai import OpenAI
-
-    with OpenAI(base_url=service.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_sdk(service.base_url, path="") as c:
         yield c
 
 

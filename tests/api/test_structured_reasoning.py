@@ -8,8 +8,9 @@ import json
 import jsonschema
 import pytest
 
+from tests.api.helpers import openai_sdk
 from tests.reasoning_model import make_reasoning_model
-from tests.service import Service
+from tests.service import Service, running
 
 REASONING = "The user wants a city and a number of days."
 SCRIPT = f'{REASONING}\n</think>\n\n{{"city":"Oslo","days":3}}'
@@ -22,17 +23,10 @@ USER = [{"role": "user", "content": "Plan a trip."}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from openai import OpenAI
-
     model_dir = make_reasoning_model(tmp_path_factory.mktemp("scripted") / "thinker", opens_thinking=True,
                                      script=SCRIPT)
-    svc = Service(model_dir.parent, model_dir, max_context=512)
-    try:
-        svc.wait_ready()
-        with OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-            yield c
-    finally:
-        assert svc.stop() == []
+    with running(Service(model_dir.parent, model_dir, max_context=512)) as svc, openai_sdk(svc.base_url) as c:
+        yield c
 
 
 def test_unconstrained_the_model_writes_its_script(client):

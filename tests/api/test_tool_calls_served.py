@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from tests.api.helpers import openai_sdk
 from tests.common.test_chat_template_fidelity import TOOLS
 from tests.reasoning_model import TAGS, make_reasoning_model
-from tests.service import Service
+from tests.service import Service, running
 
 transformers = pytest.importorskip("transformers")
 REASONING = "The user wants the weather in Oslo and a sum."
@@ -29,21 +30,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def client(model_dir):
-    from openai import OpenAI
-
-    svc = Service(model_dir.parent, model_dir, max_context=MAX_CONTEXT)
-    try:
-        svc.wait_ready()
-        with OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-            yield c
-    finally:
-        assert svc.stop() == []
+    with running(Service(model_dir.parent, model_dir, max_context=MAX_CONTEXT)) as svc, openai_sdk(svc.base_url) as c:
+        yield c
 
 
 def script_tokens(hf_tokenizer) -> list[str]:

@@ -2,27 +2,26 @@
 that leave it as they found it; tests that kill or stop processes start their own."""
 from __future__ import annotations
 
+from contextlib import closing
+
 import pytest
 
-from tests.service import Service
+from tests.api.helpers import openai_sdk
+from tests.service import Service, running
 
 MAX_REQUEST_BYTES = 1 << 20  # the largest ZeroMQ message the broker takes
 
 
 @pytest.fixture(scope="package")
 def service(tmp_path_factory, tiny_model):
-    svc = Service(tmp_path_factory.mktemp("e2e"), tiny_model, max_context=1024, max_request_bytes=MAX_REQUEST_BYTES)
-    try:
-        yield svc.wait_ready()
-    finally:
-        assert svc.stop() == []
+    with running(Service(tmp_path_factory.mktemp("e2e"), tiny_model, max_context=1024,
+                         max_request_bytes=MAX_REQUEST_BYTES)) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="package")
 def openai_client(service):
-    from openai import OpenAI
-
-    with OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_sdk(service.base_url) as client:
         yield client
 
 
@@ -30,9 +29,8 @@ def openai_client(service):
 def zmq_client(service):
     from moebus.client import Client
 
-    client = Client(service.zmq_address, timeout_s=60)
-    yield client
-    client.close()
+    with closing(Client(service.zmq_address, timeout_s=60)) as client:
+        yield client
 
 
 @pytest.fixture(scope="package")

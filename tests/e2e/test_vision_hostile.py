@@ -9,14 +9,16 @@ import struct
 import threading
 import time
 import zlib
+from contextlib import closing
 
 import pytest
 import requests
 
 from moebus.client import Client
 from moebus.common.errors import RequestError
-from tests.api.helpers import scrape, wait_for
-from tests.e2e.vision_helpers import data_url, image_message, png_bytes, start_vision_service, vision_state
+from tests.api.helpers import openai_sdk, scrape, wait_for
+from tests.e2e.vision_helpers import data_url, image_message, png_bytes, vision_service, vision_state
+from tests.service import running
 from tests.vision_models import sample_images
 
 MAX_IMAGE_BYTES = 256 * 1024
@@ -92,28 +94,22 @@ def web():
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, tiny_llava, web):
-    svc = start_vision_service(tmp_path_factory.mktemp("hostile"), tiny_llava, idle_s=30,
-                               max_image_bytes=MAX_IMAGE_BYTES, allowed_url_prefixes=[web + "/ok/"],
-                               fetch_deadline_s=FETCH_DEADLINE_S,
-                               broker={"heartbeat_liveness": 30})  # a vision worker may be SIGSTOPped a while
-    try:
-        yield svc
-    finally:
-        assert svc.stop() == []
+    svc = vision_service(tmp_path_factory.mktemp("hostile"), tiny_llava, idle_s=30, max_image_bytes=MAX_IMAGE_BYTES,
+                         allowed_url_prefixes=[web + "/ok/"], fetch_deadline_s=FETCH_DEADLINE_S,
+                         broker={"heartbeat_liveness": 30})  # a vision worker may be SIGSTOPped a while
+    with running(svc) as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")
 def zmq(service):
-    client = Client(service.zmq_address, timeout_s=30)
-    yield client
-    client.close()
+    with closing(Client(service.zmq_address, timeout_s=30)) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
 def openai_api(service):
-    import openai
-
-    with openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_sdk(service.base_url) as client:
         yield client
 
 

@@ -8,16 +8,17 @@ import random
 import signal
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from moebus.client import Client
 from moebus.common.errors import RequestError
-from tests.api.helpers import scrape, wait_for
-from tests.service import alive
-from tests.e2e.vision_helpers import (ballast, image_message, data_url, png_bytes, start_vision_service, vision_state,
-                                      vision_worker_pids, wait_cold, zygote_pid)
+from tests.api.helpers import openai_sdk, scrape, wait_for
+from tests.service import alive, running
+from tests.e2e.vision_helpers import (ballast, image_message, data_url, png_bytes, served_vision, vision_service,
+                                      vision_state, vision_worker_pids, wait_cold, zygote_pid)
 from tests.vision_models import sample_images
 
 IDLE_S = 0.5
@@ -32,18 +33,14 @@ def llava_dir(tiny_llava):
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, llava_dir):
-    svc = start_vision_service(tmp_path_factory.mktemp("vision"), llava_dir, idle_s=IDLE_S)
-    try:
+    with running(vision_service(tmp_path_factory.mktemp("vision"), llava_dir, idle_s=IDLE_S)) as svc:
         yield svc
-    finally:
-        assert svc.stop() == []
 
 
 @pytest.fixture(scope="module")
 def zmq(service):
-    client = Client(service.zmq_address, timeout_s=30)
-    yield client
-    client.close()
+    with closing(Client(service.zmq_address, timeout_s=30)) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -185,24 +182,17 @@ def test_metrics_follow_the_cycle(service, zmq, image, startup_slots):
 
 
 def test_lazy_false_keeps_vision_resident(tmp_path, llava_dir, image):
-    svc = start_vision_service(tmp_path, llava_dir, lazy=False, idle_s=0.2)
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, lazy=False, idle_s=0.2) as (svc, client):
         resident = wait_for(lambda: vision_state(client)["loaded"] == 1 and vision_state(client), 20)
         assert len(_image_request(client, image).collect()["tokens"]) == 2
         time.sleep(1.0)  # far past idle_s: never unloaded
         state = vision_state(client)
         assert state["loaded"] == 1 and state["starts"] == 1 and state["pid"] == resident["pid"]
         assert state["slots"] == resident["slots"]
-    finally:
-        client.close()
-        assert svc.stop() == []
 
 
 def test_openai_image_chat_with_a_data_url(service, image):
-    import openai
-
-    with openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+    with openai_sdk(service.base_url, timeout_s=30) as client:
         reply = client.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=3,
                                                temperature=0, extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
@@ -215,9 +205,7 @@ def test_openai_image_chat_with_a_data_url(service, image):
 def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, llava_dir, image):
     """No hand-back (vram_mib 0) and another process holding gpu0's free bytes: the vision worker's
     ledger charge fails as a cudaMalloc would, and the waiting image request is told why."""
-    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[0, 0])
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, vram_mib=[0, 0]) as (svc, client):
         with ballast(tmp_path / "vram" / "gpu0"):
             with pytest.raises(RequestError) as err:
                 _image_request(client, image).collect()
@@ -226,31 +214,21 @@ def test_a_vision_worker_without_room_fails_the_image_with_the_reason(tmp_path, 
         assert "MiB short of the" in err.value.message and "vision.gpu" in err.value.message
         assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
         assert wait_cold(client)["loaded"] == 0
-    finally:
-        client.close()
-        assert svc.stop() == []
 
 
 def test_vision_gpu_1_takes_its_room_from_gpu1(tmp_path, llava_dir, image):
-    svc = start_vision_service(tmp_path, llava_dir, gpu=1)
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, gpu=1) as (svc, client):
         start = wait_cold(client)
         startup = client.vram(query=True)["expert_slots"]
         assert start["vram_mib"][0] == 0 and start["vram_mib"][1] > 0 and start["gpu"] == 1
         assert len(_image_request(client, image).collect()["tokens"]) == 2
         during = client.vram(query=True)["expert_slots"]
         assert during[0] == startup[0] and during[1] < startup[1]
-    finally:
-        client.close()
-        assert svc.stop() == []
 
 
 def test_auto_places_the_vision_worker_where_a_cache_can_make_room(tmp_path, llava_dir, image):
     """gpu0 would have to free 40 MiB (more than its GPU has), gpu1 1 MiB: auto picks gpu1."""
-    svc = start_vision_service(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 1])
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 1]) as (svc, client):
         placement = wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
         assert placement["gpu"] == 1 and placement["problem"] is None and placement["need_mib"] == 1
         assert all(isinstance(v, float) for v in placement["max_free_mib"])
@@ -259,18 +237,13 @@ def test_auto_places_the_vision_worker_where_a_cache_can_make_room(tmp_path, lla
         during = client.vram(query=True)["expert_slots"]
         assert vision_state(client)["gpu"] == 1 and during[1] < startup[1]
         assert "vision worker placed on gpu1" in svc.logs() and "vision worker ready on gpu1" in svc.logs()
-    finally:
-        client.close()
-        assert svc.stop() == []
 
 
 def test_when_no_gpu_can_make_room_the_boot_says_so_and_images_learn_why(tmp_path, llava_dir, image):
     import openai
     import requests
 
-    svc = start_vision_service(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 40])
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, gpu="auto", vram_mib=[40, 40]) as (svc, client):
         problem = wait_for(lambda: (vision_state(client)["placement"] or {}).get("problem"), timeout_s=20)
         assert "no GPU can make room for the vision worker" in problem and "MiB missing" in problem
         assert "gpu0 can free at most" in problem and "gpu1 can free at most" in problem
@@ -281,16 +254,13 @@ def test_when_no_gpu_can_make_room_the_boot_says_so_and_images_learn_why(tmp_pat
         cache = requests.get(svc.base_url + "/v1/cache", timeout=10).json()
         assert cache["vision"]["placement"]["problem"] == problem and cache["vision"]["placement"]["gpu"] is None
         started = time.monotonic()
-        with openai.OpenAI(base_url=svc.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as sdk:
+        with openai_sdk(svc.base_url, timeout_s=30) as sdk:
             with pytest.raises(openai.APIStatusError) as err:
                 sdk.chat.completions.create(model="m", messages=image_message([data_url(image)]), max_tokens=2)
         assert err.value.status_code == 503 and time.monotonic() - started < 5
         assert err.value.body["code"] == "vision_unavailable" and problem in err.value.body["message"]
         assert vision_state(client)["starts"] == 0  # nothing was tried that could not succeed
         assert len(client.generate(prompt_tokens=[5, 6, 7], max_tokens=3).collect()["tokens"]) == 3
-    finally:
-        client.close()
-        assert svc.stop() == []
 
 
 def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_dir, image):
@@ -299,9 +269,7 @@ def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_
     decodes; then the image is answered as before."""
     import requests
 
-    svc = start_vision_service(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.125)
-    client = Client(svc.zmq_address, timeout_s=30)
-    try:
+    with served_vision(tmp_path, llava_dir, vram_mib=[1, 0], handback_step_mib=0.125) as (svc, client):
         wait_for(lambda: vision_state(client)["placement"], timeout_s=20)
         free_mib = client.info()["gpus"][0]["free_mib"]
         text = client.generate(prompt_tokens=[5, 6, 7], max_tokens=60, temperature=0, ignore_eos=True)
@@ -314,6 +282,3 @@ def test_the_hand_back_goes_in_steps_with_text_decoding_between(tmp_path, llava_
         steps = [b - a for a, b in zip([min(free_mib, 1.0)] + handback, handback)]
         assert free_mib < 1.0 and len(handback) == math.ceil((1.0 - free_mib) / 0.125 - 1e-9), (free_mib, events)
         assert all(abs(d - steps[0]) < 1e-6 and 0 < d <= 0.125 for d in steps), (free_mib, events)
-    finally:
-        client.close()
-        assert svc.stop() == []

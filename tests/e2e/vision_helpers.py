@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from moebus.client import Client
-from tests.service import Service, alive, process_tree
+from tests.service import Service, alive, process_tree, running
 
 # The tiny LLaVA's stage 0 needs ~1.5 MiB besides its 2 MiB expert cache (dense, KV and the step
 # scratch its warm-up measures: ~0.22 MiB on cpu, a little different from run to run and branch to
@@ -22,13 +22,27 @@ from tests.service import Service, alive, process_tree
 VISION_SERVE = dict(emulated_vram_mib=[4, 3.3], segment_mib=1)
 
 
-def start_vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, broker: dict | None = None,
-                         **vision) -> Service:
-    """The emulated GPUs' ledgers are under ``tmp / "vram"`` (for a ballast process to charge). The
-    vision worker goes on gpu0 unless ``gpu`` says otherwise (the tests count gpu0's slots)."""
+def vision_service(tmp, model, max_step_tokens: int = 512, max_context: int = 256, broker: dict | None = None,
+                   **vision) -> Service:
+    """The service, starting (wait_ready, or tests.service.running). The emulated GPUs' ledgers are
+    under ``tmp / "vram"`` (for a ballast process to charge). The vision worker goes on gpu0 unless
+    ``gpu`` says otherwise (the tests count gpu0's slots)."""
     return Service(tmp, model, vision={"idle_s": 1.0, "gpu": 0, **vision}, max_step_tokens=max_step_tokens,
-                   max_context=max_context, broker=broker or {}, emulated_vram_dir=str(tmp / "vram"),
-                   **VISION_SERVE).wait_ready()
+                   max_context=max_context, broker=broker or {}, emulated_vram_dir=str(tmp / "vram"), **VISION_SERVE)
+
+
+def start_vision_service(tmp, model, **settings) -> Service:
+    """vision_service's service, ready."""
+    return vision_service(tmp, model, **settings).wait_ready()
+
+
+@contextlib.contextmanager
+def served_vision(tmp, model, **settings):
+    """(service, ZeroMQ client of it) for the block, vision_service's ``settings``; then the client is
+    closed and the service stopped (every process it started must be gone)."""
+    with running(vision_service(tmp, model, **settings)) as svc, \
+            contextlib.closing(Client(svc.zmq_address, timeout_s=30)) as client:
+        yield svc, client
 
 
 BALLAST = """
