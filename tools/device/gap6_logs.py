@@ -1,5 +1,5 @@
 """The workers' log lines of the measured cold start in `bench vision-cycle -v --cold-starts 2`'s log
-(tools/device/gap6_cycle.sh): the hand-back's VRAM steps summed up (count, min / median / max ms,
+(as gap10.sh runs it): the hand-back's VRAM steps summed up (count, min / median / max ms,
 experts moved down), then the slow decode steps and the vision worker's start by part, each at its
 time in ms after the hand-back's first VRAM step, to place the bench's large gaps.
 
