@@ -178,15 +178,18 @@ def exercise(rng) -> None:
         attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
         attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
                                  empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
-    # a routed step's chunk beside a decode row (attention_chunk.py): the numba kernels around the
-    # tensor-core one (an NVRTC cubin: test_attention_chunk_tc.py), the decode rows' positions and the merge
-    from moebus.cuda.kernels import attention_chunk
+        # a routed step's chunk beside a decode row (attention_chunk.py): A3B's group of 8 at hd 128,
+        # and a group of 4 at hd 64
+        from moebus.cuda.kernels import attention_chunk
 
-    tiles = np.array([[0, 2, 0], [0, 0, 0]], np.int32)
-    attention_chunk.decode_positions[1, 256](tiles, 8, positions, empty(2, dtype=np.int32))
-    attention_chunk.merge_tile_splits[1, 256](tiles, 8, positions, 256,
-                                              empty(*attention.attention_scratch_shape(2, 32, 128, 16)),
-                                              empty(2, 32, 128))
+        tiles = np.array([[0, 2, 0], [0, 0, 0]], np.int32)
+        for heads, kv_heads, hd in ((32, 4, 128), (16, 4, 64)):
+            # the numba kernels around the tensor-core one (an NVRTC cubin: test_attention_chunk_tc.py)
+            max_rows = 64 // (heads // kv_heads)  # attention_chunk_tc.tile_rows
+            attention_chunk.decode_positions[1, 256](tiles, max_rows, positions, empty(2, dtype=np.int32))
+            attention_chunk.merge_tile_splits[1, 256](tiles, max_rows, positions, 256,
+                                                      empty(*attention.attention_scratch_shape(2, heads, hd, 16)),
+                                                      empty(2, heads, hd))
     moe.topk_softmax_cuda(f32(2, 128), 8, True, empty(2, 8, dtype=np.int32), empty(2, 8))
     moe.combine_cuda(f32(16, 64), f32(2, 8), empty(2, 64))
     from moebus.cuda.kernels import fused, routing
