@@ -1,5 +1,5 @@
 """One ``moebus serve`` for every test of the api package: the tiny model, an API key, a small
-request-body limit."""
+request-body limit; and transformers' tokenizer for the modules that serve a ``model_dir`` of their own."""
 from __future__ import annotations
 
 import pytest
