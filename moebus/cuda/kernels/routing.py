@@ -82,11 +82,17 @@ def route_pairs_cuda(ids, table, layer_row: int, pair_token, pair_slot, pair_out
 def is_last_block(done, num_blocks):
     """Whether this block is the last of ``num_blocks`` to get here; what every block wrote before
     is visible device-wide to that one (a counter in device memory, reset by the last block)."""
+    return is_last_of(done, 0, num_blocks)
+
+
+@device_with_shared
+def is_last_of(done, at, num_blocks):
+    """is_last_block with the counter ``done[at]``, for several groups of blocks in one grid."""
     cuda.threadfence()
     cuda.syncthreads()
     flags = cuda.shared.array(1, int32)
     if cuda.threadIdx.x == 0:
-        flags[0] = cuda.atomic.add(done, 0, 1)
+        flags[0] = cuda.atomic.add(done, at, 1)
     cuda.syncthreads()
     return flags[0] == num_blocks - 1
 
