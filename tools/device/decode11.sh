@@ -1,6 +1,6 @@
 # Issue 15 item 1, eleventh session (branch decode11): one call (BUDGET seconds of command).
 # GPU tests of the attention whose last split block merges (bit for bit against merge_splits apart)
-# and of the routing (is_last_block now is_last_of's counter 0), graph == eager (4 x 32, batch 1 and
+# the routing (is_last_block now is_last_of's counter 0) and the fused kernels (loads moved first), graph == eager (4 x 32, batch 1 and
 # 8, graph and launched ahead), then decode10_sweep.py on 48 x 32 with tools/device/decode11.json:
 # bench decode's in-process tok/s at batch 1 and 8 (64 tokens, 2 repeats, launch-ahead) and a CUPTI
 # profile of 4 replayed steps a batch for: the default (merge in the split kernel), merge apart, the
@@ -20,7 +20,7 @@ if [ -f $M/.complete ]; then echo "model $M already there"; else
   --layers 4 --experts 32 2>&1 | tail -1 && touch /tmp/decode11_m4/.complete; }
 echo "== GPU tests, graph == eager (4 x 32) at $(( $(date +%s) - T0 )) s"
 timeout 80 python3 tools/device/graph_check.py /tmp/decode11_m4 --no-cache > $OUT/graph_check.txt 2>&1 & GC=$!
-timeout 80 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_attention.py tests/cuda/test_routing.py 2>&1 | tail -4
+timeout 80 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_attention.py tests/cuda/test_routing.py tests/cuda/test_fused.py 2>&1 | tail -4
 wait $GC; echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error" $OUT/graph_check.txt | head -8
 wait; tail -1 $OUT/init48.log 2>/dev/null
 echo "== decode10_sweep 48 x 32 at $(( $(date +%s) - T0 )) s"
