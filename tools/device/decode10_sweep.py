@@ -88,8 +88,8 @@ def main() -> None:
                 if key not in SPECIAL:
                     setattr(*constant(key), value)
             if carveouts:
-                print(f"   carveout {values.get('carveout', -1)} on {prefer_shared_carveout(values.get('carveout', -1))} "
-                      "compiled kernels", flush=True)
+                carveout = values.get("carveout", -1)
+                print(f"   carveout {carveout} on {prefer_shared_carveout(carveout)} compiled kernels", flush=True)
             drop_graphs(model)
             started = time.perf_counter()
             try:
@@ -108,8 +108,9 @@ def main() -> None:
                         print_profile(f"{name}, batch {batch}", p)
                 out.write(text.getvalue())
                 out.flush()
+                timeline_row = lambda line: line[:12].strip().replace(".", "").isdigit()  # noqa: E731
                 print("\n".join(line for line in text.getvalue().splitlines()
-                                if line.startswith(("--", "   timeline")) or line[:12].strip().replace(".", "").isdigit()
+                                if line.startswith(("--", "   timeline")) or timeline_row(line)
                                 or any(k in line for k in KEEP)), flush=True)
     print("== decode10_sweep", model_dir, layers, "layers")
     print("\n".join(rows))

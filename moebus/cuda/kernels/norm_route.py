@@ -10,9 +10,10 @@ logits scratch (the backend's step pool) and at most SPREAD_TOKENS tokens, it sp
 router rows over ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts'
 logits; the grid's last block does every token's top-k and the pairs (routing.spread_tail), with the
 same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at batch 8, 16 blocks).
-With at most 32 experts the tail goes by ranks (routing.ranks_tail) instead of top_k argmaxes in
-turn and the pairs re-read through L2. The one-block kernel, for the other routers, loads them in
-rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
+With at most 32 experts the tail goes by ranks (routing.ranks_tail, one_token_tail for one token)
+instead of top_k argmaxes in turn and the pairs re-read through L2. The one-block kernel, for the
+other routers, loads them in rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from
+memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -30,7 +31,7 @@ from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
-                                         ranks_tail, route_pairs_ref, sort_pairs, spread_tail)
+                                         one_token_tail, route_pairs_ref, sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
@@ -147,7 +148,7 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     expert's dot product from registers. ``spread`` blocks a token, block (t, part) the experts
     [part * share, (part + 1) * share); with one, the logits stay in shared memory, a step of one
     token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
-    experts) ends with ranks_tail; with several, they go to ``scratch`` and the last block of
+    experts) ends with one_token_tail; with several, they go to ``scratch`` and the last block of
     the grid finishes (spread_tail). An expert's logit has the same bits whatever the spread: its
     group's threads and their order are the same."""
     read_norm, _ = chunk_reader(norm_storage, True)
@@ -242,8 +243,8 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             return
         # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
         if by_ranks and num_tokens == 1:
-            ranks_tail(logits, 1, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
-                       pair_out)
+            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                           pair_out)
             return
         if warp == 0:
             row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, t, lane == 0)
