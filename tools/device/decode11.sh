@@ -8,10 +8,13 @@
 # tensor-core path's row kernels (grouped_moe gather/swiglu/sum, gemm.split_rows) with 512 / 1024
 # threads a block, the planner with 256 threads, the ranks tail off, every numba kernel's carveout at
 # max shared, and the batch-8 timeline around the down projection's cuBLAS GEMM (the 5 us idle before
-# it). Full tables in $OUT/profiles.txt, stdout in $OUT/sweep.txt.
+# it). Full tables in $OUT/profiles.txt, stdout in $OUT/sweep.txt. PLAN=tools/device/decode11_2.json: the
+# defaults committed after that call (one_token_tail for one token; row kernels of 512 threads; the
+# planner of 256) against the settings they replaced, for the merged tree. The tests' summary is
+# printed again at the end (the first run lost it past the tool's 12,000 characters).
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
-BUDGET=${BUDGET:-265}; T0=$(date +%s)
+BUDGET=${BUDGET:-265}; T0=$(date +%s); PLAN=${PLAN:-tools/device/decode11.json}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 M=/tmp/decode11_m48
 if [ -f $M/.complete ]; then echo "model $M already there"; else
@@ -22,10 +25,12 @@ if [ -f $M/.complete ]; then echo "model $M already there"; else
 echo "== GPU tests, graph == eager (4 x 32) at $(( $(date +%s) - T0 )) s"
 timeout 110 python3 tools/device/graph_check.py /tmp/decode11_m4 --no-cache > $OUT/graph_check.txt 2>&1 & GC=$!
 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_attention.py tests/cuda/test_routing.py \
-  tests/cuda/test_fused.py -k "merge or real_head or long_context or norm_route or rmsnorm or qkv" 2>&1 | tail -4
+  tests/cuda/test_fused.py -k "merge or real_head or long_context or norm_route or rmsnorm or qkv" 2>&1 | tail -4 \
+  | tee $OUT/gpu_tests.txt
 wait $GC; echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error" $OUT/graph_check.txt | head -8
 wait; tail -1 $OUT/init48.log 2>/dev/null
 echo "== decode10_sweep 48 x 32 at $(( $(date +%s) - T0 )) s"
-timeout $(( $(left) - 3 )) python3 tools/device/decode10_sweep.py $M tools/device/decode11.json 4 $OUT/profiles.txt \
+timeout $(( $(left) - 3 )) python3 tools/device/decode10_sweep.py $M $PLAN 4 $OUT/profiles.txt \
   2>&1 | grep -v Warn | tee $OUT/sweep.txt
 echo "sweep rc ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+echo "== GPU tests (again)"; cat $OUT/gpu_tests.txt; grep -E "CHECK" $OUT/graph_check.txt

@@ -29,6 +29,7 @@ MAX_EXPERTS = 1024  # router rows of one layer (norm_route keeps a token's logit
 MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
 SPREAD_TOKENS = 16  # spread_tail, ranks_tail: most tokens, whose logits a block holds in shared memory...
 SPREAD_EXPERTS = 128  # ...and most experts
+ARGMAXES, RANKS, ONE_TOKEN_RANKS = 0, 1, 2  # a tail's way to top-k and the pairs (norm_route's by_ranks)
 
 
 def host_placement(row: int) -> int:
@@ -228,12 +229,13 @@ def ranks_tail(logits, num_tokens, num_experts, top_k, normalize, places, ids, w
 
 
 @functools.cache
-def spread_tail(per_lane: int, by_ranks: bool):
+def spread_tail(per_lane: int, by_ranks: int):
     """Device function, by every block of a spread norm_route: the last block of the grid to get
     here (the counter ``done``, which it resets) reads every token's logits from ``scratch``
-    (T, E) through L2 into shared memory, then does top-k + softmax and the pair tables (ranks_tail
-    with ``by_ranks``, else topk_row a warp a token and sort_pairs), as the one-block-a-token
-    kernel's tail does from the same logits: the same bits."""
+    (T, E) through L2 into shared memory, then does top-k + softmax and the pair tables (``by_ranks``
+    RANKS: ranks_tail, ONE_TOKEN_RANKS: one_token_tail for one token and ranks_tail for more, else
+    topk_row a warp a token and sort_pairs), as the one-block-a-token kernel's tail does from the
+    same logits: the same bits."""
     row_topk = topk_row(per_lane)
 
     @device_with_shared
@@ -250,7 +252,7 @@ def spread_tail(per_lane: int, by_ranks: bool):
             logits[i // num_experts, i % num_experts] = cuda.atomic.add(
                 scratch, (i // num_experts, i % num_experts), float32(0.0))
         cuda.syncthreads()
-        if by_ranks and num_tokens == 1:
+        if by_ranks == ONE_TOKEN_RANKS and num_tokens == 1:
             one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
                            pair_out)
             return
