@@ -137,7 +137,8 @@ def attention_case(s: dict, label: str, slots: np.ndarray, positions: np.ndarray
         # K and V of every position each sequence reads, once per sequence
         lengths = [int(positions[slots == sl].max()) + 1 for sl in np.unique(slots)]
         nbytes = sum(lengths) * kvh * hd * 4 * 2
-        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, scratch, stream=stream),
+        done = _dev(np.zeros(tokens * kvh, np.int32), stream)  # the backend's counters: the splits merged in one launch
+        return (lambda: attention.attention_cuda(*args, hd ** -0.5, 0, out, scratch, stream=stream, done=done),
                 lambda: (_nmse(out.copy_to_host(), ref()), ""), nbytes)
     return Case("attention", label, setup)
 
@@ -280,7 +281,8 @@ def _fused_cases(s: dict, t: int) -> list[Case]:
                                                         _dev(np.zeros(1, np.int32), stream)]
         outs = [_out((t, d), stream), _out((t, d), stream), _out((t, k), stream, np.int32), _out((t, k), stream)] + \
             [_out((t * k,), stream, np.int32) for _ in range(3)]
-        return (lambda: norm_route_cuda(*args, *outs, stream=stream), outs[1],
+        scratch = _out((t, s["experts"]), stream)  # the logits: the router's rows over blocks, as the backend runs it
+        return (lambda: norm_route_cuda(*args, *outs, stream=stream, scratch=scratch), outs[1],
                 lambda: norm_route_ref(x, y, w, 1e-6, router, k, True, table, 2)[1])
 
     cases = [_simple("add_rmsnorm", f"{t}x{d}", add_norm), _simple("combine_add_rmsnorm", f"T={t} k={k}", combine_norm),

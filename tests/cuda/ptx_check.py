@@ -176,8 +176,9 @@ def exercise(rng) -> None:
     for kv_dtype in (lambda a: f32_to_bf16(a), lambda a: a):  # bf16 and float32 KV caches
         k_cache, v_cache = kv_dtype(f32(2, 4, 16, 128)), kv_dtype(f32(2, 4, 16, 128))
         attention.kv_store_cuda(k_cache, v_cache, f32(2, 4, 128), f32(2, 4, 128), slots, positions)
-        attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
-                                 empty(*attention.attention_scratch_shape(2, 32, 128, 16)))
+        for done in (None, np.zeros(8, np.int32)):  # merge_splits apart, or by the split kernel's last block
+            attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
+                                     empty(*attention.attention_scratch_shape(2, 32, 128, 16)), done=done)
         # a routed step's chunk beside a decode row (attention_chunk.py): A3B's group of 8 at hd 128,
         # and a group of 4 at hd 64
         from moebus.cuda.kernels import attention_chunk

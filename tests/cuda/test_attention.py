@@ -96,3 +96,35 @@ def test_attention_rejects_a_head_dim_not_in_fours(rng):
     with pytest.raises(ValueError, match="head_dim 6"):
         _attend(rng.standard_normal((1, 1, 6), dtype=np.float32), k_cache, k_cache, np.array([0], np.int32),
                 np.array([3], np.int32))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (2, 1)])
+def test_splits_merged_by_their_last_block_give_merge_splits_bits(rng, kv_dtype, heads, kv_heads):
+    # 1, 2, 3 and 6 splits (6 > MERGE_SPLITS: the peaks in a pass of their own); the counters back at 0
+    context = SPLIT_POSITIONS * 6
+    k_cache, v_cache = _cache(rng, kv_heads, context, kv_dtype), _cache(rng, kv_heads, context, kv_dtype)
+    slots = np.array([1, 0, 2, 1], np.int32)
+    positions = np.array([5, SPLIT_POSITIONS + 3, SPLIT_POSITIONS * 2 + 7, context - 1], np.int32)
+    q = rng.standard_normal((4, heads, HEAD_DIM), dtype=np.float32)
+    args = (device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0)
+    apart, merged = poisoned(q.shape), poisoned(q.shape)
+    attention_cuda(*args, apart)
+    done = device(np.zeros(4 * kv_heads + 3, np.int32))
+    for _ in range(2):  # a second launch finds the counters at 0, as a replayed graph does
+        attention_cuda(*args, merged, done=done)
+        np.testing.assert_array_equal(merged.copy_to_host(), apart.copy_to_host())
+        np.testing.assert_array_equal(done.copy_to_host(), 0)
+
+
+def test_too_few_counters_merge_apart(rng):
+    k_cache, v_cache = _cache(rng, 2, 16), _cache(rng, 2, 16)
+    q = rng.standard_normal((2, 4, HEAD_DIM), dtype=np.float32)
+    slots, positions = np.array([0, 1], np.int32), np.array([9, 15], np.int32)
+    done = device(np.full(3, 7, np.int32))  # 2 tokens x 2 kv heads need 4: not used
+    out = poisoned(q.shape)
+    attention_cuda(device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0, out,
+                   done=done)
+    np.testing.assert_array_equal(done.copy_to_host(), 7)
+    np.testing.assert_allclose(out.copy_to_host(), attention_ref(q, k_cache, v_cache, slots, positions, 0.35),
+                               rtol=1e-5, atol=1e-5)

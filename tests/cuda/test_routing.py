@@ -84,9 +84,10 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
 @pytest.mark.parametrize("num_tokens, spread", [(1, False), (1, True), (3, True)])
 def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, num_tokens, spread,
                                                                 monkeypatch):
-    # <= 32 experts: top-k and pairs by ranks (ranks_tail) or by topk_row + sort_pairs, bit for bit,
-    # both normalisations: one token in one block, or 1 and 3 tokens with the router spread over
-    # blocks (a scratch); a router of zeros ties every expert (the lower ids win, every token the same)
+    # <= 32 experts: top-k and pairs by ranks (ranks_tail, or one_token_tail for one token) or by
+    # topk_row + sort_pairs, bit for bit, both normalisations: one token in one block, or 1 and 3
+    # tokens with the router spread over blocks (a scratch); a router of zeros ties every expert (the
+    # lower ids win, every token the same)
     from moebus.cuda.kernels import norm_route
     from moebus.cuda.kernels.norm_route import norm_route_ref
 
@@ -97,14 +98,16 @@ def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, to
     x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
     for normalize in (True, False):
         runs = []
-        for by_ranks in (True, False):
+        for by_ranks, one_token in ((True, True), (True, False), (False, True)):  # the last: argmaxes in turn
             monkeypatch.setattr(norm_route, "ROUTER_RANKS", by_ranks)
+            monkeypatch.setattr(norm_route, "ONE_TOKEN_TAIL", one_token)
             scratch = poisoned((num_tokens, experts)) if spread else None
             runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0,
                                     device(np.zeros(1, np.int32)), scratch))
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 0)
-        for name, ranked, in_turn, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"),
-                                            *runs, want):
+        for name, one_token, ranked, in_turn, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot",
+                                                        "pair_out"), *runs, want):
+            np.testing.assert_array_equal(one_token, in_turn, err_msg=name)
             np.testing.assert_array_equal(ranked, in_turn, err_msg=name)
             np.testing.assert_allclose(ranked, w, rtol=1e-5, atol=1e-6, err_msg=name)
         if tied:

@@ -17,6 +17,8 @@ from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.step_pool import StepPool
+
+ATTENTION_COUNTERS = 1024  # (token, kv head) pairs a decode attention launch merges in its split kernel
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
@@ -36,6 +38,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
         self.staging_pool = StepPool(lambda shape, dtype: cuda.pinned_array(shape, dtype=dtype))
         self.tensor_cores = make_tensor_cores()  # cuBLAS for steps of many tokens (None: GEMVs only)
         self.route_done = cuda.to_device(np.zeros(1, np.int32), stream=self.stream)  # norm_route's counter
+        # decode attention's counters, one a (token, kv head): the last split block merges
+        self.attention_done = cuda.to_device(np.zeros(ATTENTION_COUNTERS, np.int32), stream=self.stream)
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -207,7 +211,7 @@ class CudaBackend(split_epilogues.SplitInputOps):
                                                        window or 0, out)
         scratch = self.empty(attention.attention_scratch_shape(*q.shape, k_cache.shape[2]))
         return attention.attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale, window, out, scratch,
-                                        stream=self.stream)
+                                        stream=self.stream, done=self.attention_done)
 
     def topk_softmax(self, logits, top_k: int, normalize: bool, ids=None):
         """``ids``: a (T, top_k) int32 array to write the choices into (else scratch)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.dtypes import f32_to_bf16, to_f32
+from moebus.cuda.kernels import attention_decode
 from moebus.cuda.kernels.attention_decode import (MAX_SPLITS, SPLIT_POSITIONS, decode_kernel, max_splits,
                                                   merge_splits)
 from moebus.cuda.kernels.compat import blocks, cuda, device, f32_bits, kernel, threads, uint16
@@ -137,10 +138,12 @@ def words(cache):
 
 
 def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, window: int, out, scratch=None,
-                   stream=0):
+                   stream=0, done=None):
     """out (T, H, hd) = attention_ref(q, k_cache, v_cache, token_slot, token_pos, scale, window).
     Every token's own position must already be in the cache (kv_store first). ``scratch``: a float32
-    device array of attention_scratch_shape (allocated here when None). hd: a multiple of 4."""
+    device array of attention_scratch_shape (allocated here when None). hd: a multiple of 4.
+    ``done``: int32 counters at 0, at least T * KVH of them (left at 0): with one (and
+    attention_decode.MERGE_IN_SPLIT) the split kernel merges the splits itself, in one launch."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     storage = require_caches(k_cache, v_cache, head_dim=head_dim)
@@ -159,10 +162,17 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if scratch is None:
         scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
     require("scratch", scratch, np.float32, shape=scratch_shape)
-    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads)
+    merge = done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
+    if done is not None:
+        require("done", done, np.int32, ndim=1)
+    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     window = int(window or 0)
-    kernel[(num_tokens, num_kv_heads, scratch_shape[2]), num_threads, stream](
-        q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
-        scratch)
+    args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
+            scratch)
+    grid = (num_tokens, num_kv_heads, scratch_shape[2])
+    if merge:
+        kernel[grid, num_threads, stream](*args, done, out)
+        return out
+    kernel[grid, num_threads, stream](*args)
     merge_splits[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
     return out

@@ -10,7 +10,13 @@ each (each lane keeps its elements of its heads' queries and outputs in register
 over STREAMS warps. A row's score is the lanes' partial dot products summed over the row's LPR
 lanes (xor shuffles); each row group keeps its own online softmax (running max and sum) and output,
 so nothing is shared until the end, when the row groups' states are combined through shared memory
-into the split's (output, max, sum) for merge_splits."""
+into the split's (output, max, sum) for merge_splits.
+
+With ``merge=True`` (``MERGE_IN_SPLIT``, given a counter per (token, kv head)) the kernel merges
+too: the last split block of a (token, kv head) to finish (``routing.is_last_of``, which the block
+resets, so a replayed graph finds it at 0) merges the splits of the group's heads as merge_splits
+does, in the same order (the same bits), with each thread's loads of MERGE_SPLITS splits in flight
+at once: one launch a layer instead of two."""
 from __future__ import annotations
 
 import functools
@@ -21,12 +27,15 @@ import numpy as np
 from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
                                         kernel)
 from moebus.cuda.kernels.launch import ceil_div
+from moebus.cuda.kernels.routing import is_last_of
 
 SPLIT_POSITIONS = 32  # a split has at least this many positions (a short context spreads over blocks)...
 MAX_SPLITS = 64  # ...and a token at most this many splits (bounds the scratch)
 ROWS_AHEAD = 2  # rows each row group loads before it computes (bytes in flight)
 MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers
 MAX_SHARED_BYTES = 40 * 1024
+MERGE_IN_SPLIT = True  # attention_cuda: the last split block merges (given a counter), no merge_splits launch
+MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once
 NEG_INF = float32(-np.inf)
 LO16 = np.uint64(0xFFFF)
 HI16 = np.uint64(0xFFFF0000)
@@ -111,15 +120,17 @@ def layout(head_dim: int, group: int, max_heads: int = 0) -> tuple:
     return lanes, quads // lanes, heads, head_sets, streams
 
 
-def decode_kernel(storage: str, head_dim: int, group: int):
-    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32')."""
+def decode_kernel(storage: str, head_dim: int, group: int, merge: bool = False):
+    """(kernel, threads per block) for a cache of ``storage`` ('bf16' | 'fp32'). ``merge``: the
+    kernel that also merges the splits (two more arguments: the counters (T * KVH,) int32 at 0, and
+    out (T, H, hd))."""
     lanes, quads, heads, head_sets, streams = layout(head_dim, group)
-    return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD), \
-        head_sets * streams * WARP
+    return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD, merge,
+                          MERGE_SPLITS), head_sets * streams * WARP
 
 
 @functools.cache
-def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead):
+def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits):
     load_quad = QUAD[storage]
     per_lane = 4 * quads  # elements of a row per lane
     rows_per_warp = WARP // lanes
@@ -157,16 +168,9 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                 partial[t, head, split, head_dim] = peak
                 partial[t, head, split, head_dim + 1] = total
 
-    @kernel
-    def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
-        t = cuda.blockIdx.x
-        kv_head = cuda.blockIdx.y
-        split = cuda.blockIdx.z
-        pos = token_pos[t]
-        lo = max(pos - window + 1, 0) if window > 0 else 0
-        first, end, num_splits = split_range(lo, pos, split)
-        if split >= num_splits:
-            return  # the whole block
+    @device_with_shared
+    def split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
+                   end):
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         head_set, stream = warp % head_sets, warp // head_sets
@@ -216,7 +220,91 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                             acc[h * per_lane + i] += p * v_reg[a * per_lane + i]
         combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial)
 
-    return attention_split
+    outputs = group * head_dim  # a merging block's outputs: its kv head's group of heads
+    per_thread = -(-outputs // num_threads)
+    loads_size = per_thread * chunk_splits  # a merging thread's loads of a round
+
+    @device
+    def merge_group(t, kv_head, num_splits, partial, out):
+        # out[t, h, d] for the group's heads as merge_splits computes it (the same expressions in the
+        # same order); each thread's outputs' partials of chunk_splits splits are loaded together
+        tid = cuda.threadIdx.x
+        maxes = cuda.local.array(loads_size, float32)
+        sums = cuda.local.array(loads_size, float32)
+        values = cuda.local.array(loads_size, float32)
+        peak = cuda.local.array(per_thread, float32)
+        total = cuda.local.array(per_thread, float32)
+        value = cuda.local.array(per_thread, float32)
+        for k in range(per_thread):
+            peak[k] = NEG_INF
+            total[k] = float32(0.0)
+            value[k] = float32(0.0)
+        if num_splits > chunk_splits:  # the peaks first (long contexts); else from the first chunk's loads
+            for s0 in range(0, num_splits, chunk_splits):
+                for k in range(per_thread):
+                    e = min(tid + k * num_threads, outputs - 1)
+                    head = kv_head * group + e // head_dim
+                    for c in range(chunk_splits):
+                        maxes[k * chunk_splits + c] = partial[t, head, min(s0 + c, num_splits - 1), head_dim]
+                for k in range(per_thread):
+                    for c in range(chunk_splits):
+                        peak[k] = max(peak[k], maxes[k * chunk_splits + c])
+        for s0 in range(0, num_splits, chunk_splits):
+            for k in range(per_thread):  # every load first
+                e = min(tid + k * num_threads, outputs - 1)
+                head, d = kv_head * group + e // head_dim, e % head_dim
+                for c in range(chunk_splits):
+                    s = min(s0 + c, num_splits - 1)
+                    maxes[k * chunk_splits + c] = partial[t, head, s, head_dim]
+                    sums[k * chunk_splits + c] = partial[t, head, s, head_dim + 1]
+                    values[k * chunk_splits + c] = partial[t, head, s, d]
+            if num_splits <= chunk_splits:
+                for k in range(per_thread):
+                    for c in range(chunk_splits):
+                        peak[k] = max(peak[k], maxes[k * chunk_splits + c])
+            for k in range(per_thread):
+                for c in range(chunk_splits):
+                    if s0 + c < num_splits:
+                        weight = math.exp(maxes[k * chunk_splits + c] - peak[k])
+                        total[k] += sums[k * chunk_splits + c] * weight
+                        value[k] += values[k * chunk_splits + c] * weight
+        for k in range(per_thread):
+            e = tid + k * num_threads
+            if e < outputs:
+                out[t, kv_head * group + e // head_dim, e % head_dim] = value[k] / total[k]
+
+    if not merge:
+        @kernel
+        def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
+            t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+            pos = token_pos[t]
+            lo = max(pos - window + 1, 0) if window > 0 else 0
+            first, end, num_splits = split_range(lo, pos, split)
+            if split >= num_splits:
+                return  # the whole block
+            split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
+                       end)
+
+        return attention_split
+
+    @kernel
+    def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
+                              partial, done, out):
+        t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        pos = token_pos[t]
+        lo = max(pos - window + 1, 0) if window > 0 else 0
+        first, end, num_splits = split_range(lo, pos, split)
+        if split >= num_splits:
+            return  # the whole block
+        split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
+                   end)
+        if is_last_of(done, t * num_kv_heads + kv_head, num_splits):
+            if cuda.threadIdx.x == 0:
+                done[t * num_kv_heads + kv_head] = 0  # for the next launch (a graph replays this one)
+            cuda.threadfence()  # the other blocks' partials, seen through their fence and the counter
+            merge_group(t, kv_head, num_splits, partial, out)
+
+    return attention_split_merge
 
 
 @kernel

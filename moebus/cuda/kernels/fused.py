@@ -134,15 +134,19 @@ def add_rmsnorm_cuda(x, y, weight, eps: float, total, out, stream=0):
 
 @functools.cache
 def _combine_add_rmsnorm_kernel(storage: str, top_k: int, per_thread: int):
-    store_normed = normed_store(storage, per_thread)
+    load_weight = SCALAR[storage]
 
     @kernel
     def combine_add_rmsnorm_rows(y_pair, weights, x, weight, eps, total, out):
-        # as add_rmsnorm_rows; top_k is a constant, so a row's top_k pair loads are in flight together
+        # as add_rmsnorm_rows; top_k is a constant, so a row's top_k pair loads are in flight together,
+        # and with them the norm's weights (not after the block's sum: one round of loads less)
         num_rows, dim = x.shape
         tid, step = cuda.threadIdx.x, cuda.blockDim.x
         values = cuda.local.array(per_thread, float32)
+        scale = cuda.local.array(per_thread, float32)
         mix = cuda.local.array(top_k, float32)
+        for i in range(per_thread):
+            scale[i] = load_weight(weight, 0, min(tid + i * step, dim - 1))
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):
             for k in range(top_k):
                 mix[k] = weights[row, k]
@@ -156,7 +160,12 @@ def _combine_add_rmsnorm_kernel(storage: str, top_k: int, per_thread: int):
             for i in range(per_thread):
                 if tid + i * step < dim:
                     square_sum += values[i] * values[i]
-            store_normed(values, weight, block_sum(square_sum), dim, eps, row, total, out)
+            inv_rms = float32(1.0) / math.sqrt(block_sum(square_sum) / float32(dim) + eps)
+            for i in range(per_thread):  # normed_store's expressions, the weights from registers
+                d = tid + i * step
+                if d < dim:
+                    total[row, d] = values[i]
+                    out[row, d] = scale[i] * (values[i] * inv_rms)
 
     return combine_add_rmsnorm_rows
 
@@ -198,6 +207,9 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
         heads_per_token = num_heads + 2 * num_kv_heads
         num_rows = num_tokens * heads_per_token
         values = cuda.local.array(per_lane, float32)
+        scale = cuda.local.array(per_lane, float32)
+        cos_at = cuda.local.array(half_lanes, float32)
+        sin_at = cuda.local.array(half_lanes, float32)
         for start in range(0, num_rows, stride):
             row = min(start + first, num_rows - 1)
             is_real = start + first < num_rows
@@ -205,29 +217,32 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
             t = row // heads_per_token
             slot = token_slot[t]
             position = token_pos[t]
-            for i in range(per_lane):
-                values[i] = qkv[t, head * head_dim + lane + i * WARP]
+            is_q = head < num_heads
+            for i in range(per_lane):  # every load of the row first (a v row does not use the norm's and rope's)
+                d = lane + i * WARP
+                values[i] = qkv[t, head * head_dim + d]
+                scale[i] = load_weight(q_weight, 0, d) if is_q else load_weight(k_weight, 0, d)
+            for i in range(half_lanes):
+                cos_at[i] = cos[position, lane + i * WARP]
+                sin_at[i] = sin[position, lane + i * WARP]
             if head >= num_heads + num_kv_heads:  # v: straight into the cache
                 g = head - num_heads - num_kv_heads
                 if is_real:
                     for i in range(per_lane):
                         v_cache[slot, g, position, lane + i * WARP] = to_cache(values[i])
             else:
-                is_q = head < num_heads
                 square_sum = float32(0.0)
                 for i in range(per_lane):
                     square_sum += values[i] * values[i]
                 square_sum = warp_sum(square_sum)
                 inv_rms = float32(1.0) / math.sqrt(square_sum / float32(head_dim) + eps)
                 for i in range(per_lane):
-                    d = lane + i * WARP
-                    w = load_weight(q_weight, 0, d) if is_q else load_weight(k_weight, 0, d)
-                    values[i] = w * (values[i] * inv_rms)
+                    values[i] = scale[i] * (values[i] * inv_rms)
                 if is_real:
                     for i in range(half_lanes):
                         d = lane + i * WARP  # d < half; its partner d + half is element i + half_lanes
-                        c = cos[position, d]
-                        s = sin[position, d]
+                        c = cos_at[i]
+                        s = sin_at[i]
                         x1 = values[i]
                         x2 = values[i + half_lanes]
                         if is_q:

@@ -27,7 +27,7 @@ from moebus.cuda.kernels.launch import require
 from moebus.cuda.kernels.loads import load_bf16
 
 log = logging.getLogger("moebus.cuda")
-ROW_THREADS = 128  # the conversion kernels: a block per row
+ROW_THREADS = 512  # the conversion kernels: a block per row (decode11 on an H200: split_rows 7.5 -> 3.6 us at 8 rows)
 # steps of >= 33 tokens (decode of 33+ sequences too) on tensor cores: decode of 64 sequences at 48 x 32 took
 # 23.2 ms a step with 65 here and 13.3 with 33 (H200, tools/device/merged7.sh); smaller steps keep their GEMVs
 MIN_ROWS = int(os.environ.get("MOEBUS_GEMM_MIN_ROWS", "33"))

@@ -36,3 +36,19 @@ def require(name: str, array, dtype=None, shape=None, ndim=None, contiguous: boo
 
 
 WEIGHT_DTYPES = (np.uint16, np.float16, np.float32)
+
+
+def prefer_shared_carveout(percent: int) -> int:
+    """Set the preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
+    0 = most L1, 100 = most shared memory, -1 = the driver's choice) of every kernel this process has
+    compiled so far; returns how many. For measuring whether the SMs' reconfiguration between our
+    kernels and cuBLAS's costs time: a graph captured afterwards launches them with it."""
+    from moebus.cuda.kernels import compat  # the registry of every kernel defined
+
+    count = 0
+    for dispatcher in compat._KERNELS:
+        for compiled in getattr(dispatcher, "overloads", {}).values():
+            compiled._codelibrary.get_cufunc().set_shared_memory_carveout(percent)
+            compiled.shared_memory_carveout = None if percent == -1 else percent  # numba sets it again on a bind
+            count += 1
+    return count

@@ -10,9 +10,10 @@ logits scratch (the backend's step pool) and at most SPREAD_TOKENS tokens, it sp
 router rows over ROUTER_BLOCKS blocks, each redoing the token's norm and writing its experts'
 logits; the grid's last block does every token's top-k and the pairs (routing.spread_tail), with the
 same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at batch 8, 16 blocks).
-With at most 32 experts the tail goes by ranks (routing.ranks_tail) instead of top_k argmaxes in
-turn and the pairs re-read through L2. The one-block kernel, for the other routers, loads them in
-rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from memory (15.8 us).
+With at most 32 experts the tail goes by ranks (routing.ranks_tail, one_token_tail for one token)
+instead of top_k argmaxes in turn and the pairs re-read through L2. The one-block kernel, for the
+other routers, loads them in rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from
+memory (15.8 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -30,13 +31,15 @@ from moebus.cuda.kernels.linear import accumulate, linear_ref
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
-                                         ranks_tail, route_pairs_ref, sort_pairs, spread_tail)
+                                         ARGMAXES, ONE_TOKEN_RANKS, RANKS, one_token_tail, ranks_tail, route_pairs_ref,
+                                         sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
 ROUTER_IN_FLIGHT = True  # the in-flight kernel where it applies (measured: decode7_2.sh, docs/performance.md)
 ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (64 registers)
 ROUTER_RANKS = True  # <= 32 experts: top-k and pairs by ranks (routing.ranks_tail), one token, or few spread
+ONE_TOKEN_TAIL = True  # ...with routing.one_token_tail for one token (decode11: ranks_tail took 1.35 us a layer more)
 ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight kernel, given a scratch; decode10.sh)
 
 
@@ -139,7 +142,7 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
 
 @functools.cache
 def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
-                           groups: int, per_lane: int, top_k: int, by_ranks: bool, spread: int):
+                           groups: int, per_lane: int, top_k: int, by_ranks: int, spread: int):
     """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
     threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
     words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
@@ -147,9 +150,9 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     expert's dot product from registers. ``spread`` blocks a token, block (t, part) the experts
     [part * share, (part + 1) * share); with one, the logits stay in shared memory, a step of one
     token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
-    experts) ends with ranks_tail; with several, they go to ``scratch`` and the last block of
-    the grid finishes (spread_tail). An expert's logit has the same bits whatever the spread: its
-    group's threads and their order are the same."""
+    experts; routing.RANKS or ONE_TOKEN_RANKS) ends with ranks_tail or one_token_tail; with several,
+    they go to ``scratch`` and the last block of the grid finishes (spread_tail). An expert's logit
+    has the same bits whatever the spread: its group's threads and their order are the same."""
     read_norm, _ = chunk_reader(norm_storage, True)
     read_row, _ = chunk_reader("f32", True)
     word_values = WORD[router_storage]
@@ -241,6 +244,10 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
                    pair_out)
             return
         # 3. top-k + softmax by warp 0; 4. the last block sorts every token's pairs
+        if by_ranks == ONE_TOKEN_RANKS and num_tokens == 1:
+            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                           pair_out)
+            return
         if by_ranks and num_tokens == 1:
             ranks_tail(logits, 1, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
                        pair_out)
@@ -282,6 +289,13 @@ def router_share(num_tokens: int, num_experts: int, has_scratch: bool) -> int:
     return ceil_div(num_experts, max(1, min(ROUTER_BLOCKS, num_experts)))
 
 
+def tail_by_ranks(num_experts: int) -> int:
+    """The in-flight kernel's tail (routing.ARGMAXES / RANKS / ONE_TOKEN_RANKS) by the switches."""
+    if not ROUTER_RANKS or num_experts > WARP:
+        return ARGMAXES
+    return ONE_TOKEN_RANKS if ONE_TOKEN_TAIL else RANKS
+
+
 def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, done,
                     total, h, ids, weights, pair_token, pair_slot, pair_out, stream=0, scratch=None):
     """norm_route_ref into device arrays: total, h (T, D) float32; ids (T, A) int32, weights (T, A)
@@ -318,7 +332,7 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
             require("scratch", scratch, np.float32, shape=(num_tokens, num_experts))
         kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *inflight_shape(dim, share, block),
                                         ceil_div(num_experts, WARP), int(top_k),
-                                        ROUTER_RANKS and num_experts <= WARP, spread)
+                                        tail_by_ranks(num_experts), spread)
         kernel[num_tokens * spread, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize), share,
