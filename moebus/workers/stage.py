@@ -83,6 +83,9 @@ class Stage:
         # a prompt's chunk beside decode rows copies at most this many bytes of experts a step, and
         # spans steps (spanning_chunk.py; 0: a chunk runs whole in its step)
         self.chunk_copy_budget_bytes = 0
+        # and, beside decode rows, its work in a step ends once it took this many times what the
+        # decode rows took (0: the copy budget alone; a cuda worker sets spanning_chunk.TIME_SHARE)
+        self.chunk_time_share = 0.0
         self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
         self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
