@@ -2,8 +2,8 @@
 and, within a layer, expert groups run while the experts they copy in stay within the step's budget
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
 step's first, and before each layer's attention, the stage syncs and stops once the deadline is
-past (or, at a layer, nearer than the last layer's attention and routing took); a group's copies
-then also fit the time left at ``LINK_BYTES_PER_S``. What the next step needs is kept outside the
+past (or, at a layer, nearer than the last layer's attention and routing took); every group's
+copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What the next step needs is kept outside the
 step scratch (``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden
 state and the last MLP's output. A chunk longer than the standing scratch holds the cache's
 prompt-path loan from its first step to its end. Each part of a step is timed (step_parts.py)."""
@@ -173,9 +173,9 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
     run = None  # this step's runner of the layer's groups, made with its first group
     while within.next_expert < len(unique):
         left = None if budget_bytes is None else budget_bytes - spent[0]
-        if deadline is not None and spent[1]:
-            seconds = time_left(stage, chunk, deadline)
-            if seconds <= 0:
+        if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
+            seconds = time_left(stage, chunk, deadline) if spent[1] else max(0.0, deadline - time.perf_counter())
+            if seconds <= 0 and spent[1]:
                 return False
             left = int(seconds * LINK_BYTES_PER_S) if left is None else min(left, int(seconds * LINK_BYTES_PER_S))
         chunk.parts.begin("plan")

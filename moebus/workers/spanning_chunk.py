@@ -52,8 +52,9 @@ log = logging.getLogger("moebus.stage")
 MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the look-ahead step
 # a cuda worker's stage.chunk_time_share: beside decode rows, a step's chunk work ends once it took
 # this many times the decode rows' time in that step (chunk_advance.py), so such a step takes ~1 +
-# this many decode steps (issue 20: a text stream's gap within 2x its median); 0: the copy budget alone
-TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "1"))
+# this many decode steps and a group's overrun (issue 20: a text stream's gap within 2x its median,
+# and the decode rows beside a chunk are slower than alone: more misses); 0: the copy budget alone
+TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
 
 
 @dataclass
