@@ -79,7 +79,8 @@ class GpuWorker:
     def step(self, msg: Step) -> StepReply:
         if self.trace is None:
             return self._step(msg)
-        self.trace.before(msg.step_id, msg.lengths, self.stage.chunk is not None)  # workers/step_trace.py
+        held = self.stage.chunk  # MOEBUS_TRACE_CHUNK_STEPS (workers/step_trace.py)
+        self.trace.before(msg.step_id, msg.slots, msg.lengths, None if held is None else held.slot)
         try:
             return self._step(msg)
         finally:

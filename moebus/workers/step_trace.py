@@ -1,7 +1,8 @@
 """A CUPTI trace of a worker's steps through a prompt chunk beside decode rows (issue 20 item 3),
 for measurement only (tools/device/gap11.sh). With ``MOEBUS_TRACE_CHUNK_STEPS=N`` a cuda worker runs
-torch.profiler from the first step that finds a spanning chunk held (its second step), for N steps
-(the chunk's and the steps between). Each step is a ``record_function`` range ``step <id> <kind>
+torch.profiler from the first step that finds a spanning chunk held (its second step) until its
+prompt's request is over, N steps at most (the chunk's, the steps between, the prompt's decode
+steps; ``StepTrace.before``). Each step is a ``record_function`` range ``step <id> <kind>
 <tokens>``, and so is each part of the chunk's steps (step_parts.py). Then it writes the chrome trace
 to ``$MOEBUS_TRACE_DIR/chunk_trace_gpu<g>.json`` (default /tmp) and logs one line;
 tools/device/gap11_trace.py reads it. torch is imported, and the profiler started and stopped once
@@ -57,19 +58,28 @@ class StepTrace:
         self.traced = 0
         self.done = False
         self._range = None
-        log.info("gpu%d: a trace of %d steps from the first spanning chunk's second step, to %s (profiler "
+        log.info("gpu%d: a trace of up to %d steps from the first spanning chunk's second step, to %s (profiler "
                  "warmed in %.2f s)", gpu, steps, self.path, time.perf_counter() - started)
 
-    def before(self, step_id: int, lengths, chunk_held: bool) -> None:
-        """A step starts; ``chunk_held``: the stage holds a spanning chunk (the trace starts there,
-        at the chunk's second step, not at a text stream's own prompt beside the others)."""
-        kind = step_kind(lengths, self.routed_max_tokens)
+    def before(self, step_id: int, slots, lengths, chunk_slot: int | None) -> None:
+        """A step starts; ``chunk_slot``: the slot of the spanning chunk the stage holds, or None.
+        The trace starts at the first step that finds one held (its second step, not a text
+        stream's own prompt beside the others) and stops before the first step without that slot
+        once no chunk is held (the prompt's request is over: the stop's seconds fall outside the
+        window of its gaps), or after ``steps`` steps."""
         if self.prof is None:
-            if self.done or not chunk_held:
+            if self.done or chunk_slot is None:
                 return
+            started = time.perf_counter()
             self.prof = self._profile()
             self.prof.start()
             step_parts.RANGES = self._record_function
+            self.slot = chunk_slot
+            log.info("gpu%d: trace started at step %d (%.1f ms)", self.gpu, step_id, 1e3 * (time.perf_counter() - started))
+        elif self.traced >= self.steps or (chunk_slot is None and self.slot not in np.asarray(slots).tolist()):
+            self._stop()
+            return
+        kind = step_kind(lengths, self.routed_max_tokens)
         self._range = self._record_function(f"step {step_id} {kind} {int(np.sum(lengths))}")
         self._range.__enter__()
 
@@ -79,8 +89,8 @@ class StepTrace:
         self._range.__exit__(None, None, None)
         self._range = None
         self.traced += 1
-        if self.traced < self.steps:
-            return
+
+    def _stop(self) -> None:
         step_parts.RANGES = None
         started = time.perf_counter()
         prof, self.prof, self.done = self.prof, None, True

@@ -1,6 +1,6 @@
 """A spanning chunk's steps from the worker's CUPTI trace (MOEBUS_TRACE_CHUNK_STEPS, workers/step_trace.py;
-tools/device/gap11.sh): per traced step its wall time, the GPU's busy time (kernels, host-to-device
-copies and their MiB, the two overlapping), its idle time; then, over the chunk's steps, each part of
+tools/device/gap11.sh): per traced step (the first few, then by kind) its wall time, the GPU's busy
+time (kernels, host-to-device copies and their MiB, the two overlapping), its idle time; then, over the chunk's steps, each part of
 the step (workers/step_parts.py) with the host's time in it and what the GPU did meanwhile; then the
 kernels that took the most GPU time in chunk steps and in decode steps.
 
@@ -8,11 +8,13 @@ kernels that took the most GPU time in chunk steps and in decode steps.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections import defaultdict
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 MIB = 1 << 20
+MAX_STEP_LINES = 24
 
 
 def union(intervals: list[tuple[float, float]]) -> float:
@@ -55,16 +57,30 @@ def main(path: str) -> None:
     steps = sorted((e for e in annotations if e["name"].startswith("step ")), key=lambda e: e["ts"])
     parts = [e for e in annotations if not e["name"].startswith("step ")]
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
-    print(f"-- {len(steps)} steps traced, {len(gpu)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels)")
+    print(f"-- {len(steps)} steps traced, {len(gpu)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
+          f"the first {MAX_STEP_LINES}, then by kind")
     print("step (id kind tokens)     wall ms | GPU busy | kernels | HtoD ms (MiB) | other | idle   (ms)")
-    chunk_steps = []
-    for s in steps:
+    chunk_steps, rows = [], defaultdict(list)
+    last_chunk_end = max((s["ts"] + s["dur"] for s in steps if " chunk " in s["name"]), default=0)
+    for n, s in enumerate(steps):
         lo, hi = s["ts"], s["ts"] + s["dur"]
         g = gpu_in(gpu, lo, hi)
-        print(f"{s['name']:<26} {s['dur'] / 1e3:6.1f} | {g['busy'] / 1e3:7.1f} | {g['kernels'] / 1e3:7.1f} | "
-              f"{g['h2d'] / 1e3:5.1f} ({g['h2d_mib']:6.1f}) | {g['other'] / 1e3:5.1f} | {g['idle'] / 1e3:5.1f}")
-        if " chunk " in s["name"]:
+        if n < MAX_STEP_LINES:
+            print(f"{s['name']:<26} {s['dur'] / 1e3:6.1f} | {g['busy'] / 1e3:7.1f} | {g['kernels'] / 1e3:7.1f} | "
+                  f"{g['h2d'] / 1e3:5.1f} ({g['h2d_mib']:6.1f}) | {g['other'] / 1e3:5.1f} | {g['idle'] / 1e3:5.1f}")
+        kind = s["name"].split()[2]
+        if kind == "chunk":
             chunk_steps.append((lo, hi))
+        elif kind == "decode":
+            kind = "decode, chunk held" if hi <= last_chunk_end else "decode, after"
+        rows[kind].append((s["dur"], g))
+    print("kind (steps)                    wall min / median / max | GPU busy | kernels | HtoD (MiB) | idle  (ms, median)")
+    for kind, got in rows.items():
+        walls = sorted(d for d, _ in got)
+        med = lambda key: statistics.median(g[key] for _, g in got) / 1e3  # noqa: E731
+        print(f"{kind + f' ({len(got)})':<30} {walls[0] / 1e3:6.1f} / {statistics.median(walls) / 1e3:6.1f} / "
+              f"{walls[-1] / 1e3:6.1f} | {med('busy'):6.1f} | {med('kernels'):6.1f} | {med('h2d'):5.1f} "
+              f"({statistics.median(g['h2d_mib'] for _, g in got):6.1f}) | {med('idle'):5.1f}")
     if not chunk_steps:
         return
     print(f"-- the {len(chunk_steps)} chunk steps by part (ms a step: host time in the part; the GPU meanwhile)")
