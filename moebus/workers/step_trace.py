@@ -19,6 +19,7 @@ import numpy as np
 from moebus.workers import step_parts
 
 log = logging.getLogger("moebus.worker")
+ABSENT_STEPS = 3  # the trace stops after this many steps in a row without its prompt's slot
 
 
 def from_env(gpu: int, routed_max_tokens: int):
@@ -55,6 +56,7 @@ class StepTrace:
         warm.start()
         warm.stop()
         self.prof = None
+        self.absent = 0  # steps in a row without the traced prompt's slot, no chunk held
         self.traced = 0
         self.done = False
         self._range = None
@@ -64,9 +66,10 @@ class StepTrace:
     def before(self, step_id: int, slots, lengths, chunk_slot: int | None) -> None:
         """A step starts; ``chunk_slot``: the slot of the spanning chunk the stage holds, or None.
         The trace starts at the first step that finds one held (its second step, not a text
-        stream's own prompt beside the others) and stops before the first step without that slot
-        once no chunk is held (the prompt's request is over: the stop's seconds fall outside the
-        window of its gaps), or after ``steps`` steps."""
+        stream's own prompt beside the others) and stops before the ABSENT_STEPS-th step in a row
+        without that slot once no chunk is held (the prompt's request is over: the stop's seconds
+        fall outside the window of its gaps; between two chunks of one prompt a look-ahead step
+        may leave the slot out once), or after ``steps`` steps."""
         if self.prof is None:
             if self.done or chunk_slot is None:
                 return
@@ -76,9 +79,12 @@ class StepTrace:
             step_parts.RANGES = self._record_function
             self.slot = chunk_slot
             log.info("gpu%d: trace started at step %d (%.1f ms)", self.gpu, step_id, 1e3 * (time.perf_counter() - started))
-        elif self.traced >= self.steps or (chunk_slot is None and self.slot not in np.asarray(slots).tolist()):
-            self._stop()
-            return
+        else:
+            gone = chunk_slot is None and self.slot not in np.asarray(slots).tolist()
+            self.absent = self.absent + 1 if gone else 0
+            if self.traced >= self.steps or self.absent >= ABSENT_STEPS:
+                self._stop()
+                return
         kind = step_kind(lengths, self.routed_max_tokens)
         self._range = self._record_function(f"step {step_id} {kind} {int(np.sum(lengths))}")
         self._range.__enter__()
