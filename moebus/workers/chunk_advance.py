@@ -3,10 +3,11 @@ and, within a layer, expert groups run while the experts they copy in stay withi
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
 step's first, and before each layer's attention, the stage syncs and stops once the deadline is
 past (or, at a layer, nearer than the last layer's attention and routing took); every group's
-copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What the next step needs is kept outside the
-step scratch (``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden
-state and the last MLP's output. A chunk longer than the standing scratch holds the cache's
-prompt-path loan from its first step to its end. Each part of a step is timed (step_parts.py)."""
+copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
+the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
+state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
+standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
+step is timed (step_parts.py)."""
 from __future__ import annotations
 
 import os

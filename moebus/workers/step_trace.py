@@ -78,7 +78,8 @@ class StepTrace:
             self.prof.start()
             step_parts.RANGES = self._record_function
             self.slot = chunk_slot
-            log.info("gpu%d: trace started at step %d (%.1f ms)", self.gpu, step_id, 1e3 * (time.perf_counter() - started))
+            log.info("gpu%d: trace started at step %d (%.1f ms)", self.gpu, step_id,
+                     1e3 * (time.perf_counter() - started))
         else:
             gone = chunk_slot is None and self.slot not in np.asarray(slots).tolist()
             self.absent = self.absent + 1 if gone else 0
