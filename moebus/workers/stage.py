@@ -221,9 +221,11 @@ class Stage:
         """The captured decode step for this batch size, captured on first use (None: run eagerly). A
         routed step with a prompt's chunk beside decode rows (a long prompt read while others decode)
         is captured from the second step of its shape on: an eager step of many layers costs its
-        Python launches (~10x the graph), and the chunks of one prompt repeat one shape."""
-        if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
-                or batch.deepstack is not None:
+        Python launches (~10x the graph), and the chunks of one prompt repeat one shape. A batch whose
+        image embeddings are empty (the decode rows of an image prompt's spanning chunk step, which
+        ``select_rows`` leaves with no rows of the image) is a plain decode step: it replays too."""
+        images = batch.embeds is not None and len(batch.embeds) > 0
+        if not self.use_graphs or batch.extras or images or batch.logit_rules is not None or batch.deepstack is not None:
             return None
         key = (batch.num_tokens, "mask" in inputs)  # a batch with a constrained row has its own graph
         if batch.num_seqs != batch.num_tokens:  # chunks: their own graphs, once the shape comes again

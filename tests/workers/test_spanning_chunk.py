@@ -251,3 +251,25 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
     assert out.tokens[1] == want.tokens[0] and np.array_equal(out.logits[1], want.logits[0])
     for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
         assert np.array_equal(got, wanted)
+
+
+def test_an_image_chunks_decode_rows_replay_their_graph(model_dirs):
+    """The decode rows of a step whose chunk carries an image's embeddings are selected with no
+    image rows (an empty embedding array): their step is a plain decode step and takes the captured
+    graph of its batch size, not an eager run of every kernel (the H200's 40-60 ms chunk steps of a
+    LLaVA image beside 2 text streams, tenth session, against ~6 ms a decode step)."""
+    from moebus.workers.batch import select_rows
+
+    stage = _model(model_dirs["init_qwen3"], 1.0).stages[0]
+
+    class Captured:  # what _graph_for asks of a captured step
+        def matches(self, inputs):
+            return True
+    graph = stage.graphs[(1, False)] = Captured()
+    stage.use_graphs = True
+    step = _mixed(3, image=True)
+    decode = select_rows(step, [0])
+    assert decode.embeds is not None and len(decode.embeds) == 0
+    assert stage._graph_for(decode, stage._host_inputs(decode, None)) is graph
+    chunk = select_rows(step, [1])  # the chunk's own row keeps its image: never a graph
+    assert len(chunk.embeds) and stage._graph_for(chunk, stage._host_inputs(chunk, None)) is None
