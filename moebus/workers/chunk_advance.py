@@ -109,10 +109,12 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
     ops, cfg, parts = stage.ops, stage.cfg, chunk.parts
     parts.begin("begin (sync)")
     ops.begin_step()
-    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
+    first = chunk.x is None and chunk.within is None  # the first layer's input is made in this step
+    skipped = ("attn_tiles",) if first else ("attn_tiles", "embeds", "embed_rows")  # an image's: ~6 MiB a step
+    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name not in skipped}
     segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
     x, residual = chunk.x, chunk.residual
-    if x is None and chunk.within is None:  # the first layer's input
+    if first:
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
