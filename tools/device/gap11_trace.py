@@ -1,8 +1,10 @@
 """A spanning chunk's steps from the worker's CUPTI trace (MOEBUS_TRACE_CHUNK_STEPS, workers/step_trace.py;
 tools/device/gap11.sh): per traced step (the first few, then by kind) its wall time, the GPU's busy
-time (kernels, host-to-device copies and their MiB, the two overlapping), its idle time; then, over the chunk's steps, each part of
-the step (workers/step_parts.py) with the host's time in it and what the GPU did meanwhile; then the
-kernels that took the most GPU time in chunk steps and in decode steps.
+time (kernels, and how many ran; host-to-device copies and their MiB; the two overlapping), its idle
+time (a step launched eagerly from Python shows as idle time between its kernels); then, over the
+chunk's steps, each part of the step (workers/step_parts.py) with the host's time in it and what the
+GPU did meanwhile; then the kernels and copies that took the most GPU time in chunk steps and in
+decode steps.
 
     python3 tools/device/gap11_trace.py chunk_trace_gpu0.json"""
 from __future__ import annotations
@@ -48,7 +50,7 @@ def gpu_in(gpu, lo: float, hi: float) -> dict:
             others.append((a, b))
     busy = union(spans)
     return dict(busy=busy, kernels=union(kernels), h2d=union(h2d), h2d_mib=h2d_bytes / MIB, other=union(others),
-                idle=(hi - lo) - busy)
+                idle=(hi - lo) - busy, launches=len(kernels))
 
 
 def main(path: str) -> None:
@@ -59,14 +61,15 @@ def main(path: str) -> None:
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     print(f"-- {len(steps)} steps traced, {len(gpu)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
           f"the first {MAX_STEP_LINES}, then by kind")
-    print("step (id kind tokens)     wall ms | GPU busy | kernels | HtoD ms (MiB) | other | idle   (ms)")
+    print("step (id kind tokens)     wall ms | GPU busy | kernels (count) | HtoD ms (MiB) | other | idle   (ms)")
     chunk_steps, rows = [], defaultdict(list)
     last_chunk_end = max((s["ts"] + s["dur"] for s in steps if " chunk " in s["name"]), default=0)
     for n, s in enumerate(steps):
         lo, hi = s["ts"], s["ts"] + s["dur"]
         g = gpu_in(gpu, lo, hi)
         if n < MAX_STEP_LINES:
-            print(f"{s['name']:<26} {s['dur'] / 1e3:6.1f} | {g['busy'] / 1e3:7.1f} | {g['kernels'] / 1e3:7.1f} | "
+            print(f"{s['name']:<26} {s['dur'] / 1e3:6.1f} | {g['busy'] / 1e3:7.1f} | {g['kernels'] / 1e3:7.1f} "
+                  f"({g['launches']:4d}) | "
                   f"{g['h2d'] / 1e3:5.1f} ({g['h2d_mib']:6.1f}) | {g['other'] / 1e3:5.1f} | {g['idle'] / 1e3:5.1f}")
         kind = s["name"].split()[2]
         if kind == "chunk":
