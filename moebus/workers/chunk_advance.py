@@ -1,9 +1,17 @@
 """A prompt chunk that spans steps (spanning_chunk.py): its work within one step. Its pieces, layers
-and, within a layer, expert groups run while the experts they copy in stay within the step's budget;
-what the next step needs is kept outside the step scratch (``ChunkInProgress.keep``). A chunk longer
-than the standing scratch holds the cache's prompt-path loan from its first step to its end."""
+and, within a layer, expert groups run while the experts they copy in stay within the step's budget
+of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
+step's first, and before each layer's attention, the stage syncs and stops once the deadline is
+past (or, at a layer, nearer than the last layer's attention and routing took); every group's
+copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
+the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
+state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
+standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
+step is timed (step_parts.py)."""
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +24,10 @@ from moebus.workers.prompt_loan import forward_in_pieces
 if TYPE_CHECKING:
     from moebus.workers.spanning_chunk import ChunkInProgress
 
+# a time-bounded step's copies: the bytes a second that the time left may still take (H200's PCIe,
+# the pinned store to the arena beside decode's reads of the mapped store: ~25-50 GB/s)
+LINK_BYTES_PER_S = float(os.environ.get("MOEBUS_CHUNK_LINK_GBPS", "25")) * 1e9
+
 
 @dataclass
 class LayerInProgress:
@@ -26,21 +38,24 @@ class LayerInProgress:
     next_expert: int = 0  # index into routed.unique of the first expert not computed
 
 
-def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool) -> StageOutput | None:
+def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool,
+                    deadline: float | None = None) -> StageOutput | None:
     """The chunk on the prompt-path loan where it is longer than the standing scratch covers, in
     pieces of as many tokens as the first step's loan covers. The cache's slots stay lent from the
     chunk's first step to its end (``hold_loan``); each step borrows them as its scratch. A loan
     taken again (after ``return_loan``) too short for the pieces: the chunk runs whole, in that
     loan's pieces, as it would have."""
     if stage.scratch is None or chunk.length <= stage.scratch.tokens:
-        return advance(stage, chunk, budget, want_logits, chunk.length)
+        return advance(stage, chunk, budget, want_logits, chunk.length, deadline)
+    chunk.parts.begin("loan")
     max_piece_tokens = hold_loan(stage, chunk)
     stage.ops.borrow(stage.experts.lent_bytes(*chunk.lent))
     try:
         if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
             return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
-        return advance(stage, chunk, budget, want_logits, max_piece_tokens)
+        return advance(stage, chunk, budget, want_logits, max_piece_tokens, deadline)
     finally:
+        chunk.parts.begin("end (sync)")
         stage.ops.end_borrow()
 
 
@@ -60,32 +75,46 @@ def hold_loan(stage, chunk: ChunkInProgress) -> int:
 
 
 def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
-            max_piece_tokens: int) -> StageOutput | None:
+            max_piece_tokens: int, deadline: float | None = None) -> StageOutput | None:
     """Run the chunk's pieces, layers and, within a layer, expert groups while the experts copied in
-    this step stay within ``budget_bytes`` (None: no limit); at least one group a step. The chunk's
-    output once its last piece is through the last layer, else None (its state kept)."""
+    this step stay within ``budget_bytes`` (None: no limit) and the work within ``deadline`` (a
+    ``time.perf_counter()``; None: none); at least one group a step. The chunk's output once its
+    last piece is through the last layer, else None (its state kept)."""
     if chunk.pieces is None:
         chunk.pieces = [chunk.batch] if max_piece_tokens >= chunk.length else \
             [piece for piece, _, _, _ in split_tokens(chunk.batch, max_piece_tokens)]
     spent = [0, False]  # bytes copied in this step, whether a group ran
     while True:
         is_last = chunk.piece == len(chunk.pieces) - 1
-        out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits)
+        out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits,
+                             deadline)
         if out is None or is_last:
             return out
         chunk.piece, chunk.layer, chunk.x, chunk.residual = chunk.piece + 1, 0, None, None
+        if deadline is not None and spent[1] and time_left(stage, chunk, deadline) <= 0:
+            return None  # the next piece from its first layer (its keys and values are the earlier pieces')
+
+
+def time_left(stage, chunk: ChunkInProgress, deadline: float) -> float:
+    """Seconds to ``deadline`` once the work enqueued so far is done (a host sync)."""
+    chunk.parts.begin("deadline (sync)")
+    stage.ops.synchronize()
+    return deadline - time.perf_counter()
 
 
 def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes, spent: list, is_last: bool,
-                   want_logits: bool):
+                   want_logits: bool, deadline: float | None = None):
     """One piece's layers from where it stands; None while some are left, else (last piece) the
     chunk's output, (another) True."""
-    ops, cfg = stage.ops, stage.cfg
+    ops, cfg, parts = stage.ops, stage.cfg, chunk.parts
+    parts.begin("begin (sync)")
     ops.begin_step()
-    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
+    first = chunk.x is None and chunk.within is None  # the first layer's input is made in this step
+    skipped = ("attn_tiles",) if first else ("attn_tiles", "embeds", "embed_rows")  # an image's: ~6 MiB a step
+    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name not in skipped}
     segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
     x, residual = chunk.x, chunk.residual
-    if x is None and chunk.within is None:  # the first layer's input
+    if first:
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
@@ -94,7 +123,12 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         while chunk.layer < len(stage.layer_range):
             n, i = chunk.layer, stage.layer_range[chunk.layer]
             if chunk.within is None:
+                if deadline is not None and spent[1] and time_left(stage, chunk, deadline) < chunk.layer_entry_s:
+                    _keep_boundary(ops, chunk, x, residual)
+                    return None
+                entered = time.perf_counter()
                 w = stage.layers[i]
+                parts.begin("attention")
                 x, o = stage._attend(n, i, x, inputs["token_slot"], inputs["token_pos"], residual, segments)
                 x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], cfg.rms_norm_eps)
                 if not cfg.is_moe_layer(i):
@@ -102,8 +136,10 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                     chunk.layer += 1
                     ops.recycle_layer(mark, (x, residual[1]))
                     continue
+                parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
-            if not _run_groups(stage, chunk, i, budget_bytes, spent):
+                chunk.layer_entry_s = time.perf_counter() - entered  # the attention's and the routing's, synced
+            if not _run_groups(stage, chunk, i, budget_bytes, spent, deadline):
                 _keep_within(ops, chunk)
                 return None
             within, chunk.within = chunk.within, None
@@ -114,6 +150,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         stage.experts.release()
     if not is_last:  # its keys and values are written: the next piece reads them
         return True
+    parts.begin("head (sync)")
     out = stage._head(piece, inputs, x, residual, {})
     if piece.top_logprobs:
         out["top_ids"], out["top_logprobs"] = stage._top_logprobs(piece, out["logits"])
@@ -130,17 +167,25 @@ def _pair_buffer(stage, chunk: ChunkInProgress):
     return allocate
 
 
-def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | None, spent: list) -> bool:
-    """The layer's next expert groups within the budget; True when its last expert is done."""
+def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | None, spent: list,
+                deadline: float | None = None) -> bool:
+    """The layer's next expert groups within the budget and the deadline; True when its last expert
+    is done."""
     within, experts = chunk.within, stage.experts
     unique = within.routed.unique
     run = None  # this step's runner of the layer's groups, made with its first group
     while within.next_expert < len(unique):
         left = None if budget_bytes is None else budget_bytes - spent[0]
+        if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
+            seconds = time_left(stage, chunk, deadline) if spent[1] else max(0.0, deadline - time.perf_counter())
+            if seconds <= 0 and spent[1]:
+                return False
+            left = int(seconds * LINK_BYTES_PER_S) if left is None else min(left, int(seconds * LINK_BYTES_PER_S))
+        chunk.parts.begin("plan")
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
-        run = run or group_runner(stage, layer, within)
+        run = run or group_runner(stage, layer, within, chunk.parts)
         run(within.next_expert, end)
         within.next_expert = end
         spent[0] += cost
@@ -149,22 +194,27 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
     return True
 
 
-def group_runner(stage, layer: int, within: LayerInProgress):
+def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
     """A function ``(first, end)`` that computes the pairs of the experts ``routed.unique[first:end]``
     into ``routed.out``: on tensor cores where the whole chunk would run there (the layer's pairs
     planned and gathered into tiles once a step, moe_prefill.HostTiles, each group's tiles then
     multiplied from its arena slots and its pairs' outputs scattered to their rows), else
     ``Stage._moe_group``'s GEMVs. The tiles' buffers are the step's: a step that continues the layer
-    plans and gathers it again (host work and one gather, no copies)."""
+    plans and gathers it again (host work and one gather, no copies). ``parts``: the step's
+    StepParts, told when a group's acquire and its kernels start."""
     ops, cfg, routed, h = stage.ops, stage.cfg, within.routed, within.h
     if not can_group_on_device(ops, stage.experts, h.shape[0]):
-        return lambda first, end: stage._moe_group(layer, h, routed, first, end)
+        def gemvs(first: int, end: int) -> None:
+            if parts is not None:
+                parts.begin("groups (GEMVs)")
+            stage._moe_group(layer, h, routed, first, end)
+        return gemvs
     ids = routed.unique[routed.pair_group_index].reshape(h.shape[0], -1)
     tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size)
     index = routed.pair_group_index
 
     def run(first: int, end: int) -> None:
-        tiles.run_group(layer, first, end)
+        tiles.run_group(layer, first, end, parts)
         tiles.write_pairs(routed.out, np.flatnonzero((index >= first) & (index < end)))
     return run
 
@@ -181,6 +231,12 @@ def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: i
             break
         end, cost = end + 1, cost + extra
     return end, cost
+
+
+def _keep_boundary(ops, chunk: ChunkInProgress, x, residual) -> None:
+    """A step that stops between layers: the hidden state and the last layer's MLP output kept."""
+    chunk.x = chunk.keep(ops, "x_layer", x)
+    chunk.residual = None if residual is None else ("dense", chunk.keep(ops, "residual", residual[1]))
 
 
 def _keep_within(ops, chunk: ChunkInProgress) -> None:

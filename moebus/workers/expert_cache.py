@@ -138,6 +138,12 @@ class ExpertCache:
         mapped = self.arena.num_slots
         return mapped if self.loaned_from is None else min(mapped, self.loaned_from)
 
+    @property
+    def not_resident(self) -> int:
+        """How many of the stage's experts no slot holds (0: every one is resident, nothing is ever
+        copied in or evicted; a spanning chunk and a decode step launched ahead ask this)."""
+        return len(self.store.layers) * self.store.num_experts - len(self.key_slot)
+
     def decode_tiles(self, num_tokens: int) -> bool:
         """May a routed step of ``num_tokens`` run its experts in tiles on tensor cores? Not where
         misses are read in place (a cache that cannot hold every expert) by a step of at most

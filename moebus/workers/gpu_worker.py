@@ -21,7 +21,7 @@ from moebus.common.errors import ConfigError
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers import overlap, spanning_chunk
+from moebus.workers import overlap, spanning_chunk, step_trace
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
@@ -40,7 +40,8 @@ SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads 
 
 
 class GpuWorker:
-    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True):
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True, trace=None):
+        """``trace``: a workers.step_trace.StepTrace (MOEBUS_TRACE_CHUNK_STEPS), or None."""
         self.stage = stage
         self.launch_ahead = launch_ahead
         self.link = link
@@ -53,6 +54,7 @@ class GpuWorker:
         self.ahead: dict[int, overlap.Launched | Exception] = {}  # step id -> launched early (workers/overlap.py)
         self.steps_launched_ahead = 0
         self.recent_decode_s: deque[float] = deque(maxlen=64)
+        self.trace = trace
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -75,6 +77,16 @@ class GpuWorker:
         raise ValueError(f"unexpected message {type(message).__name__}")
 
     def step(self, msg: Step) -> StepReply:
+        if self.trace is None:
+            return self._step(msg)
+        held = self.stage.chunk  # MOEBUS_TRACE_CHUNK_STEPS (workers/step_trace.py)
+        self.trace.before(msg.step_id, msg.slots, msg.lengths, None if held is None else held.slot)
+        try:
+            return self._step(msg)
+        finally:
+            self.trace.after()
+
+    def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
@@ -202,6 +214,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                       server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
     stage = load_stage(settings, model_dir, gpu, layers, device)
     warm_decode_graphs(stage, settings.max_batch, f"gpu{gpu}")
+    trace = step_trace.from_env(gpu, ROUTED_MAX_TOKENS) if device == "cuda" else None  # before READY
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
                      max_batch=settings.max_batch, max_context=settings.max_context))
@@ -209,7 +222,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
              stage.experts.report())
     log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
     try:
-        return GpuWorker(stage, link, gpu, settings.launch_ahead).serve()
+        return GpuWorker(stage, link, gpu, settings.launch_ahead, trace).serve()
     finally:
         link.close()
 
@@ -261,6 +274,7 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
         raise ConfigError(f"gpu{gpu} ({label}) does not fit: {e}; give it fewer layers (layer_split), a smaller "
                           f"max_batch / max_context / max_step_tokens, or more memory") from e
     stage.chunk_copy_budget_bytes = int(settings.max_prefill_copy_mib_beside_decode * MIB)
+    stage.chunk_time_share = spanning_chunk.TIME_SHARE if device == "cuda" else 0.0
     return stage
 
 

@@ -107,11 +107,17 @@ class HostTiles:
         self.bases, self.strides = self.work.pointer_layout(experts.array)
         self.tiles_of = np.diff(plan.first_tile)
 
-    def run_group(self, layer: int, first: int, end: int) -> None:
+    def run_group(self, layer: int, first: int, end: int, parts=None) -> None:
         """The experts plan.experts[first:end], acquired: the resident ones' gate|up products run
-        while the misses are still being copied in, then the rest, SwiGLU and down."""
+        while the misses are still being copied in, then the rest, SwiGLU and down. ``parts``: a
+        step_parts.StepParts told when the acquire (it waits for the admissions in flight) and the
+        kernels start."""
         plan, work, experts = self.plan, self.work, self.experts
+        if parts is not None:
+            parts.begin("acquire (sync)")
         slots, ready = experts.acquire(layer, plan.experts[first:end])
+        if parts is not None:
+            parts.begin("group kernels")
         tiles = np.arange(plan.first_tile[first], plan.first_tile[end])
         tiles_of = self.tiles_of[first:end]
         tile_slots, tile_ready = np.repeat(slots, tiles_of), np.repeat(ready, tiles_of)

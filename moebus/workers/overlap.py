@@ -40,8 +40,7 @@ def evicts_nothing(experts) -> bool:
     step launched meanwhile reads only slots that keep their experts: admissions go to free slots
     (which no placement entry names yet) and the entries flip in stream order after it. True when
     every expert is resident, and after a prompt loan (its evicted experts' slots are free)."""
-    not_resident = len(experts.store.layers) * experts.store.num_experts - len(experts.key_slot)
-    return len(experts.free) >= min(experts.max_admissions, not_resident)
+    return len(experts.free) >= min(experts.max_admissions, experts.not_resident)
 
 
 def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None = None) -> Launched | None:

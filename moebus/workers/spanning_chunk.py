@@ -2,7 +2,9 @@
 copied in holds every stream for the whole copy: on the H200 (8 x 128 experts, a cache of 457 slots)
 ~740 experts, ~6.9 GB, a step of 110-215 ms against a decode step of ~6.5 ms. Here the stage runs
 the decode rows first (their own step: their graph, as any decode step), then advances the chunk
-while the experts it copies stay within a budget of bytes a step, and reports the chunk's row as
+while the experts it copies stay within a budget of bytes a step and, on a GPU, while its work stays
+within ``TIME_SHARE`` times what the decode rows took (chunk_advance.py: on the H200 the copy budget
+alone left steps of 40-60 ms whatever the budget), and reports the chunk's row as
 pending (``StageOutput.pending_rows``); the broker re-sends the same feed until the row is done
 (broker/steps.py), and the stage continues what it holds for that slot, start and length.
 
@@ -35,6 +37,7 @@ step carrying it runs whole, and when a step advancing it raises."""
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,9 +46,15 @@ import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
+from moebus.workers.step_parts import StepParts
 
 log = logging.getLogger("moebus.stage")
 MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the look-ahead step
+# a cuda worker's stage.chunk_time_share: beside decode rows, a step's chunk work ends once it took
+# this many times the decode rows' time in that step (chunk_advance.py), so such a step takes ~1 +
+# this many decode steps and a group's overrun (issue 20: a text stream's gap within 2x its median,
+# and the decode rows beside a chunk are slower than alone: more misses); 0: the copy budget alone
+TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
 
 
 @dataclass
@@ -68,6 +77,8 @@ class ChunkInProgress:
     lent: tuple | None = None  # the cache's slots [lo, hi) lent to it as scratch, held across its steps
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
+    parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
+    layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
 
     @classmethod
     def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":
@@ -97,11 +108,6 @@ class ChunkInProgress:
         else:  # a device array: a copy in stream order
             buffer.copy_to_device(array, stream=ops.stream)
         return buffer
-
-
-def all_resident(experts) -> bool:
-    key_slot = getattr(experts, "key_slot", None)
-    return key_slot is None or len(key_slot) >= len(experts.store.layers) * experts.store.num_experts
 
 
 def note_step(stage, batch: StepBatch) -> None:
@@ -167,7 +173,7 @@ def chosen_row(stage, batch: StepBatch, hidden, routed_max_tokens: int) -> int |
     row = int(prompt_rows[0])
     if stage.chunk is not None and stage.chunk.matches(batch, row):
         return row
-    if batch.num_seqs == 1 or batch.num_tokens <= routed_max_tokens or all_resident(stage.experts):
+    if batch.num_seqs == 1 or batch.num_tokens <= routed_max_tokens or not stage.experts.not_resident:
         return None
     return row
 
@@ -180,15 +186,18 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
     if stage.chunk is None:
         held = stage.chunk = ChunkInProgress.of(batch, row)
+    held.parts.begin("decode rows (sync)")
     others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
     decode = select_rows(batch, others) if len(others) else None
     decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
     budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
+    deadline = chunk_deadline(stage, started) if decode is not None else None
     try:
-        chunk_out = advance_in_loan(stage, held, budget, want_logits)
+        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline)
     except BaseException:
         drop(stage, "the step failed")
         raise
+    held.parts.end_step()
     held.steps += 1
     stage.chunk_steps += 1
     held.step_ms.append(1e3 * (time.perf_counter() - started))
@@ -196,13 +205,24 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         release(stage)
         stage.chunks_spanned += 1
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
-                 "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows)",
-                 held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
-                 statistics.median(held.step_ms), max(held.step_ms))
+                 "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
+                 "mean / max ms a step: %s", held.length, held.slot, held.start, held.steps, held.copies,
+                 min(held.step_ms), statistics.median(held.step_ms), max(held.step_ms), held.parts.summary())
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
     return merged(batch, pieces, None if chunk_out is not None else np.array([row], np.int32), want_logits)
+
+
+def chunk_deadline(stage, started: float) -> float | None:
+    """When a step's chunk work must end (a ``time.perf_counter()``): ``stage.chunk_time_share``
+    times what the step's decode rows took from ``started``, after them; None where the share is 0
+    (the copy budget alone bounds the step)."""
+    share = stage.chunk_time_share
+    if share <= 0:
+        return None
+    now = time.perf_counter()
+    return now + share * (now - started)
 
 
 def return_loan(stage) -> None:

@@ -82,6 +82,9 @@ class Stage:
         # a prompt's chunk beside decode rows copies at most this many bytes of experts a step, and
         # spans steps (spanning_chunk.py; 0: a chunk runs whole in its step)
         self.chunk_copy_budget_bytes = 0
+        # and, beside decode rows, its work in a step ends once it took this many times what the
+        # decode rows took (0: the copy budget alone; a cuda worker sets spanning_chunk.TIME_SHARE)
+        self.chunk_time_share = 0.0
         self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
         self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
@@ -217,9 +220,11 @@ class Stage:
         """The captured decode step for this batch size, captured on first use (None: run eagerly). A
         routed step with a prompt's chunk beside decode rows (a long prompt read while others decode)
         is captured from the second step of its shape on: an eager step of many layers costs its
-        Python launches (~10x the graph), and the chunks of one prompt repeat one shape."""
-        if not self.use_graphs or batch.extras or batch.embeds is not None or batch.logit_rules is not None \
-                or batch.deepstack is not None:
+        Python launches (~10x the graph), and the chunks of one prompt repeat one shape. A batch whose
+        image embeddings are empty (the decode rows of an image prompt's spanning chunk step, which
+        ``select_rows`` leaves with no rows of the image) is a plain decode step: it replays too."""
+        images = batch.embeds is not None and len(batch.embeds) > 0
+        if not self.use_graphs or batch.extras or images or batch.logit_rules is not None or batch.deepstack is not None:
             return None
         key = (batch.num_tokens, "mask" in inputs)  # a batch with a constrained row has its own graph
         if batch.num_seqs != batch.num_tokens:  # chunks: their own graphs, once the shape comes again

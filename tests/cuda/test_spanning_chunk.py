@@ -67,10 +67,12 @@ def test_kept_buffers_outlive_the_step_and_go_back_with_the_chunk():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
-@pytest.mark.parametrize("experts_on", ["gemv", "tensor cores"])
-def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on):
+@pytest.mark.parametrize("experts_on, by_time", [("gemv", False), ("tensor cores", False), ("tensor cores", True)])
+def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on, by_time):
     """``tensor cores``: the threshold lowered so that the chunk's 6 tokens take the tiles
-    (moe_prefill.HostTiles, as the chunk run whole does here: planned on the host), not the GEMVs."""
+    (moe_prefill.HostTiles, as the chunk run whole does here: planned on the host), not the GEMVs.
+    ``by_time``: each step's deadline past at its first look (chunk_advance.py), so a step runs one
+    group and stops, also between layers (their hidden state kept in device buffers)."""
     monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
     groups = []
     run_group = HostTiles.run_group
@@ -79,8 +81,9 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
     want = whole.forward(StepBatch(slots=[1], starts=[0], lengths=[6], tokens=CHUNK))
     whole_groups = len(groups)
     sliced = _stage(micro_model, 1.0, experts_on)
+    sliced.chunk_time_share = 1e-12 if by_time else 0.0
     assert len(sliced.experts.key_slot) < 8
-    steps = 0
+    steps, between_layers = 0, 0
     while True:
         out = sliced.forward(StepBatch(slots=[0, 1], starts=[2, 0], lengths=[1, 6], tokens=[21] + CHUNK))
         steps += 1
@@ -88,8 +91,10 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
             break
         kept = sliced.chunk.kept
         assert kept and not any(isinstance(b, np.ndarray) for b in kept.values())  # device buffers
-        assert steps < 20
+        between_layers += sliced.chunk.within is None
+        assert steps < 40
     assert steps > 1 and sliced.chunk is None and sliced.chunks_spanned == 1
+    assert (between_layers > 0) == by_time
     assert (whole_groups > 0 and len(groups) > whole_groups) == (experts_on == "tensor cores")
     assert out.tokens[1] == want.tokens[0]
     np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)

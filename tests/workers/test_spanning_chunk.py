@@ -5,6 +5,7 @@ step, bit for bit, and the decode row's equal those of its step run alone."""
 import numpy as np
 import pytest
 
+from moebus.workers import chunk_advance
 from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
 
@@ -201,3 +202,74 @@ def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_ne
         position += 1
         assert position < 400
     assert stage.chunk is None and experts.loaned_from is None and experts.num_slots == slots
+
+
+@pytest.mark.parametrize("case", ["plain", "in pieces"])
+def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case):
+    """A step whose deadline is past at its first look (a share of the decode rows' time near 0)
+    runs one expert group, then stops: within a layer, before a layer (its hidden state and last MLP
+    output kept: with the copy budget alone it would go on to the next layer's attention and first
+    group) or before the next piece. The chunk's token, logits and keys and values still equal
+    those of the chunk run whole."""
+    whole = _model(model_dirs["init_qwen3"], None)
+    _decode_ready(whole)
+    sliced = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(sliced)
+    if case == "in pieces":
+        _small_scratch(whole)
+        _small_scratch(sliced)
+    want = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2), want_logits=True)
+    stage = sliced.stages[0]
+    stage.chunk_time_share = 1e-12
+    groups, stops = [], {"within": 0, "layer": 0, "piece": 0}
+    run_group = chunk_advance.group_runner
+
+    def counted(*args):
+        run = run_group(*args)
+
+        def each(first, end):
+            groups[-1] += 1
+            run(first, end)
+        return each
+    chunk_advance.group_runner, position = counted, 3
+    try:
+        while True:
+            groups.append(0)
+            out = sliced.step(_mixed(position), want_logits=True)
+            if out.pending_rows is None:
+                break
+            held = stage.chunk
+            where = "within" if held.within is not None else "layer" if held.layer else "piece"
+            stops[where] += 1
+            assert held.x is not None if where == "layer" else held.x is None
+            position += 1
+            assert position < 400
+    finally:
+        chunk_advance.group_runner = run_group
+    assert groups[:-1] == [1] * (len(groups) - 1)  # one group a step, however few its copies
+    assert stops["within"] and stops["layer"] and (stops["piece"] if case == "in pieces" else not stops["piece"])
+    assert out.tokens[1] == want.tokens[0] and np.array_equal(out.logits[1], want.logits[0])
+    for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
+        assert np.array_equal(got, wanted)
+
+
+def test_an_image_chunks_decode_rows_replay_their_graph(model_dirs):
+    """The decode rows of a step whose chunk carries an image's embeddings are selected with no
+    image rows (an empty embedding array): their step is a plain decode step and takes the captured
+    graph of its batch size, not an eager run of every kernel (the H200's 40-60 ms chunk steps of a
+    LLaVA image beside 2 text streams, tenth session, against ~6 ms a decode step)."""
+    from moebus.workers.batch import select_rows
+
+    stage = _model(model_dirs["init_qwen3"], 1.0).stages[0]
+
+    class Captured:  # what _graph_for asks of a captured step
+        def matches(self, inputs):
+            return True
+    graph = stage.graphs[(1, False)] = Captured()
+    stage.use_graphs = True
+    step = _mixed(3, image=True)
+    decode = select_rows(step, [0])
+    assert decode.embeds is not None and len(decode.embeds) == 0
+    assert stage._graph_for(decode, stage._host_inputs(decode, None)) is graph
+    chunk = select_rows(step, [1])  # the chunk's own row keeps its image: never a graph
+    assert len(chunk.embeds) and stage._graph_for(chunk, stage._host_inputs(chunk, None)) is None

@@ -11,19 +11,21 @@
 # spanning chunks (steps, experts copied in, step times), the warm-up line, the ERROR count.
 #   BUDGET=122 bash tools/device/gap10.sh                   (as run: 109 s on a bare H200)
 #   BUDGET=150 BUDGETS="128 256" bash tools/device/gap10.sh  (owed; BUDGET=115 BUDGETS=128: 128 alone)
+# (eleventh session, tools/device/gap11.sh: SKIP_TESTS=1 leaves the GPU tests out, TAG=x names the logs cycle_*_x.log,
+# FIRST_CAP the first cycle's timeout, 88 s unless set)
 source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-122}
 BUDGETS=${BUDGETS:-256 128 64}
 V=/tmp/a3b-8x128-vision
-( MOEBUS_TEST_GPU=1 timeout 70 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_spanning_chunk.py \
+[ -n "$SKIP_TESTS" ] || ( MOEBUS_TEST_GPU=1 timeout 70 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_spanning_chunk.py \
     tests/cuda/test_host_tiles.py > $OUT/gpu_tests.log 2>&1; echo "GPU tests rc=$?" >> $OUT/gpu_tests.log ) &
 [ -d $V ] || timeout 90 python3 -m moebus.cli init-model $V --preset a3b --layers 8 --vision siglip > $OUT/init.log 2>&1
 wait
-tail -4 $OUT/gpu_tests.log
+[ -n "$SKIP_TESTS" ] || tail -4 $OUT/gpu_tests.log
 echo "model built at ${SECONDS} s"
 cycle() {  # name, copy budget MiB, timeout s
-  local L=$OUT/cycle_$1.log B=$2 T=$3
+  local L=$OUT/cycle_$1${TAG:+_$TAG}.log B=$2 T=$3
   echo "== vision-cycle under 8 GiB, copy budget ${B} MiB a step beside decode (at ${SECONDS} s, timeout ${T} s)"
   MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=$B timeout $T python3 -m moebus.cli bench vision-cycle --device cuda \
     --model $V --gpu-memory-mib 8192 -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
@@ -41,7 +43,7 @@ cycle() {  # name, copy budget MiB, timeout s
 left() { echo $((BUDGET - SECONDS)); }
 first=1
 for B in $BUDGETS; do  # the first on a fresh kernel cache (~70 s), the next ~25-30 s each
-  if [ $first = 1 ]; then cycle budget$B $B $(( $(left) < 88 ? $(left) : 88 )); first=0
+  if [ $first = 1 ]; then cycle budget$B $B $(( $(left) < ${FIRST_CAP:-88} ? $(left) : ${FIRST_CAP:-88} )); first=0
   elif [ $(left) -gt 22 ]; then cycle budget$B $B $(( $(left) - 2 ))
   else echo "budget $B not run: ${SECONDS} s spent"; fi
 done
