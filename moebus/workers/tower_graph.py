@@ -19,8 +19,12 @@ must only enqueue work (no host copy, no sync; graphs.py), and the same shapes m
 path. ``collect(outputs)`` makes the caller's host results out of the host outputs by name, which
 may be the graph's pinned buffers (overwritten by the next encode): it must copy what it keeps, and
 so the outputs are copied once (the default: a copy of each; Qwen3-VL stacks its DeepStack features
-in the same copy). The host copies of a replay (the inputs into the pinned staging, the outputs out
-of the pinned buffers: ~44 MB for a 1024 x 768 image on Qwen3-VL) run in COPY_THREADS slices at once
+in the same copy). An output that ``forward`` hands to ``TowerGraph.emit`` as soon as it is final
+(Qwen3-VL's DeepStack features, made after blocks 8, 16 and 24 of 27) is copied into pinned host
+memory on a second stream from then on, inside the graph as a parallel branch, while the later
+blocks run; only the outputs made last are copied after the last kernel. The host copies of a
+replay (the inputs into the pinned staging, the outputs out of the pinned buffers: ~28 MB for a
+1024 x 768 image on Qwen3-VL, its bytes in and four outputs out) run in COPY_THREADS slices at once
 (``copy_pairs``: numpy lets the GIL go while it copies)."""
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ COPY_THREADS = int(os.environ.get("MOEBUS_TOWER_COPY_THREADS", "4"))  # 1: plain
 COPY_SLICE_BYTES = 2 << 20  # copies are cut into slices of this size, COPY_THREADS at a time
 # 0: a new shape's first encode runs eagerly and is captured at once (the ninth session's way, for A/Bs)
 EAGER_FIRST = os.environ.get("MOEBUS_TOWER_EAGER_FIRST", "1") != "0"
+# 0: the outputs a forward ``emit``s early are copied out after the last kernel like the others (for A/Bs)
+EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 
 
 class TowerGraph:
@@ -50,6 +56,14 @@ class TowerGraph:
         self.key = None
         self.graph = None  # a DeferredCapture: the last shape's pool, its graph once captured
         self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
+        self.sink = None  # the DeferredCapture whose forward runs now (``emit``)
+
+    def emit(self, name: str, array) -> None:
+        """Called by ``forward`` once its output ``name`` is final (no later launch writes it): inside a
+        graph's eager run or capture, its copy to pinned host memory starts now on a second stream,
+        beside the launches that follow; elsewhere nothing happens (it is copied with the others)."""
+        if self.sink is not None and EARLY_COPIES:
+            self.sink.emit(name, array)
 
     def run(self, key, host_inputs: dict[str, np.ndarray], forward, collect=None):
         """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
@@ -78,7 +92,7 @@ class TowerGraph:
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
         try:
-            graph = DeferredCapture(self.ops, host_inputs, forward)
+            graph = DeferredCapture(self.ops, host_inputs, forward, self)
             self.graph, self.key = graph, key
             if not EAGER_FIRST and not self._capture():
                 return None
@@ -134,8 +148,8 @@ def _deferred_capture_class():
         buffer and does the encode's real work), the capture of the same launches later
         (``capture``), into the same buffers: the pool hands them out again in the same order."""
 
-        def __init__(self, backend, host_inputs: dict, forward):
-            self.backend, self.shared_pool = backend, False
+        def __init__(self, backend, host_inputs: dict, forward, owner=None):
+            self.backend, self.shared_pool, self.owner = backend, False, owner
             self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
             self.offsets, self.total_bytes = graphs._layout(host_inputs)
             self.packed = cuda.device_array(self.total_bytes, np.uint8)
@@ -143,14 +157,42 @@ def _deferred_capture_class():
             self.pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
             self.stream = graphs._core_stream(backend.stream)
             self.forward, self.graph, self.launches = forward, None, None
+            self.early, self.emitted = {}, 0  # pinned host buffers of the outputs forward emitted, by name
+            self.side, self.forked, self.joined = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
             with backend.private_pool(self.pool):
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
                     if view.size:
                         view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
-                self.eager_outputs = forward(self.inputs)
+                self.eager_outputs = self._run(forward)
+
+        def _run(self, forward) -> dict:
+            """forward over the inputs, its emitted outputs' copies on the side stream, joined at the end."""
+            copies = len(self.early)
+            if self.owner is not None:
+                self.owner.sink = self
+            try:
+                outputs = forward(self.inputs)
+            finally:
+                if self.owner is not None:
+                    self.owner.sink = None
+                if self.emitted:
+                    graphs._record_and_wait(self.joined, self.side, self.backend.stream)
+            if copies and self.emitted != copies:  # the capture must emit what the eager run did
+                raise RuntimeError(f"the forward emitted {self.emitted} outputs, its eager run {copies}")
+            return outputs
+
+        def emit(self, name: str, array) -> None:
+            """Copy ``array`` into pinned host memory on the side stream once the launches so far are done."""
+            if name not in self.early:
+                self.early[name] = cuda.pinned_array(array.shape, array.dtype)
+            graphs._record_and_wait(self.forked, self.backend.stream, self.side)
+            array.copy_to_host(self.early[name], stream=self.side)
+            self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
-            return {name: self.backend.to_host(array) for name, array in self.eager_outputs.items()}
+            self.backend.synchronize()  # (joined: the side stream's copies too)
+            return {name: self.early[name] if name in self.early else self.backend.to_host(array)
+                    for name, array in self.eager_outputs.items()}
 
         def capture(self) -> None:
             self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
@@ -158,9 +200,14 @@ def _deferred_capture_class():
             with self.backend.private_pool(self.pool):
                 self.backend.synchronize()  # the eager run no longer uses the buffers
                 self.pool.recycle()
-                outputs, graph = self._capture(self.forward)
-            self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+                self.emitted = 0
+                outputs, graph = self._capture(self._run_forward)
+            self.host_outputs = {name: self.early.get(name) if name in self.early else
+                                 cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
             self.outputs, self.graph, self.forward = outputs, graph, None
+
+        def _run_forward(self, inputs) -> dict:
+            return self._run(self.forward)
 
         def close(self) -> None:
             if self.graph is not None:
@@ -170,9 +217,10 @@ def _deferred_capture_class():
     return _DeferredCapture
 
 
-def DeferredCapture(backend, host_inputs: dict, forward):  # noqa: N802 - a class made on first use
-    """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class)."""
-    return _deferred_capture_class()(backend, host_inputs, forward)
+def DeferredCapture(backend, host_inputs: dict, forward, owner=None):  # noqa: N802 - a class made on first use
+    """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class); ``owner``: the
+    TowerGraph whose ``emit`` reaches it while its forward runs."""
+    return _deferred_capture_class()(backend, host_inputs, forward, owner)
 
 
 def upload(graph, host_inputs: dict) -> None:
@@ -185,7 +233,8 @@ def pinned_out(graph) -> dict[str, np.ndarray]:
     """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies)."""
     stream = graph.backend.stream
     for name, array in graph.outputs.items():
-        array.copy_to_host(graph.host_outputs[name], stream=stream)
+        if name not in graph.early:  # (the emitted ones were copied inside the graph, beside its kernels)
+            array.copy_to_host(graph.host_outputs[name], stream=stream)
     stream.synchronize()
     return graph.host_outputs
 

@@ -194,6 +194,27 @@ def test_several_images_encode_one_after_another_and_concatenate():
     np.testing.assert_array_equal(deepstack, np.concatenate([alone[0][1], alone[1][1]], axis=1))
 
 
+def test_an_image_from_its_bytes_encodes_as_from_its_patches():
+    from PIL import Image
+
+    from moebus.common.qwen3vl_tiny import preprocessor_config, vision_tensors
+    from moebus.common.tiny_model import _Random
+    from moebus.cuda.backends import make_backend
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
+    proc = Qwen3VLImageProcessor(preprocessor_config(raw, "tiny"))
+    image = proc.preprocess(Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 56, 3), np.uint8)))
+    assert image.pixels is not None and image.pixels.dtype == np.uint8
+    for got, want in zip(model.encode_image(image), model.encode(image.patches, image.grid_h, image.grid_w)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="expected uint8"):
+        model.encode_pixels(image.pixels.astype(np.float32), image.values, image.grid_h, image.grid_w)
+
+
 def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():
     from moebus.cuda.kernels.compat import SIMULATOR
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel

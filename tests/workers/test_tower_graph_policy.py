@@ -16,7 +16,7 @@ class FakeCapture:
     instances = []
     fail_capture = False
 
-    def __init__(self, backend, host_inputs, forward):
+    def __init__(self, backend, host_inputs, forward, owner=None):
         self.specs = {n: a.shape for n, a in host_inputs.items()}
         self.forward, self.graph, self.closed, self.stream = forward, None, False, None
         self.eager = forward(dict(host_inputs))
