@@ -21,7 +21,7 @@ import numpy as np
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
-from moebus.workers.tower_graph import TowerGraph, copy_pairs
+from moebus.workers.tower_graph import ReadyOutputs, TowerGraph, copy_pairs, ready
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
@@ -74,11 +74,18 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
 
 def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
     """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
-    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs)."""
-    features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
+    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs), each
+    feature as soon as it is ready (tower_graph.ready: perhaps while the last blocks still run)."""
+    features = [f"deepstack{j}" for j in range(len(out) - 1)]
     embeds = np.empty(out["embeds"].shape, out["embeds"].dtype)
     stacked = np.empty((len(features),) + embeds.shape, embeds.dtype)
-    copy_pairs([(embeds, out["embeds"])] + [(stacked[j], feature) for j, feature in enumerate(features)])
+    pairs = [(stacked[j], name) for j, name in enumerate(features)] + [(embeds, "embeds")]
+    if not isinstance(out, ReadyOutputs):  # all there: one copy_pairs
+        copy_pairs([(dst, out[name]) for dst, name in pairs])
+        return embeds, stacked
+    for dst, name in pairs:
+        ready(out, name)
+        copy_pairs([(dst, out[name])])
     return embeds, stacked
 
 

@@ -45,6 +45,11 @@ COPY_SLICE_BYTES = 2 << 20  # copies are cut into slices of this size, COPY_THRE
 EAGER_FIRST = os.environ.get("MOEBUS_TOWER_EAGER_FIRST", "1") != "0"
 # 0: the outputs a forward ``emit``s early are copied out after the last kernel like the others (for A/Bs)
 EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
+# 1: a replay's ``collect`` may copy each early output out of its pinned buffer as soon as the graph raised
+# its flag (a word of mapped host memory a one-thread kernel sets after the copy), while the later blocks
+# still run, instead of after the whole graph (opt-in until measured: tools/device/vl11_encode.py)
+COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "0") == "1"
+MAX_FLAGS = 16  # early outputs a graph may flag
 
 
 class TowerGraph:
@@ -72,7 +77,11 @@ class TowerGraph:
         if self.enabled:
             host_outputs = self._graph_outputs(key, host_inputs, forward)
             if host_outputs is not None:
-                return collect(host_outputs)
+                try:
+                    return collect(host_outputs)
+                finally:
+                    if isinstance(host_outputs, ReadyOutputs):
+                        host_outputs.finish()  # the graph has ended before the next upload
         self.last_path = "eager"
         ops = self.ops
         ops.begin_step()
@@ -88,6 +97,7 @@ class TowerGraph:
                 return None
             self.last_path = "replay"
             upload(graph, host_inputs)
+            graph.flags[:] = 0  # (the last replay has ended: its collect waited for it)
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
@@ -158,6 +168,9 @@ def _deferred_capture_class():
             self.stream = graphs._core_stream(backend.stream)
             self.forward, self.graph, self.launches = forward, None, None
             self.early, self.emitted = {}, 0  # pinned host buffers of the outputs forward emitted, by name
+            self.flag_of = {}  # early output -> its word in ``flags`` (COLLECT_BESIDE)
+            self.flags = cuda.mapped_array(MAX_FLAGS, np.int32)
+            self.flags[:] = 0
             self.side, self.forked, self.joined = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
             with backend.private_pool(self.pool):
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
@@ -187,6 +200,9 @@ def _deferred_capture_class():
                 self.early[name] = cuda.pinned_array(array.shape, array.dtype)
             graphs._record_and_wait(self.forked, self.backend.stream, self.side)
             array.copy_to_host(self.early[name], stream=self.side)
+            if COLLECT_BESIDE and (name in self.flag_of or len(self.flag_of) < MAX_FLAGS):
+                index = self.flag_of.setdefault(name, len(self.flag_of))
+                _raise_flag_kernel()[1, 1, self.side](cuda.as_cuda_array(self.flags), index)
             self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
@@ -230,13 +246,70 @@ def upload(graph, host_inputs: dict) -> None:
 
 
 def pinned_out(graph) -> dict[str, np.ndarray]:
-    """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies)."""
+    """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies):
+    all of them once the graph has ended, or (flagged early outputs) a ReadyOutputs whose ``ready``
+    waits for one output at a time."""
     stream = graph.backend.stream
     for name, array in graph.outputs.items():
         if name not in graph.early:  # (the emitted ones were copied inside the graph, beside its kernels)
             array.copy_to_host(graph.host_outputs[name], stream=stream)
+    if graph.flag_of:
+        return ReadyOutputs(graph)
     stream.synchronize()
     return graph.host_outputs
+
+
+class ReadyOutputs(dict):
+    """A replay's pinned outputs by name, before the graph has ended: ``ready(name)`` waits until that
+    one is copied (a flagged early output: its flag; any other: the whole graph); ``collect`` must
+    call it before it reads an output (``_copies`` and Qwen3-VL's collect do)."""
+
+    def __init__(self, graph):
+        super().__init__(graph.host_outputs)
+        self.graph, self.ended = graph, False
+
+    def ready(self, name: str) -> None:
+        index = self.graph.flag_of.get(name)
+        if index is None:
+            self.finish()
+            return
+        flags, spins = self.graph.flags, 0
+        while not flags[index] and not self.ended:
+            spins += 1
+            if spins % 64 == 0 and _stream_done(self.graph.backend.stream):  # (a flag that never came)
+                self.ended = True
+            time.sleep(0)
+
+    def finish(self) -> None:
+        if not self.ended:
+            self.graph.backend.stream.synchronize()
+            self.ended = True
+
+
+def _stream_done(stream) -> bool:
+    from cuda.bindings import driver as cu
+
+    (status,) = cu.cuStreamQuery(int(stream.__cuda_stream__()[1]))
+    return status != cu.CUresult.CUDA_ERROR_NOT_READY
+
+
+def ready(outputs, name: str) -> None:
+    """Wait until ``outputs[name]`` may be read (ReadyOutputs); at once for a plain dict."""
+    if isinstance(outputs, ReadyOutputs):
+        outputs.ready(name)
+
+
+@functools.cache
+def _raise_flag_kernel():
+    """flags[index] = 1: launched on the stream after a copy, so the copy has ended when the host sees it
+    (the copy's DMA completes before the stream's next work starts)."""
+    from moebus.cuda.kernels.compat import kernel
+
+    @kernel
+    def raise_flag(flags, index):
+        flags[index] = 1
+
+    return raise_flag
 
 
 def copy_pairs(pairs) -> None:
@@ -276,4 +349,8 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 
 def _copies(outputs: dict) -> dict[str, np.ndarray]:
-    return {name: copied(out) for name, out in outputs.items()}
+    copies = {}
+    for name, out in outputs.items():
+        ready(outputs, name)
+        copies[name] = copied(out)
+    return copies

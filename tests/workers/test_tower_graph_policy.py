@@ -19,6 +19,7 @@ class FakeCapture:
     def __init__(self, backend, host_inputs, forward, owner=None):
         self.specs = {n: a.shape for n, a in host_inputs.items()}
         self.forward, self.graph, self.closed, self.stream = forward, None, False, None
+        self.flags = np.zeros(4, np.int32)  # (COLLECT_BESIDE's words: unused here)
         self.eager = forward(dict(host_inputs))
         FakeCapture.instances.append(self)
 
@@ -115,3 +116,20 @@ def test_a_failed_capture_leaves_the_tower_eager(tower, caplog):
     out = graph.run("a", _x(4, 2.0), forward)  # the backend's own eager path
     assert graph.last_path == "eager"
     np.testing.assert_array_equal(out["y"], 4 * np.ones((4, 3)))
+
+
+def test_the_flag_kernel_raises_one_word():
+    from moebus.cuda.kernels.compat import cuda
+
+    flags = cuda.to_device(np.zeros(4, np.int32))
+    tower_graph._raise_flag_kernel()[1, 1](flags, 2)
+    assert flags.copy_to_host().tolist() == [0, 0, 1, 0]
+
+
+def test_collect_reads_plain_outputs_at_once():
+    out = {"deepstack0": np.ones((2, 3), np.float32), "embeds": np.zeros((2, 3), np.float32)}
+    from moebus.workers.qwen3vl_vision import _embeds_and_deepstack
+
+    embeds, stacked = _embeds_and_deepstack(out)
+    assert stacked.shape == (1, 2, 3) and stacked.sum() == 6 and not embeds.any()
+    assert tower_graph._copies(out)["deepstack0"] is not out["deepstack0"]

@@ -2,19 +2,19 @@
 (patchified on the device, cuda/kernels/patchify.py) and the DeepStack features copied out beside the
 later blocks (tower_graph.emit), against the float32 patches in and every copy after the last kernel.
 
-1. fidelity on cuda against transformers (qwen3vl_check.fidelity: one, two and no images; the
-   images now go through the bytes path);
-2. the host's preprocess of a 1024 x 768 image: the bytes and their values (now) against the float32
+1. the host's preprocess of a 1024 x 768 image: the bytes and their values (now) against the float32
    patches (before), median of 5;
-3. the a3b tower (where_time_goes.qwen3vl_tower: random bf16 weights, one 1024 x 768 image): the
-   warm encode as a graph, median of REPEATS, in four ways — patches or bytes in, early copies off or
-   on — each against the first's outputs (bits equal, or max |diff| / max |first|); the patchify
-   kernel alone (CUDA events); graph == eager for the new way; the GPU time by kernel (CUPTI);
+2. the a3b tower (where_time_goes.qwen3vl_tower: random bf16 weights, one 1024 x 768 image): the
+   warm encode as a graph, median of REPEATS, in five ways — patches or bytes in, early copies off or
+   on, and the opt-in COLLECT_BESIDE (the host copies DeepStack out while the last blocks run) — each
+   against the first's outputs (bits equal, or max |diff| / max |first|); the patchify
+   kernel alone (CUDA events); one replay by phase (vltower8_encode.phases); the GPU time by kernel (CUPTI);
+3. fidelity on cuda against transformers (qwen3vl_check.fidelity: one, two and no images; the
+   images now go through the bytes path);
    each step only while BUDGET_S seconds last.
 
     vl11_encode.py [REPEATS]"""
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -96,16 +96,17 @@ def tower() -> None:
     model, image = qwen3vl_tower()
     by_patches = lambda: model.encode(image.patches, image.grid_h, image.grid_w)  # noqa: E731
     by_bytes = lambda: model.encode_image(image)  # noqa: E731
-    ways = [("patches in, copies after the last kernel (vltower10's way)", by_patches, False),
-            ("patches in, DeepStack copied early", by_patches, True),
-            ("bytes in, copies after the last kernel", by_bytes, False),
-            ("bytes in, DeepStack copied early (the new default)", by_bytes, True)]
-    first = None
-    for label, encode, early in ways:
+    ways = [("patches in, copies after the last kernel (vltower10's way)", by_patches, False, False),
+            ("patches in, DeepStack copied early", by_patches, True, False),
+            ("bytes in, copies after the last kernel", by_bytes, False, False),
+            ("bytes in, DeepStack copied early (the new default)", by_bytes, True, False),
+            ("bytes in, DeepStack copied early and collected beside (COLLECT_BESIDE)", by_bytes, True, True)]
+    first, graphs_on = None, model.graph.enabled
+    for label, encode, early, beside in ways:
         if left() < 6:
             print(f"{label}: skipped (budget)")
             continue
-        tower_graph.EARLY_COPIES = early
+        tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = early, beside
         model.graph.close()
         try:
             began = time.perf_counter()
@@ -127,9 +128,15 @@ def tower() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(limit=3)
-    tower_graph.EARLY_COPIES = True
+    tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = True, False
+    if graphs_on and not model.graph.enabled:
+        print("the graph was turned off by a failed capture: what follows is eager")
     if left() > 4:
         patchify_alone(model, image)
+    if left() > 8:
+        from vltower8_encode import phases
+
+        phases(model, image)
     if left() > 10:
         model.graph.close()
         by_bytes()
@@ -139,7 +146,7 @@ def tower() -> None:
 
 
 def main() -> None:
-    for step in (fidelity, preprocess_times, tower):
+    for step in (preprocess_times, tower, fidelity):  # fidelity last: it compiles the text kernels
         if left() < 5:
             print(f"{step.__name__}: skipped (budget)")
             continue
