@@ -99,14 +99,16 @@ def tower() -> None:
     ways = [("patches in, copies after the last kernel (vltower10's way)", by_patches, False, False),
             ("patches in, DeepStack copied early", by_patches, True, False),
             ("bytes in, copies after the last kernel", by_bytes, False, False),
-            ("bytes in, DeepStack copied early (the new default)", by_bytes, True, False),
-            ("bytes in, DeepStack copied early and collected beside (COLLECT_BESIDE)", by_bytes, True, True)]
+            ("bytes in, DeepStack copied early (the new default)", by_bytes, True, False)]
+    beside = ("bytes in, DeepStack copied early and collected beside (COLLECT_BESIDE)", by_bytes, True, True)
     first, graphs_on = None, model.graph.enabled
-    for label, encode, early, beside in ways:
+
+    def measure(label, encode, early, collect_beside) -> None:
+        nonlocal first
         if left() < 6:
             print(f"{label}: skipped (budget)")
-            continue
-        tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = early, beside
+            return
+        tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = early, collect_beside
         model.graph.close()
         try:
             began = time.perf_counter()
@@ -128,21 +130,24 @@ def tower() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{label}: FAILED {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc(limit=3)
-    tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = True, False
-    if graphs_on and not model.graph.enabled:
-        print("the graph was turned off by a failed capture: what follows is eager")
+        if graphs_on and not model.graph.enabled:
+            print("the graph was turned off by a failed capture: what follows is eager")
+
+    from vltower8_encode import phases
+
+    for way in ways:
+        measure(*way)
     if left() > 4:
         patchify_alone(model, image)
     if left() > 8:
-        from vltower8_encode import phases
-
-        phases(model, image)
-    if left() > 10:
-        model.graph.close()
-        by_bytes()
-        by_bytes()
+        phases(model, image)  # (the last way's graph: the new default)
+    if left() > 12:
         print("GPU time by kernel (bytes in, early copies):")
         by_kernel(by_bytes, 3)
+    measure(*beside)  # last: a capture this way fails would turn the graph off for what follows
+    if left() > 8 and model.graph.enabled:
+        phases(model, image)
+    tower_graph.EARLY_COPIES, tower_graph.COLLECT_BESIDE = True, False
 
 
 def main() -> None:
