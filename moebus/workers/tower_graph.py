@@ -97,7 +97,8 @@ class TowerGraph:
                 return None
             self.last_path = "replay"
             upload(graph, host_inputs)
-            graph.flags[:] = 0  # (the last replay has ended: its collect waited for it)
+            if graph.flags is not None:
+                graph.flags[:] = 0  # (the last replay has ended: its collect waited for it)
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
@@ -168,9 +169,7 @@ def _deferred_capture_class():
             self.stream = graphs._core_stream(backend.stream)
             self.forward, self.graph, self.launches = forward, None, None
             self.early, self.emitted = {}, 0  # pinned host buffers of the outputs forward emitted, by name
-            self.flag_of = {}  # early output -> its word in ``flags`` (COLLECT_BESIDE)
-            self.flags = cuda.mapped_array(MAX_FLAGS, np.int32)
-            self.flags[:] = 0
+            self.flag_of, self.flags = {}, None  # early output -> its word in ``flags`` (COLLECT_BESIDE, made then)
             self.side, self.forked, self.joined = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
             with backend.private_pool(self.pool):
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
@@ -201,6 +200,9 @@ def _deferred_capture_class():
             graphs._record_and_wait(self.forked, self.backend.stream, self.side)
             array.copy_to_host(self.early[name], stream=self.side)
             if COLLECT_BESIDE and (name in self.flag_of or len(self.flag_of) < MAX_FLAGS):
+                if self.flags is None:
+                    self.flags = cuda.mapped_array(MAX_FLAGS, np.int32)
+                    self.flags[:] = 0
                 index = self.flag_of.setdefault(name, len(self.flag_of))
                 _raise_flag_kernel()[1, 1, self.side](cuda.as_cuda_array(self.flags), index)
             self.emitted += 1

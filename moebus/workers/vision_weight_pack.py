@@ -75,7 +75,7 @@ class DeviceWeights:
         """``beside``: the copy runs on a thread while the caller goes on; ``wait`` before trusting the values."""
         self.host = host.buffer
         self.base = _address(self.host)
-        self._thread, self._error = None, None
+        self._thread, self._error, self._stream = None, None, backend.stream
         if not beside:
             self.device = upload_bytes(backend, self.host)
             return
@@ -94,14 +94,18 @@ class DeviceWeights:
             self._error = e
 
     def wait(self) -> float:
-        """Seconds spent waiting for an upload begun ``beside`` (0 for one that was not); raises its error."""
+        """Seconds spent waiting for an upload begun ``beside`` (0 for one that was not); where the
+        thread failed, the copy again here on the caller's stream (its error logged)."""
         if self._thread is None:
             return 0.0
         started = time.perf_counter()
         self._thread.join()
         self._thread = None
         if self._error is not None:
-            raise self._error
+            log.warning("the vision weights' copy beside the warm-up failed (%s: %s): copied again now",
+                        type(self._error).__name__, self._error)
+            self._error = None
+            upload_into(self.device, self.host, self._stream)
         return time.perf_counter() - started
 
     @property

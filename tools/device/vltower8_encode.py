@@ -84,7 +84,8 @@ def phases(model, image) -> None:
         inputs = {**pixels, "rope_pos": positions, "indices": indices, "weights": weights}
         t1 = time.perf_counter()
         upload(graph, inputs)
-        graph.flags[:] = 0
+        if graph.flags is not None:
+            graph.flags[:] = 0
         t2 = time.perf_counter()
         start, end = cuda.event(), cuda.event()
         start.record(stream)
