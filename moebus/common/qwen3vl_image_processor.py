@@ -130,8 +130,18 @@ class Qwen3VLImageProcessor:
                         self.temporal_patch_size)
 
     def resized(self, image: Image.Image) -> np.ndarray:
-        """(H, W, C) pixels, RGB, smart-resized (Pillow's resample, as transformers' PIL backend)."""
-        pixels = np.array(to_rgb(image) if self.do_convert_rgb else image)
+        """(H, W, C) pixels, RGB, smart-resized (Pillow's resample, as transformers' PIL backend). An RGB
+        or grey image is resized as it is and read into numpy once (not at its size: Pillow's resize to
+        the same size is a copy); other modes go through numpy first, as transformers' processor does."""
+        image = to_rgb(image) if self.do_convert_rgb else image
+        if image.mode in ("RGB", "L"):
+            if self.do_resize:
+                new_h, new_w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+                if (new_w, new_h) != image.size:
+                    image = image.resize((new_w, new_h), resample=self.resample)
+            pixels = np.asarray(image)
+            return pixels[..., None] if pixels.ndim == 2 else pixels
+        pixels = np.array(image)
         pixels = pixels[..., None] if pixels.ndim == 2 else pixels
         if self.do_resize:
             height, width = pixels.shape[:2]
