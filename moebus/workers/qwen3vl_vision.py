@@ -72,21 +72,34 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     return inputs + kept + max(block, merger)
 
 
-def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
-    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs), each
-    feature as soon as it is ready (tower_graph.ready: perhaps while the last blocks still run)."""
+def _stacked(out: dict) -> np.ndarray:
+    """(1 + L, N, D): the embeds, then the DeepStack features, copied out of ``out`` (tower_graph.py's
+    host outputs, perhaps its pinned buffers) into one array: one copy of each, in slices at once
+    (copy_pairs), each feature as soon as it is ready (tower_graph.ready: perhaps while the last
+    blocks still run). What ENCODE_REPLY carries as it is, and the broker keeps (vision_qwen3vl.py)."""
     features = [f"deepstack{j}" for j in range(len(out) - 1)]
-    embeds = np.empty(out["embeds"].shape, out["embeds"].dtype)
-    stacked = np.empty((len(features),) + embeds.shape, embeds.dtype)
-    pairs = [(stacked[j], name) for j, name in enumerate(features)] + [(embeds, "embeds")]
+    stacked = np.empty((1 + len(features),) + out["embeds"].shape, out["embeds"].dtype)
+    pairs = [(stacked[1 + j], name) for j, name in enumerate(features)] + [(stacked[0], "embeds")]
     if not isinstance(out, ReadyOutputs):  # all there: one copy_pairs
         copy_pairs([(dst, out[name]) for dst, name in pairs])
-        return embeds, stacked
+        return stacked
     for dst, name in pairs:
         ready(out, name)
         copy_pairs([(dst, out[name])])
-    return embeds, stacked
+    return stacked
+
+
+def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(embeds (N, D), DeepStack features (L, N, D)): views of one _stacked array."""
+    stacked = _stacked(out)
+    return stacked[0], stacked[1:]
+
+
+def _views_of_one(embeds: np.ndarray, deepstack: np.ndarray) -> bool:
+    """Are (embeds, deepstack) _embeds_and_deepstack's views of one whole (1 + L, N, D) array?"""
+    base = embeds.base
+    return base is not None and deepstack.base is base and base.shape == (1 + deepstack.shape[0],) + embeds.shape \
+        and base.flags.c_contiguous and embeds.ctypes.data == base.ctypes.data
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:
@@ -159,6 +172,12 @@ class Qwen3VisionModel:
             raise ValueError(f"patches of shape {patches.shape} for a {grid_h} x {grid_w} grid, expected "
                              f"({grid_h * grid_w}, {cfg.patch_dim})")
         return self._encode({"patches": patches}, grid_h, grid_w)
+
+    def encode_stacked(self, image) -> np.ndarray:
+        """One preprocessed image (ImagePatches) -> its (1 + L, N, D) embeds and DeepStack features
+        stacked (``encode_image``'s two arrays in one)."""
+        embeds, deepstack = self.encode_image(image)
+        return embeds.base if _views_of_one(embeds, deepstack) else np.concatenate([embeds[None], deepstack])
 
     def encode_pixels(self, pixels: np.ndarray, values: np.ndarray, grid_h: int, grid_w: int) -> tuple:
         """``encode`` of the patches of an image's (grid_h * p, grid_w * p, C) uint8 pixels (resized),
@@ -302,9 +321,10 @@ class Qwen3VisionModel:
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
 
     def encode_reply(self, images: list) -> dict:
-        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): embeds and deepstack."""
-        embeds, deepstack = self.encode_images(images)
-        return {"embeds": embeds, "deepstack": deepstack}
+        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): ``embeds`` (1 + L, N, D), the
+        embeddings and the DeepStack features stacked (as the broker keeps them: no copy there)."""
+        stacked = [self.encode_stacked(image) for image in images]
+        return {"embeds": stacked[0] if len(stacked) == 1 else np.concatenate(stacked, axis=1)}
 
     def warm_up(self, processor) -> None:
         """Encode a blank image's bytes (warm_up_side): every kernel compiles or loads now, and cuBLAS
