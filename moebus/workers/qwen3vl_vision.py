@@ -21,7 +21,8 @@ import numpy as np
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
-from moebus.workers.tower_graph import ReadyOutputs, TowerGraph, copy_pairs, ready
+from moebus.workers.tower_graph import TowerGraph
+from moebus.workers.tower_outputs import embeds_and_deepstack, views_of_one
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
@@ -70,36 +71,6 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     block = 13 * hidden + 2 * planes + 2 * inter
     merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
     return inputs + kept + max(block, merger)
-
-
-def _stacked(out: dict) -> np.ndarray:
-    """(1 + L, N, D): the embeds, then the DeepStack features, copied out of ``out`` (tower_graph.py's
-    host outputs, perhaps its pinned buffers) into one array: one copy of each, in slices at once
-    (copy_pairs), each feature as soon as it is ready (tower_graph.ready: perhaps while the last
-    blocks still run). What ENCODE_REPLY carries as it is, and the broker keeps (vision_qwen3vl.py)."""
-    features = [f"deepstack{j}" for j in range(len(out) - 1)]
-    stacked = np.empty((1 + len(features),) + out["embeds"].shape, out["embeds"].dtype)
-    pairs = [(stacked[1 + j], name) for j, name in enumerate(features)] + [(stacked[0], "embeds")]
-    if not isinstance(out, ReadyOutputs):  # all there: one copy_pairs
-        copy_pairs([(dst, out[name]) for dst, name in pairs])
-        return stacked
-    for dst, name in pairs:
-        ready(out, name)
-        copy_pairs([(dst, out[name])])
-    return stacked
-
-
-def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(embeds (N, D), DeepStack features (L, N, D)): views of one _stacked array."""
-    stacked = _stacked(out)
-    return stacked[0], stacked[1:]
-
-
-def _views_of_one(embeds: np.ndarray, deepstack: np.ndarray) -> bool:
-    """Are (embeds, deepstack) _embeds_and_deepstack's views of one whole (1 + L, N, D) array?"""
-    base = embeds.base
-    return base is not None and deepstack.base is base and base.shape == (1 + deepstack.shape[0],) + embeds.shape \
-        and base.flags.c_contiguous and embeds.ctypes.data == base.ctypes.data
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:
@@ -177,7 +148,7 @@ class Qwen3VisionModel:
         """One preprocessed image (ImagePatches) -> its (1 + L, N, D) embeds and DeepStack features
         stacked (``encode_image``'s two arrays in one)."""
         embeds, deepstack = self.encode_image(image)
-        return embeds.base if _views_of_one(embeds, deepstack) else np.concatenate([embeds[None], deepstack])
+        return embeds.base if views_of_one(embeds, deepstack) else np.concatenate([embeds[None], deepstack])
 
     def encode_pixels(self, pixels: np.ndarray, values: np.ndarray, grid_h: int, grid_w: int) -> tuple:
         """``encode`` of the patches of an image's (grid_h * p, grid_w * p, C) uint8 pixels (resized),
@@ -208,7 +179,7 @@ class Qwen3VisionModel:
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {**image_inputs, "rope_pos": positions, "indices": indices, "weights": weights}
         key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)  # (and the inputs' names)
-        return self.graph.run(key, inputs, self._forward_products, collect=_embeds_and_deepstack)
+        return self.graph.run(key, inputs, self._forward_products, collect=embeds_and_deepstack)
 
     def capture_pending(self) -> float | None:
         """Capture the graph of the last image size's first encode (tower_graph.py); its seconds."""

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.workers.tower_outputs import MAX_FLAGS, ReadyOutputs, raise_flag_kernel, ready
 
 log = logging.getLogger("moebus.vision")
 COPY_THREADS = int(os.environ.get("MOEBUS_TOWER_COPY_THREADS", "4"))  # 1: plain numpy copies
@@ -49,7 +50,6 @@ EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 # its flag (a word of mapped host memory a one-thread kernel sets after the copy), while the later blocks
 # still run, instead of after the whole graph (opt-in until measured: tools/device/vl11_encode.py)
 COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "0") == "1"
-MAX_FLAGS = 16  # early outputs a graph may flag
 
 
 class TowerGraph:
@@ -204,7 +204,7 @@ def _deferred_capture_class():
                     self.flags = cuda.mapped_array(MAX_FLAGS, np.int32)
                     self.flags[:] = 0
                 index = self.flag_of.setdefault(name, len(self.flag_of))
-                _raise_flag_kernel()[1, 1, self.side](cuda.as_cuda_array(self.flags), index)
+                raise_flag_kernel()[1, 1, self.side](cuda.as_cuda_array(self.flags), index)
             self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
@@ -259,59 +259,6 @@ def pinned_out(graph) -> dict[str, np.ndarray]:
         return ReadyOutputs(graph)
     stream.synchronize()
     return graph.host_outputs
-
-
-class ReadyOutputs(dict):
-    """A replay's pinned outputs by name, before the graph has ended: ``ready(name)`` waits until that
-    one is copied (a flagged early output: its flag; any other: the whole graph); ``collect`` must
-    call it before it reads an output (``_copies`` and Qwen3-VL's collect do)."""
-
-    def __init__(self, graph):
-        super().__init__(graph.host_outputs)
-        self.graph, self.ended = graph, False
-
-    def ready(self, name: str) -> None:
-        index = self.graph.flag_of.get(name)
-        if index is None:
-            self.finish()
-            return
-        flags, spins = self.graph.flags, 0
-        while not flags[index] and not self.ended:
-            spins += 1
-            if spins % 64 == 0 and _stream_done(self.graph.backend.stream):  # (a flag that never came)
-                self.ended = True
-            time.sleep(0)
-
-    def finish(self) -> None:
-        if not self.ended:
-            self.graph.backend.stream.synchronize()
-            self.ended = True
-
-
-def _stream_done(stream) -> bool:
-    from cuda.bindings import driver as cu
-
-    (status,) = cu.cuStreamQuery(int(stream.__cuda_stream__()[1]))
-    return status != cu.CUresult.CUDA_ERROR_NOT_READY
-
-
-def ready(outputs, name: str) -> None:
-    """Wait until ``outputs[name]`` may be read (ReadyOutputs); at once for a plain dict."""
-    if isinstance(outputs, ReadyOutputs):
-        outputs.ready(name)
-
-
-@functools.cache
-def _raise_flag_kernel():
-    """flags[index] = 1: launched on the stream after a copy, so the copy has ended when the host sees it
-    (the copy's DMA completes before the stream's next work starts)."""
-    from moebus.cuda.kernels.compat import kernel
-
-    @kernel
-    def raise_flag(flags, index):
-        flags[index] = 1
-
-    return raise_flag
 
 
 def copy_pairs(pairs) -> None:

@@ -6,7 +6,7 @@ there, tests/vision/test_qwen3vl_units.py and test_vision_model.py check replay 
 import numpy as np
 import pytest
 
-from moebus.workers import tower_graph
+from moebus.workers import tower_graph, tower_outputs
 
 
 class FakeCapture:
@@ -122,14 +122,12 @@ def test_the_flag_kernel_raises_one_word():
     from moebus.cuda.kernels.compat import cuda
 
     flags = cuda.to_device(np.zeros(4, np.int32))
-    tower_graph._raise_flag_kernel()[1, 1](flags, 2)
+    tower_outputs.raise_flag_kernel()[1, 1](flags, 2)
     assert flags.copy_to_host().tolist() == [0, 0, 1, 0]
 
 
 def test_collect_reads_plain_outputs_at_once():
     out = {"deepstack0": np.ones((2, 3), np.float32), "embeds": np.zeros((2, 3), np.float32)}
-    from moebus.workers.qwen3vl_vision import _embeds_and_deepstack
-
-    embeds, stacked = _embeds_and_deepstack(out)
+    embeds, stacked = tower_outputs.embeds_and_deepstack(out)
     assert stacked.shape == (1, 2, 3) and stacked.sum() == 6 and not embeds.any()
     assert tower_graph._copies(out)["deepstack0"] is not out["deepstack0"]

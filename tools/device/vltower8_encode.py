@@ -68,8 +68,8 @@ def phases(model, image) -> None:
     image's bytes in where it has them (the tower's default since vl11), else its patches."""
     from moebus.cuda.kernels.compat import cuda
     from moebus.workers.qwen3vl_grid import grid_tables
-    from moebus.workers.qwen3vl_vision import _embeds_and_deepstack
-    from moebus.workers.tower_graph import ReadyOutputs, pinned_out, upload
+    from moebus.workers.tower_graph import pinned_out, upload
+    from moebus.workers.tower_outputs import ReadyOutputs, embeds_and_deepstack
 
     model.encode_image(image)  # this image's graph: a new size's first encode is eager (vlcold10),
     model.capture_pending()  # captured here if not yet
@@ -93,7 +93,7 @@ def phases(model, image) -> None:
         end.record(stream)
         out = pinned_out(graph)
         t3 = time.perf_counter()
-        _embeds_and_deepstack(out)
+        embeds_and_deepstack(out)
         if isinstance(out, ReadyOutputs):
             out.finish()
         t4 = time.perf_counter()
