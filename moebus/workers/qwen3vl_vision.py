@@ -178,7 +178,8 @@ class Qwen3VisionModel:
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
         inputs = {**image_inputs, "rope_pos": positions, "indices": indices, "weights": weights}
-        key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)  # (and the inputs' names)
+        # (a graph also matches its inputs' names: bytes or patches)
+        key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
         return self.graph.run(key, inputs, self._forward_products, collect=embeds_and_deepstack)
 
     def capture_pending(self) -> float | None:

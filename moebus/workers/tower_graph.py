@@ -151,7 +151,7 @@ def _deferred_capture_class():
     """DeferredCapture's base is graphs.py's CapturedStep, imported on first use (numba.cuda: not
     in the broker, which imports this module through vision_model.py)."""
     from moebus.cuda.backends import graphs
-    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.compat import SIMULATOR, cuda
     from moebus.cuda.memory.step_pool import StepPool
 
     class _DeferredCapture(graphs.CapturedStep):
@@ -170,7 +170,9 @@ def _deferred_capture_class():
             self.forward, self.graph, self.launches = forward, None, None
             self.early, self.emitted = {}, 0  # pinned host buffers of the outputs forward emitted, by name
             self.flag_of, self.flags = {}, None  # early output -> its word in ``flags`` (COLLECT_BESIDE, made then)
-            self.side, self.forked, self.joined = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
+            self.side = cuda.stream()  # the early copies' (simulator: no events; it has nothing to order)
+            events = (None, None) if SIMULATOR else (cuda.event(timing=False), cuda.event(timing=False))
+            self.forked, self.joined = events
             with backend.private_pool(self.pool):
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
                     if view.size:

@@ -131,3 +131,29 @@ def test_collect_reads_plain_outputs_at_once():
     embeds, stacked = tower_outputs.embeds_and_deepstack(out)
     assert stacked.shape == (1, 2, 3) and stacked.sum() == 6 and not embeds.any()
     assert tower_graph._copies(out)["deepstack0"] is not out["deepstack0"]
+
+
+def test_an_eager_run_copies_what_its_forward_emits_into_pinned_buffers(monkeypatch):
+    """The eager half of DeferredCapture on the simulator (its stream handles stand in: the simulator
+    runs each launch to its end, so there is nothing to fork or join)."""
+    from moebus.cuda.backends import graphs
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(graphs, "_core_stream", lambda stream: stream)
+    monkeypatch.setattr(graphs, "_record_and_wait", lambda event, recorder, waiter: None)
+    ops = CudaBackend()
+    owner = tower_graph.TowerGraph(ops)
+
+    def forward(inputs):
+        early = ops.add(inputs["x"], inputs["x"])
+        owner.emit("early", early)
+        return {"early": early, "late": ops.add(early, inputs["x"])}
+
+    capture = tower_graph.DeferredCapture(ops, {"x": np.ones((4, 3), np.float32)}, forward, owner)
+    out = capture.eager_results()
+    assert set(capture.early) == {"early"} and out["early"] is capture.early["early"] and capture.emitted == 1
+    assert owner.sink is None  # only while its forward runs
+    np.testing.assert_array_equal(out["early"], np.full((4, 3), 2, np.float32))
+    np.testing.assert_array_equal(out["late"], np.full((4, 3), 3, np.float32))
+    owner.emit("elsewhere", out["late"])  # outside a graph's run: nothing
+    assert set(capture.early) == {"early"}

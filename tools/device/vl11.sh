@@ -9,7 +9,8 @@
 #      process; bytes == patches bit for bit, replay == eager), fidelity on cuda (FIDELITY=0: not);
 #   3. vlcold10.sh's cycle (TESTS=0 PROBE=0 OLD=0): the four rows and each cold request's phases, the vision
 #      worker's start by part (the weights' copy now beside the warm-up) and its encodes by part.
-# CYCLE_S: the seconds kept for step 3 (80). SKIP_RESIDENT=1 leaves row (a) out (~40 s less on a fresh machine; set by itself when time is short).
+# CYCLE_S: the seconds kept for step 3 (80). SKIP_RESIDENT=1 leaves row (a) out (~40 s less on a fresh
+# machine; set by itself when time is short).
 source tools/device/setup.sh
 set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-230}
@@ -20,7 +21,8 @@ Q=/tmp/a3b-qwen3vl-4
   echo "init rc=$? at $(now) s" >> $OUT/init.log; touch $OUT/init.done ) &
 INIT=$!
 VISION_CACHE=$(python3 -c "from moebus.cuda.kernels.kernel_cache import VISION_ROLE, role_cache_dir; print(role_cache_dir(None, VISION_ROLE))")
-if [[ ${TESTS:-0} == 1 ]]; then  # (off by default: the encode below checks bytes == patches and replay == eager in process)
+# (TESTS off by default: the encode below checks bytes == patches and replay == eager in its own process)
+if [[ ${TESTS:-0} == 1 ]]; then
   echo "=== GPU tests at $(now) s"
   NUMBA_CACHE_DIR=$VISION_CACHE MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-55} python3 -m pytest -q -p no:cacheprovider \
     tests/cuda/test_patchify.py tests/vision/test_tower_capture_after_reply.py tests/vision/test_qwen3vl_tower_tc.py \
