@@ -67,7 +67,10 @@ def admit_qwen3vl_request(msg: Generate, client: bytes, tokenizer, vocab_size: i
 
 def stacked_embeds(embeds: np.ndarray, deepstack: np.ndarray | None, rows: int) -> np.ndarray | None:
     """ENCODE_REPLY's embeddings and DeepStack features as one (1 + L, rows, D) array (what a group
-    shares); None when their shapes do not fit ``rows`` image tokens."""
+    shares); None when their shapes do not fit ``rows`` image tokens. Qwen3-VL's vision worker sends
+    them stacked already (``embeds`` (1 + L, rows, D), no ``deepstack``): taken as they are."""
+    if embeds is not None and embeds.ndim == 3 and deepstack is None:
+        return embeds.astype(np.float32, copy=False) if embeds.shape[0] >= 1 and embeds.shape[1] == rows else None
     if embeds is None or embeds.ndim != 2 or embeds.shape[0] != rows:
         return None
     if deepstack is None:
@@ -102,8 +105,9 @@ def step_qwen3vl(seqs, starts, lengths, first_layer: int = 0) -> dict:
                 chunks.append(seq.deepstack[:, lo:hi])
         offset += length
     out = {"rope_positions": np.concatenate(positions).astype(np.int32)}
-    if chunks:
-        out.update(deepstack=np.concatenate(chunks, axis=1).astype(np.float32, copy=False),
+    if chunks:  # one sequence's rows: its own array where they are all of it (no copy of ~24 MB a 1024 px image)
+        deepstack = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=1)
+        out.update(deepstack=np.ascontiguousarray(deepstack, dtype=np.float32),
                    deepstack_rows=np.concatenate(rows).astype(np.int32))
     return out
 

@@ -524,8 +524,9 @@ class Encode(Message):
 
 class EncodeReply(Message):
     """``embeds`` (N * num_image_tokens, D) float32, the images' rows in order; or ``error`` (an
-    image the worker could not decode: ``image`` is its index) and no embeds. Qwen3-VL also sends
-    ``deepstack`` (L, rows of embeds, D) float32, its DeepStack features for the same rows."""
+    image the worker could not decode: ``image`` is its index) and no embeds. Qwen3-VL's DeepStack
+    features for the same rows: ``embeds`` (1 + L, rows, D) float32, the embeddings and then the L
+    features stacked (what its vision worker sends), or ``deepstack`` (L, rows, D) beside 2-D embeds."""
 
     TYPE = b"ENCODE_REPLY"
     TENSORS = ("embeds", "deepstack")

@@ -6,11 +6,14 @@ takes them (merge windows of merge_size x merge_size patches together; a still i
 over the temporal_patch_size frames). The settings come from ``preprocessor_config.json`` (or a
 ``processor_config.json`` with a nested ``image_processor``): ``size.shortest_edge`` /
 ``size.longest_edge`` (pixel counts, current transformers) or ``min_pixels`` / ``max_pixels`` (Qwen's
-Hub files); keys a file omits take the class defaults."""
+Hub files); keys a file omits take the class defaults.
+
+The vision worker sends the tower the resized image's bytes and each byte value's rescaled and
+normalized float per channel (``byte_values``: the same numpy operations on the 256 values); the
+tower patchifies on the device (cuda/kernels/patchify.py), equal to ``patches`` here bit for bit."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,7 @@ DEFAULTS = dict(do_resize=True, resample=3, do_rescale=True, rescale_factor=1 / 
                 image_mean=CLIP_MEAN, image_std=CLIP_STD, do_convert_rgb=True, patch_size=14, temporal_patch_size=2,
                 merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
 MAX_ASPECT_RATIO = 200  # smart_resize refuses more
+BYTE_VALUES = 256
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -44,13 +48,28 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-@dataclass(frozen=True)
 class ImagePatches:
-    """One image, ready for the tower: (grid_h * grid_w, C * T * p * p) float32 patches."""
+    """One image, ready for the tower: (grid_h * grid_w, C * T * p * p) float32 ``patches``. Where the
+    resized image is bytes (the usual case) it keeps them instead, ``pixels`` (H, W, C) uint8 and
+    ``values`` (C, 256) float32 (each byte's rescaled and normalized value per channel), and the
+    tower makes the patches on the device (cuda/kernels/patchify.py); ``patches`` is then made on the
+    host only when read (the same values bit for bit)."""
 
-    patches: np.ndarray
-    grid_h: int  # in patches
-    grid_w: int
+    def __init__(self, patches: np.ndarray | None, grid_h: int, grid_w: int, pixels: np.ndarray | None = None,
+                 values: np.ndarray | None = None, sizes: tuple[int, int, int] | None = None):
+        """``sizes``: (patch, merge, temporal) of ``pixels``."""
+        if patches is None and (pixels is None or values is None or sizes is None):
+            raise ValueError("an image needs its patches, or its pixels, their values and sizes")
+        self._patches, self.grid_h, self.grid_w = patches, grid_h, grid_w
+        self.pixels, self.values, self.sizes = pixels, values, sizes
+
+    @property
+    def patches(self) -> np.ndarray:
+        if self._patches is None:
+            from moebus.cuda.kernels.patchify import pixel_patches_ref  # (numba.cuda: not at the broker's import)
+
+            self._patches = pixel_patches_ref(self.pixels, self.values, *self.sizes)
+        return self._patches
 
 
 class Qwen3VLImageProcessor:
@@ -68,6 +87,7 @@ class Qwen3VLImageProcessor:
         self.mean, self.std = np.array(s["image_mean"], np.float32), np.array(s["image_std"], np.float32)
         self.patch_size, self.merge_size = int(s["patch_size"]), int(s["merge_size"])
         self.temporal_patch_size = int(s["temporal_patch_size"])
+        self._values: dict[int, np.ndarray] = {}  # byte_values per channel count
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Qwen3VLImageProcessor":
@@ -97,14 +117,42 @@ class Qwen3VLImageProcessor:
                                   f"the vision tower's {tower}")
 
     def preprocess(self, image: Image.Image) -> ImagePatches:
-        pixels = np.array(to_rgb(image) if self.do_convert_rgb else image)
+        """The image resized; its bytes and their values (the tower patchifies on the device), or
+        where they are not bytes (or their values not one per channel), its float32 patches."""
+        pixels = self.resized(image)
+        values = self.byte_values(pixels)
+        if values is not None:
+            grid_h, grid_w = (side // self.patch_size for side in pixels.shape[:2])
+            return ImagePatches(None, grid_h, grid_w, pixels=pixels, values=values,
+                                sizes=(self.patch_size, self.merge_size, self.temporal_patch_size))
+        pixels = np.moveaxis(self.rescaled_normalized(pixels), -1, 0)  # (C, H, W)
+        return patchify(pixels.astype(np.float32, copy=False), self.patch_size, self.merge_size,
+                        self.temporal_patch_size)
+
+    def resized(self, image: Image.Image) -> np.ndarray:
+        """(H, W, C) pixels, RGB, smart-resized (Pillow's resample, as transformers' PIL backend). An RGB
+        or grey image is resized as it is and read into numpy once (not at its size: Pillow's resize to
+        the same size is a copy); other modes go through numpy first, as transformers' processor does."""
+        image = to_rgb(image) if self.do_convert_rgb else image
+        if image.mode in ("RGB", "L"):
+            if self.do_resize:
+                new_h, new_w = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+                if (new_w, new_h) != image.size:
+                    image = image.resize((new_w, new_h), resample=self.resample)
+            pixels = np.asarray(image)
+            return pixels[..., None] if pixels.ndim == 2 else pixels
+        pixels = np.array(image)
         pixels = pixels[..., None] if pixels.ndim == 2 else pixels
-        height, width = pixels.shape[:2]
         if self.do_resize:
+            height, width = pixels.shape[:2]
             new_h, new_w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
             resized = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
             pixels = np.array(resized.resize((new_w, new_h), resample=self.resample))
             pixels = pixels[..., None] if pixels.ndim == 2 else pixels
+        return pixels
+
+    def rescaled_normalized(self, pixels: np.ndarray) -> np.ndarray:
+        """(H, W, C) pixels -> float32, rescaled and normalized as transformers does."""
         # the arithmetic on the (H, W, C) pixels as decoded, element by element the same operations as
         # transformers' (the same values), ~8x faster than on the (C, H, W) view: patchify reads that view
         if self.do_rescale:  # the product in float64, rounded to float32 (as .astype(np.float32) rounds)
@@ -114,9 +162,21 @@ class Qwen3VLImageProcessor:
         pixels = pixels.astype(np.float32, copy=False)
         if self.do_normalize:
             pixels = normalize_rows(pixels, self.mean, self.std)
-        pixels = np.moveaxis(pixels, -1, 0)  # (C, H, W)
-        return patchify(pixels.astype(np.float32, copy=False), self.patch_size, self.merge_size,
-                        self.temporal_patch_size)
+        return pixels
+
+    def byte_values(self, pixels: np.ndarray) -> np.ndarray | None:
+        """(C, 256) float32: rescaled_normalized of every byte value per channel (elementwise, so a
+        byte's value is the one it would have in any image), or None where ``pixels`` are not bytes
+        sized for the tower (sides multiples of the factor) or the settings mix channels."""
+        channels = pixels.shape[-1]
+        if pixels.dtype != np.uint8 or pixels.ndim != 3 or not self.do_resize:
+            return None
+        if self.do_normalize and (self.mean.shape != (channels,) or self.std.shape != (channels,)):
+            return None
+        if channels not in self._values:
+            ramp = np.repeat(np.arange(BYTE_VALUES, dtype=np.uint8)[None, :, None], channels, axis=2)
+            self._values[channels] = np.ascontiguousarray(self.rescaled_normalized(ramp)[0].T, dtype=np.float32)
+        return self._values[channels]
 
 
 def normalize_rows(pixels: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Qwen3-VL's image path on a device backend: the vision tower, its patch merger and the DeepStack
-mergers. One image's flattened patches in (common/qwen3vl_image_processor.py), its image-token
+mergers. One image's flattened patches, or its resized bytes patchified on the device
+(cuda/kernels/patchify.py), in (common/qwen3vl_image_processor.py), its image-token
 embeddings and one DeepStack feature per listed block out (transformers' ``Qwen3VLMoeVisionModel``).
 
 Per image: the 3-D patch convolution is a linear over the flattened (C, T, p, p) patches; the
@@ -20,7 +21,8 @@ import numpy as np
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.workers.qwen3vl_grid import grid_tables
-from moebus.workers.tower_graph import TowerGraph, copy_pairs
+from moebus.workers.tower_graph import TowerGraph
+from moebus.workers.tower_outputs import embeds_and_deepstack, views_of_one
 from moebus.workers.qwen3vl_weights import BLOCK
 
 MERGER_ACT = "gelu"  # nn.GELU(): exact
@@ -63,21 +65,12 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     hidden, inter = _pool_bytes(n * cfg.hidden_size * 4), _pool_bytes(n * cfg.intermediate_size * 4)
     padded_keys, padded_dim = -(-n // 64) * 64, -(-cfg.head_dim // 16) * 16
     planes = _pool_bytes(padded_keys * cfg.num_heads * 2 * max(padded_dim, cfg.head_dim) * 2)
-    inputs = _pool_bytes(n * cfg.patch_dim * 4) + 3 * _pool_bytes(n * 4 * 4)
+    # the patches (made on the device from the bytes, or uploaded), the bytes, rope_pos, indices, weights
+    inputs = _pool_bytes(n * cfg.patch_dim * 4) + _pool_bytes(n * cfg.patch_dim) + 3 * _pool_bytes(n * 4 * 4)
     kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * _pool_bytes(tokens * cfg.out_hidden_size * 4)
     block = 13 * hidden + 2 * planes + 2 * inter
     merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
     return inputs + kept + max(block, merger)
-
-
-def _embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(embeds, DeepStack features stacked (L, N, D)) copied out of ``out`` (tower_graph.py's host
-    outputs, perhaps its pinned buffers): one copy of each, in slices at once (copy_pairs)."""
-    features = [out[f"deepstack{j}"] for j in range(len(out) - 1)]
-    embeds = np.empty(out["embeds"].shape, out["embeds"].dtype)
-    stacked = np.empty((len(features),) + embeds.shape, embeds.dtype)
-    copy_pairs([(embeds, out["embeds"])] + [(stacked[j], feature) for j, feature in enumerate(features)])
-    return embeds, stacked
 
 
 def warm_up_side(merge: int, tensor_cores=None) -> int:
@@ -145,16 +138,49 @@ class Qwen3VisionModel:
         """One image's (grid_h * grid_w, patch_dim) float32 patches -> (image embeddings (N, D_text),
         DeepStack features (L, N, D_text)) float32, N = grid_h * grid_w / merge^2."""
         cfg = self.cfg
-        m = cfg.merge_size
         patches = np.asarray(patches, dtype=np.float32)
-        if patches.shape != (grid_h * grid_w, cfg.patch_dim) or grid_h % m or grid_w % m or not grid_h * grid_w:
+        if patches.shape != (grid_h * grid_w, cfg.patch_dim):
             raise ValueError(f"patches of shape {patches.shape} for a {grid_h} x {grid_w} grid, expected "
-                             f"({grid_h * grid_w}, {cfg.patch_dim}) and sides that are multiples of {m}")
+                             f"({grid_h * grid_w}, {cfg.patch_dim})")
+        return self._encode({"patches": patches}, grid_h, grid_w)
+
+    def encode_stacked(self, image) -> np.ndarray:
+        """One preprocessed image (ImagePatches) -> its (1 + L, N, D) embeds and DeepStack features
+        stacked (``encode_image``'s two arrays in one)."""
+        embeds, deepstack = self.encode_image(image)
+        return embeds.base if views_of_one(embeds, deepstack) else np.concatenate([embeds[None], deepstack])
+
+    def encode_pixels(self, pixels: np.ndarray, values: np.ndarray, grid_h: int, grid_w: int) -> tuple:
+        """``encode`` of the patches of an image's (grid_h * p, grid_w * p, C) uint8 pixels (resized),
+        each byte's value per channel from ``values`` (C, 256) float32: the bytes go to the device
+        and the tower makes the patches there (cuda/kernels/patchify.py)."""
+        cfg, p = self.cfg, self.cfg.patch_size
+        channels = cfg.patch_dim // (cfg.temporal_patch_size * p * p)
+        pixels, values = np.asarray(pixels), np.asarray(values, dtype=np.float32)
+        if pixels.dtype != np.uint8 or pixels.shape != (grid_h * p, grid_w * p, channels) or \
+                values.shape != (channels, 256):
+            raise ValueError(f"pixels {pixels.dtype} {pixels.shape} and values {values.shape} for a {grid_h} x "
+                             f"{grid_w} grid, expected uint8 ({grid_h * p}, {grid_w * p}, {channels}) and "
+                             f"({channels}, 256)")
+        return self._encode({"pixels": pixels, "values": values}, grid_h, grid_w)
+
+    def encode_image(self, image) -> tuple[np.ndarray, np.ndarray]:
+        """``encode`` of one preprocessed image (ImagePatches): from its bytes where it has them."""
+        if getattr(image, "pixels", None) is not None:
+            return self.encode_pixels(image.pixels, image.values, image.grid_h, image.grid_w)
+        return self.encode(image.patches, image.grid_h, image.grid_w)
+
+    def _encode(self, image_inputs: dict, grid_h: int, grid_w: int) -> tuple[np.ndarray, np.ndarray]:
+        cfg = self.cfg
+        m = cfg.merge_size
+        if grid_h % m or grid_w % m or not grid_h * grid_w:
+            raise ValueError(f"a {grid_h} x {grid_w} grid: its sides must be multiples of {m} (and not 0)")
         self._rope_tables(max(grid_h, grid_w))
         positions, indices, weights = grid_tables(grid_h, grid_w, m, cfg.grid_side)
-        inputs = {"patches": patches, "rope_pos": positions, "indices": indices, "weights": weights}
+        inputs = {**image_inputs, "rope_pos": positions, "indices": indices, "weights": weights}
+        # (a graph also matches its inputs' names: bytes or patches)
         key = (grid_h, grid_w, GEMM_PRECISION, FUSED_ROPE, FUSED_RESIDUAL, SPLIT_ATTENTION_OUT)
-        return self.graph.run(key, inputs, self._forward_products, collect=_embeds_and_deepstack)
+        return self.graph.run(key, inputs, self._forward_products, collect=embeds_and_deepstack)
 
     def capture_pending(self) -> float | None:
         """Capture the graph of the last image size's first encode (tower_graph.py); its seconds."""
@@ -179,11 +205,15 @@ class Qwen3VisionModel:
             yield
 
     def _forward(self, inputs: dict) -> dict:
-        """The tower and mergers over one image's device inputs: kernels only (tower_graph.py);
-        ``embeds`` and ``deepstack0`` ... out."""
-        ops = self.ops
+        """The tower and mergers over one image's device inputs (its ``patches``, or its ``pixels``
+        and their ``values``): kernels only (tower_graph.py); ``embeds`` and ``deepstack0`` ... out."""
+        ops, cfg = self.ops, self.cfg
+        patches = inputs.get("patches")
+        if patches is None:
+            patches = ops.pixel_patches(inputs["pixels"], inputs["values"], cfg.patch_size, cfg.merge_size,
+                                        cfg.temporal_patch_size)
         positions = ops.weighted_rows(self.pos_table, inputs["indices"], inputs["weights"])
-        x = ops.bias_residual(positions, ops.tiled_linear(inputs["patches"], self.patch_weight), self.patch_bias)
+        x = ops.bias_residual(positions, ops.tiled_linear(patches, self.patch_weight), self.patch_bias)
         features = []
         mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
         pending = None  # the last block's (fc2 product, its bias), added to x by the next block's first norm
@@ -193,6 +223,7 @@ class Qwen3VisionModel:
                 x, pending = ops.bias_residual(x, *pending), None
             if i in self.deepstack:
                 features.append(self._merge(self.deepstack[i], x, post_shuffle_norm=True))
+                self.graph.emit(f"deepstack{len(features) - 1}", features[-1])  # its copy out starts now
             ops.recycle_layer(mark, (x, *features) + (pending[:1] if pending else ()))
         out = {"embeds": self._merge(self.merger, x, post_shuffle_norm=False)}
         out.update({f"deepstack{j}": feature for j, feature in enumerate(features)})
@@ -262,20 +293,24 @@ class Qwen3VisionModel:
         return ops.tiled_linear(h, w["linear_fc2.weight"], w["linear_fc2.bias"])
 
     def encode_reply(self, images: list) -> dict:
-        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): embeds and deepstack."""
-        embeds, deepstack = self.encode_images(images)
-        return {"embeds": embeds, "deepstack": deepstack}
+        """ENCODE_REPLY's arrays for preprocessed images (ImagePatches): ``embeds`` (1 + L, N, D), the
+        embeddings and the DeepStack features stacked (as the broker keeps them: no copy there)."""
+        stacked = [self.encode_stacked(image) for image in images]
+        return {"embeds": stacked[0] if len(stacked) == 1 else np.concatenate(stacked, axis=1)}
 
     def warm_up(self, processor) -> None:
-        """Encode a blank image (warm_up_side): every kernel compiles or loads now, and cuBLAS
+        """Encode a blank image's bytes (warm_up_side): every kernel compiles or loads now, and cuBLAS
         starts, so that a request's first encode (eager, tower_graph.py) pays for neither. Its
         graph is never captured (the next image size replaces it)."""
-        side = warm_up_side(self.cfg.merge_size, getattr(self.ops, "tensor_cores", None))
-        self.encode(np.zeros((side * side, self.cfg.patch_dim), np.float32), side, side)
+        cfg = self.cfg
+        side = warm_up_side(cfg.merge_size, getattr(self.ops, "tensor_cores", None))
+        channels = cfg.patch_dim // (cfg.temporal_patch_size * cfg.patch_size ** 2)
+        pixels = np.zeros((side * cfg.patch_size, side * cfg.patch_size, channels), np.uint8)
+        self.encode_pixels(pixels, np.zeros((channels, 256), np.float32), side, side)
 
     def encode_images(self, images: list) -> tuple[np.ndarray, np.ndarray]:
         """Several images (ImagePatches) -> (embeddings (sum N_i, D), DeepStack (L, sum N_i, D))."""
-        outs = [self.encode(image.patches, image.grid_h, image.grid_w) for image in images]
+        outs = [self.encode_image(image) for image in images]
         if len(outs) == 1:
             return outs[0]  # one image (the usual request): its arrays are fresh copies already
         return np.concatenate([e for e, _ in outs]), np.concatenate([f for _, f in outs], axis=1)

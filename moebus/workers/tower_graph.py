@@ -19,8 +19,12 @@ must only enqueue work (no host copy, no sync; graphs.py), and the same shapes m
 path. ``collect(outputs)`` makes the caller's host results out of the host outputs by name, which
 may be the graph's pinned buffers (overwritten by the next encode): it must copy what it keeps, and
 so the outputs are copied once (the default: a copy of each; Qwen3-VL stacks its DeepStack features
-in the same copy). The host copies of a replay (the inputs into the pinned staging, the outputs out
-of the pinned buffers: ~44 MB for a 1024 x 768 image on Qwen3-VL) run in COPY_THREADS slices at once
+in the same copy). An output that ``forward`` hands to ``TowerGraph.emit`` as soon as it is final
+(Qwen3-VL's DeepStack features, made after blocks 8, 16 and 24 of 27) is copied into pinned host
+memory on a second stream from then on, inside the graph as a parallel branch, while the later
+blocks run; only the outputs made last are copied after the last kernel. The host copies of a
+replay (the inputs into the pinned staging, the outputs out of the pinned buffers: ~28 MB for a
+1024 x 768 image on Qwen3-VL, its bytes in and four outputs out) run in COPY_THREADS slices at once
 (``copy_pairs``: numpy lets the GIL go while it copies)."""
 from __future__ import annotations
 
@@ -33,12 +37,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.workers.tower_outputs import MAX_FLAGS, ReadyOutputs, raise_flag_kernel, ready
 
 log = logging.getLogger("moebus.vision")
 COPY_THREADS = int(os.environ.get("MOEBUS_TOWER_COPY_THREADS", "4"))  # 1: plain numpy copies
 COPY_SLICE_BYTES = 2 << 20  # copies are cut into slices of this size, COPY_THREADS at a time
 # 0: a new shape's first encode runs eagerly and is captured at once (the ninth session's way, for A/Bs)
 EAGER_FIRST = os.environ.get("MOEBUS_TOWER_EAGER_FIRST", "1") != "0"
+# 0: the outputs a forward ``emit``s early are copied out after the last kernel like the others (for A/Bs)
+EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
+# 1: a replay's ``collect`` may copy each early output out of its pinned buffer as soon as the graph raised
+# its flag (a word of mapped host memory a one-thread kernel sets after the copy), while the later blocks
+# still run, instead of after the whole graph (opt-in until measured: tools/device/vl11_encode.py)
+COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "0") == "1"
 
 
 class TowerGraph:
@@ -50,6 +61,14 @@ class TowerGraph:
         self.key = None
         self.graph = None  # a DeferredCapture: the last shape's pool, its graph once captured
         self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
+        self.sink = None  # the DeferredCapture whose forward runs now (``emit``)
+
+    def emit(self, name: str, array) -> None:
+        """Called by ``forward`` once its output ``name`` is final (no later launch writes it): inside a
+        graph's eager run or capture, its copy to pinned host memory starts now on a second stream,
+        beside the launches that follow; elsewhere nothing happens (it is copied with the others)."""
+        if self.sink is not None and EARLY_COPIES:
+            self.sink.emit(name, array)
 
     def run(self, key, host_inputs: dict[str, np.ndarray], forward, collect=None):
         """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
@@ -58,7 +77,11 @@ class TowerGraph:
         if self.enabled:
             host_outputs = self._graph_outputs(key, host_inputs, forward)
             if host_outputs is not None:
-                return collect(host_outputs)
+                try:
+                    return collect(host_outputs)
+                finally:
+                    if isinstance(host_outputs, ReadyOutputs):
+                        host_outputs.finish()  # the graph has ended before the next upload
         self.last_path = "eager"
         ops = self.ops
         ops.begin_step()
@@ -74,11 +97,13 @@ class TowerGraph:
                 return None
             self.last_path = "replay"
             upload(graph, host_inputs)
+            if graph.flags is not None:
+                graph.flags[:] = 0  # (the last replay has ended: its collect waited for it)
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
         try:
-            graph = DeferredCapture(self.ops, host_inputs, forward)
+            graph = DeferredCapture(self.ops, host_inputs, forward, self)
             self.graph, self.key = graph, key
             if not EAGER_FIRST and not self._capture():
                 return None
@@ -126,7 +151,7 @@ def _deferred_capture_class():
     """DeferredCapture's base is graphs.py's CapturedStep, imported on first use (numba.cuda: not
     in the broker, which imports this module through vision_model.py)."""
     from moebus.cuda.backends import graphs
-    from moebus.cuda.kernels.compat import cuda
+    from moebus.cuda.kernels.compat import SIMULATOR, cuda
     from moebus.cuda.memory.step_pool import StepPool
 
     class _DeferredCapture(graphs.CapturedStep):
@@ -134,8 +159,8 @@ def _deferred_capture_class():
         buffer and does the encode's real work), the capture of the same launches later
         (``capture``), into the same buffers: the pool hands them out again in the same order."""
 
-        def __init__(self, backend, host_inputs: dict, forward):
-            self.backend, self.shared_pool = backend, False
+        def __init__(self, backend, host_inputs: dict, forward, owner=None):
+            self.backend, self.shared_pool, self.owner = backend, False, owner
             self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
             self.offsets, self.total_bytes = graphs._layout(host_inputs)
             self.packed = cuda.device_array(self.total_bytes, np.uint8)
@@ -143,14 +168,51 @@ def _deferred_capture_class():
             self.pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
             self.stream = graphs._core_stream(backend.stream)
             self.forward, self.graph, self.launches = forward, None, None
+            self.early, self.emitted = {}, 0  # pinned host buffers of the outputs forward emitted, by name
+            self.flag_of, self.flags = {}, None  # early output -> its word in ``flags`` (COLLECT_BESIDE, made then)
+            self.side = cuda.stream()  # the early copies' (simulator: no events; it has nothing to order)
+            events = (None, None) if SIMULATOR else (cuda.event(timing=False), cuda.event(timing=False))
+            self.forked, self.joined = events
             with backend.private_pool(self.pool):
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
                     if view.size:
                         view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
-                self.eager_outputs = forward(self.inputs)
+                self.eager_outputs = self._run(forward)
+
+        def _run(self, forward) -> dict:
+            """forward over the inputs, its emitted outputs' copies on the side stream, joined at the end."""
+            copies = len(self.early)
+            if self.owner is not None:
+                self.owner.sink = self
+            try:
+                outputs = forward(self.inputs)
+            finally:
+                if self.owner is not None:
+                    self.owner.sink = None
+                if self.emitted:
+                    graphs._record_and_wait(self.joined, self.side, self.backend.stream)
+            if copies and self.emitted != copies:  # the capture must emit what the eager run did
+                raise RuntimeError(f"the forward emitted {self.emitted} outputs, its eager run {copies}")
+            return outputs
+
+        def emit(self, name: str, array) -> None:
+            """Copy ``array`` into pinned host memory on the side stream once the launches so far are done."""
+            if name not in self.early:
+                self.early[name] = cuda.pinned_array(array.shape, array.dtype)
+            graphs._record_and_wait(self.forked, self.backend.stream, self.side)
+            array.copy_to_host(self.early[name], stream=self.side)
+            if COLLECT_BESIDE and (name in self.flag_of or len(self.flag_of) < MAX_FLAGS):
+                if self.flags is None:
+                    self.flags = cuda.mapped_array(MAX_FLAGS, np.int32)
+                    self.flags[:] = 0
+                index = self.flag_of.setdefault(name, len(self.flag_of))
+                raise_flag_kernel()[1, 1, self.side](cuda.as_cuda_array(self.flags), index)
+            self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
-            return {name: self.backend.to_host(array) for name, array in self.eager_outputs.items()}
+            self.backend.synchronize()  # (joined: the side stream's copies too)
+            return {name: self.early[name] if name in self.early else self.backend.to_host(array)
+                    for name, array in self.eager_outputs.items()}
 
         def capture(self) -> None:
             self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
@@ -158,9 +220,14 @@ def _deferred_capture_class():
             with self.backend.private_pool(self.pool):
                 self.backend.synchronize()  # the eager run no longer uses the buffers
                 self.pool.recycle()
-                outputs, graph = self._capture(self.forward)
-            self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+                self.emitted = 0
+                outputs, graph = self._capture(self._run_forward)
+            self.host_outputs = {name: self.early.get(name) if name in self.early else
+                                 cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
             self.outputs, self.graph, self.forward = outputs, graph, None
+
+        def _run_forward(self, inputs) -> dict:
+            return self._run(self.forward)
 
         def close(self) -> None:
             if self.graph is not None:
@@ -170,9 +237,10 @@ def _deferred_capture_class():
     return _DeferredCapture
 
 
-def DeferredCapture(backend, host_inputs: dict, forward):  # noqa: N802 - a class made on first use
-    """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class)."""
-    return _deferred_capture_class()(backend, host_inputs, forward)
+def DeferredCapture(backend, host_inputs: dict, forward, owner=None):  # noqa: N802 - a class made on first use
+    """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class); ``owner``: the
+    TowerGraph whose ``emit`` reaches it while its forward runs."""
+    return _deferred_capture_class()(backend, host_inputs, forward, owner)
 
 
 def upload(graph, host_inputs: dict) -> None:
@@ -182,10 +250,15 @@ def upload(graph, host_inputs: dict) -> None:
 
 
 def pinned_out(graph) -> dict[str, np.ndarray]:
-    """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies)."""
+    """The outputs copied into the graph's pinned buffers (as CapturedStep.replay, less its copies):
+    all of them once the graph has ended, or (flagged early outputs) a ReadyOutputs whose ``ready``
+    waits for one output at a time."""
     stream = graph.backend.stream
     for name, array in graph.outputs.items():
-        array.copy_to_host(graph.host_outputs[name], stream=stream)
+        if name not in graph.early:  # (the emitted ones were copied inside the graph, beside its kernels)
+            array.copy_to_host(graph.host_outputs[name], stream=stream)
+    if graph.flag_of:
+        return ReadyOutputs(graph)
     stream.synchronize()
     return graph.host_outputs
 
@@ -227,4 +300,8 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 
 def _copies(outputs: dict) -> dict[str, np.ndarray]:
-    return {name: copied(out) for name, out in outputs.items()}
+    copies = {}
+    for name, out in outputs.items():
+        ready(outputs, name)
+        copies[name] = copied(out)
+    return copies

@@ -57,15 +57,16 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> 
     return kept + embed + layer + projector
 
 
-def make_vision_model(cfg, weights: dict, backend):
+def make_vision_model(cfg, weights: dict, backend, beside: bool = False):
     """The vision model of a config: LLaVA's VisionModel or Qwen3-VL's Qwen3VisionModel, which
     share ``encode_reply``, ``warm_up``, ``capture_pending`` and ``device_bytes`` (what the vision
     worker uses). ``weights`` packed in one host buffer (vision_weight_pack.pack, the zygote's) go
     to a cuda device in one copy; the tensors a model derives from them (not views of the buffer)
-    are uploaded one by one as before."""
+    are uploaded one by one as before. ``beside``: that copy runs while the caller goes on, until
+    ``model.packed.wait()`` (the vision worker's warm-up needs no true values)."""
     packed = None
     if isinstance(weights, HostWeights) and backend.name == "cuda":
-        packed = DeviceWeights(backend, weights)
+        packed = DeviceWeights(backend, weights, beside)
     if cfg.tower == "qwen3_vl":
         from moebus.workers.qwen3vl_vision import Qwen3VisionModel
 

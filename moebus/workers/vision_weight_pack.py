@@ -11,11 +11,18 @@ the driver's single-threaded staging of pageable memory (H200: 800 MiB in 91-99 
 "pageable": one plain copy. "register" (not yet measured on a GPU): the buffer itself is registered
 with the driver read-only (cuMemHostRegister; read-only, so the pages the worker shares with the
 zygote stay shared) for one copy at the link's speed, then unregistered; pinned chunks if the driver
-refuses. The buffer starts and ends on a page boundary for it."""
+refuses. The buffer starts and ends on a page boundary for it.
+
+``beside`` (the vision worker's start, UPLOAD_BESIDE): the device buffer is allocated at once and the
+copy runs on a host thread and its own stream while the worker goes on (its first kernel and its
+warm-up, whose results do not matter: it only loads kernels and starts cuBLAS); ``wait`` joins it
+before the worker says it is ready."""
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import numpy as np
 
@@ -25,6 +32,7 @@ ALIGN_BYTES = 256  # every tensor starts at this alignment (wide loads, cuBLAS)
 PAGE_BYTES = 4096  # the buffer's own alignment and size multiple (a host registration's unit)
 CHUNK_BYTES = 32 << 20  # one pinned staging chunk
 UPLOAD_MODE = os.environ.get("MOEBUS_VISION_UPLOAD", "pinned")  # or "pageable"
+UPLOAD_BESIDE = os.environ.get("MOEBUS_VISION_UPLOAD_BESIDE", "1") != "0"  # 0: the worker's upload first, alone
 
 
 class HostWeights(dict):
@@ -63,10 +71,42 @@ class DeviceWeights:
     """One device copy of a HostWeights' buffer; ``view(array)``: the device array of a host
     array that lies in the buffer (a view of it), None for one that does not."""
 
-    def __init__(self, backend, host: HostWeights):
+    def __init__(self, backend, host: HostWeights, beside: bool = False):
+        """``beside``: the copy runs on a thread while the caller goes on; ``wait`` before trusting the values."""
         self.host = host.buffer
         self.base = _address(self.host)
-        self.device = upload_bytes(backend, self.host)
+        self._thread, self._error, self._stream = None, None, backend.stream
+        if not beside:
+            self.device = upload_bytes(backend, self.host)
+            return
+        from moebus.cuda.kernels.compat import cuda
+
+        self.device = cuda.device_array(self.host.size, np.uint8, stream=backend.stream)
+        self._thread = threading.Thread(target=self._upload, name="vision-weights-upload", daemon=True)
+        self._thread.start()
+
+    def _upload(self) -> None:
+        try:
+            from moebus.cuda.kernels.compat import cuda
+
+            upload_into(self.device, self.host, cuda.stream())
+        except BaseException as e:  # noqa: BLE001 - raised again by wait()
+            self._error = e
+
+    def wait(self) -> float:
+        """Seconds spent waiting for an upload begun ``beside`` (0 for one that was not); where the
+        thread failed, the copy again here on the caller's stream (its error logged)."""
+        if self._thread is None:
+            return 0.0
+        started = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            log.warning("the vision weights' copy beside the warm-up failed (%s: %s): copied again now",
+                        type(self._error).__name__, self._error)
+            self._error = None
+            upload_into(self.device, self.host, self._stream)
+        return time.perf_counter() - started
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +126,14 @@ def upload_bytes(backend, host: np.ndarray, chunk_bytes: int = CHUNK_BYTES, mode
     docstring for the two modes)."""
     from moebus.cuda.kernels.compat import cuda
 
-    stream = backend.stream
-    device = cuda.device_array(host.size, np.uint8, stream=stream)
+    device = cuda.device_array(host.size, np.uint8, stream=backend.stream)
+    return upload_into(device, host, backend.stream, chunk_bytes, mode)
+
+
+def upload_into(device, host: np.ndarray, stream, chunk_bytes: int = CHUNK_BYTES, mode: str | None = None):
+    """upload_bytes into the device array ``device`` (of host's size) on ``stream``; returns ``device``."""
+    from moebus.cuda.kernels.compat import cuda
+
     mode = mode or UPLOAD_MODE
     if mode == "register" and _copy_registered(host, device, stream):
         return device

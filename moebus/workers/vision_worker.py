@@ -1,7 +1,8 @@
 """The vision worker process, forked by the vision zygote (workers/vision_zygote.py) with the weights
 already in host RAM: it creates its device backend (on cuda: its CUDA context), uploads the tower
 and projector, runs them once so that no kernel is compiled (or loaded from numba's disk cache)
-during a request, registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
+during a request (on cuda that run overlaps the weights' copy, vision_weight_pack.UPLOAD_BESIDE:
+its results are not kept), registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
 exits then, so that everything it holds on the device, context included, goes back to the driver.
 
 A cold image request waits for this start and the first encode, so the log splits both (INFO: the
@@ -28,6 +29,7 @@ from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
 from moebus.workers.vision_footprint import StartFootprint
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
+from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
 
 log = logging.getLogger("moebus.vision")
 
@@ -166,19 +168,21 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     backend = make_backend(device)
     footprint.context_made(_driver_free(device))
     built = time.perf_counter()
-    model = make_vision_model(cfg, weights, backend)
+    model = make_vision_model(cfg, weights, backend, beside=UPLOAD_BESIDE)  # (beside: the copy runs on)
     footprint.weights_loaded(_driver_free(device, flush=True))
     uploaded = time.perf_counter()
     first_kernel(backend)
     launched = time.perf_counter()
     warm_up(model, processor, cfg)
+    warmed = time.perf_counter()
+    waited = model.packed.wait() if getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
-             "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s)", gpu, since_fork,
-             read - started, contexted - read, built - contexted,
-             uploaded - built, launched - uploaded, time.perf_counter() - launched,
-             getattr(model.graph, "last_path", None))
+             "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s), then the weights' copy "
+             "%.3f s more (%s)", gpu, since_fork, read - started, contexted - read, built - contexted,
+             uploaded - built, launched - uploaded, warmed - launched, getattr(model.graph, "last_path", None),
+             waited, "beside the first kernel and warm-up" if UPLOAD_BESIDE else "before them")
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,

@@ -39,3 +39,27 @@ def test_rows_normalize_as_the_channel_broadcast_does():
     np.testing.assert_array_equal(normalize_rows(pixels, mean, std), (pixels - mean) / std)
     grey = pixels[..., :1]  # one channel against three means: broadcast, as before
     np.testing.assert_array_equal(normalize_rows(grey, mean, std), (grey - mean) / std)
+
+
+def _old_resized(proc: Qwen3VLImageProcessor, image: Image.Image) -> np.ndarray:
+    """The resize as it stood before: through numpy and back, always."""
+    pixels = np.array(to_rgb(image) if proc.do_convert_rgb else image)
+    pixels = pixels[..., None] if pixels.ndim == 2 else pixels
+    height, width = pixels.shape[:2]
+    grid_h, grid_w = proc.grid(width, height)
+    resized = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    out = np.array(resized.resize((grid_w * proc.patch_size, grid_h * proc.patch_size), resample=proc.resample))
+    return out[..., None] if out.ndim == 2 else out
+
+
+@pytest.mark.parametrize("mode,size", [("RGB", (64, 48)), ("RGB", (70, 45)), ("RGBA", (50, 30)), ("P", (40, 40)),
+                                       ("L", (64, 32)), ("L", (33, 47))])
+@pytest.mark.parametrize("convert", [True, False])
+def test_resized_pixels_equal_the_old_roundtrip(mode, size, convert):
+    proc = Qwen3VLImageProcessor({"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "merge_size": 2,
+                                  "do_convert_rgb": convert, "size": {"shortest_edge": 1024, "longest_edge": 65536}})
+    rng = np.random.default_rng(size[0])
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 4), dtype=np.uint8), mode="RGBA").convert(mode)
+    got = proc.resized(image)
+    assert got.dtype == np.uint8 and got.ndim == 3
+    np.testing.assert_array_equal(got, _old_resized(proc, image))

@@ -150,6 +150,41 @@ def test_encoded_rows_stack_for_groups_and_split_back():
     attach_embeds(seq, stacked)
     np.testing.assert_array_equal(seq.embeds, embeds)
     np.testing.assert_array_equal(seq.deepstack, deepstack)
+    assert stacked_embeds(stacked, None, 4) is stacked  # sent stacked (the vision worker): taken as it is
+    assert stacked_embeds(stacked, None, 5) is None and stacked_embeds(stacked[:0], None, 4) is None
+
+
+def test_one_sequences_deepstack_rows_go_without_a_copy():
+    ids = expand_image_pads([1, 7, 2], 7, [4])
+    positions, delta = rope_index(ids, 7, [(4, 4)], 2)
+    deepstack = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+    seq = _Seq(positions, delta, np.array([1, 2, 3, 4], np.int32), deepstack)
+    whole = step_qwen3vl([seq], [0], [6])["deepstack"]  # all its rows in one step: a view, not a copy
+    assert np.shares_memory(whole, deepstack) and np.array_equal(whole, deepstack)
+    part = step_qwen3vl([seq], [0], [3])["deepstack"]
+    assert part.flags.c_contiguous and np.array_equal(part, deepstack[:, :2])
+
+
+def test_the_worker_replies_its_outputs_stacked():
+    from moebus.common.qwen3vl_tiny import vision_tensors
+    from moebus.common.tiny_model import _Random
+    from moebus.cuda.backends import make_backend
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
+    rng = np.random.default_rng(5)
+    from types import SimpleNamespace
+
+    images = [SimpleNamespace(patches=rng.standard_normal((h * w, cfg.patch_dim)).astype(np.float32), grid_h=h,
+                              grid_w=w, pixels=None) for h, w in ((4, 6), (2, 4))]
+    for some in (images[:1], images):
+        embeds, deepstack = model.encode_images(some)
+        reply = model.encode_reply(some)
+        assert set(reply) == {"embeds"} and reply["embeds"].shape == (1 + deepstack.shape[0],) + embeds.shape
+        np.testing.assert_array_equal(reply["embeds"], np.concatenate([embeds[None], deepstack]))
 
 
 def test_a_grid_beyond_the_rotary_tables_grows_them():
@@ -192,6 +227,27 @@ def test_several_images_encode_one_after_another_and_concatenate():
     assert embeds.shape == (6 + 2, 64) and deepstack.shape == (2, 8, 64)
     np.testing.assert_array_equal(embeds, np.concatenate([alone[0][0], alone[1][0]]))
     np.testing.assert_array_equal(deepstack, np.concatenate([alone[0][1], alone[1][1]], axis=1))
+
+
+def test_an_image_from_its_bytes_encodes_as_from_its_patches():
+    from PIL import Image
+
+    from moebus.common.qwen3vl_tiny import preprocessor_config, vision_tensors
+    from moebus.common.tiny_model import _Random
+    from moebus.cuda.backends import make_backend
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
+    proc = Qwen3VLImageProcessor(preprocessor_config(raw, "tiny"))
+    image = proc.preprocess(Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 56, 3), np.uint8)))
+    assert image.pixels is not None and image.pixels.dtype == np.uint8
+    for got, want in zip(model.encode_image(image), model.encode(image.patches, image.grid_h, image.grid_w)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="expected uint8"):
+        model.encode_pixels(image.pixels.astype(np.float32), image.values, image.grid_h, image.grid_w)
 
 
 def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():

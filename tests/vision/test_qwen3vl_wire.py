@@ -15,10 +15,12 @@ SAMPLES = [
     _step(rope_positions=np.array([[0, 0, 0], [1, 1, 2], [3, 3, 3]], np.int32),
           deepstack=np.ones((2, 1, 8), np.float32), deepstack_rows=np.array([1], np.int32)),
     p.EncodeReply(encode_id=2, generation="v", embeds=np.ones((4, 8), np.float32), deepstack=np.ones((3, 4, 8), np.float32)),
+    # the vision worker's: embeddings and DeepStack features stacked in one (1 + L, rows, D) array
+    p.EncodeReply(encode_id=3, generation="v", embeds=np.arange(4 * 4 * 8, dtype=np.float32).reshape(4, 4, 8)),
 ]
 
 
-@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("message", SAMPLES, ids=["step", "encode_reply", "encode_reply_stacked"])
 def test_round_trip(message):
     back = wire.decode([bytes(f) for f in wire.encode(message)])
     for name in ("rope_positions", "deepstack", "deepstack_rows", "embeds"):

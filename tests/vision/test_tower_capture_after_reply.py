@@ -68,3 +68,36 @@ def test_the_graph_captured_after_an_eager_encode_replays_it_bit_for_bit():
     model.graph.enabled = False
     for got, want in zip(again, model.encode(other, grid_h, grid_w)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+def test_an_image_from_its_bytes_equals_its_patches_captured_and_eager_bit_for_bit():
+    """The bytes patchified on the device (cuda/kernels/patchify.py) and the DeepStack features copied
+    out beside the later blocks (tower_graph.emit) give the host patches' encode, eager and replayed."""
+    from PIL import Image
+
+    from moebus.common.qwen3vl_image_processor import Qwen3VLImageProcessor
+    from moebus.common.qwen3vl_tiny import preprocessor_config
+    from moebus.cuda.backends.cuda import CudaBackend
+    from moebus.workers.qwen3vl_vision import Qwen3VisionModel
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: f32_to_bf16(v) for k, v in vision_tensors(raw, _Random(3, False)).items()}
+    model = Qwen3VisionModel(cfg, weights, CudaBackend())
+    proc = Qwen3VLImageProcessor(preprocessor_config(raw, "tiny"))
+    side = 18 * cfg.patch_size  # over the tensor cores' threshold, as a real image
+    pixels = np.random.default_rng(4).integers(0, 256, (side, side + 2 * cfg.patch_size, 3), dtype=np.uint8)
+    image = proc.preprocess(Image.fromarray(pixels))
+    assert image.pixels is not None
+    eager = model.encode_image(image)
+    assert model.graph.last_path == "new shape, eager" and len(model.graph.graph.early) == len(cfg.deepstack_layers)
+    assert model.capture_pending() > 0
+    replayed = model.encode_image(image)
+    assert model.graph.last_path == "replay"
+    model.graph.close()
+    model.graph.enabled = False
+    from_patches = model.encode(image.patches, image.grid_h, image.grid_w)
+    for got, again, want in zip(eager, replayed, from_patches):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(again, want)

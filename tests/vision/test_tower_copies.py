@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from moebus.workers import tower_graph
-from moebus.workers.qwen3vl_vision import _embeds_and_deepstack
+from moebus.workers.tower_outputs import embeds_and_deepstack, views_of_one
 
 
 @pytest.fixture
@@ -40,9 +40,10 @@ def test_a_copy_of_another_shape_is_refused(sliced):
 def test_qwen3vl_outputs_come_out_as_embeds_and_stacked_deepstack(rng, sliced):
     out = {"embeds": rng.standard_normal((6, 8), dtype=np.float32)}
     out.update({f"deepstack{j}": rng.standard_normal((6, 8), dtype=np.float32) for j in range(3)})
-    embeds, deepstack = _embeds_and_deepstack(out)
+    embeds, deepstack = embeds_and_deepstack(out)
     np.testing.assert_array_equal(embeds, out["embeds"])
     np.testing.assert_array_equal(deepstack, np.stack([out[f"deepstack{j}"] for j in range(3)]))
-    assert embeds.base is None and not np.shares_memory(deepstack, out["deepstack0"])
-    none = _embeds_and_deepstack({"embeds": out["embeds"]})[1]
+    assert not np.shares_memory(embeds, out["embeds"]) and not np.shares_memory(deepstack, out["deepstack0"])
+    assert views_of_one(embeds, deepstack)  # one fresh (1 + L, N, D) array: what ENCODE_REPLY carries
+    none = embeds_and_deepstack({"embeds": out["embeds"]})[1]
     assert none.shape == (0, 6, 8) and none.dtype == np.float32

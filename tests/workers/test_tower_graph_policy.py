@@ -6,7 +6,7 @@ there, tests/vision/test_qwen3vl_units.py and test_vision_model.py check replay 
 import numpy as np
 import pytest
 
-from moebus.workers import tower_graph
+from moebus.workers import tower_graph, tower_outputs
 
 
 class FakeCapture:
@@ -16,9 +16,10 @@ class FakeCapture:
     instances = []
     fail_capture = False
 
-    def __init__(self, backend, host_inputs, forward):
+    def __init__(self, backend, host_inputs, forward, owner=None):
         self.specs = {n: a.shape for n, a in host_inputs.items()}
         self.forward, self.graph, self.closed, self.stream = forward, None, False, None
+        self.flags = np.zeros(4, np.int32)  # (COLLECT_BESIDE's words: unused here)
         self.eager = forward(dict(host_inputs))
         FakeCapture.instances.append(self)
 
@@ -115,3 +116,44 @@ def test_a_failed_capture_leaves_the_tower_eager(tower, caplog):
     out = graph.run("a", _x(4, 2.0), forward)  # the backend's own eager path
     assert graph.last_path == "eager"
     np.testing.assert_array_equal(out["y"], 4 * np.ones((4, 3)))
+
+
+def test_the_flag_kernel_raises_one_word():
+    from moebus.cuda.kernels.compat import cuda
+
+    flags = cuda.to_device(np.zeros(4, np.int32))
+    tower_outputs.raise_flag_kernel()[1, 1](flags, 2)
+    assert flags.copy_to_host().tolist() == [0, 0, 1, 0]
+
+
+def test_collect_reads_plain_outputs_at_once():
+    out = {"deepstack0": np.ones((2, 3), np.float32), "embeds": np.zeros((2, 3), np.float32)}
+    embeds, stacked = tower_outputs.embeds_and_deepstack(out)
+    assert stacked.shape == (1, 2, 3) and stacked.sum() == 6 and not embeds.any()
+    assert tower_graph._copies(out)["deepstack0"] is not out["deepstack0"]
+
+
+def test_an_eager_run_copies_what_its_forward_emits_into_pinned_buffers(monkeypatch):
+    """The eager half of DeferredCapture on the simulator (its stream handles stand in: the simulator
+    runs each launch to its end, so there is nothing to fork or join)."""
+    from moebus.cuda.backends import graphs
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(graphs, "_core_stream", lambda stream: stream)
+    monkeypatch.setattr(graphs, "_record_and_wait", lambda event, recorder, waiter: None)
+    ops = CudaBackend()
+    owner = tower_graph.TowerGraph(ops)
+
+    def forward(inputs):
+        early = ops.add(inputs["x"], inputs["x"])
+        owner.emit("early", early)
+        return {"early": early, "late": ops.add(early, inputs["x"])}
+
+    capture = tower_graph.DeferredCapture(ops, {"x": np.ones((4, 3), np.float32)}, forward, owner)
+    out = capture.eager_results()
+    assert set(capture.early) == {"early"} and out["early"] is capture.early["early"] and capture.emitted == 1
+    assert owner.sink is None  # only while its forward runs
+    np.testing.assert_array_equal(out["early"], np.full((4, 3), 2, np.float32))
+    np.testing.assert_array_equal(out["late"], np.full((4, 3), 3, np.float32))
+    owner.emit("elsewhere", out["late"])  # outside a graph's run: nothing
+    assert set(capture.early) == {"early"}

@@ -51,6 +51,37 @@ def test_one_upload_gives_views_of_every_packed_tensor(mode, monkeypatch):
     assert device.view(packed["a"].copy()) is None and device.view(packed["a"][:, 1:]) is None
 
 
+def test_an_upload_beside_the_caller_is_whole_after_its_wait(monkeypatch):
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(vision_weight_pack, "CHUNK_BYTES", 1000)
+    packed = pack(_weights())
+    device = DeviceWeights(CudaBackend(), packed, beside=True)
+    assert device.wait() >= 0 and device.wait() == 0.0  # joined once
+    np.testing.assert_array_equal(device.device.copy_to_host(), packed.buffer)
+    for name, array in packed.items():
+        np.testing.assert_array_equal(device.view(array).copy_to_host(), array)
+
+
+def test_a_failed_upload_beside_is_done_again_at_its_wait(monkeypatch, caplog):
+    from moebus.cuda.backends.cuda import CudaBackend
+
+    real, calls = vision_weight_pack.upload_into, []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no copy")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vision_weight_pack, "upload_into", fail_once)
+    packed = pack(_weights())
+    device = DeviceWeights(CudaBackend(), packed, beside=True)
+    device.wait()
+    assert len(calls) == 2 and "copied again now" in caplog.text
+    np.testing.assert_array_equal(device.device.copy_to_host(), packed.buffer)
+
+
 def test_upload_in_chunks_equals_the_host_bytes():
     from moebus.cuda.backends.cuda import CudaBackend
 

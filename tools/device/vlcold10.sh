@@ -12,14 +12,19 @@
 #   3. if time is left: the same cycle with the ninth session's start (MOEBUS_TOWER_EAGER_FIRST=0
 #      MOEBUS_VISION_PACK=0 MOEBUS_VISION_PRELOAD=0) as the A/B in the same call.
 # SKIP_RESIDENT=1 leaves row (a) out (~40 s less on a fresh machine); TESTS=0 the GPU tests; BUDGET=200 for all.
+# PROBE=0 leaves the probe out, OLD=0 step 3; a model already at $Q (made by a caller, vl11.sh) is not made again.
 source tools/device/setup.sh
 set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-190}
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
 Q=/tmp/a3b-qwen3vl-4
-( timeout 100 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 4 > $OUT/init.log 2>&1;
-  echo "init rc=$? at $(now) s" >> $OUT/init.log ) &
+if [[ -f $Q/config.json ]]; then
+  ( echo "init: $Q made already" > $OUT/init.log ) &
+else
+  ( timeout 100 python3 -m moebus.cli init-model $Q --arch qwen3_vl_moe --preset a3b --layers 4 > $OUT/init.log 2>&1;
+    echo "init rc=$? at $(now) s" >> $OUT/init.log ) &
+fi
 INIT=$!
 # the tests compile the tower's kernels into the vision role's cache, which the cycle's vision worker then loads
 VISION_CACHE=$(python3 -c "from moebus.cuda.kernels.kernel_cache import VISION_ROLE, role_cache_dir; print(role_cache_dir(None, VISION_ROLE))")
@@ -31,10 +36,12 @@ else
   ( echo "gpu tests not run (TESTS=0)" > $OUT/gputest.log ) &
 fi
 TESTS_PID=$!
-timeout 60 python3 tools/device/vlcold10_probe.py 800 > $OUT/probe.log 2>&1
-echo "=== probe (rc=$?, at $(now) s)"; cut -c1-700 $OUT/probe.log | grep -v "^\s*$" | tail -20
 PRELOAD=1
-grep -q "preload safe: True" $OUT/probe.log || { PRELOAD=0; echo "preloads off for the cycle"; }
+if [[ ${PROBE:-1} == 1 ]]; then
+  timeout 60 python3 tools/device/vlcold10_probe.py 800 > $OUT/probe.log 2>&1
+  echo "=== probe (rc=$?, at $(now) s)"; cut -c1-700 $OUT/probe.log | grep -v "^\s*$" | tail -20
+  grep -q "preload safe: True" $OUT/probe.log || { PRELOAD=0; echo "preloads off for the cycle"; }
+fi
 wait $TESTS_PID; echo "=== GPU tests"; tail -4 $OUT/gputest.log | cut -c1-300
 wait $INIT; tail -2 $OUT/init.log | cut -c1-200
 
@@ -61,7 +68,7 @@ for s in d.get('earlier_splits', []) + [d['split']]:
 # on a fresh machine the cycle took ~72 s with row (a) (its broker compiles the GPU worker's kernels), ~25 s
 # without it and with the caches warm; the first call cut it at 72 s, 0.2 s before it printed: give it room
 cycle new $(( $(left) > 150 ? 150 : $(left) - 3 )) MOEBUS_VISION_PRELOAD=$PRELOAD
-if (( $(left) > 75 )); then
+if [[ ${OLD:-1} == 1 ]] && (( $(left) > 75 )); then
   cycle old $(( $(left) - 5 )) MOEBUS_TOWER_EAGER_FIRST=0 MOEBUS_VISION_PACK=0 MOEBUS_VISION_PRELOAD=0
 fi
 echo "end at $(now) s"

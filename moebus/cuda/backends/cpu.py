@@ -16,6 +16,7 @@ from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, v
 from moebus.cuda.kernels import attention_chunk  # a routed step's chunk beside decode rows
 from moebus.cuda.kernels import attention_chunk_tc  # its rows a tile
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
 from moebus.cuda.kernels.linear_quant import fp8_rows_dequantize  # FP8 attention projections
@@ -149,3 +150,4 @@ class CpuBackend:
     # Qwen3-VL (cuda/kernels/mrope.py, weighted_rows.py)
     mrope = staticmethod(mrope.mrope_ref)
     weighted_rows = staticmethod(weighted_rows.weighted_rows_ref)
+    pixel_patches = staticmethod(patchify.pixel_patches_ref)

@@ -21,6 +21,7 @@ from moebus.cuda.memory.step_pool import StepPool
 ATTENTION_COUNTERS = 1024  # (token, kv head) pairs a decode attention launch merges in its split kernel
 from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, vision_attention  # the vision tower's ops
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
+from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
 from moebus.cuda.kernels import linear_quant  # FP8 attention projections (attention.dtype fp8)
@@ -323,3 +324,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
         """sum_k weights[:, k] * table[indices[:, k]] (interpolated position embeddings)."""
         out = self.empty((indices.shape[0], table.shape[1]))
         return weighted_rows.weighted_rows_cuda(table, indices, weights, out, stream=self.stream)
+
+    def pixel_patches(self, pixels, values, patch: int, merge: int, temporal: int):
+        """An image's (H, W, C) uint8 pixels -> its tower patches, looked up in ``values`` (patchify.py)."""
+        out = self.empty(patchify.patches_shape(pixels.shape, patch, temporal))
+        return patchify.pixel_patches_cuda(pixels, values, out, patch, merge, temporal, stream=self.stream)
