@@ -197,13 +197,15 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
         factor = cuda.local.array((mats, rows), float32)
         x_buf = cuda.local.array((chunks, 4), float32)
         x_round = cuda.local.array((unroll if gate_x else 1, chunks, 4), float32)
-        for start in range(0, num_groups, stride):
+        start = uint32(0)  # while loops on unsigned counters: range() works out 64-bit trip counts (a division)
+        while start < num_groups:
             group = min(start + first, num_groups - 1)
             for m in range(mats):
                 for r in range(rows):
                     for t in range(chunk):
                         acc[m, r, t] = float32(0.0)
-            for base in range(lane, row_words, WARP * unroll):
+            base = uint32(lane)
+            while base < row_words:
                 for m in range(mats):  # every load of the round in flight before the first use
                     code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
                     for r in range(rows):
@@ -259,6 +261,7 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                         for i in range(chunks):
                                             dot = accumulate(dot, x_round[k, i] if gate_x else x_buf[i], w_buf[m, r, i], 4)
                                         acc[m, r, t] += factor[m, r] * dot
+                base = uint32(base + WARP * unroll)
             for m in range(mats):
                 for r in range(rows):
                     warp_sum_many(acc[m, r], chunk)
@@ -273,6 +276,7 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                     out[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc[1, r, t]
                                 else:
                                     out[pair_table[j + t], row] = acc[0, r, t]
+            start = uint32(start + stride)
 
     return quant_rows
 
