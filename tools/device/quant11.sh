@@ -11,7 +11,7 @@
 # (one JSON line a figure, every kernel); $OUT/gpu_tests.txt.
 BUDGET=${BUDGET:-195}
 start=$(date +%s)
-export WARM_S=${WARM_S:-50} TESTS_S=${TESTS_S:-60} INIT_S=${INIT_S:-60} STEPS=${STEPS:-4} TOP=${TOP:-4}
+export WARM_S=${WARM_S:-50} TESTS_S=${TESTS_S:-50} INIT_S=${INIT_S:-50} STEPS=${STEPS:-4} TOP=${TOP:-4}
 export PLAN=${PLAN:-quant11_plan.json}
 # what is left for the sweep: setup (~10 s), the 1-layer init-model (~10 s), the side-by-side phase
 # (WARM_S), the cache merge and the table (~10 s)
