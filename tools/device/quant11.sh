@@ -12,7 +12,7 @@
 BUDGET=${BUDGET:-195}
 start=$(date +%s)
 export WARM_S=${WARM_S:-50} TESTS_S=${TESTS_S:-50} INIT_S=${INIT_S:-50} STEPS=${STEPS:-4} TOP=${TOP:-4}
-export PLAN=${PLAN:-quant11_plan.json}
+export PLAN=${PLAN:-quant11_plan.json}  # quant11_plan_short.json: bf16; int4 and fp8 with the gate on and off
 # what is left for the sweep: setup (~10 s), the 1-layer init-model (~10 s), the side-by-side phase
 # (WARM_S), the cache merge and the table (~10 s)
 export SWEEP_S=${SWEEP_S:-$((BUDGET - WARM_S - 32))}
