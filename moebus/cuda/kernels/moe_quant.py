@@ -14,7 +14,9 @@ per word and token: fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s,
 scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to every signed index) and,
 where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
 halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
-~1.1x (docs/performance.md). At one token what is left is latency and the two launches; with runs of
+~1.1x (docs/performance.md). ptxas, though, sank most of a round's loads next to their uses (a warp's
+trips to memory in a row: ~11 for the fp8 gate|up at one token), so at one token ROUND_GATE makes every
+FFMA of a round wait on all of its loads (tools/device/quant11_sass.py counts them); with runs of
 8 tokens on one expert the bound is not established yet (not the instruction count).
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
@@ -49,8 +51,9 @@ DOWN_ROWS_LONG = 2
 # loads a round, by format: fp8 2 rows x 4 words (768 blocks at batch 1, all resident at 80 registers,
 # where 1 row x 8 words made 1536, 1.45 waves at 64) measured 3% faster than 1 x 8 in the fifth
 # session's event-timed calls, and the same change took bf16's gate|up from 18.2 to 15.3 us a layer in
-# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round;
-# 2 x 2 takes 96 registers, 2 x 4 128). Not yet timed in the decode graph: quant9_call.sh. With longer
+# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round).
+# Registers with ROUND_GATE and the unsigned loops (sm_90): fp8 2 x 4 96, int4 1 x 4 72, 2 x 2 96
+# (tools/device/quant11_sass.py). Timed in the decode graph by tools/device/quant11.sh. With longer
 # runs GATE_UP_ROWS_LONG rows and LONG_RUN_VALUES values' worth of words. The tests cover 1-3 rows.
 GATE_UP_SHORT = {"fp8": (2, 4), "int4": (1, 4)}
 GATE_UP_ROWS_LONG = 1
