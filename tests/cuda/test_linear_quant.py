@@ -112,3 +112,26 @@ def test_projection_rows_a_warp_keep_enough_warps(monkeypatch):
     assert linear_quant.rows_for(5120, 1) == 4  # A3B's qkv: 1280 warps
     assert linear_quant.rows_for(2048, 1) == 2  # its o: 1024 warps, not 512
     assert linear_quant.rows_for(100, 1) == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_linear_fp8_round_gate_gives_the_same_bits(rng, tokens, monkeypatch):
+    # ROUND_GATE starts each word's sum from a +0.0 made of the round's words' and scales' bits (so ptxas
+    # issues the round's loads before its first FFMA): the same sums, the same bits; 16 words a lane a
+    # round as well (MAX_UNROLL 16 at one row a warp)
+    from moebus.cuda.kernels import linear_quant
+
+    codes, scales = fp8_rows(_weight(rng, 7, 520))  # 65 words a row: rounds are not whole
+    x = rng.standard_normal((tokens, 520), dtype=np.float32)
+    monkeypatch.setattr(linear_quant, "MIN_WARPS", 1)
+    results = []
+    for gate, unroll in ((False, 8), (True, 8), (True, 16)):
+        monkeypatch.setattr(linear_quant, "ROUND_GATE", gate)
+        monkeypatch.setattr(linear_quant, "MAX_UNROLL", unroll)
+        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP_SHORT", 1)
+        out = poisoned((tokens, 7))
+        linear_fp8_cuda(device(x), device(codes), device(scales), out)
+        results.append(out.copy_to_host())
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    _close(results[1], linear_fp8_ref(x, codes, scales))

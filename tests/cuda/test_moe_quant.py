@@ -223,3 +223,30 @@ def test_quant_expert_ffn_evict_first_loads_give_the_same_bits(rng, fmt, monkeyp
     expected = np.zeros((1, 512), np.float32)
     expert_ffn_quant_ref(x, [0], [0], [0], blobs, layout, expected)
     _close(results[1], expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("hidden", [144, 512])  # rows of partial rounds (and a partial block / group); whole rounds
+def test_quant_expert_ffn_round_gate_gives_the_same_bits(rng, fmt, hidden, monkeypatch):
+    # ROUND_GATE starts a round's sums from a +0.0 made of its words' bits (and ROUND_GATE_X of its x
+    # words' too) and decodes each word where it is used: at one token (runs of 1) the same sums in the
+    # same order as without, hence the same bits, also for a pair whose expert is read from the host store
+    from moebus.cuda.kernels import moe_quant
+
+    layout = ExpertLayout(fmt, hidden, 32)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    blobs = _arena(rng, layout, 2)
+    arena, store = device(blobs[:1]), device(blobs[1:])
+    pairs = [(0, 0, 0), (0, -1, 1)]  # slot -1: the host store's row 0
+    results = []
+    for gate, gate_x in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(moe_quant, "ROUND_GATE", gate)
+        monkeypatch.setattr(moe_quant, "ROUND_GATE_X", gate_x)
+        out = poisoned((2, hidden))
+        _run(x, pairs, arena, layout, out, store=store)
+        results.append(out.copy_to_host())
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    expected = np.zeros((2, hidden), np.float32)
+    expert_ffn_quant_ref(x, [0, 0], [0, -1], [0, 1], blobs[:1], layout, expected, store=blobs[1:])
+    _close(results[1], expected)

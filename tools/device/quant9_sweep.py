@@ -10,6 +10,7 @@ and o both linear_quant.fp8_rows where their shapes agree) is split by its place
 One JSON object a line as figures come (a cut-off run keeps what finished), then a table.
 
     quant9_sweep.py MODEL PLAN.json [PROFILE_STEPS]     PLAN: [[experts, attention, [[name, {constants}], ...]], ...]
+    (a setting may name its batches: [name, {constants}, [1]]; default 1 and 8)
     QUICK=1: 4 tokens, 1 repeat, no trace (compiles every variant into the kernel disk cache: a warm-up)"""
 import gc
 import json
@@ -96,14 +97,14 @@ def run_config(model_dir: str, experts: str, attention: str, settings: list, ste
                        kv_dtype="bf16", experts_dtype=experts, attention_dtype=attention)
     layers = model.ckpt.config.num_layers
     emit({"section": "load", "experts": experts, "attention": attention, "load_s": time.perf_counter() - began})
-    defaults = {key: getattr(*constant(key)) for _, values in settings for key in values}
-    for name, values in settings:
+    defaults = {key: getattr(*constant(key)) for _, values, *_ in settings for key in values}
+    for name, values, *batches in settings:
         for key, value in {**defaults, **values}.items():
             setattr(*constant(key), value)
         drop_graphs(model)
         began = time.perf_counter()
         try:
-            for batch in BATCHES:
+            for batch in (batches[0] if batches else BATCHES):
                 r = _in_process(model, PROMPT, TOKENS, batch, REPEATS)
                 row = {"section": "decode", "experts": experts, "attention": attention, "setting": name, "batch": batch,
                        "tok_s": r["tok_s"], "ms_per_step": r["ms_per_step"],
@@ -138,7 +139,7 @@ def table(rows: list[dict]) -> None:
         k = r["kernels"]
         per_layer = sum(c * us for c, us in k.values()) / r["layers"]
         print(f"-- {r['experts']}:{r['attention']} {r['setting']} batch {r['batch']}: kernels {per_layer:.1f} us a layer")
-        for label, (calls, us) in sorted(k.items(), key=lambda kv: -kv[1][0] * kv[1][1])[:14]:
+        for label, (calls, us) in sorted(k.items(), key=lambda kv: -kv[1][0] * kv[1][1])[:int(os.environ.get("TOP", "14"))]:
             print(f"   {label[:46]:46} {calls:6.1f}/step {us:8.2f} us {calls * us / r['layers']:7.2f} us/layer")
 
 

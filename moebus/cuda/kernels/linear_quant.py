@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebus.common.quant import BLOCK, e4m3_decode
-from moebus.cuda.kernels.compat import (WARP, blocks, cuda, data_ptr, float32, kernel, threads, uint32, uint64,
-                                       warp_sum_many)
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, f32_bits, float32, kernel,
+                                       threads, uint32, uint64, warp_sum_many)
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
@@ -47,6 +47,11 @@ LONG_RUN_UNROLL = 2  # ... words of each row with 3-8 tokens (as moe_quant.LONG_
 ROWS_PER_WARP_SHORT = 2
 ROWS_PER_WARP = 4
 MIN_WARPS = 1024
+# With 1-2 tokens a pass, each word's sums start from a zero made of the round's words' and scales' bits
+# (as moe_quant.ROUND_GATE): ptxas then issues the whole round's loads before its first FFMA. Without it
+# the e4m3 instruction's variant (48 registers) issued 6 of its 8 words after compute had begun, in 5
+# groups (tools/device/quant11_sass.py); the bit moves' variant issued them first anyway. The same bits.
+ROUND_GATE = True
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 
@@ -82,10 +87,22 @@ def linear_fp8_ref(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.n
 
 # -- device: the GEMV ---------------------------------------------------------------------------------
 
+@device
+def _round_zero(raw, factor, rows, unroll):
+    """+0.0 made of the bits of a round's words and scales (ROUND_GATE): AND blockIdx.z, 0 in this 2-D
+    grid but unknown to the compilers."""
+    bits = uint32(0)
+    for r in range(rows):
+        for k in range(unroll):
+            word = raw[r, k]
+            bits |= uint32(word & np.uint64(0xFFFFFFFF)) | uint32(word >> np.uint64(32)) | f32_bits(factor[r, k])
+    return bits_as_f32(bits & uint32(cuda.blockIdx.z))
+
+
 @functools.cache
-def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows: int = 1):
+def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows: int = 1, gate: bool = False):
     """A warp takes ``rows`` consecutive rows. ``exact``: rows are whole rounds of WARP x unroll words
-    (a round's loads need no clamp)."""
+    (a round's loads need no clamp). ``gate``: ROUND_GATE."""
     decode = decoder("fp8", hardware)
 
     @kernel
@@ -101,18 +118,21 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
         factor = cuda.local.array((rows, unroll), float32)
         w_buf = cuda.local.array((rows, 2, 4), float32)
         x_buf = cuda.local.array((2, 4), float32)
-        for start in range(0, num_groups, stride):
+        start = uint32(0)  # while loops on unsigned counters, as moe_quant (range(): 64-bit trip counts)
+        while start < num_groups:
             group = min(start + first, num_groups - 1)
             for r in range(rows):
                 for t in range(chunk):
                     acc[r, t] = float32(0.0)
-            for base in range(lane, row_words, WARP * unroll):
+            base = uint32(lane)
+            while base < row_words:
                 for r in range(rows):  # every load of the round in flight before the first use
                     row = uint32(min(group * rows + r, num_rows - 1))  # unsigned: no wraparound arithmetic
                     for k in range(unroll):
                         word = uint32(base + k * WARP) if exact else uint32(min(base + k * WARP, row_words - 1))
                         raw[r, k] = codes[row, word]
                         factor[r, k] = scales[row, word // uint32(WORDS_PER_BLOCK)]
+                zero = _round_zero(raw, factor, rows, unroll) if gate else float32(0.0)
                 for k in range(unroll):
                     word = base + k * WARP
                     if exact or word < row_words:
@@ -123,10 +143,11 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
                                 for i in range(2):
                                     _x_chunk(x, uint32(t0 + t), uint64(4 * word + 2 * i), x_buf[i])
                                 for r in range(rows):
-                                    dot = float32(0.0)
+                                    dot = zero  # +0.0
                                     for i in range(2):
                                         dot = accumulate(dot, x_buf[i], w_buf[r, i], 4)
                                     acc[r, t] += factor[r, k] * dot
+                base = uint32(base + WARP * unroll)
             for r in range(rows):
                 warp_sum_many(acc[r], chunk)
             if lane == 0 and start + first < num_groups:  # constant indices keep the sums in registers
@@ -135,6 +156,7 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
                         for t in range(chunk):
                             if t < run:
                                 out[t0 + t, group * rows + r] = acc[r, t]
+            start = uint32(start + stride)
 
     return fp8_rows
 
@@ -180,7 +202,8 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
     chunk = min(MAX_TOKENS, num_tokens)
     row_words = cols // VALUES_PER_WORD
     rows = rows_for(codes.shape[0], chunk)
-    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words, chunk, rows), rows)
+    kernel_ = _fp8_rows_kernel(chunk, hardware_e4m3(chunk), *unroll_for(row_words, chunk, rows), rows,
+                               ROUND_GATE and chunk <= 2)
     grid = (blocks(ceil_div(ceil_div(codes.shape[0], rows), WARPS)), ceil_div(num_tokens, chunk))
     kernel_[grid, threads(WARPS * WARP), stream](x.view(np.uint64), codes.view(np.uint64), scales, row_words, out)
     return out

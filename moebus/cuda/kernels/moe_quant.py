@@ -14,7 +14,9 @@ per word and token: fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s,
 scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to every signed index) and,
 where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
 halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
-~1.1x (docs/performance.md). At one token what is left is latency and the two launches; with runs of
+~1.1x (docs/performance.md). ptxas, though, sank most of a round's loads next to their uses (a warp's
+trips to memory in a row: ~11 for the fp8 gate|up at one token), so at one token ROUND_GATE makes every
+FFMA of a round wait on all of its loads (tools/device/quant11_sass.py counts them); with runs of
 8 tokens on one expert the bound is not established yet (not the instruction count).
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
@@ -27,8 +29,8 @@ import numpy as np
 
 from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, float32, kernel, threads, uint32, uint64,
-                                       warp_sum_many)
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, f32_bits, float32, kernel, threads,
+                                       uint32, uint64, warp_sum_many)
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
@@ -49,8 +51,9 @@ DOWN_ROWS_LONG = 2
 # loads a round, by format: fp8 2 rows x 4 words (768 blocks at batch 1, all resident at 80 registers,
 # where 1 row x 8 words made 1536, 1.45 waves at 64) measured 3% faster than 1 x 8 in the fifth
 # session's event-timed calls, and the same change took bf16's gate|up from 18.2 to 15.3 us a layer in
-# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round;
-# 2 x 2 takes 96 registers, 2 x 4 128). Not yet timed in the decode graph: quant9_call.sh. With longer
+# the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round).
+# Registers with ROUND_GATE and the unsigned loops (sm_90): fp8 2 x 4 96, int4 1 x 4 72, 2 x 2 96
+# (tools/device/quant11_sass.py). Timed in the decode graph by tools/device/quant11.sh. With longer
 # runs GATE_UP_ROWS_LONG rows and LONG_RUN_VALUES values' worth of words. The tests cover 1-3 rows.
 GATE_UP_SHORT = {"fp8": (2, 4), "int4": (1, 4)}
 GATE_UP_ROWS_LONG = 1
@@ -60,6 +63,15 @@ LONG_RUN_VALUES = 16
 # weights out of the 50 MB L2. A round's words by one asm statement (quant_words.streaming_round): the
 # fp8 gate|up then takes 96 registers against 80 (ptxas, sm_90), down 64 against 96. Off until timed.
 STREAM_WEIGHTS = False
+# Each round's sums start from a zero made of its words' and scales' bits (``round_zero``), so that no
+# FFMA of the round can issue before all of its loads are back. The PTX issues the round's loads first,
+# but ptxas (sm_90) sank them next to their uses to save registers: the fp8 gate|up issued 12 of its 16
+# words after its first FFMA, in 11 groups, int4's 6 of 8 in 6 (tools/device/quant11_sass.py), each
+# group another dependent trip to memory in the warp's chain; with the gate they are all issued first.
+# The zero is +0.0 (the bits AND blockIdx.z, 0 in these 2-D grids but unknown to the compilers), so the
+# sums keep their bits. ROUND_GATE_X: the round's x words too (more registers, fewer trips to L1/L2).
+ROUND_GATE = True
+ROUND_GATE_X = False
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
@@ -117,6 +129,29 @@ def _x_chunk(x, row, at, buf):
     buf[3] = bits_as_f32(hi >> SHIFT_HI)
 
 
+@device
+def round_zero(raw, scales, minima, mats, rows, unroll):
+    """+0.0, computed from the bits of every word and scale of a round (see ROUND_GATE)."""
+    bits = uint32(0)
+    for m in range(mats):
+        for r in range(rows):
+            for k in range(unroll):
+                word = raw[m, r, k]
+                bits |= uint32(word & np.uint64(0xFFFFFFFF)) | uint32(word >> SHIFT_HI) | f32_bits(scales[m, r, k]) \
+                    | f32_bits(minima[m, r, k])
+    return bits_as_f32(bits & uint32(cuda.blockIdx.z))
+
+
+@device
+def x_zero(x_buf, chunks, zero):
+    """``zero`` (+0.0) made to depend on the bits of x_buf's floats as well."""
+    bits = f32_bits(zero)
+    for i in range(chunks):
+        for c in range(4):
+            bits |= f32_bits(x_buf[i, c])
+    return bits_as_f32(bits & uint32(cuda.blockIdx.z))
+
+
 PARAMS = {"fp8": (_scale_index_fp8, _params_fp8), "int4": (_scale_index_int4, _params_int4)}
 # floats between the scale entries of two words WARP apart in a row (WARP words span whole blocks)
 SCALE_STEP = {"fp8": WARP * 8 // BLOCK, "int4": 2 * WARP * 16 // BLOCK}
@@ -126,11 +161,12 @@ SCALE_STEP = {"fp8": WARP * 8 // BLOCK, "int4": 2 * WARP * 16 // BLOCK}
 
 @functools.cache
 def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unroll: int, exact: bool,
-                 streaming: bool = False):
+                 streaming: bool = False, gate: bool = False, gate_x: bool = False):
     """mats 2: gate|up (a warp takes ``rows`` rows of both, h = silu(gate) * up); mats 1: down (a warp
     takes ``rows`` consecutive rows, out[pair_out] = the sums). ``hardware``: quant_words.decoder's.
     ``exact``: a row is whole rounds of WARP x unroll words, so a round's loads sit at constant offsets
-    from one address (no clamp, no test a word). ``streaming``: weight words loaded evict-first."""
+    from one address (no clamp, no test a word). ``streaming``: weight words loaded evict-first.
+    ``gate`` / ``gate_x``: ROUND_GATE / ROUND_GATE_X (runs of one pair: ``chunk`` 1)."""
     decode = decoder(fmt, hardware)
     load_word = load_streaming if streaming else _load_plain
     load_round = streaming_round(unroll, WARP) if streaming and exact else None
@@ -163,13 +199,16 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
         w_buf = cuda.local.array((mats, rows, chunks, 4), float32)
         factor = cuda.local.array((mats, rows), float32)
         x_buf = cuda.local.array((chunks, 4), float32)
-        for start in range(0, num_groups, stride):
+        x_round = cuda.local.array((unroll if gate_x else 1, chunks, 4), float32)
+        start = uint32(0)  # while loops on unsigned counters: range() works out 64-bit trip counts (a division)
+        while start < num_groups:
             group = min(start + first, num_groups - 1)
             for m in range(mats):
                 for r in range(rows):
                     for t in range(chunk):
                         acc[m, r, t] = float32(0.0)
-            for base in range(lane, row_words, WARP * unroll):
+            base = uint32(lane)
+            while base < row_words:
                 for m in range(mats):  # every load of the round in flight before the first use
                     code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
                     for r in range(rows):
@@ -190,22 +229,42 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                 scales[m, r, k], minima[m, r, k] = read_params(
                                     floats, slot, scale_index(scale_at, row, word * per_word, cols))
                 x_at = uint64(base * 2 * chunks)
+                zero = round_zero(raw, scales, minima, mats, rows, unroll) if gate else float32(0.0)
+                if gate_x:  # x of the round's words, also before the first FFMA (runs of 1: x_round[k])
+                    for k in range(unroll):
+                        word = base + k * WARP if exact else min(base + k * WARP, row_words - 1)
+                        for i in range(chunks):
+                            _x_chunk(x, x_rows[0], uint64(2 * (word * chunks + i)), x_round[k, i])
+                    zero = x_zero(x_round[unroll - 1], chunks, zero)
                 for k in range(unroll):
                     word = base + k * WARP
-                    if exact or word < row_words:
+                    if (exact or word < row_words) and gate:  # runs of 1: a word decoded and used at once (registers)
+                        if not gate_x:
+                            for i in range(chunks):
+                                _x_chunk(x, x_rows[0], x_at + uint64(2 * (k * WARP * chunks + i)), x_buf[i])
+                        for m in range(mats):
+                            for r in range(rows):
+                                f = decode(raw[m, r, k], scales[m, r, k], minima[m, r, k], w_buf[0, 0])
+                                dot = zero  # +0.0
+                                for i in range(chunks):
+                                    dot = accumulate(dot, x_round[k, i] if gate_x else x_buf[i], w_buf[0, 0, i], 4)
+                                acc[m, r, 0] += f * dot
+                    elif exact or word < row_words:
                         for m in range(mats):  # each word decoded once for the run's tokens
                             for r in range(rows):
                                 factor[m, r] = decode(raw[m, r, k], scales[m, r, k], minima[m, r, k], w_buf[m, r])
                         for t in range(chunk):
                             if t < run:  # the same for the whole block: no divergence
-                                for i in range(chunks):
-                                    _x_chunk(x, x_rows[t], x_at + uint64(2 * (k * WARP * chunks + i)), x_buf[i])
+                                if not gate_x:
+                                    for i in range(chunks):
+                                        _x_chunk(x, x_rows[t], x_at + uint64(2 * (k * WARP * chunks + i)), x_buf[i])
                                 for m in range(mats):
                                     for r in range(rows):
-                                        dot = float32(0.0)
+                                        dot = zero  # +0.0
                                         for i in range(chunks):
-                                            dot = accumulate(dot, x_buf[i], w_buf[m, r, i], 4)
+                                            dot = accumulate(dot, x_round[k, i] if gate_x else x_buf[i], w_buf[m, r, i], 4)
                                         acc[m, r, t] += factor[m, r] * dot
+                base = uint32(base + WARP * unroll)
             for m in range(mats):
                 for r in range(rows):
                     warp_sum_many(acc[m, r], chunk)
@@ -220,6 +279,7 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                     out[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc[1, r, t]
                                 else:
                                     out[pair_table[j + t], row] = acc[0, r, t]
+            start = uint32(start + stride)
 
     return quant_rows
 
@@ -281,10 +341,11 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     blobs = (arena.view(np.uint64), arena.view(np.float32), store.view(np.uint64), store.view(np.float32))
     hardware = layout.dtype == "fp8" and hardware_e4m3(chunk)
     gate_rows, gate_words, down_rows = work_shape(layout.dtype, chunk)
+    gate, gate_x = ROUND_GATE and chunk == 1, ROUND_GATE_X and chunk == 1
     gate_up = _rows_kernel(layout.dtype, chunk, 2, gate_rows, hardware,
-                           *_round(hidden // per_word, chunk, per_word, gate_words), STREAM_WEIGHTS)
+                           *_round(hidden // per_word, chunk, per_word, gate_words), STREAM_WEIGHTS, gate, gate_x)
     down = _rows_kernel(layout.dtype, chunk, 1, down_rows, hardware, *_round(inter // per_word, chunk, per_word),
-                        STREAM_WEIGHTS)
+                        STREAM_WEIGHTS, gate, gate_x)
     h = scratch[:num_pairs]
     x_words, h_words = x.view(np.uint64), h.view(np.uint64)
     block = threads(WARPS * WARP)
