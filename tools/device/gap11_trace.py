@@ -9,6 +9,7 @@ decode steps.
     python3 tools/device/gap11_trace.py chunk_trace_gpu0.json"""
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import sys
@@ -29,7 +30,27 @@ def union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class Timeline:
+    """GPU activities sorted by start, so that a window's are found by bisection: the parts' table
+    asks for ~2,000 windows among ~50,000 activities (a scan of all per window took minutes, and
+    gap11.sh's `timeout 30` cut the table off before its first row at 17:25)."""
+
+    def __init__(self, events):
+        self.events = sorted(events, key=lambda e: e["ts"])
+        self.starts = [e["ts"] for e in self.events]
+        self.longest = max((e["dur"] for e in self.events), default=0.0)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def within(self, lo: float, hi: float):
+        first = bisect.bisect_left(self.starts, lo - self.longest)
+        return self.events[first:bisect.bisect_left(self.starts, hi)]
+
+
 def clipped(events, lo: float, hi: float):
+    if isinstance(events, Timeline):
+        events = events.within(lo, hi)
     for e in events:
         a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
         if b > a:
@@ -58,8 +79,8 @@ def main(path: str) -> None:
     annotations = [e for e in events if e.get("cat") == "user_annotation"]
     steps = sorted((e for e in annotations if e["name"].startswith("step ")), key=lambda e: e["ts"])
     parts = [e for e in annotations if not e["name"].startswith("step ")]
-    gpu = [e for e in events if e.get("cat") in GPU_CATS]
-    print(f"-- {len(steps)} steps traced, {len(gpu)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
+    gpu = Timeline(e for e in events if e.get("cat") in GPU_CATS)
+    print(f"-- {len(steps)} steps traced, {len(gpu.events)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
           f"the first {MAX_STEP_LINES}, then by kind")
     print("step (id kind tokens)     wall ms | GPU busy | kernels (count) | HtoD ms (MiB) | other | idle   (ms)")
     chunk_steps, rows = [], defaultdict(list)
