@@ -3,8 +3,9 @@ tools/device/gap11.sh): per traced step (the first few, then by kind) its wall t
 time (kernels, and how many ran; host-to-device copies and their MiB; the two overlapping), its idle
 time (a step launched eagerly from Python shows as idle time between its kernels); then, over the
 chunk's steps, each part of the step (workers/step_parts.py) with the host's time in it and what the
-GPU did meanwhile; then the kernels and copies that took the most GPU time in chunk steps and in
-decode steps.
+GPU did meanwhile; the CUPTI overhead events within chunk steps (a "Lazy Function Loading" is a kernel's
+first use: ~4.5 ms of host time each for cuBLAS's at 17:25); then the kernels and copies that took
+the most GPU time in chunk steps and in decode steps.
 
     python3 tools/device/gap11_trace.py chunk_trace_gpu0.json"""
 from __future__ import annotations
@@ -80,7 +81,8 @@ def main(path: str) -> None:
     steps = sorted((e for e in annotations if e["name"].startswith("step ")), key=lambda e: e["ts"])
     parts = [e for e in annotations if not e["name"].startswith("step ")]
     gpu = Timeline(e for e in events if e.get("cat") in GPU_CATS)
-    print(f"-- {len(steps)} steps traced, {len(gpu.events)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
+    kernels = sum(e["cat"] == "kernel" for e in gpu)
+    print(f"-- {len(steps)} steps traced, {len(gpu.events)} GPU activities ({kernels} kernels); "
           f"the first {MAX_STEP_LINES}, then by kind")
     print("step (id kind tokens)     wall ms | GPU busy | kernels (count) | HtoD ms (MiB) | other | idle   (ms)")
     chunk_steps, rows = [], defaultdict(list)
@@ -122,6 +124,12 @@ def main(path: str) -> None:
     for name, row in sorted(by_part.items(), key=lambda kv: -kv[1]["host"]):
         print(f"{name:<24} {row['host'] / n / 1e3:6.2f} | {row['busy'] / n / 1e3:7.2f} | {row['kernels'] / n / 1e3:7.2f} | "
               f"{row['h2d'] / n / 1e3:5.2f} ({row['h2d_mib'] / n:6.1f}) | {row['idle'] / n / 1e3:5.2f}")
+    overheads = defaultdict(int)  # CUPTI's own: "Lazy Function Loading" is a kernel's first use (a cuBLAS variant)
+    for e in events:
+        if e.get("cat") == "overhead" and any(lo <= e["ts"] < hi for lo, hi in chunk_steps):
+            overheads[e["name"]] += 1
+    if overheads:
+        print("-- in the chunk steps, CUPTI overhead events: " + ", ".join(f"{k} {v}" for k, v in overheads.items()))
     for label, wanted in (("chunk", " chunk "), ("decode", " decode ")):
         windows = [(s["ts"], s["ts"] + s["dur"]) for s in steps if wanted in s["name"]]
         if not windows:
