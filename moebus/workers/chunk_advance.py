@@ -134,7 +134,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 if not cfg.is_moe_layer(i):
                     x, residual = x, ("dense", stage._dense_mlp(w, h))
                     chunk.layer += 1
-                    ops.recycle_layer(mark, (x, residual[1]))
+                    ops.recycle_layer(mark, (x, residual[1], *inputs.uploaded()))
                     continue
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
@@ -145,7 +145,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
             within, chunk.within = chunk.within, None
             x, residual = within.x, ("dense", ops.combine(within.routed.out, within.routed.weights))
             chunk.layer += 1
-            ops.recycle_layer(mark, (x, residual[1]))
+            ops.recycle_layer(mark, (x, residual[1], *inputs.uploaded()))
     finally:
         stage.experts.release()
     if not is_last:  # its keys and values are written: the next piece reads them
@@ -163,7 +163,8 @@ class Uploads:
     steps run expert groups only and read none (H200, 17:25 trace: ~10 uploads of the piece's token
     slots, positions, sampling, ... cost ~2.2 ms of host time a step in "begin (sync)" with the GPU
     idle; 190 of 200 chunk steps had no attention or head). An upload is in stream order before the
-    kernels that read it, as before. Valid until the next ``begin_step``."""
+    kernels that read it, as before; taken inside the layer loop, it is kept by each layer's
+``recycle_layer`` (``uploaded``). Valid until the next ``begin_step``."""
 
     def __init__(self, ops, host: dict):
         self.ops, self.host, self.device = ops, host, {}
@@ -175,6 +176,11 @@ class Uploads:
         if name not in self.device:
             self.device[name] = self.ops.upload(self.host[name])
         return self.device[name]
+
+    def uploaded(self) -> tuple:
+        """The inputs uploaded so far: a layer's end keeps them (``recycle_layer``), since one read
+        first in a layer's attention (the token slots, positions) is read again by the next layer's."""
+        return tuple(self.device.values())
 
 
 def _host_inputs(stage, chunk: ChunkInProgress, piece: StepBatch) -> dict:
