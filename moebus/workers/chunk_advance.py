@@ -36,6 +36,7 @@ class LayerInProgress:
     h: object  # the MLP's input
     routed: object  # stage.HostRouting: the router's choices, weights and pair outputs
     next_expert: int = 0  # index into routed.unique of the first expert not computed
+    tiles_plan: tuple | None = None  # HostTiles.made: the layer's host plan, made in its first step
 
 
 def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool,
@@ -110,8 +111,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
     parts.begin("begin (sync)")
     ops.begin_step()
     first = chunk.x is None and chunk.within is None  # the first layer's input is made in this step
-    skipped = ("attn_tiles",) if first else ("attn_tiles", "embeds", "embed_rows")  # an image's: ~6 MiB a step
-    inputs = {name: ops.upload(a) for name, a in stage._host_inputs(piece, None).items() if name not in skipped}
+    inputs = Uploads(ops, _host_inputs(stage, chunk, piece))
     segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
     x, residual = chunk.x, chunk.residual
     if first:
@@ -134,7 +134,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 if not cfg.is_moe_layer(i):
                     x, residual = x, ("dense", stage._dense_mlp(w, h))
                     chunk.layer += 1
-                    ops.recycle_layer(mark, (x, residual[1]))
+                    ops.recycle_layer(mark, (x, residual[1], *inputs.uploaded()))
                     continue
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
@@ -145,7 +145,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
             within, chunk.within = chunk.within, None
             x, residual = within.x, ("dense", ops.combine(within.routed.out, within.routed.weights))
             chunk.layer += 1
-            ops.recycle_layer(mark, (x, residual[1]))
+            ops.recycle_layer(mark, (x, residual[1], *inputs.uploaded()))
     finally:
         stage.experts.release()
     if not is_last:  # its keys and values are written: the next piece reads them
@@ -156,6 +156,41 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         out["top_ids"], out["top_logprobs"] = stage._top_logprobs(piece, out["logits"])
     host = {name: ops.to_host(out[name]) for name in ("tokens", "logprobs") + (("logits",) if want_logits else ())}
     return stage._sample_output(piece, {**out, **host}, want_logits)
+
+
+class Uploads:
+    """A step's inputs, each uploaded when the step first reads it: most of a time-bounded chunk's
+    steps run expert groups only and read none (H200, 17:25 trace: ~10 uploads of the piece's token
+    slots, positions, sampling, ... cost ~2.2 ms of host time a step in "begin (sync)" with the GPU
+    idle; 190 of 200 chunk steps had no attention or head). An upload is in stream order before the
+    kernels that read it, as before; taken inside the layer loop, it is kept by each layer's
+``recycle_layer`` (``uploaded``). Valid until the next ``begin_step``."""
+
+    def __init__(self, ops, host: dict):
+        self.ops, self.host, self.device = ops, host, {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.host
+
+    def __getitem__(self, name: str):
+        if name not in self.device:
+            self.device[name] = self.ops.upload(self.host[name])
+        return self.device[name]
+
+    def uploaded(self) -> tuple:
+        """The inputs uploaded so far: a layer's end keeps them (``recycle_layer``), since one read
+        first in a layer's attention (the token slots, positions) is read again by the next layer's."""
+        return tuple(self.device.values())
+
+
+def _host_inputs(stage, chunk: ChunkInProgress, piece: StepBatch) -> dict:
+    """The piece's host inputs (without attention tiles: the chunk's attention makes its own), made
+    once for the chunk's piece: they depend on the piece alone."""
+    made = chunk.host_inputs
+    if made is None or made[0] is not piece:
+        inputs = {name: a for name, a in stage._host_inputs(piece, None).items() if name != "attn_tiles"}
+        made = chunk.host_inputs = (piece, inputs)
+    return made[1]
 
 
 def _pair_buffer(stage, chunk: ChunkInProgress):
@@ -197,10 +232,12 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
 def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
     """A function ``(first, end)`` that computes the pairs of the experts ``routed.unique[first:end]``
     into ``routed.out``: on tensor cores where the whole chunk would run there (the layer's pairs
-    planned and gathered into tiles once a step, moe_prefill.HostTiles, each group's tiles then
-    multiplied from its arena slots and its pairs' outputs scattered to their rows), else
-    ``Stage._moe_group``'s GEMVs. The tiles' buffers are the step's: a step that continues the layer
-    plans and gathers it again (host work and one gather, no copies). ``parts``: the step's
+    planned on the host in the layer's first step and gathered into tiles once a step,
+    moe_prefill.HostTiles, each group's tiles then multiplied from its arena slots and its pairs'
+    outputs scattered to their rows), else ``Stage._moe_group``'s GEMVs. The tiles' buffers are the
+    step's: a step that continues the layer takes the layer's plan (``within.tiles_plan``: its numpy,
+    ~0.2 ms for 510 tokens on the dev host) and gathers it again (two small uploads and one gather,
+    no expert copies). ``parts``: the step's
     StepParts, told when a group's acquire and its kernels start."""
     ops, cfg, routed, h = stage.ops, stage.cfg, within.routed, within.h
     if not can_group_on_device(ops, stage.experts, h.shape[0]):
@@ -210,7 +247,8 @@ def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
             stage._moe_group(layer, h, routed, first, end)
         return gemvs
     ids = routed.unique[routed.pair_group_index].reshape(h.shape[0], -1)
-    tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size)
+    tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size, within.tiles_plan)
+    within.tiles_plan = tiles.made
     index = routed.pair_group_index
 
     def run(first: int, end: int) -> None:

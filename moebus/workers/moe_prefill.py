@@ -98,10 +98,16 @@ class HostTiles:
     writes their pairs' outputs with ``write_pairs``). Group g is the plan's experts[g] (ascending:
     the same order as ``np.unique`` of the ids), its tiles first_tile[g] ... first_tile[g + 1] - 1."""
 
-    def __init__(self, ops, experts, h, ids_host: np.ndarray, hidden: int, inter: int):
+    def __init__(self, ops, experts, h, ids_host: np.ndarray, hidden: int, inter: int, made=None):
+        """``made``: the ``made`` of an earlier HostTiles of the same ids (a chunk's layer continued in
+        a later step), whose host plan is taken as it is (its tiles are gathered again)."""
         self.ops, self.experts = ops, experts
-        t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
-        self.plan = plan = plan_tiles(ids_host, ops.tensor_cores.parts, t)
+        if made is None:
+            t = tile_pairs(ids_host.size, len(np.unique(ids_host)))
+            made = (t, plan_tiles(ids_host, ops.tensor_cores.parts, t))
+        self.made = made
+        t, self.plan = made
+        plan = self.plan
         self.work = ExpertTiles(ops, ops.tensor_cores, h, ids_host.shape[1], max(plan.num_tiles, 1), hidden, inter, t)
         self.work.plan_on_host(plan)
         self.bases, self.strides = self.work.pointer_layout(experts.array)

@@ -79,6 +79,7 @@ class ChunkInProgress:
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
+    host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
 
     @classmethod
     def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":

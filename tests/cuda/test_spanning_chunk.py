@@ -66,6 +66,26 @@ def test_kept_buffers_outlive_the_step_and_go_back_with_the_chunk():
     assert holder.chunk is None and not chunk.kept
 
 
+def test_an_input_uploaded_within_a_layer_outlives_the_layers_recycling():
+    """chunk_advance.Uploads: the token slots read first by a layer's attention (after the layer
+    mark) are read again by the next layer's: each layer's end keeps them, so the next layer's
+    temporaries do not take their buffer."""
+    from moebus.workers.chunk_advance import Uploads
+
+    ops = make_backend("cuda")
+    ops.begin_step()
+    slots = np.arange(7, dtype=np.int32)
+    inputs = Uploads(ops, {"token_slot": slots, "u": np.ones(1, np.float32)})
+    mark = ops.layer_mark()
+    for layer in range(2):
+        got = inputs["token_slot"]
+        temporary = ops.upload(np.full(7, -layer - 1, np.int32))  # the layer's own, same size
+        np.testing.assert_array_equal(ops.to_host(got), slots)
+        ops.recycle_layer(mark, (temporary if layer == 0 else None, *inputs.uploaded()))
+    np.testing.assert_array_equal(ops.to_host(inputs["token_slot"]), slots)
+    assert "u" in inputs and "mask" not in inputs and len(inputs.uploaded()) == 1  # "u" never read
+
+
 @pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
 @pytest.mark.parametrize("experts_on, by_time", [("gemv", False), ("tensor cores", False), ("tensor cores", True)])
 def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on, by_time):

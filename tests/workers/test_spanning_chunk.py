@@ -221,8 +221,8 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
     want = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2), want_logits=True)
     stage = sliced.stages[0]
     stage.chunk_time_share = 1e-12
-    groups, stops = [], {"within": 0, "layer": 0, "piece": 0}
-    run_group = chunk_advance.group_runner
+    groups, stops, read = [], {"within": 0, "layer": 0, "piece": 0}, []
+    run_group, read_input = chunk_advance.group_runner, chunk_advance.Uploads.__getitem__
 
     def counted(*args):
         run = run_group(*args)
@@ -231,22 +231,31 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
             groups[-1] += 1
             run(first, end)
         return each
-    chunk_advance.group_runner, position = counted, 3
+    def reading(uploads, name):
+        read[-1].add(name)
+        return read_input(uploads, name)
+    chunk_advance.group_runner, chunk_advance.Uploads.__getitem__, position = counted, reading, 3
     try:
         while True:
             groups.append(0)
+            read.append(set())
             out = sliced.step(_mixed(position), want_logits=True)
             if out.pending_rows is None:
                 break
             held = stage.chunk
+            num_pieces = len(held.pieces)
             where = "within" if held.within is not None else "layer" if held.layer else "piece"
             stops[where] += 1
             assert held.x is not None if where == "layer" else held.x is None
             position += 1
             assert position < 400
     finally:
-        chunk_advance.group_runner = run_group
+        chunk_advance.group_runner, chunk_advance.Uploads.__getitem__ = run_group, read_input
     assert groups[:-1] == [1] * (len(groups) - 1)  # one group a step, however few its copies
+    # a step's inputs are uploaded when read: the tokens in the steps that embed a piece, the
+    # sampling's in the last, none in a step that only continues a layer's groups
+    assert "tokens" in read[0] and "u" in read[-1] and "u" not in set().union(*read[:-1])
+    assert sum(not names for names in read) >= stops["within"] - len(stage.layer_range) * num_pieces
     assert stops["within"] and stops["layer"] and (stops["piece"] if case == "in pieces" else not stops["piece"])
     assert out.tokens[1] == want.tokens[0] and np.array_equal(out.logits[1], want.logits[0])
     for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):

@@ -3,12 +3,14 @@ tools/device/gap11.sh): per traced step (the first few, then by kind) its wall t
 time (kernels, and how many ran; host-to-device copies and their MiB; the two overlapping), its idle
 time (a step launched eagerly from Python shows as idle time between its kernels); then, over the
 chunk's steps, each part of the step (workers/step_parts.py) with the host's time in it and what the
-GPU did meanwhile; then the kernels and copies that took the most GPU time in chunk steps and in
-decode steps.
+GPU did meanwhile; the CUPTI overhead events within chunk steps (a "Lazy Function Loading" is a kernel's
+first use: ~4.5 ms of host time each for cuBLAS's at 17:25); then the kernels and copies that took
+the most GPU time in chunk steps and in decode steps.
 
     python3 tools/device/gap11_trace.py chunk_trace_gpu0.json"""
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import sys
@@ -29,7 +31,27 @@ def union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class Timeline:
+    """GPU activities sorted by start, so that a window's are found by bisection: the parts' table
+    asks for ~2,000 windows among ~50,000 activities (a scan of all per window took minutes, and
+    gap11.sh's `timeout 30` cut the table off before its first row at 17:25)."""
+
+    def __init__(self, events):
+        self.events = sorted(events, key=lambda e: e["ts"])
+        self.starts = [e["ts"] for e in self.events]
+        self.longest = max((e["dur"] for e in self.events), default=0.0)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def within(self, lo: float, hi: float):
+        first = bisect.bisect_left(self.starts, lo - self.longest)
+        return self.events[first:bisect.bisect_left(self.starts, hi)]
+
+
 def clipped(events, lo: float, hi: float):
+    if isinstance(events, Timeline):
+        events = events.within(lo, hi)
     for e in events:
         a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
         if b > a:
@@ -58,8 +80,9 @@ def main(path: str) -> None:
     annotations = [e for e in events if e.get("cat") == "user_annotation"]
     steps = sorted((e for e in annotations if e["name"].startswith("step ")), key=lambda e: e["ts"])
     parts = [e for e in annotations if not e["name"].startswith("step ")]
-    gpu = [e for e in events if e.get("cat") in GPU_CATS]
-    print(f"-- {len(steps)} steps traced, {len(gpu)} GPU activities ({sum(e['cat'] == 'kernel' for e in gpu)} kernels); "
+    gpu = Timeline(e for e in events if e.get("cat") in GPU_CATS)
+    kernels = sum(e["cat"] == "kernel" for e in gpu)
+    print(f"-- {len(steps)} steps traced, {len(gpu.events)} GPU activities ({kernels} kernels); "
           f"the first {MAX_STEP_LINES}, then by kind")
     print("step (id kind tokens)     wall ms | GPU busy | kernels (count) | HtoD ms (MiB) | other | idle   (ms)")
     chunk_steps, rows = [], defaultdict(list)
@@ -101,6 +124,12 @@ def main(path: str) -> None:
     for name, row in sorted(by_part.items(), key=lambda kv: -kv[1]["host"]):
         print(f"{name:<24} {row['host'] / n / 1e3:6.2f} | {row['busy'] / n / 1e3:7.2f} | {row['kernels'] / n / 1e3:7.2f} | "
               f"{row['h2d'] / n / 1e3:5.2f} ({row['h2d_mib'] / n:6.1f}) | {row['idle'] / n / 1e3:5.2f}")
+    overheads = defaultdict(int)  # CUPTI's own: "Lazy Function Loading" is a kernel's first use (a cuBLAS variant)
+    for e in events:
+        if e.get("cat") == "overhead" and any(lo <= e["ts"] < hi for lo, hi in chunk_steps):
+            overheads[e["name"]] += 1
+    if overheads:
+        print("-- in the chunk steps, CUPTI overhead events: " + ", ".join(f"{k} {v}" for k, v in overheads.items()))
     for label, wanted in (("chunk", " chunk "), ("decode", " decode ")):
         windows = [(s["ts"], s["ts"] + s["dur"]) for s in steps if wanted in s["name"]]
         if not windows:
