@@ -35,7 +35,7 @@ echo "== 3. the Qwen3-VL tower at $(now) s"
 BUDGET_S=$(( $(upto ${VL_S:-55}) - 6 )) timeout $(upto ${VL_S:-55}) python3 tools/device/vl11_encode.py ${REPEATS:-10} \
   > $O/vl/encode.log 2>&1
 echo "rc=$? at $(now) s"; grep -vE "^\s*$|Loading weights|Writing|it/s\]" $O/vl/encode.log | cut -c1-220 | tail -30; pack vl
-if (( BUDGET - $(now) > 80 )); then
+if (( BUDGET - $(now) > ${GAP_MIN_S:-60} )); then
   echo "== 4. the cold LLaVA image, untraced, at $(now) s"
   wait; OUT=$O/gap SKIP_TESTS=1 TRACE_STEPS=0 BUDGET=$(( BUDGET - $(now) - 5 )) timeout $(( BUDGET - $(now) - 2 )) bash tools/device/gap11.sh \
     > $O/gap/stdout.txt 2>&1
