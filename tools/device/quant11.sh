@@ -6,7 +6,7 @@
 # kernel variants; then quant9_sweep.py on 24 x 32: per (experts, attention) one load, per setting the
 # decode graphs recaptured, tok/s at batch 1 (and 8 where the plan says) all resident, and each kernel's
 # us a call in the graph (CUPTI, 4 replayed steps). The settings: bf16; int4 + fp8 attention and fp8 +
-# fp8 attention with ROUND_GATE (this branch's default) against without (the ninth session's kernels)
+# fp8 attention without ROUND_GATE (the default: the ninth session's kernels) against with it
 # and a few work shapes; fp8 experts with bf16 attention. Figures: stdout's table; $OUT/sweep.txt
 # (one JSON line a figure, every kernel); $OUT/gpu_tests.txt.
 BUDGET=${BUDGET:-195}

@@ -51,7 +51,8 @@ MIN_WARPS = 1024
 # (as moe_quant.ROUND_GATE): ptxas then issues the whole round's loads before its first FFMA. Without it
 # the e4m3 instruction's variant (48 registers) issued 6 of its 8 words after compute had begun, in 5
 # groups (tools/device/quant11_sass.py); the bit moves' variant issued them first anyway. The same bits.
-ROUND_GATE = True
+# Off until timed in the decode graph (moe_quant.ROUND_GATE).
+ROUND_GATE = False
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 
@@ -118,14 +119,12 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
         factor = cuda.local.array((rows, unroll), float32)
         w_buf = cuda.local.array((rows, 2, 4), float32)
         x_buf = cuda.local.array((2, 4), float32)
-        start = uint32(0)  # while loops on unsigned counters, as moe_quant (range(): 64-bit trip counts)
-        while start < num_groups:
+        for start in range(0, num_groups, stride):
             group = min(start + first, num_groups - 1)
             for r in range(rows):
                 for t in range(chunk):
                     acc[r, t] = float32(0.0)
-            base = uint32(lane)
-            while base < row_words:
+            for base in range(lane, row_words, WARP * unroll):
                 for r in range(rows):  # every load of the round in flight before the first use
                     row = uint32(min(group * rows + r, num_rows - 1))  # unsigned: no wraparound arithmetic
                     for k in range(unroll):
@@ -147,7 +146,6 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
                                     for i in range(2):
                                         dot = accumulate(dot, x_buf[i], w_buf[r, i], 4)
                                     acc[r, t] += factor[r, k] * dot
-                base = uint32(base + WARP * unroll)
             for r in range(rows):
                 warp_sum_many(acc[r], chunk)
             if lane == 0 and start + first < num_groups:  # constant indices keep the sums in registers
@@ -156,7 +154,6 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
                         for t in range(chunk):
                             if t < run:
                                 out[t0 + t, group * rows + r] = acc[r, t]
-            start = uint32(start + stride)
 
     return fp8_rows
 

@@ -14,9 +14,9 @@ per word and token: fp8 s * sum x_c q_c; int4 s * sum x_c (q_c + m / s) with (s,
 scale and minimum. Indices are unsigned (numba adds wraparound arithmetic to every signed index) and,
 where rows are whole rounds (A3B's are), a round's loads sit at constant offsets of one address: that
 halved the instructions a warp issues (tools/device/quant7_sass.py) and made int4 ~1.3x faster, fp8
-~1.1x (docs/performance.md). ptxas, though, sank most of a round's loads next to their uses (a warp's
-trips to memory in a row: ~11 for the fp8 gate|up at one token), so at one token ROUND_GATE makes every
-FFMA of a round wait on all of its loads (tools/device/quant11_sass.py counts them); with runs of
+~1.1x (docs/performance.md). ptxas, though, sinks most of a round's loads next to their uses (a warp's
+trips to memory in a row: ~11 for the fp8 gate|up at one token); ROUND_GATE (off until timed) makes
+every FFMA of a round wait on all of its loads (tools/device/quant11_sass.py counts them); with runs of
 8 tokens on one expert the bound is not established yet (not the instruction count).
 
 Shapes: T tokens, D hidden, I expert intermediate, J listed pairs, B blob bytes."""
@@ -52,8 +52,8 @@ DOWN_ROWS_LONG = 2
 # where 1 row x 8 words made 1536, 1.45 waves at 64) measured 3% faster than 1 x 8 in the fifth
 # session's event-timed calls, and the same change took bf16's gate|up from 18.2 to 15.3 us a layer in
 # the 48 x 32 graph (moe_ffn.GATE_UP_ROWS_SHORT); int4 keeps 1 row x 4 words (a whole row, one round).
-# Registers with ROUND_GATE and the unsigned loops (sm_90): fp8 2 x 4 96, int4 1 x 4 72, 2 x 2 96
-# (tools/device/quant11_sass.py). Timed in the decode graph by tools/device/quant11.sh. With longer
+# Registers with ROUND_GATE (sm_90): fp8 2 x 4 128, int4 1 x 4 128 (tools/device/quant11_sass.py; with
+# unsigned while loops instead of range() 96 and 72, not kept: not timed apart). With longer
 # runs GATE_UP_ROWS_LONG rows and LONG_RUN_VALUES values' worth of words. The tests cover 1-3 rows.
 GATE_UP_SHORT = {"fp8": (2, 4), "int4": (1, 4)}
 GATE_UP_ROWS_LONG = 1
@@ -69,8 +69,11 @@ STREAM_WEIGHTS = False
 # words after its first FFMA, in 11 groups, int4's 6 of 8 in 6 (tools/device/quant11_sass.py), each
 # group another dependent trip to memory in the warp's chain; with the gate they are all issued first.
 # The zero is +0.0 (the bits AND blockIdx.z, 0 in these 2-D grids but unknown to the compilers), so the
-# sums keep their bits. ROUND_GATE_X: the round's x words too (more registers, fewer trips to L1/L2).
-ROUND_GATE = True
+# sums keep their bits (GPU tests: 42 passed on an H200, 2026-12-02). Off: in the one 24 x 32 figure with
+# it on (int4 + fp8 attention, batch 1, with the loops then unsigned while loops: 72.2 us a layer) the experts'
+# share came to ~25 us against the ninth session's 22.0 without, and the A/B in the graph was cut by the
+# call's time (docs/performance.md). ROUND_GATE_X: the round's x words too.
+ROUND_GATE = False
 ROUND_GATE_X = False
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
@@ -200,15 +203,13 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
         factor = cuda.local.array((mats, rows), float32)
         x_buf = cuda.local.array((chunks, 4), float32)
         x_round = cuda.local.array((unroll if gate_x else 1, chunks, 4), float32)
-        start = uint32(0)  # while loops on unsigned counters: range() works out 64-bit trip counts (a division)
-        while start < num_groups:
+        for start in range(0, num_groups, stride):
             group = min(start + first, num_groups - 1)
             for m in range(mats):
                 for r in range(rows):
                     for t in range(chunk):
                         acc[m, r, t] = float32(0.0)
-            base = uint32(lane)
-            while base < row_words:
+            for base in range(lane, row_words, WARP * unroll):
                 for m in range(mats):  # every load of the round in flight before the first use
                     code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
                     for r in range(rows):
@@ -264,7 +265,6 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                         for i in range(chunks):
                                             dot = accumulate(dot, x_round[k, i] if gate_x else x_buf[i], w_buf[m, r, i], 4)
                                         acc[m, r, t] += factor[m, r] * dot
-                base = uint32(base + WARP * unroll)
             for m in range(mats):
                 for r in range(rows):
                     warp_sum_many(acc[m, r], chunk)
@@ -279,7 +279,6 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                                     out[j + t, row] = g / (float32(1.0) + math.exp(-g)) * acc[1, r, t]
                                 else:
                                     out[pair_table[j + t], row] = acc[0, r, t]
-            start = uint32(start + stride)
 
     return quant_rows
 
