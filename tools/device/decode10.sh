@@ -5,7 +5,9 @@
 # decode10_sweep.py on 48 x 32: bench decode's in-process tok/s at batch 1 and 8 (64 tokens, 2
 # repeats, launch-ahead) with the router over 8 blocks (the default), one block a token (the
 # switch off: norm_route.ROUTER_BLOCKS = 1), 16 and 4 blocks, and each setting's CUPTI per-kernel
-# profile at batch 1 and 8 (full tables in $OUT/profiles.txt).
+# profile at batch 1 and 8 (full tables in $OUT/profiles.txt). PLAN=tools/device/decode10_2.json: the
+# ranks tail (routing.ranks_tail) on, off (norm_route.ROUTER_RANKS = false) and one block a token
+# (the tenth session's second call, never run; decode11.json timed the ranks tail off since).
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
 BUDGET=${BUDGET:-125}; T0=$(date +%s)
@@ -22,6 +24,6 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_routing.py 2
 wait $GC; echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error" $OUT/graph_check.txt | head -8
 wait; tail -1 $OUT/init48.log 2>/dev/null
 echo "== decode10_sweep 48 x 32 at $(( $(date +%s) - T0 )) s"
-timeout $(( $(left) - 3 )) python3 tools/device/decode10_sweep.py $M tools/device/decode10.json 4 $OUT/profiles.txt \
+timeout $(( $(left) - 3 )) python3 tools/device/decode10_sweep.py $M ${PLAN:-tools/device/decode10.json} 4 $OUT/profiles.txt \
   2>&1 | grep -v Warn
 echo "sweep rc ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
