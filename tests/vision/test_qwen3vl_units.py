@@ -25,6 +25,16 @@ def _raw(text: dict, **vision) -> dict:
             "vision_config": {"depth": 3, "hidden_size": 32, "num_heads": 4, "out_hidden_size": 64,
                               "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 2], **vision}}
 
+def _tiny_tower():
+    """(raw config, vision config, float32 weights) of the tiny Qwen3-VL tower the unit tests encode with."""
+    from moebus.common.qwen3vl_tiny import vision_tensors
+    from moebus.common.tiny_model import _Random
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    return raw, parse_qwen3_vision_config(raw), \
+        {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+
+
 
 def test_config_in_either_spelling():
     hub = parse_config(_raw(TEXT_HUB))
@@ -166,14 +176,10 @@ def test_one_sequences_deepstack_rows_go_without_a_copy():
 
 
 def test_the_worker_replies_its_outputs_stacked():
-    from moebus.common.qwen3vl_tiny import vision_tensors
-    from moebus.common.tiny_model import _Random
     from moebus.cuda.backends import make_backend
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
 
-    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
-    cfg = parse_qwen3_vision_config(raw)
-    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    _, cfg, weights = _tiny_tower()
     model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
     rng = np.random.default_rng(5)
     from types import SimpleNamespace
@@ -191,12 +197,8 @@ def test_a_grid_beyond_the_rotary_tables_grows_them():
     from moebus.cuda.backends import make_backend
     from moebus.cuda.kernels.mrope import vision_rope_tables
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
-    from moebus.common.qwen3vl_tiny import vision_tensors
-    from moebus.common.tiny_model import _Random
 
-    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
-    cfg = parse_qwen3_vision_config(raw)
-    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    _, cfg, weights = _tiny_tower()
     model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
     side = model.max_side + 2
     embeds, deepstack = model.encode(np.zeros((2 * side, cfg.patch_dim), np.float32), 2, side)
@@ -209,12 +211,8 @@ def test_several_images_encode_one_after_another_and_concatenate():
 
     from moebus.cuda.backends import make_backend
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
-    from moebus.common.qwen3vl_tiny import vision_tensors
-    from moebus.common.tiny_model import _Random
 
-    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
-    cfg = parse_qwen3_vision_config(raw)
-    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    _, cfg, weights = _tiny_tower()
     model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
     rng = np.random.default_rng(1)
     images = [SimpleNamespace(patches=rng.standard_normal((h * w, cfg.patch_dim)).astype(np.float32), grid_h=h,
@@ -232,14 +230,11 @@ def test_several_images_encode_one_after_another_and_concatenate():
 def test_an_image_from_its_bytes_encodes_as_from_its_patches():
     from PIL import Image
 
-    from moebus.common.qwen3vl_tiny import preprocessor_config, vision_tensors
-    from moebus.common.tiny_model import _Random
+    from moebus.common.qwen3vl_tiny import preprocessor_config
     from moebus.cuda.backends import make_backend
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
 
-    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
-    cfg = parse_qwen3_vision_config(raw)
-    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    raw, cfg, weights = _tiny_tower()
     model = Qwen3VisionModel(cfg, weights, make_backend("cpu"))
     proc = Qwen3VLImageProcessor(preprocessor_config(raw, "tiny"))
     image = proc.preprocess(Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 56, 3), np.uint8)))
@@ -253,17 +248,13 @@ def test_an_image_from_its_bytes_encodes_as_from_its_patches():
 def test_the_captured_encode_equals_the_eager_one_and_a_new_size_captures_anew():
     from moebus.cuda.kernels.compat import SIMULATOR
     from moebus.workers.qwen3vl_vision import Qwen3VisionModel
-    from moebus.common.qwen3vl_tiny import vision_tensors
-    from moebus.common.tiny_model import _Random
 
     if SIMULATOR:
         pytest.skip("CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
     from moebus.cuda.backends import make_backend
     from moebus.cuda.backends.cuda import CudaBackend
 
-    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
-    cfg = parse_qwen3_vision_config(raw)
-    weights = {k[len("model.visual."):]: v for k, v in vision_tensors(raw, _Random(1, False)).items()}
+    _, cfg, weights = _tiny_tower()
     cpu, cuda = Qwen3VisionModel(cfg, weights, make_backend("cpu")), Qwen3VisionModel(cfg, weights, CudaBackend())
     assert cuda.graph.enabled  # captured by default
     rng = np.random.default_rng(0)
