@@ -92,16 +92,25 @@ def test_linear_fp8_gives_the_same_bits_whatever_the_rows_a_warp(rng, tokens, mo
     codes, scales = fp8_rows(_weight(rng, 7, 520))  # 65 words a row: lanes loop, rounds are not whole
     x = rng.standard_normal((tokens, 520), dtype=np.float32)
     monkeypatch.setattr(linear_quant, "MIN_WARPS", 1)
+    results = _equal_bits_over(monkeypatch, x, codes, scales,
+                               [{"ROWS_PER_WARP_SHORT": rows, "ROWS_PER_WARP": rows} for rows in (1, 2, 3, 4)])
+    _close(results[0], linear_fp8_ref(x, codes, scales))
+
+
+def _equal_bits_over(monkeypatch, x, codes, scales, settings: list[dict]) -> list:
+    """The FP8 GEMV's outputs with each setting of linear_quant's constants, asserted equal bit for bit."""
+    from moebus.cuda.kernels import linear_quant
+
     results = []
-    for rows in (1, 2, 3, 4):
-        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP_SHORT", rows)
-        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP", rows)
-        out = poisoned((tokens, 7))
+    for setting in settings:
+        for name, value in setting.items():
+            monkeypatch.setattr(linear_quant, name, value)
+        out = poisoned((x.shape[0], codes.shape[0]))
         linear_fp8_cuda(device(x), device(codes), device(scales), out)
         results.append(out.copy_to_host())
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
-    _close(results[0], linear_fp8_ref(x, codes, scales))
+    return results
 
 
 def test_projection_rows_a_warp_keep_enough_warps(monkeypatch):
@@ -124,14 +133,7 @@ def test_linear_fp8_round_gate_gives_the_same_bits(rng, tokens, monkeypatch):
     codes, scales = fp8_rows(_weight(rng, 7, 520))  # 65 words a row: rounds are not whole
     x = rng.standard_normal((tokens, 520), dtype=np.float32)
     monkeypatch.setattr(linear_quant, "MIN_WARPS", 1)
-    results = []
-    for gate, unroll in ((False, 8), (True, 8), (True, 16)):
-        monkeypatch.setattr(linear_quant, "ROUND_GATE", gate)
-        monkeypatch.setattr(linear_quant, "MAX_UNROLL", unroll)
-        monkeypatch.setattr(linear_quant, "ROWS_PER_WARP_SHORT", 1)
-        out = poisoned((tokens, 7))
-        linear_fp8_cuda(device(x), device(codes), device(scales), out)
-        results.append(out.copy_to_host())
-    for other in results[1:]:
-        np.testing.assert_array_equal(other, results[0])
+    results = _equal_bits_over(monkeypatch, x, codes, scales,
+                               [{"ROUND_GATE": gate, "MAX_UNROLL": unroll, "ROWS_PER_WARP_SHORT": 1}
+                                for gate, unroll in ((False, 8), (True, 8), (True, 16))])
     _close(results[1], linear_fp8_ref(x, codes, scales))
