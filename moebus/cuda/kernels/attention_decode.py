@@ -50,6 +50,12 @@ def split_range(lo, pos, split):
     return lo + split * count // num_splits, lo + (split + 1) * count // num_splits, num_splits
 
 
+@device
+def window_split(pos, window, split):
+    """split_range of a token at ``pos`` attending to its last ``window`` positions (all: window 0)."""
+    return split_range(max(pos - window + 1, 0) if window > 0 else 0, pos, split)
+
+
 def max_splits(max_context: int) -> int:
     """Splits a token can have in a cache of ``max_context`` positions."""
     return min(MAX_SPLITS, ceil_div(max_context, SPLIT_POSITIONS))
@@ -277,9 +283,7 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
         @kernel
         def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
             t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-            pos = token_pos[t]
-            lo = max(pos - window + 1, 0) if window > 0 else 0
-            first, end, num_splits = split_range(lo, pos, split)
+            first, end, num_splits = window_split(token_pos[t], window, split)
             if split >= num_splits:
                 return  # the whole block
             split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
@@ -291,9 +295,7 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
     def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
                               partial, done, out):
         t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        pos = token_pos[t]
-        lo = max(pos - window + 1, 0) if window > 0 else 0
-        first, end, num_splits = split_range(lo, pos, split)
+        first, end, num_splits = window_split(token_pos[t], window, split)
         if split >= num_splits:
             return  # the whole block
         split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
@@ -315,9 +317,7 @@ def merge_splits(token_pos, window, partial, out):
         t = n // (num_heads * head_dim)
         h = (n // head_dim) % num_heads
         d = n % head_dim
-        pos = token_pos[t]
-        lo = max(pos - window + 1, 0) if window > 0 else 0
-        num_splits = split_range(lo, pos, 0)[2]
+        num_splits = window_split(token_pos[t], window, 0)[2]
         peak = NEG_INF
         for s in range(num_splits):
             peak = max(peak, partial[t, h, s, head_dim])
