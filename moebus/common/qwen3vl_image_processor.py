@@ -184,6 +184,9 @@ def normalize_rows(pixels: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.
     (numpy's inner loop over a length-C axis is ~10x slower); the same operations per element."""
     height, width, channels = pixels.shape
     if mean.shape != (channels,):  # (a grey image without do_convert_rgb: broadcast as before)
+        if channels != 1:
+            raise ValueError(f"image has {channels} channels, the processor normalizes {mean.shape[0]} "
+                             f"(do_convert_rgb is off: send an RGB or greyscale image)")
         return (pixels - mean) / std
     rows = pixels.reshape(height, width * channels)
     out = np.subtract(rows, np.tile(mean, width))

@@ -63,3 +63,13 @@ def test_resized_pixels_equal_the_old_roundtrip(mode, size, convert):
     got = proc.resized(image)
     assert got.dtype == np.uint8 and got.ndim == 3
     np.testing.assert_array_equal(got, _old_resized(proc, image))
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "CMYK", "LA"])
+def test_an_image_of_other_channels_without_convert_is_named(mode):
+    proc = Qwen3VLImageProcessor({"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "merge_size": 2,
+                                  "do_convert_rgb": False, "size": {"shortest_edge": 1024, "longest_edge": 65536}})
+    image = Image.new("RGBA", (32, 32), (10, 20, 30, 255)).convert(mode)
+    channels = len(image.getbands())
+    with pytest.raises(ValueError, match=f"image has {channels} channels, the processor normalizes 3"):
+        proc.preprocess(image)
