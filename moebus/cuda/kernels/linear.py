@@ -18,6 +18,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import MAX_WARPS, WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, \
     kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -64,6 +65,7 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll
         # grid: x over row groups (grid-stride, same trip count in every warp), y over token chunks;
         # a warp takes `rows` consecutive rows at once (each x word it loads serves all of them), and
         # a row's words are cut in `split` spans, one warp each, their partials added in span order
+        grid_dependency_wait()  # pdl.py: before any global read or write
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         groups_per_block = cuda.blockDim.x // WARP // split

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -87,6 +88,7 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming
     @kernel
     def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
         # a warp takes per_warp consecutive rows of I (their gate and up rows) at once
+        grid_dependency_wait()  # pdl.py: before any global read or write
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -147,6 +149,7 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
     @kernel
     def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
         # a warp takes per_warp consecutive output rows at once: each h word it loads serves all
+        grid_dependency_wait()  # pdl.py: before any global read or write
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:

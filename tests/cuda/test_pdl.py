@@ -1,0 +1,106 @@
+"""Programmatic dependent launch (kernels/pdl.py): which edges of a captured graph become programmatic
+(pure Python), that every kernel of the decode step waits before anything else, and on a GPU that a
+decode step replayed from a graph with programmatic edges gives the bits of the eager step."""
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moebus.cuda.kernels import pdl
+
+KERNELS = Path(__file__).resolve().parents[2] / "moebus" / "cuda" / "kernels"
+DECODE_FILES = ("linear", "linear_quant", "moe", "moe_ffn", "moe_quant", "moe_quant_bf16", "norm_route", "routing",
+                "attention_decode", "attention", "fused", "rmsnorm", "rope", "elementwise", "embedding", "sampling",
+                "top_logprobs", "penalties", "gemm", "grouped_moe", "weighted_rows", "scatter", "prefetch",
+                "split_epilogues")
+
+
+def test_mode_reads_the_port_from_the_environment(monkeypatch):
+    for value, want in [("0", None), ("", None), ("1", "programmatic"), ("programmatic", "programmatic"),
+                        ("launch_order", "launch_order")]:
+        monkeypatch.setenv(pdl.ENV, value)
+        assert pdl.mode() == want
+    monkeypatch.setenv(pdl.ENV, "sideways")
+    with pytest.raises(ValueError):
+        pdl.mode()
+
+
+def test_only_kernel_to_kernel_edges_into_waiting_kernels_are_converted():
+    # nodes: 1, 2, 3 kernels that wait (functions 10, 11); 4 a kernel that does not (cuBLAS, 20);
+    # 5 a memcpy (no function); 6 waits again
+    functions = {1: 10, 2: 11, 3: 10, 4: 20, 6: 11}
+    edges = [(1, 2), (2, 3), (3, 4), (4, 6), (5, 1), (2, 5), (1, 6)]
+    assert pdl.plan_edges(edges, functions, {10, 11}) == [0, 1, 3, 6]
+    assert pdl.plan_edges(edges, functions, set()) == []
+
+
+def test_kernels_that_call_the_wait_are_recognised():
+    def waiting():
+        pdl.grid_dependency_wait()
+
+    def plain():
+        return 1
+
+    def calls_by_name():
+        grid_dependency_wait()  # noqa: F821 - only its name is read
+
+    assert pdl.waits(waiting) and pdl.waits(calls_by_name) and not pdl.waits(plain)
+
+
+@pytest.mark.parametrize("name", DECODE_FILES)
+def test_every_kernel_of_the_decode_step_waits_first(name):
+    """A kernel behind a programmatic edge must wait before any global read or write, in every block:
+    the wait is its first statement (after a docstring)."""
+    tree = ast.parse((KERNELS / f"{name}.py").read_text())
+    kernels = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               and any(isinstance(d, ast.Name) and d.id == "kernel" for d in node.decorator_list)]
+    assert kernels
+    for node in kernels:
+        body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+            else node.body
+        first = body[0]
+        assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and \
+            getattr(first.value.func, "id", None) == pdl.WAIT_NAME, f"{name}.{node.name} does not wait first"
+
+
+def test_the_wait_is_a_no_op_in_the_simulator():
+    from moebus.cuda.kernels.compat import SIMULATOR, cuda
+
+    if not SIMULATOR:
+        pytest.skip("simulator only")
+    from moebus.cuda.kernels.elementwise import add_flat
+
+    x, y, out = np.arange(8, dtype=np.float32), np.ones(8, np.float32), np.zeros(8, np.float32)
+    add_flat[1, 32](x, y, out)
+    np.testing.assert_array_equal(out, x + 1)
+
+
+@pytest.mark.parametrize("port", pdl.PORTS)
+def test_a_graph_with_programmatic_edges_gives_the_bits_of_the_eager_step(port, monkeypatch, tmp_path):
+    """The micro model's decode (norm_route's last-block counter, the attention split kernel's merge,
+    the expert GEMVs, sampling) replayed from graphs whose kernel edges are programmatic, against the
+    same steps run eagerly."""
+    from moebus.cuda.backends.graphs import graphs_available
+
+    if not graphs_available():
+        pytest.skip("CUDA graphs need a GPU")
+    from moebus.common import tiny_model
+    from tests.cuda.test_e2e import MICRO
+    from tests.cuda.test_launch_ahead import prefill_step, steps_one_at_a_time
+
+    monkeypatch.setitem(tiny_model.PRESETS, "micro", MICRO)
+    monkeypatch.setitem(tiny_model.PRESET_SHARDED, "micro", False)
+    model_dir = tiny_model.init_model(tmp_path / "micro", "qwen3_moe", "micro")
+    converted, make = [], pdl.make_programmatic
+    monkeypatch.setattr(pdl, "make_programmatic", lambda graph, p: converted.append(make(graph, p)) or converted[-1])
+    for rows in (1, 2):
+        monkeypatch.setenv("MOEBUS_CUDA_GRAPHS", "0")
+        want = steps_one_at_a_time(model_dir, prefill_step(rows), rows)
+        monkeypatch.setenv("MOEBUS_CUDA_GRAPHS", "1")
+        monkeypatch.setenv(pdl.ENV, port)
+        got = steps_one_at_a_time(model_dir, prefill_step(rows), rows)
+        monkeypatch.setenv(pdl.ENV, "0")
+        assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+        np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
+    assert converted and all(c["converted"] > 0 for c in converted), converted

@@ -1,0 +1,33 @@
+# Issue 15, twelfth session (branch decode12): programmatic dependent launch (PDL) in the decode graph.
+# Run by tools/device/lead12_call.sh twice (PHASE=warm side by side with other branches, then
+# PHASE=measure alone, within BUDGET seconds). M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
+# warm:    a 4 x 32 a3b model (/tmp/decode-m4, ~1.4 GB) and graph_check.py on it with MOEBUS_PDL on
+#          (graph, with programmatic edges, == eager at batch 1 and 8, graph and launched ahead), which
+#          also compiles every kernel the measure phase runs; then the same with the launch-order port.
+# measure: decode10_sweep.py on M48 with tools/device/decode12.json (PLAN=): bench decode's in-process
+#          tok/s at batch 1 and 8 with MOEBUS_PDL 0 / programmatic / launch_order, each graph's edge
+#          counts; PROFILE_STEPS (0) replayed steps a setting under CUPTI into $OUT/profiles.txt.
+source tools/device/setup.sh
+export MOEBUS_TEST_GPU=1
+BUDGET=${BUDGET:-110}; T0=$(date +%s); PLAN=${PLAN:-tools/device/decode12.json}; STEPS=${PROFILE_STEPS:-0}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+M4=/tmp/decode-m4
+if [ "$PHASE" = warm ]; then
+  [ -f $M4/.complete ] || { timeout 40 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
+    2>&1 | tail -1 && touch $M4/.complete; }
+  for port in programmatic launch_order; do
+    echo "== graph_check 4 x 32, MOEBUS_PDL=$port, at $(( $(date +%s) - T0 )) s"
+    MOEBUS_PDL=$port timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
+      > $OUT/graph_check_$port.txt 2>&1
+    echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_$port.txt | head -10
+    [ $(left) -lt 40 ] && break
+  done
+  echo "warm done at $(( $(date +%s) - T0 )) s"
+  exit 0
+fi
+echo "== decode10_sweep $M48 $PLAN at $(( $(date +%s) - T0 )) s"
+timeout $(( $(left) - 2 )) python3 tools/device/decode10_sweep.py $M48 $PLAN $STEPS $OUT/profiles.txt \
+  2>&1 | grep -v Warn | tee $OUT/sweep.txt
+echo "sweep rc ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+for port in programmatic launch_order; do echo "warm graph_check $port:"; cat $OUT/graph_check_$port.txt 2>/dev/null \
+  | grep -E "vs eager|CHECK|Error|PDL" | head -8; done
