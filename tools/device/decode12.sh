@@ -3,7 +3,8 @@
 # PHASE=measure alone, within BUDGET seconds). M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
 # warm:    a 4 x 32 a3b model (/tmp/decode-m4, ~1.4 GB) and graph_check.py on it with MOEBUS_PDL on
 #          (graph, with programmatic edges, == eager at batch 1 and 8, graph and launched ahead), which
-#          also compiles every kernel the measure phase runs; then the same with the launch-order port.
+#          also compiles every kernel the measure phase runs; tests/cuda/test_pdl.py on the GPU (the micro
+#          model, both ports); then graph_check with the launch-order port, as time allows.
 # measure: decode10_sweep.py on M48 with tools/device/decode12.json (PLAN=): bench decode's in-process
 #          tok/s at batch 1 and 8 with MOEBUS_PDL 0 / programmatic / launch_order, each graph's edge
 #          counts; PROFILE_STEPS (0) replayed steps a setting under CUPTI into $OUT/profiles.txt.
@@ -13,15 +14,20 @@ BUDGET=${BUDGET:-110}; T0=$(date +%s); PLAN=${PLAN:-tools/device/decode12.json};
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 M4=/tmp/decode-m4
 if [ "$PHASE" = warm ]; then
+  [ $BUDGET -gt 140 ] && BUDGET=140  # the task's warm allowance
   [ -f $M4/.complete ] || { timeout 40 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
     2>&1 | tail -1 && touch $M4/.complete; }
-  for port in programmatic launch_order; do
-    echo "== graph_check 4 x 32, MOEBUS_PDL=$port, at $(( $(date +%s) - T0 )) s"
-    MOEBUS_PDL=$port timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
-      > $OUT/graph_check_$port.txt 2>&1
-    echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_$port.txt | head -10
-    [ $(left) -lt 40 ] && break
-  done
+  echo "== graph_check 4 x 32, MOEBUS_PDL=programmatic, at $(( $(date +%s) - T0 )) s"
+  MOEBUS_PDL=programmatic timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
+    > $OUT/graph_check_programmatic.txt 2>&1
+  echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_programmatic.txt | head -10
+  if [ $(left) -gt 30 ]; then echo "== GPU pytest test_pdl.py at $(( $(date +%s) - T0 )) s"
+    timeout $(( $(left) - 2 )) python3 -m pytest -q -p no:cacheprovider tests/cuda/test_pdl.py -x 2>&1 | tail -15 \
+      > $OUT/gpu_tests.txt; cat $OUT/gpu_tests.txt; fi
+  if [ $(left) -gt 40 ]; then echo "== graph_check MOEBUS_PDL=launch_order at $(( $(date +%s) - T0 )) s"
+    MOEBUS_PDL=launch_order timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
+      > $OUT/graph_check_launch_order.txt 2>&1
+    echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_launch_order.txt | head -10; fi
   echo "warm done at $(( $(date +%s) - T0 )) s"
   exit 0
 fi
@@ -31,3 +37,4 @@ timeout $(( $(left) - 2 )) python3 tools/device/decode10_sweep.py $M48 $PLAN $ST
 echo "sweep rc ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
 for port in programmatic launch_order; do echo "warm graph_check $port:"; cat $OUT/graph_check_$port.txt 2>/dev/null \
   | grep -E "vs eager|CHECK|Error|PDL" | head -8; done
+echo "warm GPU tests:"; tail -3 $OUT/gpu_tests.txt 2>/dev/null

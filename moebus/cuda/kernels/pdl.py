@@ -79,18 +79,22 @@ def waits(py_func) -> bool:
     return code is not None and WAIT_NAME in code.co_names
 
 
-def waiting_functions() -> set[int]:
-    """CUfunction handles (ints) of every compiled variant of every kernel that waits."""
+def waiting_functions() -> set:
+    """CUfunction handles (ints) and entry names (bytes) of every compiled variant of every kernel
+    that waits: a graph's kernel node names its function by handle, or else by its name."""
     from moebus.cuda.kernels import compat
 
-    handles = set()
+    found = set()
     for dispatcher in compat._KERNELS:
         if not waits(getattr(dispatcher, "py_func", None)):
             continue
         for compiled in getattr(dispatcher, "overloads", {}).values():
-            handle = compiled._codelibrary.get_cufunc().handle
-            handles.add(int(getattr(handle, "value", handle)))
-    return handles
+            function = compiled._codelibrary.get_cufunc()
+            found.add(int(getattr(function.handle, "value", function.handle)))
+            name = getattr(function, "name", None)
+            if name:
+                found.add(name.encode() if isinstance(name, str) else bytes(name))
+    return found
 
 
 def plan_edges(edges, kernel_function: dict, waiting: set) -> list[int]:
@@ -128,13 +132,18 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
     old_data = rest[0] if len(rest) == 2 else None
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, 0), "count nodes")
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, num_nodes), "nodes")
+    waiting = waiting_functions()
     functions = {}
     for node in nodes:
         (_, kind) = _check(cu.cuGraphNodeGetType(node), "node type")
-        if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            _, params = _check(cu.cuGraphKernelNodeGetParams(node), "kernel params")
-            functions[int(node)] = int(params.func)
-    waiting = waiting_functions()
+        if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        status, params = cu.cuGraphKernelNodeGetParams(node)
+        function = int(params.func) if status == cu.CUresult.CUDA_SUCCESS else 0
+        if function and function not in waiting:
+            status, name = cu.cuFuncGetName(params.func)
+            function = name if status == cu.CUresult.CUDA_SUCCESS and name in waiting else function
+        functions[int(node)] = function  # 0: a kernel node whose function is unknown (never waits)
     chosen = plan_edges([(int(a), int(b)) for a, b in zip(src, dst)], functions, waiting)
     stats = {"nodes": int(num_nodes), "kernels": len(functions),
              "waiting": sum(f in waiting for f in functions.values()), "edges": int(count), "converted": len(chosen)}
