@@ -2,11 +2,14 @@
 # Run by tools/device/lead12_call.sh twice (PHASE=warm side by side with other branches, then
 # PHASE=measure alone, within BUDGET seconds). M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
 # warm:    a 4 x 32 a3b model (/tmp/decode-m4, ~1.4 GB) and graph_check.py on it with MOEBUS_PDL on
-#          (graph, with programmatic edges, == eager at batch 1 and 8, graph and launched ahead), which
-#          also compiles every kernel the measure phase runs; tests/cuda/test_pdl.py on the GPU (the micro
-#          model, both ports); then graph_check with the launch-order port, as time allows.
+#          (graph, with programmatic edges, == eager at batch 1 and 8, graph, launched ahead and with the
+#          25% cache), which also compiles every kernel the measure phase runs; then, as time allows,
+#          graph_check with the launch-order port and linear.PREFETCH_BEFORE_WAIT (the GEMVs' first
+#          weight rows asked of L2 before the wait; no cache), and tests/cuda/test_pdl.py on the GPU
+#          (the micro model, both ports).
 # measure: decode10_sweep.py on M48 with tools/device/decode12.json (PLAN=): bench decode's in-process
-#          tok/s at batch 1 and 8 with MOEBUS_PDL 0 / programmatic / launch_order, each graph's edge
+#          tok/s at batch 1 and 8 with MOEBUS_PDL 0 / programmatic / launch_order (and with linear's
+#          weight prefetch before the wait), each graph's edge
 #          counts; PROFILE_STEPS (0) replayed steps a setting under CUPTI into $OUT/profiles.txt.
 source tools/device/setup.sh
 export MOEBUS_TEST_GPU=1
@@ -18,16 +21,19 @@ if [ "$PHASE" = warm ]; then
   [ -f $M4/.complete ] || { timeout 40 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
     2>&1 | tail -1 && touch $M4/.complete; }
   echo "== graph_check 4 x 32, MOEBUS_PDL=programmatic, at $(( $(date +%s) - T0 )) s"
-  MOEBUS_PDL=programmatic timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
+  MOEBUS_PDL=programmatic timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 \
     > $OUT/graph_check_programmatic.txt 2>&1
   echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_programmatic.txt | head -10
+  if [ $(left) -gt 45 ]; then echo "== graph_check MOEBUS_PDL=launch_order, linear's prefetch, at $(( $(date +%s) - T0 )) s"
+    MOEBUS_PDL=launch_order timeout $(( $(left) - 2 )) python3 -c "import runpy, sys
+from moebus.cuda.kernels import linear
+linear.PREFETCH_BEFORE_WAIT = True
+sys.path.insert(0, 'tools/device'); sys.argv = ['graph_check.py', '$M4', '--no-cache']
+runpy.run_path('tools/device/graph_check.py', run_name='__main__')" > $OUT/graph_check_launch_order.txt 2>&1
+    echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_launch_order.txt | head -10; fi
   if [ $(left) -gt 30 ]; then echo "== GPU pytest test_pdl.py at $(( $(date +%s) - T0 )) s"
     timeout $(( $(left) - 2 )) python3 -m pytest -q -p no:cacheprovider tests/cuda/test_pdl.py -x 2>&1 | tail -15 \
       > $OUT/gpu_tests.txt; cat $OUT/gpu_tests.txt; fi
-  if [ $(left) -gt 40 ]; then echo "== graph_check MOEBUS_PDL=launch_order at $(( $(date +%s) - T0 )) s"
-    MOEBUS_PDL=launch_order timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 --no-cache \
-      > $OUT/graph_check_launch_order.txt 2>&1
-    echo "graph_check rc $?"; grep -E "vs eager|CHECK|Error|PDL" $OUT/graph_check_launch_order.txt | head -10; fi
   echo "warm done at $(( $(date +%s) - T0 )) s"
   exit 0
 fi

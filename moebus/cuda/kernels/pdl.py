@@ -12,6 +12,10 @@ dependent kernel's blocks may start while its predecessor still runs; they block
   let its own dependents run too early.
 - ``launch_dependents()``: PTX ``griddepcontrol.launch_dependents``: this block lets the dependents
   launch (with edges from the PROGRAMMATIC port; without it the port fires as each block ends).
+- ``prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words)``: the calling warp asks L2
+  for words [begin, end) of a few rows (``prefetch.global.L2``, one request a 128-byte line): a GEMV
+  issues its weights' first rows so before it waits (weights never change within a step), and their
+  bytes come from HBM while the predecessor ends.
 - ``waiting_functions()``: the CUfunction handles of every compiled kernel whose Python source calls
   ``grid_dependency_wait`` (compat._KERNELS is the registry of every kernel defined).
 - ``plan_edges`` (pure Python, tested in the simulator) and ``make_programmatic`` (the driver calls):
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.compat import SIMULATOR, WARP, cuda, device
 
 ENV = "MOEBUS_PDL"
 DEFAULT = "0"  # off until a GPU call shows it correct and faster (docs/performance.md)
@@ -65,12 +69,44 @@ if not SIMULATOR:
 
     grid_dependency_wait = _statement("griddepcontrol.wait;")
     launch_dependents = _statement("griddepcontrol.launch_dependents;")
+
+    @intrinsic
+    def prefetch_l2(typingctx, array, row, at):
+        """Prefetch the L2 line holding array[row, at] (a C-ordered 2-D array; no wraparound)."""
+        from numba.cuda import cgutils
+
+        def codegen(context, builder, sig, args):
+            array_type = sig.args[0]
+            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+            pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                               context.make_array(array_type)(context, builder, value=args[0]),
+                                               indices, wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [pointer])
+            return context.get_dummy_value()
+
+        return types.void(array, row, at), codegen
 else:
     def grid_dependency_wait():
         pass
 
     def launch_dependents():
         pass
+
+    def prefetch_l2(array, row, at):
+        pass
+
+
+@device
+def prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words):
+    """L2 prefetch by the calling warp of array[first_row + r, begin:end] for r < rows (rows past
+    num_rows - 1 clamped to it); ``line_words``: the array's elements in 128 bytes."""
+    lane = cuda.threadIdx.x % WARP
+    for r in range(rows):
+        row = min(first_row + r, num_rows - 1)
+        for word in range(begin + lane * line_words, end + line_words - 1, WARP * line_words):
+            prefetch_l2(array, row, min(word, end - 1))
 
 
 def waits(py_func) -> bool:
