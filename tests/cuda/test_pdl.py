@@ -97,7 +97,7 @@ def test_a_graph_with_programmatic_edges_gives_the_bits_of_the_eager_step(port, 
 
     monkeypatch.setitem(tiny_model.PRESETS, "micro", MICRO)
     monkeypatch.setitem(tiny_model.PRESET_SHARDED, "micro", False)
-    model_dir = tiny_model.init_model(tmp_path / "micro", "qwen3_moe", "micro")
+    model_dir = tiny_model.init_model(tmp_path, "qwen3_moe", "micro")
     converted, make = [], pdl.make_programmatic
     monkeypatch.setattr(pdl, "make_programmatic", lambda graph, p: converted.append(make(graph, p)) or converted[-1])
     for rows in (1, 2):
