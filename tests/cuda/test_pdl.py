@@ -28,10 +28,10 @@ def test_mode_reads_the_port_from_the_environment(monkeypatch):
 
 def test_only_kernel_to_kernel_edges_into_waiting_kernels_are_converted():
     # nodes: 1, 2, 3 kernels that wait (functions 10, 11); 4 a kernel that does not (cuBLAS, 20);
-    # 5 a memcpy (no function); 6 waits again
-    functions = {1: 10, 2: 11, 3: 10, 4: 20, 6: 11}
-    edges = [(1, 2), (2, 3), (3, 4), (4, 6), (5, 1), (2, 5), (1, 6)]
-    assert pdl.plan_edges(edges, functions, {10, 11}) == [0, 1, 3, 6]
+    # 5 a memcpy (no function); 6 and 7 wait; 7 joins two branches
+    functions = {1: 10, 2: 11, 3: 10, 4: 20, 6: 11, 7: 10}
+    edges = [(1, 2), (2, 3), (3, 4), (4, 6), (5, 1), (2, 5), (8, 7), (6, 7), (4, 9)]
+    assert pdl.plan_edges(edges, functions, {10, 11}) == [0, 1, 3]
     assert pdl.plan_edges(edges, functions, set()) == []
 
 

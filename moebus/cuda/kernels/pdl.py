@@ -16,12 +16,13 @@ dependent kernel's blocks may start while its predecessor still runs; they block
   for words [begin, end) of a few rows (``prefetch.global.L2``, one request a 128-byte line): a GEMV
   issues its weights' first rows so before it waits (weights never change within a step), and their
   bytes come from HBM while the predecessor ends.
-- ``waiting_functions()``: the CUfunction handles of every compiled kernel whose Python source calls
-  ``grid_dependency_wait`` (compat._KERNELS is the registry of every kernel defined).
+- ``waiting_functions()``: the CUfunction handles (and entry names) of every compiled kernel whose
+  Python source calls ``grid_dependency_wait`` (compat._KERNELS is the registry of every kernel defined).
 - ``plan_edges`` (pure Python, tested in the simulator) and ``make_programmatic`` (the driver calls):
   each kernel -> kernel edge of a captured graph whose destination waits becomes a programmatic
   edge; edges from or to other nodes (copies, memsets) and into kernels that do not wait (cuBLAS,
-  NVRTC, numba kernels without the call) keep their full dependency.
+  NVRTC, numba kernels without the call) keep their full dependency, and so does a join (a node
+  with more than one edge in: the side branch's, graphs.SideBranch).
 
 ``MOEBUS_PDL``: 0 off, ``programmatic`` (1, the default when on) or ``launch_order``, the port the
 edges leave from. ``launch_order``: the dependent may start once all the predecessor's blocks have
@@ -136,9 +137,13 @@ def waiting_functions() -> set:
 def plan_edges(edges, kernel_function: dict, waiting: set) -> list[int]:
     """Indices of the edges to make programmatic. ``edges``: (from, to) node keys; ``kernel_function``:
     node key -> function handle, for kernel nodes only; ``waiting``: handles of kernels that wait.
-    An edge qualifies when both ends are kernel nodes and the destination's kernel waits."""
+    An edge qualifies when both ends are kernel nodes, the destination's kernel waits and the edge is
+    the destination's only one in (a join of two branches keeps its full edges)."""
+    into = {}
+    for _, dst in edges:
+        into[dst] = into.get(dst, 0) + 1
     return [i for i, (src, dst) in enumerate(edges)
-            if src in kernel_function and kernel_function.get(dst) in waiting]
+            if src in kernel_function and kernel_function.get(dst) in waiting and into[dst] == 1]
 
 
 def _driver(name: str):
