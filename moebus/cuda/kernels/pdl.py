@@ -16,6 +16,10 @@ dependent kernel's blocks may start while its predecessor still runs; they block
   for words [begin, end) of a few rows (``prefetch.global.L2``, one request a 128-byte line): a GEMV
   issues its weights' first rows so before it waits (weights never change within a step), and their
   bytes come from HBM while the predecessor ends.
+- ``released_early()``: whether a kernel may read, before its wait, what the kernel two before it
+  wrote: only with edges from the PROGRAMMATIC port and a predecessor that calls launch_dependents
+  after its own wait (moe_ffn's gate|up: the down GEMV then reads the routing's slots and prefetches
+  its experts' first rows before it waits).
 - ``waiting_functions()``: the CUfunction handles (and entry names) of every compiled kernel whose
   Python source calls ``grid_dependency_wait`` (compat._KERNELS is the registry of every kernel defined).
 - ``plan_edges`` (pure Python, tested in the simulator) and ``make_programmatic`` (the driver calls):
@@ -100,14 +104,25 @@ else:
 
 
 @device
-def prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words):
-    """L2 prefetch by the calling warp of array[first_row + r, begin:end] for r < rows (rows past
-    num_rows - 1 clamped to it); ``line_words``: the array's elements in 128 bytes."""
+def prefetch_span(array, row, begin, end, line_words):
+    """L2 prefetch by the calling warp of array[row, begin:end]; ``line_words``: the array's elements
+    in 128 bytes."""
     lane = cuda.threadIdx.x % WARP
+    for word in range(begin + lane * line_words, end + line_words - 1, WARP * line_words):
+        prefetch_l2(array, row, min(word, end - 1))
+
+
+@device
+def prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words):
+    """prefetch_span of array[first_row + r, begin:end] for r < rows (rows past num_rows - 1 clamped
+    to it)."""
     for r in range(rows):
-        row = min(first_row + r, num_rows - 1)
-        for word in range(begin + lane * line_words, end + line_words - 1, WARP * line_words):
-            prefetch_l2(array, row, min(word, end - 1))
+        prefetch_span(array, min(first_row + r, num_rows - 1), begin, end, line_words)
+
+
+def released_early() -> bool:
+    """Edges leave from the PROGRAMMATIC port (see the module's docstring)."""
+    return mode() == "programmatic"
 
 
 def waits(py_func) -> bool:
