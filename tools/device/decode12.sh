@@ -41,6 +41,7 @@ echo "== decode10_sweep $M48 $PLAN at $(( $(date +%s) - T0 )) s"
 timeout $(( $(left) - 2 )) python3 tools/device/decode10_sweep.py $M48 $PLAN $STEPS $OUT/profiles.txt \
   2>&1 | grep -v Warn | tee $OUT/sweep.txt
 echo "sweep rc ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+grep -E "^   pdl |FAILED" $OUT/sweep.txt | cut -c1-200 | head -8
 for port in programmatic prefetch; do echo "warm graph_check $port:"; cat $OUT/graph_check_$port.txt 2>/dev/null \
   | grep -E "vs eager|CHECK|Error|PDL" | head -8; done
 echo "warm GPU tests:"; tail -3 $OUT/gpu_tests.txt 2>/dev/null
