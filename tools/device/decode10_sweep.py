@@ -7,10 +7,13 @@ Eleventh session: "carveout": N sets every compiled kernel's preferred shared-me
 (launch.prefer_shared_carveout; -1, the driver's choice, in settings without it) before the graphs
 are recaptured; "timeline": "NAME" prints, at every profiled batch, the kernels around the 10th call
 of the kernel whose name contains NAME (start, length, idle before, stream): where the graph waits.
+Twelfth session: "pdl": "0" / "programmatic" / "launch_order" sets MOEBUS_PDL (kernels/pdl.py) before
+the graphs are recaptured, and each row then gives the graphs' edge counts (kernel nodes, waiting, converted).
 Usage: decode10_sweep.py MODEL_DIR SETTINGS.json PROFILE_STEPS OUT_FILE"""
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 
@@ -26,7 +29,7 @@ from moebus.workers.local import LocalModel
 
 KEEP = ("norm_route", "inflight_route", "attention", "merge_splits", "busy span", "grouped_moe", "split_rows",
         "192x16")  # profile lines to stdout
-SPECIAL = ("batches", "carveout", "timeline")  # not kernel constants
+SPECIAL = ("batches", "carveout", "timeline", "pdl")  # not kernel constants
 
 
 def print_timeline(prof, marker: str, before: int = 12, after: int = 3) -> None:
@@ -90,6 +93,8 @@ def main() -> None:
             if carveouts:
                 carveout = values.get("carveout", -1)
                 print(f"   carveout {carveout} on {prefer_shared_carveout(carveout)} compiled kernels", flush=True)
+            if "pdl" in values:
+                os.environ["MOEBUS_PDL"] = str(values["pdl"])
             drop_graphs(model)
             started = time.perf_counter()
             try:
@@ -100,6 +105,9 @@ def main() -> None:
             rows.append(f"{name:<28} " + "  ".join(
                 f"b{r['batch']} {r['tok_s']:7.1f} tok/s {r['ms_per_step']:6.3f} ms" for r in figures))
             print(f"{rows[-1]}   ({time.perf_counter() - started:.0f} s, {values})", flush=True)
+            if "pdl" in values:
+                edges = [g.pdl for g in model.stages[0].graphs.values() if getattr(g, "pdl", None)]
+                print(f"   pdl {values['pdl']}: {len(edges)} graphs, {edges[:2]}", flush=True)
             for batch in values.get("batches", [1]) if steps else []:
                 text = io.StringIO()
                 with contextlib.redirect_stdout(text):

@@ -11,13 +11,19 @@ writes new inputs, launches the graph and copies the named outputs back, syncing
 ``run`` must enqueue kernels only (no host copy, sync or data-dependent host logic) and take the
 same code path for the same input shapes. It may fork a second branch (``SideBranch``: the expert
 prefetch, workers/prefetch.py) and must join it before it returns. Not available under numba's
-simulator."""
+simulator.
+
+With ``MOEBUS_PDL`` on (kernels/pdl.py), each kernel -> kernel edge of the captured graph whose
+destination calls ``grid_dependency_wait`` first becomes a programmatic edge before the graph is
+instantiated: the dependent's blocks launch while its predecessor ends (``CapturedStep.pdl`` holds
+the counts)."""
 from __future__ import annotations
 
 import contextlib
 
 import numpy as np
 
+from moebus.cuda.kernels import pdl
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.memory.step_pool import MIN_BYTES, StepPool
 
@@ -84,11 +90,15 @@ class CapturedStep:
             builder = builder.begin_building("relaxed")  # launches from numba may touch the allocator
         except TypeError:
             builder = builder.begin_building()
+        port, graph = pdl.mode(), None
         try:
             with self.backend.capturing(builder):
                 outputs = run(self.inputs)
+            if port is not None:
+                graph = _captured_graph(builder)
         finally:
             builder = builder.end_building()
+        self.pdl = pdl.make_programmatic(graph, port) if port is not None else None
         return outputs, builder.complete()
 
     def _upload(self, host_inputs: dict) -> None:
@@ -164,6 +174,17 @@ class SideBranch:
         self.forks = 0
         if not SIMULATOR:
             _record_and_wait(self._joined, self.stream, main)
+
+
+def _captured_graph(builder):
+    """The CUgraph a GraphBuilder is capturing into (still building): the same graph end_building
+    keeps and complete() instantiates."""
+    from cuda.bindings import driver as cu
+
+    result = cu.cuStreamGetCaptureInfo(_stream_handle(builder))
+    if result[0] != cu.CUresult.CUDA_SUCCESS or result[1] != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        raise RuntimeError(f"PDL: no capture on the graph builder's stream: {result[:2]}")
+    return result[3]
 
 
 def _stream_handle(stream) -> int:

@@ -14,6 +14,7 @@ from moebus.cuda.kernels import attention_decode
 from moebus.cuda.kernels.attention_decode import (MAX_SPLITS, SPLIT_POSITIONS, decode_kernel, max_splits,
                                                   merge_splits)
 from moebus.cuda.kernels.compat import blocks, cuda, device, f32_bits, kernel, threads, uint16
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 256
@@ -87,6 +88,7 @@ def _kv_store_kernel(storage: str):
 
     @kernel
     def kv_store_flat(k_cache, v_cache, k, v, token_slot, token_pos):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_tokens, num_kv_heads, head_dim = k.shape
         per_token = num_kv_heads * head_dim
         for n in range(cuda.grid(1), num_tokens * per_token, cuda.gridsize(1)):

@@ -26,6 +26,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
                                         kernel)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.routing import is_last_of
 
@@ -282,6 +283,7 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
     if not merge:
         @kernel
         def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
+            grid_dependency_wait()  # pdl.py: before any global read or write
             t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
             first, end, num_splits = window_split(token_pos[t], window, split)
             if split >= num_splits:
@@ -294,6 +296,7 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
     @kernel
     def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
                               partial, done, out):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         first, end, num_splits = window_split(token_pos[t], window, split)
         if split >= num_splits:
@@ -312,6 +315,7 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
 @kernel
 def merge_splits(token_pos, window, partial, out):
     # one thread per output (t, h, d): splits combined in order, so the result is deterministic
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, num_heads, head_dim = out.shape
     for n in range(cuda.grid(1), num_tokens * num_heads * head_dim, cuda.gridsize(1)):
         t = n // (num_heads * head_dim)

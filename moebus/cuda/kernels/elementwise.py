@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import blocks, cuda, float32, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 256
@@ -29,12 +30,14 @@ def swiglu_ref(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 @kernel
 def add_flat(x, y, out):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = x[i] + y[i]
 
 
 @kernel
 def swiglu_flat(gate, up, out):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         g = gate[i]
         out[i] = g / (float32(1.0) + math.exp(-g)) * up[i]
@@ -42,6 +45,7 @@ def swiglu_flat(gate, up, out):
 
 @kernel
 def fill_flat(out, value):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = value
 

@@ -7,6 +7,7 @@ import functools
 import numpy as np
 
 from moebus.cuda.kernels.compat import blocks, cuda, float32, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require
 from moebus.cuda.kernels.loads import SCALAR, storage_of
@@ -28,6 +29,7 @@ def _embedding_kernel(storage: str):
     @kernel
     def gather_rows(table, ids, out):
         # one block per token (grid-stride), threads across the row
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_tokens, dim = out.shape
         for t in range(cuda.blockIdx.x, num_tokens, cuda.gridDim.x):
             row = ids[t]

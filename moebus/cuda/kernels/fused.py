@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, device, float32, threads, warp_sum, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.attention import STORE, kv_store_ref, require_caches
@@ -68,6 +69,7 @@ def _add_rmsnorm_kernel(storage: str, per_thread: int):
     def add_rmsnorm_rows(x, y, weight, eps, total, out):
         # a block per row; thread i holds elements i, i + blockDim, ... (per_thread of them) in
         # registers: every load of the row is issued before the first use, one pass over memory
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_rows, dim = x.shape
         values = cuda.local.array(per_thread, float32)
         for row in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):  # same trip count in the block
@@ -140,6 +142,7 @@ def _combine_add_rmsnorm_kernel(storage: str, top_k: int, per_thread: int):
     def combine_add_rmsnorm_rows(y_pair, weights, x, weight, eps, total, out):
         # as add_rmsnorm_rows; top_k is a constant, so a row's top_k pair loads are in flight together,
         # and with them the norm's weights (not after the block's sum: one round of loads less)
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_rows, dim = x.shape
         tid, step = cuda.threadIdx.x, cuda.blockDim.x
         values = cuda.local.array(per_thread, float32)
@@ -199,6 +202,7 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
                             q_out, k_cache, v_cache):
         # one warp per head row: rows [0, T H) are q heads, then T KVH k heads, then T KVH v heads;
         # a warp's row kind is uniform, so its reductions stay in step
+        grid_dependency_wait()  # pdl.py: before any global read or write
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP

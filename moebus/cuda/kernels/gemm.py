@@ -23,6 +23,7 @@ import numpy as np
 
 from moebus.cuda.dtypes import bf16_to_f32, f32_to_bf16, to_f32
 from moebus.cuda.kernels.compat import SIMULATOR, bits_as_f32, blocks, cuda, f32_bits, float32, kernel, threads, uint16
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import require
 from moebus.cuda.kernels.loads import load_bf16
 
@@ -65,6 +66,7 @@ def gemm_linear_ref(x: np.ndarray, weight: np.ndarray, parts: int = 2) -> np.nda
 def split_rows(x, rows, gather, out):
     # out[i, r] = part i of x[rows[r] if gather else r]; out (parts, R, K) uint16
     # a block per row (grid-stride), threads along it: no index arithmetic per element
+    grid_dependency_wait()  # pdl.py: before any global read or write
     parts, num_rows, dim = out.shape
     for r in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):
         source = rows[r] if gather else r
@@ -94,6 +96,7 @@ def split_rows_cuda(x, out, rows=None, stream=0):
 @kernel
 def sum_parts(y, out):
     # out[i] = sum over parts q of y[q, i]; y (parts, n), out (n,) float32: flat, grid-stride
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         total = float32(0.0)
         for q in range(y.shape[0]):
@@ -115,6 +118,7 @@ def sum_parts_cuda(y, out, stream=0):
 @kernel
 def add_bias_rows(out, bias):
     # out (T, N) float32 += bias (1, N) bf16 bits, in place; a block per row, threads along it
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
         for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
             out[r, d] += load_bf16(bias, 0, d)

@@ -27,6 +27,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, f32_bits, float32, int32, int64, kernel, threads,
                                         uint16)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.gemm import OP_N, OP_T, R_16BF, COMPUTE_32F, address
 
 # the row kernels: a block per pair (or tile row), threads along it. A thread's loads of one element
@@ -114,6 +115,7 @@ def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, str
     # placement-table entry) row -1 - slots[e] of the host store at store_bases; tiles past the last
     # real one read the first expert with a slot (VRAM; the last real tile's where none has one)
     # into rows of their own, with no pairs
+    grid_dependency_wait()  # pdl.py: before any global read or write
     counts = cuda.shared.array(COUNTERS, int32)
     starts = cuda.shared.array(COUNTERS, int32)
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
@@ -171,6 +173,7 @@ def plan_tiles_device(ids, num_experts, pairs_per_tile, parts, slots, bases, str
 @kernel
 def gather_split_pairs(x, pair_row, top_k, parts, pairs_per_tile, out):
     # part q of x[p // top_k] -> out[pair_row[p] + q t]; out (R, D) uint16; a block per pair
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for p in range(cuda.blockIdx.x, pair_row.shape[0], cuda.gridDim.x):
         token, row = p // top_k, pair_row[p]
         for d in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
@@ -186,6 +189,7 @@ def gather_split_pairs(x, pair_row, top_k, parts, pairs_per_tile, out):
 def swiglu_split_tiles(gate_up, tile_fill, first_tile, num_tiles, parts, pairs_per_tile, out):
     # the pair rows of tiles first_tile ...: silu(gate) * up of the summed parts of gate_up (R, 2I),
     # split again into out (R, I); a block per row slot, padding skipped (its rows are never read)
+    grid_dependency_wait()  # pdl.py: before any global read or write
     inter, t = out.shape[1], pairs_per_tile
     for s in range(cuda.blockIdx.x, num_tiles * t, cuda.gridDim.x):
         tile = first_tile + s // t
@@ -208,6 +212,7 @@ def swiglu_split_tiles(gate_up, tile_fill, first_tile, num_tiles, parts, pairs_p
 @kernel
 def sum_parts_pairs(y, pair_row, parts, pairs_per_tile, out):
     # out[p] = sum over parts q of y[pair_row[p] + q t]
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_pairs, dim = out.shape
     for p in range(cuda.blockIdx.x, num_pairs, cuda.gridDim.x):
         row = pair_row[p]

@@ -18,6 +18,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import MAX_WARPS, WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, \
     kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_rows
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -36,6 +37,9 @@ ROWS_PER_WARP = 4  # rows a warp takes at once with 3..8 tokens a pass
 ROWS_PER_WARP_SHORT = 4
 SPLIT_TARGET_WARPS = 8192  # ~62 warps per SM of an H200: rows x split below this get split further
 MIN_SPAN_WORDS = WARP * UNROLL  # words of a row one warp of a split keeps at least
+# pdl.py: each warp asks L2 for its first rows' weights before it waits for the kernel before it (in
+# a graph with programmatic edges, their bytes arrive while that kernel ends). Off until measured.
+PREFETCH_BEFORE_WAIT = False
 
 
 def linear_ref(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -55,9 +59,11 @@ def accumulate(total, a, b, width):
 
 
 @functools.cache
-def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll: int, rows: int):
+def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll: int, rows: int,
+                   prefetch: bool = False):
     read_weight, width = chunk_reader(storage, wide)
     read_x, _ = chunk_reader("f32", wide)
+    line_words = 16 if wide else 32  # 128 bytes of uint64 words (of 2-byte elements: 64 bytes)
 
     @kernel
     def linear_rows(x, weight, num_words, out):
@@ -75,6 +81,9 @@ def _linear_kernel(storage: str, wide: bool, num_tokens: int, split: int, unroll
         end = min(begin + span, num_words)
         total_tokens, num_rows = out.shape
         num_groups = (num_rows + rows - 1) // rows
+        if prefetch:
+            prefetch_rows(weight, min(first, num_groups - 1) * rows, rows, num_rows, begin, end, line_words)
+        grid_dependency_wait()  # pdl.py: before any global read or write (the weights' prefetch aside)
         t0 = cuda.blockIdx.y * num_tokens
         tokens = cuda.local.array(num_tokens, int32)
         for t in range(num_tokens):  # past the end: recompute the last token, never store it
@@ -165,7 +174,7 @@ def linear_cuda(x, weight, out, stream=0):
     split = row_split(num_rows, num_words, block // WARP)  # of the shape only: batch-invariant sums
     unroll, rows = shape_for(chunk, ceil_div(num_words, split))
     num_groups = ceil_div(num_rows, rows)
-    kernel = _linear_kernel(storage_of(weight), wide, chunk, split, unroll, rows)
+    kernel = _linear_kernel(storage_of(weight), wide, chunk, split, unroll, rows, PREFETCH_BEFORE_WAIT)
     grid = (blocks(ceil_div(num_groups, block // WARP // split)), ceil_div(num_tokens, chunk))
     kernel[grid, block, stream](reader_view(x, wide), reader_view(weight, wide), num_words, out)
     return out

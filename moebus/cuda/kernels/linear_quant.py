@@ -24,6 +24,7 @@ import numpy as np
 from moebus.common.quant import BLOCK, e4m3_decode
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, f32_bits, float32, kernel,
                                        threads, uint32, uint64, warp_sum_many)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
@@ -109,6 +110,7 @@ def _fp8_rows_kernel(chunk: int, hardware: bool, unroll: int, exact: bool, rows:
     @kernel
     def fp8_rows(x, codes, scales, row_words, out):
         # x (T, C) float32 as uint64; codes (R, C / 8) as uint64; scales (R, G) float32; out (T, R)
+        grid_dependency_wait()  # pdl.py: before any global read or write
         lane, first, stride = warp_rows()
         total_tokens, num_rows = out.shape
         num_groups = (num_rows + rows - 1) // rows
@@ -211,6 +213,7 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
 @kernel
 def _to_bf16(codes, scales, out):
     # one thread an element, grid-stride; out (R, C) uint16 bf16 bits, rounded to nearest even
+    grid_dependency_wait()  # pdl.py: before any global read or write
     rows, cols = codes.shape
     for n in range(cuda.grid(1), rows * cols, cuda.gridsize(1)):
         r, c = n // cols, n % cols

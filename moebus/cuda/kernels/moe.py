@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, threads, warp_argmax, warp_max, warp_sum, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require, warp_per_row
@@ -124,6 +125,7 @@ def _topk_kernel(per_lane: int):
 
     @kernel
     def topk_rows(logits, top_k, normalize, ids, weights):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -155,6 +157,7 @@ def topk_softmax_cuda(logits, top_k: int, normalize: bool, ids, weights, stream=
 
 @kernel
 def combine_flat(y_pair, weights, out):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, top_k = weights.shape
     dim = out.shape[1]
     for n in range(cuda.grid(1), num_tokens * dim, cuda.gridsize(1)):

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, blocks, cuda, device, float32, int32, threads, warp_sum_many, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait, launch_dependents, prefetch_span, released_early
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide, chunk_reader, reader_view, storage_of
@@ -43,6 +44,11 @@ GATE_UP_ROWS_SHORT = 2
 # 50 MB L2 without pushing out what the next kernels read (activations, the KV cache). Measured on an
 # H200 (decode7_2.sh, 48 x 32 bench): batch 8 799 -> 855 tok/s; batch 1 within the run's noise
 STREAM_WEIGHTS = True
+# pdl.py, with edges from the PROGRAMMATIC port (pdl.released_early): gate|up lets the down GEMV launch
+# once all its blocks have waited, and down then reads its pair's slot (the routing's, two kernels back:
+# complete by then) and asks L2 for its first rows of the expert's down matrix before it waits for
+# gate|up. Off until measured.
+PREFETCH_DOWN_BEFORE_WAIT = False
 
 
 def unroll_for(words: int, chunk: int) -> int:
@@ -80,13 +86,17 @@ def _placement(arena, store, entry):
 
 
 @functools.cache
-def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming: bool, per_warp: int = 1):
+def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming: bool, per_warp: int = 1,
+                    release: bool = False):
     read_weight, width = chunk_reader(storage, wide, streaming)
     read_x, _ = chunk_reader("f32", wide)
 
     @kernel
     def expert_gate_up(x, pair_token, pair_slot, arena, store, hidden_words, inter, first_pair, h):
         # a warp takes per_warp consecutive rows of I (their gate and up rows) at once
+        grid_dependency_wait()  # pdl.py: before any global read or write
+        if release:
+            launch_dependents()  # the down GEMV may launch: the routing before this kernel is complete
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
@@ -140,14 +150,24 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming
 
 
 @functools.cache
-def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int, streaming: bool):
+def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int, streaming: bool,
+                 prefetch: bool = False):
     read_weight, width = chunk_reader(storage, wide, streaming)
     read_h, _ = chunk_reader("f32", wide)
+    line_words = 16 if wide else 64  # 128 bytes of uint64 words or of 2-byte elements
 
     @kernel
     def expert_down(h, pair_slot, pair_out, arena, store, hidden, inter_words, first_pair, out):
         # a warp takes per_warp consecutive output rows at once: each h word it loads serves all
         j = first_pair + cuda.blockIdx.y
+        if prefetch:  # PREFETCH_DOWN_BEFORE_WAIT: pair_slot is the routing's, complete (gate|up released us)
+            if _run_length(pair_slot, j, chunk) > 0:
+                early, early_slot = _placement(arena, store, pair_slot[j])
+                row0 = min((cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * per_warp,
+                           hidden - 1)
+                at = 2 * hidden * inter_words + row0 * inter_words
+                prefetch_span(early, early_slot, at, min(at + per_warp * inter_words, early.shape[1]), line_words)
+        grid_dependency_wait()  # pdl.py: before any global read or write (the prefetch's slot read aside)
         run = _run_length(pair_slot, j, chunk)
         if run == 0:
             return
@@ -239,9 +259,10 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     arena_view, store_view = reader_view(arena, wide), reader_view(store, wide)
     hidden_words, inter_words = hidden // width, inter // width
     gate_unroll, gate_rows = gate_up_shape(hidden_words, chunk)
-    gate_up = _gate_up_kernel(storage, wide, chunk, gate_unroll, STREAM_WEIGHTS, gate_rows)
+    early = PREFETCH_DOWN_BEFORE_WAIT and released_early()
+    gate_up = _gate_up_kernel(storage, wide, chunk, gate_unroll, STREAM_WEIGHTS, gate_rows, early)
     down_unroll, per_warp = down_shape(inter_words, chunk)
-    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS)
+    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS, early)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):

@@ -31,6 +31,7 @@ from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, blocks, cuda, data_ptr, device, f32_bits, float32, kernel, threads,
                                        uint32, uint64, warp_sum_many)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
@@ -183,6 +184,7 @@ def _rows_kernel(fmt: str, chunk: int, mats: int, rows: int, hardware: bool, unr
                    scale0, scale1, first_pair, out):
         # x: (T, cols) float32 as uint64 (gate|up: rows pair_table[j]; down: h, rows j); arena / store:
         # the blobs as uint64 and as float32; code* / scale*: word / float offsets of the matrices
+        grid_dependency_wait()  # pdl.py: before any global read or write
         j = first_pair + cuda.blockIdx.y
         run = _run_length(pair_slot, j, chunk)
         if run == 0:

@@ -14,6 +14,7 @@ from moebus.common.quant import BLOCK
 from moebus.common.quant_layout import ExpertLayout
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.compat import SIMULATOR, blocks, cuda, device, float32, kernel, threads, uint32, uint64
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.quant_words import e4m3_at
 from numba import uint16  # noqa: E402 (compat configured numba above)
@@ -54,6 +55,7 @@ def _to_bf16_kernel(fmt: str):
                       down_scale, out):
         # codes: the blobs as uint8, floats: the same bytes as float32 (byte offsets: *_at, *_scale);
         # out (N, 3 I D) uint16
+        grid_dependency_wait()  # pdl.py: before any global read or write
         per_matrix = hidden * inter
         per_expert = 3 * per_matrix
         for n in range(cuda.grid(1), slots.shape[0] * per_expert, cuda.gridsize(1)):

@@ -25,6 +25,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device,
                                         float32, int32, kernel, threads, uint64, warp_sum)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
@@ -99,6 +100,7 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
     @kernel
     def norm_route_rows(x, y, norm_weight, eps, router, num_words, h_view, normalize, table, layer_row, done,
                         total, h, ids, weights, pair_token, pair_slot, pair_out):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         t = cuda.blockIdx.x  # one block per token, every block real
         num_tokens, dim = x.shape
         num_experts = router.shape[0]
@@ -162,6 +164,7 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     @kernel
     def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize, share,
                             scratch, total, h, ids, weights, pair_token, pair_slot, pair_out):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         t, part = cuda.blockIdx.x // spread, cuda.blockIdx.x % spread  # every block real
         num_tokens, dim = total.shape
         num_experts = router.shape[0]

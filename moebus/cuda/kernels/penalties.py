@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebus.cuda.kernels.compat import block_max, block_sum, cuda, float32, int32, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import require
 
 MAX_THREADS = 1024
@@ -98,6 +99,7 @@ def token_logprobs_ref(logits, tokens) -> np.ndarray:
 
 @kernel
 def apply_rules_rows(logits, temperature, params, offsets, ids, counts, bias, out):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]
@@ -132,6 +134,7 @@ def apply_rules_rows(logits, temperature, params, offsets, ids, counts, bias, ou
 
 @kernel
 def token_logprob_rows(logits, tokens, logprobs):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]

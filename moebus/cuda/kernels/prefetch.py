@@ -25,6 +25,7 @@ import functools
 import numpy as np
 
 from moebus.cuda.kernels.compat import blocks, cuda, device, int32, threads, kernel, uint16, uint32, uint64
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from numba import uint8  # noqa: E402 - after compat, which readies numpy for numba
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.routing import MAX_EXPERTS
@@ -56,6 +57,7 @@ def plan_prefetch_ref(ids, table, layer_row: int, num_slots: int) -> np.ndarray:
 
 @kernel
 def plan_rows(ids, table, layer_row, keys):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, per_token = ids.shape
     num_experts = table.shape[1]
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
@@ -110,6 +112,7 @@ def _choose(votes, best, table, layer_row, keys, count):
 def plan_rows_from_logits(logits, per_token, table, layer_row, keys):
     """plan_rows over each token's top ``per_token`` of the router's ``logits`` (T, E), ranked here:
     one launch on the side branch instead of top-k + plan (each waits for SMs beside the experts)."""
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, num_experts = logits.shape
     tid, step = cuda.threadIdx.x, cuda.blockDim.x
     votes = cuda.shared.array(MAX_EXPERTS, int32)
@@ -168,6 +171,7 @@ def copy_prefetch_ref(keys, store, arena, first_slot: int) -> None:
 def _copy_kernel(word):
     @kernel
     def copy_rows(keys, store, arena, first_slot):
+        grid_dependency_wait()  # pdl.py: before any global read or write
         key = keys[cuda.blockIdx.y]
         if key < 0:
             return  # the whole block: nothing predicted for this slot
@@ -233,6 +237,7 @@ def remap_prefetched_ref(pair_slot, keys, first_slot: int) -> np.ndarray:
 
 @kernel
 def remap_pairs(pair_slot, keys, first_slot):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for j in range(cuda.grid(1), pair_slot.shape[0], cuda.gridsize(1)):
         entry = pair_slot[j]
         if entry < 0:
@@ -260,6 +265,7 @@ def remap_placement_ref(table, layer_row: int, keys, first_slot: int) -> np.ndar
 
 @kernel
 def remap_row(table, layer_row, keys, first_slot, out):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     for e in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         entry = table[layer_row, e]
         out[e] = entry

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, block_sum, blocks, cuda, float32, threads, warp_sum, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
@@ -34,6 +35,7 @@ def _rmsnorm_kernel(storage: str):
     @kernel
     def rmsnorm_rows(x, weight, eps, out):
         # one warp per row; rows grid-stride with the same trip count in every warp (compat's rule)
+        grid_dependency_wait()  # pdl.py: before any global read or write
         lane = cuda.threadIdx.x % WARP
         warps = cuda.blockDim.x // WARP
         first = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -61,6 +63,7 @@ def _wide_rmsnorm_kernel(storage: str, per_thread: int):
     @kernel
     def rmsnorm_wide_rows(x, weight, eps, out):
         # a block per row; thread i holds elements i, i + blockDim, ... in registers (one pass)
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_rows, dim = x.shape
         tid, step = cuda.threadIdx.x, cuda.blockDim.x
         values = cuda.local.array(per_thread, float32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.kernels.compat import blocks, cuda, device, kernel, threads
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 256
@@ -45,6 +46,7 @@ def rotate_pair(out, t, h, i, half, x1, x2, c, s):
 @kernel
 def rope_flat(x, positions, cos, sin, out):
     # one thread per (token, head, i < half): rotates the pair (i, i + half)
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, num_heads, head_dim = x.shape
     half = head_dim // 2
     for n in range(cuda.grid(1), num_tokens * num_heads * half, cuda.gridsize(1)):

@@ -21,6 +21,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (WARP, blocks, cuda, device_with_shared, float32, int32, kernel, threads,
                                         warp_max, warp_sum)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.moe import NEG_INF, topk_row
 
@@ -51,6 +52,7 @@ def route_pairs_ref(ids, table, layer_row: int):
 def route_flat(ids, table, layer_row, pair_token, pair_slot, pair_out):
     # one thread per pair: its rank among (expert, pair) keys is where it goes; O(P) per thread,
     # which is nothing for decode (P <= a few hundred) and stays correct for any P
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, top_k = ids.shape
     num_pairs = num_tokens * top_k
     for p in range(cuda.grid(1), num_pairs, cuda.gridsize(1)):

@@ -23,6 +23,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, block_argmax, block_max, block_sum, cuda, device,
                                         device_with_shared, float32, int32, threads, kernel)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 
 MAX_THREADS = 1024
@@ -136,6 +137,7 @@ STATS_THREADS = 256
 
 @kernel
 def row_stats(logits, span, partial):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     chunk, row = cuda.blockIdx.x, cuda.blockIdx.y
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]
@@ -277,6 +279,7 @@ def _masked_argmax(logits, row, mask, mask_row):
 @kernel
 def sample_rows(logits, temperature, top_k, top_p, u, mask, mask_rows, span, probs, tokens, logprobs):
     # probs: row_stats' partials in its first elements, then the row's probabilities
+    grid_dependency_wait()  # pdl.py: before any global read or write
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.kernels.compat import blocks, cuda, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 
 THREADS = 256
@@ -18,6 +19,7 @@ def scatter_rows_ref(x: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.
 
 @kernel
 def scatter_rows_flat(x, rows, values):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     num_rows, dim = values.shape
     for i in range(cuda.grid(1), num_rows * dim, cuda.gridsize(1)):
         r, d = i // dim, i % dim

@@ -20,6 +20,7 @@ from moebus.cuda.kernels import layernorm, vision_attention
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16,
                                         uint32)
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
 from moebus.cuda.kernels.layernorm import MAX_WARPS, _layernorm_kernel, layernorm_ref
@@ -92,6 +93,7 @@ def _bias_activation_split_kernel(storage: str, name: str):
         # out[:, r, d] = the parts of fn(y[r, d] + bias[d]); a block per row, threads along it, each
         # thread's four elements (a block's width apart) loaded before any is computed (layernorm.py:
         # one load at a time waits out each load's latency); indices past the row clamped, unused
+        grid_dependency_wait()  # pdl.py: before any global read or write
         dim, step = y.shape[1], cuda.blockDim.x
         for r in range(cuda.blockIdx.x, y.shape[0], cuda.gridDim.x):
             for d in range(cuda.threadIdx.x, dim, 4 * step):
@@ -136,6 +138,7 @@ def _bias_activation_split_pairs_kernel(storage: str, name: str):
         # out (parts, R, D / 2) uint32 = the parts of fn(y[r, d] + bias[d]) for d = 2j (low half), 2j + 1
         # (high half): the values and roundings of bias_activation_split, each thread's two pairs (a
         # block's width apart) loaded before any is computed, one 32-bit store per pair and part
+        grid_dependency_wait()  # pdl.py: before any global read or write
         pairs, step = out.shape[2], cuda.blockDim.x
         for r in range(cuda.blockIdx.x, y.shape[0], cuda.gridDim.x):
             for j in range(cuda.threadIdx.x, pairs, 2 * step):

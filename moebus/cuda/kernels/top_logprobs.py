@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import block_argmax, block_max, block_sum, cuda, float32, int64, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import require
 from moebus.cuda.kernels.sampling import top_logprobs_ref
 
@@ -30,6 +31,7 @@ def top_logprobs_rows_ref(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.nd
 
 @kernel
 def top_logprobs_rows(logits, n, ids, logprobs):
+    grid_dependency_wait()  # pdl.py: before any global read or write
     row = cuda.blockIdx.x
     vocab = logits.shape[1]
     peak = NEG_INF

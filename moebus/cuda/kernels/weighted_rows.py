@@ -10,6 +10,7 @@ import numpy as np
 
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.compat import blocks, cuda, float32, threads, kernel
+from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require
 from moebus.cuda.kernels.loads import SCALAR, storage_of
 
@@ -29,6 +30,7 @@ def _weighted_rows_kernel(storage: str):
     @kernel
     def weighted_rows(table, indices, weights, out):
         # one block per output row (grid-stride), threads across the row; taps summed in order
+        grid_dependency_wait()  # pdl.py: before any global read or write
         num_rows, dim = out.shape
         taps = indices.shape[1]
         for n in range(cuda.blockIdx.x, num_rows, cuda.gridDim.x):

@@ -1,0 +1,222 @@
+"""Programmatic dependent launch (PDL, Hopper: PTX ISA 7.8, sm_90) inside a captured decode graph.
+
+A decode step is ~480 small dependent kernels; at every boundary the GPU drains one kernel, launches
+the next and ramps it up. With a *programmatic* edge between two kernel nodes of a graph the
+dependent kernel's blocks may start while its predecessor still runs; they block in
+``griddepcontrol.wait`` until the predecessor has completed and its writes are visible. So:
+
+- ``grid_dependency_wait()``: PTX ``griddepcontrol.wait`` (a no-op in a launch without a programmatic
+  dependency, and in the simulator). A kernel that calls it **first**, before any global read or
+  write, is safe behind a programmatic edge. Called first in every block, not after an early return:
+  a kernel whose blocks all returned without waiting would complete before its predecessor does and
+  let its own dependents run too early.
+- ``launch_dependents()``: PTX ``griddepcontrol.launch_dependents``: this block lets the dependents
+  launch (with edges from the PROGRAMMATIC port; without it the port fires as each block ends).
+- ``prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words)``: the calling warp asks L2
+  for words [begin, end) of a few rows (``prefetch.global.L2``, one request a 128-byte line): a GEMV
+  issues its weights' first rows so before it waits (weights never change within a step), and their
+  bytes come from HBM while the predecessor ends.
+- ``released_early()``: whether a kernel may read, before its wait, what the kernel two before it
+  wrote: only with edges from the PROGRAMMATIC port and a predecessor that calls launch_dependents
+  after its own wait (moe_ffn's gate|up: the down GEMV then reads the routing's slots and prefetches
+  its experts' first rows before it waits).
+- ``waiting_functions()``: the CUfunction handles (and entry names) of every compiled kernel whose
+  Python source calls ``grid_dependency_wait`` (compat._KERNELS is the registry of every kernel defined).
+- ``plan_edges`` (pure Python, tested in the simulator) and ``make_programmatic`` (the driver calls):
+  each kernel -> kernel edge of a captured graph whose destination waits becomes a programmatic
+  edge; edges from or to other nodes (copies, memsets) and into kernels that do not wait (cuBLAS,
+  NVRTC, numba kernels without the call) keep their full dependency, and so does a join (a node
+  with more than one edge in: the side branch's, graphs.SideBranch).
+
+``MOEBUS_PDL``: 0 off, ``programmatic`` (1, the default when on) or ``launch_order``, the port the
+edges leave from. ``launch_order``: the dependent may start once all the predecessor's blocks have
+started; ``programmatic``: once each has called launch_dependents or ended."""
+from __future__ import annotations
+
+import os
+
+from moebus.cuda.kernels.compat import SIMULATOR, WARP, cuda, device
+
+ENV = "MOEBUS_PDL"
+DEFAULT = "0"  # off until a GPU call shows it correct and faster (docs/performance.md)
+PORTS = ("programmatic", "launch_order")
+WAIT_NAME = "grid_dependency_wait"
+
+
+def mode() -> str | None:
+    """The port programmatic edges leave from, or None (PDL off), from MOEBUS_PDL."""
+    value = os.environ.get(ENV, DEFAULT).strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return None
+    if value in ("1", "on", "true", "yes"):
+        return "programmatic"
+    if value not in PORTS:
+        raise ValueError(f"{ENV}={value!r}: expected 0, 1, {' or '.join(PORTS)}")
+    return value
+
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    def _statement(ptx: str):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    grid_dependency_wait = _statement("griddepcontrol.wait;")
+    launch_dependents = _statement("griddepcontrol.launch_dependents;")
+
+    @intrinsic
+    def prefetch_l2(typingctx, array, row, at):
+        """Prefetch the L2 line holding array[row, at] (a C-ordered 2-D array; no wraparound)."""
+        from numba.cuda import cgutils
+
+        def codegen(context, builder, sig, args):
+            array_type = sig.args[0]
+            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+            pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                               context.make_array(array_type)(context, builder, value=args[0]),
+                                               indices, wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [pointer])
+            return context.get_dummy_value()
+
+        return types.void(array, row, at), codegen
+else:
+    def grid_dependency_wait():
+        pass
+
+    def launch_dependents():
+        pass
+
+    def prefetch_l2(array, row, at):
+        pass
+
+
+@device
+def prefetch_span(array, row, begin, end, line_words):
+    """L2 prefetch by the calling warp of array[row, begin:end]; ``line_words``: the array's elements
+    in 128 bytes."""
+    lane = cuda.threadIdx.x % WARP
+    for word in range(begin + lane * line_words, end + line_words - 1, WARP * line_words):
+        prefetch_l2(array, row, min(word, end - 1))
+
+
+@device
+def prefetch_rows(array, first_row, rows, num_rows, begin, end, line_words):
+    """prefetch_span of array[first_row + r, begin:end] for r < rows (rows past num_rows - 1 clamped
+    to it)."""
+    for r in range(rows):
+        prefetch_span(array, min(first_row + r, num_rows - 1), begin, end, line_words)
+
+
+def released_early() -> bool:
+    """Edges leave from the PROGRAMMATIC port (see the module's docstring)."""
+    return mode() == "programmatic"
+
+
+def waits(py_func) -> bool:
+    """Whether a kernel's Python function calls grid_dependency_wait."""
+    code = getattr(py_func, "__code__", None)
+    return code is not None and WAIT_NAME in code.co_names
+
+
+def waiting_functions() -> set:
+    """CUfunction handles (ints) and entry names (bytes) of every compiled variant of every kernel
+    that waits: a graph's kernel node names its function by handle, or else by its name."""
+    from moebus.cuda.kernels import compat
+
+    found = set()
+    for dispatcher in compat._KERNELS:
+        if not waits(getattr(dispatcher, "py_func", None)):
+            continue
+        for compiled in getattr(dispatcher, "overloads", {}).values():
+            function = compiled._codelibrary.get_cufunc()
+            found.add(int(getattr(function.handle, "value", function.handle)))
+            name = getattr(function, "name", None)
+            if name:
+                found.add(name.encode() if isinstance(name, str) else bytes(name))
+    return found
+
+
+def plan_edges(edges, kernel_function: dict, waiting: set) -> list[int]:
+    """Indices of the edges to make programmatic. ``edges``: (from, to) node keys; ``kernel_function``:
+    node key -> function handle, for kernel nodes only; ``waiting``: handles of kernels that wait.
+    An edge qualifies when both ends are kernel nodes, the destination's kernel waits and the edge is
+    the destination's only one in (a join of two branches keeps its full edges)."""
+    into = {}
+    for _, dst in edges:
+        into[dst] = into.get(dst, 0) + 1
+    return [i for i, (src, dst) in enumerate(edges)
+            if src in kernel_function and kernel_function.get(dst) in waiting and into[dst] == 1]
+
+
+def _driver(name: str):
+    from cuda.bindings import driver as cu
+
+    return getattr(cu, name + "_v2", None) or getattr(cu, name)  # cuda.bindings 12.x names the edge-data forms _v2
+
+
+def _check(result, what: str):
+    from cuda.bindings import driver as cu
+
+    status = result[0] if isinstance(result, tuple) else result
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"PDL: {what}: {status}")
+    return result
+
+
+def make_programmatic(graph, port: str = "programmatic") -> dict:
+    """Turn each qualifying kernel -> kernel edge of ``graph`` (a CUgraph, not yet instantiated) into
+    a programmatic one leaving from ``port``. Returns counts: nodes, kernel nodes, waiting kernel
+    nodes, edges, converted."""
+    from cuda.bindings import driver as cu
+
+    _, src, dst, *rest = _check(_driver("cuGraphGetEdges")(graph, 0), "count edges")
+    count = rest[-1]
+    _, src, dst, *rest = _check(_driver("cuGraphGetEdges")(graph, count), "edges")
+    old_data = rest[0] if len(rest) == 2 else None
+    _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, 0), "count nodes")
+    _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, num_nodes), "nodes")
+    waiting = waiting_functions()
+    functions = {}
+    for node in nodes:
+        (_, kind) = _check(cu.cuGraphNodeGetType(node), "node type")
+        if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        status, params = cu.cuGraphKernelNodeGetParams(node)
+        function = int(params.func) if status == cu.CUresult.CUDA_SUCCESS else 0
+        if function and function not in waiting:
+            status, name = cu.cuFuncGetName(params.func)
+            function = name if status == cu.CUresult.CUDA_SUCCESS and name in waiting else function
+        functions[int(node)] = function  # 0: a kernel node whose function is unknown (never waits)
+    chosen = plan_edges([(int(a), int(b)) for a, b in zip(src, dst)], functions, waiting)
+    stats = {"nodes": int(num_nodes), "kernels": len(functions),
+             "waiting": sum(f in waiting for f in functions.values()), "edges": int(count), "converted": len(chosen)}
+    if not chosen:
+        return stats
+    if old_data is not None and any(int(old_data[i].type) != 0 or int(old_data[i].from_port) != 0 for i in chosen):
+        raise RuntimeError("PDL: the captured graph already has non-default edges")
+    froms, tos = [src[i] for i in chosen], [dst[i] for i in chosen]
+    remove, add = _driver("cuGraphRemoveDependencies"), _driver("cuGraphAddDependencies")
+    plain = [cu.CUgraphEdgeData() for _ in chosen]
+    _check(remove(graph, froms, tos, plain, len(chosen)), "remove edges")
+    edge = []
+    for _ in chosen:
+        data = cu.CUgraphEdgeData()
+        data.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        data.from_port = (cu.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER if port == "launch_order"
+                          else cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
+        edge.append(data)
+    _check(add(graph, froms, tos, edge, len(chosen)), "add programmatic edges")
+    return stats
