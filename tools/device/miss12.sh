@@ -7,7 +7,7 @@
 # timelines: where the link idles in a step). VARIANTS / PROFILED / TOKENS / CHECK override.
 source tools/device/setup.sh
 set -o pipefail
-T0=$(date +%s); BUDGET=${BUDGET:-100}
+T0=$(date +%s); BUDGET=${BUDGET:-110}
 now() { echo $(( $(date +%s) - T0 )); }
 cd tools/device
 if [ "$PHASE" = warm ]; then
@@ -33,5 +33,5 @@ ls /sys/class/iommu 2>/dev/null | head -3; free -g | head -2
 echo "== miss12_check.py $M48 at $(now) s"
 CHECK=${CHECK:-1} TIMELINE_BATCHES=${TIMELINE_BATCHES:-1} TIMELINES_AFTER=${TIMELINES_AFTER:-2} CHECK_BUDGET=$(( BUDGET - $(now) - 4 )) \
   timeout $(( BUDGET - $(now) - 2 )) python3 miss12_check.py $M48 ${TOKENS:-32} \
-  ${VARIANTS:-2:2:after,2:2,4:4:after,off} ${PROFILED:-2:2:after} 2>&1 | grep -av "Warn\|warn(" | tee $OUT/check.txt
+  ${VARIANTS:-2:2:after,2:2,4:4:after,2:4:after,off} ${PROFILED:-2:2:after} 2>&1 | grep -av "Warn\|warn(" | tee $OUT/check.txt
 echo "check rc=$? at $(now) s"
