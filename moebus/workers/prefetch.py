@@ -40,6 +40,11 @@ PREDICTED_PER_TOKEN = 2
 # beside the expert kernels: on the H200 topk_softmax took 116 us a call there and the plan 57, a few
 # alone; tenth session). Not yet measured on a GPU, so off: MOEBUS_PREFETCH_PLAN_FROM_LOGITS=1
 PLAN_FROM_LOGITS = os.environ.get("MOEBUS_PREFETCH_PLAN_FROM_LOGITS", "0") == "1"
+# the next layer's copies wait for this layer's expert kernels (``after_experts``): those read this
+# layer's misses over PCIe, and copies beside them only share the link with them, finishing with them,
+# so the link idled through the next layer's attention and router all the same; queued after them,
+# the copies fill that gap. Not yet measured on a GPU, so off: MOEBUS_PREFETCH_COPY_AFTER_EXPERTS=1
+COPY_AFTER_EXPERTS = os.environ.get("MOEBUS_PREFETCH_COPY_AFTER_EXPERTS", "0") == "1"
 
 
 class Prefetch:
@@ -52,6 +57,8 @@ class Prefetch:
         self.prefetched = self.used = 0  # experts, since start
         self._device = None  # (keys, side branch, {tokens: (logits, ids, weights)}) once on cuda
         self.open_row = None  # the layer row whose copies the side branch is making
+        self._copy_args = None  # (keys, store, arena, first slot): copies waiting for after_experts
+        self._experts_done = None  # the event the side branch waits on for them (cuda)
 
     @property
     def num_reserved(self) -> int:
@@ -113,8 +120,28 @@ class Prefetch:
         else:
             moe.topk_softmax_cuda(logits, self.per_token, False, ids, weights, stream=side.stream)
             plan_prefetch_cuda(ids, placement, next_row, keys[next_row], stream=side.stream)
-        copy_prefetch_cuda(keys[next_row], store, arena, self.first_slot(next_row), stream=side.stream)
         self.open_row = next_row
+        if COPY_AFTER_EXPERTS:  # the copies once this layer's experts are done reading the link
+            self._copy_args = (keys[next_row], store, arena, self.first_slot(next_row))
+            return
+        copy_prefetch_cuda(keys[next_row], store, arena, self.first_slot(next_row), stream=side.stream)
+
+    def after_experts(self, ops) -> None:
+        """Right after a layer's expert kernels are launched: the next layer's copies, if launch()
+        left them for now (COPY_AFTER_EXPERTS), start on the side branch once those kernels are done."""
+        if self._copy_args is None:
+            return
+        from moebus.cuda.backends.graphs import _record_and_wait
+        from moebus.cuda.kernels.compat import SIMULATOR, cuda
+
+        side = self._on(ops)[1]
+        if not SIMULATOR:
+            if self._experts_done is None:
+                self._experts_done = cuda.event(timing=False)
+            _record_and_wait(self._experts_done, ops.stream, side.stream)
+        keys, store, arena, first_slot = self._copy_args
+        self._copy_args = None
+        copy_prefetch_cuda(keys, store, arena, first_slot, stream=side.stream)
 
     def around_experts(self, ops, row: int, pair_slot, h, next_router, placement, store, arena) -> tuple:
         """Between layer row ``row``'s norm_route and its experts: its prefetched experts in
@@ -140,6 +167,7 @@ class Prefetch:
         copies), or the table's own row where nothing was prefetched for it."""
         if self.open_row != row:
             return placement[row]
+        self.after_experts(ops)  # copies still waiting (no expert kernel between): before the join
         keys, side, _ = self._on(ops)
         side.join(ops.stream)
         self.open_row = None
@@ -150,6 +178,7 @@ class Prefetch:
         """Before layer row ``row``'s experts: wait for its copies and point its pairs at them."""
         if self.open_row != row:
             return
+        self.after_experts(ops)  # copies still waiting (no expert kernel between): before the join
         keys, side, _ = self._on(ops)
         side.join(ops.stream)
         self.open_row = None
@@ -158,4 +187,5 @@ class Prefetch:
     def begin(self, ops) -> None:
         """Start of a step's run: no branch is open (a failed capture may have left one)."""
         self.open_row = None
+        self._copy_args = None
         self._on(ops)[1].forks = 0

@@ -403,6 +403,8 @@ class Stage:
                 placement_row, keep = prefetch.around_tiles(ops, row, h, next_router, placement, store, arena)
             y_pair = grouped_moe_placed(ops, self.experts, h, expert_ids[row], placement_row, cfg.hidden_size,
                                         cfg.moe_intermediate_size, cfg.num_experts)  # many tokens: tensor cores
+            if prefetch is not None:  # the next layer's copies, where they wait for these experts
+                prefetch.after_experts(ops)
             return x, ("moe", y_pair, weights) + keep
         if prefetch is not None:
             keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement, store, arena)
@@ -410,6 +412,8 @@ class Stage:
         ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
                        cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,
                        layout=self.experts.store.layout)  # layout: quantized experts (None: bf16)
+        if prefetch is not None:  # the next layer's copies, where they wait for these experts
+            prefetch.after_experts(ops)
         return x, ("moe", out, weights) + keep  # combined by the next norm (_residual_norm)
 
     def _moe(self, layer: int, w: dict, h):

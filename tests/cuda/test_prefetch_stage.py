@@ -121,3 +121,31 @@ def test_no_prefetch_where_the_cache_holds_every_expert(micro_model):  # noqa: F
     ckpt = Checkpoint(micro_model)
     cache = build_expert_cache(ckpt, range(2), make_backend("cuda"), prefetch_slots=1)
     assert cache.prefetch is None and cache.num_reserved == 0
+
+
+def test_copies_after_the_experts_give_the_same_tokens_and_logprobs(micro_model, monkeypatch):  # noqa: F811
+    """MOEBUS_PREFETCH_COPY_AFTER_EXPERTS: the next layer's copies are launched by the stage right after
+    this layer's expert kernels (not by the join), and change nothing that comes out."""
+    import sys
+
+    from moebus.workers import prefetch as prefetch_module
+
+    monkeypatch.setattr(prefetch_module, "COPY_AFTER_EXPERTS", True)
+    launched_by = []
+    after_experts = Prefetch.after_experts
+
+    def spy(self, ops):
+        if self._copy_args is not None:
+            launched_by.append(sys._getframe(1).f_code.co_name)
+        after_experts(self, ops)
+
+    monkeypatch.setattr(Prefetch, "after_experts", spy)
+    stage = _stage(micro_model)
+    cache = stage.experts
+    with_prefetch = _decode(stage, slot=0, steps=2)
+    assert cache.prefetch.prefetched > 0 and cache.prefetch.used > 0
+    assert launched_by and set(launched_by) == {"_moe_routed"}  # the stage's hook, never the join's flush
+    cache.prefetch = None
+    without = _decode(stage, slot=1, steps=2)
+    np.testing.assert_array_equal(with_prefetch[0], without[0])
+    np.testing.assert_array_equal(with_prefetch[1], without[1])
