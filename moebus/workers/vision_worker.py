@@ -36,6 +36,8 @@ log = logging.getLogger("moebus.vision")
 
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
+# 0: no blank-image warm-up at the start: the first request's encode loads the kernels (an A/B, tools/device/vl12.sh)
+WARM_UP = os.environ.get("MOEBUS_VISION_WARM_UP", "1") != "0"
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -173,7 +175,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     uploaded = time.perf_counter()
     first_kernel(backend)
     launched = time.perf_counter()
-    warm_up(model, processor, cfg)
+    if WARM_UP:
+        warm_up(model, processor, cfg)
     warmed = time.perf_counter()
     waited = model.packed.wait() if getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))

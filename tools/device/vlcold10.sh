@@ -18,7 +18,7 @@ set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-190}
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
-Q=/tmp/a3b-qwen3vl-4
+Q=${Q:-/tmp/a3b-qwen3vl-4}  # (a caller may name its own)
 if [[ -f $Q/config.json ]]; then
   ( echo "init: $Q made already" > $OUT/init.log ) &
 else
