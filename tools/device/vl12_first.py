@@ -3,7 +3,8 @@
 vision worker's blank-image warm-up (~0.28 s) spends. One fresh process, the PRESET's Qwen3-VL tower
 (random bf16 weights, where_time_goes.qwen3vl_tower's way, packed as the zygote packs them), in order:
 
-  1. the warm-up (VisionModel.warm_up: the blank image of warm_up_side patches a side);
+  1. the warm-up (VisionModel.warm_up: the blank image of warm_up_side patches a side), then again
+     eagerly (its graph closed): the same pass with every kernel loaded;
   2. image A's first encode (a new size: eager in the graph-to-be's pool), then its capture
      (capture_pending), then replays (median);
   3. image B (another size, every kernel loaded now): its first encode, eager;
@@ -12,8 +13,9 @@ vision worker's blank-image warm-up (~0.28 s) spends. One fresh process, the PRE
      has every buffer in the pool already, so it is launches + GPU only.
 
 Each timed step is also run under cProfile (PROFILE=1; its overhead is in those steps' times, so the
-un-profiled figures are the ones to quote: PROFILE=2 profiles only step 2, after timing steps 1 once
-un-profiled). The profiles' top functions by own time go to stdout and $OUT/vl12_first_<step>.txt.
+un-profiled figures are the ones to quote: PROFILE=2, the default, profiles only steps 1, 2 and 5b: the
+worker's log has the un-profiled warm-up, step 3 is step 2's case un-profiled; PROFILE=0 none). The
+profiles' top functions by own time go to stdout and $OUT/vl12_first_<step>.txt (by cumulative time: _cum.txt).
 
     vl12_first.py [A_PX] [B_PX]    (sides in pixels, e.g. 1024x1024 768x1024: height x width)"""
 import cProfile
@@ -111,7 +113,9 @@ def main() -> None:
     _sync = model.ops.synchronize
     a, b = image(processor, a_hw), image(processor, b_hw)
     every = PROFILE == "1"
-    timed("1. warm-up (blank image)", lambda: model.warm_up(processor), every)
+    timed("1. warm-up (blank image)", lambda: model.warm_up(processor), every or PROFILE == "2")
+    model.graph.close()
+    timed("1b. warm-up again, eager (every kernel loaded)", lambda: model.warm_up(processor), False)
     timed(f"2. A {a.grid_h}x{a.grid_w} patches, first encode ({model.graph.enabled and 'graph on'})",
           lambda: model.encode_image(a), every or PROFILE == "2")
     print(f"   path {model.graph.last_path}")
