@@ -154,16 +154,29 @@ def _context(device: str) -> None:
 
 
 def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int,
-                      gpu: int, forked_at: float | None = None) -> int:
+                      gpu: int, forked_at: float | None = None, go=None) -> int:
     """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
-    the only visible device); ``forked_at``: the zygote's time.time() at the fork. Raises on a
-    failed start (the zygote reports why)."""
+    the only visible device); ``forked_at``: the zygote's time.time() at the fork. ``go``: this child
+    is a spare, forked ahead (vision_zygote.PREFORK): it opens the driver (cuInit) and NVML, then
+    ``go()`` blocks until the zygote starts it and returns the time.time() of that start (None: the
+    spare is dropped, and it returns 0 at once). Raises on a failed start (the zygote reports why)."""
+    libraries = loaded_libraries()
+    prepared = None
+    if go is not None:  # no context yet, nothing allocated: the device's memory is not touched before go
+        began = time.perf_counter()
+        footprint = StartFootprint(device, read=False)
+        prepared = time.perf_counter() - began
+        forked_at = go()
+        if forked_at is None:
+            return 0
     started = time.perf_counter()
     since_fork = time.time() - forked_at if forked_at is not None else 0.0
-    libraries = loaded_libraries()
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
-    footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
+    if go is not None:
+        footprint.read_before()  # the caches have shrunk by now (the hand-back precedes the start)
+    else:
+        footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
     read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
@@ -186,6 +199,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
              "%.3f s more (%s)", gpu, since_fork, read - started, contexted - read, built - contexted,
              uploaded - built, launched - uploaded, warmed - launched, getattr(model.graph, "last_path", None),
              waited, "beside the first kernel and warm-up" if UPLOAD_BESIDE else "before them")
+    if prepared is not None:
+        log.info("vision worker was a spare: NVML and cuInit %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,

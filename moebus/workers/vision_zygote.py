@@ -37,6 +37,9 @@ log = logging.getLogger("moebus.vision")
 LOOP_S = 0.2
 PRELOAD = os.environ.get("MOEBUS_VISION_PRELOAD", "1") != "0"  # 0: no library loads before the fork (A/Bs)
 PACK_WEIGHTS = os.environ.get("MOEBUS_VISION_PACK", "1") != "0"  # 0: one upload per tensor (A/Bs)
+# 1: keep a spare child forked ahead, which has opened the driver (cuInit) and NVML and waits; a start
+# wakes it instead of forking (opt-in until measured: tools/device/vl12.sh)
+PREFORK = os.environ.get("MOEBUS_VISION_PREFORK", "0") == "1"
 MAX_REASON_BYTES = 4000  # below PIPE_BUF: one write, read whole
 
 
@@ -63,6 +66,8 @@ class Zygote:
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
         self.children: dict[int, int] = {}  # pid -> read end of its reason pipe
+        self.spare: tuple[int, int, int, int] | None = None  # (pid, go pipe's write end, reason pipe's read end, gpu)
+        self.prefork = PREFORK  # off for good once a spare failed
         self.stopping = False
 
     # -- the loop -----------------------------------------------------------------------------
@@ -83,6 +88,7 @@ class Zygote:
         self.listener.listen(1)
         log.info("vision zygote ready: %d tensors in host RAM, %.1f MiB to charge per worker",
                  len(self.weights), self.charge / (1 << 20))
+        self._fork_spare(0)
         buffer = b""
         while not self.stopping:
             sources = [self.listener, self.wakeup_fd] + ([self.conn] if self.conn else [])
@@ -101,6 +107,7 @@ class Zygote:
                     for line in lines:
                         self._command(line)
             self._reap()
+        self._drop_spare()
         for pid in list(self.children):
             os.kill(pid, signal.SIGKILL)
         self._reap(block=True)
@@ -144,6 +151,12 @@ class Zygote:
             log.error("unknown control command %r dropped", command)
 
     def _reap(self, block: bool = False) -> None:
+        if self.spare is not None and os.waitpid(self.spare[0], os.WNOHANG)[0] != 0:
+            pid, go_fd, reason_fd, _ = self.spare
+            log.warning("spare vision worker %d exited before its start (%s); no more spares",
+                        pid, self._read_reason(reason_fd) or "no reason given")
+            os.close(go_fd)
+            self.spare, self.prefork = None, False
         for pid in list(self.children):
             done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
             if done == 0:
@@ -152,6 +165,8 @@ class Zygote:
             code = os.waitstatus_to_exitcode(status)
             log.info("vision worker %d exited with status %d%s", pid, code, f": {reason}" if reason else "")
             self._emit({"event": "exited", "pid": pid, "status": code, "reason": reason})
+            if not self.children and not self.stopping:
+                self._fork_spare(self.last_gpu)
 
     @staticmethod
     def _read_reason(fd: int) -> str:
@@ -167,28 +182,79 @@ class Zygote:
     def _num_gpus(self) -> int:
         return len(self.settings.gpus) if self.device == "cuda" else len(self.settings.emulated_vram_mib)
 
+    last_gpu = 0  # the GPU of the last start: a spare is forked for it
+
     def _fork(self, gpu: int) -> None:
         if self.children:
             log.error("start asked while vision worker %s still runs; ignored", list(self.children))
             return
+        self.last_gpu = gpu
+        if self.spare is not None and self.spare[3] == gpu:
+            pid, go_fd, read_fd, _ = self.spare
+            self.spare = None
+            self.forked_at = time.time()
+            try:
+                os.write(go_fd, repr(self.forked_at).encode())
+                os.close(go_fd)
+                self.children[pid] = read_fd
+                self._emit({"event": "started", "pid": pid})
+                return
+            except OSError:  # it died since the last reap: a fresh fork instead
+                self.spare = (pid, go_fd, read_fd, gpu)
+        self._drop_spare()
+        pid, read_fd = self._fork_child(gpu)
+        self.children[pid] = read_fd
+        self._emit({"event": "started", "pid": pid})
+
+    def _fork_child(self, gpu: int, go: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(pid, the read end of its reason pipe) of a child forked now (``go``: a spare's go pipe,
+        its read and write ends)."""
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         self.forked_at = time.time()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
-            os._exit(self._child(write_fd, gpu))
+            if go is not None:
+                os.close(go[1])  # (or its read would never see the pipe's end)
+            os._exit(self._child(write_fd, gpu, None if go is None else go[0]))
         os.close(write_fd)
-        self.children[pid] = read_fd
-        self._emit({"event": "started", "pid": pid})
+        return pid, read_fd
 
-    def _child(self, reason_fd: int, gpu: int) -> int:
+    def _fork_spare(self, gpu: int) -> None:
+        """With PREFORK, a spare child for ``gpu`` that opens the driver and NVML now and waits for its
+        start (no context: it holds nothing on the device until then)."""
+        if not self.prefork or self.spare is not None or self.stopping:
+            return
+        go_read, go_write = os.pipe()
+        pid, read_fd = self._fork_child(gpu, (go_read, go_write))
+        os.close(go_read)
+        self.spare = (pid, go_write, read_fd, gpu)
+        log.info("spare vision worker %d forked for gpu%d", pid, gpu)
+
+    def _drop_spare(self) -> None:
+        if self.spare is None:
+            return
+        pid, go_fd, read_fd, _ = self.spare
+        self.spare = None
+        os.close(go_fd)  # (its go() reads the end: it returns; the kill makes sure)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(read_fd)
+
+    def _child(self, reason_fd: int, gpu: int, go_fd: int | None = None) -> int:
         """The forked vision worker on ``gpu`` (worker order); never returns into the zygote's loop.
-        No CUDA context exists yet, so choosing the device here is still possible."""
+        No CUDA context exists yet, so choosing the device here is still possible. ``go_fd``: a
+        spare's go pipe, which the zygote writes its start's time.time() into (or closes)."""
         try:
             for sock in (self.listener, self.conn):
                 if sock is not None:
                     sock.close()
+            if self.spare is not None:  # (a fresh child forked while a spare waits: not its pipe)
+                os.close(self.spare[1])
             signal.set_wakeup_fd(-1)
             os.close(self.wakeup_fd)
             for sig in (signal.SIGTERM, signal.SIGCHLD):
@@ -197,8 +263,9 @@ class Zygote:
             _die_with_parent()
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
+            go = None if go_fd is None else (lambda: _wait_go(go_fd))
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
-                                                   self.connect, self.device, self.charge, gpu, self.forked_at)
+                                                   self.connect, self.device, self.charge, gpu, self.forked_at, go)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
             log.error("vision worker failed: %s", "".join(traceback.format_exception_only(type(e), e)).strip())
             os.write(reason_fd, f"{type(e).__name__}: {e}"[:MAX_REASON_BYTES].encode())
@@ -258,6 +325,18 @@ def _load_cublas() -> None:
     from nvmath.bindings._internal import cublas
 
     cublas._inspect_function_pointers()  # dlopen and dlsym, no cuBLAS call
+
+
+def _wait_go(fd: int) -> float | None:
+    """A spare's wait for its start: the zygote's time.time() then, or None when the pipe closed."""
+    data = b""
+    while True:
+        chunk = os.read(fd, 64)
+        if not chunk:
+            break
+        data += chunk
+    os.close(fd)
+    return float(data) if data else None
 
 
 def _drain(fd: int) -> None:

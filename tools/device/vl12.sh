@@ -9,8 +9,9 @@
 #                 blank-image warm-up, each by step and under cProfile), then vlcold10.sh's cycle (TESTS=0
 #                 PROBE=0 OLD=0 SKIP_RESIDENT=1: each cold request's hand-back, start, encode, prefill and first
 #                 token; the worker's start by part; the prefill steps) as it is ("base"), then again with
-#                 MOEBUS_VISION_WARM_UP=0 ("nowarm", if 30 s are left), each with CYCLE_ENV's settings too.
-# FIRST_S: the seconds of vl12_first.py in the measure phase (30); B_RESERVE_S: kept for "nowarm" (40).
+#                 MOEBUS_VISION_WARM_UP=0 MOEBUS_VISION_PREFORK=1 ("new", if 30 s are left: no blank-image
+#                 warm-up, a spare worker forked ahead), each with CYCLE_ENV's settings too.
+# FIRST_S: the seconds of vl12_first.py in the measure phase (30); B_RESERVE_S: kept for "new" (40).
 source tools/device/setup.sh
 set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-120}
@@ -45,7 +46,8 @@ cycle() {  # label limit_s [env...]: vlcold10.sh's cycle (the lazy broker's two 
   env "$@" OUT=$OUT/$label TESTS=0 PROBE=0 OLD=0 SKIP_RESIDENT=1 BUDGET=$limit timeout $(( limit + 2 )) \
     bash tools/device/vlcold10.sh 2>&1 | grep -vE "^numba|^index, name|NVIDIA H200|gpu tests not run|made already"
 }
-# the start as it is, then without the blank-image warm-up (the request's own encode loads the kernels)
+# the start as it is, then without the blank-image warm-up (the request's own encode loads the kernels) and
+# from a spare forked ahead (cuInit and NVML done before the start): the worker's log splits the two by part
 cycle base $(( $(left) - ${B_RESERVE_S:-40} > 35 ? $(left) - ${B_RESERVE_S:-40} : $(left) - 2 )) ${CYCLE_ENV}
-(( $(left) > 30 )) && cycle nowarm $(( $(left) - 2 )) MOEBUS_VISION_WARM_UP=0 ${CYCLE_ENV}
+(( $(left) > 30 )) && cycle new $(( $(left) - 2 )) MOEBUS_VISION_WARM_UP=0 MOEBUS_VISION_PREFORK=1 ${CYCLE_ENV}
 echo "vl12 end at $(now) s"
