@@ -146,6 +146,15 @@ def _driver_free(device: str, flush: bool = False) -> int | None:
     return device_memory_info()[0]
 
 
+def _driver(device: str) -> None:
+    """cuda: numba's driver and its device 0 (cuInit, the device's attributes), no context: what a
+    spare worker does before its start."""
+    if device == "cuda":
+        from numba.cuda.cudadrv.driver import driver
+
+        driver.get_device(0)
+
+
 def _context(device: str) -> None:
     if device == "cuda":
         from numba import cuda
@@ -165,6 +174,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if go is not None:  # no context yet, nothing allocated: the device's memory is not touched before go
         began = time.perf_counter()
         footprint = StartFootprint(device, read=False)
+        _driver(device)
         prepared = time.perf_counter() - began
         forked_at = go()
         if forked_at is None:
@@ -200,7 +210,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
              uploaded - built, launched - uploaded, warmed - launched, getattr(model.graph, "last_path", None),
              waited, "beside the first kernel and warm-up" if UPLOAD_BESIDE else "before them")
     if prepared is not None:
-        log.info("vision worker was a spare: NVML and cuInit %.3f s before its start", prepared)
+        log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
