@@ -79,13 +79,16 @@ class VisionWorker:
             with image:
                 pixels.append(self.processor.preprocess(image))
         preprocessed = time.perf_counter()
+        packed = getattr(self.model, "packed", None)
+        copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
         log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
-                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)", self.num_encodes,
+                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
-                getattr(self.model.graph, "last_path", None))
+                getattr(self.model.graph, "last_path", None),
+                f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -201,7 +204,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if WARM_UP:
         warm_up(model, processor, cfg)
     warmed = time.perf_counter()
-    waited = model.packed.wait() if getattr(model, "packed", None) is not None else 0.0
+    # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
+    waited = model.packed.wait() if WARM_UP and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
