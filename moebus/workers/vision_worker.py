@@ -169,7 +169,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                       gpu: int, forked_at: float | None = None, go=None) -> int:
     """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
     the only visible device); ``forked_at``: the zygote's time.time() at the fork. ``go``: this child
-    is a spare, forked ahead (vision_zygote.PREFORK): it opens the driver (cuInit) and NVML, then
+    is a spare, forked ahead (workers/vision_spare.py): it opens the driver (cuInit) and NVML, then
     ``go()`` blocks until the zygote starts it and returns the time.time() of that start (None: the
     spare is dropped, and it returns 0 at once). Raises on a failed start (the zygote reports why)."""
     libraries = loaded_libraries()

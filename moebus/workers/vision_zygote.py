@@ -31,19 +31,17 @@ from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights
+from moebus.workers.vision_spare import SpareMixin, wait_go
 from moebus.workers.vision_weight_pack import pack
 
 log = logging.getLogger("moebus.vision")
 LOOP_S = 0.2
 PRELOAD = os.environ.get("MOEBUS_VISION_PRELOAD", "1") != "0"  # 0: no library loads before the fork (A/Bs)
 PACK_WEIGHTS = os.environ.get("MOEBUS_VISION_PACK", "1") != "0"  # 0: one upload per tensor (A/Bs)
-# 1: keep a spare child forked ahead, which has opened the driver (cuInit) and NVML and waits; a start
-# wakes it instead of forking (opt-in until measured: tools/device/vl12.sh)
-PREFORK = os.environ.get("MOEBUS_VISION_PREFORK", "0") == "1"
 MAX_REASON_BYTES = 4000  # below PIPE_BUF: one write, read whole
 
 
-class Zygote:
+class Zygote(SpareMixin):
     def __init__(self, settings, model_dir: str, connect: str, device: str, control_path: str):
         self.settings = settings
         self.connect = connect
@@ -66,8 +64,7 @@ class Zygote:
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
         self.children: dict[int, int] = {}  # pid -> read end of its reason pipe
-        self.spare: tuple[int, int, int, int] | None = None  # (pid, go pipe's write end, reason pipe's read end, gpu)
-        self.prefork = PREFORK  # off for good once a spare failed
+        self.spare = None  # a child forked ahead (vision_spare.py, MOEBUS_VISION_PREFORK=1)
         self.stopping = False
 
     # -- the loop -----------------------------------------------------------------------------
@@ -151,12 +148,7 @@ class Zygote:
             log.error("unknown control command %r dropped", command)
 
     def _reap(self, block: bool = False) -> None:
-        if self.spare is not None and os.waitpid(self.spare[0], os.WNOHANG)[0] != 0:
-            pid, go_fd, reason_fd, _ = self.spare
-            log.warning("spare vision worker %d exited before its start (%s); no more spares",
-                        pid, self._read_reason(reason_fd) or "no reason given")
-            os.close(go_fd)
-            self.spare, self.prefork = None, False
+        self._reap_spare()
         for pid in list(self.children):
             done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
             if done == 0:
@@ -189,20 +181,10 @@ class Zygote:
             log.error("start asked while vision worker %s still runs; ignored", list(self.children))
             return
         self.last_gpu = gpu
-        if self.spare is not None and self.spare[3] == gpu:
-            pid, go_fd, read_fd, _ = self.spare
-            self.spare = None
-            self.forked_at = time.time()
-            try:
-                os.write(go_fd, repr(self.forked_at).encode())
-                os.close(go_fd)
-                self.children[pid] = read_fd
-                self._emit({"event": "started", "pid": pid})
-                return
-            except OSError:  # it died since the last reap: a fresh fork instead
-                self.spare = (pid, go_fd, read_fd, gpu)
-        self._drop_spare()
-        pid, read_fd = self._fork_child(gpu)
+        woken = self._wake_spare(gpu)
+        if woken is None:
+            self._drop_spare()  # (one for another GPU, or dead)
+        pid, read_fd = woken or self._fork_child(gpu)
         self.children[pid] = read_fd
         self._emit({"event": "started", "pid": pid})
 
@@ -221,30 +203,6 @@ class Zygote:
         os.close(write_fd)
         return pid, read_fd
 
-    def _fork_spare(self, gpu: int) -> None:
-        """With PREFORK, a spare child for ``gpu`` that opens the driver and NVML now and waits for its
-        start (no context: it holds nothing on the device until then)."""
-        if not self.prefork or self.spare is not None or self.stopping:
-            return
-        go_read, go_write = os.pipe()
-        pid, read_fd = self._fork_child(gpu, (go_read, go_write))
-        os.close(go_read)
-        self.spare = (pid, go_write, read_fd, gpu)
-        log.info("spare vision worker %d forked for gpu%d", pid, gpu)
-
-    def _drop_spare(self) -> None:
-        if self.spare is None:
-            return
-        pid, go_fd, read_fd, _ = self.spare
-        self.spare = None
-        os.close(go_fd)  # (its go() reads the end: it returns; the kill makes sure)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(read_fd)
-
     def _child(self, reason_fd: int, gpu: int, go_fd: int | None = None) -> int:
         """The forked vision worker on ``gpu`` (worker order); never returns into the zygote's loop.
         No CUDA context exists yet, so choosing the device here is still possible. ``go_fd``: a
@@ -253,8 +211,6 @@ class Zygote:
             for sock in (self.listener, self.conn):
                 if sock is not None:
                     sock.close()
-            if self.spare is not None:  # (a fresh child forked while a spare waits: not its pipe)
-                os.close(self.spare[1])
             signal.set_wakeup_fd(-1)
             os.close(self.wakeup_fd)
             for sig in (signal.SIGTERM, signal.SIGCHLD):
@@ -263,7 +219,7 @@ class Zygote:
             _die_with_parent()
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
-            go = None if go_fd is None else (lambda: _wait_go(go_fd))
+            go = None if go_fd is None else (lambda: wait_go(go_fd))
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
                                                    self.connect, self.device, self.charge, gpu, self.forked_at, go)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
@@ -325,18 +281,6 @@ def _load_cublas() -> None:
     from nvmath.bindings._internal import cublas
 
     cublas._inspect_function_pointers()  # dlopen and dlsym, no cuBLAS call
-
-
-def _wait_go(fd: int) -> float | None:
-    """A spare's wait for its start: the zygote's time.time() then, or None when the pipe closed."""
-    data = b""
-    while True:
-        chunk = os.read(fd, 64)
-        if not chunk:
-            break
-        data += chunk
-    os.close(fd)
-    return float(data) if data else None
 
 
 def _drain(fd: int) -> None:
