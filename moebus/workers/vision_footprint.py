@@ -68,9 +68,11 @@ class Nvml:
 
 class StartFootprint:
     """Read before the context (``StartFootprint()``), then ``context_made()`` once it exists and
-    ``done()`` after the warm-up: ``total_bytes`` (None: unknown) and its parts for the log."""
+    ``done()`` after the warm-up: ``total_bytes`` (None: unknown) and its parts for the log.
+    ``read=False`` (a spare worker, forked ahead: vision_zygote.py) opens NVML (and cuInit) now and
+    reads the used bytes only at ``read_before()``, once the hand-back has shrunk the caches."""
 
-    def __init__(self, device: str, make_nvml=None):
+    def __init__(self, device: str, make_nvml=None, read: bool = True):
         self.device = device
         self.nvml = None
         self.before_used = self.context_free = self.weights_free = self.after_free = None
@@ -79,9 +81,21 @@ class StartFootprint:
             return
         try:
             self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
-            self.before_used = self.nvml.used_bytes()
         except Exception as e:  # noqa: BLE001 - no NVML: the footprint stays unknown, the start goes on
             log.info("vision worker footprint not measured (NVML: %s); the broker keeps its default reserve", e)
+            self.nvml = None
+        if read:
+            self.read_before()
+
+    def read_before(self) -> None:
+        """The device's used bytes now, before this process has a context."""
+        if self.nvml is None:
+            return
+        try:
+            self.before_used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001 - as in __init__
+            log.info("vision worker footprint not measured (NVML: %s); the broker keeps its default reserve", e)
+            self.nvml.close()
             self.nvml = None
 
     def context_made(self, free_bytes: int | None) -> None:

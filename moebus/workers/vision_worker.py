@@ -36,6 +36,8 @@ log = logging.getLogger("moebus.vision")
 
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
+# 0: no blank-image warm-up at the start: the first request's encode loads the kernels (an A/B, tools/device/vl12.sh)
+WARM_UP = os.environ.get("MOEBUS_VISION_WARM_UP", "1") != "0"
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -77,13 +79,16 @@ class VisionWorker:
             with image:
                 pixels.append(self.processor.preprocess(image))
         preprocessed = time.perf_counter()
+        packed = getattr(self.model, "packed", None)
+        copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
         log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
-                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)", self.num_encodes,
+                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
-                getattr(self.model.graph, "last_path", None))
+                getattr(self.model.graph, "last_path", None),
+                f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -144,6 +149,15 @@ def _driver_free(device: str, flush: bool = False) -> int | None:
     return device_memory_info()[0]
 
 
+def _driver(device: str) -> None:
+    """cuda: numba's driver and its device 0 (cuInit, the device's attributes), no context: what a
+    spare worker does before its start."""
+    if device == "cuda":
+        from numba.cuda.cudadrv.driver import driver
+
+        driver.get_device(0)
+
+
 def _context(device: str) -> None:
     if device == "cuda":
         from numba import cuda
@@ -152,16 +166,30 @@ def _context(device: str) -> None:
 
 
 def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, device: str, charge: int,
-                      gpu: int, forked_at: float | None = None) -> int:
+                      gpu: int, forked_at: float | None = None, go=None) -> int:
     """Runs in the forked child of the zygote, on ``gpu`` (worker order; on cuda the zygote made it
-    the only visible device); ``forked_at``: the zygote's time.time() at the fork. Raises on a
-    failed start (the zygote reports why)."""
+    the only visible device); ``forked_at``: the zygote's time.time() at the fork. ``go``: this child
+    is a spare, forked ahead (workers/vision_spare.py): it opens the driver (cuInit) and NVML, then
+    ``go()`` blocks until the zygote starts it and returns the time.time() of that start (None: the
+    spare is dropped, and it returns 0 at once). Raises on a failed start (the zygote reports why)."""
+    libraries = loaded_libraries()
+    prepared = None
+    if go is not None:  # no context yet, nothing allocated: the device's memory is not touched before go
+        began = time.perf_counter()
+        footprint = StartFootprint(device, read=False)
+        _driver(device)
+        prepared = time.perf_counter() - began
+        forked_at = go()
+        if forked_at is None:
+            return 0
     started = time.perf_counter()
     since_fork = time.time() - forked_at if forked_at is not None else 0.0
-    libraries = loaded_libraries()
     if device == "cpu":  # before any allocation, as cudaMalloc would fail
         emulated_gpu(settings, gpu).allocate(charge, "vision")
-    footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
+    if go is not None:
+        footprint.read_before()  # the caches have shrunk by now (the hand-back precedes the start)
+    else:
+        footprint = StartFootprint(device)  # cuda: the device's used bytes before this process has a context
     read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
@@ -173,9 +201,11 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     uploaded = time.perf_counter()
     first_kernel(backend)
     launched = time.perf_counter()
-    warm_up(model, processor, cfg)
+    if WARM_UP:
+        warm_up(model, processor, cfg)
     warmed = time.perf_counter()
-    waited = model.packed.wait() if getattr(model, "packed", None) is not None else 0.0
+    # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
+    waited = model.packed.wait() if WARM_UP and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
@@ -183,6 +213,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
              "%.3f s more (%s)", gpu, since_fork, read - started, contexted - read, built - contexted,
              uploaded - built, launched - uploaded, warmed - launched, getattr(model.graph, "last_path", None),
              waited, "beside the first kernel and warm-up" if UPLOAD_BESIDE else "before them")
+    if prepared is not None:
+        log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,

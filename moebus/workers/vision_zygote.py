@@ -31,6 +31,7 @@ from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights
+from moebus.workers.vision_spare import SpareMixin, wait_go
 from moebus.workers.vision_weight_pack import pack
 
 log = logging.getLogger("moebus.vision")
@@ -40,7 +41,7 @@ PACK_WEIGHTS = os.environ.get("MOEBUS_VISION_PACK", "1") != "0"  # 0: one upload
 MAX_REASON_BYTES = 4000  # below PIPE_BUF: one write, read whole
 
 
-class Zygote:
+class Zygote(SpareMixin):
     def __init__(self, settings, model_dir: str, connect: str, device: str, control_path: str):
         self.settings = settings
         self.connect = connect
@@ -63,6 +64,7 @@ class Zygote:
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
         self.children: dict[int, int] = {}  # pid -> read end of its reason pipe
+        self.spare = None  # a child forked ahead (vision_spare.py, MOEBUS_VISION_PREFORK=1)
         self.stopping = False
 
     # -- the loop -----------------------------------------------------------------------------
@@ -83,6 +85,7 @@ class Zygote:
         self.listener.listen(1)
         log.info("vision zygote ready: %d tensors in host RAM, %.1f MiB to charge per worker",
                  len(self.weights), self.charge / (1 << 20))
+        self._fork_spare(0)
         buffer = b""
         while not self.stopping:
             sources = [self.listener, self.wakeup_fd] + ([self.conn] if self.conn else [])
@@ -101,6 +104,7 @@ class Zygote:
                     for line in lines:
                         self._command(line)
             self._reap()
+        self._drop_spare()
         for pid in list(self.children):
             os.kill(pid, signal.SIGKILL)
         self._reap(block=True)
@@ -144,6 +148,7 @@ class Zygote:
             log.error("unknown control command %r dropped", command)
 
     def _reap(self, block: bool = False) -> None:
+        self._reap_spare()
         for pid in list(self.children):
             done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
             if done == 0:
@@ -152,6 +157,8 @@ class Zygote:
             code = os.waitstatus_to_exitcode(status)
             log.info("vision worker %d exited with status %d%s", pid, code, f": {reason}" if reason else "")
             self._emit({"event": "exited", "pid": pid, "status": code, "reason": reason})
+            if not self.children and not self.stopping:
+                self._fork_spare(self.last_gpu)
 
     @staticmethod
     def _read_reason(fd: int) -> str:
@@ -167,24 +174,39 @@ class Zygote:
     def _num_gpus(self) -> int:
         return len(self.settings.gpus) if self.device == "cuda" else len(self.settings.emulated_vram_mib)
 
+    last_gpu = 0  # the GPU of the last start: a spare is forked for it
+
     def _fork(self, gpu: int) -> None:
         if self.children:
             log.error("start asked while vision worker %s still runs; ignored", list(self.children))
             return
+        self.last_gpu = gpu
+        woken = self._wake_spare(gpu)
+        if woken is None:
+            self._drop_spare()  # (one for another GPU, or dead)
+        pid, read_fd = woken or self._fork_child(gpu)
+        self.children[pid] = read_fd
+        self._emit({"event": "started", "pid": pid})
+
+    def _fork_child(self, gpu: int, go: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(pid, the read end of its reason pipe) of a child forked now (``go``: a spare's go pipe,
+        its read and write ends)."""
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         self.forked_at = time.time()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
-            os._exit(self._child(write_fd, gpu))
+            if go is not None:
+                os.close(go[1])  # (or its read would never see the pipe's end)
+            os._exit(self._child(write_fd, gpu, None if go is None else go[0]))
         os.close(write_fd)
-        self.children[pid] = read_fd
-        self._emit({"event": "started", "pid": pid})
+        return pid, read_fd
 
-    def _child(self, reason_fd: int, gpu: int) -> int:
+    def _child(self, reason_fd: int, gpu: int, go_fd: int | None = None) -> int:
         """The forked vision worker on ``gpu`` (worker order); never returns into the zygote's loop.
-        No CUDA context exists yet, so choosing the device here is still possible."""
+        No CUDA context exists yet, so choosing the device here is still possible. ``go_fd``: a
+        spare's go pipe, which the zygote writes its start's time.time() into (or closes)."""
         try:
             for sock in (self.listener, self.conn):
                 if sock is not None:
@@ -197,8 +219,9 @@ class Zygote:
             _die_with_parent()
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
+            go = None if go_fd is None else (lambda: wait_go(go_fd))
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
-                                                   self.connect, self.device, self.charge, gpu, self.forked_at)
+                                                   self.connect, self.device, self.charge, gpu, self.forked_at, go)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote
             log.error("vision worker failed: %s", "".join(traceback.format_exception_only(type(e), e)).strip())
             os.write(reason_fd, f"{type(e).__name__}: {e}"[:MAX_REASON_BYTES].encode())

@@ -18,7 +18,7 @@ set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-190}
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
-Q=/tmp/a3b-qwen3vl-4
+Q=${Q:-/tmp/a3b-qwen3vl-4}  # (a caller may name its own)
 if [[ -f $Q/config.json ]]; then
   ( echo "init: $Q made already" > $OUT/init.log ) &
 else
@@ -53,7 +53,7 @@ cycle() {  # name limit_s [env...]: the cycle, then its summary lines and the vi
     ${SKIP_RESIDENT:+--skip-resident} > $OUT/$name.log 2>&1
   echo "rc=$?"
   grep -vE "^\{" $OUT/$name.log | grep -E "^\(|^  |cold image|text streams|warm image|target|not checked" | cut -c1-230
-  grep -E "vision worker start on|libraries loaded since|encode [0-9]:|captured after its reply|zygote preloaded|vision worker footprint|vision worker kernels|vision worker ready|Traceback|Error" \
+  grep -E "vision worker start on|was a spare|spare vision worker|libraries loaded since|encode [0-9]:|captured after its reply|zygote preloaded|vision worker footprint|vision worker kernels|vision worker ready|Traceback|Error" \
     $OUT/$name.log | grep -v "CUDA_ERROR_NOT_READY" | cut -c1-400 | head -40
   grep -E "gpu0: decode step .* took" $OUT/$name.log | tail -6 | cut -c1-200
   grep -E "^\{" $OUT/$name.log | tail -1 | python3 -c "
