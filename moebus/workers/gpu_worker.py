@@ -253,7 +253,8 @@ def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:
     context = cuda.current_context()
     if hasattr(context, "deallocations"):  # not in the simulator
         context.deallocations.clear()
-    log.info("%s: the spanning chunk's kernels warmed in %.2f s", label, time.perf_counter() - started)
+    log.info("%s: the spanning chunk's kernels warmed in %.2f s (%d grouped products)", label,
+             time.perf_counter() - started, stage.warmed_products)
 
 
 def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:

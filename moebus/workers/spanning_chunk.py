@@ -46,6 +46,7 @@ import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
+from moebus.workers.moe_prefill import can_group_on_device, warm_products
 from moebus.workers.step_parts import StepParts
 
 log = logging.getLogger("moebus.stage")
@@ -55,6 +56,7 @@ MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the lo
 # this many decode steps and a group's overrun (issue 20: a text stream's gap within 2x its median,
 # and the decode rows beside a chunk are slower than alone: more misses); 0: the copy budget alone
 TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
+SLOW_STEP_MS = 11.0  # the "done" line counts the steps over this (2x the H200's ~5.6 ms text gap, issue 20)
 
 
 @dataclass
@@ -207,8 +209,10 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         stage.chunks_spanned += 1
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
-                 "mean / max ms a step: %s", held.length, held.slot, held.start, held.steps, held.copies,
-                 min(held.step_ms), statistics.median(held.step_ms), max(held.step_ms), held.parts.summary())
+                 "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d", held.length, held.slot,
+                 held.start, held.steps, held.copies, min(held.step_ms), statistics.median(held.step_ms),
+                 max(held.step_ms), held.parts.summary(), held.parts.slowest(held.step_ms), SLOW_STEP_MS,
+                 sum(ms > SLOW_STEP_MS for ms in held.step_ms))
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
@@ -262,8 +266,10 @@ def warm(stage, num_tokens: int) -> bool:
     worker's start does before its cache is sized (gpu_worker.make_cache): two calls, the first
     stopping after one expert group (the state kept across steps), the second to the sampled token,
     so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
-    steps beside text streams. One token repeated: its rows route alike, so few experts are copied.
-    It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
+    steps beside text streams; on tensor cores, then its groups' products at every tile width and batch
+    count up to MOEBUS_WARM_PRODUCT_TILES (moe_prefill.warm_products: cuBLAS picks a kernel by the batch
+    count too and loads each at its first launch). One token repeated: its rows route alike, so few
+    experts are copied. It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
     (a stage that is not the whole model, a context too short, Qwen3-VL: its steps never span)."""
     if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None \
             or stage.mrope_axes is not None:
@@ -279,4 +285,7 @@ def warm(stage, num_tokens: int) -> bool:
     finally:
         release(stage)
     stage.ops.begin_step()
+    if can_group_on_device(stage.ops, stage.experts, n):  # its groups' products at every batch count
+        stage.warmed_products = warm_products(stage.ops, stage.cfg.hidden_size, stage.cfg.moe_intermediate_size)
+        stage.ops.begin_step()
     return True
