@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
 from moebus.workers.moe_prefill import can_group_on_device, warm_products
@@ -82,6 +83,7 @@ class ChunkInProgress:
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
+    kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
 
     @classmethod
     def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":
@@ -209,10 +211,11 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         stage.chunks_spanned += 1
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
-                 "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d", held.length, held.slot,
-                 held.start, held.steps, held.copies, min(held.step_ms), statistics.median(held.step_ms),
-                 max(held.step_ms), held.parts.summary(), held.parts.slowest(held.step_ms), SLOW_STEP_MS,
-                 sum(ms > SLOW_STEP_MS for ms in held.step_ms))
+                 "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
+                 "meanwhile: %d / %d", held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
+                 statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
+                 held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
+                 *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)))
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])

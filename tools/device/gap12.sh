@@ -14,11 +14,13 @@
 source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-96}
-export V=/tmp/gap-a3b-8x128-vision
+export V=${V:-/tmp/gap-a3b-8x128-vision}
 summary() {  # tag: the bench's stream lines and the chunks' steps, slow cuBLAS calls
   local L=$OUT/cycle_budget256_$1.log
-  grep -E "^  stream [01]:|largest gaps|prefill  " $L | cut -c1-330
-  timeout 20 python3 tools/device/gap12.py $L | cut -c1-900
+  grep -E "^cold image request 2|^  (handback|start|encode|prefill) |^  stream [01]:|largest gaps|median before" $L \
+    | cut -c1-330
+  timeout 20 python3 tools/device/gap12.py $L | cut -c1-1400
+  gzip -f $L
 }
 if [ "$PHASE" = warm ]; then
   [ -f $V/.gap12-ready ] || { rm -rf $V; timeout $((BUDGET - 30)) python3 -m moebus.cli init-model $V --preset a3b \
@@ -31,6 +33,7 @@ if [ "$PHASE" = warm ]; then
       --timeout-s 90 --skip-resident > $OUT/warm_cycle.log 2>&1
     echo "warm cycle rc=$? at ${SECONDS} s"
     grep -hE "kernels: .* compiled|kernels warmed in" $OUT/warm_cycle.log | sed -E 's/^.*(INFO|WARNING) //' | cut -c1-160
+    gzip -f $OUT/warm_cycle.log
   fi
   exit 0
 fi
