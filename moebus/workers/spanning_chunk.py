@@ -24,7 +24,8 @@ to the whole chunk within the products' rounding, not bit for bit: the whole chu
 device); elsewhere Stage._moe's GEMVs. Its pair outputs are the state kept, per expert group.
 ``warm`` runs one short chunk at a worker's start, so that the first image's chunk compiles nothing.
 Here: which row spans, the chunk held between steps and when it is dropped; its work within a step
-is chunk_advance.py's.
+is chunk_advance.py's. With ``stage.chunk_overlap`` (MOEBUS_CHUNK_OVERLAP) a step's decode rows are
+launched as their graph and read after the chunk's work is enqueued (chunk_rows.py).
 
 Where it applies (``chosen_row``): one stage holding the whole model, a budget > 0, a step with
 exactly one prompt row beside decode rows and more than ``routed_max_tokens`` tokens (a routed step
@@ -36,6 +37,7 @@ look-ahead step without it comes between two that do; two mean it was cancelled 
 step carrying it runs whole, and when a step advancing it raises."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -47,6 +49,7 @@ import numpy as np
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
+from moebus.workers.chunk_rows import finish_rows, launch_rows
 from moebus.workers.moe_prefill import can_group_on_device, warm_products
 from moebus.workers.step_parts import StepParts
 
@@ -84,6 +87,8 @@ class ChunkInProgress:
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
     kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
+    rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
+    copies_from: float = 0.0  # this step: when its copies may start (after the rows launched beside its work)
 
     @classmethod
     def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":
@@ -194,14 +199,31 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
     held.parts.begin("decode rows (sync)")
     others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
     decode = select_rows(batch, others) if len(others) else None
-    decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
+    rows = None  # the rows launched, read after the chunk's work (chunk_rows.py): from the chunk's second step
+    if decode is not None and held.rows_s is not None:
+        from moebus.workers.stage import ROUTED_MAX_TOKENS
+
+        rows = launch_rows(stage, decode, want_logits, ROUTED_MAX_TOKENS)
+    held.copies_from = 0.0
+    if rows is not None:
+        decode_out, deadline = None, overlapped_deadline(stage, held, started)
+    else:
+        decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
+        deadline = chunk_deadline(stage, started) if decode is not None else None
+        held.rows_s = time.perf_counter() - started if decode is not None else held.rows_s
     budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
-    deadline = chunk_deadline(stage, started) if decode is not None else None
     try:
-        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline)
+        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline, fresh=rows is not None)
     except BaseException:
+        if rows is not None:  # nothing left in flight: the step fails as a whole, with the chunk's error
+            with contextlib.suppress(Exception):
+                rows.launch.collect()
         drop(stage, "the step failed")
         raise
+    if rows is not None:
+        held.parts.begin("decode rows (collect)")
+        decode_out, seconds = finish_rows(stage, rows)
+        held.rows_s = seconds if seconds is not None else time.perf_counter() - started
     held.parts.end_step()
     held.steps += 1
     stage.chunk_steps += 1
@@ -231,6 +253,16 @@ def chunk_deadline(stage, started: float) -> float | None:
         return None
     now = time.perf_counter()
     return now + share * (now - started)
+
+
+def overlapped_deadline(stage, held: ChunkInProgress, started: float) -> float | None:
+    """``chunk_deadline`` for a step whose decode rows were launched, not waited for: the rows' time
+    is the last step's (``held.rows_s``), so the chunk's work ends ``chunk_time_share`` times that
+    after the rows would; its copies can start only once the rows are done (they wait for the
+    compute stream), which ``held.copies_from`` tells the first group's bytes."""
+    held.copies_from = started + held.rows_s
+    share = stage.chunk_time_share
+    return None if share <= 0 else started + (1 + share) * held.rows_s
 
 
 def return_loan(stage) -> None:

@@ -85,6 +85,7 @@ class Stage:
         # and, beside decode rows, its work in a step ends once it took this many times what the
         # decode rows took (0: the copy budget alone; a cuda worker sets spanning_chunk.TIME_SHARE)
         self.chunk_time_share = 0.0
+        self.chunk_overlap = False  # decode rows beside a chunk launched, read after it (cuda: chunk_rows.OVERLAP)
         self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
         self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
         self.warmed_products = 0  # spanning_chunk.warm's cuBLAS products (moe_prefill.warm_products)
