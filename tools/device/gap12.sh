@@ -24,7 +24,9 @@ summary() {  # tag: the bench's stream lines and the chunks' steps, slow cuBLAS 
   timeout 20 python3 tools/device/gap12.py $L | cut -c1-1400
   gzip -f $L
 }
-if [ "$PHASE" = warm ]; then
+if [ "$PHASE" = warm ]; then  # beside: the GPU tests of the spanning chunk (the overlap's among them) and HostTiles
+  ( MOEBUS_TEST_GPU=1 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_spanning_chunk.py \
+      tests/cuda/test_host_tiles.py > $OUT/gpu_tests.log 2>&1; echo "GPU tests rc=$? at ${SECONDS} s" >> $OUT/gpu_tests.log ) &
   [ -f $V/.gap12-ready ] || { rm -rf $V; timeout $((BUDGET - 30)) python3 -m moebus.cli init-model $V --preset a3b \
     --layers 8 --vision siglip > $OUT/init.log 2>&1 && touch $V/.gap12-ready; }
   echo "model built at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log | cut -c1-120))"
@@ -42,6 +44,8 @@ if [ "$PHASE" = warm ]; then
     timeout 20 python3 tools/device/gap12.py $OUT/warm_cycle.log | cut -c1-1400
     gzip -f $OUT/warm_cycle.log
   fi
+  wait
+  grep -E "passed|failed|error|rc=" $OUT/gpu_tests.log | tail -4 | cut -c1-200
   exit 0
 fi
 [ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
