@@ -1,9 +1,10 @@
 """A prompt chunk that spans steps (spanning_chunk.py): its work within one step. Its pieces, layers
 and, within a layer, expert groups run while the experts they copy in stay within the step's budget
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
-step's first, and before each layer's attention, the stage syncs and stops once the deadline is
-past (or, at a layer, nearer than the last layer's attention and routing took); every group's
-copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
+step's first (or after a layer's entry: its attention and routing are a step's progress too), and
+before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
+nearer than the last layer's attention and routing took); every group's copies (the first's too, at
+least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
 the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
 state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
 standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
@@ -143,6 +144,8 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
                 chunk.layer_entry_s = time.perf_counter() - entered  # the attention's and the routing's, synced
+                if deadline is not None:  # bounded by time, a layer's entry is the step's unit of progress too:
+                    spent[1] = True  # its groups start in this step only while the deadline allows
             if not _run_groups(stage, chunk, i, budget_bytes, spent, deadline):
                 _keep_within(ops, chunk)
                 return None
