@@ -16,7 +16,8 @@ chunk's work, as ``Stage._forward`` reads them after a replay.
 
 How long the rows take (the chunk's deadline is a share of it, spanning_chunk.chunk_deadline) is
 known only after them: the step uses the last step's, from CUDA events around the launch, plus its
-host time; a chunk's first step runs the rows synchronously to measure them."""
+host time; a chunk's first step the stage's last replay of a decode step (``Stage.replay_s``), or,
+where there was none, runs the rows synchronously to measure them."""
 from __future__ import annotations
 
 import os

@@ -196,6 +196,7 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
     if stage.chunk is None:
         held = stage.chunk = ChunkInProgress.of(batch, row)
+        held.rows_s = getattr(stage, "replay_s", None)  # (the rows' graph replayed alone: its time)
     held.parts.begin("decode rows (sync)")
     others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
     decode = select_rows(batch, others) if len(others) else None
