@@ -6,7 +6,8 @@
 # share's default 0.5) with the worker's cuBLAS calls over 2 ms of host time logged (gemm_host.SLOW_CALL_S:
 # a kernel's first load) and each chunk's slowest steps by part (spanning_chunk.py), read by gap12.py.
 # Run by tools/device/lead12_call.sh:
-#   PHASE=warm     the model at /tmp/gap-a3b-8x128-vision (~10 GB), then one cycle cut at BUDGET that
+#   PHASE=warm     the model at /tmp/gap-a3b-8x128-vision (~10 GB) beside the GPU tests of the spanning chunk
+#                  and HostTiles, then one cycle (the overlap on: its errors show here) cut at BUDGET that
 #                  compiles the kernels into the disk cache (no figure read: other branches run beside it);
 #   PHASE=measure  RUNS in turn while BUDGET allows, each "tag:VAR=value,VAR=value" (env for that cycle):
 #                  by default the decode rows launched beside the chunk's work (MOEBUS_CHUNK_OVERLAP=1,
