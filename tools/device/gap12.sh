@@ -11,8 +11,9 @@
 #                  compiles the kernels into the disk cache (no figure read: other branches run beside it);
 #   PHASE=measure  RUNS in turn while BUDGET allows, each "tag:VAR=value,VAR=value" (env for that cycle):
 #                  by default the decode rows launched beside the chunk's work (MOEBUS_CHUNK_OVERLAP=1,
-#                  chunk_rows.py), then read before it (0); both with the grouped products warmed at the
-#                  worker's start (moe_prefill.warm_products; MOEBUS_WARM_PRODUCT_TILES=0: not).
+#                  chunk_rows.py), then read before it (0), then overlapped at a time share of 0.3; all with
+#                  the grouped products warmed at the worker's start (moe_prefill.warm_products;
+#                  MOEBUS_WARM_PRODUCT_TILES=0: not).
 #   PHASE=measure BUDGET=96 bash tools/device/gap12.sh
 source tools/device/setup.sh
 set -o pipefail
@@ -50,7 +51,7 @@ if [ "$PHASE" = warm ]; then  # beside: the GPU tests of the spanning chunk (the
   exit 0
 fi
 [ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
-for run in ${RUNS:-overlap:MOEBUS_CHUNK_OVERLAP=1 default:MOEBUS_CHUNK_OVERLAP=0}; do
+for run in ${RUNS:-overlap:MOEBUS_CHUNK_OVERLAP=1 default:MOEBUS_CHUNK_OVERLAP=0 share03:MOEBUS_CHUNK_OVERLAP=1,MOEBUS_CHUNK_TIME_SHARE=0.3}; do
   tag=${run%%:*}; vars=${run#*:}; left=$((BUDGET - SECONDS))
   echo "=== $tag ($vars) at ${SECONDS} s, ${left} s left"
   if [ $left -lt 34 ]; then echo "not run: ${left} s left"; continue; fi
