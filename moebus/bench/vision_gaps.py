@@ -165,7 +165,9 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
                            "ratio_until_encoded": max(upto) / median if upto and median else None,
                            "ratio_cold": max(through) / median if through and median else None,
                            "ratio_until_encoded_cycle": max(upto) / median_cycle if upto and median_cycle else None,
-                           "ratio_cold_cycle": max(through) / median_cycle if through and median_cycle else None})
+                           "ratio_cold_cycle": max(through) / median_cycle if through and median_cycle else None,
+                           "cold_gaps": len(through),
+                           "above_2x_cold": sum(g > 2 * median for g in through) if median else None})
     pooled = sum(before, [])
     return {"steady": {**summary_ms(pooled), "broker_steps": steps, "cache": cache}, "per_stream": per_stream,
             "by_phase": gaps_by_phase(streams.times, sent, split, ended),
@@ -209,7 +211,8 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
         print(f"  stream {i}: median before {ms(s['median_before_ms'])} ms, over the cycle {ms(s['median_cycle_ms'])} ms; "
               f"largest through hand-back, start and encode {ms(s['max_until_encoded_ms'])} ms "
               f"({ms(s['ratio_until_encoded'])}x / {ms(s['ratio_until_encoded_cycle'])}x), through the whole cold start "
-              f"to the image's last token {ms(s['max_cold_ms'])} ms ({ms(s['ratio_cold'])}x / {ms(s['ratio_cold_cycle'])}x)")
+              f"to the image's last token {ms(s['max_cold_ms'])} ms ({ms(s['ratio_cold'])}x / {ms(s['ratio_cold_cycle'])}x); "
+              f"{s['above_2x_cold']} of its {s['cold_gaps']} gaps there above 2x the median before")
     print("  largest gaps (ms, ended ms after the image was sent):",
           ", ".join(f"{g:.1f} at {t:.0f}" for g, t in report["largest"]))
     if not report["covered"]:

@@ -1,9 +1,10 @@
 """A prompt chunk that spans steps (spanning_chunk.py): its work within one step. Its pieces, layers
 and, within a layer, expert groups run while the experts they copy in stay within the step's budget
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
-step's first, and before each layer's attention, the stage syncs and stops once the deadline is
-past (or, at a layer, nearer than the last layer's attention and routing took); every group's
-copies (the first's too, at least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
+step's first (or after a layer's entry: its attention and routing are a step's progress too), and
+before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
+nearer than the last layer's attention and routing took); every group's copies (the first's too, at
+least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
 the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
 state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
 standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
@@ -40,21 +41,23 @@ class LayerInProgress:
 
 
 def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool,
-                    deadline: float | None = None) -> StageOutput | None:
+                    deadline: float | None = None, fresh: bool = False) -> StageOutput | None:
     """The chunk on the prompt-path loan where it is longer than the standing scratch covers, in
     pieces of as many tokens as the first step's loan covers. The cache's slots stay lent from the
     chunk's first step to its end (``hold_loan``); each step borrows them as its scratch. A loan
     taken again (after ``return_loan``) too short for the pieces: the chunk runs whole, in that
-    loan's pieces, as it would have."""
+    loan's pieces, as it would have. ``fresh``: the step's pools were just recycled and work the
+    chunk must not wait for is in flight (the decode rows' graph, chunk_rows.py): its first
+    ``begin_step``, which syncs, is skipped."""
     if stage.scratch is None or chunk.length <= stage.scratch.tokens:
-        return advance(stage, chunk, budget, want_logits, chunk.length, deadline)
+        return advance(stage, chunk, budget, want_logits, chunk.length, deadline, fresh)
     chunk.parts.begin("loan")
     max_piece_tokens = hold_loan(stage, chunk)
     stage.ops.borrow(stage.experts.lent_bytes(*chunk.lent))
     try:
         if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
             return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
-        return advance(stage, chunk, budget, want_logits, max_piece_tokens, deadline)
+        return advance(stage, chunk, budget, want_logits, max_piece_tokens, deadline, fresh)
     finally:
         chunk.parts.begin("end (sync)")
         stage.ops.end_borrow()
@@ -76,7 +79,7 @@ def hold_loan(stage, chunk: ChunkInProgress) -> int:
 
 
 def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
-            max_piece_tokens: int, deadline: float | None = None) -> StageOutput | None:
+            max_piece_tokens: int, deadline: float | None = None, fresh: bool = False) -> StageOutput | None:
     """Run the chunk's pieces, layers and, within a layer, expert groups while the experts copied in
     this step stay within ``budget_bytes`` (None: no limit) and the work within ``deadline`` (a
     ``time.perf_counter()``; None: none); at least one group a step. The chunk's output once its
@@ -88,7 +91,8 @@ def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits
     while True:
         is_last = chunk.piece == len(chunk.pieces) - 1
         out = _advance_piece(stage, chunk, chunk.pieces[chunk.piece], budget_bytes, spent, is_last, want_logits,
-                             deadline)
+                             deadline, fresh)
+        fresh = False  # a next piece in this step recycles (and syncs) as before
         if out is None or is_last:
             return out
         chunk.piece, chunk.layer, chunk.x, chunk.residual = chunk.piece + 1, 0, None, None
@@ -104,12 +108,13 @@ def time_left(stage, chunk: ChunkInProgress, deadline: float) -> float:
 
 
 def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes, spent: list, is_last: bool,
-                   want_logits: bool, deadline: float | None = None):
+                   want_logits: bool, deadline: float | None = None, fresh: bool = False):
     """One piece's layers from where it stands; None while some are left, else (last piece) the
-    chunk's output, (another) True."""
+    chunk's output, (another) True. ``fresh``: the pools were just recycled (no ``begin_step``)."""
     ops, cfg, parts = stage.ops, stage.cfg, chunk.parts
     parts.begin("begin (sync)")
-    ops.begin_step()
+    if not fresh:
+        ops.begin_step()
     first = chunk.x is None and chunk.within is None  # the first layer's input is made in this step
     inputs = Uploads(ops, _host_inputs(stage, chunk, piece))
     segments = [(0, int(piece.slots[0]), int(piece.starts[0]), piece.num_tokens)]
@@ -139,6 +144,8 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
                 chunk.layer_entry_s = time.perf_counter() - entered  # the attention's and the routing's, synced
+                if deadline is not None:  # bounded by time, a layer's entry is the step's unit of progress too:
+                    spent[1] = True  # its groups start in this step only while the deadline allows
             if not _run_groups(stage, chunk, i, budget_bytes, spent, deadline):
                 _keep_within(ops, chunk)
                 return None
@@ -212,7 +219,9 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
     while within.next_expert < len(unique):
         left = None if budget_bytes is None else budget_bytes - spent[0]
         if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
-            seconds = time_left(stage, chunk, deadline) if spent[1] else max(0.0, deadline - time.perf_counter())
+            # (the first group's copies start once the decode rows launched beside it are done: copies_from)
+            seconds = time_left(stage, chunk, deadline) if spent[1] else \
+                max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
             if seconds <= 0 and spent[1]:
                 return False
             left = int(seconds * LINK_BYTES_PER_S) if left is None else min(left, int(seconds * LINK_BYTES_PER_S))

@@ -21,7 +21,7 @@ from moebus.common.errors import ConfigError
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers import overlap, spanning_chunk, step_trace
+from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
@@ -253,7 +253,8 @@ def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:
     context = cuda.current_context()
     if hasattr(context, "deallocations"):  # not in the simulator
         context.deallocations.clear()
-    log.info("%s: the spanning chunk's kernels warmed in %.2f s", label, time.perf_counter() - started)
+    log.info("%s: the spanning chunk's kernels warmed in %.2f s (%d grouped products)", label,
+             time.perf_counter() - started, stage.warmed_products)
 
 
 def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:
@@ -275,6 +276,7 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
                           f"max_batch / max_context / max_step_tokens, or more memory") from e
     stage.chunk_copy_budget_bytes = int(settings.max_prefill_copy_mib_beside_decode * MIB)
     stage.chunk_time_share = spanning_chunk.TIME_SHARE if device == "cuda" else 0.0
+    stage.chunk_overlap = chunk_rows.OVERLAP and device == "cuda"
     return stage
 
 

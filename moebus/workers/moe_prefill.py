@@ -24,7 +24,10 @@ import os
 
 import numpy as np
 
-from moebus.cuda.kernels.grouped_moe import MAX_EXPERTS, ExpertTiles, plan_tiles, tile_bound, tile_pairs, tile_pointers
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, address
+from moebus.cuda.kernels.grouped_moe import (MAX_EXPERTS, MIN_TILE_PAIRS, PAIRS_PER_TILE, ExpertTiles, plan_tiles,
+                                             tile_bound, tile_pairs, tile_pointers)
 
 DEVICE_PLAN_PAIRS_PER_EXPERT = 4  # with P >= 4 E uniform routing leaves < 2% of the experts unchosen
 PLAN = os.environ.get("MOEBUS_EXPERT_PLAN", "auto")  # auto, device or host (for comparison)
@@ -34,6 +37,11 @@ DECODE_PAIRS_PER_EXPERT = int(os.environ.get("MOEBUS_DECODE_GROUPED_PAIRS_PER_EX
 # decode's tiles: at least this many pairs (2 x as many rows, the split parts: the products' n), so
 # that a step of 8 sequences (~2 pairs per chosen expert) reads most experts in one tile of 16 rows
 DECODE_MIN_TILE_PAIRS = int(os.environ.get("MOEBUS_DECODE_MIN_TILE_PAIRS", "8"))
+# warm_products: a worker's start runs the host-planned groups' products for 1 ... this many tiles at
+# each tile width (0: none). cuBLAS picks its kernel by the batch count too, and loads each kernel at
+# its first launch (CUDA's lazy loading, ~4.5 ms of host time each on the H200): the first image's
+# spanning chunk beside text streams met ~30 of them (eleventh session's trace)
+WARM_PRODUCT_TILES = int(os.environ.get("MOEBUS_WARM_PRODUCT_TILES", "256"))
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:
@@ -145,6 +153,40 @@ class HostTiles:
         rows = self.ops.upload(np.asarray(pairs, np.int32))
         values = self.work.pair_outputs(self.ops.upload(self.plan.pair_row[pairs]))
         self.ops.scatter_rows(out, rows, values)
+
+
+def warm_products(ops, hidden: int, inter: int, max_tiles: int | None = None) -> int:
+    """Run ExpertTiles' two products (gate|up, down) once for each batch count 1 ... ``max_tiles`` at
+    each tile width ``tile_pairs`` can give (powers of two in [MIN_TILE_PAIRS, PAIRS_PER_TILE]), every
+    tile reading and writing the same scratch rows (their values are not used), so that every cuBLAS
+    kernel a spanning chunk's groups can pick is loaded before the first image. Returns the products
+    run; the buffers are the caller's step scratch (``ops.begin_step`` gives them back)."""
+    if max_tiles is None:  # the simulator's HostBlas loads no kernels (its test asks for a few tiles)
+        max_tiles = 0 if SIMULATOR else WARM_PRODUCT_TILES
+    tc = getattr(ops, "tensor_cores", None)
+    if tc is None or max_tiles <= 0:
+        return 0
+    widths, t = [], MIN_TILE_PAIRS
+    while t <= PAIRS_PER_TILE:
+        widths.append(t)
+        t *= 2
+    rows = tc.parts * widths[-1]
+    weight = ops.zeros((2 * inter, hidden), np.uint16)  # gate|up (2I, D); down reads its first D x I
+    x_rows, h_rows = ops.zeros((rows, hidden), np.uint16), ops.zeros((rows, inter), np.uint16)
+    out_rows = ops.empty((rows, max(2 * inter, hidden)))
+    table = ops.upload(np.repeat(np.array([[address(weight)], [address(x_rows)], [address(out_rows)],
+                                           [address(weight)], [address(h_rows)], [address(out_rows)]], np.int64),
+                                 max_tiles, axis=1))
+    done = 0
+    for t in widths:
+        for count in range(1, max_tiles + 1):
+            for (a, b, c), dim_in, dim_out in (((0, 1, 2), hidden, 2 * inter), ((3, 4, 5), inter, hidden)):
+                pa, pb, pc = (address(table) + r * max_tiles * 8 for r in (a, b, c))
+                tc.blas.gemm_batched(ops.stream, OP_T, OP_N, dim_out, tc.parts * t, dim_in, pa, R_16BF, dim_in, pb,
+                                     R_16BF, dim_in, pc, dim_out, compute=COMPUTE_32F, batch=count)
+                done += 1
+    ops.synchronize()
+    return done
 
 
 def grouped_moe_placed(ops, experts, h, ids, placement_row, hidden: int, inter: int, num_experts: int):

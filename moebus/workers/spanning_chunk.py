@@ -24,7 +24,8 @@ to the whole chunk within the products' rounding, not bit for bit: the whole chu
 device); elsewhere Stage._moe's GEMVs. Its pair outputs are the state kept, per expert group.
 ``warm`` runs one short chunk at a worker's start, so that the first image's chunk compiles nothing.
 Here: which row spans, the chunk held between steps and when it is dropped; its work within a step
-is chunk_advance.py's.
+is chunk_advance.py's. With ``stage.chunk_overlap`` (MOEBUS_CHUNK_OVERLAP) a step's decode rows are
+launched as their graph and read after the chunk's work is enqueued (chunk_rows.py).
 
 Where it applies (``chosen_row``): one stage holding the whole model, a budget > 0, a step with
 exactly one prompt row beside decode rows and more than ``routed_max_tokens`` tokens (a routed step
@@ -36,6 +37,7 @@ look-ahead step without it comes between two that do; two mean it was cancelled 
 step carrying it runs whole, and when a step advancing it raises."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -44,8 +46,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
+from moebus.workers.chunk_rows import finish_rows, launch_rows
+from moebus.workers.moe_prefill import can_group_on_device, warm_products
 from moebus.workers.step_parts import StepParts
 
 log = logging.getLogger("moebus.stage")
@@ -55,6 +60,7 @@ MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the lo
 # this many decode steps and a group's overrun (issue 20: a text stream's gap within 2x its median,
 # and the decode rows beside a chunk are slower than alone: more misses); 0: the copy budget alone
 TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
+SLOW_STEP_MS = 11.0  # the "done" line counts the steps over this (2x the H200's ~5.6 ms text gap, issue 20)
 
 
 @dataclass
@@ -80,6 +86,9 @@ class ChunkInProgress:
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
+    kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
+    rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
+    copies_from: float = 0.0  # this step: when its copies may start (after the rows launched beside its work)
 
     @classmethod
     def of(cls, batch: StepBatch, row: int) -> "ChunkInProgress":
@@ -187,17 +196,35 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         drop(stage, "another prompt's chunk")  # its sequence is gone: the broker re-sends a held feed
     if stage.chunk is None:
         held = stage.chunk = ChunkInProgress.of(batch, row)
+        held.rows_s = getattr(stage, "replay_s", None)  # (the rows' graph replayed alone: its time)
     held.parts.begin("decode rows (sync)")
     others = np.array([r for r in range(batch.num_seqs) if r != row], np.int64)
     decode = select_rows(batch, others) if len(others) else None
-    decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
+    rows = None  # the rows launched, read after the chunk's work (chunk_rows.py): from the chunk's second step
+    if decode is not None and held.rows_s is not None:
+        from moebus.workers.stage import ROUTED_MAX_TOKENS
+
+        rows = launch_rows(stage, decode, want_logits, ROUTED_MAX_TOKENS)
+    held.copies_from = 0.0
+    if rows is not None:
+        decode_out, deadline = None, overlapped_deadline(stage, held, started)
+    else:
+        decode_out = stage.forward_whole(decode, None, want_logits) if decode is not None else None
+        deadline = chunk_deadline(stage, started) if decode is not None else None
+        held.rows_s = time.perf_counter() - started if decode is not None else held.rows_s
     budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
-    deadline = chunk_deadline(stage, started) if decode is not None else None
     try:
-        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline)
+        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline, fresh=rows is not None)
     except BaseException:
+        if rows is not None:  # nothing left in flight: the step fails as a whole, with the chunk's error
+            with contextlib.suppress(Exception):
+                rows.launch.collect()
         drop(stage, "the step failed")
         raise
+    if rows is not None:
+        held.parts.begin("decode rows (collect)")
+        decode_out, seconds = finish_rows(stage, rows)
+        held.rows_s = seconds if seconds is not None else time.perf_counter() - started
     held.parts.end_step()
     held.steps += 1
     stage.chunk_steps += 1
@@ -207,8 +234,11 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         stage.chunks_spanned += 1
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
-                 "mean / max ms a step: %s", held.length, held.slot, held.start, held.steps, held.copies,
-                 min(held.step_ms), statistics.median(held.step_ms), max(held.step_ms), held.parts.summary())
+                 "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
+                 "meanwhile: %d / %d", held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
+                 statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
+                 held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
+                 *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)))
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
@@ -224,6 +254,16 @@ def chunk_deadline(stage, started: float) -> float | None:
         return None
     now = time.perf_counter()
     return now + share * (now - started)
+
+
+def overlapped_deadline(stage, held: ChunkInProgress, started: float) -> float | None:
+    """``chunk_deadline`` for a step whose decode rows were launched, not waited for: the rows' time
+    is the last step's (``held.rows_s``), so the chunk's work ends ``chunk_time_share`` times that
+    after the rows would; its copies can start only once the rows are done (they wait for the
+    compute stream), which ``held.copies_from`` tells the first group's bytes."""
+    held.copies_from = started + held.rows_s
+    share = stage.chunk_time_share
+    return None if share <= 0 else started + (1 + share) * held.rows_s
 
 
 def return_loan(stage) -> None:
@@ -262,8 +302,10 @@ def warm(stage, num_tokens: int) -> bool:
     worker's start does before its cache is sized (gpu_worker.make_cache): two calls, the first
     stopping after one expert group (the state kept across steps), the second to the sampled token,
     so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
-    steps beside text streams. One token repeated: its rows route alike, so few experts are copied.
-    It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
+    steps beside text streams; on tensor cores, then its groups' products at every tile width and batch
+    count up to MOEBUS_WARM_PRODUCT_TILES (moe_prefill.warm_products: cuBLAS picks a kernel by the batch
+    count too and loads each at its first launch). One token repeated: its rows route alike, so few
+    experts are copied. It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
     (a stage that is not the whole model, a context too short, Qwen3-VL: its steps never span)."""
     if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None \
             or stage.mrope_axes is not None:
@@ -279,4 +321,10 @@ def warm(stage, num_tokens: int) -> bool:
     finally:
         release(stage)
     stage.ops.begin_step()
+    if can_group_on_device(stage.ops, stage.experts, n):  # its groups' products at every batch count
+        try:
+            stage.warmed_products = warm_products(stage.ops, stage.cfg.hidden_size, stage.cfg.moe_intermediate_size)
+        except Exception as e:  # noqa: BLE001 - a warm-up only: the first image loads them instead
+            log.warning("the grouped products were not warmed (%s: %s)", type(e).__name__, e)
+        stage.ops.begin_step()
     return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,8 +86,11 @@ class Stage:
         # and, beside decode rows, its work in a step ends once it took this many times what the
         # decode rows took (0: the copy budget alone; a cuda worker sets spanning_chunk.TIME_SHARE)
         self.chunk_time_share = 0.0
+        self.chunk_overlap = False  # decode rows beside a chunk launched, read after it (cuda: chunk_rows.OVERLAP)
+        self.replay_s = None  # the last replayed step's host time (a new chunk's first guess of its rows' time)
         self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
         self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
+        self.warmed_products = 0  # spanning_chunk.warm's cuBLAS products (moe_prefill.warm_products)
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:
@@ -152,10 +156,12 @@ class Stage:
         inputs = self._host_inputs(batch, hidden)
         graph = self._graph_for(batch, inputs) if routed else None
         if graph is not None:
+            began = time.perf_counter()
             self.ops.begin_step()
             self.experts.device_placement(self.ops)  # the graph reads the table at its fixed address
             out = graph.replay(inputs, self._wanted(batch, want_logits))
             device_out = graph.outputs  # valid until the next replay
+            self.replay_s = time.perf_counter() - began
         else:
             self.eager_short_steps += routed
             out, device_out = self._eager(batch, inputs, routed, want_logits)

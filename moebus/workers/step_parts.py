@@ -18,6 +18,7 @@ class StepParts:
         self.totals: dict[str, float] = {}  # part -> seconds over all steps
         self.most: dict[str, float] = {}  # part -> the most seconds one step spent in it
         self.steps = 0
+        self.per_step: list[dict[str, float]] = []  # each step's parts (seconds), in step order
         self._step: dict[str, float] = {}
         self._part: str | None = None
         self._since = 0.0
@@ -39,6 +40,7 @@ class StepParts:
         for name, seconds in self._step.items():
             self.totals[name] = self.totals.get(name, 0.0) + seconds
             self.most[name] = max(self.most.get(name, 0.0), seconds)
+        self.per_step.append(self._step)
         self._step = {}
         self.steps += 1
 
@@ -54,3 +56,14 @@ class StepParts:
         steps = max(1, self.steps)
         return ", ".join(f"{name} {1e3 * total / steps:.1f}/{1e3 * self.most[name]:.1f}"
                          for name, total in self.totals.items())
+
+    def slowest(self, step_ms: list, count: int = 3) -> str:
+        """The ``count`` slowest steps by ``step_ms`` (each step's time, in step order): ``#step ms
+        (its parts over 0.5 ms, largest first)``, so a chunk's worst text gap names its cause."""
+        order = sorted(range(len(step_ms)), key=lambda i: -step_ms[i])[:count]
+        rows = []
+        for i in order:
+            parts = self.per_step[i] if i < len(self.per_step) else {}
+            big = sorted(((s, n) for n, s in parts.items() if s >= 5e-4), reverse=True)
+            rows.append(f"#{i + 1} {step_ms[i]:.1f} ms (" + ", ".join(f"{n} {1e3 * s:.1f}" for s, n in big) + ")")
+        return "; ".join(rows)

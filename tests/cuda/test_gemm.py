@@ -307,3 +307,35 @@ def test_spare_tiles_read_the_last_real_tile_where_no_expert_has_a_slot(ops, rng
     pointers = ops.to_host(work.plan_on_device(device(ids), arena_dev, entries, 4, store=store_dev))
     want = tile_pointers(*work.pointer_layout(store_dev), np.arange(4), np.array([0, 1, 2, 2]))
     np.testing.assert_array_equal(pointers[[0, 3]], want[[0, 3]])
+
+
+def test_a_slow_cublas_call_is_logged_with_its_shape(monkeypatch, caplog):
+    """gemm_host._Cublas logs a call whose host time passes SLOW_CALL_S (a kernel's first load under
+    CUDA's lazy loading), its shape in the line; a threshold of 0 logs none."""
+    import logging
+
+    from moebus.cuda.kernels import gemm_host
+
+    class Binding:  # nvmath.bindings.cublas as _Cublas calls it
+        def create(self):
+            return 1
+
+        def set_stream(self, handle, stream):
+            pass
+
+        def gemm_batched_ex(self, *args):
+            pass
+
+        def gemm_ex(self, *args):
+            pass
+    blas = gemm_host._Cublas(Binding())
+    monkeypatch.setattr(gemm_host, "SLOW_CALL_S", 1e-12)
+    with caplog.at_level(logging.INFO, logger="moebus.cublas"):
+        blas.gemm_batched(0, 1, 0, 1536, 64, 2048, 0, 0, 2048, 0, 0, 2048, 0, 1536, batch=7)
+        blas.gemm(0, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
+    assert blas.slow_calls == 2
+    assert "cuBLAS gemm_batched m 1536 n 64 k 2048 batch 7 took" in caplog.records[0].getMessage()
+    assert "cuBLAS gemm m 8 n 4 k 16 batch 1 took" in caplog.records[1].getMessage()
+    monkeypatch.setattr(gemm_host, "SLOW_CALL_S", 0.0)  # 0: none logged
+    blas.gemm(0, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
+    assert blas.slow_calls == 2

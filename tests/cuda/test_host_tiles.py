@@ -66,3 +66,28 @@ def test_no_pairs_write_nothing(ops, rng):
     out = device(np.full((ids.size, hidden), SENTINEL, np.float32))
     tiles.write_pairs(out, np.array([], np.int64))
     assert np.all(ops.to_host(out) == SENTINEL)
+
+
+def test_warm_products_runs_both_products_at_every_tile_width_and_count(ops):
+    """moe_prefill.warm_products (a worker's start): gate|up and down at each tile width tile_pairs can
+    give and each batch count 1 ... max_tiles, as ExpertTiles._products calls them (so cuBLAS loads
+    every kernel a spanning chunk's groups may pick before the first image)."""
+    from moebus.cuda.kernels.gemm import OP_N, OP_T
+    from moebus.cuda.kernels.grouped_moe import MIN_TILE_PAIRS, PAIRS_PER_TILE, tile_pairs
+    from moebus.workers.moe_prefill import warm_products
+
+    hidden, inter, calls = 16, 8, []
+    blas = ops.tensor_cores.blas
+    real = blas.gemm_batched
+
+    def recorded(stream, trans_a, trans_b, m, n, k, *args, batch=1, **kw):
+        calls.append((trans_a, trans_b, m, n, k, batch))
+        return real(stream, trans_a, trans_b, m, n, k, *args, batch=batch, **kw)
+    blas.gemm_batched = recorded
+    assert warm_products(ops, hidden, inter, max_tiles=3) == len(calls)
+    parts = ops.tensor_cores.parts
+    widths = {tile_pairs(p, 1) for p in (1, 24, 40, 10_000)}
+    assert widths == {t for t in (16, 32, 64) if MIN_TILE_PAIRS <= t <= PAIRS_PER_TILE}
+    assert sorted(calls) == sorted((OP_T, OP_N, m, parts * t, k, count) for t in widths for count in (1, 2, 3)
+                                   for m, k in ((2 * inter, hidden), (hidden, inter)))
+    assert warm_products(ops, hidden, inter, max_tiles=0) == 0

@@ -118,3 +118,39 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
     assert (whole_groups > 0 and len(groups) > whole_groups) == (experts_on == "tensor cores")
     assert out.tokens[1] == want.tokens[0]
     np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="captured graphs: on a GPU (MOEBUS_TEST_GPU=1)")
+def test_decode_rows_launched_beside_the_chunk_equal_them_waited_for(micro_model, monkeypatch):
+    """chunk_rows.py (``stage.chunk_overlap``): from the chunk's second step the decode row is
+    launched as its captured graph, the chunk's groups are enqueued behind it (their copies waiting
+    for it) and the row is read after them. Each step's decode token and the chunk's token equal
+    those of the same steps with the row waited for first."""
+    from moebus.workers import chunk_rows
+
+    monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)
+    launched = []
+    launch_rows = chunk_rows.launch_rows
+    monkeypatch.setattr(spanning_chunk, "launch_rows", lambda *a: launched.append(launch_rows(*a)) or launched[-1])
+    runs = []
+    for overlap in (False, True):
+        stage = _stage(micro_model, 1.0, "tensor cores")
+        assert stage.use_graphs
+        stage.chunk_overlap = overlap
+        got, position = [], 2
+        while True:
+            out = stage.forward(StepBatch(slots=[0, 1], starts=[position, 0], lengths=[1, 6], tokens=[21] + CHUNK))
+            got.append(out)
+            position += 1
+            if out.pending_rows is None:
+                break
+            assert position < 40
+        runs.append(got)
+    waited, overlapped = runs
+    assert len(waited) == len(overlapped) > 2
+    assert sum(x is not None for x in launched) == len(overlapped) - 1  # all but the chunk's first step
+    for a, b in zip(waited, overlapped):
+        assert a.tokens[0] == b.tokens[0]
+        np.testing.assert_allclose(a.logprobs[0], b.logprobs[0], atol=1e-5)
+    assert waited[-1].tokens[1] == overlapped[-1].tokens[1]
+    np.testing.assert_allclose(waited[-1].logprobs[1], overlapped[-1].logprobs[1], atol=1e-5)

@@ -107,6 +107,9 @@ def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
     assert [round(s["median_cycle_ms"], 3) for s in report["per_stream"]] == [10.0, 10.0]
     assert round(worst_ratio(report, "ratio_until_encoded_cycle"), 2) == 2.5
     assert abs(report["by_phase"]["handback"]["max_ms"] - 25) < 1e-6
+    # the gaps through the cold start above 2x the median before: stream 1's 25 ms one alone
+    assert [s["above_2x_cold"] for s in report["per_stream"]] == [0, 1]
+    assert [s["cold_gaps"] for s in report["per_stream"]] == [9, 7]  # stream 1 late: two fewer gaps end by 0.19
 
 
 def test_the_broker_steps_of_the_steady_state():

@@ -207,10 +207,10 @@ def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_ne
 @pytest.mark.parametrize("case", ["plain", "in pieces"])
 def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case):
     """A step whose deadline is past at its first look (a share of the decode rows' time near 0)
-    runs one expert group, then stops: within a layer, before a layer (its hidden state and last MLP
-    output kept: with the copy budget alone it would go on to the next layer's attention and first
-    group) or before the next piece. The chunk's token, logits and keys and values still equal
-    those of the chunk run whole."""
+    runs one expert group (or enters a layer: its attention and routing), then stops: within a
+    layer, before a layer (its hidden state and last MLP output kept: with the copy budget alone it
+    would go on to the next layer's attention and first group) or before the next piece. The chunk's
+    token, logits and keys and values still equal those of the chunk run whole."""
     whole = _model(model_dirs["init_qwen3"], None)
     _decode_ready(whole)
     sliced = _model(model_dirs["init_qwen3"], 1.0)
@@ -251,7 +251,9 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
             assert position < 400
     finally:
         chunk_advance.group_runner, chunk_advance.Uploads.__getitem__ = run_group, read_input
-    assert groups[:-1] == [1] * (len(groups) - 1)  # one group a step, however few its copies
+    # one group a step, however few its copies; none in a step that entered a layer (its attention
+    # and routing were that step's progress), at most one such step a layer of a piece
+    assert set(groups[:-1]) == {0, 1} and groups.count(0) <= len(stage.layer_range) * num_pieces
     # a step's inputs are uploaded when read: the tokens in the steps that embed a piece, the
     # sampling's in the last, none in a step that only continues a layer's groups
     assert "tokens" in read[0] and "u" in read[-1] and "u" not in set().union(*read[:-1])
@@ -282,3 +284,80 @@ def test_an_image_chunks_decode_rows_replay_their_graph(model_dirs):
     assert stage._graph_for(decode, stage._host_inputs(decode, None)) is graph
     chunk = select_rows(step, [1])  # the chunk's own row keeps its image: never a graph
     assert len(chunk.embeds) and stage._graph_for(chunk, stage._host_inputs(chunk, None)) is None
+
+
+def test_decode_rows_launched_beside_the_chunk_and_read_after_it_change_nothing(model_dirs):
+    """chunk_rows.py (``stage.chunk_overlap``): from the chunk's second step the decode rows are
+    launched as their captured graph (a stand-in here that runs them eagerly when launched) and
+    read after the chunk's part of the step; the first step runs them synchronously (their time sets
+    the next step's deadline). The decode row's tokens and logits and the chunk's token, logits and
+    keys and values equal those of the steps run synchronously, bit for bit; the rows' routing
+    still reaches the cache (``observe``)."""
+    from types import SimpleNamespace
+
+    from moebus.workers.batch import select_rows
+
+    def mixed(position: int) -> StepBatch:  # no top logprobs: those rows are read from the device after the graph
+        return StepBatch(slots=[0, 1], starts=[position, 0], lengths=[1, len(CHUNK)], tokens=[21] + CHUNK)
+
+    class Captured:  # what _graph_for, Stage._forward and chunk_rows ask of a captured decode step
+        def __init__(self, stage):
+            self.stage, self.batch, self.launches, self.outputs = stage, None, 0, None
+
+        def matches(self, inputs):
+            return True
+
+        def replay(self, inputs, names):
+            host, self.outputs = self.stage._eager(self.batch, inputs, True, "logits" in names)
+            return host
+
+        def launch(self, inputs, names):
+            self.launches += 1
+            out = self.replay(inputs, names)
+            return SimpleNamespace(collect=lambda: out)
+
+    outs, models = [], []
+    for overlapped in (False, True):
+        model = _model(model_dirs["init_qwen3"], 1.0)
+        _decode_ready(model)
+        stage = model.stages[0]
+        graph = stage.graphs[(1, False)] = Captured(stage)
+        stage.use_graphs, stage.chunk_overlap = True, overlapped
+        stage.chunk_time_share = 0.0  # the copy budget alone: the same groups a step either way
+        observed, observe = [], stage.experts.observe
+        stage.experts.observe = lambda chosen, ops=None: (observed.append(1), observe(chosen, ops))
+        got, position = [], 3
+        while True:
+            step = mixed(position)
+            graph.batch = select_rows(step, [0])
+            out = model.step(step, want_logits=True)
+            got.append(out)
+            if out.pending_rows is None:
+                break
+            position += 1
+            assert position < 400
+        assert len(observed) == len(got)  # every step's decode row told the cache its experts
+        assert graph.launches == (len(got) - 1 if overlapped else 0)
+        assert stage.chunk is None and stage.chunks_spanned == 1
+        outs.append(got)
+        models.append(model)
+    sync, over = outs
+    assert len(sync) == len(over) > 3
+    for a, b in zip(sync, over):
+        assert a.tokens[0] == b.tokens[0] and np.array_equal(a.logits[0], b.logits[0])
+    assert sync[-1].tokens[1] == over[-1].tokens[1] and np.array_equal(sync[-1].logits[1], over[-1].logits[1])
+    for got, want in zip(_kv(models[1], 1, 80), _kv(models[0], 1, 80)):
+        assert np.array_equal(got, want)
+
+
+def test_an_overlapped_steps_deadline_follows_the_last_steps_decode_rows():
+    """With the decode rows launched beside the chunk, the chunk's work ends the share of the last
+    step's rows' time after the rows would end, and its first copies wait for the rows."""
+    from types import SimpleNamespace
+
+    from moebus.workers.spanning_chunk import overlapped_deadline
+
+    held = SimpleNamespace(rows_s=0.008, copies_from=0.0)
+    assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.5), held, 10.0) == 10.0 + 1.5 * 0.008
+    assert held.copies_from == 10.008
+    assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.0), held, 10.0) is None

@@ -66,3 +66,12 @@ def test_the_trace_runs_from_the_chunks_second_step_until_its_request_is_over(tm
     names = sorted(e["name"] for e in events if e.get("name", "").startswith("step "))
     assert names[0] == "step 2 decode 2" and "step 3 chunk 512" in names and "step 5 chunk 248" in names
     assert len(names) == 7
+
+
+def test_slowest_steps_name_their_parts():
+    parts = StepParts()
+    for seconds in (0.002, 0.009, 0.004):
+        parts._step = {"decode rows (sync)": seconds, "plan": 0.0001}
+        parts.end_step()
+    line = parts.slowest([3.0, 10.0, 5.0], 2)
+    assert line == "#2 10.0 ms (decode rows (sync) 9.0); #3 5.0 ms (decode rows (sync) 4.0)"

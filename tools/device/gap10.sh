@@ -17,7 +17,7 @@ source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-122}
 BUDGETS=${BUDGETS:-256 128 64}
-V=/tmp/a3b-8x128-vision
+V=${V:-/tmp/a3b-8x128-vision}  # (gap12.sh: its own)
 [ -n "$SKIP_TESTS" ] || ( MOEBUS_TEST_GPU=1 timeout 70 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_spanning_chunk.py \
     tests/cuda/test_host_tiles.py > $OUT/gpu_tests.log 2>&1; echo "GPU tests rc=$?" >> $OUT/gpu_tests.log ) &
 [ -d $V ] || timeout 90 python3 -m moebus.cli init-model $V --preset a3b --layers 8 --vision siglip > $OUT/init.log 2>&1

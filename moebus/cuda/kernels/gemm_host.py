@@ -15,6 +15,9 @@ the same with the i-th problem's A, B, C at the addresses in device arrays of ``
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import time
 
 import numpy as np
 
@@ -23,6 +26,11 @@ from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, R_16BF, R_32F
 
 ITEMSIZE = {R_32F: 4, R_16BF: 2}
 DEFAULT_ALGO = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default since cuBLAS 11)
+# a cuBLAS call whose host time passes this is logged (its shape and time): with CUDA's lazy module
+# loading a kernel's first launch loads it (~4.5 ms on the H200, eleventh session's trace), which is
+# what the first image's spanning chunk met beside text streams (issue 20); 0: none logged
+SLOW_CALL_S = float(os.environ.get("MOEBUS_CUBLAS_SLOW_CALL_MS", "2")) / 1e3
+log = logging.getLogger("moebus.cublas")
 
 
 class HostBlas:
@@ -71,11 +79,13 @@ class _Cublas:
         self.cublas = cublas
         self.handle = None
         self.scalars = np.zeros(8, np.float32)  # alpha, beta of the call in flight (pointer mode host)
+        self.slow_calls = 0  # calls that took SLOW_CALL_S or more of host time
 
     def gemm(self, stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
              beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0):
         cublas = self.cublas
         alpha_ptr, beta_ptr = self._prepare(stream, alpha, beta)
+        started = time.perf_counter()
         if batch == 1:
             cublas.gemm_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, b, b_type, ldb, beta_ptr,
                            c, R_32F, ldc, compute, DEFAULT_ALGO)
@@ -83,12 +93,23 @@ class _Cublas:
             cublas.gemm_strided_batched_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a, a_type, lda, stride_a,
                                            b, b_type, ldb, stride_b, beta_ptr, c, R_32F, ldc, stride_c, batch,
                                            compute, DEFAULT_ALGO)
+        self._note(started, "gemm", m, n, k, batch)
 
     def gemm_batched(self, stream, trans_a, trans_b, m, n, k, a_array, a_type, lda, b_array, b_type, ldb, c_array,
                      ldc, alpha=1.0, beta=0.0, compute=COMPUTE_32F, batch=1):
         alpha_ptr, beta_ptr = self._prepare(stream, alpha, beta)
+        started = time.perf_counter()
         self.cublas.gemm_batched_ex(self.handle, trans_a, trans_b, m, n, k, alpha_ptr, a_array, a_type, lda, b_array,
                                     b_type, ldb, beta_ptr, c_array, R_32F, ldc, batch, compute, DEFAULT_ALGO)
+        self._note(started, "gemm_batched", m, n, k, batch)
+
+    def _note(self, started: float, kind: str, m: int, n: int, k: int, batch: int) -> None:
+        """Log a call whose host time passed SLOW_CALL_S (a kernel loaded at its first launch)."""
+        seconds = time.perf_counter() - started
+        if 0 < SLOW_CALL_S <= seconds:
+            self.slow_calls += 1
+            log.info("cuBLAS %s m %d n %d k %d batch %d took %.1f ms of host time (slow call %d: a kernel's first "
+                     "load?)", kind, m, n, k, batch, 1e3 * seconds, self.slow_calls)
 
     def _prepare(self, stream, alpha: float, beta: float) -> tuple[int, int]:
         if self.handle is None:
