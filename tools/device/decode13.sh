@@ -1,0 +1,48 @@
+# Issue 15, thirteenth session (branch decode13): PDL that survives graphs the driver will not edit,
+# cuBLAS's own workspace (no alloc nodes in batch 8's graph), MOEBUS_PDL_TRIGGER (launch_dependents after
+# every wait). Run by the lead's call script twice (PHASE=warm side by side, then PHASE=measure alone,
+# within BUDGET s). M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
+# warm:    a 4 x 32 a3b model (/tmp/decode13-m4, ~1.4 GB); graph_check.py on it (graph, launched ahead,
+#          25% cache == eager, batch 1 and 8) with MOEBUS_PDL=programmatic, then with the trigger too: this
+#          compiles both kernel variants (the trigger has its own kernel-cache fingerprint); times nothing.
+# measure: tools/device/decode13_bench.py on M48, each setting in its own process: b1 REPEATS runs (median),
+#          b8 once where listed (off and trigger); PDL off (with a CUPTI profile of PROFILE_STEPS b1 steps by kernel into
+#          $OUT/profiles.txt), programmatic, programmatic + trigger, launch_order, trigger + both prefetches.
+source tools/device/setup.sh
+BUDGET=${BUDGET:-116}; T0=$(date +%s); REPEATS=${REPEATS:-3}
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+at() { echo "$(( $(date +%s) - T0 )) s"; }
+M4=/tmp/decode13-m4
+show() { grep -E "vs eager|CHECK|Error|PDL|refused" "$1" | cut -c1-200 | head -12; }
+if [ "$PHASE" = warm ]; then
+  [ $BUDGET -gt 130 ] && BUDGET=130
+  [ -f $M4/.complete ] || { timeout 45 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
+    2>&1 | tail -1 && touch $M4/.complete; }
+  echo "== graph_check 4 x 32, MOEBUS_PDL=programmatic, at $(at)"
+  MOEBUS_PDL=programmatic timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 \
+    > $OUT/graph_check_programmatic.txt 2>&1
+  echo "graph_check rc $?"; show $OUT/graph_check_programmatic.txt
+  if [ $(left) -gt 25 ]; then echo "== graph_check MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1, at $(at)"
+    MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 \
+      > $OUT/graph_check_trigger.txt 2>&1
+    echo "graph_check rc $?"; show $OUT/graph_check_trigger.txt; fi
+  echo "warm done at $(at)"
+  exit 0
+fi
+export PROFILE_FILE=$OUT/profiles.txt
+run() {  # NAME BATCHES [KEY=VALUE...]: one setting, one process, the environment as the caller set it
+  local name=$1 batches=$2; shift 2
+  [ $(left) -lt 15 ] && { echo "$name: skipped, $(left) s left"; return; }
+  timeout $(( $(left) - 2 )) python3 tools/device/decode13_bench.py $M48 "$name" $REPEATS $batches "$@" 2>&1 \
+    | grep -vE "Warn|warn\(" | tee -a $OUT/bench.txt
+  echo "   rc ${PIPESTATUS[0]} at $(at)"
+}
+echo "== decode13_bench on $M48, b1 median of $REPEATS, at $(at)"
+MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-4} run "pdl off" 1,8
+MOEBUS_PDL=programmatic run "programmatic" 1
+MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
+MOEBUS_PDL=launch_order run "launch_order" 1
+MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "trigger + both prefetches" 1 linear.PREFETCH_BEFORE_WAIT=1 \
+  moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1
+echo "== summary at $(at)"; grep -E "tok/s|refused|FAILED|Error" $OUT/bench.txt | cut -c1-150
+for f in programmatic trigger; do echo "warm graph_check $f:"; show $OUT/graph_check_$f.txt 2>/dev/null; done

@@ -1,0 +1,68 @@
+"""One decode setting in a process of its own (thirteenth session: a setting whose graph capture failed
+used to leave the stage eager for every later setting of the same process). The setting comes from the
+environment (MOEBUS_PDL, MOEBUS_PDL_TRIGGER: kernels/pdl.py) and from KEY=VALUE arguments
+("linear.PREFETCH_BEFORE_WAIT=1": a constant of moebus.cuda.kernels, as decode10_sweep's settings).
+Batch 1: REPEATS runs of bench decode's own `_in_process` (greedy after a 32-token prompt, median step of
+the second of 2 repeats of 64 tokens, launched ahead, all resident), each run's ms and their median;
+then each other batch once; the graphs' PDL edge counts; PROFILE_STEPS (env, 0) replayed batch-1 steps
+under CUPTI (decode10_sweep.profile_batch: us a call and idle before it, by kernel) into PROFILE_FILE.
+Usage: decode13_bench.py MODEL_DIR NAME REPEATS BATCHES [KEY=VALUE ...]   (BATCHES: "1" or "1,8")"""
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+from decode7_bench import PROMPT, TOKENS, constant
+from decode8_sweep import print_profile
+from decode10_sweep import profile_batch
+from moebus.bench.decode import _in_process
+from moebus.workers.local import LocalModel
+
+
+def parse(value: str):
+    return json.loads(value) if value not in ("1", "0") else value == "1"
+
+
+def main() -> None:
+    model_dir, name, repeats, batches = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    batches = [int(b) for b in batches.split(",")]
+    for item in sys.argv[5:]:
+        key, value = item.split("=", 1)
+        setattr(*constant(key), parse(value))
+    started = time.perf_counter()
+    model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=len(PROMPT) + TOKENS + 32,
+                       kv_dtype="bf16")
+    loaded_s = time.perf_counter() - started
+    setting = f"MOEBUS_PDL={os.environ.get('MOEBUS_PDL', '-')} TRIGGER={os.environ.get('MOEBUS_PDL_TRIGGER', '-')} " \
+              + " ".join(sys.argv[5:])
+    cells = []
+    for batch in batches:
+        runs = [_in_process(model, PROMPT, TOKENS, batch, 2) for _ in range(repeats if batch == 1 else 1)]
+        ms = [r["ms_per_step"] for r in runs]
+        median = statistics.median(ms)
+        cells.append(f"b{batch} {batch * 1e3 / median:7.1f} tok/s {median:6.3f} ms"
+                     + (f" (runs {' '.join(f'{m:.3f}' for m in ms)})" if len(ms) > 1 else ""))
+    graphs = [g for s in model.stages for g in s.graphs.values()]
+    print(f"{name:<26} " + "  ".join(cells) + f"   [{setting.strip()}; load {loaded_s:.0f} s, "
+          f"{time.perf_counter() - started - loaded_s:.0f} s]", flush=True)
+    edges = [g.pdl for g in graphs if getattr(g, "pdl", None)]
+    refused = [e.get("refused") for e in edges if e.get("refused")]
+    print(f"   {name}: {len(graphs)} graphs, pdl converted {[e['converted'] for e in edges]}"
+          + (f", refused: {refused[:2]}" if refused else "") + (f", first {edges[0]}" if edges else ""), flush=True)
+    steps = int(os.environ.get("PROFILE_STEPS", "0"))
+    if steps:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            p = profile_batch(model, 1, steps)
+            if p is not None:
+                print_profile(f"{name}, batch 1", p)
+        with open(os.environ["PROFILE_FILE"], "a") as out:
+            out.write(text.getvalue())
+        print("\n".join(text.getvalue().splitlines()[:30]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
