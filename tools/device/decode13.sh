@@ -4,10 +4,11 @@
 # within BUDGET s). M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
 # warm:    a 4 x 32 a3b model (/tmp/decode13-m4, ~1.4 GB); graph_check.py on it (graph, launched ahead,
 #          25% cache == eager, batch 1 and 8) with MOEBUS_PDL=programmatic, then with the trigger too: this
-#          compiles both kernel variants (the trigger has its own kernel-cache fingerprint); times nothing.
+#          compiles both kernel variants (the trigger has its own kernel-cache fingerprint); then the trigger
+#          with linear's and moe_ffn's weight prefetches before the wait (--no-cache), as time allows.
 # measure: tools/device/decode13_bench.py on M48, each setting in its own process: b1 REPEATS runs (median),
 #          b8 once where listed (off and trigger); PDL off (with a CUPTI profile of PROFILE_STEPS b1 steps by kernel into
-#          $OUT/profiles.txt), programmatic, programmatic + trigger, launch_order, trigger + both prefetches.
+#          $OUT/profiles.txt), programmatic, programmatic + trigger, trigger + both prefetches, launch_order.
 source tools/device/setup.sh
 BUDGET=${BUDGET:-116}; T0=$(date +%s); REPEATS=${REPEATS:-3}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -26,13 +27,20 @@ if [ "$PHASE" = warm ]; then
     MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 \
       > $OUT/graph_check_trigger.txt 2>&1
     echo "graph_check rc $?"; show $OUT/graph_check_trigger.txt; fi
+  if [ $(left) -gt 25 ]; then echo "== graph_check trigger + both prefetches, --no-cache, at $(at)"
+    MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 timeout $(( $(left) - 2 )) python3 -c "import runpy, sys
+from moebus.cuda.kernels import linear, moe_ffn
+linear.PREFETCH_BEFORE_WAIT = moe_ffn.PREFETCH_DOWN_BEFORE_WAIT = True
+sys.path.insert(0, 'tools/device'); sys.argv = ['graph_check.py', '$M4', '--no-cache']
+runpy.run_path('tools/device/graph_check.py', run_name='__main__')" > $OUT/graph_check_prefetch.txt 2>&1
+    echo "graph_check rc $?"; show $OUT/graph_check_prefetch.txt; fi
   echo "warm done at $(at)"
   exit 0
 fi
 export PROFILE_FILE=$OUT/profiles.txt
 run() {  # NAME BATCHES [KEY=VALUE...]: one setting, one process, the environment as the caller set it
   local name=$1 batches=$2; shift 2
-  [ $(left) -lt 15 ] && { echo "$name: skipped, $(left) s left"; return; }
+  [ $(left) -lt 25 ] && { echo "$name: skipped, $(left) s left"; return; }
   timeout $(( $(left) - 2 )) python3 tools/device/decode13_bench.py $M48 "$name" $REPEATS $batches "$@" 2>&1 \
     | grep -vE "Warn|warn\(" | tee -a $OUT/bench.txt
   echo "   rc ${PIPESTATUS[0]} at $(at)"
@@ -41,8 +49,8 @@ echo "== decode13_bench on $M48, b1 median of $REPEATS, at $(at)"
 MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-4} run "pdl off" 1,8
 MOEBUS_PDL=programmatic run "programmatic" 1
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
-MOEBUS_PDL=launch_order run "launch_order" 1
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "trigger + both prefetches" 1 linear.PREFETCH_BEFORE_WAIT=1 \
   moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1
+MOEBUS_PDL=launch_order run "launch_order" 1
 echo "== summary at $(at)"; grep -E "tok/s|refused|FAILED|Error" $OUT/bench.txt | cut -c1-150
-for f in programmatic trigger; do echo "warm graph_check $f:"; show $OUT/graph_check_$f.txt 2>/dev/null; done
+for f in programmatic trigger prefetch; do echo "warm graph_check $f:"; show $OUT/graph_check_$f.txt 2>/dev/null; done

@@ -50,8 +50,13 @@ def main() -> None:
           f"{time.perf_counter() - started - loaded_s:.0f} s]", flush=True)
     edges = [g.pdl for g in graphs if getattr(g, "pdl", None)]
     refused = [e.get("refused") for e in edges if e.get("refused")]
-    print(f"   {name}: {len(graphs)} graphs, pdl converted {[e['converted'] for e in edges]}"
-          + (f", refused: {refused[:2]}" if refused else "") + (f", first {edges[0]}" if edges else ""), flush=True)
+    types = {}  # the graphs' nodes other than kernels, by type (MEM_ALLOC / MEM_FREE: the driver refuses edits)
+    for e in edges:
+        for kind, count in e.get("types", {}).items():
+            types[kind.replace("CU_GRAPH_NODE_TYPE_", "")] = types.get(kind.replace("CU_GRAPH_NODE_TYPE_", ""), 0) + count
+    print(f"   {name}: {len(graphs)} graphs, pdl converted {[e['converted'] for e in edges]} of edges "
+          f"{[e['edges'] for e in edges]}, other nodes {types}" + (f", refused: {refused[:2]}" if refused else ""),
+          flush=True)
     steps = int(os.environ.get("PROFILE_STEPS", "0"))
     if steps:
         text = io.StringIO()
