@@ -5,15 +5,19 @@
 # warm:    a 4 x 32 a3b model (/tmp/decode13-m4, ~1.4 GB); graph_check.py on it (graph, launched ahead,
 #          25% cache == eager, batch 1 and 8) with MOEBUS_PDL=programmatic, then with the trigger too: this
 #          compiles both kernel variants (the trigger has its own kernel-cache fingerprint); then the trigger
-#          with linear's and moe_ffn's weight prefetches before the wait (--no-cache), as time allows.
-# measure: tools/device/decode13_bench.py on M48, each setting in its own process: b1 REPEATS runs (median),
-#          b8 once where listed (off and trigger); PDL off (with a CUPTI profile of PROFILE_STEPS b1 steps by kernel into
-#          $OUT/profiles.txt), programmatic, programmatic + trigger, trigger + both prefetches, launch_order.
+#          with linear's and moe_ffn's weight prefetches before the wait and the down GEMV pipelined
+#          (moe_ffn.DOWN_BLOCKS_SHORT=DOWN_BLOCKS, DOWN_PREFETCH_NEXT; --no-cache), as time allows.
+# measure: tools/device/decode13_bench.py on M48, each PDL setting in its own process: b1 REPEATS runs (median),
+#          b8 once where listed; PDL off (a CUPTI profile of PROFILE_STEPS b1 steps by kernel into
+#          $OUT/profiles.txt), then in the same process the down GEMV pipelined (profiled too); programmatic +
+#          trigger (b1, b8); trigger + both prefetches, then + the down GEMV pipelined; programmatic;
+#          launch_order (the last ones as the budget allows).
 source tools/device/setup.sh
 BUDGET=${BUDGET:-116}; T0=$(date +%s); REPEATS=${REPEATS:-3}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "$(( $(date +%s) - T0 )) s"; }
 M4=/tmp/decode13-m4
+DOWN_BLOCKS=${DOWN_BLOCKS:-64}  # moe_ffn.DOWN_BLOCKS_SHORT of the pipelined down rows
 show() { grep -E "vs eager|CHECK|Error|PDL|refused" "$1" | cut -c1-200 | head -12; }
 if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 130 ] && BUDGET=130
@@ -27,10 +31,11 @@ if [ "$PHASE" = warm ]; then
     MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 timeout $(( $(left) - 2 )) python3 tools/device/graph_check.py $M4 \
       > $OUT/graph_check_trigger.txt 2>&1
     echo "graph_check rc $?"; show $OUT/graph_check_trigger.txt; fi
-  if [ $(left) -gt 25 ]; then echo "== graph_check trigger + both prefetches, --no-cache, at $(at)"
+  if [ $(left) -gt 25 ]; then echo "== graph_check trigger + both prefetches + down pipelined, --no-cache, at $(at)"
     MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 timeout $(( $(left) - 2 )) python3 -c "import runpy, sys
 from moebus.cuda.kernels import linear, moe_ffn
-linear.PREFETCH_BEFORE_WAIT = moe_ffn.PREFETCH_DOWN_BEFORE_WAIT = True
+linear.PREFETCH_BEFORE_WAIT = moe_ffn.PREFETCH_DOWN_BEFORE_WAIT = moe_ffn.DOWN_PREFETCH_NEXT = True
+moe_ffn.DOWN_BLOCKS_SHORT = $DOWN_BLOCKS
 sys.path.insert(0, 'tools/device'); sys.argv = ['graph_check.py', '$M4', '--no-cache']
 runpy.run_path('tools/device/graph_check.py', run_name='__main__')" > $OUT/graph_check_prefetch.txt 2>&1
     echo "graph_check rc $?"; show $OUT/graph_check_prefetch.txt; fi
@@ -46,11 +51,12 @@ run() {  # NAME BATCHES [KEY=VALUE...]: one setting, one process, the environmen
   echo "   rc ${PIPESTATUS[0]} at $(at)"
 }
 echo "== decode13_bench on $M48, b1 median of $REPEATS, at $(at)"
-MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-4} run "pdl off" 1,8
-MOEBUS_PDL=programmatic run "programmatic" 1
+PIPE="moe_ffn.DOWN_PREFETCH_NEXT=1 moe_ffn.DOWN_BLOCKS_SHORT=$DOWN_BLOCKS"  # the down GEMV pipelined
+PREF="linear.PREFETCH_BEFORE_WAIT=1 moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1"  # weights asked of L2 before the wait
+MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-4} THEN="$PIPE" run "pdl off" 1
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
-MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "trigger + both prefetches" 1 linear.PREFETCH_BEFORE_WAIT=1 \
-  moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1
+MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 THEN="$PIPE" run "trigger + both prefetches" 1 $PREF
+MOEBUS_PDL=programmatic run "programmatic" 1
 MOEBUS_PDL=launch_order run "launch_order" 1
 echo "== summary at $(at)"; grep -E "tok/s|refused|FAILED|Error" $OUT/bench.txt | cut -c1-150
 for f in programmatic trigger prefetch; do echo "warm graph_check $f:"; show $OUT/graph_check_$f.txt 2>/dev/null; done

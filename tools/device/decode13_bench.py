@@ -6,6 +6,9 @@ Batch 1: REPEATS runs of bench decode's own `_in_process` (greedy after a 32-tok
 the second of 2 repeats of 64 tokens, launched ahead, all resident), each run's ms and their median;
 then each other batch once; the graphs' PDL edge counts; PROFILE_STEPS (env, 0) replayed batch-1 steps
 under CUPTI (decode10_sweep.profile_batch: us a call and idle before it, by kernel) into PROFILE_FILE.
+THEN (env): further settings of kernel constants only ("KEY=VALUE KEY=VALUE; KEY=VALUE": each group
+applied on top of the ones before it), each then timed at batch 1 the same way after the graphs are
+recaptured (decode7_bench.drop_graphs), in this process: constants cannot leave the stage eager.
 Usage: decode13_bench.py MODEL_DIR NAME REPEATS BATCHES [KEY=VALUE ...]   (BATCHES: "1" or "1,8")"""
 import contextlib
 import io
@@ -15,7 +18,7 @@ import statistics
 import sys
 import time
 
-from decode7_bench import PROMPT, TOKENS, constant
+from decode7_bench import PROMPT, TOKENS, constant, drop_graphs
 from decode8_sweep import print_profile
 from decode10_sweep import profile_batch
 from moebus.bench.decode import _in_process
@@ -26,12 +29,22 @@ def parse(value: str):
     return json.loads(value) if value not in ("1", "0") else value == "1"
 
 
+def apply(items) -> None:
+    for item in items:
+        key, value = item.split("=", 1)
+        setattr(*constant(key), parse(value))
+
+
+def batch_one(model, repeats: int) -> str:
+    ms = [_in_process(model, PROMPT, TOKENS, 1, 2)["ms_per_step"] for _ in range(repeats)]
+    median = statistics.median(ms)
+    return f"b1 {1e3 / median:7.1f} tok/s {median:6.3f} ms (runs {' '.join(f'{m:.3f}' for m in ms)})"
+
+
 def main() -> None:
     model_dir, name, repeats, batches = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     batches = [int(b) for b in batches.split(",")]
-    for item in sys.argv[5:]:
-        key, value = item.split("=", 1)
-        setattr(*constant(key), parse(value))
+    apply(sys.argv[5:])
     started = time.perf_counter()
     model = LocalModel(model_dir, device="cuda", num_slots=max(batches), max_context=len(PROMPT) + TOKENS + 32,
                        kv_dtype="bf16")
@@ -40,11 +53,11 @@ def main() -> None:
               + " ".join(sys.argv[5:])
     cells = []
     for batch in batches:
-        runs = [_in_process(model, PROMPT, TOKENS, batch, 2) for _ in range(repeats if batch == 1 else 1)]
-        ms = [r["ms_per_step"] for r in runs]
-        median = statistics.median(ms)
-        cells.append(f"b{batch} {batch * 1e3 / median:7.1f} tok/s {median:6.3f} ms"
-                     + (f" (runs {' '.join(f'{m:.3f}' for m in ms)})" if len(ms) > 1 else ""))
+        if batch == 1:
+            cells.append(batch_one(model, repeats))
+            continue
+        r = _in_process(model, PROMPT, TOKENS, batch, 2)
+        cells.append(f"b{batch} {r['tok_s']:7.1f} tok/s {r['ms_per_step']:6.3f} ms")
     graphs = [g for s in model.stages for g in s.graphs.values()]
     print(f"{name:<26} " + "  ".join(cells) + f"   [{setting.strip()}; load {loaded_s:.0f} s, "
           f"{time.perf_counter() - started - loaded_s:.0f} s]", flush=True)
@@ -57,16 +70,30 @@ def main() -> None:
     print(f"   {name}: {len(graphs)} graphs, pdl converted {[e['converted'] for e in edges]} of edges "
           f"{[e['edges'] for e in edges]}, other nodes {types}" + (f", refused: {refused[:2]}" if refused else ""),
           flush=True)
+    profile(model, name)
+    for group in filter(None, (g.split() for g in os.environ.get("THEN", "").split(";"))):
+        apply(group)
+        drop_graphs(model)
+        print(f"{'  then ' + ' '.join(group):<26} {batch_one(model, repeats)}", flush=True)
+        edges = [g.pdl for s in model.stages for g in s.graphs.values() if getattr(g, "pdl", None)]
+        print(f"   {len([g for s in model.stages for g in s.graphs.values()])} graphs, pdl converted "
+              f"{[e['converted'] for e in edges]}", flush=True)
+        profile(model, f"{name} then {' '.join(group)}")
+
+
+def profile(model, name: str) -> None:
+    """PROFILE_STEPS replayed batch-1 steps under CUPTI: the whole table into PROFILE_FILE, its top to stdout."""
     steps = int(os.environ.get("PROFILE_STEPS", "0"))
-    if steps:
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            p = profile_batch(model, 1, steps)
-            if p is not None:
-                print_profile(f"{name}, batch 1", p)
-        with open(os.environ["PROFILE_FILE"], "a") as out:
-            out.write(text.getvalue())
-        print("\n".join(text.getvalue().splitlines()[:30]), flush=True)
+    if not steps:
+        return
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        p = profile_batch(model, 1, steps)
+        if p is not None:
+            print_profile(f"{name}, batch 1", p)
+    with open(os.environ["PROFILE_FILE"], "a") as out:
+        out.write(text.getvalue())
+    print("\n".join(text.getvalue().splitlines()[:int(os.environ.get("PROFILE_LINES", "24"))]), flush=True)
 
 
 if __name__ == "__main__":
