@@ -9,7 +9,8 @@
 #          (moe_ffn.DOWN_BLOCKS_SHORT=DOWN_BLOCKS, DOWN_PREFETCH_NEXT; --no-cache), as time allows.
 # measure: tools/device/decode13_bench.py on M48, each PDL setting in its own process: b1 REPEATS runs (median),
 #          b8 once where listed; PDL off (a CUPTI profile of PROFILE_STEPS b1 steps by kernel into
-#          $OUT/profiles.txt), then in the same process the down GEMV pipelined (profiled too); programmatic +
+#          $OUT/profiles.txt), then in the same process the down GEMV pipelined, DOWN_BLOCKS then 64 blocks
+#          (each profiled too); programmatic +
 #          trigger (b1, b8); trigger + both prefetches, then + the down GEMV pipelined; programmatic;
 #          launch_order (the last ones as the budget allows).
 source tools/device/setup.sh
@@ -17,7 +18,7 @@ BUDGET=${BUDGET:-116}; T0=$(date +%s); REPEATS=${REPEATS:-3}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "$(( $(date +%s) - T0 )) s"; }
 M4=/tmp/decode13-m4
-DOWN_BLOCKS=${DOWN_BLOCKS:-64}  # moe_ffn.DOWN_BLOCKS_SHORT of the pipelined down rows
+DOWN_BLOCKS=${DOWN_BLOCKS:-128}  # moe_ffn.DOWN_BLOCKS_SHORT of the pipelined down rows (~1 wave at batch 1)
 show() { grep -E "vs eager|CHECK|Error|PDL|refused" "$1" | cut -c1-200 | head -12; }
 if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 130 ] && BUDGET=130
@@ -53,7 +54,7 @@ run() {  # NAME BATCHES [KEY=VALUE...]: one setting, one process, the environmen
 echo "== decode13_bench on $M48, b1 median of $REPEATS, at $(at)"
 PIPE="moe_ffn.DOWN_PREFETCH_NEXT=1 moe_ffn.DOWN_BLOCKS_SHORT=$DOWN_BLOCKS"  # the down GEMV pipelined
 PREF="linear.PREFETCH_BEFORE_WAIT=1 moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1"  # weights asked of L2 before the wait
-MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-4} THEN="$PIPE" run "pdl off" 1
+MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-3} THEN="$PIPE; moe_ffn.DOWN_BLOCKS_SHORT=64" run "pdl off" 1
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 THEN="$PIPE" run "trigger + both prefetches" 1 $PREF
 MOEBUS_PDL=programmatic run "programmatic" 1

@@ -87,10 +87,13 @@ def profile(model, name: str) -> None:
     if not steps:
         return
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        p = profile_batch(model, 1, steps)
-        if p is not None:
-            print_profile(f"{name}, batch 1", p)
+    try:
+        with contextlib.redirect_stdout(text):
+            p = profile_batch(model, 1, steps)
+            if p is not None:
+                print_profile(f"{name}, batch 1", p)
+    except Exception as e:  # noqa: BLE001 - a profile that fails leaves the settings after it to run
+        text.write(f"-- {name}: profile FAILED {type(e).__name__}: {e}\n")
     with open(os.environ["PROFILE_FILE"], "a") as out:
         out.write(text.getvalue())
     print("\n".join(text.getvalue().splitlines()[:int(os.environ.get("PROFILE_LINES", "24"))]), flush=True)
