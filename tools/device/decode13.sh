@@ -54,7 +54,7 @@ run() {  # NAME BATCHES [KEY=VALUE...]: one setting, one process, the environmen
 echo "== decode13_bench on $M48, b1 median of $REPEATS, at $(at)"
 PIPE="moe_ffn.DOWN_PREFETCH_NEXT=1 moe_ffn.DOWN_BLOCKS_SHORT=$DOWN_BLOCKS"  # the down GEMV pipelined
 PREF="linear.PREFETCH_BEFORE_WAIT=1 moe_ffn.PREFETCH_DOWN_BEFORE_WAIT=1"  # weights asked of L2 before the wait
-MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-3} THEN="$PIPE; moe_ffn.DOWN_BLOCKS_SHORT=64" run "pdl off" 1
+MOEBUS_PDL=0 PROFILE_STEPS=${PROFILE_STEPS:-3} THEN="$PIPE; moe_ffn.DOWN_BLOCKS_SHORT=64" run "pdl off" 1,8
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 THEN="$PIPE" run "trigger + both prefetches" 1 $PREF
 MOEBUS_PDL=programmatic run "programmatic" 1
