@@ -59,5 +59,6 @@ MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 run "programmatic + trigger" 1,8
 MOEBUS_PDL=programmatic MOEBUS_PDL_TRIGGER=1 THEN="$PIPE" run "trigger + both prefetches" 1 $PREF
 MOEBUS_PDL=programmatic run "programmatic" 1
 MOEBUS_PDL=launch_order run "launch_order" 1
-echo "== summary at $(at)"; grep -E "tok/s|refused|FAILED|Error" $OUT/bench.txt | cut -c1-150
-for f in programmatic trigger prefetch; do echo "warm graph_check $f:"; show $OUT/graph_check_$f.txt 2>/dev/null; done
+for f in programmatic trigger prefetch; do echo "warm graph_check $f:"
+  grep -E "vs eager|CHECK|refused|keeps its plain" $OUT/graph_check_$f.txt 2>/dev/null | cut -c1-100 | head -8; done
+echo "== summary at $(at)"; grep -E "tok/s|refused|FAILED|Error" $OUT/bench.txt | cut -c1-130
