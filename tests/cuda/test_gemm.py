@@ -323,6 +323,9 @@ def test_a_slow_cublas_call_is_logged_with_its_shape(monkeypatch, caplog):
         def set_stream(self, handle, stream):
             pass
 
+        def set_workspace(self, handle, address, size):
+            pass
+
         def gemm_batched_ex(self, *args):
             pass
 
@@ -339,3 +342,35 @@ def test_a_slow_cublas_call_is_logged_with_its_shape(monkeypatch, caplog):
     monkeypatch.setattr(gemm_host, "SLOW_CALL_S", 0.0)  # 0: none logged
     blas.gemm(0, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
     assert blas.slow_calls == 2
+
+
+def test_a_cublas_handle_gets_its_own_workspace_once(monkeypatch):
+    """gemm_host._Cublas gives the handle it makes a WORKSPACE_BYTES workspace of its own (cuBLAS would
+    otherwise take one with cudaMallocAsync inside a graph capture: alloc nodes, which the driver's edge
+    edits refuse: pdl.py), once, whatever the stream; 0 leaves cuBLAS its own."""
+    from moebus.cuda.kernels import gemm_host
+
+    calls = []
+
+    class Binding:
+        def create(self):
+            return 7
+
+        def set_stream(self, handle, stream):
+            pass
+
+        def set_workspace(self, handle, address, size):
+            calls.append((handle, address, size))
+
+        def gemm_ex(self, *args):
+            pass
+    monkeypatch.setattr(gemm_host, "WORKSPACE_BYTES", 1 << 12)
+    blas = gemm_host._Cublas(Binding())
+    for stream in (0, 0, 5):
+        blas.gemm(stream, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
+    assert len(calls) == 1 and calls[0][0] == 7 and calls[0][2] == 1 << 12 and calls[0][1] != 0
+    assert blas.workspace.nbytes == 1 << 12
+    monkeypatch.setattr(gemm_host, "WORKSPACE_BYTES", 0)
+    calls.clear()
+    gemm_host._Cublas(Binding()).gemm(0, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
+    assert calls == []

@@ -114,6 +114,32 @@ def test_expert_ffn_with_several_gate_up_rows_a_warp_gives_the_same_bits(rng, mo
     np.testing.assert_array_equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("blocks, prefetch", [(1, True), (1, False), (2, True)])
+def test_down_with_fewer_blocks_and_the_next_groups_prefetched_gives_the_same_bits(rng, monkeypatch, blocks,
+                                                                                   prefetch):
+    # moe_ffn.DOWN_BLOCKS_SHORT / DOWN_PREFETCH_NEXT (short runs: one token a pass): each warp takes several
+    # row groups in turn (HIDDEN 16 = 8 groups of 2 rows; 1 block of 4 warps: 2 groups a warp), asking L2
+    # for the next one's rows first; a host-store entry (negative) is not prefetched; same bits as before
+    x = rng.standard_normal((1, HIDDEN), dtype=np.float32)
+    arena = _arena(rng, "bf16")
+    store = _arena(rng, "bf16", num_slots=2)
+    token, slot, pair = (np.array(c, np.int32) for c in ([0, 0, 0], [2, -2, 3], [0, 1, 2]))
+    results = []
+    for cap, ahead in ((0, False), (blocks, prefetch)):
+        monkeypatch.setattr(moe_ffn, "DOWN_BLOCKS_SHORT", cap)
+        monkeypatch.setattr(moe_ffn, "DOWN_PREFETCH_NEXT", ahead)
+        out = poisoned((3, HIDDEN))
+        expert_ffn_cuda(device(x), device(token), device(slot), device(pair), device(arena), HIDDEN, INTER, out,
+                        poisoned((3, INTER)), store=device(store))
+        results.append(out.copy_to_host())
+    expected = np.full((3, HIDDEN), np.nan, np.float32)
+    hits = slot >= 0
+    expert_ffn_ref(x, token[hits], slot[hits], pair[hits], arena, HIDDEN, INTER, expected)
+    expert_ffn_ref(x, token[~hits], -1 - slot[~hits], pair[~hits], store, HIDDEN, INTER, expected)
+    np.testing.assert_allclose(results[1], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("storage", ["bf16", "f16"])
 def test_expert_ffn_streaming_weight_loads_give_the_same_bits(rng, monkeypatch, storage):
     # evict-first loads (moe_ffn.STREAM_WEIGHTS, loads.STREAMING) read the same words

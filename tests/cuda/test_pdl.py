@@ -35,6 +35,32 @@ def test_only_kernel_to_kernel_edges_into_waiting_kernels_are_converted():
     assert pdl.plan_edges(edges, functions, set()) == []
 
 
+def test_a_graph_with_alloc_or_free_nodes_keeps_its_plain_edges():
+    """cuGraphRemoveDependencies refuses graphs with memory alloc / free nodes (batch 8's graph in the
+    thirteenth session's first call, cuBLAS's workspace): make_programmatic then converts nothing."""
+    assert pdl.refusal({"CU_GRAPH_NODE_TYPE_MEMSET": 49, "CU_GRAPH_NODE_TYPE_MEMCPY": 1}) is None
+    assert pdl.refusal({}) is None
+    assert pdl.refusal({"CU_GRAPH_NODE_TYPE_MEM_ALLOC": 0}) is None
+    reason = pdl.refusal({"CU_GRAPH_NODE_TYPE_MEM_ALLOC": 2, "CU_GRAPH_NODE_TYPE_MEM_FREE": 1,
+                          "CU_GRAPH_NODE_TYPE_MEMSET": 3})
+    assert reason == "graph has 2 mem alloc nodes, 1 mem free nodes"
+
+
+def test_the_trigger_is_read_from_the_environment_and_keys_the_kernel_cache(monkeypatch):
+    """MOEBUS_PDL_TRIGGER changes the compiled wait (wait + launch_dependents), so kernels compiled with
+    it live under another kernel-cache fingerprint; unset and 0 keep the plain one."""
+    from moebus.cuda.kernels import kernel_cache
+
+    monkeypatch.delenv(pdl.TRIGGER_ENV, raising=False)
+    plain = kernel_cache.source_fingerprint()
+    assert not pdl.trigger_after_wait()
+    monkeypatch.setenv(pdl.TRIGGER_ENV, "0")
+    assert not pdl.trigger_after_wait() and kernel_cache.source_fingerprint() == plain
+    monkeypatch.setenv(pdl.TRIGGER_ENV, "1")
+    assert pdl.trigger_after_wait() and kernel_cache.source_fingerprint() != plain
+    assert pdl.TRIGGER_ENV in kernel_cache.COMPILE_ENV
+
+
 def test_kernels_that_call_the_wait_are_recognised():
     def waiting():
         pdl.grid_dependency_wait()
@@ -116,7 +142,8 @@ def test_a_graph_with_programmatic_edges_gives_the_bits_of_the_eager_step(port, 
         monkeypatch.setenv(pdl.ENV, "0")
         assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
         np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))
-    assert converted and all(c["converted"] > 0 for c in converted), converted
+    assert converted and all(c["converted"] > 0 and "refused" not in c for c in converted), converted
+    assert not any("MEM_ALLOC" in kind for c in converted for kind in c["types"]), converted  # gemm_host's workspace
 
 
 @pytest.mark.parametrize("port", ["programmatic", "launch_order", "0"])

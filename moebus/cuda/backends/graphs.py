@@ -16,7 +16,8 @@ simulator.
 With ``MOEBUS_PDL`` on (kernels/pdl.py), each kernel -> kernel edge of the captured graph whose
 destination calls ``grid_dependency_wait`` first becomes a programmatic edge before the graph is
 instantiated: the dependent's blocks launch while its predecessor ends (``CapturedStep.pdl`` holds
-the counts)."""
+the counts). A graph the driver will not edit (memory alloc / free nodes) keeps its plain edges and
+is still replayed as a graph: PDL never sends a step back to eager launches."""
 from __future__ import annotations
 
 import contextlib

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from moebus.cuda.dtypes import bf16_to_f32
-from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, R_16BF, R_32F
+from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, R_16BF, R_32F, address
 
 ITEMSIZE = {R_32F: 4, R_16BF: 2}
 DEFAULT_ALGO = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default since cuBLAS 11)
@@ -31,6 +31,13 @@ DEFAULT_ALGO = -1  # CUBLAS_GEMM_DEFAULT (tensor ops are allowed by default sinc
 # what the first image's spanning chunk met beside text streams (issue 20); 0: none logged
 SLOW_CALL_S = float(os.environ.get("MOEBUS_CUBLAS_SLOW_CALL_MS", "2")) / 1e3
 log = logging.getLogger("moebus.cublas")
+# each handle's own workspace (cublasSetWorkspace), made with the handle: without it cuBLAS 12.2+ takes
+# its workspace with cudaMallocAsync inside a graph capture, which puts memory alloc / free nodes in the
+# decode graph, and the driver then refuses to edit its edges (pdl.py: batch 8's graph, thirteenth
+# session). 32 MiB is what cuBLAS asks for on Hopper. The handle's calls run in one stream order (the
+# backend's stream, which replays the graphs it captured), so one workspace serves them all.
+# 0: cuBLAS's own (MOEBUS_CUBLAS_WORKSPACE_MB)
+WORKSPACE_BYTES = int(float(os.environ.get("MOEBUS_CUBLAS_WORKSPACE_MB", "32")) * (1 << 20))
 
 
 class HostBlas:
@@ -80,6 +87,7 @@ class _Cublas:
         self.handle = None
         self.scalars = np.zeros(8, np.float32)  # alpha, beta of the call in flight (pointer mode host)
         self.slow_calls = 0  # calls that took SLOW_CALL_S or more of host time
+        self.workspace = None  # WORKSPACE_BYTES of device memory, for the handle's life
 
     def gemm(self, stream, trans_a, trans_b, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0,
              beta=0.0, compute=COMPUTE_32F, batch=1, stride_a=0, stride_b=0, stride_c=0):
@@ -114,6 +122,11 @@ class _Cublas:
     def _prepare(self, stream, alpha: float, beta: float) -> tuple[int, int]:
         if self.handle is None:
             self.handle = self.cublas.create()
+            if WORKSPACE_BYTES > 0:
+                from moebus.cuda.kernels.compat import cuda
+
+                self.workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)
+                self.cublas.set_workspace(self.handle, address(self.workspace), WORKSPACE_BYTES)
         self.cublas.set_stream(self.handle, stream_handle(stream))
         self.scalars[0], self.scalars[1] = alpha, beta
         return self.scalars.ctypes.data, self.scalars.ctypes.data + 4

@@ -49,6 +49,14 @@ STREAM_WEIGHTS = True
 # complete by then) and asks L2 for its first rows of the expert's down matrix before it waits for
 # gate|up. Off until measured.
 PREFETCH_DOWN_BEFORE_WAIT = False
+# the down GEMV where runs are short (batch 1): at most DOWN_BLOCKS_SHORT blocks along its rows (0: a
+# block a 4 row groups, 256 at A3B's 2048, one round a warp: 2048 short blocks at batch 1, ~3 waves,
+# each waiting on HBM from scratch), each warp then taking several row groups in turn; with
+# DOWN_PREFETCH_NEXT it asks L2 for its next group's rows (prefetch.global.L2, resident experts only)
+# before it computes the current one, so their bytes come from HBM while it reduces and writes. A row's
+# sum is the same whichever warp takes it: same bits. Off until measured (thirteenth session).
+DOWN_BLOCKS_SHORT = 0
+DOWN_PREFETCH_NEXT = False
 
 
 def unroll_for(words: int, chunk: int) -> int:
@@ -151,7 +159,7 @@ def _gate_up_kernel(storage: str, wide: bool, chunk: int, unroll: int, streaming
 
 @functools.cache
 def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: int, streaming: bool,
-                 prefetch: bool = False):
+                 prefetch: bool = False, prefetch_next: bool = False):
     read_weight, width = chunk_reader(storage, wide, streaming)
     read_h, _ = chunk_reader("f32", wide)
     line_words = 16 if wide else 64  # 128 bytes of uint64 words or of 2-byte elements
@@ -181,8 +189,13 @@ def _down_kernel(storage: str, wide: bool, chunk: int, unroll: int, per_warp: in
         acc = cuda.local.array((per_warp, chunk), float32)
         w_buf = cuda.local.array((per_warp, unroll, width), float32)
         h_buf = cuda.local.array(width, float32)
+        resident = pair_slot[j] >= 0  # the next group's prefetch: arena rows only, not the host store's
         for start in range(0, num_groups, stride):
             group = min(start + first, num_groups - 1)
+            if prefetch_next and resident and start + stride + first < num_groups:
+                for r in range(per_warp):
+                    at = down_base + min((start + stride + first) * per_warp + r, hidden - 1) * inter_words
+                    prefetch_span(weights, slot, at, at + inter_words, line_words)
             for r in range(per_warp):
                 for t in range(chunk):
                     acc[r, t] = float32(0.0)
@@ -262,7 +275,11 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
     early = PREFETCH_DOWN_BEFORE_WAIT and released_early()
     gate_up = _gate_up_kernel(storage, wide, chunk, gate_unroll, STREAM_WEIGHTS, gate_rows, early)
     down_unroll, per_warp = down_shape(inter_words, chunk)
-    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS, early)
+    down = _down_kernel(storage, wide, chunk, down_unroll, per_warp, STREAM_WEIGHTS, early,
+                        DOWN_PREFETCH_NEXT and chunk <= 2)
+    down_blocks = ceil_div(ceil_div(hidden, per_warp), per_block)
+    if chunk <= 2 and DOWN_BLOCKS_SHORT > 0:
+        down_blocks = min(down_blocks, DOWN_BLOCKS_SHORT)
     x_view, h_view = reader_view(x, wide), reader_view(h, wide)
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     for first in range(0, num_pairs, per_launch):
@@ -271,6 +288,6 @@ def expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden: int, inte
             x_view, pair_token, pair_slot, arena_view, store_view, hidden_words, inter, first, h)
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
-        down[(blocks(ceil_div(ceil_div(hidden, per_warp), per_block)), count), block, stream](
+        down[(blocks(down_blocks), count), block, stream](
             h_view, pair_slot, pair_out, arena_view, store_view, hidden, inter_words, first, out)
     return out

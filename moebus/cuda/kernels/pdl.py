@@ -30,9 +30,23 @@ dependent kernel's blocks may start while its predecessor still runs; they block
 
 ``MOEBUS_PDL``: 0 off, ``programmatic`` (1, the default when on) or ``launch_order``, the port the
 edges leave from. ``launch_order``: the dependent may start once all the predecessor's blocks have
-started; ``programmatic``: once each has called launch_dependents or ended."""
+started; ``programmatic``: once each has called launch_dependents or ended.
+
+``MOEBUS_PDL_TRIGGER`` (read when this module is imported; part of kernel_cache's fingerprint, since
+it changes the compiled code): 1 makes ``grid_dependency_wait`` also call launch_dependents right
+after the wait, in every kernel: with the PROGRAMMATIC port the next kernel's blocks then launch
+while this one computes and sit in their own wait (at most one kernel ahead: a kernel releases its
+dependent only once its own wait has passed, i.e. once the kernel before it has completed, which is
+the rule ``released_early`` relies on). Without a programmatic edge the trigger does nothing.
+
+A graph the driver will not edit keeps its plain edges: cuGraphRemoveDependencies refuses graphs
+with memory allocation or free nodes (CUDA_ERROR_NOT_SUPPORTED; cuBLAS made them with
+cudaMallocAsync for its workspace until gemm_host gave each handle its own), so such a graph is
+left as captured (``refused`` in the counts, logged once), and an edge the driver refuses to add
+back is restored as a plain edge."""
 from __future__ import annotations
 
+import logging
 import os
 
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, cuda, device
@@ -41,6 +55,14 @@ ENV = "MOEBUS_PDL"
 DEFAULT = "0"  # off until a GPU call shows it correct and faster (docs/performance.md)
 PORTS = ("programmatic", "launch_order")
 WAIT_NAME = "grid_dependency_wait"
+TRIGGER_ENV = "MOEBUS_PDL_TRIGGER"
+log = logging.getLogger("moebus.cuda.pdl")
+_logged: set[str] = set()
+
+
+def trigger_after_wait() -> bool:
+    """MOEBUS_PDL_TRIGGER: every kernel releases its dependent right after its wait (compiled in)."""
+    return os.environ.get(TRIGGER_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def mode() -> str | None:
@@ -72,7 +94,8 @@ if not SIMULATOR:
 
         return statement
 
-    grid_dependency_wait = _statement("griddepcontrol.wait;")
+    grid_dependency_wait = _statement("griddepcontrol.wait; griddepcontrol.launch_dependents;"
+                                      if trigger_after_wait() else "griddepcontrol.wait;")
     launch_dependents = _statement("griddepcontrol.launch_dependents;")
 
     @intrinsic
@@ -176,10 +199,30 @@ def _check(result, what: str):
     return result
 
 
+REFUSING_NODE_TYPES = ("CU_GRAPH_NODE_TYPE_MEM_ALLOC", "CU_GRAPH_NODE_TYPE_MEM_FREE")
+
+
+def refusal(node_types: dict[str, int]) -> str | None:
+    """Why the driver will not edit a graph's edges (None: it will), from its nodes' types by name:
+    cuGraphRemoveDependencies refuses graphs with memory allocation or free nodes."""
+    found = {t: n for t, n in node_types.items() if t in REFUSING_NODE_TYPES and n}
+    return None if not found else "graph has " + ", ".join(f"{n} {t.rsplit('_', 2)[-2].lower()} "
+                                                          f"{t.rsplit('_', 1)[-1].lower()} nodes"
+                                                          for t, n in sorted(found.items()))
+
+
+def _note_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("PDL: a decode graph keeps its plain edges: %s", reason)
+
+
 def make_programmatic(graph, port: str = "programmatic") -> dict:
     """Turn each qualifying kernel -> kernel edge of ``graph`` (a CUgraph, not yet instantiated) into
     a programmatic one leaving from ``port``. Returns counts: nodes, kernel nodes, waiting kernel
-    nodes, edges, converted."""
+    nodes, edges, converted, and ``refused`` (why nothing was converted, where the driver would not:
+    the graph then keeps every edge it was captured with) and ``types`` (its other nodes by type).
+    Never leaves the graph with an edge less than it had: a failed add restores the plain edges."""
     from cuda.bindings import driver as cu
 
     _, src, dst, *rest = _check(_driver("cuGraphGetEdges")(graph, 0), "count edges")
@@ -189,10 +232,12 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, 0), "count nodes")
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, num_nodes), "nodes")
     waiting = waiting_functions()
-    functions = {}
+    functions, types = {}, {}
     for node in nodes:
         (_, kind) = _check(cu.cuGraphNodeGetType(node), "node type")
         if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            name = getattr(kind, "name", str(kind))
+            types[name] = types.get(name, 0) + 1
             continue
         status, params = cu.cuGraphKernelNodeGetParams(node)
         function = int(params.func) if status == cu.CUresult.CUDA_SUCCESS else 0
@@ -202,15 +247,25 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
         functions[int(node)] = function  # 0: a kernel node whose function is unknown (never waits)
     chosen = plan_edges([(int(a), int(b)) for a, b in zip(src, dst)], functions, waiting)
     stats = {"nodes": int(num_nodes), "kernels": len(functions),
-             "waiting": sum(f in waiting for f in functions.values()), "edges": int(count), "converted": len(chosen)}
+             "waiting": sum(f in waiting for f in functions.values()), "edges": int(count), "converted": 0,
+             "types": types}
     if not chosen:
         return stats
-    if old_data is not None and any(int(old_data[i].type) != 0 or int(old_data[i].from_port) != 0 for i in chosen):
-        raise RuntimeError("PDL: the captured graph already has non-default edges")
+    reason = refusal(types)
+    if reason is None and old_data is not None and \
+            any(int(old_data[i].type) != 0 or int(old_data[i].from_port) != 0 for i in chosen):
+        reason = "the captured graph already has non-default edges"
     froms, tos = [src[i] for i in chosen], [dst[i] for i in chosen]
     remove, add = _driver("cuGraphRemoveDependencies"), _driver("cuGraphAddDependencies")
-    plain = [cu.CUgraphEdgeData() for _ in chosen]
-    _check(remove(graph, froms, tos, plain, len(chosen)), "remove edges")
+    if reason is None:
+        status = remove(graph, froms, tos, [cu.CUgraphEdgeData() for _ in chosen], len(chosen))
+        status = status[0] if isinstance(status, tuple) else status
+        if status != cu.CUresult.CUDA_SUCCESS:  # nothing removed: the driver checks before it edits
+            reason = f"remove edges: {status}"
+    if reason is not None:
+        stats["refused"] = reason
+        _note_once(reason)
+        return stats
     edge = []
     for _ in chosen:
         data = cu.CUgraphEdgeData()
@@ -218,5 +273,12 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
         data.from_port = (cu.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER if port == "launch_order"
                           else cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
         edge.append(data)
-    _check(add(graph, froms, tos, edge, len(chosen)), "add programmatic edges")
+    status = add(graph, froms, tos, edge, len(chosen))
+    status = status[0] if isinstance(status, tuple) else status
+    if status != cu.CUresult.CUDA_SUCCESS:  # put the plain edges back, as captured
+        _check(add(graph, froms, tos, [cu.CUgraphEdgeData() for _ in chosen], len(chosen)), "restore edges")
+        stats["refused"] = f"add programmatic edges: {status}"
+        _note_once(stats["refused"])
+        return stats
+    stats["converted"] = len(chosen)
     return stats
