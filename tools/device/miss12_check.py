@@ -9,10 +9,12 @@
     without the prefetch, same tokens and bit-identical logprobs at batch 1 and 8;
 (3) variants: bench decode's own figures (``_in_process`` + ``_bounds``) per SLOTS:RANKS[:flags] or off
     (the timelines run after the first TIMELINES_AFTER of them);
-(4) timeline (torch.profiler's CUPTI trace of replayed steps) per PROFILED variant at TIMELINE_BATCHES:
-    the step's GPU span, the time some kernel reading the link runs (expert kernels' mapped reads, the
-    prefetch's copies), the time nothing reading the link runs (the link idle but for admissions on
-    the copy engine), and the copies that ran with no expert kernel beside them (true overlap).
+(4) timeline (torch.profiler's CUPTI trace of replayed steps) per PROFILED variant (``V@B``: batch B
+    only; else every batch): the step's GPU span, the time some kernel reading the link runs (the
+    expert GEMVs' mapped reads, the prefetch's copy kernel, admissions on the copy engine), the time
+    none does, the bytes the steps moved over that time (the link's rate while read), the prefetch's
+    copies alone vs beside expert kernels, and how long the expert kernels wait after the compute
+    stream's last kernel (the join on the copies, and launch latency).
 Usage: miss12_check.py MODEL [TOKENS] [VARIANTS] [PROFILED]; CHECK_BUDGET seconds in all."""
 import os
 import sys
@@ -31,7 +33,7 @@ profiled = [v for v in (sys.argv[4] if len(sys.argv) > 4 else "").split(",") if 
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",") if b]
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 deadline = time.time() + float(os.environ.get("CHECK_BUDGET", "1e9"))
-slots = max([int(v[0]) for v in variants if v[0] != "off"] + [2])
+slots = max([int(v[0]) for v in variants if v[0] != "off"] + [2])  # the banks' size at load: the same cache for all
 prompt = [(7 * i + 3) % 200 + 10 for i in range(int(os.environ.get("PROMPT_TOKENS", "32")))]
 t0 = time.perf_counter()
 model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt) + tokens + 40, cache_fraction=0.25,
@@ -88,7 +90,7 @@ def link_probe() -> None:
             end.synchronize()
         s = begin.elapsed_time(end) / 1e3
         line = f"link {label}: copy engine 8 x 1 expert {8 * blob / s / 1e9:.1f} GB/s"
-        for k in (2, 4):
+        for k in (1, 2, 4):
             keys = ops.persist(rows[:: 8 // k][:k].astype(np.int32))
             kernels.copy_prefetch_cuda(keys, store.device_blobs, cache.array, 0)
             begin, end = cuda.event(), cuda.event()
@@ -102,14 +104,19 @@ def link_probe() -> None:
         print(line, flush=True)
 
 
+MAX_ADMISSIONS = cache.max_admissions  # the cache's own (slots / 16)
+
+
 def make(v):
-    """(label, prefetch or None) of a variant SLOTS:RANKS[:flags] or off, flags (while the variant runs):
-    ``logits``, top-k and plan in one kernel (workers/prefetch.PLAN_FROM_LOGITS); ``after``, the next
-    layer's copies after this layer's expert kernels (workers/prefetch.COPY_AFTER_EXPERTS)."""
+    """(label, prefetch or None) of a variant SLOTS:RANKS[:flags] or off[:flags], flags (while the variant
+    runs): ``logits``, top-k and plan in one kernel (workers/prefetch.PLAN_FROM_LOGITS); ``after``, the
+    next layer's copies after this layer's expert kernels (workers/prefetch.COPY_AFTER_EXPERTS); ``aN``,
+    at most N admissions a step (ExpertCache.max_admissions; else the cache's own)."""
     from moebus.workers import prefetch as prefetch_module
 
     prefetch_module.PLAN_FROM_LOGITS = "logits" in v
     prefetch_module.COPY_AFTER_EXPERTS = "after" in v
+    cache.max_admissions = next((int(f[1:]) for f in v[1:] if f[:1] == "a" and f[1:].isdigit()), MAX_ADMISSIONS)
     if v[0] == "off":
         return ":".join(v), None
     return ":".join(v), Prefetch(int(v[0]), len(cache.store.layers), cfg.num_experts, int(v[1]),
@@ -184,28 +191,45 @@ def timeline(label, prefetch, batch, steps=8) -> None:
     decode_tokens(model, prompt, batch, 4)  # captured, warm
     model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
     last = [prompt[-1]] * batch
+    before = cache.stats()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             out = model.step(StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
                                        tokens=last))
             last = [int(t) for t in out.tokens]
+    moved = cache.stats()["h2d_bytes"] - before["h2d_bytes"]  # misses read, admissions, prefetches (used or not)
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
-    kernels = [(short_name(e.name), e.time_range.start, e.time_range.end) for e in events]
-    is_copy = [("copy_rows" in n or "Memcpy" in n) for n, _, _ in kernels]  # prefetch kernel, admissions
-    is_expert = [("moe_ffn" in n or any(w in n.lower() for w in ("gemm", "cutlass", "sm90", "nvjet")))
-                 for n, _, _ in kernels]
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
+    # the names as CUPTI gives them (numba's demangled: moebus::cuda::kernels::prefetch::_copy_kernel::...)
+    is_prefetch = ["_copy_kernel" in n or "copy_rows" in n for n, _, _ in kernels]
+    is_admission = ["Memcpy HtoD" in n for n, _, _ in kernels]
+    is_expert = ["moe_ffn" in n or "moe_quant" in n for n, _, _ in kernels]  # the GEMVs (batch 8's gemms are dense)
     busy = union([(a, b) for _, a, b in kernels])
     experts = union([(a, b) for (_, a, b), e in zip(kernels, is_expert) if e])
-    copies = union([(a, b) for (_, a, b), c in zip(kernels, is_copy) if c])
-    link = union(experts + copies)
+    prefetches = union([(a, b) for (_, a, b), c in zip(kernels, is_prefetch) if c])
+    admissions = union([(a, b) for (_, a, b), c in zip(kernels, is_admission) if c])
+    link = union(experts + prefetches + admissions)
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    # the wait before each expert kernel: from the end of the compute stream's kernel before it (any
+    # kernel that is not a copy and ended before it started) to its start
+    compute = sorted((b, a) for (_, a, b), c, d in zip(kernels, is_prefetch, is_admission) if not (c or d))
+    ends = [b for b, _ in compute]
+    waits = []
+    for (n, a, b), e in zip(kernels, is_expert):
+        if e and "gate_up" in n:
+            k = np.searchsorted(ends, a, side="right") - 1
+            if k >= 0:
+                waits.append(a - ends[k])
     print(f"-- timeline {label} batch {batch}, per step (us): GPU span {span / steps:.0f}, busy {length(busy) / steps:.0f}, "
-          f"a link-reading kernel running {length(link) / steps:.0f}, none running {(span - length(link)) / steps:.0f} "
-          f"(of which GPU busy {length(minus(busy, link)) / steps:.0f}), copies (prefetch, admissions) {length(copies) / steps:.0f}, "
-          f"copies with no expert kernel beside {length(minus(copies, experts)) / steps:.0f}", flush=True)
+          f"link read {length(link) / steps:.0f} ({moved / steps / 1e6:.0f} MB: {moved / max(length(link), 1) / 1e3:.1f} GB/s "
+          f"while read), none reading {(span - length(link)) / steps:.0f} (GPU busy {length(minus(busy, link)) / steps:.0f}); "
+          f"expert GEMVs {length(experts) / steps:.0f}, prefetch copies {length(prefetches) / steps:.0f} (alone "
+          f"{length(minus(prefetches, union(experts + admissions))) / steps:.0f}), admissions {length(admissions) / steps:.0f} "
+          f"(alone {length(minus(admissions, union(experts + prefetches))) / steps:.0f}); gate|up waits after the compute "
+          f"stream {sum(waits) / steps:.0f} ({len(waits) / steps:.0f} a step, max {max(waits, default=0):.0f})", flush=True)
     by_name = {}
     for n, a, b in kernels:
-        c = by_name.setdefault(n, [0, 0.0])
+        c = by_name.setdefault(short_name(n), [0, 0.0])
         c[0] += 1
         c[1] += b - a
     for n, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]:
@@ -231,11 +255,14 @@ def bench(v) -> None:
         r = _in_process(model, prompt, tokens, batch, 2)
         r.update(_bounds(r, cfg, cfg.num_layers, cache.store.blob_bytes, 50.0, 4800.0))
         r["of_bound"] = r["tok_s"] / r["pcie_bound_tok_s"] if r["pcie_bound_tok_s"] else float("nan")
+        misses = r["unique_experts_per_step"] * (1 - r["hit_rate"])  # distinct experts read from the host a step
+        used = r["prefetch_used_per_step"]
         rows.append((label, r))
         print(f"{label:>10} b{batch}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms, hit {r['hit_rate']:.3f}, bound "
               f"{r['pcie_bound_tok_s'] or float('nan'):.1f}, OF BOUND {r['of_bound']:.3f}, {r['h2d_gb_s']:.1f} GB/s, "
               f"needed {r['h2d_bytes_per_step'] / 1e6:.0f} MB, prefetched {r['prefetched_per_step']:.1f} used "
-              f"{r['prefetch_used_per_step']:.1f} wasted {r['prefetch_wasted_mb_per_step']:.1f} MB", flush=True)
+              f"{used:.1f} (of {misses:.0f} misses: {used / max(misses, 1e-9):.2f}) wasted "
+              f"{r['prefetch_wasted_mb_per_step']:.1f} MB", flush=True)
 
 
 def timelines() -> None:
@@ -245,7 +272,8 @@ def timelines() -> None:
                 if time.time() > deadline - 10:
                     print("(budget: timelines cut here)", flush=True)
                     return
-                timeline(*make(v.split(":")), batch)
+                if "@" not in v or int(v.split("@")[1]) == batch:
+                    timeline(*make(v.split("@")[0].split(":")), batch)
     except Exception as e:  # no torch, or no CUPTI: the rest stands
         print("no timeline:", type(e).__name__, e, flush=True)
 
