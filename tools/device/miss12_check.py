@@ -220,13 +220,18 @@ def timeline(label, prefetch, batch, steps=8) -> None:
             k = np.searchsorted(ends, a, side="right") - 1
             if k >= 0:
                 waits.append(a - ends[k])
+    idle = minus([[busy[0][0], busy[-1][1]]], link) if busy else []  # the link's idle stretches, by length
+    by_length = [(lo, hi, [b - a for a, b in idle if lo <= b - a < hi]) for lo, hi in ((0, 50), (50, 500), (500, 1e12))]
+    idle_text = ", ".join(f"{len(g) / steps:.0f} of {lo:.0f}-{hi:.0f} us {sum(g) / steps:.0f}" if hi < 1e12 else
+                          f"{len(g) / steps:.1f} over {lo:.0f} us {sum(g) / steps:.0f}" for lo, hi, g in by_length)
     print(f"-- timeline {label} batch {batch}, per step (us): GPU span {span / steps:.0f}, busy {length(busy) / steps:.0f}, "
           f"link read {length(link) / steps:.0f} ({moved / steps / 1e6:.0f} MB: {moved / max(length(link), 1) / 1e3:.1f} GB/s "
           f"while read), none reading {(span - length(link)) / steps:.0f} (GPU busy {length(minus(busy, link)) / steps:.0f}); "
           f"expert GEMVs {length(experts) / steps:.0f}, prefetch copies {length(prefetches) / steps:.0f} (alone "
           f"{length(minus(prefetches, union(experts + admissions))) / steps:.0f}), admissions {length(admissions) / steps:.0f} "
           f"(alone {length(minus(admissions, union(experts + prefetches))) / steps:.0f}); gate|up waits after the compute "
-          f"stream {sum(waits) / steps:.0f} ({len(waits) / steps:.0f} a step, max {max(waits, default=0):.0f})", flush=True)
+          f"stream {sum(waits) / steps:.0f} ({len(waits) / steps:.0f} a step, max {max(waits, default=0):.0f}); link idle a "
+          f"step: {idle_text} (the last: between steps, the host's work)", flush=True)
     by_name = {}
     for n, a, b in kernels:
         c = by_name.setdefault(short_name(n), [0, 0.0])
