@@ -101,22 +101,43 @@ def link_probe() -> None:
             end.synchronize()
             s = begin.elapsed_time(end) / 1e3 / 4
             line += f"; mapped reads {k} experts {k * blob / s / 1e9:.1f} GB/s"
+        for flag in ("b4u16", "b2u32"):  # fewer blocks (fewer SMs held beside the compute), as many bytes in flight
+            copy_kernel(flag)
+            keys = ops.persist(rows[:2].astype(np.int32))
+            kernels.copy_prefetch_cuda(keys, store.device_blobs, cache.array, 0)
+            begin, end = cuda.event(), cuda.event()
+            begin.record()
+            for _ in range(4):
+                kernels.copy_prefetch_cuda(keys, store.device_blobs, cache.array, 0)
+            end.record()
+            end.synchronize()
+            line += f"; 2 experts {flag} {2 * blob / (begin.elapsed_time(end) / 4e3) / 1e9:.1f} GB/s"
+        copy_kernel("b16u4")
         print(line, flush=True)
 
 
 MAX_ADMISSIONS = cache.max_admissions  # the cache's own (slots / 16)
 
 
+def copy_kernel(flag: str) -> None:
+    """``bNuM``: the prefetch's copy kernel at N blocks a slot, M words a thread in flight (b16u4: its own)."""
+    from moebus.cuda.kernels import prefetch as kernels
+
+    kernels.COPY_BLOCKS_PER_SLOT, kernels.COPY_UNROLL = (int(x) for x in flag[1:].split("u"))
+
+
 def make(v):
     """(label, prefetch or None) of a variant SLOTS:RANKS[:flags] or off[:flags], flags (while the variant
     runs): ``logits``, top-k and plan in one kernel (workers/prefetch.PLAN_FROM_LOGITS); ``after``, the
     next layer's copies after this layer's expert kernels (workers/prefetch.COPY_AFTER_EXPERTS); ``aN``,
-    at most N admissions a step (ExpertCache.max_admissions; else the cache's own)."""
+    at most N admissions a step (ExpertCache.max_admissions; else the cache's own); ``bNuM``, the copy
+    kernel's blocks a slot and words a thread in flight (copy_kernel)."""
     from moebus.workers import prefetch as prefetch_module
 
     prefetch_module.PLAN_FROM_LOGITS = "logits" in v
     prefetch_module.COPY_AFTER_EXPERTS = "after" in v
     cache.max_admissions = next((int(f[1:]) for f in v[1:] if f[:1] == "a" and f[1:].isdigit()), MAX_ADMISSIONS)
+    copy_kernel(next((f for f in v[1:] if f[:1] == "b" and "u" in f), "b16u4"))
     if v[0] == "off":
         return ":".join(v), None
     return ":".join(v), Prefetch(int(v[0]), len(cache.store.layers), cfg.num_experts, int(v[1]),
