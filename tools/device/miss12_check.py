@@ -286,7 +286,7 @@ def bench(v) -> None:
         rows.append((label, r))
         print(f"{label:>10} b{batch}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms, hit {r['hit_rate']:.3f}, bound "
               f"{r['pcie_bound_tok_s'] or float('nan'):.1f}, OF BOUND {r['of_bound']:.3f}, {r['h2d_gb_s']:.1f} GB/s, "
-              f"needed {r['h2d_bytes_per_step'] / 1e6:.0f} MB, prefetched {r['prefetched_per_step']:.1f} used "
+              f"needed {r['h2d_bytes_per_step'] / 1e6:.0f} MB, experts prefetched {r['prefetched_per_step']:.1f} used "
               f"{used:.1f} (of {misses:.0f} misses: {used / max(misses, 1e-9):.2f}) wasted "
               f"{r['prefetch_wasted_mb_per_step']:.1f} MB", flush=True)
 

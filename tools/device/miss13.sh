@@ -11,7 +11,7 @@ source tools/device/setup.sh
 set -o pipefail
 T0=$(date +%s); BUDGET=${BUDGET:-110}
 now() { echo $(( $(date +%s) - T0 )); }
-V=${VARIANTS:-2:2,1:8:after,2:8:after,1:8:after:b4u16,1:4:after,2:8,1:8,3:8:after,off,2:2:a0}
+V=${VARIANTS:-2:2,1:8:after,2:8:after,1:8:after:b4u16,1:4:after,2:8,1:8,3:8:after,off,2:2,1:8:after,2:2:a0}
 P=${PROFILED:-2:2@8,1:8:after@8,2:8:after@8,1:8:after@1}
 cd tools/device
 if [ "$PHASE" = warm ]; then
