@@ -206,7 +206,6 @@ def timeline(label, prefetch, batch, steps=8) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from moebus.workers.batch import StepBatch
-    from decode_profile import short_name
 
     use(prefetch)
     decode_tokens(model, prompt, batch, 4)  # captured, warm
@@ -221,6 +220,14 @@ def timeline(label, prefetch, batch, steps=8) -> None:
     moved = cache.stats()["h2d_bytes"] - before["h2d_bytes"]  # misses read, admissions, prefetches (used or not)
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
+    print(analyse(kernels, moved, steps, f"{label} batch {batch}"), flush=True)
+
+
+def analyse(kernels, moved: int, steps: int, label: str) -> str:
+    """The timeline's figures from CUPTI's (name, start us, end us) of ``steps`` steps that moved
+    ``moved`` bytes over PCIe."""
+    from decode_profile import short_name
+
     # the names as CUPTI gives them (numba's demangled: moebus::cuda::kernels::prefetch::_copy_kernel::...)
     is_prefetch = ["_copy_kernel" in n or "copy_rows" in n for n, _, _ in kernels]
     is_admission = ["Memcpy HtoD" in n for n, _, _ in kernels]
@@ -231,35 +238,42 @@ def timeline(label, prefetch, batch, steps=8) -> None:
     admissions = union([(a, b) for (_, a, b), c in zip(kernels, is_admission) if c])
     link = union(experts + prefetches + admissions)
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
-    # the wait before each expert kernel: from the end of the compute stream's kernel before it (any
-    # kernel that is not a copy and ended before it started) to its start
-    compute = sorted((b, a) for (_, a, b), c, d in zip(kernels, is_prefetch, is_admission) if not (c or d))
-    ends = [b for b, _ in compute]
-    waits = []
-    for (n, a, b), e in zip(kernels, is_expert):
-        if e and "gate_up" in n:
-            k = np.searchsorted(ends, a, side="right") - 1
-            if k >= 0:
-                waits.append(a - ends[k])
+    # the wait before each join (remap_pairs: after the side branch's copies) and each gate|up kernel: from
+    # the end of the last kernel before it that is neither a copy nor the side branch's plan to its start
+    # (the side branch's router and top-k count as compute: a lower bound on the wait)
+    compute = sorted(b for (n, a, b), c, d in zip(kernels, is_prefetch, is_admission) if not (c or d or "plan_" in n))
+
+    def waits(word):
+        out = []
+        for n, a, b in kernels:
+            if word in n:
+                k = np.searchsorted(compute, a, side="right") - 1
+                if k >= 0:
+                    out.append(a - compute[k])
+        return out
+
+    joins, gate_ups = waits("remap_pairs"), waits("_gate_up")
     idle = minus([[busy[0][0], busy[-1][1]]], link) if busy else []  # the link's idle stretches, by length
     by_length = [(lo, hi, [b - a for a, b in idle if lo <= b - a < hi]) for lo, hi in ((0, 50), (50, 500), (500, 1e12))]
     idle_text = ", ".join(f"{len(g) / steps:.0f} of {lo:.0f}-{hi:.0f} us {sum(g) / steps:.0f}" if hi < 1e12 else
                           f"{len(g) / steps:.1f} over {lo:.0f} us {sum(g) / steps:.0f}" for lo, hi, g in by_length)
-    print(f"-- timeline {label} batch {batch}, per step (us): GPU span {span / steps:.0f}, busy {length(busy) / steps:.0f}, "
+    text = (f"-- timeline {label}, per step (us): GPU span {span / steps:.0f}, busy {length(busy) / steps:.0f}, "
           f"link read {length(link) / steps:.0f} ({moved / steps / 1e6:.0f} MB: {moved / max(length(link), 1) / 1e3:.1f} GB/s "
           f"while read), none reading {(span - length(link)) / steps:.0f} (GPU busy {length(minus(busy, link)) / steps:.0f}); "
           f"expert GEMVs {length(experts) / steps:.0f}, prefetch copies {length(prefetches) / steps:.0f} (alone "
           f"{length(minus(prefetches, union(experts + admissions))) / steps:.0f}), admissions {length(admissions) / steps:.0f} "
-          f"(alone {length(minus(admissions, union(experts + prefetches))) / steps:.0f}); gate|up waits after the compute "
-          f"stream {sum(waits) / steps:.0f} ({len(waits) / steps:.0f} a step, max {max(waits, default=0):.0f}); link idle a "
-          f"step: {idle_text} (the last: between steps, the host's work)", flush=True)
+          f"(alone {length(minus(admissions, union(experts + prefetches))) / steps:.0f}); waits after the compute stream: "
+          f"joins {sum(joins) / steps:.0f} ({len(joins) / steps:.0f} a step, max {max(joins, default=0):.0f}), gate|up "
+          f"{sum(gate_ups) / steps:.0f} ({len(gate_ups) / steps:.0f}); link idle a "
+          f"step: {idle_text} (the last: between steps, the host's work)")
     by_name = {}
     for n, a, b in kernels:
         c = by_name.setdefault(short_name(n), [0, 0.0])
         c[0] += 1
         c[1] += b - a
     for n, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]:
-        print(f"   {n[:50]:<50} {calls / steps:>6.1f}/step {us / calls:>8.1f} us {us / steps:>8.0f} us/step")
+        text += f"\n   {n[:50]:<50} {calls / steps:>6.1f}/step {us / calls:>8.1f} us {us / steps:>8.0f} us/step"
+    return text
 
 
 ok = True
