@@ -5,10 +5,11 @@
     the first third of the store (what a 16-layer store spans) and across all of it (48 layers): the
     copy engine (one expert a cuMemcpyHtoDAsync) and the prefetch's copy kernel (mapped reads), CUDA
     events; and where the store's pages are (/proc/self/numa_maps, smaps: NUMA node, page size);
-(2) check (CHECK=1): graph + the first CHECKED variants with a flag (``after``, ``logits``) == graph
-    without the prefetch, same tokens and bit-identical logprobs at batch 1 and 8;
-(3) variants: bench decode's own figures (``_in_process`` + ``_bounds``) per SLOTS:RANKS[:flags] or off
-    (the timelines run after the first TIMELINES_AFTER of them);
+(2) check (CHECK=1): graph + the first CHECKED variants with a flag (``after``, ``logits``), or those
+    CHECK_VARIANTS lists, == graph without the prefetch, same tokens and bit-identical logprobs at batch 1 and 8;
+(3) variants: bench decode's own figures (``_in_process`` + ``_bounds``) per SLOTS:RANKS[:flags], off[:flags]
+    or ``default`` (the tree's own prefetch; make() lists the flags; the timelines run after the first
+    TIMELINES_AFTER of them);
 (4) timeline (torch.profiler's CUPTI trace of replayed steps) per PROFILED variant (``V@B``: batch B
     only; else every batch): the step's GPU span, the time some kernel reading the link runs (the
     expert GEMVs' mapped reads, the prefetch's copy kernel, admissions on the copy engine), the time
@@ -24,7 +25,9 @@ import numpy as np
 
 from moebus.bench.decode import _bounds, _in_process
 from moebus.workers.local import LocalModel
-from moebus.workers.prefetch import Prefetch
+from moebus.cuda.kernels import prefetch as prefetch_kernels
+from moebus.workers import prefetch as prefetch_module
+from moebus.workers.prefetch import DEFAULT_SLOTS_PER_LAYER, PREDICTED_PER_TOKEN, Prefetch
 from decode_tokens import decode_tokens  # noqa: E402 - beside this script
 
 model_dir, tokens = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -33,6 +36,10 @@ profiled = [v for v in (sys.argv[4] if len(sys.argv) > 4 else "").split(",") if 
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",") if b]
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 deadline = time.time() + float(os.environ.get("CHECK_BUDGET", "1e9"))
+# ``default``: the tree's own prefetch (slots, ranks, flags as the modules set them), the others given
+variants = [[str(DEFAULT_SLOTS_PER_LAYER), str(PREDICTED_PER_TOKEN), "default"] if v == ["default"] else v
+            for v in variants]
+DEFAULT_FLAGS = (prefetch_module.PLAN_FROM_LOGITS, prefetch_module.COPY_AFTER_EXPERTS)
 slots = max([int(v[0]) for v in variants if v[0] != "off"] + [2])  # the banks' size at load: the same cache for all
 prompt = [(7 * i + 3) % 200 + 10 for i in range(int(os.environ.get("PROMPT_TOKENS", "32")))]
 t0 = time.perf_counter()
@@ -112,18 +119,17 @@ def link_probe() -> None:
             end.record()
             end.synchronize()
             line += f"; 2 experts {flag} {2 * blob / (begin.elapsed_time(end) / 4e3) / 1e9:.1f} GB/s"
-        copy_kernel("b16u4")
+        copy_kernel(COPY_DEFAULT)
         print(line, flush=True)
 
 
 MAX_ADMISSIONS = cache.max_admissions  # the cache's own (slots / 16)
+COPY_DEFAULT = f"b{prefetch_kernels.COPY_BLOCKS_PER_SLOT}u{prefetch_kernels.COPY_UNROLL}"  # the tree's own
 
 
 def copy_kernel(flag: str) -> None:
-    """``bNuM``: the prefetch's copy kernel at N blocks a slot, M words a thread in flight (b16u4: its own)."""
-    from moebus.cuda.kernels import prefetch as kernels
-
-    kernels.COPY_BLOCKS_PER_SLOT, kernels.COPY_UNROLL = (int(x) for x in flag[1:].split("u"))
+    """``bNuM``: the prefetch's copy kernel at N blocks a slot, M words a thread in flight."""
+    prefetch_kernels.COPY_BLOCKS_PER_SLOT, prefetch_kernels.COPY_UNROLL = (int(x) for x in flag[1:].split("u"))
 
 
 def make(v):
@@ -132,12 +138,12 @@ def make(v):
     next layer's copies after this layer's expert kernels (workers/prefetch.COPY_AFTER_EXPERTS); ``aN``,
     at most N admissions a step (ExpertCache.max_admissions; else the cache's own); ``bNuM``, the copy
     kernel's blocks a slot and words a thread in flight (copy_kernel)."""
-    from moebus.workers import prefetch as prefetch_module
-
-    prefetch_module.PLAN_FROM_LOGITS = "logits" in v
-    prefetch_module.COPY_AFTER_EXPERTS = "after" in v
+    if v == ["default"]:
+        v = [str(DEFAULT_SLOTS_PER_LAYER), str(PREDICTED_PER_TOKEN), "default"]
+    prefetch_module.PLAN_FROM_LOGITS, prefetch_module.COPY_AFTER_EXPERTS = (
+        DEFAULT_FLAGS if "default" in v else ("logits" in v, "after" in v))
     cache.max_admissions = next((int(f[1:]) for f in v[1:] if f[:1] == "a" and f[1:].isdigit()), MAX_ADMISSIONS)
-    copy_kernel(next((f for f in v[1:] if f[:1] == "b" and "u" in f), "b16u4"))
+    copy_kernel(next((f for f in v[1:] if f[:1] == "b" and "u" in f), COPY_DEFAULT))
     if v[0] == "off":
         return ":".join(v), None
     return ":".join(v), Prefetch(int(v[0]), len(cache.store.layers), cfg.num_experts, int(v[1]),
@@ -156,6 +162,9 @@ def check() -> bool:
     ok = True
     flagged = [v for v in variants if v[0] != "off" and len(v) > 2] or [v for v in variants if v[0] != "off"]
     flagged = flagged[:int(os.environ.get("CHECKED", "1"))]  # the first CHECKED variants with a flag
+    if os.environ.get("CHECK_VARIANTS"):  # or these (``default``: the tree's own)
+        flagged = [[str(DEFAULT_SLOTS_PER_LAYER), str(PREDICTED_PER_TOKEN), "default"] if v == "default" else v.split(":")
+                   for v in os.environ["CHECK_VARIANTS"].split(",")]
     for batch in BATCHES:
         use(None)
         plain = decode_tokens(model, prompt, batch, 8)[:2]
