@@ -132,6 +132,41 @@ def copy_kernel(flag: str) -> None:
     prefetch_kernels.COPY_BLOCKS_PER_SLOT, prefetch_kernels.COPY_UNROLL = (int(x) for x in flag[1:].split("u"))
 
 
+def gemv_probe() -> None:
+    """The expert GEMVs (gate|up + down, one token, 8 pairs) with 0-4 of the 8 experts read from the
+    host store: the misses' PCIe rate as the kernels get it, (t(m) - t(0)) / m experts; the copy
+    kernel gets ~50 GB/s for one expert (link_probe), a layer's kernels read 2-3 (is the rate lower
+    with fewer misses in flight?)."""
+    from numba import cuda
+
+    from moebus.cuda.kernels import moe_ffn
+
+    store, blob = cache.store, cache.store.blob_bytes
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    x = cuda.to_device(np.full((1, hidden), 0.01, np.float32))
+    out, scratch = cuda.device_array((8, hidden), np.float32), cuda.device_array((8, inter), np.float32)
+    token, pair_out = cuda.to_device(np.zeros(8, np.int32)), cuda.to_device(np.arange(8, dtype=np.int32))
+    rows = np.linspace(0, store.num_blobs - 1, 8).astype(np.int64)
+    first = cache.num_reserved  # resident slots past the banks (whatever they hold: only the time counts)
+    times = []
+    for missed in range(5):
+        slots = np.array([-1 - int(rows[j]) if j < missed else first + j for j in range(8)], np.int32)
+        pair_slot = cuda.to_device(slots)
+        run = lambda: moe_ffn.expert_ffn_cuda(x, token, pair_slot, pair_out, cache.array, hidden, inter, out,  # noqa: E731
+                                              scratch, store=store.device_blobs)
+        run()
+        begin, end = cuda.event(), cuda.event()
+        begin.record()
+        for _ in range(4):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 4 * 1e3)  # us
+    print("expert GEMVs, 1 token x 8 pairs, m of them from the host: " + ", ".join(
+        f"m={m} {t:.0f} us" + (f" ({m * blob / ((t - times[0]) * 1e3):.1f} GB/s)" if m else "")
+        for m, t in enumerate(times)), flush=True)
+
+
 def make(v):
     """(label, prefetch or None) of a variant SLOTS:RANKS[:flags] or off[:flags], flags (while the variant
     runs): ``logits``, top-k and plan in one kernel (workers/prefetch.PLAN_FROM_LOGITS); ``after``, the
@@ -289,6 +324,10 @@ ok = True
 if not SIM:
     store_pages()
     link_probe()
+    try:
+        gemv_probe()
+    except Exception as e:  # the rest stands
+        print("no GEMV probe:", type(e).__name__, e, flush=True)
 if os.environ.get("CHECK", "0") == "1":
     ok = check()
 rows = []
