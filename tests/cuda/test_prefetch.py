@@ -57,6 +57,20 @@ def test_copy_brings_the_planned_rows_into_the_bank_slots(rng, dtype, width):
     np.testing.assert_array_equal(want[4], arena[4])  # no key: the slot is left as it was
 
 
+@pytest.mark.parametrize("blocks_per_slot, unroll", [(1, 16), (2, 3)])
+def test_copy_at_other_blocks_and_words_in_flight_brings_the_same_rows(rng, monkeypatch, blocks_per_slot, unroll):
+    from moebus.cuda.kernels import prefetch as kernels
+
+    monkeypatch.setattr(kernels, "COPY_BLOCKS_PER_SLOT", blocks_per_slot)
+    monkeypatch.setattr(kernels, "COPY_UNROLL", unroll)
+    store = rng.integers(0, 1 << 15, size=(5, 200)).astype(np.uint16)  # 50 uint64 words a row
+    arena = np.zeros((4, 200), np.uint16)
+    keys = np.array([4, 0], np.int32)
+    got = device(arena)
+    copy_prefetch_cuda(device(keys), device(store), got, 2)
+    np.testing.assert_array_equal(got.copy_to_host()[2:], store[[4, 0]])
+
+
 def test_copy_refuses_slots_outside_the_arena():
     with pytest.raises(ValueError, match="outside"):
         copy_prefetch_cuda(device(np.zeros(3, np.int32)), device(np.zeros((4, 8), np.uint16)),

@@ -33,7 +33,7 @@ from moebus.cuda.kernels.routing import MAX_EXPERTS
 PLAN_THREADS = 256
 COPY_THREADS = 256
 COPY_BLOCKS_PER_SLOT = 16  # 16 x 256 threads x COPY_UNROLL words in flight a slot: PCIe's latency covered
-COPY_UNROLL = 4
+COPY_UNROLL = 4  # (both read at each launch: tools/device/miss12_check.py's ``bNuM`` variants set them)
 REMAP_THREADS = 128
 
 
@@ -168,7 +168,7 @@ def copy_prefetch_ref(keys, store, arena, first_slot: int) -> None:
 
 
 @functools.cache
-def _copy_kernel(word):
+def _copy_kernel(word, unroll: int = COPY_UNROLL):
     @kernel
     def copy_rows(keys, store, arena, first_slot):
         grid_dependency_wait()  # pdl.py: before any global read or write
@@ -179,13 +179,13 @@ def _copy_kernel(word):
         num_words = store.shape[1]
         stride = cuda.gridDim.x * cuda.blockDim.x
         start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        buf = cuda.local.array(COPY_UNROLL, word)
-        for base in range(start, num_words, stride * COPY_UNROLL):
-            for u in range(COPY_UNROLL):  # every load of the round out over PCIe before the first store
+        buf = cuda.local.array(unroll, word)
+        for base in range(start, num_words, stride * unroll):
+            for u in range(unroll):  # every load of the round out over PCIe before the first store
                 w = base + u * stride
                 if w < num_words:
                     buf[u] = store[key, w]
-            for u in range(COPY_UNROLL):
+            for u in range(unroll):
                 w = base + u * stride
                 if w < num_words:
                     arena[slot, w] = buf[u]
@@ -220,7 +220,7 @@ def copy_prefetch_cuda(keys, store, arena, first_slot: int, stream=0):
         return arena
     grid = (blocks(COPY_BLOCKS_PER_SLOT), keys.shape[0])
     store_words, arena_words = _words(store), _words(arena)
-    kernel = _copy_kernel(_NUMBA_WORDS[np.dtype(store_words.dtype).str])
+    kernel = _copy_kernel(_NUMBA_WORDS[np.dtype(store_words.dtype).str], COPY_UNROLL)
     kernel[grid, threads(COPY_THREADS), stream](keys, store_words, arena_words, int(first_slot))
     return arena
 
