@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 
@@ -36,8 +37,12 @@ log = logging.getLogger("moebus.vision")
 
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
-# 0: no blank-image warm-up at the start: the first request's encode loads the kernels (an A/B, tools/device/vl12.sh)
-WARM_UP = os.environ.get("MOEBUS_VISION_WARM_UP", "1") != "0"
+# The blank-image warm-up (MOEBUS_VISION_WARM_UP): "0" (the default) none: the first request's encode loads the
+# kernels (on a fresh kernel cache compiles them); "1" before VISION_READY, as before; "beside" on a thread begun
+# just before VISION_READY, which the first encode waits for after its image's decode and preprocess.
+WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "0")
+WARM_UP = WARM_UP_MODE == "1"
+WARM_UP_BESIDE = WARM_UP_MODE == "beside"
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -48,8 +53,10 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 
 class VisionWorker:
-    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits):
+    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
+        """``beside``: a WarmUpBeside still running (MOEBUS_VISION_WARM_UP=beside), or None."""
         self.model = model
+        self.beside = beside
         self.processor = processor
         self.link = link
         self.limits = limits
@@ -81,6 +88,8 @@ class VisionWorker:
         preprocessed = time.perf_counter()
         packed = getattr(self.model, "packed", None)
         copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
+        warm_s = self.beside.wait() if self.beside is not None else None
+        self.beside = None
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
@@ -88,7 +97,8 @@ class VisionWorker:
                 "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
                 getattr(self.model.graph, "last_path", None),
-                f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
+                (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
+                + (f", before it the warm-up beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -116,6 +126,36 @@ class CaptureAfterReply:
 def warm_up(model: VisionModel, processor, cfg) -> None:
     """Run the tower once on a blank image (VisionModel.warm_up): no kernel compiles in a request."""
     model.warm_up(processor)
+
+
+class WarmUpBeside:
+    """The warm-up on a thread (MOEBUS_VISION_WARM_UP=beside), begun just before VISION_READY: the kernels
+    load while the broker's ENCODE arrives and its image is decoded and preprocessed. ``wait`` joins it
+    before the first encode's tower (same context, same stream); a failed warm-up is only logged."""
+
+    def __init__(self, model, processor, device: str):
+        self.model, self.processor, self.device = model, processor, device
+        self.seconds, self._error = None, None
+        self._thread = threading.Thread(target=self._run, name="vision-warm-up", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            _context(self.device)  # (numba: the primary context, current on this thread too)
+            self.model.warm_up(self.processor)
+        except BaseException as e:  # noqa: BLE001 - the encode runs anyway, and raises what it raises
+            self._error = e
+        self.seconds = time.perf_counter() - started
+
+    def wait(self) -> float:
+        """Seconds spent waiting for it."""
+        started = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            log.warning("the vision warm-up beside failed (%s: %s)", type(self._error).__name__, self._error)
+        log.info("vision warm-up beside: %.1f ms in all", 1e3 * (self.seconds or 0.0))
+        return time.perf_counter() - started
 
 
 def first_kernel(backend) -> None:
@@ -207,6 +247,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
     waited = model.packed.wait() if WARM_UP and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
+    if measured and not WARM_UP:  # the first encode's scratch comes after VISION_READY: reckoned, as on cpu
+        measured += encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
              "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s), then the weights' copy "
@@ -217,6 +259,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
         log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
+    beside = WarmUpBeside(model, processor, device) if WARM_UP_BESIDE else None  # (before the link's thread)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
@@ -227,9 +270,11 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":
-        log.info("vision worker footprint: %s", footprint.describe(model.device_bytes))
+        log.info("vision worker footprint: %s%s", footprint.describe(model.device_bytes),
+                 f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch reckoned (no warm-up)"
+                 if measured and not WARM_UP else "")
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
     try:
-        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision)).serve()
+        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
     finally:
         link.close()
