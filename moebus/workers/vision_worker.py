@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -133,9 +134,13 @@ class WarmUpBeside:
     load while the broker's ENCODE arrives and its image is decoded and preprocessed. ``wait`` joins it
     before the first encode's tower (same context, same stream); a failed warm-up is only logged."""
 
+    SWITCH_S = 0.001  # the GIL's switch interval meanwhile: the main thread's decode waits less for it
+
     def __init__(self, model, processor, device: str):
         self.model, self.processor, self.device = model, processor, device
         self.seconds, self._error = None, None
+        self._switch_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_s, self.SWITCH_S))
         self._thread = threading.Thread(target=self._run, name="vision-warm-up", daemon=True)
         self._thread.start()
 
@@ -152,6 +157,7 @@ class WarmUpBeside:
         """Seconds spent waiting for it."""
         started = time.perf_counter()
         self._thread.join()
+        sys.setswitchinterval(self._switch_s)
         if self._error is not None:
             log.warning("the vision warm-up beside failed (%s: %s)", type(self._error).__name__, self._error)
         log.info("vision warm-up beside: %.1f ms in all", 1e3 * (self.seconds or 0.0))
