@@ -1,8 +1,9 @@
 """The vision worker process, forked by the vision zygote (workers/vision_zygote.py) with the weights
 already in host RAM: it creates its device backend (on cuda: its CUDA context), uploads the tower
-and projector, runs them once so that no kernel is compiled (or loaded from numba's disk cache)
-during a request (on cuda that run overlaps the weights' copy, vision_weight_pack.UPLOAD_BESIDE:
-its results are not kept), registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
+and projector (the copy runs on beside the rest, vision_weight_pack.UPLOAD_BESIDE), registers with the broker
+(VISION_READY) and serves ENCODE until SHUTDOWN. A lazy start skips the blank-image warm-up by default: the
+cold image's first encode loads the tower's kernels (WARM_UP_MODE below); a start at boot (vision.lazy false)
+runs it before VISION_READY, so that no kernel is compiled or loaded during a request. It
 exits then, so that everything it holds on the device, context included, goes back to the driver.
 
 A cold image request waits for this start and the first encode, so the log splits both (INFO: the
@@ -38,12 +39,11 @@ log = logging.getLogger("moebus.vision")
 
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
-# The blank-image warm-up (MOEBUS_VISION_WARM_UP): "0" (the default) none: the first request's encode loads the
-# kernels (on a fresh kernel cache compiles them); "1" before VISION_READY, as before; "beside" on a thread begun
-# just before VISION_READY, which the first encode waits for after its image's decode and preprocess.
-WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "0")
-WARM_UP = WARM_UP_MODE == "1"
-WARM_UP_BESIDE = WARM_UP_MODE == "beside"
+# The blank-image warm-up (MOEBUS_VISION_WARM_UP): unset ("auto", the default) before VISION_READY only for a
+# start at boot (vision.lazy false: no request waits for it), else none: a cold image's encode loads the kernels
+# (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "beside" on a
+# thread begun just before VISION_READY, which the first encode waits for after its image's decode.
+WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "auto")
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -247,13 +247,14 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     uploaded = time.perf_counter()
     first_kernel(backend)
     launched = time.perf_counter()
-    if WARM_UP:
+    warm = WARM_UP_MODE == "1" or (WARM_UP_MODE == "auto" and not settings.vision.lazy)
+    if warm:
         warm_up(model, processor, cfg)
     warmed = time.perf_counter()
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
-    waited = model.packed.wait() if WARM_UP and getattr(model, "packed", None) is not None else 0.0
+    waited = model.packed.wait() if warm and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
-    if measured and not WARM_UP:  # the first encode's scratch comes after VISION_READY: reckoned, as on cpu
+    if measured and not warm:  # the first encode's scratch comes after VISION_READY: reckoned, as on cpu
         measured += encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
@@ -265,7 +266,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
         log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
-    beside = WarmUpBeside(model, processor, device) if WARM_UP_BESIDE else None  # (before the link's thread)
+    beside = WarmUpBeside(model, processor, device) if WARM_UP_MODE == "beside" else None  # (before the link's thread)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
@@ -278,7 +279,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     if device == "cuda":
         log.info("vision worker footprint: %s%s", footprint.describe(model.device_bytes),
                  f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch reckoned (no warm-up)"
-                 if measured and not WARM_UP else "")
+                 if measured and not warm else "")
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
     try:
         return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
