@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import threading
 import time
 
 
@@ -32,6 +30,7 @@ from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
 from moebus.workers.vision_footprint import StartFootprint
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
+from moebus.workers.vision_preload import LoadBeside
 from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
 
 log = logging.getLogger("moebus.vision")
@@ -41,8 +40,9 @@ IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
 # The blank-image warm-up (MOEBUS_VISION_WARM_UP): unset ("auto", the default) before VISION_READY only for a
 # start at boot (vision.lazy false: no request waits for it), else none: a cold image's encode loads the kernels
-# (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "beside" on a
-# thread begun just before VISION_READY, which the first encode waits for after its image's decode.
+# (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "load" none, but
+# cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun just before VISION_READY,
+# which the first encode joins after its image's decode and preprocess.
 WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "auto")
 
 
@@ -55,7 +55,7 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 class VisionWorker:
     def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
-        """``beside``: a WarmUpBeside still running (MOEBUS_VISION_WARM_UP=beside), or None."""
+        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load), or None."""
         self.model = model
         self.beside = beside
         self.processor = processor
@@ -99,7 +99,7 @@ class VisionWorker:
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
                 getattr(self.model.graph, "last_path", None),
                 (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
-                + (f", before it the warm-up beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
+                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -127,41 +127,6 @@ class CaptureAfterReply:
 def warm_up(model: VisionModel, processor, cfg) -> None:
     """Run the tower once on a blank image (VisionModel.warm_up): no kernel compiles in a request."""
     model.warm_up(processor)
-
-
-class WarmUpBeside:
-    """The warm-up on a thread (MOEBUS_VISION_WARM_UP=beside), begun just before VISION_READY: the kernels
-    load while the broker's ENCODE arrives and its image is decoded and preprocessed. ``wait`` joins it
-    before the first encode's tower (same context, same stream); a failed warm-up is only logged."""
-
-    SWITCH_S = 0.001  # the GIL's switch interval meanwhile: the main thread's decode waits less for it
-
-    def __init__(self, model, processor, device: str):
-        self.model, self.processor, self.device = model, processor, device
-        self.seconds, self._error = None, None
-        self._switch_s = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_s, self.SWITCH_S))
-        self._thread = threading.Thread(target=self._run, name="vision-warm-up", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        started = time.perf_counter()
-        try:
-            _context(self.device)  # (numba: the primary context, current on this thread too)
-            self.model.warm_up(self.processor)
-        except BaseException as e:  # noqa: BLE001 - the encode runs anyway, and raises what it raises
-            self._error = e
-        self.seconds = time.perf_counter() - started
-
-    def wait(self) -> float:
-        """Seconds spent waiting for it."""
-        started = time.perf_counter()
-        self._thread.join()
-        sys.setswitchinterval(self._switch_s)
-        if self._error is not None:
-            log.warning("the vision warm-up beside failed (%s: %s)", type(self._error).__name__, self._error)
-        log.info("vision warm-up beside: %.1f ms in all", 1e3 * (self.seconds or 0.0))
-        return time.perf_counter() - started
 
 
 def first_kernel(backend) -> None:
@@ -266,7 +231,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
         log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
-    beside = WarmUpBeside(model, processor, device) if WARM_UP_MODE == "beside" else None  # (before the link's thread)
+    beside = LoadBeside(backend, device) if WARM_UP_MODE == "load" and not warm else None  # (before the link's thread)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
