@@ -24,8 +24,12 @@ if [[ $PHASE == warm ]]; then
       sleep 1; done
     T=$(( $(left) - 4 ))
     (( T < 20 )) && { echo "deep init not begun: $T s left" >> $OUT/init_deep.log; exit 0; }
+    FREE_G=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)  # (the other branches' models share the disk)
+    (( FREE_G < ${DEEP_MIN_FREE_G:-24} )) && [[ ! -f $D/made ]] && { echo "deep init not begun: $FREE_G GB free" \
+      >> $OUT/init_deep.log; exit 0; }
     [[ -f $D/made ]] || { rm -rf $D; timeout $T python3 -m moebus.cli init-model $D --arch qwen3_vl_moe \
-      --preset a3b --layers ${DEEP_LAYERS:-48} --experts ${DEEP_EXPERTS:-8} > $OUT/init_deep.log 2>&1 && touch $D/made; }
+      --preset a3b --layers ${DEEP_LAYERS:-48} --experts ${DEEP_EXPERTS:-8} > $OUT/init_deep.log 2>&1 && touch $D/made \
+      || { rm -rf $D; false; }; }  # (a cut one: its disk back)
     echo "deep init rc=$? at $(now) s" >> $OUT/init_deep.log ) &
   DEEP=$!
   BUDGET=$(( BUDGET - 4 )) bash tools/device/vl12.sh
