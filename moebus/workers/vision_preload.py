@@ -1,6 +1,6 @@
 """What a lazy vision worker's first encode would load, loaded on a thread instead
-(``MOEBUS_VISION_WARM_UP=load``): begun after the start's first kernel, it runs while VISION_READY goes out,
-the broker's ENCODE comes in and its image is decoded and preprocessed; the encode joins it before the tower.
+(``MOEBUS_VISION_WARM_UP=load``): begun once the start has sent VISION_READY, it runs while the broker's ENCODE
+comes in and its image is decoded and preprocessed; the encode joins it before the tower.
 On the H200 (thirteenth session's first call) the first encode without a warm-up paid ~40-48 ms for cuBLAS's
 first product (its library's start, whatever the shape) and ~20-25 ms for the tower's kernels loaded from
 numba's disk cache; both need the worker's context, so neither can go into the zygote or the spare.

@@ -41,7 +41,7 @@ LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start'
 # The blank-image warm-up (MOEBUS_VISION_WARM_UP): unset ("auto", the default) before VISION_READY only for a
 # start at boot (vision.lazy false: no request waits for it), else none: a cold image's encode loads the kernels
 # (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "load" none, but
-# cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun just before VISION_READY,
+# cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun once VISION_READY is sent,
 # which the first encode joins after its image's decode and preprocess.
 WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "auto")
 
@@ -231,7 +231,6 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
         log.info("vision worker was a spare: NVML, cuInit and the device %.3f s before its start", prepared)
     log.info("vision worker libraries loaded since the fork: %s", " ".join(sorted(loaded_libraries() - libraries))
              or "none")
-    beside = LoadBeside(backend, device) if WARM_UP_MODE == "load" and not warm else None  # (before the link's thread)
     link = BrokerLink(connect, "vision", settings.broker.heartbeat_s, settings.broker.heartbeat_liveness,
                       server_key=settings.broker.curve_public_key)
     link.start(VisionReady(generation=link.generation, gpu=gpu, device=device, pid=os.getpid(),
@@ -239,6 +238,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                            measured_bytes=measured or 0,
                            num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
                            start_s=time.perf_counter() - started))
+    # (after VISION_READY has gone: it runs while the ENCODE comes and its image is decoded)
+    beside = LoadBeside(backend, device) if WARM_UP_MODE == "load" and not warm else None
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":
