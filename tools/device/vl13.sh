@@ -69,6 +69,10 @@ for label in old new load; do
   [[ -n $pids ]] && zcat $OUT/$label/new.log.gz | grep -E "moebus.cublas\[($pids)\]" | sed -E 's/^.*INFO cuBLAS //' \
     | cut -c1-90 | head -3
 done
+if [[ -f $OUT/deep/cycle.log ]]; then
+  echo "--- deep"; grep -E "^cold image request|^warm image encode|Traceback|Error" $OUT/deep/cycle.log | cut -c1-160
+  grep -E "vision worker start on|encode 1:" $OUT/deep/cycle.log | sed -E 's/^.*INFO //' | cut -c1-200
+fi
 echo "--- first token of each cold request (ms: handback / start / encode / prefill -> first token)"
 for label in old new load deep; do
   f=$OUT/$label/cycle.txt; [[ $label == deep ]] && f=$OUT/deep/cycle.log; [[ -f $f ]] || f=$f.gz
@@ -76,9 +80,5 @@ for label in old new load deep; do
   zcat -f $f | grep -E "^cold image request" | sed -E "s/^cold image request ([0-9]) of [0-9]: handback ([0-9.]+) ms, \
 start ([0-9.]+) ms, encode ([0-9.]+) ms, prefill ([0-9.]+) ms, first_token ([0-9.]+) ms.*/$label \1: \2 \/ \3 \/ \4 \/ \5 -> \6/"
 done
-if [[ -f $OUT/deep/cycle.log ]]; then
-  echo "--- deep"; grep -E "^cold image request|^warm image encode|Traceback|Error" $OUT/deep/cycle.log | cut -c1-160
-  grep -E "vision worker start on|encode 1:" $OUT/deep/cycle.log | sed -E 's/^.*INFO //' | cut -c1-200
-fi
 [[ -f $OUT/deep/cycle.log ]] && gzip -f $OUT/deep/cycle.log
 echo "vl13 end at $(now) s"
