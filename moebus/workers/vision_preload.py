@@ -5,10 +5,13 @@ On the H200 (thirteenth session's first call) the first encode without a warm-up
 first product (its library's start, whatever the shape) and ~20-25 ms for the tower's kernels loaded from
 numba's disk cache; both need the worker's context, so neither can go into the zygote or the spare.
 
-It does no tower pass: one 16 x 16 x 16 product on the backend's cuBLAS handle and stream, then every kernel
-variant the vision role's disk cache holds for this device loaded into the context (``load_cached_kernels``:
-read from the cache, never compiled; a variant whose cache entry is missing or stale is left to its first
-launch, as before). A failure is logged and leaves the rest to the encode."""
+It does no tower pass: one 16 x 16 x 16 product on the backend's cuBLAS handle and stream, then every variant
+that the vision role's disk cache holds for this device, of every kernel defined so far, loaded into the
+context (``load_cached_kernels``: read from the cache, never compiled; a variant whose entry is missing or stale
+is left to its first launch, as before). "Defined so far" is the kernels defined at module level (the zygote
+imports their modules): a kernel made by a factory (layernorm's, the vision attention's, per storage or head
+size) exists only once the tower first asks for it, so it still loads in the encode. A failure is logged and
+leaves the rest to the encode."""
 from __future__ import annotations
 
 import logging
