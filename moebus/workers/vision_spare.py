@@ -1,10 +1,12 @@
-"""The vision zygote's spare worker (``MOEBUS_VISION_PREFORK=1``, opt-in until measured:
-tools/device/vl12.sh). A child forked ahead, for the GPU of the last start (gpu 0 at boot), opens the
+"""The vision zygote's spare worker (on by default; ``MOEBUS_VISION_PREFORK=0`` turns it off: a fresh
+fork each start). A child forked ahead, for the GPU of the last start (gpu 0 at boot), opens the
 driver (cuInit), numba's device and NVML, then blocks on a pipe: it holds nothing on the device (no
 context), so no cache has to make room for it. A start writes the zygote's time.time() into that pipe
 instead of forking (vision_worker.run_vision_worker's ``go``); a start on another GPU drops the spare
 and forks as before. Once the started worker has exited the zygote forks the next spare. A spare that
-dies before its start turns spares off for the zygote's life (a fresh fork each start, as without)."""
+dies before its start turns spares off for the zygote's life (a fresh fork each start, as without).
+A spare names itself ``vision-spare`` (its /proc comm, what ps shows) until its start, so that it can
+be told apart from a started worker; it dies with the zygote (parent-death signal), as a worker does."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +15,9 @@ import signal
 import time
 
 log = logging.getLogger("moebus.vision")
-PREFORK = os.environ.get("MOEBUS_VISION_PREFORK", "0") == "1"
+PREFORK = os.environ.get("MOEBUS_VISION_PREFORK", "1") != "0"
+SPARE_NAME = "vision-spare"  # a spare's /proc/<pid>/comm until its start
+PR_SET_NAME = 15
 
 
 class SpareMixin:
@@ -83,3 +87,31 @@ def wait_go(fd: int) -> float | None:
         data += chunk
     os.close(fd)
     return float(data) if data else None
+
+
+def name_process(name: str) -> str:
+    """Set this process's comm (prctl PR_SET_NAME, at most 15 bytes); returns the name it had ("" where
+    /proc or prctl are missing: nothing is changed then)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/comm") as comm:
+            old = comm.read().strip()
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except OSError:
+        return ""
+    return old
+
+
+def spare_go(fd: int):
+    """A spare's ``go`` for vision_worker.run_vision_worker: named ``vision-spare`` now, its own name
+    again once started (or dropped)."""
+    old = name_process(SPARE_NAME)
+
+    def go() -> float | None:
+        try:
+            return wait_go(fd)
+        finally:
+            if old:
+                name_process(old)
+    return go

@@ -1,8 +1,9 @@
 """The vision worker process, forked by the vision zygote (workers/vision_zygote.py) with the weights
 already in host RAM: it creates its device backend (on cuda: its CUDA context), uploads the tower
-and projector, runs them once so that no kernel is compiled (or loaded from numba's disk cache)
-during a request (on cuda that run overlaps the weights' copy, vision_weight_pack.UPLOAD_BESIDE:
-its results are not kept), registers with the broker (VISION_READY) and serves ENCODE until SHUTDOWN. It
+and projector (the copy runs on beside the rest, vision_weight_pack.UPLOAD_BESIDE), registers with the broker
+(VISION_READY) and serves ENCODE until SHUTDOWN. A lazy start skips the blank-image warm-up by default: the
+cold image's first encode loads the tower's kernels (WARM_UP_MODE below); a start at boot (vision.lazy false)
+runs it before VISION_READY, so that no kernel is compiled or loaded during a request. It
 exits then, so that everything it holds on the device, context included, goes back to the driver.
 
 A cold image request waits for this start and the first encode, so the log splits both (INFO: the
@@ -29,6 +30,7 @@ from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
 from moebus.workers.vision_footprint import StartFootprint
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
+from moebus.workers.vision_preload import LoadBeside
 from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
 
 log = logging.getLogger("moebus.vision")
@@ -36,8 +38,12 @@ log = logging.getLogger("moebus.vision")
 
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
-# 0: no blank-image warm-up at the start: the first request's encode loads the kernels (an A/B, tools/device/vl12.sh)
-WARM_UP = os.environ.get("MOEBUS_VISION_WARM_UP", "1") != "0"
+# The blank-image warm-up (MOEBUS_VISION_WARM_UP): unset ("auto", the default) before VISION_READY only for a
+# start at boot (vision.lazy false: no request waits for it), else none: a cold image's encode loads the kernels
+# (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "load" none, but
+# cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun once VISION_READY is sent,
+# which the first encode joins after its image's decode and preprocess.
+WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "auto")
 
 
 def charge_bytes(cfg, weights: dict, processor=None) -> int:
@@ -48,8 +54,10 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 
 class VisionWorker:
-    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits):
+    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
+        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load), or None."""
         self.model = model
+        self.beside = beside
         self.processor = processor
         self.link = link
         self.limits = limits
@@ -81,6 +89,8 @@ class VisionWorker:
         preprocessed = time.perf_counter()
         packed = getattr(self.model, "packed", None)
         copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
+        warm_s = self.beside.wait() if self.beside is not None else None
+        self.beside = None
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
@@ -88,7 +98,8 @@ class VisionWorker:
                 "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
                 getattr(self.model.graph, "last_path", None),
-                f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
+                (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
+                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -201,12 +212,15 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     uploaded = time.perf_counter()
     first_kernel(backend)
     launched = time.perf_counter()
-    if WARM_UP:
+    warm = WARM_UP_MODE == "1" or (WARM_UP_MODE == "auto" and not settings.vision.lazy)
+    if warm:
         warm_up(model, processor, cfg)
     warmed = time.perf_counter()
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
-    waited = model.packed.wait() if WARM_UP and getattr(model, "packed", None) is not None else 0.0
+    waited = model.packed.wait() if warm and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True))
+    if measured and not warm:  # the first encode's scratch comes after VISION_READY: reckoned, as on cpu
+        measured += encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
              "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s), then the weights' copy "
@@ -224,12 +238,16 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                            measured_bytes=measured or 0,
                            num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
                            start_s=time.perf_counter() - started))
+    # (after VISION_READY has gone: it runs while the ENCODE comes and its image is decoded)
+    beside = LoadBeside(backend, device) if WARM_UP_MODE == "load" and not warm else None
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":
-        log.info("vision worker footprint: %s", footprint.describe(model.device_bytes))
+        log.info("vision worker footprint: %s%s", footprint.describe(model.device_bytes),
+                 f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch reckoned (no warm-up)"
+                 if measured and not warm else "")
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
     try:
-        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision)).serve()
+        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
     finally:
         link.close()

@@ -31,7 +31,7 @@ from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights
-from moebus.workers.vision_spare import SpareMixin, wait_go
+from moebus.workers.vision_spare import SpareMixin, spare_go
 from moebus.workers.vision_weight_pack import pack
 
 log = logging.getLogger("moebus.vision")
@@ -64,7 +64,7 @@ class Zygote(SpareMixin):
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
         self.children: dict[int, int] = {}  # pid -> read end of its reason pipe
-        self.spare = None  # a child forked ahead (vision_spare.py, MOEBUS_VISION_PREFORK=1)
+        self.spare = None  # a child forked ahead (vision_spare.py; MOEBUS_VISION_PREFORK=0: none)
         self.stopping = False
 
     # -- the loop -----------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class Zygote(SpareMixin):
             _die_with_parent()
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
-            go = None if go_fd is None else (lambda: wait_go(go_fd))
+            go = None if go_fd is None else spare_go(go_fd)
             return vision_worker.run_vision_worker(self.settings, self.config, self.weights, self.processor,
                                                    self.connect, self.device, self.charge, gpu, self.forked_at, go)
         except BaseException as e:  # noqa: BLE001 - the reason goes to the broker through the zygote

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from moebus.client import Client
+from moebus.workers.vision_spare import SPARE_NAME
 from tests.service import Service, alive, process_tree, running
 
 # The tiny LLaVA's stage 0 needs ~1.5 MiB besides its 2 MiB expert cache (dense, KV and the step
@@ -103,8 +104,24 @@ def wait_cold(client: Client, timeout_s: float = 20.0) -> dict:
 
 
 def vision_worker_pids(service: Service, zygote_pid: int) -> list[int]:
-    """Live children of the zygote (the forked vision workers)."""
+    """Live children of the zygote that are started vision workers (not its spare, vision_spare.py)."""
+    return [p for p in _children(zygote_pid) if _comm(p) != SPARE_NAME]
+
+
+def spare_pids(zygote_pid: int) -> list[int]:
+    """Live children of the zygote that are spares waiting for their start (named ``vision-spare``)."""
+    return [p for p in _children(zygote_pid) if _comm(p) == SPARE_NAME]
+
+
+def _children(zygote_pid: int) -> list[int]:
     return [p for p in process_tree(zygote_pid) if p != zygote_pid and alive(p)]
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None  # (gone)
 
 
 def _parent(pid: int) -> int:
