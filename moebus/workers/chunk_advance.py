@@ -3,8 +3,9 @@ and, within a layer, expert groups run while the experts they copy in stay withi
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
 step's first (or after a layer's entry: its attention and routing are a step's progress too), and
 before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
-nearer than the last layer's attention and routing took); every group's copies (the first's too, at
-least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
+nearer than the last layer's attention and routing took; at a group, nearer than the last group's host
+work took, ``GROUP_HOST``); every group's copies (the first's too, at least one expert) also fit the
+time left at ``LINK_BYTES_PER_S``. What
 the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
 state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
 standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 # a time-bounded step's copies: the bytes a second that the time left may still take (H200's PCIe,
 # the pinned store to the arena beside decode's reads of the mapped store: ~25-50 GB/s)
 LINK_BYTES_PER_S = float(os.environ.get("MOEBUS_CHUNK_LINK_GBPS", "25")) * 1e9
+# a time-bounded step's next group (after its first) starts only where the time left, less the host
+# time the chunk's last group took (its plan, acquire and launches: ~4.5 ms on the H200, thirteenth
+# session's call 1, when the GPU is idle after the sync), is still positive, and its copies fit that
+# remainder (0: the time left alone, as before: such steps overran their deadline by a group)
+GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "1") == "1"
 
 
 @dataclass
@@ -220,17 +226,21 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
         left = None if budget_bytes is None else budget_bytes - spent[0]
         if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
             # (the first group's copies start once the decode rows launched beside it are done: copies_from)
-            seconds = time_left(stage, chunk, deadline) if spent[1] else \
-                max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
+            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST)
+                seconds = time_left(stage, chunk, deadline) - (chunk.group_host_s if GROUP_HOST else 0.0)
+            else:
+                seconds = max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
             if seconds <= 0 and spent[1]:
                 return False
             left = int(seconds * LINK_BYTES_PER_S) if left is None else min(left, int(seconds * LINK_BYTES_PER_S))
         chunk.parts.begin("plan")
+        planned = time.perf_counter()
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
         run = run or group_runner(stage, layer, within, chunk.parts)
         run(within.next_expert, end)
+        chunk.group_host_s = time.perf_counter() - planned
         within.next_expert = end
         spent[0] += cost
         spent[1] = True

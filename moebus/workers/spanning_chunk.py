@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.cuda.kernels.compat import SIMULATOR, disk_cache_counts
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
 from moebus.workers.chunk_rows import finish_rows, launch_rows
-from moebus.workers.moe_prefill import can_group_on_device, warm_products
+from moebus.workers.moe_prefill import WARM_DENSE_ROWS, can_group_on_device, warm_dense, warm_products
 from moebus.workers.step_parts import StepParts
 
 log = logging.getLogger("moebus.stage")
@@ -85,6 +85,7 @@ class ChunkInProgress:
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
+    group_host_s: float = 0.0  # the last expert group's host time: plan, acquire, launches (chunk_advance.GROUP_HOST)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
     kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
     rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
@@ -304,9 +305,11 @@ def warm(stage, num_tokens: int) -> bool:
     so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
     steps beside text streams; on tensor cores, then its groups' products at every tile width and batch
     count up to MOEBUS_WARM_PRODUCT_TILES (moe_prefill.warm_products: cuBLAS picks a kernel by the batch
-    count too and loads each at its first launch). One token repeated: its rows route alike, so few
-    experts are copied. It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
-    (a stage that is not the whole model, a context too short, Qwen3-VL: its steps never span)."""
+    count too and loads each at its first launch), and the dense products at every row count up to
+    MOEBUS_WARM_DENSE_ROWS (moe_prefill.warm_dense: by the rows too). One token repeated: its rows
+    route alike, so few experts are copied. It writes keys and values at slot 0, which no sequence
+    holds yet. False where it does not apply (a stage that is not the whole model, a context too
+    short, Qwen3-VL: its steps never span)."""
     if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None \
             or stage.mrope_axes is not None:
         return False
@@ -327,4 +330,16 @@ def warm(stage, num_tokens: int) -> bool:
         except Exception as e:  # noqa: BLE001 - a warm-up only: the first image loads them instead
             log.warning("the grouped products were not warmed (%s: %s)", type(e).__name__, e)
         stage.ops.begin_step()
+    started = time.perf_counter()
+    try:  # its dense products (attention's projections, the router) at every row count a step may have
+        moe = [i for i in stage.layer_range if stage.cfg.is_moe_layer(i)] or list(stage.layer_range)
+        dense = [w for i in sorted({moe[0], stage.layer_range[0]}) for w in stage.layers[i].values()]
+        stage.warmed_dense = warm_dense(stage.ops, dense, 0, None if SIMULATOR else
+                                        min(WARM_DENSE_ROWS, stage.max_context))
+        if stage.warmed_dense:
+            log.info("dense products warmed at every row count up to %d: %d cuBLAS calls in %.2f s",
+                     min(WARM_DENSE_ROWS, stage.max_context), stage.warmed_dense, time.perf_counter() - started)
+    except Exception as e:  # noqa: BLE001 - a warm-up only: the first image loads them instead
+        log.warning("the dense products were not warmed (%s: %s)", type(e).__name__, e)
+    stage.ops.begin_step()
     return True
