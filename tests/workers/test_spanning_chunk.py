@@ -361,3 +361,26 @@ def test_an_overlapped_steps_deadline_follows_the_last_steps_decode_rows():
     assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.5), held, 10.0) == 10.0 + 1.5 * 0.008
     assert held.copies_from == 10.008
     assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.0), held, 10.0) is None
+
+
+@pytest.mark.parametrize("group_host", [True, False])
+def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypatch, group_host):
+    """chunk_advance.GROUP_HOST: after a step's first group, the next starts only where the time left
+    (here 10 ms at every look) exceeds the host time the last group took (here >= 20 ms: its plan,
+    acquire and launches run with the GPU idle after the sync); off, it starts while any time is left."""
+    import time
+    from types import SimpleNamespace as NS
+
+    experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
+    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0), parts=NS(begin=lambda name: None),
+               copies=0, group_host_s=0.0, copies_from=0.0)
+    ran = []
+
+    def runner(stage, layer, within, parts):
+        return lambda first, end: ran.append((first, end)) or time.sleep(0.02)
+    monkeypatch.setattr(chunk_advance, "GROUP_HOST", group_host)
+    monkeypatch.setattr(chunk_advance, "time_left", lambda stage, chunk, deadline: 0.01)
+    monkeypatch.setattr(chunk_advance, "group_runner", runner)
+    done = chunk_advance._run_groups(NS(experts=experts), chunk, 0, None, [0, False], time.perf_counter() + 1.0)
+    assert chunk.group_host_s >= 0.02
+    assert (done, ran) == ((False, [(0, 1)]) if group_host else (True, [(0, 1), (1, 2), (2, 3), (3, 4)]))
