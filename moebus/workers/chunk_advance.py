@@ -3,13 +3,13 @@ and, within a layer, expert groups run while the experts they copy in stay withi
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
 step's first (or after a layer's entry: its attention and routing are a step's progress too), and
 before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
-nearer than the last layer's attention and routing took; at a group, nearer than the last group's host
-work took, ``GROUP_HOST``); every group's copies (the first's too, at least one expert) also fit the
-time left at ``LINK_BYTES_PER_S``. What
-the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
-state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
-standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
-step is timed (step_parts.py)."""
+nearer than the last layer's attention and routing took; at a group, nearer than the last group's
+host work took, ``GROUP_HOST``; a chunk's first step counts its setup as progress, ``SETUP_STEP``);
+every group's copies (the first's too, at least one expert) also fit the time left at
+``LINK_BYTES_PER_S``. What the next step needs is kept outside the step scratch
+(``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden state and the
+last MLP's output. A chunk longer than the standing scratch holds the cache's prompt-path loan from
+its first step to its end. Each part of a step is timed (step_parts.py)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +34,11 @@ LINK_BYTES_PER_S = float(os.environ.get("MOEBUS_CHUNK_LINK_GBPS", "25")) * 1e9
 # session's call 1, when the GPU is idle after the sync), is still positive, and its copies fit that
 # remainder (0: the time left alone, as before: such steps overran their deadline by a group)
 GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "1") == "1"
+# a time-bounded chunk's first step: its setup (the loan, the piece's inputs, the embedding) is that
+# step's progress, so layer 0's attention and routing start in it only where the time left exceeds the
+# stage's last chunk's layer entry (call 1: the first steps were the slowest, 19-20 ms, with the loan,
+# the inputs, the attention and the routing's sync in one step); 0: the first layer entered regardless
+SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "1") == "1"
 
 
 @dataclass
@@ -129,6 +134,9 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
+        if SETUP_STEP and deadline is not None and chunk.steps == 0 and chunk.piece == 0:
+            spent[1] = True  # the chunk's setup is its first step's progress (SETUP_STEP)
+            chunk.layer_entry_s = max(chunk.layer_entry_s, stage.chunk_layer_entry_s)
     mark = ops.layer_mark()
     try:
         while chunk.layer < len(stage.layer_range):
@@ -150,6 +158,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
                 chunk.layer_entry_s = time.perf_counter() - entered  # the attention's and the routing's, synced
+                stage.chunk_layer_entry_s = chunk.layer_entry_s  # (the next chunk's first guess, SETUP_STEP)
                 if deadline is not None:  # bounded by time, a layer's entry is the step's unit of progress too:
                     spent[1] = True  # its groups start in this step only while the deadline allows
             if not _run_groups(stage, chunk, i, budget_bytes, spent, deadline):

@@ -4,10 +4,11 @@
 # 2 text streams, cold start 2 of 2, copy budget 256 MiB) in runs "tag:VAR=value,VAR=value":
 #   new        the decode rows overlapped (MOEBUS_CHUNK_OVERLAP=1) with this branch's changes at their
 #              defaults: the dense products warmed at every row count (moe_prefill.warm_dense,
-#              MOEBUS_WARM_DENSE_ROWS=1024) and a later group only where its host time fits
-#              (chunk_advance.GROUP_HOST, MOEBUS_CHUNK_GROUP_HOST=1)
-#   default    call 1's default: no overlap, neither change
-#   overlap    call 1's overlap: neither change
+#              MOEBUS_WARM_DENSE_ROWS=1024), a later group only where its host time fits
+#              (chunk_advance.GROUP_HOST, MOEBUS_CHUNK_GROUP_HOST=1) and a chunk's first step ended after
+#              its setup where layer 0's entry does not fit (chunk_advance.SETUP_STEP, MOEBUS_CHUNK_SETUP_STEP=1)
+#   default    call 1's default: no overlap, none of the three
+#   overlap    call 1's overlap: none of the three
 #   nooverlap  the changes without the overlap (run where the budget allows)
 # then tools/device/gap13_probe.py (~10 s): a decode-like step's parts (mapped reads over PCIe, SM work,
 # a copy-engine copy; host time) while a second process creates its context, uploads 800 MiB and runs
@@ -25,7 +26,7 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 PROBE_S=${PROBE_S:-14}
-OFF=MOEBUS_WARM_DENSE_ROWS=0,MOEBUS_CHUNK_GROUP_HOST=0
+OFF=MOEBUS_WARM_DENSE_ROWS=0,MOEBUS_CHUNK_GROUP_HOST=0,MOEBUS_CHUNK_SETUP_STEP=0
 RUNS=${RUNS:-new:MOEBUS_CHUNK_OVERLAP=1 default:MOEBUS_CHUNK_OVERLAP=0,$OFF overlap:MOEBUS_CHUNK_OVERLAP=1,$OFF nooverlap:MOEBUS_CHUNK_OVERLAP=0}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-40} BUDGET=$((BUDGET - PROBE_S)) bash tools/device/gap12.sh
 for L in $OUT/cycle_budget256_*.log.gz; do  # the dense warm-up at the worker's start (the runs that have it)
