@@ -29,8 +29,10 @@ PROBE_S=${PROBE_S:-14}
 OFF=MOEBUS_WARM_DENSE_ROWS=0,MOEBUS_CHUNK_GROUP_HOST=0,MOEBUS_CHUNK_SETUP_STEP=0
 RUNS=${RUNS:-new:MOEBUS_CHUNK_OVERLAP=1 default:MOEBUS_CHUNK_OVERLAP=0,$OFF overlap:MOEBUS_CHUNK_OVERLAP=1,$OFF nooverlap:MOEBUS_CHUNK_OVERLAP=0}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-40} BUDGET=$((BUDGET - PROBE_S)) bash tools/device/gap12.sh
-for L in $OUT/cycle_budget256_*.log.gz; do  # the dense warm-up at the worker's start (the runs that have it)
-  [ -f "$L" ] && zgrep -hm1 "dense products warmed" $L | sed -E "s/^.*INFO /  $(basename $L .log.gz): /" | cut -c1-200
+for L in $OUT/cycle_budget256_*.log.gz; do  # the dense warm-up at the worker's start; each chunk's last step and release
+  [ -f "$L" ] || continue
+  zgrep -hm1 "dense products warmed" $L | sed -E "s/^.*INFO /  $(basename $L .log.gz): /" | cut -c1-200
+  echo "  $(basename $L .log.gz): chunks' $(zgrep -ho 'its last step [0-9.]* ms, then its release [0-9.]* ms' $L | tr '\n' ';')"
 done
 left=$((BUDGET - SECONDS))
 echo "=== probe at ${SECONDS} s, ${left} s left"
