@@ -43,10 +43,11 @@ DECODE_MIN_TILE_PAIRS = int(os.environ.get("MOEBUS_DECODE_MIN_TILE_PAIRS", "8"))
 # spanning chunk beside text streams met ~30 of them (eleventh session's trace)
 WARM_PRODUCT_TILES = int(os.environ.get("MOEBUS_WARM_PRODUCT_TILES", "256"))
 # warm_dense: a worker's start runs each dense weight's product (attention's projections, the router)
-# at every row count from the tensor cores' least up to this many (0: none). cuBLAS picks its kernel
+# at every row count from the tensor cores' least up to this many (0, the default until a GPU call
+# measures it: none). cuBLAS picks its kernel
 # by n (the rows) too: thirteenth session's call 1, a 510-token chunk's first step loaded o_proj's two
 # (beta 0 and 1) at n 510 (4.6 ms of host time, in a 20.5 ms step; at n 244 qkv's and o's, 12.7 ms)
-WARM_DENSE_ROWS = int(os.environ.get("MOEBUS_WARM_DENSE_ROWS", "1024"))
+WARM_DENSE_ROWS = int(os.environ.get("MOEBUS_WARM_DENSE_ROWS", "0"))  # (1024: not measured yet, off)
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:

@@ -204,8 +204,10 @@ def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_ne
     assert stage.chunk is None and experts.loaned_from is None and experts.num_slots == slots
 
 
+@pytest.mark.parametrize("setup_step", [False, True])
 @pytest.mark.parametrize("case", ["plain", "in pieces"])
-def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case):
+def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case,
+                                                                                             setup_step, monkeypatch):
     """A step whose deadline is past at its first look (a share of the decode rows' time near 0)
     runs one expert group (or enters a layer: its attention and routing; or, the chunk's first
     step, sets it up: chunk_advance.SETUP_STEP), then stops: within a layer, before a layer (its
@@ -213,6 +215,7 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
     layer's attention and first group), before the first layer (the embedding kept) or before the
     next piece. The chunk's token, logits and keys and values still equal those of the chunk run
     whole."""
+    monkeypatch.setattr(chunk_advance, "SETUP_STEP", setup_step)
     whole = _model(model_dirs["init_qwen3"], None)
     _decode_ready(whole)
     sliced = _model(model_dirs["init_qwen3"], 1.0)

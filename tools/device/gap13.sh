@@ -2,8 +2,8 @@
 # One H200, issue 20 (thirteenth session, branch gap13): the text streams' largest gap through a cold
 # LLaVA image. gap12.sh's cycle (gap10.sh's: the 8 x 128 A3B LLaVA (so400m) under --gpu-memory-mib 8192,
 # 2 text streams, cold start 2 of 2, copy budget 256 MiB) in runs "tag:VAR=value,VAR=value":
-#   new        the decode rows overlapped (MOEBUS_CHUNK_OVERLAP=1) with this branch's changes at their
-#              defaults: the dense products warmed at every row count (moe_prefill.warm_dense,
+#   new        the decode rows overlapped (MOEBUS_CHUNK_OVERLAP=1) with this branch's changes on (each off
+#              by default until measured; ON below): the dense products warmed at every row count (moe_prefill.warm_dense,
 #              MOEBUS_WARM_DENSE_ROWS=1024), a later group only where its host time fits
 #              (chunk_advance.GROUP_HOST, MOEBUS_CHUNK_GROUP_HOST=1) and a chunk's first step ended after
 #              its setup where layer 0's entry does not fit (chunk_advance.SETUP_STEP, MOEBUS_CHUNK_SETUP_STEP=1)
@@ -27,7 +27,8 @@ if [ "$PHASE" = warm ]; then
 fi
 PROBE_S=${PROBE_S:-14}
 OFF=MOEBUS_WARM_DENSE_ROWS=0,MOEBUS_CHUNK_GROUP_HOST=0,MOEBUS_CHUNK_SETUP_STEP=0
-RUNS=${RUNS:-new:MOEBUS_CHUNK_OVERLAP=1 default:MOEBUS_CHUNK_OVERLAP=0,$OFF overlap:MOEBUS_CHUNK_OVERLAP=1,$OFF nooverlap:MOEBUS_CHUNK_OVERLAP=0}
+ON=MOEBUS_WARM_DENSE_ROWS=1024,MOEBUS_CHUNK_GROUP_HOST=1,MOEBUS_CHUNK_SETUP_STEP=1
+RUNS=${RUNS:-new:MOEBUS_CHUNK_OVERLAP=1,$ON default:MOEBUS_CHUNK_OVERLAP=0,$OFF overlap:MOEBUS_CHUNK_OVERLAP=1,$OFF nooverlap:MOEBUS_CHUNK_OVERLAP=0,$ON}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-40} BUDGET=$((BUDGET - PROBE_S)) bash tools/device/gap12.sh
 for L in $OUT/cycle_budget256_*.log.gz; do  # the dense warm-up at the worker's start; each chunk's last step and release
   [ -f "$L" ] || continue
