@@ -3,12 +3,13 @@ and, within a layer, expert groups run while the experts they copy in stay withi
 of bytes and, beside decode rows on a GPU, of time (``deadline``): before each group after the
 step's first (or after a layer's entry: its attention and routing are a step's progress too), and
 before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
-nearer than the last layer's attention and routing took); every group's copies (the first's too, at
-least one expert) also fit the time left at ``LINK_BYTES_PER_S``. What
-the next step needs is kept outside the step scratch (``ChunkInProgress.keep``): within a layer its
-state, at a layer boundary the hidden state and the last MLP's output. A chunk longer than the
-standing scratch holds the cache's prompt-path loan from its first step to its end. Each part of a
-step is timed (step_parts.py)."""
+nearer than the last layer's attention and routing took; at a group, nearer than the last group's
+host work took, ``GROUP_HOST``; a chunk's first step counts its setup as progress, ``SETUP_STEP``);
+every group's copies (the first's too, at least one expert) also fit the time left at
+``LINK_BYTES_PER_S``. What the next step needs is kept outside the step scratch
+(``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden state and the
+last MLP's output. A chunk longer than the standing scratch holds the cache's prompt-path loan from
+its first step to its end. Each part of a step is timed (step_parts.py)."""
 from __future__ import annotations
 
 import os
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
 # a time-bounded step's copies: the bytes a second that the time left may still take (H200's PCIe,
 # the pinned store to the arena beside decode's reads of the mapped store: ~25-50 GB/s)
 LINK_BYTES_PER_S = float(os.environ.get("MOEBUS_CHUNK_LINK_GBPS", "25")) * 1e9
+# a time-bounded step's next group (after its first) starts only where the time left, less the host
+# time the chunk's last group took (its plan, acquire and launches: ~4.5 ms on the H200, thirteenth
+# session's call 1, when the GPU is idle after the sync), is still positive, and its copies fit that
+# remainder (0: the time left alone, as before: such steps overran their deadline by a group)
+GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "0") == "1"  # (off until a GPU call measures it)
+# a time-bounded chunk's first step: its setup (the loan, the piece's inputs, the embedding) is that
+# step's progress, so layer 0's attention and routing start in it only where the time left exceeds the
+# stage's last chunk's layer entry (call 1: the first steps were the slowest, 19-20 ms, with the loan,
+# the inputs, the attention and the routing's sync in one step); 0: the first layer entered regardless
+SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "0") == "1"  # (off until a GPU call measures it)
 
 
 @dataclass
@@ -123,6 +134,9 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
+        if SETUP_STEP and deadline is not None and chunk.steps == 0 and chunk.piece == 0:
+            spent[1] = True  # the chunk's setup is its first step's progress (SETUP_STEP)
+            chunk.layer_entry_s = max(chunk.layer_entry_s, stage.chunk_layer_entry_s)
     mark = ops.layer_mark()
     try:
         while chunk.layer < len(stage.layer_range):
@@ -144,6 +158,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
                 parts.begin("route (sync)")
                 chunk.within = LayerInProgress(x, h, stage._route_on_host(i, w, h, _pair_buffer(stage, chunk)))
                 chunk.layer_entry_s = time.perf_counter() - entered  # the attention's and the routing's, synced
+                stage.chunk_layer_entry_s = chunk.layer_entry_s  # (the next chunk's first guess, SETUP_STEP)
                 if deadline is not None:  # bounded by time, a layer's entry is the step's unit of progress too:
                     spent[1] = True  # its groups start in this step only while the deadline allows
             if not _run_groups(stage, chunk, i, budget_bytes, spent, deadline):
@@ -220,17 +235,21 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
         left = None if budget_bytes is None else budget_bytes - spent[0]
         if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
             # (the first group's copies start once the decode rows launched beside it are done: copies_from)
-            seconds = time_left(stage, chunk, deadline) if spent[1] else \
-                max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
+            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST)
+                seconds = time_left(stage, chunk, deadline) - (chunk.group_host_s if GROUP_HOST else 0.0)
+            else:
+                seconds = max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
             if seconds <= 0 and spent[1]:
                 return False
             left = int(seconds * LINK_BYTES_PER_S) if left is None else min(left, int(seconds * LINK_BYTES_PER_S))
         chunk.parts.begin("plan")
+        planned = time.perf_counter()
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
         run = run or group_runner(stage, layer, within, chunk.parts)
         run(within.next_expert, end)
+        chunk.group_host_s = time.perf_counter() - planned
         within.next_expert = end
         spent[0] += cost
         spent[1] = True

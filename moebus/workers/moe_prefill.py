@@ -42,6 +42,12 @@ DECODE_MIN_TILE_PAIRS = int(os.environ.get("MOEBUS_DECODE_MIN_TILE_PAIRS", "8"))
 # its first launch (CUDA's lazy loading, ~4.5 ms of host time each on the H200): the first image's
 # spanning chunk beside text streams met ~30 of them (eleventh session's trace)
 WARM_PRODUCT_TILES = int(os.environ.get("MOEBUS_WARM_PRODUCT_TILES", "256"))
+# warm_dense: a worker's start runs each dense weight's product (attention's projections, the router)
+# at every row count from the tensor cores' least up to this many (0, the default until a GPU call
+# measures it: none). cuBLAS picks its kernel
+# by n (the rows) too: thirteenth session's call 1, a 510-token chunk's first step loaded o_proj's two
+# (beta 0 and 1) at n 510 (4.6 ms of host time, in a 20.5 ms step; at n 244 qkv's and o's, 12.7 ms)
+WARM_DENSE_ROWS = int(os.environ.get("MOEBUS_WARM_DENSE_ROWS", "0"))  # (1024: not measured yet, off)
 
 
 def can_group_on_device(ops, experts, num_tokens: int) -> bool:
@@ -185,6 +191,34 @@ def warm_products(ops, hidden: int, inter: int, max_tiles: int | None = None) ->
                 tc.blas.gemm_batched(ops.stream, OP_T, OP_N, dim_out, tc.parts * t, dim_in, pa, R_16BF, dim_in, pb,
                                      R_16BF, dim_in, pc, dim_out, compute=COMPUTE_32F, batch=count)
                 done += 1
+    ops.synchronize()
+    return done
+
+
+def warm_dense(ops, weights, least_rows: int, max_rows: int | None = None) -> int:
+    """Run ``TensorCores.matmul_nt`` (each split part's product: the first with beta 0, the next with
+    beta 1) for each distinct shape of ``weights`` (device bf16 matrices (N, K): a layer's dense
+    weights) at every row count ``least_rows`` ... ``max_rows`` (the rows of a chunk's step), on
+    scratch rows whose values are not used, so that the kernels cuBLAS picks for a chunk's dense
+    products are loaded before the first image. Returns the products run (cuBLAS calls); the buffers
+    are the caller's step scratch."""
+    if max_rows is None:
+        max_rows = 0 if SIMULATOR else WARM_DENSE_ROWS
+    tc = getattr(ops, "tensor_cores", None)
+    least_rows = max(least_rows, 1 if tc is None else tc.min_rows)
+    if tc is None or max_rows < least_rows:
+        return 0
+    shapes = {}
+    for weight in weights:
+        if getattr(weight, "dtype", None) == np.uint16 and len(weight.shape) == 2:
+            shapes.setdefault(tuple(weight.shape), weight)
+    done = 0
+    for (num_out, dim_in), weight in sorted(shapes.items()):
+        parts = ops.zeros((tc.parts, max_rows, dim_in), np.uint16)
+        out = ops.empty((max_rows, num_out))
+        for rows in range(least_rows, max_rows + 1):
+            tc.matmul_nt(ops, parts, 0, rows, address(weight), num_out, out)
+            done += tc.parts
     ops.synchronize()
     return done
 

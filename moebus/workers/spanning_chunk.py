@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.cuda.kernels.compat import SIMULATOR, disk_cache_counts
 from moebus.workers.batch import StageOutput, StepBatch, select_rows
 from moebus.workers.chunk_advance import LayerInProgress, advance, advance_in_loan
 from moebus.workers.chunk_rows import finish_rows, launch_rows
-from moebus.workers.moe_prefill import can_group_on_device, warm_products
+from moebus.workers.moe_prefill import WARM_DENSE_ROWS, can_group_on_device, warm_dense, warm_products
 from moebus.workers.step_parts import StepParts
 
 log = logging.getLogger("moebus.stage")
@@ -85,6 +85,7 @@ class ChunkInProgress:
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
+    group_host_s: float = 0.0  # the last expert group's host time: plan, acquire, launches (chunk_advance.GROUP_HOST)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
     kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
     rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
@@ -230,15 +231,19 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
     stage.chunk_steps += 1
     held.step_ms.append(1e3 * (time.perf_counter() - started))
     if chunk_out is not None:
+        releasing = time.perf_counter()
         release(stage)
+        released_ms = 1e3 * (time.perf_counter() - releasing)  # in its last step, after step_ms's figure
         stage.chunks_spanned += 1
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
                  "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
-                 "meanwhile: %d / %d", held.length, held.slot, held.start, held.steps, held.copies, min(held.step_ms),
+                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms", held.length, held.slot,
+                 held.start, held.steps, held.copies, min(held.step_ms),
                  statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
                  held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
-                 *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)))
+                 *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)), held.step_ms[-1],
+                 released_ms)
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
@@ -304,9 +309,11 @@ def warm(stage, num_tokens: int) -> bool:
     so that every kernel a spanning chunk runs is compiled or loaded then, not in the first image's
     steps beside text streams; on tensor cores, then its groups' products at every tile width and batch
     count up to MOEBUS_WARM_PRODUCT_TILES (moe_prefill.warm_products: cuBLAS picks a kernel by the batch
-    count too and loads each at its first launch). One token repeated: its rows route alike, so few
-    experts are copied. It writes keys and values at slot 0, which no sequence holds yet. False where it does not apply
-    (a stage that is not the whole model, a context too short, Qwen3-VL: its steps never span)."""
+    count too and loads each at its first launch), and the dense products at every row count up to
+    MOEBUS_WARM_DENSE_ROWS (moe_prefill.warm_dense: by the rows too). One token repeated: its rows
+    route alike, so few experts are copied. It writes keys and values at slot 0, which no sequence
+    holds yet. False where it does not apply (a stage that is not the whole model, a context too
+    short, Qwen3-VL: its steps never span)."""
     if not (stage.is_first and stage.is_last) or num_tokens > stage.max_context or stage.chunk is not None \
             or stage.mrope_axes is not None:
         return False
@@ -327,4 +334,16 @@ def warm(stage, num_tokens: int) -> bool:
         except Exception as e:  # noqa: BLE001 - a warm-up only: the first image loads them instead
             log.warning("the grouped products were not warmed (%s: %s)", type(e).__name__, e)
         stage.ops.begin_step()
+    started = time.perf_counter()
+    try:  # its dense products (attention's projections, the router) at every row count a step may have
+        moe = [i for i in stage.layer_range if stage.cfg.is_moe_layer(i)] or list(stage.layer_range)
+        dense = [w for i in sorted({moe[0], stage.layer_range[0]}) for w in stage.layers[i].values()]
+        stage.warmed_dense = warm_dense(stage.ops, dense, 0, None if SIMULATOR else
+                                        min(WARM_DENSE_ROWS, stage.max_context))
+        if stage.warmed_dense:
+            log.info("dense products warmed at every row count up to %d: %d cuBLAS calls in %.2f s",
+                     min(WARM_DENSE_ROWS, stage.max_context), stage.warmed_dense, time.perf_counter() - started)
+    except Exception as e:  # noqa: BLE001 - a warm-up only: the first image loads them instead
+        log.warning("the dense products were not warmed (%s: %s)", type(e).__name__, e)
+    stage.ops.begin_step()
     return True

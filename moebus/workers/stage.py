@@ -91,6 +91,8 @@ class Stage:
         self.chunk = None  # the chunk in progress (spanning_chunk.ChunkInProgress)
         self.chunks_spanned = self.chunk_steps = self.chunks_dropped = 0  # for INFO
         self.warmed_products = 0  # spanning_chunk.warm's cuBLAS products (moe_prefill.warm_products)
+        self.warmed_dense = 0  # and its dense products' cuBLAS calls (moe_prefill.warm_dense)
+        self.chunk_layer_entry_s = 0.0  # the last spanning chunk's last layer entry (chunk_advance.SETUP_STEP)
         # experts last: an elastic cache is sized from the VRAM left after dense weights, KV cache
         # and the step scratch (which a worker measures with a warm-up step of this stage)
         if experts is None:

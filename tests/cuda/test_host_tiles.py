@@ -91,3 +91,30 @@ def test_warm_products_runs_both_products_at_every_tile_width_and_count(ops):
     assert sorted(calls) == sorted((OP_T, OP_N, m, parts * t, k, count) for t in widths for count in (1, 2, 3)
                                    for m, k in ((2 * inter, hidden), (hidden, inter)))
     assert warm_products(ops, hidden, inter, max_tiles=0) == 0
+
+
+def test_warm_dense_runs_each_weight_shape_at_every_row_count(ops):
+    """moe_prefill.warm_dense (a worker's start): each distinct bf16 matrix shape once, at every row
+    count from the tensor cores' least (or ``least_rows``) to ``max_rows``, each split part's product
+    as TensorCores.matmul_nt calls it (beta 0, then 1), so that cuBLAS loads the kernel it picks for
+    each n before the first image's chunk; other weights (norms, float32) are left out."""
+    from moebus.cuda.kernels.gemm import OP_N, OP_T
+    from moebus.workers.moe_prefill import warm_dense
+
+    calls, blas = [], ops.tensor_cores.blas
+    real = blas.gemm
+
+    def recorded(stream, trans_a, trans_b, m, n, k, *args, beta=0.0, **kw):
+        calls.append((trans_a, trans_b, m, n, k, beta))
+        return real(stream, trans_a, trans_b, m, n, k, *args, beta=beta, **kw)
+    blas.gemm = recorded
+    bf16 = lambda rows, cols: device(np.zeros((rows, cols), np.uint16))  # noqa: E731
+    weights = [bf16(24, 16), bf16(16, 8), bf16(24, 16), device(np.ones(16, np.uint16)), device(np.ones((4, 16), np.float32))]
+    least = ops.tensor_cores.min_rows
+    assert warm_dense(ops, weights, 0, least + 2) == len(calls)
+    parts = ops.tensor_cores.parts
+    assert sorted(calls) == sorted((OP_T, OP_N, m, n, k, float(part > 0)) for m, k in ((24, 16), (16, 8))
+                                   for n in range(least, least + 3) for part in range(parts))
+    calls.clear()
+    assert warm_dense(ops, weights, least + 2, least + 2) == len(calls) == 2 * parts  # from least_rows on
+    assert warm_dense(ops, weights, 0, least - 1) == 0 and warm_dense(ops, weights, 0, 0) == 0

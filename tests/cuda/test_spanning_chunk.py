@@ -125,7 +125,12 @@ def test_decode_rows_launched_beside_the_chunk_equal_them_waited_for(micro_model
     """chunk_rows.py (``stage.chunk_overlap``): from the chunk's second step the decode row is
     launched as its captured graph, the chunk's groups are enqueued behind it (their copies waiting
     for it) and the row is read after them. Each step's decode token and the chunk's token equal
-    those of the same steps with the row waited for first."""
+    those of the same steps with the row waited for first. The decode rows admit nothing
+    (``max_admissions = 0``): their admissions land when their copies are done (a timing) and, waited
+    for, before the chunk plans its groups, overlapped, after; either changes which of the chunk's
+    experts miss and so its steps (call 1: 2 steps waited, 3 overlapped). With only the chunk's own
+    copies (one expert's bytes a step, no time bound: ``chunk_time_share`` 0) both runs take the
+    same steps."""
     from moebus.workers import chunk_rows
 
     monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)
@@ -135,8 +140,10 @@ def test_decode_rows_launched_beside_the_chunk_equal_them_waited_for(micro_model
     runs = []
     for overlap in (False, True):
         stage = _stage(micro_model, 1.0, "tensor cores")
-        assert stage.use_graphs
+        assert stage.use_graphs and stage.chunk_time_share == 0.0
         stage.chunk_overlap = overlap
+        stage.experts.max_admissions = 0  # the cache changes by the chunk's copies alone (see above)
+        stage.replay_s = None  # no replay's time to go by: the chunk's first step waits for its row
         got, position = [], 2
         while True:
             out = stage.forward(StepBatch(slots=[0, 1], starts=[position, 0], lengths=[1, 6], tokens=[21] + CHUNK))

@@ -204,13 +204,18 @@ def test_the_loan_is_held_across_the_chunks_steps_and_returned_when_the_cache_ne
     assert stage.chunk is None and experts.loaned_from is None and experts.num_slots == slots
 
 
+@pytest.mark.parametrize("setup_step", [False, True])
 @pytest.mark.parametrize("case", ["plain", "in pieces"])
-def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case):
+def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equals_it_run_whole(model_dirs, case,
+                                                                                             setup_step, monkeypatch):
     """A step whose deadline is past at its first look (a share of the decode rows' time near 0)
-    runs one expert group (or enters a layer: its attention and routing), then stops: within a
-    layer, before a layer (its hidden state and last MLP output kept: with the copy budget alone it
-    would go on to the next layer's attention and first group) or before the next piece. The chunk's
-    token, logits and keys and values still equal those of the chunk run whole."""
+    runs one expert group (or enters a layer: its attention and routing; or, the chunk's first
+    step, sets it up: chunk_advance.SETUP_STEP), then stops: within a layer, before a layer (its
+    hidden state and last MLP output kept: with the copy budget alone it would go on to the next
+    layer's attention and first group), before the first layer (the embedding kept) or before the
+    next piece. The chunk's token, logits and keys and values still equal those of the chunk run
+    whole."""
+    monkeypatch.setattr(chunk_advance, "SETUP_STEP", setup_step)
     whole = _model(model_dirs["init_qwen3"], None)
     _decode_ready(whole)
     sliced = _model(model_dirs["init_qwen3"], 1.0)
@@ -221,7 +226,7 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
     want = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2), want_logits=True)
     stage = sliced.stages[0]
     stage.chunk_time_share = 1e-12
-    groups, stops, read = [], {"within": 0, "layer": 0, "piece": 0}, []
+    groups, stops, read = [], {"within": 0, "layer": 0, "piece": 0, "setup": 0}, []
     run_group, read_input = chunk_advance.group_runner, chunk_advance.Uploads.__getitem__
 
     def counted(*args):
@@ -244,16 +249,19 @@ def test_a_chunk_bounded_by_time_stops_between_groups_layers_and_pieces_and_equa
                 break
             held = stage.chunk
             num_pieces = len(held.pieces)
-            where = "within" if held.within is not None else "layer" if held.layer else "piece"
+            where = "within" if held.within is not None else "layer" if held.layer else \
+                "setup" if held.x is not None else "piece"
             stops[where] += 1
-            assert held.x is not None if where == "layer" else held.x is None
+            assert held.x is not None if where in ("layer", "setup") else held.x is None
             position += 1
             assert position < 400
     finally:
         chunk_advance.group_runner, chunk_advance.Uploads.__getitem__ = run_group, read_input
     # one group a step, however few its copies; none in a step that entered a layer (its attention
-    # and routing were that step's progress), at most one such step a layer of a piece
-    assert set(groups[:-1]) == {0, 1} and groups.count(0) <= len(stage.layer_range) * num_pieces
+    # and routing were that step's progress), at most one such step a layer of a piece, and none in
+    # the chunk's first (its setup: the first step only, SETUP_STEP)
+    assert set(groups[:-1]) == {0, 1} and groups.count(0) <= len(stage.layer_range) * num_pieces + 1
+    assert stops["setup"] == (1 if chunk_advance.SETUP_STEP else 0) and groups[0] == 0
     # a step's inputs are uploaded when read: the tokens in the steps that embed a piece, the
     # sampling's in the last, none in a step that only continues a layer's groups
     assert "tokens" in read[0] and "u" in read[-1] and "u" not in set().union(*read[:-1])
@@ -361,3 +369,26 @@ def test_an_overlapped_steps_deadline_follows_the_last_steps_decode_rows():
     assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.5), held, 10.0) == 10.0 + 1.5 * 0.008
     assert held.copies_from == 10.008
     assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.0), held, 10.0) is None
+
+
+@pytest.mark.parametrize("group_host", [True, False])
+def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypatch, group_host):
+    """chunk_advance.GROUP_HOST: after a step's first group, the next starts only where the time left
+    (here 10 ms at every look) exceeds the host time the last group took (here >= 20 ms: its plan,
+    acquire and launches run with the GPU idle after the sync); off, it starts while any time is left."""
+    import time
+    from types import SimpleNamespace as NS
+
+    experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
+    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0), parts=NS(begin=lambda name: None),
+               copies=0, group_host_s=0.0, copies_from=0.0)
+    ran = []
+
+    def runner(stage, layer, within, parts):
+        return lambda first, end: ran.append((first, end)) or time.sleep(0.02)
+    monkeypatch.setattr(chunk_advance, "GROUP_HOST", group_host)
+    monkeypatch.setattr(chunk_advance, "time_left", lambda stage, chunk, deadline: 0.01)
+    monkeypatch.setattr(chunk_advance, "group_runner", runner)
+    done = chunk_advance._run_groups(NS(experts=experts), chunk, 0, None, [0, False], time.perf_counter() + 1.0)
+    assert chunk.group_host_s >= 0.02
+    assert (done, ran) == ((False, [(0, 1)]) if group_host else (True, [(0, 1), (1, 2), (2, 3), (3, 4)]))
