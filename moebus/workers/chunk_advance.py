@@ -33,12 +33,12 @@ LINK_BYTES_PER_S = float(os.environ.get("MOEBUS_CHUNK_LINK_GBPS", "25")) * 1e9
 # time the chunk's last group took (its plan, acquire and launches: ~4.5 ms on the H200, thirteenth
 # session's call 1, when the GPU is idle after the sync), is still positive, and its copies fit that
 # remainder (0: the time left alone, as before: such steps overran their deadline by a group)
-GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "0") == "1"  # (off until a GPU call measures it)
+GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "1") == "1"  # (0 off)
 # a time-bounded chunk's first step: its setup (the loan, the piece's inputs, the embedding) is that
 # step's progress, so layer 0's attention and routing start in it only where the time left exceeds the
 # stage's last chunk's layer entry (call 1: the first steps were the slowest, 19-20 ms, with the loan,
 # the inputs, the attention and the routing's sync in one step); 0: the first layer entered regardless
-SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "0") == "1"  # (off until a GPU call measures it)
+SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "1") == "1"  # (0 off)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from moebus.workers.batch import StageOutput, StepBatch
 
-OVERLAP = os.environ.get("MOEBUS_CHUNK_OVERLAP", "0") == "1"
+OVERLAP = os.environ.get("MOEBUS_CHUNK_OVERLAP", "1") == "1"  # (on: docs/performance.md, 13th session)
 
 
 @dataclass

@@ -48,16 +48,16 @@ def test_a_graph_with_alloc_or_free_nodes_keeps_its_plain_edges():
 
 def test_the_trigger_is_read_from_the_environment_and_keys_the_kernel_cache(monkeypatch):
     """MOEBUS_PDL_TRIGGER changes the compiled wait (wait + launch_dependents), so kernels compiled with
-    it live under another kernel-cache fingerprint; unset and 0 keep the plain one."""
+    it live under another kernel-cache fingerprint than kernels compiled without it; unset is on."""
     from moebus.cuda.kernels import kernel_cache
 
     monkeypatch.delenv(pdl.TRIGGER_ENV, raising=False)
-    plain = kernel_cache.source_fingerprint()
-    assert not pdl.trigger_after_wait()
-    monkeypatch.setenv(pdl.TRIGGER_ENV, "0")
-    assert not pdl.trigger_after_wait() and kernel_cache.source_fingerprint() == plain
+    default = kernel_cache.source_fingerprint()
+    assert pdl.trigger_after_wait()
     monkeypatch.setenv(pdl.TRIGGER_ENV, "1")
-    assert pdl.trigger_after_wait() and kernel_cache.source_fingerprint() != plain
+    assert pdl.trigger_after_wait() and kernel_cache.source_fingerprint() == default
+    monkeypatch.setenv(pdl.TRIGGER_ENV, "0")
+    assert not pdl.trigger_after_wait() and kernel_cache.source_fingerprint() != default
     assert pdl.TRIGGER_ENV in kernel_cache.COMPILE_ENV
 
 

@@ -7,8 +7,8 @@ Layout: ``<kernel_cache_dir>/<fingerprint>/<role>``.
   key sees the kernel's signature and bytecode, its closure's values, the GPU's compute capability
   and the CUDA version, and its file's mtime and size, but not the device functions it calls from
   other files (compat.py, loads.py): a change there must not load a stale kernel, so it gets a
-  fresh tree. The variables of ``COMPILE_ENV`` (they change what a kernel compiles to without changing
-  its source) are hashed in with their values.
+  fresh tree. The switches of ``COMPILE_ENV`` (they change what a kernel compiles to without changing
+  its source) are hashed in as on or off.
 - *role*: ``gpu<i>`` for the stage-i worker, ``vision`` for the vision zygote and its workers. numba
   lets two processes that add entries to one function's index at once pair an entry with the other's
   data file (a wrong kernel on a later load); one writer per directory rules that out, at the price of
@@ -27,7 +27,9 @@ from pathlib import Path
 VISION_ROLE = "vision"
 LOCAL_ROLE = "local"  # a process no broker started (bench, generate --local, GPU tests)
 _SOURCES = Path(__file__).resolve().parents[1]  # moebus/cuda: the kernels and everything they import
-COMPILE_ENV = ("MOEBUS_PDL_TRIGGER",)  # pdl.py: read when kernels are compiled
+# switches read when kernels are compiled, with their defaults (pdl.py: MOEBUS_PDL_TRIGGER)
+COMPILE_ENV = {"MOEBUS_PDL_TRIGGER": "1"}
+_ON = ("1", "on", "true", "yes")
 
 
 def gpu_role(index: int) -> str:
@@ -36,11 +38,11 @@ def gpu_role(index: int) -> str:
 
 def source_fingerprint() -> str:
     """16 hex digits over the paths and bytes of moebus/cuda/**/*.py, the numba-cuda version and the
-    COMPILE_ENV variables that are set (none set: the same digits as before they existed)."""
+    COMPILE_ENV switches, each as on or off (unset: its default)."""
     digest = hashlib.sha256(_numba_cuda_version().encode() + b"\0")
-    for name in COMPILE_ENV:
-        if os.environ.get(name, "").strip() not in ("", "0"):
-            digest.update(f"{name}={os.environ[name].strip()}".encode() + b"\0")
+    for name, default in COMPILE_ENV.items():
+        on = os.environ.get(name, default).strip().lower() in _ON
+        digest.update(f"{name}={int(on)}".encode() + b"\0")
     for path in sorted(_SOURCES.rglob("*.py")):
         digest.update(path.relative_to(_SOURCES).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]

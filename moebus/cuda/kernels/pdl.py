@@ -28,12 +28,12 @@ dependent kernel's blocks may start while its predecessor still runs; they block
   NVRTC, numba kernels without the call) keep their full dependency, and so does a join (a node
   with more than one edge in: the side branch's, graphs.SideBranch).
 
-``MOEBUS_PDL``: 0 off, ``programmatic`` (1, the default when on) or ``launch_order``, the port the
+``MOEBUS_PDL``: 0 off, ``programmatic`` (1; the default) or ``launch_order``, the port the
 edges leave from. ``launch_order``: the dependent may start once all the predecessor's blocks have
 started; ``programmatic``: once each has called launch_dependents or ended.
 
 ``MOEBUS_PDL_TRIGGER`` (read when this module is imported; part of kernel_cache's fingerprint, since
-it changes the compiled code): 1 makes ``grid_dependency_wait`` also call launch_dependents right
+it changes the compiled code; 1 by default, 0 off): 1 makes ``grid_dependency_wait`` also call launch_dependents right
 after the wait, in every kernel: with the PROGRAMMATIC port the next kernel's blocks then launch
 while this one computes and sit in their own wait (at most one kernel ahead: a kernel releases its
 dependent only once its own wait has passed, i.e. once the kernel before it has completed, which is
@@ -52,7 +52,7 @@ import os
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, cuda, device
 
 ENV = "MOEBUS_PDL"
-DEFAULT = "0"  # off until a GPU call shows it correct and faster (docs/performance.md)
+DEFAULT = "programmatic"  # with the trigger: b1 301.4 vs 295.4 tok/s, graph == eager (docs/performance.md, 13th session)
 PORTS = ("programmatic", "launch_order")
 WAIT_NAME = "grid_dependency_wait"
 TRIGGER_ENV = "MOEBUS_PDL_TRIGGER"
@@ -62,7 +62,7 @@ _logged: set[str] = set()
 
 def trigger_after_wait() -> bool:
     """MOEBUS_PDL_TRIGGER: every kernel releases its dependent right after its wait (compiled in)."""
-    return os.environ.get(TRIGGER_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return os.environ.get(TRIGGER_ENV, "1").strip().lower() in ("1", "on", "true", "yes")
 
 
 def mode() -> str | None:
