@@ -36,13 +36,17 @@ def gpu_role(index: int) -> str:
     return f"gpu{index}"
 
 
+def compile_switch(name: str) -> bool:
+    """Whether the COMPILE_ENV switch ``name`` is on (unset: its default)."""
+    return os.environ.get(name, COMPILE_ENV[name]).strip().lower() in _ON
+
+
 def source_fingerprint() -> str:
     """16 hex digits over the paths and bytes of moebus/cuda/**/*.py, the numba-cuda version and the
     COMPILE_ENV switches, each as on or off (unset: its default)."""
     digest = hashlib.sha256(_numba_cuda_version().encode() + b"\0")
-    for name, default in COMPILE_ENV.items():
-        on = os.environ.get(name, default).strip().lower() in _ON
-        digest.update(f"{name}={int(on)}".encode() + b"\0")
+    for name in COMPILE_ENV:
+        digest.update(f"{name}={int(compile_switch(name))}".encode() + b"\0")
     for path in sorted(_SOURCES.rglob("*.py")):
         digest.update(path.relative_to(_SOURCES).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import os
 
+from moebus.cuda.kernels import kernel_cache
 from moebus.cuda.kernels.compat import SIMULATOR, WARP, cuda, device
 
 ENV = "MOEBUS_PDL"
@@ -62,7 +63,7 @@ _logged: set[str] = set()
 
 def trigger_after_wait() -> bool:
     """MOEBUS_PDL_TRIGGER: every kernel releases its dependent right after its wait (compiled in)."""
-    return os.environ.get(TRIGGER_ENV, "1").strip().lower() in ("1", "on", "true", "yes")
+    return kernel_cache.compile_switch(TRIGGER_ENV)
 
 
 def mode() -> str | None:
