@@ -24,9 +24,9 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
-                                        kernel)
-from moebus.cuda.kernels.pdl import grid_dependency_wait
+from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, bounded_kernel, cuda, device,
+                                        device_with_shared, float32, kernel)
+from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_l2
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.routing import is_last_of
 
@@ -37,6 +37,21 @@ MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in 
 MAX_SHARED_BYTES = 40 * 1024
 MERGE_IN_SPLIT = True  # attention_cuda: the last split block merges (given a counter), no merge_splits launch
 MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once
+# softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
+# and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
+# natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)
+FAST_EXP = False
+# rows ahead of a block's loads whose lines it asks L2 for (prefetch.global.L2, no registers): the
+# registers of ROWS_AHEAD bound the bytes a block has in flight from HBM (two blocks an SM at 126
+# registers a thread), a prefetch distance does not. 0: none
+L2_AHEAD = 0
+LINE_WORDS = 16  # 8-byte words in a 128-byte line
+# blocks of the decode kernel an SM must hold (launch bounds: registers capped to allow them); 0: the
+# compiler's choice (126 registers at A3B's shapes: 2 blocks of 256 threads, which the L2 prefetches or
+# more rows ahead push past 128, to 1 block an SM)
+MIN_BLOCKS = 0
+LOG2E = float32(1.4426950408889634)
+LN2 = float32(0.6931471805599453)
 NEG_INF = float32(-np.inf)
 LO16 = np.uint64(0xFFFF)
 HI16 = np.uint64(0xFFFF0000)
@@ -133,12 +148,17 @@ def decode_kernel(storage: str, head_dim: int, group: int, merge: bool = False):
     out (T, H, hd))."""
     lanes, quads, heads, head_sets, streams = layout(head_dim, group)
     return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD, merge,
-                          MERGE_SPLITS), head_sets * streams * WARP
+                          MERGE_SPLITS, bool(FAST_EXP), int(L2_AHEAD), int(MIN_BLOCKS)), head_sets * streams * WARP
 
 
 @functools.cache
-def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits):
+def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits,
+                   fast_exp=False, l2_ahead=0, min_blocks=0):
     load_quad = QUAD[storage]
+    row_lines = -(-(head_dim // 4 * (1 if storage == "bf16" else 2)) // LINE_WORDS)  # 128-byte lines of a row
+    q_factor = LOG2E if fast_exp else float32(1.0)  # scores in base 2 (fast_exp) or e
+    exp_in = math.exp2 if fast_exp else math.exp  # exp_in(score - max): the split's own softmax
+    max_out = LN2 if fast_exp else float32(1.0)  # the split's max in natural units for the merge
     per_lane = 4 * quads  # elements of a row per lane
     rows_per_warp = WARP // lanes
     subs = streams * rows_per_warp  # row groups of the block: rows read at once
@@ -166,14 +186,26 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
             total = float32(0.0)
             value = float32(0.0)
             for s in range(subs):
-                weight = math.exp(stats[s, j, 0] - peak)  # 0 for a row group that saw no row
+                weight = exp_in(stats[s, j, 0] - peak)  # 0 for a row group that saw no row
                 total += stats[s, j, 1] * weight
                 value += outs[s, j, d] * weight
             head = kv_head * group + j
             partial[t, head, split, d] = value
             if d == 0:
-                partial[t, head, split, head_dim] = peak
+                partial[t, head, split, head_dim] = peak * max_out
                 partial[t, head, split, head_dim + 1] = total
+
+    @device
+    def ask_l2(k_words, v_words, base, begin, rows, end, tid):
+        # prefetch.global.L2 of every line of K's and V's rows [begin, min(begin + rows, end)), spread over the block
+        for n in range(tid, rows * row_lines * 2, num_threads):
+            r = begin + n // (row_lines * 2)
+            if r < end:
+                at = ((n // 2) % row_lines) * LINE_WORDS
+                if n % 2 == 0:
+                    prefetch_l2(k_words, base + r, at)
+                else:
+                    prefetch_l2(v_words, base + r, at)
 
     @device_with_shared
     def split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
@@ -196,10 +228,14 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
             run_sum[h] = float32(0.0)
             for i in range(per_lane):
                 d = 4 * ((i // 4) * lanes + chunk) + i % 4
-                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale
+                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale * q_factor
                 acc[h * per_lane + i] = float32(0.0)
         base = (token_slot[t] * num_kv_heads + kv_head) * context
+        if l2_ahead > 0:  # the first l2_ahead rows' lines, K and V, one request a thread
+            ask_l2(k_words, v_words, base, first, l2_ahead, end, tid)
         for start in range(first, end, step):  # the same trip count in every warp (shuffles)
+            if l2_ahead > 0:  # the rows l2_ahead past this round's
+                ask_l2(k_words, v_words, base, start + l2_ahead, step, end, tid)
             for a in range(rows_ahead):  # every load first: rows_ahead rows in flight per lane
                 row = base + min(start + a * subs + sub, end - 1)
                 for w in range(quads):
@@ -216,12 +252,12 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                     for h in range(heads):
                         score = scores[a * heads + h]
                         if score > run_max[h]:  # rare after the first rows: rescale only then
-                            alpha = math.exp(run_max[h] - score)
+                            alpha = exp_in(run_max[h] - score)
                             run_sum[h] *= alpha
                             for i in range(per_lane):
                                 acc[h * per_lane + i] *= alpha
                             run_max[h] = score
-                        p = math.exp(score - run_max[h])
+                        p = exp_in(score - run_max[h])
                         run_sum[h] += p
                         for i in range(per_lane):
                             acc[h * per_lane + i] += p * v_reg[a * per_lane + i]
@@ -281,9 +317,11 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                 out[t, kv_head * group + e // head_dim, e % head_dim] = value[k] / total[k]
 
     if not merge:
-        @kernel
+        @bounded_kernel(num_threads, min_blocks)
         def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
             grid_dependency_wait()  # pdl.py: before any global read or write
+            if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+                return
             t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
             first, end, num_splits = window_split(token_pos[t], window, split)
             if split >= num_splits:
@@ -293,10 +331,12 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
 
         return attention_split
 
-    @kernel
+    @bounded_kernel(num_threads, min_blocks)
     def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
                               partial, done, out):
         grid_dependency_wait()  # pdl.py: before any global read or write
+        if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+            return
         t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         first, end, num_splits = window_split(token_pos[t], window, split)
         if split >= num_splits:
