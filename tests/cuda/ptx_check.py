@@ -26,12 +26,15 @@ LOCAL_OP = re.compile(r"^\s*(ld|st)\.local\b", re.M)
 REGISTERS_PER_SM = 65536
 # attention_decode's settings compiled beside its defaults: the first names every key the others set
 DECODE_SETTINGS = ({"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64,
-                    "MIN_BLOCKS": 2},
+                    "MIN_BLOCKS": 2, "OWNER_SOFTMAX": False},
                    {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 0,
                     "MIN_BLOCKS": 0},
                    {"FAST_EXP": False, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
                    {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 8, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
-                   {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 2, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 64})
+                   {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 2, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
+                   {"OWNER_SOFTMAX": True},
+                   {"OWNER_SOFTMAX": True, "FAST_EXP": True, "L2_AHEAD": 64, "MIN_BLOCKS": 2},
+                   {"OWNER_SOFTMAX": True, "FAST_EXP": True, "MAX_HEADS_PER_WARP": 8})
 
 
 def find_cuda_home() -> str | None:
