@@ -15,11 +15,12 @@ BUDGET=${BUDGET:-121}; T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "$(( $(date +%s) - T0 )) s"; }
 M4=/tmp/decode14-m4
-SETTINGS=${SETTINGS:-"base: fast:FAST_EXP=1 l2_64:L2_AHEAD=64,MIN_BLOCKS=2 l2_64_fast:L2_AHEAD=64,MIN_BLOCKS=2,FAST_EXP=1
-  l2_32_fast:L2_AHEAD=32,MIN_BLOCKS=2,FAST_EXP=1 l2_128_fast:L2_AHEAD=128,MIN_BLOCKS=2,FAST_EXP=1
-  ahead4_fast_mb2:ROWS_AHEAD=4,MIN_BLOCKS=2,FAST_EXP=1 l2_64_ahead4_fast:L2_AHEAD=64,ROWS_AHEAD=4,MIN_BLOCKS=2,FAST_EXP=1
-  h2_ahead4_l2_64_fast:MAX_HEADS_PER_WARP=2,ROWS_AHEAD=4,L2_AHEAD=64,MIN_BLOCKS=2,FAST_EXP=1
-  l2_64_fast_1block:L2_AHEAD=64,FAST_EXP=1"}
+O=OWNER_SOFTMAX=1,FAST_EXP=1  # the owner softmax in base 2
+SETTINGS=${SETTINGS:-"base: owner:OWNER_SOFTMAX=1 owner_fast:$O owner_fast_l2_64:$O,L2_AHEAD=64,MIN_BLOCKS=2
+  fast_l2_64:FAST_EXP=1,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_h8:$O,MAX_HEADS_PER_WARP=8
+  owner_fast_h8_l2_64:$O,MAX_HEADS_PER_WARP=8,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_ahead4:$O,ROWS_AHEAD=4,MIN_BLOCKS=2
+  owner_fast_l2_128:$O,L2_AHEAD=128,MIN_BLOCKS=2 fast:FAST_EXP=1 l2_64:L2_AHEAD=64,MIN_BLOCKS=2
+  owner_fast_l2_64_1block:$O,L2_AHEAD=64"}
 quiet() { grep -vE "Warn|warn\(" ; }
 step() {  # NAME SECONDS_NEEDED SECONDS_AT_MOST COMMAND...: into $OUT/NAME.txt, its tail to stdout
   local name=$1 need=$2 most=$3 limit; shift 3
@@ -49,6 +50,6 @@ step context_base 20 35 python3 tools/device/decode14_context.py -- $CONTEXT_ARG
 step b8_pdl 18 30 python3 tools/device/decode13_bench.py $M48 "b8 pdl (default)" 1 8
 MOEBUS_PDL=0 step b8_nopdl 18 30 python3 tools/device/decode13_bench.py $M48 "b8 pdl off" 1 8
 echo "== summary at $(at)"
-grep -hE "^(base|fast|l2|ahead|h[0-9])" $OUT/attn.txt 2>/dev/null | cut -c1-110
+grep -hE "^(base|fast|l2|owner|ahead|h[0-9])" $OUT/attn.txt 2>/dev/null | cut -c1-110
 for f in context_base context_best; do grep -hE "settings|^ +bf16" $OUT/$f.txt 2>/dev/null | cut -c1-110; done
 grep -hE "tok/s|converted" $OUT/b8_pdl.txt $OUT/b8_nopdl.txt 2>/dev/null | cut -c1-150
