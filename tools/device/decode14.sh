@@ -16,11 +16,10 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "$(( $(date +%s) - T0 )) s"; }
 M4=/tmp/decode14-m4
 O=OWNER_SOFTMAX=1,FAST_EXP=1  # the owner softmax in base 2
-SETTINGS=${SETTINGS:-"base: owner:OWNER_SOFTMAX=1 owner_fast:$O owner_fast_l2_64:$O,L2_AHEAD=64,MIN_BLOCKS=2
-  fast_l2_64:FAST_EXP=1,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_h8:$O,MAX_HEADS_PER_WARP=8
+SETTINGS=${SETTINGS:-"base: owner_fast:$O owner_fast_l2_64:$O,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_h8:$O,MAX_HEADS_PER_WARP=8
+  fast_l2_64:FAST_EXP=1,L2_AHEAD=64,MIN_BLOCKS=2 owner:OWNER_SOFTMAX=1
   owner_fast_h8_l2_64:$O,MAX_HEADS_PER_WARP=8,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_ahead4:$O,ROWS_AHEAD=4,MIN_BLOCKS=2
-  owner_fast_l2_128:$O,L2_AHEAD=128,MIN_BLOCKS=2 fast:FAST_EXP=1 l2_64:L2_AHEAD=64,MIN_BLOCKS=2
-  owner_fast_l2_64_1block:$O,L2_AHEAD=64"}
+  owner_fast_l2_128:$O,L2_AHEAD=128,MIN_BLOCKS=2 fast:FAST_EXP=1"}
 quiet() { grep -vE "Warn|warn\(" ; }
 step() {  # NAME SECONDS_NEEDED SECONDS_AT_MOST COMMAND...: into $OUT/NAME.txt, its tail to stdout
   local name=$1 need=$2 most=$3 limit; shift 3
