@@ -3,9 +3,9 @@
 # Run by the lead's call script twice (PHASE=warm side by side, then PHASE=measure alone, within BUDGET s).
 # M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
 # warm:    a 4 x 32 a3b model (/tmp/decode14-m4, ~1.4 GB); on it decode-context at 1k (compiles the bf16 b1
-#          path), decode13_bench at b8 with the defaults (PDL programmatic + trigger: its edge line says
-#          whether b8's graphs still hold alloc nodes), decode14_attn.py 0 (every attention setting compiled),
-#          then graph_check.py --no-cache (graph == eager at b1 / b8) as time allows. Nothing timed.
+#          path), decode14_b8check.py (b8 graphs with PDL off, with the default PDL, eager: the same bits?
+#          and the edge counts: whether b8's graphs still hold alloc nodes), decode14_attn.py 0 (every
+#          attention setting compiled), then graph_check.py --no-cache as time allows. Nothing timed.
 # measure: decode14_attn.py (CUPTI us a call of the one-launch decode attention at b1, 1k / 4k / 32k, per
 #          setting; BEST: the fastest at 32k with a good NMSE); bench decode-context on M48 (1k, 4k, 32k, bf16
 #          KV, 32 tokens, 2 repeats) with the defaults, then with BEST's setting; decode13_bench.py at b8 with
@@ -35,7 +35,7 @@ if [ "$PHASE" = warm ]; then
     2>&1 | tail -1 && touch $M4/.complete; }
   SHOW=4 step warm_context 15 40 python3 tools/device/decode14_context.py -- --model $M4 --device cuda --contexts 1024 \
     --kv-dtype bf16 --tokens 4 --repeats 1
-  SHOW=3 step warm_b8 15 35 python3 tools/device/decode13_bench.py $M4 "warm b8" 1 8
+  SHOW=5 step warm_b8 15 40 python3 tools/device/decode14_b8check.py $M4 8 16
   SHOW=12 step warm_attn 10 60 python3 tools/device/decode14_attn.py 0 $SETTINGS
   SHOW=12 step graph_check 25 60 python3 tools/device/graph_check.py $M4 --no-cache
   echo "warm done at $(at)"
@@ -52,3 +52,4 @@ echo "== summary at $(at)"
 grep -hE "^(base|fast|l2|owner|ahead|h[0-9])" $OUT/attn.txt 2>/dev/null | cut -c1-110
 for f in context_base context_best; do grep -hE "settings|^ +bf16" $OUT/$f.txt 2>/dev/null | cut -c1-110; done
 grep -hE "tok/s|converted" $OUT/b8_pdl.txt $OUT/b8_nopdl.txt 2>/dev/null | cut -c1-150
+grep -hE "bits|DIFFERENT" $OUT/warm_b8.txt 2>/dev/null | cut -c1-120  # the warm phase's, when it shares $OUT
