@@ -35,6 +35,7 @@ DECODE_SETTINGS = ({"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, 
                    {"OWNER_SOFTMAX": True},
                    {"OWNER_SOFTMAX": True, "FAST_EXP": True, "L2_AHEAD": 64, "MIN_BLOCKS": 2},
                    {"OWNER_SOFTMAX": True, "FAST_EXP": True, "MAX_HEADS_PER_WARP": 8})
+MAX_STATIC_SHARED = 48 * 1024
 
 
 def find_cuda_home() -> str | None:
