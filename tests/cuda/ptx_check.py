@@ -24,6 +24,17 @@ import numpy as np
 F64_OP = re.compile(r"^\s*(add|sub|mul|fma|div|sqrt|rcp|ex2|lg2|max|min|neg|abs)(\.[a-z]+)*\.f64\b", re.M)
 LOCAL_OP = re.compile(r"^\s*(ld|st)\.local\b", re.M)
 REGISTERS_PER_SM = 65536
+# attention_decode's settings compiled beside its defaults: the first names every key the others set
+DECODE_SETTINGS = ({"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64,
+                    "MIN_BLOCKS": 2, "OWNER_SOFTMAX": False},
+                   {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 0,
+                    "MIN_BLOCKS": 0},
+                   {"FAST_EXP": False, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
+                   {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 8, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
+                   {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 2, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 64},
+                   {"OWNER_SOFTMAX": True},
+                   {"OWNER_SOFTMAX": True, "FAST_EXP": True, "L2_AHEAD": 64, "MIN_BLOCKS": 2},
+                   {"OWNER_SOFTMAX": True, "FAST_EXP": True, "MAX_HEADS_PER_WARP": 8})
 MAX_STATIC_SHARED = 48 * 1024
 
 
@@ -114,8 +125,8 @@ class Compiler:
 def exercise(rng) -> None:
     """Every launch wrapper at the compile-time specialisations a Qwen3-30B-A3B stage uses
     (head_dim 128, 8 query heads per kv head, 128 experts, 1..8 tokens per pass), small sizes."""
-    from moebus.cuda.kernels import (attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope,
-                                     sampling)
+    from moebus.cuda.kernels import (attention, attention_decode, elementwise, embedding, linear, moe, moe_ffn,
+                                     rmsnorm, rope, sampling)
     from moebus.cuda.dtypes import f32_to_bf16
 
     def f32(*shape):
@@ -179,6 +190,15 @@ def exercise(rng) -> None:
         for done in (None, np.zeros(8, np.int32)):  # merge_splits apart, or by the split kernel's last block
             attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
                                      empty(*attention.attention_scratch_shape(2, 32, 128, 16)), done=done)
+        decode_defaults = {k: getattr(attention_decode, k) for k in DECODE_SETTINGS[0]}
+        for setting in DECODE_SETTINGS:  # the decode kernel's tunables (tools/device/decode14.sh times them)
+            for key, value in setting.items():
+                setattr(attention_decode, key, value)
+            attention.attention_cuda(f32(2, 32, 128), k_cache, v_cache, slots, positions, 0.088, 0, empty(2, 32, 128),
+                                     empty(*attention.attention_scratch_shape(2, 32, 128, 16)),
+                                     done=np.zeros(8, np.int32))
+            for key, value in decode_defaults.items():
+                setattr(attention_decode, key, value)
         # a routed step's chunk beside a decode row (attention_chunk.py): A3B's group of 8 at hd 128,
         # and a group of 4 at hd 64
         from moebus.cuda.kernels import attention_chunk

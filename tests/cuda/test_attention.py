@@ -128,3 +128,54 @@ def test_too_few_counters_merge_apart(rng):
     np.testing.assert_array_equal(done.copy_to_host(), 7)
     np.testing.assert_allclose(out.copy_to_host(), attention_ref(q, k_cache, v_cache, slots, positions, 0.35),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, window", [(8, 2, 0), (4, 1, 5)])
+def test_decode_settings_against_the_reference(rng, monkeypatch, kv_dtype, heads, kv_heads, window):
+    """attention_decode's tunables (FAST_EXP: softmax in base 2; one head set of all the group's heads;
+    more rows ahead; L2 prefetches ahead of the loads) give attention_ref's result within the tests' tolerance, split apart and merged
+    by the last block alike."""
+    from moebus.cuda.kernels import attention_decode
+
+    context = SPLIT_POSITIONS * 3 + 5
+    k_cache, v_cache = _cache(rng, kv_heads, context, kv_dtype), _cache(rng, kv_heads, context, kv_dtype)
+    slots = np.array([1, 0, 2], np.int32)
+    positions = np.array([3, SPLIT_POSITIONS + 6, context - 1], np.int32)
+    q = rng.standard_normal((3, heads, HEAD_DIM), dtype=np.float32)
+    expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35, window)
+    monkeypatch.setattr(attention_decode, "FAST_EXP", True)
+    monkeypatch.setattr(attention_decode, "MAX_HEADS_PER_WARP", 8)
+    monkeypatch.setattr(attention_decode, "ROWS_AHEAD", 4)
+    monkeypatch.setattr(attention_decode, "L2_AHEAD", 16)
+    np.testing.assert_allclose(_attend(q, k_cache, v_cache, slots, positions, window), expected, rtol=1e-5, atol=1e-5)
+    merged = poisoned(q.shape)
+    attention_cuda(device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, window, merged,
+                   done=device(np.zeros(3 * kv_heads, np.int32)))
+    np.testing.assert_allclose(merged.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim, heads, kv_heads, max_heads", [(64, 8, 2, 4), (32, 8, 1, 8), (64, 4, 2, 2)])
+def test_owner_softmax_against_the_reference(rng, monkeypatch, kv_dtype, head_dim, heads, kv_heads, max_heads):
+    """OWNER_SOFTMAX (a row's scores reduce-scattered, each lane one head's online softmax) gives
+    attention_ref's result, with FAST_EXP and without, merged by the last block."""
+    from moebus.cuda.kernels import attention_decode
+
+    context = SPLIT_POSITIONS * 2 + 7
+    shape = (SLOTS, kv_heads, context, head_dim)
+    k_cache, v_cache = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    if kv_dtype == "bf16":
+        k_cache, v_cache = f32_to_bf16(k_cache), f32_to_bf16(v_cache)
+    slots = np.array([2, 0], np.int32)
+    positions = np.array([4, context - 1], np.int32)
+    q = rng.standard_normal((2, heads, head_dim), dtype=np.float32)
+    expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35)
+    monkeypatch.setattr(attention_decode, "OWNER_SOFTMAX", True)
+    monkeypatch.setattr(attention_decode, "MAX_HEADS_PER_WARP", max_heads)
+    for fast in (False, True):
+        monkeypatch.setattr(attention_decode, "FAST_EXP", fast)
+        out = poisoned(q.shape)
+        attention_cuda(device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0, out,
+                       done=device(np.zeros(2 * kv_heads, np.int32)))
+        np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-5)

@@ -344,10 +344,11 @@ def test_a_slow_cublas_call_is_logged_with_its_shape(monkeypatch, caplog):
     assert blas.slow_calls == 2
 
 
-def test_a_cublas_handle_gets_its_own_workspace_once(monkeypatch):
+def test_a_cublas_handle_keeps_its_own_workspace_after_every_set_stream(monkeypatch):
     """gemm_host._Cublas gives the handle it makes a WORKSPACE_BYTES workspace of its own (cuBLAS would
     otherwise take one with cudaMallocAsync inside a graph capture: alloc nodes, which the driver's edge
-    edits refuse: pdl.py), once, whatever the stream; 0 leaves cuBLAS its own."""
+    edits refuse: pdl.py), made once, and set again after every set_stream (cublasSetStream resets the
+    handle to cuBLAS's own pool); 0 leaves cuBLAS its own."""
     from moebus.cuda.kernels import gemm_host
 
     calls = []
@@ -357,10 +358,10 @@ def test_a_cublas_handle_gets_its_own_workspace_once(monkeypatch):
             return 7
 
         def set_stream(self, handle, stream):
-            pass
+            calls.append(("stream", handle, stream))
 
         def set_workspace(self, handle, address, size):
-            calls.append((handle, address, size))
+            calls.append(("workspace", handle, address, size))
 
         def gemm_ex(self, *args):
             pass
@@ -368,9 +369,10 @@ def test_a_cublas_handle_gets_its_own_workspace_once(monkeypatch):
     blas = gemm_host._Cublas(Binding())
     for stream in (0, 0, 5):
         blas.gemm(stream, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
-    assert len(calls) == 1 and calls[0][0] == 7 and calls[0][2] == 1 << 12 and calls[0][1] != 0
-    assert blas.workspace.nbytes == 1 << 12
+    workspace = ("workspace", 7, gemm_host.address(blas.workspace), 1 << 12)
+    assert calls == [("stream", 7, 0), workspace, ("stream", 7, 0), workspace, ("stream", 7, 5), workspace]
+    assert workspace[2] != 0 and blas.workspace.nbytes == 1 << 12
     monkeypatch.setattr(gemm_host, "WORKSPACE_BYTES", 0)
     calls.clear()
     gemm_host._Cublas(Binding()).gemm(0, 1, 0, 8, 4, 16, 0, 0, 16, 0, 0, 16, 0, 8)
-    assert calls == []
+    assert calls == [("stream", 7, 0)]

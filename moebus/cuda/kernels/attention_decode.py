@@ -24,9 +24,9 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, cuda, device, device_with_shared, float32,
-                                        kernel)
-from moebus.cuda.kernels.pdl import grid_dependency_wait
+from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, bounded_kernel, cuda, device,
+                                        device_with_shared, float32, kernel)
+from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_l2
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.routing import is_last_of
 
@@ -37,6 +37,27 @@ MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in 
 MAX_SHARED_BYTES = 40 * 1024
 MERGE_IN_SPLIT = True  # attention_cuda: the last split block merges (given a counter), no merge_splits launch
 MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once
+# softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
+# and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
+# natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)
+FAST_EXP = False
+# rows ahead of a block's loads whose lines it asks L2 for (prefetch.global.L2, no registers): the
+# registers of ROWS_AHEAD bound the bytes a block has in flight from HBM (two blocks an SM at 126
+# registers a thread), a prefetch distance does not. 0: none
+L2_AHEAD = 0
+LINE_WORDS = 16  # 8-byte words in a 128-byte line
+# blocks of the decode kernel an SM must hold (launch bounds: registers capped to allow them); 0: the
+# compiler's choice (126 registers at A3B's shapes: 2 blocks of 256 threads, which the L2 prefetches or
+# more rows ahead push past 128, to 1 block an SM)
+MIN_BLOCKS = 0
+# a row's scores reduce-scattered over its lanes (log2 of the lanes' shuffles a head instead of one
+# butterfly a head): each lane ends with one head's score and keeps that head's online softmax alone
+# (the max, the sum, the exp), then hands each head's p (and, where a max grew, alpha) to the row's
+# lanes with one shuffle a head. Where the heads of a warp are not a power of two, or more than the
+# lanes of a row, the plain split. Not the same bits as the butterfly (within the tests' tolerances)
+OWNER_SOFTMAX = False
+LOG2E = float32(1.4426950408889634)
+LN2 = float32(0.6931471805599453)
 NEG_INF = float32(-np.inf)
 LO16 = np.uint64(0xFFFF)
 HI16 = np.uint64(0xFFFF0000)
@@ -99,6 +120,27 @@ if SIMULATOR:
             values = values + values[np.arange(width) ^ offset]
             offset //= 2
         return values[lane - first]
+
+    def _swap(value):
+        lane, warp, half = sim_warps._exchange()
+        warp.values[half, lane, 0] = value
+        warp.barrier.wait(lane)
+        return lane, warp.values[half, :, 0]
+
+    def xor_of(value, offset):
+        """shfl_xor_sync: the value of lane ^ offset."""
+        lane, values = _swap(value)
+        return values[lane ^ offset]
+
+    def lane_of(value, source):
+        """shfl_sync: the value of lane ``source``."""
+        return _swap(value)[1][source]
+
+    def any_lane(flag):
+        lane, warp, half = sim_warps._exchange()
+        warp.indices[half, lane] = 1 if flag else 0
+        warp.barrier.wait(lane)
+        return bool(warp.indices[half].any())
 else:
     @device
     def lanes_sum(value, width):
@@ -107,6 +149,18 @@ else:
             value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
             offset //= 2
         return value
+
+    @device
+    def xor_of(value, offset):
+        return cuda.shfl_xor_sync(FULL_MASK, value, offset)
+
+    @device
+    def lane_of(value, source):
+        return cuda.shfl_sync(FULL_MASK, value, source)
+
+    @device
+    def any_lane(flag):
+        return cuda.any_sync(FULL_MASK, flag)
 
 
 def _largest_divisor(n: int, at_most: int, power_of_two: bool = False) -> int:
@@ -132,13 +186,19 @@ def decode_kernel(storage: str, head_dim: int, group: int, merge: bool = False):
     kernel that also merges the splits (two more arguments: the counters (T * KVH,) int32 at 0, and
     out (T, H, hd))."""
     lanes, quads, heads, head_sets, streams = layout(head_dim, group)
+    owner = bool(OWNER_SOFTMAX) and heads <= lanes and heads & (heads - 1) == 0
     return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD, merge,
-                          MERGE_SPLITS), head_sets * streams * WARP
+                          MERGE_SPLITS, bool(FAST_EXP), int(L2_AHEAD), int(MIN_BLOCKS), owner), head_sets * streams * WARP
 
 
 @functools.cache
-def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits):
+def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits,
+                   fast_exp=False, l2_ahead=0, min_blocks=0, owner=False):
     load_quad = QUAD[storage]
+    row_lines = -(-(head_dim // 4 * (1 if storage == "bf16" else 2)) // LINE_WORDS)  # 128-byte lines of a row
+    q_factor = LOG2E if fast_exp else float32(1.0)  # scores in base 2 (fast_exp) or e
+    exp_in = math.exp2 if fast_exp else math.exp  # exp_in(score - max): the split's own softmax
+    max_out = LN2 if fast_exp else float32(1.0)  # the split's max in natural units for the merge
     per_lane = 4 * quads  # elements of a row per lane
     rows_per_warp = WARP // lanes
     subs = streams * rows_per_warp  # row groups of the block: rows read at once
@@ -166,14 +226,26 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
             total = float32(0.0)
             value = float32(0.0)
             for s in range(subs):
-                weight = math.exp(stats[s, j, 0] - peak)  # 0 for a row group that saw no row
+                weight = exp_in(stats[s, j, 0] - peak)  # 0 for a row group that saw no row
                 total += stats[s, j, 1] * weight
                 value += outs[s, j, d] * weight
             head = kv_head * group + j
             partial[t, head, split, d] = value
             if d == 0:
-                partial[t, head, split, head_dim] = peak
+                partial[t, head, split, head_dim] = peak * max_out
                 partial[t, head, split, head_dim + 1] = total
+
+    @device
+    def ask_l2(k_words, v_words, base, begin, rows, end, tid):
+        # prefetch.global.L2 of every line of K's and V's rows [begin, min(begin + rows, end)), spread over the block
+        for n in range(tid, rows * row_lines * 2, num_threads):
+            r = begin + n // (row_lines * 2)
+            if r < end:
+                at = ((n // 2) % row_lines) * LINE_WORDS
+                if n % 2 == 0:
+                    prefetch_l2(k_words, base + r, at)
+                else:
+                    prefetch_l2(v_words, base + r, at)
 
     @device_with_shared
     def split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
@@ -196,10 +268,14 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
             run_sum[h] = float32(0.0)
             for i in range(per_lane):
                 d = 4 * ((i // 4) * lanes + chunk) + i % 4
-                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale
+                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale * q_factor
                 acc[h * per_lane + i] = float32(0.0)
         base = (token_slot[t] * num_kv_heads + kv_head) * context
+        if l2_ahead > 0:  # the first l2_ahead rows' lines, K and V, one request a thread
+            ask_l2(k_words, v_words, base, first, l2_ahead, end, tid)
         for start in range(first, end, step):  # the same trip count in every warp (shuffles)
+            if l2_ahead > 0:  # the rows l2_ahead past this round's
+                ask_l2(k_words, v_words, base, start + l2_ahead, step, end, tid)
             for a in range(rows_ahead):  # every load first: rows_ahead rows in flight per lane
                 row = base + min(start + a * subs + sub, end - 1)
                 for w in range(quads):
@@ -216,16 +292,100 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                     for h in range(heads):
                         score = scores[a * heads + h]
                         if score > run_max[h]:  # rare after the first rows: rescale only then
-                            alpha = math.exp(run_max[h] - score)
+                            alpha = exp_in(run_max[h] - score)
                             run_sum[h] *= alpha
                             for i in range(per_lane):
                                 acc[h * per_lane + i] *= alpha
                             run_max[h] = score
-                        p = math.exp(score - run_max[h])
+                        p = exp_in(score - run_max[h])
                         run_sum[h] += p
                         for i in range(per_lane):
                             acc[h * per_lane + i] += p * v_reg[a * per_lane + i]
         combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial)
+
+    log_heads = heads.bit_length() - 1  # owner: heads a power of two, at most lanes
+    log_lanes = lanes.bit_length() - 1
+    spread = lanes // heads  # lanes that own one head after the reduce-scatter
+
+    @device_with_shared
+    def split_part_owner(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
+                         first, end):
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        head_set, stream = warp % head_sets, warp // head_sets
+        chunk = lane % lanes
+        sub = stream * rows_per_warp + lane // lanes
+        first_head = head_set * heads
+        row_lane = lane - chunk  # the row group's first lane; head h's owners: row_lane + h * spread + ...
+        q_reg = cuda.local.array(heads_size, float32)
+        acc = cuda.local.array(heads_size, float32)
+        k_reg = cuda.local.array(rows_size, float32)
+        v_reg = cuda.local.array(rows_size, float32)
+        part = cuda.local.array(heads, float32)
+        scores = cuda.local.array(rows_ahead, float32)  # this lane's head's score of each row
+        for h in range(heads):
+            for i in range(per_lane):
+                d = 4 * ((i // 4) * lanes + chunk) + i % 4
+                q_reg[h * per_lane + i] = q[t, kv_head * group + first_head + h, d] * scale * q_factor
+                acc[h * per_lane + i] = float32(0.0)
+        own_max = NEG_INF  # of this lane's head (chunk // spread)
+        own_sum = float32(0.0)
+        base = (token_slot[t] * num_kv_heads + kv_head) * context
+        if l2_ahead > 0:
+            ask_l2(k_words, v_words, base, first, l2_ahead, end, tid)
+        for start in range(first, end, step):  # the same trip count in every warp (shuffles)
+            if l2_ahead > 0:
+                ask_l2(k_words, v_words, base, start + l2_ahead, step, end, tid)
+            for a in range(rows_ahead):
+                row = base + min(start + a * subs + sub, end - 1)
+                for w in range(quads):
+                    load_quad(k_words, row, w * lanes + chunk, k_reg, a * per_lane + 4 * w)
+                    load_quad(v_words, row, w * lanes + chunk, v_reg, a * per_lane + 4 * w)
+            for a in range(rows_ahead):
+                for h in range(heads):
+                    dot = float32(0.0)
+                    for i in range(per_lane):
+                        dot += q_reg[h * per_lane + i] * k_reg[a * per_lane + i]
+                    part[h] = dot
+                for k in range(log_heads):  # reduce-scatter: keep the half of the heads this lane's bit picks
+                    half = heads >> (k + 1)
+                    upper = (chunk & (lanes >> (k + 1))) != 0
+                    for j in range(half):
+                        low, high = part[j], part[j + half]  # both loaded: a select of values, not of addresses
+                        keep = high if upper else low
+                        send = low if upper else high
+                        part[j] = keep + xor_of(send, lanes >> (k + 1))
+                score = part[0]
+                for k in range(log_heads, log_lanes):  # the rest: a butterfly of the one value
+                    score += xor_of(score, lanes >> (k + 1))
+                scores[a] = score
+            for a in range(rows_ahead):
+                valid = start + a * subs + sub < end
+                score = scores[a]
+                grew = valid and score > own_max
+                if any_lane(grew):  # the same in every lane of the warp: the shuffles below are too
+                    alpha = exp_in(own_max - score) if grew else float32(1.0)
+                    if grew:
+                        own_max = score
+                    own_sum *= alpha
+                    for h in range(heads):
+                        scale_h = lane_of(alpha, row_lane + h * spread)
+                        for i in range(per_lane):
+                            acc[h * per_lane + i] *= scale_h
+                p = exp_in(score - own_max) if valid else float32(0.0)
+                own_sum += p
+                for h in range(heads):
+                    p_h = lane_of(p, row_lane + h * spread)
+                    for i in range(per_lane):
+                        acc[h * per_lane + i] += p_h * v_reg[a * per_lane + i]
+        run_max = cuda.local.array(heads, float32)
+        run_sum = cuda.local.array(heads, float32)
+        for h in range(heads):  # every head's state from its owner, for the row groups' combine
+            run_max[h] = lane_of(own_max, row_lane + h * spread)
+            run_sum[h] = lane_of(own_sum, row_lane + h * spread)
+        combine_row_groups(t, kv_head, split, sub, chunk, first_head, acc, run_max, run_sum, partial)
+
+    part_of_split = split_part_owner if owner else split_part
 
     outputs = group * head_dim  # a merging block's outputs: its kv head's group of heads
     per_thread = -(-outputs // num_threads)
@@ -281,28 +441,32 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
                 out[t, kv_head * group + e // head_dim, e % head_dim] = value[k] / total[k]
 
     if not merge:
-        @kernel
+        @bounded_kernel(num_threads, min_blocks)
         def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
             grid_dependency_wait()  # pdl.py: before any global read or write
+            if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+                return
             t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
             first, end, num_splits = window_split(token_pos[t], window, split)
             if split >= num_splits:
                 return  # the whole block
-            split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
-                       end)
+            part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
+                          first, end)
 
         return attention_split
 
-    @kernel
+    @bounded_kernel(num_threads, min_blocks)
     def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
                               partial, done, out):
         grid_dependency_wait()  # pdl.py: before any global read or write
+        if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+            return
         t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         first, end, num_splits = window_split(token_pos[t], window, split)
         if split >= num_splits:
             return  # the whole block
-        split_part(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split, first,
-                   end)
+        part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
+                      first, end)
         if is_last_of(done, t * num_kv_heads + kv_head, num_splits):
             if cuda.threadIdx.x == 0:
                 done[t * num_kv_heads + kv_head] = 0  # for the next launch (a graph replays this one)

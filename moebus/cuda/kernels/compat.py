@@ -80,6 +80,22 @@ def disk_cache_counts() -> tuple[int, int]:
     return sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.values()) for s in stats)
 
 
+def bounded_kernel(threads: int, min_blocks: int):
+    """``kernel`` compiled for at least ``min_blocks`` blocks of ``threads`` an SM (numba's launch_bounds:
+    registers capped at what they allow); 0 or a numba without the option: a plain ``kernel``."""
+    def decorate(fn):
+        if min_blocks <= 0 or SIMULATOR:
+            return kernel(fn)
+        try:
+            options = {"cache": True} if _can_write(_numba_config.CACHE_DIR) else {}
+            jitted = cuda.jit(launch_bounds=(threads, min_blocks), **options)(fn)
+        except TypeError:  # numba-cuda before launch_bounds
+            return kernel(fn)
+        _KERNELS.append(jitted)
+        return jitted
+    return decorate
+
+
 @functools.cache
 def _can_write(path: str) -> bool:
     # numba would fall back to a directory outside the fingerprinted tree (beside the sources,

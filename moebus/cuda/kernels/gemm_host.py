@@ -35,7 +35,10 @@ log = logging.getLogger("moebus.cublas")
 # its workspace with cudaMallocAsync inside a graph capture, which puts memory alloc / free nodes in the
 # decode graph, and the driver then refuses to edit its edges (pdl.py: batch 8's graph, thirteenth
 # session). 32 MiB is what cuBLAS asks for on Hopper. The handle's calls run in one stream order (the
-# backend's stream, which replays the graphs it captured), so one workspace serves them all.
+# backend's stream, which replays the graphs it captured), so one workspace serves them all. It is set
+# again after every cublasSetStream, which puts the handle back on cuBLAS's own pool (the cuBLAS docs:
+# "unconditionally resets the cuBLAS library workspace"; the thirteenth session set it once, after the
+# first set_stream only, and batch 8's graphs still held 241 alloc nodes: call 2).
 # 0: cuBLAS's own (MOEBUS_CUBLAS_WORKSPACE_MB)
 WORKSPACE_BYTES = int(float(os.environ.get("MOEBUS_CUBLAS_WORKSPACE_MB", "32")) * (1 << 20))
 
@@ -126,8 +129,9 @@ class _Cublas:
                 from moebus.cuda.kernels.compat import cuda
 
                 self.workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)
-                self.cublas.set_workspace(self.handle, address(self.workspace), WORKSPACE_BYTES)
         self.cublas.set_stream(self.handle, stream_handle(stream))
+        if self.workspace is not None:  # cublasSetStream "unconditionally resets the workspace" (cuBLAS docs)
+            self.cublas.set_workspace(self.handle, address(self.workspace), WORKSPACE_BYTES)
         self.scalars[0], self.scalars[1] = alpha, beta
         return self.scalars.ctypes.data, self.scalars.ctypes.data + 4
 

@@ -233,12 +233,19 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, 0), "count nodes")
     _, nodes, num_nodes = _check(cu.cuGraphGetNodes(graph, num_nodes), "nodes")
     waiting = waiting_functions()
-    functions, types = {}, {}
+    functions, types, alloc_bytes = {}, {}, {}
     for node in nodes:
         (_, kind) = _check(cu.cuGraphNodeGetType(node), "node type")
         if kind != cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             name = getattr(kind, "name", str(kind))
             types[name] = types.get(name, 0) + 1
+            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEM_ALLOC:  # its size: who allocated it
+                try:
+                    status, params = cu.cuGraphMemAllocNodeGetParams(node)
+                    size = int(params.bytesize) if status == cu.CUresult.CUDA_SUCCESS else -1
+                except Exception:  # noqa: BLE001 - only a figure for the log line: never fail the capture
+                    size = -1
+                alloc_bytes[size] = alloc_bytes.get(size, 0) + 1
             continue
         status, params = cu.cuGraphKernelNodeGetParams(node)
         function = int(params.func) if status == cu.CUresult.CUDA_SUCCESS else 0
@@ -253,6 +260,9 @@ def make_programmatic(graph, port: str = "programmatic") -> dict:
     if not chosen:
         return stats
     reason = refusal(types)
+    if reason is not None and alloc_bytes:
+        stats["alloc_bytes"] = alloc_bytes
+        reason += " (bytes: count " + ", ".join(f"{b}: {n}" for b, n in sorted(alloc_bytes.items())) + ")"
     if reason is None and old_data is not None and \
             any(int(old_data[i].type) != 0 or int(old_data[i].from_port) != 0 for i in chosen):
         reason = "the captured graph already has non-default edges"
