@@ -42,6 +42,7 @@ from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
 from moebus.workers.eviction import make_policy
+from moebus.workers.placement_upload import PlacementUploads
 
 # a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
 # fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
@@ -102,6 +103,7 @@ class ExpertCache:
         self._flat_placement = self.placement.reshape(-1)
         self._placement_dirty = True
         self._device_placement = None
+        self._uploads = None  # the table's uploads from buffers of their own (placement_upload.py)
         self.pending: dict[int, int] = {}  # key -> slot: copy in flight, placement still on the host
         # misses copied in per step at most: admission costs PCIe time that the step's reads need too
         self.max_admissions = max_admissions if max_admissions is not None else max(1, arena.max_slots // 16)
@@ -367,7 +369,9 @@ class ExpertCache:
         if self._device_placement is None:
             self._device_placement = ops.persist(self.placement)
         elif self._placement_dirty:
-            ops.overwrite(self._device_placement, self.placement)
+            if self._uploads is None:
+                self._uploads = PlacementUploads(ops)
+            self._uploads.overwrite(self._device_placement, self.placement)
         self._placement_dirty = False
         return self._device_placement
 
@@ -418,8 +422,10 @@ class ExpertCache:
             return
         if self._device_placement is not None and ops is not None:
             self.device_placement(ops)  # victims point at the host before their slot is overwritten
+        # behind all the compute enqueued so far: a step launched ahead (workers/overlap.py) may still read the victims
+        fence = self.copier.record_compute() if getattr(self.copier, "fences", False) else None
         for key, slot in admitted:
-            ready = self.copier.copy(slot, self.store.blob(key))
+            ready = self.copier.copy(slot, self.store.blob(key), fence)
             self._assign(slot, key, visible=ready)
             self.h2d_bytes += self.store.blob_bytes
         self.copier.mark()

@@ -7,9 +7,17 @@ the host (vLLM's async scheduling, SGLang's overlap scheduler).
 Only for a captured decode step of a stage that is the whole model, with nothing for the host to do
 between the launch and the outputs: no top logprobs (read from the device logits after the step),
 and an expert cache that cannot evict while the launched step runs (an eviction rewrites a slot that
-step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``."""
+step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``.
+
+With ``MOEBUS_CACHE_LAUNCH_AHEAD=1`` a cache that evicts launches ahead too: the admissions that a
+collected step's misses start are copied only after the step in flight (ExpertCache._admit fences
+them behind the compute stream's end, the in-flight step included), and the table that stops naming
+their victims' slots is uploaded in stream order after that step, before the next one; so no launched
+step reads a slot while it is rewritten. The host's ~2 ms between steps (the outputs, the cache's
+bookkeeping) then runs while the GPU computes (fourteenth session, issue 15)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -17,6 +25,9 @@ import numpy as np
 
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
+
+# a cache that evicts launches ahead as well (see the module doc); read at each launch
+CACHE_LAUNCH_AHEAD = os.environ.get("MOEBUS_CACHE_LAUNCH_AHEAD", "0") == "1"
 
 
 @dataclass
@@ -32,7 +43,13 @@ class Launched:
 
 def can_launch(stage: Stage, batch: StepBatch) -> bool:
     return (stage.use_graphs and stage.is_first and stage.is_last and not batch.top_logprobs
-            and batch.num_tokens <= ROUTED_MAX_TOKENS and evicts_nothing(stage.experts))
+            and batch.num_tokens <= ROUTED_MAX_TOKENS and cache_allows_launch(stage.experts))
+
+
+def cache_allows_launch(experts) -> bool:
+    """May a step launch while another runs, as far as the expert cache goes? Where it evicts nothing,
+    or with CACHE_LAUNCH_AHEAD where no loan is held (lent slots are a prefill's scratch)."""
+    return (CACHE_LAUNCH_AHEAD and getattr(experts, "loaned_from", None) is None) or evicts_nothing(experts)
 
 
 def evicts_nothing(experts) -> bool:
