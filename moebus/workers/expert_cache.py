@@ -375,10 +375,12 @@ class ExpertCache:
         self._placement_dirty = False
         return self._device_placement
 
-    def observe(self, chosen: np.ndarray, ops=None) -> None:
+    def observe(self, chosen: np.ndarray, ops=None, read: np.ndarray | None = None) -> None:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
-        backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        backend whose stream the kernels run on (the table is re-uploaded there before a copy);
+        ``read``: the placement table the step read, where it has changed since (a step launched
+        ahead, workers/overlap.py; None: the table as it is)."""
         self._end_chain()
         if self.trace is not None:
             self.trace.append(np.array(chosen))
@@ -387,9 +389,10 @@ class ExpertCache:
         seen = np.zeros(len(self._flat_placement), bool)  # the distinct keys, ascending (np.unique's
         seen[(rows * num_experts + chosen).reshape(-1)] = True  # hash: ~190 us at 48 layers x 8 tokens)
         keys = np.flatnonzero(seen)
-        resident = self._flat_placement[keys] >= 0
+        resident = (self._flat_placement if read is None else read.reshape(-1))[keys] >= 0
         self.hits += int(resident.sum())
-        self.key_hits[keys[resident]] += 1  # the dashboard's map counts hits per resident expert (keys unique)
+        # the dashboard's map counts hits per resident expert (keys unique; still resident, where ``read`` is older)
+        self.key_hits[keys[resident & (self._flat_placement[keys] >= 0)]] += 1
         missed = keys[~resident]
         self.misses += len(missed)
         self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels

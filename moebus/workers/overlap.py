@@ -36,6 +36,9 @@ class Launched:
     batch: StepBatch
     graph: object  # the CapturedStep it replays
     launch: object  # its graphs.Launch: pinned outputs and completion event
+    # the expert cache's placement table as the step read it (a cache that evicts changes it before the
+    # step is collected: its hits and misses are counted against this one); None: the table as it is then
+    placement: np.ndarray | None = None
 
     def is_done(self) -> bool:
         return self.launch.is_done()
@@ -81,7 +84,9 @@ def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None 
         stage.ops.begin_step()  # nothing is in flight: what an eager step left is recycled
     stage.experts.device_placement(stage.ops)
     tokens = after.graph.outputs["tokens"] if after is not None else None
-    return Launched(step_id, batch, graph, graph.launch(inputs, stage._wanted(batch, False), tokens=tokens))
+    placement = stage.experts.placement.copy() if CACHE_LAUNCH_AHEAD and stage.experts.not_resident else None
+    return Launched(step_id, batch, graph, graph.launch(inputs, stage._wanted(batch, False), tokens=tokens),
+                    placement)
 
 
 def finish(stage: Stage, launched: Launched) -> StageOutput:
@@ -90,7 +95,7 @@ def finish(stage: Stage, launched: Launched) -> StageOutput:
     if "prefetch_keys" in out:  # the next layers' experts it copied ahead (workers/prefetch.py)
         stage.experts.observe_prefetch(out["prefetch_keys"], out["expert_ids"])
     if "expert_ids" in out:
-        stage.experts.observe(out["expert_ids"], stage.ops)
+        stage.experts.observe(out["expert_ids"], stage.ops, read=launched.placement)
     return stage._sample_output(launched.batch, out, False)
 
 

@@ -64,3 +64,18 @@ def test_admissions_copy_after_the_compute_enqueued_before_them(tiny_model):
         assert {after for _, after in b} == {c.copier.points if b is admitted[-1] else b[0][1]}
         assert b[0][1] is not None
     assert [b[0][1] for b in admitted] == sorted({b[0][1] for b in admitted})  # a fresh one each step
+
+
+def test_a_step_launched_ahead_counts_its_hits_against_the_table_it_read(tiny_model):
+    c = cache(tiny_model)
+    read = c.placement.copy()  # the table as the step was launched with it
+    chosen = np.array([np.flatnonzero(row >= 0)[:1] for row in read], np.int32)[:, None, :]  # one hit a layer
+    victim = int(chosen[0, 0, 0])
+    c._evict(c.key_slot[victim])  # evicted (an admission's victim) before the step is collected
+    before = (c.hits, c.misses, c.h2d_bytes)
+    c.copier = FencedCopier(c.arena)
+    c.max_admissions = 0
+    c.observe(chosen, read=read)
+    assert (c.hits - before[0], c.misses - before[1], c.h2d_bytes - before[2]) == (len(read), 0, 0)
+    c.observe(chosen)  # against the table as it is now: the victim is a miss
+    assert c.misses - before[1] == 1
