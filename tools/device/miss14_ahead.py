@@ -8,10 +8,12 @@ the default (such a cache runs each step in turn: the host's ~2 ms between steps
     (decode_tokens.py; the rows of a batch start from different ids);
 (2) rounds: bench decode's own figures (``_in_process`` + ``_bounds``, as miss12_check.py prints them) for the
     default and the switch in turn, ROUNDS times at batch 1 and 8 (the runs' spread was 2-3%), then the medians;
-(3) layer 0's guess: over one run's routing trace, how often an expert a sequence's step chose in layer 0 had
+(3) timelines (TIMELINES, ``label@batch``; miss_timeline.py's analysis of a CUPTI trace of 8 steps of
+    LocalModel.decode): where the link is idle, between steps above all, with and without the switch;
+(4) layer 0's guess: over one run's routing trace, how often an expert a sequence's step chose in layer 0 had
     been chosen in layer 0 by the step before (all of them, and those not resident at the end): what a
     prefetch of layer 0 from the step before could cover.
-Usage: miss14_ahead.py MODEL [TOKENS]; ROUNDS, STEPS, BATCHES, CHECK_BUDGET (seconds in all) from the environment."""
+Usage: miss14_ahead.py MODEL [TOKENS]; ROUNDS, STEPS, BATCHES, TIMELINES, CHECK_BUDGET (seconds in all) from the environment."""
 import os
 import statistics
 import sys
@@ -23,6 +25,7 @@ from moebus.bench.decode import _bounds, _in_process
 from moebus.workers import overlap
 from moebus.workers.local import LocalModel
 from decode_tokens import decode_tokens, decode_tokens_ahead  # noqa: E402 - beside this script
+from miss_timeline import analyse  # noqa: E402 - beside this script
 
 model_dir, tokens = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",") if b]
@@ -75,6 +78,28 @@ def bench(label: str, batch: int) -> dict:
     return r
 
 
+def timeline(label: str, batch: int, steps: int = 8) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from moebus.workers.batch import StepBatch
+
+    model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(prompt)] * batch, tokens=prompt * batch))
+    batches = (StepBatch(slots=range(batch), starts=[len(prompt) + i] * batch, lengths=[1] * batch,
+                         tokens=[prompt[-1]] * batch) for i in range(steps))
+    before = cache.stats()
+    overlap.CACHE_LAUNCH_AHEAD = label == "ahead"
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for out in model.decode(batches):
+                out.tokens.tolist()
+    finally:
+        overlap.CACHE_LAUNCH_AHEAD = False
+    moved = cache.stats()["h2d_bytes"] - before["h2d_bytes"]  # misses read, admissions, prefetches (used or not)
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    print(analyse([(e.name, e.time_range.start, e.time_range.end) for e in events], moved, steps,
+                  f"{label} batch {batch}"), flush=True)
+
+
 def layer0_guess(trace: list) -> str:
     """Of the experts each step chose in layer 0 (per sequence), the share the step before chose there too."""
     both = total = both_missed = missed = 0
@@ -102,6 +127,14 @@ for n in range(ROUNDS):
             if cache.trace:
                 print(f"  b{batch} {layer0_guess(cache.trace[-tokens:])}", flush=True)
             cache.trace = None
+try:
+    for v in [v for v in os.environ.get("TIMELINES", "default@8,ahead@8").split(",") if v]:
+        if time.time() > deadline - 10:
+            print("(budget: timelines cut here)", flush=True)
+            break
+        timeline(v.split("@")[0], int(v.split("@")[1]))
+except Exception as e:  # no torch, or no CUPTI: the rest stands
+    print("no timeline:", type(e).__name__, e, flush=True)
 for (label, batch), runs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     med = {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "of_bound", "ms_per_step", "hit_rate")}
     print(f"MEDIAN {label:>8} b{batch} over {len(runs)}: {med['tok_s']:.1f} tok/s, {med['ms_per_step']:.2f} ms, "
