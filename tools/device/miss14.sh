@@ -19,7 +19,7 @@ if [ "$PHASE" = warm ]; then
   [ -f $M/generation_config.json ] || timeout 40 python3 -m moebus.cli init-model $M --preset a3b --layers 4 \
     --experts 32 > $OUT/init4.log 2>&1
   echo "init4 rc=$? at $(now) s"
-  ROUNDS=1 STEPS=3 CHECK_BUDGET=$(( BUDGET - $(now) - 30 )) timeout $(( BUDGET - $(now) - 25 )) \
+  ROUNDS=1 STEPS=3 TIMELINES=ahead@8 CHECK_BUDGET=$(( BUDGET - $(now) - 30 )) timeout $(( BUDGET - $(now) - 25 )) \
     python3 miss14_ahead.py $M 4 2>&1 | grep -av "Warn\|warn(" | tail -12
   echo "warm ahead rc=$? at $(now) s"
   cd "$ROOT"

@@ -6,8 +6,8 @@ the default (such a cache runs each step in turn: the host's ~2 ms between steps
 (1) check: LocalModel.decode with the switch on (steps launched ahead, admissions evicting meanwhile) == the
     same steps one at a time (model.step), same tokens and bit-identical logprobs, batch 1 and 8, STEPS steps
     (decode_tokens.py; the rows of a batch start from different ids);
-(2) rounds: bench decode's own figures (``_in_process`` + ``_bounds``, as miss12_check.py prints them) for the
-    default and the switch in turn, ROUNDS times at batch 1 and 8 (the runs' spread was 2-3%), then the medians;
+(2) rounds: bench decode's own figures (``_in_process`` + ``_bounds``, as miss12_check.py prints them) with the
+    switch off and on (``off``, ``ahead``) in turn, ROUNDS times at batch 1 and 8 (the runs' spread was 2-3%), then the medians;
 (3) timelines (TIMELINES, ``label@batch``; miss_timeline.py's analysis of a CUPTI trace of 8 steps of
     LocalModel.decode): where the link is idle, between steps above all, with and without the switch;
 (4) layer 0's guess: over one run's routing trace, how often an expert a sequence's step chose in layer 0 had
@@ -30,6 +30,7 @@ from miss_timeline import analyse  # noqa: E402 - beside this script
 model_dir, tokens = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,8").split(",") if b]
 ROUNDS, STEPS = int(os.environ.get("ROUNDS", "3")), int(os.environ.get("STEPS", "8"))
+TREE_DEFAULT = overlap.CACHE_LAUNCH_AHEAD  # restored after each run; the runs set it as their label says
 deadline = time.time() + float(os.environ.get("CHECK_BUDGET", "1e9"))
 prompt = [(7 * i + 3) % 200 + 10 for i in range(int(os.environ.get("PROMPT_TOKENS", "32")))]
 t0 = time.perf_counter()
@@ -38,7 +39,7 @@ model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt
 stage, cfg = model.stages[0], model.ckpt.config
 cache = stage.experts
 print(f"loaded in {time.perf_counter() - t0:.1f}s: {cfg.num_layers} x {cfg.num_experts}, {cache.num_slots} slots, "
-      f"{cache.num_reserved} banks, max admissions {cache.max_admissions}, graphs {stage.use_graphs}", flush=True)
+      f"{cache.num_reserved} banks, max admissions {cache.max_admissions}, graphs {stage.use_graphs}, cache launch-ahead by default {TREE_DEFAULT}", flush=True)
 
 
 def check() -> bool:
@@ -53,7 +54,7 @@ def check() -> bool:
         try:
             ahead = decode_tokens_ahead(model, prompt, batch, STEPS)[:2]
         finally:
-            overlap.launch, overlap.CACHE_LAUNCH_AHEAD = launch, False
+            overlap.launch, overlap.CACHE_LAUNCH_AHEAD = launch, TREE_DEFAULT
         same, dlp = np.array_equal(ahead[0], plain[0]), float(np.abs(ahead[1] - plain[1]).max())
         count = sum(x is not None for x in launched)
         ok &= same and dlp == 0.0 and count == STEPS
@@ -68,7 +69,7 @@ def bench(label: str, batch: int) -> dict:
     try:
         r = _in_process(model, prompt, tokens, batch, 2)
     finally:
-        overlap.CACHE_LAUNCH_AHEAD = False
+        overlap.CACHE_LAUNCH_AHEAD = TREE_DEFAULT
     r.update(_bounds(r, cfg, cfg.num_layers, cache.store.blob_bytes, 50.0, 4800.0))
     r["of_bound"] = r["tok_s"] / r["pcie_bound_tok_s"] if r["pcie_bound_tok_s"] else float("nan")
     print(f"{label:>8} b{batch}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms, hit {r['hit_rate']:.3f}, bound "
@@ -93,7 +94,7 @@ def timeline(label: str, batch: int, steps: int = 8) -> None:
             for out in model.decode(batches):
                 out.tokens.tolist()
     finally:
-        overlap.CACHE_LAUNCH_AHEAD = False
+        overlap.CACHE_LAUNCH_AHEAD = TREE_DEFAULT
     moved = cache.stats()["h2d_bytes"] - before["h2d_bytes"]  # misses read, admissions, prefetches (used or not)
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     print(analyse([(e.name, e.time_range.start, e.time_range.end) for e in events], moved, steps,
@@ -119,7 +120,7 @@ ok = check()
 rows = {}
 for n in range(ROUNDS):
     for batch in BATCHES:
-        for label in (("default", "ahead") if n % 2 == 0 else ("ahead", "default")):  # order alternates
+        for label in (("off", "ahead") if n % 2 == 0 else ("ahead", "off")):  # order alternates
             if time.time() > deadline - 8:
                 break
             cache.trace = [] if (n, label) == (0, "ahead") else None
@@ -128,7 +129,7 @@ for n in range(ROUNDS):
                 print(f"  b{batch} {layer0_guess(cache.trace[-tokens:])}", flush=True)
             cache.trace = None
 try:
-    for v in [v for v in os.environ.get("TIMELINES", "default@8,ahead@8").split(",") if v]:
+    for v in [v for v in os.environ.get("TIMELINES", "off@8,ahead@8").split(",") if v]:
         if time.time() > deadline - 10:
             print("(budget: timelines cut here)", flush=True)
             break
