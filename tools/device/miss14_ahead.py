@@ -38,6 +38,8 @@ model = LocalModel(model_dir, device="cuda", num_slots=8, max_context=len(prompt
                    cache_fraction=0.25, kv_dtype="bf16")
 stage, cfg = model.stages[0], model.ckpt.config
 cache = stage.experts
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":  # a dry run of this script: the simulator has no memory info
+    cache.arena.memory_info = lambda: (0, 0)
 print(f"loaded in {time.perf_counter() - t0:.1f}s: {cfg.num_layers} x {cfg.num_experts}, {cache.num_slots} slots, "
       f"{cache.num_reserved} banks, max admissions {cache.max_admissions}, graphs {stage.use_graphs}, cache launch-ahead by default {TREE_DEFAULT}", flush=True)
 
