@@ -42,6 +42,7 @@ from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
 from moebus.workers.eviction import make_policy
+from moebus.workers.placement_upload import PlacementUploads
 
 # a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
 # fences, the policy's victims sparing the last group's slots), "all" (wait for all the work so far)
@@ -102,6 +103,7 @@ class ExpertCache:
         self._flat_placement = self.placement.reshape(-1)
         self._placement_dirty = True
         self._device_placement = None
+        self._uploads = None  # the table's uploads from buffers of their own (placement_upload.py)
         self.pending: dict[int, int] = {}  # key -> slot: copy in flight, placement still on the host
         # misses copied in per step at most: admission costs PCIe time that the step's reads need too
         self.max_admissions = max_admissions if max_admissions is not None else max(1, arena.max_slots // 16)
@@ -367,14 +369,18 @@ class ExpertCache:
         if self._device_placement is None:
             self._device_placement = ops.persist(self.placement)
         elif self._placement_dirty:
-            ops.overwrite(self._device_placement, self.placement)
+            if self._uploads is None:
+                self._uploads = PlacementUploads(ops)
+            self._uploads.overwrite(self._device_placement, self.placement)
         self._placement_dirty = False
         return self._device_placement
 
-    def observe(self, chosen: np.ndarray, ops=None) -> None:
+    def observe(self, chosen: np.ndarray, ops=None, read: np.ndarray | None = None) -> None:
         """One routed step's choices, (layer rows, T, A) expert ids in the store's layer order:
         count hits and misses per distinct expert, feed the policy, start admissions. ``ops``: the
-        backend whose stream the kernels run on (the table is re-uploaded there before a copy)."""
+        backend whose stream the kernels run on (the table is re-uploaded there before a copy);
+        ``read``: the placement table the step read, where it has changed since (a step launched
+        ahead, workers/overlap.py; None: the table as it is)."""
         self._end_chain()
         if self.trace is not None:
             self.trace.append(np.array(chosen))
@@ -383,9 +389,10 @@ class ExpertCache:
         seen = np.zeros(len(self._flat_placement), bool)  # the distinct keys, ascending (np.unique's
         seen[(rows * num_experts + chosen).reshape(-1)] = True  # hash: ~190 us at 48 layers x 8 tokens)
         keys = np.flatnonzero(seen)
-        resident = self._flat_placement[keys] >= 0
+        resident = (self._flat_placement if read is None else read.reshape(-1))[keys] >= 0
         self.hits += int(resident.sum())
-        self.key_hits[keys[resident]] += 1  # the dashboard's map counts hits per resident expert (keys unique)
+        # the dashboard's map counts hits per resident expert (keys unique; still resident, where ``read`` is older)
+        self.key_hits[keys[resident & (self._flat_placement[keys] >= 0)]] += 1
         missed = keys[~resident]
         self.misses += len(missed)
         self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels
@@ -418,8 +425,10 @@ class ExpertCache:
             return
         if self._device_placement is not None and ops is not None:
             self.device_placement(ops)  # victims point at the host before their slot is overwritten
+        # behind all the compute enqueued so far: a step launched ahead (workers/overlap.py) may still read the victims
+        fence = self.copier.record_compute() if getattr(self.copier, "fences", False) else None
         for key, slot in admitted:
-            ready = self.copier.copy(slot, self.store.blob(key))
+            ready = self.copier.copy(slot, self.store.blob(key), fence)
             self._assign(slot, key, visible=ready)
             self.h2d_bytes += self.store.blob_bytes
         self.copier.mark()

@@ -7,9 +7,17 @@ the host (vLLM's async scheduling, SGLang's overlap scheduler).
 Only for a captured decode step of a stage that is the whole model, with nothing for the host to do
 between the launch and the outputs: no top logprobs (read from the device logits after the step),
 and an expert cache that cannot evict while the launched step runs (an eviction rewrites a slot that
-step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``."""
+step may read): see ``evicts_nothing``. Anything else runs as ``Stage.forward``.
+
+With ``MOEBUS_CACHE_LAUNCH_AHEAD=1`` a cache that evicts launches ahead too: the admissions that a
+collected step's misses start are copied only after the step in flight (ExpertCache._admit fences
+them behind the compute stream's end, the in-flight step included), and the table that stops naming
+their victims' slots is uploaded in stream order after that step, before the next one; so no launched
+step reads a slot while it is rewritten. The host's ~2 ms between steps (the outputs, the cache's
+bookkeeping) then runs while the GPU computes (fourteenth session, issue 15)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -18,6 +26,9 @@ import numpy as np
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
 
+# a cache that evicts launches ahead as well (see the module doc); read at each launch
+CACHE_LAUNCH_AHEAD = os.environ.get("MOEBUS_CACHE_LAUNCH_AHEAD", "0") == "1"
+
 
 @dataclass
 class Launched:
@@ -25,6 +36,9 @@ class Launched:
     batch: StepBatch
     graph: object  # the CapturedStep it replays
     launch: object  # its graphs.Launch: pinned outputs and completion event
+    # the expert cache's placement table as the step read it (a cache that evicts changes it before the
+    # step is collected: its hits and misses are counted against this one); None: the table as it is then
+    placement: np.ndarray | None = None
 
     def is_done(self) -> bool:
         return self.launch.is_done()
@@ -32,7 +46,13 @@ class Launched:
 
 def can_launch(stage: Stage, batch: StepBatch) -> bool:
     return (stage.use_graphs and stage.is_first and stage.is_last and not batch.top_logprobs
-            and batch.num_tokens <= ROUTED_MAX_TOKENS and evicts_nothing(stage.experts))
+            and batch.num_tokens <= ROUTED_MAX_TOKENS and cache_allows_launch(stage.experts))
+
+
+def cache_allows_launch(experts) -> bool:
+    """May a step launch while another runs, as far as the expert cache goes? Where it evicts nothing,
+    or with CACHE_LAUNCH_AHEAD where no loan is held (lent slots are a prefill's scratch)."""
+    return (CACHE_LAUNCH_AHEAD and getattr(experts, "loaned_from", None) is None) or evicts_nothing(experts)
 
 
 def evicts_nothing(experts) -> bool:
@@ -64,7 +84,9 @@ def launch(stage: Stage, batch: StepBatch, step_id: int, after: Launched | None 
         stage.ops.begin_step()  # nothing is in flight: what an eager step left is recycled
     stage.experts.device_placement(stage.ops)
     tokens = after.graph.outputs["tokens"] if after is not None else None
-    return Launched(step_id, batch, graph, graph.launch(inputs, stage._wanted(batch, False), tokens=tokens))
+    placement = stage.experts.placement.copy() if CACHE_LAUNCH_AHEAD and stage.experts.not_resident else None
+    return Launched(step_id, batch, graph, graph.launch(inputs, stage._wanted(batch, False), tokens=tokens),
+                    placement)
 
 
 def finish(stage: Stage, launched: Launched) -> StageOutput:
@@ -73,7 +95,7 @@ def finish(stage: Stage, launched: Launched) -> StageOutput:
     if "prefetch_keys" in out:  # the next layers' experts it copied ahead (workers/prefetch.py)
         stage.experts.observe_prefetch(out["prefetch_keys"], out["expert_ids"])
     if "expert_ids" in out:
-        stage.experts.observe(out["expert_ids"], stage.ops)
+        stage.experts.observe(out["expert_ids"], stage.ops, read=launched.placement)
     return stage._sample_output(launched.batch, out, False)
 
 
