@@ -37,6 +37,10 @@ log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
 SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
+# a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
+# prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
+# tokens take their buffers from what the device has free beyond the reserve and headroom, if it has)
+RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "measured")
 
 
 class GpuWorker:
@@ -178,6 +182,9 @@ class GpuWorker:
             # holds, long steps borrow from the cache again instead of allocating there
             measured, wide = self.stage.scratch_choices
             self.stage.scratch = wide if msg.reserve_mib is None else measured
+            if msg.reserve_mib is not None and RESERVE_SCRATCH == "beside":  # the room the reserve leaves
+                spare = int(reply.free_mib * MIB) - int(msg.reserve_mib * MIB) - CUDA_HEADROOM_BYTES
+                self.stage.scratch = widened(measured, spare, wide.tokens)
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
