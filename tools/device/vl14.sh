@@ -10,8 +10,11 @@
 #        (cProfile) by part. Its first pass compiles the deep model's long-step variants for the cycles too;
 #     2. bench vision-cycle (1024 px, 2 text streams, 2 cold starts, 16 GiB) with MOEBUS_RESERVE_SCRATCH=beside
 #        (gpu_worker.vram: while the vision reserve holds, a long step takes its scratch beside the cache where
-#        the device has room, instead of a prompt-path loan from the cache: call 2 saw 36 misses, 403 MiB, a step);
-#     3. the same cycle with the defaults (the loan), if time is left;
+#        the device has room, instead of a prompt-path loan from the cache: call 2 saw 36 misses, 403 MiB, a step)
+#        and MOEBUS_VISION_WARM_UP=load (vision_preload.py: cuBLAS's start and the cached kernels loaded beside
+#        the image's decode). The two act in different phases of the cold request (prefill; encode), so one
+#        cycle measures both against the next;
+#     3. the same cycle with the defaults (the loan, no preload), if time is left;
 #   last a compact summary (each cold request's split, the prefill phase's steps and misses).
 source tools/device/setup.sh
 set -o pipefail
@@ -44,14 +47,14 @@ deep() {  # label [env...]: vl13.sh's deep cycle (bench vision-cycle on $D) into
     --timeout-s 120 --max-batch 4 --skip-resident > $OUT/$label/cycle.log 2>&1
   echo "$label rc=$? at $(now) s"
 }
-deep beside MOEBUS_RESERVE_SCRATCH=beside
-deep loan MOEBUS_RESERVE_SCRATCH=measured
+deep beside MOEBUS_RESERVE_SCRATCH=beside MOEBUS_VISION_WARM_UP=load
+deep loan MOEBUS_RESERVE_SCRATCH=measured MOEBUS_VISION_WARM_UP=auto
 for label in beside loan; do
   f=$OUT/$label/cycle.log; [[ -f $f ]] || continue
   echo "--- $label"
   grep -E "^cold image request|^warm image encode|Traceback|Error" $f | cut -c1-160
   grep -E "^  (phase|prefill) |caches while they decode alone" $f | cut -c1-170
-  grep -E "encode 1:" $f | sed -E 's/^.*INFO //' | cut -c1-150 | tail -1
+  grep -E "encode 1:|preload beside:" $f | sed -E 's/^.*INFO //' | cut -c1-150 | tail -2
   grep -cE "VRAM [0-9.]+: " $f | sed 's/^/VRAM replies: /'
   gzip -f $f
 done
