@@ -43,6 +43,7 @@ def test_with_reserve_scratch_beside_a_reserve_keeps_long_steps_beside_the_cache
                                                                                                    monkeypatch):
     """MOEBUS_RESERVE_SCRATCH=beside: while a reserve holds, the measured scratch widened into what the
     device has free beyond the reserve and the headroom (none left: the measured one, the loan)."""
+    from moebus.common import image_steps
     from moebus.common.protocol import Vram
     from moebus.workers import gpu_worker
     from moebus.workers.cache_sizing import CUDA_HEADROOM_BYTES
@@ -64,5 +65,8 @@ def test_with_reserve_scratch_beside_a_reserve_keeps_long_steps_beside_the_cache
     assert stage.scratch.tokens == wide.tokens and stage.scratch.per_token_bytes == measured.per_token_bytes
     worker.vram(Vram(id="s", reserve_mib=room_mib + 1.0))  # the reserve takes the room: the loan again
     assert stage.scratch is measured
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 128)  # an image prompt's steps may be longer
+    worker.vram(Vram(id="i", reserve_mib=0.0))
+    assert stage.scratch.tokens == 128 > wide.tokens
     worker.vram(Vram(id="b", reserve_mib=None))
     assert stage.scratch is wide

@@ -11,9 +11,10 @@
 #     2. bench vision-cycle (1024 px, 2 text streams, 2 cold starts, 16 GiB) with MOEBUS_RESERVE_SCRATCH=beside
 #        (gpu_worker.vram: while the vision reserve holds, a long step takes its scratch beside the cache where
 #        the device has room, instead of a prompt-path loan from the cache: call 2 saw 36 misses, 403 MiB, a step)
-#        and MOEBUS_VISION_WARM_UP=load (vision_preload.py: cuBLAS's start and the cached kernels loaded beside
-#        the image's decode). The two act in different phases of the cold request (prefill; encode), so one
-#        cycle measures both against the next;
+#        and MOEBUS_IMAGE_STEP_TOKENS=2048 (the image prompt in one step, not three of 510: its eager launches
+#        once; common/image_steps.py) and MOEBUS_VISION_WARM_UP=load (vision_preload.py: cuBLAS's start and the
+#        cached kernels loaded beside the image's decode). Prefill and encode are separate phases of the cold
+#        request; 1. shows the one-step part alone (full vs full1), the misses column the loan's;
 #     3. the same cycle with the defaults (the loan, no preload), if time is left;
 #   last a compact summary (each cold request's split, the prefill phase's steps and misses).
 source tools/device/setup.sh
@@ -47,7 +48,7 @@ deep() {  # label [env...]: vl13.sh's deep cycle (bench vision-cycle on $D) into
     --timeout-s 120 --max-batch 4 --skip-resident > $OUT/$label/cycle.log 2>&1
   echo "$label rc=$? at $(now) s"
 }
-deep beside MOEBUS_RESERVE_SCRATCH=beside MOEBUS_VISION_WARM_UP=load
+deep beside MOEBUS_RESERVE_SCRATCH=beside MOEBUS_VISION_WARM_UP=load MOEBUS_IMAGE_STEP_TOKENS=2048
 deep loan MOEBUS_RESERVE_SCRATCH=measured MOEBUS_VISION_WARM_UP=auto
 for label in beside loan; do
   f=$OUT/$label/cycle.log; [[ -f $f ]] || continue

@@ -3,7 +3,8 @@ spent 973.5 ms in the prefill of a 1024 px image at 48 x 8 a3b). The prompt is t
 few text tokens, the image's (PX / 32)^2 tokens, a few more, fed in steps of STEP tokens (the broker's
 max_step_tokens less the decode rows) from slot 0. Three variants of the same steps, timed warm:
 ``text`` (plain tokens: the text path), ``mrope`` (+ M-RoPE positions), ``full`` (+ the image's
-embeddings and its DeepStack rows, random: the tower is not run). Then the ``full`` prefill once under
+embeddings and its DeepStack rows, random: the tower is not run), and ``full1``: ``full`` in one step
+(MOEBUS_IMAGE_STEP_TOKENS, common/image_steps.py). Then the ``full`` prefill once under
 torch.profiler (its kernels by GPU time against its wall time) and once under cProfile (host time by
 function). No expert cache loan here (LocalModel has no step scratch): the service's misses are not in
 these figures. Usage: vl14_prefill.py MODEL_DIR [PX] [STEP] [REPEATS]; the tables also go to $OUT."""
@@ -80,6 +81,7 @@ def main():
     embeds = rng.standard_normal((len(rows), hidden), dtype=np.float32) * 0.02
     deepstack = rng.standard_normal((len(vision.deepstack_layers), len(rows), hidden), dtype=np.float32) * 0.02
     variants = {v: steps(v, ids, positions, rows, embeds, deepstack, step_tokens) for v in ("text", "mrope", "full")}
+    variants["full1"] = steps("full", ids, positions, rows, embeds, deepstack, len(ids))  # in one step
     for name, batches in variants.items():
         began = time.perf_counter()
         prefill(model, batches)  # compiles what is new, first cuBLAS calls of these shapes
