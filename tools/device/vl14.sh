@@ -53,7 +53,7 @@ deep loan MOEBUS_RESERVE_SCRATCH=measured MOEBUS_VISION_WARM_UP=auto
 for label in beside loan; do
   f=$OUT/$label/cycle.log; [[ -f $f ]] || continue
   echo "--- $label"
-  grep -E "^cold image request|^warm image encode|Traceback|Error" $f | cut -c1-160
+  grep -E "^cold image request|^warm image encode|Traceback|Error" $f | cut -c1-160 | head -6
   grep -E "^  (phase|prefill) |caches while they decode alone" $f | cut -c1-170
   grep -E "encode 1:|preload beside:" $f | sed -E 's/^.*INFO //' | cut -c1-150 | tail -2
   grep -cE "VRAM [0-9.]+: " $f | sed 's/^/VRAM replies: /'
@@ -65,5 +65,5 @@ for label in beside loan; do
   zcat $f | grep -E "^cold image request" | sed -E "s/^cold image request ([0-9]) of [0-9]: handback ([0-9.]+) ms, \
 start ([0-9.]+) ms, encode ([0-9.]+) ms, prefill ([0-9.]+) ms, first_token ([0-9.]+) ms.*/$label \1: \2 \/ \3 \/ \4 \/ \5 -> \6/"
 done
-echo "--- in-process prefill (ms)"; grep -E "^(text|mrope|full)|^loaded|under" $OUT/prefill/stdout.txt | cut -c1-160
+echo "--- in-process prefill (ms)"; grep -E "^(text|mrope|full)|^loaded|under|Error" $OUT/prefill/stdout.txt | cut -c1-160
 echo "vl14 end at $(now) s"

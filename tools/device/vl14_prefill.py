@@ -91,6 +91,9 @@ def main():
         print(f"{name:5s}: prefill {sum(per_step):7.1f} ms (median of {repeats}; steps "
               f"{' / '.join(f'{t:.1f}' for t in per_step)}; the first pass {first_s:.2f} s)")
     full = variants["full"]
+    last = [model.step(b) for b in full][-1], [model.step(b) for b in variants["full1"]][-1]
+    print(f"full vs full1 (the prompt in one step): first token {int(last[0].tokens[0])} / {int(last[1].tokens[0])}, "
+          f"its logprob {float(last[0].logprobs[0]):.5f} / {float(last[1].logprobs[0]):.5f}")
     try:
         import torch  # noqa: F401
         from torch.profiler import ProfilerActivity, profile
