@@ -85,11 +85,14 @@ def test_decoders_in_another_micro_batch_cap_the_prompt_too(tokenizer):
     assert [q.id for q in step.seqs] == ["long"] and step.lengths.tolist() == [4]
 
 
-def test_a_prompt_with_images_takes_the_whole_step_budget_beside_decoding_sequences(tokenizer):
+def test_a_prompt_with_images_takes_the_whole_step_budget_beside_decoding_sequences(tokenizer, monkeypatch):
     """Its steps hold image embeddings and are never captured: small chunks would each pay an eager
     step (its copies are bounded by the chunk that spans steps instead)."""
     import numpy as np
 
+    from moebus.common import image_steps
+
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 0)  # (no more than max_step_tokens)
     s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
     decoders = _decoding(s, tokenizer, "a", "b")
     image = seq(tokenizer, "image", range(10, 30))

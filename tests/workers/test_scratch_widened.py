@@ -16,11 +16,14 @@ def test_the_standing_scratch_grows_into_spare_vram_up_to_the_largest_step():
         assert widened(scratch, spare, 512) is scratch
 
 
-def test_a_vram_reserve_takes_long_steps_back_to_the_loan_and_bare_vram_widens_them_again(tiny_model):
+def test_a_vram_reserve_takes_long_steps_back_to_the_loan_and_bare_vram_widens_them_again(tiny_model, monkeypatch):
     """The room beside the cache is what a reserve hands out (to the vision worker): while one
-    holds, a long step must not allocate there."""
+    holds, a long step must not allocate there (MOEBUS_RESERVE_SCRATCH=measured)."""
     from moebus.common.protocol import Vram
+    from moebus.workers import gpu_worker
     from moebus.workers.gpu_worker import GpuWorker
+
+    monkeypatch.setattr(gpu_worker, "RESERVE_SCRATCH", "measured")
     from moebus.workers.local import LocalModel
 
     class NoLink:
@@ -54,6 +57,7 @@ def test_with_reserve_scratch_beside_a_reserve_keeps_long_steps_beside_the_cache
         dropped_messages = 0
 
     monkeypatch.setattr(gpu_worker, "RESERVE_SCRATCH", "beside")
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 0)  # image steps no longer than any prompt's, first
     stage = LocalModel(tiny_model, num_slots=2, max_context=32).stages[0]
     measured = ScratchBudget.measured(tokens=2, standing_bytes=1000, per_token_bytes=10)
     wide = widened(measured, 10_000, 64)
