@@ -49,7 +49,7 @@ deep() {  # label [env...]: vl13.sh's deep cycle (bench vision-cycle on $D) into
   echo "$label rc=$? at $(now) s"
 }
 deep beside MOEBUS_RESERVE_SCRATCH=beside MOEBUS_VISION_WARM_UP=load MOEBUS_IMAGE_STEP_TOKENS=2048
-deep loan MOEBUS_RESERVE_SCRATCH=measured MOEBUS_VISION_WARM_UP=auto
+deep loan MOEBUS_RESERVE_SCRATCH=measured MOEBUS_VISION_WARM_UP=auto MOEBUS_IMAGE_STEP_TOKENS=0
 for label in beside loan; do
   f=$OUT/$label/cycle.log; [[ -f $f ]] || continue
   echo "--- $label"
