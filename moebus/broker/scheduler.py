@@ -13,6 +13,7 @@ import numpy as np
 from moebus.broker.grammar_state import step_masks, with_ready_masks
 from moebus.broker.sequence import Sequence
 from moebus.common.errors import ServerBusy
+from moebus.common.image_steps import image_step_tokens
 
 
 @dataclass
@@ -99,13 +100,17 @@ class Scheduler:
         prefilling = [s for s in idle if s.is_prefilling][: max_seqs - len(decoding)]
         whole = max(self.max_step_tokens - len(decoding), 0)  # prompt tokens the step may take
         capped = self._prefill_budget(len(decoding))  # of them, for prompts without images
+        image_more = image_step_tokens(self.max_step_tokens) - self.max_step_tokens  # an image prompt's, beyond
         chosen, feeds = [], []
         for seq in decoding + prefilling:
-            feed = seq.next_feed((whole if seq.embeds is not None else min(capped, whole)) if seq.is_prefilling else 1)
+            feed = seq.next_feed((whole + image_more if seq.embeds is not None else min(capped, whole))
+                                 if seq.is_prefilling else 1)
             if not feed:
                 continue
             if seq.is_prefilling:
-                whole, capped = whole - len(feed), capped - len(feed)
+                beyond = max(0, len(feed) - whole)  # an image prompt's tokens past ``whole``: its extra room
+                image_more -= beyond
+                whole, capped = whole - len(feed) + beyond, capped - len(feed) + beyond
             chosen.append(seq)
             feeds.append(feed)
         if not chosen:

@@ -18,6 +18,7 @@ from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.common.errors import ConfigError
+from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
@@ -37,6 +38,11 @@ log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
 SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
+# a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
+# prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
+# tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
+# beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
+RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "measured")
 
 
 class GpuWorker:
@@ -177,7 +183,12 @@ class GpuWorker:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one
             # holds, long steps borrow from the cache again instead of allocating there
             measured, wide = self.stage.scratch_choices
+            if msg.reserve_mib is None and self.stage.scratch.tokens > wide.tokens:  # an image step's, beside
+                getattr(self.stage.ops, "device_pool", None) and self.stage.ops.device_pool.release()
             self.stage.scratch = wide if msg.reserve_mib is None else measured
+            if msg.reserve_mib is not None and RESERVE_SCRATCH == "beside":  # the room the reserve leaves
+                spare = int(reply.free_mib * MIB) - int(msg.reserve_mib * MIB) - CUDA_HEADROOM_BYTES
+                self.stage.scratch = widened(measured, spare, image_step_tokens(wide.tokens))
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "

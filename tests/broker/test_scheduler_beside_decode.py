@@ -85,11 +85,14 @@ def test_decoders_in_another_micro_batch_cap_the_prompt_too(tokenizer):
     assert [q.id for q in step.seqs] == ["long"] and step.lengths.tolist() == [4]
 
 
-def test_a_prompt_with_images_takes_the_whole_step_budget_beside_decoding_sequences(tokenizer):
+def test_a_prompt_with_images_takes_the_whole_step_budget_beside_decoding_sequences(tokenizer, monkeypatch):
     """Its steps hold image embeddings and are never captured: small chunks would each pay an eager
     step (its copies are bounded by the chunk that spans steps instead)."""
     import numpy as np
 
+    from moebus.common import image_steps
+
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 0)  # (no more than max_step_tokens)
     s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
     decoders = _decoding(s, tokenizer, "a", "b")
     image = seq(tokenizer, "image", range(10, 30))
@@ -119,3 +122,29 @@ def test_auto_caps_on_cuda_only():
     assert prefill_tokens_beside_decode("auto", "cuda") == AUTO_PREFILL_TOKENS_BESIDE_DECODE_CUDA == 16
     assert prefill_tokens_beside_decode("auto", "cpu") is None
     assert prefill_tokens_beside_decode(64, "cuda") == 64 and prefill_tokens_beside_decode(None, "cuda") is None
+
+
+def test_with_image_step_tokens_an_image_prompt_s_step_grows_past_max_step_tokens_and_others_wait(tokenizer,
+                                                                                                  monkeypatch):
+    """MOEBUS_IMAGE_STEP_TOKENS (common/image_steps.py): an image prompt's step may take that many
+    tokens less the decode rows; a text prompt beside it gets nothing more than it would have."""
+    import numpy as np
+
+    from moebus.common import image_steps
+
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 40)
+    s = Scheduler(max_batch=4, max_queue=4, max_step_tokens=16, max_prefill_tokens_beside_decode=4)
+    decoders = _decoding(s, tokenizer, "a", "b")
+    image = seq(tokenizer, "image", range(10, 60))
+    image.embeds, image.embed_positions = np.zeros((3, 8), np.float32), np.array([2, 3, 4], np.int32)
+    s.submit(image)
+    s.submit(seq(tokenizer, "text", range(20, 30)))
+    step = s.plan()
+    assert [q.id for q in step.seqs] == ["a", "b", "image"] and step.lengths.tolist() == [1, 1, 38]
+    s.advance(step)
+    for q in decoders:
+        q.accept(31, 0.0)
+    step = s.plan()  # the rest of the image prompt (12, past the text prompt's cap of 4: it waits again)
+    assert [q.id for q in step.seqs] == ["a", "b", "image"] and step.lengths.tolist() == [1, 1, 12]
+    monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 0)  # off: max_step_tokens, as before
+    assert image_steps.image_step_tokens(16) == 16
