@@ -81,6 +81,8 @@ class ChunkInProgress:
     copies: int = 0  # experts copied in for it
     step_ms: list = field(default_factory=list)  # each step's host time to its reply, with the decode rows
     lent: tuple | None = None  # the cache's slots [lo, hi) lent to it as scratch, held across its steps
+    staging: tuple | None = None  # the loan's top slots [lo, hi) its misses are copied into (spanning_chunk_staging.py)
+    staged: object = None  # spanning_chunk_staging.StagedExperts over them (chunk_advance.chunk_experts)
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
@@ -276,7 +278,8 @@ def return_loan(stage) -> None:
     own); the chunk stays held and lends again at its next step."""
     held = stage.chunk
     if held is not None and held.lent is not None:
-        held.lent = None
+        held.lent = held.staging = None
+        held.staged = None
         stage.experts.end_loan()
 
 
