@@ -233,6 +233,7 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
     stage.chunk_steps += 1
     held.step_ms.append(1e3 * (time.perf_counter() - started))
     if chunk_out is not None:
+        staging = 0 if held.staging is None else held.staging[1] - held.staging[0]  # (release() forgets it)
         releasing = time.perf_counter()
         release(stage)
         released_ms = 1e3 * (time.perf_counter() - releasing)  # in its last step, after step_ms's figure
@@ -240,12 +241,12 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
                  "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
-                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms", held.length, held.slot,
+                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms; staging slots %d", held.length, held.slot,
                  held.start, held.steps, held.copies, min(held.step_ms),
                  statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
                  held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
                  *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)), held.step_ms[-1],
-                 released_ms)
+                 released_ms, staging)
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
