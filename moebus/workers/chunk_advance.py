@@ -4,7 +4,8 @@ of bytes and, beside decode rows on a GPU, of time (``deadline``): before each g
 step's first (or after a layer's entry: its attention and routing are a step's progress too), and
 before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
 nearer than the last layer's attention and routing took; at a group, nearer than the last group's
-host work took, ``GROUP_HOST``; a chunk's first step counts its setup as progress, ``SETUP_STEP``);
+host work took, ``GROUP_HOST``, or where it makes its layer's plan the last such group's, ``PLAN_HOST``;
+a chunk's first step counts its setup as progress, ``SETUP_STEP``);
 every group's copies (the first's too, at least one expert) also fit the time left at
 ``LINK_BYTES_PER_S``. What the next step needs is kept outside the step scratch
 (``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden state and the
@@ -40,6 +41,11 @@ GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "1") == "1"  # (0 off)
 # stage's last chunk's layer entry (call 1: the first steps were the slowest, 19-20 ms, with the loan,
 # the inputs, the attention and the routing's sync in one step); 0: the first layer entered regardless
 SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "1") == "1"  # (0 off)
+# a time-bounded step's group that makes its layer's plan (HostTiles' plan_tiles, ~1.5-2.5 ms of numpy
+# for a 510-token chunk on the H200's host) after the layer's entry in the same step: it starts only
+# where the time left exceeds the host time the last such group took (``layer_plan_s``), not the last
+# group's (call 2: the slowest steps, 14-16 ms, were a layer's entry then its first group); 0: off
+PLAN_HOST = os.environ.get("MOEBUS_CHUNK_PLAN_HOST", "0") == "1"  # (off until a GPU call measures it)
 
 
 @dataclass
@@ -269,8 +275,11 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
         left = None if budget_bytes is None else budget_bytes - spent[0]
         if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
             # (the first group's copies start once the decode rows launched beside it are done: copies_from)
-            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST)
-                seconds = time_left(stage, chunk, deadline) - (chunk.group_host_s if GROUP_HOST else 0.0)
+            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST, PLAN_HOST)
+                host_s = chunk.group_host_s if GROUP_HOST else 0.0
+                if PLAN_HOST and run is None and within.tiles_plan is None:
+                    host_s = max(host_s, getattr(chunk, "layer_plan_s", 0.0))
+                seconds = time_left(stage, chunk, deadline) - host_s
             else:
                 seconds = max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
             if seconds <= 0 and spent[1]:
@@ -281,9 +290,12 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
+        planning = run is None and within.tiles_plan is None  # (this group makes the layer's plan)
         run = run or group_runner(stage, layer, within, chunk.parts, experts)
         run(within.next_expert, end)
         chunk.group_host_s = time.perf_counter() - planned
+        if planning:
+            chunk.layer_plan_s = chunk.group_host_s
         within.next_expert = end
         spent[0] += cost
         spent[1] = True

@@ -88,6 +88,7 @@ class ChunkInProgress:
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
     group_host_s: float = 0.0  # the last expert group's host time: plan, acquire, launches (chunk_advance.GROUP_HOST)
+    layer_plan_s: float = 0.0  # the last group's that made its layer's plan (chunk_advance.PLAN_HOST)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
     kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
     rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
@@ -241,8 +242,8 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
                  "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
-                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms; staging slots %d", held.length, held.slot,
-                 held.start, held.steps, held.copies, min(held.step_ms),
+                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms; staging slots %d", held.length,
+                 held.slot, held.start, held.steps, held.copies, min(held.step_ms),
                  statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
                  held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
                  *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)), held.step_ms[-1],

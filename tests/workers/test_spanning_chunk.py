@@ -380,7 +380,8 @@ def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypa
     from types import SimpleNamespace as NS
 
     experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
-    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0), parts=NS(begin=lambda name: None),
+    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0, tiles_plan=None),
+               parts=NS(begin=lambda name: None),
                copies=0, group_host_s=0.0, copies_from=0.0)
     ran = []
 
@@ -430,7 +431,8 @@ def test_a_chunk_whose_misses_go_to_staging_slots_equals_it_run_whole_and_leaves
         if case == "in pieces":
             assert len(held.pieces) > 1 and held.staging is None
         else:
-            assert held.staging is not None and held.staging[1] == held.lent[1] and held.staging[1] - held.staging[0] == 2
+            lo, hi = held.staging
+            assert hi == held.lent[1] and hi - lo == 2
         staged.append(held.staged.copies if held.staged is not None else 0)
         # nothing of the cache lies in the loan (the staging slots are out of its service)
         assert not set(experts.key_slot.values()) & set(range(*held.lent))
@@ -445,3 +447,28 @@ def test_a_chunk_whose_misses_go_to_staging_slots_equals_it_run_whole_and_leaves
     assert np.array_equal(out.logits[1], want.logits[0])
     for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
         assert np.array_equal(got, wanted)
+
+
+@pytest.mark.parametrize("plan_host", [True, False])
+def test_a_group_that_makes_its_layers_plan_starts_only_where_the_last_such_groups_host_time_fits(monkeypatch,
+                                                                                                 plan_host):
+    """chunk_advance.PLAN_HOST: after a layer's entry (a step's progress), the layer's first group
+    (it makes the layer's plan) starts only where the time left (10 ms) exceeds the host time the
+    last such group took (here 20 ms), though the last group's (1 ms) would fit; off, it starts."""
+    import time
+    from types import SimpleNamespace as NS
+
+    experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
+    chunk = NS(within=NS(routed=NS(unique=np.arange(2)), next_expert=0, tiles_plan=None),
+               parts=NS(begin=lambda n: None),
+               copies=0, group_host_s=0.001, layer_plan_s=0.02, copies_from=0.0)
+    ran = []
+
+    def runner(stage, layer, within, parts, experts=None):
+        return lambda first, end: ran.append((first, end))
+    monkeypatch.setattr(chunk_advance, "PLAN_HOST", plan_host)
+    monkeypatch.setattr(chunk_advance, "GROUP_HOST", True)
+    monkeypatch.setattr(chunk_advance, "time_left", lambda stage, chunk, deadline: 0.01)
+    monkeypatch.setattr(chunk_advance, "group_runner", runner)
+    done = chunk_advance._run_groups(NS(experts=experts), chunk, 0, None, [0, True], time.perf_counter() + 1.0)
+    assert (done, ran) == ((False, []) if plan_host else (True, [(0, 1), (1, 2)]))

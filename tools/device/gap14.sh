@@ -7,7 +7,9 @@
 #                (spanning_chunk_staging.py, MOEBUS_CHUNK_STAGING_SLOTS=16; off by default until measured):
 #                call 2's decode rows missed ~32 experts a step beside the chunks against ~15 before
 #   default      call 2's default (staging off)
-#   staged16s03  staging and a time share of 0.3 (MOEBUS_CHUNK_TIME_SHARE, default 0.5), where the budget allows
+#   staged16plan staging, and a group that makes its layer's plan after the layer's entry in one step only where
+#                the last such group's host time fits (chunk_advance.PLAN_HOST, MOEBUS_CHUNK_PLAN_HOST=1; off by
+#                default): call 2's slowest steps (14-16 ms) were a layer's entry and then its first group
 # Read: the "prefill" row's misses a step (the caches' column), the largest gap / median, the first token.
 # Then, with what is left, the staged cases of tests/cuda/test_spanning_chunk.py (all of it runs in the warm phase).
 #   PHASE=warm     gap12.sh's warm phase (its model at /tmp/gap-a3b-8x128-vision, ~12 GB on disk; the GPU tests
@@ -22,7 +24,8 @@ if [ "$PHASE" = warm ]; then
   PHASE=warm BUDGET=$BUDGET bash tools/device/gap12.sh
   exit 0
 fi
-RUNS=${RUNS:-staged16:MOEBUS_CHUNK_STAGING_SLOTS=16 default:MOEBUS_CHUNK_STAGING_SLOTS=0 staged16s03:MOEBUS_CHUNK_STAGING_SLOTS=16,MOEBUS_CHUNK_TIME_SHARE=0.3}
+S16=MOEBUS_CHUNK_STAGING_SLOTS=16
+RUNS=${RUNS:-staged16:$S16 default:MOEBUS_CHUNK_STAGING_SLOTS=0 staged16plan:$S16,MOEBUS_CHUNK_PLAN_HOST=1}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-36} BUDGET=$BUDGET bash tools/device/gap12.sh
 for L in $OUT/cycle_budget256_*.log.gz; do  # each chunk's copies, last step, release and staging slots
   [ -f "$L" ] || continue
