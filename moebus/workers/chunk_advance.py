@@ -4,7 +4,8 @@ of bytes and, beside decode rows on a GPU, of time (``deadline``): before each g
 step's first (or after a layer's entry: its attention and routing are a step's progress too), and
 before each layer's attention, the stage syncs and stops once the deadline is past (or, at a layer,
 nearer than the last layer's attention and routing took; at a group, nearer than the last group's
-host work took, ``GROUP_HOST``; a chunk's first step counts its setup as progress, ``SETUP_STEP``);
+host work took, ``GROUP_HOST``, or where it makes its layer's plan the last such group's, ``PLAN_HOST``;
+a chunk's first step counts its setup as progress, ``SETUP_STEP``);
 every group's copies (the first's too, at least one expert) also fit the time left at
 ``LINK_BYTES_PER_S``. What the next step needs is kept outside the step scratch
 (``ChunkInProgress.keep``): within a layer its state, at a layer boundary the hidden state and the
@@ -22,6 +23,7 @@ import numpy as np
 from moebus.workers.batch import StageOutput, StepBatch, split_tokens
 from moebus.workers.moe_prefill import HostTiles, can_group_on_device
 from moebus.workers.prompt_loan import forward_in_pieces
+from moebus.workers.spanning_chunk_staging import STAGING_SLOTS, StagedExperts
 
 if TYPE_CHECKING:
     from moebus.workers.spanning_chunk import ChunkInProgress
@@ -39,6 +41,11 @@ GROUP_HOST = os.environ.get("MOEBUS_CHUNK_GROUP_HOST", "1") == "1"  # (0 off)
 # stage's last chunk's layer entry (call 1: the first steps were the slowest, 19-20 ms, with the loan,
 # the inputs, the attention and the routing's sync in one step); 0: the first layer entered regardless
 SETUP_STEP = os.environ.get("MOEBUS_CHUNK_SETUP_STEP", "1") == "1"  # (0 off)
+# a time-bounded step's group that makes its layer's plan (HostTiles' plan_tiles, ~1.5-2.5 ms of numpy
+# for a 510-token chunk on the H200's host) after the layer's entry in the same step: it starts only
+# where the time left exceeds the host time the last such group took (``layer_plan_s``), not the last
+# group's (call 2: the slowest steps, 14-16 ms, were a layer's entry then its first group); 0: off
+PLAN_HOST = os.environ.get("MOEBUS_CHUNK_PLAN_HOST", "0") == "1"  # (off until a GPU call measures it)
 
 
 @dataclass
@@ -60,21 +67,37 @@ def advance_in_loan(stage, chunk: ChunkInProgress, budget, want_logits: bool,
     loan's pieces, as it would have. ``fresh``: the step's pools were just recycled and work the
     chunk must not wait for is in flight (the decode rows' graph, chunk_rows.py): its first
     ``begin_step``, which syncs, is skipped."""
-    if stage.scratch is None or chunk.length <= stage.scratch.tokens:
+    staging = staging_slots(stage, budget)
+    scratch = stage.scratch
+    if not staging and (scratch is None or chunk.length <= scratch.tokens):
         return advance(stage, chunk, budget, want_logits, chunk.length, deadline, fresh)
     chunk.parts.begin("loan")
-    max_piece_tokens = hold_loan(stage, chunk)
-    stage.ops.borrow(stage.experts.lent_bytes(*chunk.lent))
+    max_piece_tokens = hold_loan(stage, chunk, staging)
+    lo, hi = chunk.lent
+    scratch_hi = hi if chunk.staging is None else chunk.staging[0]
+    borrowed = scratch is not None and chunk.length > scratch.tokens and scratch_hi > lo
+    if borrowed:
+        stage.ops.borrow(stage.experts.lent_bytes(lo, scratch_hi))
     try:
         if chunk.pieces is not None and max_piece_tokens < max(p.num_tokens for p in chunk.pieces):
             return forward_in_pieces(stage._forward, chunk.batch, None, want_logits, max_piece_tokens, True)
         return advance(stage, chunk, budget, want_logits, max_piece_tokens, deadline, fresh)
     finally:
         chunk.parts.begin("end (sync)")
-        stage.ops.end_borrow()
+        if borrowed:
+            stage.ops.end_borrow()
 
 
-def hold_loan(stage, chunk: ChunkInProgress) -> int:
+def staging_slots(stage, budget) -> int:
+    """The staging slots a chunk's loan adds (spanning_chunk_staging.py): STAGING_SLOTS beside decode
+    rows (a budget of bytes) where the cache does not hold every expert, else 0."""
+    if STAGING_SLOTS <= 0 or budget is None or not stage.experts.not_resident \
+            or not hasattr(stage.experts, "lend"):
+        return 0
+    return STAGING_SLOTS
+
+
+def hold_loan(stage, chunk: ChunkInProgress, staging: int = 0) -> int:
     """Lend the cache's tail to the chunk unless it holds a loan already (prompt_loan's arithmetic);
     returns the tokens a piece may have. Held across steps, because a loan taken and returned each
     step churns the cache: its slots come back empty, the decode steps between admit experts into
@@ -84,9 +107,26 @@ def hold_loan(stage, chunk: ChunkInProgress) -> int:
     cache serves decode steps with the slots below it, and admits into those (ExpertCache._admit)."""
     experts, scratch = stage.experts, stage.scratch
     if chunk.lent is None:
-        chunk.lent = experts.lend(scratch.bytes_for(chunk.length) - scratch.standing_bytes)
+        need = 0 if scratch is None else max(0, scratch.bytes_for(chunk.length) - scratch.standing_bytes)
+        chunk.lent = experts.lend(need + staging * experts.arena.slot_bytes)
+        lo, hi = chunk.lent  # the staging slots at the loan's top, where the loan covers the scratch too
+        need_slots = -(-need // experts.arena.slot_bytes)  # (else none: shorter pieces would change its sums)
+        chunk.staging = (hi - staging, hi) if staging and hi - lo >= need_slots + staging else None
     lo, hi = chunk.lent
-    return scratch.tokens_within((hi - lo) * experts.arena.slot_bytes)
+    if chunk.staging is not None:
+        hi = chunk.staging[0]
+    return chunk.length if scratch is None else scratch.tokens_within((hi - lo) * experts.arena.slot_bytes)
+
+
+def chunk_experts(stage, chunk: ChunkInProgress):
+    """What the chunk's groups acquire from: the cache, or with staging slots in its loan the cache's
+    hits and those slots for its misses (spanning_chunk_staging.StagedExperts, made once a loan)."""
+    if getattr(chunk, "staging", None) is None or chunk.lent is None:
+        return stage.experts
+    staged = chunk.staged
+    if staged is None or (staged.lo, staged.hi) != chunk.staging:
+        staged = chunk.staged = StagedExperts(stage.experts, *chunk.staging)
+    return staged
 
 
 def advance(stage, chunk: ChunkInProgress, budget_bytes: int | None, want_logits: bool,
@@ -228,15 +268,18 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
                 deadline: float | None = None) -> bool:
     """The layer's next expert groups within the budget and the deadline; True when its last expert
     is done."""
-    within, experts = chunk.within, stage.experts
+    within, experts = chunk.within, chunk_experts(stage, chunk)
     unique = within.routed.unique
     run = None  # this step's runner of the layer's groups, made with its first group
     while within.next_expert < len(unique):
         left = None if budget_bytes is None else budget_bytes - spent[0]
         if deadline is not None:  # (the step's first group: its work so far was synced by the routing or begin_step)
             # (the first group's copies start once the decode rows launched beside it are done: copies_from)
-            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST)
-                seconds = time_left(stage, chunk, deadline) - (chunk.group_host_s if GROUP_HOST else 0.0)
+            if spent[1]:  # a later group: its host work runs with the GPU idle (GROUP_HOST, PLAN_HOST)
+                host_s = chunk.group_host_s if GROUP_HOST else 0.0
+                if PLAN_HOST and run is None and within.tiles_plan is None:
+                    host_s = max(host_s, getattr(chunk, "layer_plan_s", 0.0))
+                seconds = time_left(stage, chunk, deadline) - host_s
             else:
                 seconds = max(0.0, deadline - max(time.perf_counter(), chunk.copies_from))
             if seconds <= 0 and spent[1]:
@@ -247,9 +290,12 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
         end, cost = group_end(experts, layer, unique, within.next_expert, left, must_run=not spent[1])
         if end == within.next_expert:
             return False
-        run = run or group_runner(stage, layer, within, chunk.parts)
+        planning = run is None and within.tiles_plan is None  # (this group makes the layer's plan)
+        run = run or group_runner(stage, layer, within, chunk.parts, experts)
         run(within.next_expert, end)
         chunk.group_host_s = time.perf_counter() - planned
+        if planning:
+            chunk.layer_plan_s = chunk.group_host_s
         within.next_expert = end
         spent[0] += cost
         spent[1] = True
@@ -257,7 +303,7 @@ def _run_groups(stage, chunk: ChunkInProgress, layer: int, budget_bytes: int | N
     return True
 
 
-def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
+def group_runner(stage, layer: int, within: LayerInProgress, parts=None, experts=None):
     """A function ``(first, end)`` that computes the pairs of the experts ``routed.unique[first:end]``
     into ``routed.out``: on tensor cores where the whole chunk would run there (the layer's pairs
     planned on the host in the layer's first step and gathered into tiles once a step,
@@ -266,16 +312,18 @@ def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
     step's: a step that continues the layer takes the layer's plan (``within.tiles_plan``: its numpy,
     ~0.2 ms for 510 tokens on the dev host) and gathers it again (two small uploads and one gather,
     no expert copies). ``parts``: the step's
-    StepParts, told when a group's acquire and its kernels start."""
+    StepParts, told when a group's acquire and its kernels start. ``experts``: what the groups acquire
+    from (chunk_experts; None: the stage's cache)."""
     ops, cfg, routed, h = stage.ops, stage.cfg, within.routed, within.h
-    if not can_group_on_device(ops, stage.experts, h.shape[0]):
+    experts = stage.experts if experts is None else experts
+    if not can_group_on_device(ops, experts, h.shape[0]):
         def gemvs(first: int, end: int) -> None:
             if parts is not None:
                 parts.begin("groups (GEMVs)")
-            stage._moe_group(layer, h, routed, first, end)
+            stage._moe_group(layer, h, routed, first, end, experts)
         return gemvs
     ids = routed.unique[routed.pair_group_index].reshape(h.shape[0], -1)
-    tiles = HostTiles(ops, stage.experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size, within.tiles_plan)
+    tiles = HostTiles(ops, experts, h, ids, cfg.hidden_size, cfg.moe_intermediate_size, within.tiles_plan)
     within.tiles_plan = tiles.made
     index = routed.pair_group_index
 
@@ -287,14 +335,20 @@ def group_runner(stage, layer: int, within: LayerInProgress, parts=None):
 
 def group_end(experts, layer: int, unique: np.ndarray, first: int, left_bytes: int | None, must_run: bool):
     """(end, bytes): the group ``unique[first:end]`` that the cache can hold at once and whose misses
-    fit ``left_bytes`` (None: any); at least one expert when ``must_run``, so every step advances."""
+    fit ``left_bytes`` (None: any); at least one expert when ``must_run``, so every step advances.
+    Staged (spanning_chunk_staging.StagedExperts): at most ``max_misses`` misses."""
     limit = min(len(unique), first + max(1, experts.num_slots))
-    end, cost = first, 0
+    max_misses = getattr(experts, "max_misses", None)
+    end, cost, misses = first, 0, 0
     while end < limit:
-        miss = experts.store.key(layer, int(unique[end])) not in experts.key_slot
+        key = experts.store.key(layer, int(unique[end]))
+        miss = not experts.is_hit(key) if max_misses is not None else key not in experts.key_slot
         extra = experts.store.blob_bytes if miss else 0
         if left_bytes is not None and cost + extra > left_bytes and (end > first or not must_run):
             break
+        if miss and max_misses is not None and misses >= max_misses:
+            break
+        misses += miss
         end, cost = end + 1, cost + extra
     return end, cost
 

@@ -81,11 +81,14 @@ class ChunkInProgress:
     copies: int = 0  # experts copied in for it
     step_ms: list = field(default_factory=list)  # each step's host time to its reply, with the decode rows
     lent: tuple | None = None  # the cache's slots [lo, hi) lent to it as scratch, held across its steps
+    staging: tuple | None = None  # the loan's top slots [lo, hi) its misses are copied into (spanning_chunk_staging.py)
+    staged: object = None  # spanning_chunk_staging.StagedExperts over them (chunk_advance.chunk_experts)
     absent_steps: int = 0
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
     group_host_s: float = 0.0  # the last expert group's host time: plan, acquire, launches (chunk_advance.GROUP_HOST)
+    layer_plan_s: float = 0.0  # the last group's that made its layer's plan (chunk_advance.PLAN_HOST)
     host_inputs: tuple | None = None  # (piece, its host inputs): made once a piece (chunk_advance._host_inputs)
     kernels_at: tuple = field(default_factory=disk_cache_counts)  # numba's kernels (loaded, compiled) at its start
     rows_s: float | None = None  # the decode rows' time in its last step beside them (chunk_rows.py)
@@ -231,6 +234,7 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
     stage.chunk_steps += 1
     held.step_ms.append(1e3 * (time.perf_counter() - started))
     if chunk_out is not None:
+        staging = 0 if held.staging is None else held.staging[1] - held.staging[0]  # (release() forgets it)
         releasing = time.perf_counter()
         release(stage)
         released_ms = 1e3 * (time.perf_counter() - releasing)  # in its last step, after step_ms's figure
@@ -238,12 +242,12 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         log.info("a prompt chunk of %d tokens (slot %d, from %d) done in %d steps, %d experts copied in; a step "
                  "%.1f / %.1f / %.1f ms (min / median / max, host time to its reply, with the decode rows); by part, "
                  "mean / max ms a step: %s; slowest steps: %s; steps over %.0f ms: %d; kernels loaded / compiled "
-                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms", held.length, held.slot,
-                 held.start, held.steps, held.copies, min(held.step_ms),
+                 "meanwhile: %d / %d; its last step %.1f ms, then its release %.1f ms; staging slots %d", held.length,
+                 held.slot, held.start, held.steps, held.copies, min(held.step_ms),
                  statistics.median(held.step_ms), max(held.step_ms), held.parts.summary(),
                  held.parts.slowest(held.step_ms), SLOW_STEP_MS, sum(ms > SLOW_STEP_MS for ms in held.step_ms),
                  *(now - then for now, then in zip(disk_cache_counts(), held.kernels_at)), held.step_ms[-1],
-                 released_ms)
+                 released_ms, staging)
     pieces = ([(others, decode, decode_out)] if decode is not None else []) + \
              ([(np.array([row]), held.pieces[-1] if held.pieces else held.batch, chunk_out)]
               if chunk_out is not None else [])
@@ -276,7 +280,8 @@ def return_loan(stage) -> None:
     own); the chunk stays held and lends again at its next step."""
     held = stage.chunk
     if held is not None and held.lent is not None:
-        held.lent = None
+        held.lent = held.staging = None
+        held.staged = None
         stage.experts.end_loan()
 
 

@@ -445,11 +445,13 @@ class Stage:
                            pair_token=np.repeat(np.arange(num_tokens, dtype=np.int32), top_k),
                            out=allocate((num_tokens * top_k, cfg.hidden_size), np.float32))
 
-    def _moe_group(self, layer: int, h, routed: "HostRouting", first: int, end: int) -> None:
+    def _moe_group(self, layer: int, h, routed: "HostRouting", first: int, end: int, experts=None) -> None:
         """The pairs of the experts ``routed.unique[first:end]`` into ``routed.out``: resident experts
-        compute while missing ones are still being copied in; then the rest."""
+        compute while missing ones are still being copied in; then the rest. ``experts``: what they
+        are acquired from (a spanning chunk's staged cache, chunk_advance.chunk_experts; None: the cache)."""
         ops, cfg = self.ops, self.cfg
-        slots, ready = self.experts.acquire(layer, routed.unique[first:end])
+        experts = self.experts if experts is None else experts
+        slots, ready = experts.acquire(layer, routed.unique[first:end])
         index = routed.pair_group_index
         members = np.nonzero((index >= first) & (index < end))[0]
         member_slot = slots[index[members] - first]
@@ -459,12 +461,12 @@ class Stage:
             if len(pairs) == 0:
                 continue
             if not is_ready:
-                self.experts.wait()
+                experts.wait()
             pair_slot = member_slot[member_ready == is_ready]
             order = np.argsort(pair_slot, kind="stable")  # same expert back to back
             table = ops.upload(np.stack([routed.pair_token[pairs[order]], pair_slot[order], pairs[order]]))
-            ops.expert_ffn(h, table[0], table[1], table[2], self.experts.array, cfg.hidden_size,
-                           cfg.moe_intermediate_size, routed.out, layout=self.experts.store.layout)
+            ops.expert_ffn(h, table[0], table[1], table[2], experts.array, cfg.hidden_size,
+                           cfg.moe_intermediate_size, routed.out, layout=experts.store.layout)
 
     def _sample_output(self, batch: StepBatch, out: dict, want_logits: bool) -> StageOutput:
         return StageOutput(tokens=out["tokens"], logprobs=out["logprobs"], logits=out["logits"] if want_logits else None,

@@ -87,12 +87,20 @@ def test_an_input_uploaded_within_a_layer_outlives_the_layers_recycling():
 
 
 @pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
-@pytest.mark.parametrize("experts_on, by_time", [("gemv", False), ("tensor cores", False), ("tensor cores", True)])
-def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on, by_time):
+@pytest.mark.parametrize("experts_on, by_time, staging", [("gemv", False, 0), ("tensor cores", False, 0),
+                                                           ("tensor cores", True, 0), ("tensor cores", True, 2),
+                                                           ("gemv", False, 2)])
+def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_model, monkeypatch, experts_on, by_time,
+                                                                      staging):
     """``tensor cores``: the threshold lowered so that the chunk's 6 tokens take the tiles
     (moe_prefill.HostTiles, as the chunk run whole does here: planned on the host), not the GEMVs.
     ``by_time``: each step's deadline past at its first look (chunk_advance.py), so a step runs one
-    group and stops, also between layers (their hidden state kept in device buffers)."""
+    group and stops, also between layers (their hidden state kept in device buffers). ``staging``:
+    the chunk's misses copied into that many slots of its loan (spanning_chunk_staging.py: the copy
+    stream's fences, not the cache's)."""
+    from moebus.workers import chunk_advance
+
+    monkeypatch.setattr(chunk_advance, "STAGING_SLOTS", staging)
     monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
     groups = []
     run_group = HostTiles.run_group
@@ -103,18 +111,20 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
     sliced = _stage(micro_model, 1.0, experts_on)
     sliced.chunk_time_share = 1e-12 if by_time else 0.0
     assert len(sliced.experts.key_slot) < 8
-    steps, between_layers = 0, 0
+    steps, between_layers, staged = 0, 0, []
     while True:
         out = sliced.forward(StepBatch(slots=[0, 1], starts=[2, 0], lengths=[1, 6], tokens=[21] + CHUNK))
         steps += 1
         if out.pending_rows is None:
             break
+        assert (sliced.chunk.staging is not None) == (staging > 0)
+        staged.append(0 if sliced.chunk.staged is None else sliced.chunk.staged.copies)
         kept = sliced.chunk.kept
         assert kept and not any(isinstance(b, np.ndarray) for b in kept.values())  # device buffers
         between_layers += sliced.chunk.within is None
         assert steps < 40
     assert steps > 1 and sliced.chunk is None and sliced.chunks_spanned == 1
-    assert (between_layers > 0) == by_time
+    assert (between_layers > 0) == by_time and (max(staged) > 0) == (staging > 0)
     assert (whole_groups > 0 and len(groups) > whole_groups) == (experts_on == "tensor cores")
     assert out.tokens[1] == want.tokens[0]
     np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)

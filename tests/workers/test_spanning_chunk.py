@@ -380,11 +380,12 @@ def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypa
     from types import SimpleNamespace as NS
 
     experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
-    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0), parts=NS(begin=lambda name: None),
+    chunk = NS(within=NS(routed=NS(unique=np.arange(4)), next_expert=0, tiles_plan=None),
+               parts=NS(begin=lambda name: None),
                copies=0, group_host_s=0.0, copies_from=0.0)
     ran = []
 
-    def runner(stage, layer, within, parts):
+    def runner(stage, layer, within, parts, experts=None):
         return lambda first, end: ran.append((first, end)) or time.sleep(0.02)
     monkeypatch.setattr(chunk_advance, "GROUP_HOST", group_host)
     monkeypatch.setattr(chunk_advance, "time_left", lambda stage, chunk, deadline: 0.01)
@@ -392,3 +393,82 @@ def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypa
     done = chunk_advance._run_groups(NS(experts=experts), chunk, 0, None, [0, False], time.perf_counter() + 1.0)
     assert chunk.group_host_s >= 0.02
     assert (done, ran) == ((False, [(0, 1)]) if group_host else (True, [(0, 1), (1, 2), (2, 3), (3, 4)]))
+
+
+@pytest.mark.parametrize("case", ["plain", "in pieces"])
+def test_a_chunk_whose_misses_go_to_staging_slots_equals_it_run_whole_and_leaves_the_cache_alone(model_dirs, case,
+                                                                                                 monkeypatch):
+    """chunk_advance.STAGING_SLOTS (spanning_chunk_staging.py): the chunk's loan takes 2 slots more,
+    its groups read the cache's hits where they are and copy their misses (at most 2 a group) into
+    those slots; the cache's own acquire (which evicts and admits) is never called for it. Its token,
+    logits and keys and values still equal those of the chunk run whole. ``in pieces``: a loan that
+    cannot cover its pieces' scratch and the staging slots too (this cache's few slots) stages
+    nothing (shorter pieces would change its sums): the cache's acquire, as without."""
+    monkeypatch.setattr(chunk_advance, "STAGING_SLOTS", 2)
+    whole = _model(model_dirs["init_qwen3"], None)
+    _decode_ready(whole)
+    sliced = _model(model_dirs["init_qwen3"], 2.0)
+    _decode_ready(sliced)
+    if case == "in pieces":
+        _small_scratch(whole)
+        _small_scratch(sliced)
+    want = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2), want_logits=True)
+    stage = sliced.stages[0]
+    experts = stage.experts
+    cache_acquires = []
+    acquire = experts.acquire
+
+    def counted(*args):
+        cache_acquires.append(stage.chunk is not None)
+        return acquire(*args)
+    monkeypatch.setattr(experts, "acquire", counted)
+    position, staged = 3, []
+    while True:
+        out = sliced.step(_mixed(position), want_logits=True)
+        if out.pending_rows is None:
+            break
+        held = stage.chunk
+        if case == "in pieces":
+            assert len(held.pieces) > 1 and held.staging is None
+        else:
+            lo, hi = held.staging
+            assert hi == held.lent[1] and hi - lo == 2
+        staged.append(held.staged.copies if held.staged is not None else 0)
+        # nothing of the cache lies in the loan (the staging slots are out of its service)
+        assert not set(experts.key_slot.values()) & set(range(*held.lent))
+        position += 1
+        assert position < 400
+    assert position > 6
+    if case == "plain":
+        assert max(staged) > 0
+        assert not any(cache_acquires)  # (the decode rows' steps read misses in place: no acquire either)
+    assert stage.chunk is None and experts.loaned_from is None
+    assert out.tokens[1] == want.tokens[0] and out.logprobs[1] == want.logprobs[0]
+    assert np.array_equal(out.logits[1], want.logits[0])
+    for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
+        assert np.array_equal(got, wanted)
+
+
+@pytest.mark.parametrize("plan_host", [True, False])
+def test_a_group_that_makes_its_layers_plan_starts_only_where_the_last_such_groups_host_time_fits(monkeypatch,
+                                                                                                 plan_host):
+    """chunk_advance.PLAN_HOST: after a layer's entry (a step's progress), the layer's first group
+    (it makes the layer's plan) starts only where the time left (10 ms) exceeds the host time the
+    last such group took (here 20 ms), though the last group's (1 ms) would fit; off, it starts."""
+    import time
+    from types import SimpleNamespace as NS
+
+    experts = NS(num_slots=1, key_slot={}, store=NS(key=lambda layer, e: (layer, e), blob_bytes=1))
+    chunk = NS(within=NS(routed=NS(unique=np.arange(2)), next_expert=0, tiles_plan=None),
+               parts=NS(begin=lambda n: None),
+               copies=0, group_host_s=0.001, layer_plan_s=0.02, copies_from=0.0)
+    ran = []
+
+    def runner(stage, layer, within, parts, experts=None):
+        return lambda first, end: ran.append((first, end))
+    monkeypatch.setattr(chunk_advance, "PLAN_HOST", plan_host)
+    monkeypatch.setattr(chunk_advance, "GROUP_HOST", True)
+    monkeypatch.setattr(chunk_advance, "time_left", lambda stage, chunk, deadline: 0.01)
+    monkeypatch.setattr(chunk_advance, "group_runner", runner)
+    done = chunk_advance._run_groups(NS(experts=experts), chunk, 0, None, [0, True], time.perf_counter() + 1.0)
+    assert (done, ran) == ((False, []) if plan_host else (True, [(0, 1), (1, 2)]))
