@@ -42,7 +42,7 @@ SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads 
 # prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
 # beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
-RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "measured")
+RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
 
 
 class GpuWorker:

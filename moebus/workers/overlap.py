@@ -27,7 +27,7 @@ from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
 
 # a cache that evicts launches ahead as well (see the module doc); read at each launch
-CACHE_LAUNCH_AHEAD = os.environ.get("MOEBUS_CACHE_LAUNCH_AHEAD", "0") == "1"
+CACHE_LAUNCH_AHEAD = os.environ.get("MOEBUS_CACHE_LAUNCH_AHEAD", "1") == "1"
 
 
 @dataclass

@@ -39,9 +39,9 @@ log = logging.getLogger("moebus.vision")
 IMAGES_PER_PASS = 1
 LOGGED_ENCODES = 4  # a worker's first encodes are logged at INFO (a cold start's), later ones at DEBUG
 # The blank-image warm-up (MOEBUS_VISION_WARM_UP): unset ("auto", the default) before VISION_READY only for a
-# start at boot (vision.lazy false: no request waits for it), else none: a cold image's encode loads the kernels
-# (on a fresh kernel cache compiles them); "0" never; "1" always before VISION_READY, as before; "load" none, but
-# cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun once VISION_READY is sent,
+# start at boot (vision.lazy false: no request waits for it), else as "load"; "0" never (a cold image's encode
+# loads the kernels; on a fresh kernel cache compiles them); "1" always before VISION_READY, as before; "load" none,
+# but cuBLAS's start and the cached kernels' loads on a thread (vision_preload.py) begun once VISION_READY is sent,
 # which the first encode joins after its image's decode and preprocess.
 WARM_UP_MODE = os.environ.get("MOEBUS_VISION_WARM_UP", "auto")
 
@@ -55,7 +55,7 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 class VisionWorker:
     def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
-        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load), or None."""
+        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load or a lazy "auto"), or None."""
         self.model = model
         self.beside = beside
         self.processor = processor
@@ -239,7 +239,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                            num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
                            start_s=time.perf_counter() - started))
     # (after VISION_READY has gone: it runs while the ENCODE comes and its image is decoded)
-    beside = LoadBeside(backend, device) if WARM_UP_MODE == "load" and not warm else None
+    beside = LoadBeside(backend, device) if WARM_UP_MODE in ("load", "auto") and not warm else None
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":
