@@ -40,8 +40,9 @@ def every_expert(c) -> np.ndarray:
 
 def test_a_cache_that_evicts_launches_ahead_only_with_the_switch_and_no_loan(tiny_model, monkeypatch):
     c = cache(tiny_model)
+    monkeypatch.setattr(overlap, "CACHE_LAUNCH_AHEAD", False)  # MOEBUS_CACHE_LAUNCH_AHEAD=0
     assert not overlap.cache_allows_launch(c)
-    monkeypatch.setattr(overlap, "CACHE_LAUNCH_AHEAD", True)
+    monkeypatch.setattr(overlap, "CACHE_LAUNCH_AHEAD", True)  # the default
     assert overlap.cache_allows_launch(c)
     c.lend(2 * c.arena.slot_bytes)
     assert not overlap.cache_allows_launch(c)
