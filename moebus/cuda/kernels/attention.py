@@ -12,7 +12,7 @@ import numpy as np
 from moebus.cuda.dtypes import f32_to_bf16, to_f32
 from moebus.cuda.kernels import attention_decode
 from moebus.cuda.kernels.attention_decode import (MAX_SPLITS, SPLIT_POSITIONS, decode_kernel, max_splits,
-                                                  merge_splits)
+                                                  merge_splits, merge_splits_serial)
 from moebus.cuda.kernels.compat import blocks, cuda, device, f32_bits, kernel, threads, uint16
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
@@ -176,5 +176,9 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         kernel[grid, num_threads, stream](*args, done, out)
         return out
     kernel[grid, num_threads, stream](*args)
-    merge_splits[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
+    merge = merge_splits(head_dim)
+    if merge is merge_splits_serial:
+        merge[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
+    else:
+        merge[(num_tokens, num_heads), attention_decode.MERGE_THREADS, stream](token_pos, window, scratch, out)
     return out
