@@ -17,7 +17,7 @@ too: the last split block of a (token, kv head) to finish (``routing.is_last_of`
 resets, so a replayed graph finds it at 0) merges the splits of the group's heads as merge_splits
 does, in the same order (the same bits), with each thread's loads of MERGE_SPLITS splits in flight
 at once: one launch a layer instead of two. The merges (``merger``, WIDE_MERGE) take a round trip to
-L2 for every split's max and sum at once, then one for every MERGE_SPLITS splits' values; apart
+L2 for every split's max at once, then one for every MERGE_SPLITS splits' values and sums; apart
 (merge_splits) a block per (token, head) does the same.
 
 DECODE_SPLITS is the decode kernel's own count (the scratch holds the larger of it and MAX_SPLITS,
@@ -468,10 +468,11 @@ def merger(head_dim: int, group: int, num_threads: int, cap: int, chunk_splits: 
     ``kv_head`` from their num_splits (<= ``cap``) splits' partials, by a block of ``num_threads``
     threads (a multiple of 32), as merge_splits did before the fifteenth session: the same expressions
     in the same order (the peak, then the splits' weights and sums added in split order), so the same
-    bits. Its loads in flight: a warp a head loads every split's max and sum at once (lanes over the
-    splits), the peak by a butterfly (max: any order), the weights into shared memory; then each
-    thread loads its outputs' values of chunk_splits splits at once: 1 + num_splits / chunk_splits round
-    trips to L2 (the merge before: 2 num_splits / chunk_splits)."""
+    bits. Its loads in flight: a warp a head loads every split's max at once (lanes over the
+    splits), the peak by a butterfly (max: any order), the weights into shared memory (group x cap
+    floats: 8 KiB at a group of 8 and 256 splits, beside the decode kernel's 33 KiB); then each thread
+    loads its outputs' values and sums of chunk_splits splits at once: 1 + num_splits / chunk_splits
+    round trips to L2 (the merge before: 2 num_splits / chunk_splits)."""
     outputs = group * head_dim
     per_thread = -(-outputs // num_threads)
     loads_size = per_thread * chunk_splits
@@ -481,17 +482,13 @@ def merger(head_dim: int, group: int, num_threads: int, cap: int, chunk_splits: 
     @device_with_shared
     def merge_group(t, kv_head, num_splits, partial, out):
         weights = cuda.shared.array((group, cap), float32)
-        sums = cuda.shared.array((group, cap), float32)
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         maxes = cuda.local.array(per_lane, float32)
-        lane_sums = cuda.local.array(per_lane, float32)
         for j in range(warp, group, num_warps):  # warp-uniform: the butterfly's lanes all take part
             head = kv_head * group + j
             for i in range(per_lane):  # every load first
-                s = min(lane + i * WARP, num_splits - 1)
-                maxes[i] = partial[t, head, s, head_dim]
-                lane_sums[i] = partial[t, head, s, head_dim + 1]
+                maxes[i] = partial[t, head, min(lane + i * WARP, num_splits - 1), head_dim]
             peak = NEG_INF
             for i in range(per_lane):
                 peak = max(peak, maxes[i])
@@ -503,9 +500,9 @@ def merger(head_dim: int, group: int, num_threads: int, cap: int, chunk_splits: 
                 s = lane + i * WARP
                 if s < num_splits:
                     weights[j, s] = math.exp(maxes[i] - peak)
-                    sums[j, s] = lane_sums[i]
         cuda.syncthreads()
         values = cuda.local.array(loads_size, float32)
+        sums = cuda.local.array(loads_size, float32)  # the same in a warp's lanes (one head): a broadcast
         total = cuda.local.array(per_thread, float32)
         value = cuda.local.array(per_thread, float32)
         for k in range(per_thread):
@@ -516,13 +513,15 @@ def merger(head_dim: int, group: int, num_threads: int, cap: int, chunk_splits: 
                 e = min(tid + k * num_threads, outputs - 1)
                 head, d = kv_head * group + e // head_dim, e % head_dim
                 for c in range(chunk_splits):
-                    values[k * chunk_splits + c] = partial[t, head, min(s0 + c, num_splits - 1), d]
+                    s = min(s0 + c, num_splits - 1)
+                    values[k * chunk_splits + c] = partial[t, head, s, d]
+                    sums[k * chunk_splits + c] = partial[t, head, s, head_dim + 1]
             for k in range(per_thread):
                 j = min(tid + k * num_threads, outputs - 1) // head_dim
                 for c in range(chunk_splits):
                     if s0 + c < num_splits:
                         weight = weights[j, s0 + c]
-                        total[k] += sums[j, s0 + c] * weight
+                        total[k] += sums[k * chunk_splits + c] * weight
                         value[k] += values[k * chunk_splits + c] * weight
         for k in range(per_thread):
             e = tid + k * num_threads
