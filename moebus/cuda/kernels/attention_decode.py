@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, bounded_kernel, cuda, device,
-                                        device_with_shared, float32, kernel)
+                                        device_with_shared, float32, kernel, uint64)
 from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_l2
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.routing import is_last_of
@@ -118,7 +118,7 @@ def max_splits(max_context: int) -> int:
 
 @device
 def quad_bf16(words, row, quad, buf, at):
-    u = words[row, quad]
+    u = words[uint64(row), uint64(quad)]  # unsigned: no wraparound of a negative index (never one here)
     buf[at] = bits_as_f32((u & LO16) << 16)
     buf[at + 1] = bits_as_f32(u & HI16)
     buf[at + 2] = bits_as_f32((u >> 16) & HI16)
@@ -127,8 +127,8 @@ def quad_bf16(words, row, quad, buf, at):
 
 @device
 def quad_f32(words, row, quad, buf, at):
-    lo = words[row, 2 * quad]
-    hi = words[row, 2 * quad + 1]
+    lo = words[uint64(row), uint64(2 * quad)]
+    hi = words[uint64(row), uint64(2 * quad + 1)]
     buf[at] = bits_as_f32(lo)
     buf[at + 1] = bits_as_f32(lo >> 32)
     buf[at + 2] = bits_as_f32(hi)
