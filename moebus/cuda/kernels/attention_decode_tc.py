@@ -1,0 +1,89 @@
+"""Decode attention on tensor cores (attention_decode_tc.cu), an experiment of the fifteenth session beside
+the numba kernel (attention_decode.py), which stays the decode path: this one is timed by
+tools/device/decode15_tc.py only. Why: the numba kernel spends ~120 PTX instructions a cache row on CUDA
+cores (64 of them FMAs: 8 query heads x 128 dims x 2 / 32 lanes), so at 32k context it is bound by issue,
+not by HBM; on mma.sync the group's 8 heads take a row in a few instructions.
+
+The split kernel writes the decode scratch's partials (attention.attention_scratch_shape) for the splits
+attention_decode.splitter cuts (DECODE_SPLITS, SPLIT_POSITIONS as the merge reads them); the merge is
+attention_decode.merge_splits, apart. bf16 caches, head dim 128, up to 8 query heads a kv head; a GPU
+(NVRTC), not the simulator."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from moebus.cuda.kernels import flash_attention
+
+SOURCE = Path(__file__).with_suffix(".cu")
+INCLUDE = b'#include "flash_attention.cu"'
+ENTRY = "decode_attention_tc"
+HEAD_DIM = 128
+
+
+def source() -> bytes:
+    """This .cu with flash_attention's source (its device functions) in place of its #include."""
+    main = SOURCE.read_bytes()
+    if INCLUDE not in main:
+        raise RuntimeError(f"{SOURCE.name} lacks {INCLUDE.decode()}")
+    return main.replace(INCLUDE, flash_attention.source(), 1)
+
+
+def compile_options(arch: str, warps: int, min_blocks: int) -> list[bytes]:
+    return flash_attention.compile_options(HEAD_DIM, False, arch) + [f"-DDWARPS={int(warps)}".encode(),
+                                                                    f"-DMIN_BLOCKS_TC={int(min_blocks)}".encode()]
+
+
+def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None) -> bytes:
+    """The cubin for ``arch``, from ``cache_dir``/attention_decode_tc when compiled before (the name hashes
+    the source, the options and NVRTC's version), else NVRTC's, then kept there."""
+    from cuda.bindings import nvrtc
+
+    options, text = compile_options(arch, warps, min_blocks), source()
+    path = None
+    if cache_dir:
+        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        path = Path(cache_dir) / "attention_decode_tc" / f"{digest[:24]}.cubin"
+        if path.is_file():
+            return path.read_bytes()
+    code, _ = flash_attention.nvrtc_compile(text, options)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(code)
+        os.replace(partial, path)  # whole or absent
+    return code
+
+
+@functools.cache
+def _kernel(warps: int, min_blocks: int):
+    from moebus.cuda.kernels.compat import _numba_config, cuda
+
+    gpu = cuda.get_current_device()
+    flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
+    code = cubin(f"sm_{major}{minor}", warps, min_blocks, _numba_config.CACHE_DIR)
+    return flash_attention._object_code().from_cubin(code, name=f"decode_attention_tc_w{warps}").get_kernel(ENTRY)
+
+
+def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, stream, decode_splits: int,
+           split_positions: int, warps: int = 4, min_blocks: int = 2) -> None:
+    """The partials of every token's splits (at most ``decode_splits`` of at least ``split_positions``
+    positions, [0, its position]) into ``scratch`` (T, H, splits, hd + 2). ``stream``: a numba stream or
+    a GraphBuilder (not 0)."""
+    num_tokens, heads, head_dim = q.shape
+    slots, kv_heads, context, _ = k_cache.shape
+    if head_dim != HEAD_DIM or heads // kv_heads > 8 or heads % kv_heads or k_cache.dtype != np.uint16:
+        raise ValueError(f"the tensor-core decode takes bf16 caches of hd {HEAD_DIM}, up to 8 heads a kv head")
+    if scratch.shape[2] < min(decode_splits, -(-context // split_positions)):
+        raise ValueError(f"a scratch of {scratch.shape[2]} splits holds fewer than the tokens can have")
+    ptr = flash_attention._pointer
+    flash_attention._core_launch(stream, (num_tokens, kv_heads, scratch.shape[2]), 32 * warps,
+                                 _kernel(warps, min_blocks), ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
+                                 ptr(token_slot), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
+                                 np.int32(context), np.int32(scratch.shape[2]), np.int32(decode_splits),
+                                 np.int32(split_positions), np.float32(scale * np.log2(np.e)))
