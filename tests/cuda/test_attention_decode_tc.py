@@ -1,4 +1,4 @@
-"""The tensor-core decode attention (attention_decode_tc.py, an experiment timed by decode15_tc.py): its .cu
+"""The tensor-core decode attention (attention_decode_tc.py, an experiment timed by decode15.sh): its .cu
 compiled by NVRTC without spills (where the NVRTC wheel is installed), and on a GPU (MOEBUS_TEST_GPU=1) its
 splits merged by attention_decode.merge_splits against attention_ref: ragged lengths, several tokens,
 splits of every size the kernel's 16-key tiles meet (a split shorter than a warp's tile, a last tile cut
@@ -49,6 +49,27 @@ def test_splits_merged_match_the_reference(rng, monkeypatch, heads, kv_heads, sp
     args = (device(q), device(k), device(v), device(slots), device(pos))
     attention_decode_tc.launch(*args, 0.09, scratch, stream, splits, positions)
     attention_decode.merge_splits(128)[(4, heads), attention_decode.MERGE_THREADS, stream](args[4], 0, scratch, out)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(got, attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_attention_cuda_takes_it_with_decode_tc(rng, monkeypatch):
+    """attention_decode.DECODE_TC: attention_cuda's decode on tensor cores (a stream object), the merge apart."""
+    from moebus.cuda.kernels import attention_decode, attention_decode_tc
+    from moebus.cuda.kernels.attention import attention_cuda
+    from moebus.cuda.kernels.compat import cuda
+
+    monkeypatch.setattr(attention_decode, "DECODE_TC", True)
+    k, v = (f32_to_bf16(rng.standard_normal((2, 4, 700, 128), dtype=np.float32)) for _ in range(2))
+    slots, pos = np.array([1, 0], np.int32), np.array([699, 40], np.int32)
+    q = rng.standard_normal((2, 32, 128), dtype=np.float32)
+    stream = cuda.stream()
+    assert attention_decode_tc.takes("bf16", 128, 8, stream) and not attention_decode_tc.takes("bf16", 128, 8, 0)
+    out = poisoned(q.shape)
+    attention_cuda(device(q), device(k), device(v), device(slots), device(pos), 0.09, 0, out, stream=stream,
+                   done=device(np.zeros(8, np.int32)))
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     np.testing.assert_allclose(got, attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)

@@ -3,20 +3,20 @@
 # Run by the lead's call script twice (PHASE=warm side by side, then PHASE=measure alone, within BUDGET s).
 # M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model.
 # warm:    a 4 x 32 a3b model (/tmp/decode15-m4, ~1.4 GB); decode-context at 1k on it (compiles the bf16 b1 path),
-#          then decode15_attn.py 0 and decode15_tc.py 0 (every setting compiled and run once). Nothing timed.
+#          then decode15_attn.py 0 (every setting compiled and run once: NMSE). Nothing timed.
 # measure: decode15_attn.py (decode14_attn.py's CUPTI us a call of the one-launch decode attention at b1, 1k /
 #          4k / 32k, per setting, BEST: the fastest at 32k with a good NMSE; then the us by kernel); bench
-#          decode-context on M48 (1k, 4k, 32k, bf16 KV, 32 tokens, 2 repeats) with this tree's defaults;
-#          decode15_tc.py (the tensor-core experiment: its split kernel + the merge apart, us and NMSE); then
-#          decode-context with BEST's setting (or, where BEST is the defaults, WIDE_MERGE=0); summary last.
+#          decode-context on M48 (1k, 4k, 32k, bf16 KV, 32 tokens, 2 repeats) with this tree's defaults, then
+#          with BEST's setting (or, where BEST is the defaults, WIDE_MERGE=0); summary last. Settings tc*: the
+#          tensor-core experiment (attention_decode.DECODE_TC: attention_decode_tc.cu + the merge apart).
 source tools/device/setup.sh
 BUDGET=${BUDGET:-86}; T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 at() { echo "$(( $(date +%s) - T0 )) s"; }
 M4=/tmp/decode15-m4
 SETTINGS=${SETTINGS:-"old:WIDE_MERGE=0 new: s128:DECODE_SPLITS=128 s256:DECODE_SPLITS=256
-  s256m8:DECODE_SPLITS=256,MERGE_SPLITS=8 apart256:MERGE_IN_SPLIT=0,DECODE_SPLITS=256,MERGE_SPLITS=16"}
-TC=${TC:-"d64p64:64,64,4,2 d128p64:128,64,4,2 d256p32:256,32,4,2"}  # decode15_tc.py: splits, positions, warps, blocks
+  apart256:MERGE_IN_SPLIT=0,DECODE_SPLITS=256,MERGE_SPLITS=16 tc64:DECODE_TC=1,SPLIT_POSITIONS=64
+  tc128:DECODE_TC=1,DECODE_SPLITS=128,SPLIT_POSITIONS=64 tc256:DECODE_TC=1,DECODE_SPLITS=256"}
 quiet() { grep -vE "Warn|warn\(" ; }
 step() {  # NAME SECONDS_NEEDED SECONDS_AT_MOST COMMAND...: into $OUT/NAME.txt, its tail to stdout
   local name=$1 need=$2 most=$3 limit; shift 3
@@ -33,25 +33,22 @@ if [ "$PHASE" = warm ]; then
   SHOW=4 step warm_context 15 45 python3 tools/device/decode14_context.py -- --model $M4 --device cuda --contexts 1024 \
     --kv-dtype bf16 --tokens 4 --repeats 1
   SHOW=8 step warm_attn 10 55 python3 tools/device/decode15_attn.py 0 $SETTINGS
-  SHOW=5 step warm_tc 5 25 python3 tools/device/decode15_tc.py 0 $TC
   echo "warm done at $(at)"
   exit 0
 fi
-step attn 20 32 python3 tools/device/decode15_attn.py ${CALLS:-20} $SETTINGS
+step attn 20 36 python3 tools/device/decode15_attn.py ${CALLS:-20} $SETTINGS
 BEST_NAME=$(sed -n 's/^BEST \([^:]*\):.*/\1/p' $OUT/attn.txt 2>/dev/null | tail -1)
 BEST=$(sed -n 's/^BEST [^:]*://p' $OUT/attn.txt 2>/dev/null | tail -1 | tr ',' ' ' | sed 's/\([A-Z_0-9]*=\)/attention_decode.\1/g')
 CONTEXT_ARGS="--model $M48 --device cuda --contexts 1024,4096,32768 --kv-dtype bf16 --tokens 32 --repeats 2"
 step context_new 20 25 python3 tools/device/decode14_context.py -- $CONTEXT_ARGS
-SHOW=5 step tc 8 12 python3 tools/device/decode15_tc.py ${CALLS:-20} $TC
 if [ -n "$BEST" ]; then
   step context_best 18 25 python3 tools/device/decode14_context.py $BEST -- $CONTEXT_ARGS
 elif [ "$BEST_NAME" = new ]; then
   step context_old 18 25 python3 tools/device/decode14_context.py attention_decode.WIDE_MERGE=0 -- $CONTEXT_ARGS
 fi
 echo "== summary at $(at) (BEST ${BEST_NAME:-none})"
-grep -hE "^(old|new|s[0-9]|apart|m[0-9])" $OUT/attn.txt 2>/dev/null | cut -c1-110
+grep -hE "^(old|new|s[0-9]|apart|tc)" $OUT/attn.txt 2>/dev/null | cut -c1-110
 grep -hE "^  [0-9]+k " $OUT/attn.txt 2>/dev/null | cut -c1-160
-grep -hE "^tc " $OUT/tc.txt 2>/dev/null | cut -c1-150
 for f in context_new context_best context_old; do
   [ -f $OUT/$f.txt ] || continue
   grep -hE "settings" $OUT/$f.txt | cut -c1-110

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moebus.cuda.dtypes import f32_to_bf16, to_f32
-from moebus.cuda.kernels import attention_decode
+from moebus.cuda.kernels import attention_decode, attention_decode_tc
 from moebus.cuda.kernels.attention_decode import (MAX_SPLITS, SPLIT_POSITIONS, decode_kernel, max_splits,
                                                   merge_splits, merge_splits_serial)
 from moebus.cuda.kernels.compat import blocks, cuda, device, f32_bits, kernel, threads, uint16
@@ -167,8 +167,13 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     merge = done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
     if done is not None:
         require("done", done, np.int32, ndim=1)
-    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     window = int(window or 0)
+    if attention_decode.DECODE_TC and not window and attention_decode_tc.takes(storage, head_dim,
+                                                                               num_heads // num_kv_heads, stream):
+        attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
+                                   attention_decode.DECODE_SPLITS, attention_decode.SPLIT_POSITIONS)
+        return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)
     grid = (num_tokens, num_kv_heads, scratch_shape[2])
@@ -176,9 +181,13 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         kernel[grid, num_threads, stream](*args, done, out)
         return out
     kernel[grid, num_threads, stream](*args)
+    return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+
+
+def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream):
     merge = merge_splits(head_dim)
     if merge is merge_splits_serial:
         merge[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
     else:
-        merge[(num_tokens, num_heads), attention_decode.MERGE_THREADS, stream](token_pos, window, scratch, out)
+        merge[out.shape[:2], attention_decode.MERGE_THREADS, stream](token_pos, window, scratch, out)
     return out

@@ -50,6 +50,9 @@ MERGE_THREADS = 128  # merge_splits: a block per (token, head), its threads over
 # MERGE_SPLITS round trips to L2, a block per head apart); off: the fourteenth session's (2 splits /
 # MERGE_SPLITS round trips in the block; apart a thread an output, a round trip a split). The same bits
 WIDE_MERGE = True
+# bf16 caches at hd 128 (a group of <= 8 heads, no window) on tensor cores (attention_decode_tc.cu, NVRTC; a
+# GPU and a stream object) with the merge apart: an experiment of the fifteenth session (off: this kernel)
+DECODE_TC = False
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)

@@ -1,6 +1,7 @@
 """Decode attention on tensor cores (attention_decode_tc.cu), an experiment of the fifteenth session beside
-the numba kernel (attention_decode.py), which stays the decode path: this one is timed by
-tools/device/decode15_tc.py only. Why: the numba kernel spends ~120 PTX instructions a cache row on CUDA
+the numba kernel (attention_decode.py), which stays the decode path unless attention_decode.DECODE_TC is
+set: then attention.attention_cuda takes this split kernel where ``takes`` says so (bf16, hd 128, a
+group of <= 8 heads, no window, a GPU and a stream object) and merges apart. Why: the numba kernel spends ~120 PTX instructions a cache row on CUDA
 cores (64 of them FMAs: 8 query heads x 128 dims x 2 / 32 lanes), so at 32k context it is bound by issue,
 not by HBM; on mma.sync the group's 8 heads take a row in a few instructions.
 
@@ -15,14 +16,20 @@ import hashlib
 import os
 from pathlib import Path
 
+import logging
+
 import numpy as np
 
 from moebus.cuda.kernels import flash_attention
+from moebus.cuda.kernels.compat import SIMULATOR
 
 SOURCE = Path(__file__).with_suffix(".cu")
 INCLUDE = b'#include "flash_attention.cu"'
 ENTRY = "decode_attention_tc"
 HEAD_DIM = 128
+WARPS = 4  # a block's warps (4 or 8), each on its own 16-key tiles
+MIN_BLOCKS = 2  # blocks an SM holds (launch bounds: 198 registers at 4 warps, no spills)
+log = logging.getLogger("moebus.cuda")
 
 
 def source() -> bytes:
@@ -70,11 +77,30 @@ def _kernel(warps: int, min_blocks: int):
     return flash_attention._object_code().from_cubin(code, name=f"decode_attention_tc_w{warps}").get_kernel(ENTRY)
 
 
+def takes(storage: str, head_dim: int, group: int, stream) -> bool:
+    """Whether this kernel takes a decode attention: a bf16 cache of hd 128, at most 8 heads a kv head, a
+    GPU (not the simulator), a stream object (a cuda.core launch; not the default stream 0), the kernel
+    built (a failure warns once: the numba kernel takes it)."""
+    return (storage == "bf16" and head_dim == HEAD_DIM and group <= 8 and not SIMULATOR
+            and (hasattr(stream, "__cuda_stream__") or hasattr(stream, "end_building")) and _builds(WARPS, MIN_BLOCKS))
+
+
+@functools.cache
+def _builds(warps: int, min_blocks: int) -> bool:
+    try:
+        _kernel(warps, min_blocks)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernel still works
+        log.warning("decode attention on tensor cores unavailable (%s)", exc)
+        return False
+    return True
+
+
 def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, stream, decode_splits: int,
-           split_positions: int, warps: int = 4, min_blocks: int = 2) -> None:
+           split_positions: int, warps: int = 0, min_blocks: int = 0) -> None:
     """The partials of every token's splits (at most ``decode_splits`` of at least ``split_positions``
     positions, [0, its position]) into ``scratch`` (T, H, splits, hd + 2). ``stream``: a numba stream or
     a GraphBuilder (not 0)."""
+    warps, min_blocks = warps or WARPS, min_blocks or MIN_BLOCKS
     num_tokens, heads, head_dim = q.shape
     slots, kv_heads, context, _ = k_cache.shape
     if head_dim != HEAD_DIM or heads // kv_heads > 8 or heads % kv_heads or k_cache.dtype != np.uint16:
