@@ -4,7 +4,9 @@ with a sliding window). GQA: query head h reads kv head h // (H / KVH).
 
 KV cache layout per layer: k_cache, v_cache (num_slots, KVH, max_context, hd), float32 or bf16
 (uint16 bits, rounded to nearest even when stored: kv_cache.py's ``kv_dtype``). The decode kernel
-is attention_decode.py's; this file holds the references, the store and the launch."""
+is attention_decode.py's, or on tensor cores attention_decode_tc.py's (bf16 caches at hd 128 on a GPU,
+attention_decode.DECODE_TC) with the splits merged apart; this file holds the references, the store and
+the launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -168,11 +170,12 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if done is not None:
         require("done", done, np.int32, ndim=1)
     window = int(window or 0)
-    if attention_decode.DECODE_TC and not window and attention_decode_tc.takes(storage, head_dim,
-                                                                               num_heads // num_kv_heads, stream):
+    if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
+            and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
+        positions = int(attention_decode.TC_SPLIT_POSITIONS)
         attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
-                                   attention_decode.DECODE_SPLITS, attention_decode.SPLIT_POSITIONS)
-        return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+                                   attention_decode.DECODE_SPLITS, positions)
+        return _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
     kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)
@@ -184,8 +187,8 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
 
 
-def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream):
-    merge = merge_splits(head_dim)
+def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream, split_positions: int = 0):
+    merge = merge_splits(head_dim, split_positions)
     if merge is merge_splits_serial:
         merge[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
     else:

@@ -44,15 +44,19 @@ ROWS_AHEAD = 4  # rows each row group loads before it computes (bytes in flight)
 MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers
 MAX_SHARED_BYTES = 40 * 1024
 MERGE_IN_SPLIT = True  # attention_cuda: the last split block merges (given a counter), no merge_splits launch
-MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once (the block's merge and merge_splits)
+MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once (the last split block's merge)...
+MERGE_APART_SPLITS = 16  # ...and merge_splits' (one output a thread: registers to spare). The same bits at any count
 MERGE_THREADS = 128  # merge_splits: a block per (token, head), its threads over the head's dims
 # the merges (the last split block's, merge_splits) with their loads in flight (merger: 1 + splits /
 # MERGE_SPLITS round trips to L2, a block per head apart); off: the fourteenth session's (2 splits /
 # MERGE_SPLITS round trips in the block; apart a thread an output, a round trip a split). The same bits
 WIDE_MERGE = True
 # bf16 caches at hd 128 (a group of <= 8 heads, no window) on tensor cores (attention_decode_tc.cu, NVRTC; a
-# GPU and a stream object) with the merge apart: an experiment of the fifteenth session (off: this kernel)
-DECODE_TC = False
+# GPU and a stream object), in splits of at least TC_SPLIT_POSITIONS, merged apart (WIDE_MERGE's merge_splits);
+# off (or fp32, a window, the simulator): this kernel. H200, b1, 48 x 32 a3b shapes, attention alone (fifteenth
+# session): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us against this kernel's 18.0 / 32.0 / 58.1, error 2.2e-11
+DECODE_TC = True
+TC_SPLIT_POSITIONS = 64
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)
@@ -631,10 +635,12 @@ def _merge_splits(decode_splits: int, split_positions: int, head_dim: int, chunk
     return merge_splits_wide
 
 
-def merge_splits(head_dim: int):
-    """(kernel, grid of (T, H), threads) the merge of the splits apart (no counters): a block per
-    (token, head), merger's order (the last split block's merge's bits); WIDE_MERGE off: the serial
-    kernel, a thread an output (grid: blocks of MERGE_THREADS over T * H * hd)."""
+def merge_splits(head_dim: int, split_positions: int = 0):
+    """The kernel that merges the splits apart (no counters), launched on a grid of (T, H) blocks of
+    MERGE_THREADS: a block per (token, head), merger's order (the last split block's merge's bits), for
+    splits of at least ``split_positions`` (0: SPLIT_POSITIONS); WIDE_MERGE off: the serial kernel, a
+    thread an output (grid: blocks over T * H * hd), of SPLIT_POSITIONS only."""
     if WIDE_MERGE:
-        return _merge_splits(int(DECODE_SPLITS), int(SPLIT_POSITIONS), head_dim, int(MERGE_SPLITS))
+        return _merge_splits(int(DECODE_SPLITS), int(split_positions or SPLIT_POSITIONS), head_dim,
+                             int(MERGE_APART_SPLITS))
     return merge_splits_serial
