@@ -26,7 +26,12 @@ LOCAL_OP = re.compile(r"^\s*(ld|st)\.local\b", re.M)
 REGISTERS_PER_SM = 65536
 # attention_decode's settings compiled beside its defaults: the first names every key the others set
 DECODE_SETTINGS = ({"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64,
-                    "MIN_BLOCKS": 2, "OWNER_SOFTMAX": False},
+                    "MIN_BLOCKS": 2, "OWNER_SOFTMAX": False, "DECODE_SPLITS": 64, "WIDE_MERGE": True,
+                    "MERGE_IN_SPLIT": True},
+                   {"WIDE_MERGE": False},
+                   {"DECODE_SPLITS": 256, "MERGE_SPLITS": 8},
+                   {"DECODE_SPLITS": 256, "MERGE_SPLITS": 16, "MERGE_IN_SPLIT": False},
+                   {"DECODE_SPLITS": 128, "ROWS_AHEAD": 8, "MIN_BLOCKS": 1},
                    {"FAST_EXP": True, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 4, "MERGE_SPLITS": 4, "L2_AHEAD": 0,
                     "MIN_BLOCKS": 0},
                    {"FAST_EXP": False, "MAX_HEADS_PER_WARP": 4, "ROWS_AHEAD": 2, "MERGE_SPLITS": 4, "L2_AHEAD": 64},

@@ -179,3 +179,50 @@ def test_owner_softmax_against_the_reference(rng, monkeypatch, kv_dtype, head_di
         attention_cuda(device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0, out,
                        done=device(np.zeros(2 * kv_heads, np.int32)))
         np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 150])
+def test_more_decode_splits_than_the_chunk_tiles_merged_in_the_block_and_apart(rng, monkeypatch, kv_dtype, window):
+    """DECODE_SPLITS past MAX_SPLITS (a long context's decode in short splits: their weights' shared
+    memory past a warp's lanes), ragged lengths, GQA, two tokens: attention_ref's result, and the last
+    block's merge gives merge_splits' bits."""
+    from moebus.cuda.kernels import attention_decode
+
+    monkeypatch.setattr(attention_decode, "SPLIT_POSITIONS", 2)
+    monkeypatch.setattr(attention_decode, "DECODE_SPLITS", 80)
+    monkeypatch.setattr(attention_decode, "MERGE_SPLITS", 8)
+    context = 200
+    assert max_splits(context) == 80
+    k_cache, v_cache = _cache(rng, 1, context, kv_dtype), _cache(rng, 1, context, kv_dtype)
+    slots, positions = np.array([1, 0], np.int32), np.array([context - 1, 37], np.int32)  # 80 splits and 19
+    q = rng.standard_normal((2, 4, HEAD_DIM), dtype=np.float32)
+    expected = attention_ref(q, k_cache, v_cache, slots, positions, 0.35, window)
+    apart, merged = poisoned(q.shape), poisoned(q.shape)
+    args = (device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, window)
+    attention_cuda(*args, apart)
+    attention_cuda(*args, merged, done=device(np.zeros(2, np.int32)))
+    np.testing.assert_allclose(apart.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(merged.copy_to_host(), apart.copy_to_host())
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_the_wide_merges_give_the_serial_merges_bits(rng, monkeypatch, kv_dtype):
+    """WIDE_MERGE (loads in flight, weights in shared memory) adds the same terms in the same order as
+    the fourteenth session's merges: the same bits, in the block and apart."""
+    from moebus.cuda.kernels import attention_decode
+
+    context = SPLIT_POSITIONS * 6
+    k_cache, v_cache = _cache(rng, 2, context, kv_dtype), _cache(rng, 2, context, kv_dtype)
+    slots, positions = np.array([1, 0, 2], np.int32), np.array([SPLIT_POSITIONS + 3, context - 1, 9], np.int32)
+    q = rng.standard_normal((3, 4, HEAD_DIM), dtype=np.float32)
+    args = (device(q), device(k_cache), device(v_cache), device(slots), device(positions), 0.35, 0)
+    outs = []
+    for wide in (False, True):
+        monkeypatch.setattr(attention_decode, "WIDE_MERGE", wide)
+        for done in (None, device(np.zeros(6, np.int32))):
+            out = poisoned(q.shape)
+            attention_cuda(*args, out, done=done)
+            outs.append(out.copy_to_host())
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])

@@ -4,15 +4,17 @@ with a sliding window). GQA: query head h reads kv head h // (H / KVH).
 
 KV cache layout per layer: k_cache, v_cache (num_slots, KVH, max_context, hd), float32 or bf16
 (uint16 bits, rounded to nearest even when stored: kv_cache.py's ``kv_dtype``). The decode kernel
-is attention_decode.py's; this file holds the references, the store and the launch."""
+is attention_decode.py's, or on tensor cores attention_decode_tc.py's (bf16 caches at hd 128 on a GPU,
+attention_decode.DECODE_TC) with the splits merged apart; this file holds the references, the store and
+the launch."""
 from __future__ import annotations
 
 import numpy as np
 
 from moebus.cuda.dtypes import f32_to_bf16, to_f32
-from moebus.cuda.kernels import attention_decode
+from moebus.cuda.kernels import attention_decode, attention_decode_tc
 from moebus.cuda.kernels.attention_decode import (MAX_SPLITS, SPLIT_POSITIONS, decode_kernel, max_splits,
-                                                  merge_splits)
+                                                  merge_splits, merge_splits_serial)
 from moebus.cuda.kernels.compat import blocks, cuda, device, f32_bits, kernel, threads, uint16
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
@@ -167,8 +169,14 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     merge = done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
     if done is not None:
         require("done", done, np.int32, ndim=1)
-    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     window = int(window or 0)
+    if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
+            and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
+        positions = int(attention_decode.TC_SPLIT_POSITIONS)
+        attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
+                                   attention_decode.DECODE_SPLITS, positions)
+        return _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
+    kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)
     grid = (num_tokens, num_kv_heads, scratch_shape[2])
@@ -176,5 +184,13 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         kernel[grid, num_threads, stream](*args, done, out)
         return out
     kernel[grid, num_threads, stream](*args)
-    merge_splits[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
+    return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+
+
+def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream, split_positions: int = 0):
+    merge = merge_splits(head_dim, split_positions)
+    if merge is merge_splits_serial:
+        merge[blocks(ceil_div(out.size, THREADS)), threads(THREADS), stream](token_pos, window, scratch, out)
+    else:
+        merge[out.shape[:2], attention_decode.MERGE_THREADS, stream](token_pos, window, scratch, out)
     return out

@@ -1,7 +1,7 @@
 """The attention kernel of steps of few tokens (decode), streaming the KV cache at HBM speed.
 
 One block per (token, kv head, split). A token's positions [lo, pos] are cut into splits of at
-least SPLIT_POSITIONS positions, at most MAX_SPLITS of them, so that one token at a long context
+least SPLIT_POSITIONS positions, at most DECODE_SPLITS of them, so that one token at a long context
 fills the GPU (a function of the token alone, never of the batch: a token's output does not depend
 on what runs beside it). Within a block, the warps read whole cache rows with 8-byte loads: a row of
 hd elements is spread over LPR lanes (QPL loads of 4 elements each per lane), so a warp reads
@@ -16,7 +16,14 @@ With ``merge=True`` (``MERGE_IN_SPLIT``, given a counter per (token, kv head)) t
 too: the last split block of a (token, kv head) to finish (``routing.is_last_of``, which the block
 resets, so a replayed graph finds it at 0) merges the splits of the group's heads as merge_splits
 does, in the same order (the same bits), with each thread's loads of MERGE_SPLITS splits in flight
-at once: one launch a layer instead of two."""
+at once: one launch a layer instead of two. The merges (``merger``, WIDE_MERGE) take a round trip to
+L2 for every split's max at once, then one for every MERGE_SPLITS splits' values and sums; apart
+(merge_splits) a block per (token, head) does the same.
+
+DECODE_SPLITS is the decode kernel's own count (the scratch holds the larger of it and MAX_SPLITS,
+attention_chunk_tc's); the kernel compiles with the split constants of its call (``splitter``), so a
+setting changed between calls takes effect; ``split_range`` (attention_chunk's merge of decode rows)
+reads them when its caller compiles."""
 from __future__ import annotations
 
 import functools
@@ -25,18 +32,31 @@ import math
 import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, SIMULATOR, WARP, bits_as_f32, bounded_kernel, cuda, device,
-                                        device_with_shared, float32, kernel)
+                                        device_with_shared, float32, kernel, uint64)
 from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_l2
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.routing import is_last_of
 
 SPLIT_POSITIONS = 32  # a split has at least this many positions (a short context spreads over blocks)...
-MAX_SPLITS = 64  # ...and a token at most this many splits (bounds the scratch)
+DECODE_SPLITS = 64  # ...and a decode token at most this many splits (with MAX_SPLITS, bounds the scratch)
+MAX_SPLITS = 64  # attention_chunk_tc's splits of a tile at most (imported by value there: its own count)
 ROWS_AHEAD = 4  # rows each row group loads before it computes (bytes in flight)
 MAX_HEADS_PER_WARP = 4  # query heads whose queries and outputs a lane keeps in registers
 MAX_SHARED_BYTES = 40 * 1024
 MERGE_IN_SPLIT = True  # attention_cuda: the last split block merges (given a counter), no merge_splits launch
-MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once
+MERGE_SPLITS = 4  # splits whose partials a merging thread loads at once (the last split block's merge)...
+MERGE_APART_SPLITS = 16  # ...and merge_splits' (one output a thread: registers to spare). The same bits at any count
+MERGE_THREADS = 128  # merge_splits: a block per (token, head), its threads over the head's dims
+# the merges (the last split block's, merge_splits) with their loads in flight (merger: 1 + splits /
+# MERGE_SPLITS round trips to L2, a block per head apart); off: the fourteenth session's (2 splits /
+# MERGE_SPLITS round trips in the block; apart a thread an output, a round trip a split). The same bits
+WIDE_MERGE = True
+# bf16 caches at hd 128 (a group of <= 8 heads, no window) on tensor cores (attention_decode_tc.cu, NVRTC; a
+# GPU and a stream object), in splits of at least TC_SPLIT_POSITIONS, merged apart (WIDE_MERGE's merge_splits);
+# off (or fp32, a window, the simulator): this kernel. H200, b1, 48 x 32 a3b shapes, attention alone (fifteenth
+# session): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us against this kernel's 18.0 / 32.0 / 58.1, error 2.2e-11
+DECODE_TC = True
+TC_SPLIT_POSITIONS = 64
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)
@@ -63,12 +83,31 @@ LO16 = np.uint64(0xFFFF)
 HI16 = np.uint64(0xFFFF0000)
 
 
+@functools.cache
+def splitter(decode_splits: int, split_positions: int):
+    """(split_range, window_split) device functions of ``decode_splits`` splits at most, of at least
+    ``split_positions`` positions each (the constants at their compile time: one pair per setting)."""
+
+    @device
+    def split_range_of(lo, pos, split):
+        count = pos - lo + 1
+        num_splits = min(decode_splits, (count + split_positions - 1) // split_positions)
+        return lo + split * count // num_splits, lo + (split + 1) * count // num_splits, num_splits
+
+    @device
+    def window_split_of(pos, window, split):
+        return split_range_of(max(pos - window + 1, 0) if window > 0 else 0, pos, split)
+
+    return split_range_of, window_split_of
+
+
 @device
 def split_range(lo, pos, split):
     """Positions [first, end) of split ``split`` of a token attending to [lo, pos], and how many
-    splits the token has (never more than positions, so no split is empty)."""
+    splits the token has (never more than positions, so no split is empty): at most DECODE_SPLITS of
+    at least SPLIT_POSITIONS positions (the module's values when the calling kernel compiles)."""
     count = pos - lo + 1
-    num_splits = min(MAX_SPLITS, (count + SPLIT_POSITIONS - 1) // SPLIT_POSITIONS)
+    num_splits = min(DECODE_SPLITS, (count + SPLIT_POSITIONS - 1) // SPLIT_POSITIONS)
     return lo + split * count // num_splits, lo + (split + 1) * count // num_splits, num_splits
 
 
@@ -79,13 +118,14 @@ def window_split(pos, window, split):
 
 
 def max_splits(max_context: int) -> int:
-    """Splits a token can have in a cache of ``max_context`` positions."""
-    return min(MAX_SPLITS, ceil_div(max_context, SPLIT_POSITIONS))
+    """Splits a token can have in a cache of ``max_context`` positions: a decode token's, or a chunk
+    tile's (attention_chunk_tc, at most MAX_SPLITS) where those are more (the scratch holds both)."""
+    return min(max(DECODE_SPLITS, MAX_SPLITS), ceil_div(max_context, SPLIT_POSITIONS))
 
 
 @device
 def quad_bf16(words, row, quad, buf, at):
-    u = words[row, quad]
+    u = words[uint64(row), uint64(quad)]  # unsigned: no wraparound of a negative index (never one here)
     buf[at] = bits_as_f32((u & LO16) << 16)
     buf[at + 1] = bits_as_f32(u & HI16)
     buf[at + 2] = bits_as_f32((u >> 16) & HI16)
@@ -94,8 +134,8 @@ def quad_bf16(words, row, quad, buf, at):
 
 @device
 def quad_f32(words, row, quad, buf, at):
-    lo = words[row, 2 * quad]
-    hi = words[row, 2 * quad + 1]
+    lo = words[uint64(row), uint64(2 * quad)]
+    hi = words[uint64(row), uint64(2 * quad + 1)]
     buf[at] = bits_as_f32(lo)
     buf[at + 1] = bits_as_f32(lo >> 32)
     buf[at + 2] = bits_as_f32(hi)
@@ -188,13 +228,16 @@ def decode_kernel(storage: str, head_dim: int, group: int, merge: bool = False):
     lanes, quads, heads, head_sets, streams = layout(head_dim, group)
     owner = bool(OWNER_SOFTMAX) and heads <= lanes and heads & (heads - 1) == 0
     return _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, ROWS_AHEAD, merge,
-                          MERGE_SPLITS, bool(FAST_EXP), int(L2_AHEAD), int(MIN_BLOCKS), owner), head_sets * streams * WARP
+                          MERGE_SPLITS, bool(FAST_EXP), int(L2_AHEAD), int(MIN_BLOCKS), owner, int(DECODE_SPLITS),
+                          int(SPLIT_POSITIONS), bool(WIDE_MERGE)), head_sets * streams * WARP
 
 
 @functools.cache
 def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, streams, rows_ahead, merge, chunk_splits,
-                   fast_exp=False, l2_ahead=0, min_blocks=0, owner=False):
+                   fast_exp=False, l2_ahead=0, min_blocks=0, owner=False, decode_splits=64, split_positions=32,
+                   wide_merge=True):
     load_quad = QUAD[storage]
+    window_split = splitter(decode_splits, split_positions)[1]
     row_lines = -(-(head_dim // 4 * (1 if storage == "bf16" else 2)) // LINE_WORDS)  # 128-byte lines of a row
     q_factor = LOG2E if fast_exp else float32(1.0)  # scores in base 2 (fast_exp) or e
     exp_in = math.exp2 if fast_exp else math.exp  # exp_in(score - max): the split's own softmax
@@ -387,6 +430,119 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
 
     part_of_split = split_part_owner if owner else split_part
 
+    merge_group = merger(head_dim, group, num_threads, decode_splits, chunk_splits) if wide_merge else \
+        _peaks_merger(head_dim, group, num_threads, chunk_splits)
+
+    if not merge:
+        @bounded_kernel(num_threads, min_blocks)
+        def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
+            grid_dependency_wait()  # pdl.py: before any global read or write
+            if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+                return
+            t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+            first, end, num_splits = window_split(token_pos[t], window, split)
+            if split >= num_splits:
+                return  # the whole block
+            part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
+                          first, end)
+
+        return attention_split
+
+    @bounded_kernel(num_threads, min_blocks)
+    def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
+                              partial, done, out):
+        grid_dependency_wait()  # pdl.py: before any global read or write
+        if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
+            return
+        t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        first, end, num_splits = window_split(token_pos[t], window, split)
+        if split >= num_splits:
+            return  # the whole block
+        part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
+                      first, end)
+        if is_last_of(done, t * num_kv_heads + kv_head, num_splits):
+            if cuda.threadIdx.x == 0:
+                done[t * num_kv_heads + kv_head] = 0  # for the next launch (a graph replays this one)
+            cuda.threadfence()  # the other blocks' partials, seen through their fence and the counter
+            merge_group(t, kv_head, num_splits, partial, out)
+
+    return attention_split_merge
+
+
+@functools.cache
+def merger(head_dim: int, group: int, num_threads: int, cap: int, chunk_splits: int):
+    """merge_group(t, kv_head, num_splits, partial, out): out[t, h] of the ``group`` heads h of
+    ``kv_head`` from their num_splits (<= ``cap``) splits' partials, by a block of ``num_threads``
+    threads (a multiple of 32), as merge_splits did before the fifteenth session: the same expressions
+    in the same order (the peak, then the splits' weights and sums added in split order), so the same
+    bits. Its loads in flight: a warp a head loads every split's max at once (lanes over the
+    splits), the peak by a butterfly (max: any order), the weights into shared memory (group x cap
+    floats: 8 KiB at a group of 8 and 256 splits, beside the decode kernel's 33 KiB); then each thread
+    loads its outputs' values and sums of chunk_splits splits at once: 1 + num_splits / chunk_splits
+    round trips to L2 (the merge before: 2 num_splits / chunk_splits)."""
+    outputs = group * head_dim
+    per_thread = -(-outputs // num_threads)
+    loads_size = per_thread * chunk_splits
+    per_lane = -(-cap // WARP)  # splits a lane's max and sum loads
+    num_warps = num_threads // WARP
+
+    @device_with_shared
+    def merge_group(t, kv_head, num_splits, partial, out):
+        weights = cuda.shared.array((group, cap), float32)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        maxes = cuda.local.array(per_lane, float32)
+        for j in range(warp, group, num_warps):  # warp-uniform: the butterfly's lanes all take part
+            head = kv_head * group + j
+            for i in range(per_lane):  # every load first
+                maxes[i] = partial[t, head, min(lane + i * WARP, num_splits - 1), head_dim]
+            peak = NEG_INF
+            for i in range(per_lane):
+                peak = max(peak, maxes[i])
+            offset = WARP // 2
+            while offset > 0:
+                peak = max(peak, xor_of(peak, offset))
+                offset //= 2
+            for i in range(per_lane):
+                s = lane + i * WARP
+                if s < num_splits:
+                    weights[j, s] = math.exp(maxes[i] - peak)
+        cuda.syncthreads()
+        values = cuda.local.array(loads_size, float32)
+        sums = cuda.local.array(loads_size, float32)  # the same in a warp's lanes (one head): a broadcast
+        total = cuda.local.array(per_thread, float32)
+        value = cuda.local.array(per_thread, float32)
+        for k in range(per_thread):
+            total[k] = float32(0.0)
+            value[k] = float32(0.0)
+        for s0 in range(0, num_splits, chunk_splits):
+            for k in range(per_thread):  # every load first
+                e = min(tid + k * num_threads, outputs - 1)
+                head, d = kv_head * group + e // head_dim, e % head_dim
+                for c in range(chunk_splits):
+                    s = min(s0 + c, num_splits - 1)
+                    values[k * chunk_splits + c] = partial[t, head, s, d]
+                    sums[k * chunk_splits + c] = partial[t, head, s, head_dim + 1]
+            for k in range(per_thread):
+                j = min(tid + k * num_threads, outputs - 1) // head_dim
+                for c in range(chunk_splits):
+                    if s0 + c < num_splits:
+                        weight = weights[j, s0 + c]
+                        total[k] += sums[k * chunk_splits + c] * weight
+                        value[k] += values[k * chunk_splits + c] * weight
+        for k in range(per_thread):
+            e = tid + k * num_threads
+            if e < outputs:
+                out[t, kv_head * group + e // head_dim, e % head_dim] = value[k] / total[k]
+        cuda.syncthreads()  # the weights read by all before a next use of the block's shared memory
+
+    return merge_group
+
+
+@functools.cache
+def _peaks_merger(head_dim, group, num_threads, chunk_splits):
+    """The merge of the thirteenth session (WIDE_MERGE off): the peaks in a pass of their own, a round
+    trip to L2 for every chunk_splits splits, twice."""
     outputs = group * head_dim  # a merging block's outputs: its kv head's group of heads
     per_thread = -(-outputs // num_threads)
     loads_size = per_thread * chunk_splits  # a merging thread's loads of a round
@@ -439,46 +595,13 @@ def _decode_kernel(storage, head_dim, group, lanes, quads, heads, head_sets, str
             e = tid + k * num_threads
             if e < outputs:
                 out[t, kv_head * group + e // head_dim, e % head_dim] = value[k] / total[k]
-
-    if not merge:
-        @bounded_kernel(num_threads, min_blocks)
-        def attention_split(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window, partial):
-            grid_dependency_wait()  # pdl.py: before any global read or write
-            if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
-                return
-            t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-            first, end, num_splits = window_split(token_pos[t], window, split)
-            if split >= num_splits:
-                return  # the whole block
-            part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
-                          first, end)
-
-        return attention_split
-
-    @bounded_kernel(num_threads, min_blocks)
-    def attention_split_merge(q, k_words, v_words, num_kv_heads, context, token_slot, token_pos, scale, window,
-                              partial, done, out):
-        grid_dependency_wait()  # pdl.py: before any global read or write
-        if min_blocks < 0:  # never: puts min_blocks (launch bounds) into numba's cache key as a closure value
-            return
-        t, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        first, end, num_splits = window_split(token_pos[t], window, split)
-        if split >= num_splits:
-            return  # the whole block
-        part_of_split(q, k_words, v_words, num_kv_heads, context, token_slot, scale, partial, t, kv_head, split,
-                      first, end)
-        if is_last_of(done, t * num_kv_heads + kv_head, num_splits):
-            if cuda.threadIdx.x == 0:
-                done[t * num_kv_heads + kv_head] = 0  # for the next launch (a graph replays this one)
-            cuda.threadfence()  # the other blocks' partials, seen through their fence and the counter
-            merge_group(t, kv_head, num_splits, partial, out)
-
-    return attention_split_merge
+    return merge_group
 
 
 @kernel
-def merge_splits(token_pos, window, partial, out):
+def merge_splits_serial(token_pos, window, partial, out):
     # one thread per output (t, h, d): splits combined in order, so the result is deterministic
+    # (the merge of the fourteenth session: a round trip to L2 a split; WIDE_MERGE off)
     grid_dependency_wait()  # pdl.py: before any global read or write
     num_tokens, num_heads, head_dim = out.shape
     for n in range(cuda.grid(1), num_tokens * num_heads * head_dim, cuda.gridsize(1)):
@@ -496,3 +619,28 @@ def merge_splits(token_pos, window, partial, out):
             total += partial[t, h, s, head_dim + 1] * weight
             value += partial[t, h, s, d] * weight
         out[t, h, d] = value / total
+
+
+@functools.cache
+def _merge_splits(decode_splits: int, split_positions: int, head_dim: int, chunk_splits: int):
+    window_split = splitter(decode_splits, split_positions)[1]
+    merge_head = merger(head_dim, 1, MERGE_THREADS, decode_splits, chunk_splits)
+
+    @kernel
+    def merge_splits_wide(token_pos, window, partial, out):
+        grid_dependency_wait()  # pdl.py: before any global read or write
+        t, h = cuda.blockIdx.x, cuda.blockIdx.y
+        merge_head(t, h, window_split(token_pos[t], window, 0)[2], partial, out)
+
+    return merge_splits_wide
+
+
+def merge_splits(head_dim: int, split_positions: int = 0):
+    """The kernel that merges the splits apart (no counters), launched on a grid of (T, H) blocks of
+    MERGE_THREADS: a block per (token, head), merger's order (the last split block's merge's bits), for
+    splits of at least ``split_positions`` (0: SPLIT_POSITIONS); WIDE_MERGE off: the serial kernel, a
+    thread an output (grid: blocks over T * H * hd), of SPLIT_POSITIONS only."""
+    if WIDE_MERGE:
+        return _merge_splits(int(DECODE_SPLITS), int(split_positions or SPLIT_POSITIONS), head_dim,
+                             int(MERGE_APART_SPLITS))
+    return merge_splits_serial

@@ -1,0 +1,165 @@
+// Decode attention on tensor cores (attention_decode_tc.py; fifteenth session, an experiment beside the numba
+// kernel of attention_decode.py): one block of DWARPS warps per (token, kv head, split), the split's keys
+// [first, end) cut as attention_decode.splitter cuts them (decode_splits, split_positions), so its merge
+// (attention_decode.merge_splits, apart) combines the partials this kernel leaves in the decode scratch
+// (T, heads, scratch_splits, HD + 2): sum_j e^(s_j - m) v_j, m (natural units), sum_j e^(s_j - m).
+// The products are flash_attention.cu's mma.sync m16n8k16 on split bf16 parts (fp32 sums): the group's query
+// heads are the rows of A (head g of lane g = lane / 4: a group of at most 8; rows g + 8 zero), each warp takes
+// 16 keys at a time (tiles w, w + DWARPS, ... of the split): S = Q K^T as two n-tiles of 8 keys, then
+// O += P V over the 16 keys. No shared memory on the way: each lane loads its fragments straight from the
+// cache with 16-byte loads, the contraction's dims permuted so that a lane's are contiguous:
+//   Q K^T: k-row 2t + j of k-step ks is dim 32 t + 4 ks + j, k-row 2t + 8 + j is dim 32 t + 4 ks + 2 + j (t = lane % 4)
+//          so lane (g, t) reads key g's dims [32 t, 32 t + 32) (64 bytes) for each n-tile;
+//   P V:   column g of d-tile dt is dim 16 g + dt, so lane (g, t) reads keys 2t, 2t+1, 2t+8, 2t+9's dims
+//          [16 g, 16 g + 16) (32 bytes each) and packs key pairs with byte permutes.
+// The warps' states are combined through shared memory at the end. Compiled with HEAD_DIM 128, F32_KV 0.
+
+#include "flash_attention.cu"
+
+#ifndef DWARPS
+#define DWARPS 4
+#endif
+#ifndef MIN_BLOCKS_TC
+#define MIN_BLOCKS_TC 2
+#endif
+#define KEYS 16
+#define LANE_DIMS (HD / 4)      // dims of a key a lane reads for Q K^T (32 at hd 128)
+#define V_DIMS (HD / 8)         // dims of a value a lane reads for P V (16 at hd 128)
+
+__device__ __forceinline__ uint4 load16(const u16 *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
+
+extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_attention_tc(
+    const float *q, const u16 *k, const u16 *v, float *partial, const int *token_slot, const int *token_pos,
+    int heads, int kv_heads, int context, int scratch_splits, int decode_splits, int split_positions,
+    float scale_log2) {
+    __shared__ float o_sh[DWARPS][8][HD];  // a group of at most 8 heads: rows g + 8 of A are zero
+    __shared__ float stat_sh[DWARPS][8][2];
+    const int t_tok = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    const int group = heads / kv_heads;
+    const int count = token_pos[t_tok] + 1;
+    const int num_splits = min(decode_splits, (count + split_positions - 1) / split_positions);
+    if (split >= num_splits) return;
+    const int first = (int)((long long)split * count / num_splits);
+    const int end = (int)((long long)(split + 1) * count / num_splits);
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+
+    // Q's fragments: a0/a2 head g (zero past the group), a1/a3 rows g + 8: zero; both split parts
+    u32 qh[KSTEPS][4], ql[KSTEPS][4];
+    const float *q_row = q + ((long long)t_tok * heads + kv_head * group + min(g, group - 1)) * HD + LANE_DIMS * t;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        float4 x = g < group ? *reinterpret_cast<const float4 *>(q_row + 4 * ks) : make_float4(0.f, 0.f, 0.f, 0.f);
+        split_pair(x.x, x.y, qh[ks][0], ql[ks][0]);
+        split_pair(x.z, x.w, qh[ks][2], ql[ks][2]);
+        qh[ks][1] = ql[ks][1] = qh[ks][3] = ql[ks][3] = 0u;
+    }
+    const long long base = ((long long)token_slot[t_tok] * kv_heads + kv_head) * context;
+    float o[DTILES][4];
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float row_max[2] = {NEG_INF, NEG_INF}, row_sum[2] = {0.f, 0.f};
+
+    for (int key0 = first + KEYS * w; key0 < end; key0 += KEYS * DWARPS) {
+        // every load first: K of keys key0 + 8 nt + g (dims [32 t, 32 t + 32)), V of keys key0 + 2t + {0, 1, 8, 9}
+        uint4 kw[2][LANE_DIMS / 8], vw[4][V_DIMS / 8];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const u16 *row = k + (base + min(key0 + 8 * nt + g, end - 1)) * HD + LANE_DIMS * t;
+#pragma unroll
+            for (int i = 0; i < LANE_DIMS / 8; ++i) kw[nt][i] = load16(row + 8 * i);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u16 *row = v + (base + min(key0 + 2 * t + (j & 1) + 8 * (j >> 1), end - 1)) * HD + V_DIMS * g;
+#pragma unroll
+            for (int i = 0; i < V_DIMS / 8; ++i) vw[j][i] = load16(row + 8 * i);
+        }
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const u32 *words = reinterpret_cast<const u32 *>(kw[nt]);
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                mma(s[nt], qh[ks], words[2 * ks], words[2 * ks + 1]);
+                mma(s[nt], ql[ks], words[2 * ks], words[2 * ks + 1]);
+            }
+        }
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 8 * nt + 2 * t + (e & 1), r = e >> 1;
+                s[nt][e] = key < end ? s[nt][e] * scale_log2 : NEG_INF;
+                tile_max[r] = fmaxf(tile_max[r], s[nt][e]);
+            }
+        }
+        float shrink[2], base_r[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float new_max = fmaxf(row_max[r], quad_max(tile_max[r]));
+            base_r[r] = new_max == NEG_INF ? 0.f : new_max;
+            shrink[r] = exp2f(row_max[r] - base_r[r]);
+            row_max[r] = new_max;
+            row_sum[r] *= shrink[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = exp2f(s[nt][e] - base_r[e >> 1]);
+                row_sum[e >> 1] += s[nt][e];
+            }
+        }
+        u32 ph[4], pl[4];  // P as A: a0 = (head g, keys 2t, 2t+1), a2 = keys 2t + 8, 2t + 9; a1, a3 rows g + 8: zero
+        split_pair(s[0][0], s[0][1], ph[0], pl[0]);
+        split_pair(s[1][0], s[1][1], ph[2], pl[2]);
+        ph[1] = pl[1] = ph[3] = pl[3] = 0u;
+        const u32 *v0 = reinterpret_cast<const u32 *>(vw[0]), *v1 = reinterpret_cast<const u32 *>(vw[1]);
+        const u32 *v2 = reinterpret_cast<const u32 *>(vw[2]), *v3 = reinterpret_cast<const u32 *>(vw[3]);
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+            const unsigned sel = (dt & 1) ? 0x7632u : 0x5410u;
+            const u32 b0 = __byte_perm(v0[dt >> 1], v1[dt >> 1], sel), b1 = __byte_perm(v2[dt >> 1], v3[dt >> 1], sel);
+            o[dt][0] *= shrink[0];
+            o[dt][1] *= shrink[0];
+            o[dt][2] *= shrink[1];
+            o[dt][3] *= shrink[1];
+            mma(o[dt], ph, b0, b1);
+            mma(o[dt], pl, b0, b1);
+        }
+    }
+    // the warps' states through shared memory: o[dt] c0, c1 = (head g, dims 32 t + dt, 32 t + 16 + dt)
+    const float total = quad_sum(row_sum[0]);
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) {
+        o_sh[w][g][32 * t + dt] = o[dt][0];
+        o_sh[w][g][32 * t + 16 + dt] = o[dt][1];
+    }
+    if (t == 0) {
+        stat_sh[w][g][0] = row_max[0];
+        stat_sh[w][g][1] = total;
+    }
+    __syncthreads();
+    const float ln2 = 0.69314718055994530942f;
+    for (int e = threadIdx.x; e < group * HD; e += DWARPS * 32) {
+        const int head = e / HD, d = e % HD;
+        float peak = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < DWARPS; ++i) peak = fmaxf(peak, stat_sh[i][head][0]);
+        float value = 0.f, total = 0.f;
+#pragma unroll
+        for (int i = 0; i < DWARPS; ++i) {
+            const float weight = exp2f(stat_sh[i][head][0] - peak);  // 0 for a warp that saw no key
+            value += o_sh[i][head][d] * weight;
+            total += stat_sh[i][head][1] * weight;
+        }
+        float *dst = partial + (((long long)t_tok * heads + kv_head * group + head) * scratch_splits + split) * (HD + 2);
+        dst[d] = value;
+        if (d == 0) {
+            dst[HD] = peak * ln2;
+            dst[HD + 1] = total;
+        }
+    }
+}

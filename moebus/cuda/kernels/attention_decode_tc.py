@@ -1,0 +1,117 @@
+"""Decode attention on tensor cores (attention_decode_tc.cu; fifteenth session): attention.attention_cuda
+takes this split kernel where ``takes`` says so (bf16, hd 128, a group of <= 8 heads, no window, a GPU and
+a stream object; attention_decode.DECODE_TC, on by default) and merges apart (attention_decode.merge_splits);
+elsewhere the numba kernel of attention_decode.py. Why: the numba kernel spends ~120 PTX instructions
+a cache row on CUDA cores (64 of them FMAs: 8 query heads x 128 dims x 2 / 32 lanes), so at 32k context
+it is bound by issue, not by HBM; on mma.sync the group's 8 heads take a row in a few instructions.
+
+The split kernel writes the decode scratch's partials (attention.attention_scratch_shape) for the splits
+attention_decode.splitter cuts (DECODE_SPLITS, TC_SPLIT_POSITIONS: the merge is told the same). H200, b1,
+the 48 x 32 a3b shapes, attention alone (split + merge): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us (32k: 1.96 TB/s)
+against the numba kernel's 18.0 / 32.0 / 58.1, error 2.2e-11 (tools/device/decode15.sh; the merge then
+loaded 4 splits at a time, now MERGE_APART_SPLITS). Its reference is attention_ref through the merge; the
+simulator keeps the numba kernel."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import logging
+
+import numpy as np
+
+from moebus.cuda.kernels import flash_attention
+from moebus.cuda.kernels.compat import SIMULATOR
+
+SOURCE = Path(__file__).with_suffix(".cu")
+INCLUDE = b'#include "flash_attention.cu"'
+ENTRY = "decode_attention_tc"
+HEAD_DIM = 128
+WARPS = 4  # a block's warps (4 or 8), each on its own 16-key tiles
+MIN_BLOCKS = 2  # blocks an SM holds (launch bounds: 198 registers at 4 warps, no spills)
+log = logging.getLogger("moebus.cuda")
+
+
+def source() -> bytes:
+    """This .cu with flash_attention's source (its device functions) in place of its #include."""
+    main = SOURCE.read_bytes()
+    if INCLUDE not in main:
+        raise RuntimeError(f"{SOURCE.name} lacks {INCLUDE.decode()}")
+    return main.replace(INCLUDE, flash_attention.source(), 1)
+
+
+def compile_options(arch: str, warps: int, min_blocks: int) -> list[bytes]:
+    return flash_attention.compile_options(HEAD_DIM, False, arch) + [f"-DDWARPS={int(warps)}".encode(),
+                                                                    f"-DMIN_BLOCKS_TC={int(min_blocks)}".encode()]
+
+
+def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None) -> bytes:
+    """The cubin for ``arch``, from ``cache_dir``/attention_decode_tc when compiled before (the name hashes
+    the source, the options and NVRTC's version), else NVRTC's, then kept there."""
+    from cuda.bindings import nvrtc
+
+    options, text = compile_options(arch, warps, min_blocks), source()
+    path = None
+    if cache_dir:
+        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
+        path = Path(cache_dir) / "attention_decode_tc" / f"{digest[:24]}.cubin"
+        if path.is_file():
+            return path.read_bytes()
+    code, _ = flash_attention.nvrtc_compile(text, options)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(code)
+        os.replace(partial, path)  # whole or absent
+    return code
+
+
+@functools.cache
+def _kernel(warps: int, min_blocks: int):
+    from moebus.cuda.kernels.compat import _numba_config, cuda
+
+    gpu = cuda.get_current_device()
+    flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
+    code = cubin(f"sm_{major}{minor}", warps, min_blocks, _numba_config.CACHE_DIR)
+    return flash_attention._object_code().from_cubin(code, name=f"decode_attention_tc_w{warps}").get_kernel(ENTRY)
+
+
+def takes(storage: str, head_dim: int, group: int, stream) -> bool:
+    """Whether this kernel takes a decode attention: a bf16 cache of hd 128, at most 8 heads a kv head, a
+    GPU (not the simulator), a stream object (a cuda.core launch; not the default stream 0), the kernel
+    built (a failure warns once: the numba kernel takes it)."""
+    return (storage == "bf16" and head_dim == HEAD_DIM and group <= 8 and not SIMULATOR
+            and (hasattr(stream, "__cuda_stream__") or hasattr(stream, "end_building")) and _builds(WARPS, MIN_BLOCKS))
+
+
+@functools.cache
+def _builds(warps: int, min_blocks: int) -> bool:
+    try:
+        _kernel(warps, min_blocks)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernel still works
+        log.warning("decode attention on tensor cores unavailable (%s)", exc)
+        return False
+    return True
+
+
+def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, stream, decode_splits: int,
+           split_positions: int, warps: int = 0, min_blocks: int = 0) -> None:
+    """The partials of every token's splits (at most ``decode_splits`` of at least ``split_positions``
+    positions, [0, its position]) into ``scratch`` (T, H, splits, hd + 2). ``stream``: a numba stream or
+    a GraphBuilder (not 0)."""
+    warps, min_blocks = warps or WARPS, min_blocks or MIN_BLOCKS
+    num_tokens, heads, head_dim = q.shape
+    slots, kv_heads, context, _ = k_cache.shape
+    if head_dim != HEAD_DIM or heads // kv_heads > 8 or heads % kv_heads or k_cache.dtype != np.uint16:
+        raise ValueError(f"the tensor-core decode takes bf16 caches of hd {HEAD_DIM}, up to 8 heads a kv head")
+    if scratch.shape[2] < min(decode_splits, -(-context // split_positions)):
+        raise ValueError(f"a scratch of {scratch.shape[2]} splits holds fewer than the tokens can have")
+    ptr = flash_attention._pointer
+    flash_attention._core_launch(stream, (num_tokens, kv_heads, scratch.shape[2]), 32 * warps,
+                                 _kernel(warps, min_blocks), ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
+                                 ptr(token_slot), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
+                                 np.int32(context), np.int32(scratch.shape[2]), np.int32(decode_splits),
+                                 np.int32(split_positions), np.float32(scale * np.log2(np.e)))
