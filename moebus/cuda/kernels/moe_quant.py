@@ -37,6 +37,7 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
+from moebus.cuda.kernels import moe_quant_fp8
 from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming, streaming_round
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
@@ -76,6 +77,10 @@ STREAM_WEIGHTS = False
 # call's time (docs/performance.md). ROUND_GATE_X: the round's x words too.
 ROUND_GATE = False
 ROUND_GATE_X = False
+# fp8 experts with runs of one pair (batch 1): moe_quant_fp8.py's one-round kernels (16-byte words, all
+# of a warp's loads before a block barrier, x staged in shared memory) instead of _rows_kernel. Off
+# until timed in the decode graph (tools/device/quant15.sh).
+FP8_ONE_ROUND = False
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
@@ -313,6 +318,13 @@ def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
     return GATE_UP_ROWS_LONG, 8, DOWN_ROWS_LONG
 
 
+def one_round(layout: ExpertLayout, chunk: int, arena, store) -> bool:
+    """Whether expert_ffn_quant_cuda runs moe_quant_fp8.py's kernels (FP8_ONE_ROUND)."""
+    return (FP8_ONE_ROUND and layout.dtype == "fp8" and chunk == 1
+            and moe_quant_fp8.fits(layout.hidden, moe_quant_fp8.GATE_UP_ROWS)
+            and moe_quant_fp8.fits(layout.inter, moe_quant_fp8.DOWN_ROWS) and moe_quant_fp8.aligned(arena, store))
+
+
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
                           store=None):
     """expert_ffn_quant_ref on device arrays. ``arena`` and ``store``: (slots, B) uint8 blobs of
@@ -352,6 +364,17 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     block = threads(WARPS * WARP)
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
+    if one_round(layout, chunk, arena, store):
+        fp8_gate_up, fp8_down = moe_quant_fp8.kernels(hidden, inter, block)
+        for first in range(0, num_pairs, per_launch):
+            count = min(per_launch, num_pairs - first)
+            fp8_gate_up[(blocks(ceil_div(ceil_div(inter, moe_quant_fp8.GATE_UP_ROWS), per_block)), count), block, stream](
+                x_words, pair_token, pair_slot, *blobs, inter, gate_w, up_w, gate_s, up_s, first, pair_out, h)
+        for first in range(0, num_pairs, per_launch):
+            count = min(per_launch, num_pairs - first)
+            fp8_down[(blocks(ceil_div(ceil_div(hidden, moe_quant_fp8.DOWN_ROWS), per_block)), count), block, stream](
+                h_words, pair_token, pair_slot, *blobs, hidden, down_w, down_w, down_s, down_s, first, pair_out, out)
+        return out
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         gate_up[(blocks(ceil_div(ceil_div(inter, gate_rows), per_block)), count), block, stream](

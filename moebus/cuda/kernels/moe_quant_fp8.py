@@ -1,0 +1,166 @@
+"""The fp8 expert GEMVs for runs of one pair (decode at batch 1), in one round a warp: every 16-byte
+word of codes a lane will use is loaded before any is used, and ptxas cannot sink them next to their
+uses (as it did in moe_quant.py's kernels: ~11 dependent trips to memory a warp in the fp8 gate|up,
+tools/device/quant11_sass.py), because a block barrier follows the loads: the block's x (gate|up) or h
+(down) row is staged into shared memory between the loads and the first use, and a load may not move
+past ``syncthreads``. The same results as moe_quant.py's kernels within float32 rounding (a lane adds
+16 products a word where those add 8), checked against the numpy reference (moe_quant.expert_ffn_quant_ref).
+
+Work split: a warp takes ``rows`` consecutive output rows of each matrix (gate|up: both), ``32 / rows``
+lanes a row; a lane reads words sub, sub + lanes, ... of its row (16 codes a word, one 128-wide scale
+block), K = ceil(W / lanes) of them (W: 16-byte words a row; A3B gate|up rows of 2048: 128 words, at 2
+rows a warp 8 a lane and matrix; down rows of 768: 48, at 8 rows a warp 12 a lane). Each word's codes
+become float32 (quant_words: bit moves or the e4m3 conversion instruction, the same values), 16
+products with x summed, then times the word's block scale. The block's x sits in shared memory as
+[value within word][word] so that lanes reading consecutive words hit consecutive banks and lanes of
+other rows reading the same word get it broadcast. A row's sum: the warp's lanes masked by row, xor
+butterflies (compat.warp_sum_many).
+
+Shapes: D hidden, I expert intermediate, W 16-byte words a row (cols / 16)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from moebus.common.quant import BLOCK
+from moebus.cuda.kernels.compat import WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, float32, uint32, uint64, warp_sum_many
+from moebus.cuda.kernels.moe_ffn import _placement
+from moebus.cuda.kernels.pdl import grid_dependency_wait
+from moebus.cuda.kernels.quant_words import can_convert_e4m3, e4m3_quad, load_pair, load_pair_streaming
+
+VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
+# Rows a warp takes (32 / rows lanes a row), registers capped for MIN_BLOCKS blocks of 128 threads an SM
+# (0: none), e4m3 by the conversion instruction (cvt.rn.f16x2.e4m3x2, sm_89+; else bit moves: the same
+# values), by kernel. Chosen by ptxas (sm_90, tools/device/quant15_sass.py), not yet timed:
+# gate|up 2 rows (A3B: 8 words a lane and matrix, 16 loads of 16 bytes; 768 blocks at batch 1) with
+# the instruction at 122 registers (4 blocks an SM; uncapped 178; with bit moves 168 and local memory),
+# 1 row 94 (bit moves 96); down 8 rows (12 words a lane, 512 blocks) with the instruction at 97
+# registers (with bit moves the words went through local memory: the loop was not unrolled), 4 rows
+# with bit moves 63 (the instruction 70). tools/device/quant15.sh times them against one another.
+GATE_UP_ROWS = 2
+GATE_UP_MIN_BLOCKS = 4
+GATE_UP_HARDWARE = True
+DOWN_ROWS = 8
+DOWN_MIN_BLOCKS = 0
+DOWN_HARDWARE = True
+# weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
+STREAM_WEIGHTS = True
+
+
+def fits(cols: int, rows: int) -> bool:
+    """Whether rows of ``cols`` codes suit this kernel with ``rows`` rows a warp."""
+    return cols % VALUES_PER_WORD == 0 and WARP % rows == 0 and cols <= 8192
+
+
+def aligned(*arrays) -> bool:
+    """16-byte loads need 16-byte aligned arrays (blobs are 16-byte multiples: quant_layout.ALIGN)."""
+    return all(data_ptr(a) % 16 == 0 for a in arrays)
+
+
+@functools.cache
+def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0):
+    """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
+    one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
+    capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes)."""
+    lanes = WARP // rows
+    row_words = cols // VALUES_PER_WORD  # W
+    per_lane = -(-row_words // lanes)  # K
+    exact = row_words % lanes == 0
+    scale_cols = -(-cols // BLOCK)
+    quads = cols // 4  # 16-byte chunks of x (4 floats)
+    stage_trips = -(-quads // block)
+    shared_words = 2 * quads
+    load = load_pair_streaming if streaming else load_pair
+    decode = e4m3_quad(hardware)
+    sums = mats * rows
+    warps = block // WARP
+    words_per_scale = uint32(BLOCK // VALUES_PER_WORD)
+    mask32 = uint64(0xFFFFFFFF)
+
+    @bounded_kernel(block, min_blocks)
+    def fp8_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
+                      scale1, first_pair, out_table, out):
+        # x: (T, cols) float32 as uint64 (gate|up: row x_table[j]; down: h, row j); arena / store: the
+        # blobs as uint64 and float32; code* / scale*: 8-byte word and float offsets of the matrices
+        grid_dependency_wait()  # pdl.py: before any global read or write
+        xs = cuda.shared.array(shared_words, uint64)  # x's 16-byte chunks as [chunk within word][word]
+        j = first_pair + cuda.blockIdx.y
+        words, slot = _placement(arena, store, pair_slot[j])
+        floats, _ = _placement(arena_f, store_f, pair_slot[j])
+        tid = uint32(cuda.threadIdx.x)
+        lane = tid % uint32(WARP)
+        sub, mine = lane % uint32(lanes), lane // uint32(lanes)  # word offset and row of this lane in its warp
+        num_groups = (num_rows + rows - 1) // rows
+        x_row = x_table[j] if mats == 2 else j
+        lo = cuda.local.array((mats, per_lane), uint64)
+        hi = cuda.local.array((mats, per_lane), uint64)
+        scale = cuda.local.array((mats, per_lane), float32)
+        part = cuda.local.array(sums, float32)
+        quad = cuda.local.array(4, float32)
+        first = cuda.blockIdx.x * warps + tid // uint32(WARP)
+        for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
+            group = min(start + first, num_groups - 1)
+            row = uint32(min(group * rows + mine, num_rows - 1))
+            for m in range(mats):  # every word of the warp's rows, and its scale, in flight
+                code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
+                at = uint64(code_at) + uint64(row * uint32(2 * row_words))
+                scale_row = uint64(scale_at) + uint64((row // uint32(BLOCK)) * uint32(scale_cols))
+                for k in range(per_lane):
+                    word = sub + uint32(k * lanes)
+                    if not exact:
+                        word = min(word, uint32(row_words - 1))
+                    lo[m, k], hi[m, k] = load(words, slot, at + uint64(2 * word))
+                    s = floats[slot, scale_row + uint64(word // words_per_scale)]
+                    scale[m, k] = s if exact or sub + uint32(k * lanes) < uint32(row_words) else float32(0.0)
+            if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
+                for trip in range(stage_trips):
+                    chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // 4, part chunk % 4
+                    if quads % block == 0 or chunk < uint32(quads):
+                        a, b = load_pair(x, x_row, uint64(2 * chunk))
+                        at_s = 2 * ((chunk % uint32(4)) * uint32(row_words) + chunk // uint32(4))
+                        xs[at_s] = a
+                        xs[at_s + uint32(1)] = b
+                cuda.syncthreads()
+            for i in range(sums):
+                part[i] = float32(0.0)
+            for m in range(mats):
+                acc = float32(0.0)
+                for k in range(per_lane):
+                    word = sub + uint32(k * lanes)
+                    if not exact:
+                        word = min(word, uint32(row_words - 1))
+                    dot = float32(0.0)
+                    for q in range(4):
+                        half = lo[m, k] if q < 2 else hi[m, k]
+                        decode(uint32((half >> uint64(32 * (q % 2))) & mask32), quad)
+                        at_s = 2 * (uint32(q * row_words) + word)
+                        a, b = xs[at_s], xs[at_s + uint32(1)]
+                        dot += bits_as_f32(a & mask32) * quad[0]
+                        dot += bits_as_f32(a >> uint64(32)) * quad[1]
+                        dot += bits_as_f32(b & mask32) * quad[2]
+                        dot += bits_as_f32(b >> uint64(32)) * quad[3]
+                    acc += scale[m, k] * dot
+                for r in range(rows):
+                    part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
+            warp_sum_many(part, sums)
+            if lane == 0 and start + first < num_groups:
+                for r in range(rows):
+                    out_row = group * rows + r
+                    if out_row < num_rows:
+                        if mats == 2:
+                            g = part[r]
+                            out[j, out_row] = g / (float32(1.0) + math.exp(-g)) * part[rows + r]
+                        else:
+                            out[out_table[j], out_row] = part[r]
+
+    return fp8_one_round
+
+
+def kernels(hidden: int, inter: int, block: int):
+    """(gate|up kernel, down kernel) at the constants above."""
+    hardware = can_convert_e4m3()
+    return (one_round_kernel(hidden, 2, GATE_UP_ROWS, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block,
+                             GATE_UP_MIN_BLOCKS),
+            one_round_kernel(inter, 1, DOWN_ROWS, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, DOWN_MIN_BLOCKS))

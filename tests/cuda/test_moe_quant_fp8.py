@@ -1,0 +1,59 @@
+"""The one-round fp8 expert GEMVs for batch 1 (moe_quant_fp8.py, moe_quant.FP8_ONE_ROUND) against the
+numpy reference, and against moe_quant.py's kernels."""
+import numpy as np
+import pytest
+
+from moebus.common.quant_layout import ExpertLayout
+from moebus.cuda.kernels import moe_quant, moe_quant_fp8
+from moebus.cuda.kernels.moe_quant import expert_ffn_quant_ref
+from tests.cuda.conftest import device, poisoned
+from tests.cuda.test_moe_quant import _arena, _close, _run
+
+
+@pytest.mark.parametrize("hidden, inter, gate_rows, down_rows, hardware", [
+    (256, 128, 2, 8, True),  # rows of whole rounds: 16 / 8 words, 1 / 2 a lane
+    (256, 128, 2, 4, False),  # e4m3 by bit moves (on a GPU; the simulator always uses them)
+    (144, 48, 1, 4, True),   # partial scale blocks along D (128 + 16); words past a row's end (9 words, 32 lanes)
+    (1040, 32, 2, 8, True),  # 65 words a gate|up row (5 a lane, the last clamped); 1040 down rows: a partial group
+])
+def test_fp8_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows,
+                                                          hardware):
+    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
+    monkeypatch.setattr(moe_quant_fp8, "GATE_UP_ROWS", gate_rows)
+    monkeypatch.setattr(moe_quant_fp8, "DOWN_ROWS", down_rows)
+    monkeypatch.setattr(moe_quant_fp8, "GATE_UP_HARDWARE", hardware)
+    monkeypatch.setattr(moe_quant_fp8, "DOWN_HARDWARE", hardware)
+    layout = ExpertLayout("fp8", hidden, inter)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    arena, store = _arena(rng, layout), _arena(rng, layout, 2)
+    assert moe_quant.one_round(layout, 1, device(arena), device(store))
+    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]  # one token's experts: slot 2, host-store row 1, slot 0
+    out, expected = poisoned((3, hidden)), np.full((3, hidden), np.nan, np.float32)
+    _run(x, pairs, device(arena), layout, out, store=device(store))
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+    _close(out.copy_to_host(), expected)
+
+
+def test_fp8_one_round_serves_batch_1_only(rng, monkeypatch):
+    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
+    layout = ExpertLayout("fp8", 256, 128)
+    arena = device(_arena(rng, layout, 1))
+    assert moe_quant.one_round(layout, 1, arena, arena)
+    assert not moe_quant.one_round(layout, 2, arena, arena)  # runs of 2 pairs: moe_quant.py's kernels
+    assert not moe_quant.one_round(ExpertLayout("int4", 256, 128), 1, arena, arena)
+    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", False)
+    assert not moe_quant.one_round(layout, 1, arena, arena)
+
+
+def test_fp8_one_round_and_the_eight_byte_kernels_agree(rng, monkeypatch):
+    layout = ExpertLayout("fp8", 256, 128)
+    x = rng.standard_normal((1, 256), dtype=np.float32)
+    arena = device(_arena(rng, layout, 2))
+    pairs = [(0, 1, 0), (0, 0, 1)]
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", on)
+        out = poisoned((2, 256))
+        _run(x, pairs, arena, layout, out)
+        results.append(out.copy_to_host())
+    _close(results[1], results[0])

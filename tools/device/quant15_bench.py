@@ -1,0 +1,98 @@
+"""Issue 16, fifteenth session (branch quant15): quant9_sweep.py's sweep (per (experts, attention) one load, per
+setting of the kernels' constants the decode graphs recaptured, bench decode's tok/s all resident, CUPTI us a
+kernel in the graph), plus the greedy ids of each batch-1 setting (16 after the prompt) so that the fp8
+settings' tokens can be compared with the old kernels'; and a short summary of a sweep's log.
+
+    quant15_bench.py MODEL PLAN.json [PROFILE_STEPS]     (quant9_sweep.py's arguments; QUICK=1: a warm-up)
+    quant15_bench.py --summary LOG                       (the summary, x bf16 and us a layer by kernel group)"""
+import json
+import sys
+
+import quant9_sweep
+
+GREEDY_TOKENS = 16
+
+
+def greedy_ids(model, prompt, count: int) -> list[int]:
+    from moebus.workers.batch import StepBatch
+
+    out = model.step(StepBatch(slots=[0], starts=[0], lengths=[len(prompt)], tokens=prompt))
+    ids = [int(out.tokens[0])]
+    for i in range(count - 1):
+        out = model.step(StepBatch(slots=[0], starts=[len(prompt) + i], lengths=[1], tokens=[ids[-1]]))
+        ids.append(int(out.tokens[0]))
+    return ids
+
+
+def _with_tokens(original):
+    def in_process(model, prompt, tokens, batch, repeats, *args, **kwargs):
+        result = original(model, prompt, tokens, batch, repeats, *args, **kwargs)
+        if batch == 1 and not quant9_sweep.QUICK:
+            quant9_sweep.emit({"section": "tokens", "ids": greedy_ids(model, prompt, GREEDY_TOKENS)})
+        return result
+
+    return in_process
+
+
+def group(label: str) -> str | None:
+    """experts / projections / None of a kernel label (quant9_sweep.kernel_table's)."""
+    if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_fp8.", "grouped_moe.")):
+        return "experts"
+    if label.startswith(("linear.", "linear_quant.", "gemm")):
+        return "proj"
+    return None
+
+
+def summary(path: str) -> None:
+    rows = []
+    with open(path) as log:
+        for line in log:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    rows = [r for r in rows if isinstance(r, dict)]
+    ids, reference, base = None, {}, {}
+    print("== quant15 summary (decode all resident; x bf16 of the same call; us a layer; kernels: CUPTI, us a layer)")
+    for r in rows:
+        if r.get("section") == "tokens":
+            ids = r["ids"]
+            continue
+        if r.get("section") == "failed":
+            print(f"FAILED {r['experts']}:{r['attention']} {r['setting']}: {r['error'][:160]}")
+            continue
+        if r.get("section") != "decode":
+            continue
+        key = (r["experts"], r["attention"])
+        if r["experts"] == "bf16" and r["attention"] == "bf16":
+            base.setdefault(r["batch"], r["tok_s"])
+        ratio = r["tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+        layers = r["layers"]
+        parts = {}
+        for label, (calls, us) in (r.get("kernels") or {}).items():
+            g = group(label)
+            if g and calls >= layers:  # lm_head (once a step) left out
+                parts[g] = parts.get(g, 0.0) + calls * us / layers
+        agree = ""
+        if r["batch"] == 1 and ids is not None:
+            reference.setdefault(key, ids)
+            same = sum(a == b for a, b in zip(ids, reference[key]))
+            agree = f" ids {same}/{len(ids)} as {key[0]}'s first"
+            ids = None
+        print(f"{r['experts']}:{r['attention']} {r['setting'][:18]:18} b{r['batch']} {r['tok_s']:7.1f} tok/s {ratio:5.2f}x "
+              f"{r['us_per_layer']:6.1f} us/layer; experts {parts.get('experts', 0):5.1f} proj {parts.get('proj', 0):5.1f}"
+              + agree)
+
+
+def main() -> None:
+    if sys.argv[1] == "--summary":
+        summary(sys.argv[2])
+        return
+    import moebus.bench.decode as bench
+
+    bench._in_process = _with_tokens(bench._in_process)
+    quant9_sweep.main()
+
+
+if __name__ == "__main__":
+    main()
