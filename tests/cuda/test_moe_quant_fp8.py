@@ -8,6 +8,7 @@ from moebus.cuda.kernels import moe_quant, moe_quant_fp8
 from moebus.cuda.kernels.moe_quant import expert_ffn_quant_ref
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_moe_quant import _arena, _close, _run
+from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
 
 @pytest.mark.parametrize("hidden, inter, gate_rows, down_rows, hardware", [
@@ -57,3 +58,18 @@ def test_fp8_one_round_and_the_eight_byte_kernels_agree(rng, monkeypatch):
         _run(x, pairs, arena, layout, out)
         results.append(out.copy_to_host())
     _close(results[1], results[0])
+
+
+def test_fp8_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_model, monkeypatch):  # noqa: F811
+    # fp8 experts (half resident: misses read the host store) and fp8 q/k/v/o, decode through the
+    # one-round kernels; the prefill's runs of several tokens through moe_quant.py's
+    from moebus.cuda.kernels import linear_quant
+    from moebus.workers.local import LocalModel
+
+    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
+    monkeypatch.setattr(linear_quant, "ONE_ROUND", True)
+    prompt = [5, 17, 42, 9, 77]
+    runs = {device: LocalModel(micro_fp8_model, device=device, max_context=32, cache_fraction=0.5, experts_dtype="fp8",
+                               attention_dtype="fp8").generate(prompt, 3) for device in ("cpu", "cuda")}
+    assert runs["cuda"].tokens == runs["cpu"].tokens
+    np.testing.assert_allclose(runs["cuda"].logprobs, runs["cpu"].logprobs, atol=1e-4)

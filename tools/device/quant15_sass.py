@@ -1,5 +1,5 @@
 """moe_quant_fp8.py's one-round kernels at A3B shapes, compiled here for sm_90 (NVVM + ptxas + nvdisasm, no
-GPU): registers, SASS instructions, and where the global loads sit against the block barrier (BAR) and
+GPU), and linear_quant_fp8.py's projection: registers, SASS instructions, and where the global loads sit against the block barrier (BAR) and
 the first FFMA: every weight load (LDG.E.128) should come before the barrier.
 
     python tools/device/quant15_sass.py --nvdisasm PATH [--shapes cols:rows:mats:hardware:min_blocks,...]"""
@@ -16,6 +16,7 @@ from tests.cuda.ptx_check import _offline_numba, find_cuda_home  # noqa: E402
 
 SIGNATURE = ("uint64[:, ::1]", "int32[::1]", "int32[::1]", "uint64[:, ::1]", "float32[:, ::1]", "uint64[:, ::1]",
              "float32[:, ::1]", "int64", "int64", "int64", "int64", "int64", "int64", "int32[::1]", "float32[:, ::1]")
+DENSE = ("uint64[:, ::1]", "uint64[:, ::1]", "float32[:, ::1]", "int64", "float32[:, ::1]")
 
 
 def where_loads(ops: list[str]) -> str:
@@ -32,18 +33,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "nvdisasm"))
     parser.add_argument("--shapes", default="2048:2:2:1:4,2048:2:2:1:0,2048:1:2:1:0,2048:1:2:0:0,768:8:1:1:0,768:8:1:0:0,"
-                        "768:4:1:0:0,768:4:1:1:0", help="cols:rows:mats:hardware:min_blocks,...")
+                        "768:4:1:0:0,768:4:1:1:0,2048:2:0:1:0,2048:2:0:0:0,4096:1:0:1:0,4096:1:0:0:0",
+                        help="cols:rows:mats:hardware:min_blocks,... (mats 0: the FP8 projection)")
     args = parser.parse_args(argv)
     cuda_home = find_cuda_home()
     _offline_numba(cuda_home, (9, 0))
     from numba import cuda
 
-    from moebus.cuda.kernels import moe_quant_fp8
+    from moebus.cuda.kernels import linear_quant_fp8, moe_quant_fp8
 
     for shape in args.shapes.split(","):
         cols, rows, mats, hardware, min_blocks = (int(v) for v in shape.split(":"))
-        fn = moe_quant_fp8.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks)
-        ptx, _ = cuda.compile_ptx(fn.py_func, f"void({', '.join(SIGNATURE)})", cc=(9, 0),
+        if mats:
+            fn, signature = moe_quant_fp8.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks), SIGNATURE
+        else:  # linear_quant_fp8.py's projection
+            fn, signature = linear_quant_fp8.dense_kernel(cols, rows, True, bool(hardware), 128, min_blocks), DENSE
+        ptx, _ = cuda.compile_ptx(fn.py_func, f"void({', '.join(signature)})", cc=(9, 0),
                                   launch_bounds=(128, min_blocks) if min_blocks else None)
         ops, info = sass(ptx, os.path.join(cuda_home, "bin", "ptxas"), args.nvdisasm)
         print(f"cols {cols} rows {rows} mats {mats} hardware {hardware} min_blocks {min_blocks}: {info}, {len(ops)} SASS; "

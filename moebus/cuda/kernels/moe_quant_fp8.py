@@ -25,7 +25,8 @@ import math
 import numpy as np
 
 from moebus.common.quant import BLOCK
-from moebus.cuda.kernels.compat import WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, float32, uint32, uint64, warp_sum_many
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, device, float32, uint32, uint64,
+                                       warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.quant_words import can_convert_e4m3, e4m3_quad, load_pair, load_pair_streaming
@@ -60,24 +61,82 @@ def aligned(*arrays) -> bool:
 
 
 @functools.cache
-def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0):
-    """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
-    one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
-    capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes)."""
+def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int):
+    """The device functions of a one-round GEMV over rows of ``cols`` codes, ``rows`` rows a warp (also
+    linear_quant_fp8.py's):
+    - load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, m): the lane's words of a row
+      (8-byte words from words[wslot, at]: 2 a 16-byte word) and their scales (floats[fslot, scale_at +
+      word // 8]) into lo / hi / scale[m, k], k < K; words past a row's end get scale 0;
+    - stage(x, x_row, xs, tid): the block's threads copy x's row into the shared xs as
+      [16-byte chunk within word][word] (call it, then syncthreads);
+    - dot(lo, hi, scale, m, sub, xs): the lane's share of the row's sum."""
     lanes = WARP // rows
     row_words = cols // VALUES_PER_WORD  # W
     per_lane = -(-row_words // lanes)  # K
     exact = row_words % lanes == 0
-    scale_cols = -(-cols // BLOCK)
     quads = cols // 4  # 16-byte chunks of x (4 floats)
     stage_trips = -(-quads // block)
-    shared_words = 2 * quads
-    load = load_pair_streaming if streaming else load_pair
+    load_word = load_pair_streaming if streaming else load_pair
     decode = e4m3_quad(hardware)
-    sums = mats * rows
-    warps = block // WARP
     words_per_scale = uint32(BLOCK // VALUES_PER_WORD)
     mask32 = uint64(0xFFFFFFFF)
+
+    @device
+    def load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, m):
+        for k in range(per_lane):
+            word = sub + uint32(k * lanes)
+            if not exact:
+                word = min(word, uint32(row_words - 1))
+            lo[m, k], hi[m, k] = load_word(words, wslot, at + uint64(2 * word))
+            s = floats[fslot, scale_at + uint64(word // words_per_scale)]
+            scale[m, k] = s if exact or sub + uint32(k * lanes) < uint32(row_words) else float32(0.0)
+
+    @device
+    def stage(x, x_row, xs, tid):
+        for trip in range(stage_trips):
+            chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // 4, part chunk % 4
+            if quads % block == 0 or chunk < uint32(quads):
+                a, b = load_pair(x, x_row, uint64(2 * chunk))
+                at_s = 2 * ((chunk % uint32(4)) * uint32(row_words) + chunk // uint32(4))
+                xs[at_s] = a
+                xs[at_s + uint32(1)] = b
+
+    @device
+    def dot(lo, hi, scale, m, sub, xs):
+        quad = cuda.local.array(4, float32)
+        acc = float32(0.0)
+        for k in range(per_lane):
+            word = sub + uint32(k * lanes)
+            if not exact:
+                word = min(word, uint32(row_words - 1))
+            total = float32(0.0)
+            for q in range(4):
+                half = lo[m, k] if q < 2 else hi[m, k]
+                decode(uint32((half >> uint64(32 * (q % 2))) & mask32), quad)
+                at_s = 2 * (uint32(q * row_words) + word)
+                a, b = xs[at_s], xs[at_s + uint32(1)]
+                total += bits_as_f32(a & mask32) * quad[0]
+                total += bits_as_f32(a >> uint64(32)) * quad[1]
+                total += bits_as_f32(b & mask32) * quad[2]
+                total += bits_as_f32(b >> uint64(32)) * quad[3]
+            acc += scale[m, k] * total
+        return acc
+
+    return load, stage, dot, per_lane
+
+
+@functools.cache
+def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0):
+    """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
+    one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
+    capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes)."""
+    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block)
+    lanes = WARP // rows
+    row_words = cols // VALUES_PER_WORD
+    scale_cols = -(-cols // BLOCK)
+    shared_words = cols // 2
+    sums = mats * rows
+    warps = block // WARP
 
     @bounded_kernel(block, min_blocks)
     def fp8_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
@@ -98,50 +157,21 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         hi = cuda.local.array((mats, per_lane), uint64)
         scale = cuda.local.array((mats, per_lane), float32)
         part = cuda.local.array(sums, float32)
-        quad = cuda.local.array(4, float32)
         first = cuda.blockIdx.x * warps + tid // uint32(WARP)
         for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
             group = min(start + first, num_groups - 1)
             row = uint32(min(group * rows + mine, num_rows - 1))
             for m in range(mats):  # every word of the warp's rows, and its scale, in flight
                 code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
-                at = uint64(code_at) + uint64(row * uint32(2 * row_words))
-                scale_row = uint64(scale_at) + uint64((row // uint32(BLOCK)) * uint32(scale_cols))
-                for k in range(per_lane):
-                    word = sub + uint32(k * lanes)
-                    if not exact:
-                        word = min(word, uint32(row_words - 1))
-                    lo[m, k], hi[m, k] = load(words, slot, at + uint64(2 * word))
-                    s = floats[slot, scale_row + uint64(word // words_per_scale)]
-                    scale[m, k] = s if exact or sub + uint32(k * lanes) < uint32(row_words) else float32(0.0)
+                load(words, slot, uint64(code_at) + uint64(row * uint32(2 * row_words)), floats, slot,
+                     uint64(scale_at) + uint64((row // uint32(BLOCK)) * uint32(scale_cols)), sub, lo, hi, scale, m)
             if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
-                for trip in range(stage_trips):
-                    chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // 4, part chunk % 4
-                    if quads % block == 0 or chunk < uint32(quads):
-                        a, b = load_pair(x, x_row, uint64(2 * chunk))
-                        at_s = 2 * ((chunk % uint32(4)) * uint32(row_words) + chunk // uint32(4))
-                        xs[at_s] = a
-                        xs[at_s + uint32(1)] = b
+                stage(x, x_row, xs, tid)
                 cuda.syncthreads()
             for i in range(sums):
                 part[i] = float32(0.0)
             for m in range(mats):
-                acc = float32(0.0)
-                for k in range(per_lane):
-                    word = sub + uint32(k * lanes)
-                    if not exact:
-                        word = min(word, uint32(row_words - 1))
-                    dot = float32(0.0)
-                    for q in range(4):
-                        half = lo[m, k] if q < 2 else hi[m, k]
-                        decode(uint32((half >> uint64(32 * (q % 2))) & mask32), quad)
-                        at_s = 2 * (uint32(q * row_words) + word)
-                        a, b = xs[at_s], xs[at_s + uint32(1)]
-                        dot += bits_as_f32(a & mask32) * quad[0]
-                        dot += bits_as_f32(a >> uint64(32)) * quad[1]
-                        dot += bits_as_f32(b & mask32) * quad[2]
-                        dot += bits_as_f32(b >> uint64(32)) * quad[3]
-                    acc += scale[m, k] * dot
+                acc = dot(lo, hi, scale, m, sub, xs)
                 for r in range(rows):
                     part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
             warp_sum_many(part, sums)
