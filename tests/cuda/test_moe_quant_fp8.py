@@ -73,3 +73,9 @@ def test_fp8_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_mo
                                attention_dtype="fp8").generate(prompt, 3) for device in ("cpu", "cuda")}
     assert runs["cuda"].tokens == runs["cpu"].tokens
     np.testing.assert_allclose(runs["cuda"].logprobs, runs["cpu"].logprobs, atol=1e-4)
+
+
+def test_fp8_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
+    assert moe_quant_fp8.fits(2048, 2, 2) and moe_quant_fp8.fits(768, 8, 1)  # 16 and 12 words a lane
+    assert not moe_quant_fp8.fits(4096, 2, 2)  # 32 words a lane
+    assert not moe_quant_fp8.fits(2056, 2, 2)  # not whole 16-byte words

@@ -36,8 +36,8 @@ def rows_for(cols: int) -> int:
 
 def fits(x, codes, scales) -> bool:
     """Whether one token's projection suits this kernel (whole 16-byte words a row, aligned arrays)."""
-    return (x.shape[0] == 1 and codes.shape[1] % VALUES_PER_WORD == 0
-            and codes.shape[1] <= WARP * MAX_WORDS * VALUES_PER_WORD and aligned(x, codes))
+    return (x.shape[0] == 1 and codes.shape[1] % VALUES_PER_WORD == 0 and codes.shape[1] <= WARP * MAX_WORDS * VALUES_PER_WORD
+            and aligned(x, codes))
 
 
 @functools.cache

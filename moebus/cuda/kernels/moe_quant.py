@@ -321,7 +321,7 @@ def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
 def one_round(layout: ExpertLayout, chunk: int, arena, store) -> bool:
     """Whether expert_ffn_quant_cuda runs moe_quant_fp8.py's kernels (FP8_ONE_ROUND)."""
     return (FP8_ONE_ROUND and layout.dtype == "fp8" and chunk == 1
-            and moe_quant_fp8.fits(layout.hidden, moe_quant_fp8.GATE_UP_ROWS)
+            and moe_quant_fp8.fits(layout.hidden, moe_quant_fp8.GATE_UP_ROWS, 2)
             and moe_quant_fp8.fits(layout.inter, moe_quant_fp8.DOWN_ROWS) and moe_quant_fp8.aligned(arena, store))
 
 

@@ -46,13 +46,16 @@ GATE_UP_HARDWARE = True
 DOWN_ROWS = 8
 DOWN_MIN_BLOCKS = 0
 DOWN_HARDWARE = True
+MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
 
 
-def fits(cols: int, rows: int) -> bool:
-    """Whether rows of ``cols`` codes suit this kernel with ``rows`` rows a warp."""
-    return cols % VALUES_PER_WORD == 0 and WARP % rows == 0 and cols <= 8192
+def fits(cols: int, rows: int, mats: int = 1) -> bool:
+    """Whether rows of ``cols`` codes suit this kernel with ``rows`` rows a warp: whole 16-byte words, and
+    at most MAX_WORDS words a lane over the matrices (registers: A3B's gate|up 2 x 8, down 12)."""
+    return (cols % VALUES_PER_WORD == 0 and WARP % rows == 0
+            and mats * -(-(cols // VALUES_PER_WORD) // (WARP // rows)) <= MAX_WORDS)
 
 
 def aligned(*arrays) -> bool:
@@ -79,6 +82,7 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
     load_word = load_pair_streaming if streaming else load_pair
     decode = e4m3_quad(hardware)
     words_per_scale = uint32(BLOCK // VALUES_PER_WORD)
+    scale_step = lanes // (BLOCK // VALUES_PER_WORD) if exact and lanes % (BLOCK // VALUES_PER_WORD) == 0 else 0
     mask32 = uint64(0xFFFFFFFF)
 
     @device
@@ -88,7 +92,10 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
             if not exact:
                 word = min(word, uint32(row_words - 1))
             lo[m, k], hi[m, k] = load_word(words, wslot, at + uint64(2 * word))
-            s = floats[fslot, scale_at + uint64(word // words_per_scale)]
+            if scale_step:  # lanes a multiple of 8: the scales at constant offsets from the first
+                s = floats[fslot, scale_at + uint64(sub // words_per_scale) + uint64(k * scale_step)]
+            else:
+                s = floats[fslot, scale_at + uint64(word // words_per_scale)]
             scale[m, k] = s if exact or sub + uint32(k * lanes) < uint32(row_words) else float32(0.0)
 
     @device
@@ -153,6 +160,7 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         sub, mine = lane % uint32(lanes), lane // uint32(lanes)  # word offset and row of this lane in its warp
         num_groups = (num_rows + rows - 1) // rows
         x_row = x_table[j] if mats == 2 else j
+        dest = out_table[j]  # down's output row, read once (not again before each store)
         lo = cuda.local.array((mats, per_lane), uint64)
         hi = cuda.local.array((mats, per_lane), uint64)
         scale = cuda.local.array((mats, per_lane), float32)
@@ -183,7 +191,7 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                             g = part[r]
                             out[j, out_row] = g / (float32(1.0) + math.exp(-g)) * part[rows + r]
                         else:
-                            out[out_table[j], out_row] = part[r]
+                            out[dest, out_row] = part[r]
 
     return fp8_one_round
 
