@@ -2,8 +2,8 @@
 # Issue 16, fifteenth session (branch quant15), in the lead's shared call (lead12_call.sh, S=15):
 # PHASE=warm (side by side with the other branches, nothing timed, BUDGET ~120 s): a 1-layer a3b model
 # (32 experts) alone first, then together: the 24 x 32 a3b model (/tmp/quant-m24, ~8 GB), the GPU tests of
-# the quantized expert GEMVs (test_moe_quant_fp8.py: the one-round fp8 kernels against numpy, on the GPU's
-# conversion instruction too; test_moe_quant.py), and quant15_bench.py QUICK=1 on the 1-layer model over
+# the quantized GEMVs (test_moe_quant_fp8.py, test_linear_quant_fp8.py: the one-round fp8 kernels against numpy,
+# on the GPU's conversion instruction too; test_moe_quant.py, test_linear_quant.py), and quant15_bench.py QUICK=1 on the 1-layer model over
 # the plan, which compiles every kernel variant the measure phase runs into this tree's kernel cache.
 # PHASE=measure (alone, BUDGET ~90 s): quant15_bench.py on 24 x 32 over tools/device/quant15_plan.json
 # (quant9_sweep.py: per (experts, attention) one load; per setting decode all resident, tok/s at batch 1
@@ -21,7 +21,8 @@ if [ "$PHASE" = warm ]; then
   [ -e $M.ok ] || ( timeout $(( BUDGET - $(now) - 5 )) python3 -m moebus.cli init-model $M --preset a3b --layers 24 \
     --experts 32 > $OUT/init24.log 2>&1 && touch $M.ok; echo "init 24 layers rc=$? at $(now) s" >> $OUT/init24.log ) &
   ( NUMBA_CACHE_DIR=/tmp/quant-numba-tests MOEBUS_TEST_GPU=1 timeout $(( BUDGET - $(now) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider tests/cuda/test_moe_quant_fp8.py tests/cuda/test_moe_quant.py > $OUT/gpu_tests.txt 2>&1
+    -p no:cacheprovider -rf tests/cuda/test_moe_quant_fp8.py tests/cuda/test_linear_quant_fp8.py tests/cuda/test_moe_quant.py \
+    tests/cuda/test_linear_quant.py > $OUT/gpu_tests.txt 2>&1
     echo "gpu tests rc=$? at $(now) s" >> $OUT/gpu_tests.txt ) &
   (cd tools/device && QUICK=1 timeout $(( BUDGET - $(now) - 5 )) python3 quant15_bench.py $W $PLAN) 2>&1 \
     | grep -v Warn > $OUT/warm_sweep.txt
@@ -36,5 +37,6 @@ if [ ! -e $M.ok ]; then MODEL=$M48; PLAN=quant15_plan_short.json; echo "no 24-la
   | grep -v Warn > $OUT/sweep.txt
 echo "sweep rc=$? at $(now) s"
 grep -v '^{' $OUT/sweep.txt | tail -4 | cut -c1-300
-echo "gpu tests (warm phase): $(grep -E 'passed|failed|error' $OUT/gpu_tests.txt | tail -1)"
+python3 tools/device/quant9_sweep.py --table $OUT/sweep.txt > $OUT/table.txt 2>&1
+echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt | head -3 | cut -c1-200; tail -2 $OUT/gpu_tests.txt | cut -c1-200
 python3 tools/device/quant15_bench.py --summary $OUT/sweep.txt
