@@ -10,16 +10,17 @@ from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_linear_quant import _close, _weight
 
 
-@pytest.mark.parametrize("rows,cols,hardware", [
-    (5, 256, True),    # 8 rows a warp (16 words a row, 4 a lane): one partial group
-    (7, 144, True),    # a partial edge block; 9 words a row, 3 a lane, the last past the row's end
-    (130, 512, False),  # several groups, the last partial; e4m3 by bit moves (on a GPU)
-    (6, 2048, True),   # q/k/v's rows: 2 a warp, 8 words a lane
-    (3, 4096, True),   # o's rows: 1 a warp, 8 words a lane
+@pytest.mark.parametrize("rows,cols,hardware,early", [
+    (5, 256, True, False),    # 8 rows a warp (16 words a row, 4 a lane): one partial group
+    (7, 144, True, True),     # a partial edge block; 9 words a row, 3 a lane, the last past the row's end
+    (130, 512, False, True),  # several groups, the last partial; e4m3 by bit moves (on a GPU)
+    (6, 2048, True, False),   # q/k/v's rows: 2 a warp, 8 words a lane
+    (3, 4096, True, True),    # o's rows: 1 a warp, 8 words a lane
 ])
-def test_linear_fp8_one_round_matches_ref(rng, monkeypatch, rows, cols, hardware):
+def test_linear_fp8_one_round_matches_ref(rng, monkeypatch, rows, cols, hardware, early):
     monkeypatch.setattr(linear_quant, "ONE_ROUND", True)
     monkeypatch.setattr(linear_quant_fp8, "HARDWARE_E4M3", hardware)
+    monkeypatch.setattr(linear_quant_fp8, "LOAD_BEFORE_WAIT", early)  # weights before the PDL wait
     codes, scales = fp8_rows(_weight(rng, rows, cols))
     x = rng.standard_normal((1, cols), dtype=np.float32)
     x_d, codes_d = device(x), device(codes)

@@ -23,6 +23,11 @@ WARPS = 4
 STREAM_WEIGHTS = True  # evict-first, as moe_quant_fp8.STREAM_WEIGHTS
 HARDWARE_E4M3 = True  # e4m3 by the conversion instruction where the GPU has it (the same values)
 MIN_BLOCKS = 0  # registers capped for this many blocks of 128 threads an SM (0: none)
+# A warp's first words loaded before grid_dependency_wait (pdl.py): a weight never changes within a step,
+# so with the decode graph's programmatic edges its bytes come from HBM while the kernel before ends (as
+# linear.py's bf16 GEMV asks L2 for its first rows before it waits). x is read after the wait. Off
+# until timed (tools/device/quant15.sh).
+LOAD_BEFORE_WAIT = False
 
 
 def rows_for(cols: int) -> int:
@@ -41,7 +46,9 @@ def fits(x, codes, scales) -> bool:
 
 
 @functools.cache
-def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0):
+def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
+                 early: bool = False):
+    """``early``: LOAD_BEFORE_WAIT."""
     load, stage, dot, per_lane = round_parts(cols, rows, 1, streaming, hardware, block)
     lanes = WARP // rows
     shared_words = cols // 2
@@ -50,7 +57,8 @@ def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: i
     @bounded_kernel(block, min_blocks)
     def fp8_dense_one_round(x, codes, scales, num_rows, out):
         # x (1, C) float32 as uint64; codes (R, C / 8) uint64; scales (R, G) float32; out (1, R) float32
-        grid_dependency_wait()  # pdl.py: before any global read or write
+        if not early:
+            grid_dependency_wait()  # pdl.py: before any global read or write
         xs = cuda.shared.array(shared_words, uint64)
         tid = uint32(cuda.threadIdx.x)
         lane = tid % uint32(WARP)
@@ -66,6 +74,8 @@ def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: i
             row = uint32(min(group * rows + mine, num_rows - 1))
             load(codes, row, uint64(0), scales, row, uint64(0), sub, lo, hi, scale, 0)
             if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
+                if early:  # every thread of the grid waits here (the first trip is every warp's)
+                    grid_dependency_wait()  # pdl.py: the weights only were read before it
                 stage(x, 0, xs, tid)
                 cuda.syncthreads()
             acc = dot(lo, hi, scale, 0, sub, xs)
@@ -85,7 +95,8 @@ def linear_fp8_one_round(x, codes, scales, out, stream=0):
     num_rows, cols = codes.shape
     rows = rows_for(cols)
     block = threads(WARPS * WARP)
-    fn = dense_kernel(cols, rows, STREAM_WEIGHTS, HARDWARE_E4M3 and can_convert_e4m3(), block, MIN_BLOCKS)
+    fn = dense_kernel(cols, rows, STREAM_WEIGHTS, HARDWARE_E4M3 and can_convert_e4m3(), block, MIN_BLOCKS,
+                      LOAD_BEFORE_WAIT)
     fn[blocks(ceil_div(ceil_div(num_rows, rows), block // WARP)), block, stream](
         x.view(np.uint64), codes.view(np.uint64), scales, num_rows, out)
     return out

@@ -29,17 +29,16 @@ from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda,
                                        warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
 from moebus.cuda.kernels.pdl import grid_dependency_wait
-from moebus.cuda.kernels.quant_words import can_convert_e4m3, e4m3_quad, load_pair, load_pair_streaming
+from moebus.cuda.kernels.quant_words import can_convert_e4m3, e4m3_quad, load_pair, load_pair_ordered, load_pair_streaming
 
 VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
 # Rows a warp takes (32 / rows lanes a row), registers capped for MIN_BLOCKS blocks of 128 threads an SM
 # (0: none), e4m3 by the conversion instruction (cvt.rn.f16x2.e4m3x2, sm_89+; else bit moves: the same
 # values), by kernel. Chosen by ptxas (sm_90, tools/device/quant15_sass.py), not yet timed:
 # gate|up 2 rows (A3B: 8 words a lane and matrix, 16 loads of 16 bytes; 768 blocks at batch 1) with
-# the instruction at 122 registers (4 blocks an SM; uncapped 178; with bit moves 168 and local memory),
-# 1 row 94 (bit moves 96); down 8 rows (12 words a lane, 512 blocks) with the instruction at 97
-# registers (with bit moves the words went through local memory: the loop was not unrolled), 4 rows
-# with bit moves 63 (the instruction 70). tools/device/quant15.sh times them against one another.
+# the instruction at 119 registers (4 blocks an SM; 5 spills), 1 row 72; down 8 rows (12 words a lane,
+# 512 blocks) with the instruction at 97 registers (with bit moves the words went through local memory:
+# the loop was not unrolled), 4 rows 64. tools/device/quant15.sh times them against one another.
 GATE_UP_ROWS = 2
 GATE_UP_MIN_BLOCKS = 4
 GATE_UP_HARDWARE = True
@@ -103,7 +102,7 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
         for trip in range(stage_trips):
             chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // 4, part chunk % 4
             if quads % block == 0 or chunk < uint32(quads):
-                a, b = load_pair(x, x_row, uint64(2 * chunk))
+                a, b = load_pair_ordered(x, x_row, uint64(2 * chunk))  # after the PDL wait, wherever that is
                 at_s = 2 * ((chunk % uint32(4)) * uint32(row_words) + chunk // uint32(4))
                 xs[at_s] = a
                 xs[at_s + uint32(1)] = b

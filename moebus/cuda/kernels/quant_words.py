@@ -70,7 +70,7 @@ if not SIMULATOR:
     from numba.cuda import cgutils, types
     from numba.cuda.extending import intrinsic
 
-    def _pair_loader(instruction: str):
+    def _pair_loader(instruction: str, ordered: bool = False):
         @intrinsic
         def load(typingctx, array, row, at):
             signature = types.UniTuple(types.uint64, 2)(array, row, at)
@@ -83,7 +83,7 @@ if not SIMULATOR:
                                                    indices, wraparound=False)
                 i64 = ir.IntType(64)
                 asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i64, i64]), [pointer.type]),
-                                   f"{instruction} {{$0, $1}}, [$2];", "=l,=l,l")
+                                   f"{instruction} {{$0, $1}}, [$2];", "=l,=l,l", side_effect=ordered)
                 out = builder.call(asm, [pointer])
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(2)])
 
@@ -96,6 +96,10 @@ if not SIMULATOR:
     # streaming one evict-first (ld.global.cs.v2.u64, weights read once a step: moe_quant_fp8.py)
     load_pair = _pair_loader("ld.global.v2.u64")
     load_pair_streaming = _pair_loader("ld.global.cs.v2.u64")
+    # ... kept in program order with other side-effecting statements such as pdl.grid_dependency_wait: an
+    # asm load without side effects is free to move (LLVM hoisted one out of a loop above that wait), so
+    # what a kernel reads of its predecessor's output goes through this one
+    load_pair_ordered = _pair_loader("ld.global.v2.u64", ordered=True)
 
     @intrinsic
     def load_streaming(typingctx, array, row, at):
@@ -206,7 +210,7 @@ else:
     def load_pair(array, row, at):
         return array[row, at], array[row, at + 1]
 
-    load_pair_streaming = load_pair
+    load_pair_streaming = load_pair_ordered = load_pair
 
     def load_streaming(array, row, at):
         return array[row, at]
