@@ -1,5 +1,5 @@
-"""The one-round fp8 expert GEMVs for batch 1 (moe_quant_fp8.py, moe_quant.FP8_ONE_ROUND) against the
-numpy reference, and against moe_quant.py's kernels."""
+"""The one-round expert GEMVs for batch 1 (moe_quant_fp8.py, moe_quant.FP8_ONE_ROUND / INT4_ONE_ROUND)
+against the numpy reference, and against moe_quant.py's kernels."""
 import numpy as np
 import pytest
 
@@ -41,7 +41,7 @@ def test_fp8_one_round_serves_batch_1_only(rng, monkeypatch):
     arena = device(_arena(rng, layout, 1))
     assert moe_quant.one_round(layout, 1, arena, arena)
     assert not moe_quant.one_round(layout, 2, arena, arena)  # runs of 2 pairs: moe_quant.py's kernels
-    assert not moe_quant.one_round(ExpertLayout("int4", 256, 128), 1, arena, arena)
+    assert not moe_quant.one_round(ExpertLayout("int4", 256, 128), 1, arena, arena)  # INT4_ONE_ROUND off
     monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", False)
     assert not moe_quant.one_round(layout, 1, arena, arena)
 
@@ -79,3 +79,25 @@ def test_fp8_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
     assert moe_quant_fp8.fits(2048, 2, 2) and moe_quant_fp8.fits(768, 8, 1)  # 16 and 12 words a lane
     assert not moe_quant_fp8.fits(4096, 2, 2)  # 32 words a lane
     assert not moe_quant_fp8.fits(2056, 2, 2)  # not whole 16-byte words
+    assert moe_quant_fp8.fits(2048, 1, 2, "int4") and moe_quant_fp8.fits(768, 8, 1, "int4")  # 4 and 6 words a lane
+    assert not moe_quant_fp8.fits(784, 8, 1, "int4")  # 784 int4 codes: not whole 16-byte words
+
+
+@pytest.mark.parametrize("hidden, inter, gate_rows, down_rows", [
+    (256, 128, 4, 8),   # int4 rows of whole rounds: 8 / 4 words (32 codes each), 1 a lane
+    (160, 64, 4, 8),    # a partial group along D (128 + 32); 5 and 2 words a row, lanes past a row's end
+    (1056, 32, 2, 16),  # 33 words a gate|up row (3 a lane, the last clamped); 1056 down rows: a partial group
+])
+def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows):
+    monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
+    monkeypatch.setattr(moe_quant_fp8, "INT4_GATE_UP_ROWS", gate_rows)
+    monkeypatch.setattr(moe_quant_fp8, "INT4_DOWN_ROWS", down_rows)
+    layout = ExpertLayout("int4", hidden, inter)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    arena, store = _arena(rng, layout), _arena(rng, layout, 2)
+    assert moe_quant.one_round(layout, 1, device(arena), device(store))
+    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]
+    out, expected = poisoned((3, hidden)), np.full((3, hidden), np.nan, np.float32)
+    _run(x, pairs, device(arena), layout, out, store=device(store))
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+    _close(out.copy_to_host(), expected)

@@ -33,8 +33,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "nvdisasm"))
     parser.add_argument("--shapes", default="2048:2:2:1:4,2048:2:2:1:0,2048:1:2:1:0,2048:1:2:0:0,768:8:1:1:0,768:8:1:0:0,"
-                        "768:4:1:0:0,768:4:1:1:0,2048:2:0:1:0,2048:2:0:0:0,4096:1:0:1:0,4096:1:0:0:0",
-                        help="cols:rows:mats:hardware:min_blocks,... (mats 0: the FP8 projection)")
+                        "768:4:1:0:0,768:4:1:1:0,2048:2:0:1:0,2048:2:0:0:0,4096:1:0:1:0,4096:1:0:0:0,"
+                        "2048:4:2:0:0:int4,2048:2:2:0:0:int4,768:8:1:0:0:int4,768:16:1:0:0:int4",
+                        help="cols:rows:mats:hardware:min_blocks[:fmt],... (mats 0: the FP8 projection)")
     args = parser.parse_args(argv)
     cuda_home = find_cuda_home()
     _offline_numba(cuda_home, (9, 0))
@@ -43,15 +44,17 @@ def main(argv=None) -> int:
     from moebus.cuda.kernels import linear_quant_fp8, moe_quant_fp8
 
     for shape in args.shapes.split(","):
-        cols, rows, mats, hardware, min_blocks = (int(v) for v in shape.split(":"))
+        cols, rows, mats, hardware, min_blocks = (int(v) for v in shape.split(":")[:5])
+        fmt = shape.split(":")[5] if shape.count(":") == 5 else "fp8"
         if mats:
-            fn, signature = moe_quant_fp8.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks), SIGNATURE
+            fn = moe_quant_fp8.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks, fmt)
+            signature = SIGNATURE
         else:  # linear_quant_fp8.py's projection
             fn, signature = linear_quant_fp8.dense_kernel(cols, rows, True, bool(hardware), 128, min_blocks), DENSE
         ptx, _ = cuda.compile_ptx(fn.py_func, f"void({', '.join(signature)})", cc=(9, 0),
                                   launch_bounds=(128, min_blocks) if min_blocks else None)
         ops, info = sass(ptx, os.path.join(cuda_home, "bin", "ptxas"), args.nvdisasm)
-        print(f"cols {cols} rows {rows} mats {mats} hardware {hardware} min_blocks {min_blocks}: {info}, {len(ops)} SASS; "
+        print(f"{fmt} cols {cols} rows {rows} mats {mats} hardware {hardware} min_blocks {min_blocks}: {info}, {len(ops)} SASS; "
               f"{where_loads(ops)}")
     return 0
 

@@ -67,18 +67,19 @@ def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: i
         lo = cuda.local.array((1, per_lane), uint64)
         hi = cuda.local.array((1, per_lane), uint64)
         scale = cuda.local.array((1, per_lane), float32)
+        minimum = cuda.local.array((1, per_lane), float32)  # int4's; unused here
         part = cuda.local.array(rows, float32)
         first = cuda.blockIdx.x * warps + tid // uint32(WARP)
         for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
             group = min(start + first, num_groups - 1)
             row = uint32(min(group * rows + mine, num_rows - 1))
-            load(codes, row, uint64(0), scales, row, uint64(0), sub, lo, hi, scale, 0)
+            load(codes, row, uint64(0), scales, row, uint64(0), sub, lo, hi, scale, minimum, 0)
             if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
                 if early:  # every thread of the grid waits here (the first trip is every warp's)
                     grid_dependency_wait()  # pdl.py: the weights only were read before it
                 stage(x, 0, xs, tid)
                 cuda.syncthreads()
-            acc = dot(lo, hi, scale, 0, sub, xs)
+            acc = dot(lo, hi, scale, minimum, 0, sub, xs)
             for r in range(rows):
                 part[r] = acc if mine == uint32(r) else float32(0.0)
             warp_sum_many(part, rows)

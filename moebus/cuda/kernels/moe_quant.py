@@ -81,6 +81,7 @@ ROUND_GATE_X = False
 # of a warp's loads before a block barrier, x staged in shared memory) instead of _rows_kernel. Off
 # until timed in the decode graph (tools/device/quant15.sh).
 FP8_ONE_ROUND = False
+INT4_ONE_ROUND = False  # the same for int4 experts
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
@@ -319,10 +320,13 @@ def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
 
 
 def one_round(layout: ExpertLayout, chunk: int, arena, store) -> bool:
-    """Whether expert_ffn_quant_cuda runs moe_quant_fp8.py's kernels (FP8_ONE_ROUND)."""
-    return (FP8_ONE_ROUND and layout.dtype == "fp8" and chunk == 1
-            and moe_quant_fp8.fits(layout.hidden, moe_quant_fp8.GATE_UP_ROWS, 2)
-            and moe_quant_fp8.fits(layout.inter, moe_quant_fp8.DOWN_ROWS) and moe_quant_fp8.aligned(arena, store))
+    """Whether expert_ffn_quant_cuda runs moe_quant_fp8.py's kernels (FP8_ONE_ROUND, INT4_ONE_ROUND)."""
+    fmt = layout.dtype
+    if chunk != 1 or not (FP8_ONE_ROUND if fmt == "fp8" else INT4_ONE_ROUND):
+        return False
+    gate_rows, _, down_rows, _ = moe_quant_fp8.shape(fmt)
+    return (moe_quant_fp8.fits(layout.hidden, gate_rows, 2, fmt) and moe_quant_fp8.fits(layout.inter, down_rows, 1, fmt)
+            and moe_quant_fp8.aligned(arena, store))
 
 
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
@@ -365,14 +369,15 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     if one_round(layout, chunk, arena, store):
-        fp8_gate_up, fp8_down = moe_quant_fp8.kernels(hidden, inter, block)
+        round_gate_up, round_down = moe_quant_fp8.kernels(hidden, inter, block, layout.dtype)
+        round_gate_rows, _, round_down_rows, _ = moe_quant_fp8.shape(layout.dtype)
         for first in range(0, num_pairs, per_launch):
             count = min(per_launch, num_pairs - first)
-            fp8_gate_up[(blocks(ceil_div(ceil_div(inter, moe_quant_fp8.GATE_UP_ROWS), per_block)), count), block, stream](
+            round_gate_up[(blocks(ceil_div(ceil_div(inter, round_gate_rows), per_block)), count), block, stream](
                 x_words, pair_token, pair_slot, *blobs, inter, gate_w, up_w, gate_s, up_s, first, pair_out, h)
         for first in range(0, num_pairs, per_launch):
             count = min(per_launch, num_pairs - first)
-            fp8_down[(blocks(ceil_div(ceil_div(hidden, moe_quant_fp8.DOWN_ROWS), per_block)), count), block, stream](
+            round_down[(blocks(ceil_div(ceil_div(hidden, round_down_rows), per_block)), count), block, stream](
                 h_words, pair_token, pair_slot, *blobs, hidden, down_w, down_w, down_s, down_s, first, pair_out, out)
         return out
     for first in range(0, num_pairs, per_launch):

@@ -1,22 +1,24 @@
-"""The fp8 expert GEMVs for runs of one pair (decode at batch 1), in one round a warp: every 16-byte
-word of codes a lane will use is loaded before any is used, and ptxas cannot sink them next to their
-uses (as it did in moe_quant.py's kernels: ~11 dependent trips to memory a warp in the fp8 gate|up,
-tools/device/quant11_sass.py), because a block barrier follows the loads: the block's x (gate|up) or h
-(down) row is staged into shared memory between the loads and the first use, and a load may not move
-past ``syncthreads``. The same results as moe_quant.py's kernels within float32 rounding (a lane adds
-16 products a word where those add 8), checked against the numpy reference (moe_quant.expert_ffn_quant_ref).
+"""The quantized expert GEMVs for runs of one pair (decode at batch 1), in one round a warp: fp8 (and int4,
+the same way). Every 16-byte word of codes a lane will use is loaded before any is used, and ptxas cannot
+sink them next to their uses (as it did in moe_quant.py's kernels: ~11 dependent trips to memory a warp
+in the fp8 gate|up, tools/device/quant11_sass.py), because a block barrier follows the loads: the
+block's x (gate|up) or h (down) row is staged into shared memory between the loads and the first use,
+and a load may not move past ``syncthreads``. The same results as moe_quant.py's kernels within float32
+rounding (a lane adds 16 or 32 products a word where those add 8 or 16), checked against the numpy
+reference (moe_quant.expert_ffn_quant_ref).
 
 Work split: a warp takes ``rows`` consecutive output rows of each matrix (gate|up: both), ``32 / rows``
-lanes a row; a lane reads words sub, sub + lanes, ... of its row (16 codes a word, one 128-wide scale
-block), K = ceil(W / lanes) of them (W: 16-byte words a row; A3B gate|up rows of 2048: 128 words, at 2
-rows a warp 8 a lane and matrix; down rows of 768: 48, at 8 rows a warp 12 a lane). Each word's codes
-become float32 (quant_words: bit moves or the e4m3 conversion instruction, the same values), 16
-products with x summed, then times the word's block scale. The block's x sits in shared memory as
-[value within word][word] so that lanes reading consecutive words hit consecutive banks and lanes of
-other rows reading the same word get it broadcast. A row's sum: the warp's lanes masked by row, xor
-butterflies (compat.warp_sum_many).
+lanes a row; a lane reads words sub, sub + lanes, ... of its row (fp8: 16 codes a word, one 128-wide
+scale block; int4: 32, one group), K = ceil(W / lanes) of them (W: 16-byte words a row; A3B fp8
+gate|up rows of 2048: 128 words, at 2 rows a warp 8 a lane and matrix; down rows of 768: 48, at 8 rows
+a warp 12 a lane). Each word's codes become float32 in registers (fp8: quant_words' bit moves or the
+e4m3 conversion instruction, the same values; int4: q + m / s by byte permutes, as quant_words.decoder),
+their products with x summed, then times the word's scale. The block's x sits in shared memory as
+[16-byte chunk within word][word] so that lanes reading consecutive words hit consecutive banks and
+lanes of other rows reading the same word get it broadcast. A row's sum: the warp's lanes masked by
+row, xor butterflies (compat.warp_sum_many).
 
-Shapes: D hidden, I expert intermediate, W 16-byte words a row (cols / 16)."""
+Shapes: D hidden, I expert intermediate, W 16-byte words a row."""
 from __future__ import annotations
 
 import functools
@@ -29,9 +31,11 @@ from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda,
                                        warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
 from moebus.cuda.kernels.pdl import grid_dependency_wait
-from moebus.cuda.kernels.quant_words import can_convert_e4m3, e4m3_quad, load_pair, load_pair_ordered, load_pair_streaming
+from moebus.cuda.kernels.quant_words import (NIBBLES, can_convert_e4m3, fast_quotient, e4m3_quad, int4_quad, load_pair,
+                                             load_pair_ordered, load_pair_streaming)
 
 VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
+VALUES = {"fp8": VALUES_PER_WORD, "int4": 32}  # codes in a 16-byte word by format
 # Rows a warp takes (32 / rows lanes a row), registers capped for MIN_BLOCKS blocks of 128 threads an SM
 # (0: none), e4m3 by the conversion instruction (cvt.rn.f16x2.e4m3x2, sm_89+; else bit moves: the same
 # values), by kernel. Chosen by ptxas (sm_90, tools/device/quant15_sass.py), not yet timed:
@@ -45,16 +49,23 @@ GATE_UP_HARDWARE = True
 DOWN_ROWS = 8
 DOWN_MIN_BLOCKS = 0
 DOWN_HARDWARE = True
+# int4 (32 codes a 16-byte word; A3B gate|up rows 64 words, down 24): rows a warp and register caps, as
+# above. Gate|up 1 row (2 words a lane and matrix: 72 registers; at 2 or 4 rows NVVM left the word loop
+# rolled and the words went through local memory), down 8 rows (6 words a lane, 72 registers).
+INT4_GATE_UP_ROWS = 1
+INT4_GATE_UP_MIN_BLOCKS = 0
+INT4_DOWN_ROWS = 8
+INT4_DOWN_MIN_BLOCKS = 0
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
 
 
-def fits(cols: int, rows: int, mats: int = 1) -> bool:
+def fits(cols: int, rows: int, mats: int = 1, fmt: str = "fp8") -> bool:
     """Whether rows of ``cols`` codes suit this kernel with ``rows`` rows a warp: whole 16-byte words, and
-    at most MAX_WORDS words a lane over the matrices (registers: A3B's gate|up 2 x 8, down 12)."""
-    return (cols % VALUES_PER_WORD == 0 and WARP % rows == 0
-            and mats * -(-(cols // VALUES_PER_WORD) // (WARP // rows)) <= MAX_WORDS)
+    at most MAX_WORDS words a lane over the matrices (registers: A3B's fp8 gate|up 2 x 8, down 12)."""
+    values = VALUES[fmt]
+    return cols % values == 0 and WARP % rows == 0 and mats * -(-(cols // values) // (WARP // rows)) <= MAX_WORDS
 
 
 def aligned(*arrays) -> bool:
@@ -63,68 +74,93 @@ def aligned(*arrays) -> bool:
 
 
 @functools.cache
-def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int):
+def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int, fmt: str = "fp8"):
     """The device functions of a one-round GEMV over rows of ``cols`` codes, ``rows`` rows a warp (also
     linear_quant_fp8.py's):
-    - load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, m): the lane's words of a row
-      (8-byte words from words[wslot, at]: 2 a 16-byte word) and their scales (floats[fslot, scale_at +
-      word // 8]) into lo / hi / scale[m, k], k < K; words past a row's end get scale 0;
+    - load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, minimum, m): the lane's words of
+      a row (8-byte words from words[wslot, at]: 2 a 16-byte word) and their block's / group's scale
+      (fp8: floats[fslot, scale_at + word's block]; int4: the (scale, minimum) pair at scale_at + 2 x the
+      word's group) into lo / hi / scale / minimum[m, k], k < K; words past a row's end get scale 0;
     - stage(x, x_row, xs, tid): the block's threads copy x's row into the shared xs as
       [16-byte chunk within word][word] (call it, then syncthreads);
-    - dot(lo, hi, scale, m, sub, xs): the lane's share of the row's sum."""
+    - dot(lo, hi, scale, minimum, m, sub, xs): the lane's share of the row's sum (int4: s (sum x (q + m / s)),
+      as quant_words.decoder's)."""
+    values = VALUES[fmt]
+    int4 = fmt == "int4"
     lanes = WARP // rows
-    row_words = cols // VALUES_PER_WORD  # W
+    row_words = cols // values  # W
     per_lane = -(-row_words // lanes)  # K
     exact = row_words % lanes == 0
     quads = cols // 4  # 16-byte chunks of x (4 floats)
+    chunks = values // 4  # ... a word
     stage_trips = -(-quads // block)
     load_word = load_pair_streaming if streaming else load_pair
     decode = e4m3_quad(hardware)
-    words_per_scale = uint32(BLOCK // VALUES_PER_WORD)
-    scale_step = lanes // (BLOCK // VALUES_PER_WORD) if exact and lanes % (BLOCK // VALUES_PER_WORD) == 0 else 0
+    words_per_scale = uint32(BLOCK // values)
+    floats_per_scale = 2 if int4 else 1
+    scale_step = (floats_per_scale * lanes // (BLOCK // values)
+                  if exact and lanes % (BLOCK // values) == 0 else 0)
     mask32 = uint64(0xFFFFFFFF)
 
     @device
-    def load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, m):
+    def load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, minimum, m):
         for k in range(per_lane):
             word = sub + uint32(k * lanes)
             if not exact:
                 word = min(word, uint32(row_words - 1))
             lo[m, k], hi[m, k] = load_word(words, wslot, at + uint64(2 * word))
-            if scale_step:  # lanes a multiple of 8: the scales at constant offsets from the first
-                s = floats[fslot, scale_at + uint64(sub // words_per_scale) + uint64(k * scale_step)]
+            if scale_step:  # lanes a multiple of a block's words: the scales at constant offsets from the first
+                where = scale_at + uint64(floats_per_scale * (sub // words_per_scale)) + uint64(k * scale_step)
             else:
-                s = floats[fslot, scale_at + uint64(word // words_per_scale)]
+                where = scale_at + uint64(floats_per_scale * (word // words_per_scale))
+            s = floats[fslot, where]
             scale[m, k] = s if exact or sub + uint32(k * lanes) < uint32(row_words) else float32(0.0)
+            if int4:
+                minimum[m, k] = floats[fslot, where + uint64(1)]
 
     @device
     def stage(x, x_row, xs, tid):
         for trip in range(stage_trips):
-            chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // 4, part chunk % 4
+            chunk = uint32(trip * block) + tid  # x[4 chunk .. 4 chunk + 3]: word chunk // chunks, part chunk % chunks
             if quads % block == 0 or chunk < uint32(quads):
                 a, b = load_pair_ordered(x, x_row, uint64(2 * chunk))  # after the PDL wait, wherever that is
-                at_s = 2 * ((chunk % uint32(4)) * uint32(row_words) + chunk // uint32(4))
+                at_s = 2 * ((chunk % uint32(chunks)) * uint32(row_words) + chunk // uint32(chunks))
                 xs[at_s] = a
                 xs[at_s + uint32(1)] = b
 
     @device
-    def dot(lo, hi, scale, m, sub, xs):
+    def dot(lo, hi, scale, minimum, m, sub, xs):
         quad = cuda.local.array(4, float32)
+        pair = cuda.local.array((2, 4), float32)
         acc = float32(0.0)
         for k in range(per_lane):
             word = sub + uint32(k * lanes)
             if not exact:
                 word = min(word, uint32(row_words - 1))
             total = float32(0.0)
+            if int4:
+                offset = fast_quotient(minimum[m, k], scale[m, k]) if exact or sub + uint32(k * lanes) < uint32(row_words) \
+                    else float32(0.0)
             for q in range(4):
-                half = lo[m, k] if q < 2 else hi[m, k]
-                decode(uint32((half >> uint64(32 * (q % 2))) & mask32), quad)
-                at_s = 2 * (uint32(q * row_words) + word)
-                a, b = xs[at_s], xs[at_s + uint32(1)]
-                total += bits_as_f32(a & mask32) * quad[0]
-                total += bits_as_f32(a >> uint64(32)) * quad[1]
-                total += bits_as_f32(b & mask32) * quad[2]
-                total += bits_as_f32(b >> uint64(32)) * quad[3]
+                half = uint32(((lo[m, k] if q < 2 else hi[m, k]) >> uint64(32 * (q % 2))) & mask32)
+                if int4:  # 8 codes: chunks 2q and 2q + 1 of the word
+                    int4_quad(half & NIBBLES, offset, pair, 0, 0)
+                    int4_quad((half >> uint32(4)) & NIBBLES, offset, pair, 0, 1)
+                    for h in range(2):
+                        at_s = 2 * (uint32((2 * q + h) * row_words) + word)
+                        a, b = xs[at_s], xs[at_s + uint32(1)]
+                        total += bits_as_f32(a & mask32) * pair[h, 0]
+                        total += bits_as_f32(a >> uint64(32)) * pair[h, 1]
+                        total += bits_as_f32(b & mask32) * pair[h, 2]
+                        total += bits_as_f32(b >> uint64(32)) * pair[h, 3]
+                else:
+                    decode(half, quad)
+                    at_s = 2 * (uint32(q * row_words) + word)
+                    a, b = xs[at_s], xs[at_s + uint32(1)]
+                    total += bits_as_f32(a & mask32) * quad[0]
+                    total += bits_as_f32(a >> uint64(32)) * quad[1]
+                    total += bits_as_f32(b & mask32) * quad[2]
+                    total += bits_as_f32(b >> uint64(32)) * quad[3]
             acc += scale[m, k] * total
         return acc
 
@@ -132,13 +168,15 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
 
 
 @functools.cache
-def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0):
+def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
+                     fmt: str = "fp8"):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
     capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes)."""
-    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block)
+    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt)
+    int4 = fmt == "int4"
     lanes = WARP // rows
-    row_words = cols // VALUES_PER_WORD
+    row_words = cols // VALUES[fmt]
     scale_cols = -(-cols // BLOCK)
     shared_words = cols // 2
     sums = mats * rows
@@ -163,6 +201,7 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         lo = cuda.local.array((mats, per_lane), uint64)
         hi = cuda.local.array((mats, per_lane), uint64)
         scale = cuda.local.array((mats, per_lane), float32)
+        minimum = cuda.local.array((mats, per_lane), float32)
         part = cuda.local.array(sums, float32)
         first = cuda.blockIdx.x * warps + tid // uint32(WARP)
         for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
@@ -170,15 +209,16 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
             row = uint32(min(group * rows + mine, num_rows - 1))
             for m in range(mats):  # every word of the warp's rows, and its scale, in flight
                 code_at, scale_at = (code0, scale0) if m == 0 else (code1, scale1)
+                scale_row = row * uint32(2 * scale_cols) if int4 else (row // uint32(BLOCK)) * uint32(scale_cols)
                 load(words, slot, uint64(code_at) + uint64(row * uint32(2 * row_words)), floats, slot,
-                     uint64(scale_at) + uint64((row // uint32(BLOCK)) * uint32(scale_cols)), sub, lo, hi, scale, m)
+                     uint64(scale_at) + uint64(scale_row), sub, lo, hi, scale, minimum, m)
             if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
                 stage(x, x_row, xs, tid)
                 cuda.syncthreads()
             for i in range(sums):
                 part[i] = float32(0.0)
             for m in range(mats):
-                acc = dot(lo, hi, scale, m, sub, xs)
+                acc = dot(lo, hi, scale, minimum, m, sub, xs)
                 for r in range(rows):
                     part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
             warp_sum_many(part, sums)
@@ -195,9 +235,16 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
     return fp8_one_round
 
 
-def kernels(hidden: int, inter: int, block: int):
+def shape(fmt: str) -> tuple[int, int, int, int]:
+    """(gate|up rows, its MIN_BLOCKS, down rows, its MIN_BLOCKS) a warp for ``fmt``."""
+    if fmt == "int4":
+        return INT4_GATE_UP_ROWS, INT4_GATE_UP_MIN_BLOCKS, INT4_DOWN_ROWS, INT4_DOWN_MIN_BLOCKS
+    return GATE_UP_ROWS, GATE_UP_MIN_BLOCKS, DOWN_ROWS, DOWN_MIN_BLOCKS
+
+
+def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8"):
     """(gate|up kernel, down kernel) at the constants above."""
     hardware = can_convert_e4m3()
-    return (one_round_kernel(hidden, 2, GATE_UP_ROWS, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block,
-                             GATE_UP_MIN_BLOCKS),
-            one_round_kernel(inter, 1, DOWN_ROWS, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, DOWN_MIN_BLOCKS))
+    gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt)
+    return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt),
+            one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt))

@@ -229,6 +229,9 @@ else:
             buf[row + j // 2, col + 2 * (j % 2)] = bits_as_f32(bits) - TWO23 + offset
 
 
+int4_quad = _int4_quad  # moe_quant_fp8.py's int4 words
+
+
 @functools.cache
 def e4m3_quad(hardware: bool):
     """decode(w, quad): the 4 e4m3 codes of a uint32 (lowest byte first) into quad[0..3] as float32, by
@@ -297,3 +300,6 @@ else:
         """a / b within 2 ulp, without IEEE division's slow path (a branch, which keeps the round's
         loop from being unrolled and its words in registers)."""
         return cuda.libdevice.fast_fdividef(a, b)
+
+
+fast_quotient = _quotient  # moe_quant_fp8.py's int4 words
