@@ -35,6 +35,8 @@ if [ "$PHASE" = warm ]; then
   wait $pids
   echo "warm sweeps done at $(now) s"; grep -h '"setting"\|failed' $OUT/warm_*.txt | cut -c1-120
   python3 tools/device/quant9_cache_merge.py $NC /tmp/quant-nc1 /tmp/quant-nc2 /tmp/quant-nc3
+  for d in /tmp/quant-nc1 /tmp/quant-nc2 /tmp/quant-nc3; do  # NVRTC cubins (flash / chunk attention) too
+    (cd $d 2>/dev/null && find . -name '*.cubin' -exec cp -n --parents {} $NC/ \;); done
   wait
   tail -1 $OUT/init24.log; tail -3 $OUT/gpu_tests.txt
   exit 0
