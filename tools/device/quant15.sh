@@ -2,7 +2,7 @@
 # Issue 16, fifteenth session (branch quant15), in the lead's shared call (lead12_call.sh, S=15):
 # PHASE=warm (side by side with the other branches, nothing timed, BUDGET ~120 s): a 1-layer a3b model
 # (32 experts) alone first, then together: the 24 x 32 a3b model (/tmp/quant-m24, ~8 GB), the GPU tests of
-# the quantized GEMVs (test_moe_quant_fp8.py, test_linear_quant_fp8.py: the one-round kernels against numpy,
+# the quantized GEMVs (test_moe_quant_round.py, test_linear_quant_fp8.py: the one-round kernels against numpy,
 # on the GPU's e4m3 instruction too; test_moe_quant.py, test_linear_quant.py), and three quant15_bench.py
 # QUICK=1 runs on the 1-layer model (bf16 / fp8 / int4 parts of the plan, a kernel cache each, merged into
 # /tmp/quant-nc by quant9_cache_merge.py) that compile every kernel variant the measure phase runs.
@@ -22,7 +22,7 @@ if [ "$PHASE" = warm ]; then
   [ -e $M.ok ] || ( timeout $(( BUDGET - $(now) - 5 )) python3 -m moebus.cli init-model $M --preset a3b --layers 24 \
     --experts 32 > $OUT/init24.log 2>&1 && touch $M.ok; echo "init 24 layers rc=$? at $(now) s" >> $OUT/init24.log ) &
   ( NUMBA_CACHE_DIR=/tmp/quant-numba-tests MOEBUS_TEST_GPU=1 timeout $(( BUDGET - $(now) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider -rf tests/cuda/test_moe_quant_fp8.py tests/cuda/test_linear_quant_fp8.py tests/cuda/test_moe_quant.py \
+    -p no:cacheprovider -rf tests/cuda/test_moe_quant_round.py tests/cuda/test_linear_quant_fp8.py tests/cuda/test_moe_quant.py \
     tests/cuda/test_linear_quant.py > $OUT/gpu_tests.txt 2>&1
     echo "gpu tests rc=$? at $(now) s" >> $OUT/gpu_tests.txt ) &
   pids=; n=0

@@ -36,7 +36,7 @@ def _with_tokens(original):
 
 def group(label: str) -> str | None:
     """experts / projections / None of a kernel label (quant9_sweep.kernel_table's)."""
-    if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_fp8.", "grouped_moe.")):
+    if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_round.", "grouped_moe.")):
         return "experts"
     if label.startswith(("linear.", "linear_quant.", "gemm")):
         return "proj"

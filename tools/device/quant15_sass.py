@@ -1,4 +1,4 @@
-"""moe_quant_fp8.py's one-round kernels at A3B shapes, compiled here for sm_90 (NVVM + ptxas + nvdisasm, no
+"""moe_quant_round.py's one-round kernels at A3B shapes, compiled here for sm_90 (NVVM + ptxas + nvdisasm, no
 GPU), and linear_quant_fp8.py's projection: registers, SASS instructions, and where the global loads sit against the block barrier (BAR) and
 the first FFMA: every weight load (LDG.E.128) should come before the barrier.
 
@@ -41,13 +41,13 @@ def main(argv=None) -> int:
     _offline_numba(cuda_home, (9, 0))
     from numba import cuda
 
-    from moebus.cuda.kernels import linear_quant_fp8, moe_quant_fp8
+    from moebus.cuda.kernels import linear_quant_fp8, moe_quant_round
 
     for shape in args.shapes.split(","):
         cols, rows, mats, hardware, min_blocks = (int(v) for v in shape.split(":")[:5])
         fmt = shape.split(":")[5] if shape.count(":") == 5 else "fp8"
         if mats:
-            fn = moe_quant_fp8.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks, fmt)
+            fn = moe_quant_round.one_round_kernel(cols, mats, rows, True, bool(hardware), 128, min_blocks, fmt)
             signature = SIGNATURE
         else:  # linear_quant_fp8.py's projection
             fn, signature = linear_quant_fp8.dense_kernel(cols, rows, True, bool(hardware), 128, min_blocks), DENSE

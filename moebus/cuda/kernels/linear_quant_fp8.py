@@ -1,5 +1,5 @@
 """FP8 dense projections (linear_quant.py's weights: e4m3 codes (R, C), a float32 scale per row and 128
-inputs) for one token, in one round a warp: moe_quant_fp8.py's GEMV (16-byte words, all of a warp's
+inputs) for one token, in one round a warp: moe_quant_round.py's GEMV (16-byte words, all of a warp's
 loads before a block barrier, x staged in shared memory) over a weight's rows. linear_quant.py's kernel
 issues 8-byte words, and ptxas sank most of them next to their uses (tools/device/quant11_sass.py); its
 o projection (2,048 rows of 4,096) measured slower than bf16's (8.31 vs 7.04 us in the 24 x 32 graph).
@@ -14,13 +14,13 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import WARP, blocks, bounded_kernel, cuda, float32, threads, uint32, uint64, warp_sum_many
 from moebus.cuda.kernels.launch import ceil_div
-from moebus.cuda.kernels.moe_quant_fp8 import VALUES_PER_WORD, aligned, round_parts
+from moebus.cuda.kernels.moe_quant_round import VALUES_PER_WORD, aligned, round_parts
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.quant_words import can_convert_e4m3
 
 MAX_WORDS = 8  # 16-byte words a lane at most (registers: 8 words and their scales)
 WARPS = 4
-STREAM_WEIGHTS = True  # evict-first, as moe_quant_fp8.STREAM_WEIGHTS
+STREAM_WEIGHTS = True  # evict-first, as moe_quant_round.STREAM_WEIGHTS
 HARDWARE_E4M3 = True  # e4m3 by the conversion instruction where the GPU has it (the same values)
 MIN_BLOCKS = 0  # registers capped for this many blocks of 128 threads an SM (0: none)
 # A warp's first words loaded before grid_dependency_wait (pdl.py): a weight never changes within a step,

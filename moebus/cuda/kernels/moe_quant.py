@@ -37,7 +37,7 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels import moe_quant_fp8
+from moebus.cuda.kernels import moe_quant_round
 from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming, streaming_round
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
@@ -77,7 +77,7 @@ STREAM_WEIGHTS = False
 # call's time (docs/performance.md). ROUND_GATE_X: the round's x words too.
 ROUND_GATE = False
 ROUND_GATE_X = False
-# fp8 experts with runs of one pair (batch 1): moe_quant_fp8.py's one-round kernels (16-byte words, all
+# fp8 experts with runs of one pair (batch 1): moe_quant_round.py's one-round kernels (16-byte words, all
 # of a warp's loads before a block barrier, x staged in shared memory) instead of _rows_kernel. Off
 # until timed in the decode graph (tools/device/quant15.sh).
 FP8_ONE_ROUND = False
@@ -320,13 +320,13 @@ def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
 
 
 def one_round(layout: ExpertLayout, chunk: int, arena, store) -> bool:
-    """Whether expert_ffn_quant_cuda runs moe_quant_fp8.py's kernels (FP8_ONE_ROUND, INT4_ONE_ROUND)."""
+    """Whether expert_ffn_quant_cuda runs moe_quant_round.py's kernels (FP8_ONE_ROUND, INT4_ONE_ROUND)."""
     fmt = layout.dtype
     if chunk != 1 or not (FP8_ONE_ROUND if fmt == "fp8" else INT4_ONE_ROUND):
         return False
-    gate_rows, _, down_rows, _ = moe_quant_fp8.shape(fmt)
-    return (moe_quant_fp8.fits(layout.hidden, gate_rows, 2, fmt) and moe_quant_fp8.fits(layout.inter, down_rows, 1, fmt)
-            and moe_quant_fp8.aligned(arena, store))
+    gate_rows, _, down_rows, _ = moe_quant_round.shape(fmt)
+    return (moe_quant_round.fits(layout.hidden, gate_rows, 2, fmt) and moe_quant_round.fits(layout.inter, down_rows, 1, fmt)
+            and moe_quant_round.aligned(arena, store))
 
 
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
@@ -369,8 +369,8 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     if one_round(layout, chunk, arena, store):
-        round_gate_up, round_down = moe_quant_fp8.kernels(hidden, inter, block, layout.dtype)
-        round_gate_rows, _, round_down_rows, _ = moe_quant_fp8.shape(layout.dtype)
+        round_gate_up, round_down = moe_quant_round.kernels(hidden, inter, block, layout.dtype)
+        round_gate_rows, _, round_down_rows, _ = moe_quant_round.shape(layout.dtype)
         for first in range(0, num_pairs, per_launch):
             count = min(per_launch, num_pairs - first)
             round_gate_up[(blocks(ceil_div(ceil_div(inter, round_gate_rows), per_block)), count), block, stream](

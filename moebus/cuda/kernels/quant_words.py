@@ -93,7 +93,7 @@ if not SIMULATOR:
 
     # array[row, at] and array[row, at + 1] of a C-ordered 2-D uint64 array in one 16-byte load
     # (ld.global.v2.u64: at even and rows 16-byte aligned), half the load instructions of two; the
-    # streaming one evict-first (ld.global.cs.v2.u64, weights read once a step: moe_quant_fp8.py)
+    # streaming one evict-first (ld.global.cs.v2.u64, weights read once a step: moe_quant_round.py)
     load_pair = _pair_loader("ld.global.v2.u64")
     load_pair_streaming = _pair_loader("ld.global.cs.v2.u64")
     # ... kept in program order with other side-effecting statements such as pdl.grid_dependency_wait: an
@@ -229,13 +229,13 @@ else:
             buf[row + j // 2, col + 2 * (j % 2)] = bits_as_f32(bits) - TWO23 + offset
 
 
-int4_quad = _int4_quad  # moe_quant_fp8.py's int4 words
+int4_quad = _int4_quad  # moe_quant_round.py's int4 words
 
 
 @functools.cache
 def e4m3_quad(hardware: bool):
     """decode(w, quad): the 4 e4m3 codes of a uint32 (lowest byte first) into quad[0..3] as float32, by
-    the conversion instruction (``hardware``) or bit moves: the same values (moe_quant_fp8.py)."""
+    the conversion instruction (``hardware``) or bit moves: the same values (moe_quant_round.py)."""
     if hardware and not SIMULATOR:
         @device
         def quad_hardware(w, quad):
@@ -302,4 +302,4 @@ else:
         return cuda.libdevice.fast_fdividef(a, b)
 
 
-fast_quotient = _quotient  # moe_quant_fp8.py's int4 words
+fast_quotient = _quotient  # moe_quant_round.py's int4 words

@@ -1,10 +1,10 @@
-"""The one-round expert GEMVs for batch 1 (moe_quant_fp8.py, moe_quant.FP8_ONE_ROUND / INT4_ONE_ROUND)
+"""The one-round expert GEMVs for batch 1 (moe_quant_round.py, moe_quant.FP8_ONE_ROUND / INT4_ONE_ROUND)
 against the numpy reference, and against moe_quant.py's kernels."""
 import numpy as np
 import pytest
 
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels import moe_quant, moe_quant_fp8
+from moebus.cuda.kernels import moe_quant, moe_quant_round
 from moebus.cuda.kernels.moe_quant import expert_ffn_quant_ref
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_moe_quant import _arena, _close, _run
@@ -20,10 +20,10 @@ from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module
 def test_fp8_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows,
                                                           hardware):
     monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
-    monkeypatch.setattr(moe_quant_fp8, "GATE_UP_ROWS", gate_rows)
-    monkeypatch.setattr(moe_quant_fp8, "DOWN_ROWS", down_rows)
-    monkeypatch.setattr(moe_quant_fp8, "GATE_UP_HARDWARE", hardware)
-    monkeypatch.setattr(moe_quant_fp8, "DOWN_HARDWARE", hardware)
+    monkeypatch.setattr(moe_quant_round, "GATE_UP_ROWS", gate_rows)
+    monkeypatch.setattr(moe_quant_round, "DOWN_ROWS", down_rows)
+    monkeypatch.setattr(moe_quant_round, "GATE_UP_HARDWARE", hardware)
+    monkeypatch.setattr(moe_quant_round, "DOWN_HARDWARE", hardware)
     layout = ExpertLayout("fp8", hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
@@ -76,11 +76,11 @@ def test_fp8_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_mo
 
 
 def test_fp8_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
-    assert moe_quant_fp8.fits(2048, 2, 2) and moe_quant_fp8.fits(768, 8, 1)  # 16 and 12 words a lane
-    assert not moe_quant_fp8.fits(4096, 2, 2)  # 32 words a lane
-    assert not moe_quant_fp8.fits(2056, 2, 2)  # not whole 16-byte words
-    assert moe_quant_fp8.fits(2048, 1, 2, "int4") and moe_quant_fp8.fits(768, 8, 1, "int4")  # 4 and 6 words a lane
-    assert not moe_quant_fp8.fits(784, 8, 1, "int4")  # 784 int4 codes: not whole 16-byte words
+    assert moe_quant_round.fits(2048, 2, 2) and moe_quant_round.fits(768, 8, 1)  # 16 and 12 words a lane
+    assert not moe_quant_round.fits(4096, 2, 2)  # 32 words a lane
+    assert not moe_quant_round.fits(2056, 2, 2)  # not whole 16-byte words
+    assert moe_quant_round.fits(2048, 1, 2, "int4") and moe_quant_round.fits(768, 8, 1, "int4")  # 4 and 6 words a lane
+    assert not moe_quant_round.fits(784, 8, 1, "int4")  # 784 int4 codes: not whole 16-byte words
 
 
 @pytest.mark.parametrize("hidden, inter, gate_rows, down_rows", [
@@ -90,8 +90,8 @@ def test_fp8_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
 ])
 def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows):
     monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
-    monkeypatch.setattr(moe_quant_fp8, "INT4_GATE_UP_ROWS", gate_rows)
-    monkeypatch.setattr(moe_quant_fp8, "INT4_DOWN_ROWS", down_rows)
+    monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
+    monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
     layout = ExpertLayout("int4", hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
