@@ -17,7 +17,7 @@ from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module
     (144, 48, 1, 4, True),   # partial scale blocks along D (128 + 16); words past a row's end (9 words, 32 lanes)
     (1040, 32, 2, 8, True),  # 65 words a gate|up row (5 a lane, the last clamped); 1040 down rows: a partial group
 ])
-def test_fp8_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows,
+def test_quant_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows,
                                                           hardware):
     monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
     monkeypatch.setattr(moe_quant_round, "GATE_UP_ROWS", gate_rows)
@@ -35,7 +35,7 @@ def test_fp8_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidd
     _close(out.copy_to_host(), expected)
 
 
-def test_fp8_one_round_serves_batch_1_only(rng, monkeypatch):
+def test_quant_one_round_serves_batch_1_only(rng, monkeypatch):
     monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
     layout = ExpertLayout("fp8", 256, 128)
     arena = device(_arena(rng, layout, 1))
@@ -46,7 +46,7 @@ def test_fp8_one_round_serves_batch_1_only(rng, monkeypatch):
     assert not moe_quant.one_round(layout, 1, arena, arena)
 
 
-def test_fp8_one_round_and_the_eight_byte_kernels_agree(rng, monkeypatch):
+def test_quant_one_round_and_the_eight_byte_kernels_agree(rng, monkeypatch):
     layout = ExpertLayout("fp8", 256, 128)
     x = rng.standard_normal((1, 256), dtype=np.float32)
     arena = device(_arena(rng, layout, 2))
@@ -60,7 +60,7 @@ def test_fp8_one_round_and_the_eight_byte_kernels_agree(rng, monkeypatch):
     _close(results[1], results[0])
 
 
-def test_fp8_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_model, monkeypatch):  # noqa: F811
+def test_quant_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_model, monkeypatch):  # noqa: F811
     # fp8 experts (half resident: misses read the host store) and fp8 q/k/v/o, decode through the
     # one-round kernels; the prefill's runs of several tokens through moe_quant.py's
     from moebus.cuda.kernels import linear_quant
@@ -75,7 +75,7 @@ def test_fp8_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_mo
     np.testing.assert_allclose(runs["cuda"].logprobs, runs["cpu"].logprobs, atol=1e-4)
 
 
-def test_fp8_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
+def test_quant_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
     assert moe_quant_round.fits(2048, 2, 2) and moe_quant_round.fits(768, 8, 1)  # 16 and 12 words a lane
     assert not moe_quant_round.fits(4096, 2, 2)  # 32 words a lane
     assert not moe_quant_round.fits(2056, 2, 2)  # not whole 16-byte words
@@ -101,3 +101,19 @@ def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hid
     _run(x, pairs, device(arena), layout, out, store=device(store))
     expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
     _close(out.copy_to_host(), expected)
+
+
+def test_the_one_round_expert_kernel_waits_first():
+    # test_pdl.py's rule for the decode step's kernels (this file's kernel is a bounded_kernel, which
+    # that test does not pick up): the PDL wait is the kernel body's first statement
+    import ast
+    from pathlib import Path
+
+    from tests.cuda.test_pdl import _is_wait
+
+    tree = ast.parse(Path(moe_quant_round.__file__).read_text())
+    kernels = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               and any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "bounded_kernel"
+                       for d in node.decorator_list)]
+    assert [k.name for k in kernels] == ["quant_one_round"]
+    assert _is_wait(kernels[0].body[0])

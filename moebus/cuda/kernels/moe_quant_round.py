@@ -183,7 +183,7 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
     warps = block // WARP
 
     @bounded_kernel(block, min_blocks)
-    def fp8_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
+    def quant_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
                       scale1, first_pair, out_table, out):
         # x: (T, cols) float32 as uint64 (gate|up: row x_table[j]; down: h, row j); arena / store: the
         # blobs as uint64 and float32; code* / scale*: 8-byte word and float offsets of the matrices
@@ -232,7 +232,7 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                         else:
                             out[dest, out_row] = part[r]
 
-    return fp8_one_round
+    return quant_one_round
 
 
 def shape(fmt: str) -> tuple[int, int, int, int]:
