@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "nvdisasm"))
     parser.add_argument("--shapes", default="2048:2:2:1:4,2048:2:2:1:0,2048:1:2:1:0,2048:1:2:0:0,768:8:1:1:0,768:8:1:0:0,"
                         "768:4:1:0:0,768:4:1:1:0,2048:2:0:1:0,2048:2:0:0:0,4096:1:0:1:0,4096:1:0:0:0,"
-                        "2048:4:2:0:0:int4,2048:2:2:0:0:int4,768:8:1:0:0:int4,768:16:1:0:0:int4",
+                        "2048:1:2:0:0:int4,2048:2:2:0:0:int4,2048:4:2:0:0:int4,768:8:1:0:0:int4,768:16:1:0:0:int4",
                         help="cols:rows:mats:hardware:min_blocks[:fmt],... (mats 0: the FP8 projection)")
     args = parser.parse_args(argv)
     cuda_home = find_cuda_home()
