@@ -1,7 +1,7 @@
 """Issue 16, fifteenth session (branch quant15): quant9_sweep.py's sweep (per (experts, attention) one load, per
 setting of the kernels' constants the decode graphs recaptured, bench decode's tok/s all resident, CUPTI us a
-kernel in the graph), plus the greedy ids of each batch-1 setting (16 after the prompt) so that the fp8
-settings' tokens can be compared with the old kernels'; and a short summary of a sweep's log.
+kernel in the graph), plus the greedy ids of each batch-1 setting (16 after the prompt, and their log p) so
+that the new kernels' tokens can be compared with the old kernels'; and a short summary of a sweep's log.
 
     quant15_bench.py MODEL PLAN.json [PROFILE_STEPS]     (quant9_sweep.py's arguments; QUICK=1: a warm-up)
     quant15_bench.py --summary LOG                       (the summary, x bf16 and us a layer by kernel group)"""
@@ -13,22 +13,25 @@ import quant9_sweep
 GREEDY_TOKENS = 16
 
 
-def greedy_ids(model, prompt, count: int) -> list[int]:
+def greedy_ids(model, prompt, count: int) -> tuple[list[int], list[float]]:
+    """The greedy ids after ``prompt`` and the log p of each."""
     from moebus.workers.batch import StepBatch
 
     out = model.step(StepBatch(slots=[0], starts=[0], lengths=[len(prompt)], tokens=prompt))
-    ids = [int(out.tokens[0])]
+    ids, logprobs = [int(out.tokens[0])], [float(out.logprobs[0])]
     for i in range(count - 1):
         out = model.step(StepBatch(slots=[0], starts=[len(prompt) + i], lengths=[1], tokens=[ids[-1]]))
         ids.append(int(out.tokens[0]))
-    return ids
+        logprobs.append(float(out.logprobs[0]))
+    return ids, logprobs
 
 
 def _with_tokens(original):
     def in_process(model, prompt, tokens, batch, repeats, *args, **kwargs):
         result = original(model, prompt, tokens, batch, repeats, *args, **kwargs)
         if batch == 1 and not quant9_sweep.QUICK:
-            quant9_sweep.emit({"section": "tokens", "ids": greedy_ids(model, prompt, GREEDY_TOKENS)})
+            ids, logprobs = greedy_ids(model, prompt, GREEDY_TOKENS)
+            quant9_sweep.emit({"section": "tokens", "ids": ids, "logprobs": logprobs})
         return result
 
     return in_process
@@ -52,11 +55,11 @@ def summary(path: str) -> None:
             except ValueError:
                 pass
     rows = [r for r in rows if isinstance(r, dict)]
-    ids, reference, base = None, {}, {}
+    ids, reference, base = None, {}, {}  # ids: the last "tokens" row (ids, logprobs)
     print("== quant15 summary (decode all resident; x bf16 of the same call; us a layer; kernels: CUPTI, us a layer)")
     for r in rows:
         if r.get("section") == "tokens":
-            ids = r["ids"]
+            ids = (r["ids"], r.get("logprobs") or [0.0] * len(r["ids"]))
             continue
         if r.get("section") == "failed":
             print(f"FAILED {r['experts']}:{r['attention']} {r['setting']}: {r['error'][:160]}")
@@ -74,10 +77,12 @@ def summary(path: str) -> None:
             if g and calls >= layers:  # lm_head (once a step) left out
                 parts[g] = parts.get(g, 0.0) + calls * us / layers
         agree = ""
-        if r["batch"] == 1 and ids is not None:
-            reference.setdefault(key, ids)
-            same = sum(a == b for a, b in zip(ids, reference[key]))
-            agree = f" ids {same}/{len(ids)} as {key[0]}'s first"
+        if r["batch"] == 1 and ids is not None:  # against the first setting of these dtypes: equal ids, and
+            reference.setdefault(key, ids)     # the largest |log p| difference while they are equal
+            (mine, mine_lp), (ref, ref_lp) = ids, reference[key]
+            equal = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), len(mine))
+            most = max((abs(a - b) for a, b in zip(mine_lp[:equal], ref_lp[:equal])), default=0.0)
+            agree = f" ids {equal}/{len(mine)} dlogp {most:.1e}"
             ids = None
         print(f"{r['experts']}:{r['attention']} {r['setting'][:18]:18} b{r['batch']} {r['tok_s']:7.1f} tok/s {ratio:5.2f}x "
               f"{r['us_per_layer']:6.1f} us/layer; experts {parts.get('experts', 0):5.1f} proj {parts.get('proj', 0):5.1f}"
