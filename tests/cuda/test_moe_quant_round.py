@@ -92,6 +92,7 @@ def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hid
     monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
     monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
     monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
+    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)  # the wait moves (a no-op here)
     layout = ExpertLayout("int4", hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
@@ -116,4 +117,5 @@ def test_the_one_round_expert_kernel_waits_first():
                and any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "bounded_kernel"
                        for d in node.decorator_list)]
     assert [k.name for k in kernels] == ["quant_one_round"]
-    assert _is_wait(kernels[0].body[0])
+    first = kernels[0].body[0]  # `if not early: grid_dependency_wait()` (DOWN_LOAD_BEFORE_WAIT: early)
+    assert isinstance(first, ast.If) and ast.unparse(first.test) == "not early" and _is_wait(first.body[0])

@@ -30,7 +30,7 @@ from moebus.common.quant import BLOCK
 from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, device, float32, uint32, uint64,
                                        warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
-from moebus.cuda.kernels.pdl import grid_dependency_wait
+from moebus.cuda.kernels.pdl import grid_dependency_wait, released_early
 from moebus.cuda.kernels.quant_words import (NIBBLES, can_convert_e4m3, fast_quotient, e4m3_quad, int4_quad, load_pair,
                                              load_pair_ordered, load_pair_streaming)
 
@@ -56,6 +56,13 @@ INT4_GATE_UP_ROWS = 1
 INT4_GATE_UP_MIN_BLOCKS = 0
 INT4_DOWN_ROWS = 8
 INT4_DOWN_MIN_BLOCKS = 0
+# The down GEMV's pair tables and words read before its PDL wait, h after it: only where pdl.released_early()
+# (the routing, two kernels back, is then complete, as for moe_ffn.PREFETCH_DOWN_BEFORE_WAIT) and only
+# while every expert is resident (an arena slot is then never rewritten within a step; with an evicting
+# cache whether an upload may rewrite a slot between the routing and the down GEMV is not established):
+# the down matrices' bytes then come from HBM while gate|up ends. Off: an experiment for all-resident
+# benches (tools/device/quant15.sh); the kernels cannot tell whether the cache evicts.
+DOWN_LOAD_BEFORE_WAIT = False
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
@@ -169,10 +176,11 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
 
 @functools.cache
 def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
-                     fmt: str = "fp8"):
+                     fmt: str = "fp8", early: bool = False):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
-    capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes)."""
+    capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes); ``early``: the down GEMV's
+    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT)."""
     load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt)
     int4 = fmt == "int4"
     lanes = WARP // rows
@@ -187,7 +195,8 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                       scale1, first_pair, out_table, out):
         # x: (T, cols) float32 as uint64 (gate|up: row x_table[j]; down: h, row j); arena / store: the
         # blobs as uint64 and float32; code* / scale*: 8-byte word and float offsets of the matrices
-        grid_dependency_wait()  # pdl.py: before any global read or write
+        if not early:
+            grid_dependency_wait()  # pdl.py: before any global read or write
         xs = cuda.shared.array(shared_words, uint64)  # x's 16-byte chunks as [chunk within word][word]
         j = first_pair + cuda.blockIdx.y
         words, slot = _placement(arena, store, pair_slot[j])
@@ -213,6 +222,8 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                 load(words, slot, uint64(code_at) + uint64(row * uint32(2 * row_words)), floats, slot,
                      uint64(scale_at) + uint64(scale_row), sub, lo, hi, scale, minimum, m)
             if start == 0:  # x into shared memory, then the barrier that keeps the loads above it
+                if early:  # every thread of the grid waits here (the first trip is every warp's)
+                    grid_dependency_wait()  # pdl.py: only the routing's tables and the weights were read before it
                 stage(x, x_row, xs, tid)
                 cuda.syncthreads()
             for i in range(sums):
@@ -246,5 +257,7 @@ def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8"):
     """(gate|up kernel, down kernel) at the constants above."""
     hardware = can_convert_e4m3()
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt)
+    early = DOWN_LOAD_BEFORE_WAIT and released_early()
     return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt),
-            one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt))
+            one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
+                             early))
