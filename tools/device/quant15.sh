@@ -7,8 +7,9 @@
 # QUICK=1 runs on the 1-layer model (bf16 / fp8 / int4 parts of the plan, a kernel cache each, merged into
 # /tmp/quant-nc by quant9_cache_merge.py) that compile every kernel variant the measure phase runs.
 # PHASE=measure (alone, BUDGET ~90 s): quant15_bench.py on 24 x 32 over tools/device/quant15_plan.json
-# (quant9_sweep.py: per (experts, attention) one load; per setting decode all resident, tok/s at batch 1
-# (and 8), CUPTI us a kernel; the greedy ids of each batch-1 setting), then the summary (x bf16) last.
+# (quant9_sweep.py: per (experts, attention) one load; per setting decode all resident, tok/s at batch 1,
+# CUPTI us a kernel (all of them: $OUT/table.txt); the greedy ids and log p of each setting), then the summary
+# (x bf16, the expert and projection kernels' us a layer, ids against the old kernels') last.
 # Without the 24-layer model (init cut in the warm phase): $M48 with the short plan (bf16, fp8 old / new).
 source tools/device/setup.sh
 set -o pipefail
