@@ -13,7 +13,7 @@ from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module
 
 @pytest.mark.parametrize("hidden, inter, gate_rows, down_rows, hardware", [
     (256, 128, 2, 8, True),  # rows of whole rounds: 16 / 8 words, 1 / 2 a lane
-    (256, 128, 2, 4, False),  # e4m3 by bit moves (on a GPU; the simulator always uses them)
+    (256, 128, 1, 4, False),  # e4m3 by bit moves (their rows a warp; on a GPU: the simulator always uses them)
     (144, 48, 1, 4, True),   # partial scale blocks along D (128 + 16); words past a row's end (9 words, 32 lanes)
     (1040, 32, 2, 8, True),  # 65 words a gate|up row (5 a lane, the last clamped); 1040 down rows: a partial group
 ])
@@ -24,6 +24,8 @@ def test_quant_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hi
     monkeypatch.setattr(moe_quant_round, "DOWN_ROWS", down_rows)
     monkeypatch.setattr(moe_quant_round, "GATE_UP_HARDWARE", hardware)
     monkeypatch.setattr(moe_quant_round, "DOWN_HARDWARE", hardware)
+    if hardware:  # the simulator then runs the bit moves with the instruction's work shapes
+        monkeypatch.setattr(moe_quant, "round_hardware", lambda: True)
     layout = ExpertLayout("fp8", hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
@@ -77,6 +79,8 @@ def test_quant_one_round_experts_and_projections_match_the_cpu_device(micro_fp8_
 
 def test_quant_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
     assert moe_quant_round.fits(2048, 2, 2) and moe_quant_round.fits(768, 8, 1)  # 16 and 12 words a lane
+    gate_rows, _, down_rows, _ = moe_quant_round.shape("fp8", hardware=False)
+    assert (gate_rows, down_rows) == (moe_quant_round.GATE_UP_ROWS_BIT_MOVES, moe_quant_round.DOWN_ROWS_BIT_MOVES)
     assert not moe_quant_round.fits(4096, 2, 2)  # 32 words a lane
     assert not moe_quant_round.fits(2056, 2, 2)  # not whole 16-byte words
     assert moe_quant_round.fits(2048, 1, 2, "int4") and moe_quant_round.fits(768, 8, 1, "int4")  # 4 and 6 words a lane

@@ -32,7 +32,7 @@ from moebus.cuda.kernels.moe_ffn import warp_rows
 from moebus.cuda.kernels import linear_quant_fp8
 from moebus.cuda.kernels.moe_quant import _x_chunk
 from moebus.cuda.kernels.moe_quant_bf16 import _bf16_bits
-from moebus.cuda.kernels.quant_words import decoder, e4m3_at, hardware_e4m3
+from moebus.cuda.kernels.quant_words import HARDWARE_E4M3_MIN_RUN, decoder, e4m3_at, hardware_e4m3
 
 MAX_TOKENS = 8  # tokens a pass: per-lane sums live in registers
 WARPS = 4  # warps a block
@@ -203,7 +203,7 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
     if num_tokens == 0 or codes.shape[0] == 0:
         return out
     if ONE_ROUND and linear_quant_fp8.fits(x, codes, scales):
-        return linear_quant_fp8.linear_fp8_one_round(x, codes, scales, out, stream)
+        return linear_quant_fp8.linear_fp8_one_round(x, codes, scales, out, stream, hardware_e4m3(HARDWARE_E4M3_MIN_RUN))
     chunk = min(MAX_TOKENS, num_tokens)
     row_words = cols // VALUES_PER_WORD
     rows = rows_for(codes.shape[0], chunk)

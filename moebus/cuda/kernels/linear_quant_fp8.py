@@ -16,7 +16,6 @@ from moebus.cuda.kernels.compat import WARP, blocks, bounded_kernel, cuda, float
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.moe_quant_round import VALUES_PER_WORD, aligned, round_parts
 from moebus.cuda.kernels.pdl import grid_dependency_wait
-from moebus.cuda.kernels.quant_words import can_convert_e4m3
 
 MAX_WORDS = 8  # 16-byte words a lane at most (registers: 8 words and their scales)
 WARPS = 4
@@ -91,13 +90,13 @@ def dense_kernel(cols: int, rows: int, streaming: bool, hardware: bool, block: i
     return fp8_dense_one_round
 
 
-def linear_fp8_one_round(x, codes, scales, out, stream=0):
-    """out (1, R) = x (1, C) @ the FP8 weight ^T (linear_quant.linear_fp8_cuda checked the arguments)."""
+def linear_fp8_one_round(x, codes, scales, out, stream=0, hardware: bool = True):
+    """out (1, R) = x (1, C) @ the FP8 weight ^T (linear_quant.linear_fp8_cuda checked the arguments);
+    ``hardware``: whether the GPU converts e4m3 by instruction (the caller's: quant_words.hardware_e4m3)."""
     num_rows, cols = codes.shape
     rows = rows_for(cols)
     block = threads(WARPS * WARP)
-    fn = dense_kernel(cols, rows, STREAM_WEIGHTS, HARDWARE_E4M3 and can_convert_e4m3(), block, MIN_BLOCKS,
-                      LOAD_BEFORE_WAIT)
+    fn = dense_kernel(cols, rows, STREAM_WEIGHTS, HARDWARE_E4M3 and hardware, block, MIN_BLOCKS, LOAD_BEFORE_WAIT)
     fn[blocks(ceil_div(ceil_div(num_rows, rows), block // WARP)), block, stream](
         x.view(np.uint64), codes.view(np.uint64), scales, num_rows, out)
     return out

@@ -31,7 +31,7 @@ from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda,
                                        warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
 from moebus.cuda.kernels.pdl import grid_dependency_wait, released_early
-from moebus.cuda.kernels.quant_words import (NIBBLES, can_convert_e4m3, fast_quotient, e4m3_quad, int4_quad, load_pair,
+from moebus.cuda.kernels.quant_words import (NIBBLES, fast_quotient, e4m3_quad, int4_quad, load_pair,
                                              load_pair_ordered, load_pair_streaming)
 
 VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
@@ -49,6 +49,10 @@ GATE_UP_HARDWARE = True
 DOWN_ROWS = 8
 DOWN_MIN_BLOCKS = 0
 DOWN_HARDWARE = True
+# fp8 rows a warp where e4m3 is decoded by bit moves (a GPU without the instruction, or *_HARDWARE off):
+# gate|up 2 rows and down 8 went through local memory there
+GATE_UP_ROWS_BIT_MOVES = 1
+DOWN_ROWS_BIT_MOVES = 4
 # int4 (32 codes a 16-byte word; A3B gate|up rows 64 words, down 24): rows a warp and register caps, as
 # above. Gate|up 1 row (2 words a lane and matrix: 72 registers; at 2 or 4 rows NVVM left the word loop
 # rolled and the words went through local memory), down 8 rows (6 words a lane, 72 registers).
@@ -246,17 +250,21 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
     return quant_one_round
 
 
-def shape(fmt: str) -> tuple[int, int, int, int]:
-    """(gate|up rows, its MIN_BLOCKS, down rows, its MIN_BLOCKS) a warp for ``fmt``."""
+def shape(fmt: str, hardware: bool = True) -> tuple[int, int, int, int]:
+    """(gate|up rows, its MIN_BLOCKS, down rows, its MIN_BLOCKS) a warp for ``fmt``; ``hardware``: whether
+    the GPU converts e4m3 by instruction (without, fp8 takes the *_BIT_MOVES rows)."""
     if fmt == "int4":
         return INT4_GATE_UP_ROWS, INT4_GATE_UP_MIN_BLOCKS, INT4_DOWN_ROWS, INT4_DOWN_MIN_BLOCKS
-    return GATE_UP_ROWS, GATE_UP_MIN_BLOCKS, DOWN_ROWS, DOWN_MIN_BLOCKS
+    down_rows = DOWN_ROWS if hardware and DOWN_HARDWARE else DOWN_ROWS_BIT_MOVES
+    if hardware and GATE_UP_HARDWARE:
+        return GATE_UP_ROWS, GATE_UP_MIN_BLOCKS, down_rows, DOWN_MIN_BLOCKS
+    return GATE_UP_ROWS_BIT_MOVES, 0, down_rows, DOWN_MIN_BLOCKS
 
 
-def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8"):
-    """(gate|up kernel, down kernel) at the constants above."""
-    hardware = can_convert_e4m3()
-    gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt)
+def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: bool = True):
+    """(gate|up kernel, down kernel) at the constants above; ``hardware``: whether the GPU converts e4m3
+    by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it)."""
+    gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
     early = DOWN_LOAD_BEFORE_WAIT and released_early()
     return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt),
             one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
