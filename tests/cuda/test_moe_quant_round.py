@@ -43,6 +43,7 @@ def test_quant_one_round_serves_batch_1_only(rng, monkeypatch):
     arena = device(_arena(rng, layout, 1))
     assert moe_quant.one_round(layout, 1, arena, arena)
     assert not moe_quant.one_round(layout, 2, arena, arena)  # runs of 2 pairs: moe_quant.py's kernels
+    monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", False)
     assert not moe_quant.one_round(ExpertLayout("int4", 256, 128), 1, arena, arena)  # INT4_ONE_ROUND off
     monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", False)
     assert not moe_quant.one_round(layout, 1, arena, arena)

@@ -10,7 +10,7 @@
 # (quant9_sweep.py: per (experts, attention) one load; per setting decode all resident, tok/s at batch 1,
 # CUPTI us a kernel (all of them: $OUT/table.txt); the greedy ids and log p of each setting), then the summary
 # (x bf16, the expert and projection kernels' us a layer, ids against the old kernels') last.
-# Without the 24-layer model (init cut in the warm phase): $M48 with the short plan (bf16, fp8 old / new).
+# Without the 24-layer model (init cut in the warm phase): $M48 with the short plan (bf16, fp8 old / defaults).
 source tools/device/setup.sh
 set -o pipefail
 PHASE=${PHASE:-measure}; BUDGET=${BUDGET:-90}; OUT=${OUT:-/tmp/quant15-out}; mkdir -p $OUT

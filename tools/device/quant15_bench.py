@@ -41,7 +41,7 @@ def group(label: str) -> str | None:
     """experts / projections / None of a kernel label (quant9_sweep.kernel_table's)."""
     if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_round.", "grouped_moe.")):
         return "experts"
-    if label.startswith(("linear.", "linear_quant.", "gemm")):
+    if label.startswith(("linear.", "linear_quant.", "linear_quant_fp8.", "gemm")):
         return "proj"
     return None
 

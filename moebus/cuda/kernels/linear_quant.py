@@ -56,8 +56,9 @@ MIN_WARPS = 1024
 # Off until timed in the decode graph (moe_quant.ROUND_GATE).
 ROUND_GATE = False
 # One token: linear_quant_fp8.py's one-round kernel (16-byte words, all of a warp's loads before a block
-# barrier, x staged in shared memory) instead of _fp8_rows_kernel. Off until timed (tools/device/quant15.sh).
-ONE_ROUND = False
+# barrier, x staged in shared memory) instead of _fp8_rows_kernel: on an H200 (24 x 32, CUPTI in the graph)
+# q/k/v 9.47 -> 7.87 us, o 14.94 -> 12.43 (docs/performance.md, fifteenth session).
+ONE_ROUND = True
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 

@@ -24,8 +24,8 @@ HARDWARE_E4M3 = True  # e4m3 by the conversion instruction where the GPU has it 
 MIN_BLOCKS = 0  # registers capped for this many blocks of 128 threads an SM (0: none)
 # A warp's first words loaded before grid_dependency_wait (pdl.py): a weight never changes within a step,
 # so with the decode graph's programmatic edges its bytes come from HBM while the kernel before ends (as
-# linear.py's bf16 GEMV asks L2 for its first rows before it waits). x is read after the wait. Off
-# until timed (tools/device/quant15.sh).
+# linear.py's bf16 GEMV asks L2 for its first rows before it waits). x is read after the wait. Measured
+# on an H200 (24 x 32, fp8 experts + attention): 690.4 tok/s against 691.0 without: no gain, off.
 LOAD_BEFORE_WAIT = False
 
 

@@ -38,13 +38,13 @@ VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
 VALUES = {"fp8": VALUES_PER_WORD, "int4": 32}  # codes in a 16-byte word by format
 # Rows a warp takes (32 / rows lanes a row), registers capped for MIN_BLOCKS blocks of 128 threads an SM
 # (0: none), e4m3 by the conversion instruction (cvt.rn.f16x2.e4m3x2, sm_89+; else bit moves: the same
-# values), by kernel. Chosen by ptxas (sm_90, tools/device/quant15_sass.py), not yet timed:
-# gate|up 2 rows (A3B: 8 words a lane and matrix, 16 loads of 16 bytes; 768 blocks at batch 1) with
-# the instruction at 119 registers (4 blocks an SM; 5 spills), 1 row 72; down 8 rows (12 words a lane,
-# 512 blocks) with the instruction at 97 registers (with bit moves the words went through local memory:
-# the loop was not unrolled), 4 rows 64. tools/device/quant15.sh times them against one another.
-GATE_UP_ROWS = 2
-GATE_UP_MIN_BLOCKS = 4
+# values), by kernel. Registers by ptxas (sm_90, tools/device/quant15_sass.py): gate|up 1 row (A3B: 4
+# words a lane and matrix, 1,536 blocks at batch 1) 72, 2 rows (8 words, 768 blocks) 119 capped for 4
+# blocks an SM; down 8 rows (12 words a lane, 512 blocks) 97, 4 rows 64. On an H200 (24 x 32 A3B, all
+# resident, fp8 experts + fp8 attention, the quant15.sh call): gate|up 1 row 738.1 tok/s against 2 rows
+# 691.0 (CUPTI 16.4 vs 20.2 us a layer); down 4 rows 693.3 against 8 rows 691.0 (noise).
+GATE_UP_ROWS = 1
+GATE_UP_MIN_BLOCKS = 0
 GATE_UP_HARDWARE = True
 DOWN_ROWS = 8
 DOWN_MIN_BLOCKS = 0
@@ -65,7 +65,8 @@ INT4_DOWN_MIN_BLOCKS = 0
 # while every expert is resident (an arena slot is then never rewritten within a step; with an evicting
 # cache whether an upload may rewrite a slot between the routing and the down GEMV is not established):
 # the down matrices' bytes then come from HBM while gate|up ends. Off: an experiment for all-resident
-# benches (tools/device/quant15.sh); the kernels cannot tell whether the cache evicts.
+# benches; the kernels cannot tell whether the cache evicts. Measured (H200, 24 x 32, with the
+# projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0 (down 11.9 -> 9.4 us, CUPTI).
 DOWN_LOAD_BEFORE_WAIT = False
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
