@@ -10,7 +10,7 @@ reference (moe_quant.expert_ffn_quant_ref).
 Work split: a warp takes ``rows`` consecutive output rows of each matrix (gate|up: both), ``32 / rows``
 lanes a row; a lane reads words sub, sub + lanes, ... of its row (fp8: 16 codes a word, one 128-wide
 scale block; int4: 32, one group), K = ceil(W / lanes) of them (W: 16-byte words a row; A3B fp8
-gate|up rows of 2048: 128 words, at 2 rows a warp 8 a lane and matrix; down rows of 768: 48, at 8 rows
+gate|up rows of 2048: 128 words, at 1 row a warp 4 a lane and matrix; down rows of 768: 48, at 8 rows
 a warp 12 a lane). Each word's codes become float32 in registers (fp8: quant_words' bit moves or the
 e4m3 conversion instruction, the same values; int4: q + m / s by byte permutes, as quant_words.decoder),
 their products with x summed, then times the word's scale. The block's x sits in shared memory as
