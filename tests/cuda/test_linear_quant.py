@@ -10,6 +10,14 @@ from moebus.cuda.kernels.linear_quant import (fp8_rows_dequantize, fp8_to_bf16_c
 from tests.cuda.conftest import device, poisoned
 
 
+@pytest.fixture(autouse=True)
+def _eight_byte_kernel(monkeypatch):
+    """This file's GEMV tests are linear_quant.py's own kernel's (test_linear_quant_fp8.py: the one-round one)."""
+    from moebus.cuda.kernels import linear_quant
+
+    monkeypatch.setattr(linear_quant, "ONE_ROUND", False)
+
+
 def _weight(rng, rows, cols):
     # unequal scales along rows and columns: a wrong scale index shows
     ramp = np.linspace(0.2, 1.5, cols, dtype=np.float32)

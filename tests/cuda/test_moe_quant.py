@@ -13,6 +13,15 @@ from tests.cuda.conftest import device, poisoned
 FORMATS = ("fp8", "int4")
 
 
+@pytest.fixture(autouse=True)
+def _eight_byte_kernels(monkeypatch):
+    """This file's tests are moe_quant.py's own kernels' (test_moe_quant_round.py: the one-round ones)."""
+    from moebus.cuda.kernels import moe_quant
+
+    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", False)
+    monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", False)
+
+
 def _close(actual, expected):
     # float32 sums in another order (and int4's s * sum(x q) + m * sum(x) cancelling): errors scale
     # with the largest output, not with each element

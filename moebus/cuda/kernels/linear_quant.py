@@ -29,9 +29,10 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import warp_rows
+from moebus.cuda.kernels import linear_quant_fp8
 from moebus.cuda.kernels.moe_quant import _x_chunk
 from moebus.cuda.kernels.moe_quant_bf16 import _bf16_bits
-from moebus.cuda.kernels.quant_words import decoder, e4m3_at, hardware_e4m3
+from moebus.cuda.kernels.quant_words import HARDWARE_E4M3_MIN_RUN, decoder, e4m3_at, hardware_e4m3
 
 MAX_TOKENS = 8  # tokens a pass: per-lane sums live in registers
 WARPS = 4  # warps a block
@@ -54,6 +55,10 @@ MIN_WARPS = 1024
 # groups (tools/device/quant11_sass.py); the bit moves' variant issued them first anyway. The same bits.
 # Off until timed in the decode graph (moe_quant.ROUND_GATE).
 ROUND_GATE = False
+# One token: linear_quant_fp8.py's one-round kernel (16-byte words, all of a warp's loads before a block
+# barrier, x staged in shared memory) instead of _fp8_rows_kernel: on an H200 (24 x 32, CUPTI in the graph)
+# q/k/v 9.47 -> 7.87 us, o 14.94 -> 12.43 (docs/performance.md, fifteenth session).
+ONE_ROUND = True
 VALUES_PER_WORD = 8
 WORDS_PER_BLOCK = BLOCK // VALUES_PER_WORD  # words of a row under one scale
 
@@ -198,6 +203,8 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
         raise ValueError("x: the FP8 GEMV reads rows of x 16 bytes a lane (C-ordered, 16-byte aligned)")
     if num_tokens == 0 or codes.shape[0] == 0:
         return out
+    if ONE_ROUND and linear_quant_fp8.fits(x, codes, scales):
+        return linear_quant_fp8.linear_fp8_one_round(x, codes, scales, out, stream, hardware_e4m3(HARDWARE_E4M3_MIN_RUN))
     chunk = min(MAX_TOKENS, num_tokens)
     row_words = cols // VALUES_PER_WORD
     rows = rows_for(codes.shape[0], chunk)

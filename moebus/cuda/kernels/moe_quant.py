@@ -37,7 +37,9 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels.quant_words import decoder, hardware_e4m3, load_pair, load_streaming, streaming_round
+from moebus.cuda.kernels import moe_quant_round
+from moebus.cuda.kernels.quant_words import (HARDWARE_E4M3_MIN_RUN, decoder, hardware_e4m3, load_pair, load_streaming,
+                                             streaming_round)
 
 # Values in an 8-byte word. (4-byte words, a lane's x reads then 16 bytes apart as bf16's, measured
 # 35% slower on an H200: more loads and instructions a byte; docs/performance.md.)
@@ -76,6 +78,13 @@ STREAM_WEIGHTS = False
 # call's time (docs/performance.md). ROUND_GATE_X: the round's x words too.
 ROUND_GATE = False
 ROUND_GATE_X = False
+# Experts with runs of one pair (batch 1): moe_quant_round.py's one-round kernels (16-byte words, all of a
+# warp's loads before a block barrier, x staged in shared memory) instead of _rows_kernel. On an H200,
+# 24 x 32 A3B all resident, with the FP8 projections' (linear_quant.ONE_ROUND): fp8 experts + fp8 attention
+# 616.5 -> 738.1 tok/s (1.07x -> 1.28x bf16's 577.8), int4 631.5 -> 706.0; greedy ids equal, log p within
+# 2e-4 (docs/performance.md, fifteenth session).
+FP8_ONE_ROUND = True
+INT4_ONE_ROUND = True
 ONE, SHIFT_HI = np.uint64(1), np.uint64(32)
 
 
@@ -313,6 +322,22 @@ def work_shape(fmt: str, chunk: int) -> tuple[int, int, int]:
     return GATE_UP_ROWS_LONG, 8, DOWN_ROWS_LONG
 
 
+def round_hardware() -> bool:
+    """Whether the GPU converts e4m3 by instruction, for moe_quant_round.py (through hardware_e4m3, which an
+    offline compile sets: tests/cuda/ptx_check.py)."""
+    return hardware_e4m3(HARDWARE_E4M3_MIN_RUN)
+
+
+def one_round(layout: ExpertLayout, chunk: int, arena, store) -> bool:
+    """Whether expert_ffn_quant_cuda runs moe_quant_round.py's kernels (FP8_ONE_ROUND, INT4_ONE_ROUND)."""
+    fmt = layout.dtype
+    if chunk != 1 or not (FP8_ONE_ROUND if fmt == "fp8" else INT4_ONE_ROUND):
+        return False
+    gate_rows, _, down_rows, _ = moe_quant_round.shape(fmt, round_hardware())
+    return (moe_quant_round.fits(layout.hidden, gate_rows, 2, fmt) and moe_quant_round.fits(layout.inter, down_rows, 1, fmt)
+            and moe_quant_round.aligned(arena, store))
+
+
 def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: ExpertLayout, out, scratch, stream=0,
                           store=None):
     """expert_ffn_quant_ref on device arrays. ``arena`` and ``store``: (slots, B) uint8 blobs of
@@ -352,6 +377,19 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     block = threads(WARPS * WARP)
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
+    if one_round(layout, chunk, arena, store):
+        can_convert = round_hardware()
+        round_gate_up, round_down = moe_quant_round.kernels(hidden, inter, block, layout.dtype, can_convert)
+        round_gate_rows, _, round_down_rows, _ = moe_quant_round.shape(layout.dtype, can_convert)
+        for first in range(0, num_pairs, per_launch):
+            count = min(per_launch, num_pairs - first)
+            round_gate_up[(blocks(ceil_div(ceil_div(inter, round_gate_rows), per_block)), count), block, stream](
+                x_words, pair_token, pair_slot, *blobs, inter, gate_w, up_w, gate_s, up_s, first, pair_out, h)
+        for first in range(0, num_pairs, per_launch):
+            count = min(per_launch, num_pairs - first)
+            round_down[(blocks(ceil_div(ceil_div(hidden, round_down_rows), per_block)), count), block, stream](
+                h_words, pair_token, pair_slot, *blobs, hidden, down_w, down_w, down_s, down_s, first, pair_out, out)
+        return out
     for first in range(0, num_pairs, per_launch):
         count = min(per_launch, num_pairs - first)
         gate_up[(blocks(ceil_div(ceil_div(inter, gate_rows), per_block)), count), block, stream](

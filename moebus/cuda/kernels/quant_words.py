@@ -70,25 +70,36 @@ if not SIMULATOR:
     from numba.cuda import cgutils, types
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def load_pair(typingctx, array, row, at):
-        """array[row, at] and array[row, at + 1] of a C-ordered 2-D uint64 array in one 16-byte load
-        (ld.global.v2.u64: at even and rows 16-byte aligned), half the load instructions of two."""
-        signature = types.UniTuple(types.uint64, 2)(array, row, at)
+    def _pair_loader(instruction: str, ordered: bool = False):
+        @intrinsic
+        def load(typingctx, array, row, at):
+            signature = types.UniTuple(types.uint64, 2)(array, row, at)
 
-        def codegen(context, builder, sig, args):
-            array_type = sig.args[0]
-            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
-            pointer = cgutils.get_item_pointer(context, builder, array_type,
-                                               context.make_array(array_type)(context, builder, value=args[0]),
-                                               indices, wraparound=False)
-            i64 = ir.IntType(64)
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i64, i64]), [pointer.type]),
-                               "ld.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l")
-            out = builder.call(asm, [pointer])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(2)])
+            def codegen(context, builder, sig, args):
+                array_type = sig.args[0]
+                indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+                pointer = cgutils.get_item_pointer(context, builder, array_type,
+                                                   context.make_array(array_type)(context, builder, value=args[0]),
+                                                   indices, wraparound=False)
+                i64 = ir.IntType(64)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i64, i64]), [pointer.type]),
+                                   f"{instruction} {{$0, $1}}, [$2];", "=l,=l,l", side_effect=ordered)
+                out = builder.call(asm, [pointer])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(2)])
 
-        return signature, codegen
+            return signature, codegen
+
+        return load
+
+    # array[row, at] and array[row, at + 1] of a C-ordered 2-D uint64 array in one 16-byte load
+    # (ld.global.v2.u64: at even and rows 16-byte aligned), half the load instructions of two; the
+    # streaming one evict-first (ld.global.cs.v2.u64, weights read once a step: moe_quant_round.py)
+    load_pair = _pair_loader("ld.global.v2.u64")
+    load_pair_streaming = _pair_loader("ld.global.cs.v2.u64")
+    # ... kept in program order with other side-effecting statements such as pdl.grid_dependency_wait: an
+    # asm load without side effects is free to move (LLVM hoisted one out of a loop above that wait), so
+    # what a kernel reads of its predecessor's output goes through this one
+    load_pair_ordered = _pair_loader("ld.global.v2.u64", ordered=True)
 
     @intrinsic
     def load_streaming(typingctx, array, row, at):
@@ -199,6 +210,8 @@ else:
     def load_pair(array, row, at):
         return array[row, at], array[row, at + 1]
 
+    load_pair_streaming = load_pair_ordered = load_pair
+
     def load_streaming(array, row, at):
         return array[row, at]
 
@@ -214,6 +227,28 @@ else:
         for j in range(4):
             bits = ((nibbles >> np.uint32(8 * j)) & NIBBLE) | MAGIC23
             buf[row + j // 2, col + 2 * (j % 2)] = bits_as_f32(bits) - TWO23 + offset
+
+
+int4_quad = _int4_quad  # moe_quant_round.py's int4 words
+
+
+@functools.cache
+def e4m3_quad(hardware: bool):
+    """decode(w, quad): the 4 e4m3 codes of a uint32 (lowest byte first) into quad[0..3] as float32, by
+    the conversion instruction (``hardware``) or bit moves: the same values (moe_quant_round.py)."""
+    if hardware and not SIMULATOR:
+        @device
+        def quad_hardware(w, quad):
+            quad[0], quad[1], quad[2], quad[3] = _e4m3x4(w)
+
+        return quad_hardware
+
+    @device
+    def quad_bits(w, quad):
+        for c in range(4):
+            quad[c] = e4m3_at(w, 8 * c)
+
+    return quad_bits
 
 
 @functools.cache
@@ -265,3 +300,6 @@ else:
         """a / b within 2 ulp, without IEEE division's slow path (a branch, which keeps the round's
         loop from being unrolled and its words in registers)."""
         return cuda.libdevice.fast_fdividef(a, b)
+
+
+fast_quotient = _quotient  # moe_quant_round.py's int4 words
