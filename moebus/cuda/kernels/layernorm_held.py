@@ -17,7 +17,7 @@ import functools
 import math
 import os
 
-from moebus.cuda.kernels.compat import WARP, bits_as_f32, cuda, device, f32_bits, float32, kernel, uint16, uint64, warp_sum
+from moebus.cuda.kernels.compat import WARP, cuda, device, float32, kernel, uint64, warp_sum
 from moebus.cuda.kernels.loads import SCALAR
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 
@@ -36,19 +36,9 @@ def unrolled_store(store, out):
     two plain stores (its loop over the parts, of a trip count known only at run time, keeps the
     compiler from unrolling the stores' loop, and the held row then goes to local memory)."""
     from moebus.cuda.kernels.split_epilogues import _store_split
+    from moebus.cuda.kernels.split_two_parts import store_two_parts
 
     return store_two_parts if store is _store_split and len(out.shape) == 3 and out.shape[0] == 2 else store
-
-
-@device
-def store_two_parts(out, r, d, value):
-    # out[:, r, d] = the two parts of value, as split_epilogues._store_split computes them
-    bits = f32_bits(value)
-    hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (f32_to_bf16)
-    out[0, r, d] = uint16(hi)
-    rest = float32(value - bits_as_f32(hi << 16))
-    bits = f32_bits(rest)
-    out[1, r, d] = uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
 
 def _normed(store, load, count):

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from moebus.cuda.kernels import layernorm, vision_attention
+from moebus.cuda.kernels import layernorm, split_two_parts, vision_attention
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16,
                                         uint32)
@@ -183,7 +183,8 @@ def bias_activation_split_cuda(y, bias, name: str, out, stream=0):
     require("bias", bias, WEIGHT_DTYPES, shape=(y.shape[1],))
     _check_out(out, *y.shape)
     if y.size and PAIRED_STORES and y.shape[1] % 2 == 0:
-        kernel = _bias_activation_split_pairs_kernel(storage_of(bias), name)
+        kernel = split_two_parts.bias_activation_pairs_kernel(storage_of(bias), name) \
+            if split_two_parts.TWO_PARTS and out.shape[0] == 2 else _bias_activation_split_pairs_kernel(storage_of(bias), name)
         kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](y, reader_view(bias, wide=False), out.view(np.uint32))
     elif y.size:
         kernel = _bias_activation_split_kernel(storage_of(bias), name)
