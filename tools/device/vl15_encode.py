@@ -7,7 +7,8 @@ each against integ15's way:
 - ``two``: MOEBUS_SPLIT_TWO_PARTS (cuda/kernels/split_two_parts.py: bias + GELU into two parts, unsigned
   columns);
 - ``beside``: MOEBUS_TOWER_COLLECT_BESIDE (workers/tower_graph.py: the DeepStack features copied out while
-  the last blocks run; the eleventh session measured it 30.6 against 31.2 ms, never flipped).
+  the last blocks run; the eleventh session measured it 30.6 against 31.2 ms, never flipped);
+- ``pairs``: MOEBUS_FLASH_ROPE_PAIRS (flash_planes.cuh's rope_planes: a thread per rotary pair).
 
     vl15_encode.py warm      the weights made and saved (WEIGHTS), every way encoded once (compiles), no timing
     vl15_encode.py [REPEATS] each way re-captured, its warm encode as a graph (median of REPEATS) and its outputs
@@ -33,9 +34,11 @@ END = time.monotonic() + float(os.environ.get("BUDGET_S", "45"))
 WEIGHTS = os.environ.get("WEIGHTS", "/tmp/vl15-tower.npz")
 SWITCHES = {"held": ("moebus.cuda.kernels.layernorm_held", "HELD"),
             "two": ("moebus.cuda.kernels.split_two_parts", "TWO_PARTS"),
-            "beside": ("moebus.workers.tower_graph", "COLLECT_BESIDE")}
-WAYS = [("old", ()), ("all three", ("held", "two", "beside")), ("beside", ("beside",)), ("held", ("held",)),
-        ("two", ("two",)), ("held + two", ("held", "two")), ("old again", ())]
+            "beside": ("moebus.workers.tower_graph", "COLLECT_BESIDE"),
+            "pairs": ("moebus.cuda.kernels.flash_attention", "IMAGE_DEFINES")}
+ALL = tuple(SWITCHES)
+WAYS = [("old", ()), ("all four", ALL), ("beside", ("beside",)), ("held", ("held",)), ("two", ("two",)),
+        ("pairs", ("pairs",)), ("old again", ())]
 
 
 def left() -> float:
@@ -46,7 +49,12 @@ def set_switches(on) -> None:
     import importlib
 
     for name, (module, attribute) in SWITCHES.items():
-        setattr(importlib.import_module(module), attribute, name in on)
+        module = importlib.import_module(module)
+        if attribute == "IMAGE_DEFINES":  # a compile-time define of the attention's module, not a flag
+            others = tuple(d for d in module.IMAGE_DEFINES if d[0] != "ROPE_PAIRS")
+            module.IMAGE_DEFINES = others + ((("ROPE_PAIRS", 1),) if name in on else ())
+        else:
+            setattr(module, attribute, name in on)
 
 
 def tower():
@@ -155,7 +163,7 @@ def main() -> None:
             traceback.print_exc(limit=4)
     if WARM:
         return
-    for label, on in (("old", ()), ("all three", ("held", "two", "beside"))):
+    for label, on in (("old", ()), ("all four", ALL)):
         if left() < 6:
             print(f"by kernel, {label}: skipped ({left():.0f} s left)")
             continue

@@ -18,7 +18,7 @@ DEVICE = os.environ.get("VL15_DEVICE", "cuda")  # cpu: a dry run of the script (
 
 def main() -> bool:
     from qwen3vl_check import _hf_greedy
-    from vl15_encode import set_switches
+    from vl15_encode import ALL, set_switches
     from vltower8_fidelity import NUM_TOKENS, WIDER
     from vltower_fidelity import images, models, prompt
 
@@ -29,7 +29,7 @@ def main() -> bool:
         for n in (1, 2):
             ids, patches = prompt(ours, d, images()[:n])
             prompts.append((n, ids, patches, _hf_greedy(hf, ids, patches, NUM_TOKENS)))
-        for label, on in (("old", ()), ("all three", ("held", "two", "beside"))):
+        for label, on in (("old", ()), ("all four", ALL)):
             set_switches(on)
             ours.vision.graph.close()
             for n, ids, patches, (ref_tokens, ref_logprobs) in prompts:
