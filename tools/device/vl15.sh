@@ -47,9 +47,8 @@ if [[ $PHASE == warm ]]; then
   timeout $(( $(left) - 2 )) python3 tools/device/vl15_encode.py warm 2>&1 | grep -vE "^\s*$|Warning|warn\(" | tail -12
   echo "== GPU tests at $(now) s"
   (( $(left) > 20 )) && env $SWITCHES MOEBUS_TEST_GPU=1 timeout $(( $(left) - 2 )) python3 -m pytest -q -p no:cacheprovider \
-    tests/cuda/test_layernorm_held.py tests/cuda/test_split_two_parts.py tests/cuda/test_layernorm.py \
-    tests/cuda/test_split_epilogues.py tests/vision/test_tower_copies.py tests/vision/test_qwen3vl_tower_tc.py \
-    tests/cuda/test_flash_attention.py -k "rope or held or two or layernorm or split or tower or copies" 2>&1 | tail -6
+    tests/cuda/test_layernorm_held.py tests/cuda/test_split_two_parts.py tests/cuda/test_flash_attention.py \
+    tests/vision/test_qwen3vl_tower_tc.py -k "held or two or rope_planes_kernel or tower" 2>&1 | tail -6
   echo "== fidelity at $(now) s"
   (( $(left) > 20 )) && timeout $(( $(left) - 2 )) python3 tools/device/vl15_fidelity.py 2>&1 | grep -E "^fidelity|Error" | tail -10
   wait $DEEP; cat $OUT/deep_warm.txt; df -h /tmp | tail -1
