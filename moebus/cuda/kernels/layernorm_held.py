@@ -22,7 +22,7 @@ from moebus.cuda.kernels.loads import SCALAR
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 
 HELD = os.environ.get("MOEBUS_LAYERNORM_HELD", "0") == "1"
-MAX_PER_LANE = 48  # elements a lane holds (registers): rows of up to 1536
+MAX_PER_LANE = 40  # elements a lane holds (registers): rows of up to 1280 (at 48 the compiler keeps them in local memory)
 
 
 def per_lane(dim: int) -> int:
