@@ -41,7 +41,8 @@ if [[ $PHASE == warm ]]; then
         || { echo "deep init rc=$? at $(now) s: cut"; rm -rf $D; }
     fi
     echo "deep model $([[ -f $D/made ]] && du -sh $D | cut -f1 || echo none) at $(now) s"
-    (( $(left) > 15 )) && [[ -f $D/made ]] && cycle warm_cycle $(( $(left) - 2 )) $SWITCHES ) > $OUT/deep_warm.txt 2>&1 &
+    (( $(left) > 15 )) && [[ -f $D/made ]] && cycle warm_cycle $(( $(left) - 2 )) $SWITCHES
+    gzip -f $OUT/warm_cycle/cycle.log 2>/dev/null ) > $OUT/deep_warm.txt 2>&1 &
   DEEP=$!
   echo "== vl15_encode.py warm at $(now) s"
   timeout $(( $(left) - 2 )) python3 tools/device/vl15_encode.py warm 2>&1 | grep -vE "^\s*$|Warning|warn\(" | tail -12
