@@ -9,10 +9,10 @@
 #        vl15_fidelity.py (the switches off and on against float32 transformers, bar 1e-3);
 #   PHASE=measure (alone on the GPU, BUDGET 80 s)
 #     1. vl15_encode.py 20 (ENCODE_S, 42 s): the tower's warm encode, median of 20, integ15's way against each switch
-#        (held LayerNorm, two-part GELU, COLLECT_BESIDE, rope_planes by pairs) and all four, bits against integ15's;
-#        one replay by phase; the GPU time by kernel and the gaps between kernels, old and all four;
+#        (held LayerNorm, two-part GELU, COLLECT_BESIDE, rope_planes by pairs, patchify by frame) and all of them,
+#        bits against integ15's; one replay by phase; the GPU time by kernel and the gaps between kernels, old and all;
 #     2. the deep cycle (bench vision-cycle on $D: 1024 px, 2 text streams, 2 cold starts, 16 GiB) with integ15's
-#        defaults and the four switches on: each cold request's first token;
+#        defaults and the five switches on: each cold request's first token;
 #   a short summary last.
 source tools/device/setup.sh
 set -o pipefail
@@ -20,7 +20,8 @@ T0=$(date +%s); BUDGET=${BUDGET:-80}
 now() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(now) )); }
 export D=${D:-/tmp/vl-qwen3vl-${DEEP_LAYERS:-48}x${DEEP_EXPERTS:-8}} WEIGHTS=${WEIGHTS:-/tmp/vl15-tower.npz}
-SWITCHES="MOEBUS_LAYERNORM_HELD=1 MOEBUS_SPLIT_TWO_PARTS=1 MOEBUS_TOWER_COLLECT_BESIDE=1 MOEBUS_FLASH_ROPE_PAIRS=1"
+SWITCHES="MOEBUS_LAYERNORM_HELD=1 MOEBUS_SPLIT_TWO_PARTS=1 MOEBUS_TOWER_COLLECT_BESIDE=1 MOEBUS_FLASH_ROPE_PAIRS=1 \
+MOEBUS_PATCHIFY_BY_FRAME=1"
 cycle() {  # label limit_s [env...]: bench vision-cycle on $D into $OUT/<label>/cycle.log, in its own process group
   local label=$1 limit=$2; shift 2; mkdir -p $OUT/$label
   echo "=== deep cycle $label at $(now) s (limit $limit s) $*"
@@ -49,7 +50,8 @@ if [[ $PHASE == warm ]]; then
   echo "== GPU tests at $(now) s"
   (( $(left) > 20 )) && env $SWITCHES MOEBUS_TEST_GPU=1 timeout $(( $(left) - 2 )) python3 -m pytest -q -p no:cacheprovider \
     tests/cuda/test_layernorm_held.py tests/cuda/test_split_two_parts.py tests/cuda/test_flash_attention.py \
-    tests/vision/test_qwen3vl_tower_tc.py -k "held or two or rope_planes_kernel or tower" 2>&1 | tail -6
+    tests/vision/test_qwen3vl_tower_tc.py tests/cuda/test_patchify.py -k "held or two or rope_planes_kernel or tower or kernel_equals" \
+    2>&1 | tail -6
   echo "== fidelity at $(now) s"
   (( $(left) > 20 )) && timeout $(( $(left) - 2 )) python3 tools/device/vl15_fidelity.py 2>&1 | grep -E "^fidelity|Error" | tail -10
   wait $DEEP; cat $OUT/deep_warm.txt; df -h /tmp | tail -1
@@ -66,7 +68,7 @@ f=$OUT/deep/cycle.log
 [[ -f $f ]] && { grep -E "^  (phase|prefill) |encode 1:|preload beside:|Traceback|Error" $f | sed -E 's/^.*INFO //' \
   | cut -c1-150 | tail -6; gzip -f $f; }
 echo "--- summary (vl15, at $(now) s)"
-grep -E "^(old|all four|beside|held|two|pairs|old again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
+grep -E "^(old|all|beside|held|two|pairs|frame|old again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
 grep -E "^GPU of one|^  (collect|upload|graph|GPU)" $OUT/encode.txt | cut -c1-150
 grep -E "^SUMMARY" $OUT/encode.txt
 [[ -f $f.gz ]] && zcat $f.gz | grep -E "^cold image request|^warm image encode" | cut -c1-160

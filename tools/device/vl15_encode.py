@@ -8,7 +8,8 @@ each against integ15's way:
   columns);
 - ``beside``: MOEBUS_TOWER_COLLECT_BESIDE (workers/tower_graph.py: the DeepStack features copied out while
   the last blocks run; the eleventh session measured it 30.6 against 31.2 ms, never flipped);
-- ``pairs``: MOEBUS_FLASH_ROPE_PAIRS (flash_planes.cuh's rope_planes: a thread per rotary pair).
+- ``pairs``: MOEBUS_FLASH_ROPE_PAIRS (flash_planes.cuh's rope_planes: a thread per rotary pair);
+- ``frame``: MOEBUS_PATCHIFY_BY_FRAME (cuda/kernels/patchify.py: a thread per pixel of a patch).
 
     vl15_encode.py warm      the weights made and saved (WEIGHTS), every way encoded once (compiles), no timing
     vl15_encode.py [REPEATS] each way re-captured, its warm encode as a graph (median of REPEATS) and its outputs
@@ -35,10 +36,11 @@ WEIGHTS = os.environ.get("WEIGHTS", "/tmp/vl15-tower.npz")
 SWITCHES = {"held": ("moebus.cuda.kernels.layernorm_held", "HELD"),
             "two": ("moebus.cuda.kernels.split_two_parts", "TWO_PARTS"),
             "beside": ("moebus.workers.tower_graph", "COLLECT_BESIDE"),
-            "pairs": ("moebus.cuda.kernels.flash_attention", "IMAGE_DEFINES")}
+            "pairs": ("moebus.cuda.kernels.flash_attention", "IMAGE_DEFINES"),
+            "frame": ("moebus.cuda.kernels.patchify", "BY_FRAME")}
 ALL = tuple(SWITCHES)
-WAYS = [("old", ()), ("all four", ALL), ("beside", ("beside",)), ("held", ("held",)), ("two", ("two",)),
-        ("pairs", ("pairs",)), ("old again", ())]
+WAYS = [("old", ()), ("all", ALL), ("beside", ("beside",)), ("held", ("held",)), ("two", ("two",)),
+        ("pairs", ("pairs",)), ("frame", ("frame",)), ("old again", ())]
 
 
 def left() -> float:
@@ -163,7 +165,7 @@ def main() -> None:
             traceback.print_exc(limit=4)
     if WARM:
         return
-    for label, on in (("old", ()), ("all four", ALL)):
+    for label, on in (("old", ()), ("all", ALL)):
         if left() < 6:
             print(f"by kernel, {label}: skipped ({left():.0f} s left)")
             continue

@@ -29,7 +29,7 @@ def main() -> bool:
         for n in (1, 2):
             ids, patches = prompt(ours, d, images()[:n])
             prompts.append((n, ids, patches, _hf_greedy(hf, ids, patches, NUM_TOKENS)))
-        for label, on in (("old", ()), ("all four", ALL)):
+        for label, on in (("old", ()), ("all", ALL)):
             set_switches(on)
             ours.vision.graph.close()
             for n, ids, patches, (ref_tokens, ref_logprobs) in prompts:
