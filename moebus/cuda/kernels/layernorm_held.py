@@ -6,10 +6,12 @@ variance and the stores take them from registers.
 
 The arithmetic is layernorm.py's, in its order: each lane sums its elements d = lane, lane + 32, ...
 in turn, the warp sums by the same butterfly, the same expressions for the variance, 1 / std and
-the normed value. So every result equals layernorm.py's bit for bit (tests/cuda/test_layernorm_held.py).
+the normed value. So every result equals layernorm.py's bit for bit (tests/cuda/test_layernorm_held.py; on the
+H200 the a3b tower's outputs too, and its residual + LayerNorm pass 38.3 -> 33.3 us: docs/performance.md,
+fifteenth session).
 
 Rows of up to ``MAX_PER_LANE`` x 32 elements (the towers' hidden rows: 1152 = 36 a lane); wider ones
-(a DeepStack merger's 4608) keep layernorm.py's kernels. ``HELD`` (``MOEBUS_LAYERNORM_HELD``, 0 for
+(a DeepStack merger's 4608) keep layernorm.py's kernels. ``HELD`` (``MOEBUS_LAYERNORM_HELD``, default 1; 0 for
 layernorm.py's kernels everywhere) is read where the launch wrappers choose."""
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from moebus.cuda.kernels.compat import WARP, cuda, device, float32, kernel, uint
 from moebus.cuda.kernels.loads import SCALAR
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 
-HELD = os.environ.get("MOEBUS_LAYERNORM_HELD", "0") == "1"
+HELD = os.environ.get("MOEBUS_LAYERNORM_HELD", "1") != "0"
 MAX_PER_LANE = 40  # elements a lane holds (registers): rows of up to 1280 (at 48 the compiler keeps them in local memory)
 
 

@@ -3,9 +3,10 @@ towers' split precision), with unsigned columns: numba wraps a negative signed i
 compare and a select per index), and the parts' loop runs to a count known only at run time, so the
 compiled kernels spent most of their instructions on 64-bit index arithmetic. Here the columns are
 unsigned (no wraparound to compute), the two parts' stores are written out, and the values and
-roundings are split_epilogues.py's (bit for bit: tests/cuda/test_split_two_parts.py).
+roundings are split_epilogues.py's (bit for bit: tests/cuda/test_split_two_parts.py; on the H200 the a3b
+tower's bias + GELU 50.2 -> 42.1 us a call, its outputs unchanged: docs/performance.md, fifteenth session).
 
-``TWO_PARTS`` (``MOEBUS_SPLIT_TWO_PARTS``, 0 for split_epilogues.py's kernels) is read where
+``TWO_PARTS`` (``MOEBUS_SPLIT_TWO_PARTS``, default 1; 0 for split_epilogues.py's kernels) is read where
 split_epilogues.bias_activation_split_cuda chooses."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from moebus.cuda.kernels.compat import bits_as_f32, cuda, device, f32_bits, floa
 from moebus.cuda.kernels.loads import SCALAR
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 
-TWO_PARTS = os.environ.get("MOEBUS_SPLIT_TWO_PARTS", "0") == "1"
+TWO_PARTS = os.environ.get("MOEBUS_SPLIT_TWO_PARTS", "1") != "0"
 
 
 @device
