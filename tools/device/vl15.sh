@@ -7,6 +7,8 @@
 #     b. vl15_encode.py warm: the a3b tower's random bf16 weights saved to $WEIGHTS (1.1 GB), each switch's way
 #        encoded once (compiles, NVRTC too); then the new kernels' GPU tests (bit for bit against the kernels they replace) and
 #        vl15_fidelity.py (the switches off and on against float32 transformers, bar 1e-3);
+#   (call A's results made the held LayerNorm, the two-part GELU, rope_planes by pairs and COLLECT_BESIDE the defaults:
+#   vl15_encode.py sets each way's switches itself, "old" all off, "defaults" those four)
 #   PHASE=measure (alone on the GPU, BUDGET 80 s)
 #     1. vl15_encode.py 20 (ENCODE_S, 42 s): the tower's warm encode, median of 20, integ15's way against each switch
 #        (held LayerNorm, two-part GELU, COLLECT_BESIDE, rope_planes by pairs, patchify by frame) and all of them,
@@ -68,7 +70,7 @@ f=$OUT/deep/cycle.log
 [[ -f $f ]] && { grep -E "^  (phase|prefill) |encode 1:|preload beside:|Traceback|Error" $f | sed -E 's/^.*INFO //' \
   | cut -c1-150 | tail -6; gzip -f $f; }
 echo "--- summary (vl15, at $(now) s)"
-grep -E "^(old|all|beside|held|two|pairs|frame|old again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
+grep -E "^(old|defaults|all|beside|held|two|pairs|frame|old again|defaults again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
 grep -E "^GPU of one|^  (collect|upload|graph|GPU)" $OUT/encode.txt | cut -c1-150
 grep -E "^SUMMARY" $OUT/encode.txt
 [[ -f $f.gz ]] && zcat $f.gz | grep -E "^cold image request|^warm image encode" | cut -c1-160
