@@ -69,3 +69,11 @@ def test_rows_past_the_held_limit_keep_the_loop_kernel(monkeypatch):
     monkeypatch.setattr(layernorm_held, "HELD", True)
     assert layernorm_held.per_lane(1152) == 36  # the towers' hidden rows
     assert layernorm_held.per_lane(32 * layernorm_held.MAX_PER_LANE + 1) == 0  # a DeepStack merger's 4608: too wide
+
+
+@pytest.mark.parametrize("name", ["layernorm_held", "split_two_parts"])
+def test_the_held_and_two_part_kernels_wait_first(name):
+    """Behind a product in a captured tower the edge into them is programmatic (pdl.py): each waits first."""
+    from tests.cuda import test_pdl
+
+    test_pdl.test_every_kernel_of_the_decode_step_waits_first(name)
