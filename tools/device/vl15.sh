@@ -13,8 +13,8 @@
 #     1. vl15_encode.py 20 (ENCODE_S, 42 s): the tower's warm encode, median of 20, integ15's way against each switch
 #        (held LayerNorm, two-part GELU, COLLECT_BESIDE, rope_planes by pairs, patchify by frame) and all of them,
 #        bits against integ15's; one replay by phase; the GPU time by kernel and the gaps between kernels, old and all;
-#     2. the deep cycle (bench vision-cycle on $D: 1024 px, 2 text streams, 2 cold starts, 16 GiB) with integ15's
-#        defaults and the five switches on: each cold request's first token;
+#     2. the deep cycle (bench vision-cycle on $D: 1024 px, 2 text streams, 2 cold starts, 16 GiB) with the defaults
+#        (call A ran it with all five switches on): each cold request's first token;
 #   a short summary last.
 source tools/device/setup.sh
 set -o pipefail
@@ -44,7 +44,7 @@ if [[ $PHASE == warm ]]; then
         || { echo "deep init rc=$? at $(now) s: cut"; rm -rf $D; }
     fi
     echo "deep model $([[ -f $D/made ]] && du -sh $D | cut -f1 || echo none) at $(now) s"
-    (( $(left) > 15 )) && [[ -f $D/made ]] && cycle warm_cycle $(( $(left) - 2 )) $SWITCHES
+    (( $(left) > 15 )) && [[ -f $D/made ]] && cycle warm_cycle $(( $(left) - 2 ))
     gzip -f $OUT/warm_cycle/cycle.log 2>/dev/null ) > $OUT/deep_warm.txt 2>&1 &
   DEEP=$!
   echo "== vl15_encode.py warm at $(now) s"
@@ -64,7 +64,7 @@ echo "=== tower at $(now) s"
 BUDGET_S=$(( ${ENCODE_S:-42} - 2 )) timeout ${ENCODE_S:-42} python3 tools/device/vl15_encode.py ${REPEATS:-20} 2>&1 \
   | grep -vE "^\s*$|Warning|warn\(" | tee $OUT/encode.txt | cut -c1-170
 echo "tower rc=$? at $(now) s"
-if [[ -f $D/made ]] && (( $(left) > 25 )); then cycle deep $(( $(left) - 3 )) $SWITCHES
+if [[ -f $D/made ]] && (( $(left) > 25 )); then cycle deep $(( $(left) - 3 ))  # (the defaults: four of the switches since call A)
 else echo "deep cycle not run ($D/made: $([[ -f $D/made ]] && echo yes || echo no), $(left) s left)"; fi
 f=$OUT/deep/cycle.log
 [[ -f $f ]] && { grep -E "^  (phase|prefill) |encode 1:|preload beside:|Traceback|Error" $f | sed -E 's/^.*INFO //' \
