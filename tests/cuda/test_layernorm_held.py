@@ -65,6 +65,21 @@ def test_held_residual_layernorm_equals_the_loop_kernel(rng, monkeypatch, dim, p
     np.testing.assert_array_equal(held_out, loop_out)
 
 
+@pytest.mark.parametrize("warps", [1, 2])
+def test_held_blocks_of_fewer_warps_give_the_same_rows(rng, monkeypatch, warps):
+    x, weight, bias = _inputs(rng, 7, 170)
+    y = rng.standard_normal((7, 170), dtype=np.float32)
+    monkeypatch.setattr(layernorm_held, "HELD", True)
+    results = []
+    for block_warps in (4, warps):
+        monkeypatch.setattr(layernorm_held, "BLOCK_WARPS", block_warps)
+        x_out, out = poisoned((7, 170)), device(np.full((2, 7, 170), 0xFFFF, np.uint16))
+        residual_layernorm_cuda(device(x), device(y), device(bias), device(weight), device(bias), 1e-6, x_out, out)
+        results.append((x_out.copy_to_host(), out.copy_to_host()))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_rows_past_the_held_limit_keep_the_loop_kernel(monkeypatch):
     monkeypatch.setattr(layernorm_held, "HELD", True)
     assert layernorm_held.per_lane(1152) == 36  # the towers' hidden rows

@@ -70,7 +70,7 @@ f=$OUT/deep/cycle.log
 [[ -f $f ]] && { grep -E "^  (phase|prefill) |encode 1:|preload beside:|Traceback|Error" $f | sed -E 's/^.*INFO //' \
   | cut -c1-150 | tail -6; gzip -f $f; }
 echo "--- summary (vl15, at $(now) s)"
-grep -E "^(old|defaults|all|beside|held|two|pairs|frame|old again|defaults again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
+grep -E "^(old|defaults|all|beside|held|two|pairs|frame|held 2 warps|held 1 warp|old again|defaults again) +warm" $OUT/encode.txt | sed -E 's/ \(median of [0-9]+; ([a-z, ]+); eager \+ capture [0-9.]+ s\)/ (\1)/' | cut -c1-140
 grep -E "^GPU of one|^  (collect|upload|graph|GPU)" $OUT/encode.txt | cut -c1-150
 grep -E "^SUMMARY" $OUT/encode.txt
 [[ -f $f.gz ]] && zcat $f.gz | grep -E "^cold image request|^warm image encode" | cut -c1-160

@@ -41,8 +41,8 @@ SWITCHES = {"held": ("moebus.cuda.kernels.layernorm_held", "HELD"),
 ALL = tuple(SWITCHES)
 DEFAULTS = ("held", "two", "beside", "pairs")  # on by default since call A (frame stays opt-in)
 WAYS = [("old", ()), ("defaults", DEFAULTS), ("all", ALL), ("beside", ("beside",)), ("held", ("held",)),
-        ("two", ("two",)), ("pairs", ("pairs",)), ("frame", ("frame",)), ("old again", ()),
-        ("defaults again", DEFAULTS)]
+        ("two", ("two",)), ("pairs", ("pairs",)), ("frame", ("frame",)), ("held 2 warps", DEFAULTS + ("warps2",)),
+        ("held 1 warp", DEFAULTS + ("warps1",)), ("old again", ()), ("defaults again", DEFAULTS)]
 
 
 def left() -> float:
@@ -59,6 +59,8 @@ def set_switches(on) -> None:
             module.IMAGE_DEFINES = others + ((("ROPE_PAIRS", 1),) if name in on else ())
         else:
             setattr(module, attribute, name in on)
+    held = importlib.import_module("moebus.cuda.kernels.layernorm_held")  # warps a block of its kernels: 4, 2 or 1
+    held.BLOCK_WARPS = 1 if "warps1" in on else 2 if "warps2" in on else 4
 
 
 def tower():

@@ -192,10 +192,17 @@ def layernorm_cuda(x, weight, bias, eps: float, out, stream=0):
     require("out", out, np.float32, shape=(num_rows, dim))
     if num_rows == 0:
         return out
-    grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
+    grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
     kernel = rows_kernel(storage_of(weight), dim, store_row, out)
     kernel[grid, block, stream](x, reader_view(weight, wide=False), reader_view(bias, wide=False), np.float32(eps), out)
     return out
+
+
+def block_warps(dim: int) -> int:
+    """Warps (rows) a block of the LayerNorm kernel for rows of ``dim`` takes."""
+    from moebus.cuda.kernels import layernorm_held
+
+    return layernorm_held.BLOCK_WARPS if layernorm_held.per_lane(dim) else MAX_WARPS
 
 
 def rows_kernel(storage: str, dim: int, store, out):
@@ -235,7 +242,7 @@ def residual_layernorm_cuda(x, y, residual_bias, weight, bias, eps: float, x_out
     else:
         require("out", out, np.float32, shape=(num_rows, dim))
     if num_rows:
-        grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
+        grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
         from moebus.cuda.kernels import layernorm_held
 
         store, count = _store_split if split else store_row, layernorm_held.per_lane(dim)

@@ -24,6 +24,10 @@ from moebus.cuda.kernels.loads import SCALAR
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 
 HELD = os.environ.get("MOEBUS_LAYERNORM_HELD", "1") != "0"
+# warps (rows) a block of the held kernels: at 134-182 registers a thread an SM holds 2-3 blocks of 4 (8-12
+# warps); smaller blocks fill the registers closer (MOEBUS_LAYERNORM_HELD_WARPS; the same results; an A/B of
+# tools/device/vl15_encode.py, not yet measured)
+BLOCK_WARPS = int(os.environ.get("MOEBUS_LAYERNORM_HELD_WARPS", "4"))
 MAX_PER_LANE = 40  # elements a lane holds (registers): rows of up to 1280 (at 48 the compiler keeps them in local memory)
 
 

@@ -23,7 +23,7 @@ from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, device, f32_b
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
-from moebus.cuda.kernels.layernorm import MAX_WARPS, layernorm_ref, rows_kernel
+from moebus.cuda.kernels.layernorm import block_warps, layernorm_ref, rows_kernel
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
 
@@ -168,7 +168,7 @@ def layernorm_split_cuda(x, weight, bias, eps: float, out, stream=0):
     require("bias", bias, (weight.dtype,), shape=(dim,))
     _check_out(out, num_rows, dim)
     if num_rows:
-        grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
+        grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
         kernel = rows_kernel(storage_of(weight), dim, _store_split, out)  # layernorm.py's, its result stored as parts
         kernel[grid, block, stream](x, reader_view(weight, wide=False), reader_view(bias, wide=False), np.float32(eps),
                                     out)
