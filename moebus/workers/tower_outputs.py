@@ -79,10 +79,19 @@ def stacked_outputs(out: dict) -> np.ndarray:
     if not isinstance(out, ReadyOutputs):  # all there: one copy_pairs
         copy_pairs([(dst, out[name]) for dst, name in pairs])
         return stacked
+    touch_pages(stacked[0])  # (while the graph runs: what is copied last then meets no page faults)
     for dst, name in pairs:
         ready(out, name)
         copy_pairs([(dst, out[name])])
     return stacked
+
+
+def touch_pages(array: np.ndarray, page_bytes: int = 4096) -> None:
+    """Write one element a page of a fresh (C-contiguous) array, so that its pages are mapped before
+    a copy into it (the kernel zeroes each page at its first write: ~0.3 ms for the 6.3 MB of a
+    1024 x 768 image's embeddings, otherwise after the graph's last kernel)."""
+    flat = array.reshape(-1)
+    flat[::max(page_bytes // flat.itemsize, 1)] = 0
 
 
 def embeds_and_deepstack(out: dict) -> tuple[np.ndarray, np.ndarray]:

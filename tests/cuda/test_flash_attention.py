@@ -7,6 +7,7 @@ import pytest
 
 from moebus.cuda.dtypes import f32_to_bf16
 from moebus.cuda.kernels.attention import attention_ref
+from moebus.cuda.kernels import flash_attention
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.dtypes import bf16_to_f32
 from moebus.cuda.kernels.flash_attention_ref import (flash_images_ref, flash_prefill_ref, key_range, split_planes_ref,
@@ -118,6 +119,16 @@ def test_kernel_compiles_for_hopper_without_spills(head_dim, f32_kv):
         options = compile_options(head_dim, f32_kv, "sm_90", warps) + [b"--ptxas-options=-v"]
         cubin, log = nvrtc_compile(source(), options)
         assert cubin and log.count(" 0 bytes spill stores") == 3, log  # every entry
+
+
+@pytest.mark.parametrize("head_dim", [72, 16, 128])
+def test_rope_planes_by_pairs_compile_without_spills(head_dim):
+    _nvrtc()
+    from moebus.cuda.kernels.flash_attention import compile_options, nvrtc_compile, source
+
+    options = compile_options(head_dim, True, "sm_90", 8, defines=(("ROPE_PAIRS", 1),)) + [b"--ptxas-options=-v"]
+    cubin, log = nvrtc_compile(source(), options)
+    assert cubin and log.count(" 0 bytes spill stores") == 3, log
 
 
 @pytest.mark.parametrize("head_dim", [72, 128])
@@ -391,11 +402,15 @@ def test_rope_planes_ref_is_the_rotary_with_biases_then_split_planes(rng):
 
 @gpu
 @pytest.mark.parametrize("head_dim", [72, 16])
-def test_rope_planes_kernel_matches_ref_bit_for_bit(rng, head_dim):
+@pytest.mark.parametrize("pairs", [False, True])  # ROPE_PAIRS: a thread per rotary pair, or per dim
+def test_rope_planes_kernel_matches_ref_bit_for_bit(rng, monkeypatch, head_dim, pairs):
     from moebus.cuda.kernels.compat import cuda
     from moebus.cuda.kernels.flash_attention import plane_shapes, rope_planes_cuda
     from moebus.cuda.kernels.flash_attention_ref import rope_planes_ref
     from tests.cuda.conftest import device, poisoned
+
+    others = tuple(d for d in flash_attention.IMAGE_DEFINES if d[0] != "ROPE_PAIRS")
+    monkeypatch.setattr(flash_attention, "IMAGE_DEFINES", others + ((("ROPE_PAIRS", 1),) if pairs else ()))
 
     images, positions, heads = 2, 100, 3
     inputs = _rope_inputs(rng, images, positions, heads, head_dim)

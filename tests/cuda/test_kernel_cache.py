@@ -112,7 +112,7 @@ def test_an_unwritable_directory_means_no_disk_cache_rather_than_numbas_fallback
 def _cache_check(cache_dir: Path, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
     run = subprocess.run([sys.executable, "-m", "tests.cuda.cache_check", "--cache-dir", str(cache_dir),
-                          "--only", "layernorm_rows,add_flat,attend", *flags],
+                          "--only", "layernorm_rows,layernorm_held_rows,add_flat,attend", *flags],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -120,9 +120,9 @@ def _cache_check(cache_dir: Path, *flags: str) -> dict:
 
 @pytest.mark.skipif(find_cuda_home() is None, reason="no CUDA toolkit with NVVM and libdevice")
 def test_a_second_process_loads_the_kernels_instead_of_compiling(tmp_path):
-    # a module-level kernel (add_flat), closures over device functions (layernorm_rows: one per
-    # weight storage and store, the float32 rows' or split_epilogues' bf16 parts) and over ints that
-    # size shared memory (attend: one per head_dim)
+    # a module-level kernel (add_flat), closures over device functions (layernorm_rows, or
+    # layernorm_held_rows where the row fits in registers: one per weight storage and store, the float32
+    # rows' or split_epilogues' bf16 parts) and over ints that size shared memory (attend: one per head_dim)
     first = _cache_check(tmp_path)
     assert first["kernel_variants"] == first["compiled"] == first["nvvm_calls"] == first["data_files"] == 9
     second = _cache_check(tmp_path, "--expect-loaded")

@@ -30,8 +30,12 @@ def test_ref_equals_the_float_path_bit_for_bit(rng, sizes, shape):
     np.testing.assert_array_equal(got, _float_patches(proc, pixels))
 
 
-@pytest.mark.parametrize("sizes,shape", [((4, 2, 2), (16, 24)), ((2, 2, 3), (12, 8))])
-def test_kernel_equals_the_host_processor_bit_for_bit(rng, sizes, shape):
+@pytest.mark.parametrize("sizes,shape", [((4, 2, 2), (16, 24)), ((2, 2, 3), (12, 8)), ((16, 2, 2), (64, 32))])
+@pytest.mark.parametrize("by_frame", [False, True])  # a thread per output value, or per pixel of a patch
+def test_kernel_equals_the_host_processor_bit_for_bit(rng, monkeypatch, sizes, shape, by_frame):
+    from moebus.cuda.kernels import patchify as module
+
+    monkeypatch.setattr(module, "BY_FRAME", by_frame)
     proc = _processor(*sizes)
     pixels = rng.integers(0, 256, shape + (3,), dtype=np.uint8)
     values = proc.byte_values(pixels)

@@ -47,3 +47,30 @@ def test_qwen3vl_outputs_come_out_as_embeds_and_stacked_deepstack(rng, sliced):
     assert views_of_one(embeds, deepstack)  # one fresh (1 + L, N, D) array: what ENCODE_REPLY carries
     none = embeds_and_deepstack({"embeds": out["embeds"]})[1]
     assert none.shape == (0, 6, 8) and none.dtype == np.float32
+
+
+def test_outputs_read_as_the_graph_makes_them_are_stacked_the_same(rng, sliced):
+    """The COLLECT_BESIDE path (ReadyOutputs): the embeddings' pages touched before the first wait,
+    then each output copied once ready; the same stacked array as the plain path."""
+    from types import SimpleNamespace
+
+    from moebus.workers.tower_outputs import ReadyOutputs
+
+    out = {"embeds": rng.standard_normal((6, 1030), dtype=np.float32)}
+    out.update({f"deepstack{j}": rng.standard_normal((6, 1030), dtype=np.float32) for j in range(3)})
+    waits = []
+    stream = SimpleNamespace(synchronize=lambda: waits.append(1))
+    graph = SimpleNamespace(host_outputs=out, flag_of={}, backend=SimpleNamespace(stream=stream))
+    embeds, deepstack = embeds_and_deepstack(ReadyOutputs(graph))
+    np.testing.assert_array_equal(embeds, out["embeds"])
+    np.testing.assert_array_equal(deepstack, np.stack([out[f"deepstack{j}"] for j in range(3)]))
+    assert waits == [1]  # no flags: the first read waits for the whole graph, once
+
+
+def test_touch_pages_writes_one_element_a_page():
+    from moebus.workers.tower_outputs import touch_pages
+
+    array = np.full((3, 50), 7.0, np.float32)
+    touch_pages(array, page_bytes=64)  # 16 floats a page
+    flat = array.reshape(-1)
+    assert (flat[::16] == 0).all() and (np.delete(flat, np.arange(0, flat.size, 16)) == 7).all()

@@ -157,3 +157,5 @@ def test_an_eager_run_copies_what_its_forward_emits_into_pinned_buffers(monkeypa
     np.testing.assert_array_equal(out["late"], np.full((4, 3), 3, np.float32))
     owner.emit("elsewhere", out["late"])  # outside a graph's run: nothing
     assert set(capture.early) == {"early"}
+    if tower_graph.COLLECT_BESIDE:  # (the default) the early output's flag raised after its copy
+        assert capture.flag_of == {"early": 0} and capture.flags[0] == 1

@@ -54,6 +54,10 @@ IMAGE_PRECISION = os.environ.get("MOEBUS_IMAGE_ATTENTION", "split")
 # m16n8k8 (HALF_KSTEP in flash_planes.cuh; default on: on the H200 its outputs equal the k16 path's bit for bit,
 # vltower10)
 IMAGE_DEFINES: tuple = () if os.environ.get("MOEBUS_FLASH_HALF_KSTEP", "1") != "0" else (("HALF_KSTEP", 0),)
+# the tower's rope_planes takes a thread per rotary pair, each q and k element read once (ROPE_PAIRS in
+# flash_planes.cuh; the same values: on the H200 42.6 -> 38.0 us a call, the a3b tower's outputs bit for bit,
+# fifteenth session); MOEBUS_FLASH_ROPE_PAIRS=0: a thread per dim
+IMAGE_DEFINES += (("ROPE_PAIRS", 1),) if os.environ.get("MOEBUS_FLASH_ROPE_PAIRS", "1") != "0" else ()
 
 
 def supported(head_dim: int) -> bool:

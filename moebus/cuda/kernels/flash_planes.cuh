@@ -295,6 +295,12 @@ extern "C" __global__ void __launch_bounds__(256) split_planes(const float *k, c
     store_value_planes(tile, vz, v_part, keys_padded, key0);
 }
 
+// rope_planes below: 1 = a thread per rotary pair (each q and k read once; flash_attention.IMAGE_DEFINES,
+// MOEBUS_FLASH_ROPE_PAIRS), 0 = a thread per dim. The same values either way.
+#ifndef ROPE_PAIRS
+#define ROPE_PAIRS 0
+#endif
+
 // The product's value at dim d of a head's row after the 2-D (or M-) rotary, rotate-half form: the
 // pair (i, i + HD/2) turns by cos/sin of its frequency i at the position of axis axes[i]; each
 // product and sum rounded on its own (no fused multiply-add), as mrope_ref in numpy computes it.
@@ -322,6 +328,45 @@ extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, co
     u16 *kz = kp + plane_at * HDP, *vz = vp + plane_at * HD;
     const u16 *q_bias = bias + head * HD, *k_bias = q_bias + row_pitch, *v_bias = k_bias + row_pitch;
     const long long k_part = (long long)keys_padded * HDP, v_part = (long long)HD * keys_padded;
+#if ROPE_PAIRS
+    // a thread per pair (i, i + HD/2) of a key, then per padding dim past HD: each pair's loads and its
+    // rotary lookups once (the per-dim loop below reads each q and k twice, as its own and as its partner's)
+    constexpr int SLOTS = HD / 2 + (HDP - HD);
+    for (int idx = threadIdx.x; idx < PLANE_KEYS * SLOTS; idx += blockDim.x) {
+        const int j = idx / SLOTS, i = idx % SLOTS, key = key0 + j;
+        if (i >= half) {  // a padding dim: zero in both key planes
+            const int d = HD + i - half;
+            kz[(long long)key * HDP + d] = 0;
+            if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = 0;
+            continue;
+        }
+        const long long row = rows_at + key, at = row * row_pitch + (long long)head * HD + i;
+        u32 hi0 = 0, lo0 = 0, hi1 = 0, lo1 = 0;
+        float v0 = 0.f, v1 = 0.f;
+        if (key < positions) {
+            const int p = rope_pos[row * axes_count + axes[i]];
+            const float c = cos_table[p * half + i], s = sin_table[p * half + i];
+            const float q0 = __fadd_rn(q[at], bf16_value(q_bias[i]));
+            const float q1 = __fadd_rn(q[at + half], bf16_value(q_bias[i + half]));
+            const float k0 = __fadd_rn(k[at], bf16_value(k_bias[i]));
+            const float k1 = __fadd_rn(k[at + half], bf16_value(k_bias[i + half]));
+            q_out[at] = rotated(q0, q1, c, s, true);
+            q_out[at + half] = rotated(q1, q0, c, s, false);
+            split(rotated(k0, k1, c, s, true), hi0, lo0);
+            split(rotated(k1, k0, c, s, false), hi1, lo1);
+            v0 = __fadd_rn(v[at], bf16_value(v_bias[i]));
+            v1 = __fadd_rn(v[at + half], bf16_value(v_bias[i + half]));
+        }
+        kz[(long long)key * HDP + i] = (u16)hi0;
+        kz[(long long)key * HDP + i + half] = (u16)hi1;
+        if (SPLIT_QK) {
+            kz[k_part + (long long)key * HDP + i] = (u16)lo0;
+            kz[k_part + (long long)key * HDP + i + half] = (u16)lo1;
+        }
+        tile[j][i] = v0;
+        tile[j][i + half] = v1;
+    }
+#else
     for (int idx = threadIdx.x; idx < PLANE_KEYS * HDP; idx += blockDim.x) {
         int j = idx / HDP, d = idx % HDP, key = key0 + j;
         bool real = key < positions && d < HD;
@@ -344,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_planes(const float *q, co
         if (SPLIT_QK) kz[k_part + (long long)key * HDP + d] = (u16)lo;
         if (d < HD) tile[j][d] = key < positions ? __fadd_rn(v[at], bf16_value(v_bias[d])) : 0.f;
     }
+#endif
     __syncthreads();
     store_value_planes(tile, vz, v_part, keys_padded, key0);
 }

@@ -192,10 +192,28 @@ def layernorm_cuda(x, weight, bias, eps: float, out, stream=0):
     require("out", out, np.float32, shape=(num_rows, dim))
     if num_rows == 0:
         return out
-    grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
-    kernel = _layernorm_kernel(storage_of(weight))
+    grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
+    kernel = rows_kernel(storage_of(weight), dim, store_row, out)
     kernel[grid, block, stream](x, reader_view(weight, wide=False), reader_view(bias, wide=False), np.float32(eps), out)
     return out
+
+
+def block_warps(dim: int) -> int:
+    """Warps (rows) a block of the LayerNorm kernel for rows of ``dim`` takes."""
+    from moebus.cuda.kernels import layernorm_held
+
+    return layernorm_held.BLOCK_WARPS if layernorm_held.per_lane(dim) else MAX_WARPS
+
+
+def rows_kernel(storage: str, dim: int, store, out):
+    """The LayerNorm kernel for rows of ``dim`` stored into ``out`` by ``store``: each row held in
+    registers where layernorm_held takes it (the same results bit for bit), else this module's."""
+    from moebus.cuda.kernels import layernorm_held
+
+    count = layernorm_held.per_lane(dim)
+    if not count:
+        return _layernorm_kernel(storage, store)
+    return layernorm_held.layernorm_kernel(storage, count, layernorm_held.unrolled_store(store, out))
 
 
 def residual_layernorm_ref(x, y, residual_bias, weight, bias, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -224,9 +242,13 @@ def residual_layernorm_cuda(x, y, residual_bias, weight, bias, eps: float, x_out
     else:
         require("out", out, np.float32, shape=(num_rows, dim))
     if num_rows:
-        grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
-        kernel = residual_layernorm_kernel(storage_of(weight), storage_of(residual_bias),
-                                           _store_split if split else store_row)
+        grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
+        from moebus.cuda.kernels import layernorm_held
+
+        store, count = _store_split if split else store_row, layernorm_held.per_lane(dim)
+        kernel = layernorm_held.residual_layernorm_kernel(storage_of(weight), storage_of(residual_bias), count,
+                                                          layernorm_held.unrolled_store(store, out)) \
+            if count else residual_layernorm_kernel(storage_of(weight), storage_of(residual_bias), store)
         kernel[grid, block, stream](x, y, reader_view(residual_bias, wide=False), reader_view(weight, wide=False),
                                     reader_view(bias, wide=False), np.float32(eps), x_out, out)
     return x_out, out

@@ -16,14 +16,14 @@ import os
 
 import numpy as np
 
-from moebus.cuda.kernels import layernorm, vision_attention
+from moebus.cuda.kernels import layernorm, split_two_parts, vision_attention
 from moebus.cuda.kernels.activations import DEVICE_FNS, add_bias_cuda
 from moebus.cuda.kernels.compat import (bits_as_f32, blocks, cuda, device, f32_bits, float32, kernel, threads, uint16,
                                         uint32)
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.gemm import COMPUTE_32F, OP_N, OP_T, R_16BF, add_bias_rows_cuda, address, split_bf16_ref
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, require, warp_per_row
-from moebus.cuda.kernels.layernorm import MAX_WARPS, _layernorm_kernel, layernorm_ref
+from moebus.cuda.kernels.layernorm import block_warps, layernorm_ref, rows_kernel
 from moebus.cuda.kernels.loads import SCALAR, reader_view, storage_of
 from moebus.cuda.kernels.tiled_linear import ROW_THREADS, bias_activation_ref, tiled_linear_ref
 
@@ -168,8 +168,8 @@ def layernorm_split_cuda(x, weight, bias, eps: float, out, stream=0):
     require("bias", bias, (weight.dtype,), shape=(dim,))
     _check_out(out, num_rows, dim)
     if num_rows:
-        grid, block = warp_per_row(num_rows, min(MAX_WARPS, num_rows))
-        kernel = _layernorm_kernel(storage_of(weight), _store_split)  # layernorm.py's, its result stored as parts
+        grid, block = warp_per_row(num_rows, min(block_warps(dim), num_rows))
+        kernel = rows_kernel(storage_of(weight), dim, _store_split, out)  # layernorm.py's, its result stored as parts
         kernel[grid, block, stream](x, reader_view(weight, wide=False), reader_view(bias, wide=False), np.float32(eps),
                                     out)
     return out
@@ -183,7 +183,8 @@ def bias_activation_split_cuda(y, bias, name: str, out, stream=0):
     require("bias", bias, WEIGHT_DTYPES, shape=(y.shape[1],))
     _check_out(out, *y.shape)
     if y.size and PAIRED_STORES and y.shape[1] % 2 == 0:
-        kernel = _bias_activation_split_pairs_kernel(storage_of(bias), name)
+        kernel = split_two_parts.bias_activation_pairs_kernel(storage_of(bias), name) \
+            if split_two_parts.TWO_PARTS and out.shape[0] == 2 else _bias_activation_split_pairs_kernel(storage_of(bias), name)
         kernel[blocks(y.shape[0]), threads(ROW_THREADS), stream](y, reader_view(bias, wide=False), out.view(np.uint32))
     elif y.size:
         kernel = _bias_activation_split_kernel(storage_of(bias), name)
