@@ -38,6 +38,9 @@ log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
 SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
+SLOW_INFO_S = 0.003  # an INFO that held the next step this long is logged (the driver's free memory is a driver call)
+IDLE_LOGGED_S = (0.008, 1.0)  # a step that came this long after the last one ended is logged (the broker's time)
+LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time and the wait before it (a gap's parts)
 # a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
 # prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
@@ -61,6 +64,8 @@ class GpuWorker:
         self.steps_launched_ahead = 0
         self.recent_decode_s: deque[float] = deque(maxlen=64)
         self.trace = trace
+        self.last_step_end_s: float | None = None  # perf_counter when the last step's reply was made
+        self.driver_info_s = 0.0  # the last INFO's driver call (cuMemGetInfo)
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -77,7 +82,7 @@ class GpuWorker:
         if isinstance(message, Step):
             return self.step(message)
         if isinstance(message, Info):
-            return InfoReply(stats=self.stats())
+            return self.info()
         if isinstance(message, Vram):
             return self.vram(message)
         raise ValueError(f"unexpected message {type(message).__name__}")
@@ -92,8 +97,18 @@ class GpuWorker:
         finally:
             self.trace.after()
 
+    def info(self) -> InfoReply:
+        """An INFO waits behind the step in flight and holds the next one: a slow one is logged."""
+        started = time.perf_counter()
+        reply = InfoReply(stats=self.stats())
+        if (took := time.perf_counter() - started) > SLOW_INFO_S:
+            log.info("gpu%d: INFO took %.1f ms (the driver's free memory %.1f ms)", self.gpu, 1e3 * took,
+                     1e3 * self.driver_info_s)
+        return reply
+
     def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
+        idle_s = self.note_idle(msg.step_id, started)
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
             raise launched
@@ -113,10 +128,22 @@ class GpuWorker:
         self.busy_s += compute_s
         if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
+        if LOG_STEPS:
+            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last", self.gpu, msg.step_id,
+                     int(np.sum(msg.lengths)), 1e3 * compute_s, -1.0 if idle_s is None else 1e3 * idle_s)
+        self.last_step_end_s = time.perf_counter()
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
                          pending_rows=out.pending_rows)
+
+    def note_idle(self, step_id: int, started: float) -> float | None:
+        """The time from the last step's end to this one's start (None: the first step), logged where it
+        is long: the broker's time, or an INFO / VRAM served between (logged on their own when slow)."""
+        idle_s = None if self.last_step_end_s is None else started - self.last_step_end_s
+        if idle_s is not None and IDLE_LOGGED_S[0] < idle_s < IDLE_LOGGED_S[1]:
+            log.info("gpu%d: step %d came %.1f ms after the last one ended", self.gpu, step_id, 1e3 * idle_s)
+        return idle_s
 
     def note_decode(self, step_id: int, batch: int, compute_s: float) -> None:
         """Log a decode step far slower than the recent ones: where a text stream's gap came from."""
@@ -213,7 +240,9 @@ class GpuWorker:
         if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
             from moebus.cuda.memory.vmm import device_memory_info
 
+            asked = time.perf_counter()
             stats["device_free_mib"] = round(device_memory_info()[0] / MIB, 1)
+            self.driver_info_s = time.perf_counter() - asked
         if hasattr(self.stage.experts, "residency"):  # the dashboard's layers x experts map
             stats["residency"] = self.stage.experts.residency()
         return stats
