@@ -3,7 +3,8 @@
 # LLaVA image are made of, and whether the session's new defaults help that cycle. gap12.sh's cycle (gap10.sh's:
 # the 8 x 128 A3B LLaVA (so400m) under --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget
 # 256 MiB) in two runs "tag:VAR=value,VAR=value", each with MOEBUS_LOG_STEPS=1 (the worker logs every step's
-# time and the wait before it; an INFO that held a step and a step that came late are logged anyway):
+# time and the wait before it; an INFO that held a step and a step that came late are logged anyway) and
+# MOEBUS_LOG_GC_MS=2 (a garbage collection over 2 ms in the worker, the broker or the bench's client is logged):
 #   default    the tree's defaults (integ15: image steps of 2048 tokens, the reserve's scratch beside, the cache
 #              launched ahead, PDL programmatic + trigger)
 #   pdl0step0  MOEBUS_PDL=0 (the decode graphs' plain edges: the fourteenth session's 25-27 ms start-phase gap
@@ -24,7 +25,7 @@ if [ "$PHASE" = warm ]; then
   PHASE=warm BUDGET=$BUDGET bash tools/device/gap12.sh
   exit 0
 fi
-LOG=MOEBUS_LOG_STEPS=1
+LOG=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 RUNS=${RUNS:-default:$LOG pdl0step0:$LOG,MOEBUS_PDL=0,MOEBUS_IMAGE_STEP_TOKENS=0}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-36} BUDGET=$((BUDGET - 3)) bash tools/device/gap12.sh
 logs=$(ls $OUT/cycle_budget256_*.log.gz 2>/dev/null)

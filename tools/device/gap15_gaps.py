@@ -3,7 +3,8 @@ session): reads a ``moebus bench vision-cycle -v`` log (tools/device/gap15.sh) a
 largest gaps the bench printed ("largest gaps by phase": from - to ms after the image was sent, and
 the phase that holds its middle), prints the workers' and broker's log lines stamped within it, in ms
 after the image was sent: the steps (``MOEBUS_LOG_STEPS=1``: every step's time and the wait before
-it), a slow INFO, a step that came late (the broker's time), a VRAM resize, the vision worker's start.
+it), a slow INFO, a step that came late (the broker's time), a VRAM resize, the vision worker's start, a
+long garbage collection (``MOEBUS_LOG_GC_MS``).
 A log line is stamped when it is written: a step's line at its end.
 
     python3 tools/device/gap15_gaps.py cycle.log[.gz] [--count 3] [--margin-ms 6]
@@ -64,7 +65,7 @@ RATIO = re.compile(r"^text streams' largest gap (through hand-back, start and en
 PHASE_ROW = re.compile(r"^  (handback|start|encode|prefill) +([\d.]+) +\d+ +([\d.-]+) +([\d.-]+) +[\d.-]+ +\d+ +([\d.-]+)"
                        r" +[\d.-]+ +([\d.-]+)")
 CHUNK = re.compile(r"a prompt chunk of (\d+) tokens \(slot \d+, from \d+\) done in (\d+) steps")
-NOTED = ("INFO took", "after the last one ended", "took", "VRAM", "vision worker start on")
+NOTED = ("INFO took", "after the last one ended", "took", "VRAM", "vision worker start on", "garbage collection")
 
 
 def short(text: str) -> str:

@@ -1,0 +1,30 @@
+"""Python's cyclic garbage collector stops its process for as long as a collection takes: in a GPU worker
+between or inside two steps, in the broker between two tokens of every stream, in a client between a
+token's arrival and its time. With ``MOEBUS_LOG_GC_MS=N`` (default 0: off) a collection that took more
+than N ms is logged with its generation, so a text stream's long gap that no step explains names its
+cause (issue 20; tools/device/gap15.sh)."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+
+
+def log_long_collections(log: logging.Logger, who: str, threshold_ms: float | None = None) -> bool:
+    """Log each collection of this process longer than ``threshold_ms`` (None: MOEBUS_LOG_GC_MS);
+    False when off."""
+    if threshold_ms is None:
+        threshold_ms = float(os.environ.get("MOEBUS_LOG_GC_MS", "0") or 0)
+    if threshold_ms <= 0:
+        return False
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (took_ms := 1e3 * (time.perf_counter() - started[0])) > threshold_ms:
+            log.info("%s: a garbage collection of generation %d took %.1f ms (%d objects collected)", who,
+                     info["generation"], took_ms, info["collected"])
+    gc.callbacks.append(timed)
+    return True
