@@ -211,9 +211,9 @@ def _earlier_cold_starts(client, args) -> list[dict]:
 
 def _lazy_cycle(args, image: bytes) -> dict:
     from moebus.client import Client
-    from moebus.common.gc_pauses import log_long_collections
+    from moebus.common import gc_pauses
 
-    log_long_collections(logging.getLogger("moebus.bench"), "bench client")  # its pauses delay the tokens' times
+    gc_pauses.watch(logging.getLogger("moebus.bench"), "bench client")  # its pauses delay the tokens' times
 
     with _broker(args, _settings(args, lazy=True)) as address:
         client = Client(address)

@@ -1,14 +1,29 @@
 """Python's cyclic garbage collector stops its process for as long as a collection takes: in a GPU worker
 between or inside two steps, in the broker between two tokens of every stream, in a client between a
-token's arrival and its time. With ``MOEBUS_LOG_GC_MS=N`` (default 0: off) a collection that took more
-than N ms is logged with its generation, so a text stream's long gap that no step explains names its
-cause (issue 20; tools/device/gap15.sh)."""
+token's arrival and its time. A full collection walks every object the process holds, most of them made
+at its start (the model's arrays and kernels, the tokenizer) and never freed.
+
+- ``MOEBUS_LOG_GC_MS=N`` (default 0: off): a collection that took more than N ms is logged with its
+  generation, so a text stream's long gap that no step explains names its cause (issue 20;
+  tools/device/gap15.sh).
+- ``MOEBUS_GC_FREEZE=1`` (default 0: off until a GPU call measures it): once a process has started
+  (a GPU worker at READY, the broker before its loop), ``gc.freeze()`` moves what it holds to the
+  permanent generation: later collections walk only what was made since."""
 from __future__ import annotations
 
 import gc
 import logging
 import os
 import time
+
+
+def watch(log: logging.Logger, who: str) -> None:
+    """At the end of a process's start: freeze what it holds (MOEBUS_GC_FREEZE), log long collections."""
+    if os.environ.get("MOEBUS_GC_FREEZE", "0") == "1":
+        gc.collect()  # what the start left unreachable goes now, not frozen for good
+        gc.freeze()
+        log.info("%s: %d objects frozen out of the garbage collector's walks", who, gc.get_freeze_count())
+    log_long_collections(log, who)
 
 
 def log_long_collections(log: logging.Logger, who: str, threshold_ms: float | None = None) -> bool:

@@ -18,7 +18,7 @@ from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.common.errors import ConfigError
-from moebus.common.gc_pauses import log_long_collections
+from moebus.common import gc_pauses
 from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
@@ -262,7 +262,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
     log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
-    log_long_collections(log, f"gpu{gpu}")  # MOEBUS_LOG_GC_MS: a step's pause that no kernel explains
+    gc_pauses.watch(log, f"gpu{gpu}")  # MOEBUS_GC_FREEZE, MOEBUS_LOG_GC_MS: a step's pause no kernel explains
     try:
         return GpuWorker(stage, link, gpu, settings.launch_ahead, trace).serve()
     finally:

@@ -20,3 +20,21 @@ def test_a_long_collection_is_logged_and_none_when_off(caplog, monkeypatch):
         assert lines and lines[-1].startswith("gpu0: a garbage collection of generation 2 took "), lines
     finally:
         gc.callbacks[:] = before
+
+
+def test_freeze_moves_what_the_process_holds_out_of_the_collector_s_walks(caplog, monkeypatch):
+    from moebus.common.gc_pauses import watch
+
+    monkeypatch.delenv("MOEBUS_LOG_GC_MS", raising=False)
+    log = logging.getLogger("moebus.test_gc")
+    monkeypatch.setenv("MOEBUS_GC_FREEZE", "0")
+    watch(log, "broker")
+    assert gc.get_freeze_count() == 0  # off by default
+    monkeypatch.setenv("MOEBUS_GC_FREEZE", "1")
+    try:
+        with caplog.at_level(logging.INFO, logger="moebus.test_gc"):
+            watch(log, "broker")
+        assert gc.get_freeze_count() > 0
+        assert caplog.records[-1].getMessage().startswith("broker: ") and "frozen" in caplog.records[-1].getMessage()
+    finally:
+        gc.unfreeze()
