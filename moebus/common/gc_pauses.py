@@ -20,9 +20,12 @@ import time
 def watch(log: logging.Logger, who: str) -> None:
     """At the end of a process's start: freeze what it holds (MOEBUS_GC_FREEZE), log long collections."""
     if os.environ.get("MOEBUS_GC_FREEZE", "0") == "1":
+        started = time.perf_counter()
         gc.collect()  # what the start left unreachable goes now, not frozen for good
+        took_ms = 1e3 * (time.perf_counter() - started)  # what a full collection costs this process now
         gc.freeze()
-        log.info("%s: %d objects frozen out of the garbage collector's walks", who, gc.get_freeze_count())
+        log.info("%s: %d objects frozen out of the garbage collector's walks (a full collection took %.1f ms)",
+                 who, gc.get_freeze_count(), took_ms)
     log_long_collections(log, who)
 
 
