@@ -39,3 +39,34 @@ def test_a_slow_info_and_a_step_long_after_the_last_are_logged(caplog, monkeypat
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["gpu0: INFO took 21.0 ms (the driver's free memory 18.4 ms)",
                      "gpu0: step 9 came 25.5 ms after the last one ended"], lines
+
+
+def test_an_info_just_after_a_reserve_was_set_asks_the_driver_nothing():
+    """On cuda, for RESERVE_KEPT_S after a VRAM request set a reserve (a vision worker makes its context
+    then), INFO gives that request's sizes and driver figures; later, or after a bare VRAM, it asks again."""
+    from types import SimpleNamespace
+
+    from moebus.common.protocol import Vram, VramReply
+
+    experts = SimpleNamespace(stats=lambda report=None: {"hits": 1, **(report or {"free_mib": 99.0})}, resize=None)
+    stage = SimpleNamespace(ops=SimpleNamespace(name="cuda"), experts=experts, chunks_spanned=0, chunk_steps=0,
+                            chunks_dropped=0, attention_dtype="bf16", use_graphs=False, graphs={}, graph_captures=0,
+                            eager_short_steps=0)
+    worker = GpuWorker(stage=stage, link=SimpleNamespace(dropped_messages=0), gpu=0)
+    calls = []
+    worker.driver_figures = lambda: calls.append(1) or {"max_free_mib": 5.0, "device_free_mib": 7.0 + len(calls)}
+    reply = VramReply(id="1", reserve_mib=100, free_mib=120, expert_slots=10, expert_cache_mib=90)
+    worker.keep_reserve_figures(Vram(reserve_mib=100), reply)  # the hand-back's last request: read here
+    assert len(calls) == 1
+    stats = worker.stats()  # the cold start's mark: no driver call
+    assert len(calls) == 1 and stats["free_mib"] == 120 and stats["device_free_mib"] == 8.0 and "at" not in stats
+    worker.keep_reserve_figures(Vram(query=True), reply)  # a query refreshes them
+    assert len(calls) == 2 and worker.stats()["device_free_mib"] == 9.0
+    worker.reserve_figures["at"] -= 10  # the window is over: the driver again
+    assert worker.stats()["free_mib"] == 99.0 and len(calls) == 3 and worker.reserve_figures is None
+    worker.keep_reserve_figures(Vram(reserve_mib=100), reply)
+    worker.keep_reserve_figures(Vram(reserve_mib=None), reply)  # bare: back to start-up sizes, ask the driver
+    assert worker.reserve_figures is None
+    stage.ops.name = "cpu"  # the emulated ledger costs nothing to ask
+    worker.keep_reserve_figures(Vram(reserve_mib=100), reply)
+    assert worker.reserve_figures is None
