@@ -29,8 +29,8 @@ def test_freeze_moves_what_the_process_holds_out_of_the_collector_s_walks(caplog
     log = logging.getLogger("moebus.test_gc")
     monkeypatch.setenv("MOEBUS_GC_FREEZE", "0")
     watch(log, "broker")
-    assert gc.get_freeze_count() == 0  # off by default
-    monkeypatch.setenv("MOEBUS_GC_FREEZE", "1")
+    assert gc.get_freeze_count() == 0  # 0: off
+    monkeypatch.delenv("MOEBUS_GC_FREEZE")  # on by default
     try:
         with caplog.at_level(logging.INFO, logger="moebus.test_gc"):
             watch(log, "broker")

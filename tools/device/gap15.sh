@@ -5,19 +5,18 @@
 # 256 MiB) in two runs "tag:VAR=value,VAR=value", each with MOEBUS_LOG_STEPS=1 (the worker logs every step's
 # time and the wait before it; an INFO that held a step and a step that came late are logged anyway) and
 # MOEBUS_LOG_GC_MS=2 (a garbage collection over 2 ms in the worker, the broker or the bench's client is logged):
-#   default    the tree's defaults (integ15: image steps of 2048 tokens, the reserve's scratch beside, the cache
-#              launched ahead, PDL programmatic + trigger)
-#   trial      MOEBUS_PDL=0 (the decode graphs' plain edges: the fourteenth session's 25-27 ms start-phase gap
-#              came with PDL's default, none such in the thirteenth's call 2 without it),
-#              MOEBUS_IMAGE_STEP_TOKENS=0 (the image prompt in chunks of max_step_tokens, 510 + 246, instead of
-#              one 756-token chunk) and MOEBUS_GC_FREEZE=1 (gc.freeze() once each process has started: its full
-#              collections walk only what was made since): the start phase tells PDL's part, the chunk lines the
-#              image step's, the logged collections the freeze's
+#   default    the tree's defaults (integ15 + gap15: image steps of 2048 tokens, PDL programmatic + trigger, each
+#              process's start objects frozen out of the collector (MOEBUS_GC_FREEZE), an INFO right after a VRAM
+#              reserve without driver calls (MOEBUS_INFO_AT_RESERVE))
+#   step0      MOEBUS_IMAGE_STEP_TOKENS=0: the image prompt in chunks of max_step_tokens (510 + 246) instead of one
+#              756-token chunk (call A's default run was cut by its cap before its prefill ended)
+# (call A, 08:28 UTC: "default" with the integ15 defaults, and "trial": MOEBUS_PDL=0 MOEBUS_IMAGE_STEP_TOKENS=0
+# MOEBUS_GC_FREEZE=1; RUNS="..." runs any such list.)
 # Then, per run, each of the 3 largest gaps with the worker's lines stamped in it (tools/device/gap15_gaps.py),
 # and last a short summary (the call's tail): the ratios, the phases of the 3 largest gaps, what was in them.
 #   PHASE=warm     gap12.sh's warm phase (its model at /tmp/gap-a3b-8x128-vision, ~12 GB on disk; the GPU tests
 #                  of the spanning chunk and HostTiles; one compiling cycle)
-#   PHASE=measure  the runs (RUN_CAP s each at most; ~24-27 s each in the fourteenth session's call)
+#   PHASE=measure  the runs (RUN_CAP s each at most; call A: 30 s with the freeze, over 36 s without)
 #   PHASE=measure BUDGET=76 bash tools/device/gap15.sh
 source tools/device/setup.sh
 set -o pipefail
@@ -28,8 +27,8 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 LOG=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-RUNS=${RUNS:-default:$LOG trial:$LOG,MOEBUS_PDL=0,MOEBUS_IMAGE_STEP_TOKENS=0,MOEBUS_GC_FREEZE=1}
-RUNS="$RUNS" RUN_CAP=${RUN_CAP:-36} BUDGET=$((BUDGET - 3)) bash tools/device/gap12.sh
+RUNS=${RUNS:-default:$LOG step0:$LOG,MOEBUS_IMAGE_STEP_TOKENS=0}
+RUNS="$RUNS" RUN_CAP=${RUN_CAP:-38} BUDGET=$((BUDGET - 3)) bash tools/device/gap12.sh
 logs=$(ls $OUT/cycle_budget256_*.log.gz 2>/dev/null)
 for L in $logs; do  # every line the workers stamped in each of the largest gaps (the steps' too)
   echo "--- $(basename $L .log.gz)"; timeout 10 python3 tools/device/gap15_gaps.py $L --count 5 | cut -c1-220 | head -60
