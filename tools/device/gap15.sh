@@ -16,7 +16,8 @@
 # and last a short summary (the call's tail): the ratios, the phases of the 3 largest gaps, what was in them.
 #   PHASE=warm     gap12.sh's warm phase (its model at /tmp/gap-a3b-8x128-vision, ~12 GB on disk; the GPU tests
 #                  of the spanning chunk and HostTiles; one compiling cycle)
-#   PHASE=measure  the runs (RUN_CAP s each at most; call A: 30 s with the freeze, over 36 s without)
+#   PHASE=measure  the runs (RUN_CAP s each at most, 44: the defaults first; step0 only where 34 s are left;
+#                  call A: 30 s with the freeze, over 36 s without (a fresh process's first prompt steps took 7.5 + 5.4 s))
 #   PHASE=measure BUDGET=76 bash tools/device/gap15.sh
 source tools/device/setup.sh
 set -o pipefail
@@ -28,7 +29,7 @@ if [ "$PHASE" = warm ]; then
 fi
 LOG=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 RUNS=${RUNS:-default:$LOG step0:$LOG,MOEBUS_IMAGE_STEP_TOKENS=0}
-RUNS="$RUNS" RUN_CAP=${RUN_CAP:-38} BUDGET=$((BUDGET - 3)) bash tools/device/gap12.sh
+RUNS="$RUNS" RUN_CAP=${RUN_CAP:-44} BUDGET=$((BUDGET - 3)) bash tools/device/gap12.sh
 logs=$(ls $OUT/cycle_budget256_*.log.gz 2>/dev/null)
 for L in $logs; do  # every line the workers stamped in each of the largest gaps (the steps' too)
   echo "--- $(basename $L .log.gz)"; timeout 10 python3 tools/device/gap15_gaps.py $L --count 5 | cut -c1-220 | head -60
