@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -210,6 +211,9 @@ def _earlier_cold_starts(client, args) -> list[dict]:
 
 def _lazy_cycle(args, image: bytes) -> dict:
     from moebus.client import Client
+    from moebus.common import gc_pauses
+
+    gc_pauses.watch(logging.getLogger("moebus.bench"), "bench client")  # its pauses delay the tokens' times
 
     with _broker(args, _settings(args, lazy=True)) as address:
         client = Client(address)

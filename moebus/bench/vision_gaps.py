@@ -172,13 +172,24 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
     return {"steady": {**summary_ms(pooled), "broker_steps": steps, "cache": cache}, "per_stream": per_stream,
             "by_phase": gaps_by_phase(streams.times, sent, split, ended),
             "covered": streams.ran_until() >= ended - 1e-3,
-            "largest": largest_ms(streams.times, sent, 5)}
+            "largest": largest_ms(streams.times, sent, 5, phase_bounds(sent, split, ended)),
+            "sent_wall_s": time.time() - (time.monotonic() - sent)}  # the workers' log lines are in wall time
 
 
-def largest_ms(times: list[list[float]], origin: float, count: int) -> list[tuple[float, float]]:
-    """The ``count`` largest gaps (any stream) whose middle is after ``origin``: (gap ms, ended ms after origin)."""
-    gaps = [(1e3 * (b - a), 1e3 * (b - origin)) for ts in times for a, b in zip(ts, ts[1:]) if a + b >= 2 * origin]
+def largest_ms(times: list[list[float]], origin: float, count: int,
+               bounds: list[tuple[str, float, float]] = ()) -> list[tuple[float, float, float, str]]:
+    """The ``count`` largest gaps (any stream) whose middle is after ``origin``: (gap ms, ended ms after
+    origin, began ms after origin, the phase of ``bounds`` (phase_bounds) that holds its middle, '' none)."""
+    def phase_of(t: float) -> str:
+        return next((name for name, start, end in bounds if start <= t < end), "")
+    gaps = [(1e3 * (b - a), 1e3 * (b - origin), 1e3 * (a - origin), phase_of((a + b) / 2))
+            for ts in times for a, b in zip(ts, ts[1:]) if a + b >= 2 * origin]
     return sorted(gaps, reverse=True)[:count]
+
+
+def wall_clock(seconds: float) -> str:
+    """A wall time as the workers' log lines print it (logging's asctime: local time, ms after a comma)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) + f",{int(1e3 * (seconds % 1)):03d}"
 
 
 def ms(v) -> str:
@@ -214,7 +225,11 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
               f"to the image's last token {ms(s['max_cold_ms'])} ms ({ms(s['ratio_cold'])}x / {ms(s['ratio_cold_cycle'])}x); "
               f"{s['above_2x_cold']} of its {s['cold_gaps']} gaps there above 2x the median before")
     print("  largest gaps (ms, ended ms after the image was sent):",
-          ", ".join(f"{g:.1f} at {t:.0f}" for g, t in report["largest"]))
+          ", ".join(f"{g:.1f} at {t:.0f}" for g, t, *_ in report["largest"]))
+    print("  largest gaps by phase (ms: from - to after the image was sent, phase):",
+          ", ".join(f"{g:.1f}: {a:.0f} - {t:.0f} {phase or '-'}" for g, t, a, phase in report["largest"]))
+    if report.get("sent_wall_s") is not None:
+        print(f"  the image was sent at {wall_clock(report['sent_wall_s'])} (the log lines' clock)")
     if not report["covered"]:
         print("  note: a text stream ended before the image's last token (raise --max-context or --text-tokens)")
 

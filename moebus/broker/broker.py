@@ -33,6 +33,7 @@ from moebus.broker.vram_control import VramControl
 from moebus.broker.worker_messages import WorkerMessages
 from moebus.broker.worker_pool import WorkerPool
 from moebus.common import transport
+from moebus.common import gc_pauses
 from moebus.common.model_config import ModelConfig
 from moebus.common.protocol import Error, Shutdown
 from moebus.common.tokenizer import TextTokenizer
@@ -102,6 +103,7 @@ class Broker(ClientMessages, WorkerMessages, StepDriver, Streaming, Supervision,
         for sock in (self.frontend, self.backend, self.tokenize.wake):
             poller.register(sock, zmq.POLLIN)
         self.pool.start()
+        gc_pauses.watch(log, "broker")  # MOEBUS_GC_FREEZE, MOEBUS_LOG_GC_MS: a pause between two tokens of every stream
         if self.vision:
             self.vision.start()
         for child in self.children:

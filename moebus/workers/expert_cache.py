@@ -563,11 +563,12 @@ class ExpertCache:
         return {"reserve_mib": self.reserve_mib, "free_mib": round(free / MIB, 1),
                 "expert_slots": self.num_slots, "expert_cache_mib": round(self.arena.mapped_bytes / MIB, 1)}
 
-    def stats(self) -> dict:
+    def stats(self, report: dict | None = None) -> dict:
+        """``report``: the sizes to give (a VRAM request's, kept by the worker) instead of asking the driver now."""
         # the dtype decides how many experts a MiB holds: fp8 ~2x and int4 ~3.5x bf16's slots
         return {"hits": self.hits, "misses": self.misses, "h2d_bytes": self.h2d_bytes,
                 "resident_experts": len(self.key_slot), "experts_dtype": getattr(self.store, "experts_dtype", "bf16"),
-                "expert_slot_bytes": int(self.store.blob_bytes), **self.report(),
+                "expert_slot_bytes": int(self.store.blob_bytes), **(self.report() if report is None else report),
                 **(self.prefetch.stats() if self.prefetch is not None else {})}
 
     def residency(self) -> dict:

@@ -18,6 +18,7 @@ from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
 from moebus.common.errors import ConfigError
+from moebus.common import gc_pauses
 from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
@@ -38,6 +39,16 @@ log = logging.getLogger("moebus.worker")
 PEEK_S = 2e-4  # how often a worker waiting for the next STEP looks whether its running step is done
 SLOW_DECODE_FACTOR = 2.0  # a decode step this many times the recent median is logged (e.g. a GPU shared
 SLOW_DECODE_MIN_S = 0.01  # with a starting vision worker: its context, uploads and warm-up)
+# On cuda, for RESERVE_KEPT_S after a VRAM request that set a reserve (a vision worker starting beside: its
+# context, weights, first encode), an INFO gives the sizes and the driver's figures of that request (a query
+# refreshes them) and calls the driver not at all: on the H200 the first cuMemGetInfo while the vision worker
+# made its context waited 18-26 ms, and the INFO the cold start's mark asks then held a text step that long
+# (fifteenth session, with PDL on). MOEBUS_INFO_AT_RESERVE=driver: ask the driver always, as before.
+INFO_AT_RESERVE = os.environ.get("MOEBUS_INFO_AT_RESERVE", "kept")
+RESERVE_KEPT_S = 2.0
+SLOW_INFO_S = 0.003  # an INFO that held the next step this long is logged (the driver's free memory is a driver call)
+IDLE_LOGGED_S = (0.008, 1.0)  # a step that came this long after the last one ended is logged (the broker's time)
+LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time and the wait before it (a gap's parts)
 # a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
 # prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
@@ -61,6 +72,10 @@ class GpuWorker:
         self.steps_launched_ahead = 0
         self.recent_decode_s: deque[float] = deque(maxlen=64)
         self.trace = trace
+        self.last_step_end_s: float | None = None  # perf_counter when the last step's reply was made
+        self.driver_info_s = 0.0  # the last INFO's driver call (cuMemGetInfo)
+        # while a VRAM reserve holds, the sizes and the driver's figures as of the last VRAM request (INFO_AT_RESERVE)
+        self.reserve_figures: dict | None = None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -77,7 +92,7 @@ class GpuWorker:
         if isinstance(message, Step):
             return self.step(message)
         if isinstance(message, Info):
-            return InfoReply(stats=self.stats())
+            return self.info()
         if isinstance(message, Vram):
             return self.vram(message)
         raise ValueError(f"unexpected message {type(message).__name__}")
@@ -92,8 +107,18 @@ class GpuWorker:
         finally:
             self.trace.after()
 
+    def info(self) -> InfoReply:
+        """An INFO waits behind the step in flight and holds the next one: a slow one is logged."""
+        started = time.perf_counter()
+        reply = InfoReply(stats=self.stats())
+        if (took := time.perf_counter() - started) > SLOW_INFO_S:
+            log.info("gpu%d: INFO took %.1f ms (the driver's free memory %.1f ms)", self.gpu, 1e3 * took,
+                     1e3 * self.driver_info_s)
+        return reply
+
     def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
+        idle_s = self.note_idle(msg.step_id, started)
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
             raise launched
@@ -113,10 +138,22 @@ class GpuWorker:
         self.busy_s += compute_s
         if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
+        if LOG_STEPS:
+            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last", self.gpu, msg.step_id,
+                     int(np.sum(msg.lengths)), 1e3 * compute_s, -1.0 if idle_s is None else 1e3 * idle_s)
+        self.last_step_end_s = time.perf_counter()
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
                          pending_rows=out.pending_rows)
+
+    def note_idle(self, step_id: int, started: float) -> float | None:
+        """The time from the last step's end to this one's start (None: the first step), logged where it
+        is long: the broker's time, or an INFO / VRAM served between (logged on their own when slow)."""
+        idle_s = None if self.last_step_end_s is None else started - self.last_step_end_s
+        if idle_s is not None and IDLE_LOGGED_S[0] < idle_s < IDLE_LOGGED_S[1]:
+            log.info("gpu%d: step %d came %.1f ms after the last one ended", self.gpu, step_id, 1e3 * idle_s)
+        return idle_s
 
     def note_decode(self, step_id: int, batch: int, compute_s: float) -> None:
         """Log a decode step far slower than the recent ones: where a text stream's gap came from."""
@@ -189,12 +226,36 @@ class GpuWorker:
             if msg.reserve_mib is not None and RESERVE_SCRATCH == "beside":  # the room the reserve leaves
                 spare = int(reply.free_mib * MIB) - int(msg.reserve_mib * MIB) - CUDA_HEADROOM_BYTES
                 self.stage.scratch = widened(measured, spare, image_step_tokens(wide.tokens))
+        self.keep_reserve_figures(msg, reply)
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
                      "moved down)", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
                      1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0))
         return reply
+
+    def keep_reserve_figures(self, msg: Vram, reply: VramReply) -> None:
+        """After a VRAM request: while a reserve holds, what INFO gives in place of the driver's figures."""
+        held = self.reserve_figures is not None if msg.query else msg.reserve_mib is not None
+        if not held or INFO_AT_RESERVE == "driver" or reply.error or self.stage.ops.name != "cuda":
+            self.reserve_figures = None
+            return
+        at = self.reserve_figures["at"] if msg.query else time.monotonic()  # a query refreshes, not extends
+        figures = {"report": {k: getattr(reply, k) for k in ("reserve_mib", "free_mib", "expert_slots", "expert_cache_mib")}}
+        self.reserve_figures = {**figures, **self.driver_figures(), "at": at}
+
+    def driver_figures(self) -> dict:
+        """What an INFO asks the driver for: the most the cache could free, the device's free MiB (cuda)."""
+        figures = {}
+        if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
+            figures["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
+        if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
+            from moebus.cuda.memory.vmm import device_memory_info
+
+            asked = time.perf_counter()
+            figures["device_free_mib"] = round(device_memory_info()[0] / MIB, 1)
+            self.driver_info_s = time.perf_counter() - asked
+        return figures
 
     def stats(self) -> dict:
         stage = self.stage  # prompt chunks that spanned steps (workers/spanning_chunk.py)
@@ -203,17 +264,15 @@ class GpuWorker:
                  "chunks_dropped": stage.chunks_dropped,
                  "busy_s": self.busy_s,
                  "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype}
+        kept = self.reserve_figures  # a reserve was just set: the last VRAM request's figures, no driver call
+        if kept is not None and time.monotonic() - kept["at"] > RESERVE_KEPT_S:
+            kept = self.reserve_figures = None
         if hasattr(self.stage.experts, "stats"):
-            stats.update(self.stage.experts.stats())
-        if hasattr(self.stage.experts, "resize"):  # elastic: what the vision worker could be given here
-            stats["max_free_mib"] = round(max_free_bytes(self.stage.experts) / MIB, 1)
+            stats.update(self.stage.experts.stats(**({"report": kept["report"]} if kept else {})))
+        stats.update({k: v for k, v in (kept or self.driver_figures()).items() if k not in ("report", "at")})
         if self.stage.ops.name == "cuda":  # decode steps replayed as CUDA graphs, by batch size
             stats.update(cuda_graphs=self.stage.use_graphs, graph_batches=sorted({k[0] for k in self.stage.graphs}),
                          graph_captures=self.stage.graph_captures, eager_short_steps=self.stage.eager_short_steps)
-        if self.stage.ops.name == "cuda":  # the driver's own figure (free_mib is within the budget, if any)
-            from moebus.cuda.memory.vmm import device_memory_info
-
-            stats["device_free_mib"] = round(device_memory_info()[0] / MIB, 1)
         if hasattr(self.stage.experts, "residency"):  # the dashboard's layers x experts map
             stats["residency"] = self.stage.experts.residency()
         return stats
@@ -232,6 +291,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
     log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
+    gc_pauses.watch(log, f"gpu{gpu}")  # MOEBUS_GC_FREEZE, MOEBUS_LOG_GC_MS: a step's pause no kernel explains
     try:
         return GpuWorker(stage, link, gpu, settings.launch_ahead, trace).serve()
     finally:

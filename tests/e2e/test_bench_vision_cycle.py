@@ -81,7 +81,10 @@ def test_each_gap_is_charged_to_the_phase_that_holds_its_middle():
     assert phases["encode"]["n"] == 0
     assert phases["prefill"]["n"] == 2 and abs(phases["prefill"]["max_ms"] - 340) < 1e-6  # 0.16->0.50, 0.30->0.31
     assert phases["decode"]["n"] == 1 and abs(phases["decode"]["length_ms"] - 200) < 1e-6  # 0.50->0.51
-    assert [round(g) for g, _ in largest_ms(times, 0.0, 2)] == [340, 285]
+    assert [round(g) for g, *_ in largest_ms(times, 0.0, 2)] == [340, 285]
+    from moebus.bench.vision_gaps import phase_bounds  # each named by the phase that holds its middle, with its start
+    named = largest_ms(times, 0.0, 2, phase_bounds(0.0, split, 0.7))
+    assert [(round(t), round(a), phase) for _, t, a, phase in named] == [(500, 160, "prefill"), (300, 15, "start")]
     # the first token at the client (0.51) after the broker's mark (0.5): the prefill ends there
     late = gaps_by_phase(times, 0.0, dict(split, first_token_s=0.51), ended=0.7)
     assert late["prefill"]["n"] == 3 and late["decode"]["n"] == 0
