@@ -68,14 +68,16 @@ L2_AHEAD = 0
 LINE_WORDS = 16  # 8-byte words in a 128-byte line
 # blocks of the decode kernel an SM must hold (launch bounds: registers capped to allow them); 0: the
 # compiler's choice (126 registers at A3B's shapes: 2 blocks of 256 threads, which the L2 prefetches or
-# more rows ahead push past 128, to 1 block an SM)
-MIN_BLOCKS = 2
+# more rows ahead push past 128, to 1 block an SM). 0 again since the fifteenth session: with 2, every worker
+# start of its calls compiled a kernel the disk cache should have held ("42 loaded from the disk cache, 1
+# compiled"), and the decode path runs on tensor cores (DECODE_TC) where this kernel would matter most
+MIN_BLOCKS = 0
 # a row's scores reduce-scattered over its lanes (log2 of the lanes' shuffles a head instead of one
 # butterfly a head): each lane ends with one head's score and keeps that head's online softmax alone
 # (the max, the sum, the exp), then hands each head's p (and, where a max grew, alpha) to the row's
 # lanes with one shuffle a head. Where the heads of a warp are not a power of two, or more than the
 # lanes of a row, the plain split. Not the same bits as the butterfly (within the tests' tolerances)
-OWNER_SOFTMAX = True  # with FAST_EXP, ROWS_AHEAD 4 and MIN_BLOCKS 2: 32k attention 85.0 -> 68.7 us (fourteenth session)
+OWNER_SOFTMAX = True  # with FAST_EXP, ROWS_AHEAD 4 (and MIN_BLOCKS 2): 32k attention 85.0 -> 68.7 us (fourteenth session)
 LOG2E = float32(1.4426950408889634)
 LN2 = float32(0.6931471805599453)
 NEG_INF = float32(-np.inf)
