@@ -4,7 +4,7 @@
 # softmax + exp2 + 4 rows ahead + 2 blocks an SM, the reserve's scratch beside, image steps of 2048, the preload).
 #   PHASE=warm     (beside the other branches; nothing timed) with TESTS=1 the GPU tests of what changed; the
 #                  measure phase's benches on a 4 x 32 a3b model (/tmp/lead-m4, compiles), graph == eager there;
-#   PHASE=final    (call C, alone) a worker's start twice (kernels from the disk cache), the GPU tests of the
+#   PHASE=final    (call C, alone; GPU_TESTS overrides the test files) a worker's start twice (kernels from the disk cache), the GPU tests of the
 #                  merged branches, graph == eager, b1/b8 in-process with 3 repeats;
 #   PHASE=measure  issue 15's table on $M48 in one run: bench decode --batch 1,8 all resident (in-process and
 #                  through the service), then a 25% cache in-process; the summary last.
@@ -21,9 +21,9 @@ if [[ $PHASE == final ]]; then  # call C, alone on a fresh machine: the merged t
       --repeats 1 > $OUT/start$n.txt 2>&1; echo "start $n rc=$? at $(now) s: $(grep -a "gpu0 kernels:" $OUT/start$n.txt | cut -c60-)"
   done
   MOEBUS_TEST_GPU=1 timeout $(upto ${TESTS_S:-150}) python3 -m pytest -q -rfE -p no:cacheprovider \
-    tests/cuda/test_attention_decode_tc.py tests/cuda/test_attention.py tests/cuda/test_moe_quant_round.py \
+    ${GPU_TESTS:-tests/cuda/test_attention_decode_tc.py tests/cuda/test_attention.py tests/cuda/test_moe_quant_round.py \
     tests/cuda/test_linear_quant_fp8.py tests/cuda/test_layernorm_held.py tests/cuda/test_split_two_parts.py \
-    tests/cuda/test_cache_launch_ahead.py tests/cuda/test_patchify.py > $OUT/gpu_tests.txt 2>&1
+    tests/cuda/test_cache_launch_ahead.py tests/cuda/test_patchify.py} > $OUT/gpu_tests.txt 2>&1
   echo "gpu tests rc=$? at $(now) s"; grep -aE "^(FAILED|ERROR)|passed|failed" $OUT/gpu_tests.txt | cut -c1-240 | head -12
   timeout $(upto 40) python3 tools/device/graph_check.py /tmp/lead-m4 2>&1 | grep -aE "vs eager|CHECK|Error|same" | head -8
   wait
