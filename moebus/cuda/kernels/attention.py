@@ -5,8 +5,8 @@ with a sliding window). GQA: query head h reads kv head h // (H / KVH).
 KV cache layout per layer: k_cache, v_cache (num_slots, KVH, max_context, hd), float32 or bf16
 (uint16 bits, rounded to nearest even when stored: kv_cache.py's ``kv_dtype``). The decode kernel
 is attention_decode.py's, or on tensor cores attention_decode_tc.py's (bf16 caches at hd 128 on a GPU,
-attention_decode.DECODE_TC) with the splits merged apart; this file holds the references, the store and
-the launch."""
+attention_decode.DECODE_TC) with the splits merged apart (or in its last split block: TC_MERGE_IN_SPLIT); this
+file holds the references, the store and the launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -147,7 +147,8 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     Every token's own position must already be in the cache (kv_store first). ``scratch``: a float32
     device array of attention_scratch_shape (allocated here when None). hd: a multiple of 4.
     ``done``: int32 counters at 0, at least T * KVH of them (left at 0): with one (and
-    attention_decode.MERGE_IN_SPLIT) the split kernel merges the splits itself, in one launch."""
+    attention_decode.MERGE_IN_SPLIT; on tensor cores, TC_MERGE_IN_SPLIT too) the split kernel merges the splits
+    itself, in one launch."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     storage = require_caches(k_cache, v_cache, head_dim=head_dim)
@@ -173,9 +174,12 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
             and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
         positions = int(attention_decode.TC_SPLIT_POSITIONS)
+        in_split = (merge and attention_decode.TC_MERGE_IN_SPLIT
+                    and min(attention_decode.DECODE_SPLITS, ceil_div(context, positions)) <= attention_decode_tc.MERGE_CAP)
         attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
-                                   attention_decode.DECODE_SPLITS, positions)
-        return _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
+                                   attention_decode.DECODE_SPLITS, positions, done=done if in_split else None,
+                                   out=out if in_split else None)
+        return out if in_split else _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
     kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)

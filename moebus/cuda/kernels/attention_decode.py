@@ -57,6 +57,11 @@ WIDE_MERGE = True
 # session): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us against this kernel's 18.0 / 32.0 / 58.1, error 2.2e-11
 DECODE_TC = True
 TC_SPLIT_POSITIONS = 64
+# the tensor-core kernel merges too (given counters, MERGE_IN_SPLIT): a token of one split writes its output
+# directly, else the last split block merges (merger's order: merge_splits' bits), one launch a layer instead
+# of two (sixteenth session: the fifteenth's b1 step was 33 us slower than the thirteenth's, with 48 merge_splits
+# launches a step). Off until a GPU call times it (tools/device/decode16.sh)
+TC_MERGE_IN_SPLIT = False
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)

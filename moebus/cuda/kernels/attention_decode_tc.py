@@ -6,7 +6,10 @@ a cache row on CUDA cores (64 of them FMAs: 8 query heads x 128 dims x 2 / 32 la
 it is bound by issue, not by HBM; on mma.sync the group's 8 heads take a row in a few instructions.
 
 The split kernel writes the decode scratch's partials (attention.attention_scratch_shape) for the splits
-attention_decode.splitter cuts (DECODE_SPLITS, TC_SPLIT_POSITIONS: the merge is told the same). H200, b1,
+attention_decode.splitter cuts (DECODE_SPLITS, TC_SPLIT_POSITIONS: the merge is told the same). Given
+counters and the output (attention_decode.TC_MERGE_IN_SPLIT, sixteenth session, off by default) it merges too,
+in one launch a layer: a token of one split writes its output directly, else the last split block of a (token,
+kv head) merges as merge_splits does (the same bits; at most MERGE_CAP splits). H200, b1,
 the 48 x 32 a3b shapes, attention alone (split + merge): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us (32k: 1.96 TB/s)
 against the numba kernel's 18.0 / 32.0 / 58.1, error 2.2e-11 (tools/device/decode15.sh; the merge then
 loaded 4 splits at a time, now MERGE_APART_SPLITS). Its reference is attention_ref through the merge; the
@@ -31,6 +34,7 @@ ENTRY = "decode_attention_tc"
 HEAD_DIM = 128
 WARPS = 4  # a block's warps (4 or 8), each on its own 16-key tiles
 MIN_BLOCKS = 2  # blocks an SM holds (launch bounds: 198 registers at 4 warps, no spills)
+MERGE_CAP = 256  # splits the in-kernel merge takes at most (its weights: 8 x MERGE_CAP floats of shared memory)
 log = logging.getLogger("moebus.cuda")
 
 
@@ -44,7 +48,8 @@ def source() -> bytes:
 
 def compile_options(arch: str, warps: int, min_blocks: int) -> list[bytes]:
     return flash_attention.compile_options(HEAD_DIM, False, arch) + [f"-DDWARPS={int(warps)}".encode(),
-                                                                    f"-DMIN_BLOCKS_TC={int(min_blocks)}".encode()]
+                                                                    f"-DMIN_BLOCKS_TC={int(min_blocks)}".encode(),
+                                                                    f"-DMERGE_CAP={MERGE_CAP}".encode()]
 
 
 def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None) -> bytes:
@@ -98,20 +103,28 @@ def _builds(warps: int, min_blocks: int) -> bool:
 
 
 def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, stream, decode_splits: int,
-           split_positions: int, warps: int = 0, min_blocks: int = 0) -> None:
+           split_positions: int, warps: int = 0, min_blocks: int = 0, done=None, out=None) -> None:
     """The partials of every token's splits (at most ``decode_splits`` of at least ``split_positions``
     positions, [0, its position]) into ``scratch`` (T, H, splits, hd + 2). ``stream``: a numba stream or
-    a GraphBuilder (not 0)."""
+    a GraphBuilder (not 0). With ``done`` (int32 counters at 0, at least T * KVH; left at 0) and ``out``
+    (T, H, hd) float32, the splits merged into ``out`` too (merge_splits' bits; no partials where a token
+    has one split)."""
     warps, min_blocks = warps or WARPS, min_blocks or MIN_BLOCKS
+    if (done is None) != (out is None):
+        raise ValueError("the merge in the split kernel takes both the counters and the output")
     num_tokens, heads, head_dim = q.shape
     slots, kv_heads, context, _ = k_cache.shape
     if head_dim != HEAD_DIM or heads // kv_heads > 8 or heads % kv_heads or k_cache.dtype != np.uint16:
         raise ValueError(f"the tensor-core decode takes bf16 caches of hd {HEAD_DIM}, up to 8 heads a kv head")
-    if scratch.shape[2] < min(decode_splits, -(-context // split_positions)):
+    most_splits = min(decode_splits, -(-context // split_positions))
+    if scratch.shape[2] < most_splits:
         raise ValueError(f"a scratch of {scratch.shape[2]} splits holds fewer than the tokens can have")
+    if done is not None and (done.shape[0] < num_tokens * kv_heads or most_splits > MERGE_CAP):
+        raise ValueError(f"the merge in the split kernel takes a counter a (token, kv head), {MERGE_CAP} splits")
     ptr = flash_attention._pointer
     flash_attention._core_launch(stream, (num_tokens, kv_heads, scratch.shape[2]), 32 * warps,
                                  _kernel(warps, min_blocks), ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
                                  ptr(token_slot), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
                                  np.int32(context), np.int32(scratch.shape[2]), np.int32(decode_splits),
-                                 np.int32(split_positions), np.float32(scale * np.log2(np.e)))
+                                 np.int32(split_positions), np.float32(scale * np.log2(np.e)),
+                                 *(np.intp(0) if a is None else ptr(a) for a in (done, out)))  # null: no merge
