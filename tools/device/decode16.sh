@@ -1,0 +1,51 @@
+# Issue 15, sixteenth session (branch decode16): batch 1 back above 300 tok/s. The tensor-core decode attention
+# merging in its split kernel (attention_decode.TC_MERGE_IN_SPLIT, off by default: a token of one split writes
+# its output directly, else the last split block merges; no merge_splits launch, 48 fewer kernels a step)
+# against the merge apart (DECODE_TC=1, the fifteenth session's default) and the numba kernel (DECODE_TC=0).
+# Run by the lead's call script twice (PHASE=warm side by side, then PHASE=measure alone, within BUDGET s).
+# M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model. decode15.sh's step helpers are read from it (not copied).
+# warm:    a 4 x 32 a3b model (/tmp/decode16-m4, ~1.4 GB); greedy decode on it at b1 and b4 over 1-3 splits
+#          with each setting in one process (decode16_check.py: every kernel of the b1 runs compiled; tcm's tokens
+#          and logprobs must be tc's bits), decode16_attn.py 0 (the attention settings compiled; bits against the
+#          default), then the GPU tests of the tensor-core decode (test_attention_decode_tc.py: the merge in the
+#          split kernel gives the merge apart's bits, the counters back at 0).
+# measure: `bench decode --model $M48 --batch 1 --tokens 64 --repeats 3 --no-service` with the default (tc), the
+#          switch (tcm) and the numba kernel (numba), each in a process of its own (decode16_bench.py); the
+#          attention alone (decode16_attn.py: CUPTI us a call at 64 / 96 / 1k / 32k positions, by kernel, bits);
+#          as time allows tcm and tc once more; summary last.
+source tools/device/setup.sh
+BUDGET=${BUDGET:-90}; T0=$(date +%s)
+eval "$(sed -n -e '/^left() /p' -e '/^at() /p' -e '/^quiet() /p' -e '/^step() {/,/^}/p' tools/device/decode15.sh)"
+type step > /dev/null 2>&1 || { echo "decode16.sh: decode15.sh's step() not found"; exit 1; }
+M4=/tmp/decode16-m4
+TC=attention_decode.DECODE_TC; MERGE=attention_decode.TC_MERGE_IN_SPLIT
+SETTINGS=${SETTINGS:-"tc: tcm:TC_MERGE_IN_SPLIT=1 numba:DECODE_TC=0"}
+export CONTEXTS=${CONTEXTS:-64,96,1024,32768}
+if [ "$PHASE" = warm ]; then
+  [ $BUDGET -gt 120 ] && BUDGET=120
+  [ -f $M4/.complete ] || { timeout 50 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
+    2>&1 | tail -1 && touch $M4/.complete; }
+  SHOW=4 step check 15 55 python3 tools/device/decode16_check.py $M4 tc: tcm:$MERGE=1 numba:$MERGE=0,$TC=0
+  SHOW=6 step warm_attn 8 30 python3 tools/device/decode16_attn.py 0 $SETTINGS
+  SHOW=6 step warm_tests 10 60 env MOEBUS_TEST_GPU=1 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/cuda/test_attention_decode_tc.py
+  echo "warm done at $(at)"
+  exit 0
+fi
+BENCH="--model $M48 --device cuda --batch 1 --tokens 64 --repeats 3 --no-service"
+b1() { local name=$1; shift; SHOW=3 step $name 18 40 python3 tools/device/decode16_bench.py decode "$@" -- $BENCH; }
+b1 b1_tc
+b1 b1_tcm $MERGE=1
+b1 b1_numba $TC=0
+step attn 12 30 python3 tools/device/decode16_attn.py ${CALLS:-20} $SETTINGS
+b1 b1_tcm2 $MERGE=1
+b1 b1_tc2
+echo "== summary at $(at) (b1: tok/s, ms a step; attention: us a call at $CONTEXTS)"
+for f in b1_tc b1_tcm b1_numba b1_tcm2 b1_tc2; do
+  [ -f $OUT/$f.txt ] && awk -v n=$f '/^settings:/ {s = substr($0, 11)} /^ +1 +[0-9.]+ +[0-9.]+/ {
+    printf "%-9s %7.1f tok/s %6.3f ms  [%s]\n", n, $2, $3, s}' $OUT/$f.txt
+done
+grep -hE "^(tc|tcm|numba) " $OUT/attn.txt 2>/dev/null | cut -c1-120
+grep -hE "^  [0-9]+k |^bits " $OUT/attn.txt 2>/dev/null | cut -c1-200
+grep -hE "^check " $OUT/check.txt 2>/dev/null | cut -c1-200  # the warm phase's
+grep -hE "passed|failed|^(FAILED|ERROR)" $OUT/warm_tests.txt 2>/dev/null | cut -c1-200 | tail -4
