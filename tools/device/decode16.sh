@@ -25,8 +25,8 @@ if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 120 ] && BUDGET=120
   [ -f $M4/.complete ] || { timeout 50 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \
     2>&1 | tail -1 && touch $M4/.complete; }
-  SHOW=4 step check 15 55 python3 tools/device/decode16_check.py $M4 tc: tcm:$MERGE=1 numba:$MERGE=0,$TC=0
-  SHOW=6 step warm_attn 8 30 python3 tools/device/decode16_attn.py 0 $SETTINGS
+  SHOW=4 step check 15 70 python3 tools/device/decode16_check.py $M4 tc: tcm:$MERGE=1 numba:$MERGE=0,$TC=0
+  SHOW=6 step warm_attn 8 25 python3 tools/device/decode16_attn.py 0 $SETTINGS
   SHOW=6 step warm_tests 10 60 env MOEBUS_TEST_GPU=1 python3 -m pytest -q -rfE -p no:cacheprovider \
     tests/cuda/test_attention_decode_tc.py
   echo "warm done at $(at)"
