@@ -12,23 +12,13 @@
 #          PDL (the default) and with PDL off.
 source tools/device/setup.sh
 BUDGET=${BUDGET:-121}; T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-at() { echo "$(( $(date +%s) - T0 )) s"; }
+source tools/device/steps.sh  # left, at, quiet, step
 M4=/tmp/decode14-m4
 O=OWNER_SOFTMAX=1,FAST_EXP=1  # the owner softmax in base 2
 SETTINGS=${SETTINGS:-"base: owner_fast:$O owner_fast_l2_64:$O,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_h8:$O,MAX_HEADS_PER_WARP=8
   fast_l2_64:FAST_EXP=1,L2_AHEAD=64,MIN_BLOCKS=2 owner:OWNER_SOFTMAX=1
   owner_fast_h8_l2_64:$O,MAX_HEADS_PER_WARP=8,L2_AHEAD=64,MIN_BLOCKS=2 owner_fast_ahead4:$O,ROWS_AHEAD=4,MIN_BLOCKS=2
   owner_fast_l2_128:$O,L2_AHEAD=128,MIN_BLOCKS=2 fast:FAST_EXP=1"}
-quiet() { grep -vE "Warn|warn\(" ; }
-step() {  # NAME SECONDS_NEEDED SECONDS_AT_MOST COMMAND...: into $OUT/NAME.txt, its tail to stdout
-  local name=$1 need=$2 most=$3 limit; shift 3
-  [ $(left) -lt $need ] && { echo "== $name: skipped, $(left) s left"; return; }
-  limit=$(( $(left) - 2 )); [ $limit -gt $most ] && limit=$most
-  echo "== $name at $(at) (at most $limit s)"
-  timeout $limit "$@" 2>&1 | quiet > $OUT/$name.txt
-  echo "   rc ${PIPESTATUS[0]} at $(at)"; grep -vE "^\s*$" $OUT/$name.txt | tail -${SHOW:-12} | cut -c1-150
-}
 if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 120 ] && BUDGET=120
   [ -f $M4/.complete ] || { timeout 50 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \

@@ -12,19 +12,9 @@
 #          tc256 (docs/performance.md, fifteenth session).
 source tools/device/setup.sh
 BUDGET=${BUDGET:-86}; T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-at() { echo "$(( $(date +%s) - T0 )) s"; }
+source tools/device/steps.sh  # left, at, quiet, step
 M4=/tmp/decode15-m4
 SETTINGS=${SETTINGS:-"numba_old:DECODE_TC=0,WIDE_MERGE=0 numba:DECODE_TC=0 tc: tc128:DECODE_SPLITS=128"}
-quiet() { grep -vE "Warn|warn\(" ; }
-step() {  # NAME SECONDS_NEEDED SECONDS_AT_MOST COMMAND...: into $OUT/NAME.txt, its tail to stdout
-  local name=$1 need=$2 most=$3 limit; shift 3
-  [ $(left) -lt $need ] && { echo "== $name: skipped, $(left) s left"; return; }
-  limit=$(( $(left) - 2 )); [ $limit -gt $most ] && limit=$most
-  echo "== $name at $(at) (at most $limit s)"
-  timeout $limit "$@" 2>&1 | quiet > $OUT/$name.txt
-  echo "   rc ${PIPESTATUS[0]} at $(at)"; grep -vE "^\s*$" $OUT/$name.txt | tail -${SHOW:-12} | cut -c1-150
-}
 if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 120 ] && BUDGET=120
   [ -f $M4/.complete ] || { timeout 50 python3 -m moebus.cli init-model $M4 --preset a3b --layers 4 --experts 32 \

@@ -17,7 +17,6 @@ the decode kernel's, so a block's query load and partial stores are spread over 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -63,22 +62,7 @@ def compile_options(head_dim: int, arch: str) -> list[bytes]:
 def cubin(head_dim: int, arch: str, cache_dir: str | None) -> bytes:
     """The cubin for ``arch``, from ``cache_dir``/attention_chunk_tc when compiled before (the name
     hashes the source, the options and NVRTC's version), else NVRTC's, then kept there."""
-    from cuda.bindings import nvrtc
-
-    options, text = compile_options(head_dim, arch), source()
-    path = None
-    if cache_dir:
-        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
-        path = Path(cache_dir) / "attention_chunk_tc" / f"{digest[:24]}.cubin"
-        if path.is_file():
-            return path.read_bytes()
-    code, _ = flash_attention.nvrtc_compile(text, options)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(code)
-        os.replace(partial, path)  # whole or absent
-    return code
+    return flash_attention.cached_cubin(source(), compile_options(head_dim, arch), cache_dir, "attention_chunk_tc")
 
 
 @functools.cache

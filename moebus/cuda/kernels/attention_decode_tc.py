@@ -17,8 +17,6 @@ simulator keeps the numba kernel."""
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 from pathlib import Path
 
 import logging
@@ -55,22 +53,8 @@ def compile_options(arch: str, warps: int, min_blocks: int) -> list[bytes]:
 def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None) -> bytes:
     """The cubin for ``arch``, from ``cache_dir``/attention_decode_tc when compiled before (the name hashes
     the source, the options and NVRTC's version), else NVRTC's, then kept there."""
-    from cuda.bindings import nvrtc
-
-    options, text = compile_options(arch, warps, min_blocks), source()
-    path = None
-    if cache_dir:
-        digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
-        path = Path(cache_dir) / "attention_decode_tc" / f"{digest[:24]}.cubin"
-        if path.is_file():
-            return path.read_bytes()
-    code, _ = flash_attention.nvrtc_compile(text, options)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        partial.write_bytes(code)
-        os.replace(partial, path)  # whole or absent
-    return code
+    options = compile_options(arch, warps, min_blocks)
+    return flash_attention.cached_cubin(source(), options, cache_dir, "attention_decode_tc")
 
 
 @functools.cache

@@ -136,13 +136,19 @@ def cubin(head_dim: int, f32_kv: bool, arch: str, cache_dir: str | None, warps: 
           precision: str = "split", defines: tuple = (), warp_rows: int = 16) -> bytes:
     """The kernel's cubin for ``arch`` (e.g. sm_90): from ``cache_dir``/flash_attention if compiled
     before (the name hashes the source, the options and NVRTC's version), else NVRTC, then kept there."""
+    options = compile_options(head_dim, f32_kv, arch, warps, precision, defines, warp_rows)
+    return cached_cubin(source(), options, cache_dir, "flash_attention")
+
+
+def cached_cubin(text: bytes, options: list[bytes], cache_dir: str | None, kind: str) -> bytes:
+    """NVRTC's cubin of ``text``, kept in ``cache_dir``/``kind`` (the name hashes the source, the options and
+    NVRTC's version) and read from there when compiled before; no cache_dir: compiled each time."""
     from cuda.bindings import nvrtc
 
-    options, text = compile_options(head_dim, f32_kv, arch, warps, precision, defines, warp_rows), source()
     path = None
     if cache_dir:
         digest = hashlib.sha256(text + b"\0".join(options) + repr(nvrtc.nvrtcVersion()).encode()).hexdigest()
-        path = Path(cache_dir) / "flash_attention" / f"{digest[:24]}.cubin"
+        path = Path(cache_dir) / kind / f"{digest[:24]}.cubin"
         if path.is_file():
             return path.read_bytes()
     code, _ = nvrtc_compile(text, options)
