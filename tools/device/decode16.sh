@@ -3,7 +3,7 @@
 # its output directly, else the last split block merges; no merge_splits launch, 48 fewer kernels a step)
 # against the merge apart (DECODE_TC=1, the fifteenth session's default) and the numba kernel (DECODE_TC=0).
 # Run by the lead's call script twice (PHASE=warm side by side, then PHASE=measure alone, within BUDGET s).
-# M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model. decode15.sh's step helpers are read from it (not copied).
+# M48=/tmp/m48 is the lead's 48 x 32 a3b bf16 model. The timed-step helpers come from tools/device/steps.sh.
 # warm:    a 4 x 32 a3b model (/tmp/decode16-m4, ~1.4 GB); greedy decode on it at b1 and b4 over 1-3 splits
 #          with each setting in one process (decode16_check.py: every kernel of the b1 runs compiled; tcm's tokens
 #          and logprobs must be tc's bits), decode16_attn.py 0 (the attention settings compiled; bits against the
@@ -14,9 +14,8 @@
 #          attention alone (decode16_attn.py: CUPTI us a call at 64 / 96 / 1k / 32k positions, by kernel, bits);
 #          as time allows tcm and tc once more; summary last.
 source tools/device/setup.sh
-BUDGET=${BUDGET:-90}; T0=$(date +%s)
-eval "$(sed -n -e '/^left() /p' -e '/^at() /p' -e '/^quiet() /p' -e '/^step() {/,/^}/p' tools/device/decode15.sh)"
-type step > /dev/null 2>&1 || { echo "decode16.sh: decode15.sh's step() not found"; exit 1; }
+BUDGET=${BUDGET:-116}; T0=$(date +%s)
+source tools/device/steps.sh
 M4=/tmp/decode16-m4
 TC=attention_decode.DECODE_TC; MERGE=attention_decode.TC_MERGE_IN_SPLIT
 SETTINGS=${SETTINGS:-"tc: tcm:TC_MERGE_IN_SPLIT=1 numba:DECODE_TC=0"}
