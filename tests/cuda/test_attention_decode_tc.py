@@ -3,7 +3,8 @@ compiled by NVRTC without spills (where the NVRTC wheel is installed), and on a 
 splits merged by attention_decode.merge_splits against attention_ref: ragged lengths, several tokens,
 splits of every size the kernel's 16-key tiles meet (a split shorter than a warp's tile, a last tile cut
 short), a group of 8 and of 4; and its merge in the split kernel (attention_decode.TC_MERGE_IN_SPLIT: a token of
-one split written directly, else the last split block merges) against the merge apart, bit for bit."""
+one split written directly, else the last split block merges) against the merge apart, bit for bit; the
+variant that waits first (attention_decode.TC_PDL: a programmatic edge into it in a captured graph) too."""
 import numpy as np
 import pytest
 
@@ -31,6 +32,44 @@ def test_kernel_compiles_for_hopper_without_spills(warps, min_blocks):
         lines = log.splitlines()
         at = next(i for i, line in enumerate(lines) if "entry function 'decode_attention_tc'" in line)
         assert " 0 bytes spill stores" in lines[at + 2], lines[at + 2]
+
+
+def test_the_waiting_kernel_waits_first_under_its_own_name():
+    """TC_PDL's variant (compile_options' ``wait``): entry PDL_ENTRY, griddepcontrol.wait before any global
+    load or store (then the trigger, where pdl.trigger_after_wait), no spills; the default has no wait."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - the library itself is missing
+        pytest.skip(f"NVRTC not installed: {exc}")
+    from moebus.cuda.kernels import pdl
+    from moebus.cuda.kernels.attention_decode_tc import ENTRY, PDL_ENTRY, compile_options, source
+    from moebus.cuda.kernels.flash_attention import nvrtc_compile
+
+    for wait in (False, True):
+        ptx, _ = nvrtc_compile(source(), compile_options("compute_90", 4, 2, wait), target="ptx")
+        entry = (PDL_ENTRY if wait else ENTRY).encode()
+        body = ptx[ptx.index(b".entry " + entry + b"("):]
+        assert (b"griddepcontrol.wait" in body) == wait
+        if wait:
+            at = body.index(b"griddepcontrol.wait")
+            assert not any(op in body[:at] for op in (b"ld.global", b"st.global", b"atom.")), body[:at][-400:]
+            assert (b"griddepcontrol.launch_dependents" in body) == pdl.trigger_after_wait()
+    cubin, log = nvrtc_compile(source(), compile_options("sm_90", 4, 2, True) + [b"--ptxas-options=-v"])
+    assert cubin
+    if log.strip():
+        lines = log.splitlines()
+        at = next(i for i, line in enumerate(lines) if f"entry function '{PDL_ENTRY}'" in line)
+        assert " 0 bytes spill stores" in lines[at + 2], lines[at + 2]
+
+
+def test_a_registered_kernel_is_listed_as_waiting(monkeypatch):
+    from moebus.cuda.kernels import pdl
+
+    monkeypatch.setattr(pdl, "_REGISTERED", set())
+    assert b"decode_attention_tc_pdl" not in pdl.waiting_functions()
+    pdl.register_waiting(b"decode_attention_tc_pdl", 1234)
+    assert {b"decode_attention_tc_pdl", 1234} <= pdl.waiting_functions()
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
@@ -139,7 +178,7 @@ def test_merged_in_the_split_kernel_gives_the_merge_aparts_bits(rng, monkeypatch
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_attention_cuda_merges_in_the_split_kernel_with_tc_merge_in_split(rng, monkeypatch):
     """TC_MERGE_IN_SPLIT with counters: one launch, the bits of the default (the merge apart); without
-    counters (or with too few) still the merge apart."""
+    counters (or with too few) still the merge apart; TC_PDL's kernel (waits first) the same bits, listed as waiting."""
     from moebus.cuda.kernels import attention_decode
     from moebus.cuda.kernels.attention import attention_cuda
     from moebus.cuda.kernels.compat import cuda
@@ -151,13 +190,19 @@ def test_attention_cuda_merges_in_the_split_kernel_with_tc_merge_in_split(rng, m
     stream = cuda.stream()
     args = (device(q), device(k), device(v), device(slots), device(pos), 0.09, 0)
     got = {}
-    for in_split, counters in ((False, 12), (True, 12), (True, 11)):
+    for in_split, counters, wait in ((False, 12, False), (True, 12, False), (True, 11, False), (False, 12, True),
+                                     (True, 12, True)):
         monkeypatch.setattr(attention_decode, "TC_MERGE_IN_SPLIT", in_split)
+        monkeypatch.setattr(attention_decode, "TC_PDL", wait)  # the kernel that waits first: the same bits
         out, done = poisoned(q.shape), device(np.zeros(counters, np.int32))
         attention_cuda(*args, out, stream=stream, done=done)
-        got[in_split, counters] = out.copy_to_host(stream=stream), done.copy_to_host(stream=stream)
+        got[in_split, counters, wait] = out.copy_to_host(stream=stream), done.copy_to_host(stream=stream)
     stream.synchronize()
+    from moebus.cuda.kernels import pdl
+    from moebus.cuda.kernels.attention_decode_tc import PDL_ENTRY
+
+    assert PDL_ENTRY.encode() in pdl.waiting_functions()
     for out, done in got.values():
-        np.testing.assert_array_equal(out.view(np.uint32), got[False, 12][0].view(np.uint32))
+        np.testing.assert_array_equal(out.view(np.uint32), got[False, 12, False][0].view(np.uint32))
         np.testing.assert_array_equal(done, 0)
-    np.testing.assert_allclose(got[True, 12][0], attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(got[True, 12, False][0], attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)

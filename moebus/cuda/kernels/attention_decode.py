@@ -62,6 +62,11 @@ TC_SPLIT_POSITIONS = 64
 # of two (sixteenth session: the fifteenth's b1 step was 33 us slower than the thirteenth's, with 48 merge_splits
 # launches a step). Off until a GPU call times it (tools/device/decode16.sh)
 TC_MERGE_IN_SPLIT = False
+# the tensor-core kernel waits first in every block (griddepcontrol.wait, then the trigger: pdl.py), under an entry
+# name of its own that pdl.waiting_functions lists, so the captured decode graph's edge into it is programmatic
+# like every numba kernel's (without: a full edge, the layer's attention launched only once qkv_rope_store has
+# drained; the fifteenth session's DECODE_TC brought that edge in). Off until a GPU call times it (decode16.sh)
+TC_PDL = False
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)

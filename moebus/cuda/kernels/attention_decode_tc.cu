@@ -19,6 +19,9 @@
 // pair, which that block resets for the next launch or graph replay) merges the group's heads as
 // attention_decode.merger does, in the same order with the same expressions (expf, fmaf, a division: the
 // same bits as the merge apart).
+// With TC_PDL (attention_decode.TC_PDL, sixteenth session) every block waits first (griddepcontrol.wait, before
+// any global read; PDL_TRIGGER: then releases its dependents, as pdl.grid_dependency_wait does), and the entry
+// is TC_ENTRY (decode_attention_tc_pdl), so a captured graph's edge into it may be programmatic (pdl.py).
 
 #include "flash_attention.cu"
 
@@ -30,6 +33,15 @@
 #endif
 #ifndef MERGE_CAP
 #define MERGE_CAP 256           // splits the in-block merge takes at most (a multiple of 32)
+#endif
+#ifndef TC_PDL
+#define TC_PDL 0
+#endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+#ifndef TC_ENTRY
+#define TC_ENTRY decode_attention_tc
 #endif
 #define KEYS 16
 #define MERGE_CHUNK 4           // splits whose values a merging thread loads at once
@@ -103,13 +115,19 @@ __device__ __forceinline__ void merge_in_block(const float *partial, float *out,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_attention_tc(
+extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTRY(
     const float *q, const u16 *k, const u16 *v, float *partial, const int *token_slot, const int *token_pos,
     int heads, int kv_heads, int context, int scratch_splits, int decode_splits, int split_positions,
     float scale_log2, int *done, float *out) {
     static_assert(2 * 8 * MERGE_CAP <= DWARPS * 8 * HD, "the merge's weights and sums live in o_sh");
     __shared__ __align__(16) float o_sh[DWARPS][8][HD];  // a group of at most 8 heads: rows g + 8 of A are zero
     __shared__ float stat_sh[DWARPS][8][2];
+#if TC_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // first in every block, before any global read or write
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
     const int t_tok = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const int group = heads / kv_heads;
     const int count = token_pos[t_tok] + 1;
