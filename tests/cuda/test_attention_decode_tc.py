@@ -178,7 +178,8 @@ def test_merged_in_the_split_kernel_gives_the_merge_aparts_bits(rng, monkeypatch
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_attention_cuda_merges_in_the_split_kernel_with_tc_merge_in_split(rng, monkeypatch):
     """TC_MERGE_IN_SPLIT with counters: one launch, the bits of the default (the merge apart); without
-    counters (or with too few) still the merge apart; TC_PDL's kernel (waits first) the same bits, listed as waiting."""
+    counters (or with too few) still the merge apart; TC_PDL's kernel (waits first) the same bits, listed as
+    waiting; TC_GRID_SPLITS' grid too."""
     from moebus.cuda.kernels import attention_decode
     from moebus.cuda.kernels.attention import attention_cuda
     from moebus.cuda.kernels.compat import cuda
@@ -190,19 +191,22 @@ def test_attention_cuda_merges_in_the_split_kernel_with_tc_merge_in_split(rng, m
     stream = cuda.stream()
     args = (device(q), device(k), device(v), device(slots), device(pos), 0.09, 0)
     got = {}
-    for in_split, counters, wait in ((False, 12, False), (True, 12, False), (True, 11, False), (False, 12, True),
-                                     (True, 12, True)):
+    cases = ((False, 12, False, False), (True, 12, False, False), (True, 11, False, False), (False, 12, True, False),
+             (True, 12, True, False), (False, 12, False, True), (True, 12, True, True))
+    for in_split, counters, wait, tight in cases:
         monkeypatch.setattr(attention_decode, "TC_MERGE_IN_SPLIT", in_split)
         monkeypatch.setattr(attention_decode, "TC_PDL", wait)  # the kernel that waits first: the same bits
+        monkeypatch.setattr(attention_decode, "TC_GRID_SPLITS", tight)  # 11 splits a grid, not the scratch's 22
         out, done = poisoned(q.shape), device(np.zeros(counters, np.int32))
         attention_cuda(*args, out, stream=stream, done=done)
-        got[in_split, counters, wait] = out.copy_to_host(stream=stream), done.copy_to_host(stream=stream)
+        got[in_split, counters, wait, tight] = out.copy_to_host(stream=stream), done.copy_to_host(stream=stream)
     stream.synchronize()
     from moebus.cuda.kernels import pdl
     from moebus.cuda.kernels.attention_decode_tc import PDL_ENTRY
 
     assert PDL_ENTRY.encode() in pdl.waiting_functions()
     for out, done in got.values():
-        np.testing.assert_array_equal(out.view(np.uint32), got[False, 12, False][0].view(np.uint32))
+        np.testing.assert_array_equal(out.view(np.uint32), got[False, 12, False, False][0].view(np.uint32))
         np.testing.assert_array_equal(done, 0)
-    np.testing.assert_allclose(got[True, 12, False][0], attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(got[True, 12, False, False][0], attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5,
+                               rtol=1e-4)

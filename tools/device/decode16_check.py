@@ -2,8 +2,8 @@
 each setting of kernel constants in turn (decode13_bench's "module.NAME=VALUE", each setting applied on top of
 the ones before, the graphs recaptured between settings), at batch 1 and 4 from a 32-token prompt over STEPS (env, 160) steps, so the tensor-core decode
 attention meets 1, 2 and 3 splits of 64 positions; each setting's tokens and logprobs against the first's (bit
-for bit, or the largest difference) and the graphs' PDL counts. Also compiles every kernel the settings' decode steps use (decode16.sh's
-warm phase).
+for bit, or the largest difference) and the graphs' PDL counts. Also compiles every kernel the settings' decode
+steps use (decode16.sh's warm phase).
 
     decode16_check.py MODEL_DIR SETTING...    SETTING: "name:KEY=VALUE,KEY=VALUE" ("tc:" the defaults)"""
 import os

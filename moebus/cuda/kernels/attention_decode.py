@@ -67,6 +67,11 @@ TC_MERGE_IN_SPLIT = False
 # like every numba kernel's (without: a full edge, the layer's attention launched only once qkv_rope_store has
 # drained; the fifteenth session's DECODE_TC brought that edge in). Off until a GPU call times it (decode16.sh)
 TC_PDL = False
+# the tensor-core kernel's grid: (T, KVH, min(DECODE_SPLITS, ceil(max_context / TC_SPLIT_POSITIONS))), the most splits
+# a token can have, not the scratch's splits (max_splits: >= 32 positions a split), whose blocks past a token's splits
+# return at once (a service's 1k context: 16 a (token, kv head), not 64; bench decode's 104 positions: 2, not 4).
+# The same bits. Off until a GPU call runs it (decode16.sh)
+TC_GRID_SPLITS = False
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)

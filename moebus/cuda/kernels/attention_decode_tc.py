@@ -111,6 +111,13 @@ def _waits() -> bool:
     return bool(attention_decode.TC_PDL)
 
 
+def _tight_grid() -> bool:
+    """attention_decode.TC_GRID_SPLITS: the grid's splits the most a token can have in this cache, not the scratch's."""
+    from moebus.cuda.kernels import attention_decode
+
+    return bool(attention_decode.TC_GRID_SPLITS)
+
+
 @functools.cache
 def _builds(warps: int, min_blocks: int, wait: bool = False) -> bool:
     try:
@@ -141,7 +148,8 @@ def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, st
     if done is not None and (done.shape[0] < num_tokens * kv_heads or most_splits > MERGE_CAP):
         raise ValueError(f"the merge in the split kernel takes a counter a (token, kv head), {MERGE_CAP} splits")
     ptr = flash_attention._pointer
-    flash_attention._core_launch(stream, (num_tokens, kv_heads, scratch.shape[2]), 32 * warps,
+    grid_splits = most_splits if _tight_grid() else scratch.shape[2]  # blocks past a token's splits return at once
+    flash_attention._core_launch(stream, (num_tokens, kv_heads, grid_splits), 32 * warps,
                                  _kernel(warps, min_blocks, _waits()), ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
                                  ptr(token_slot), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
                                  np.int32(context), np.int32(scratch.shape[2]), np.int32(decode_splits),
