@@ -83,10 +83,11 @@ def _kernel(warps: int, min_blocks: int, wait: bool = False):
 def _handles(found) -> list[int]:
     """The kernel's handle and its function in the current context (ints): how a graph's kernel node may name
     it (pdl.make_programmatic also matches by entry name)."""
-    handles = [int(found.handle)]
+    handles = []
     try:
         from cuda.bindings import driver as cu
 
+        handles.append(int(found.handle))
         status, function = cu.cuKernelGetFunction(found.handle)
         if status == cu.CUresult.CUDA_SUCCESS:
             handles.append(int(function))
