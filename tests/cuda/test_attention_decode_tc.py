@@ -94,6 +94,24 @@ def test_splits_merged_match_the_reference(rng, monkeypatch, heads, kv_heads, sp
     np.testing.assert_allclose(got, attention_ref(q, k, v, slots, pos, 0.09), atol=2e-5, rtol=1e-4)
 
 
+def test_the_merge_is_in_the_split_kernel_only_where_a_token_has_few_splits(monkeypatch):
+    """attention.merges_in_split: TC_MERGE_IN_SPLIT, and at most TC_MERGE_MAX_SPLITS (and MERGE_CAP) splits of
+    TC_SPLIT_POSITIONS (64) positions in the cache (bench decode's 104 positions: 2; a 1k cache: 16)."""
+    from moebus.cuda.kernels import attention_decode
+    from moebus.cuda.kernels.attention import merges_in_split
+
+    monkeypatch.setattr(attention_decode, "TC_MERGE_IN_SPLIT", True)
+    monkeypatch.setattr(attention_decode, "TC_MERGE_MAX_SPLITS", 2)
+    assert merges_in_split(104, 64) and merges_in_split(128, 64) and not merges_in_split(129, 64)
+    assert not merges_in_split(1024, 64) and not merges_in_split(32768, 64)
+    monkeypatch.setattr(attention_decode, "TC_MERGE_MAX_SPLITS", 1024)
+    assert merges_in_split(32768, 64)  # 64 splits (DECODE_SPLITS) <= MERGE_CAP
+    monkeypatch.setattr(attention_decode, "DECODE_SPLITS", 512)
+    assert not merges_in_split(32768, 64)  # 512 splits: past MERGE_CAP (256)
+    monkeypatch.setattr(attention_decode, "TC_MERGE_IN_SPLIT", False)
+    assert not merges_in_split(104, 64)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_attention_cuda_takes_it_with_decode_tc(rng, monkeypatch):
     """attention_decode.DECODE_TC: attention_cuda's decode on tensor cores (a stream object), the merge apart."""
@@ -185,6 +203,7 @@ def test_attention_cuda_merges_in_the_split_kernel_with_tc_merge_in_split(rng, m
     from moebus.cuda.kernels.compat import cuda
 
     monkeypatch.setattr(attention_decode, "DECODE_TC", True)
+    monkeypatch.setattr(attention_decode, "TC_MERGE_MAX_SPLITS", 256)  # 11 splits here: merged in the split kernel
     k, v = (f32_to_bf16(rng.standard_normal((3, 4, 700, 128), dtype=np.float32)) for _ in range(2))
     slots, pos = np.array([1, 0, 2], np.int32), np.array([699, 40, 64], np.int32)
     q = rng.standard_normal((3, 32, 128), dtype=np.float32)

@@ -5,8 +5,9 @@ with a sliding window). GQA: query head h reads kv head h // (H / KVH).
 KV cache layout per layer: k_cache, v_cache (num_slots, KVH, max_context, hd), float32 or bf16
 (uint16 bits, rounded to nearest even when stored: kv_cache.py's ``kv_dtype``). The decode kernel
 is attention_decode.py's, or on tensor cores attention_decode_tc.py's (bf16 caches at hd 128 on a GPU,
-attention_decode.DECODE_TC) with the splits merged apart (or in its last split block: TC_MERGE_IN_SPLIT); this
-file holds the references, the store and the launch."""
+attention_decode.DECODE_TC) with the splits merged apart, or in its last split block where a token of the cache has
+few splits (TC_MERGE_IN_SPLIT, TC_MERGE_MAX_SPLITS: merges_in_split); this file holds the references, the store and
+the launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -174,8 +175,7 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
             and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
         positions = int(attention_decode.TC_SPLIT_POSITIONS)
-        in_split = (merge and attention_decode.TC_MERGE_IN_SPLIT
-                    and min(attention_decode.DECODE_SPLITS, ceil_div(context, positions)) <= attention_decode_tc.MERGE_CAP)
+        in_split = merge and merges_in_split(context, positions)
         attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
                                    attention_decode.DECODE_SPLITS, positions, done=done if in_split else None,
                                    out=out if in_split else None)
@@ -189,6 +189,14 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         return out
     kernel[grid, num_threads, stream](*args)
     return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+
+
+def merges_in_split(context: int, split_positions: int) -> bool:
+    """Whether the tensor-core split kernel merges too (given counters): attention_decode.TC_MERGE_IN_SPLIT, and a
+    token in a cache of ``context`` positions has at most TC_MERGE_MAX_SPLITS splits (and MERGE_CAP)."""
+    most = min(attention_decode.DECODE_SPLITS, ceil_div(context, split_positions))
+    return bool(attention_decode.TC_MERGE_IN_SPLIT) and most <= min(attention_decode.TC_MERGE_MAX_SPLITS,
+                                                                     attention_decode_tc.MERGE_CAP)
 
 
 def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream, split_positions: int = 0):
