@@ -7,12 +7,14 @@ it is bound by issue, not by HBM; on mma.sync the group's 8 heads take a row in 
 
 The split kernel writes the decode scratch's partials (attention.attention_scratch_shape) for the splits
 attention_decode.splitter cuts (DECODE_SPLITS, TC_SPLIT_POSITIONS: the merge is told the same). Given
-counters and the output (attention_decode.TC_MERGE_IN_SPLIT, sixteenth session, off by default) it merges too,
-in one launch a layer: a token of one split writes its output directly, else the last split block of a (token,
-kv head) merges as merge_splits does (the same bits; at most MERGE_CAP splits). With attention_decode.TC_PDL
-(sixteenth session, off by default) every block waits first (griddepcontrol.wait, then the trigger) and the
-entry is PDL_ENTRY, registered with pdl.register_waiting: a captured graph's edge into it becomes programmatic,
-as into the numba kernels (without it, a full edge: the one kernel a layer that PDL did not reach). H200, b1,
+counters and the output (attention_decode.TC_MERGE_IN_SPLIT, sixteenth session: on where a token of the cache has
+at most TC_MERGE_MAX_SPLITS splits, attention.merges_in_split) it merges too, in one launch a layer: a token of
+one split writes its output directly, else the last split block of a (token, kv head) merges as merge_splits
+does (the same bits; at most MERGE_CAP splits; slower than apart at many splits: 35.2 against 28.2 us at 32k).
+With attention_decode.TC_PDL (sixteenth session, on) every block waits first (griddepcontrol.wait, then the
+trigger) and the entry is PDL_ENTRY, registered with pdl.register_waiting: a captured graph's edge into it
+becomes programmatic, as into the numba kernels (without it, a full edge: the one kernel a layer that PDL did
+not reach). Both: b1 on M48 3.267 -> 3.186 ms a step (sixteenth session, call A). H200, b1,
 the 48 x 32 a3b shapes, attention alone (split + merge): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us (32k: 1.96 TB/s)
 against the numba kernel's 18.0 / 32.0 / 58.1, error 2.2e-11 (tools/device/decode15.sh; the merge then
 loaded 4 splits at a time, now MERGE_APART_SPLITS). Its reference is attention_ref through the merge; the
