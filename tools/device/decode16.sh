@@ -14,18 +14,20 @@
 #          compiled; bits against the defaults), then the GPU tests of the tensor-core decode
 #          (test_attention_decode_tc.py: the merge in the split kernel gives the merge apart's bits, the counters
 #          back at 0, the kernel that waits first the same bits).
-# measure: one process (decode13_bench.py, THEN): b1 on M48 with new, old, new, old, new, + TC_GRID_SPLITS, numba in
-#          turn, the graphs recaptured between (b1 median of 3, the PDL edges converted); then `bench decode --model
-#          $M48 --batch 1 --tokens 64 --repeats 3 --no-service` with new and old, each in a process of its own
-#          (decode16_bench.py); the attention alone (decode16_attn.py: CUPTI us a call at 64 / 96 / 1k / 32k
-#          positions, by kernel, bits against new); summary last.
+# measure: one process (decode13_bench.py, THEN): b1 on M48 with new, old, new, old, new, + TC_GRID_SPLITS, then
+#          TC_SPLIT_POSITIONS 128 (bench decode's positions in one split), numba in turn, the graphs recaptured
+#          between (b1 median of 3, the PDL edges converted); then `bench decode --model $M48 --batch 1 --tokens 64
+#          --repeats 3 --no-service` with new in a process of its own (decode16_bench.py); the attention alone
+#          (decode16_attn.py: CUPTI us a call at 64 / 96 / 1k / 32k positions, by kernel, bits against new; pos128:
+#          128 positions a split); old in a process of its own as time allows; summary last.
 source tools/device/setup.sh
 BUDGET=${BUDGET:-116}; T0=$(date +%s)
 source tools/device/steps.sh
 M4=/tmp/decode16-m4
 TC=attention_decode.DECODE_TC; MERGE=attention_decode.TC_MERGE_IN_SPLIT; PDL=attention_decode.TC_PDL
-GRID=attention_decode.TC_GRID_SPLITS; MAXS=attention_decode.TC_MERGE_MAX_SPLITS
-SETTINGS=${SETTINGS:-"new: old:TC_MERGE_IN_SPLIT=0,TC_PDL=0 tcm:TC_MERGE_MAX_SPLITS=256 numba:DECODE_TC=0"}
+GRID=attention_decode.TC_GRID_SPLITS; MAXS=attention_decode.TC_MERGE_MAX_SPLITS; POS=attention_decode.TC_SPLIT_POSITIONS
+SETTINGS=${SETTINGS:-"new: old:TC_MERGE_IN_SPLIT=0,TC_PDL=0 tcm:TC_MERGE_MAX_SPLITS=256 pos128:TC_SPLIT_POSITIONS=128
+  numba:DECODE_TC=0"}
 export CONTEXTS=${CONTEXTS:-64,96,1024,32768}
 if [ "$PHASE" = warm ]; then
   [ $BUDGET -gt 120 ] && BUDGET=120
@@ -44,11 +46,11 @@ b1() { local name=$1; shift; SHOW=3 step $name 18 40 python3 tools/device/decode
 OLD="$MERGE=0 $PDL=0"; NEW="$MERGE=1 $PDL=1"  # the fifteenth session's defaults, this session's
 # one process, one model load: the defaults, then old / new in turn (groups applied on top of the ones before), the
 # graphs recaptured between them (decode13_bench.py's THEN: b1 median of 3 runs, the graphs' PDL edges converted)
-SHOW=30 step inter 25 45 env THEN="$OLD; $NEW; $OLD; $NEW; $GRID=1; $GRID=0 $TC=0" \
+SHOW=30 step inter 25 50 env THEN="$OLD; $NEW; $OLD; $NEW; $GRID=1; $GRID=0 $POS=128; $POS=64 $TC=0" \
   python3 tools/device/decode13_bench.py $M48 inter 3 1
 b1 b1_new
-b1 b1_old $OLD
 step attn 12 30 python3 tools/device/decode16_attn.py ${CALLS:-20} $SETTINGS
+b1 b1_old $OLD
 short() { sed -e "s/attention_decode\.//g; s/TC_MERGE_IN_SPLIT/M/g; s/TC_PDL/P/g; s/TC_GRID_SPLITS/G/g; s/DECODE_TC/TC/g;
   s/TC_SPLIT_POSITIONS/POS/g; s/TC_MERGE_MAX_SPLITS/MAXS/g"; }
 echo "== summary at $(at) (b1: tok/s, ms a step; M: TC_MERGE_IN_SPLIT, P: TC_PDL, G: TC_GRID_SPLITS; attention: us a call at $CONTEXTS)"
@@ -57,7 +59,7 @@ for f in b1_new b1_old; do
     printf "%-9s %7.1f tok/s %6.3f ms  [%s]\n", n, $2, $3, s}' $OUT/$f.txt | short
 done
 grep -hE "b1 +[0-9.]+ tok/s|pdl converted" $OUT/inter.txt 2>/dev/null | short | sed -e "s/ (runs [^)]*)//; s/; load.*\]/]/" | cut -c1-110
-grep -hE "^(new|old|tcm|numba) " $OUT/attn.txt 2>/dev/null | cut -c1-120
+grep -hE "^(new|old|tcm|pos128|numba) " $OUT/attn.txt 2>/dev/null | cut -c1-120
 grep -hE "^  [0-9]+k |^bits " $OUT/attn.txt 2>/dev/null | cut -c1-200
 grep -hE "^check " $OUT/check.txt 2>/dev/null | short | cut -c1-200  # the warm phase's
 grep -hE "passed|failed|^(FAILED|ERROR)" $OUT/warm_tests.txt 2>/dev/null | cut -c1-200 | tail -4
