@@ -5,7 +5,8 @@ with a sliding window). GQA: query head h reads kv head h // (H / KVH).
 KV cache layout per layer: k_cache, v_cache (num_slots, KVH, max_context, hd), float32 or bf16
 (uint16 bits, rounded to nearest even when stored: kv_cache.py's ``kv_dtype``). The decode kernel
 is attention_decode.py's, or on tensor cores attention_decode_tc.py's (bf16 caches at hd 128 on a GPU,
-attention_decode.DECODE_TC) with the splits merged apart; this file holds the references, the store and
+attention_decode.DECODE_TC) with the splits merged apart, or in its last split block where a token of the cache has
+few splits (TC_MERGE_IN_SPLIT, TC_MERGE_MAX_SPLITS: merges_in_split); this file holds the references, the store and
 the launch."""
 from __future__ import annotations
 
@@ -147,7 +148,8 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     Every token's own position must already be in the cache (kv_store first). ``scratch``: a float32
     device array of attention_scratch_shape (allocated here when None). hd: a multiple of 4.
     ``done``: int32 counters at 0, at least T * KVH of them (left at 0): with one (and
-    attention_decode.MERGE_IN_SPLIT) the split kernel merges the splits itself, in one launch."""
+    attention_decode.MERGE_IN_SPLIT; on tensor cores, TC_MERGE_IN_SPLIT too) the split kernel merges the splits
+    itself, in one launch."""
     num_tokens, num_heads, head_dim = q.shape
     require("q", q, np.float32, ndim=3)
     storage = require_caches(k_cache, v_cache, head_dim=head_dim)
@@ -173,9 +175,11 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
             and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
         positions = int(attention_decode.TC_SPLIT_POSITIONS)
+        in_split = merge and merges_in_split(context, positions)
         attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
-                                   attention_decode.DECODE_SPLITS, positions)
-        return _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
+                                   attention_decode.DECODE_SPLITS, positions, done=done if in_split else None,
+                                   out=out if in_split else None)
+        return out if in_split else _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
     kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)
@@ -185,6 +189,14 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
         return out
     kernel[grid, num_threads, stream](*args)
     return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+
+
+def merges_in_split(context: int, split_positions: int) -> bool:
+    """Whether the tensor-core split kernel merges too (given counters): attention_decode.TC_MERGE_IN_SPLIT, and a
+    token in a cache of ``context`` positions has at most TC_MERGE_MAX_SPLITS splits (and MERGE_CAP)."""
+    most = min(attention_decode.DECODE_SPLITS, ceil_div(context, split_positions))
+    return bool(attention_decode.TC_MERGE_IN_SPLIT) and most <= min(attention_decode.TC_MERGE_MAX_SPLITS,
+                                                                     attention_decode_tc.MERGE_CAP)
 
 
 def _merge_apart(head_dim: int, token_pos, window: int, scratch, out, stream, split_positions: int = 0):

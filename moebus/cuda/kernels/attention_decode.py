@@ -57,6 +57,26 @@ WIDE_MERGE = True
 # session): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us against this kernel's 18.0 / 32.0 / 58.1, error 2.2e-11
 DECODE_TC = True
 TC_SPLIT_POSITIONS = 64
+# the tensor-core kernel merges too (given counters, MERGE_IN_SPLIT): a token of one split writes its output
+# directly, else the last split block merges (merger's order: merge_splits' bits), one launch a layer instead
+# of two; only where a token of the cache has at most TC_MERGE_MAX_SPLITS splits (attention.merges_in_split: the
+# host knows the cache's positions, not the tokens'), since one block a (token, kv head) merges slower than
+# merge_splits' block a head at many splits. H200, sixteenth session (decode16.sh, call A): attention alone, b1,
+# 64 / 96 / 1k / 32k positions 4.7 / 7.0 / 9.4 / 35.2 us merged in the split kernel against 6.7 / 6.9 / 7.4 / 28.2
+# apart; b1 on M48 (bench decode's cache of 104 positions, 2 splits at most) 3.267 -> 3.232 ms, with TC_PDL 3.186
+TC_MERGE_IN_SPLIT = True
+TC_MERGE_MAX_SPLITS = 2
+# the tensor-core kernel waits first in every block (griddepcontrol.wait, then the trigger: pdl.py), under an entry
+# name of its own that pdl.waiting_functions lists, so the captured decode graph's edge into it is programmatic
+# like every numba kernel's (without: a full edge, the layer's attention launched only once qkv_rope_store has
+# drained; the fifteenth session's DECODE_TC brought that edge in). H200, b1 on M48 (sixteenth session, call A):
+# 3.267 -> 3.241 ms a step (merge apart), 3.232 -> 3.186 (merged in the split kernel); the same bits
+TC_PDL = True
+# the tensor-core kernel's grid: (T, KVH, min(DECODE_SPLITS, ceil(max_context / TC_SPLIT_POSITIONS))), the most
+# splits a token can have, not the scratch's splits (max_splits: >= 32 positions a split), whose blocks past a
+# token's splits return at once (a 1k cache: 16 a (token, kv head), not 32; bench decode's 104 positions: 2, not 4).
+# The same bits. Off: call A (sixteenth session) saw no change at bench decode's 104 positions (3.186 / 3.184 ms)
+TC_GRID_SPLITS = False
 # softmax in base 2 inside a split: the queries scaled by log2(e) as they are loaded, exp2 (one MUFU.EX2
 # and a range fix) instead of expf (~8 instructions) per head and row; the split's max goes out in
 # natural units (x ln 2), so merging is unchanged. Not the same bits as base e (within the tests' tolerances)

@@ -13,6 +13,15 @@
 //   P V:   column g of d-tile dt is dim 16 g + dt, so lane (g, t) reads keys 2t, 2t+1, 2t+8, 2t+9's dims
 //          [16 g, 16 g + 16) (32 bytes each) and packs key pairs with byte permutes.
 // The warps' states are combined through shared memory at the end. Compiled with HEAD_DIM 128, F32_KV 0.
+// Given counters (done, out not null; attention_decode.TC_MERGE_IN_SPLIT, sixteenth session) the kernel merges
+// too, with no merge_splits launch: a token whose positions make one split writes its normalized output
+// directly (no partials, no counter); else the last split block of a (token, kv head) to finish (a counter a
+// pair, which that block resets for the next launch or graph replay) merges the group's heads as
+// attention_decode.merger does, in the same order with the same expressions (expf, fmaf, a division: the
+// same bits as the merge apart).
+// With TC_PDL (attention_decode.TC_PDL, sixteenth session) every block waits first (griddepcontrol.wait, before
+// any global read; PDL_TRIGGER: then releases its dependents, as pdl.grid_dependency_wait does), and the entry
+// is TC_ENTRY (decode_attention_tc_pdl), so a captured graph's edge into it may be programmatic (pdl.py).
 
 #include "flash_attention.cu"
 
@@ -22,18 +31,103 @@
 #ifndef MIN_BLOCKS_TC
 #define MIN_BLOCKS_TC 2
 #endif
+#ifndef MERGE_CAP
+#define MERGE_CAP 256           // splits the in-block merge takes at most (a multiple of 32)
+#endif
+#ifndef TC_PDL
+#define TC_PDL 0
+#endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+#ifndef TC_ENTRY
+#define TC_ENTRY decode_attention_tc
+#endif
 #define KEYS 16
+#define MERGE_CHUNK 4           // splits whose values a merging thread loads at once
+#define MERGE_OUTS (8 * HD / (DWARPS * 32))  // outputs a merging thread writes (a group of at most 8)
 #define LANE_DIMS (HD / 4)      // dims of a key a lane reads for Q K^T (32 at hd 128)
 #define V_DIMS (HD / 8)         // dims of a value a lane reads for P V (16 at hd 128)
 
 __device__ __forceinline__ uint4 load16(const u16 *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
-extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_attention_tc(
+// out[t_tok, the group's heads] from the partials of their num_splits splits (the other blocks' through L2:
+// __ldcg, never a line L1 kept), as attention_decode.merger: a warp a head loads every split's max and sum at
+// once, the peak by a butterfly (max: any order), the weights expf(m_s - peak) and the sums into shared memory
+// (stats: 8 x MERGE_CAP pairs); then each thread adds its outputs' values and sums weighted, split after split
+// in order (fmaf), MERGE_CHUNK splits' values in flight, and divides.
+__device__ __forceinline__ void merge_in_block(const float *partial, float *out, float2 *stats, int t_tok,
+                                               int kv_head, int group, int heads, int scratch_splits,
+                                               int num_splits) {
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const long long head0 = (long long)t_tok * heads + kv_head * group;
+    for (int j = w; j < group; j += DWARPS) {  // warp-uniform: every lane takes part in the butterfly
+        const float *row = partial + (head0 + j) * scratch_splits * (HD + 2) + HD;
+        float m[MERGE_CAP / 32], sum[MERGE_CAP / 32], peak = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < MERGE_CAP / 32; ++i) {
+            const bool valid = lane + 32 * i < num_splits;
+            m[i] = valid ? __ldcg(row + (long long)(lane + 32 * i) * (HD + 2)) : NEG_INF;
+            sum[i] = valid ? __ldcg(row + (long long)(lane + 32 * i) * (HD + 2) + 1) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < MERGE_CAP / 32; ++i) peak = fmaxf(peak, m[i]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
+#pragma unroll
+        for (int i = 0; i < MERGE_CAP / 32; ++i) {
+            if (lane + 32 * i < num_splits)
+                stats[j * MERGE_CAP + lane + 32 * i] = make_float2(expf(m[i] - peak), sum[i]);
+        }
+    }
+    __syncthreads();
+    float value[MERGE_OUTS], total[MERGE_OUTS];
+#pragma unroll
+    for (int k = 0; k < MERGE_OUTS; ++k) value[k] = total[k] = 0.f;
+    for (int s0 = 0; s0 < num_splits; s0 += MERGE_CHUNK) {
+        float vals[MERGE_OUTS][MERGE_CHUNK];
+#pragma unroll
+        for (int k = 0; k < MERGE_OUTS; ++k) {  // every load first
+            const int e = min((int)threadIdx.x + k * DWARPS * 32, group * HD - 1);
+            const float *row = partial + (head0 + e / HD) * scratch_splits * (HD + 2) + e % HD;
+#pragma unroll
+            for (int c = 0; c < MERGE_CHUNK; ++c)
+                vals[k][c] = __ldcg(row + (long long)min(s0 + c, num_splits - 1) * (HD + 2));
+        }
+#pragma unroll
+        for (int k = 0; k < MERGE_OUTS; ++k) {
+            const int j = min((int)threadIdx.x + k * DWARPS * 32, group * HD - 1) / HD;
+#pragma unroll
+            for (int c = 0; c < MERGE_CHUNK; ++c) {
+                if (s0 + c < num_splits) {
+                    const float2 stat = stats[j * MERGE_CAP + s0 + c];  // (weight, sum)
+                    total[k] = fmaf(stat.y, stat.x, total[k]);
+                    value[k] = fmaf(vals[k][c], stat.x, value[k]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_OUTS; ++k) {
+        const int e = threadIdx.x + k * DWARPS * 32;
+        if (e < group * HD) out[head0 * HD + e] = value[k] / total[k];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTRY(
     const float *q, const u16 *k, const u16 *v, float *partial, const int *token_slot, const int *token_pos,
     int heads, int kv_heads, int context, int scratch_splits, int decode_splits, int split_positions,
-    float scale_log2) {
-    __shared__ float o_sh[DWARPS][8][HD];  // a group of at most 8 heads: rows g + 8 of A are zero
+    float scale_log2, int *done, float *out) {
+    static_assert(2 * 8 * MERGE_CAP <= DWARPS * 8 * HD, "the merge's weights and sums live in o_sh");
+    __shared__ __align__(16) float o_sh[DWARPS][8][HD];  // a group of at most 8 heads: rows g + 8 of A are zero
     __shared__ float stat_sh[DWARPS][8][2];
+#if TC_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // first in every block, before any global read or write
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
     const int t_tok = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const int group = heads / kv_heads;
     const int count = token_pos[t_tok] + 1;
@@ -143,6 +237,7 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_
     }
     __syncthreads();
     const float ln2 = 0.69314718055994530942f;
+    const bool one_split = done != nullptr && num_splits == 1;  // the output directly, no partials
     for (int e = threadIdx.x; e < group * HD; e += DWARPS * 32) {
         const int head = e / HD, d = e % HD;
         float peak = NEG_INF;
@@ -155,6 +250,10 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_
             value += o_sh[i][head][d] * weight;
             total += stat_sh[i][head][1] * weight;
         }
+        if (one_split) {  // merge_splits' expressions at one split: weight expf(0) = 1, fmaf(x, 1, 0) = x + 0
+            out[((long long)t_tok * heads + kv_head * group + head) * HD + d] = __fadd_rn(value, 0.f) / total;
+            continue;
+        }
         float *dst = partial + (((long long)t_tok * heads + kv_head * group + head) * scratch_splits + split) * (HD + 2);
         dst[d] = value;
         if (d == 0) {
@@ -162,4 +261,18 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) decode_
             dst[HD + 1] = total;
         }
     }
+    if (done == nullptr || one_split) return;
+    __shared__ int is_last;
+    __threadfence();  // this block's partials before its count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int *count = done + t_tok * kv_heads + kv_head;
+        is_last = atomicAdd(count, 1) == num_splits - 1;
+        if (is_last) *count = 0;  // every split has counted: at 0 for the next launch (a graph replays this one)
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();  // the other blocks' partials, seen through their fence and the counter
+    merge_in_block(partial, out, reinterpret_cast<float2 *>(&o_sh[0][0][0]), t_tok, kv_head, group, heads,
+                   scratch_splits, num_splits);
 }

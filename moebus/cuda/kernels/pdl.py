@@ -155,12 +155,21 @@ def waits(py_func) -> bool:
     return code is not None and WAIT_NAME in code.co_names
 
 
+_REGISTERED: set = set()  # handles (ints) and entry names (bytes) of kernels built elsewhere that wait (NVRTC)
+
+
+def register_waiting(*functions) -> None:
+    """Marks kernels not defined through compat (NVRTC's: attention_decode_tc with TC_PDL) as waiting first
+    in every block, by handle (int) or entry name (bytes): waiting_functions includes them."""
+    _REGISTERED.update(functions)
+
+
 def waiting_functions() -> set:
     """CUfunction handles (ints) and entry names (bytes) of every compiled variant of every kernel
     that waits: a graph's kernel node names its function by handle, or else by its name."""
     from moebus.cuda.kernels import compat
 
-    found = set()
+    found = set(_REGISTERED)
     for dispatcher in compat._KERNELS:
         if not waits(getattr(dispatcher, "py_func", None)):
             continue
