@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issues 15 and 16, sixteenth session (branch fuse16): the decode layer's small kernels at batch 1 (norm_route,
+# combine_add_rmsnorm, qkv_rope_store) and the launch gaps, in the lead's shared call (lead12_call.sh, S=16).
+# PHASE=warm (side by side, nothing timed, BUDGET ~120 s): a 1-layer a3b model (32 experts, /tmp/fuse-m1, ~0.4 GB),
+#   fuse16_step.py QUICK=1 on it over every setting (compiles each variant into /tmp/fuse-nc), and the GPU tests
+#   of the kernels this branch owns (test_fused.py, test_routing.py, norm_route's).
+# PHASE=measure (alone, BUDGET ~90 s): fuse16_step.py on $M48 (48 x 32 a3b bf16, all resident, b1) over
+#   tools/device/fuse16_settings.json (SETTINGS=... for another file): per setting tok/s, CUPTI us a layer by
+#   kernel, busy / gap time a step and the greedy ids + log p against the first setting; the summary last.
+source tools/device/setup.sh
+set -o pipefail
+PHASE=${PHASE:-measure}; BUDGET=${BUDGET:-90}; OUT=${OUT:-/tmp/fuse16-out}; mkdir -p $OUT; T0=$(date +%s)
+source tools/device/steps.sh  # left, at, quiet, step
+W=/tmp/fuse-m1; SETTINGS=${SETTINGS:-fuse16_settings.json}
+export NUMBA_CACHE_DIR=/tmp/fuse-nc
+if [ "$PHASE" = warm ]; then
+  [ $BUDGET -gt 120 ] && BUDGET=120
+  [ -e $W.ok ] || { timeout 40 python3 -m moebus.cli init-model $W --preset a3b --layers 1 --experts 32 \
+    > $OUT/init1.log 2>&1 && touch $W.ok; }
+  echo "init 1 layer rc=$? at $(at)"
+  ( NUMBA_CACHE_DIR=/tmp/fuse-nc-tests MOEBUS_TEST_GPU=1 timeout $(( $(left) - 8 )) python3 -m pytest -q \
+    -p no:cacheprovider -rf tests/cuda/test_fused.py tests/cuda/test_routing.py tests/cuda/test_pdl.py \
+    > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
+  SHOW=6 step warm_steps 20 $(( $(left) - 6 )) env QUICK=1 python3 tools/device/fuse16_step.py $W tools/device/$SETTINGS
+  wait
+  tail -2 $OUT/gpu_tests.txt
+  echo "warm done at $(at)"
+  exit 0
+fi
+SHOW=3 step steps 30 $(( $(left) - 5 )) python3 tools/device/fuse16_step.py $M48 tools/device/$SETTINGS ${STEPS:-4}
+echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
+tail -1 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
+python3 tools/device/fuse16_step.py --summary $OUT/steps.txt
