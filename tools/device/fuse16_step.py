@@ -5,11 +5,15 @@ constants, "module.NAME" as decode7_bench.constant) the decode graphs recaptured
 timing (_in_process, all resident, launched ahead), a CUPTI trace of PROFILE_STEPS replayed steps
 (quant9_sweep.profile_batch: us a kernel call; here also the step's busy time, kernel count and the gaps
 between kernels) and the greedy ids of 16 steps with their log p (quant15_bench.greedy_ids), compared with
-the first setting's: "bits" when every id and log p is equal.
+the first setting's: "bits" when every id and log p is equal. A setting's "twice": these kernels launched twice
+in a row (the second a copy of the first: same inputs, same outputs), so the step's time with and without
+shows what one more launch of each costs the step, waits and gaps included (a span under PDL cannot).
 
-    fuse16_step.py MODEL SETTINGS.json [PROFILE_STEPS]   SETTINGS: [[name, {"env": {..}, "module.NAME": v}], ...]
+    fuse16_step.py MODEL SETTINGS.json [PROFILE_STEPS]   SETTINGS: [[name, {"env": {..}, "module.NAME": v,
+                                                          "twice": ["norm_route"|"combine"|"qkv_rope"]}], ...]
     fuse16_step.py --summary LOG                          (the summary: us a layer by kernel, gaps, x defaults)
     QUICK=1: 4 tokens, 1 repeat, no trace (compiles every variant into the kernel disk cache: a warm-up)"""
+import importlib
 import json
 import os
 import sys
@@ -20,6 +24,9 @@ from decode7_bench import PROMPT, constant, drop_graphs
 from quant15_bench import GREEDY_TOKENS, greedy_ids
 
 SMALL = ("norm_route", "fused.combine", "fused.qkv", "fused.add_rmsnorm", "inflight_route")
+TWICE = {"norm_route": ("moebus.cuda.backends.cuda", "norm_route_cuda"),  # where the backend looks them up
+         "combine": ("moebus.cuda.kernels.fused", "combine_add_rmsnorm_cuda"),
+         "qkv_rope": ("moebus.cuda.kernels.fused", "qkv_rope_store_cuda")}
 TOP = int(os.environ.get("TOP", "12"))
 _trace: dict = {}
 
@@ -48,11 +55,24 @@ def _with_gaps(original):
     return table
 
 
+def _twice(launch):
+    def twice(*args, **kwargs):
+        launch(*args, **kwargs)
+        return launch(*args, **kwargs)
+    return twice
+
+
 def apply(values: dict) -> dict:
-    """Set a setting's environment and constants; returns what to restore."""
+    """Set a setting's environment, constants and kernels launched twice; returns what to restore."""
     old = {}
     for key, value in values.items():
-        if key == "env":
+        if key == "twice":  # the same launch again (each of these writes fresh outputs from unchanged inputs)
+            for name in value:
+                module, attr = TWICE[name]
+                module = importlib.import_module(module)
+                old.setdefault("twice", []).append((module, attr, getattr(module, attr)))
+                setattr(module, attr, _twice(getattr(module, attr)))
+        elif key == "env":
             for name, v in value.items():
                 old.setdefault("env", {})[name] = os.environ.get(name)
                 os.environ[name] = str(v)
@@ -64,7 +84,10 @@ def apply(values: dict) -> dict:
 
 def restore(old: dict) -> None:
     for key, value in old.items():
-        if key == "env":
+        if key == "twice":
+            for module, attr, launch in value:
+                setattr(module, attr, launch)
+        elif key == "env":
             for name, v in value.items():
                 os.environ.pop(name, None) if v is None else os.environ.__setitem__(name, v)
         else:
