@@ -27,7 +27,8 @@ if [ "$PHASE" = warm ]; then
   echo "warm done at $(at)"
   exit 0
 fi
-SHOW=3 step steps 30 $(( $(left) - 5 )) python3 tools/device/fuse16_step.py $M48 tools/device/$SETTINGS ${STEPS:-4}
+MODEL=${M48:-/tmp/m48}; [ -d $MODEL ] || { echo "no $MODEL: the 1-layer model"; MODEL=$W; }
+SHOW=3 step steps 30 $(( $(left) - 5 )) python3 tools/device/fuse16_step.py $MODEL tools/device/$SETTINGS ${STEPS:-4}
 echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
 tail -1 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
 python3 tools/device/fuse16_step.py --summary $OUT/steps.txt

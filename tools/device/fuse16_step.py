@@ -148,8 +148,15 @@ def summary(path: str) -> None:
         print("no decode rows")
         return
     base = decoded[0]
-    print("== fuse16 summary: b1 all resident; us a layer (wall); CUPTI us a layer: norm_route / combine / qkv / "
-          "add_rmsnorm, busy, gaps a step; tokens vs the first setting")
+    off = next((r for r in decoded if r["setting"] == "pdl_off" and r.get("kernels")), None)
+    if off and base.get("kernels"):  # PDL off: each span is the kernel's own time, no wait inside it
+        print(f"-- us a layer by kernel: {base['setting']} (PDL spans) / pdl_off (true durations)")
+        on, layers = base["kernels"], base["layers"]
+        for label, (calls, us) in sorted(off["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1])[:TOP]:
+            mine = on.get(label, (0, 0.0))
+            print(f"   {label[:44]:44} {mine[0] * mine[1] / layers:6.2f} / {calls * us / layers:6.2f}")
+    print("== fuse16 summary: b1 all resident; us a layer (wall); CUPTI us a layer: norm_route / combine / qkv; "
+          "busy, gaps a step; tokens vs the first setting")
     for r in decoded:
         k, layers = r.get("kernels") or {}, r["layers"]
         part = {}
@@ -164,16 +171,9 @@ def summary(path: str) -> None:
         route = part.get("norm_route", 0) + part.get("inflight_route", 0)
         print(f"{r['setting'][:16]:16} {r['tok_s']:6.1f} tok/s {r['tok_s'] / base['tok_s']:5.3f}x {r['us_per_layer']:5.1f} us/l;"
               f" nr {route:4.1f} cb {part.get('combine', 0):4.1f} qkv {part.get('qkv', 0):4.1f}"
-              f" arn {part.get('add_rmsnorm', 0):4.1f}; busy {r.get('busy_us', 0) / 1e3:5.2f} ms"
+              f"; busy {r.get('busy_us', 0) / 1e3:5.2f} ms"
               f" gaps {r.get('gap_us', 0) / 1e3:5.2f} ms/{r.get('gaps_a_step', 0):4.0f} k {r.get('kernels_a_step', 0):4.0f}"
               + agree)
-    off = next((r for r in decoded if r["setting"] == "pdl_off" and r.get("kernels")), None)
-    if off and base.get("kernels"):  # PDL off: each span is the kernel's own time, no wait inside it
-        print(f"-- us a layer by kernel: {base['setting']} (PDL spans) / pdl_off (true durations)")
-        on, layers = base["kernels"], base["layers"]
-        for label, (calls, us) in sorted(off["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1])[:TOP]:
-            mine = on.get(label, (0, 0.0))
-            print(f"   {label[:44]:44} {mine[0] * mine[1] / layers:6.2f} / {calls * us / layers:6.2f}")
 
 
 def main() -> None:
