@@ -99,8 +99,9 @@ def run(model_dir: str, settings: list, steps: int) -> None:
     from moebus.workers.local import LocalModel
 
     began = time.perf_counter()
-    model = LocalModel(model_dir, device=os.environ.get("DEVICE", "cuda"), num_slots=1, max_context=len(PROMPT) + 64 + 2 * GREEDY_TOKENS,
-                       kv_dtype="bf16", experts_dtype="bf16", attention_dtype="bf16")
+    model = LocalModel(model_dir, device=os.environ.get("DEVICE", "cuda"), num_slots=1,
+                       max_context=len(PROMPT) + 64 + 2 * GREEDY_TOKENS, kv_dtype="bf16", experts_dtype="bf16",
+                       attention_dtype="bf16")
     layers = model.ckpt.config.num_layers
     quant9_sweep.emit({"section": "load", "layers": layers, "load_s": time.perf_counter() - began})
     for name, values in settings:
@@ -109,8 +110,8 @@ def run(model_dir: str, settings: list, steps: int) -> None:
         began = time.perf_counter()
         try:
             r = bench._in_process(model, PROMPT, quant9_sweep.TOKENS, 1, quant9_sweep.REPEATS)
-            row = {"section": "decode", "setting": name, "tok_s": r["tok_s"], "us_per_layer": r["ms_per_step"] * 1e3 / layers,
-                   "layers": layers}
+            row = {"section": "decode", "setting": name, "tok_s": r["tok_s"],
+                   "us_per_layer": r["ms_per_step"] * 1e3 / layers, "layers": layers}
             if steps and not quant9_sweep.QUICK:  # PROFILE_STEPS 0: no trace (a host without CUPTI)
                 row["kernels"] = quant9_sweep.profile_batch(model, 1, steps, layers)
                 row.update(_trace)
