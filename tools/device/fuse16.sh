@@ -3,7 +3,7 @@
 # combine_add_rmsnorm, qkv_rope_store) and the launch gaps, in the lead's shared call (lead12_call.sh, S=16).
 # PHASE=warm (side by side, nothing timed, BUDGET ~120 s): a 1-layer a3b model (32 experts, /tmp/fuse-m1, ~0.4 GB),
 #   fuse16_step.py QUICK=1 on it over every setting (compiles each variant into /tmp/fuse-nc), and the GPU tests
-#   of the kernels this branch owns (test_fused.py, test_routing.py, norm_route's).
+#   of the kernels this branch owns (test_qkv_gemv.py, test_fused.py, test_routing.py with norm_route, test_pdl.py).
 # PHASE=measure (alone, BUDGET ~90 s): fuse16_step.py on $M48 (48 x 32 a3b bf16, all resident, b1) over
 #   tools/device/fuse16_settings.json (SETTINGS=... for another file): per setting tok/s, CUPTI us a layer by
 #   kernel, busy / gap time a step and the greedy ids + log p against the first setting; the summary last.
@@ -19,7 +19,7 @@ if [ "$PHASE" = warm ]; then
     > $OUT/init1.log 2>&1 && touch $W.ok; }
   echo "init 1 layer rc=$? at $(at)"
   ( NUMBA_CACHE_DIR=/tmp/fuse-nc-tests MOEBUS_TEST_GPU=1 timeout $(( $(left) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider -rf tests/cuda/test_fused.py tests/cuda/test_routing.py tests/cuda/test_pdl.py \
+    -p no:cacheprovider -rf tests/cuda/test_qkv_gemv.py tests/cuda/test_fused.py tests/cuda/test_routing.py tests/cuda/test_pdl.py \
     > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
   SHOW=6 step warm_steps 20 $(( $(left) - 6 )) env QUICK=1 python3 tools/device/fuse16_step.py $W tools/device/$SETTINGS
   wait

@@ -23,7 +23,8 @@ import quant9_sweep
 from decode7_bench import PROMPT, constant, drop_graphs
 from quant15_bench import GREEDY_TOKENS, greedy_ids
 
-SMALL = ("norm_route", "fused.combine", "fused.qkv", "fused.add_rmsnorm", "inflight_route")
+SMALL = {"norm_route": "norm_route", "fused.combine": "combine", "fused.qkv": "qkv", "qkv_gemv": "qkv_gemv",
+         "fused.add_rmsnorm": "add_rmsnorm"}  # a kernel label's part -> its group
 TWICE = {"norm_route": ("moebus.cuda.backends.cuda", "norm_route_cuda"),  # where the backend looks them up
          "combine": ("moebus.cuda.kernels.fused", "combine_add_rmsnorm_cuda"),
          "qkv_rope": ("moebus.cuda.kernels.fused", "qkv_rope_store_cuda")}
@@ -126,10 +127,7 @@ def run(model_dir: str, settings: list, steps: int) -> None:
 
 
 def kernel_group(label: str) -> str:
-    for key in SMALL:
-        if key in label:
-            return key.split(".")[-1]
-    return "other"
+    return next((group for part, group in SMALL.items() if part in label), "other")
 
 
 def summary(path: str) -> None:
@@ -156,7 +154,8 @@ def summary(path: str) -> None:
         for label, (calls, us) in sorted(off["kernels"].items(), key=lambda kv: -kv[1][0] * kv[1][1])[:TOP]:
             mine = on.get(label, (0, 0.0))
             print(f"   {label[:44]:44} {mine[0] * mine[1] / layers:6.2f} / {calls * us / layers:6.2f}")
-    print("== fuse16 summary: b1 all resident; us a layer (wall); CUPTI us a layer: norm_route / combine / qkv; "
+    print("== fuse16 summary: b1 all resident; us a layer (wall); CUPTI us a layer: norm_route / combine / qkv_rope / "
+          "qkv_gemv; "
           "busy, gaps a step; tokens vs the first setting")
     for r in decoded:
         k, layers = r.get("kernels") or {}, r["layers"]
@@ -169,9 +168,9 @@ def summary(path: str) -> None:
             equal = next((i for i, (a, b) in enumerate(zip(r["ids"], base["ids"])) if a != b), len(r["ids"]))
             most = max((abs(a - b) for a, b in zip(r["logprobs"][:equal], base["logprobs"][:equal])), default=0.0)
             agree = " bits" if equal == len(r["ids"]) and most == 0.0 else f" ids {equal}/{len(r['ids'])} dlogp {most:.1e}"
-        route = part.get("norm_route", 0) + part.get("inflight_route", 0)
         print(f"{r['setting'][:16]:16} {r['tok_s']:6.1f} tok/s {r['tok_s'] / base['tok_s']:5.3f}x {r['us_per_layer']:5.1f} us/l;"
-              f" nr {route:4.1f} cb {part.get('combine', 0):4.1f} qkv {part.get('qkv', 0):4.1f}"
+              f" nr {part.get('norm_route', 0):4.1f} cb {part.get('combine', 0):4.1f} qkv {part.get('qkv', 0):4.1f}"
+              f" qg {part.get('qkv_gemv', 0):4.1f}"
               f"; busy {r.get('busy_us', 0) / 1e3:5.2f} ms"
               f" gaps {r.get('gap_us', 0) / 1e3:5.2f} ms/{r.get('gaps_a_step', 0):4.0f} k {r.get('kernels_a_step', 0):4.0f}"
               + agree)
