@@ -66,3 +66,22 @@ def test_work_shape_keeps_a_block_within_a_head():
     # A3B at batch 1 on a GPU: 5120 rows of 512 words, 4 warps: split 2, 4 words a lane, 4 rows a warp
     assert work_shape(5120, 512, 128, 128) == (2, 4, 4)
     assert work_shape(5120, 512, 4, 128) is None  # 8 rows a block, heads of 4
+
+
+def test_a_decode_with_the_fused_projection_gives_the_bits_of_the_two_kernels(tmp_path_factory, monkeypatch):
+    # a micro model with 64-wide heads (the fused kernels take multiples of 64): greedy tokens and log p with
+    # qkv_gemv.ENABLED equal those without, and the one-token steps took the fused kernel
+    from moebus.cuda.kernels import qkv_gemv
+    from moebus.workers.local import LocalModel
+    from tests.cuda.test_e2e import init_micro
+
+    model_dir = init_micro(tmp_path_factory, preset="micro64", head_dim=64)
+    runs, launched = [], []
+    fused = qkv_gemv.qkv_gemv_rope_cuda
+    monkeypatch.setattr(qkv_gemv, "qkv_gemv_rope_cuda", lambda *a, **k: launched.append(fused(*a, **k)) or launched[-1])
+    for enabled in (False, True):
+        monkeypatch.setattr(qkv_gemv, "ENABLED", enabled)
+        runs.append(LocalModel(model_dir, device="cuda", max_context=32).generate([5, 17, 42, 9, 77], 3))
+    assert runs[1].tokens == runs[0].tokens
+    np.testing.assert_array_equal(runs[1].logprobs, runs[0].logprobs)
+    assert launched.count(True) == 2 * 2  # two decode steps after the prompt, two layers
