@@ -58,6 +58,8 @@ def _kernel(storage: str, norm_storage: str, kv_storage: str, head_dim: int, spl
         begin = part * span
         end = min(begin + span, num_words)
         num_rows = qkv.shape[1]
+        slot = token_slot[0]  # for the tail: its loads off the tail's critical path
+        position = token_pos[0]
         # 1. linear_rows for one token: the same loads, sums and order
         acc = cuda.local.array(rows, float32)
         w_buf = cuda.local.array((rows, unroll, width), float32)
@@ -94,29 +96,30 @@ def _kernel(storage: str, norm_storage: str, kv_storage: str, head_dim: int, spl
                         total += partial[warp + s, r]
                     if group * rows + r < num_rows:
                         qkv[0, group * rows + r] = total
-        # 2. the head's last block: qkv_rope_store_rows for its row
+        # 2. the head's last block: qkv_rope_store_rows for its row (the norm's weights, cos and sin loaded by
+        # every block's warp 0 before the count, so the tail waits only for the row's values)
         rows_per_block = groups_per_block * rows
         head = cuda.blockIdx.x * rows_per_block // head_dim
+        is_q = head < num_heads
+        values = cuda.local.array(per_lane, float32)
+        scale = cuda.local.array(per_lane, float32)
+        cos_at = cuda.local.array(half_lanes, float32)
+        sin_at = cuda.local.array(half_lanes, float32)
+        if warp == 0:
+            for i in range(per_lane):
+                d = lane + i * WARP
+                scale[i] = load_weight(q_weight, 0, d) if is_q else load_weight(k_weight, 0, d)
+            for i in range(half_lanes):
+                cos_at[i] = cos[position, lane + i * WARP]
+                sin_at[i] = sin[position, lane + i * WARP]
         if not is_last_of(done, head, head_dim // rows_per_block):
             return  # the whole block
         if cuda.threadIdx.x == 0:
             done[head] = 0  # for the next launch (a graph replays this one); every block of the head has counted
         if warp != 0:
             return
-        values = cuda.local.array(per_lane, float32)
-        scale = cuda.local.array(per_lane, float32)
-        cos_at = cuda.local.array(half_lanes, float32)
-        sin_at = cuda.local.array(half_lanes, float32)
-        slot = token_slot[0]
-        position = token_pos[0]
-        is_q = head < num_heads
         for i in range(per_lane):  # other blocks wrote the row: through L2
-            d = lane + i * WARP
-            values[i] = cuda.atomic.add(qkv, (0, head * head_dim + d), float32(0.0))
-            scale[i] = load_weight(q_weight, 0, d) if is_q else load_weight(k_weight, 0, d)
-        for i in range(half_lanes):
-            cos_at[i] = cos[position, lane + i * WARP]
-            sin_at[i] = sin[position, lane + i * WARP]
+            values[i] = cuda.atomic.add(qkv, (0, head * head_dim + lane + i * WARP), float32(0.0))
         rope_store(values, scale, cos_at, sin_at, eps, head, num_heads, num_kv_heads, 0, slot, position, True,
                    q_out, k_cache, v_cache)
 
