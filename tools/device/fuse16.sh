@@ -5,8 +5,10 @@
 #   fuse16_step.py QUICK=1 on it over every setting (compiles each variant into /tmp/fuse-nc), and the GPU tests
 #   of the kernels this branch owns (test_qkv_gemv.py, test_fused.py, test_routing.py with norm_route, test_pdl.py).
 # PHASE=measure (alone, BUDGET ~90 s): fuse16_step.py on $M48 (48 x 32 a3b bf16, all resident, b1) over
-#   tools/device/fuse16_settings.json (SETTINGS=... for another file): per setting tok/s, CUPTI us a layer by
-#   kernel, busy / gap time a step and the greedy ids + log p against the first setting; the summary last.
+#   tools/device/fuse16_settings.json (SETTINGS=... for another file; call A's: fuse16_settings_a.json, with
+#   TOKENS=32 REPEATS=2): per setting tok/s, CUPTI us a layer by kernel, busy / gap time a step and the greedy
+#   ids + log p against the first setting; the summary last. Call B's settings: the defaults, qkv_gemv and
+#   ROUTER_BLOCKS 32 three times in turn (call A's differences were within its drift), then PDL off and twice.
 source tools/device/setup.sh
 set -o pipefail
 PHASE=${PHASE:-measure}; BUDGET=${BUDGET:-90}; OUT=${OUT:-/tmp/fuse16-out}; mkdir -p $OUT; T0=$(date +%s)
@@ -28,6 +30,7 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 MODEL=${M48:-/tmp/m48}; [ -d $MODEL ] || { echo "no $MODEL: the 1-layer model"; MODEL=$W; }
+export TOKENS=${TOKENS:-64} REPEATS=${REPEATS:-3}  # bench decode's median step of the last of 3 repeats of 64
 SHOW=3 step steps 30 $(( $(left) - 5 )) python3 tools/device/fuse16_step.py $MODEL tools/device/$SETTINGS ${STEPS:-4}
 echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
 tail -1 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
