@@ -174,6 +174,12 @@ def summary(path: str) -> None:
               f"; busy {r.get('busy_us', 0) / 1e3:5.2f} ms"
               f" gaps {r.get('gap_us', 0) / 1e3:5.2f} ms/{r.get('gaps_a_step', 0):4.0f} k {r.get('kernels_a_step', 0):4.0f}"
               + agree)
+    stems: dict = {}  # a setting run more than once ("qkv_gemv", "qkv_gemv_2", ...): its mean and range
+    for r in decoded:
+        stem, _, last = r["setting"].rpartition("_")
+        stems.setdefault(stem if last.isdigit() else r["setting"], []).append(r["tok_s"])
+    print("   repeated: " + "; ".join(f"{k} {sum(v) / len(v):.1f} ({min(v):.1f}-{max(v):.1f}) x{len(v)}"
+                                     for k, v in stems.items() if len(v) > 1))
 
 
 def main() -> None:
