@@ -20,12 +20,14 @@ if [ "$PHASE" = warm ]; then
   [ -e $W.ok ] || { timeout 40 python3 -m moebus.cli init-model $W --preset a3b --layers 1 --experts 32 \
     > $OUT/init1.log 2>&1 && touch $W.ok; }
   echo "init 1 layer rc=$? at $(at)"
-  ( NUMBA_CACHE_DIR=/tmp/fuse-nc-tests MOEBUS_TEST_GPU=1 timeout $(( $(left) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider -rf tests/cuda/test_qkv_gemv.py tests/cuda/test_fused.py tests/cuda/test_routing.py tests/cuda/test_pdl.py \
-    > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
+  ( export NUMBA_CACHE_DIR=/tmp/fuse-nc-tests MOEBUS_TEST_GPU=1  # this branch's new kernels first
+    timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rf tests/cuda/test_qkv_gemv.py \
+      tests/cuda/test_routing.py -k "qkv or prefetch" > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt
+    timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rf tests/cuda/test_fused.py tests/cuda/test_pdl.py \
+      tests/cuda/test_routing.py -k "not prefetch" >> $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
   SHOW=6 step warm_steps 20 $(( $(left) - 6 )) env QUICK=1 python3 tools/device/fuse16_step.py $W tools/device/$SETTINGS
   wait
-  tail -2 $OUT/gpu_tests.txt
+  grep -E "passed|failed|rc=" $OUT/gpu_tests.txt | cut -c1-200
   echo "warm done at $(at)"
   exit 0
 fi
@@ -33,5 +35,5 @@ MODEL=${M48:-/tmp/m48}; [ -d $MODEL ] || { echo "no $MODEL: the 1-layer model"; 
 export TOKENS=${TOKENS:-64} REPEATS=${REPEATS:-3}  # bench decode's median step of the last of 3 repeats of 64
 SHOW=3 step steps 30 $(( $(left) - 5 )) python3 tools/device/fuse16_step.py $MODEL tools/device/$SETTINGS ${STEPS:-4}
 echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
-tail -1 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
+grep -E "passed|failed|rc=" $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
 python3 tools/device/fuse16_step.py --summary $OUT/steps.txt
