@@ -22,9 +22,9 @@ if [ "$PHASE" = warm ]; then
   echo "init 1 layer rc=$? at $(at)"
   ( export NUMBA_CACHE_DIR=/tmp/fuse-nc-tests MOEBUS_TEST_GPU=1  # this branch's new kernels first
     timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rf tests/cuda/test_qkv_gemv.py \
-      tests/cuda/test_routing.py -k "qkv or prefetch" > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt
+      tests/cuda/test_routing.py -k "qkv or router_prefetch" > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt
     timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rf tests/cuda/test_fused.py tests/cuda/test_pdl.py \
-      tests/cuda/test_routing.py -k "not prefetch" >> $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
+      tests/cuda/test_routing.py -k "not router_prefetch" >> $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
   SHOW=6 step warm_steps 20 $(( $(left) - 6 )) env QUICK=1 python3 tools/device/fuse16_step.py $W tools/device/$SETTINGS
   wait
   grep -E "passed|failed|rc=" $OUT/gpu_tests.txt | cut -c1-200
