@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 15 and 16, sixteenth session (branch fuse16): the decode layer's small kernels at batch 1 (norm_route,
 # combine_add_rmsnorm, qkv_rope_store) and the launch gaps, in the lead's shared call (lead12_call.sh, S=16).
-# PHASE=warm (side by side, nothing timed, BUDGET ~120 s): a 1-layer a3b model (32 experts, /tmp/fuse-m1, ~0.4 GB),
+# PHASE=warm (side by side, nothing timed, BUDGET ~120 s): a 1-layer a3b model (32 experts, /tmp/fuse-m1, ~1.6 GB: the embedding and lm_head),
 #   fuse16_step.py QUICK=1 on it over every setting (compiles each variant into /tmp/fuse-nc), and the GPU tests
 #   of the kernels this branch owns (test_qkv_gemv.py, test_fused.py, test_routing.py with norm_route, test_pdl.py).
 # PHASE=measure (alone, BUDGET ~90 s): fuse16_step.py on $M48 (48 x 32 a3b bf16, all resident, b1) over
