@@ -367,8 +367,8 @@ class Stage:
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         x, h = self._residual_norm(x, residual, w["attn_norm"])
         if self.fuse_qkv:
-            q = ops.qkv_rope_store(ops.linear(h, w["qkv"]), heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
-                                   token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
+            q = ops.linear_qkv_rope_store(h, w["qkv"], heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
+                                          token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
             q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
             k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)

@@ -144,6 +144,29 @@ def test_norm_route_spread_over_blocks_gives_the_bits_of_one_block_a_token(rng, 
             np.testing.assert_allclose(one, w, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("experts, top_k, dim", [(32, 8, 40), (37, 3, 400)])
+def test_norm_route_router_prefetch_gives_the_same_bits(rng, experts, top_k, dim, monkeypatch):
+    # ROUTER_PREFETCH: the block's router rows asked of L2 before the wait (rows past the last expert
+    # clamped to it: 37 experts over 8 blocks of 5), one block a token or spread, 1 and 3 tokens
+    from moebus.cuda.kernels import norm_route
+
+    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
+    router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
+    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
+    done = device(np.zeros(1, np.int32))
+    for num_tokens, blocks in ((1, 8), (3, 1)):
+        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
+        monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", blocks)
+        runs = []
+        for prefetch in (False, True):
+            monkeypatch.setattr(norm_route, "ROUTER_PREFETCH", prefetch)
+            runs.append(_norm_route(x, y, norm_weight, router, top_k, True, table, 1, done,
+                                    poisoned((num_tokens, experts))))
+            assert done.copy_to_host()[0] == 0
+        for name, off, on in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), *runs):
+            np.testing.assert_array_equal(on, off, err_msg=name)
+
+
 def test_norm_route_router_share(monkeypatch):
     # experts a block: a token's router rows over ROUTER_BLOCKS blocks, given a scratch and few tokens
     from moebus.cuda.kernels import norm_route

@@ -91,6 +91,10 @@ class CpuBackend:
                        token_pos, cos, sin, k_cache, v_cache):
         return fused.qkv_rope_store_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
                                         token_pos, cos, sin, k_cache, v_cache)
+
+    def linear_qkv_rope_store(self, h, weight, *rest):
+        """qkv_rope_store(linear(h, weight), *rest) (one launch on cuda: qkv_gemv.py)."""
+        return self.qkv_rope_store(self.linear(h, weight), *rest)
     linear = staticmethod(linear.linear_ref)
     add = staticmethod(elementwise.add_ref)
     swiglu = staticmethod(elementwise.swiglu_ref)

@@ -25,6 +25,7 @@ from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from it
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
 from moebus.cuda.kernels import linear_quant  # FP8 attention projections (attention.dtype fp8)
+from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
 
 
 class CudaBackend(split_epilogues.SplitInputOps):
@@ -41,6 +42,7 @@ class CudaBackend(split_epilogues.SplitInputOps):
         self.route_done = cuda.to_device(np.zeros(1, np.int32), stream=self.stream)  # norm_route's counter
         # decode attention's counters, one a (token, kv head): the last split block merges
         self.attention_done = cuda.to_device(np.zeros(ATTENTION_COUNTERS, np.int32), stream=self.stream)
+        self.qkv_done = cuda.to_device(np.zeros(qkv_gemv.MAX_HEADS, np.int32), stream=self.stream)  # a head's blocks
 
     # -- memory -----------------------------------------------------------------------------------
 
@@ -166,6 +168,20 @@ class CudaBackend(split_epilogues.SplitInputOps):
         q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
         return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
                                          token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
+
+    def linear_qkv_rope_store(self, h, weight, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float,
+                              token_slot, token_pos, cos, sin, k_cache, v_cache):
+        """qkv_rope_store(linear(h, weight), ...); one token's in one launch with qkv_gemv.ENABLED where the
+        kernel applies (bf16 / f16 weights, heads a whole number of its blocks)."""
+        if qkv_gemv.ENABLED and not isinstance(weight, linear_quant.Fp8Weight):
+            qkv = self.empty((h.shape[0], weight.shape[0]))
+            q = self.empty((h.shape[0], num_heads, q_weight.shape[0]))
+            if qkv_gemv.qkv_gemv_rope_cuda(h, weight, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                           token_pos, cos, sin, k_cache, v_cache, self.qkv_done, qkv, q,
+                                           stream=self.stream):
+                return q
+        return self.qkv_rope_store(self.linear(h, weight), num_heads, num_kv_heads, q_weight, k_weight, eps,
+                                   token_slot, token_pos, cos, sin, k_cache, v_cache)
 
     def linear(self, x, weight):
         out = self.empty((x.shape[0], weight.shape[0]))

@@ -190,12 +190,56 @@ def combine_add_rmsnorm_cuda(y_pair, weights, x, weight, eps: float, total, out,
 
 
 @functools.cache
-def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
-    load_weight = SCALAR[storage]
+def head_rope_store(kv_storage: str, head_dim: int):
+    """Device function: the rest of a (token, head) row of qkv_rope_store by its warp, from the row's values
+    and the norm's weights (a lane's elements lane, lane + 32, ...) and its cos and sin in registers: a v row
+    into the cache; a q or k row rmsnormed and rotated, q into q_out, k into the cache. ``is_real``: stores."""
     to_cache = STORE[kv_storage]  # k, v as the cache holds them (bf16: rounded)
     per_lane = head_dim // WARP
     half = head_dim // 2
     half_lanes = per_lane // 2  # a lane's elements i < per_lane / 2 are in the first half
+
+    @device
+    def rope_store(values, scale, cos_at, sin_at, eps, head, num_heads, num_kv_heads, t, slot, position, is_real,
+                   q_out, k_cache, v_cache):
+        lane = cuda.threadIdx.x % WARP
+        is_q = head < num_heads
+        if head >= num_heads + num_kv_heads:  # v: straight into the cache
+            g = head - num_heads - num_kv_heads
+            if is_real:
+                for i in range(per_lane):
+                    v_cache[slot, g, position, lane + i * WARP] = to_cache(values[i])
+        else:
+            square_sum = float32(0.0)
+            for i in range(per_lane):
+                square_sum += values[i] * values[i]
+            square_sum = warp_sum(square_sum)
+            inv_rms = float32(1.0) / math.sqrt(square_sum / float32(head_dim) + eps)
+            for i in range(per_lane):
+                values[i] = scale[i] * (values[i] * inv_rms)
+            if is_real:
+                for i in range(half_lanes):
+                    d = lane + i * WARP  # d < half; its partner d + half is element i + half_lanes
+                    c = cos_at[i]
+                    s = sin_at[i]
+                    x1 = values[i]
+                    x2 = values[i + half_lanes]
+                    if is_q:
+                        q_out[t, head, d] = x1 * c - x2 * s
+                        q_out[t, head, d + half] = x2 * c + x1 * s
+                    else:
+                        k_cache[slot, head - num_heads, position, d] = to_cache(x1 * c - x2 * s)
+                        k_cache[slot, head - num_heads, position, d + half] = to_cache(x2 * c + x1 * s)
+
+    return rope_store
+
+
+@functools.cache
+def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
+    load_weight = SCALAR[storage]
+    rope_store = head_rope_store(kv_storage, head_dim)
+    per_lane = head_dim // WARP
+    half_lanes = per_lane // 2
 
     @kernel
     def qkv_rope_store_rows(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot, token_pos, cos, sin,
@@ -229,32 +273,8 @@ def _qkv_kernel(storage: str, head_dim: int, kv_storage: str):
             for i in range(half_lanes):
                 cos_at[i] = cos[position, lane + i * WARP]
                 sin_at[i] = sin[position, lane + i * WARP]
-            if head >= num_heads + num_kv_heads:  # v: straight into the cache
-                g = head - num_heads - num_kv_heads
-                if is_real:
-                    for i in range(per_lane):
-                        v_cache[slot, g, position, lane + i * WARP] = to_cache(values[i])
-            else:
-                square_sum = float32(0.0)
-                for i in range(per_lane):
-                    square_sum += values[i] * values[i]
-                square_sum = warp_sum(square_sum)
-                inv_rms = float32(1.0) / math.sqrt(square_sum / float32(head_dim) + eps)
-                for i in range(per_lane):
-                    values[i] = scale[i] * (values[i] * inv_rms)
-                if is_real:
-                    for i in range(half_lanes):
-                        d = lane + i * WARP  # d < half; its partner d + half is element i + half_lanes
-                        c = cos_at[i]
-                        s = sin_at[i]
-                        x1 = values[i]
-                        x2 = values[i + half_lanes]
-                        if is_q:
-                            q_out[t, head, d] = x1 * c - x2 * s
-                            q_out[t, head, d + half] = x2 * c + x1 * s
-                        else:
-                            k_cache[slot, head - num_heads, position, d] = to_cache(x1 * c - x2 * s)
-                            k_cache[slot, head - num_heads, position, d + half] = to_cache(x2 * c + x1 * s)
+            rope_store(values, scale, cos_at, sin_at, eps, head, num_heads, num_kv_heads, t, slot, position, is_real,
+                       q_out, k_cache, v_cache)
 
     return qkv_rope_store_rows
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from moebus.cuda.kernels.compat import (FULL_MASK, MAX_WARPS, SIMULATOR, WARP, block_sum, cuda, device,
                                         float32, int32, kernel, threads, uint64, warp_sum)
-from moebus.cuda.kernels.pdl import grid_dependency_wait
+from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_rows
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
@@ -42,6 +42,10 @@ ROUTER_WORDS_IN_FLIGHT = 32  # raw 8-byte router words a thread holds a round (6
 ROUTER_RANKS = True  # <= 32 experts: top-k and pairs by ranks (routing.ranks_tail), one token, or few spread
 ONE_TOKEN_TAIL = True  # ...with routing.one_token_tail for one token (decode11: ranks_tail took 1.35 us a layer more)
 ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight kernel, given a scratch; decode10.sh)
+# pdl.py: the in-flight kernel's warps ask L2 for the block's router rows before the wait (the router never
+# changes within a step; behind a programmatic edge the bytes come while the o projection ends). Off until
+# measured (sixteenth session, fuse16.sh).
+ROUTER_PREFETCH = False
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -144,7 +148,7 @@ def _norm_route_kernel(norm_storage: str, router_storage: str, wide: bool, per_t
 
 @functools.cache
 def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
-                           groups: int, per_lane: int, top_k: int, by_ranks: int, spread: int):
+                           groups: int, per_lane: int, top_k: int, by_ranks: int, spread: int, prefetch: bool = False):
     """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
     threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
     words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
@@ -154,7 +158,8 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     token skips the last-block counter (its block is the last), and with ``by_ranks`` (at most 32
     experts; routing.RANKS or ONE_TOKEN_RANKS) ends with ranks_tail or one_token_tail; with several,
     they go to ``scratch`` and the last block of the grid finishes (spread_tail). An expert's logit
-    has the same bits whatever the spread: its group's threads and their order are the same."""
+    has the same bits whatever the spread: its group's threads and their order are the same. ``prefetch``
+    (ROUTER_PREFETCH): the block's warps ask L2 for its experts' router rows (a warp a row) before the wait."""
     read_norm, _ = chunk_reader(norm_storage, True)
     read_row, _ = chunk_reader("f32", True)
     word_values = WORD[router_storage]
@@ -164,7 +169,10 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     @kernel
     def inflight_route_rows(x, y, norm_weight, eps, router, num_words, table, layer_row, done, normalize, share,
                             scratch, total, h, ids, weights, pair_token, pair_slot, pair_out):
-        grid_dependency_wait()  # pdl.py: before any global read or write
+        if prefetch:  # the block's rows, a warp a row in turn; 16 words = a 128-byte line
+            for r in range(cuda.threadIdx.x // WARP, share, cuda.blockDim.x // WARP):
+                prefetch_rows(router, (cuda.blockIdx.x % spread) * share + r, 1, len(router), 0, num_words, 16)
+        grid_dependency_wait()  # pdl.py: before any global read or write (the router's prefetch aside)
         t, part = cuda.blockIdx.x // spread, cuda.blockIdx.x % spread  # every block real
         num_tokens, dim = total.shape
         num_experts = router.shape[0]
@@ -335,7 +343,7 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
             require("scratch", scratch, np.float32, shape=(num_tokens, num_experts))
         kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *inflight_shape(dim, share, block),
                                         ceil_div(num_experts, WARP), int(top_k),
-                                        tail_by_ranks(num_experts), spread)
+                                        tail_by_ranks(num_experts), spread, ROUTER_PREFETCH)
         kernel[num_tokens * spread, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize), share,
