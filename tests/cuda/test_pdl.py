@@ -13,7 +13,7 @@ KERNELS = Path(__file__).resolve().parents[2] / "moebus" / "cuda" / "kernels"
 DECODE_FILES = ("linear", "linear_quant", "moe", "moe_ffn", "moe_quant", "moe_quant_bf16", "norm_route", "routing",
                 "attention_decode", "attention", "fused", "rmsnorm", "rope", "elementwise", "embedding", "sampling",
                 "top_logprobs", "penalties", "gemm", "grouped_moe", "weighted_rows", "scatter", "prefetch",
-                "split_epilogues")
+                "split_epilogues", "qkv_gemv")
 
 
 def test_mode_reads_the_port_from_the_environment(monkeypatch):
