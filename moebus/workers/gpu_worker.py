@@ -23,7 +23,7 @@ from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace
+from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace, step_watch
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
@@ -57,8 +57,11 @@ RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
 
 
 class GpuWorker:
-    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True, trace=None):
-        """``trace``: a workers.step_trace.StepTrace (MOEBUS_TRACE_CHUNK_STEPS), or None."""
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True, trace=None,
+                 watch=None):
+        """``trace``: a workers.step_trace.StepTrace (MOEBUS_TRACE_CHUNK_STEPS), or None; ``watch``: a
+        workers.step_watch.StepWatch (MOEBUS_STEP_STACKS_S), or None."""
+        self.watch = watch
         self.stage = stage
         self.launch_ahead = launch_ahead
         self.link = link
@@ -119,6 +122,8 @@ class GpuWorker:
     def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
         idle_s = self.note_idle(msg.step_id, started)
+        if self.watch is not None:
+            self.watch.begin(msg.step_id)
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
             raise launched
@@ -136,6 +141,8 @@ class GpuWorker:
         self.steps_served += 1
         compute_s = time.perf_counter() - started
         self.busy_s += compute_s
+        if self.watch is not None:
+            self.watch.end(compute_s)
         if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
         if LOG_STEPS:
@@ -290,11 +297,15 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                      max_batch=settings.max_batch, max_context=settings.max_context))
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
-    log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
+    log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled%s", gpu, *disk_cache_counts(),
+             step_watch.compiled_names())
     gc_pauses.watch(log, f"gpu{gpu}")  # MOEBUS_GC_FREEZE, MOEBUS_LOG_GC_MS: a step's pause no kernel explains
+    watch = step_watch.from_env(f"gpu{gpu}") if device == "cuda" else None  # MOEBUS_STEP_STACKS_S
     try:
-        return GpuWorker(stage, link, gpu, settings.launch_ahead, trace).serve()
+        return GpuWorker(stage, link, gpu, settings.launch_ahead, trace, watch).serve()
     finally:
+        if watch is not None:
+            watch.close()
         link.close()
 
 
