@@ -20,7 +20,8 @@ import time
 import traceback
 
 log = logging.getLogger("moebus.worker")
-FRAMES_LOGGED = 10  # the innermost frames of a sample
+FRAMES_LOGGED = 6  # the innermost frames of a sample
+OWN_FRAMES_LOGGED = 4  # and the innermost of moebus's own (a compile's innermost frames are all numba's)
 
 
 def stacks_every_s() -> float:
@@ -51,10 +52,16 @@ def counts_since(now: dict[str, tuple[int, int]], then: dict[str, tuple[int, int
     return ", ".join(grown)
 
 
-def frames_of(frame, count: int = FRAMES_LOGGED) -> str:
-    """The innermost ``count`` frames of ``frame``'s stack, innermost last, as 'file:line function'."""
-    stack = traceback.extract_stack(frame)[-count:]
-    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
+def frames_of(frame, count: int = FRAMES_LOGGED, own: int = OWN_FRAMES_LOGGED) -> str:
+    """The innermost ``count`` frames of ``frame``'s stack, innermost first, as 'file:line function', then
+    after ' | ' the innermost ``own`` frames of files under moebus/ that are not among them."""
+    stack = traceback.extract_stack(frame)[::-1]
+
+    def named(frames) -> str:
+        return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames)
+
+    ours = [f for f in stack[count:] if f"{os.sep}moebus{os.sep}" in f.filename][:own]
+    return named(stack[:count]) + (" | " + named(ours) if ours else "")
 
 
 class StepWatch:

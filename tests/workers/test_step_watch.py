@@ -45,3 +45,15 @@ def test_slow_step_sampled_and_reported(caplog):
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv("MOEBUS_STEP_STACKS_S", raising=False)
     assert step_watch.from_env("gpu0") is None
+
+
+def test_frames_innermost_first_then_moebus_own():
+    import sys
+
+    from moebus.workers import step_watch as sw
+
+    def inner():
+        return sw.frames_of(sys._getframe(), count=1, own=2)
+    text = inner()
+    assert text.startswith("test_step_watch.py:") and text.split(" < ")[0].endswith(" inner")
+    assert " | " not in text or "moebus" not in text.split(" | ")[0]
