@@ -5,7 +5,9 @@
 # disk, under --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget 256 MiB) with every step
 # logged (MOEBUS_LOG_STEPS=1), long collections (MOEBUS_LOG_GC_MS=2) and a step running over 0.5 s sampled:
 # its innermost frames, then the kernels loaded / compiled in it by name (MOEBUS_STEP_STACKS_S=0.5,
-# workers/step_watch.py), read by tools/device/gap16_first_use.py.
+# workers/step_watch.py), read by tools/device/gap16_first_use.py. The tree's kernel cache keys hold across
+# processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py): the start line should say "0 compiled" and a
+# fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
 #                  compiles the kernels into the disk cache; its slow steps show what a compile costs there
 #   PHASE=measure  gap15.sh's reading of RUNS ("default" with the logs above; RUNS="tag:VAR=v,..." any list),
@@ -25,7 +27,7 @@ if [ "$PHASE" = warm ]; then
   [ -f $V/.gap12-ready ] || { rm -rf $V; timeout $((BUDGET - 50)) python3 -m moebus.cli init-model $V --preset a3b \
     --layers 8 --vision siglip > $OUT/init.log 2>&1 && touch $V/.gap12-ready; }
   echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
-  left=$((BUDGET - SECONDS - 14))
+  left=$((BUDGET - SECONDS - 10))
   if [ $left -gt 20 ]; then  # compiles into the disk cache (no figure: other branches run beside)
     env ${LOGS//,/ } SKIP_TESTS=1 TAG=warm BUDGETS=256 FIRST_CAP=$left BUDGET=$left bash tools/device/gap10.sh \
       > $OUT/warm_cycle.txt 2>&1
@@ -47,7 +49,8 @@ echo "== gap16 summary"
 for run in $RUNS; do
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || continue
-  zcat $L | grep -E "gpu0 kernels: |^cold image request 2|first_token" | sed -E 's/^.*INFO //' | cut -c1-200 | head -3
+  zcat $L | grep -E "gpu0 kernels: " | sed -E 's/^.*INFO //' | cut -c1-200 | head -2
+  first_use $L 400 | tail -1
   timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | cut -c1-330
 done
 echo "== gap16 done at ${SECONDS} s"
