@@ -10,8 +10,10 @@
 # fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
 #                  compiles the kernels into the disk cache; its slow steps show what a compile costs there
-#   PHASE=measure  gap15.sh's reading of RUNS ("default" with the logs above; RUNS="tag:VAR=v,..." any list),
-#                  each at most RUN_CAP s (80), then each run's worker starts with their kernel counts, its
+#   PHASE=measure  gap15.sh's reading of RUNS: "default" with the logs above, then "step0" (the same with
+#                  MOEBUS_IMAGE_STEP_TOKENS=0: the image prompt in chunks of 510 + 246 tokens, not one of 756; the
+#                  fifteenth session's question, never run to the end) only where 34 s are left; RUNS="tag:VAR=v,..."
+#                  any list; each at most RUN_CAP s (80), then each run's worker starts with their kernel counts, its
 #                  steps over 300 ms with what they compiled and where they waited, its full collections,
 #                  and last gap15_gaps.py's short summary (the ratios, the largest gaps with what was in them).
 #   PHASE=measure BUDGET=106 bash tools/device/gap16.sh
@@ -38,7 +40,7 @@ if [ "$PHASE" = warm ]; then
   else echo "no warm cycle: ${left} s left"; fi
   exit 0
 fi
-RUNS=${RUNS:-default:$LOGS}
+RUNS=${RUNS:-default:$LOGS step0:$LOGS,MOEBUS_IMAGE_STEP_TOKENS=0}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-80} BUDGET=$((BUDGET - 12)) bash tools/device/gap15.sh
 echo "== gap16: the workers' starts, their steps over 300 ms, their full collections (at ${SECONDS} s)"
 for run in $RUNS; do
