@@ -101,6 +101,15 @@ class GpuWorker:
         raise ValueError(f"unexpected message {type(message).__name__}")
 
     def step(self, msg: Step) -> StepReply:
+        if self.watch is not None:  # MOEBUS_STEP_STACKS_S (workers/step_watch.py)
+            self.watch.begin(msg.step_id)
+            try:
+                return self.traced_step(msg)
+            finally:
+                self.watch.end()
+        return self.traced_step(msg)
+
+    def traced_step(self, msg: Step) -> StepReply:
         if self.trace is None:
             return self._step(msg)
         held = self.stage.chunk  # MOEBUS_TRACE_CHUNK_STEPS (workers/step_trace.py)
@@ -122,8 +131,6 @@ class GpuWorker:
     def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
         idle_s = self.note_idle(msg.step_id, started)
-        if self.watch is not None:
-            self.watch.begin(msg.step_id)
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
             raise launched
@@ -141,8 +148,6 @@ class GpuWorker:
         self.steps_served += 1
         compute_s = time.perf_counter() - started
         self.busy_s += compute_s
-        if self.watch is not None:
-            self.watch.end(compute_s)
         if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
         if LOG_STEPS:

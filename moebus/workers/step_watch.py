@@ -65,7 +65,7 @@ def frames_of(frame, count: int = FRAMES_LOGGED, own: int = OWN_FRAMES_LOGGED) -
 
 
 class StepWatch:
-    """Around each step of one worker: ``begin(step_id)``, ``end(took_s)``."""
+    """Around each step of one worker: ``begin(step_id)``, ``end()`` (also when the step raised)."""
 
     def __init__(self, who: str, every_s: float, kernels: list):
         self.who = who
@@ -84,9 +84,9 @@ class StepWatch:
         self.started = time.perf_counter()
         self.step_id = step_id
 
-    def end(self, took_s: float) -> None:
+    def end(self) -> None:
         step_id, self.step_id = self.step_id, None
-        if took_s > self.every_s:
+        if (took_s := time.perf_counter() - self.started) > self.every_s:
             self.report(f"step {step_id} took {1e3 * took_s:.1f} ms")
 
     def report(self, what: str) -> None:
