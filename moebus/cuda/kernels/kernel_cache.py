@@ -104,8 +104,12 @@ def stable_closure_keys() -> bool:
     key is not the shape expected (then numba's own key stays)."""
     if os.environ.get("MOEBUS_STABLE_KERNEL_KEYS", "1").strip().lower() not in _ON:
         return False
-    from numba.cuda.core import caching
-
+    try:
+        from numba.cuda.core import caching
+        from numba.cuda.extending import _Intrinsic  # noqa: F401 - what stable_dumps needs
+        from numba.cuda.serialize import NumbaPickler  # noqa: F401
+    except ImportError:  # another numba-cuda: its own keys
+        return False
     if getattr(caching.Cache._index_key, "stable_closure", False):
         return True
     numba_key = caching.Cache._index_key
@@ -115,8 +119,11 @@ def stable_closure_keys() -> bool:
         closure = self._py_func.__closure__
         if closure is None or not (isinstance(key, tuple) and isinstance(key[-1], tuple) and len(key[-1]) == 2):
             return key
-        cells = tuple(cell.cell_contents for cell in closure)
-        return key[:-1] + ((key[-1][0], hashlib.sha256(stable_dumps(cells)).hexdigest()),)
+        try:
+            stable = hashlib.sha256(stable_dumps(tuple(cell.cell_contents for cell in closure))).hexdigest()
+        except Exception:  # noqa: BLE001 - whatever numba's pickle refuses: numba's own key
+            return key
+        return key[:-1] + ((key[-1][0], stable),)
 
     index_key.stable_closure = True
     caching.Cache._index_key = index_key
