@@ -32,7 +32,7 @@ from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.kv_cache import resolve_kv_dtype
 from moebus.workers.loop import serve
-from moebus.workers.graph_warmup import warm_graphs, warm_sizes
+from moebus.workers.graph_warmup import warm_graphs, warm_prompt_sizes, warm_prompt_steps, warm_sizes
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
 
 log = logging.getLogger("moebus.worker")
@@ -48,6 +48,10 @@ INFO_AT_RESERVE = os.environ.get("MOEBUS_INFO_AT_RESERVE", "kept")
 RESERVE_KEPT_S = 2.0
 SLOW_INFO_S = 0.003  # an INFO that held the next step this long is logged (the driver's free memory is a driver call)
 IDLE_LOGGED_S = (0.008, 1.0)  # a step that came this long after the last one ended is logged (the broker's time)
+# on cuda, after the decode graphs: an eager prompt step of each GEMV token count no graph ran, and one past
+# them (graph_warmup.warm_prompt_steps): a text stream's first 5-9-token step then loads or compiles nothing.
+# Off by default until a GPU call has run it (tools/device/gap16.sh's warm phase turns it on)
+WARM_PROMPT_STEPS = os.environ.get("MOEBUS_WARM_PROMPT_STEPS", "0") == "1"
 LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time and the wait before it (a gap's parts)
 # a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
 # prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
@@ -296,6 +300,7 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                       server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
     stage = load_stage(settings, model_dir, gpu, layers, device)
     warm_decode_graphs(stage, settings.max_batch, f"gpu{gpu}")
+    warm_prompt_path(stage, settings.max_batch, f"gpu{gpu}")
     trace = step_trace.from_env(gpu, ROUTED_MAX_TOKENS) if device == "cuda" else None  # before READY
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
@@ -323,6 +328,21 @@ def warm_decode_graphs(stage: Stage, max_batch: int, label: str) -> None:
     count = warm_graphs(stage, warm_sizes(max_batch), progress=lambda it: tqdm(it, desc=f"{label}: decode graphs",
                                                                               unit="batch size"))
     log.info("%s: %d decode graphs captured in %.1f s", label, count, time.perf_counter() - started)
+
+
+def warm_prompt_path(stage: Stage, max_batch: int, label: str) -> None:
+    """On cuda (MOEBUS_WARM_PROMPT_STEPS): the short prompt steps' kernel variants before READY
+    (graph_warmup.warm_prompt_steps), so that a text stream's first prompt step does not compile them."""
+    if not WARM_PROMPT_STEPS or stage.ops.name != "cuda":
+        return
+    from moebus.cuda.kernels.linear import MAX_TOKENS
+
+    started, kernels_at = time.perf_counter(), disk_cache_counts()
+    sizes = warm_prompt_sizes(max_batch, MAX_TOKENS)
+    ran = warm_prompt_steps(stage, sizes)
+    log.info("%s: %d prompt steps of %s tokens run in %.2f s (kernels: %d loaded, %d compiled)", label, ran,
+             ", ".join(map(str, sizes)), time.perf_counter() - started,
+             *(now - then for now, then in zip(disk_cache_counts(), kernels_at)))
 
 
 def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:

@@ -9,7 +9,10 @@
 # processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py): the start line should say "0 compiled" and a
 # fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
-#                  compiles the kernels into the disk cache; its slow steps show what a compile costs there
+#                  compiles the kernels into the disk cache; its slow steps show what a compile costs there. Its
+#                  worker runs the short prompt steps at start (MOEBUS_WARM_PROMPT_STEPS=1, off by default): call A's
+#                  warm cycle was cut before the text streams' 6-token step, whose variants the measure's first
+#                  run then compiled (3.6 s)
 #   PHASE=measure  gap15.sh's reading of RUNS: "default" with the logs above, then "step0" (the same with
 #                  MOEBUS_IMAGE_STEP_TOKENS=0: the image prompt in chunks of 510 + 246 tokens, not one of 756; the
 #                  fifteenth session's question, never run to the end) only where 34 s are left; RUNS="tag:VAR=v,..."
@@ -31,11 +34,12 @@ if [ "$PHASE" = warm ]; then
   echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
   left=$((BUDGET - SECONDS - 10))
   if [ $left -gt 20 ]; then  # compiles into the disk cache (no figure: other branches run beside)
-    env ${LOGS//,/ } SKIP_TESTS=1 TAG=warm BUDGETS=256 FIRST_CAP=$left BUDGET=$left bash tools/device/gap10.sh \
+    env ${LOGS//,/ } MOEBUS_WARM_PROMPT_STEPS=1 SKIP_TESTS=1 TAG=warm BUDGETS=256 FIRST_CAP=$left BUDGET=$left bash tools/device/gap10.sh \
       > $OUT/warm_cycle.txt 2>&1
     grep -E "^rc=" $OUT/warm_cycle.txt
     L=$OUT/cycle_budget256_warm.log
     echo "ERROR lines: $(grep -c ERROR $L), tracebacks: $(grep -c Traceback $L)"; grep -m1 -A8 Traceback $L | cut -c1-200
+    grep -hE "prompt steps of .* run in|decode graphs captured" $L | sed -E 's/^.*INFO //' | cut -c1-200
     first_use $L 24; gzip -f $L
   else echo "no warm cycle: ${left} s left"; fi
   exit 0
