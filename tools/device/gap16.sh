@@ -15,7 +15,8 @@
 #                  run then compiled (3.6 s)
 #   PHASE=measure  gap15.sh's reading of RUNS: "default" with the logs above, then "step0" (the same with
 #                  MOEBUS_IMAGE_STEP_TOKENS=0: the image prompt in chunks of 510 + 246 tokens, not one of 756; the
-#                  fifteenth session's question, never run to the end) only where 34 s are left; RUNS="tag:VAR=v,..."
+#                  fifteenth session's question; call A: 2.73x / 4.13x against the default's 2.82x / 5.34x), then
+#                  "prompt1" (MOEBUS_WARM_PROMPT_STEPS=1: its start line, its steps), each only where 34 s are left; RUNS="tag:VAR=v,..."
 #                  any list; each at most RUN_CAP s (80), then each run's worker starts with their kernel counts, its
 #                  steps over 300 ms with what they compiled and where they waited, its full collections,
 #                  and last gap15_gaps.py's short summary (the ratios, the largest gaps with what was in them).
@@ -44,7 +45,7 @@ if [ "$PHASE" = warm ]; then
   else echo "no warm cycle: ${left} s left"; fi
   exit 0
 fi
-RUNS=${RUNS:-default:$LOGS step0:$LOGS,MOEBUS_IMAGE_STEP_TOKENS=0}
+RUNS=${RUNS:-default:$LOGS step0:$LOGS,MOEBUS_IMAGE_STEP_TOKENS=0 prompt1:$LOGS,MOEBUS_WARM_PROMPT_STEPS=1}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-80} BUDGET=$((BUDGET - 12)) bash tools/device/gap15.sh
 echo "== gap16: the workers' starts, their steps over 300 ms, their full collections (at ${SECONDS} s)"
 for run in $RUNS; do
@@ -55,7 +56,7 @@ echo "== gap16 summary"
 for run in $RUNS; do
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || continue
-  zcat $L | grep -E "gpu0 kernels: " | sed -E 's/^.*INFO //' | cut -c1-200 | head -2
+  zcat $L | grep -E "gpu0 kernels: |prompt steps of .* run in" | sed -E 's/^.*INFO //' | cut -c1-200 | head -3
   first_use $L 400 | tail -1
   timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | cut -c1-330
 done
