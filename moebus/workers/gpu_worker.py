@@ -50,7 +50,7 @@ SLOW_INFO_S = 0.003  # an INFO that held the next step this long is logged (the 
 IDLE_LOGGED_S = (0.008, 1.0)  # a step that came this long after the last one ended is logged (the broker's time)
 # on cuda, after the decode graphs: an eager prompt step of each GEMV token count no graph ran, and one past
 # them (graph_warmup.warm_prompt_steps): a text stream's first 5-9-token step then loads or compiles nothing.
-# Off by default until a GPU call has run it (tools/device/gap16.sh's warm phase turns it on)
+# Off by default until a GPU call has run it (tools/device/gap16.sh's run prompt1 turns it on)
 WARM_PROMPT_STEPS = os.environ.get("MOEBUS_WARM_PROMPT_STEPS", "0") == "1"
 LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time and the wait before it (a gap's parts)
 # a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a

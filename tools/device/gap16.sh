@@ -9,10 +9,11 @@
 # processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py): the start line should say "0 compiled" and a
 # fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
-#                  compiles the kernels into the disk cache; its slow steps show what a compile costs there. Its
-#                  worker runs the short prompt steps at start (MOEBUS_WARM_PROMPT_STEPS=1, off by default): call A's
-#                  warm cycle was cut before the text streams' 6-token step, whose variants the measure's first
-#                  run then compiled (3.6 s)
+#                  compiles the kernels into the disk cache; its slow steps show what a compile costs there (call
+#                  A's was cut at 73 s, after the image's first step, before the text streams' 6-token step, whose
+#                  variants the measure's first run then compiled: 3.6 s, before the image. Not with the short prompt
+#                  steps at start, MOEBUS_WARM_PROMPT_STEPS=1: their ~15 s of compiles would push the image's step,
+#                  whose compile would land inside the measured cold start, past the cut)
 #   PHASE=measure  gap15.sh's reading of RUNS: "default" with the logs above, then "step0" (the same with
 #                  MOEBUS_IMAGE_STEP_TOKENS=0: the image prompt in chunks of 510 + 246 tokens, not one of 756; the
 #                  fifteenth session's question; call A: 2.73x / 4.13x against the default's 2.82x / 5.34x), then
@@ -35,7 +36,7 @@ if [ "$PHASE" = warm ]; then
   echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
   left=$((BUDGET - SECONDS - 10))
   if [ $left -gt 20 ]; then  # compiles into the disk cache (no figure: other branches run beside)
-    env ${LOGS//,/ } MOEBUS_WARM_PROMPT_STEPS=1 SKIP_TESTS=1 TAG=warm BUDGETS=256 FIRST_CAP=$left BUDGET=$left bash tools/device/gap10.sh \
+    env ${LOGS//,/ } SKIP_TESTS=1 TAG=warm BUDGETS=256 FIRST_CAP=$left BUDGET=$left bash tools/device/gap10.sh \
       > $OUT/warm_cycle.txt 2>&1
     grep -E "^rc=" $OUT/warm_cycle.txt
     L=$OUT/cycle_budget256_warm.log
