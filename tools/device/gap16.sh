@@ -5,7 +5,8 @@
 # disk, under --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget 256 MiB) with every step
 # logged (MOEBUS_LOG_STEPS=1), long collections (MOEBUS_LOG_GC_MS=2) and a step running over 0.5 s sampled:
 # its innermost frames, then the kernels loaded / compiled in it by name (MOEBUS_STEP_STACKS_S=0.5,
-# workers/step_watch.py), read by tools/device/gap16_first_use.py. The tree's kernel cache keys hold across
+# workers/step_watch.py), read by tools/device/gap16_first_use.py, and a message the worker's link took over 1 ms to
+# decode (MOEBUS_LOG_DECODE_MS=1: a chunk's step waited 3.5-4.9 ms before it in call A, carrying its feed again). The tree's kernel cache keys hold across
 # processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py): the start line should say "0 compiled" and a
 # fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
@@ -26,7 +27,7 @@ source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-106}
 export V=${V:-/tmp/gap-a3b-8x128-vision}
-LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2,MOEBUS_STEP_STACKS_S=0.5
+LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2,MOEBUS_STEP_STACKS_S=0.5,MOEBUS_LOG_DECODE_MS=1
 first_use() {  # log: its starts, slow steps and collections
   timeout 15 python3 tools/device/gap16_first_use.py $1 | cut -c1-300 | head -${2:-40}
 }
