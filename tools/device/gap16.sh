@@ -5,10 +5,10 @@
 # disk, under --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget 256 MiB) with every step
 # logged (MOEBUS_LOG_STEPS=1), long collections (MOEBUS_LOG_GC_MS=2) and a step running over 0.5 s sampled:
 # its innermost frames, then the kernels loaded / compiled in it by name (MOEBUS_STEP_STACKS_S=0.5,
-# workers/step_watch.py), read by tools/device/gap16_first_use.py, and a message the worker's link took over 1 ms to
-# decode (MOEBUS_LOG_DECODE_MS=1: a chunk's step waited 3.5-4.9 ms before it in call A, carrying its feed again). The tree's kernel cache keys hold across
-# processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py): the start line should say "0 compiled" and a
-# fresh worker's first prompt steps should no longer compile the decode attention kernel's variants.
+# workers/step_watch.py), read by tools/device/gap16_first_use.py, and each message the worker's link took over
+# 1 ms to decode (MOEBUS_LOG_DECODE_MS=1: in call A a chunk's step waited 3.5-4.9 ms before it, carrying its feed
+# again). The tree's kernel cache keys hold across processes now (MOEBUS_STABLE_KERNEL_KEYS=1, kernel_cache.py):
+# every start line should say "0 compiled" (call A: 43 loaded, 0 compiled).
 #   PHASE=warm     the model (gap12.sh's, its marker .gap12-ready) and one such cycle cut at BUDGET (120): it
 #                  compiles the kernels into the disk cache; its slow steps show what a compile costs there (call
 #                  A's was cut at 73 s, after the image's first step, before the text streams' 6-token step, whose
@@ -60,6 +60,8 @@ for run in $RUNS; do
   [ -f $L ] || continue
   zcat $L | grep -E "gpu0 kernels: |prompt steps of .* run in" | sed -E 's/^.*INFO //' | cut -c1-200 | head -3
   first_use $L 400 | tail -1
+  zcat $L | grep -oE "Step of [0-9.]+ MB decoded in [0-9.]+ ms" | awk '{n++; mb+=$3; ms+=$7; if ($7>mx) mx=$7}
+    END {if (n) printf "steps decoded over 1 ms: %d, mean %.2f MB in %.2f ms, the longest %.1f ms\n", n, mb/n, ms/n, mx}'
   timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | cut -c1-330
 done
 echo "== gap16 done at ${SECONDS} s"
