@@ -23,7 +23,7 @@ from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
 from moebus.cuda.memory.ledger import MIB
-from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace
+from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace, step_watch
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
 from moebus.workers.cache_sizing import (CUDA_HEADROOM_BYTES, DeviceBudget, budget_bytes, emulated_gpu,
                                          max_free_bytes, measure_scratch, reserve_for, stage_dense_bytes, widened,
@@ -32,7 +32,7 @@ from moebus.workers.experts import build_expert_cache
 from moebus.workers.link import BrokerLink
 from moebus.workers.kv_cache import resolve_kv_dtype
 from moebus.workers.loop import serve
-from moebus.workers.graph_warmup import warm_graphs, warm_sizes
+from moebus.workers.graph_warmup import warm_graphs, warm_prompt_sizes, warm_prompt_steps, warm_sizes
 from moebus.workers.stage import ROUTED_MAX_TOKENS, Stage
 
 log = logging.getLogger("moebus.worker")
@@ -48,6 +48,10 @@ INFO_AT_RESERVE = os.environ.get("MOEBUS_INFO_AT_RESERVE", "kept")
 RESERVE_KEPT_S = 2.0
 SLOW_INFO_S = 0.003  # an INFO that held the next step this long is logged (the driver's free memory is a driver call)
 IDLE_LOGGED_S = (0.008, 1.0)  # a step that came this long after the last one ended is logged (the broker's time)
+# on cuda, after the decode graphs: an eager prompt step of each GEMV token count no graph ran, and one past
+# them (graph_warmup.warm_prompt_steps): a text stream's first 5-9-token step then loads or compiles nothing.
+# Off by default until a GPU call has run it (tools/device/gap16.sh's run prompt1 turns it on)
+WARM_PROMPT_STEPS = os.environ.get("MOEBUS_WARM_PROMPT_STEPS", "0") == "1"
 LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time and the wait before it (a gap's parts)
 # a VRAM reserve's step scratch (the vision worker's): "measured" (long steps borrow from the cache, a
 # prompt-path loan that evicts experts the next steps miss) or "beside" (steps of up to the wide scratch's
@@ -57,8 +61,11 @@ RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
 
 
 class GpuWorker:
-    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True, trace=None):
-        """``trace``: a workers.step_trace.StepTrace (MOEBUS_TRACE_CHUNK_STEPS), or None."""
+    def __init__(self, stage: Stage, link: BrokerLink, gpu: int, launch_ahead: bool = True, trace=None,
+                 watch=None):
+        """``trace``: a workers.step_trace.StepTrace (MOEBUS_TRACE_CHUNK_STEPS), or None; ``watch``: a
+        workers.step_watch.StepWatch (MOEBUS_STEP_STACKS_S), or None."""
+        self.watch = watch
         self.stage = stage
         self.launch_ahead = launch_ahead
         self.link = link
@@ -98,6 +105,15 @@ class GpuWorker:
         raise ValueError(f"unexpected message {type(message).__name__}")
 
     def step(self, msg: Step) -> StepReply:
+        if self.watch is not None:  # MOEBUS_STEP_STACKS_S (workers/step_watch.py)
+            self.watch.begin(msg.step_id)
+            try:
+                return self.traced_step(msg)
+            finally:
+                self.watch.end()
+        return self.traced_step(msg)
+
+    def traced_step(self, msg: Step) -> StepReply:
         if self.trace is None:
             return self._step(msg)
         held = self.stage.chunk  # MOEBUS_TRACE_CHUNK_STEPS (workers/step_trace.py)
@@ -284,17 +300,22 @@ def run_worker(settings, model_dir: str, gpu: int, layers: range, connect: str, 
                       server_key=settings.broker.curve_public_key, keys=transport.client_keys(settings.broker))  # a bad address fails before loading
     stage = load_stage(settings, model_dir, gpu, layers, device)
     warm_decode_graphs(stage, settings.max_batch, f"gpu{gpu}")
+    warm_prompt_path(stage, settings.max_batch, f"gpu{gpu}")
     trace = step_trace.from_env(gpu, ROUTED_MAX_TOKENS) if device == "cuda" else None  # before READY
     link.start(Ready(gpu=gpu, generation=link.generation, layers=(layers.start, layers.stop), device=device,
                      expert_slots=stage.experts.num_slots, pid=os.getpid(), model=Path(model_dir).name,
                      max_batch=settings.max_batch, max_context=settings.max_context))
     log.info("gpu%d ready: layers [%d, %d) on %s, %s", gpu, layers.start, layers.stop, device,
              stage.experts.report())
-    log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled", gpu, *disk_cache_counts())
+    log.info("gpu%d kernels: %d loaded from the disk cache, %d compiled%s", gpu, *disk_cache_counts(),
+             step_watch.compiled_names())
     gc_pauses.watch(log, f"gpu{gpu}")  # MOEBUS_GC_FREEZE, MOEBUS_LOG_GC_MS: a step's pause no kernel explains
+    watch = step_watch.from_env(f"gpu{gpu}") if device == "cuda" else None  # MOEBUS_STEP_STACKS_S
     try:
-        return GpuWorker(stage, link, gpu, settings.launch_ahead, trace).serve()
+        return GpuWorker(stage, link, gpu, settings.launch_ahead, trace, watch).serve()
     finally:
+        if watch is not None:
+            watch.close()
         link.close()
 
 
@@ -307,6 +328,21 @@ def warm_decode_graphs(stage: Stage, max_batch: int, label: str) -> None:
     count = warm_graphs(stage, warm_sizes(max_batch), progress=lambda it: tqdm(it, desc=f"{label}: decode graphs",
                                                                               unit="batch size"))
     log.info("%s: %d decode graphs captured in %.1f s", label, count, time.perf_counter() - started)
+
+
+def warm_prompt_path(stage: Stage, max_batch: int, label: str) -> None:
+    """On cuda (MOEBUS_WARM_PROMPT_STEPS): the short prompt steps' kernel variants before READY
+    (graph_warmup.warm_prompt_steps), so that a text stream's first prompt step does not compile them."""
+    if not WARM_PROMPT_STEPS or stage.ops.name != "cuda":
+        return
+    from moebus.cuda.kernels.linear import MAX_TOKENS
+
+    started, kernels_at = time.perf_counter(), disk_cache_counts()
+    sizes = warm_prompt_sizes(max_batch, MAX_TOKENS)
+    ran = warm_prompt_steps(stage, sizes)
+    log.info("%s: %d prompt steps of %s tokens run in %.2f s (kernels: %d loaded, %d compiled)", label, ran,
+             ", ".join(map(str, sizes)), time.perf_counter() - started,
+             *(now - then for now, then in zip(disk_cache_counts(), kernels_at)))
 
 
 def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:

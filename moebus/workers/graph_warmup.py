@@ -2,7 +2,12 @@
 every batch size a worker will likely see, and its twin with a grammar mask, so that no step pays a
 capture (~0.2 s at 48 layers on an H200) or kernel compiles (seconds each on a cold kernel cache: the
 GEMV kernels are specialised by token count, up to 8) when a batch of a new size first runs. The
-graphs share one scratch pool (Stage.graph_pool): the memory of the largest step."""
+graphs share one scratch pool (Stage.graph_pool): the memory of the largest step.
+
+Then (``warm_prompt_steps``) one eager prompt step of each token count up to the GEMVs' pass (linear.MAX_TOKENS)
+that no decode graph covers, and one past it: a text stream's first prompt step of 5-9 tokens otherwise
+compiled (or loaded) its GEMV variants while every stream waited (H200, sixteenth session: a 6-token step took
+3.6 s in a fresh kernel cache, compiling linear_rows, expert_gate_up and expert_down for 6 tokens)."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +30,32 @@ def warm_graphs(stage: Stage, sizes, masked: bool = True, progress=iter) -> int:
             stage._graph_for(batch, stage._host_inputs(batch, hidden))
     stage.ops.begin_step()
     return stage.graph_captures - before
+
+
+def warm_prompt_sizes(max_batch: int, gemv_tokens: int) -> list[int]:
+    """The prompt steps' token counts to run at start: 1..gemv_tokens (a GEMV pass's tokens: each its own
+    kernel variants) but those the decode graphs of warm_sizes(max_batch) already ran, and gemv_tokens + 1
+    (a step of more than one pass)."""
+    graphs = set(warm_sizes(max_batch))
+    return [n for n in range(1, gemv_tokens + 1) if n not in graphs] + [gemv_tokens + 1]
+
+
+def warm_prompt_steps(stage: Stage, sizes) -> int:
+    """One eager prompt step of each of ``sizes`` tokens, a sequence at position 0 of slot 0 (no sequence
+    holds it yet), greedy. Returns how many ran (sizes beyond the context or the short steps' tokens: none)."""
+    ran = 0
+    for n in sizes:
+        if n > min(stage.max_context, ROUTED_MAX_TOKENS):
+            continue
+        last = stage.is_last
+        batch = StepBatch(slots=np.zeros(1), starts=np.zeros(1), lengths=np.full(1, n),
+                          tokens=np.zeros(n, np.int32) if stage.is_first else None,
+                          temperature=np.zeros(1, np.float32) if last else None)
+        hidden = None if stage.is_first else np.zeros((n, stage.cfg.hidden_size), np.float32)
+        stage.forward(batch, hidden)
+        ran += 1
+    stage.ops.begin_step()
+    return ran
 
 
 def warm_decode_batch(stage: Stage, n: int, masked: bool) -> StepBatch:

@@ -5,6 +5,7 @@ an inproc PAIR socket (out), so every ZeroMQ socket is used by one thread only."
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,9 @@ from moebus.common.protocol import Heartbeat, Message, Ready, Step, Vram, VramRe
 
 log = logging.getLogger("moebus.worker")
 MAX_INBOX = 64  # the broker sends one STEP at a time; more waiting means something is wrong
+# MOEBUS_LOG_DECODE_MS=N (default 0: off): a message whose decoding (on the link's thread) took over N ms is logged
+# with its size: a prompt chunk's step carries its image rows again each time (issue 20: 3.5-4.9 ms before each)
+LOG_DECODE_MS = float(os.environ.get("MOEBUS_LOG_DECODE_MS", "0") or 0)
 
 
 class Inbox(queue.Queue):
@@ -127,8 +131,12 @@ class BrokerLink:
                 return  # _io_loop connects a new socket and sends READY again
 
     def _deliver(self, sock, frames) -> None:
+        started = time.perf_counter()
         try:
             message = wire.decode([f.buffer for f in frames])
+            if LOG_DECODE_MS > 0 and (took_ms := 1e3 * (time.perf_counter() - started)) > LOG_DECODE_MS:
+                log.info("%s: %s of %.2f MB decoded in %.1f ms", self.identity.decode(), type(message).__name__,
+                         sum(f.buffer.nbytes for f in frames) / 1e6, took_ms)
         except wire.WireError as e:
             self.dropped_messages += 1  # nobody to answer: the broker sent garbage, keep serving
             log.error("dropped an invalid message from the broker: %s", e)

@@ -25,6 +25,7 @@ from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.workers import step_watch
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -246,7 +247,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
         log.info("vision worker footprint: %s%s", footprint.describe(model.device_bytes),
                  f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch reckoned (no warm-up)"
                  if measured and not warm else "")
-    log.info("vision worker kernels: %d loaded from the disk cache, %d compiled", *disk_cache_counts())
+    log.info("vision worker kernels: %d loaded from the disk cache, %d compiled%s", *disk_cache_counts(),
+             step_watch.compiled_names())
     try:
         return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
     finally:

@@ -43,3 +43,11 @@ def test_default_hand_back_per_device():
     # cpu: what the worker charges, rounded up to whole MiB, plus one; only on the vision GPU
     assert default_vram_mib("cpu", 2, 0, 15 * (1 << 20) + 1) == [17, 0]
     assert default_vram_mib("cpu", 2, 1, 3 * (1 << 20)) == [0, 4]
+
+
+def test_one_image_prompt_in_a_step_sends_its_rows_without_a_copy():
+    seq = _Seq([2, 3, 4, 5, 6])
+    out, rows = step_embeds([seq], [3], [3])  # tokens 3..5: image rows 1..3
+    assert np.shares_memory(out, seq.embeds) and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, seq.embeds[1:4])
+    assert rows.dtype == np.int32 and list(rows) == [0, 1, 2]

@@ -51,6 +51,7 @@ def _report(dispatchers, num_variants: int, nvvm_calls: int, role_dir: Path) -> 
     files = sorted(p.suffix for p in role_dir.rglob("*") if p.suffix in (".nbi", ".nbc"))
     return {"kernel_variants": num_variants, "compiled": sum(sum(k._cache_misses.values()) for k in dispatchers),
             "loaded": sum(sum(k._cache_hits.values()) for k in dispatchers), "disk_cache_counts": disk_cache_counts(),
+            "compiled_kernels": sorted({k.py_func.__name__ for k in dispatchers if sum(k._cache_misses.values())}),
             "nvvm_calls": nvvm_calls, "index_files": files.count(".nbi"), "data_files": files.count(".nbc"),
             "cache_dir": str(role_dir)}
 

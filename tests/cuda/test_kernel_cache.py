@@ -153,3 +153,71 @@ def test_the_zygote_fills_numbas_target_without_a_context_or_a_thread(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     before, after, driver_pid = run.stdout.split()
     assert (after, driver_pid) == (before, "None")
+
+
+def _closure_over_an_intrinsic():
+    """A device function made by a factory, which calls an intrinsic (as attention_decode's ask_l2 calls
+    pdl.prefetch_l2), in a kernel's closure: what numba's key pickles by value."""
+    from numba.cuda.extending import _Intrinsic
+
+    def codegen_of_nothing(typingctx, x):
+        return None
+
+    intrinsic = _Intrinsic("prefetch_like", codegen_of_nothing)
+
+    def make():
+        def ask(x):
+            return intrinsic(x)
+        return ask
+    return (make(),), intrinsic
+
+
+def test_a_closures_key_bytes_leave_out_the_intrinsics_per_process_uuid():
+    from numba.cuda.serialize import dumps
+
+    first, one = _closure_over_an_intrinsic()
+    second, other = _closure_over_an_intrinsic()  # another process's twin: the same, but its own uuid
+    assert one._uuid != other._uuid and dumps(first) != dumps(second)  # numba's own key: per process
+    assert kernel_cache.stable_dumps(first) == kernel_cache.stable_dumps(second)
+
+
+def test_stable_keys_replace_only_the_closures_hash(monkeypatch):
+    from numba.cuda.core import caching
+
+    monkeypatch.setattr(caching.Cache, "_index_key", caching.Cache._index_key)  # restored after the test
+    monkeypatch.setenv("MOEBUS_STABLE_KERNEL_KEYS", "0")
+    assert kernel_cache.stable_closure_keys() is False
+    monkeypatch.setenv("MOEBUS_STABLE_KERNEL_KEYS", "1")
+    assert kernel_cache.stable_closure_keys() is True and kernel_cache.stable_closure_keys() is True
+    codegen = type("Codegen", (), {"magic_tuple": lambda self: ("sm_90",)})()
+    cells, _ = _closure_over_an_intrinsic()
+    ask = cells[0]
+
+    def kernel(x):
+        return ask(x)
+    fake = type("FakeCache", (), {"_py_func": kernel})()
+    key = caching.Cache._index_key(fake, ("int32",), codegen)
+    twin_cells, _ = _closure_over_an_intrinsic()
+    twin_ask = twin_cells[0]
+
+    def twin(x):
+        return twin_ask(x)
+    assert caching.Cache._index_key(type("FakeCache", (), {"_py_func": twin})(), ("int32",), codegen) == key
+    assert key[0] == ("int32",) and key[1] == ("sm_90",)
+
+
+@pytest.mark.skipif(find_cuda_home() is None, reason="no CUDA toolkit with NVVM and libdevice")
+def test_a_kernel_closed_over_an_intrinsic_loads_in_a_second_process(tmp_path):
+    # attention_decode's decode kernel: ask_l2 (in its closure) calls pdl.prefetch_l2, an intrinsic whose
+    # pickle carries a per-process uuid; without stable keys every process compiled it again
+    def check(*flags):
+        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR")}
+        run = subprocess.run([sys.executable, "-m", "tests.cuda.cache_check", "--cache-dir", str(tmp_path),
+                              "--only", "attention_split_merge", *flags], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+    first = check()
+    assert first["kernel_variants"] == first["compiled"] > 0
+    second = check("--expect-loaded")
+    assert (second["loaded"], second["compiled"], second["nvvm_calls"]) == (first["kernel_variants"], 0, 0)

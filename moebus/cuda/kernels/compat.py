@@ -40,6 +40,10 @@ if not SIMULATOR and not _numba_config.CACHE_DIR:
     from moebus.cuda.kernels.kernel_cache import LOCAL_ROLE, role_cache_dir  # noqa: E402
 
     _numba_config.CACHE_DIR = str(role_cache_dir(None, LOCAL_ROLE))
+if not SIMULATOR:  # a kernel's disk-cache key the same in every process (kernel_cache.stable_closure_keys)
+    from moebus.cuda.kernels.kernel_cache import stable_closure_keys  # noqa: E402
+
+    stable_closure_keys()
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 MAX_BLOCK_THREADS = 1024

@@ -15,6 +15,14 @@ Layout: ``<kernel_cache_dir>/<fingerprint>/<role>``.
   compiling once per role on the very first start.
 
 No numba import here: the broker sets the variable for children that have not imported numba yet.
+
+**Keys that hold across processes** (``stable_closure_keys``, ``MOEBUS_STABLE_KERNEL_KEYS``, default 1): numba's
+key for a kernel built by a factory hashes the pickle of its closure's values. A value that is a device
+function defined inside the factory is pickled by value with the globals it calls, and a numba intrinsic
+among them (pdl.prefetch_l2, quant_words' conversions) pickles with a uuid made per process: such a kernel's
+key differed in every process, so every worker start compiled it again (attention_decode's decode kernel,
+whose ask_l2 calls prefetch_l2: the "1 compiled" of every start in the fifteenth session's calls). With the
+switch on, the closure is hashed with each intrinsic pickled as its name and definition instead.
 """
 from __future__ import annotations
 
@@ -87,3 +95,60 @@ def use_kernel_cache(kernel_cache_dir: str | None, role: str) -> Path:
     if config is not None:  # numba already read the environment: kernels defined from now on see it
         config.CACHE_DIR = str(path)
     return path
+
+
+def stable_closure_keys() -> bool:
+    """Make numba's disk-cache key of a kernel with a closure the same in every process (see the module's
+    doc): numba's Cache._index_key, once per process, with the closure's hash taken over a pickle where
+    each intrinsic is its name and definition. False where MOEBUS_STABLE_KERNEL_KEYS is off or this numba's
+    key is not the shape expected (then numba's own key stays)."""
+    if os.environ.get("MOEBUS_STABLE_KERNEL_KEYS", "1").strip().lower() not in _ON:
+        return False
+    try:
+        from numba.cuda.core import caching
+        from numba.cuda.extending import _Intrinsic  # noqa: F401 - what stable_dumps needs
+        from numba.cuda.serialize import NumbaPickler  # noqa: F401
+    except ImportError:  # another numba-cuda: its own keys
+        return False
+    if getattr(caching.Cache._index_key, "stable_closure", False):
+        return True
+    numba_key = caching.Cache._index_key
+
+    def index_key(self, sig, codegen):
+        key = numba_key(self, sig, codegen)
+        closure = self._py_func.__closure__
+        if closure is None or not (isinstance(key, tuple) and isinstance(key[-1], tuple) and len(key[-1]) == 2):
+            return key
+        try:
+            stable = hashlib.sha256(stable_dumps(tuple(cell.cell_contents for cell in closure))).hexdigest()
+        except Exception:  # noqa: BLE001 - whatever numba's pickle refuses: numba's own key
+            return key
+        return key[:-1] + ((key[-1][0], stable),)
+
+    index_key.stable_closure = True
+    caching.Cache._index_key = index_key
+    return True
+
+
+def stable_dumps(value) -> bytes:
+    """numba's pickle of ``value`` (serialize.dumps) with each intrinsic reduced to its name and definition
+    (not its per-process uuid)."""
+    import io
+
+    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.serialize import NumbaPickler
+
+    class StablePickler(NumbaPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, _Intrinsic):
+                return intrinsic_named, (obj._name, obj._defn)
+            return super().reducer_override(obj)
+
+    with io.BytesIO() as buffer:
+        StablePickler(buffer, protocol=4).dump(value)
+        return buffer.getvalue()
+
+
+def intrinsic_named(name: str, defn):
+    """What stable_dumps reduces an intrinsic to (a key's bytes only: never unpickled)."""
+    raise RuntimeError(f"intrinsic {name}: a kernel cache key, not an object to rebuild")
