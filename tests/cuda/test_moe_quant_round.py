@@ -100,7 +100,7 @@ def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hid
     monkeypatch.setattr(moe_quant_round, "INT4_UNROLLED", unrolled)
     monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
     monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
-    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)  # the wait moves (a no-op here)
+    monkeypatch.setattr(moe_quant_round, "_down_early", True)  # the wait moves (a no-op here)
     layout = ExpertLayout("int4", hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)

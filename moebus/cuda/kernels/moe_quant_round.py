@@ -66,15 +66,34 @@ INT4_DOWN_MIN_BLOCKS = 0
 INT4_UNROLLED = False
 # The down GEMV's pair tables and words read before its PDL wait, h after it: only where pdl.released_early()
 # (the routing, two kernels back, is then complete, as for moe_ffn.PREFETCH_DOWN_BEFORE_WAIT) and only
-# while every expert is resident (an arena slot is then never rewritten within a step; with an evicting
-# cache whether an upload may rewrite a slot between the routing and the down GEMV is not established):
-# the down matrices' bytes then come from HBM while gate|up ends. Off: an experiment for all-resident
-# benches; the kernels cannot tell whether the cache evicts. Measured (H200, 24 x 32, with the
-# projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0 (down 11.9 -> 9.4 us, CUPTI).
+# while every expert of the stage is resident and none lent (an arena slot is then never rewritten within a
+# step; with an evicting cache whether an upload may rewrite a slot between the routing and the down GEMV
+# is not established): the down matrices' bytes then come from HBM while gate|up ends. The decode step
+# decides (choose_down_early, from Stage._run) and a captured graph keeps the choice: Stage._graph_for
+# recaptures where down_early_for changes (a shrink on a VRAM reserve, a loan, the cache filling up).
+# Measured (H200, 24 x 32, with the projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0
+# (down 11.9 -> 9.4 us, CUPTI).
 DOWN_LOAD_BEFORE_WAIT = False
+_down_early = False  # the step being launched's choice (choose_down_early)
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
+
+
+def down_early_for(experts) -> bool:
+    """Whether a decode step over ``experts`` (the stage's expert cache) may read the down GEMV's words before
+    its PDL wait: DOWN_LOAD_BEFORE_WAIT, quantized experts, every expert resident and no loan (no upload
+    then rewrites a slot)."""
+    store = getattr(experts, "store", None)
+    return (DOWN_LOAD_BEFORE_WAIT and getattr(store, "layout", None) is not None and experts.not_resident == 0
+            and getattr(experts, "loaned_from", None) is None)
+
+
+def choose_down_early(experts) -> bool:
+    """down_early_for(experts), kept for the kernels the step chooses next (``kernels``); returned."""
+    global _down_early
+    _down_early = down_early_for(experts)
+    return _down_early
 
 
 def fits(cols: int, rows: int, mats: int = 1, fmt: str = "fp8") -> bool:
@@ -314,7 +333,7 @@ def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: boo
     """(gate|up kernel, down kernel) at the constants above; ``hardware``: whether the GPU converts e4m3
     by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it)."""
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
-    early = DOWN_LOAD_BEFORE_WAIT and released_early()
+    early = _down_early and released_early()
     unrolled = INT4_UNROLLED and fmt == "int4"
     return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt,
                              unrolled=unrolled),
