@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 16, sixteenth session (branch quant16), in the lead's shared call (lead12_call.sh, S=16):
 # PHASE=warm (side by side with the other branches, nothing timed, BUDGET ~120 s): a 1-layer a3b model (32 experts,
-# /tmp/quant16-m1) first, then together: the GPU tests of the quantized GEMVs (test_moe_quant_round.py,
-# test_linear_quant_fp8.py, test_moe_quant.py, test_linear_quant.py) and three quant16_bench.py QUICK=1 runs on
+# /tmp/quant16-m1) first, then together: the GPU tests of the quantized GEMVs (test_moe_quant_resident.py: the
+# down GEMV's early loads by residency; test_moe_quant_round.py with INT4_UNROLLED; test_linear_quant_fp8.py,
+# test_moe_quant.py, test_linear_quant.py) and three quant16_bench.py QUICK=1 runs on
 # the 1-layer model (bf16 / fp8 / int4 parts of the plan and of the 25%-MiB runs, a kernel cache each, merged into
 # /tmp/quant16-nc by quant9_cache_merge.py) that compile every kernel variant the measure phase runs.
 # PHASE=measure (alone, BUDGET ~116 s): quant16_bench.py on $M48 (48 x 32, quantized at load: no model of ours on
@@ -19,8 +20,8 @@ if [ "$PHASE" = warm ]; then
     > $OUT/init1.log 2>&1 && touch $W.ok; }
   echo "init 1 layer rc=$? at $(at)"
   ( NUMBA_CACHE_DIR=/tmp/quant16-numba-tests MOEBUS_TEST_GPU=1 timeout $(( $(left) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider -rf tests/cuda/test_moe_quant_round.py tests/cuda/test_linear_quant_fp8.py \
-    tests/cuda/test_moe_quant.py tests/cuda/test_linear_quant.py > $OUT/gpu_tests.txt 2>&1
+    -p no:cacheprovider -rf tests/cuda/test_moe_quant_resident.py tests/cuda/test_moe_quant_round.py \
+    tests/cuda/test_linear_quant_fp8.py tests/cuda/test_moe_quant.py tests/cuda/test_linear_quant.py > $OUT/gpu_tests.txt 2>&1
     echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
   pids=; n=0
   for part in bf16:bf16 fp8:fp8 int4:fp8; do  # side by side, a kernel cache each (quant9_cache_merge.py)
