@@ -114,19 +114,20 @@ def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hid
 
 @pytest.mark.parametrize("gate_rows, down_rows", [(1, 8), (2, 16)])
 def test_int4_unrolled_gives_the_rolled_loops_bits(rng, monkeypatch, gate_rows, down_rows):
-    # INT4_UNROLLED adds the words in the loop's order: the same floats, bit for bit (A3B's words a lane:
-    # 2048 / 32 codes = 64 words; 1 row a warp 2 a lane, 2 rows 4; down 768: 24 words, 16 rows 12 a lane)
+    # INT4_UNROLLED adds the words in the loop's order: the same floats, bit for bit (32 codes a word: gate|up
+    # rows of 1024 are 32 words, 1 / 2 a lane at 1 / 2 rows a warp; down rows of 192 are 6 words, 2 a lane at 8
+    # rows (the last clamped), 3 at 16)
     monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
     monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
     monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
-    layout = ExpertLayout("int4", 2048, 768)
-    x = rng.standard_normal((1, 2048), dtype=np.float32)
+    layout = ExpertLayout("int4", 1024, 192)
+    x = rng.standard_normal((1, 1024), dtype=np.float32)
     arena = device(_arena(rng, layout, 2))
     pairs = [(0, 1, 0), (0, 0, 1)]
     results = []
     for unrolled in (False, True):
         monkeypatch.setattr(moe_quant_round, "INT4_UNROLLED", unrolled)
-        out = poisoned((2, 2048))
+        out = poisoned((2, 1024))
         _run(x, pairs, arena, layout, out)
         results.append(out.copy_to_host())
     np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
