@@ -246,7 +246,7 @@ class Stage:
                 return None
         graph = self.graphs.get(key)
         down_early = moe_quant_round.down_early_for(self.experts)  # captured with the graph: recapture on a change
-        if graph is not None and graph.matches(inputs) and self.graph_down_early.get(key) == down_early:
+        if graph is not None and graph.matches(inputs) and self.graph_down_early.get(key, False) == down_early:
             return graph
         from moebus.cuda.backends.graphs import CapturedStep, shared_pool
 
