@@ -277,7 +277,7 @@ class Stage:
     def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
         """The step on the device: kernels only when ``routed`` (so it can be captured)."""
         ops = self.ops
-        moe_quant_round.choose_down_early(self.experts)  # the down GEMV's early loads only where all resident
+        moe_quant_round.choose_down_early(self.experts if routed else None)  # early down loads: all resident only
         token_slot, token_pos = inputs["token_slot"], inputs["token_pos"]
         if self.is_first:
             x = ops.embedding(self.embed, inputs["tokens"])

@@ -41,6 +41,7 @@ def test_down_early_needs_the_switch_quantized_experts_every_expert_resident_and
     assert not moe_quant_round.down_early_for(cache(layout=None))  # bf16 experts: moe_ffn.py's kernels
     assert not moe_quant_round.down_early_for(cache(not_resident=3))  # a partial cache: uploads may rewrite slots
     assert not moe_quant_round.down_early_for(cache(loaned_from=6))  # slots lent to a prefill
+    assert not moe_quant_round.down_early_for(None)  # not a routed decode step (Stage._run of a prefill)
     assert moe_quant_round.choose_down_early(cache()) and moe_quant_round._down_early
     assert not moe_quant_round.choose_down_early(cache(not_resident=1)) and not moe_quant_round._down_early
 

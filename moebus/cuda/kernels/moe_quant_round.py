@@ -72,8 +72,9 @@ INT4_UNROLLED = False
 # decides (choose_down_early, from Stage._run) and a captured graph keeps the choice: Stage._graph_for
 # recaptures where down_early_for changes (a shrink on a VRAM reserve, a loan, the cache filling up).
 # Measured (H200, 24 x 32, with the projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0
-# (down 11.9 -> 9.4 us, CUPTI).
-DOWN_LOAD_BEFORE_WAIT = False
+# (down 11.9 -> 9.4 us, CUPTI); 48 x 32 all resident b1 (quant16.sh, call A): fp8 379.9 -> 391.2 tok/s, int4
+# 363.7 -> 376.3, the greedy ids and log p equal to the step without them.
+DOWN_LOAD_BEFORE_WAIT = True
 _down_early = False  # the step being launched's choice (choose_down_early)
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
@@ -81,9 +82,9 @@ STREAM_WEIGHTS = True
 
 
 def down_early_for(experts) -> bool:
-    """Whether a decode step over ``experts`` (the stage's expert cache) may read the down GEMV's words before
-    its PDL wait: DOWN_LOAD_BEFORE_WAIT, quantized experts, every expert resident and no loan (no upload
-    then rewrites a slot)."""
+    """Whether a decode step over ``experts`` (the stage's expert cache; None: not a routed decode step) may
+    read the down GEMV's words before its PDL wait: DOWN_LOAD_BEFORE_WAIT, quantized experts, every expert
+    resident and no loan (no upload then rewrites a slot)."""
     store = getattr(experts, "store", None)
     return (DOWN_LOAD_BEFORE_WAIT and getattr(store, "layout", None) is not None and experts.not_resident == 0
             and getattr(experts, "loaned_from", None) is None)
