@@ -7,14 +7,15 @@
 # the 1-layer model (bf16 / fp8 / int4 parts of the plan and of the 25%-MiB runs, a kernel cache each, merged into
 # /tmp/quant16-nc by quant9_cache_merge.py) that compile every kernel variant the measure phase runs.
 # PHASE=measure (alone, BUDGET ~116 s): quant16_bench.py on $M48 (48 x 32, quantized at load: no model of ours on
-# disk) over tools/device/quant16_plan.json: per (experts, attention) one load, per setting decode all resident at
+# disk) over tools/device/quant16_plan_b.json (call B: bf16, fp8 without and with the early down loads, int4;
+# call A ran PLAN=quant16_plan.json: + int4 unrolled): per (experts, attention) one load, per setting decode all resident at
 # batch 1, CUPTI us a kernel ($OUT/table.txt), the greedy ids and log p; then while time is left bench decode at a
 # cache of bf16's 25% MiB (bf16, fp8, int4; batch 1 and 8) in the same process; the summary last.
 source tools/device/setup.sh
 source tools/device/steps.sh
 set -o pipefail
 PHASE=${PHASE:-measure}; BUDGET=${BUDGET:-116}; OUT=${OUT:-/tmp/quant16-out}; mkdir -p $OUT; T0=$(date +%s)
-W=${W:-/tmp/quant16-m1}; PLAN=tools/device/${PLAN:-quant16_plan.json}; NC=/tmp/quant16-nc  # the merged kernel cache
+W=${W:-/tmp/quant16-m1}; PLAN=tools/device/${PLAN:-quant16_plan_b.json}; NC=/tmp/quant16-nc  # the merged kernel cache
 if [ "$PHASE" = warm ]; then
   [ -e $W.ok ] || { timeout 40 python3 -m moebus.cli init-model $W --preset a3b --layers 1 --experts 32 \
     > $OUT/init1.log 2>&1 && touch $W.ok; }
@@ -41,7 +42,7 @@ if [ "$PHASE" = warm ]; then
 fi
 MODEL=${MODEL:-$M48}
 echo "model $MODEL ($(ls $MODEL 2>/dev/null | wc -l) files), budget $BUDGET s"
-CACHE_BY=$(( T0 + BUDGET - ${CACHE_S:-24} )) NUMBA_CACHE_DIR=$NC SHOW=4 \
+CACHE_BY=$(( T0 + BUDGET - ${CACHE_S:-18} )) NUMBA_CACHE_DIR=$NC SHOW=4 \
   step sweep 60 $(( BUDGET - 3 )) python3 tools/device/quant16_bench.py $MODEL $PLAN ${STEPS:-4}
 python3 tools/device/quant9_sweep.py --table $OUT/sweep.txt > $OUT/table.txt 2>&1
 echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
