@@ -62,7 +62,9 @@ INT4_DOWN_ROWS = 8
 INT4_DOWN_MIN_BLOCKS = 0
 # int4's word loop and matrices unrolled by hand (unrolled_dot): sm_90 (tools/device/quant16_sass.py) gate|up 2 rows
 # 168 registers and no local memory (rolled: 52 + 64 local loads/stores), 4 rows still local (255 + 184); down 16
-# rows 96 registers, no local memory (rolled: 40 + 70); 1 row and down 8 rows as rolled (72 registers each)
+# rows 96 registers, no local memory (rolled: 40 + 70); 1 row and down 8 rows as rolled (72 registers each).
+# Off: slower on an H200 (48 x 32, b1, quant16.sh call A): 1 row / down 8 rolled 363.7 tok/s, unrolled gate|up
+# 2 rows 352.3, with down 16 rows 338.9 (the 168 registers leave 3 blocks an SM)
 INT4_UNROLLED = False
 # The down GEMV's pair tables and words read before its PDL wait, h after it: only where pdl.released_early()
 # (the routing, two kernels back, is then complete, as for moe_ffn.PREFETCH_DOWN_BEFORE_WAIT) and only
