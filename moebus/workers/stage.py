@@ -21,8 +21,8 @@ import numpy as np
 
 from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
-from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels import moe_quant_round
+from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
@@ -245,8 +245,8 @@ class Stage:
             if self.mixed_shapes[key] < 2 and key not in self.graphs:
                 return None
         graph = self.graphs.get(key)
-        down_early = moe_quant_round.down_early_for(self.experts)  # captured with the graph: recapture on a change
-        if graph is not None and graph.matches(inputs) and self.graph_down_early.get(key, False) == down_early:
+        down_early = moe_quant_round.down_early_for(self.experts)  # a graph with early down loads: all resident only
+        if graph is not None and graph.matches(inputs) and (down_early or not self.graph_down_early.get(key, False)):
             return graph
         from moebus.cuda.backends.graphs import CapturedStep, shared_pool
 

@@ -74,9 +74,11 @@ def test_the_decode_step_loads_down_early_only_when_all_resident_and_gives_the_s
     np.testing.assert_array_equal(np.asarray(runs[0].logprobs, np.float32), np.asarray(plain.logprobs, np.float32))
 
 
-def test_a_captured_step_is_recaptured_when_the_choice_changes(micro_fp8_model, monkeypatch):  # noqa: F811
-    # Stage._graph_for with a stand-in for CapturedStep (the simulator has no graphs): the choice is kept
-    # per graph, and a change of residency (here: the switch) makes the next lookup capture again
+def test_a_step_captured_with_early_loads_is_recaptured_when_they_are_no_longer_allowed(micro_fp8_model,  # noqa: F811
+                                                                                        monkeypatch):
+    # Stage._graph_for with a stand-in for CapturedStep (the simulator has no graphs): the choice is kept per
+    # graph; a graph without the early loads stays when they become allowed (safe; no capture beside a step
+    # launched ahead), one with them is captured again when they are not (a partial cache, here: the switch)
     from moebus.cuda.backends import graphs
 
     class Captured:
@@ -100,7 +102,15 @@ def test_a_captured_step_is_recaptured_when_the_choice_changes(micro_fp8_model, 
     monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", False)
     first = stage._graph_for(batch, inputs)
     assert stage._graph_for(batch, inputs) is first and stage.graph_captures == 1
-    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)  # every expert is resident: now early
+    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)  # allowed now: the graph without them stays
+    assert stage._graph_for(batch, inputs) is first and stage.graph_captures == 1
+    stage.graphs.clear()  # (a new shape, a recapture for another reason): captured with them
     second = stage._graph_for(batch, inputs)
-    assert second is not first and first.closed and stage.graph_captures == 2
-    assert stage._graph_for(batch, inputs) is second and list(stage.graph_down_early.values()) == [True]
+    assert second is not first and list(stage.graph_down_early.values()) == [True]
+    assert stage._graph_for(batch, inputs) is second and stage.graph_captures == 2
+    from moebus.workers.expert_cache import ExpertCache
+
+    monkeypatch.setattr(ExpertCache, "not_resident", property(lambda self: 2))  # a shrink or a loan: not allowed
+    third = stage._graph_for(batch, inputs)
+    assert third is not second and second.closed and stage.graph_captures == 3
+    assert list(stage.graph_down_early.values()) == [False] and stage._graph_for(batch, inputs) is third

@@ -72,7 +72,9 @@ INT4_UNROLLED = False
 # step; with an evicting cache whether an upload may rewrite a slot between the routing and the down GEMV
 # is not established): the down matrices' bytes then come from HBM while gate|up ends. The decode step
 # decides (choose_down_early, from Stage._run) and a captured graph keeps the choice: Stage._graph_for
-# recaptures where down_early_for changes (a shrink on a VRAM reserve, a loan, the cache filling up).
+# recaptures a graph captured with them where down_early_for turns false (a shrink on a VRAM reserve, a loan:
+# between steps); one captured without them stays (safe, and no capture beside a step launched ahead) until
+# something else recaptures it (a cache that fills up after its first steps runs without them till then).
 # Measured (H200, 24 x 32, with the projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0
 # (down 11.9 -> 9.4 us, CUPTI); 48 x 32 all resident b1 (quant16.sh, call A): fp8 379.9 -> 391.2 tok/s, int4
 # 363.7 -> 376.3, the greedy ids and log p equal to the step without them.
