@@ -1,10 +1,11 @@
 """The down GEMV's early loads (moe_quant_round.DOWN_LOAD_BEFORE_WAIT) follow the expert cache's residency: the
 decode step chooses them (Stage._run, choose_down_early) only where every expert is resident and none is lent,
-a captured graph keeps its choice (Stage._graph_for recaptures where down_early_for changes), and the tokens
-and log p are those of the step without them, bit for bit."""
+a captured graph keeps its choice (Stage._graph_for recaptures a graph captured with them once they are no
+longer allowed), and the tokens and log p are those of the step without them, bit for bit."""
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from moebus.cuda.kernels import moe_quant_round
 from moebus.workers.batch import StepBatch
@@ -114,3 +115,32 @@ def test_a_step_captured_with_early_loads_is_recaptured_when_they_are_no_longer_
     third = stage._graph_for(batch, inputs)
     assert third is not second and second.closed and stage.graph_captures == 3
     assert list(stage.graph_down_early.values()) == [False] and stage._graph_for(batch, inputs) is third
+
+
+def test_captured_steps_with_and_without_the_early_loads_give_the_eager_steps_bits(micro_fp8_model,  # noqa: F811
+                                                                                    monkeypatch):
+    # on a GPU: CUDA graphs (PDL released early where the driver has it); a graph captured with the early down
+    # loads, then a cache that no longer holds every expert (told by not_resident): captured again without them;
+    # the tokens and log p of both equal the eager steps' (graphs off)
+    from moebus.cuda.backends.graphs import graphs_available
+    from moebus.workers.expert_cache import ExpertCache
+
+    if not graphs_available():
+        pytest.skip("CUDA graphs need a GPU")
+    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)
+    chosen = _down_choices(monkeypatch)
+    runs = {}
+    for graphs in (True, False):
+        model = LocalModel(micro_fp8_model, device="cuda", max_context=32, experts_dtype="fp8", attention_dtype="fp8")
+        stage = model.stages[0]
+        stage.use_graphs = stage.use_graphs and graphs
+        first = model.generate(PROMPT, 4)
+        with monkeypatch.context() as patch:
+            patch.setattr(ExpertCache, "not_resident", property(lambda self: 1))
+            second = model.generate(PROMPT, 4)
+        runs[graphs] = (first, second, stage.graph_captures, list(stage.graph_down_early.values()))
+    (first, second, captures, early), (want_first, want_second, _, _) = runs[True], runs[False]
+    assert captures == 2 and early == [False] and True in chosen
+    for got, want in ((first, want_first), (second, want_second)):
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(np.asarray(got.logprobs, np.float32), np.asarray(want.logprobs, np.float32))
