@@ -117,28 +117,27 @@ def test_a_step_captured_with_early_loads_is_recaptured_when_they_are_no_longer_
     assert list(stage.graph_down_early.values()) == [False] and stage._graph_for(batch, inputs) is third
 
 
-def test_captured_steps_with_and_without_the_early_loads_give_the_eager_steps_bits(micro_fp8_model,  # noqa: F811
-                                                                                    monkeypatch):
+def test_captured_steps_with_the_early_loads_give_the_bits_of_those_without(micro_fp8_model,  # noqa: F811
+                                                                            monkeypatch):
     # on a GPU: CUDA graphs (PDL released early where the driver has it); a graph captured with the early down
     # loads, then a cache that no longer holds every expert (told by not_resident): captured again without them;
-    # the tokens and log p of both equal the eager steps' (graphs off)
+    # the tokens and log p of both equal those of graphs captured with the switch off
     from moebus.cuda.backends.graphs import graphs_available
     from moebus.workers.expert_cache import ExpertCache
 
     if not graphs_available():
         pytest.skip("CUDA graphs need a GPU")
-    monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", True)
     chosen = _down_choices(monkeypatch)
     runs = {}
-    for graphs in (True, False):
+    for switch in (True, False):
+        monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", switch)
         model = LocalModel(micro_fp8_model, device="cuda", max_context=32, experts_dtype="fp8", attention_dtype="fp8")
         stage = model.stages[0]
-        stage.use_graphs = stage.use_graphs and graphs
         first = model.generate(PROMPT, 4)
         with monkeypatch.context() as patch:
             patch.setattr(ExpertCache, "not_resident", property(lambda self: 1))
             second = model.generate(PROMPT, 4)
-        runs[graphs] = (first, second, stage.graph_captures, list(stage.graph_down_early.values()))
+        runs[switch] = (first, second, stage.graph_captures, list(stage.graph_down_early.values()))
     (first, second, captures, early), (want_first, want_second, _, _) = runs[True], runs[False]
     assert captures == 2 and early == [False] and True in chosen
     for got, want in ((first, want_first), (second, want_second)):
