@@ -132,14 +132,16 @@ def test_captured_steps_with_the_early_loads_give_the_bits_of_those_without(micr
     for switch in (True, False):
         monkeypatch.setattr(moe_quant_round, "DOWN_LOAD_BEFORE_WAIT", switch)
         model = LocalModel(micro_fp8_model, device="cuda", max_context=32, experts_dtype="fp8", attention_dtype="fp8")
-        stage = model.stages[0]
+        stage, key = model.stages[0], (1, False)  # the decode step's graph (batch 1, no mask)
         first = model.generate(PROMPT, 4)
+        graph, early = stage.graphs.get(key), stage.graph_down_early.get(key)
         with monkeypatch.context() as patch:
             patch.setattr(ExpertCache, "not_resident", property(lambda self: 1))
             second = model.generate(PROMPT, 4)
-        runs[switch] = (first, second, stage.graph_captures, list(stage.graph_down_early.values()))
-    (first, second, captures, early), (want_first, want_second, _, _) = runs[True], runs[False]
-    assert captures == 2 and early == [False] and True in chosen
+        runs[switch] = (first, second, (graph is not None, early, stage.graphs.get(key) is not graph,
+                                        stage.graph_down_early.get(key)))
+    (first, second, graphs), (want_first, want_second, _) = runs[True], runs[False]
+    assert graphs == (True, True, True, False) and True in chosen  # captured with them, then again without
     for got, want in ((first, want_first), (second, want_second)):
         assert got.tokens == want.tokens
         np.testing.assert_array_equal(np.asarray(got.logprobs, np.float32), np.asarray(want.logprobs, np.float32))
