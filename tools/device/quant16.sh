@@ -10,7 +10,7 @@
 # disk) over tools/device/quant16_plan_b.json (call B: bf16, fp8 without and with the early down loads, int4;
 # call A ran PLAN=quant16_plan.json: + int4 unrolled): per (experts, attention) one load, per setting decode all resident at
 # batch 1, CUPTI us a kernel ($OUT/table.txt), the greedy ids and log p; then while time is left bench decode at a
-# cache of bf16's 25% MiB (bf16, fp8, int4; batch 1 and 8) in the same process; the summary last.
+# cache of bf16's 25% MiB (fp8, int4, then bf16; batch 1 and 8) in the same process; the summary last.
 source tools/device/setup.sh
 source tools/device/steps.sh
 set -o pipefail
@@ -42,7 +42,7 @@ if [ "$PHASE" = warm ]; then
 fi
 MODEL=${MODEL:-$M48}
 echo "model $MODEL ($(ls $MODEL 2>/dev/null | wc -l) files), budget $BUDGET s"
-CACHE_BY=$(( T0 + BUDGET - ${CACHE_S:-18} )) NUMBA_CACHE_DIR=$NC SHOW=4 \
+CACHE_BY=$(( T0 + BUDGET - ${CACHE_S:-14} )) NUMBA_CACHE_DIR=$NC SHOW=4 \
   step sweep 60 $(( BUDGET - 3 )) python3 tools/device/quant16_bench.py $MODEL $PLAN ${STEPS:-4}
 python3 tools/device/quant9_sweep.py --table $OUT/sweep.txt > $OUT/table.txt 2>&1
 echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200

@@ -5,7 +5,8 @@ bf16, fp8 (+ fp8 attention) and int4 (+ fp8 attention) in the same process: each
 sweep's (quant7_speed._keep_stores), so a cache run costs its upload and graphs only.
 
     quant16_bench.py MODEL PLAN.json [PROFILE_STEPS]   (quant9_sweep.py's arguments; QUICK=1: a warm-up)
-        CACHE_BY=EPOCH_S: start a 25%-MiB run only before then (unset: none); CACHE_DTYPES (bf16,fp8,int4)
+        CACHE_BY=EPOCH_S: start a 25%-MiB run only before then (unset: none); CACHE_DTYPES (fp8,int4,bf16: the
+        quantized first; without bf16's run the ratio is against the fifteenth session's call B, BF16_QUARTER)
     quant16_bench.py --summary LOG                     (quant15_bench's summary, then the 25%-MiB rows)"""
 import contextlib
 import io
@@ -18,6 +19,8 @@ import quant9_sweep
 import quant15_bench
 
 ATTENTION = {"bf16": "bf16", "fp8": "fp8", "int4": "fp8"}  # the sweep's attention dtype for each experts dtype
+# bf16 at a 25% cache, 48 x 32, tok/s by batch (fifteenth session, call B: bench decode --cache-frac 0.25)
+BF16_QUARTER = {1: 42.5, 8: 317.5}
 
 
 def quarter_cache(model: str, deadline_s: float) -> None:
@@ -27,7 +30,7 @@ def quarter_cache(model: str, deadline_s: float) -> None:
 
     quarter_mib = experts_mib(model, "bf16") / 4
     tokens = "4" if quant9_sweep.QUICK else os.environ.get("CACHE_TOKENS", "16")
-    for dtype in os.environ.get("CACHE_DTYPES", "bf16,fp8,int4").split(","):
+    for dtype in os.environ.get("CACHE_DTYPES", "fp8,int4,bf16").split(","):
         if time.time() > deadline_s:
             quant9_sweep.emit({"section": "cache_skipped", "experts": dtype, "why": "no time left"})
             continue
@@ -65,7 +68,9 @@ def summary(path: str) -> None:
     if not cache:
         return
     base = {r["batch"]: r["tok_s"] for r in cache if r["experts"] == "bf16"}
-    print("== a cache of bf16's 25% MiB (bench decode in process; x bf16 of the same call)")
+    against = "bf16 of the same call" if base else "bf16 of the fifteenth session's call B (42.5 / 317.5 tok/s)"
+    base = base or BF16_QUARTER
+    print(f"== a cache of bf16's 25% MiB (bench decode in process; x {against})")
     for r in cache:
         ratio = r["tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         print(f"{r['experts']}:{r['attention']} b{r['batch']} {r['tok_s']:7.1f} tok/s {ratio:5.2f}x "
