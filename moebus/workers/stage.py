@@ -21,6 +21,7 @@ import numpy as np
 
 from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.cuda.kernels import moe_quant_round
 from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
@@ -74,6 +75,7 @@ class Stage:
             use_graphs = os.environ.get("MOEBUS_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(use_graphs) and backend.name == "cuda" and graphs_available()
         self.graphs: dict = {}  # (batch size, masked) -> CapturedStep
+        self.graph_down_early: dict = {}  # ... -> moe_quant_round.down_early_for at its capture
         self.graph_pool = None  # their shared scratch (graphs.shared_pool), made with the first
         # a routed step with a prompt's chunk: its rows share their keys' reads (attention_chunk.py)
         self.tile_rows = chunk_attention(cfg, backend.name, kv_dtype)
@@ -243,7 +245,8 @@ class Stage:
             if self.mixed_shapes[key] < 2 and key not in self.graphs:
                 return None
         graph = self.graphs.get(key)
-        if graph is not None and graph.matches(inputs):
+        down_early = moe_quant_round.down_early_for(self.experts)  # a graph with early down loads: all resident only
+        if graph is not None and graph.matches(inputs) and (down_early or not self.graph_down_early.get(key, False)):
             return graph
         from moebus.cuda.backends.graphs import CapturedStep, shared_pool
 
@@ -256,6 +259,7 @@ class Stage:
         try:
             graph = self.graphs[key] = CapturedStep(self.ops, inputs, lambda dev: self._run(batch, dev, routed=True),
                                                     pool=self.graph_pool)
+            self.graph_down_early[key] = down_early
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
             self.graphs.pop(key, None)
             if is_fatal_device_error(e) or is_out_of_memory(e):
@@ -273,6 +277,7 @@ class Stage:
     def _run(self, batch: StepBatch, inputs: dict, routed: bool) -> dict:
         """The step on the device: kernels only when ``routed`` (so it can be captured)."""
         ops = self.ops
+        moe_quant_round.choose_down_early(self.experts if routed else None)  # early down loads: all resident only
         token_slot, token_pos = inputs["token_slot"], inputs["token_pos"]
         if self.is_first:
             x = ops.embedding(self.embed, inputs["tokens"])

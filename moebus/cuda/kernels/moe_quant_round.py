@@ -60,17 +60,45 @@ INT4_GATE_UP_ROWS = 1
 INT4_GATE_UP_MIN_BLOCKS = 0
 INT4_DOWN_ROWS = 8
 INT4_DOWN_MIN_BLOCKS = 0
+# int4's word loop and matrices unrolled by hand (unrolled_dot): sm_90 (tools/device/quant16_sass.py) gate|up 2 rows
+# 168 registers and no local memory (rolled: 52 + 64 local loads/stores), 4 rows still local (255 + 184); down 16
+# rows 96 registers, no local memory (rolled: 40 + 70); 1 row and down 8 rows as rolled (72 registers each).
+# Off: slower on an H200 (48 x 32, b1, quant16.sh call A): 1 row / down 8 rolled 363.7 tok/s, unrolled gate|up
+# 2 rows 352.3, with down 16 rows 338.9 (the 168 registers leave 3 blocks an SM)
+INT4_UNROLLED = False
 # The down GEMV's pair tables and words read before its PDL wait, h after it: only where pdl.released_early()
 # (the routing, two kernels back, is then complete, as for moe_ffn.PREFETCH_DOWN_BEFORE_WAIT) and only
-# while every expert is resident (an arena slot is then never rewritten within a step; with an evicting
-# cache whether an upload may rewrite a slot between the routing and the down GEMV is not established):
-# the down matrices' bytes then come from HBM while gate|up ends. Off: an experiment for all-resident
-# benches; the kernels cannot tell whether the cache evicts. Measured (H200, 24 x 32, with the
-# projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0 (down 11.9 -> 9.4 us, CUPTI).
-DOWN_LOAD_BEFORE_WAIT = False
+# while every expert of the stage is resident and none lent (an arena slot is then never rewritten within a
+# step; with an evicting cache whether an upload may rewrite a slot between the routing and the down GEMV
+# is not established): the down matrices' bytes then come from HBM while gate|up ends. The decode step
+# decides (choose_down_early, from Stage._run) and a captured graph keeps the choice: Stage._graph_for
+# recaptures a graph captured with them where down_early_for turns false (a shrink on a VRAM reserve, a loan:
+# between steps); one captured without them stays (safe, and no capture beside a step launched ahead) until
+# something else recaptures it (a cache that fills up after its first steps runs without them till then).
+# Measured (H200, 24 x 32, with the projections' early loads, gate|up 2 rows): 722.7 tok/s against 691.0
+# (down 11.9 -> 9.4 us, CUPTI); 48 x 32 all resident b1 (quant16.sh, call A): fp8 379.9 -> 391.2 tok/s, int4
+# 363.7 -> 376.3, the greedy ids and log p equal to the step without them.
+DOWN_LOAD_BEFORE_WAIT = True
+_down_early = False  # the step being launched's choice (choose_down_early)
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
+
+
+def down_early_for(experts) -> bool:
+    """Whether a decode step over ``experts`` (the stage's expert cache; None: not a routed decode step) may
+    read the down GEMV's words before its PDL wait: DOWN_LOAD_BEFORE_WAIT, quantized experts, every expert
+    resident and no loan (no upload then rewrites a slot)."""
+    store = getattr(experts, "store", None)
+    return (DOWN_LOAD_BEFORE_WAIT and getattr(store, "layout", None) is not None and experts.not_resident == 0
+            and getattr(experts, "loaned_from", None) is None)
+
+
+def choose_down_early(experts) -> bool:
+    """down_early_for(experts), kept for the kernels the step chooses next (``kernels``); returned."""
+    global _down_early
+    _down_early = down_early_for(experts)
+    return _down_early
 
 
 def fits(cols: int, rows: int, mats: int = 1, fmt: str = "fp8") -> bool:
@@ -85,8 +113,36 @@ def aligned(*arrays) -> bool:
     return all(data_ptr(a) % 16 == 0 for a in arrays)
 
 
+def unrolled_dot(word_dot, per_lane: int):
+    """``dot`` over the lane's ``per_lane`` words unrolled by hand: a chain of device functions, each adding
+    one word at a constant k (NVVM left the loop over k rolled in int4's gate|up at 2 or 4 rows a warp, and
+    the words, indexed by a variable k, went through local memory). The sums in the loop's order."""
+    @device
+    def done(lo, hi, scale, minimum, m, sub, xs, acc):
+        return acc
+
+    chain = done
+    for k in reversed(range(per_lane)):
+        chain = _add_word(word_dot, k, chain)
+
+    @device
+    def dot(lo, hi, scale, minimum, m, sub, xs):
+        return chain(lo, hi, scale, minimum, m, sub, xs, float32(0.0))
+
+    return dot
+
+
+def _add_word(word_dot, k: int, rest):
+    @device
+    def add_word(lo, hi, scale, minimum, m, sub, xs, acc):
+        return rest(lo, hi, scale, minimum, m, sub, xs, acc + word_dot(lo, hi, scale, minimum, m, k, sub, xs))
+
+    return add_word
+
+
 @functools.cache
-def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int, fmt: str = "fp8"):
+def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int, fmt: str = "fp8",
+                unrolled: bool = False):
     """The device functions of a one-round GEMV over rows of ``cols`` codes, ``rows`` rows a warp (also
     linear_quant_fp8.py's):
     - load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, minimum, m): the lane's words of
@@ -96,7 +152,7 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
     - stage(x, x_row, xs, tid): the block's threads copy x's row into the shared xs as
       [16-byte chunk within word][word] (call it, then syncthreads);
     - dot(lo, hi, scale, minimum, m, sub, xs): the lane's share of the row's sum (int4: s (sum x (q + m / s)),
-      as quant_words.decoder's)."""
+      as quant_words.decoder's); ``unrolled``: its loop over the words unrolled by hand (unrolled_dot)."""
     values = VALUES[fmt]
     int4 = fmt == "int4"
     lanes = WARP // rows
@@ -141,52 +197,59 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
                 xs[at_s + uint32(1)] = b
 
     @device
-    def dot(lo, hi, scale, minimum, m, sub, xs):
+    def word_dot(lo, hi, scale, minimum, m, k, sub, xs):  # the lane's k-th word of the row: scale x sum
         quad = cuda.local.array(4, float32)
         pair = cuda.local.array((2, 4), float32)
-        acc = float32(0.0)
-        for k in range(per_lane):
-            word = sub + uint32(k * lanes)
-            if not exact:
-                word = min(word, uint32(row_words - 1))
-            total = float32(0.0)
-            if int4:
-                offset = fast_quotient(minimum[m, k], scale[m, k]) if exact or sub + uint32(k * lanes) < uint32(row_words) \
-                    else float32(0.0)
-            for q in range(4):
-                half = uint32(((lo[m, k] if q < 2 else hi[m, k]) >> uint64(32 * (q % 2))) & mask32)
-                if int4:  # 8 codes: chunks 2q and 2q + 1 of the word
-                    int4_quad(half & NIBBLES, offset, pair, 0, 0)
-                    int4_quad((half >> uint32(4)) & NIBBLES, offset, pair, 0, 1)
-                    for h in range(2):
-                        at_s = 2 * (uint32((2 * q + h) * row_words) + word)
-                        a, b = xs[at_s], xs[at_s + uint32(1)]
-                        total += bits_as_f32(a & mask32) * pair[h, 0]
-                        total += bits_as_f32(a >> uint64(32)) * pair[h, 1]
-                        total += bits_as_f32(b & mask32) * pair[h, 2]
-                        total += bits_as_f32(b >> uint64(32)) * pair[h, 3]
-                else:
-                    decode(half, quad)
-                    at_s = 2 * (uint32(q * row_words) + word)
+        word = sub + uint32(k * lanes)
+        if not exact:
+            word = min(word, uint32(row_words - 1))
+        total = float32(0.0)
+        if int4:
+            offset = fast_quotient(minimum[m, k], scale[m, k]) if exact or sub + uint32(k * lanes) < uint32(row_words) \
+                else float32(0.0)
+        for q in range(4):
+            half = uint32(((lo[m, k] if q < 2 else hi[m, k]) >> uint64(32 * (q % 2))) & mask32)
+            if int4:  # 8 codes: chunks 2q and 2q + 1 of the word
+                int4_quad(half & NIBBLES, offset, pair, 0, 0)
+                int4_quad((half >> uint32(4)) & NIBBLES, offset, pair, 0, 1)
+                for h in range(2):
+                    at_s = 2 * (uint32((2 * q + h) * row_words) + word)
                     a, b = xs[at_s], xs[at_s + uint32(1)]
-                    total += bits_as_f32(a & mask32) * quad[0]
-                    total += bits_as_f32(a >> uint64(32)) * quad[1]
-                    total += bits_as_f32(b & mask32) * quad[2]
-                    total += bits_as_f32(b >> uint64(32)) * quad[3]
-            acc += scale[m, k] * total
-        return acc
+                    total += bits_as_f32(a & mask32) * pair[h, 0]
+                    total += bits_as_f32(a >> uint64(32)) * pair[h, 1]
+                    total += bits_as_f32(b & mask32) * pair[h, 2]
+                    total += bits_as_f32(b >> uint64(32)) * pair[h, 3]
+            else:
+                decode(half, quad)
+                at_s = 2 * (uint32(q * row_words) + word)
+                a, b = xs[at_s], xs[at_s + uint32(1)]
+                total += bits_as_f32(a & mask32) * quad[0]
+                total += bits_as_f32(a >> uint64(32)) * quad[1]
+                total += bits_as_f32(b & mask32) * quad[2]
+                total += bits_as_f32(b >> uint64(32)) * quad[3]
+        return scale[m, k] * total
+
+    if unrolled:
+        dot = unrolled_dot(word_dot, per_lane)
+    else:
+        @device
+        def dot(lo, hi, scale, minimum, m, sub, xs):
+            acc = float32(0.0)
+            for k in range(per_lane):
+                acc += word_dot(lo, hi, scale, minimum, m, k, sub, xs)
+            return acc
 
     return load, stage, dot, per_lane
 
 
 @functools.cache
 def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
-                     fmt: str = "fp8", early: bool = False):
+                     fmt: str = "fp8", early: bool = False, unrolled: bool = False):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
     capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes); ``early``: the down GEMV's
-    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT)."""
-    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt)
+    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand."""
+    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt, unrolled)
     int4 = fmt == "int4"
     lanes = WARP // rows
     row_words = cols // VALUES[fmt]
@@ -233,10 +296,19 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                 cuda.syncthreads()
             for i in range(sums):
                 part[i] = float32(0.0)
-            for m in range(mats):
-                acc = dot(lo, hi, scale, minimum, m, sub, xs)
+            if unrolled:  # the matrices by hand too (constant m)
+                acc = dot(lo, hi, scale, minimum, 0, sub, xs)
                 for r in range(rows):
-                    part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
+                    part[r] = acc if mine == uint32(r) else part[r]
+                if mats == 2:
+                    acc = dot(lo, hi, scale, minimum, 1, sub, xs)
+                    for r in range(rows):
+                        part[rows + r] = acc if mine == uint32(r) else part[rows + r]
+            else:
+                for m in range(mats):
+                    acc = dot(lo, hi, scale, minimum, m, sub, xs)
+                    for r in range(rows):
+                        part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
             warp_sum_many(part, sums)
             if lane == 0 and start + first < num_groups:
                 for r in range(rows):
@@ -266,7 +338,9 @@ def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: boo
     """(gate|up kernel, down kernel) at the constants above; ``hardware``: whether the GPU converts e4m3
     by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it)."""
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
-    early = DOWN_LOAD_BEFORE_WAIT and released_early()
-    return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt),
+    early = _down_early and released_early()
+    unrolled = INT4_UNROLLED and fmt == "int4"
+    return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt,
+                             unrolled=unrolled),
             one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
-                             early))
+                             early, unrolled))
