@@ -131,14 +131,7 @@ def kernel_group(label: str) -> str:
 
 
 def summary(path: str) -> None:
-    rows = []
-    with open(path) as log:
-        for line in log:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    rows = [r for r in rows if isinstance(r, dict)]
+    rows = quant9_sweep.log_rows(path)
     decoded = [r for r in rows if r.get("section") == "decode"]
     for r in rows:
         if r.get("section") == "failed":

@@ -5,7 +5,6 @@ that the new kernels' tokens can be compared with the old kernels'; and a short 
 
     quant15_bench.py MODEL PLAN.json [PROFILE_STEPS]     (quant9_sweep.py's arguments; QUICK=1: a warm-up)
     quant15_bench.py --summary LOG                       (the summary, x bf16 and us a layer by kernel group)"""
-import json
 import sys
 
 import quant9_sweep
@@ -47,14 +46,7 @@ def group(label: str) -> str | None:
 
 
 def summary(path: str) -> None:
-    rows = []
-    with open(path) as log:
-        for line in log:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    rows = [r for r in rows if isinstance(r, dict)]
+    rows = quant9_sweep.log_rows(path)
     ids, reference, base = None, {}, {}  # ids: the last "tokens" row (ids, logprobs)
     print("== quant15 summary (decode all resident; x bf16 of the same call; us a layer; kernels: CUPTI, us a layer)")
     for r in rows:

@@ -57,14 +57,8 @@ def quarter_cache(model: str, deadline_s: float) -> None:
 
 def summary(path: str) -> None:
     quant15_bench.summary(path)
-    rows = []
-    with open(path) as log:
-        for line in log:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-    cache = [r for r in rows if isinstance(r, dict) and r.get("section") == "cache"]
+    rows = quant9_sweep.log_rows(path)
+    cache = [r for r in rows if r.get("section") == "cache"]
     if not cache:
         return
     base = {r["batch"]: r["tok_s"] for r in cache if r["experts"] == "bf16"}

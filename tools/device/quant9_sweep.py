@@ -143,16 +143,22 @@ def table(rows: list[dict]) -> None:
             print(f"   {label[:46]:46} {calls:6.1f}/step {us:8.2f} us {calls * us / r['layers']:7.2f} us/layer")
 
 
+def log_rows(path: str) -> list[dict]:
+    """The JSON rows of a sweep's log (emit's lines); a line cut by the call's time limit, or not JSON, is skipped."""
+    rows = []
+    with open(path) as log:
+        for line in log:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return [r for r in rows if isinstance(r, dict)]
+
+
 def main() -> None:
     if sys.argv[1] == "--table":
-        rows = []
-        with open(sys.argv[2]) as log:
-            for line in log:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:  # a line cut by the call's time limit, or not JSON
-                    pass
-        table([r for r in rows if isinstance(r, dict)])
+        rows = log_rows(sys.argv[2])
+        table(rows)
         return
     from quant7_speed import _keep_stores
     from quant8_speed import _keep_attention
