@@ -38,4 +38,5 @@ echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null
 grep -E "passed|failed|rc=" $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
 SHOW=2 step steps 30 $(( $(left) - 4 )) python3 tools/device/fuse16_step.py $MODEL tools/device/$SETTINGS ${STEPS:-4}
 python3 tools/device/fuse16_step.py --summary $OUT/steps.txt > $OUT/summary.txt  # every kernel's line (TOP 12)
-TOP=4 python3 tools/device/fuse16_step.py --summary $OUT/steps.txt  # pdl_off's true durations: norm_route's "nr" column
+TOP=4 python3 tools/device/fuse16_step.py --summary $OUT/steps.txt \
+  | sed -E 's/ cb +[0-9.]+ qkv +[0-9.]+ qg +[0-9.]+//'  # "nr": norm_route us a layer (true durations where PDL off)
