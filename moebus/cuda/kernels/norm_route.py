@@ -13,7 +13,8 @@ same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at 
 With at most 32 experts the tail goes by ranks (routing.ranks_tail, one_token_tail for one token)
 instead of top_k argmaxes in turn and the pairs re-read through L2. The one-block kernel, for the
 other routers, loads them in rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from
-memory (15.8 us).
+memory (15.8 us). The seventeenth session's switches (off, the same bits; docs/performance.md, route17):
+ROUTER_EARLY, WARP_TAIL and SUMS_UNROLLED shorten the in-flight kernel's chain at batch 1 (8.2 us).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations

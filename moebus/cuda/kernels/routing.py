@@ -9,7 +9,7 @@ placement and its output row. Same-expert pairs end up adjacent, so a run shares
 Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``,
 or with ``ranks_tail`` (few tokens, at most 32 experts; ``one_token_tail`` for one); with its router
 rows spread over several blocks a token, the last block finishes from the logits the others left in
-a scratch (``spread_tail``).
+a scratch (``spread_tail``; ``warp_tail`` for one token by warp 0 alone, norm_route.WARP_TAIL).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
