@@ -1,9 +1,9 @@
 """norm_route's in-flight kernel at the A3B shape (hidden 2048, 32 experts, 512 threads, the router over 16 blocks,
 one token) compiled here for sm_90 (NVVM + ptxas + nvdisasm, no GPU) with the seventeenth session's switches
-(ROUTER_EARLY, WARP_TAIL, SUMS_UNROLLED): registers, local memory, where the global loads sit against the PDL wait, the fences and
-the block barriers.
+(ROUTER_EARLY, WARP_TAIL, SUMS_UNROLLED): registers, local memory, where the global loads sit against the PDL
+wait, the fences and the block barriers.
 
-    python tools/device/route17_sass.py [--nvdisasm PATH] [--dump DIR]"""
+    python tools/device/route17_sass.py [--nvdisasm PATH] [--dump DIR]   (the nvidia-cuda-nvdisasm wheel has one)"""
 from __future__ import annotations
 
 import argparse
@@ -28,9 +28,11 @@ def where(ops: list[str]) -> str:
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
     before = sum(i < wait for i in loads) if wait is not None else "?"
     fences = sorted({op for op in ops if op.startswith(("MEMBAR", "FENCE", "CCTL"))})
-    return (f"LDG {len(loads)} ({before} before the wait); {'/'.join(fences) or 'no fence'}; "
-            f"BAR {sum(op.startswith('BAR') for op in ops)}; WARPSYNC {sum(op.startswith('WARPSYNC') for op in ops)}; "
-            f"ATOM/RED {sum(op.startswith(('ATOM', 'RED')) for op in ops)}; local {sum(op.startswith(('LDL', 'STL')) for op in ops)}")
+    def count(*names):
+        return sum(op.startswith(names) for op in ops)
+
+    return (f"LDG {len(loads)} ({before} before the wait); {'/'.join(fences) or 'no fence'}; BAR {count('BAR')}; "
+            f"WARPSYNC {count('WARPSYNC')}; ATOM/RED {count('ATOM', 'RED')}; local {count('LDL', 'STL')}")
 
 
 def main(argv=None) -> int:
