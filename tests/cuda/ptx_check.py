@@ -173,10 +173,9 @@ def exercise(rng) -> None:
 
     for tokens, experts, in_flight, spread in ((1, 32, True, False), (8, 128, True, False), (1, 32, False, False),
                                                (8, 128, False, False), (1, 32, True, True), (8, 32, True, True),
-                                               (1, 32, True, "route17")):
+                                               (1, 32, True, "late")):
         norm_route.ROUTER_IN_FLIGHT = in_flight  # decode's MLP entry (norm + router + top-k + pairs), both kernels
-        # route17's switches together (off by default): the early loads, routing.warp_tail, the unrolled sums
-        norm_route.ROUTER_EARLY = norm_route.WARP_TAIL = norm_route.SUMS_UNROLLED = spread == "route17"
+        norm_route.ROUTER_EARLY = spread != "late"  # the router's first words before the wait (default) or after
         norm_route.norm_route_cuda(f32(tokens, 2048), f32(tokens, 2048), np.zeros(2048, np.uint16), 1e-6,
                                 np.zeros((experts, 2048), np.uint16), 8, True, np.zeros((2, experts), np.int32), 1,
                                 np.zeros(1, np.int32), empty(tokens, 2048), empty(tokens, 2048),
@@ -184,7 +183,7 @@ def exercise(rng) -> None:
                                 *(empty(tokens * 8, dtype=np.int32) for _ in range(3)),
                                 scratch=empty(tokens, experts) if spread else None)  # the router over 8 blocks
     norm_route.ROUTER_IN_FLIGHT = True
-    norm_route.ROUTER_EARLY = norm_route.WARP_TAIL = norm_route.SUMS_UNROLLED = False
+    norm_route.ROUTER_EARLY = True
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.fill_cuda(empty(4), 0)

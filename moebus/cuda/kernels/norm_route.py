@@ -13,8 +13,8 @@ same bits (32 experts on an H200: 9.36 -> 7.61 us at batch 1, 12.74 -> 11.72 at 
 With at most 32 experts the tail goes by ranks (routing.ranks_tail, one_token_tail for one token)
 instead of top_k argmaxes in turn and the pairs re-read through L2. The one-block kernel, for the
 other routers, loads them in rounds of ROUTER_UNROLL words a lane after the norm and re-reads h from
-memory (15.8 us). The seventeenth session's switches (off, the same bits; docs/performance.md, route17):
-ROUTER_EARLY, WARP_TAIL and SUMS_UNROLLED shorten the in-flight kernel's chain at batch 1 (8.2 us).
+memory (15.8 us). ROUTER_EARLY (seventeenth session, route17): the in-flight kernel's first router words and
+the norm's weights are loaded before the PDL wait.
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, E experts, D hidden."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
                                          ARGMAXES, ONE_TOKEN_RANKS, RANKS, one_token_tail, ranks_tail, route_pairs_ref,
-                                         sort_pairs, spread_tail, warp_tail)
+                                         sort_pairs, spread_tail)
 
 ROUTE_THREADS = 512  # 16 warps: up to 128 registers a thread
 ROUTER_UNROLL = 8  # router words each lane loads before their first use (the one-block kernel)
@@ -47,15 +47,13 @@ ROUTER_BLOCKS = 16  # blocks a token that share the router's rows (the in-flight
 # changes within a step; behind a programmatic edge the bytes come while the o projection ends). Off until
 # measured (sixteenth session, fuse16.sh).
 ROUTER_PREFETCH = False
-# Seventeenth session (route17), off until measured (tools/device/route17.sh): ROUTER_EARLY issues round 0's
-# router words and the norm's weights before the PDL wait (weights: no kernel of the step writes them), so
-# behind a programmatic edge their HBM round trip overlaps the o projection's end; WARP_TAIL ends a spread
-# step of one token (<= 32 experts) by warp 0 of each block (routing.warp_tail): a lighter fence, no block
-# barrier after the logits and none in the tail; SUMS_UNROLLED sums a logit's warp partials in an unrolled loop.
-# All keep the bits.
-ROUTER_EARLY = False
-WARP_TAIL = False
-SUMS_UNROLLED = False
+# ROUTER_EARLY: round 0's router words and the norm's weights issued before the PDL wait (weights: no kernel
+# of the step writes them), so behind a programmatic edge their HBM round trip overlaps the o projection's end.
+# Same bits. H200, 48 x 32 bf16, b1 (route17.sh, seventeenth session's call A): 324.7 tok/s against 322.5 /
+# 322.4 (defaults before and after). route17's other two switches (warp 0 alone ending a spread step with a
+# lighter fence; the warp partials summed unrolled) were slower, true durations 8.9 and 9.2 us against 8.3,
+# and were removed after that call (git show 533871b:moebus/cuda/kernels/routing.py has warp_tail).
+ROUTER_EARLY = True
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -170,7 +168,7 @@ def _round_words(router, raw, first, hi, g, s, span, num_words):
 @functools.cache
 def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, rounds: int, per_round: int,
                            groups: int, per_lane: int, top_k: int, by_ranks: int, spread: int, prefetch: bool = False,
-                           early: bool = False, lean: bool = False, unrolled: bool = False):
+                           early: bool = False):
     """norm_route with the router's rows in flight before the norm (ROUTER_IN_FLIGHT): the block's
     threads form ``groups`` groups of ``span`` threads; thread s of group g holds the row's 8-byte
     words s, s + span, ... (``words`` of them) and loads, for each of its ``per_round`` experts of a
@@ -183,10 +181,7 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
     has the same bits whatever the spread: its group's threads and their order are the same. ``prefetch``
     (ROUTER_PREFETCH): the block's warps ask L2 for its experts' router rows (a warp a row) before the wait.
     ``early`` (ROUTER_EARLY): round 0's router words and the norm's weights loaded before the wait (weights:
-    no kernel of the step writes them). ``lean`` (WARP_TAIL, spread over blocks, the round's writers all in
-    warp 0): a step of one token ends in routing.warp_tail, by warp 0 of each block alone. ``unrolled``
-    (SUMS_UNROLLED): a logit's sum of its group's warp partials over MAX_WARPS, predicated, not a loop of
-    runtime length (ptxas issues its shared loads together; the adds and their order unchanged)."""
+    no kernel of the step writes them)."""
     read_norm, _ = chunk_reader(norm_storage, True)
     read_row, _ = chunk_reader("f32", True)
     word_values = WORD[router_storage]
@@ -269,25 +264,14 @@ def _inflight_route_kernel(norm_storage: str, router_storage: str, words: int, r
             if tid < groups * per_round:
                 gg, k = tid // per_round, tid % per_round
                 logit = float32(0.0)
-                if unrolled:  # the same adds in the same order, the partials' shared loads all in flight
-                    for w in range(MAX_WARPS):
-                        if w < group_warps:
-                            logit += partial[gg * group_warps + w, k]
-                else:
-                    for w in range(group_warps):  # the group's warps in order
-                        logit += partial[gg * group_warps + w, k]
+                for w in range(group_warps):  # the group's warps in order
+                    logit += partial[gg * group_warps + w, k]
                 if first + tid < hi:
                     if spread == 1:
                         logits[0, first + tid] = logit
                     else:
                         scratch[t, first + tid] = logit
-            if not (lean and r == rounds - 1 and num_tokens == 1):  # warp_tail: its writers are warp 0's lanes
-                cuda.syncthreads()
-        if lean and num_tokens == 1:  # 3-4. warp 0 of the grid's last block: top-k and the pairs
-            if warp == 0:
-                warp_tail(scratch, num_experts, top_k, normalize, places, done, cuda.gridDim.x, ids, weights,
-                          pair_token, pair_slot, pair_out)
-            return
+            cuda.syncthreads()
         if spread > 1:  # 3-4. the grid's last block: every token's top-k and the pairs
             finish(scratch, num_experts, top_k, normalize, places, done, ids, weights, pair_token, pair_slot,
                    pair_out)
@@ -379,12 +363,9 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
         spread = ceil_div(num_experts, share)
         if spread > 1:
             require("scratch", scratch, np.float32, shape=(num_tokens, num_experts))
-        shape = inflight_shape(dim, share, block)
-        by_ranks = tail_by_ranks(num_experts)
-        lean = WARP_TAIL and spread > 1 and by_ranks == ONE_TOKEN_RANKS and shape[2] * shape[3] <= WARP
-        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *shape,
-                                        ceil_div(num_experts, WARP), int(top_k), by_ranks, spread, ROUTER_PREFETCH,
-                                        ROUTER_EARLY, lean, SUMS_UNROLLED)
+        kernel = _inflight_route_kernel(storage_of(norm_weight), storage_of(router), *inflight_shape(dim, share, block),
+                                        ceil_div(num_experts, WARP), int(top_k), tail_by_ranks(num_experts), spread,
+                                        ROUTER_PREFETCH, ROUTER_EARLY)
         kernel[num_tokens * spread, block, stream](
             reader_view(x, True), reader_view(y, True), reader_view(norm_weight, True), np.float32(eps),
             reader_view(router, True), dim // 4, table, int(layer_row), done, bool(normalize), share,

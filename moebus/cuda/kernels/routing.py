@@ -9,7 +9,7 @@ placement and its output row. Same-expert pairs end up adjacent, so a run shares
 Decode's way there is ``norm_route`` (norm_route.py), which sorts its pairs with ``sort_pairs``,
 or with ``ranks_tail`` (few tokens, at most 32 experts; ``one_token_tail`` for one); with its router
 rows spread over several blocks a token, the last block finishes from the logits the others left in
-a scratch (``spread_tail``; ``warp_tail`` for one token by warp 0 alone, norm_route.WARP_TAIL).
+a scratch (``spread_tail``).
 
 Shapes: T tokens, A active experts per token, P = T * A pairs, L MoE layers, E experts."""
 from __future__ import annotations
@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from moebus.cuda.kernels.compat import (SIMULATOR, WARP, blocks, cuda, device, device_with_shared, float32, int32,
-                                        kernel, threads, warp_max, warp_sum)
+from moebus.cuda.kernels.compat import (WARP, blocks, cuda, device_with_shared, float32, int32, kernel, threads,
+                                        warp_max, warp_sum)
 from moebus.cuda.kernels.pdl import grid_dependency_wait
 from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.moe import NEG_INF, topk_row
@@ -31,37 +31,6 @@ MAX_PAIRS = 1024  # pairs of one step (T * A; a decode step has at most 64 x 8)
 SPREAD_TOKENS = 16  # spread_tail, ranks_tail: most tokens, whose logits a block holds in shared memory...
 SPREAD_EXPERTS = 128  # ...and most experts
 ARGMAXES, RANKS, ONE_TOKEN_RANKS = 0, 1, 2  # a tail's way to top-k and the pairs (norm_route's by_ranks)
-
-
-if not SIMULATOR:
-    from llvmlite import ir
-    from numba.cuda import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def fence_acq_rel(typingctx):
-        """PTX fence.acq_rel.gpu: release (before a count) or acquire (after it), where cuda.threadfence
-        is membar.gl, i.e. the stronger fence.sc.gpu, more than the last-block hand-off needs."""
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "fence.acq_rel.gpu;", "~{memory}",
-                               side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @device
-    def warp_sync():
-        cuda.syncwarp()
-else:
-    from moebus.cuda.kernels import sim_warps
-
-    def fence_acq_rel():  # the simulator's threads share one memory
-        pass
-
-    def warp_sync():  # the simulator has no syncwarp: the warp's lanes meet at sim_warps' lane barrier
-        lane, warp, _ = sim_warps._exchange()
-        warp.barrier.wait(lane)
 
 
 def host_placement(row: int) -> int:
@@ -259,66 +228,6 @@ def ranks_tail(logits, num_tokens, num_experts, top_k, normalize, places, ids, w
             pair_token[place] = t
             pair_slot[place] = places[e]
             pair_out[place] = t * top_k + rank
-
-
-@device_with_shared
-def warp_tail(scratch, num_experts, top_k, normalize, places, done, num_blocks, ids, weights, pair_token, pair_slot,
-              pair_out):
-    """spread_tail + one_token_tail for one token by warp 0 of each block alone (the other warps have
-    returned; the block's logits were written to ``scratch`` by lanes of this warp): each lane fences
-    its writes (fence.acq_rel.gpu, not threadfence's fence.sc.gpu), lane 0 counts the block, and the
-    last block's warp reads the logits through L2 into registers (a lane an expert), then
-    one_token_tail's softmax, ranks and pairs with warp barriers instead of block ones: the same float
-    operations in the same order, so the same bits (norm_route.WARP_TAIL)."""
-    lane = cuda.threadIdx.x  # warp 0
-    flag = cuda.shared.array(1, int32)
-    probs = cuda.shared.array(WARP, float32)
-    ranks = cuda.shared.array(WARP, int32)
-    by_rank = cuda.shared.array(WARP, float32)  # the chosen probabilities in rank order
-    fence_acq_rel()  # release: this lane's logits before lane 0's count
-    warp_sync()
-    if lane == 0:
-        last = cuda.atomic.add(done, 0, 1) == num_blocks - 1
-        fence_acq_rel()  # acquire: the other blocks' logits after their counts
-        flag[0] = 1 if last else 0
-        if last:
-            done[0] = 0  # for the next launch (a graph replays this one); every block has counted
-    warp_sync()
-    if flag[0] == 0:
-        return
-    prob = NEG_INF
-    if lane < num_experts:  # other blocks wrote them: through L2
-        prob = cuda.atomic.add(scratch, (0, lane), float32(0.0))
-    peak = warp_max(prob)  # softmax as topk_row
-    prob = math.exp(prob - peak)
-    total = warp_sum(prob)
-    prob = prob / total
-    probs[lane] = prob
-    warp_sync()
-    rank = WARP
-    if lane < num_experts:  # loops over WARP (unrolled: their shared loads all in flight) rather than the counts
-        rank = 0
-        for j in range(WARP):
-            if j < num_experts and (probs[j] > prob or (probs[j] == prob and j < lane)):
-                rank += 1
-        if rank < top_k:
-            by_rank[rank] = prob
-    ranks[lane] = rank
-    warp_sync()
-    if rank < top_k:
-        chosen = float32(0.0)
-        for k in range(WARP):  # in rank order, as topk_row adds them
-            if k < top_k:
-                chosen += by_rank[k]
-        place = 0
-        for j in range(WARP):
-            if j < lane and ranks[j] < top_k:
-                place += 1
-        ids[0, rank] = lane
-        weights[0, rank] = prob / chosen if normalize else prob
-        pair_token[place] = 0
-        pair_slot[place] = places[lane]
-        pair_out[place] = rank  # pair t * A + k of token 0
 
 
 @functools.cache
