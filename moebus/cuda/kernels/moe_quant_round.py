@@ -32,7 +32,7 @@ from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda,
 from moebus.cuda.kernels.moe_ffn import _placement
 from moebus.cuda.kernels.pdl import grid_dependency_wait, released_early
 from moebus.cuda.kernels.quant_words import (NIBBLES, fast_quotient, e4m3_quad, int4_quad, load_pair,
-                                             load_pair_ordered, load_pair_streaming)
+                                             load_pair_ordered, load_pair_streaming, prefetch_l2)
 
 VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
 VALUES = {"fp8": VALUES_PER_WORD, "int4": 32}  # codes in a 16-byte word by format
@@ -80,6 +80,17 @@ INT4_UNROLLED = False
 # 363.7 -> 376.3, the greedy ids and log p equal to the step without them.
 DOWN_LOAD_BEFORE_WAIT = True
 _down_early = False  # the step being launched's choice (choose_down_early)
+# The gate|up GEMV's L2 look-ahead (seventeenth session, off: not measured): at batch 1 (A3B, 1 row a warp) its
+# 1,536 blocks of 72 registers fill 7 blocks an SM (924 on 132 SMs): 1.66 waves, and the second wave's words
+# leave HBM only once a first-wave block ends. With this percentage p > 0, block b (linear id, b = y x gridDim.x
+# + x) asks L2 (prefetch.global.L2, no registers) for the words and scales of block b + p% of the grid, before
+# its own loads (its pair_slot read beside the block's own): at p ~60 the first wave's blocks fetch the second
+# wave's bytes, which then find them in L2 (A3B fp8: a warp's row is 2 x 17 lines of 128 bytes, about one
+# prefetch a lane). A hint only: the same bits whatever it does. Registers (sm_90, ptxas): int4 72 as without;
+# fp8 79 (6 blocks an SM), 72 without spills with GATE_UP_MIN_BLOCKS = 7, which is how to sweep it. After the
+# own loads it took 124-128 registers, inside the trip loop 80 (its values live across the loop).
+GATE_UP_L2_AHEAD = 0
+INT4_GATE_UP_L2_AHEAD = 0
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
@@ -244,11 +255,12 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
 
 @functools.cache
 def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
-                     fmt: str = "fp8", early: bool = False, unrolled: bool = False):
+                     fmt: str = "fp8", early: bool = False, unrolled: bool = False, ahead: int = 0):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
     capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes); ``early``: the down GEMV's
-    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand."""
+    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand;
+    ``ahead``: the L2 look-ahead, percent of the grid (GATE_UP_L2_AHEAD; 0: none)."""
     load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt, unrolled)
     int4 = fmt == "int4"
     lanes = WARP // rows
@@ -257,6 +269,8 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
     shared_words = cols // 2
     sums = mats * rows
     warps = block // WARP
+    line_words = -(-row_words // 8) + 1  # 128-byte lines a row may touch (a row need not start on a line)
+    ahead_lines = rows * mats * line_words
 
     @bounded_kernel(block, min_blocks)
     def quant_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
@@ -269,6 +283,9 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         j = first_pair + cuda.blockIdx.y
         words, slot = _placement(arena, store, pair_slot[j])
         floats, _ = _placement(arena_f, store_f, pair_slot[j])
+        grid_blocks = cuda.gridDim.x * cuda.gridDim.y
+        partner = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x + grid_blocks * ahead // 100
+        ahead_entry = pair_slot[first_pair + partner // cuda.gridDim.x] if ahead and partner < grid_blocks else 0
         tid = uint32(cuda.threadIdx.x)
         lane = tid % uint32(WARP)
         sub, mine = lane % uint32(lanes), lane // uint32(lanes)  # word offset and row of this lane in its warp
@@ -281,6 +298,25 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         minimum = cuda.local.array((mats, per_lane), float32)
         part = cuda.local.array(sums, float32)
         first = cuda.blockIdx.x * warps + tid // uint32(WARP)
+        if ahead and partner < grid_blocks:  # the L2 look-ahead: block partner's lines
+            ahead_words, ahead_slot = _placement(arena, store, ahead_entry)
+            ahead_floats, _ = _placement(arena_f, store_f, ahead_entry)
+            ahead_group = min((partner % cuda.gridDim.x) * warps + tid // uint32(WARP), num_groups - 1)
+            for trip in range(-(-ahead_lines // WARP)):  # (row, matrix, line) of the partner warp's rows
+                t = lane + uint32(trip * WARP)
+                if ahead_lines % WARP and t >= uint32(ahead_lines):
+                    break
+                ahead_row = uint32(min(ahead_group * rows + t // (mats * line_words), num_rows - 1))
+                code_at = code0 if (t // line_words) % mats == 0 else code1
+                word = min(uint32(8 * (t % line_words)), uint32(row_words - 1))  # the last: the row's end
+                prefetch_l2(ahead_words, ahead_slot,
+                            uint64(code_at) + uint64(ahead_row * uint32(2 * row_words)) + uint64(2 * word))
+            if lane < uint32(rows * mats):  # the scales' lines, one a (row, matrix)
+                ahead_row = uint32(min(ahead_group * rows + lane // uint32(mats), num_rows - 1))
+                scale_at = scale0 if lane % uint32(mats) == 0 else scale1
+                scale_row = (ahead_row * uint32(2 * scale_cols) if int4
+                             else (ahead_row // uint32(BLOCK)) * uint32(scale_cols))
+                prefetch_l2(ahead_floats, ahead_slot, uint64(scale_at) + uint64(scale_row))
         for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
             group = min(start + first, num_groups - 1)
             row = uint32(min(group * rows + mine, num_rows - 1))
@@ -340,7 +376,8 @@ def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: boo
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
     early = _down_early and released_early()
     unrolled = INT4_UNROLLED and fmt == "int4"
+    ahead = INT4_GATE_UP_L2_AHEAD if fmt == "int4" else GATE_UP_L2_AHEAD
     return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt,
-                             unrolled=unrolled),
+                             unrolled=unrolled, ahead=ahead),
             one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
                              early, unrolled))
