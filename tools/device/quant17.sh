@@ -8,9 +8,10 @@
 # PHASE=measure (alone, BUDGET ~130 s): quant17_bench.py on $M48 (48 x 32, quantized at load) over
 # tools/device/quant17_plan.json: per (experts, attention) one load, per setting decode all resident at batch 1
 # (tok/s, x bf16 of this call), CUPTI us a kernel ($OUT/table.txt), the greedy ids and log p against the first
-# setting; settings: the gate|up L2 look-ahead (GATE_UP_L2_AHEAD with the register cap that keeps 72 registers),
-# registers capped for 8 blocks an SM (1.45 waves instead of 1.66), and MOEBUS_PDL=0 (the true durations); bf16,
-# then int4, then fp8 (whose last settings are the first a cut at BUDGET loses).
+# setting; settings: the gate|up L2 look-ahead (GATE_UP_L2_AHEAD) and the down matrix asked of L2 by gate|up
+# (L2_DOWN_FROM_GATE_UP), with the register cap that keeps 72 registers where they would take more, and
+# MOEBUS_PDL=0 (the true durations); bf16, then fp8, then int4 (whose last settings a cut at BUDGET loses: the
+# whole plan takes ~160 s, 130 s reach int4's third setting by the sixteenth session's ~8.5 s a setting).
 source tools/device/setup.sh
 source tools/device/steps.sh
 set -o pipefail
