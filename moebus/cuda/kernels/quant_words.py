@@ -102,25 +102,6 @@ if not SIMULATOR:
     load_pair_ordered = _pair_loader("ld.global.v2.u64", ordered=True)
 
     @intrinsic
-    def prefetch_l2(typingctx, array, row, at):
-        """Ask L2 for the 128-byte line holding array[row, at] (prefetch.global.L2: a hint, no register
-        written; side-effecting asm, so it stays after the PDL wait), for moe_quant_round's L2 look-ahead."""
-        signature = types.void(array, row, at)
-
-        def codegen(context, builder, sig, args):
-            array_type = sig.args[0]
-            indices = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
-            pointer = cgutils.get_item_pointer(context, builder, array_type,
-                                               context.make_array(array_type)(context, builder, value=args[0]),
-                                               indices, wraparound=False)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [pointer])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    @intrinsic
     def load_streaming(typingctx, array, row, at):
         """array[row, at] of a C-ordered 2-D uint64 array, loaded evict-first (ld.global.cs, as
         loads.load_streaming for bf16 weights): an expert's words are read once a step, and 38 MB (fp8)
@@ -230,9 +211,6 @@ else:
         return array[row, at], array[row, at + 1]
 
     load_pair_streaming = load_pair_ordered = load_pair
-
-    def prefetch_l2(array, row, at):
-        array[row, at]  # the simulator has no L2: only the index is checked
 
     def load_streaming(array, row, at):
         return array[row, at]
