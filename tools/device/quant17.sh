@@ -45,6 +45,6 @@ MODEL=${MODEL:-$M48}
 echo "model $MODEL ($(ls $MODEL 2>/dev/null | wc -l) files), budget $BUDGET s"
 NUMBA_CACHE_DIR=$NC SHOW=4 step sweep 60 $(( BUDGET - 3 )) python3 tools/device/quant17_bench.py $MODEL $PLAN ${STEPS:-4}
 python3 tools/device/quant9_sweep.py --table $OUT/sweep.txt > $OUT/table.txt 2>&1
-echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-200
-tail -2 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-200
-python3 tools/device/quant17_bench.py --summary $OUT/sweep.txt
+python3 tools/device/quant17_bench.py --summary $OUT/sweep.txt | tee $OUT/summary.txt
+echo "gpu tests (warm phase):"; grep -E '^FAILED' $OUT/gpu_tests.txt 2>/dev/null | head -3 | cut -c1-160
+tail -2 $OUT/gpu_tests.txt 2>/dev/null | cut -c1-160

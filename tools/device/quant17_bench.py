@@ -42,18 +42,17 @@ KERNELS = (("gate|up", "moe_quant_round.quant_one_round v0"), ("down", "moe_quan
 
 def summary(path: str) -> None:
     quant15_bench.summary(path)
-    print("== us a call (CUPTI; a span under PDL includes its wait; with env.MOEBUS_PDL=0 the true duration); "
-          "all kernels us a layer")
+    print("== us a call (CUPTI; spans under PDL, true durations with PDL off); every kernel, us a layer")
     for r in quant9_sweep.log_rows(path):
         if r.get("section") != "decode" or not r.get("kernels"):
             continue
         k = r["kernels"]
-        found = [f"{name} {k[label][1]:5.1f}" for name, label in KERNELS if label in k]
+        found = [f"{name} {k[label][1]:4.1f}" for name, label in KERNELS if label in k]
         if r["experts"] == "bf16" or not found:  # the four longest a layer
-            found = [f"{label.split('.')[-1][:14]} {us:5.1f}" for label, (calls, us) in
+            found = [f"{label.split('.')[-1][:12]} {us:4.1f}" for label, (calls, us) in
                      sorted(k.items(), key=lambda kv: -kv[1][0] * kv[1][1])[:4]]
         every = sum(calls * us for calls, us in k.values()) / r["layers"]
-        print(f"{r['experts']}:{r['attention']} {r['setting'][:18]:18} " + ", ".join(found) + f"; all {every:5.1f}")
+        print(f"{r['experts']} {r['setting'][:18]:18} " + " ".join(found) + f" all {every:4.1f}")
 
 
 def main() -> None:
