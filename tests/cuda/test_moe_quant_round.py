@@ -133,31 +133,6 @@ def test_int4_unrolled_gives_the_rolled_loops_bits(rng, monkeypatch, gate_rows, 
     np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt, ahead, down", [("fp8", 60, False), ("int4", 50, True), ("fp8", 0, True)])
-def test_the_l2_look_ahead_keeps_the_bits(rng, monkeypatch, fmt, ahead, down):
-    # GATE_UP_L2_AHEAD and L2_DOWN_FROM_GATE_UP only ask L2 for lines: the same floats, bit for bit; 3 pairs (one
-    # a host-store row) so that blocks look ahead into other pairs' experts, the last blocks into none (the
-    # simulator's prefetch reads the element: an address outside the blob fails)
-    monkeypatch.setattr(moe_quant, "FP8_ONE_ROUND", True)
-    monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
-    layout = ExpertLayout(fmt, 256, 128)
-    x = rng.standard_normal((1, 256), dtype=np.float32)
-    arena, store = device(_arena(rng, layout, 2)), device(_arena(rng, layout, 2))
-    pairs = [(0, 1, 0), (0, -2, 1), (0, 0, 2)]
-    results = []
-    for value in (0, ahead):
-        monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_L2_AHEAD" if fmt == "int4" else "GATE_UP_L2_AHEAD", value)
-        monkeypatch.setattr(moe_quant_round, "L2_DOWN_FROM_GATE_UP", down and value == ahead)
-        out = poisoned((3, 256))
-        _run(x, pairs, arena, layout, out, store=store)
-        results.append(out.copy_to_host())
-    expected = np.full((3, 256), np.nan, np.float32)
-    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena.copy_to_host(), layout, expected,
-                         store=store.copy_to_host())
-    _close(results[0], expected)
-    np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
-
-
 def test_the_one_round_expert_kernel_waits_first():
     # test_pdl.py's rule for the decode step's kernels (this file's kernel is a bounded_kernel, which
     # that test does not pick up): the PDL wait is the kernel body's first statement

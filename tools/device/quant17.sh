@@ -16,7 +16,7 @@ source tools/device/setup.sh
 source tools/device/steps.sh
 set -o pipefail
 PHASE=${PHASE:-measure}; BUDGET=${BUDGET:-130}; OUT=${OUT:-/tmp/quant17-out}; mkdir -p $OUT; T0=$(date +%s)
-W=${W:-/tmp/quant17-m1}; PLAN=tools/device/${PLAN:-quant17_plan.json}; NC=/tmp/quant17-nc  # the merged kernel cache
+W=${W:-/tmp/quant17-m1}; PLAN=tools/device/${PLAN:-quant17_plan_b.json}; NC=/tmp/quant17-nc  # the merged kernel cache
 if [ "$PHASE" = warm ]; then
   [ -e $W.ok ] || { timeout 40 python3 -m moebus.cli init-model $W --preset a3b --layers 1 --experts 32 \
     > $OUT/init1.log 2>&1 && touch $W.ok; }

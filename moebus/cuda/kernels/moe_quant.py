@@ -379,9 +379,7 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
     if one_round(layout, chunk, arena, store):
         can_convert = round_hardware()
-        down_codes = layout.code_bytes(hidden, inter) // 8  # the down matrix for L2_DOWN_FROM_GATE_UP
-        down_place = (down_w, down_codes, down_s, int(np.prod(layout.matrices[2].scale_shape)))
-        round_gate_up, round_down = moe_quant_round.kernels(hidden, inter, block, layout.dtype, can_convert, down_place)
+        round_gate_up, round_down = moe_quant_round.kernels(hidden, inter, block, layout.dtype, can_convert)
         round_gate_rows, _, round_down_rows, _ = moe_quant_round.shape(layout.dtype, can_convert)
         for first in range(0, num_pairs, per_launch):
             count = min(per_launch, num_pairs - first)

@@ -27,16 +27,12 @@ import math
 import numpy as np
 
 from moebus.common.quant import BLOCK
-from moebus.cuda.kernels.compat import (SIMULATOR, WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, device, float32,
-                                       uint32, uint64, warp_sum_many)
+from moebus.cuda.kernels.compat import (WARP, bits_as_f32, bounded_kernel, cuda, data_ptr, device, float32, uint32, uint64,
+                                       warp_sum_many)
 from moebus.cuda.kernels.moe_ffn import _placement
-from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_l2, released_early
+from moebus.cuda.kernels.pdl import grid_dependency_wait, released_early
 from moebus.cuda.kernels.quant_words import (NIBBLES, fast_quotient, e4m3_quad, int4_quad, load_pair,
                                              load_pair_ordered, load_pair_streaming)
-
-if SIMULATOR:
-    def prefetch_l2(array, row, at):  # noqa: F811 - pdl's does nothing there; this one checks the address
-        array[row, at]
 
 VALUES_PER_WORD = 16  # e4m3 codes in a 16-byte word
 VALUES = {"fp8": VALUES_PER_WORD, "int4": 32}  # codes in a 16-byte word by format
@@ -84,23 +80,6 @@ INT4_UNROLLED = False
 # 363.7 -> 376.3, the greedy ids and log p equal to the step without them.
 DOWN_LOAD_BEFORE_WAIT = True
 _down_early = False  # the step being launched's choice (choose_down_early)
-# The gate|up GEMV's L2 look-ahead (seventeenth session, off: not measured): at batch 1 (A3B, 1 row a warp) its
-# 1,536 blocks of 72 registers fill 7 blocks an SM (924 on 132 SMs): 1.66 waves, and the second wave's words
-# leave HBM only once a first-wave block ends. With this percentage p > 0, block b (linear id, b = y x gridDim.x
-# + x) asks L2 (pdl.prefetch_l2, no registers) for the words and scales of block b + p% of the grid, before
-# its own loads (its pair_slot read beside the block's own): at p ~60 the first wave's blocks fetch the second
-# wave's bytes, which then find them in L2 (A3B fp8: a warp's row is 2 x 17 lines of 128 bytes, about one
-# prefetch a lane). A hint only: the same bits whatever it does. Registers (sm_90, ptxas): int4 72 as without;
-# fp8 79 (6 blocks an SM), 72 without spills with GATE_UP_MIN_BLOCKS = 7, which is how to sweep it. After the
-# own loads it took 124-128 registers, inside the trip loop 80 (its values live across the loop).
-GATE_UP_L2_AHEAD = 0
-INT4_GATE_UP_L2_AHEAD = 0
-# The down GEMV's words asked of L2 by the gate|up GEMV (seventeenth session, off: not measured): the pair's expert
-# is known there, the down matrix is one contiguous run of its blob (A3B fp8 1.5 MB, 12,289 lines of 128 bytes
-# for the pair's 24,576 gate|up threads: one prefetch a thread, half of them), and gate|up leaves HBM time unused
-# (25 MB in ~16 us, ~1.6 TB/s); the down GEMV (and its early loads) then reads L2. A hint (fp8 and int4): the same
-# bits, and safe with an evicting cache (L2 is coherent with the uploads' copies).
-L2_DOWN_FROM_GATE_UP = False
 MAX_WORDS = 16  # 16-byte words a lane at most (``fits``)
 # weight words loaded evict-first (ld.global.cs.v2.u64), as moe_ffn.STREAM_WEIGHTS
 STREAM_WEIGHTS = True
@@ -265,15 +244,11 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
 
 @functools.cache
 def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
-                     fmt: str = "fp8", early: bool = False, unrolled: bool = False, ahead: int = 0,
-                     then: tuple = ()):
+                     fmt: str = "fp8", early: bool = False, unrolled: bool = False):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
     capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes); ``early``: the down GEMV's
-    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand;
-    ``ahead``: the L2 look-ahead, percent of the grid (GATE_UP_L2_AHEAD; 0: none); ``then`` (gate|up): the down
-    matrix's (code offset, code length in 8-byte words, scale offset, scales) in the blob, asked of L2 by the
-    pair's threads (L2_DOWN_FROM_GATE_UP; (): not)."""
+    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand."""
     load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt, unrolled)
     int4 = fmt == "int4"
     lanes = WARP // rows
@@ -282,11 +257,6 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
     shared_words = cols // 2
     sums = mats * rows
     warps = block // WARP
-    line_words = -(-row_words // 8) + 1  # 128-byte lines a row may touch (a row need not start on a line)
-    ahead_lines = rows * mats * line_words
-    then_code, then_words, then_scale, then_floats = then or (0, 1, 0, 1)
-    then_lines = -(-then_words // 16) + 1  # 128-byte lines of the down codes (the last: their end)
-    then_scale_lines = -(-then_floats // 32) + 1
 
     @bounded_kernel(block, min_blocks)
     def quant_one_round(x, x_table, pair_slot, arena, arena_f, store, store_f, num_rows, code0, code1, scale0,
@@ -299,9 +269,6 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         j = first_pair + cuda.blockIdx.y
         words, slot = _placement(arena, store, pair_slot[j])
         floats, _ = _placement(arena_f, store_f, pair_slot[j])
-        grid_blocks = cuda.gridDim.x * cuda.gridDim.y
-        partner = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x + grid_blocks * ahead // 100
-        ahead_entry = pair_slot[first_pair + partner // cuda.gridDim.x] if ahead and partner < grid_blocks else 0
         tid = uint32(cuda.threadIdx.x)
         lane = tid % uint32(WARP)
         sub, mine = lane % uint32(lanes), lane // uint32(lanes)  # word offset and row of this lane in its warp
@@ -314,31 +281,6 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
         minimum = cuda.local.array((mats, per_lane), float32)
         part = cuda.local.array(sums, float32)
         first = cuda.blockIdx.x * warps + tid // uint32(WARP)
-        if ahead and partner < grid_blocks:  # the L2 look-ahead: block partner's lines
-            ahead_words, ahead_slot = _placement(arena, store, ahead_entry)
-            ahead_floats, _ = _placement(arena_f, store_f, ahead_entry)
-            ahead_group = min((partner % cuda.gridDim.x) * warps + tid // uint32(WARP), num_groups - 1)
-            for trip in range(-(-ahead_lines // WARP)):  # (row, matrix, line) of the partner warp's rows
-                t = lane + uint32(trip * WARP)
-                if ahead_lines % WARP and t >= uint32(ahead_lines):
-                    break
-                ahead_row = uint32(min(ahead_group * rows + t // (mats * line_words), num_rows - 1))
-                code_at = code0 if (t // line_words) % mats == 0 else code1
-                word = min(uint32(8 * (t % line_words)), uint32(row_words - 1))  # the last: the row's end
-                prefetch_l2(ahead_words, ahead_slot,
-                            uint64(code_at) + uint64(ahead_row * uint32(2 * row_words)) + uint64(2 * word))
-            if lane < uint32(rows * mats):  # the scales' lines, one a (row, matrix)
-                ahead_row = uint32(min(ahead_group * rows + lane // uint32(mats), num_rows - 1))
-                scale_at = scale0 if lane % uint32(mats) == 0 else scale1
-                scale_row = (ahead_row * uint32(2 * scale_cols) if int4
-                             else (ahead_row // uint32(BLOCK)) * uint32(scale_cols))
-                prefetch_l2(ahead_floats, ahead_slot, uint64(scale_at) + uint64(scale_row))
-        if then:  # the down matrix's lines for L2, one a thread (its codes, then its scales; past the pair's
-            line = cuda.blockIdx.x * block + tid  # threads none: a hint; a loop here cost 94 registers)
-            if line < then_lines:
-                prefetch_l2(words, slot, uint64(then_code) + uint64(min(16 * line, then_words - 1)))
-            elif line < then_lines + then_scale_lines:
-                prefetch_l2(floats, slot, uint64(then_scale) + uint64(min(32 * (line - then_lines), then_floats - 1)))
         for start in range(0, num_groups, cuda.gridDim.x * warps):  # the same trips in every warp of the block
             group = min(start + first, num_groups - 1)
             row = uint32(min(group * rows + mine, num_rows - 1))
@@ -392,15 +334,13 @@ def shape(fmt: str, hardware: bool = True) -> tuple[int, int, int, int]:
     return GATE_UP_ROWS_BIT_MOVES, 0, down_rows, DOWN_MIN_BLOCKS
 
 
-def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: bool = True, down: tuple = ()):
+def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: bool = True):
     """(gate|up kernel, down kernel) at the constants above; ``hardware``: whether the GPU converts e4m3
-    by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it); ``down``:
-    the down matrix's place in the blob for L2_DOWN_FROM_GATE_UP (one_round_kernel's ``then``)."""
+    by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it)."""
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
     early = _down_early and released_early()
     unrolled = INT4_UNROLLED and fmt == "int4"
-    ahead = INT4_GATE_UP_L2_AHEAD if fmt == "int4" else GATE_UP_L2_AHEAD
     return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt,
-                             unrolled=unrolled, ahead=ahead, then=tuple(down) if L2_DOWN_FROM_GATE_UP else ()),
+                             unrolled=unrolled),
             one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
                              early, unrolled))
