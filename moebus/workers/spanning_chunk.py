@@ -124,6 +124,30 @@ class ChunkInProgress:
         return buffer
 
 
+def with_held_feed(stage, msg, tokens, images: dict) -> tuple:
+    """(tokens, images) of a STEP whose ``held_row`` continues the chunk ``stage`` holds: that row's
+    image rows (never sent again) from what the chunk kept at its first step (``ChunkInProgress.batch``,
+    freed with it), and, where the step takes its ids from an earlier one (``tokens_from``: one id a row,
+    the held row's a placeholder), its token ids too. A stage that holds no such chunk fails the step:
+    the broker names a row held only after this stage answered it pending."""
+    row, held = int(msg.held_row), stage.chunk
+    slot, start, length = int(msg.slots[row]), int(msg.starts[row]), int(msg.lengths[row])
+    if held is None or (held.slot, held.start, held.length) != (slot, start, length):
+        raise ValueError(f"step {msg.step_id} continues a held prompt chunk (slot {slot}, from {start}, {length} "
+                         f"tokens) that this stage does not hold")
+    first = int(np.sum(msg.lengths[:row]))
+    if msg.tokens_from is not None:
+        tokens = np.concatenate([tokens[:row], held.batch.tokens, tokens[row + 1:]]).astype(np.int32)
+    kept = held.batch
+    if kept.embeds is None or not len(kept.embed_rows):
+        return tokens, images
+    rows = kept.embed_rows + first
+    if images.get("embeds") is not None:
+        rows = np.concatenate([images["embed_rows"], rows])
+        return tokens, {**images, "embeds": np.concatenate([images["embeds"], kept.embeds]), "embed_rows": rows}
+    return tokens, {**images, "embeds": kept.embeds, "embed_rows": rows.astype(np.int32)}
+
+
 def note_step(stage, batch: StepBatch) -> None:
     """Every step the stage is given: drop the held chunk when this step says it will not continue,
     and return its loan when this step is a long one of others (it runs whole, on a loan of its own)."""
