@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One H200, issue 20 (seventeenth session, branch gap17): the held prompt chunk's steps without the wait before
+# them. Call A (sixteenth session): the cold LLaVA cycle's largest text gaps were chunk steps (758 tokens: 25.3 /
+# 23.6 / 22.5 ms), each after 3.6-5.7 ms of the worker waiting: the chunk went again in an ordinary step, sent
+# only after the look-ahead decode step's reply, with the image's 6.2 MB of rows again (a chunk step waited a
+# median 4.89 ms, every other 0.14 ms). Two switches (off by default):
+#   MOEBUS_KEEP_HELD_FEED=1    (broker/steps.py) the ordinary step names the held row (Step.held_row): its image
+#                              rows stay on the worker (spanning_chunk.with_held_feed), not re-sent
+#   MOEBUS_HELD_CHUNK_AHEAD=1  (broker/lookahead.py) the held chunk's next step goes as a look-ahead step after
+#                              the decode step it sat out (tokens_from + held_row: neither its ids nor its rows)
+# gap16.sh's cycle (the 8 x 128 A3B LLaVA (so400m) at /tmp/gap-a3b-8x128-vision, --gpu-memory-mib 8192, 2 text
+# streams, cold start 2 of 2, copy budget 256 MiB) with every step logged (MOEBUS_LOG_STEPS=1), collections
+# (MOEBUS_LOG_GC_MS=2) and slow decodes of the link (MOEBUS_LOG_DECODE_MS=1).
+#   PHASE=warm     the model (marker .gap12-ready; ~40 s) and one cycle cut at BUDGET that fills the kernel
+#                  cache. Beside other branches the budget comes from the driver's free memory (call B's warm
+#                  cycle failed: "leave 0 MiB after the dense weights"): it waits (up to 20 s) for 12 GiB free,
+#                  then tries --gpu-memory-mib 8192, and after a failure within 40 s 6144, then 4096.
+#   PHASE=measure  RUNS in turn ("tag:VAR=v,..."), each where 34 s are left, at most RUN_CAP s (45): "ahead"
+#                  (both switches), "default", "keep" (the feed kept only); then per run gap17_waits.py (the
+#                  wait before chunk steps against the others) and gap15_gaps.py's summary (ratios, largest gaps
+#                  and what was in them). ~110 s: ~30 s a run.
+#   PHASE=measure BUDGET=110 bash tools/device/gap17.sh
+source tools/device/setup.sh
+set -o pipefail
+BUDGET=${BUDGET:-110}
+export V=${V:-/tmp/gap-a3b-8x128-vision}
+LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2,MOEBUS_LOG_DECODE_MS=1
+NEW=MOEBUS_KEEP_HELD_FEED=1,MOEBUS_HELD_CHUNK_AHEAD=1
+free_mib() { nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc 0-9; }
+if [ "$PHASE" = warm ]; then
+  [ -f $V/.gap12-ready ] || { rm -rf $V; timeout $((BUDGET - 50)) python3 -m moebus.cli init-model $V --preset a3b \
+    --layers 8 --vision siglip > $OUT/init.log 2>&1 && touch $V/.gap12-ready; }
+  echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
+  for i in $(seq 20); do f=$(free_mib); { [ -z "$f" ] || [ "$f" -ge 12288 ]; } && break; sleep 1; done
+  echo "GPU free at ${SECONDS} s: $(free_mib) MiB"
+  for mib in 8192 6144 4096; do  # compiles into the disk cache (no figure: other branches run beside)
+    left=$((BUDGET - SECONDS - 8)); [ $left -lt 25 ] && { echo "no warm cycle at $mib MiB: ${left} s left"; break; }
+    L=$OUT/warm_cycle_$mib.log; began=$SECONDS
+    env ${LOGS//,/ } ${NEW//,/ } MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 timeout $left python3 -m moebus.cli \
+      bench vision-cycle --device cuda --model $V --gpu-memory-mib $mib -v --idle-s 1 --repeats 1 --text-streams 2 \
+      --cold-starts 2 --max-batch 4 --timeout-s 90 --skip-resident > $L 2>&1
+    rc=$?; took=$((SECONDS - began))
+    echo "warm cycle at $mib MiB: rc=$rc in $took s; ERROR lines $(grep -c ERROR $L), tracebacks $(grep -c Traceback $L)"
+    grep -hE "kernels: .* compiled" $L | sed -E 's/^.*INFO //' | cut -c1-160 | head -3
+    grep -m1 -A8 Traceback $L | cut -c1-200
+    timeout 10 python3 tools/device/gap17_waits.py $L --tag warm$mib | cut -c1-300
+    gzip -f $L
+    [ $rc = 0 ] || [ $took -ge 40 ] && break  # done, or cut by its time: the kernels it reached are cached
+  done
+  exit 0
+fi
+[ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
+RUNS=${RUNS:-ahead:$LOGS,$NEW default:$LOGS keep:$LOGS,MOEBUS_KEEP_HELD_FEED=1}
+echo "GPU free: $(free_mib) MiB"
+RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
+grep -E "^=== |^rc=|not run" $OUT/gap15.txt | cut -c1-200
+echo "== gap17 summary at ${SECONDS} s (whole runs in gap15.txt, gap_parts.txt)"
+for run in $RUNS; do
+  tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
+  [ -f $L ] || { echo "$tag: no log (not run)"; continue; }
+  timeout 10 python3 tools/device/gap17_waits.py $L --tag $tag | cut -c1-300
+  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | cut -c1-330
+  echo "  ERROR lines $(zcat $L | grep -c ERROR); chunks done $(zcat $L | grep -c 'prompt chunk of .* done in'), dropped $(zcat $L | grep -c 'prompt chunk of .* dropped')"
+done
+echo "== gap17 done at ${SECONDS} s"
