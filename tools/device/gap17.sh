@@ -14,11 +14,14 @@
 #   PHASE=warm     the model (marker .gap12-ready; ~40 s) and one cycle cut at BUDGET that fills the kernel
 #                  cache. Beside other branches the budget comes from the driver's free memory (call B's warm
 #                  cycle failed: "leave 0 MiB after the dense weights"): it waits (up to 20 s) for 12 GiB free,
-#                  then tries --gpu-memory-mib 8192, and after a failure within 40 s 6144, then 4096.
+#                  then tries --gpu-memory-mib 8192, and after a failure within 40 s 6144, then 4096 (each
+#                  after up to 8 s waiting for 4 GiB more than it free).
 #   PHASE=measure  RUNS in turn ("tag:VAR=v,..."), each where 34 s are left, at most RUN_CAP s (45): "ahead"
-#                  (both switches), "default", "keep" (the feed kept only); then per run gap17_waits.py (the
+#                  (both switches), "default", "staged" (both + MOEBUS_CHUNK_STAGING_SLOTS=16: the chunk's copies
+#                  evict none of the decode rows' experts; do the decode rows miss fewer in the prefill?), "keep"
+#                  (the feed kept only; runs only where time is left); then per run gap17_waits.py (the
 #                  wait before chunk steps against the others) and gap15_gaps.py's summary (ratios, largest gaps
-#                  and what was in them). ~110 s: ~30 s a run.
+#                  and what was in them). ~110 s: ~30 s a run, 3 runs.
 #   PHASE=measure BUDGET=110 bash tools/device/gap17.sh
 source tools/device/setup.sh
 set -o pipefail
@@ -27,13 +30,16 @@ export V=${V:-/tmp/gap-a3b-8x128-vision}
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2,MOEBUS_LOG_DECODE_MS=1
 NEW=MOEBUS_KEEP_HELD_FEED=1,MOEBUS_HELD_CHUNK_AHEAD=1
 free_mib() { nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc 0-9; }
+wait_free() {  # MiB, at most s: until the driver shows that much free (the worker's budget is min(cap, free))
+  local f i; for i in $(seq $2); do f=$(free_mib); { [ -z "$f" ] || [ "$f" -ge $1 ]; } && return; sleep 1; done
+}
 if [ "$PHASE" = warm ]; then
   [ -f $V/.gap12-ready ] || { rm -rf $V; timeout $((BUDGET - 50)) python3 -m moebus.cli init-model $V --preset a3b \
     --layers 8 --vision siglip > $OUT/init.log 2>&1 && touch $V/.gap12-ready; }
   echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
-  for i in $(seq 20); do f=$(free_mib); { [ -z "$f" ] || [ "$f" -ge 12288 ]; } && break; sleep 1; done
-  echo "GPU free at ${SECONDS} s: $(free_mib) MiB"
   for mib in 8192 6144 4096; do  # compiles into the disk cache (no figure: other branches run beside)
+    wait_free $((mib + 4096)) $([ $mib = 8192 ] && echo 20 || echo 8)
+    echo "GPU free at ${SECONDS} s: $(free_mib) MiB"
     left=$((BUDGET - SECONDS - 8)); [ $left -lt 25 ] && { echo "no warm cycle at $mib MiB: ${left} s left"; break; }
     L=$OUT/warm_cycle_$mib.log; began=$SECONDS
     env ${LOGS//,/ } ${NEW//,/ } MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 timeout $left python3 -m moebus.cli \
@@ -50,7 +56,7 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 [ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
-RUNS=${RUNS:-ahead:$LOGS,$NEW default:$LOGS keep:$LOGS,MOEBUS_KEEP_HELD_FEED=1}
+RUNS=${RUNS:-ahead:$LOGS,$NEW default:$LOGS staged:$LOGS,$NEW,MOEBUS_CHUNK_STAGING_SLOTS=16 keep:$LOGS,MOEBUS_KEEP_HELD_FEED=1}
 echo "GPU free: $(free_mib) MiB"
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
 grep -E "^=== |^rc=|not run" $OUT/gap15.txt | cut -c1-200
