@@ -60,12 +60,19 @@ RUNS=${RUNS:-ahead:$LOGS,$NEW default:$LOGS staged:$LOGS,$NEW,MOEBUS_CHUNK_STAGI
 echo "GPU free: $(free_mib) MiB"
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
 grep -E "^=== |^rc=|not run" $OUT/gap15.txt | cut -c1-200
-echo "== gap17 summary at ${SECONDS} s (whole runs in gap15.txt, gap_parts.txt)"
-for run in $RUNS; do
+for run in $RUNS; do  # the whole of each run's reading, into $OUT/summary_<tag>.txt
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
-  [ -f $L ] || { echo "$tag: no log (not run)"; continue; }
-  timeout 10 python3 tools/device/gap17_waits.py $L --tag $tag | cut -c1-300
-  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | cut -c1-330
-  echo "  ERROR lines $(zcat $L | grep -c ERROR); chunks done $(zcat $L | grep -c 'prompt chunk of .* done in'), dropped $(zcat $L | grep -c 'prompt chunk of .* dropped')"
+  [ -f $L ] || continue
+  { timeout 10 python3 tools/device/gap17_waits.py $L --tag $tag
+    timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag"
+    echo "ERROR lines $(zcat $L | grep -c ERROR); chunks done $(zcat $L | grep -c 'prompt chunk of .* done in'), dropped $(zcat $L | grep -c 'prompt chunk of .* dropped')"
+    zcat $L | grep -E "prompt chunk of .* (done in|dropped)" | sed -E 's/^.*(a prompt chunk)/\1/'
+  } > $OUT/summary_$tag.txt 2>&1
+done
+echo "== gap17 summary at ${SECONDS} s (each run whole in summary_<tag>.txt; gap15.txt, gap_parts.txt)"
+for run in $RUNS; do  # the call's tail: ~600 characters a run
+  tag=${run%%:*}; S=$OUT/summary_$tag.txt
+  [ -f $S ] || { echo "$tag: not run"; continue; }
+  head -1 $S | cut -c1-200; sed -n 3,4p $S | cut -c1-210; grep -m1 "^ERROR lines" $S
 done
 echo "== gap17 done at ${SECONDS} s"
