@@ -132,10 +132,11 @@ def with_held_feed(stage, msg, tokens, images: dict) -> tuple:
     the broker names a row held only after this stage answered it pending."""
     row, held = int(msg.held_row), stage.chunk
     slot, start, length = int(msg.slots[row]), int(msg.starts[row]), int(msg.lengths[row])
-    if held is None or (held.slot, held.start, held.length) != (slot, start, length):
+    first = int(np.sum(msg.lengths[:row]))
+    if held is None or (held.slot, held.start, held.length) != (slot, start, length) or (
+            msg.tokens_from is None and not np.array_equal(tokens[first:first + length], held.batch.tokens)):
         raise ValueError(f"step {msg.step_id} continues a held prompt chunk (slot {slot}, from {start}, {length} "
                          f"tokens) that this stage does not hold")
-    first = int(np.sum(msg.lengths[:row]))
     if msg.tokens_from is not None:
         tokens = np.concatenate([tokens[:row], held.batch.tokens, tokens[row + 1:]]).astype(np.int32)
     kept = held.batch

@@ -64,7 +64,8 @@ def test_an_image_row_of_another_row_travels_beside_the_held_ones():
     assert sorted(batch.embed_rows.tolist()) == [1, 4, 5, 6] and batch.embeds[0, 0] == -1.0
 
 
-@pytest.mark.parametrize("update", [dict(starts=np.array([41, 6], np.int32)), dict(slots=np.array([2, 3], np.int32))])
+@pytest.mark.parametrize("update", [dict(starts=np.array([41, 6], np.int32)), dict(slots=np.array([2, 3], np.int32)),
+                                    dict(tokens=np.array([9, 3, 4, 5, 6, 7, 1], np.int32))])
 def test_a_step_naming_a_chunk_the_worker_does_not_hold_fails(update):
     first = full_step()
     worker = worker_holding(first)
