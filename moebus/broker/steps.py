@@ -99,6 +99,8 @@ class StepDriver:
                               chunks_span=self.settings.max_prefill_copy_mib_beside_decode > 0)
         if plan is not None:
             self.stats.count("lookahead_steps_total")
+            if plan.held_row is not None:  # a held chunk's step among them (HELD_CHUNK_AHEAD)
+                self.stats.count("held_chunk_lookahead_steps_total")
             self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
 
     def _plan(self) -> PlannedStep | None:

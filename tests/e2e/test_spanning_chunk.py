@@ -42,7 +42,8 @@ def worker_stats(client: Client, **at_least) -> dict:
         time.sleep(0.2)
 
 
-def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served):
+def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served, request):
+    held_ahead = "held_ahead" in request.node.callspec.id
     gpu = worker_stats(served, expert_slots=1)
     assert 0 < gpu["expert_slots"] < 32  # of 4 layers x 8 experts: the chunk must copy experts in
     want_long, want_stream = served.generate(**LONG).collect(), served.generate(**STREAM).collect()
@@ -65,6 +66,8 @@ def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served):
     after = worker_stats(served, chunks_spanned=before["chunks_spanned"] + 1)
     assert after["chunks_spanned"] == before["chunks_spanned"] + 1
     assert after["chunk_steps"] - before["chunk_steps"] > 3  # the prompt was read in many steps
+    ahead = served.info()["counters"]["held_chunk_lookahead_steps_total"]  # the chunk's steps after its first
+    assert ahead > 0 if held_ahead else ahead == 0
 
 
 def test_a_cancel_in_the_middle_drops_the_held_chunk(served):
