@@ -13,7 +13,7 @@
 # (MOEBUS_LOG_GC_MS=2) and slow decodes of the link (MOEBUS_LOG_DECODE_MS=1).
 #   PHASE=warm     the model (marker .gap12-ready; ~40 s) and one cycle cut at BUDGET that fills the kernel
 #                  cache. Beside other branches the budget comes from the driver's free memory (call B's warm
-#                  cycle failed: "leave 0 MiB after the dense weights"): it waits (up to 20 s) for 12 GiB free,
+#                  cycle failed: "leave 0 MiB after the dense weights"): it waits (up to 10 s) for 12 GiB free,
 #                  then tries --gpu-memory-mib 8192, and after a failure within 40 s 6144, then 4096 (each
 #                  after up to 8 s waiting for 4 GiB more than it free).
 #   PHASE=measure  RUNS in turn ("tag:VAR=v,..."), each where 34 s are left, at most RUN_CAP s (45): "ahead"
@@ -38,7 +38,7 @@ if [ "$PHASE" = warm ]; then
     --layers 8 --vision siglip > $OUT/init.log 2>&1 && touch $V/.gap12-ready; }
   echo "model at ${SECONDS} s: $(du -sh $V 2>/dev/null | cut -f1) ($(tail -1 $OUT/init.log 2>/dev/null | cut -c1-120))"
   for mib in 8192 6144 4096; do  # compiles into the disk cache (no figure: other branches run beside)
-    wait_free $((mib + 4096)) $([ $mib = 8192 ] && echo 20 || echo 8)
+    wait_free $((mib + 4096)) $([ $mib = 8192 ] && echo 10 || echo 8)
     echo "GPU free at ${SECONDS} s: $(free_mib) MiB"
     left=$((BUDGET - SECONDS - 8)); [ $left -lt 25 ] && { echo "no warm cycle at $mib MiB: ${left} s left"; break; }
     L=$OUT/warm_cycle_$mib.log; began=$SECONDS
