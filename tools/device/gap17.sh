@@ -59,7 +59,7 @@ fi
 RUNS=${RUNS:-ahead:$LOGS,$NEW default:$LOGS staged:$LOGS,$NEW,MOEBUS_CHUNK_STAGING_SLOTS=16 keep:$LOGS,MOEBUS_KEEP_HELD_FEED=1}
 echo "GPU free: $(free_mib) MiB"
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
-grep -E "^=== |^rc=|not run" $OUT/gap15.txt | cut -c1-200
+grep -E "^=== |^rc=|not run" $OUT/gap15.txt | sed -E "s/ \(MOEBUS[^)]*\)//" | cut -c1-100
 for run in $RUNS; do  # the whole of each run's reading, into $OUT/summary_<tag>.txt
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || continue
