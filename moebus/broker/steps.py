@@ -22,8 +22,8 @@ from moebus.common.protocol import Step, StepReply
 log = logging.getLogger("moebus.broker")
 # issue 20: a prompt chunk the worker holds part-done goes again without its image rows (~6.2 MB at
 # LLaVA's 756 x 2048, re-sent every other step before): the STEP names it (held_row) and the worker
-# uses the rows it kept. Off until a GPU call measures it (tools/device/gap17.sh).
-KEEP_HELD_FEED = os.environ.get("MOEBUS_KEEP_HELD_FEED", "0") == "1"
+# uses the rows it kept. On (seventeenth session's call A, with HELD_CHUNK_AHEAD: bits unchanged); 0: re-sent.
+KEEP_HELD_FEED = os.environ.get("MOEBUS_KEEP_HELD_FEED", "1") == "1"
 
 
 def held_row(plan: PlannedStep) -> int | None:

@@ -125,8 +125,9 @@ def test_a_held_chunk_goes_again_without_its_image_rows_where_kept(tokenizer, mo
 
     s, _, _ = held_step(tokenizer)
     again = s.plan()
+    monkeypatch.setattr(steps, "KEEP_HELD_FEED", False)
     sent = message(again)
-    assert sent.held_row is None and sent.embeds.shape == (50, 8)  # the switch off: as before
+    assert sent.held_row is None and sent.embeds.shape == (50, 8)  # the switch off: re-sent, as before
     monkeypatch.setattr(steps, "KEEP_HELD_FEED", True)
     sent = message(again)
     assert sent.held_row == 1 and sent.embeds is None and sent.embed_rows is None
@@ -140,6 +141,7 @@ def test_the_held_chunk_continues_in_the_look_ahead_step_after_the_one_it_sat_ou
 
     s, step, ahead = held_step(tokenizer)
     assert [q.id for q in ahead.seqs] == ["a"]
+    monkeypatch.setattr(lookahead, "HELD_CHUNK_AHEAD", False)
     assert lookahead_plan(s, ahead, 8, chunks_span=True) is None  # off: the ordinary step after its reply
     monkeypatch.setattr(lookahead, "HELD_CHUNK_AHEAD", True)
     assert lookahead_plan(s, ahead, 8, chunks_span=False) is None  # no chunk can be held

@@ -15,10 +15,11 @@ STREAM = {"prompt_tokens": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignor
 BLOB_MIB = 0.012  # the tiny model's expert: 3 x 64 x 32 bf16 = 12 KiB
 
 
-# held_ahead: the held chunk's steps go as look-ahead steps that name it (broker/lookahead.py's
-# HELD_CHUNK_AHEAD, Step.held_row) and, in ordinary steps, without its image rows (steps.KEEP_HELD_FEED)
-@pytest.fixture(scope="module", params=[{}, {"MOEBUS_HELD_CHUNK_AHEAD": "1", "MOEBUS_KEEP_HELD_FEED": "1"}],
-                ids=["default", "held_ahead"])
+# held_ahead (the default): the held chunk's steps go as look-ahead steps that name it (broker/lookahead.py's
+# HELD_CHUNK_AHEAD, Step.held_row) and, in ordinary steps, without its image rows (steps.KEEP_HELD_FEED);
+# resent: both off (the ordinary step after the look-ahead step's reply, the feed sent again)
+@pytest.fixture(scope="module", params=[{}, {"MOEBUS_HELD_CHUNK_AHEAD": "0", "MOEBUS_KEEP_HELD_FEED": "0"}],
+                ids=["held_ahead", "resent"])
 def served(tmp_path_factory, tiny_model, request):
     tmp = tmp_path_factory.mktemp("spanning")
     svc = Service(tmp, tiny_model, env=request.param, emulated_vram_mib=[1.6], emulated_vram_dir=str(tmp / "vram"),
