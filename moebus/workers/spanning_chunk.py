@@ -4,7 +4,8 @@ copied in holds every stream for the whole copy: on the H200 (8 x 128 experts, a
 the decode rows first (their own step: their graph, as any decode step), then advances the chunk
 while the experts it copies stay within a budget of bytes a step and, on a GPU, while its work stays
 within ``TIME_SHARE`` times what the decode rows took (chunk_advance.py: on the H200 the copy budget
-alone left steps of 40-60 ms whatever the budget), and reports the chunk's row as
+alone left steps of 40-60 ms whatever the budget) and, with ``STEP_MS``, within that long from the
+step's start, and reports the chunk's row as
 pending (``StageOutput.pending_rows``); the broker re-sends the same feed until the row is done
 (broker/steps.py), and the stage continues what it holds for that slot, start and length.
 
@@ -293,8 +294,8 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
 
 def chunk_deadline(stage, started: float) -> float | None:
     """When a step's chunk work must end (a ``time.perf_counter()``): ``stage.chunk_time_share``
-    times what the step's decode rows took from ``started``, after them; None where the share is 0
-    (the copy budget alone bounds the step)."""
+    times what the step's decode rows took from ``started``, after them, and no later than ``STEP_MS``
+    after ``started`` (``capped``); None where the share is 0 (the copy budget alone bounds the step)."""
     share = stage.chunk_time_share
     if share <= 0:
         return None
