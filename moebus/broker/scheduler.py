@@ -34,6 +34,7 @@ class PlannedStep:
     masks: dict[str, np.ndarray] | None = None  # the Step's mask and mask_rows, when a row that samples is constrained
     tokens_from: int | None = None  # a look-ahead step's: the step in flight whose sampled ids it feeds (lookahead.py)
     tokens_rows: np.ndarray | None = None  # and which of those ids, row by row (None: all, in order)
+    held_row: int | None = None  # a look-ahead step's row that continues the chunk the worker holds (lookahead.py)
 
 
 MASK_WAIT_SHARE = 0.05  # of a step's time: what a late grammar mask may cost the other sequences

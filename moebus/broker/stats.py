@@ -28,7 +28,7 @@ class Stats:
         self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_total": 0,
                          "requests_finished_total": 0, "requests_failed_total": 0, "requests_cancelled_total": 0,
                          "invalid_messages_total": 0, "worker_restarts_total": 0, "steps_total": 0, "pipelined_steps_total": 0,
-                         "lookahead_steps_total": 0,
+                         "lookahead_steps_total": 0, "held_chunk_lookahead_steps_total": 0,
                          "vision_starts_total": 0, "images_total": 0, "images_reused_total": 0, "internal_errors_total": 0,
                          "undeliverable_replies_total": 0}
         self.histograms = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram(),

@@ -4,6 +4,7 @@ that cannot complete. The steps in flight themselves are broker/inflight.py's bo
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -19,19 +20,35 @@ from moebus.broker.worker_pool import WorkerPool, WorkerState
 from moebus.common.protocol import Step, StepReply
 
 log = logging.getLogger("moebus.broker")
+# issue 20: a prompt chunk the worker holds part-done goes again without its image rows (~6.2 MB at
+# LLaVA's 756 x 2048, re-sent every other step before): the STEP names it (held_row) and the worker
+# uses the rows it kept. On (seventeenth session's call A, with HELD_CHUNK_AHEAD: bits unchanged); 0: re-sent.
+KEEP_HELD_FEED = os.environ.get("MOEBUS_KEEP_HELD_FEED", "1") == "1"
+
+
+def held_row(plan: PlannedStep) -> int | None:
+    """The row of ``plan`` that feeds again the prompt chunk the worker holds (Sequence.held_feed, set
+    from the worker's pending reply), or None."""
+    if plan.held_row is not None:  # a look-ahead step's: it carries none of that row's ids either
+        return plan.held_row
+    if not KEEP_HELD_FEED:
+        return None
+    return next((i for i, (seq, start, length) in enumerate(zip(plan.seqs, plan.starts, plan.lengths))
+                 if length > 1 and seq.held_feed == int(length) and seq.fed == int(start)), None)
 
 
 def step_message(step: InflightStep, hidden, num_stages: int, first_layer: int = 0) -> Step:
     """The STEP for ``step``'s current stage: token ids (and image embeddings) go to the first stage
     only, the logit rules to the last, ``hidden`` is the previous stage's output."""
     plan, first, last = step.plan, step.stage == 0, step.stage == num_stages - 1
-    embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths) if first else (None, None)
+    held = held_row(plan) if first and num_stages == 1 else None
+    embeds, embed_rows = step_embeds(plan.seqs, plan.starts, plan.lengths, held) if first else (None, None)
     rules = (plan.logit_rules or {}) if last else {}
     if last and plan.masks is not None:  # structured outputs (broker/grammar_state.py)
         rules = {**rules, **plan.masks}
     return Step(step_id=step.step_id, top_logprobs=plan.top_logprobs, slots=plan.slots,
                 logprob_rows=plan.logprob_rows if plan.top_logprobs else None, tokens_from=plan.tokens_from,
-                tokens_rows=plan.tokens_rows,
+                tokens_rows=plan.tokens_rows, held_row=held,
                 starts=plan.starts, lengths=plan.lengths,
                 tokens=plan.tokens if first and plan.tokens_from is None else None,
                 hidden=hidden, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, u=plan.u,
@@ -82,6 +99,8 @@ class StepDriver:
                               chunks_span=self.settings.max_prefill_copy_mib_beside_decode > 0)
         if plan is not None:
             self.stats.count("lookahead_steps_total")
+            if plan.held_row is not None:  # a held chunk's step among them (HELD_CHUNK_AHEAD)
+                self.stats.count("held_chunk_lookahead_steps_total")
             self._send_step(self.inflight.start(next(self.step_ids), plan, now), None)
 
     def _plan(self) -> PlannedStep | None:

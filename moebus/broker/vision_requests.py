@@ -97,13 +97,14 @@ def admit_image_request(msg: Generate, client: bytes, tokenizer, vocab_size: int
                         keys=image_keys(images) if grouped else [])
 
 
-def step_embeds(seqs, starts, lengths) -> tuple[np.ndarray | None, np.ndarray | None]:
+def step_embeds(seqs, starts, lengths, skip: int | None = None) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(embeds (R, D) float32, rows (R,) int32 of the step's T tokens) for the image tokens that
-    this step feeds, or (None, None) when it feeds none."""
+    this step feeds, or (None, None) when it feeds none. ``skip``: a row whose image rows are not
+    sent (the worker holds them: Step.held_row)."""
     chunks, rows, offset = [], [], 0
-    for seq, start, length in zip(seqs, starts, lengths):
+    for i, (seq, start, length) in enumerate(zip(seqs, starts, lengths)):
         start, length = int(start), int(length)
-        if seq.embeds is not None:
+        if seq.embeds is not None and i != skip:
             positions = seq.embed_positions
             lo, hi = np.searchsorted(positions, [start, start + length])
             if hi > lo:

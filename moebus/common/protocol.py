@@ -316,7 +316,11 @@ class Step(Message):
     The broker sends such a step while the step it names still runs, so the stage never waits for
     the broker's hop (broker/lookahead.py). ``tokens_rows`` (S,) int32, with ``tokens_from`` only:
     which row of the named step's sampled ids each row takes (absent: row for row), when rows of
-    that step sit this one out."""
+    that step sit this one out. ``held_row``: the row that continues the prompt chunk the worker
+    holds part-done (workers/spanning_chunk.py; the broker's ``Sequence.held_feed``): its image rows
+    are not sent again (the worker kept them at the chunk's first step: ~6.2 MB at LLaVA's 756 x
+    2048), nor, with ``tokens_from``, its token ids (its ``tokens_rows`` entry is then a placeholder:
+    the other rows take one id each). A worker that holds no such chunk fails the step."""
 
     TYPE = b"STEP"
     TENSORS = ("slots", "starts", "lengths", "tokens", "hidden", "temperature", "top_k", "top_p", "u",
@@ -325,6 +329,7 @@ class Step(Message):
     step_id: Int64
     top_logprobs: int = Field(0, ge=0, le=20)
     tokens_from: Int64 | None = None
+    held_row: int | None = Field(None, ge=0, le=MAX_INT32)
     slots: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
@@ -436,8 +441,14 @@ def check_step_arrays(step: Step) -> None:
             raise ValueError("slots and starts must be >= 0, lengths >= 1")
     num_tokens = _total(lengths)
     tokens = _vector(step, "tokens", "iu", num_tokens)
-    if step.tokens_from is not None and (tokens is not None or step.hidden is not None or num_tokens != num_seqs):
-        raise ValueError("a step with tokens_from carries no tokens or hidden states, and one token per sequence")
+    held = step.held_row
+    if held is not None and (held >= num_seqs or int(lengths[held]) < 2):
+        raise ValueError("held_row must be a prompt chunk's row (length > 1) of the step")
+    held_tokens = 0 if held is None else int(lengths[held]) - 1  # with tokens_from: one placeholder id
+    if step.tokens_from is not None and (tokens is not None or step.hidden is not None
+                                         or num_tokens - held_tokens != num_seqs):
+        raise ValueError("a step with tokens_from carries no tokens or hidden states, and one token per sequence "
+                         "(but its held_row)")
     tokens_rows = _vector(step, "tokens_rows", "iu", num_seqs)
     if tokens_rows is not None and (step.tokens_from is None or (num_seqs and _span(tokens_rows)[0] < 0)):
         raise ValueError("tokens_rows comes with tokens_from only, and names rows >= 0")

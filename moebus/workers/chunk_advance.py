@@ -174,7 +174,7 @@ def _advance_piece(stage, chunk: ChunkInProgress, piece: StepBatch, budget_bytes
         x = ops.embedding(stage.embed, inputs["tokens"])
         if "embeds" in inputs:
             x = ops.scatter_rows(x, inputs["embed_rows"], inputs["embeds"])
-        if SETUP_STEP and deadline is not None and chunk.steps == 0 and chunk.piece == 0:
+        if SETUP_STEP and deadline is not None and chunk.steps == chunk.idle_steps and chunk.piece == 0:
             spent[1] = True  # the chunk's setup is its first step's progress (SETUP_STEP)
             chunk.layer_entry_s = max(chunk.layer_entry_s, stage.chunk_layer_entry_s)
     mark = ops.layer_mark()

@@ -189,7 +189,8 @@ class GpuWorker:
             if running.is_done():
                 return
         if not (isinstance(following, Step) and following.tokens_from == running.step_id and following.tokens_rows is None
-                and len(following.slots) == running.batch.num_seqs and following.step_id not in self.ahead):
+                and following.held_row is None and len(following.slots) == running.batch.num_seqs
+                and following.step_id not in self.ahead):
             return
         try:
             batch = self.batch_of(following, np.zeros(len(following.slots), np.int32))  # the ids come on the device
@@ -203,6 +204,8 @@ class GpuWorker:
     def batch_of(self, msg: Step, tokens) -> StepBatch:
         images = {"embeds": msg.embeds, "embed_rows": msg.embed_rows} if msg.embeds is not None else {}
         images.update(rope_positions=msg.rope_positions, deepstack=msg.deepstack, deepstack_rows=msg.deepstack_rows)
+        if msg.held_row is not None:  # the chunk this stage holds: its rows (and ids) as it kept them
+            tokens, images = spanning_chunk.with_held_feed(self.stage, msg, tokens, images)
         return StepBatch(slots=msg.slots, starts=msg.starts, lengths=msg.lengths, tokens=tokens,
                          temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, u=msg.u,
                          top_logprobs=msg.top_logprobs, logprob_rows=msg.logprob_rows, logit_rules=logit_rules_of(msg),

@@ -4,7 +4,8 @@ copied in holds every stream for the whole copy: on the H200 (8 x 128 experts, a
 the decode rows first (their own step: their graph, as any decode step), then advances the chunk
 while the experts it copies stay within a budget of bytes a step and, on a GPU, while its work stays
 within ``TIME_SHARE`` times what the decode rows took (chunk_advance.py: on the H200 the copy budget
-alone left steps of 40-60 ms whatever the budget), and reports the chunk's row as
+alone left steps of 40-60 ms whatever the budget) and, with ``STEP_MS``, within that long from the
+step's start, and reports the chunk's row as
 pending (``StageOutput.pending_rows``); the broker re-sends the same feed until the row is done
 (broker/steps.py), and the stage continues what it holds for that slot, start and length.
 
@@ -60,6 +61,14 @@ MAX_ABSENT_STEPS = 1  # steps without the held chunk between two with it: the lo
 # this many decode steps and a group's overrun (issue 20: a text stream's gap within 2x its median,
 # and the decode rows beside a chunk are slower than alone: more misses); 0: the copy budget alone
 TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
+# issue 20, seventeenth session: a cap on a time-bounded chunk step (beside decode rows, on a GPU), from
+# the step's start: its chunk work ends by then, whatever the share allows. Call A's chunk steps took a
+# median 14.1 ms: the share is of the decode rows' time, and the rows beside the chunk took ~10 ms (the
+# caches missing 43 experts a step, over PCIe), so 0.5 of it let the chunk run ~5 ms more. With the cap a
+# chunk's first step whose rows ran synchronously does no chunk work (its loan and setup, ~7 ms there,
+# go to the next step, which launches the rows first and sets up while the GPU runs them). 0: off (the
+# share alone). Off until a GPU call measures it (tools/device/gap17.sh's "bounded").
+STEP_MS = float(os.environ.get("MOEBUS_CHUNK_STEP_MS", "0"))
 SLOW_STEP_MS = 11.0  # the "done" line counts the steps over this (2x the H200's ~5.6 ms text gap, issue 20)
 
 
@@ -84,6 +93,7 @@ class ChunkInProgress:
     staging: tuple | None = None  # the loan's top slots [lo, hi) its misses are copied into (spanning_chunk_staging.py)
     staged: object = None  # spanning_chunk_staging.StagedExperts over them (chunk_advance.chunk_experts)
     absent_steps: int = 0
+    idle_steps: int = 0  # its steps that did no chunk work (the first, under STEP_MS: its rows ran synchronously)
     kept: dict = field(default_factory=dict)  # name -> a buffer outside the step scratch
     parts: StepParts = field(default_factory=StepParts)  # its steps' host time by part
     layer_entry_s: float = 0.0  # the last layer's attention and routing (a step's deadline keeps room for one)
@@ -122,6 +132,31 @@ class ChunkInProgress:
         else:  # a device array: a copy in stream order
             buffer.copy_to_device(array, stream=ops.stream)
         return buffer
+
+
+def with_held_feed(stage, msg, tokens, images: dict) -> tuple:
+    """(tokens, images) of a STEP whose ``held_row`` continues the chunk ``stage`` holds: that row's
+    image rows (never sent again) from what the chunk kept at its first step (``ChunkInProgress.batch``,
+    freed with it), and, where the step takes its ids from an earlier one (``tokens_from``: one id a row,
+    the held row's a placeholder), its token ids too. A stage that holds no such chunk fails the step:
+    the broker names a row held only after this stage answered it pending."""
+    row, held = int(msg.held_row), stage.chunk
+    slot, start, length = int(msg.slots[row]), int(msg.starts[row]), int(msg.lengths[row])
+    first = int(np.sum(msg.lengths[:row]))
+    if held is None or (held.slot, held.start, held.length) != (slot, start, length) or (
+            msg.tokens_from is None and not np.array_equal(tokens[first:first + length], held.batch.tokens)):
+        raise ValueError(f"step {msg.step_id} continues a held prompt chunk (slot {slot}, from {start}, {length} "
+                         f"tokens) that this stage does not hold")
+    if msg.tokens_from is not None:
+        tokens = np.concatenate([tokens[:row], held.batch.tokens, tokens[row + 1:]]).astype(np.int32)
+    kept = held.batch
+    if kept.embeds is None or not len(kept.embed_rows):
+        return tokens, images
+    rows = kept.embed_rows + first
+    if images.get("embeds") is not None:
+        rows = np.concatenate([images["embed_rows"], rows])
+        return tokens, {**images, "embeds": np.concatenate([images["embeds"], kept.embeds]), "embed_rows": rows}
+    return tokens, {**images, "embeds": kept.embeds, "embed_rows": rows.astype(np.int32)}
 
 
 def note_step(stage, batch: StepBatch) -> None:
@@ -217,8 +252,11 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
         deadline = chunk_deadline(stage, started) if decode is not None else None
         held.rows_s = time.perf_counter() - started if decode is not None else held.rows_s
     budget = stage.chunk_copy_budget_bytes if decode is not None else None  # alone: nobody waits
+    idle = rows is None and deadline is not None and STEP_MS > 0 and held.steps == 0  # (STEP_MS: once a chunk)
+    held.idle_steps += idle
     try:
-        chunk_out = advance_in_loan(stage, held, budget, want_logits, deadline, fresh=rows is not None)
+        chunk_out = None if idle else advance_in_loan(stage, held, budget, want_logits, deadline,
+                                                      fresh=rows is not None)
     except BaseException:
         if rows is not None:  # nothing left in flight: the step fails as a whole, with the chunk's error
             with contextlib.suppress(Exception):
@@ -256,13 +294,18 @@ def forward(stage, batch: StepBatch, row: int, want_logits: bool) -> StageOutput
 
 def chunk_deadline(stage, started: float) -> float | None:
     """When a step's chunk work must end (a ``time.perf_counter()``): ``stage.chunk_time_share``
-    times what the step's decode rows took from ``started``, after them; None where the share is 0
-    (the copy budget alone bounds the step)."""
+    times what the step's decode rows took from ``started``, after them, and no later than ``STEP_MS``
+    after ``started`` (``capped``); None where the share is 0 (the copy budget alone bounds the step)."""
     share = stage.chunk_time_share
     if share <= 0:
         return None
     now = time.perf_counter()
-    return now + share * (now - started)
+    return capped(now + share * (now - started), started)
+
+
+def capped(deadline: float, started: float) -> float:
+    """``deadline`` no later than ``STEP_MS`` after the step's start (where STEP_MS > 0)."""
+    return deadline if STEP_MS <= 0 else min(deadline, started + STEP_MS / 1e3)
 
 
 def overlapped_deadline(stage, held: ChunkInProgress, started: float) -> float | None:
@@ -272,7 +315,7 @@ def overlapped_deadline(stage, held: ChunkInProgress, started: float) -> float |
     compute stream), which ``held.copies_from`` tells the first group's bytes."""
     held.copies_from = started + held.rows_s
     share = stage.chunk_time_share
-    return None if share <= 0 else started + (1 + share) * held.rows_s
+    return None if share <= 0 else capped(started + (1 + share) * held.rows_s, started)
 
 
 def return_loan(stage) -> None:

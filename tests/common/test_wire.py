@@ -54,6 +54,11 @@ SAMPLES = [
            lengths=np.ones(2, np.int32), temperature=np.zeros(2, np.float32), u=np.zeros(2, np.float32)),
     p.Step(step_id=10, tokens_from=9, tokens_rows=np.array([0, 2], np.int32), slots=np.array([2, 1], np.int32),
            starts=np.array([41, 5], np.int32), lengths=np.ones(2, np.int32)),
+    # a held chunk continued: its image rows stay on the worker; with tokens_from, its ids too
+    p.Step(step_id=11, held_row=1, slots=np.array([2, 1], np.int32), starts=np.array([41, 0], np.int32),
+           lengths=np.array([1, 3], np.int32), tokens=np.arange(4, dtype=np.int32)),
+    p.Step(step_id=12, tokens_from=11, tokens_rows=np.array([0, 0], np.int32), held_row=1,
+           slots=np.array([2, 1], np.int32), starts=np.array([42, 0], np.int32), lengths=np.array([1, 3], np.int32)),
     p.StepReply(step_id=3, generation="g", compute_s=0.01, tokens=np.array([1, 2], np.int32),
                 logprobs=np.array([-1.0, -2.0], np.float32), top_ids=np.zeros((2, 3), np.int32),
                 top_logprobs=np.zeros((2, 3), np.float32)),
@@ -162,6 +167,17 @@ def test_a_step_with_tokens_from_takes_one_token_per_row_and_carries_none(extra)
                   lengths=np.ones(2, np.int32))
     with pytest.raises(ValueError, match="tokens_from"):
         p.Step(**{**fields, **extra})
+
+
+@pytest.mark.parametrize("extra", [{"held_row": 2}, {"held_row": 0}, {"held_row": -1},
+                                   {"lengths": np.array([1, 3, 2], np.int32)}])
+def test_a_held_row_is_a_prompt_chunks_row_and_only_its_ids_are_left_out(extra):
+    fields = dict(step_id=2, tokens_from=1, held_row=1, slots=np.arange(2, dtype=np.int32),
+                  starts=np.zeros(2, np.int32), lengths=np.array([1, 3], np.int32))
+    p.Step(**fields)
+    with pytest.raises(ValueError, match="held_row|tokens_from|greater|shape"):
+        p.Step(**{**fields, **extra, **({"slots": np.arange(3, dtype=np.int32), "starts": np.zeros(3, np.int32)}
+                                       if "lengths" in extra else {})})
 
 
 @pytest.mark.parametrize("extra", [{"tokens_from": None, "tokens": np.zeros(2, np.int32)},

@@ -130,6 +130,31 @@ def test_a_chunk_spanning_steps_on_device_buffers_equals_it_run_whole(micro_mode
     np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)
 
 
+@pytest.mark.skipif(SIMULATOR, reason="~55 s in the simulator: on a GPU (MOEBUS_TEST_GPU=1)")
+def test_a_chunk_under_a_step_cap_equals_it_run_whole(micro_model, monkeypatch):
+    """spanning_chunk.STEP_MS (MOEBUS_CHUNK_STEP_MS), past once the decode rows are done: the chunk's
+    first step, its rows run synchronously, does no chunk work (no loan, nothing kept); the next sets
+    it up, then one unit a step; its token and logprob are those of the chunk run whole."""
+    monkeypatch.setattr(spanning_chunk, "STEP_MS", 1e-9)
+    monkeypatch.setattr(stage_module, "ROUTED_MAX_TOKENS", 4)  # a step of 7 tokens takes the long path
+    whole = _stage(micro_model, 0, "tensor cores")
+    want = whole.forward(StepBatch(slots=[1], starts=[0], lengths=[6], tokens=CHUNK))
+    sliced = _stage(micro_model, 1.0, "tensor cores")
+    sliced.chunk_time_share = 1.0
+    out = sliced.forward(StepBatch(slots=[0, 1], starts=[2, 0], lengths=[1, 6], tokens=[21] + CHUNK))
+    held = sliced.chunk
+    assert out.pending_rows.tolist() == [1] and held.idle_steps == held.steps == 1
+    assert held.lent is None and held.x is None and not held.kept
+    steps = 1
+    while out.pending_rows is not None:
+        out = sliced.forward(StepBatch(slots=[0, 1], starts=[2, 0], lengths=[1, 6], tokens=[21] + CHUNK))
+        steps += 1
+        assert steps < 60
+    assert steps > 2 and sliced.chunk is None and sliced.chunks_spanned == 1
+    assert out.tokens[1] == want.tokens[0]
+    np.testing.assert_allclose(out.logprobs[1], want.logprobs[0], atol=1e-4)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="captured graphs: on a GPU (MOEBUS_TEST_GPU=1)")
 def test_decode_rows_launched_beside_the_chunk_equal_them_waited_for(micro_model, monkeypatch):
     """chunk_rows.py (``stage.chunk_overlap``): from the chunk's second step the decode row is

@@ -15,11 +15,15 @@ STREAM = {"prompt_tokens": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignor
 BLOB_MIB = 0.012  # the tiny model's expert: 3 x 64 x 32 bf16 = 12 KiB
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model):
+# held_ahead (the default): the held chunk's steps go as look-ahead steps that name it (broker/lookahead.py's
+# HELD_CHUNK_AHEAD, Step.held_row) and, in ordinary steps, without its image rows (steps.KEEP_HELD_FEED);
+# resent: both off (the ordinary step after the look-ahead step's reply, the feed sent again)
+@pytest.fixture(scope="module", params=[{}, {"MOEBUS_HELD_CHUNK_AHEAD": "0", "MOEBUS_KEEP_HELD_FEED": "0"}],
+                ids=["held_ahead", "resent"])
+def served(tmp_path_factory, tiny_model, request):
     tmp = tmp_path_factory.mktemp("spanning")
-    svc = Service(tmp, tiny_model, emulated_vram_mib=[1.6], emulated_vram_dir=str(tmp / "vram"), command="broker",
-                  vram_elastic=False, max_batch=4, max_context=256,
+    svc = Service(tmp, tiny_model, env=request.param, emulated_vram_mib=[1.6], emulated_vram_dir=str(tmp / "vram"),
+                  command="broker", vram_elastic=False, max_batch=4, max_context=256,
                   max_prefill_copy_mib_beside_decode=BLOB_MIB).wait_ready(http=False)
     client = Client(svc.zmq_address, timeout_s=60)
     try:
@@ -39,7 +43,8 @@ def worker_stats(client: Client, **at_least) -> dict:
         time.sleep(0.2)
 
 
-def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served):
+def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served, request):
+    held_ahead = "held_ahead" in request.node.callspec.id
     gpu = worker_stats(served, expert_slots=1)
     assert 0 < gpu["expert_slots"] < 32  # of 4 layers x 8 experts: the chunk must copy experts in
     want_long, want_stream = served.generate(**LONG).collect(), served.generate(**STREAM).collect()
@@ -62,6 +67,8 @@ def test_a_stream_decodes_while_a_long_prompt_is_read_in_pieces(served):
     after = worker_stats(served, chunks_spanned=before["chunks_spanned"] + 1)
     assert after["chunks_spanned"] == before["chunks_spanned"] + 1
     assert after["chunk_steps"] - before["chunk_steps"] > 3  # the prompt was read in many steps
+    ahead = served.info()["counters"]["held_chunk_lookahead_steps_total"]  # the chunk's steps after its first
+    assert ahead > 0 if held_ahead else ahead == 0
 
 
 def test_a_cancel_in_the_middle_drops_the_held_chunk(served):

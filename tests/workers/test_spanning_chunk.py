@@ -371,6 +371,59 @@ def test_an_overlapped_steps_deadline_follows_the_last_steps_decode_rows():
     assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.0), held, 10.0) is None
 
 
+def test_a_step_cap_ends_the_chunks_work_that_long_after_the_steps_start(monkeypatch):
+    """MOEBUS_CHUNK_STEP_MS: the deadline no later than the cap after the step's start (the share's
+    where it is earlier); where the time bound is off (a share of 0) there is none."""
+    from types import SimpleNamespace
+
+    from moebus.workers import spanning_chunk
+    from moebus.workers.spanning_chunk import overlapped_deadline
+
+    monkeypatch.setattr(spanning_chunk, "STEP_MS", 11.0)
+    held = SimpleNamespace(rows_s=0.010, copies_from=0.0)
+    assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.5), held, 10.0) == 10.0 + 0.011
+    held.rows_s = 0.004  # the share's is earlier: 10.006
+    assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.5), held, 10.0) == 10.0 + 1.5 * 0.004
+    assert overlapped_deadline(SimpleNamespace(chunk_time_share=0.0), held, 10.0) is None
+    stage = SimpleNamespace(chunk_time_share=100.0)
+    started = __import__("time").perf_counter() - 1.0  # the rows took a second: the share's a hundred more
+    assert spanning_chunk.chunk_deadline(stage, started) == started + 0.011
+
+
+def test_under_a_step_cap_the_chunks_first_step_with_its_rows_run_first_does_no_chunk_work(model_dirs, monkeypatch):
+    """MOEBUS_CHUNK_STEP_MS with the decode rows run synchronously (no graph launched beside the
+    chunk): the chunk's first step runs the rows alone (no loan, no setup: the chunk is held, pending);
+    the next sets it up (SETUP_STEP's step), then one unit a step; the chunk's token, logits and keys
+    and values equal those of the chunk run whole, and the decode row's of each step its own."""
+    from moebus.workers import spanning_chunk
+
+    monkeypatch.setattr(spanning_chunk, "STEP_MS", 1e-9)  # past once the rows are done
+    whole = _model(model_dirs["init_qwen3"], None)
+    _decode_ready(whole)
+    sliced = _model(model_dirs["init_qwen3"], 1.0)
+    _decode_ready(sliced)
+    _small_scratch(whole)
+    _small_scratch(sliced)
+    want = whole.step(StepBatch(slots=[1], starts=[0], lengths=[80], tokens=CHUNK, top_logprobs=2), want_logits=True)
+    stage = sliced.stages[0]
+    stage.chunk_time_share = 1.0
+    out = sliced.step(_mixed(3), want_logits=True)
+    held = stage.chunk
+    assert out.pending_rows.tolist() == [1] and held.steps == held.idle_steps == 1
+    assert held.lent is None and held.pieces is None and held.x is None and not held.kept
+    out = sliced.step(_mixed(4), want_logits=True)  # its setup: the embedding kept, no layer entered
+    assert out.pending_rows.tolist() == [1] and held.x is not None and held.layer == 0 and held.within is None
+    assert held.lent is not None and held.idle_steps == 1
+    position = 5
+    while out.pending_rows is not None:
+        out = sliced.step(_mixed(position), want_logits=True)
+        position += 1
+        assert position < 600
+    assert stage.chunk is None and out.tokens[1] == want.tokens[0] and np.array_equal(out.logits[1], want.logits[0])
+    for got, wanted in zip(_kv(sliced, 1, 80), _kv(whole, 1, 80)):
+        assert np.array_equal(got, wanted)
+
+
 @pytest.mark.parametrize("group_host", [True, False])
 def test_a_later_group_starts_only_where_the_last_groups_host_time_fits(monkeypatch, group_host):
     """chunk_advance.GROUP_HOST: after a step's first group, the next starts only where the time left
