@@ -28,7 +28,7 @@ cycle() {  # name, copy budget MiB, timeout s
   local L=$OUT/cycle_$1${TAG:+_$TAG}.log B=$2 T=$3
   echo "== vision-cycle under 8 GiB, copy budget ${B} MiB a step beside decode (at ${SECONDS} s, timeout ${T} s)"
   MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=$B timeout $T python3 -m moebus.cli bench vision-cycle --device cuda \
-    --model $V --gpu-memory-mib 8192 -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
+    --model $V --gpu-memory-mib ${GPU_MIB:-8192} -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
     --timeout-s 90 --skip-resident > $L 2>&1
   echo "rc=$? (at ${SECONDS} s)"
   grep -vE "^\{" $L | grep -E "^\(|^  |cold image|text streams|warm image|target|largest gap|stream [01]:" | cut -c1-220

@@ -36,7 +36,7 @@ if [ "$PHASE" = warm ]; then  # beside: the GPU tests of the spanning chunk (the
   if [ $left -gt 20 ]; then  # compiles (cut wherever the budget ends); overlap on: an error there shows early
     MOEBUS_CHUNK_OVERLAP=1 MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 timeout $left python3 -m moebus.cli bench \
       vision-cycle --device cuda \
-      --model $V --gpu-memory-mib 8192 -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
+      --model $V --gpu-memory-mib ${GPU_MIB:-8192} -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
       --timeout-s 90 --skip-resident > $OUT/warm_cycle.log 2>&1
     echo "warm cycle rc=$? at ${SECONDS} s"
     grep -hE "kernels: .* compiled|kernels warmed in" $OUT/warm_cycle.log | sed -E 's/^.*(INFO|WARNING) //' | cut -c1-160

@@ -17,7 +17,9 @@
 #                  10 s) for 12 GiB free, then tries --gpu-memory-mib 8192, and after a failure within 40 s 6144,
 #                  then 4096 (each after up to 8 s waiting for 4 GiB more than it free). ~115 s.
 #   PHASE=measure  RUNS in turn ("tag:VAR=v,..."), each where 34 s are left, at most RUN_CAP s (45): "ahead"
-#                  (the defaults: both held-chunk switches on), "bounded" (+ MOEBUS_CHUNK_STEP_MS=11), "share025"
+#                  (the defaults: both held-chunk switches on), "wide" (the same at --gpu-memory-mib 12288 (GPU_MIB, read
+#                  by gap10.sh / gap12.sh): a cache that holds every expert idle and ~90% of them beside the vision
+#                  worker, so the decode rows' misses no longer dominate), "bounded" (+ MOEBUS_CHUNK_STEP_MS=11), "share025"
 #                  (+ MOEBUS_CHUNK_TIME_SHARE=0.25; runs only at BUDGET >= ~105); then per run gap17_waits.py (the
 #                  wait before chunk steps, the chunk steps' own ms), gap15_gaps.py's summary (ratios, largest gaps
 #                  and what was in them) and gap17_steps.py (chunk steps against decode-only steps in the prefill:
@@ -56,7 +58,7 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 [ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
-RUNS=${RUNS:-ahead:$LOGS bounded:$LOGS,MOEBUS_CHUNK_STEP_MS=11 share025:$LOGS,MOEBUS_CHUNK_TIME_SHARE=0.25}
+RUNS=${RUNS:-ahead:$LOGS wide:$LOGS,GPU_MIB=12288 bounded:$LOGS,MOEBUS_CHUNK_STEP_MS=11 share025:$LOGS,MOEBUS_CHUNK_TIME_SHARE=0.25}
 echo "GPU free: $(free_mib) MiB"
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
 grep -E "^=== |^rc=|not run" $OUT/gap15.txt | sed -E "s/ \(MOEBUS[^)]*\)//" | cut -c1-100
