@@ -25,7 +25,12 @@ memory on a second stream from then on, inside the graph as a parallel branch, w
 blocks run; only the outputs made last are copied after the last kernel. The host copies of a
 replay (the inputs into the pinned staging, the outputs out of the pinned buffers: ~28 MB for a
 1024 x 768 image on Qwen3-VL, its bytes in and four outputs out) run in COPY_THREADS slices at once
-(``copy_pairs``: numpy lets the GIL go while it copies)."""
+(``copy_pairs``: numpy lets the GIL go while it copies).
+
+A ``forward`` may also be a list of slices (LLaVA's tower cut every SLICE_LAYERS layers: issue 20, off by
+default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a
+text worker's steps have the GPU alone), eagerly, and captured as one graph a slice (``SliceChain``) launched
+the same way; a sliced forward must not ``emit``."""
 from __future__ import annotations
 
 import functools
@@ -51,6 +56,15 @@ EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 # still run, instead of after the whole graph (0). On the H200 the a3b tower's 1024 x 768 encode 31.4 -> 30.3 ms,
 # bit for bit (fifteenth session; the eleventh's 31.2 -> 30.6)
 COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "1") != "0"
+# Issue 20 (seventeenth session; off by default, not measured yet): > 0 cuts a tower that can be cut (LLaVA's,
+# vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
+# sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a slice, in a
+# replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
+# time-slices between contexts that both have work (stream priorities act only inside a context), so a text
+# decode step stretches by the tower's work that shares the GPU with it: sliced, by at most about one slice
+# (and the switches its launches cause). The price: SLICE_PAUSE_MS and a sync per cut in the encode's time.
+SLICE_LAYERS = int(os.environ.get("MOEBUS_TOWER_SLICE_LAYERS", "0"))
+SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
 
 
 class TowerGraph:
@@ -63,6 +77,7 @@ class TowerGraph:
         self.graph = None  # a DeferredCapture: the last shape's pool, its graph once captured
         self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
         self.sink = None  # the DeferredCapture whose forward runs now (``emit``)
+        self.pacer = Pacer(backend)  # the pauses between a sliced forward's slices (SLICE_LAYERS)
 
     def emit(self, name: str, array) -> None:
         """Called by ``forward`` once its output ``name`` is final (no later launch writes it): inside a
@@ -75,6 +90,7 @@ class TowerGraph:
         """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
         names what else the captured work depends on (buffers sized by it), so a new key captures anew."""
         collect = collect or _copies
+        self.pacer.reset()
         if self.enabled:
             host_outputs = self._graph_outputs(key, host_inputs, forward)
             if host_outputs is not None:
@@ -86,8 +102,14 @@ class TowerGraph:
         self.last_path = "eager"
         ops = self.ops
         ops.begin_step()
-        outputs = forward({name: ops.upload(array) for name, array in host_inputs.items()})
+        outputs = run_slices(forward, {name: ops.upload(array) for name, array in host_inputs.items()}, self.pacer)
         return collect({name: ops.to_host(array) for name, array in outputs.items()})
+
+    def path(self) -> str | None:
+        """How the last run went, with its slices and their pauses where it was sliced (the worker's log)."""
+        if not self.pacer.cuts:
+            return self.last_path
+        return f"{self.last_path}, {self.pacer.cuts + 1} slices, {1e3 * self.pacer.seconds:.1f} ms in their cuts"
 
     def _graph_outputs(self, key, host_inputs: dict, forward) -> dict | None:
         """The host outputs through this shape's graph (a replay, or a new shape's eager run in the
@@ -186,7 +208,7 @@ def _deferred_capture_class():
             if self.owner is not None:
                 self.owner.sink = self
             try:
-                outputs = forward(self.inputs)
+                outputs = run_slices(forward, self.inputs, self.owner.pacer if self.owner is not None else None)
             finally:
                 if self.owner is not None:
                     self.owner.sink = None
@@ -223,7 +245,13 @@ def _deferred_capture_class():
                 self.backend.synchronize()  # the eager run no longer uses the buffers
                 self.pool.recycle()
                 self.emitted = 0
-                outputs, graph = self._capture(self._run_forward)
+                if isinstance(self.forward, (list, tuple)):  # one graph a slice, launched in turn (SliceChain)
+                    if self.early:
+                        raise RuntimeError("a sliced forward emitted outputs: its slices cannot be captured apart")
+                    graphs = [self._capture(stage) for stage in self.forward]
+                    outputs, graph = graphs[-1][0], SliceChain([g for _, g in graphs], self.owner)
+                else:
+                    outputs, graph = self._capture(self._run_forward)
             self.host_outputs = {name: self.early.get(name) if name in self.early else
                                  cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
             self.outputs, self.graph, self.forward = outputs, graph, None
@@ -237,6 +265,58 @@ def _deferred_capture_class():
             self.pool.release()
 
     return _DeferredCapture
+
+
+class Pacer:
+    """The cuts between a sliced forward's slices: each waits for the GPU, then sleeps SLICE_PAUSE_MS
+    (the time another context's work has the GPU alone); counted for the worker's log."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.reset()
+
+    def reset(self) -> None:
+        self.cuts, self.seconds = 0, 0.0
+
+    def cut(self) -> None:
+        started = time.perf_counter()
+        self.backend.synchronize()
+        if SLICE_PAUSE_MS > 0:
+            time.sleep(SLICE_PAUSE_MS / 1e3)
+        self.cuts += 1
+        self.seconds += time.perf_counter() - started
+
+
+def run_slices(forward, inputs: dict, pacer: Pacer | None) -> dict:
+    """``forward(inputs)``; a sliced forward (a list of callables over the same inputs, the last one's
+    outputs the forward's: vision_model.py) runs its slices in turn with ``pacer.cut()`` between them."""
+    if not isinstance(forward, (list, tuple)):
+        return forward(inputs)
+    outputs = None
+    for i, stage in enumerate(forward):
+        if i and pacer is not None:
+            pacer.cut()
+        outputs = stage(inputs)
+    return outputs
+
+
+class SliceChain:
+    """A sliced forward's graphs (one a slice, captured in turn into one pool: the buffers a slice hands
+    on are the model's kept ones or the pool's in its order), launched one after another on the stream
+    with the owner's pacer cutting between them; the graph interface CapturedStep's graph has."""
+
+    def __init__(self, graphs: list, owner):
+        self.graphs, self.owner = graphs, owner
+
+    def launch(self, stream) -> None:
+        for i, graph in enumerate(self.graphs):
+            if i and self.owner is not None:
+                self.owner.pacer.cut()
+            graph.launch(stream)
+
+    def close(self) -> None:
+        for graph in self.graphs:
+            graph.close()
 
 
 def DeferredCapture(backend, host_inputs: dict, forward, owner=None):  # noqa: N802 - a class made on first use

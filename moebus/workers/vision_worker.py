@@ -98,11 +98,17 @@ class VisionWorker:
         log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
                 "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
-                getattr(self.model.graph, "last_path", None),
+                tower_path(self.model),
                 (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
                 + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
+
+
+def tower_path(model) -> str | None:
+    """How the model's last encode ran (tower_graph.TowerGraph.path: its path, and its slices where cut)."""
+    graph = getattr(model, "graph", None)
+    return graph.path() if hasattr(graph, "path") else getattr(graph, "last_path", None)
 
 
 class CaptureAfterReply:

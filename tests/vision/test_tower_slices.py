@@ -1,0 +1,109 @@
+"""LLaVA's tower in slices (tower_graph.SLICE_LAYERS, issue 20): the slices run in turn with a cut
+(a wait for the GPU, a pause) between them, eagerly and as one graph a slice, and give the unsliced
+encode's bits. On the cpu backend and the simulator here; on a GPU (MOEBUS_TEST_GPU=1) the sliced
+graph's replay too."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moebus.common.image_processor import ImageProcessor  # noqa: E402
+from moebus.common.vision_config import load_vision_config  # noqa: E402
+from moebus.cuda.backends import make_backend  # noqa: E402
+from moebus.cuda.kernels.compat import SIMULATOR  # noqa: E402
+from moebus.workers import tower_graph  # noqa: E402
+from moebus.workers.vision_model import VisionModel, load_vision_weights  # noqa: E402
+from tests.vision_models import make_hf_llava, sample_images  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    d = make_hf_llava(tmp_path_factory.mktemp("slices") / "model", tower="siglip", feature_layer=[1, -1])
+    proc = ImageProcessor.from_dir(d)
+    px = np.stack([proc.preprocess(image) for image in sample_images()])[:1]
+    return load_vision_config(d), load_vision_weights(d), px
+
+
+@pytest.fixture
+def pause(monkeypatch):
+    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 1.0)
+
+
+def _encode(cfg, weights, px, device, per_slice, monkeypatch, times=1):
+    monkeypatch.setattr(tower_graph, "SLICE_LAYERS", per_slice)
+    model = VisionModel(cfg, weights, make_backend(device))
+    return [model.encode(px) for _ in range(times)], model
+
+
+def test_the_forward_is_cut_into_slices_of_layers(llava):
+    cfg, weights, _ = llava
+    model = VisionModel(cfg, weights, make_backend("cpu"))
+    kept = model._kept_buffers(1)
+    assert cfg.num_layers_run == 3
+    assert callable(model._slices(kept, 0)) and callable(model._slices(kept, 3)) and callable(model._slices(kept, 5))
+    assert len(model._slices(kept, 1)) == 3 and len(model._slices(kept, 2)) == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("per_slice", [1, 2])
+def test_a_sliced_encode_gives_the_unsliced_bits(llava, device, per_slice, pause, monkeypatch):
+    cfg, weights, px = llava
+    (whole,), _ = _encode(cfg, weights, px, device, 0, monkeypatch)
+    sliced, model = _encode(cfg, weights, px, device, per_slice, monkeypatch, times=2)
+    for out in sliced:  # (on a GPU: the eager first encode, then the sliced graph's replay)
+        np.testing.assert_array_equal(out, whole)
+    cuts = -(-cfg.num_layers_run // per_slice) - 1
+    assert model.graph.pacer.cuts == cuts and model.graph.pacer.seconds >= cuts * 1e-3
+    assert f"{cuts + 1} slices" in model.graph.path()
+    if not SIMULATOR and device == "cuda":
+        assert isinstance(model.graph.graph.graph, tower_graph.SliceChain)
+        assert len(model.graph.graph.graph.graphs) == cuts + 1 and model.graph.last_path == "replay"
+
+
+def test_an_unsliced_encode_has_no_cut(llava, monkeypatch):
+    cfg, weights, px = llava
+    _, model = _encode(cfg, weights, px, "cpu", 0, monkeypatch)
+    assert model.graph.pacer.cuts == 0 and model.graph.path() == model.graph.last_path == "eager"
+
+
+class _Graph:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def launch(self, stream):
+        self.events.append(("launch", self.name, stream))
+
+    def close(self):
+        self.events.append(("close", self.name))
+
+
+class _Backend:
+    def __init__(self, events):
+        self.events = events
+
+    def synchronize(self):
+        self.events.append(("sync",))
+
+
+def test_a_slice_chain_cuts_between_its_graphs_and_closes_them_all(monkeypatch):
+    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 0.0)
+    events = []
+
+    class Owner:
+        pacer = tower_graph.Pacer(_Backend(events))
+
+    chain = tower_graph.SliceChain([_Graph(i, events) for i in range(3)], Owner)
+    chain.launch("s")
+    chain.close()
+    assert events == [("launch", 0, "s"), ("sync",), ("launch", 1, "s"), ("sync",), ("launch", 2, "s"),
+                      ("close", 0), ("close", 1), ("close", 2)]
+    assert Owner.pacer.cuts == 2
+
+
+def test_run_slices_hands_back_the_last_slices_outputs():
+    events = []
+    pacer = tower_graph.Pacer(_Backend(events))
+    slices = [lambda x: events.append("a") or {}, lambda x: {"y": x["v"] + 1}]
+    assert tower_graph.run_slices(slices, {"v": 1}, pacer) == {"y": 2}
+    assert tower_graph.run_slices(slices[1], {"v": 2}, pacer) == {"y": 3}
+    assert events == ["a", ("sync",)] and pacer.cuts == 1
