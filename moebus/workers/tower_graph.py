@@ -65,6 +65,11 @@ COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "1") != "0"
 # (and the switches its launches cause). The price: SLICE_PAUSE_MS and a sync per cut in the encode's time.
 SLICE_LAYERS = int(os.environ.get("MOEBUS_TOWER_SLICE_LAYERS", "0"))
 SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
+# "always": a sliced tower cuts in every encode; "busy": only where the vision worker saw the GPU busy as the
+# encode began (vision_worker.SliceGate: NVML's utilization >= SLICE_BUSY_PERCENT, text workers decoding beside;
+# a lone image keeps its time). Uncut, the slices run back to back (their graphs: one launch each more).
+SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
+SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
 
 
 class TowerGraph:
@@ -273,12 +278,15 @@ class Pacer:
 
     def __init__(self, backend):
         self.backend = backend
+        self.on = True  # False: the slices run back to back (SLICE_WHEN "busy" and an idle GPU)
         self.reset()
 
     def reset(self) -> None:
         self.cuts, self.seconds = 0, 0.0
 
     def cut(self) -> None:
+        if not self.on:
+            return
         started = time.perf_counter()
         self.backend.synchronize()
         if SLICE_PAUSE_MS > 0:

@@ -25,11 +25,11 @@ from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
-from moebus.workers import step_watch
+from moebus.workers import step_watch, tower_graph
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
-from moebus.workers.vision_footprint import StartFootprint
+from moebus.workers.vision_footprint import Nvml, StartFootprint, cuda_device_uuid
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
 from moebus.workers.vision_preload import LoadBeside
 from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
@@ -55,7 +55,8 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 
 class VisionWorker:
-    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
+    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None,
+                 device: str = "cpu"):
         """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load or a lazy "auto"), or None."""
         self.model = model
         self.beside = beside
@@ -63,6 +64,7 @@ class VisionWorker:
         self.link = link
         self.limits = limits
         self.num_encodes = 0
+        self.gate = SliceGate(device) if tower_graph.SLICE_LAYERS > 0 and tower_graph.SLICE_WHEN == "busy" else None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -92,6 +94,7 @@ class VisionWorker:
         copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
         warm_s = self.beside.wait() if self.beside is not None else None
         self.beside = None
+        gated = self.gate.apply(getattr(self.model, "graph", None)) if self.gate is not None else ""
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
@@ -100,7 +103,7 @@ class VisionWorker:
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
                 tower_path(self.model),
                 (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
-                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
+                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else "") + gated)
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
@@ -109,6 +112,29 @@ def tower_path(model) -> str | None:
     """How the model's last encode ran (tower_graph.TowerGraph.path: its path, and its slices where cut)."""
     graph = getattr(model, "graph", None)
     return graph.path() if hasattr(graph, "path") else getattr(graph, "last_path", None)
+
+
+class SliceGate:
+    """tower_graph.SLICE_WHEN "busy": a sliced tower cuts between its slices only where the GPU was busy as
+    the encode began (NVML's utilization >= SLICE_BUSY_PERCENT: the text workers decode beside it; the
+    broker could say so in the ENCODE instead). Where NVML cannot be read (cpu, no pynvml) it cuts always."""
+
+    def __init__(self, device: str, make_nvml=None):
+        self.nvml = None
+        try:
+            if device != "cuda" and make_nvml is None:
+                raise RuntimeError(f"no NVML on {device}")
+            self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
+        except Exception as e:  # noqa: BLE001 - no NVML: the slices are always cut
+            log.info("the tower's slices are cut in every encode (NVML: %s)", e)
+
+    def apply(self, graph) -> str:
+        """Turn ``graph``'s cuts on or off for the encode that begins; the log's note."""
+        if graph is None or self.nvml is None:
+            return ""
+        percent = self.nvml.busy_percent()
+        graph.pacer.on = percent >= tower_graph.SLICE_BUSY_PERCENT
+        return f", GPU {percent}% busy: slices {'cut' if graph.pacer.on else 'back to back'}"
 
 
 class CaptureAfterReply:
@@ -256,6 +282,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled%s", *disk_cache_counts(),
              step_watch.compiled_names())
     try:
-        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
+        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside,
+                            device).serve()
     finally:
         link.close()

@@ -107,3 +107,28 @@ def test_run_slices_hands_back_the_last_slices_outputs():
     assert tower_graph.run_slices(slices, {"v": 1}, pacer) == {"y": 2}
     assert tower_graph.run_slices(slices[1], {"v": 2}, pacer) == {"y": 3}
     assert events == ["a", ("sync",)] and pacer.cuts == 1
+
+
+class _Nvml:
+    def __init__(self, percents):
+        self.percents = list(percents)
+
+    def busy_percent(self):
+        return self.percents.pop(0)
+
+
+def test_the_busy_gate_cuts_only_on_a_busy_gpu(monkeypatch):
+    from moebus.workers.vision_worker import SliceGate
+
+    monkeypatch.setattr(tower_graph, "SLICE_BUSY_PERCENT", 25)
+    events = []
+
+    class Graph:
+        pacer = tower_graph.Pacer(_Backend(events))
+
+    gate = SliceGate("cuda", make_nvml=lambda: _Nvml([80, 3]))
+    assert gate.apply(Graph) == ", GPU 80% busy: slices cut" and Graph.pacer.on
+    assert gate.apply(Graph) == ", GPU 3% busy: slices back to back" and not Graph.pacer.on
+    assert tower_graph.run_slices([lambda x: {}, lambda x: {"y": 1}], {}, Graph.pacer) == {"y": 1}
+    assert events == [] and Graph.pacer.cuts == 0  # uncut: no wait, no pause
+    assert SliceGate("cpu").apply(Graph) == ""  # no NVML: the pacer is left as it is (cut always)

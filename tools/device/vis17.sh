@@ -11,7 +11,8 @@
 #   PHASE=measure  after gap17's measure (the model and the kernel cache made): gap12.sh's cycle (gap16.sh's: 8 x
 #                  128 A3B LLaVA (so400m), --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget 256
 #                  MiB, steps and collections logged) in RUNS "tag:VAR=v,...": "off" (the tree's defaults), "s1"
-#                  (slices of 1 layer, 4 ms pauses: 26 slices), "s4" (4 layers, 5 ms: 7 slices) only where 34 s are
+#                  (slices of 1 layer, 4 ms pauses: 26 slices), "s4busy" (4 layers, 5 ms: 7 slices; cut only where
+#                  NVML saw the GPU >= 25% busy as the encode began: the log line says so) only where 34 s are
 #                  left; each at most RUN_CAP s (34; gap16's default ran in 25 s). Then per run: the vision worker's
 #                  "encode 1" line (tower ms, its slices and the ms in their cuts) and gap15_gaps.py's summary (the
 #                  ratios, the first token by phase, gap median / max by phase, the largest gaps).
@@ -29,7 +30,7 @@ if [ "$PHASE" = warm ]; then
 fi
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 SLICE=MOEBUS_TOWER_SLICE_LAYERS
-RUNS=${RUNS:-off:$LOGS s1:$LOGS,$SLICE=1,MOEBUS_TOWER_SLICE_PAUSE_MS=4 s4:$LOGS,$SLICE=4,MOEBUS_TOWER_SLICE_PAUSE_MS=5}
+RUNS=${RUNS:-off:$LOGS s1:$LOGS,$SLICE=1,MOEBUS_TOWER_SLICE_PAUSE_MS=4 s4busy:$LOGS,$SLICE=4,MOEBUS_TOWER_SLICE_PAUSE_MS=5,MOEBUS_TOWER_SLICE_WHEN=busy}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-34} BUDGET=$((BUDGET - 8)) bash tools/device/gap12.sh > $OUT/gap12.txt 2>&1
 for run in $RUNS; do  # every line the workers stamped in each of the largest gaps
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
