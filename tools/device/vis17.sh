@@ -37,12 +37,13 @@ for run in $RUNS; do  # every line the workers stamped in each of the largest ga
   [ -f $L ] && { echo "--- $tag"; timeout 10 python3 tools/device/gap15_gaps.py $L --count 5 | cut -c1-220 | head -60; }
 done > $OUT/gap_parts.txt 2>&1
 grep -E "^=== |^rc=|not run" $OUT/gap12.txt | cut -c1-160
+echo "time-slice policy: $(timeout 5 nvidia-smi compute-policy -l 2>&1 | tr -s ' \n' ' ' | cut -c1-200)"  # (read only)
 echo "== vis17 summary at ${SECONDS} s (gap12.txt, gap_parts.txt, the logs)"
 for run in $RUNS; do
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || { echo "$tag: no log (not run)"; continue; }
   zcat $L | grep -m1 " encode 1: [0-9]* image" | sed -E 's/^.* encode 1: /encode 1: /' \
     | cut -c1-230
-  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" | head -3 | cut -c1-300
+  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" 2>/dev/null | head -3 | cut -c1-300
 done
 echo "== vis17 done at ${SECONDS} s"
