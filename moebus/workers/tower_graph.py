@@ -70,6 +70,13 @@ SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
 # a lone image keeps its time). Uncut, the slices run back to back (their graphs: one launch each more).
 SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
 SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
+# 1 (opt-in, not yet run on a GPU): a sliced tower's new shape is not run eagerly at all: each slice is captured
+# and its graph launched at once, the next slice captured while it runs (DeferredCapture.capture_launching).
+# The GPU then gets each slice's work as one burst, a capture's host time apart (eagerly it gets a kernel at a
+# time, each launch while the text worker's step runs: a context switch each), and the first encode costs about
+# what the eager one did (the same launches from Python, recorded) plus the graphs' instantiation; no capture
+# after the reply. A capture that fails leaves the tower eager, as ever.
+SLICE_CAPTURE_FIRST = os.environ.get("MOEBUS_TOWER_SLICE_CAPTURE_FIRST", "0") == "1"
 
 
 class TowerGraph:
@@ -130,9 +137,14 @@ class TowerGraph:
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
+        launch_first = SLICE_CAPTURE_FIRST and isinstance(forward, (list, tuple))
         try:
-            graph = DeferredCapture(self.ops, host_inputs, forward, self)
+            graph = DeferredCapture(self.ops, host_inputs, forward, self, eager=not launch_first)
             self.graph, self.key = graph, key
+            if launch_first:
+                graph.capture_launching()
+                self.last_path = "new shape, captured and launched by slice"
+                return pinned_out(graph)
             if not EAGER_FIRST and not self._capture():
                 return None
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: encode eagerly
@@ -187,7 +199,7 @@ def _deferred_capture_class():
         buffer and does the encode's real work), the capture of the same launches later
         (``capture``), into the same buffers: the pool hands them out again in the same order."""
 
-        def __init__(self, backend, host_inputs: dict, forward, owner=None):
+        def __init__(self, backend, host_inputs: dict, forward, owner=None, eager: bool = True):
             self.backend, self.shared_pool, self.owner = backend, False, owner
             self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
             self.offsets, self.total_bytes = graphs._layout(host_inputs)
@@ -205,7 +217,7 @@ def _deferred_capture_class():
                 for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
                     if view.size:
                         view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
-                self.eager_outputs = self._run(forward)
+                self.eager_outputs = self._run(forward) if eager else None
 
         def _run(self, forward) -> dict:
             """forward over the inputs, its emitted outputs' copies on the side stream, joined at the end."""
@@ -260,6 +272,29 @@ def _deferred_capture_class():
             self.host_outputs = {name: self.early.get(name) if name in self.early else
                                  cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
             self.outputs, self.graph, self.forward = outputs, graph, None
+
+        def capture_launching(self) -> None:
+            """A sliced forward without an eager run: each slice captured into the pool (its buffers
+            allocated as it records) and its graph launched at once, the next slice recorded while it
+            runs; the owner's pacer cuts before each launch after the first. The outputs are the last
+            slice's (``pinned_out`` copies them)."""
+            self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
+            self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+            pacer, graphs = (self.owner.pacer if self.owner is not None else None), []
+            try:
+                with self.backend.private_pool(self.pool):
+                    for i, stage in enumerate(self.forward):
+                        outputs, graph = self._capture(stage)
+                        graphs.append(graph)
+                        if i and pacer is not None:
+                            pacer.cut()
+                        graph.launch(self.stream)
+            except BaseException:
+                for graph in graphs:
+                    graph.close()
+                raise
+            self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+            self.outputs, self.graph, self.forward = outputs, SliceChain(graphs, self.owner), None
 
         def _run_forward(self, inputs) -> dict:
             return self._run(self.forward)
@@ -327,10 +362,11 @@ class SliceChain:
             graph.close()
 
 
-def DeferredCapture(backend, host_inputs: dict, forward, owner=None):  # noqa: N802 - a class made on first use
+def DeferredCapture(backend, host_inputs: dict, forward, owner=None, eager=True):  # noqa: N802 - made on first use
     """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class); ``owner``: the
-    TowerGraph whose ``emit`` reaches it while its forward runs."""
-    return _deferred_capture_class()(backend, host_inputs, forward, owner)
+    TowerGraph whose ``emit`` reaches it while its forward runs; ``eager`` False: the inputs uploaded only
+    (``capture_launching`` follows)."""
+    return _deferred_capture_class()(backend, host_inputs, forward, owner, eager)
 
 
 def upload(graph, host_inputs: dict) -> None:

@@ -29,8 +29,9 @@ def pause(monkeypatch):
     monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 1.0)
 
 
-def _encode(cfg, weights, px, device, per_slice, monkeypatch, times=1):
+def _encode(cfg, weights, px, device, per_slice, monkeypatch, times=1, capture_first=False):
     monkeypatch.setattr(tower_graph, "SLICE_LAYERS", per_slice)
+    monkeypatch.setattr(tower_graph, "SLICE_CAPTURE_FIRST", capture_first)
     model = VisionModel(cfg, weights, make_backend(device))
     return [model.encode(px) for _ in range(times)], model
 
@@ -58,6 +59,18 @@ def test_a_sliced_encode_gives_the_unsliced_bits(llava, device, per_slice, pause
     if not SIMULATOR and device == "cuda":
         assert isinstance(model.graph.graph.graph, tower_graph.SliceChain)
         assert len(model.graph.graph.graph.graphs) == cuts + 1 and model.graph.last_path == "replay"
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+def test_a_sliced_encode_captured_and_launched_by_slice_gives_the_eager_bits(llava, pause, monkeypatch):
+    cfg, weights, px = llava
+    (whole,), _ = _encode(cfg, weights, px, "cuda", 0, monkeypatch)
+    outs, model = _encode(cfg, weights, px, "cuda", 1, monkeypatch, times=2, capture_first=True)
+    assert model.graph.enabled, "the capture failed: the tower went eager"
+    for out in outs:  # the first encode without an eager run, then a replay of its slices
+        np.testing.assert_array_equal(out, whole)
+    assert isinstance(model.graph.graph.graph, tower_graph.SliceChain) and model.graph.last_path == "replay"
+    assert model.capture_pending() is None
 
 
 def test_an_unsliced_encode_has_no_cut(llava, monkeypatch):
@@ -132,3 +145,46 @@ def test_the_busy_gate_cuts_only_on_a_busy_gpu(monkeypatch):
     assert tower_graph.run_slices([lambda x: {}, lambda x: {"y": 1}], {}, Graph.pacer) == {"y": 1}
     assert events == [] and Graph.pacer.cuts == 0  # uncut: no wait, no pause
     assert SliceGate("cpu").apply(Graph) == ""  # no NVML: the pacer is left as it is (cut always)
+
+
+class _LaunchFirst:
+    """DeferredCapture's interface for a sliced forward captured and launched by slice (no GPU: the
+    "graphs" run their slice when launched)."""
+
+    def __init__(self, backend, host_inputs, forward, owner=None, eager=True):
+        self.inputs, self.forward, self.owner, self.graph, self.eager = dict(host_inputs), forward, owner, None, eager
+        self.specs, self.flags, self.stream = {n: a.shape for n, a in host_inputs.items()}, None, "s"
+
+    def capture_launching(self):
+        events, graphs = [], []
+        for i, stage in enumerate(self.forward):
+            graphs.append(_Graph(i, events))
+            if i:
+                self.owner.pacer.cut()
+            self.out = stage(self.inputs)
+        self.graph = tower_graph.SliceChain(graphs, self.owner)
+
+    def matches(self, host_inputs):
+        return {n: a.shape for n, a in host_inputs.items()} == self.specs
+
+    def close(self):
+        pass
+
+
+def test_capture_first_launches_a_new_shape_by_slice_without_an_eager_run(monkeypatch):
+    monkeypatch.setattr(tower_graph, "SLICE_CAPTURE_FIRST", True)
+    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 0.0)
+    monkeypatch.setattr(tower_graph, "DeferredCapture", _LaunchFirst)
+    monkeypatch.setattr(tower_graph, "pinned_out", lambda graph: graph.out)
+    graph = tower_graph.TowerGraph(make_backend("cpu"))
+    graph.enabled = True  # as on a GPU
+    slices = [lambda x: {}, lambda x: {"y": x["x"] * 2}]
+    out = graph.run("a", {"x": np.ones(3, np.float32)}, slices)
+    assert not graph.graph.eager and graph.last_path == "new shape, captured and launched by slice"
+    assert graph.pacer.cuts == 1 and "2 slices" in graph.path() and graph.capture_pending() is None
+    np.testing.assert_array_equal(out["y"], 2 * np.ones(3))
+    # an unsliced forward keeps the eager first encode
+    monkeypatch.setattr(tower_graph, "DeferredCapture", lambda *a, **k: (_ for _ in ()).throw(AssertionError(k)))
+    graph.close()
+    graph.enabled = False
+    assert graph.run("b", {"x": np.ones(2, np.float32)}, slices[1])["y"].tolist() == [2.0, 2.0]

@@ -5,17 +5,20 @@
 # and followed by a pause of MOEBUS_TOWER_SLICE_PAUSE_MS (workers/tower_graph.py; off by default): the vision
 # worker is a CUDA context of its own, and the GPU time-slices between contexts, so a decode step stretches by
 # the tower work (and the switches its launches cause) it shares the GPU with.
-#   PHASE=warm     the GPU tests of the slices (a tiny LLaVA: sliced == unsliced bit for bit, eager and as one graph
-#                  a slice; the captured encode == the eager one). Little GPU memory; does not touch the LLaVA model
+#   PHASE=warm     the GPU tests of the slices (a tiny LLaVA: sliced == unsliced bit for bit, eager, as one graph a
+#                  slice, and captured and launched by slice without an eager pass; the captured encode == the eager
+#                  one; tests/vision/test_tower_slices.py). Little GPU memory; does not touch the LLaVA model
 #                  (gap17's warm phase makes it at /tmp/gap-a3b-8x128-vision, marker .gap12-ready).
 #   PHASE=measure  after gap17's measure (the model and the kernel cache made): gap12.sh's cycle (gap16.sh's: 8 x
 #                  128 A3B LLaVA (so400m), --gpu-memory-mib 8192, 2 text streams, cold start 2 of 2, copy budget 256
-#                  MiB, steps and collections logged) in RUNS "tag:VAR=v,...": "off" (the tree's defaults), "s1"
-#                  (slices of 1 layer, 4 ms pauses: 26 slices), "s4busy" (4 layers, 5 ms: 7 slices; cut only where
-#                  NVML saw the GPU >= 25% busy as the encode began: the log line says so) only where 34 s are
-#                  left; each at most RUN_CAP s (34; gap16's default ran in 25 s). Then per run: the vision worker's
-#                  "encode 1" line (tower ms, its slices and the ms in their cuts) and gap15_gaps.py's summary (the
-#                  ratios, the first token by phase, gap median / max by phase, the largest gaps).
+#                  MiB, steps and collections logged) in RUNS "tag:VAR=v,...": "off" (the tree's defaults), "s2cap"
+#                  (slices of 2 layers, the new shape captured and launched slice by slice, no eager pass, no pause:
+#                  MOEBUS_TOWER_SLICE_CAPTURE_FIRST=1; with the NVML gate, MOEBUS_TOWER_SLICE_WHEN=busy, whose reading
+#                  the encode line gives), "s1" (the eager first encode in slices of 1 layer with 4 ms pauses) only
+#                  where 34 s are left; each at most RUN_CAP s (34; gap16's default ran in 25 s). Then per run: the
+#                  vision worker's "encode 1" line (tower ms, its path, its slices and the ms in their cuts) and
+#                  gap15_gaps.py's summary (the ratios, the first token by phase, gap median / max by phase, the
+#                  largest gaps), and the GPU's time-slice policy (nvidia-smi compute-policy -l, read only).
 #   PHASE=measure BUDGET=100 bash tools/device/vis17.sh
 source tools/device/setup.sh
 set -o pipefail
@@ -30,7 +33,8 @@ if [ "$PHASE" = warm ]; then
 fi
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 SLICE=MOEBUS_TOWER_SLICE_LAYERS
-RUNS=${RUNS:-off:$LOGS s1:$LOGS,$SLICE=1,MOEBUS_TOWER_SLICE_PAUSE_MS=4 s4busy:$LOGS,$SLICE=4,MOEBUS_TOWER_SLICE_PAUSE_MS=5,MOEBUS_TOWER_SLICE_WHEN=busy}
+CAP=MOEBUS_TOWER_SLICE_CAPTURE_FIRST=1,MOEBUS_TOWER_SLICE_PAUSE_MS=0,MOEBUS_TOWER_SLICE_WHEN=busy
+RUNS=${RUNS:-off:$LOGS s2cap:$LOGS,$SLICE=2,$CAP s1:$LOGS,$SLICE=1,MOEBUS_TOWER_SLICE_PAUSE_MS=4}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-34} BUDGET=$((BUDGET - 8)) bash tools/device/gap12.sh > $OUT/gap12.txt 2>&1
 for run in $RUNS; do  # every line the workers stamped in each of the largest gaps
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
