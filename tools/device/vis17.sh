@@ -46,7 +46,7 @@ echo "== vis17 summary at ${SECONDS} s (gap12.txt, gap_parts.txt, the logs)"
 for run in $RUNS; do
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || { echo "$tag: no log (not run)"; continue; }
-  zcat $L | grep -m1 " encode 1: [0-9]* image" | sed -E 's/^.* encode 1: /encode 1: /' \
+  zcat $L | grep " encode 1: [0-9]* image" | tail -1 | sed -E 's/^.* encode 1: /encode 1: /' \
     | cut -c1-230
   timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" 2>/dev/null | head -3 | cut -c1-300
 done
