@@ -47,7 +47,8 @@ for run in $RUNS; do
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
   [ -f $L ] || { echo "$tag: no log (not run)"; continue; }
   zcat $L | grep " encode 1: [0-9]* image" | tail -1 | sed -E 's/^.* encode 1: /encode 1: /' \
-    | cut -c1-230
-  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" 2>/dev/null | head -3 | cut -c1-300
+    | cut -c1-200
+  timeout 10 python3 tools/device/gap15_gaps.py $L --summary "$tag" 2>/dev/null | head -3 \
+    | awk '{print substr($0, 1, NR < 3 ? 240 : 130)}'
 done
 echo "== vis17 done at ${SECONDS} s"
