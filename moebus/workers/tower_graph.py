@@ -77,6 +77,19 @@ SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25")
 # what the eager one did (the same launches from Python, recorded) plus the graphs' instantiation; no capture
 # after the reply. A capture that fails leaves the tower eager, as ever.
 SLICE_CAPTURE_FIRST = os.environ.get("MOEBUS_TOWER_SLICE_CAPTURE_FIRST", "0") == "1"
+# Issue 20, second round (off by default, not yet run on a GPU). The capture after the reply runs while the text
+# workers decode (call A: a 29.5 ms chunk step, 9-14 ms over its peers, ended inside a 59.8 ms capture). It makes
+# no GPU work, but driver calls: cuMemHostAlloc for its pinned staging and outputs (pinning maps the pages for the
+# GPU) and the graph's instantiation. PIN_AHEAD 1: the pinned staging is allocated with the eager encode (its
+# inputs go up through it) and the outputs' pinned buffers with its results (read back through them), so the
+# capture allocates no host memory; same bits.
+PIN_AHEAD = os.environ.get("MOEBUS_TOWER_PIN_AHEAD", "0") == "1"
+# When the vision worker captures a new shape's graph (vision_worker.CaptureAfterReply): "reply" (default) right
+# after the reply; "idle" once NVML sees the GPU under CAPTURE_BUSY_PERCENT busy (polled while the worker waits
+# for its next message; no NVML: after the reply), so not while text workers decode; "next" never after a reply:
+# the next encode of that shape captures it (and pays the capture: 60-120 ms on the H200) before its replay.
+CAPTURE_WHEN = os.environ.get("MOEBUS_TOWER_CAPTURE_WHEN", "reply")
+CAPTURE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_CAPTURE_BUSY_PERCENT", "10"))
 
 
 class TowerGraph:
@@ -90,6 +103,7 @@ class TowerGraph:
         self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
         self.sink = None  # the DeferredCapture whose forward runs now (``emit``)
         self.pacer = Pacer(backend)  # the pauses between a sliced forward's slices (SLICE_LAYERS)
+        self.capture_parts = ""  # the last capture_pending's parts (DeferredCapture.parts)
 
     def emit(self, name: str, array) -> None:
         """Called by ``forward`` once its output ``name`` is final (no later launch writes it): inside a
@@ -158,13 +172,20 @@ class TowerGraph:
         self.last_path = "new shape, eager" if graph.graph is None else "new shape, eager and captured"
         return graph.eager_results()  # a capture runs nothing: the eager run's buffers still hold them
 
+    def pending(self) -> bool:
+        """Whether a shape has run eagerly and waits for its capture (``capture_pending``)."""
+        return self.enabled and self.graph is not None and self.graph.graph is None
+
     def capture_pending(self) -> float | None:
         """Capture the graph of the shape that has only run eagerly so far (after its reply has
-        left): the seconds it took, or None when there was nothing to capture (or it failed)."""
-        if not self.enabled or self.graph is None or self.graph.graph is not None:
+        left): the seconds it took, or None when there was nothing to capture (or it failed).
+        ``capture_parts`` then says where its host time went (the worker's log)."""
+        if not self.pending():
             return None
         started = time.perf_counter()
-        return time.perf_counter() - started if self._capture() else None
+        done = self._capture()
+        self.capture_parts = getattr(self.graph, "parts", "") if done else ""
+        return time.perf_counter() - started if done else None
 
     def _capture(self) -> bool:
         try:
@@ -213,11 +234,27 @@ def _deferred_capture_class():
             self.side = cuda.stream()  # the early copies' (simulator: no events; it has nothing to order)
             events = (None, None) if SIMULATOR else (cuda.event(timing=False), cuda.event(timing=False))
             self.forked, self.joined = events
+            self.staging = self.host_outputs = None
+            self.recorded_s, self.parts = 0.0, ""  # the capture's host time in the forward's launches; its log
             with backend.private_pool(self.pool):
-                for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
-                    if view.size:
-                        view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
+                if PIN_AHEAD and eager:  # the staging now: the capture allocates none (see PIN_AHEAD)
+                    self._pin_staging()
+                    upload(self, host_inputs)
+                else:
+                    for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
+                        if view.size:
+                            view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
                 self.eager_outputs = self._run(forward) if eager else None
+
+        def _pin_staging(self) -> None:
+            if self.staging is None:
+                self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
+                self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+
+        def _pin_outputs(self, outputs: dict) -> None:
+            if self.host_outputs is None:
+                self.host_outputs = {name: self.early.get(name) if name in self.early else
+                                     cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
 
         def _run(self, forward) -> dict:
             """forward over the inputs, its emitted outputs' copies on the side stream, joined at the end."""
@@ -251,13 +288,24 @@ def _deferred_capture_class():
             self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
+            """The eager run's outputs on the host: copies, or (PIN_AHEAD) the graph-to-be's pinned
+            buffers, which the caller's ``collect`` copies (as it does a replay's)."""
+            if PIN_AHEAD:
+                self._pin_outputs(self.eager_outputs)
+                for name, array in self.eager_outputs.items():
+                    if name not in self.early:
+                        array.copy_to_host(self.host_outputs[name], stream=self.backend.stream)
             self.backend.synchronize()  # (joined: the side stream's copies too)
+            if PIN_AHEAD:
+                return dict(self.host_outputs)
             return {name: self.early[name] if name in self.early else self.backend.to_host(array)
                     for name, array in self.eager_outputs.items()}
 
         def capture(self) -> None:
-            self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
-            self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+            began = time.perf_counter()
+            self._pin_staging()
+            pinned = time.perf_counter()
+            self.recorded_s = 0.0
             with self.backend.private_pool(self.pool):
                 self.backend.synchronize()  # the eager run no longer uses the buffers
                 self.pool.recycle()
@@ -265,21 +313,34 @@ def _deferred_capture_class():
                 if isinstance(self.forward, (list, tuple)):  # one graph a slice, launched in turn (SliceChain)
                     if self.early:
                         raise RuntimeError("a sliced forward emitted outputs: its slices cannot be captured apart")
-                    graphs = [self._capture(stage) for stage in self.forward]
+                    graphs = [self._capture(self._timed(stage)) for stage in self.forward]
                     outputs, graph = graphs[-1][0], SliceChain([g for _, g in graphs], self.owner)
                 else:
-                    outputs, graph = self._capture(self._run_forward)
-            self.host_outputs = {name: self.early.get(name) if name in self.early else
-                                 cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+                    outputs, graph = self._capture(self._timed(self._run_forward))
+            captured = time.perf_counter()
+            self._pin_outputs(outputs)
             self.outputs, self.graph, self.forward = outputs, graph, None
+            self.parts = (f"staging pinned {1e3 * (pinned - began):.1f} ms, launches recorded "
+                          f"{1e3 * self.recorded_s:.1f} ms, instantiated (and the rest) "
+                          f"{1e3 * (captured - pinned - self.recorded_s):.1f} ms, "
+                          f"outputs pinned {1e3 * (time.perf_counter() - captured):.1f} ms")
+
+        def _timed(self, run):
+            """``run`` with its host time added to ``recorded_s`` (the capture's log splits it from the rest)."""
+            def timed(inputs):
+                started = time.perf_counter()
+                try:
+                    return run(inputs)
+                finally:
+                    self.recorded_s += time.perf_counter() - started
+            return timed
 
         def capture_launching(self) -> None:
             """A sliced forward without an eager run: each slice captured into the pool (its buffers
             allocated as it records) and its graph launched at once, the next slice recorded while it
             runs; the owner's pacer cuts before each launch after the first. The outputs are the last
             slice's (``pinned_out`` copies them)."""
-            self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
-            self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+            self._pin_staging()
             pacer, graphs = (self.owner.pacer if self.owner is not None else None), []
             try:
                 with self.backend.private_pool(self.pool):
@@ -293,7 +354,7 @@ def _deferred_capture_class():
                 for graph in graphs:
                     graph.close()
                 raise
-            self.host_outputs = {name: cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+            self._pin_outputs(outputs)
             self.outputs, self.graph, self.forward = outputs, SliceChain(graphs, self.owner), None
 
         def _run_forward(self, inputs) -> dict:

@@ -141,20 +141,63 @@ class CaptureAfterReply:
     """The broker link for the worker loop, whose ``send`` then captures the tower's graph of an
     image size seen for the first time (tower_graph.py): the reply is on its way first, so the
     capture (80-117 ms of host work for a 1024 px image on the H200) no longer delays the image
-    request that brought the new size."""
+    request that brought the new size. tower_graph.CAPTURE_WHEN "idle": not after the reply but once
+    NVML sees the GPU idle (under CAPTURE_BUSY_PERCENT), polled every POLL_S while ``recv`` waits, so
+    not while the text workers decode beside it (issue 20); "next": the next encode of that size
+    captures it. The log line says where the capture's host time went (its pinned buffers, the
+    launches recorded, the instantiation)."""
 
-    def __init__(self, link: BrokerLink, model):
+    POLL_S = 0.05
+
+    def __init__(self, link: BrokerLink, model, make_nvml=None, when: str | None = None):
         self.link, self.model = link, model
+        self.when = when or tower_graph.CAPTURE_WHEN
+        self.waiting = False  # "idle": a capture waits for an idle GPU
+        self.nvml = None
+        if self.when == "idle":
+            try:
+                self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
+            except Exception as e:  # noqa: BLE001 - no NVML: the capture follows the reply
+                log.info("the tower's capture follows the reply (NVML: %s)", e)
+                self.when = "reply"
 
     def recv(self, timeout_s: float | None = None):
-        return self.link.recv(timeout_s=timeout_s)
+        if not self.waiting:
+            return self.link.recv(timeout_s=timeout_s)
+        end = None if timeout_s is None else time.perf_counter() + timeout_s
+        while True:
+            left = self.POLL_S if end is None else min(self.POLL_S, end - time.perf_counter())
+            message = self.link.recv(timeout_s=max(left, 0.0))
+            if message is not None:
+                return message  # (an encode of that size captures it itself)
+            if not self._pending():
+                self.waiting = False
+            else:
+                percent = self.nvml.busy_percent()
+                if percent < tower_graph.CAPTURE_BUSY_PERCENT:
+                    self.waiting = False
+                    self._capture(f"once the GPU was {percent}% busy")
+            if not self.waiting or (end is not None and time.perf_counter() >= end):
+                return None
 
     def send(self, message) -> None:
         self.link.send(message)
         if isinstance(message, EncodeReply) and message.error is None:
-            seconds = self.model.capture_pending()
-            if seconds is not None:
-                log.info("tower graph of the last image size captured after its reply: %.1f ms", 1e3 * seconds)
+            if self.when == "reply":
+                self._capture("after its reply")
+            elif self.when == "idle":
+                self.waiting = self._pending()
+
+    def _pending(self) -> bool:
+        graph = getattr(self.model, "graph", None)
+        return graph.pending() if hasattr(graph, "pending") else True
+
+    def _capture(self, when: str) -> None:
+        seconds = self.model.capture_pending()
+        if seconds is not None:
+            parts = getattr(getattr(self.model, "graph", None), "capture_parts", "")
+            log.info("tower graph of the last image size captured %s: %.1f ms%s", when, 1e3 * seconds,
+                     f" ({parts})" if parts else "")
 
 
 def warm_up(model: VisionModel, processor, cfg) -> None:
