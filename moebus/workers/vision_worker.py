@@ -64,11 +64,13 @@ class VisionWorker:
         self.link = link
         self.limits = limits
         self.num_encodes = 0
+        self.device = device
         self.gate = SliceGate(device) if tower_graph.SLICE_LAYERS > 0 and tower_graph.SLICE_WHEN == "busy" else None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
-        return serve(CaptureAfterReply(self.link, self.model), self.handle, self.failure)
+        when = None if self.device == "cuda" else "reply"  # (no graphs elsewhere: nothing waits for NVML)
+        return serve(CaptureAfterReply(self.link, self.model, when=when), self.handle, self.failure)
 
     def failure(self, message, text: str, fatal: bool) -> WorkerError:
         return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "encode_id", None),
@@ -143,8 +145,8 @@ class CaptureAfterReply:
     capture (80-117 ms of host work for a 1024 px image on the H200) no longer delays the image
     request that brought the new size. tower_graph.CAPTURE_WHEN "idle": not after the reply but once
     NVML sees the GPU idle (under CAPTURE_BUSY_PERCENT), polled every POLL_S while ``recv`` waits, so
-    not while the text workers decode beside it (issue 20); "next": the next encode of that size
-    captures it. The log line says where the capture's host time went (its pinned buffers, the
+    not while the text workers decode beside it (issue 20; a boot warm-up's shape too); "next": the
+    next encode of that size captures it. The log line says where the capture's host time went (its pinned buffers, the
     launches recorded, the instantiation)."""
 
     POLL_S = 0.05
@@ -152,7 +154,6 @@ class CaptureAfterReply:
     def __init__(self, link: BrokerLink, model, make_nvml=None, when: str | None = None):
         self.link, self.model = link, model
         self.when = when or tower_graph.CAPTURE_WHEN
-        self.waiting = False  # "idle": a capture waits for an idle GPU
         self.nvml = None
         if self.when == "idle":
             try:
@@ -160,6 +161,8 @@ class CaptureAfterReply:
             except Exception as e:  # noqa: BLE001 - no NVML: the capture follows the reply
                 log.info("the tower's capture follows the reply (NVML: %s)", e)
                 self.when = "reply"
+        # "idle": a boot warm-up's shape (vision.lazy false) is captured at the first idle GPU too
+        self.waiting = self.when == "idle" and self._pending()
 
     def recv(self, timeout_s: float | None = None):
         if not self.waiting:

@@ -68,7 +68,11 @@ def test_the_capture_follows_the_reply_and_only_a_good_encode_reply():
 def test_an_idle_capture_waits_for_an_idle_gpu(monkeypatch):
     monkeypatch.setattr(tower_graph, "CAPTURE_BUSY_PERCENT", 10)
     events = []
-    link = CaptureAfterReply(Link(events), Model(events), make_nvml=lambda: Nvml([80, 40, 3]), when="idle")
+    model = Model(events)
+    model.waits = False  # (no boot warm-up: nothing waits before the first reply)
+    link = CaptureAfterReply(Link(events), model, make_nvml=lambda: Nvml([80, 40, 3]), when="idle")
+    assert not link.waiting
+    model.waits = True
     link.POLL_S = 0.001
     link.send(_reply())
     assert events == [("sent", "EncodeReply")] and link.waiting  # not while the GPU is busy
@@ -86,6 +90,13 @@ def test_an_idle_capture_gives_way_to_a_message_and_stops_at_the_timeout(monkeyp
     link.send(_reply())
     assert link.recv(timeout_s=5.0) is shutdown and ("captured",) not in events and link.waiting
     assert link.recv(timeout_s=0.01) is None and ("captured",) not in events  # busy throughout: not yet
+
+
+def test_an_idle_capture_takes_a_boot_warm_ups_shape_too(monkeypatch):
+    monkeypatch.setattr(tower_graph, "CAPTURE_BUSY_PERCENT", 10)
+    events = []
+    link = CaptureAfterReply(Link(events), Model(events), make_nvml=lambda: Nvml([2]), when="idle")
+    assert link.waiting and link.recv(timeout_s=1.0) is None and events == [("recv",), ("captured",)]
 
 
 def test_next_never_captures_after_a_reply_and_idle_without_nvml_does():
