@@ -25,7 +25,12 @@ memory on a second stream from then on, inside the graph as a parallel branch, w
 blocks run; only the outputs made last are copied after the last kernel. The host copies of a
 replay (the inputs into the pinned staging, the outputs out of the pinned buffers: ~28 MB for a
 1024 x 768 image on Qwen3-VL, its bytes in and four outputs out) run in COPY_THREADS slices at once
-(``copy_pairs``: numpy lets the GIL go while it copies)."""
+(``copy_pairs``: numpy lets the GIL go while it copies).
+
+A ``forward`` may also be a list of slices (LLaVA's tower cut every SLICE_LAYERS layers: issue 20, off by
+default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a
+text worker's steps have the GPU alone), eagerly, and captured as one graph a slice (``SliceChain``) launched
+the same way; a sliced forward must not ``emit``."""
 from __future__ import annotations
 
 import functools
@@ -51,6 +56,40 @@ EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 # still run, instead of after the whole graph (0). On the H200 the a3b tower's 1024 x 768 encode 31.4 -> 30.3 ms,
 # bit for bit (fifteenth session; the eleventh's 31.2 -> 30.6)
 COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "1") != "0"
+# Issue 20 (seventeenth session; off by default, not measured yet): > 0 cuts a tower that can be cut (LLaVA's,
+# vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
+# sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a slice, in a
+# replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
+# time-slices between contexts that both have work (stream priorities act only inside a context), so a text
+# decode step stretches by the tower's work that shares the GPU with it: sliced, by at most about one slice
+# (and the switches its launches cause). The price: SLICE_PAUSE_MS and a sync per cut in the encode's time.
+SLICE_LAYERS = int(os.environ.get("MOEBUS_TOWER_SLICE_LAYERS", "0"))
+SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
+# "always": a sliced tower cuts in every encode; "busy": only where the vision worker saw the GPU busy as the
+# encode began (vision_worker.SliceGate: NVML's utilization >= SLICE_BUSY_PERCENT, text workers decoding beside;
+# a lone image keeps its time). Uncut, the slices run back to back (their graphs: one launch each more).
+SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
+SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
+# 1 (opt-in, not yet run on a GPU): a sliced tower's new shape is not run eagerly at all: each slice is captured
+# and its graph launched at once, the next slice captured while it runs (DeferredCapture.capture_launching).
+# The GPU then gets each slice's work as one burst, a capture's host time apart (eagerly it gets a kernel at a
+# time, each launch while the text worker's step runs: a context switch each), and the first encode costs about
+# what the eager one did (the same launches from Python, recorded) plus the graphs' instantiation; no capture
+# after the reply. A capture that fails leaves the tower eager, as ever.
+SLICE_CAPTURE_FIRST = os.environ.get("MOEBUS_TOWER_SLICE_CAPTURE_FIRST", "0") == "1"
+# Issue 20, second round (off by default, not yet run on a GPU). The capture after the reply runs while the text
+# workers decode (call A: a 29.5 ms chunk step, 9-14 ms over its peers, ended inside a 59.8 ms capture). It makes
+# no GPU work, but driver calls: cuMemHostAlloc for its pinned staging and outputs (pinning maps the pages for the
+# GPU) and the graph's instantiation. PIN_AHEAD 1: the pinned staging is allocated with the eager encode (its
+# inputs go up through it) and the outputs' pinned buffers with its results (read back through them), so the
+# capture allocates no host memory; same bits.
+PIN_AHEAD = os.environ.get("MOEBUS_TOWER_PIN_AHEAD", "0") == "1"
+# When the vision worker captures a new shape's graph (vision_worker.CaptureAfterReply): "reply" (default) right
+# after the reply; "idle" once NVML sees the GPU under CAPTURE_BUSY_PERCENT busy (polled while the worker waits
+# for its next message; no NVML: after the reply), so not while text workers decode; "next" never after a reply:
+# the next encode of that shape captures it (and pays the capture: 60-120 ms on the H200) before its replay.
+CAPTURE_WHEN = os.environ.get("MOEBUS_TOWER_CAPTURE_WHEN", "reply")
+CAPTURE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_CAPTURE_BUSY_PERCENT", "10"))
 
 
 class TowerGraph:
@@ -63,6 +102,8 @@ class TowerGraph:
         self.graph = None  # a DeferredCapture: the last shape's pool, its graph once captured
         self.last_path = None  # how the last run went: "eager", "new shape, eager", "captured", "replay"
         self.sink = None  # the DeferredCapture whose forward runs now (``emit``)
+        self.pacer = Pacer(backend)  # the pauses between a sliced forward's slices (SLICE_LAYERS)
+        self.capture_parts = ""  # the last capture_pending's parts (DeferredCapture.parts)
 
     def emit(self, name: str, array) -> None:
         """Called by ``forward`` once its output ``name`` is final (no later launch writes it): inside a
@@ -75,6 +116,7 @@ class TowerGraph:
         """``collect`` (default: copies by name) of ``forward``'s outputs for these inputs; ``key``
         names what else the captured work depends on (buffers sized by it), so a new key captures anew."""
         collect = collect or _copies
+        self.pacer.reset()
         if self.enabled:
             host_outputs = self._graph_outputs(key, host_inputs, forward)
             if host_outputs is not None:
@@ -86,8 +128,14 @@ class TowerGraph:
         self.last_path = "eager"
         ops = self.ops
         ops.begin_step()
-        outputs = forward({name: ops.upload(array) for name, array in host_inputs.items()})
+        outputs = run_slices(forward, {name: ops.upload(array) for name, array in host_inputs.items()}, self.pacer)
         return collect({name: ops.to_host(array) for name, array in outputs.items()})
+
+    def path(self) -> str | None:
+        """How the last run went, with its slices and their pauses where it was sliced (the worker's log)."""
+        if not self.pacer.cuts:
+            return self.last_path
+        return f"{self.last_path}, {self.pacer.cuts + 1} slices, {1e3 * self.pacer.seconds:.1f} ms in their cuts"
 
     def _graph_outputs(self, key, host_inputs: dict, forward) -> dict | None:
         """The host outputs through this shape's graph (a replay, or a new shape's eager run in the
@@ -103,9 +151,14 @@ class TowerGraph:
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
+        launch_first = SLICE_CAPTURE_FIRST and isinstance(forward, (list, tuple))
         try:
-            graph = DeferredCapture(self.ops, host_inputs, forward, self)
+            graph = DeferredCapture(self.ops, host_inputs, forward, self, eager=not launch_first)
             self.graph, self.key = graph, key
+            if launch_first:
+                graph.capture_launching()
+                self.last_path = "new shape, captured and launched by slice"
+                return pinned_out(graph)
             if not EAGER_FIRST and not self._capture():
                 return None
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: encode eagerly
@@ -119,13 +172,20 @@ class TowerGraph:
         self.last_path = "new shape, eager" if graph.graph is None else "new shape, eager and captured"
         return graph.eager_results()  # a capture runs nothing: the eager run's buffers still hold them
 
+    def pending(self) -> bool:
+        """Whether a shape has run eagerly and waits for its capture (``capture_pending``)."""
+        return self.enabled and self.graph is not None and self.graph.graph is None
+
     def capture_pending(self) -> float | None:
         """Capture the graph of the shape that has only run eagerly so far (after its reply has
-        left): the seconds it took, or None when there was nothing to capture (or it failed)."""
-        if not self.enabled or self.graph is None or self.graph.graph is not None:
+        left): the seconds it took, or None when there was nothing to capture (or it failed).
+        ``capture_parts`` then says where its host time went (the worker's log)."""
+        if not self.pending():
             return None
         started = time.perf_counter()
-        return time.perf_counter() - started if self._capture() else None
+        done = self._capture()
+        self.capture_parts = getattr(self.graph, "parts", "") if done else ""
+        return time.perf_counter() - started if done else None
 
     def _capture(self) -> bool:
         try:
@@ -160,7 +220,7 @@ def _deferred_capture_class():
         buffer and does the encode's real work), the capture of the same launches later
         (``capture``), into the same buffers: the pool hands them out again in the same order."""
 
-        def __init__(self, backend, host_inputs: dict, forward, owner=None):
+        def __init__(self, backend, host_inputs: dict, forward, owner=None, eager: bool = True):
             self.backend, self.shared_pool, self.owner = backend, False, owner
             self.specs = {name: (a.shape, a.dtype) for name, a in host_inputs.items()}
             self.offsets, self.total_bytes = graphs._layout(host_inputs)
@@ -174,11 +234,27 @@ def _deferred_capture_class():
             self.side = cuda.stream()  # the early copies' (simulator: no events; it has nothing to order)
             events = (None, None) if SIMULATOR else (cuda.event(timing=False), cuda.event(timing=False))
             self.forked, self.joined = events
+            self.staging = self.host_outputs = None
+            self.recorded_s, self.parts = 0.0, ""  # the capture's host time in the forward's launches; its log
             with backend.private_pool(self.pool):
-                for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
-                    if view.size:
-                        view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
-                self.eager_outputs = self._run(forward)
+                if PIN_AHEAD and eager:  # the staging now: the capture allocates none (see PIN_AHEAD)
+                    self._pin_staging()
+                    upload(self, host_inputs)
+                else:
+                    for name, view in self.inputs.items():  # pageable: no pinned staging until the capture
+                        if view.size:
+                            view.copy_to_device(np.ascontiguousarray(host_inputs[name]), stream=backend.stream)
+                self.eager_outputs = self._run(forward) if eager else None
+
+        def _pin_staging(self) -> None:
+            if self.staging is None:
+                self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
+                self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+
+        def _pin_outputs(self, outputs: dict) -> None:
+            if self.host_outputs is None:
+                self.host_outputs = {name: self.early.get(name) if name in self.early else
+                                     cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
 
         def _run(self, forward) -> dict:
             """forward over the inputs, its emitted outputs' copies on the side stream, joined at the end."""
@@ -186,7 +262,7 @@ def _deferred_capture_class():
             if self.owner is not None:
                 self.owner.sink = self
             try:
-                outputs = forward(self.inputs)
+                outputs = run_slices(forward, self.inputs, self.owner.pacer if self.owner is not None else None)
             finally:
                 if self.owner is not None:
                     self.owner.sink = None
@@ -212,21 +288,74 @@ def _deferred_capture_class():
             self.emitted += 1
 
         def eager_results(self) -> dict[str, np.ndarray]:
+            """The eager run's outputs on the host: copies, or (PIN_AHEAD) the graph-to-be's pinned
+            buffers, which the caller's ``collect`` copies (as it does a replay's)."""
+            if PIN_AHEAD:
+                self._pin_outputs(self.eager_outputs)
+                for name, array in self.eager_outputs.items():
+                    if name not in self.early:
+                        array.copy_to_host(self.host_outputs[name], stream=self.backend.stream)
             self.backend.synchronize()  # (joined: the side stream's copies too)
+            if PIN_AHEAD:
+                return dict(self.host_outputs)
             return {name: self.early[name] if name in self.early else self.backend.to_host(array)
                     for name, array in self.eager_outputs.items()}
 
         def capture(self) -> None:
-            self.staging = cuda.pinned_array(self.total_bytes, np.uint8)
-            self.host_views = {name: self._view(self.staging, name) for name in self.specs}
+            began = time.perf_counter()
+            self._pin_staging()
+            pinned = time.perf_counter()
+            self.recorded_s = 0.0
             with self.backend.private_pool(self.pool):
                 self.backend.synchronize()  # the eager run no longer uses the buffers
                 self.pool.recycle()
                 self.emitted = 0
-                outputs, graph = self._capture(self._run_forward)
-            self.host_outputs = {name: self.early.get(name) if name in self.early else
-                                 cuda.pinned_array(a.shape, a.dtype) for name, a in outputs.items()}
+                if isinstance(self.forward, (list, tuple)):  # one graph a slice, launched in turn (SliceChain)
+                    if self.early:
+                        raise RuntimeError("a sliced forward emitted outputs: its slices cannot be captured apart")
+                    graphs = [self._capture(self._timed(stage)) for stage in self.forward]
+                    outputs, graph = graphs[-1][0], SliceChain([g for _, g in graphs], self.owner)
+                else:
+                    outputs, graph = self._capture(self._timed(self._run_forward))
+            captured = time.perf_counter()
+            self._pin_outputs(outputs)
             self.outputs, self.graph, self.forward = outputs, graph, None
+            self.parts = (f"staging pinned {1e3 * (pinned - began):.1f} ms, launches recorded "
+                          f"{1e3 * self.recorded_s:.1f} ms, instantiated (and the rest) "
+                          f"{1e3 * (captured - pinned - self.recorded_s):.1f} ms, "
+                          f"outputs pinned {1e3 * (time.perf_counter() - captured):.1f} ms")
+
+        def _timed(self, run):
+            """``run`` with its host time added to ``recorded_s`` (the capture's log splits it from the rest)."""
+            def timed(inputs):
+                started = time.perf_counter()
+                try:
+                    return run(inputs)
+                finally:
+                    self.recorded_s += time.perf_counter() - started
+            return timed
+
+        def capture_launching(self) -> None:
+            """A sliced forward without an eager run: each slice captured into the pool (its buffers
+            allocated as it records) and its graph launched at once, the next slice recorded while it
+            runs; the owner's pacer cuts before each launch after the first. The outputs are the last
+            slice's (``pinned_out`` copies them)."""
+            self._pin_staging()
+            pacer, graphs = (self.owner.pacer if self.owner is not None else None), []
+            try:
+                with self.backend.private_pool(self.pool):
+                    for i, stage in enumerate(self.forward):
+                        outputs, graph = self._capture(stage)
+                        graphs.append(graph)
+                        if i and pacer is not None:
+                            pacer.cut()
+                        graph.launch(self.stream)
+            except BaseException:
+                for graph in graphs:
+                    graph.close()
+                raise
+            self._pin_outputs(outputs)
+            self.outputs, self.graph, self.forward = outputs, SliceChain(graphs, self.owner), None
 
         def _run_forward(self, inputs) -> dict:
             return self._run(self.forward)
@@ -239,10 +368,66 @@ def _deferred_capture_class():
     return _DeferredCapture
 
 
-def DeferredCapture(backend, host_inputs: dict, forward, owner=None):  # noqa: N802 - a class made on first use
+class Pacer:
+    """The cuts between a sliced forward's slices: each waits for the GPU, then sleeps SLICE_PAUSE_MS
+    (the time another context's work has the GPU alone); counted for the worker's log."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.on = True  # False: the slices run back to back (SLICE_WHEN "busy" and an idle GPU)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cuts, self.seconds = 0, 0.0
+
+    def cut(self) -> None:
+        if not self.on:
+            return
+        started = time.perf_counter()
+        self.backend.synchronize()
+        if SLICE_PAUSE_MS > 0:
+            time.sleep(SLICE_PAUSE_MS / 1e3)
+        self.cuts += 1
+        self.seconds += time.perf_counter() - started
+
+
+def run_slices(forward, inputs: dict, pacer: Pacer | None) -> dict:
+    """``forward(inputs)``; a sliced forward (a list of callables over the same inputs, the last one's
+    outputs the forward's: vision_model.py) runs its slices in turn with ``pacer.cut()`` between them."""
+    if not isinstance(forward, (list, tuple)):
+        return forward(inputs)
+    outputs = None
+    for i, stage in enumerate(forward):
+        if i and pacer is not None:
+            pacer.cut()
+        outputs = stage(inputs)
+    return outputs
+
+
+class SliceChain:
+    """A sliced forward's graphs (one a slice, captured in turn into one pool: the buffers a slice hands
+    on are the model's kept ones or the pool's in its order), launched one after another on the stream
+    with the owner's pacer cutting between them; the graph interface CapturedStep's graph has."""
+
+    def __init__(self, graphs: list, owner):
+        self.graphs, self.owner = graphs, owner
+
+    def launch(self, stream) -> None:
+        for i, graph in enumerate(self.graphs):
+            if i and self.owner is not None:
+                self.owner.pacer.cut()
+            graph.launch(stream)
+
+    def close(self) -> None:
+        for graph in self.graphs:
+            graph.close()
+
+
+def DeferredCapture(backend, host_inputs: dict, forward, owner=None, eager=True):  # noqa: N802 - made on first use
     """A new shape's eager run in its graph-to-be's pool (see _deferred_capture_class); ``owner``: the
-    TowerGraph whose ``emit`` reaches it while its forward runs."""
-    return _deferred_capture_class()(backend, host_inputs, forward, owner)
+    TowerGraph whose ``emit`` reaches it while its forward runs; ``eager`` False: the inputs uploaded only
+    (``capture_launching`` follows)."""
+    return _deferred_capture_class()(backend, host_inputs, forward, owner, eager)
 
 
 def upload(graph, host_inputs: dict) -> None:

@@ -62,6 +62,10 @@ class Nvml:
     def used_bytes(self) -> int:
         return int(self.pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
 
+    def busy_percent(self) -> int:
+        """The share of the last sample period (1/6 to 1 s) in which a kernel ran on the GPU, any context's."""
+        return int(self.pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
     def close(self) -> None:
         self.pynvml.nvmlShutdown()
 

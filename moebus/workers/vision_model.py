@@ -7,10 +7,13 @@ without bias, ``pre_layrnorm`` before the encoder, quick_gelu. LLaVA reads ``hid
 before ``post_layernorm``, so neither the final norm nor the pooling head ever runs."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
+from moebus.workers import tower_graph
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.vision_weight_pack import DeviceWeights, HostWeights
 from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
@@ -141,25 +144,44 @@ class VisionModel:
         num_images = pixel_values.shape[0]
         kept = self._kept_buffers(num_images)
         rows = patches(pixel_values, cfg.patch_size, cfg.tower == "clip")
-        out = self.graph.run(num_images, {"patches": rows}, lambda inputs: {"embeds": self._forward(inputs, kept)})
+        out = self.graph.run(num_images, {"patches": rows}, self._slices(kept, tower_graph.SLICE_LAYERS))
         return out["embeds"].reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
 
-    def _forward(self, inputs: dict, kept: dict):
-        """The tower and projector over the device patches: kernels only (tower_graph.py)."""
+    def _slices(self, kept: dict, per_slice: int = 0):
+        """The forward for tower_graph: the tower and projector over the device patches, kernels only.
+        ``per_slice`` > 0 (tower_graph.SLICE_LAYERS): a list of slices of that many encoder layers each,
+        the embedding in the first, the projector in the last; tower_graph runs them in turn (a graph
+        each on cuda) with a pause between. The same launches in the same order either way, so the
+        same bits: between slices the hidden state lies in kept memory, as between layers."""
+        n = len(self.layers)
+        bounds = list(range(0, n, per_slice)) + [n] if 0 < per_slice < n else [0, n]
+        state = {}
+
+        def run(first: int, last: int, inputs: dict):
+            if first == 0:
+                state["mark"] = self._embed(inputs, kept)
+            for i in range(first, last):
+                # one layer's scratch at a time: the hidden state is carried in kept memory
+                self.ops.recycle_layer(state["mark"], ())
+                self._keep(self._encoder_layer(self.layers[i], kept["x"], kept["num_images"]), kept, i + 1)
+            if last == n:
+                self.ops.recycle_layer(state["mark"], ())
+                features = [self._select(kept[k], kept["select"]) for k in self.cfg.feature_layers]
+                return {"embeds": self._project(features)}
+            return {}
+
+        slices = [functools.partial(run, a, b) for a, b in zip(bounds, bounds[1:])]
+        return slices if len(slices) > 1 else slices[0]
+
+    def _embed(self, inputs: dict, kept: dict) -> int:
+        """The patch embedding into kept["x"]; the pool's mark that each layer's scratch goes back to."""
         cfg, ops = self.cfg, self.ops
-        num_images = kept["num_images"]
         mark = ops.layer_mark()
         x = ops.add_bias(ops.tiled_linear(inputs["patches"], self.patch_weight, self.patch_bias), self.positions)
         if cfg.tower == "clip":
             x = ops.layernorm(x, *self.pre_norm, cfg.layer_norm_eps)
-        x = self._keep(x, kept, 0)
-        for i, layer in enumerate(self.layers):
-            # one layer's scratch at a time: the hidden state is carried in kept memory
-            ops.recycle_layer(mark, ())
-            x = self._keep(self._encoder_layer(layer, x, num_images), kept, i + 1)
-        ops.recycle_layer(mark, ())
-        features = [self._select(kept[k], kept["select"]) for k in cfg.feature_layers]
-        return self._project(features)
+        self._keep(x, kept, 0)
+        return mark
 
     def encode_reply(self, pixels: list[np.ndarray]) -> dict:
         """ENCODE_REPLY's arrays for preprocessed images: ``embeds`` (N * num_image_tokens, D), one

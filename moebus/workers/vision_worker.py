@@ -25,11 +25,11 @@ from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
-from moebus.workers import step_watch
+from moebus.workers import step_watch, tower_graph
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
-from moebus.workers.vision_footprint import StartFootprint
+from moebus.workers.vision_footprint import Nvml, StartFootprint, cuda_device_uuid
 from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
 from moebus.workers.vision_preload import LoadBeside
 from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
@@ -55,7 +55,8 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
 
 
 class VisionWorker:
-    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None):
+    def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None,
+                 device: str = "cpu"):
         """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load or a lazy "auto"), or None."""
         self.model = model
         self.beside = beside
@@ -63,10 +64,13 @@ class VisionWorker:
         self.link = link
         self.limits = limits
         self.num_encodes = 0
+        self.device = device
+        self.gate = SliceGate(device) if tower_graph.SLICE_LAYERS > 0 and tower_graph.SLICE_WHEN == "busy" else None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
-        return serve(CaptureAfterReply(self.link, self.model), self.handle, self.failure)
+        when = None if self.device == "cuda" else "reply"  # (no graphs elsewhere: nothing waits for NVML)
+        return serve(CaptureAfterReply(self.link, self.model, when=when), self.handle, self.failure)
 
     def failure(self, message, text: str, fatal: bool) -> WorkerError:
         return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "encode_id", None),
@@ -92,37 +96,111 @@ class VisionWorker:
         copy_s = packed.wait() if packed is not None else 0.0  # (0 once it has ended)
         warm_s = self.beside.wait() if self.beside is not None else None
         self.beside = None
+        gated = self.gate.apply(getattr(self.model, "graph", None)) if self.gate is not None else ""
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
         log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
                 "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
-                getattr(self.model.graph, "last_path", None),
+                tower_path(self.model),
                 (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
-                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else ""))
+                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else "") + gated)
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
+
+
+def tower_path(model) -> str | None:
+    """How the model's last encode ran (tower_graph.TowerGraph.path: its path, and its slices where cut)."""
+    graph = getattr(model, "graph", None)
+    return graph.path() if hasattr(graph, "path") else getattr(graph, "last_path", None)
+
+
+class SliceGate:
+    """tower_graph.SLICE_WHEN "busy": a sliced tower cuts between its slices only where the GPU was busy as
+    the encode began (NVML's utilization >= SLICE_BUSY_PERCENT: the text workers decode beside it; the
+    broker could say so in the ENCODE instead). Where NVML cannot be read (cpu, no pynvml) it cuts always."""
+
+    def __init__(self, device: str, make_nvml=None):
+        self.nvml = None
+        try:
+            if device != "cuda" and make_nvml is None:
+                raise RuntimeError(f"no NVML on {device}")
+            self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
+        except Exception as e:  # noqa: BLE001 - no NVML: the slices are always cut
+            log.info("the tower's slices are cut in every encode (NVML: %s)", e)
+
+    def apply(self, graph) -> str:
+        """Turn ``graph``'s cuts on or off for the encode that begins; the log's note."""
+        if graph is None or self.nvml is None:
+            return ""
+        percent = self.nvml.busy_percent()
+        graph.pacer.on = percent >= tower_graph.SLICE_BUSY_PERCENT
+        return f", GPU {percent}% busy: slices {'cut' if graph.pacer.on else 'back to back'}"
 
 
 class CaptureAfterReply:
     """The broker link for the worker loop, whose ``send`` then captures the tower's graph of an
     image size seen for the first time (tower_graph.py): the reply is on its way first, so the
     capture (80-117 ms of host work for a 1024 px image on the H200) no longer delays the image
-    request that brought the new size."""
+    request that brought the new size. tower_graph.CAPTURE_WHEN "idle": not after the reply but once
+    NVML sees the GPU idle (under CAPTURE_BUSY_PERCENT), polled every POLL_S while ``recv`` waits, so
+    not while the text workers decode beside it (issue 20; a boot warm-up's shape too); "next": the
+    next encode of that size captures it. The log line says where the capture's host time went (its pinned buffers, the
+    launches recorded, the instantiation)."""
 
-    def __init__(self, link: BrokerLink, model):
+    POLL_S = 0.05
+
+    def __init__(self, link: BrokerLink, model, make_nvml=None, when: str | None = None):
         self.link, self.model = link, model
+        self.when = when or tower_graph.CAPTURE_WHEN
+        self.nvml = None
+        if self.when == "idle":
+            try:
+                self.nvml = (make_nvml or (lambda: Nvml(cuda_device_uuid())))()
+            except Exception as e:  # noqa: BLE001 - no NVML: the capture follows the reply
+                log.info("the tower's capture follows the reply (NVML: %s)", e)
+                self.when = "reply"
+        # "idle": a boot warm-up's shape (vision.lazy false) is captured at the first idle GPU too
+        self.waiting = self.when == "idle" and self._pending()
 
     def recv(self, timeout_s: float | None = None):
-        return self.link.recv(timeout_s=timeout_s)
+        if not self.waiting:
+            return self.link.recv(timeout_s=timeout_s)
+        end = None if timeout_s is None else time.perf_counter() + timeout_s
+        while True:
+            left = self.POLL_S if end is None else min(self.POLL_S, end - time.perf_counter())
+            message = self.link.recv(timeout_s=max(left, 0.0))
+            if message is not None:
+                return message  # (an encode of that size captures it itself)
+            if not self._pending():
+                self.waiting = False
+            else:
+                percent = self.nvml.busy_percent()
+                if percent < tower_graph.CAPTURE_BUSY_PERCENT:
+                    self.waiting = False
+                    self._capture(f"once the GPU was {percent}% busy")
+            if not self.waiting or (end is not None and time.perf_counter() >= end):
+                return None
 
     def send(self, message) -> None:
         self.link.send(message)
         if isinstance(message, EncodeReply) and message.error is None:
-            seconds = self.model.capture_pending()
-            if seconds is not None:
-                log.info("tower graph of the last image size captured after its reply: %.1f ms", 1e3 * seconds)
+            if self.when == "reply":
+                self._capture("after its reply")
+            elif self.when == "idle":
+                self.waiting = self._pending()
+
+    def _pending(self) -> bool:
+        graph = getattr(self.model, "graph", None)
+        return graph.pending() if hasattr(graph, "pending") else True
+
+    def _capture(self, when: str) -> None:
+        seconds = self.model.capture_pending()
+        if seconds is not None:
+            parts = getattr(getattr(self.model, "graph", None), "capture_parts", "")
+            log.info("tower graph of the last image size captured %s: %.1f ms%s", when, 1e3 * seconds,
+                     f" ({parts})" if parts else "")
 
 
 def warm_up(model: VisionModel, processor, cfg) -> None:
@@ -250,6 +328,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled%s", *disk_cache_counts(),
              step_watch.compiled_names())
     try:
-        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside).serve()
+        return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside,
+                            device).serve()
     finally:
         link.close()

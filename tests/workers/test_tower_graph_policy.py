@@ -16,7 +16,7 @@ class FakeCapture:
     instances = []
     fail_capture = False
 
-    def __init__(self, backend, host_inputs, forward, owner=None):
+    def __init__(self, backend, host_inputs, forward, owner=None, eager=True):
         self.specs = {n: a.shape for n, a in host_inputs.items()}
         self.forward, self.graph, self.closed, self.stream = forward, None, False, None
         self.flags = np.zeros(4, np.int32)  # (COLLECT_BESIDE's words: unused here)
