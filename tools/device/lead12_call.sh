@@ -7,12 +7,13 @@
 # PARTS="decode:150 miss:110 ...": name:seconds of its measure phase, in order. A 48 x 32 a3b model is made
 # at /tmp/m48 during the warm phase (M48 is exported to every script). Each part's $OUT is packed into
 # $OUT/<name>.tgz (the tool returns at most 8 files) and the tail of its stdout printed. Parts whose .gpu/<name> are
-# symlinks to one tree run from its physical path (cd -P): numba's disk cache is keyed by the source file's path,
+# symlinks to one tree (ONE_TREE=<name>: made here for every part without a tree of its own) run from its physical path (cd -P): numba's disk cache is keyed by the source file's path,
 # so they share one kernel cache (seventeenth session: separate copies made a part compile everything again).
 set +e
 T0=$(date +%s); S=${S:-12}; BUDGET=${BUDGET:-590}; WARM_S=${WARM_S:-150}; O=$OUT
 now() { echo $(( $(date +%s) - T0 )); }
 first=${PARTS%%:*}
+for p in $PARTS; do n=${p%%:*}; [ -e .gpu/$n ] || ln -s ${ONE_TREE:?"no .gpu/$n: carry it, or set ONE_TREE"} .gpu/$n; done
 (cd -P .gpu/$first && ln -sfn ../../.whl .whl && ln -sfn ../../.peer .peer && source tools/device/setup.sh) || exit 1
 export MOEBUS_SITE_READY=1 M48=/tmp/m48
 for p in $PARTS; do n=${p%%:*}; (cd -P .gpu/$n && ln -sfn ../../.whl .whl && ln -sfn ../../.peer .peer); mkdir -p $O/$n; done
