@@ -58,7 +58,7 @@ if [ "$PHASE" = warm ]; then
   exit 0
 fi
 [ -f $V/.gap12-ready ] || { echo "no model at $V (the warm phase did not finish it)"; exit 1; }
-RUNS=${RUNS:-ahead:$LOGS wide:$LOGS,GPU_MIB=12288 bounded:$LOGS,MOEBUS_CHUNK_STEP_MS=11 share025:$LOGS,MOEBUS_CHUNK_TIME_SHARE=0.25}
+RUNS=${GAP_RUNS:-${RUNS:-ahead:$LOGS wide:$LOGS,GPU_MIB=12288 bounded:$LOGS,MOEBUS_CHUNK_STEP_MS=11 share025:$LOGS,MOEBUS_CHUNK_TIME_SHARE=0.25}}
 echo "GPU free: $(free_mib) MiB"
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap15.sh > $OUT/gap15.txt 2>&1
 grep -E "^=== |^rc=|not run" $OUT/gap15.txt | sed -E "s/ \(MOEBUS[^)]*\)//" | cut -c1-100

@@ -20,7 +20,7 @@ if [[ $PHASE == warm ]]; then
   echo "init m2 rc=$? at $(now) s"
   timeout 40 python3 -m moebus.cli init-model /tmp/lead-m4 --preset a3b --layers 4 --experts 32 > $OUT/init4.log 2>&1
   echo "init m4 rc=$? at $(now) s"
-  for d in bf16 fp8 int4; do
+  for d in int4 bf16 fp8; do  # int4 first: call B's warm ended before it
     [ $(left) -lt 15 ] && break
     timeout $(( $(left) - 3 )) python3 -m moebus.cli bench decode --model /tmp/lead-m2 --device ${DEVICE:-cuda} --batch 1,8 \
       --tokens 4 --repeats 2 --no-service --experts-dtype $d --attention-dtype $(attention_of $d) --cache-frac 0.5 \

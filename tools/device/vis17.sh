@@ -49,7 +49,7 @@ fi
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 SLICE=MOEBUS_TOWER_SLICE_LAYERS
 CAP=MOEBUS_TOWER_SLICE_CAPTURE_FIRST=1,MOEBUS_TOWER_SLICE_PAUSE_MS=0,MOEBUS_TOWER_SLICE_WHEN=busy
-RUNS=${RUNS:-off:$LOGS idle:$LOGS,MOEBUS_TOWER_CAPTURE_WHEN=idle pin:$LOGS,MOEBUS_TOWER_PIN_AHEAD=1 s2cap:$LOGS,$SLICE=2,$CAP}
+RUNS=${VIS_RUNS:-${RUNS:-off:$LOGS idle:$LOGS,MOEBUS_TOWER_CAPTURE_WHEN=idle pin:$LOGS,MOEBUS_TOWER_PIN_AHEAD=1 s2cap:$LOGS,$SLICE=2,$CAP}}
 RUNS="$RUNS" RUN_CAP=${RUN_CAP:-45} BUDGET=$((BUDGET - 8)) bash tools/device/gap12.sh > $OUT/gap12.txt 2>&1
 for run in $RUNS; do  # every line the workers stamped in each of the largest gaps; each run's reading whole
   tag=${run%%:*}; L=$OUT/cycle_budget256_$tag.log.gz
