@@ -27,8 +27,8 @@ replay (the inputs into the pinned staging, the outputs out of the pinned buffer
 1024 x 768 image on Qwen3-VL, its bytes in and four outputs out) run in COPY_THREADS slices at once
 (``copy_pairs``: numpy lets the GIL go while it copies).
 
-A ``forward`` may also be a list of slices (LLaVA's tower cut every SLICE_LAYERS layers: issue 20, off by
-default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a
+A ``forward`` may also be a list of slices (tower_slices.py; LLaVA's tower cut every SLICE_LAYERS layers:
+issue 20, off by default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a
 text worker's steps have the GPU alone), eagerly, and captured as one graph a slice (``SliceChain``) launched
 the same way; a sliced forward must not ``emit``."""
 from __future__ import annotations
@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.workers import tower_slices
+from moebus.workers.tower_slices import Pacer, SliceChain, run_slices
 from moebus.workers.tower_outputs import MAX_FLAGS, ReadyOutputs, raise_flag_kernel, ready
 
 log = logging.getLogger("moebus.vision")
@@ -56,27 +58,6 @@ EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 # still run, instead of after the whole graph (0). On the H200 the a3b tower's 1024 x 768 encode 31.4 -> 30.3 ms,
 # bit for bit (fifteenth session; the eleventh's 31.2 -> 30.6)
 COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "1") != "0"
-# Issue 20 (seventeenth session; off by default, not measured yet): > 0 cuts a tower that can be cut (LLaVA's,
-# vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
-# sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a slice, in a
-# replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
-# time-slices between contexts that both have work (stream priorities act only inside a context), so a text
-# decode step stretches by the tower's work that shares the GPU with it: sliced, by at most about one slice
-# (and the switches its launches cause). The price: SLICE_PAUSE_MS and a sync per cut in the encode's time.
-SLICE_LAYERS = int(os.environ.get("MOEBUS_TOWER_SLICE_LAYERS", "0"))
-SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
-# "always": a sliced tower cuts in every encode; "busy": only where the vision worker saw the GPU busy as the
-# encode began (vision_worker.SliceGate: NVML's utilization >= SLICE_BUSY_PERCENT, text workers decoding beside;
-# a lone image keeps its time). Uncut, the slices run back to back (their graphs: one launch each more).
-SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
-SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
-# 1 (opt-in, not yet run on a GPU): a sliced tower's new shape is not run eagerly at all: each slice is captured
-# and its graph launched at once, the next slice captured while it runs (DeferredCapture.capture_launching).
-# The GPU then gets each slice's work as one burst, a capture's host time apart (eagerly it gets a kernel at a
-# time, each launch while the text worker's step runs: a context switch each), and the first encode costs about
-# what the eager one did (the same launches from Python, recorded) plus the graphs' instantiation; no capture
-# after the reply. A capture that fails leaves the tower eager, as ever.
-SLICE_CAPTURE_FIRST = os.environ.get("MOEBUS_TOWER_SLICE_CAPTURE_FIRST", "0") == "1"
 # Issue 20, second round (off by default, not yet run on a GPU). The capture after the reply runs while the text
 # workers decode (call A: a 29.5 ms chunk step, 9-14 ms over its peers, ended inside a 59.8 ms capture). It makes
 # no GPU work, but driver calls: cuMemHostAlloc for its pinned staging and outputs (pinning maps the pages for the
@@ -151,7 +132,7 @@ class TowerGraph:
             graph.graph.launch(graph.stream)
             return pinned_out(graph)
         self.close()  # the old graph's scratch goes before the new one's comes
-        launch_first = SLICE_CAPTURE_FIRST and isinstance(forward, (list, tuple))
+        launch_first = tower_slices.SLICE_CAPTURE_FIRST and isinstance(forward, (list, tuple))
         try:
             graph = DeferredCapture(self.ops, host_inputs, forward, self, eager=not launch_first)
             self.graph, self.key = graph, key
@@ -366,61 +347,6 @@ def _deferred_capture_class():
             self.pool.release()
 
     return _DeferredCapture
-
-
-class Pacer:
-    """The cuts between a sliced forward's slices: each waits for the GPU, then sleeps SLICE_PAUSE_MS
-    (the time another context's work has the GPU alone); counted for the worker's log."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.on = True  # False: the slices run back to back (SLICE_WHEN "busy" and an idle GPU)
-        self.reset()
-
-    def reset(self) -> None:
-        self.cuts, self.seconds = 0, 0.0
-
-    def cut(self) -> None:
-        if not self.on:
-            return
-        started = time.perf_counter()
-        self.backend.synchronize()
-        if SLICE_PAUSE_MS > 0:
-            time.sleep(SLICE_PAUSE_MS / 1e3)
-        self.cuts += 1
-        self.seconds += time.perf_counter() - started
-
-
-def run_slices(forward, inputs: dict, pacer: Pacer | None) -> dict:
-    """``forward(inputs)``; a sliced forward (a list of callables over the same inputs, the last one's
-    outputs the forward's: vision_model.py) runs its slices in turn with ``pacer.cut()`` between them."""
-    if not isinstance(forward, (list, tuple)):
-        return forward(inputs)
-    outputs = None
-    for i, stage in enumerate(forward):
-        if i and pacer is not None:
-            pacer.cut()
-        outputs = stage(inputs)
-    return outputs
-
-
-class SliceChain:
-    """A sliced forward's graphs (one a slice, captured in turn into one pool: the buffers a slice hands
-    on are the model's kept ones or the pool's in its order), launched one after another on the stream
-    with the owner's pacer cutting between them; the graph interface CapturedStep's graph has."""
-
-    def __init__(self, graphs: list, owner):
-        self.graphs, self.owner = graphs, owner
-
-    def launch(self, stream) -> None:
-        for i, graph in enumerate(self.graphs):
-            if i and self.owner is not None:
-                self.owner.pacer.cut()
-            graph.launch(stream)
-
-    def close(self) -> None:
-        for graph in self.graphs:
-            graph.close()
 
 
 def DeferredCapture(backend, host_inputs: dict, forward, owner=None, eager=True):  # noqa: N802 - made on first use

@@ -13,7 +13,7 @@ import numpy as np
 
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
-from moebus.workers import tower_graph
+from moebus.workers import tower_slices
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.vision_weight_pack import DeviceWeights, HostWeights
 from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
@@ -144,12 +144,12 @@ class VisionModel:
         num_images = pixel_values.shape[0]
         kept = self._kept_buffers(num_images)
         rows = patches(pixel_values, cfg.patch_size, cfg.tower == "clip")
-        out = self.graph.run(num_images, {"patches": rows}, self._slices(kept, tower_graph.SLICE_LAYERS))
+        out = self.graph.run(num_images, {"patches": rows}, self._slices(kept, tower_slices.SLICE_LAYERS))
         return out["embeds"].reshape(num_images, cfg.num_image_tokens, cfg.text_hidden_size)
 
     def _slices(self, kept: dict, per_slice: int = 0):
         """The forward for tower_graph: the tower and projector over the device patches, kernels only.
-        ``per_slice`` > 0 (tower_graph.SLICE_LAYERS): a list of slices of that many encoder layers each,
+        ``per_slice`` > 0 (tower_slices.SLICE_LAYERS): a list of slices of that many encoder layers each,
         the embedding in the first, the projector in the last; tower_graph runs them in turn (a graph
         each on cuda) with a pause between. The same launches in the same order either way, so the
         same bits: between slices the hidden state lies in kept memory, as between layers."""

@@ -25,7 +25,7 @@ from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
-from moebus.workers import step_watch, tower_graph
+from moebus.workers import step_watch, tower_graph, tower_slices
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -65,7 +65,7 @@ class VisionWorker:
         self.limits = limits
         self.num_encodes = 0
         self.device = device
-        self.gate = SliceGate(device) if tower_graph.SLICE_LAYERS > 0 and tower_graph.SLICE_WHEN == "busy" else None
+        self.gate = SliceGate(device) if tower_slices.SLICE_LAYERS > 0 and tower_slices.SLICE_WHEN == "busy" else None
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -117,7 +117,7 @@ def tower_path(model) -> str | None:
 
 
 class SliceGate:
-    """tower_graph.SLICE_WHEN "busy": a sliced tower cuts between its slices only where the GPU was busy as
+    """tower_slices.SLICE_WHEN "busy": a sliced tower cuts between its slices only where the GPU was busy as
     the encode began (NVML's utilization >= SLICE_BUSY_PERCENT: the text workers decode beside it; the
     broker could say so in the ENCODE instead). Where NVML cannot be read (cpu, no pynvml) it cuts always."""
 
@@ -135,7 +135,7 @@ class SliceGate:
         if graph is None or self.nvml is None:
             return ""
         percent = self.nvml.busy_percent()
-        graph.pacer.on = percent >= tower_graph.SLICE_BUSY_PERCENT
+        graph.pacer.on = percent >= tower_slices.SLICE_BUSY_PERCENT
         return f", GPU {percent}% busy: slices {'cut' if graph.pacer.on else 'back to back'}"
 
 

@@ -1,4 +1,4 @@
-"""LLaVA's tower in slices (tower_graph.SLICE_LAYERS, issue 20): the slices run in turn with a cut
+"""LLaVA's tower in slices (tower_slices.SLICE_LAYERS, issue 20): the slices run in turn with a cut
 (a wait for the GPU, a pause) between them, eagerly and as one graph a slice, and give the unsliced
 encode's bits. On the cpu backend and the simulator here; on a GPU (MOEBUS_TEST_GPU=1) the sliced
 graph's replay too."""
@@ -11,7 +11,7 @@ from moebus.common.image_processor import ImageProcessor  # noqa: E402
 from moebus.common.vision_config import load_vision_config  # noqa: E402
 from moebus.cuda.backends import make_backend  # noqa: E402
 from moebus.cuda.kernels.compat import SIMULATOR  # noqa: E402
-from moebus.workers import tower_graph  # noqa: E402
+from moebus.workers import tower_graph, tower_slices  # noqa: E402
 from moebus.workers.vision_model import VisionModel, load_vision_weights  # noqa: E402
 from tests.vision_models import make_hf_llava, sample_images  # noqa: E402
 
@@ -26,12 +26,12 @@ def llava(tmp_path_factory):
 
 @pytest.fixture
 def pause(monkeypatch):
-    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 1.0)
+    monkeypatch.setattr(tower_slices, "SLICE_PAUSE_MS", 1.0)
 
 
 def _encode(cfg, weights, px, device, per_slice, monkeypatch, times=1, capture_first=False):
-    monkeypatch.setattr(tower_graph, "SLICE_LAYERS", per_slice)
-    monkeypatch.setattr(tower_graph, "SLICE_CAPTURE_FIRST", capture_first)
+    monkeypatch.setattr(tower_slices, "SLICE_LAYERS", per_slice)
+    monkeypatch.setattr(tower_slices, "SLICE_CAPTURE_FIRST", capture_first)
     model = VisionModel(cfg, weights, make_backend(device))
     return [model.encode(px) for _ in range(times)], model
 
@@ -57,7 +57,7 @@ def test_a_sliced_encode_gives_the_unsliced_bits(llava, device, per_slice, pause
     assert model.graph.pacer.cuts == cuts and model.graph.pacer.seconds >= cuts * 1e-3
     assert f"{cuts + 1} slices" in model.graph.path()
     if not SIMULATOR and device == "cuda":
-        assert isinstance(model.graph.graph.graph, tower_graph.SliceChain)
+        assert isinstance(model.graph.graph.graph, tower_slices.SliceChain)
         assert len(model.graph.graph.graph.graphs) == cuts + 1 and model.graph.last_path == "replay"
 
 
@@ -69,7 +69,7 @@ def test_a_sliced_encode_captured_and_launched_by_slice_gives_the_eager_bits(lla
     assert model.graph.enabled, "the capture failed: the tower went eager"
     for out in outs:  # the first encode without an eager run, then a replay of its slices
         np.testing.assert_array_equal(out, whole)
-    assert isinstance(model.graph.graph.graph, tower_graph.SliceChain) and model.graph.last_path == "replay"
+    assert isinstance(model.graph.graph.graph, tower_slices.SliceChain) and model.graph.last_path == "replay"
     assert model.capture_pending() is None
 
 
@@ -99,13 +99,13 @@ class _Backend:
 
 
 def test_a_slice_chain_cuts_between_its_graphs_and_closes_them_all(monkeypatch):
-    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 0.0)
+    monkeypatch.setattr(tower_slices, "SLICE_PAUSE_MS", 0.0)
     events = []
 
     class Owner:
-        pacer = tower_graph.Pacer(_Backend(events))
+        pacer = tower_slices.Pacer(_Backend(events))
 
-    chain = tower_graph.SliceChain([_Graph(i, events) for i in range(3)], Owner)
+    chain = tower_slices.SliceChain([_Graph(i, events) for i in range(3)], Owner)
     chain.launch("s")
     chain.close()
     assert events == [("launch", 0, "s"), ("sync",), ("launch", 1, "s"), ("sync",), ("launch", 2, "s"),
@@ -115,10 +115,10 @@ def test_a_slice_chain_cuts_between_its_graphs_and_closes_them_all(monkeypatch):
 
 def test_run_slices_hands_back_the_last_slices_outputs():
     events = []
-    pacer = tower_graph.Pacer(_Backend(events))
+    pacer = tower_slices.Pacer(_Backend(events))
     slices = [lambda x: events.append("a") or {}, lambda x: {"y": x["v"] + 1}]
-    assert tower_graph.run_slices(slices, {"v": 1}, pacer) == {"y": 2}
-    assert tower_graph.run_slices(slices[1], {"v": 2}, pacer) == {"y": 3}
+    assert tower_slices.run_slices(slices, {"v": 1}, pacer) == {"y": 2}
+    assert tower_slices.run_slices(slices[1], {"v": 2}, pacer) == {"y": 3}
     assert events == ["a", ("sync",)] and pacer.cuts == 1
 
 
@@ -133,16 +133,16 @@ class _Nvml:
 def test_the_busy_gate_cuts_only_on_a_busy_gpu(monkeypatch):
     from moebus.workers.vision_worker import SliceGate
 
-    monkeypatch.setattr(tower_graph, "SLICE_BUSY_PERCENT", 25)
+    monkeypatch.setattr(tower_slices, "SLICE_BUSY_PERCENT", 25)
     events = []
 
     class Graph:
-        pacer = tower_graph.Pacer(_Backend(events))
+        pacer = tower_slices.Pacer(_Backend(events))
 
     gate = SliceGate("cuda", make_nvml=lambda: _Nvml([80, 3]))
     assert gate.apply(Graph) == ", GPU 80% busy: slices cut" and Graph.pacer.on
     assert gate.apply(Graph) == ", GPU 3% busy: slices back to back" and not Graph.pacer.on
-    assert tower_graph.run_slices([lambda x: {}, lambda x: {"y": 1}], {}, Graph.pacer) == {"y": 1}
+    assert tower_slices.run_slices([lambda x: {}, lambda x: {"y": 1}], {}, Graph.pacer) == {"y": 1}
     assert events == [] and Graph.pacer.cuts == 0  # uncut: no wait, no pause
     assert SliceGate("cpu").apply(Graph) == ""  # no NVML: the pacer is left as it is (cut always)
 
@@ -162,7 +162,7 @@ class _LaunchFirst:
             if i:
                 self.owner.pacer.cut()
             self.out = stage(self.inputs)
-        self.graph = tower_graph.SliceChain(graphs, self.owner)
+        self.graph = tower_slices.SliceChain(graphs, self.owner)
 
     def matches(self, host_inputs):
         return {n: a.shape for n, a in host_inputs.items()} == self.specs
@@ -172,8 +172,8 @@ class _LaunchFirst:
 
 
 def test_capture_first_launches_a_new_shape_by_slice_without_an_eager_run(monkeypatch):
-    monkeypatch.setattr(tower_graph, "SLICE_CAPTURE_FIRST", True)
-    monkeypatch.setattr(tower_graph, "SLICE_PAUSE_MS", 0.0)
+    monkeypatch.setattr(tower_slices, "SLICE_CAPTURE_FIRST", True)
+    monkeypatch.setattr(tower_slices, "SLICE_PAUSE_MS", 0.0)
     monkeypatch.setattr(tower_graph, "DeferredCapture", _LaunchFirst)
     monkeypatch.setattr(tower_graph, "pinned_out", lambda graph: graph.out)
     graph = tower_graph.TowerGraph(make_backend("cpu"))
