@@ -48,9 +48,15 @@ def corpus_files(paths: list[str] | None, max_bytes: int) -> list[Path]:
 
 
 def split_files(files: list[Path], held_out_every: int) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): every ``held_out_every``-th file held out, and the last one where
+    fewer files than that are given (a corpus of 9 files held none out: docs/ once performance.md passed the
+    size limit), so that there is always a held-out loss to measure."""
     texts = [f.read_text(errors="replace") for f in files]
-    held = [t for i, t in enumerate(texts) if i % held_out_every == held_out_every - 1]
-    train = [t for i, t in enumerate(texts) if i % held_out_every != held_out_every - 1]
+    held_at = {i for i in range(len(texts)) if i % held_out_every == held_out_every - 1}
+    if not held_at and len(texts) > 1:
+        held_at = {len(texts) - 1}
+    held = [t for i, t in enumerate(texts) if i in held_at]
+    train = [t for i, t in enumerate(texts) if i not in held_at]
     return train, held
 
 
