@@ -67,7 +67,8 @@ TIME_SHARE = float(os.environ.get("MOEBUS_CHUNK_TIME_SHARE", "0.5"))
 # caches missing 43 experts a step, over PCIe), so 0.5 of it let the chunk run ~5 ms more. With the cap a
 # chunk's first step whose rows ran synchronously does no chunk work (its loan and setup, ~7 ms there,
 # go to the next step, which launches the rows first and sets up while the GPU runs them). 0: off (the
-# share alone). Off until a GPU call measures it (tools/device/gap17.sh's "bounded").
+# share alone). Off: at 11 (call C, gap17.sh's "bounded") the cycle's largest text gap 3.62x its median
+# against 4.46x, but the image's first token 2,986 ms against 1,789 (93 chunk steps against 39).
 STEP_MS = float(os.environ.get("MOEBUS_CHUNK_STEP_MS", "0"))
 SLOW_STEP_MS = 11.0  # the "done" line counts the steps over this (2x the H200's ~5.6 ms text gap, issue 20)
 
