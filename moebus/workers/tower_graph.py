@@ -28,9 +28,9 @@ replay (the inputs into the pinned staging, the outputs out of the pinned buffer
 (``copy_pairs``: numpy lets the GIL go while it copies).
 
 A ``forward`` may also be a list of slices (tower_slices.py; LLaVA's tower cut every SLICE_LAYERS layers:
-issue 20, off by default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a
-text worker's steps have the GPU alone), eagerly, and captured as one graph a slice (``SliceChain``) launched
-the same way; a sliced forward must not ``emit``."""
+issue 20, off by default): they run in turn with a cut between them (``Pacer``: a wait for the GPU, then a
+pause in which a text worker's steps have the GPU alone), eagerly, and captured as one graph a slice
+(``SliceChain``) launched the same way; a sliced forward must not ``emit``."""
 from __future__ import annotations
 
 import functools
@@ -58,9 +58,10 @@ EARLY_COPIES = os.environ.get("MOEBUS_TOWER_EARLY_COPIES", "1") != "0"
 # still run, instead of after the whole graph (0). On the H200 the a3b tower's 1024 x 768 encode 31.4 -> 30.3 ms,
 # bit for bit (fifteenth session; the eleventh's 31.2 -> 30.6)
 COLLECT_BESIDE = os.environ.get("MOEBUS_TOWER_COLLECT_BESIDE", "1") != "0"
-# Issue 20, second round (off by default, not yet run on a GPU). The capture after the reply runs while the text
-# workers decode (call A: a 29.5 ms chunk step, 9-14 ms over its peers, ended inside a 59.8 ms capture). It makes
-# no GPU work, but driver calls: cuMemHostAlloc for its pinned staging and outputs (pinning maps the pages for the
+# Issue 20, second round (off by default: calls B and C did not show the capture stretching the text steps; the
+# slow steps beside it are the image's first chunk steps; docs/performance.md). The capture after the reply runs
+# while the text workers decode (call A: a 29.5 ms chunk step, 9-14 ms over its peers, ended inside a 59.8 ms
+# capture). It makes no GPU work, but driver calls: cuMemHostAlloc for its pinned staging and outputs (pinning maps the pages for the
 # GPU) and the graph's instantiation. PIN_AHEAD 1: the pinned staging is allocated with the eager encode (its
 # inputs go up through it) and the outputs' pinned buffers with its results (read back through them), so the
 # capture allocates no host memory; same bits.
