@@ -23,7 +23,8 @@ SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
 SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
 SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
 # 1 (opt-in; its GPU test passed, its effect not measured): a sliced tower's new shape is not run eagerly at
-# all: each slice is captured and its graph launched at once, the next slice captured while it runs (DeferredCapture.capture_launching).
+# all: each slice is captured and its graph launched at once, the next slice captured while it runs
+# (DeferredCapture.capture_launching).
 # The GPU then gets each slice's work as one burst, a capture's host time apart (eagerly it gets a kernel at a
 # time, each launch while the text worker's step runs: a context switch each), and the first encode costs about
 # what the eager one did (the same launches from Python, recorded) plus the graphs' instantiation; no capture
