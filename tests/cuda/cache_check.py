@@ -8,7 +8,7 @@ What this cannot show without a GPU: the driver loading the cached code. Offline
 compiled to PTX only (no driver to link a cubin), so the cache holds PTX; on a GPU the dispatcher
 links the cubin before saving and the cache holds both.
 
-    python -m tests.cuda.cache_check --cache-dir DIR [--cc 9.0] [--only NAME,...] [--expect-loaded]
+    python -m tests.cuda.cache_check --cache-dir DIR [--cc 9.0] [--only NAME,...] [--variants N] [--expect-loaded]
 
 Prints one JSON line: kernel variants, how many were compiled and loaded, NVVM calls, cache files.
 Must run in a process where numba has not been imported with NUMBA_ENABLE_CUDASIM=1."""
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-home", default=None)
     parser.add_argument("--expect-loaded", action="store_true", help="fail unless every kernel came from the cache")
     parser.add_argument("--only", default="", help="comma list of kernel names (e.g. layernorm_rows,add_flat); default all")
+    parser.add_argument("--variants", type=int, default=0, help="compile the first N variants found only (0: all)")
     args = parser.parse_args(argv)
     from moebus.cuda.kernels.kernel_cache import gpu_role, use_kernel_cache
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     kernels = {}
 
     def launch(kernel, *launch_args):
-        if not only or kernel.py_func.__name__ in only:
+        if (not only or kernel.py_func.__name__ in only) and not (args.variants and len(kernels) >= args.variants):
             kernels.setdefault((id(kernel), kernel._compile_for_args(*launch_args)), kernel)
 
     dispatcher_class.__getitem__ = lambda kernel, config: (lambda *a: launch(kernel, *a))

@@ -181,8 +181,7 @@ def test_owner_softmax_against_the_reference(rng, monkeypatch, kv_dtype, head_di
         np.testing.assert_allclose(out.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("window", [0, 150])
+@pytest.mark.parametrize("kv_dtype, window", [("fp32", 0), ("bf16", 150)])  # each dtype and each window once
 def test_more_decode_splits_than_the_chunk_tiles_merged_in_the_block_and_apart(rng, monkeypatch, kv_dtype, window):
     """DECODE_SPLITS past MAX_SPLITS (a long context's decode in short splits: their weights' shared
     memory past a warp's lanes), ragged lengths, GQA, two tokens: attention_ref's result, and the last

@@ -93,11 +93,8 @@ def test_quant_one_round_fits_a3b_and_leaves_wider_rows_to_the_old_kernels():
     (160, 64, 4, 8),    # a partial group along D (128 + 32); 5 and 2 words a row, lanes past a row's end
     (1056, 32, 2, 16),  # 33 words a gate|up row (3 a lane, the last clamped); 1056 down rows: a partial group
 ])
-@pytest.mark.parametrize("unrolled", [False, True])  # INT4_UNROLLED: the word loop and matrices by hand
-def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows,
-                                                           unrolled):
+def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hidden, inter, gate_rows, down_rows):
     monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
-    monkeypatch.setattr(moe_quant_round, "INT4_UNROLLED", unrolled)
     monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
     monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
     monkeypatch.setattr(moe_quant_round, "_down_early", True)  # the wait moves (a no-op here)
@@ -110,27 +107,6 @@ def test_int4_one_round_matches_ref_with_a_host_store_miss(rng, monkeypatch, hid
     _run(x, pairs, device(arena), layout, out, store=device(store))
     expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
     _close(out.copy_to_host(), expected)
-
-
-@pytest.mark.parametrize("gate_rows, down_rows", [(1, 8), (2, 16)])
-def test_int4_unrolled_gives_the_rolled_loops_bits(rng, monkeypatch, gate_rows, down_rows):
-    # INT4_UNROLLED adds the words in the loop's order: the same floats, bit for bit (32 codes a word: gate|up
-    # rows of 1024 are 32 words, 1 / 2 a lane at 1 / 2 rows a warp; down rows of 192 are 6 words, 2 a lane at 8
-    # rows (the last clamped), 3 at 16)
-    monkeypatch.setattr(moe_quant, "INT4_ONE_ROUND", True)
-    monkeypatch.setattr(moe_quant_round, "INT4_GATE_UP_ROWS", gate_rows)
-    monkeypatch.setattr(moe_quant_round, "INT4_DOWN_ROWS", down_rows)
-    layout = ExpertLayout("int4", 1024, 192)
-    x = rng.standard_normal((1, 1024), dtype=np.float32)
-    arena = device(_arena(rng, layout, 2))
-    pairs = [(0, 1, 0), (0, 0, 1)]
-    results = []
-    for unrolled in (False, True):
-        monkeypatch.setattr(moe_quant_round, "INT4_UNROLLED", unrolled)
-        out = poisoned((2, 1024))
-        _run(x, pairs, arena, layout, out)
-        results.append(out.copy_to_host())
-    np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
 
 
 def test_the_one_round_expert_kernel_waits_first():

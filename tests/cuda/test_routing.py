@@ -9,6 +9,7 @@ from moebus.cuda.kernels.routing import host_placement, route_pairs_cuda, route_
 from tests.cuda.conftest import device, poisoned, stored
 
 HIDDEN, INTER, EXPERTS = 16, 8, 6
+PAIR_NAMES = ("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out")  # norm_route's outputs
 
 
 def test_route_pairs_sorts_by_expert_and_follows_the_table(rng):
@@ -72,7 +73,7 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
         x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
         got = _norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done)
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 1)
-        for name, g, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), got, want):
+        for name, g, w in zip(PAIR_NAMES, got, want):
             if g.dtype == np.int32:
                 np.testing.assert_array_equal(g, w, err_msg=name)
             else:
@@ -80,8 +81,9 @@ def test_norm_route_matches_the_unfused_ops(rng, dim, in_flight, monkeypatch):
         assert done.copy_to_host()[0] == 0
 
 
-@pytest.mark.parametrize("experts, top_k, tied", [(32, 8, False), (12, 4, True)])
-@pytest.mark.parametrize("num_tokens, spread", [(1, False), (1, True), (3, True)])
+@pytest.mark.parametrize("experts, top_k, tied, num_tokens, spread", [  # ties: 1 token (3 in the simulator: ~50 s)
+    (32, 8, False, 1, False), (32, 8, False, 1, True), (32, 8, False, 3, True), (12, 4, True, 1, False),
+    (12, 4, True, 1, True)])
 def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, top_k, tied, num_tokens, spread,
                                                                 monkeypatch):
     # <= 32 experts: top-k and pairs by ranks (ranks_tail, or one_token_tail for one token) or by
@@ -105,8 +107,7 @@ def test_norm_route_by_ranks_gives_the_bits_of_argmaxes_in_turn(rng, experts, to
             runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 0,
                                     device(np.zeros(1, np.int32)), scratch))
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 0)
-        for name, one_token, ranked, in_turn, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot",
-                                                        "pair_out"), *runs, want):
+        for name, one_token, ranked, in_turn, w in zip(PAIR_NAMES, *runs, want):
             np.testing.assert_array_equal(one_token, in_turn, err_msg=name)
             np.testing.assert_array_equal(ranked, in_turn, err_msg=name)
             np.testing.assert_allclose(ranked, w, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -137,60 +138,50 @@ def test_norm_route_spread_over_blocks_gives_the_bits_of_one_block_a_token(rng, 
             if blocks > 1:  # the spread kernel ran: the scratch holds every logit
                 assert not np.isnan(scratch.copy_to_host()).any()
         want = norm_route_ref(x, y, norm_weight, 1e-6, router, top_k, normalize, table, 1)
-        for name, one, three, eight, w in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"),
-                                              *runs, want):
+        for name, one, three, eight, w in zip(PAIR_NAMES, *runs, want):
             np.testing.assert_array_equal(three, one, err_msg=name)
             np.testing.assert_array_equal(eight, one, err_msg=name)
             np.testing.assert_allclose(one, w, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _switch_gives_the_same_bits(rng, monkeypatch, switch, experts, top_k, dim, cases):
+    """norm_route with ``switch`` off and on over ``cases`` of (tokens, blocks, tied router, normalize): the
+    same bits in every output; one counter, back at 0 after each run. Returns the last case's runs."""
+    from moebus.cuda.kernels import norm_route
+
+    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
+    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
+    done = device(np.zeros(1, np.int32))
+    for num_tokens, blocks, tied, normalize in cases:
+        router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * (0 if tied else 1), "bf16")
+        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
+        monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", blocks)
+        runs = []
+        for on in (False, True):
+            monkeypatch.setattr(norm_route, switch, on)
+            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done,
+                                    poisoned((num_tokens, experts))))
+            assert done.copy_to_host()[0] == 0
+        for name, off, on in zip(PAIR_NAMES, *runs):
+            np.testing.assert_array_equal(on, off, err_msg=f"{switch} {name} ({num_tokens} tokens, {blocks} blocks)")
+        if tied:  # a router of zeros: the first top_k experts, in order
+            assert runs[-1][2].tolist() == [list(range(top_k))] * num_tokens
 
 
 @pytest.mark.parametrize("experts, top_k, dim", [(32, 8, 40), (37, 3, 400)])
 def test_norm_route_router_prefetch_gives_the_same_bits(rng, experts, top_k, dim, monkeypatch):
     # ROUTER_PREFETCH: the block's router rows asked of L2 before the wait (rows past the last expert
     # clamped to it: 37 experts over 8 blocks of 5), one block a token or spread, 1 and 3 tokens
-    from moebus.cuda.kernels import norm_route
-
-    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
-    router = stored(rng.standard_normal((experts, dim), dtype=np.float32), "bf16")
-    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
-    done = device(np.zeros(1, np.int32))
-    for num_tokens, blocks in ((1, 8), (3, 1)):
-        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
-        monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", blocks)
-        runs = []
-        for prefetch in (False, True):
-            monkeypatch.setattr(norm_route, "ROUTER_PREFETCH", prefetch)
-            runs.append(_norm_route(x, y, norm_weight, router, top_k, True, table, 1, done,
-                                    poisoned((num_tokens, experts))))
-            assert done.copy_to_host()[0] == 0
-        for name, off, on in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), *runs):
-            np.testing.assert_array_equal(on, off, err_msg=name)
+    _switch_gives_the_same_bits(rng, monkeypatch, "ROUTER_PREFETCH", experts, top_k, dim,
+                                ((1, 8, False, True), (3, 1, False, True)))
 
 
 @pytest.mark.parametrize("experts, top_k, dim", [(32, 8, 40), (32, 8, 400), (37, 3, 400)])
 def test_norm_route_early_loads_give_the_same_bits(rng, experts, top_k, dim, monkeypatch):
-    # ROUTER_EARLY (round 0's router words and the norm's weights before the wait) against without: one block a
-    # token or spread over 8, 1 and 3 tokens, ties (a router of zeros) and both normalisations; one counter
-    from moebus.cuda.kernels import norm_route
-
-    norm_weight = stored(rng.standard_normal(dim, dtype=np.float32), "bf16")
-    table = rng.integers(-30, 30, size=(2, experts)).astype(np.int32)
-    done = device(np.zeros(1, np.int32))
-    for num_tokens, blocks, tied, normalize in ((1, 8, False, True), (1, 8, True, False), (3, 8, False, True),
-                                                (1, 1, False, False)):
-        router = stored(rng.standard_normal((experts, dim), dtype=np.float32) * (0 if tied else 1), "bf16")
-        x, y = (rng.standard_normal((num_tokens, dim), dtype=np.float32) for _ in range(2))
-        monkeypatch.setattr(norm_route, "ROUTER_BLOCKS", blocks)
-        runs = []
-        for early in (False, True):
-            monkeypatch.setattr(norm_route, "ROUTER_EARLY", early)
-            runs.append(_norm_route(x, y, norm_weight, router, top_k, normalize, table, 1, done,
-                                    poisoned((num_tokens, experts))))
-            assert done.copy_to_host()[0] == 0
-        for name, off, on in zip(("total", "h", "ids", "weights", "pair_token", "pair_slot", "pair_out"), *runs):
-            np.testing.assert_array_equal(on, off, err_msg=name)
-        if tied:
-            assert runs[-1][2].tolist() == [list(range(top_k))] * num_tokens
+    # ROUTER_EARLY (round 0's router words and the norm's weights before the wait): one block a token or
+    # spread over 8, 1 and 3 tokens, ties (a router of zeros) and both normalisations
+    _switch_gives_the_same_bits(rng, monkeypatch, "ROUTER_EARLY", experts, top_k, dim,
+                                ((1, 8, False, True), (1, 8, True, False), (3, 8, False, True), (1, 1, False, False)))
 
 
 def test_norm_route_router_share(monkeypatch):

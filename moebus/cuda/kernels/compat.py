@@ -156,10 +156,11 @@ def is_contiguous(array) -> bool:
 
 if SIMULATOR:
     # plain Python (see sim_warps.py): nothing there needs the simulated `cuda` module
-    from moebus.cuda.kernels import sim_warps
+    from moebus.cuda.kernels import sim_blocks, sim_warps
     from moebus.cuda.kernels.sim_warps import bits_as_f32, f32_bits, warp_argmax, warp_max, warp_sum, warp_sum_many  # noqa: F401
 
     sim_warps.make_shared_allocation_thread_safe()
+    sim_blocks.install()
 
 else:
 

@@ -55,7 +55,11 @@ class HostBlas:
             op_b = op_b if trans_b == OP_N else op_b.T
             out = _view(c + i * stride_c * 4, np.float32, m, n, ldc)
             with np.errstate(over="ignore", invalid="ignore"):  # padding rows hold whatever was there
-                product = np.float32(alpha) * (_as_f32(op_a, a_type) @ _as_f32(op_b, b_type))
+                # summed in float64, then rounded once: OpenBLAS's sgemm sums a row in an order that depends on
+                # where the row sits in the tile (its edge kernels), and plan_on_device ranks an expert's pairs
+                # by atomics, so the same token's row came out 1 ulp apart between runs (CI, seventeenth session)
+                exact = _as_f64(op_a, a_type) @ _as_f64(op_b, b_type)
+                product = np.float32(alpha) * exact.astype(np.float32)
             out[...] = product if beta == 0.0 else product + np.float32(beta) * out
 
     def gemm_batched(self, stream, trans_a, trans_b, m, n, k, a_array, a_type, lda, b_array, b_type, ldb, c_array,
@@ -78,8 +82,8 @@ def _matrix(address: int, data_type: int, rows: int, cols: int, ld: int) -> np.n
     return _view(address, np.uint16 if data_type == R_16BF else np.float32, rows, cols, ld)
 
 
-def _as_f32(matrix: np.ndarray, data_type: int) -> np.ndarray:
-    return bf16_to_f32(matrix) if data_type == R_16BF else np.asarray(matrix, np.float32)
+def _as_f64(matrix: np.ndarray, data_type: int) -> np.ndarray:
+    return (bf16_to_f32(matrix) if data_type == R_16BF else np.asarray(matrix, np.float32)).astype(np.float64)
 
 
 class _Cublas:

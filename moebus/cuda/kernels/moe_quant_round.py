@@ -60,12 +60,6 @@ INT4_GATE_UP_ROWS = 1
 INT4_GATE_UP_MIN_BLOCKS = 0
 INT4_DOWN_ROWS = 8
 INT4_DOWN_MIN_BLOCKS = 0
-# int4's word loop and matrices unrolled by hand (unrolled_dot): sm_90 (tools/device/quant16_sass.py) gate|up 2 rows
-# 168 registers and no local memory (rolled: 52 + 64 local loads/stores), 4 rows still local (255 + 184); down 16
-# rows 96 registers, no local memory (rolled: 40 + 70); 1 row and down 8 rows as rolled (72 registers each).
-# Off: slower on an H200 (48 x 32, b1, quant16.sh call A): 1 row / down 8 rolled 363.7 tok/s, unrolled gate|up
-# 2 rows 352.3, with down 16 rows 338.9 (the 168 registers leave 3 blocks an SM)
-INT4_UNROLLED = False
 # The down GEMV's pair tables and words read before its PDL wait, h after it: only where pdl.released_early()
 # (the routing, two kernels back, is then complete, as for moe_ffn.PREFETCH_DOWN_BEFORE_WAIT) and only
 # while every expert of the stage is resident and none lent (an arena slot is then never rewritten within a
@@ -113,36 +107,8 @@ def aligned(*arrays) -> bool:
     return all(data_ptr(a) % 16 == 0 for a in arrays)
 
 
-def unrolled_dot(word_dot, per_lane: int):
-    """``dot`` over the lane's ``per_lane`` words unrolled by hand: a chain of device functions, each adding
-    one word at a constant k (NVVM left the loop over k rolled in int4's gate|up at 2 or 4 rows a warp, and
-    the words, indexed by a variable k, went through local memory). The sums in the loop's order."""
-    @device
-    def done(lo, hi, scale, minimum, m, sub, xs, acc):
-        return acc
-
-    chain = done
-    for k in reversed(range(per_lane)):
-        chain = _add_word(word_dot, k, chain)
-
-    @device
-    def dot(lo, hi, scale, minimum, m, sub, xs):
-        return chain(lo, hi, scale, minimum, m, sub, xs, float32(0.0))
-
-    return dot
-
-
-def _add_word(word_dot, k: int, rest):
-    @device
-    def add_word(lo, hi, scale, minimum, m, sub, xs, acc):
-        return rest(lo, hi, scale, minimum, m, sub, xs, acc + word_dot(lo, hi, scale, minimum, m, k, sub, xs))
-
-    return add_word
-
-
 @functools.cache
-def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int, fmt: str = "fp8",
-                unrolled: bool = False):
+def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool, block: int, fmt: str = "fp8"):
     """The device functions of a one-round GEMV over rows of ``cols`` codes, ``rows`` rows a warp (also
     linear_quant_fp8.py's):
     - load(words, wslot, at, floats, fslot, scale_at, sub, lo, hi, scale, minimum, m): the lane's words of
@@ -152,7 +118,7 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
     - stage(x, x_row, xs, tid): the block's threads copy x's row into the shared xs as
       [16-byte chunk within word][word] (call it, then syncthreads);
     - dot(lo, hi, scale, minimum, m, sub, xs): the lane's share of the row's sum (int4: s (sum x (q + m / s)),
-      as quant_words.decoder's); ``unrolled``: its loop over the words unrolled by hand (unrolled_dot)."""
+      as quant_words.decoder's)."""
     values = VALUES[fmt]
     int4 = fmt == "int4"
     lanes = WARP // rows
@@ -229,27 +195,24 @@ def round_parts(cols: int, rows: int, mats: int, streaming: bool, hardware: bool
                 total += bits_as_f32(b >> uint64(32)) * quad[3]
         return scale[m, k] * total
 
-    if unrolled:
-        dot = unrolled_dot(word_dot, per_lane)
-    else:
-        @device
-        def dot(lo, hi, scale, minimum, m, sub, xs):
-            acc = float32(0.0)
-            for k in range(per_lane):
-                acc += word_dot(lo, hi, scale, minimum, m, k, sub, xs)
-            return acc
+    @device
+    def dot(lo, hi, scale, minimum, m, sub, xs):
+        acc = float32(0.0)
+        for k in range(per_lane):
+            acc += word_dot(lo, hi, scale, minimum, m, k, sub, xs)
+        return acc
 
     return load, stage, dot, per_lane
 
 
 @functools.cache
 def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware: bool, block: int, min_blocks: int = 0,
-                     fmt: str = "fp8", early: bool = False, unrolled: bool = False):
+                     fmt: str = "fp8", early: bool = False):
     """mats 2: gate|up (h[j, row] = silu(gate x) * up x), mats 1: down (out[pair_out[j], row]); runs of
     one pair; rows of ``cols`` codes, ``rows`` of them a warp; ``block`` threads a block; ``min_blocks``: registers
     capped for that many blocks an SM (compat.bounded_kernel; 0: as ptxas likes); ``early``: the down GEMV's
-    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT); ``unrolled``: the word loop unrolled by hand."""
-    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt, unrolled)
+    words loaded before the PDL wait (DOWN_LOAD_BEFORE_WAIT)."""
+    load, stage, dot, per_lane = round_parts(cols, rows, mats, streaming, hardware, block, fmt)
     int4 = fmt == "int4"
     lanes = WARP // rows
     row_words = cols // VALUES[fmt]
@@ -296,19 +259,10 @@ def one_round_kernel(cols: int, mats: int, rows: int, streaming: bool, hardware:
                 cuda.syncthreads()
             for i in range(sums):
                 part[i] = float32(0.0)
-            if unrolled:  # the matrices by hand too (constant m)
-                acc = dot(lo, hi, scale, minimum, 0, sub, xs)
+            for m in range(mats):
+                acc = dot(lo, hi, scale, minimum, m, sub, xs)
                 for r in range(rows):
-                    part[r] = acc if mine == uint32(r) else part[r]
-                if mats == 2:
-                    acc = dot(lo, hi, scale, minimum, 1, sub, xs)
-                    for r in range(rows):
-                        part[rows + r] = acc if mine == uint32(r) else part[rows + r]
-            else:
-                for m in range(mats):
-                    acc = dot(lo, hi, scale, minimum, m, sub, xs)
-                    for r in range(rows):
-                        part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
+                    part[m * rows + r] = acc if mine == uint32(r) else part[m * rows + r]
             warp_sum_many(part, sums)
             if lane == 0 and start + first < num_groups:
                 for r in range(rows):
@@ -339,8 +293,6 @@ def kernels(hidden: int, inter: int, block: int, fmt: str = "fp8", hardware: boo
     by instruction (quant_words.can_convert_e4m3; the caller's, so that an offline compile can set it)."""
     gate_rows, gate_blocks, down_rows, down_blocks = shape(fmt, hardware)
     early = _down_early and released_early()
-    unrolled = INT4_UNROLLED and fmt == "int4"
-    return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt,
-                             unrolled=unrolled),
+    return (one_round_kernel(hidden, 2, gate_rows, STREAM_WEIGHTS, GATE_UP_HARDWARE and hardware, block, gate_blocks, fmt),
             one_round_kernel(inter, 1, down_rows, STREAM_WEIGHTS, DOWN_HARDWARE and hardware, block, down_blocks, fmt,
-                             early, unrolled))
+                             early))

@@ -1,8 +1,8 @@
 """The simulator's side of compat.py: warp reductions for Python threads, and a fix to the
 simulator's shared arrays. Imported only when NUMBA_ENABLE_CUDASIM=1; kernels never import it.
 
-A warp's 32 lanes (Python threads) meet at a barrier of their own, cheaper than the simulator's
-block-wide syncthreads. Exchange buffers alternate between two halves, so one barrier per call is
+A warp's 32 lanes (greenlets of one block: sim_blocks.py) meet at a barrier of their own, cheaper than
+the block-wide syncthreads. Exchange buffers alternate between two halves, so one barrier per call is
 enough: a lane can only come back to a half after every lane passed the barrier in between, i.e.
 finished reading it. Sums follow the GPU's xor-butterfly order, so they have the GPU's bits."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ import threading
 
 import numpy as np
 
+from moebus.cuda.kernels import sim_blocks
+
 WARP = 32
 MAX_SUM_MANY = 16  # most values one warp_sum_many call reduces
-WARP_BARRIER_TIMEOUT_S = 60.0  # a lane that raised never arrives: fail instead of hanging
 _PARTNERS = [np.arange(WARP) ^ offset for offset in (16, 8, 4, 2, 1)]
 _warp_lock = threading.Lock()
 
@@ -56,29 +57,21 @@ def f32_bits(value):
 
 
 class _LaneBarrier:
-    """A barrier of the warp's lanes on one raw lock per lane: the last lane to arrive opens every
-    other lane's gate. (threading.Barrier wakes its waiters one after another through a shared
-    lock, which costs a thread switch interval each.)"""
+    """A barrier of the warp's 32 lanes (greenlets of one block, sim_blocks.py): the last lane to arrive opens
+    it by moving its generation on; the others hand back to the block's manager until it has moved."""
 
     def __init__(self):
         self._arrived = 0
-        self._mutex = threading.Lock()
-        self._gates = [threading.Lock() for _ in range(WARP)]
-        for gate in self._gates:
-            gate.acquire()
+        self._generation = 0
 
     def wait(self, lane: int) -> None:
-        with self._mutex:
-            self._arrived += 1
-            is_last = self._arrived == WARP
-            if is_last:
-                self._arrived = 0
-        if is_last:
-            for other, gate in enumerate(self._gates):
-                if other != lane:
-                    gate.release()
-        elif not self._gates[lane].acquire(timeout=WARP_BARRIER_TIMEOUT_S):
-            raise RuntimeError("a lane of this warp never reached the reduction")
+        self._arrived += 1
+        if self._arrived == WARP:
+            self._arrived = 0
+            self._generation += 1
+            return
+        generation = self._generation
+        sim_blocks.current().wait_until(lambda: self._generation != generation)
 
 
 class _Warp:
@@ -90,7 +83,7 @@ class _Warp:
 
 def _exchange():
     """(this lane, its warp's state, the buffer half for this call)."""
-    thread = threading.current_thread()
+    thread = sim_blocks.current()
     warp = getattr(thread, "moebus_warp", None)
     if warp is None:
         with _warp_lock:  # one state per (block, warp): the simulator's block manager is per block
@@ -103,7 +96,7 @@ def _exchange():
 
 def block_half() -> int:
     """The same two-halves trick for block reductions: one syncthreads each."""
-    thread = threading.current_thread()
+    thread = sim_blocks.current()
     half = thread.moebus_block_half = 1 - getattr(thread, "moebus_block_half", 0)
     return half
 
