@@ -1,0 +1,241 @@
+// The fp8 expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.py; eighteenth session): the
+// same inputs and outputs as moe_quant_round.one_round_kernel (runs of one pair: pair tables, arena / host-store
+// placement, 128 x 128 block scales, gate|up's silu(g) * u into h, down's out_table), the products on
+// mma.sync m16n8k16 (f16 in, f32 sums) instead of ~7 CUDA-core instructions a code.
+//
+// A warp takes a tile of 16 rows (of each matrix: gate|up both) over WORDS steps of 64 k. Lane (g, t) (g = lane / 4,
+// t = lane % 4) loads the 16-byte word of rows g and g + 8 at k0 = 64 s + 16 t: the 4 lanes of a group cover the
+// step's 64 k. A dot product does not care about the order of k, so mma i (i < 4) of a step gives the fragment's k
+// slots {2t, 2t + 1, 2t + 8, 2t + 9} the codes 4i .. 4i + 3 of the lane's own word; B's rows for those slots are
+// then x[k0 + 4i .. k0 + 4i + 3], the lane's own x. Every column of B holds the same x (c0 of any lane is row g,
+// c2 row g + 8). e4m3 -> f16 is exact (cvt.rn.f16x2.e4m3x2), the products f16 x f16 exact in f32.
+// x in f16 is the only rounding added. Range: the block stages x into shared memory as f16 scaled by a power of
+// two a 64-k chunk (the largest |x| of the chunk into [2^14, 2^15)): no overflow (h = silu(g) u may exceed
+// f16's 65504), every element that is not tiny keeps 11 significant bits; the power's inverse is folded into
+// the step's block scale in f32 (exact: a power of two). A step's 4 mma start from zero (a fresh accumulator) and
+// add scale x 2^-e x it to the row's f32 total, so a step never mixes two 128-k scale blocks.
+// K is split over KSPLIT warps of a block (TILES tiles a block): every code word of a warp's steps is loaded
+// before x is staged and the block's barrier (ptxas cannot sink them past it), the warps' partial sums added in
+// shared memory in a fixed order. Rows past the matrix are clamped (not stored), k past a row's end reads zero.
+// PDL: griddepcontrol.wait before any global read (EARLY, the down GEMV: after its pair tables and code words,
+// as moe_quant_round.DOWN_LOAD_BEFORE_WAIT), then launch_dependents where PDL_TRIGGER (pdl.trigger_after_wait).
+
+#ifndef TILES
+#define TILES 1         // row tiles (16 rows) a block
+#endif
+#ifndef KSPLIT
+#define KSPLIT 8        // warps a tile, each on its own steps of 64 k
+#endif
+#ifndef WORDS
+#define WORDS 4         // steps of 64 k a warp takes a pass (16-byte words a lane and row)
+#endif
+#ifndef MATS
+#define MATS 2          // 2: gate|up, 1: down
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+#ifndef EARLY
+#define EARLY 0
+#endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+#ifndef ENTRY
+#define ENTRY moe_quant_mma
+#endif
+#ifndef COLS
+#define COLS 2048       // codes a row (x's length), a multiple of 16
+#endif
+#ifndef ROWS
+#define ROWS 768        // rows of each matrix (the output's length)
+#endif
+#define THREADS (32 * TILES * KSPLIT)
+#define BLOCK 128
+#define STEPS ((COLS + 63) / 64)              // steps of 64 k a row
+#define SCALE_COLS ((COLS + BLOCK - 1) / BLOCK)
+#define QUADS (STEPS * 16)                    // float4 of x staged (zero past COLS)
+#define STAGE_TRIPS ((QUADS + THREADS - 1) / THREADS)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
+}
+
+__device__ __forceinline__ uint4 load_code(const u8 *p) {  // evict-first: read once a step
+    uint4 r;
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2(u32 pair) {  // two e4m3 codes (low 16 bits) -> f16x2, low code low
+    u32 r;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi(u32 pair) {  // the high 16 bits' two codes
+    u32 r;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 2^e as a float, e in [-126, 127]
+__device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
+
+// x's row into xs as f16, each 64-k chunk scaled by 2^e (its largest |x| into [2^14, 2^15); e in [-100, 100]),
+// 2^-e into inverse[chunk]; zero past COLS up to the chunks' end. A chunk is 16 float4 of consecutive threads
+// (half a warp): its maximum by 4 butterflies. Every trip's loads first, then the conversions.
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse) {
+    float4 v[STAGE_TRIPS];
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int q = trip * THREADS + threadIdx.x;
+        v[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (4 * q < COLS) v[trip] = *reinterpret_cast<const float4 *>(x + 4 * q);
+    }
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int q = trip * THREADS + threadIdx.x;
+        float m = fmaxf(fmaxf(fabsf(v[trip].x), fabsf(v[trip].y)), fmaxf(fabsf(v[trip].z), fabsf(v[trip].w)));
+#pragma unroll
+        for (int offset = 1; offset < 16; offset *= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+        int e = 0;
+        if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
+        const float p = power_of_two(e);
+        if (QUADS % THREADS == 0 || q < QUADS) {
+            reinterpret_cast<uint2 *>(xs)[q] = make_uint2(f16x2(v[trip].x * p, v[trip].y * p),
+                                                          f16x2(v[trip].z * p, v[trip].w * p));
+            if (q % 16 == 0) inverse[q / 16] = power_of_two(-e);
+        }
+    }
+}
+
+template <int M>
+__device__ __forceinline__ void gemv(const float *x_all, const int *x_table, const int *pair_slot, const u8 *arena,
+                                     const u8 *store, long long blob_bytes, long long code0,
+                                     long long code1, long long scale0, long long scale1, int first_pair,
+                                     const int *out_table, float *out) {
+    __shared__ __align__(16) u32 xs[QUADS * 2];
+    __shared__ float inverse[STEPS];
+    __shared__ float part[TILES][KSPLIT][M][16];
+#if !EARLY
+    pdl_wait();  // before any global read or write
+#endif
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const int tile = warp / KSPLIT, kw = warp % KSPLIT;
+    const int j = first_pair + blockIdx.y;
+    const int entry = pair_slot[j];
+    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
+    const int row0 = (blockIdx.x * TILES + tile) * 16;
+    const int row_a = min(row0 + g, ROWS - 1), row_b = min(row0 + g + 8, ROWS - 1);
+    const int scale_row = (min(row0, ROWS - 1) / BLOCK) * SCALE_COLS;  // a tile lies in one 128-row block
+    const u8 *codes[2] = {blob + code0, blob + code1};
+    const float *scales[2] = {reinterpret_cast<const float *>(blob + scale0),
+                              reinterpret_cast<const float *>(blob + scale1)};
+    float total[M][2];
+#pragma unroll
+    for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = 0.f;
+    const int per_pass = KSPLIT * WORDS;
+#pragma unroll
+    for (int first = 0; first < STEPS; first += per_pass) {
+        uint4 word[WORDS][M][2];
+        float scale[WORDS][M];
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) {
+            const int s = first + kw * WORDS + i, k0 = 64 * s + 16 * t;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const bool in = s < STEPS && k0 < COLS;
+                const u8 *at = codes[m] + k0;
+                word[i][m][0] = in ? load_code(at + (long long)row_a * COLS) : make_uint4(0, 0, 0, 0);
+                word[i][m][1] = in ? load_code(at + (long long)row_b * COLS) : make_uint4(0, 0, 0, 0);
+                scale[i][m] = s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
+            }
+        }
+        if (first == 0) {
+#if EARLY
+            pdl_wait();  // only the pair tables and the weights were read before it
+#endif
+            stage_x(x_all + (long long)(M == 2 ? x_table[j] : j) * COLS, xs, inverse);
+            __syncthreads();  // the code loads above stay above it
+        }
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) {
+            const int s = first + kw * WORDS + i;
+            if (s >= STEPS) break;  // warp-uniform
+            const uint4 lo = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t);  // x[k0 .. k0 + 7] as f16x2
+            const uint4 hi = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t + 4);  // x[k0 + 8 .. k0 + 15]
+            const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            const float inv = inverse[s];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
+                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // slots 2t, 2t + 1 <- codes 4q, 4q + 1; 2t + 8, 2t + 9 <- 4q + 2, 4q + 3
+                    mma(d, e4m3x2(wa[q]), e4m3x2(wb[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wb[q]), b[2 * q], b[2 * q + 1]);
+                const float factor = scale[i][m] * inv;
+                total[m][0] = fmaf(factor, d[0], total[m][0]);
+                total[m][1] = fmaf(factor, d[2], total[m][1]);
+            }
+        }
+    }
+    if (t == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            part[tile][kw][m][g] = total[m][0];
+            part[tile][kw][m][g + 8] = total[m][1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < TILES * 16) {
+        const int r_tile = threadIdx.x / 16, r = threadIdx.x % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
+        float sum[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            sum[m] = 0.f;
+#pragma unroll
+            for (int w = 0; w < KSPLIT; ++w) sum[m] += part[r_tile][w][m][r];
+        }
+        if (row < ROWS) {
+            if (M == 2) {
+                out[(long long)j * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[M - 1];
+            } else {
+                out[(long long)out_table[j] * ROWS + row] = sum[0];
+            }
+        }
+    }
+}
+
+// x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /
+// scale*: byte offsets of the matrices' codes and scales in a blob; out: (J, ROWS) h (gate|up) or rows
+// out_table[j] of (P, ROWS) (down). Grid (ceil(ceil(ROWS / 16) / TILES), pairs), THREADS threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *x, const int *x_table, const int *pair_slot, const u8 *arena, const u8 *store, long long blob_bytes,
+      long long code0, long long code1, long long scale0, long long scale1, int first_pair, const int *out_table,
+      float *out) {
+    gemv<MATS>(x, x_table, pair_slot, arena, store, blob_bytes, code0, code1, scale0, scale1, first_pair, out_table,
+               out);
+}

@@ -1,0 +1,162 @@
+"""The fp8 expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session, issue 16):
+moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes`` says so
+(MOEBUS_QUANT_MMA on, off by default; fp8 experts, runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2 (sm_89+),
+rows of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7 instructions a
+code (e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their bytes take at
+HBM rate (seventeenth session: gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B); on mma.sync m16n8k16 a code
+costs half a conversion and 1/32 of an mma (sm_90 SASS: ~3 instructions a code a lane with the overheads).
+
+Precision: e4m3 -> f16 is exact, x (gate|up: the layer's input; down: h) is rounded to f16 after a power of two a
+64-k chunk (exact, undone in f32): each x_k within 2^-11 relative (those below 2^-28 of their chunk's largest:
+within 2^-39 of it), products exact, sums in f32. So |got - exact| <= 2^-11 sum_k |w_k x_k| (+ f32 sums); down
+adds gate|up's error through h (tests/cuda/test_moe_quant_mma.py's bound). Not the numba kernels' bits.
+
+Shapes are compiled in (COLS, ROWS; one cubin each, kept on disk as flash_attention's). A shape of a kernel:
+(TILES, KSPLIT, WORDS, MIN_BLOCKS): 16-row tiles a block, warps a tile splitting K, steps of 64 k a warp and pass
+(16-byte words a lane and row), blocks an SM for the register cap (launch bounds). sm_90 (ptxas, A3B):
+gate|up (1, 8, 4, 2) 126 registers, (1, 16, 2, 2) 64 with 28 bytes of spills, (1, 8, 2, 2) two passes;
+down (4, 2, 6, 3) 80 registers, (2, 4, 3, 3) 80, (1, 2, 6, 8) 103. At b1 (8 pairs) gate|up has 384 tiles
+(64 KB of codes each: 1.45 waves at 2 blocks an SM), down 1,024 (12 KB)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from moebus.cuda.kernels import flash_attention, pdl
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.launch import ceil_div
+
+log = logging.getLogger("moebus.cuda")
+SOURCE = Path(__file__).with_suffix(".cu")
+ENV = "MOEBUS_QUANT_MMA"
+ENABLED = os.environ.get(ENV, "0").strip().lower() in ("1", "on", "true", "yes")  # off until call A times it
+GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
+GATE_UP_SHAPE = (1, 8, 4, 2)  # (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why
+DOWN_SHAPE = (4, 2, 6, 3)
+MIN_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2
+MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
+
+
+def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False) -> list[bytes]:
+    """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
+    1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait."""
+    tiles, ksplit, words, min_blocks = shape
+    if cols % 16 or 32 * tiles * ksplit * min_blocks > 2048:
+        raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
+    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
+            f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
+            f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
+            f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
+            f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode()]
+
+
+def source() -> bytes:
+    return SOURCE.read_bytes()
+
+
+@functools.cache
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False):
+    """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
+    a captured graph's edge into it becomes programmatic, as into the numba kernels."""
+    from moebus.cuda.kernels.attention_decode_tc import _handles
+    from moebus.cuda.kernels.compat import _numba_config, cuda
+
+    gpu = cuda.get_current_device()
+    flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early)
+    code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
+    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    name = f"{entry}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
+    found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
+    pdl.register_waiting(entry.encode(), *_handles(found))
+    return found
+
+
+@functools.cache
+def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False) -> bool:
+    try:
+        _kernel(cols, rows, mats, shape, early)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
+        log.warning("quantized expert GEMVs on tensor cores unavailable (%s)", exc)
+        return False
+    return True
+
+
+def fits(layout, chunk: int) -> bool:
+    """The shapes this kernel takes: fp8 experts, runs of one pair, rows of whole 16-byte words, matrices' codes
+    and scales at 16- and 4-byte offsets of a blob of whole 16-byte words."""
+    from moebus.cuda.kernels.moe_quant_round import VALUES_PER_WORD
+
+    offsets = layout.kernel_words()  # 4-byte units
+    return (layout.dtype == "fp8" and chunk == 1 and layout.hidden % VALUES_PER_WORD == 0
+            and layout.inter % VALUES_PER_WORD == 0 and all(4 * o % 16 == 0 for o in offsets[:3])
+            and layout.blob_bytes % 16 == 0)
+
+
+def _gpu_ok() -> bool:
+    """A GPU (not the simulator) with the e4m3 pair conversion."""
+    if SIMULATOR:
+        return False
+    from moebus.cuda.kernels.compat import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
+
+
+def _stream_object(stream) -> bool:
+    return hasattr(stream, "__cuda_stream__") or hasattr(stream, "end_building")  # a cuda.core launch: not 0
+
+
+def takes(layout, chunk: int, arena, store, stream) -> bool:
+    """Whether expert_ffn_quant_cuda runs these kernels: ENABLED, ``fits``, 16-byte aligned blobs, a GPU that
+    converts e4m3 pairs, a stream object, both kernels built (a failure warns once: the numba kernels run)."""
+    from moebus.cuda.kernels.moe_quant_round import aligned
+
+    return (ENABLED and fits(layout, chunk) and _stream_object(stream) and _gpu_ok() and aligned(arena, store)
+            and _builds(layout.hidden, layout.inter, 2, tuple(GATE_UP_SHAPE))
+            and _builds(layout.inter, layout.hidden, 1, tuple(DOWN_SHAPE), _early()))
+
+
+def _early() -> bool:
+    """The down GEMV's pair tables and codes read before its wait: the step's choice for the numba kernels
+    (moe_quant_round.choose_down_early: every expert resident, no loan) and pdl.released_early."""
+    from moebus.cuda.kernels import moe_quant_round
+
+    return bool(moe_quant_round._down_early and pdl.released_early())
+
+
+def grid_x(rows: int, shape: tuple) -> int:
+    """Blocks along the rows: ceil(16-row tiles / TILES)."""
+    return ceil_div(ceil_div(rows, 16), shape[0])
+
+
+def launch(x, pair_token, pair_slot, pair_out, arena, store, layout, h, out, stream, gate_up_shape=None,
+           down_shape=None, early=None) -> None:
+    """h[j] = silu(gate x[pair_token[j]]) * up x[...], then out[pair_out[j]] = down h[j], for every pair j
+    (expert_ffn_quant_ref's results within the module's bound). x (T, D), h (J, I) and out (P, D) float32,
+    C-ordered; arena / store (slots, B) uint8 blobs of ``layout``; ``stream``: a numba stream or a GraphBuilder.
+    The shapes and ``early``: the module's (the bench sweeps them)."""
+    gate_up_shape = tuple(gate_up_shape or GATE_UP_SHAPE)
+    down_shape = tuple(down_shape or DOWN_SHAPE)
+    early = _early() if early is None else early
+    hidden, inter, num_pairs = layout.hidden, layout.inter, pair_slot.shape[0]
+    code0, code1, code2, scale0, scale1, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
+    ptr = flash_attention._pointer
+    blobs = (ptr(arena), ptr(store), np.int64(layout.blob_bytes))
+    gate_up = _kernel(hidden, inter, 2, gate_up_shape)
+    down = _kernel(inter, hidden, 1, down_shape, early)
+    for first in range(0, num_pairs, MAX_GRID_Y):
+        count = min(MAX_GRID_Y, num_pairs - first)
+        flash_attention._core_launch(stream, (grid_x(inter, gate_up_shape), count), 32 * gate_up_shape[0] * gate_up_shape[1],
+                                     gate_up, ptr(x), ptr(pair_token), ptr(pair_slot), *blobs, code0, code1, scale0,
+                                     scale1, np.int32(first), ptr(pair_out), ptr(h))
+    for first in range(0, num_pairs, MAX_GRID_Y):
+        count = min(MAX_GRID_Y, num_pairs - first)
+        flash_attention._core_launch(stream, (grid_x(hidden, down_shape), count), 32 * down_shape[0] * down_shape[1],
+                                     down, ptr(h), ptr(pair_token), ptr(pair_slot), *blobs, code2, code2, scale2,
+                                     scale2, np.int32(first), ptr(pair_out), ptr(out))

@@ -1,0 +1,217 @@
+"""The fp8 expert GEMVs on tensor cores (moe_quant_mma.py, MOEBUS_QUANT_MMA): compiled by NVRTC for sm_90 without
+spills and waiting first (where the NVRTC wheel is installed); the choice in expert_ffn_quant_cuda (simulator);
+on a GPU (MOEBUS_TEST_GPU=1) against the numpy reference within the bound that x (and h) in f16 gives, at shapes
+with partial tiles, steps and scale blocks, a host-store miss, x beyond f16's range, every shape the bench sweeps;
+and a decode with the option on giving the greedy tokens of the option off."""
+import numpy as np
+import pytest
+
+from moebus.common.quant_layout import ExpertLayout
+from moebus.cuda.kernels import moe_quant, moe_quant_mma
+from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.elementwise import silu_ref
+from moebus.cuda.kernels.moe_quant import expert_ffn_quant_ref
+from tests.cuda.conftest import device, poisoned
+from tests.cuda.test_moe_quant import _arena, _close, _run
+from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
+
+F16_STEP = 2.0**-11  # x rounded to f16 (after a power of two): relative error at most half an ulp of 11 bits
+GATE_UP_SWEEP = [(1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 2)]  # tools/device/mma18_bench.py's shapes
+DOWN_SWEEP = [(4, 2, 6, 3), (2, 4, 3, 3), (1, 2, 6, 8)]
+
+
+def _nvrtc():
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - the library itself is missing
+        pytest.skip(f"NVRTC not installed: {exc}")
+
+
+def _compile(cols, rows, mats, shape, early=False, target="cubin"):
+    from moebus.cuda.kernels.flash_attention import nvrtc_compile
+
+    arch = "sm_90" if target == "cubin" else "compute_90"
+    extra = [b"--ptxas-options=-v"] if target == "cubin" else []
+    return nvrtc_compile(moe_quant_mma.source(), moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early)
+                         + extra, target=target)
+
+
+@pytest.mark.parametrize("cols, rows, mats, shape, early", [
+    (2048, 768, 2, moe_quant_mma.GATE_UP_SHAPE, False),  # A3B gate|up
+    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, True),  # A3B down, its codes before the wait
+    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, False),
+    (144, 48, 2, moe_quant_mma.GATE_UP_SHAPE, False),  # partial steps, tiles and scale blocks
+])
+def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, early):
+    _nvrtc()
+    entry = moe_quant_mma.GATE_UP_ENTRY if mats == 2 else moe_quant_mma.DOWN_ENTRY
+    ptx, _ = _compile(cols, rows, mats, shape, early, "ptx")
+    assert f".entry {entry}".encode() in ptx and b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert b"cvt.rn.f16x2.e4m3x2" in ptx
+    cubin, log = _compile(cols, rows, mats, shape, early)
+    assert cubin
+    if log.strip():
+        lines = log.splitlines()
+        at = next(i for i, line in enumerate(lines) if f"entry function '{entry}'" in line)
+        assert " 0 bytes spill stores" in lines[at + 2], lines[at + 2]
+
+
+@pytest.mark.parametrize("mats, early", [(2, False), (1, False), (1, True)])
+def test_the_kernels_wait_before_reading_what_the_step_wrote(mats, early):
+    """griddepcontrol.wait before any global read (early: only the pair tables and the codes, ld.global.cs, before
+    it; never x or h), then the trigger where pdl.trigger_after_wait: the numba kernels' rule (pdl.py)."""
+    _nvrtc()
+    from moebus.cuda.kernels import pdl
+
+    cols, rows = (256, 128) if mats == 2 else (128, 256)
+    shape = moe_quant_mma.GATE_UP_SHAPE if mats == 2 else moe_quant_mma.DOWN_SHAPE
+    ptx, _ = _compile(cols, rows, mats, shape, early, "ptx")
+    at = ptx.index(b"griddepcontrol.wait")
+    before = ptx[:at]
+    if early:
+        assert b"ld.global.cs.v4.u32" in before and b"ld.global.v4.f32" not in before and b"st.global" not in before
+    else:
+        assert not any(op in before for op in (b"ld.global", b"st.global", b"atom.")), before[-400:]
+    assert (b"griddepcontrol.launch_dependents" in ptx[at:]) == pdl.trigger_after_wait()
+
+
+def test_expert_ffn_takes_them_only_with_the_option(rng, monkeypatch):
+    """MOEBUS_QUANT_MMA off (the default): today's kernels even where the GPU could; on: fp8 at batch 1 with a stream
+    object, never int4, runs of two pairs or the default stream."""
+    layout = ExpertLayout("fp8", 256, 128)
+    arena = device(_arena(rng, layout, 2))
+    monkeypatch.setattr(moe_quant_mma, "_gpu_ok", lambda: True)
+    monkeypatch.setattr(moe_quant_mma, "_builds", lambda *a: True)
+    stream = type("Stream", (), {"__cuda_stream__": lambda self: (0, 0)})()
+    assert not moe_quant_mma.ENABLED  # off by default
+    assert not moe_quant_mma.takes(layout, 1, arena, arena, stream)
+    monkeypatch.setattr(moe_quant_mma, "ENABLED", True)
+    assert moe_quant_mma.takes(layout, 1, arena, arena, stream)
+    assert not moe_quant_mma.takes(layout, 2, arena, arena, stream)
+    assert not moe_quant_mma.takes(layout, 1, arena, arena, 0)
+    assert not moe_quant_mma.takes(ExpertLayout("int4", 256, 128), 1, arena, arena, stream)
+    launched = []
+    monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(moe_quant_mma, "_stream_object", lambda s: True)
+    x = rng.standard_normal((1, 256), dtype=np.float32)
+    pairs = [(0, 1, 0), (0, 0, 1)]
+    _run(x, pairs, arena, layout, poisoned((2, 256)))
+    assert len(launched) == 1
+    monkeypatch.setattr(moe_quant_mma, "ENABLED", False)  # off: the numba kernels, the reference's results
+    out, expected = poisoned((2, 256)), np.full((2, 256), np.nan, np.float32)
+    _run(x, pairs, arena, layout, out)
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena.copy_to_host(), layout, expected)
+    _close(out.copy_to_host(), expected)
+    assert len(launched) == 1
+
+
+def f16_bound(x, pairs, arena, layout, store=None):
+    """A bound on |kernel - exact| per output element: x_k and h_k each within F16_STEP relative in f16, the
+    products exact, f32 sums (a factor 1.5 over the first-order terms covers them and the second order)."""
+    x = np.asarray(x, np.float64)
+    bounds = []
+    for token, slot, _ in pairs:
+        blob = arena[slot] if slot >= 0 else store[-1 - slot]
+        gate, up, down = (np.asarray(m, np.float64) for m in layout.dequantize(np.asarray(blob)))
+        xs = x[token]
+        g, u = gate @ xs, up @ xs
+        eg, eu = F16_STEP * (np.abs(gate) @ np.abs(xs)), F16_STEP * (np.abs(up) @ np.abs(xs))
+        h = silu_ref(g.astype(np.float32)).astype(np.float64) * u
+        sig = 1.0 / (1.0 + np.exp(-g))
+        slope = np.abs(sig * (1.0 + g * (1.0 - sig)))  # silu'(g)
+        eh = 1.5 * ((slope + 0.5 * eg) * eg * (np.abs(u) + eu) + np.abs(silu_ref(g.astype(np.float32))) * eu)
+        bounds.append(1.5 * (np.abs(down) @ (eh + F16_STEP * (np.abs(h) + eh))))
+    return np.array(bounds)
+
+
+def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
+    from moebus.cuda.kernels.compat import cuda
+
+    arena, store = _arena(rng, layout), _arena(rng, layout, store_rows)
+    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]  # slot 2, host-store row 1 (a miss), slot 0
+    token, slot, pair_out = (device(np.ascontiguousarray(c, np.int32)) for c in np.array(pairs).T)
+    out, h = poisoned((3, layout.hidden)), poisoned((3, layout.inter))
+    stream = cuda.stream()
+    moe_quant_mma.launch(device(x), token, slot, pair_out, device(arena), device(store), layout, h, out, stream,
+                         gate_up_shape, down_shape, early=False)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    expected = np.full((3, layout.hidden), np.nan, np.float32)
+    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+    bound = f16_bound(x, pairs, arena, layout, store)[np.argsort([p[2] for p in pairs])]
+    assert np.all(np.isfinite(got))
+    excess = np.abs(got.astype(np.float64) - expected) - bound - 1e-6 * np.abs(expected).max()
+    assert excess.max() <= 0, (excess.max(), np.abs(got - expected).max(), bound.max())
+    return got, expected
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+@pytest.mark.parametrize("hidden, inter", [
+    (256, 128),   # whole tiles, steps and scale blocks
+    (144, 48),    # a partial step (144 = 2 x 64 + 16) and scale block along D; down: 9 tiles, a partial block
+    (1040, 32),   # 17 steps (the last partial) a gate|up row; down: rows of one partial step, 65 tiles
+    (2048, 768),  # A3B
+])
+def test_kernels_match_the_reference_within_the_f16_bound(rng, hidden, inter):
+    layout = ExpertLayout("fp8", hidden, inter)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    got, expected = _check(rng, layout, x, moe_quant_mma.GATE_UP_SHAPE, moe_quant_mma.DOWN_SHAPE)
+    assert np.abs(got - expected).max() < 5e-3 * np.abs(expected).max()  # numpy's f16 emulation: ~4.5e-4
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+@pytest.mark.parametrize("gate_up_shape, down_shape", list(zip(GATE_UP_SWEEP, DOWN_SWEEP)))
+def test_every_swept_shape_matches_the_reference(rng, gate_up_shape, down_shape):
+    layout = ExpertLayout("fp8", 2048, 768)
+    _check(rng, layout, rng.standard_normal((1, 2048), dtype=np.float32), gate_up_shape, down_shape)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_x_beyond_the_range_of_f16_neither_overflows_nor_flushes(rng):
+    """Chunks of x near 1e6 (past f16's 65504: h may be that large) and near 1e-7 (f16's subnormals): each chunk
+    has its own power of two."""
+    layout = ExpertLayout("fp8", 256, 128)
+    x = rng.standard_normal((1, 256), dtype=np.float32)
+    x[0, :64] *= 1e6
+    x[0, 128:192] *= 1e-7
+    with np.errstate(over="ignore"):  # silu of -1e7 in the reference: exp overflows to inf, silu to -0 (as expf)
+        _check(rng, layout, x, moe_quant_mma.GATE_UP_SHAPE, moe_quant_mma.DOWN_SHAPE)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_the_early_down_kernel_gives_the_same_bits(rng):
+    """The down GEMV reading its codes before the wait (moe_quant_round.DOWN_LOAD_BEFORE_WAIT's rule) computes the
+    same sums in the same order."""
+    from moebus.cuda.kernels.compat import cuda
+
+    layout = ExpertLayout("fp8", 256, 128)
+    arena = device(_arena(rng, layout))
+    x = device(rng.standard_normal((1, 256), dtype=np.float32))
+    token, slot, pair_out = (device(np.array(c, np.int32)) for c in ([0, 0], [1, 2], [1, 0]))
+    results = []
+    for early in (False, True):
+        out, h, stream = poisoned((2, 256)), poisoned((2, 128)), cuda.stream()
+        moe_quant_mma.launch(x, token, slot, pair_out, arena, arena, layout, h, out, stream, early=early)
+        results.append(out.copy_to_host(stream=stream))
+        stream.synchronize()
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, monkeypatch):  # noqa: F811
+    """fp8 experts, half resident (misses read the host store): the decode steps through these kernels (counted)
+    give the tokens of the numba kernels, log p close (x and h in f16)."""
+    from moebus.workers.local import LocalModel
+
+    prompt = [5, 17, 42, 9, 77]
+    runs, calls = {}, []
+    real = moe_quant_mma.launch
+    monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for on in (False, True):
+        monkeypatch.setattr(moe_quant_mma, "ENABLED", on)
+        runs[on] = LocalModel(micro_fp8_model, device="cuda", max_context=32, cache_fraction=0.5,
+                              experts_dtype="fp8").generate(prompt, 4)
+        assert bool(calls) == on
+    assert runs[True].tokens == runs[False].tokens
+    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
