@@ -141,22 +141,37 @@ def launch(x, pair_token, pair_slot, pair_out, arena, store, layout, h, out, str
     (expert_ffn_quant_ref's results within the module's bound). x (T, D), h (J, I) and out (P, D) float32,
     C-ordered; arena / store (slots, B) uint8 blobs of ``layout``; ``stream``: a numba stream or a GraphBuilder.
     The shapes and ``early``: the module's (the bench sweeps them)."""
-    gate_up_shape = tuple(gate_up_shape or GATE_UP_SHAPE)
-    down_shape = tuple(down_shape or DOWN_SHAPE)
-    early = _early() if early is None else early
-    hidden, inter, num_pairs = layout.hidden, layout.inter, pair_slot.shape[0]
-    code0, code1, code2, scale0, scale1, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
+    launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, gate_up_shape)
+    launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, down_shape, early)
+
+
+def _blobs(arena, store, layout) -> tuple:
     ptr = flash_attention._pointer
-    blobs = (ptr(arena), ptr(store), np.int64(layout.blob_bytes))
-    gate_up = _kernel(hidden, inter, 2, gate_up_shape)
-    down = _kernel(inter, hidden, 1, down_shape, early)
+    return ptr(arena), ptr(store), np.int64(layout.blob_bytes)
+
+
+def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, shape=None) -> None:
+    """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
+    shape = tuple(shape or GATE_UP_SHAPE)
+    code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel, ptr, num_pairs = _kernel(layout.hidden, layout.inter, 2, shape), flash_attention._pointer, pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
-        count = min(MAX_GRID_Y, num_pairs - first)
-        flash_attention._core_launch(stream, (grid_x(inter, gate_up_shape), count), 32 * gate_up_shape[0] * gate_up_shape[1],
-                                     gate_up, ptr(x), ptr(pair_token), ptr(pair_slot), *blobs, code0, code1, scale0,
-                                     scale1, np.int32(first), ptr(pair_out), ptr(h))
+        flash_attention._core_launch(stream, (grid_x(layout.inter, shape), min(MAX_GRID_Y, num_pairs - first)),
+                                     32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
+                                     *_blobs(arena, store, layout), code0, code1, scale0, scale1, np.int32(first),
+                                     ptr(pair_out), ptr(h))
+
+
+def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, shape=None, early=None) -> None:
+    """out[pair_out[j]] = down h[j] for every pair j (``launch``'s second kernel); ``early``: its pair tables and
+    codes read before its wait (None: the step's choice, ``_early``)."""
+    shape = tuple(shape or DOWN_SHAPE)
+    early = _early() if early is None else early
+    _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early), flash_attention._pointer
+    num_pairs = pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
-        count = min(MAX_GRID_Y, num_pairs - first)
-        flash_attention._core_launch(stream, (grid_x(hidden, down_shape), count), 32 * down_shape[0] * down_shape[1],
-                                     down, ptr(h), ptr(pair_token), ptr(pair_slot), *blobs, code2, code2, scale2,
-                                     scale2, np.int32(first), ptr(pair_out), ptr(out))
+        flash_attention._core_launch(stream, (grid_x(layout.hidden, shape), min(MAX_GRID_Y, num_pairs - first)),
+                                     32 * shape[0] * shape[1], kernel, ptr(h), ptr(pair_token), ptr(pair_slot),
+                                     *_blobs(arena, store, layout), code2, code2, scale2, scale2, np.int32(first),
+                                     ptr(pair_out), ptr(out))
