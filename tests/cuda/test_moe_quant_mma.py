@@ -16,8 +16,6 @@ from tests.cuda.test_moe_quant import _arena, _close, _run
 from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
 F16_STEP = 2.0**-11  # x rounded to f16 (after a power of two): relative error at most half an ulp of 11 bits
-GATE_UP_SWEEP = [(1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 2)]  # tools/device/mma18_bench.py's shapes
-DOWN_SWEEP = [(4, 2, 6, 3), (2, 4, 3, 3), (1, 2, 6, 8)]
 
 
 def _nvrtc():
@@ -161,7 +159,7 @@ def test_kernels_match_the_reference_within_the_f16_bound(rng, hidden, inter):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-@pytest.mark.parametrize("gate_up_shape, down_shape", list(zip(GATE_UP_SWEEP, DOWN_SWEEP)))
+@pytest.mark.parametrize("gate_up_shape, down_shape", list(zip(moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP)))
 def test_every_swept_shape_matches_the_reference(rng, gate_up_shape, down_shape):
     layout = ExpertLayout("fp8", 2048, 768)
     _check(rng, layout, rng.standard_normal((1, 2048), dtype=np.float32), gate_up_shape, down_shape)

@@ -23,8 +23,7 @@ from moebus.cuda.kernels.moe_quant import round_hardware
 from moebus.cuda.kernels.moe_ffn import WARPS
 
 PAIRS = 8  # --tiny: 2
-GATE_UP_SHAPES = [(1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 2)]  # (TILES, KSPLIT, WORDS, MIN_BLOCKS)
-DOWN_SHAPES = [(4, 2, 6, 3), (2, 4, 3, 3), (1, 2, 6, 8)]
+GATE_UP_SHAPES, DOWN_SHAPES = moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP  # (TILES, KSPLIT, WORDS, MIN_BLOCKS)
 
 
 def emit(row: dict, log) -> None:
@@ -50,14 +49,17 @@ def experts(layout, slots: int, rng):
 
 
 def spin_kernel():
+    """A one-thread kernel that holds the stream ~0.5-1.5 us a round (nanosleep may return early: 256 dependent
+    multiply-adds a round besides), so that the host queues the timed launches behind it."""
     @cuda.jit
     def spin(out, rounds):
-        acc = 0
+        acc = np.float32(1.0)
         for i in range(rounds):
-            cuda.nanosleep(np.uint32(1000))  # ~1 us (the simulator has none: rounds 0 there)
-            acc += i
-        if cuda.threadIdx.x == 0 and acc == -1:
-            out[0] = acc
+            cuda.nanosleep(np.uint32(1000))  # the simulator has none: rounds 0 there
+            for _ in range(256):
+                acc = acc * np.float32(0.999999) + np.float32(1e-7)
+        if acc == np.float32(-1.0):
+            out[0] = 1
     return spin
 
 
@@ -93,8 +95,8 @@ def main(argv=None) -> int:
     slots = [cuda.to_device(np.arange(PAIRS, dtype=np.int32) + PAIRS * layer, stream=stream) for layer in range(layers)]
     h_ref, h_mma = (cuda.device_array((PAIRS, inter), np.float32) for _ in range(2))
     out_ref, out_mma = (cuda.device_array((PAIRS, hidden), np.float32) for _ in range(2))
-    scratch = cuda.device_array(1, np.int64)
-    spin, spin_rounds = spin_kernel(), (0 if SIMULATOR else 30000)  # ~30 ms: the host queues 200 launches meanwhile
+    scratch = cuda.device_array(1, np.int32)
+    spin, spin_rounds = spin_kernel(), (0 if SIMULATOR else 40000)  # 20-60 ms: the host queues 200 launches meanwhile
 
     offsets = layout.kernel_words()
     gate_w, up_w, down_w, gate_s, up_s, down_s = (*(n // 2 for n in offsets[:3]), *offsets[3:])
@@ -148,6 +150,7 @@ def main(argv=None) -> int:
         emit(row, log)
     if SIMULATOR:
         emit({"section": "skipped", "why": "NVRTC kernels run on a GPU only"}, log)
+        summary(rows)
         return 0
     for shape in GATE_UP_SHAPES:
         try:

@@ -13,10 +13,12 @@ adds gate|up's error through h (tests/cuda/test_moe_quant_mma.py's bound). Not t
 
 Shapes are compiled in (COLS, ROWS; one cubin each, kept on disk as flash_attention's). A shape of a kernel:
 (TILES, KSPLIT, WORDS, MIN_BLOCKS): 16-row tiles a block, warps a tile splitting K, steps of 64 k a warp and pass
-(16-byte words a lane and row), blocks an SM for the register cap (launch bounds). sm_90 (ptxas, A3B):
-gate|up (1, 8, 4, 2) 126 registers, (1, 16, 2, 2) 64 with 28 bytes of spills, (1, 8, 2, 2) two passes;
-down (4, 2, 6, 3) 80 registers, (2, 4, 3, 3) 80, (1, 2, 6, 8) 103. At b1 (8 pairs) gate|up has 384 tiles
-(64 KB of codes each: 1.45 waves at 2 blocks an SM), down 1,024 (12 KB)."""
+(16-byte words a lane and row), blocks an SM for the register cap (launch bounds). At b1 (8 pairs) gate|up has
+384 tiles (64 KB of codes each: all in registers at once would take 190 KB an SM), down 1,024 (12 KB). sm_90
+(ptxas, A3B): gate|up (1, 8, 4, 2) 126 registers (2 blocks of 256 threads an SM: 1.45 waves), (1, 16, 2, 2) 64
+with 28 bytes of spills (2 of 512: 1.45 waves, half the words a warp), (1, 8, 2, 3) two passes, 80 with 12 bytes
+of spills (3 an SM: one wave, the second pass's loads issued during the first's products); down (4, 2, 6, 3)
+80 (256 blocks of 256, one wave), (2, 6, 2, 4) 40 (512 of 384, one wave), (1, 2, 6, 8) 103 (1,024 of 64)."""
 from __future__ import annotations
 
 import functools
@@ -37,6 +39,9 @@ ENABLED = os.environ.get(ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
 GATE_UP_SHAPE = (1, 8, 4, 2)  # (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why
 DOWN_SHAPE = (4, 2, 6, 3)
+# the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
+GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
+DOWN_SWEEP = ((4, 2, 6, 3), (2, 6, 2, 4), (1, 2, 6, 8))
 MIN_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2
 MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
