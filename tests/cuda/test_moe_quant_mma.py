@@ -131,8 +131,9 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
     token, slot, pair_out = (device(np.ascontiguousarray(c, np.int32)) for c in np.array(pairs).T)
     out, h = poisoned((3, layout.hidden)), poisoned((3, layout.inter))
     stream = cuda.stream()
-    moe_quant_mma.launch(device(x), token, slot, pair_out, device(arena), device(store), layout, h, out, stream,
-                         gate_up_shape, down_shape, early=False)
+    on_device = device(x), device(arena), device(store)  # held until the kernels are done
+    moe_quant_mma.launch(on_device[0], token, slot, pair_out, *on_device[1:], layout, h, out, stream, gate_up_shape,
+                         down_shape, early=False)
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     expected = np.full((3, layout.hidden), np.nan, np.float32)

@@ -23,7 +23,8 @@ from moebus.cuda.kernels.moe_quant import round_hardware
 from moebus.cuda.kernels.moe_ffn import WARPS
 
 PAIRS = 8  # --tiny: 2
-GATE_UP_SHAPES, DOWN_SHAPES = moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP  # (TILES, KSPLIT, WORDS, MIN_BLOCKS)
+# (TILES, KSPLIT, WORDS, MIN_BLOCKS), the defaults first
+GATE_UP_SHAPES, DOWN_SHAPES = moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP
 
 
 def emit(row: dict, log) -> None:
@@ -91,7 +92,8 @@ def main(argv=None) -> int:
     arena = experts(layout, layers * PAIRS, rng)
     stream = cuda.stream()
     x = cuda.to_device(rng.standard_normal((1, hidden), dtype=np.float32), stream=stream)
-    token, pair_out = (cuda.to_device(a, stream=stream) for a in (np.zeros(PAIRS, np.int32), np.arange(PAIRS, dtype=np.int32)))
+    token, pair_out = (cuda.to_device(a, stream=stream)
+                       for a in (np.zeros(PAIRS, np.int32), np.arange(PAIRS, dtype=np.int32)))
     slots = [cuda.to_device(np.arange(PAIRS, dtype=np.int32) + PAIRS * layer, stream=stream) for layer in range(layers)]
     h_ref, h_mma = (cuda.device_array((PAIRS, inter), np.float32) for _ in range(2))
     out_ref, out_mma = (cuda.device_array((PAIRS, hidden), np.float32) for _ in range(2))
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
             out)
 
     def mma_gu(layer, shape, h=h_mma):
-        return lambda s: moe_quant_mma.launch_gate_up(x, token, slots[layer], pair_out, arena, arena, layout, h, s, shape)
+        return lambda s: moe_quant_mma.launch_gate_up(x, token, slots[layer], pair_out, arena, arena, layout, h, s,
+                                                      shape)
 
     def mma_dn(layer, shape, out=out_mma):
         return lambda s: moe_quant_mma.launch_down(h_ref, token, slots[layer], pair_out, arena, arena, layout, out, s,
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
 
 def summary(rows) -> None:
     base = {r["kernel"].split()[1]: r.get("us_median") for r in rows if r["kernel"].startswith("numba")}
-    print("== mma18 summary (us a launch, median; 8 pairs, A3B, no L2 reuse; error vs numba)")
+    print(f"== mma18 summary (us a launch, median; {PAIRS} pairs, no L2 reuse; error vs numba)")
     for r in rows:
         if "error" in r:
             print(f"{r['kernel']:14s} {r.get('shape')}: FAILED {r['error'][:100]}")
@@ -186,7 +189,8 @@ def summary(rows) -> None:
         which = r["kernel"].split()[1]
         ratio = f" x{base[which] / r['us_median']:.2f}" if r["kernel"].startswith("mma") and base.get(which) else ""
         err = f" err abs {r['max_abs']:.2e} rel {r['max_rel']:.2e}" if "max_rel" in r else ""
-        print(f"{r['kernel']:14s} {str(r.get('shape') or ''):15s} {r['us_median']:7.2f} us (mean {r['us_mean']:.2f}){ratio}{err}")
+        print(f"{r['kernel']:14s} {str(r.get('shape') or ''):15s} {r['us_median']:7.2f} us "
+              f"(mean {r['us_mean']:.2f}){ratio}{err}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from moebus.cuda.kernels import flash_attention, pdl
-from moebus.cuda.kernels.compat import SIMULATOR
+from moebus.cuda.kernels.compat import SIMULATOR, data_ptr
 from moebus.cuda.kernels.launch import ceil_div
 
 log = logging.getLogger("moebus.cuda")
@@ -150,16 +150,21 @@ def launch(x, pair_token, pair_slot, pair_out, arena, store, layout, h, out, str
     launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, down_shape, early)
 
 
+def _pointer(array) -> np.intp:
+    """Any device array's address (__cuda_array_interface__: the host store's mapped view too)."""
+    return np.intp(data_ptr(array))
+
+
 def _blobs(arena, store, layout) -> tuple:
-    ptr = flash_attention._pointer
-    return ptr(arena), ptr(store), np.int64(layout.blob_bytes)
+    return _pointer(arena), _pointer(store), np.int64(layout.blob_bytes)
 
 
 def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, shape=None) -> None:
     """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
     shape = tuple(shape or GATE_UP_SHAPE)
     code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr, num_pairs = _kernel(layout.hidden, layout.inter, 2, shape), flash_attention._pointer, pair_slot.shape[0]
+    kernel, ptr = _kernel(layout.hidden, layout.inter, 2, shape), _pointer
+    num_pairs = pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
         flash_attention._core_launch(stream, (grid_x(layout.inter, shape), min(MAX_GRID_Y, num_pairs - first)),
                                      32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
@@ -173,7 +178,7 @@ def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, s
     shape = tuple(shape or DOWN_SHAPE)
     early = _early() if early is None else early
     _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early), flash_attention._pointer
+    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early), _pointer
     num_pairs = pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
         flash_attention._core_launch(stream, (grid_x(layout.hidden, shape), min(MAX_GRID_Y, num_pairs - first)),
