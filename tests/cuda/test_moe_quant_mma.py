@@ -123,26 +123,60 @@ def f16_bound(x, pairs, arena, layout, store=None):
     return np.array(bounds)
 
 
+def _tight(got, expected):
+    # the kernel against its arithmetic in numpy (moe_quant_mma.gemv_ref): f32 sums in another order only
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5 * np.abs(expected).max())
+
+
 def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
+    """The kernels on three pairs (slot 2, host-store row 1: a miss, slot 0): h against gemv_ref's, the output
+    against gemv_ref of the kernel's own h, and against expert_ffn_quant_ref within f16_bound."""
     from moebus.cuda.kernels.compat import cuda
 
     arena, store = _arena(rng, layout), _arena(rng, layout, store_rows)
-    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]  # slot 2, host-store row 1 (a miss), slot 0
+    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]
     token, slot, pair_out = (device(np.ascontiguousarray(c, np.int32)) for c in np.array(pairs).T)
     out, h = poisoned((3, layout.hidden)), poisoned((3, layout.inter))
     stream = cuda.stream()
     on_device = device(x), device(arena), device(store)  # held until the kernels are done
     moe_quant_mma.launch(on_device[0], token, slot, pair_out, *on_device[1:], layout, h, out, stream, gate_up_shape,
                          down_shape, early=False)
-    got = out.copy_to_host(stream=stream)
+    got, got_h = out.copy_to_host(stream=stream), h.copy_to_host(stream=stream)
     stream.synchronize()
-    expected = np.full((3, layout.hidden), np.nan, np.float32)
-    expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
-    bound = f16_bound(x, pairs, arena, layout, store)[np.argsort([p[2] for p in pairs])]
+    with np.errstate(over="ignore"):
+        emulated_h, _ = moe_quant_mma.expert_ffn_mma_ref(x, pairs, arena, layout, store, gate_up_shape, down_shape)
+        _tight(got_h, emulated_h)
+        for j, (_, s, o) in enumerate(pairs):
+            _, _, (down, down_s) = layout.parts(arena[s] if s >= 0 else store[-1 - s])
+            _tight(got[o], moe_quant_mma.gemv_ref(got_h[j], down, down_s, tuple(down_shape)))
+        expected = np.full((3, layout.hidden), np.nan, np.float32)
+        expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+        bound = f16_bound(x, pairs, arena, layout, store)[np.argsort([p[2] for p in pairs])]
     assert np.all(np.isfinite(got))
     excess = np.abs(got.astype(np.float64) - expected) - bound - 1e-6 * np.abs(expected).max()
     assert excess.max() <= 0, (excess.max(), np.abs(got - expected).max(), bound.max())
     return got, expected
+
+
+@pytest.mark.parametrize("hidden, inter, big", [(256, 128, False), (144, 48, False), (1040, 32, False),
+                                                (256, 128, True)])
+def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, hidden, inter, big):
+    """moe_quant_mma.expert_ffn_mma_ref (the GPU tests' tight reference) against expert_ffn_quant_ref: within
+    f16_bound (numpy only: runs in the simulator)."""
+    layout = ExpertLayout("fp8", hidden, inter)
+    arena, store = _arena(rng, layout), _arena(rng, layout, 2)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    if big:  # chunks past f16's range and in its subnormals
+        x[0, :64] *= 1e6
+        x[0, 128:192] *= 1e-7
+    pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]
+    with np.errstate(over="ignore"):
+        _, out = moe_quant_mma.expert_ffn_mma_ref(x, pairs, arena, layout, store)
+        expected = np.full((3, hidden), np.nan, np.float32)
+        expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
+        bound = f16_bound(x, pairs, arena, layout, store)
+    rows = [p[2] for p in pairs]
+    assert np.all(np.abs(out.astype(np.float64) - expected[rows]) <= bound + 1e-6 * np.abs(expected).max())
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")

@@ -46,6 +46,67 @@ MIN_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2
 MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
+# -- the kernels' arithmetic in numpy ---------------------------------------------------------------------
+
+def staged_ref(x) -> tuple[np.ndarray, np.ndarray]:
+    """(x as the block stages it: f16 values times 2^e a 64-input chunk, zero past its end, (steps, 64) float64;
+    2^-e a chunk, float32): the .cu's stage_x."""
+    x = np.asarray(x, np.float32)
+    steps = -(-x.shape[0] // 64)
+    padded = np.zeros(steps * 64, np.float32)
+    padded[: x.shape[0]] = x
+    chunks = padded.reshape(steps, 64)
+    top = np.abs(chunks).max(axis=1)
+    exponent = np.zeros(steps, np.int64)
+    live = top > 0
+    exponent[live] = np.clip(14 - (np.frexp(top[live])[1] - 1), -100, 100)
+    scaled = (chunks * np.ldexp(np.float32(1), exponent)[:, None].astype(np.float32)).astype(np.float16)
+    return scaled.astype(np.float64), np.ldexp(np.float32(1), -exponent).astype(np.float32)
+
+
+def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
+    """One matrix's GEMV as the kernel computes it: codes (R, C) e4m3 (uint8), scales (ceil(R/128), ceil(C/128))
+    float32, x (C,) float32 -> (R,) float32. A step's 64 products summed (exact here, f32 in the mma), scale x
+    2^-e times that added to the warp's f32 total in the warp's step order, the KSPLIT warps' totals in order."""
+    from moebus.common.quant import e4m3_decode
+
+    _, ksplit, words, _ = shape
+    xs, inverse = staged_ref(x)
+    rows, cols = codes.shape
+    steps = xs.shape[0]
+    values = np.zeros((rows, steps * 64), np.float64)
+    values[:, :cols] = e4m3_decode(codes)
+    sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 64), xs).astype(np.float32)
+    factor = scales[np.arange(rows) // 128][:, (64 * np.arange(steps)) // 128] * inverse  # (R, steps) float32
+    total = np.zeros((ksplit, rows), np.float32)
+    for first in range(0, steps, ksplit * words):
+        for warp in range(ksplit):
+            for i in range(words):
+                s = first + warp * words + i
+                if s < steps:
+                    total[warp] += factor[:, s] * sums[:, s]
+    out = np.zeros(rows, np.float32)
+    for warp in range(ksplit):
+        out += total[warp]
+    return out
+
+
+def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, down_shape=None):
+    """(h (J, I), out rows (J, D)) of pairs [(token, slot, _)] as the kernels compute them (gemv_ref; silu(g) u in
+    float32): within float32 sums of the GPU's, and within moe_quant_mma's f16 bound of expert_ffn_quant_ref."""
+    gate_up_shape, down_shape = tuple(gate_up_shape or GATE_UP_SHAPE), tuple(down_shape or DOWN_SHAPE)
+    h, out = [], []
+    for token, slot, _ in pairs:
+        blob = np.asarray(arena[slot] if slot >= 0 else store[-1 - slot])
+        (gate, gate_s), (up, up_s), (down, down_s) = layout.parts(blob)
+        g = gemv_ref(x[token], gate, gate_s, gate_up_shape)
+        u = gemv_ref(x[token], up, up_s, gate_up_shape)
+        with np.errstate(over="ignore"):
+            h.append((g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32))
+        out.append(gemv_ref(h[-1], down, down_s, down_shape))
+    return np.array(h), np.array(out)
+
+
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait."""
