@@ -50,12 +50,18 @@
 #ifndef ROWS
 #define ROWS 768        // rows of each matrix (the output's length)
 #endif
+#ifndef SEPARATE
+#define SEPARATE __syncwarp
+#endif
 #define THREADS (32 * TILES * KSPLIT)
 #define BLOCK 128
 #define STEPS ((COLS + 63) / 64)              // steps of 64 k a row
 #define SCALE_COLS ((COLS + BLOCK - 1) / BLOCK)
 #define QUADS (STEPS * 16)                    // float4 of x staged (zero past COLS)
 #define STAGE_TRIPS ((QUADS + THREADS - 1) / THREADS)
+// shapes that need no clamp or bounds test (A3B's): fewer address instructions, the loads at constant offsets
+#define WHOLE_ROWS (ROWS % (16 * TILES) == 0)
+#define WHOLE_STEPS (COLS % 64 == 0 && STEPS % (KSPLIT * WORDS) == 0)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -73,6 +79,14 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ uint4 load_code(const u8 *p) {  // evict-first: read once a step
     uint4 r;
     asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// x after the code words: volatile, so that neither compiler issues it (and the maximum that waits on it) between
+// them (ptxas did: half the words then left one L2 trip later)
+__device__ __forceinline__ float4 load_x(const float *p) {
+    float4 r;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
     return r;
 }
 
@@ -112,7 +126,7 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse)
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
         const int q = trip * THREADS + threadIdx.x;
         v[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (4 * q < COLS) v[trip] = *reinterpret_cast<const float4 *>(x + 4 * q);
+        if (4 * q < COLS) v[trip] = load_x(x + 4 * q);
     }
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
@@ -146,10 +160,12 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
     const int tile = warp / KSPLIT, kw = warp % KSPLIT;
     const int j = first_pair + blockIdx.y;
     const int entry = pair_slot[j];
+    const float *x_row = x_all + (long long)(M == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's
     const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
     const int row0 = (blockIdx.x * TILES + tile) * 16;
-    const int row_a = min(row0 + g, ROWS - 1), row_b = min(row0 + g + 8, ROWS - 1);
-    const int scale_row = (min(row0, ROWS - 1) / BLOCK) * SCALE_COLS;  // a tile lies in one 128-row block
+    const int row_a = WHOLE_ROWS ? row0 + g : min(row0 + g, ROWS - 1);
+    const int row_b = WHOLE_ROWS ? row_a + 8 : min(row0 + g + 8, ROWS - 1);
+    const int scale_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;  // one 128-row block a tile
     const u8 *codes[2] = {blob + code0, blob + code1};
     const float *scales[2] = {reinterpret_cast<const float *>(blob + scale0),
                               reinterpret_cast<const float *>(blob + scale1)};
@@ -166,24 +182,26 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
             const int s = first + kw * WORDS + i, k0 = 64 * s + 16 * t;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const bool in = s < STEPS && k0 < COLS;
+                const bool in = WHOLE_STEPS || (s < STEPS && k0 < COLS);
                 const u8 *at = codes[m] + k0;
                 word[i][m][0] = in ? load_code(at + (long long)row_a * COLS) : make_uint4(0, 0, 0, 0);
                 word[i][m][1] = in ? load_code(at + (long long)row_b * COLS) : make_uint4(0, 0, 0, 0);
-                scale[i][m] = s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
+                scale[i][m] = WHOLE_STEPS || s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
             }
         }
         if (first == 0) {
 #if EARLY
             pdl_wait();  // only the pair tables and the weights were read before it
+#else
+            SEPARATE();  // x's loads, and the maxima that wait on them, after every code word's load
 #endif
-            stage_x(x_all + (long long)(M == 2 ? x_table[j] : j) * COLS, xs, inverse);
+            stage_x(x_row, xs, inverse);
             __syncthreads();  // the code loads above stay above it
         }
 #pragma unroll
         for (int i = 0; i < WORDS; ++i) {
             const int s = first + kw * WORDS + i;
-            if (s >= STEPS) break;  // warp-uniform
+            if (!WHOLE_STEPS && s >= STEPS) break;  // warp-uniform
             const uint4 lo = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t);  // x[k0 .. k0 + 7] as f16x2
             const uint4 hi = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t + 4);  // x[k0 + 8 .. k0 + 15]
             const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
