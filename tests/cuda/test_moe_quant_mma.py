@@ -26,28 +26,30 @@ def _nvrtc():
         pytest.skip(f"NVRTC not installed: {exc}")
 
 
-def _compile(cols, rows, mats, shape, early=False, target="cubin"):
+def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8"):
     from moebus.cuda.kernels.flash_attention import nvrtc_compile
 
     arch = "sm_90" if target == "cubin" else "compute_90"
     extra = [b"--ptxas-options=-v"] if target == "cubin" else []
-    return nvrtc_compile(moe_quant_mma.source(), moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early)
-                         + extra, target=target)
+    options = moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early, fmt)
+    return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
 
 
-@pytest.mark.parametrize("cols, rows, mats, shape, early", [
-    (2048, 768, 2, moe_quant_mma.GATE_UP_SHAPE, False),  # A3B gate|up
-    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, True),  # A3B down, its codes before the wait
-    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, False),
-    (144, 48, 2, moe_quant_mma.GATE_UP_SHAPE, False),  # partial steps, tiles and scale blocks
+@pytest.mark.parametrize("cols, rows, mats, shape, early, fmt", [
+    (2048, 768, 2, moe_quant_mma.GATE_UP_SHAPE, False, "fp8"),  # A3B gate|up
+    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, True, "fp8"),  # A3B down, its codes before the wait
+    (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, False, "fp8"),
+    (144, 48, 2, moe_quant_mma.GATE_UP_SHAPE, False, "fp8"),  # partial steps, tiles and scale blocks
+    (2048, 768, 2, moe_quant_mma.INT4_GATE_UP_SHAPE, False, "int4"),
+    (768, 2048, 1, moe_quant_mma.INT4_DOWN_SHAPE, True, "int4"),
 ])
-def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, early):
+def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, early, fmt):
     _nvrtc()
     entry = moe_quant_mma.GATE_UP_ENTRY if mats == 2 else moe_quant_mma.DOWN_ENTRY
-    ptx, _ = _compile(cols, rows, mats, shape, early, "ptx")
+    ptx, _ = _compile(cols, rows, mats, shape, early, "ptx", fmt)
     assert f".entry {entry}".encode() in ptx and b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
-    assert b"cvt.rn.f16x2.e4m3x2" in ptx
-    cubin, log = _compile(cols, rows, mats, shape, early)
+    assert (b"cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
+    cubin, log = _compile(cols, rows, mats, shape, early, fmt=fmt)
     assert cubin
     if log.strip():
         lines = log.splitlines()
@@ -74,21 +76,34 @@ def test_the_kernels_wait_before_reading_what_the_step_wrote(mats, early):
     assert (b"griddepcontrol.launch_dependents" in ptx[at:]) == pdl.trigger_after_wait()
 
 
+def test_the_switch_names_the_formats(monkeypatch):
+    assert moe_quant_mma._formats("0") == moe_quant_mma._formats("") == frozenset()
+    assert moe_quant_mma._formats("1") == moe_quant_mma._formats("fp8") == {"fp8"}
+    assert moe_quant_mma._formats("all") == moe_quant_mma._formats("fp8,int4") == {"fp8", "int4"}
+    assert moe_quant_mma._formats("int4") == {"int4"}
+    with pytest.raises(ValueError):
+        moe_quant_mma._formats("bf16")
+
+
 def test_expert_ffn_takes_them_only_with_the_option(rng, monkeypatch):
-    """MOEBUS_QUANT_MMA off (the default): today's kernels even where the GPU could; on: fp8 at batch 1 with a stream
-    object, never int4, runs of two pairs or the default stream."""
+    """MOEBUS_QUANT_MMA off (the default): today's kernels even where the GPU could; fp8: fp8 at batch 1 with a
+    stream object, not int4 (its own format in the switch), runs of two pairs or the default stream."""
     layout = ExpertLayout("fp8", 256, 128)
     arena = device(_arena(rng, layout, 2))
     monkeypatch.setattr(moe_quant_mma, "_gpu_ok", lambda: True)
     monkeypatch.setattr(moe_quant_mma, "_builds", lambda *a: True)
     stream = type("Stream", (), {"__cuda_stream__": lambda self: (0, 0)})()
-    assert not moe_quant_mma.ENABLED  # off by default
+    assert not moe_quant_mma.FORMATS  # off by default
     assert not moe_quant_mma.takes(layout, 1, arena, arena, stream)
-    monkeypatch.setattr(moe_quant_mma, "ENABLED", True)
+    monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8"}))
     assert moe_quant_mma.takes(layout, 1, arena, arena, stream)
     assert not moe_quant_mma.takes(layout, 2, arena, arena, stream)
     assert not moe_quant_mma.takes(layout, 1, arena, arena, 0)
-    assert not moe_quant_mma.takes(ExpertLayout("int4", 256, 128), 1, arena, arena, stream)
+    int4 = ExpertLayout("int4", 256, 128)
+    assert not moe_quant_mma.takes(int4, 1, arena, arena, stream)
+    monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8", "int4"}))
+    assert moe_quant_mma.takes(int4, 1, arena, arena, stream)
+    assert not moe_quant_mma.takes(ExpertLayout("int4", 272, 128), 1, arena, arena, stream)  # 8.5 words a row
     launched = []
     monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: launched.append(a))
     monkeypatch.setattr(moe_quant_mma, "_stream_object", lambda s: True)
@@ -96,7 +111,7 @@ def test_expert_ffn_takes_them_only_with_the_option(rng, monkeypatch):
     pairs = [(0, 1, 0), (0, 0, 1)]
     _run(x, pairs, arena, layout, poisoned((2, 256)))
     assert len(launched) == 1
-    monkeypatch.setattr(moe_quant_mma, "ENABLED", False)  # off: the numba kernels, the reference's results
+    monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset())  # off: the numba kernels, the reference's results
     out, expected = poisoned((2, 256)), np.full((2, 256), np.nan, np.float32)
     _run(x, pairs, arena, layout, out)
     expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena.copy_to_host(), layout, expected)
@@ -110,17 +125,31 @@ def f16_bound(x, pairs, arena, layout, store=None):
     x = np.asarray(x, np.float64)
     bounds = []
     for token, slot, _ in pairs:
-        blob = arena[slot] if slot >= 0 else store[-1 - slot]
-        gate, up, down = (np.asarray(m, np.float64) for m in layout.dequantize(np.asarray(blob)))
+        blob = np.asarray(arena[slot] if slot >= 0 else store[-1 - slot])
+        gate, up, down = (np.asarray(m, np.float64) for m in layout.dequantize(blob))
+        gate_q, up_q, down_q = _rounded_parts(layout, blob)
         xs = x[token]
         g, u = gate @ xs, up @ xs
-        eg, eu = F16_STEP * (np.abs(gate) @ np.abs(xs)), F16_STEP * (np.abs(up) @ np.abs(xs))
+        eg, eu = F16_STEP * (gate_q @ np.abs(xs)), F16_STEP * (up_q @ np.abs(xs))
         h = silu_ref(g.astype(np.float32)).astype(np.float64) * u
         sig = 1.0 / (1.0 + np.exp(-g))
         slope = np.abs(sig * (1.0 + g * (1.0 - sig)))  # silu'(g)
         eh = 1.5 * ((slope + 0.5 * eg) * eg * (np.abs(u) + eu) + np.abs(silu_ref(g.astype(np.float32))) * eu)
-        bounds.append(1.5 * (np.abs(down) @ (eh + F16_STEP * (np.abs(h) + eh))))
+        bounds.append(1.5 * (down_q @ (eh + F16_STEP * (np.abs(h) + eh))))
     return np.array(bounds)
+
+
+def _rounded_parts(layout, blob):
+    """|the part of each weight that multiplies x in f16|: fp8 |w|; int4 |q s| (m sum x is summed in f32)."""
+    from moebus.common.quant import int4_codes
+
+    if layout.dtype == "fp8":
+        return tuple(np.abs(np.asarray(m, np.float64)) for m in layout.dequantize(blob))
+    out = []
+    for codes, params in layout.parts(blob):
+        cols = 2 * codes.shape[1]
+        out.append(np.abs(int4_codes(codes, cols) * np.repeat(params[:, :, 0], 128, axis=1)[:, :cols]).astype(np.float64))
+    return tuple(out)
 
 
 def _tight(got, expected):
@@ -139,6 +168,8 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
     out, h = poisoned((3, layout.hidden)), poisoned((3, layout.inter))
     stream = cuda.stream()
     on_device = device(x), device(arena), device(store)  # held until the kernels are done
+    gate_up_shape = gate_up_shape or moe_quant_mma.shapes(layout.dtype)[0]
+    down_shape = down_shape or moe_quant_mma.shapes(layout.dtype)[1]
     moe_quant_mma.launch(on_device[0], token, slot, pair_out, *on_device[1:], layout, h, out, stream, gate_up_shape,
                          down_shape, early=False)
     got, got_h = out.copy_to_host(stream=stream), h.copy_to_host(stream=stream)
@@ -146,9 +177,10 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
     with np.errstate(over="ignore"):
         emulated_h, _ = moe_quant_mma.expert_ffn_mma_ref(x, pairs, arena, layout, store, gate_up_shape, down_shape)
         _tight(got_h, emulated_h)
+        gemv = moe_quant_mma.gemv_ref if layout.dtype == "fp8" else moe_quant_mma.gemv_int4_ref
         for j, (_, s, o) in enumerate(pairs):
             _, _, (down, down_s) = layout.parts(arena[s] if s >= 0 else store[-1 - s])
-            _tight(got[o], moe_quant_mma.gemv_ref(got_h[j], down, down_s, tuple(down_shape)))
+            _tight(got[o], gemv(got_h[j], down, down_s, tuple(down_shape)))
         expected = np.full((3, layout.hidden), np.nan, np.float32)
         expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
         bound = f16_bound(x, pairs, arena, layout, store)[np.argsort([p[2] for p in pairs])]
@@ -158,12 +190,14 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
     return got, expected
 
 
-@pytest.mark.parametrize("hidden, inter, big", [(256, 128, False), (144, 48, False), (1040, 32, False),
-                                                (256, 128, True)])
-def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, hidden, inter, big):
+@pytest.mark.parametrize("fmt, hidden, inter, big", [("fp8", 256, 128, False), ("fp8", 144, 48, False),
+                                                     ("fp8", 1040, 32, False), ("fp8", 256, 128, True),
+                                                     ("int4", 256, 128, False), ("int4", 160, 64, False),
+                                                     ("int4", 256, 128, True)])
+def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, fmt, hidden, inter, big):
     """moe_quant_mma.expert_ffn_mma_ref (the GPU tests' tight reference) against expert_ffn_quant_ref: within
     f16_bound (numpy only: runs in the simulator)."""
-    layout = ExpertLayout("fp8", hidden, inter)
+    layout = ExpertLayout(fmt, hidden, inter)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     if big:  # chunks past f16's range and in its subnormals
@@ -180,36 +214,42 @@ def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, hidden, inter, big)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-@pytest.mark.parametrize("hidden, inter", [
-    (256, 128),   # whole tiles, steps and scale blocks
-    (144, 48),    # a partial step (144 = 2 x 64 + 16) and scale block along D; down: 9 tiles, a partial block
-    (1040, 32),   # 17 steps (the last partial) a gate|up row; down: rows of one partial step, 65 tiles
-    (2048, 768),  # A3B
+@pytest.mark.parametrize("fmt, hidden, inter", [
+    ("fp8", 256, 128),   # whole tiles, steps and scale blocks
+    ("fp8", 144, 48),    # a partial step (144 = 2 x 64 + 16) and scale block along D; down: 9 tiles, a partial block
+    ("fp8", 1040, 32),   # 17 steps (the last partial) a gate|up row; down: rows of one partial step, 65 tiles
+    ("fp8", 2048, 768),  # A3B
+    ("int4", 256, 128),
+    ("int4", 160, 64),   # int4: a partial group (160 = 128 + 32) along D; down: rows of half a step, 10 tiles
+    ("int4", 2048, 768),
 ])
-def test_kernels_match_the_reference_within_the_f16_bound(rng, hidden, inter):
-    layout = ExpertLayout("fp8", hidden, inter)
+def test_kernels_match_the_reference_within_the_f16_bound(rng, fmt, hidden, inter):
+    layout = ExpertLayout(fmt, hidden, inter)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
-    got, expected = _check(rng, layout, x, moe_quant_mma.GATE_UP_SHAPE, moe_quant_mma.DOWN_SHAPE)
+    got, expected = _check(rng, layout, x, None, None)
     assert np.abs(got - expected).max() < 5e-3 * np.abs(expected).max()  # numpy's f16 emulation: ~4.5e-4
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-@pytest.mark.parametrize("gate_up_shape, down_shape", list(zip(moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP)))
-def test_every_swept_shape_matches_the_reference(rng, gate_up_shape, down_shape):
-    layout = ExpertLayout("fp8", 2048, 768)
+@pytest.mark.parametrize("fmt, gate_up_shape, down_shape", [
+    *(("fp8", *pair) for pair in zip(moe_quant_mma.GATE_UP_SWEEP, moe_quant_mma.DOWN_SWEEP)),
+    *(("int4", *pair) for pair in zip(moe_quant_mma.INT4_GATE_UP_SWEEP, moe_quant_mma.INT4_DOWN_SWEEP))])
+def test_every_swept_shape_matches_the_reference(rng, fmt, gate_up_shape, down_shape):
+    layout = ExpertLayout(fmt, 2048, 768)
     _check(rng, layout, rng.standard_normal((1, 2048), dtype=np.float32), gate_up_shape, down_shape)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-def test_x_beyond_the_range_of_f16_neither_overflows_nor_flushes(rng):
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_x_beyond_the_range_of_f16_neither_overflows_nor_flushes(rng, fmt):
     """Chunks of x near 1e6 (past f16's 65504: h may be that large) and near 1e-7 (f16's subnormals): each chunk
     has its own power of two."""
-    layout = ExpertLayout("fp8", 256, 128)
+    layout = ExpertLayout(fmt, 256, 128)
     x = rng.standard_normal((1, 256), dtype=np.float32)
     x[0, :64] *= 1e6
     x[0, 128:192] *= 1e-7
     with np.errstate(over="ignore"):  # silu of -1e7 in the reference: exp overflows to inf, silu to -0 (as expf)
-        _check(rng, layout, x, moe_quant_mma.GATE_UP_SHAPE, moe_quant_mma.DOWN_SHAPE)
+        _check(rng, layout, x, None, None)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
@@ -242,7 +282,7 @@ def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, mo
     real = moe_quant_mma.launch
     monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on in (False, True):
-        monkeypatch.setattr(moe_quant_mma, "ENABLED", on)
+        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8"} if on else ()))
         runs[on] = LocalModel(micro_fp8_model, device="cuda", max_context=32, cache_fraction=0.5,
                               experts_dtype="fp8").generate(prompt, 4)
         assert bool(calls) == on

@@ -53,15 +53,22 @@
 #ifndef SEPARATE
 #define SEPARATE __syncwarp
 #endif
+#ifndef INT4
+#define INT4 0          // 1: 4-bit codes (32 a 16-byte word, two a byte, low nibble first; a (scale, minimum) a row
+#endif                  // and 128 inputs: value = q s + m), the x chunk and a step 128 inputs
 #define THREADS (32 * TILES * KSPLIT)
 #define BLOCK 128
-#define STEPS ((COLS + 63) / 64)              // steps of 64 k a row
+#define VALUES (INT4 ? 32 : 16)               // codes a 16-byte word
+#define STEP_K (4 * VALUES)                   // inputs a step: a lane group's 4 words
+#define ROW_BYTES (INT4 ? COLS / 2 : COLS)
+#define STEPS ((COLS + STEP_K - 1) / STEP_K)  // steps a row
 #define SCALE_COLS ((COLS + BLOCK - 1) / BLOCK)
-#define QUADS (STEPS * 16)                    // float4 of x staged (zero past COLS)
-#define STAGE_TRIPS ((QUADS + THREADS - 1) / THREADS)
+#define QUADS (STEPS * STEP_K / 4)            // float4 of x staged (zero past COLS)
+#define PER_THREAD (INT4 ? 2 : 1)             // float4 a thread stages a trip (a chunk: 16 threads)
+#define STAGE_TRIPS ((QUADS / PER_THREAD + THREADS - 1) / THREADS)
 // shapes that need no clamp or bounds test (A3B's): fewer address instructions, the loads at constant offsets
 #define WHOLE_ROWS (ROWS % (16 * TILES) == 0)
-#define WHOLE_STEPS (COLS % 64 == 0 && STEPS % (KSPLIT * WORDS) == 0)
+#define WHOLE_STEPS (COLS % STEP_K == 0 && STEPS % (KSPLIT * WORDS) == 0)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -102,6 +109,22 @@ __device__ __forceinline__ u32 e4m3x2_hi(u32 pair) {  // the high 16 bits' two c
     return r;
 }
 
+// 4-bit codes -> f16x2, exact: the nibbles at bits 0 and 16 of w (0x000F000F) or 4 and 20 (0x00F000F0) under
+// the exponent of 1024 (0x6400: 1024 + n, or 1024 + 16 n), less 1024 (or times 1/16 less 64)
+__device__ __forceinline__ u32 nibbles_low(u32 w) {
+    u32 r, h;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(h) : "r"(w));  // (w & mask) | magic
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
+    return r;
+}
+
+__device__ __forceinline__ u32 nibbles_high(u32 w) {
+    u32 r, h;
+    asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(h) : "r"(w));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x2C002C00u), "r"(0xD400D400u));  // (1024 + 16 n) / 16 - 64
+    return r;
+}
+
 __device__ __forceinline__ u32 f16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -120,7 +143,48 @@ __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e 
 // x's row into xs as f16, each 64-k chunk scaled by 2^e (its largest |x| into [2^14, 2^15); e in [-100, 100]),
 // 2^-e into inverse[chunk]; zero past COLS up to the chunks' end. A chunk is 16 float4 of consecutive threads
 // (half a warp): its maximum by 4 butterflies. Every trip's loads first, then the conversions.
-__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse) {
+#if INT4
+// int4: as below over 128-input chunks, 8 inputs a thread, each group of 8 stored as the pairs (x0, x4), (x1, x5),
+// (x2, x6), (x3, x7) (B's registers for a word's 32-bit quarter: nibbles_low / nibbles_high pair those codes), and
+// the chunk's f32 sum of x (the minimum's share, m sum x) into xsum[chunk]
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum) {
+    float4 v[STAGE_TRIPS][2];
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int o = trip * THREADS + threadIdx.x;  // x[8 o .. 8 o + 7]
+        v[trip][0] = v[trip][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (8 * o < COLS) {  // COLS a multiple of 32
+            v[trip][0] = load_x(x + 8 * o);
+            v[trip][1] = load_x(x + 8 * o + 4);
+        }
+    }
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int o = trip * THREADS + threadIdx.x;
+        const float4 a = v[trip][0], b = v[trip][1];
+        float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                        fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+        float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+#pragma unroll
+        for (int offset = 1; offset < 16; offset *= 2) {
+            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+        }
+        int e = 0;
+        if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
+        const float p = power_of_two(e);
+        if ((QUADS / 2) % THREADS == 0 || o < QUADS / 2) {
+            reinterpret_cast<uint4 *>(xs)[o] = make_uint4(f16x2(a.x * p, b.x * p), f16x2(a.y * p, b.y * p),
+                                                          f16x2(a.z * p, b.z * p), f16x2(a.w * p, b.w * p));
+            if (o % 16 == 0) {
+                inverse[o / 16] = power_of_two(-e);
+                xsum[o / 16] = sum;
+            }
+        }
+    }
+}
+#else
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *) {
     float4 v[STAGE_TRIPS];
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
@@ -144,6 +208,7 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse)
         }
     }
 }
+#endif
 
 template <int M>
 __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, const int *pair_slot, const u8 *arena,
@@ -152,6 +217,7 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
                                      const int *out_table, float *out) {
     __shared__ __align__(16) u32 xs[QUADS * 2];
     __shared__ float inverse[STEPS];
+    __shared__ float xsum[INT4 ? STEPS : 1];
     __shared__ float part[TILES][KSPLIT][M][16];
 #if !EARLY
     pdl_wait();  // before any global read or write
@@ -165,7 +231,8 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
     const int row0 = (blockIdx.x * TILES + tile) * 16;
     const int row_a = WHOLE_ROWS ? row0 + g : min(row0 + g, ROWS - 1);
     const int row_b = WHOLE_ROWS ? row_a + 8 : min(row0 + g + 8, ROWS - 1);
-    const int scale_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;  // one 128-row block a tile
+    // fp8: one 128-row block a tile; int4: (scale, minimum) pairs, each row's own
+    const int scale_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;
     const u8 *codes[2] = {blob + code0, blob + code1};
     const float *scales[2] = {reinterpret_cast<const float *>(blob + scale0),
                               reinterpret_cast<const float *>(blob + scale1)};
@@ -176,17 +243,28 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
 #pragma unroll
     for (int first = 0; first < STEPS; first += per_pass) {
         uint4 word[WORDS][M][2];
+#if INT4
+        float2 param[WORDS][M][2];  // rows g and g + 8: (scale, minimum) of the step's group
+#else
         float scale[WORDS][M];
+#endif
 #pragma unroll
         for (int i = 0; i < WORDS; ++i) {
-            const int s = first + kw * WORDS + i, k0 = 64 * s + 16 * t;
+            const int s = first + kw * WORDS + i, k0 = STEP_K * s + VALUES * t;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const bool in = WHOLE_STEPS || (s < STEPS && k0 < COLS);
-                const u8 *at = codes[m] + k0;
-                word[i][m][0] = in ? load_code(at + (long long)row_a * COLS) : make_uint4(0, 0, 0, 0);
-                word[i][m][1] = in ? load_code(at + (long long)row_b * COLS) : make_uint4(0, 0, 0, 0);
+                const u8 *at = codes[m] + (INT4 ? k0 / 2 : k0);
+                word[i][m][0] = in ? load_code(at + (long long)row_a * ROW_BYTES) : make_uint4(0, 0, 0, 0);
+                word[i][m][1] = in ? load_code(at + (long long)row_b * ROW_BYTES) : make_uint4(0, 0, 0, 0);
+#if INT4
+                const float2 *pairs = reinterpret_cast<const float2 *>(scales[m]);
+                const bool live = WHOLE_STEPS || s < STEPS;
+                param[i][m][0] = live ? pairs[row_a * SCALE_COLS + s] : make_float2(0.f, 0.f);
+                param[i][m][1] = live ? pairs[row_b * SCALE_COLS + s] : make_float2(0.f, 0.f);
+#else
                 scale[i][m] = WHOLE_STEPS || s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
+#endif
             }
         }
         if (first == 0) {
@@ -195,13 +273,39 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
 #else
             SEPARATE();  // x's loads, and the maxima that wait on them, after every code word's load
 #endif
-            stage_x(x_row, xs, inverse);
+            stage_x(x_row, xs, inverse, xsum);
             __syncthreads();  // the code loads above stay above it
         }
 #pragma unroll
         for (int i = 0; i < WORDS; ++i) {
             const int s = first + kw * WORDS + i;
             if (!WHOLE_STEPS && s >= STEPS) break;  // warp-uniform
+#if INT4
+            u32 b[16];  // the lane's 32 x as stage_x pairs them
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(xs + 64 * s + 16 * t + 4 * c);
+                b[4 * c] = v.x, b[4 * c + 1] = v.y, b[4 * c + 2] = v.z, b[4 * c + 3] = v.w;
+            }
+            const float inv = inverse[s], sum_x = xsum[s];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
+                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // quarter q: codes 8q .. 8q + 7; slots 2t, 2t + 1 <- 8q, 8q + 4 and
+                    // 2t + 8, 2t + 9 <- 8q + 1, 8q + 5 (then 8q + 2, 8q + 6 and 8q + 3, 8q + 7, a byte up)
+                    mma(d, nibbles_low(wa[q]), nibbles_low(wb[q]), nibbles_high(wa[q]), nibbles_high(wb[q]), b[4 * q],
+                        b[4 * q + 1]);
+                    mma(d, nibbles_low(wa[q] >> 8), nibbles_low(wb[q] >> 8), nibbles_high(wa[q] >> 8),
+                        nibbles_high(wb[q] >> 8), b[4 * q + 2], b[4 * q + 3]);
+                }
+                const float2 pa = param[i][m][0], pb = param[i][m][1];
+                total[m][0] = fmaf(pa.x * inv, d[0], fmaf(pa.y, sum_x, total[m][0]));
+                total[m][1] = fmaf(pb.x * inv, d[2], fmaf(pb.y, sum_x, total[m][1]));
+            }
+#else
             const uint4 lo = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t);  // x[k0 .. k0 + 7] as f16x2
             const uint4 hi = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t + 4);  // x[k0 + 8 .. k0 + 15]
             const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -218,6 +322,7 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
                 total[m][0] = fmaf(factor, d[0], total[m][0]);
                 total[m][1] = fmaf(factor, d[2], total[m][1]);
             }
+#endif
         }
     }
     if (t == 0) {

@@ -35,27 +35,55 @@ from moebus.cuda.kernels.launch import ceil_div
 log = logging.getLogger("moebus.cuda")
 SOURCE = Path(__file__).with_suffix(".cu")
 ENV = "MOEBUS_QUANT_MMA"
-ENABLED = os.environ.get(ENV, "0").strip().lower() in ("1", "on", "true", "yes")  # off until call A times it
+
+
+def _formats(value: str) -> frozenset:
+    """MOEBUS_QUANT_MMA: 0 / unset (off), 1 or fp8, int4, all (or fp8,int4): the formats these kernels take."""
+    value = value.strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return frozenset()
+    if value in ("1", "on", "true", "yes"):
+        return frozenset({"fp8"})
+    found = frozenset({"fp8", "int4"} if value == "all" else (v.strip() for v in value.split(",")))
+    if not found <= {"fp8", "int4"}:
+        raise ValueError(f"{ENV}={value!r}: expected 0, 1, fp8, int4 or all")
+    return found
+
+
+FORMATS = _formats(os.environ.get(ENV, "0"))  # off until call A times them
 GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
-GATE_UP_SHAPE = (1, 8, 4, 2)  # (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why
+GATE_UP_SHAPE = (1, 8, 4, 2)  # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why
 DOWN_SHAPE = (4, 2, 6, 3)
+# int4: a step is 128 inputs (one group); gate|up (1, 4, 4, 4) 128 registers, no spill: 384 blocks of 128 threads,
+# 4 an SM, one wave (32 KB of codes a block); (1, 16, 1, 2) 58; (1, 8, 2, 3) spilled 4 bytes; down (4, 2, 3, 3) 80
+# (256 blocks, one wave), (2, 6, 1, 4) 40
+INT4_GATE_UP_SHAPE = (1, 4, 4, 4)
+INT4_DOWN_SHAPE = (4, 2, 3, 3)
 # the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
 GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
 DOWN_SWEEP = ((4, 2, 6, 3), (2, 6, 2, 4), (1, 2, 6, 8))
+INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
+INT4_DOWN_SWEEP = ((4, 2, 3, 3), (2, 6, 1, 4))
+VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a row
+
+
+def shapes(fmt: str) -> tuple[tuple, tuple]:
+    """(gate|up shape, down shape) of ``fmt``."""
+    return (GATE_UP_SHAPE, DOWN_SHAPE) if fmt == "fp8" else (INT4_GATE_UP_SHAPE, INT4_DOWN_SHAPE)
 MIN_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2
 MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 # -- the kernels' arithmetic in numpy ---------------------------------------------------------------------
 
-def staged_ref(x) -> tuple[np.ndarray, np.ndarray]:
-    """(x as the block stages it: f16 values times 2^e a 64-input chunk, zero past its end, (steps, 64) float64;
-    2^-e a chunk, float32): the .cu's stage_x."""
+def staged_ref(x, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(x as the block stages it: f16 values times 2^e a ``chunk``-input chunk (fp8 64, int4 128), zero past its
+    end, (steps, chunk) float64; 2^-e a chunk, float32): the .cu's stage_x."""
     x = np.asarray(x, np.float32)
-    steps = -(-x.shape[0] // 64)
-    padded = np.zeros(steps * 64, np.float32)
+    steps = -(-x.shape[0] // chunk)
+    padded = np.zeros(steps * chunk, np.float32)
     padded[: x.shape[0]] = x
-    chunks = padded.reshape(steps, 64)
+    chunks = padded.reshape(steps, chunk)
     top = np.abs(chunks).max(axis=1)
     exponent = np.zeros(steps, np.int64)
     live = top > 0
@@ -91,34 +119,68 @@ def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
     return out
 
 
+def gemv_int4_ref(x, packed, params, shape: tuple) -> np.ndarray:
+    """gemv_ref for int4: packed (R, C/2) codes (low nibble first), params (R, ceil(C/128), 2) (scale, minimum):
+    a step (128 inputs, one group) adds s 2^-e sum q x16 + m sum x (sum x in float32, as the block's sums)."""
+    from moebus.common.quant import int4_codes
+
+    _, ksplit, words, _ = shape
+    xs, inverse = staged_ref(x, 128)
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    steps = xs.shape[0]
+    values = np.zeros((rows, steps * 128), np.float64)
+    values[:, :cols] = int4_codes(packed, cols)
+    sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 128), xs).astype(np.float32)
+    padded = np.zeros(steps * 128, np.float32)
+    padded[:cols] = np.asarray(x, np.float32)
+    sum_x = padded.reshape(steps, 128).sum(axis=1, dtype=np.float32)
+    total = np.zeros((ksplit, rows), np.float32)
+    for first in range(0, steps, ksplit * words):
+        for warp in range(ksplit):
+            for i in range(words):
+                s = first + warp * words + i
+                if s < steps:
+                    total[warp] += params[:, s, 1] * sum_x[s]
+                    total[warp] += (params[:, s, 0] * inverse[s]) * sums[:, s]
+    out = np.zeros(rows, np.float32)
+    for warp in range(ksplit):
+        out += total[warp]
+    return out
+
+
 def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, down_shape=None):
     """(h (J, I), out rows (J, D)) of pairs [(token, slot, _)] as the kernels compute them (gemv_ref; silu(g) u in
     float32): within float32 sums of the GPU's, and within moe_quant_mma's f16 bound of expert_ffn_quant_ref."""
-    gate_up_shape, down_shape = tuple(gate_up_shape or GATE_UP_SHAPE), tuple(down_shape or DOWN_SHAPE)
+    gate_up_shape = tuple(gate_up_shape or shapes(layout.dtype)[0])
+    down_shape = tuple(down_shape or shapes(layout.dtype)[1])
+    gemv = gemv_ref if layout.dtype == "fp8" else gemv_int4_ref
     h, out = [], []
     for token, slot, _ in pairs:
         blob = np.asarray(arena[slot] if slot >= 0 else store[-1 - slot])
         (gate, gate_s), (up, up_s), (down, down_s) = layout.parts(blob)
-        g = gemv_ref(x[token], gate, gate_s, gate_up_shape)
-        u = gemv_ref(x[token], up, up_s, gate_up_shape)
+        g = gemv(x[token], gate, gate_s, gate_up_shape)
+        u = gemv(x[token], up, up_s, gate_up_shape)
         with np.errstate(over="ignore"):
             h.append((g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32))
-        out.append(gemv_ref(h[-1], down, down_s, down_shape))
+        out.append(gemv(h[-1], down, down_s, down_shape))
     return np.array(h), np.array(out)
 
 
-def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False) -> list[bytes]:
+def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
+                    fmt: str = "fp8") -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
-    1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait."""
+    1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
+    ``fmt`` fp8 or int4."""
     tiles, ksplit, words, min_blocks = shape
-    if cols % 16 or 32 * tiles * ksplit * min_blocks > 2048:
+    if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
     entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
-            f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode()]
+            f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
+            f"-DINT4={int(fmt == 'int4')}".encode()]
 
 
 def source() -> bytes:
@@ -126,7 +188,7 @@ def source() -> bytes:
 
 
 @functools.cache
-def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False):
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8"):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -135,19 +197,19 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False):
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
     entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
-    name = f"{entry}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
+    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
 
 
 @functools.cache
-def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False) -> bool:
+def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8") -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early)
+        _kernel(cols, rows, mats, shape, early, fmt)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized expert GEMVs on tensor cores unavailable (%s)", exc)
         return False
@@ -155,13 +217,12 @@ def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False) 
 
 
 def fits(layout, chunk: int) -> bool:
-    """The shapes this kernel takes: fp8 experts, runs of one pair, rows of whole 16-byte words, matrices' codes
-    and scales at 16- and 4-byte offsets of a blob of whole 16-byte words."""
-    from moebus.cuda.kernels.moe_quant_round import VALUES_PER_WORD
-
+    """The shapes these kernels take: fp8 or int4 experts, runs of one pair, rows of whole 16-byte words, matrices'
+    codes at 16-byte offsets, scales at 8-byte ones (int4's (scale, minimum) pairs), a blob of whole 16-byte words."""
+    values = VALUES.get(layout.dtype)
     offsets = layout.kernel_words()  # 4-byte units
-    return (layout.dtype == "fp8" and chunk == 1 and layout.hidden % VALUES_PER_WORD == 0
-            and layout.inter % VALUES_PER_WORD == 0 and all(4 * o % 16 == 0 for o in offsets[:3])
+    return (values is not None and chunk == 1 and layout.hidden % values == 0 and layout.inter % values == 0
+            and all(4 * o % 16 == 0 for o in offsets[:3]) and all(4 * o % 8 == 0 for o in offsets[3:])
             and layout.blob_bytes % 16 == 0)
 
 
@@ -179,13 +240,16 @@ def _stream_object(stream) -> bool:
 
 
 def takes(layout, chunk: int, arena, store, stream) -> bool:
-    """Whether expert_ffn_quant_cuda runs these kernels: ENABLED, ``fits``, 16-byte aligned blobs, a GPU that
-    converts e4m3 pairs, a stream object, both kernels built (a failure warns once: the numba kernels run)."""
+    """Whether expert_ffn_quant_cuda runs these kernels: the format in FORMATS, ``fits``, 16-byte aligned blobs, a
+    GPU that converts e4m3 pairs (sm_89+, int4 too), a stream object, both kernels built (a failure warns once: the
+    numba kernels run)."""
     from moebus.cuda.kernels.moe_quant_round import aligned
 
-    return (ENABLED and fits(layout, chunk) and _stream_object(stream) and _gpu_ok() and aligned(arena, store)
-            and _builds(layout.hidden, layout.inter, 2, tuple(GATE_UP_SHAPE))
-            and _builds(layout.inter, layout.hidden, 1, tuple(DOWN_SHAPE), _early()))
+    fmt = layout.dtype
+    gate_up, down = shapes(fmt)
+    return (fmt in FORMATS and fits(layout, chunk) and _stream_object(stream) and _gpu_ok() and aligned(arena, store)
+            and _builds(layout.hidden, layout.inter, 2, tuple(gate_up), False, fmt)
+            and _builds(layout.inter, layout.hidden, 1, tuple(down), _early(), fmt))
 
 
 def _early() -> bool:
@@ -222,9 +286,9 @@ def _blobs(arena, store, layout) -> tuple:
 
 def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, shape=None) -> None:
     """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
-    shape = tuple(shape or GATE_UP_SHAPE)
+    shape = tuple(shape or shapes(layout.dtype)[0])
     code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr = _kernel(layout.hidden, layout.inter, 2, shape), _pointer
+    kernel, ptr = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype), _pointer
     num_pairs = pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
         flash_attention._core_launch(stream, (grid_x(layout.inter, shape), min(MAX_GRID_Y, num_pairs - first)),
@@ -236,10 +300,10 @@ def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, 
 def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, shape=None, early=None) -> None:
     """out[pair_out[j]] = down h[j] for every pair j (``launch``'s second kernel); ``early``: its pair tables and
     codes read before its wait (None: the step's choice, ``_early``)."""
-    shape = tuple(shape or DOWN_SHAPE)
+    shape = tuple(shape or shapes(layout.dtype)[1])
     early = _early() if early is None else early
     _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early), _pointer
+    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype), _pointer
     num_pairs = pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
         flash_attention._core_launch(stream, (grid_x(layout.hidden, shape), min(MAX_GRID_Y, num_pairs - first)),
