@@ -148,7 +148,8 @@ def _rounded_parts(layout, blob):
     out = []
     for codes, params in layout.parts(blob):
         cols = 2 * codes.shape[1]
-        out.append(np.abs(int4_codes(codes, cols) * np.repeat(params[:, :, 0], 128, axis=1)[:, :cols]).astype(np.float64))
+        scale = np.repeat(params[:, :, 0], 128, axis=1)[:, :cols]
+        out.append(np.abs(int4_codes(codes, cols) * scale).astype(np.float64))
     return tuple(out)
 
 
@@ -271,10 +272,15 @@ def test_the_early_down_kernel_gives_the_same_bits(rng):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, monkeypatch):  # noqa: F811
-    """fp8 experts, half resident (misses read the host store): the decode steps through these kernels (counted)
-    give the tokens of the numba kernels, log p close (x and h in f16)."""
+@pytest.fixture(scope="module")
+def micro_wide_model(tmp_path_factory):
+    """The micro model with rows of whole int4 words (intermediate 32; bf16, quantized at load)."""
+    from tests.cuda.test_e2e import init_micro
+
+    return init_micro(tmp_path_factory, "micro_wide", moe_intermediate_size=32)
+
+
+def _decode_on_and_off(model, fmt, monkeypatch):
     from moebus.workers.local import LocalModel
 
     prompt = [5, 17, 42, 9, 77]
@@ -282,9 +288,24 @@ def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, mo
     real = moe_quant_mma.launch
     monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on in (False, True):
-        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8"} if on else ()))
-        runs[on] = LocalModel(micro_fp8_model, device="cuda", max_context=32, cache_fraction=0.5,
-                              experts_dtype="fp8").generate(prompt, 4)
+        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({fmt} if on else ()))
+        runs[on] = LocalModel(model, device="cuda", max_context=32, cache_fraction=0.5,
+                              experts_dtype=fmt).generate(prompt, 4)
         assert bool(calls) == on
+    return runs
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, monkeypatch):  # noqa: F811
+    """fp8 experts, half resident (misses read the host store): the decode steps through these kernels (counted)
+    give the tokens of the numba kernels, log p close (x and h in f16)."""
+    runs = _decode_on_and_off(micro_fp8_model, "fp8", monkeypatch)
+    assert runs[True].tokens == runs[False].tokens
+    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
+def test_int4_decode_with_the_option_gives_the_same_greedy_tokens(micro_wide_model, monkeypatch):
+    runs = _decode_on_and_off(micro_wide_model, "int4", monkeypatch)
     assert runs[True].tokens == runs[False].tokens
     np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)

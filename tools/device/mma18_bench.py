@@ -6,8 +6,8 @@ kernel holds the stream while the host queues REPEATS launches with an event bet
 PDL: the true durations): us a launch, the median of REPEATS and the mean. Errors: gate|up's h and down's output
 (fed numba's h) against the numba kernels', max abs and max relative to the largest |value|.
 
-    mma18_bench.py [--tiny] [--json PATH]   (--tiny: D 128, I 64, 2 pairs, 2 layers, 2 launches; in the
-                                             simulator only the numba kernels run, untimed)"""
+    mma18_bench.py [--tiny] [--json PATH] [--formats fp8,int4]   (--tiny: D 128, I 64, 2 pairs, 2 layers, 2
+        launches; in the simulator only the numba kernels run, untimed). int4 the same way at its own shapes."""
 import argparse
 import json
 import sys
@@ -35,14 +35,19 @@ def emit(row: dict, log) -> None:
 
 
 def experts(layout, slots: int, rng):
-    """(slots, B) uint8 on the device: PAIRS random fp8 blobs (codes without NaN, scales 2^-12 .. 2^-6) repeated
-    (the same bytes at other addresses: L2 holds by address)."""
+    """(slots, B) uint8 on the device: PAIRS random blobs (fp8: codes without NaN, scales 2^-12 .. 2^-6; int4: any
+    nibbles, the same scales, minimum -7.5 scale) repeated (the same bytes at other addresses: L2 holds by address)."""
     host = np.zeros((PAIRS, layout.blob_bytes), np.uint8)
     for blob in host:
         for codes, scales in layout.parts(blob):
-            codes[...] = rng.integers(0, 0x7F, codes.shape, dtype=np.uint8) | (rng.integers(0, 2, codes.shape,
-                                                                                              dtype=np.uint8) << 7)
-            scales[...] = 2.0 ** rng.uniform(-12, -6, scales.shape)
+            if layout.dtype == "fp8":
+                codes[...] = rng.integers(0, 0x7F, codes.shape, dtype=np.uint8) | (
+                    rng.integers(0, 2, codes.shape, dtype=np.uint8) << 7)
+                scales[...] = 2.0 ** rng.uniform(-12, -6, scales.shape)
+            else:
+                codes[...] = rng.integers(0, 256, codes.shape, dtype=np.uint8)
+                scales[..., 0] = 2.0 ** rng.uniform(-12, -6, scales.shape[:-1])
+                scales[..., 1] = -7.5 * scales[..., 0]
     arena = cuda.device_array((slots, layout.blob_bytes), np.uint8)
     for first in range(0, slots, PAIRS):
         arena[first:first + PAIRS].copy_to_device(host[: min(PAIRS, slots - first)])
@@ -81,13 +86,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default="")
+    parser.add_argument("--formats", default="fp8,int4")
     args = parser.parse_args(argv)
     global PAIRS
-    hidden, inter, layers, repeats = (128, 64, 2, 2) if args.tiny else (2048, 768, 16, 200)
     PAIRS = 2 if args.tiny else PAIRS
     log = open(args.json, "w") if args.json else None
+    rows = []
+    for fmt in args.formats.split(","):
+        rows += bench_format(fmt, args.tiny, log)
+    summary(rows)
+    return 0
+
+
+def bench_format(fmt: str, tiny: bool, log) -> list[dict]:
+    """The numba kernels' rows, then (on a GPU) the tensor-core kernels' at the format's swept shapes."""
+    hidden, inter, layers, repeats = (128, 64, 2, 2) if tiny else (2048, 768, 16, 200)
     rng = np.random.default_rng(18)
-    layout = ExpertLayout("fp8", hidden, inter)
+    layout = ExpertLayout(fmt, hidden, inter)
     began = time.perf_counter()
     arena = experts(layout, layers * PAIRS, rng)
     stream = cuda.stream()
@@ -105,8 +120,8 @@ def main(argv=None) -> int:
     blobs = (arena.view(np.uint64), arena.view(np.float32), arena.view(np.uint64), arena.view(np.float32))
     block = threads(WARPS * WARP)
     hardware = round_hardware()  # as expert_ffn_quant_cuda: the conversion instruction where the GPU has it
-    gate_rows, _, down_rows, _ = moe_quant_round.shape("fp8", hardware)
-    numba_gate_up, numba_down = moe_quant_round.kernels(hidden, inter, block, "fp8", hardware)
+    gate_rows, _, down_rows, _ = moe_quant_round.shape(fmt, hardware)
+    numba_gate_up, numba_down = moe_quant_round.kernels(hidden, inter, block, fmt, hardware)
     per_block = block // WARP
 
     def numba_gu(layer, h=h_ref):
@@ -132,7 +147,7 @@ def main(argv=None) -> int:
             launch(stream)
         stream.synchronize()
         median, mean = timed([warm[i % layers] for i in range(repeats)], stream, spin, scratch, spin_rounds)
-        return {"kernel": name, "shape": shape, "us_median": round(median, 2), "us_mean": round(mean, 2)}
+        return {"kernel": f"{fmt} {name}", "shape": shape, "us_median": round(median, 2), "us_mean": round(mean, 2)}
 
     def error(got, ref):
         got, ref = got.copy_to_host(), ref.copy_to_host()
@@ -141,7 +156,7 @@ def main(argv=None) -> int:
                 "finite": bool(np.isfinite(got).all())}
 
     rows = []
-    emit({"section": "setup", "hidden": hidden, "inter": inter, "layers": layers, "repeats": repeats,
+    emit({"section": "setup", "format": fmt, "hidden": hidden, "inter": inter, "layers": layers, "repeats": repeats,
           "arena_mib": round(arena.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - began, 1),
           "numba_rows": [gate_rows, down_rows], "simulator": SIMULATOR}, log)
     rows.append(run("numba gate_up", numba_gu))
@@ -153,43 +168,37 @@ def main(argv=None) -> int:
         emit(row, log)
     if SIMULATOR:
         emit({"section": "skipped", "why": "NVRTC kernels run on a GPU only"}, log)
-        summary(rows)
-        return 0
-    for shape in GATE_UP_SHAPES:
-        try:
-            row = run("mma gate_up", lambda layer: mma_gu(layer, shape), list(shape))
-            mma_gu(0, shape)(stream)
-            stream.synchronize()
-            row.update(error(h_mma, h_ref))
-        except Exception as e:  # noqa: BLE001 - one shape that fails leaves the others
-            row = {"kernel": "mma gate_up", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
-        emit(row, log)
-        rows.append(row)
-    for shape in DOWN_SHAPES:
-        try:
-            row = run("mma down", lambda layer: mma_dn(layer, shape), list(shape))
-            mma_dn(0, shape)(stream)
-            stream.synchronize()
-            row.update(error(out_mma, out_ref))
-        except Exception as e:  # noqa: BLE001
-            row = {"kernel": "mma down", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
-        emit(row, log)
-        rows.append(row)
-    summary(rows)
-    return 0
+        return rows
+    sweeps = (GATE_UP_SHAPES, DOWN_SHAPES) if fmt == "fp8" else (moe_quant_mma.INT4_GATE_UP_SWEEP,
+                                                                 moe_quant_mma.INT4_DOWN_SWEEP)
+    for name, make, shapes, got, ref in (("mma gate_up", mma_gu, sweeps[0], h_mma, h_ref),
+                                         ("mma down", mma_dn, sweeps[1], out_mma, out_ref)):
+        for shape in shapes:
+            try:
+                row = run(name, lambda layer: make(layer, shape), list(shape))
+                make(0, shape)(stream)
+                stream.synchronize()
+                row.update(error(got, ref))
+            except Exception as e:  # noqa: BLE001 - one shape that fails leaves the others
+                row = {"kernel": f"{fmt} {name}", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
+            emit(row, log)
+            rows.append(row)
+    return rows
 
 
 def summary(rows) -> None:
-    base = {r["kernel"].split()[1]: r.get("us_median") for r in rows if r["kernel"].startswith("numba")}
-    print(f"== mma18 summary (us a launch, median; {PAIRS} pairs, no L2 reuse; error vs numba)")
+    """One line a row: us a launch (median, mean), x the numba kernel's median, the error against its output."""
+    base = {(r["kernel"].split()[0], r["kernel"].split()[2]): r.get("us_median") for r in rows
+            if r["kernel"].split()[1] == "numba"}
+    print(f"== mma18 summary (us a launch, median of 200; {PAIRS} pairs, no L2 reuse; x numba; error vs numba)")
     for r in rows:
+        fmt, kind, which = r["kernel"].split()
         if "error" in r:
-            print(f"{r['kernel']:14s} {r.get('shape')}: FAILED {r['error'][:100]}")
+            print(f"{r['kernel']:18s} {r.get('shape')}: FAILED {r['error'][:100]}")
             continue
-        which = r["kernel"].split()[1]
-        ratio = f" x{base[which] / r['us_median']:.2f}" if r["kernel"].startswith("mma") and base.get(which) else ""
-        err = f" err abs {r['max_abs']:.2e} rel {r['max_rel']:.2e}" if "max_rel" in r else ""
-        print(f"{r['kernel']:14s} {str(r.get('shape') or ''):15s} {r['us_median']:7.2f} us "
+        ratio = f" x{base[fmt, which] / r['us_median']:.2f}" if kind == "mma" and base.get((fmt, which)) else ""
+        err = f" err abs {r['max_abs']:.1e} rel {r['max_rel']:.1e}" if "max_rel" in r else ""
+        print(f"{r['kernel']:18s} {str(r.get('shape') or ''):13s} {r['us_median']:6.2f} us "
               f"(mean {r['us_mean']:.2f}){ratio}{err}")
 
 

@@ -121,7 +121,8 @@ __device__ __forceinline__ u32 nibbles_low(u32 w) {
 __device__ __forceinline__ u32 nibbles_high(u32 w) {
     u32 r, h;
     asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(h) : "r"(w));
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x2C002C00u), "r"(0xD400D400u));  // (1024 + 16 n) / 16 - 64
+    // (1024 + 16 n) / 16 - 64: 1/16 is 0x2C00, -64 0xD400
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x2C002C00u), "r"(0xD400D400u));
     return r;
 }
 
