@@ -1,4 +1,4 @@
-// The fp8 expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.py; eighteenth session): the
+// The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.py; eighteenth session): the
 // same inputs and outputs as moe_quant_round.one_round_kernel (runs of one pair: pair tables, arena / host-store
 // placement, 128 x 128 block scales, gate|up's silu(g) * u into h, down's out_table), the products on
 // mma.sync m16n8k16 (f16 in, f32 sums) instead of ~7 CUDA-core instructions a code.
@@ -19,6 +19,10 @@
 // shared memory in a fixed order. Rows past the matrix are clamped (not stored), k past a row's end reads zero.
 // PDL: griddepcontrol.wait before any global read (EARLY, the down GEMV: after its pair tables and code words,
 // as moe_quant_round.DOWN_LOAD_BEFORE_WAIT), then launch_dependents where PDL_TRIGGER (pdl.trigger_after_wait).
+// INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
+// holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
+// bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as
+// (x0, x4), (x1, x5), (x2, x6), (x3, x7) to match, and a step adds s 2^-e sum q x16 + m sum x (sum x in f32).
 
 #ifndef TILES
 #define TILES 1         // row tiles (16 rows) a block

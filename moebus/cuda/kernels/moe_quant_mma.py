@@ -1,24 +1,28 @@
-"""The fp8 expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session, issue 16):
-moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes`` says so
-(MOEBUS_QUANT_MMA on, off by default; fp8 experts, runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2 (sm_89+),
-rows of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7 instructions a
-code (e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their bytes take at
-HBM rate (seventeenth session: gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B); on mma.sync m16n8k16 a code
-costs half a conversion and 1/32 of an mma (sm_90 SASS: ~3 instructions a code a lane with the overheads).
+"""The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session,
+issue 16): moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes``
+says so (MOEBUS_QUANT_MMA names the formats, off by default; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2
+(sm_89+), rows of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7
+instructions a code (e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their
+bytes take at HBM rate (seventeenth session: fp8 gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B; int4 gate|up 11.3,
+bound by its decoding); on mma.sync m16n8k16 an fp8 code costs half a conversion and 1/32 of an mma, an int4 code
+about one instruction (sm_90 SASS: ~2.5 instructions a code a lane with the overheads).
 
-Precision: e4m3 -> f16 is exact, x (gate|up: the layer's input; down: h) is rounded to f16 after a power of two a
-64-k chunk (exact, undone in f32): each x_k within 2^-11 relative (those below 2^-28 of their chunk's largest:
-within 2^-39 of it), products exact, sums in f32. So |got - exact| <= 2^-11 sum_k |w_k x_k| (+ f32 sums); down
-adds gate|up's error through h (tests/cuda/test_moe_quant_mma.py's bound). Not the numba kernels' bits.
+Precision: e4m3 -> f16 and int4 q -> f16 are exact; x (gate|up: the layer's input; down: h) is rounded to f16
+after a power of two a chunk (fp8 64 inputs, int4 128; exact, undone in f32): each x_k within 2^-11 relative (those
+below 2^-28 of their chunk's largest: within 2^-39 of it), products exact, sums in f32. So |got - exact| <= 2^-11
+sum_k |w_k x_k| (int4: |q_k s| for |w_k|, m sum x in f32) + f32 sums; down adds gate|up's error through h
+(tests/cuda/test_moe_quant_mma.py's bound). gemv_ref / expert_ffn_mma_ref: the same arithmetic in numpy. Not the
+numba kernels' bits.
 
 Shapes are compiled in (COLS, ROWS; one cubin each, kept on disk as flash_attention's). A shape of a kernel:
-(TILES, KSPLIT, WORDS, MIN_BLOCKS): 16-row tiles a block, warps a tile splitting K, steps of 64 k a warp and pass
-(16-byte words a lane and row), blocks an SM for the register cap (launch bounds). At b1 (8 pairs) gate|up has
-384 tiles (64 KB of codes each: all in registers at once would take 190 KB an SM), down 1,024 (12 KB). sm_90
-(ptxas, A3B): gate|up (1, 8, 4, 2) 126 registers (2 blocks of 256 threads an SM: 1.45 waves), (1, 16, 2, 2) 64
+(TILES, KSPLIT, WORDS, MIN_BLOCKS): 16-row tiles a block, warps a tile splitting K, steps (4 words of a row: fp8 64
+inputs, int4 128) a warp and pass, blocks an SM for the register cap (launch bounds). At b1 (8 pairs) gate|up has
+384 tiles (fp8: 64 KB of codes each: all in registers at once would take 190 KB an SM), down 1,024 (12 KB). sm_90
+(ptxas, A3B): fp8 gate|up (1, 8, 4, 2) 126 registers (2 blocks of 256 threads an SM: 1.45 waves), (1, 16, 2, 2) 64
 with 28 bytes of spills (2 of 512: 1.45 waves, half the words a warp), (1, 8, 2, 3) two passes, 80 with 12 bytes
-of spills (3 an SM: one wave, the second pass's loads issued during the first's products); down (4, 2, 6, 3)
-80 (256 blocks of 256, one wave), (2, 6, 2, 4) 40 (512 of 384, one wave), (1, 2, 6, 8) 103 (1,024 of 64)."""
+of spills (3 an SM: one wave, the second pass's loads issued during the first's products); fp8 down (4, 2, 6, 3)
+80 (256 blocks of 256, one wave), (2, 6, 2, 4) 40 (512 of 384, one wave), (1, 2, 6, 8) 103 (1,024 of 64); int4
+below (INT4_*)."""
 from __future__ import annotations
 
 import functools
