@@ -226,7 +226,8 @@ def fits(layout, chunk: int) -> bool:
     values = VALUES.get(layout.dtype)
     offsets = layout.kernel_words()  # 4-byte units
     return (values is not None and chunk == 1 and layout.hidden % values == 0 and layout.inter % values == 0
-            and all(4 * o % 16 == 0 for o in offsets[:3]) and all(4 * o % 8 == 0 for o in offsets[3:])
+            and all(4 * o % 16 == 0 for o in offsets[:3])
+            and (layout.dtype == "fp8" or all(4 * o % 8 == 0 for o in offsets[3:]))
             and layout.blob_bytes % 16 == 0)
 
 
