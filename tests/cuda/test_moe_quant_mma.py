@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moebus.common.quant_layout import ExpertLayout
-from moebus.cuda.kernels import moe_quant, moe_quant_mma
+from moebus.cuda.kernels import moe_quant, moe_quant_mma, moe_quant_mma_ref
 from moebus.cuda.kernels.compat import SIMULATOR
 from moebus.cuda.kernels.elementwise import silu_ref
 from moebus.cuda.kernels.moe_quant import expert_ffn_quant_ref
@@ -154,7 +154,7 @@ def _rounded_parts(layout, blob):
 
 
 def _tight(got, expected):
-    # the kernel against its arithmetic in numpy (moe_quant_mma.gemv_ref): f32 sums in another order only
+    # the kernel against its arithmetic in numpy (moe_quant_mma_ref.gemv_ref): f32 sums in another order only
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5 * np.abs(expected).max())
 
 
@@ -176,9 +176,9 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
     got, got_h = out.copy_to_host(stream=stream), h.copy_to_host(stream=stream)
     stream.synchronize()
     with np.errstate(over="ignore"):
-        emulated_h, _ = moe_quant_mma.expert_ffn_mma_ref(x, pairs, arena, layout, store, gate_up_shape, down_shape)
+        emulated_h, _ = moe_quant_mma_ref.expert_ffn_mma_ref(x, pairs, arena, layout, store, gate_up_shape, down_shape)
         _tight(got_h, emulated_h)
-        gemv = moe_quant_mma.gemv_ref if layout.dtype == "fp8" else moe_quant_mma.gemv_int4_ref
+        gemv = moe_quant_mma_ref.gemv_ref if layout.dtype == "fp8" else moe_quant_mma_ref.gemv_int4_ref
         for j, (_, s, o) in enumerate(pairs):
             _, _, (down, down_s) = layout.parts(arena[s] if s >= 0 else store[-1 - s])
             _tight(got[o], gemv(got_h[j], down, down_s, tuple(down_shape)))
@@ -196,7 +196,7 @@ def _check(rng, layout, x, gate_up_shape, down_shape, store_rows=2):
                                                      ("int4", 256, 128, False), ("int4", 160, 64, False),
                                                      ("int4", 256, 128, True)])
 def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, fmt, hidden, inter, big):
-    """moe_quant_mma.expert_ffn_mma_ref (the GPU tests' tight reference) against expert_ffn_quant_ref: within
+    """moe_quant_mma_ref.expert_ffn_mma_ref (the GPU tests' tight reference) against expert_ffn_quant_ref: within
     f16_bound (numpy only: runs in the simulator)."""
     layout = ExpertLayout(fmt, hidden, inter)
     arena, store = _arena(rng, layout), _arena(rng, layout, 2)
@@ -206,7 +206,7 @@ def test_the_kernels_arithmetic_is_within_the_f16_bound(rng, fmt, hidden, inter,
         x[0, 128:192] *= 1e-7
     pairs = [(0, 2, 1), (0, -2, 0), (0, 0, 2)]
     with np.errstate(over="ignore"):
-        _, out = moe_quant_mma.expert_ffn_mma_ref(x, pairs, arena, layout, store)
+        _, out = moe_quant_mma_ref.expert_ffn_mma_ref(x, pairs, arena, layout, store)
         expected = np.full((3, hidden), np.nan, np.float32)
         expert_ffn_quant_ref(x, *np.array(pairs, np.int32).T, arena, layout, expected, store=store)
         bound = f16_bound(x, pairs, arena, layout, store)
