@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from moebus.cuda.kernels import flash_attention, pdl
-from moebus.cuda.kernels.compat import SIMULATOR, data_ptr
+from moebus.cuda.kernels.compat import data_ptr
 from moebus.cuda.kernels.launch import ceil_div
 
 log = logging.getLogger("moebus.cuda")
@@ -74,7 +74,6 @@ VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a
 def shapes(fmt: str) -> tuple[tuple, tuple]:
     """(gate|up shape, down shape) of ``fmt``."""
     return (GATE_UP_SHAPE, DOWN_SHAPE) if fmt == "fp8" else (INT4_GATE_UP_SHAPE, INT4_DOWN_SHAPE)
-MIN_CC = (8, 9)  # cvt.rn.f16x2.e4m3x2
 MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
@@ -140,12 +139,10 @@ def fits(layout, chunk: int) -> bool:
 
 
 def _gpu_ok() -> bool:
-    """A GPU (not the simulator) with the e4m3 pair conversion."""
-    if SIMULATOR:
-        return False
-    from moebus.cuda.kernels.compat import cuda
+    """A GPU (not the simulator) with the e4m3 pair conversion (sm_89+; quant_words', cached: asked every layer)."""
+    from moebus.cuda.kernels.quant_words import can_convert_e4m3
 
-    return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
+    return can_convert_e4m3()
 
 
 def _stream_object(stream) -> bool:
