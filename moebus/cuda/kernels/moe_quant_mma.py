@@ -56,24 +56,31 @@ def _formats(value: str) -> frozenset:
 
 FORMATS = _formats(os.environ.get(ENV, "0"))  # off until call A times them
 GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
-GATE_UP_SHAPE = (1, 8, 4, 2)  # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why
-DOWN_SHAPE = (4, 2, 6, 3)
+# fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
+# 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
+# (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills: not the default until the 48-layer decode shows it);
+# down (4, 2, 6, 3) 8.99, (2, 6, 2, 4) 9.04, (1, 2, 6, 8) 8.86
+GATE_UP_SHAPE = (1, 8, 4, 2)
+DOWN_SHAPE = (1, 2, 6, 8)
 # int4: a step is 128 inputs (one group); gate|up (1, 4, 4, 4) 128 registers, no spill: 384 blocks of 128 threads,
 # 4 an SM, one wave (32 KB of codes a block); (1, 16, 1, 2) 58; (1, 8, 2, 3) spilled 4 bytes; down (4, 2, 3, 3) 80
-# (256 blocks, one wave), (2, 6, 1, 4) 40
+# (256 blocks, one wave), (2, 6, 1, 4) 40. H200 (as above; numba 14.08 / 10.75 us): gate|up (1, 4, 4, 4) 10.72,
+# (1, 16, 1, 2) 11.30; down (4, 2, 3, 3) 8.18, (2, 6, 1, 4) 7.97
 INT4_GATE_UP_SHAPE = (1, 4, 4, 4)
-INT4_DOWN_SHAPE = (4, 2, 3, 3)
+INT4_DOWN_SHAPE = (2, 6, 1, 4)
 # the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
 GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
-DOWN_SWEEP = ((4, 2, 6, 3), (2, 6, 2, 4), (1, 2, 6, 8))
+DOWN_SWEEP = ((1, 2, 6, 8), (4, 2, 6, 3), (2, 6, 2, 4))
 INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
-INT4_DOWN_SWEEP = ((4, 2, 3, 3), (2, 6, 1, 4))
+INT4_DOWN_SWEEP = ((2, 6, 1, 4), (4, 2, 3, 3))
 VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a row
 
 
 def shapes(fmt: str) -> tuple[tuple, tuple]:
     """(gate|up shape, down shape) of ``fmt``."""
     return (GATE_UP_SHAPE, DOWN_SHAPE) if fmt == "fp8" else (INT4_GATE_UP_SHAPE, INT4_DOWN_SHAPE)
+
+
 MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
