@@ -37,7 +37,7 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import MAX_CHUNK, MAX_GRID_Y, WARPS, _placement, _run_length, warp_rows
-from moebus.cuda.kernels import moe_quant_round
+from moebus.cuda.kernels import moe_quant_mma, moe_quant_round
 from moebus.cuda.kernels.quant_words import (HARDWARE_E4M3_MIN_RUN, decoder, hardware_e4m3, load_pair, load_streaming,
                                              streaming_round)
 
@@ -377,6 +377,9 @@ def expert_ffn_quant_cuda(x, pair_token, pair_slot, pair_out, arena, layout: Exp
     block = threads(WARPS * WARP)
     per_block = block // WARP
     per_launch = MAX_GRID_Y // chunk * chunk  # launch boundaries on chunk boundaries: runs stay whole
+    if moe_quant_mma.takes(layout, chunk, arena, store, stream):  # MOEBUS_QUANT_MMA: fp8 at batch 1 on tensor cores
+        moe_quant_mma.launch(x, pair_token, pair_slot, pair_out, arena, store, layout, h, out, stream)
+        return out
     if one_round(layout, chunk, arena, store):
         can_convert = round_hardware()
         round_gate_up, round_down = moe_quant_round.kernels(hidden, inter, block, layout.dtype, can_convert)

@@ -1,0 +1,369 @@
+// The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.py; eighteenth session): the
+// same inputs and outputs as moe_quant_round.one_round_kernel (runs of one pair: pair tables, arena / host-store
+// placement, 128 x 128 block scales, gate|up's silu(g) * u into h, down's out_table), the products on
+// mma.sync m16n8k16 (f16 in, f32 sums) instead of ~7 CUDA-core instructions a code.
+//
+// A warp takes a tile of 16 rows (of each matrix: gate|up both) over WORDS steps of 64 k. Lane (g, t) (g = lane / 4,
+// t = lane % 4) loads the 16-byte word of rows g and g + 8 at k0 = 64 s + 16 t: the 4 lanes of a group cover the
+// step's 64 k. A dot product does not care about the order of k, so mma i (i < 4) of a step gives the fragment's k
+// slots {2t, 2t + 1, 2t + 8, 2t + 9} the codes 4i .. 4i + 3 of the lane's own word; B's rows for those slots are
+// then x[k0 + 4i .. k0 + 4i + 3], the lane's own x. Every column of B holds the same x (c0 of any lane is row g,
+// c2 row g + 8). e4m3 -> f16 is exact (cvt.rn.f16x2.e4m3x2), the products f16 x f16 exact in f32.
+// x in f16 is the only rounding added. Range: the block stages x into shared memory as f16 scaled by a power of
+// two a 64-k chunk (the largest |x| of the chunk into [2^14, 2^15)): no overflow (h = silu(g) u may exceed
+// f16's 65504), every element that is not tiny keeps 11 significant bits; the power's inverse is folded into
+// the step's block scale in f32 (exact: a power of two). A step's 4 mma start from zero (a fresh accumulator) and
+// add scale x 2^-e x it to the row's f32 total, so a step never mixes two 128-k scale blocks.
+// K is split over KSPLIT warps of a block (TILES tiles a block): every code word of a warp's steps is loaded
+// before x is staged and the block's barrier (ptxas cannot sink them past it), the warps' partial sums added in
+// shared memory in a fixed order. Rows past the matrix are clamped (not stored), k past a row's end reads zero.
+// PDL: griddepcontrol.wait before any global read (EARLY, the down GEMV: after its pair tables and code words,
+// as moe_quant_round.DOWN_LOAD_BEFORE_WAIT), then launch_dependents where PDL_TRIGGER (pdl.trigger_after_wait).
+// INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
+// holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
+// bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as
+// (x0, x4), (x1, x5), (x2, x6), (x3, x7) to match, and a step adds s 2^-e sum q x16 + m sum x (sum x in f32).
+
+#ifndef TILES
+#define TILES 1         // row tiles (16 rows) a block
+#endif
+#ifndef KSPLIT
+#define KSPLIT 8        // warps a tile, each on its own steps of 64 k
+#endif
+#ifndef WORDS
+#define WORDS 4         // steps of 64 k a warp takes a pass (16-byte words a lane and row)
+#endif
+#ifndef MATS
+#define MATS 2          // 2: gate|up, 1: down
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+#ifndef EARLY
+#define EARLY 0
+#endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 0
+#endif
+#ifndef ENTRY
+#define ENTRY moe_quant_mma
+#endif
+#ifndef COLS
+#define COLS 2048       // codes a row (x's length), a multiple of 16
+#endif
+#ifndef ROWS
+#define ROWS 768        // rows of each matrix (the output's length)
+#endif
+#ifndef SEPARATE
+#define SEPARATE __syncwarp
+#endif
+#ifndef INT4
+#define INT4 0          // 1: 4-bit codes (32 a 16-byte word, two a byte, low nibble first; a (scale, minimum) a row
+#endif                  // and 128 inputs: value = q s + m), the x chunk and a step 128 inputs
+#define THREADS (32 * TILES * KSPLIT)
+#define BLOCK 128
+#define VALUES (INT4 ? 32 : 16)               // codes a 16-byte word
+#define STEP_K (4 * VALUES)                   // inputs a step: a lane group's 4 words
+#define ROW_BYTES (INT4 ? COLS / 2 : COLS)
+#define STEPS ((COLS + STEP_K - 1) / STEP_K)  // steps a row
+#define SCALE_COLS ((COLS + BLOCK - 1) / BLOCK)
+#define QUADS (STEPS * STEP_K / 4)            // float4 of x staged (zero past COLS)
+#define PER_THREAD (INT4 ? 2 : 1)             // float4 a thread stages a trip (a chunk: 16 threads)
+#define STAGE_TRIPS ((QUADS / PER_THREAD + THREADS - 1) / THREADS)
+// shapes that need no clamp or bounds test (A3B's): fewer address instructions, the loads at constant offsets
+#define WHOLE_ROWS (ROWS % (16 * TILES) == 0)
+#define WHOLE_STEPS (COLS % STEP_K == 0 && STEPS % (KSPLIT * WORDS) == 0)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
+}
+
+__device__ __forceinline__ uint4 load_code(const u8 *p) {  // evict-first: read once a step
+    uint4 r;
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// x after the code words: volatile, so that neither compiler issues it (and the maximum that waits on it) between
+// them (ptxas did: half the words then left one L2 trip later)
+__device__ __forceinline__ float4 load_x(const float *p) {
+    float4 r;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2(u32 pair) {  // two e4m3 codes (low 16 bits) -> f16x2, low code low
+    u32 r;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi(u32 pair) {  // the high 16 bits' two codes
+    u32 r;
+    asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(pair));
+    return r;
+}
+
+// 4-bit codes -> f16x2, exact: the nibbles at bits 0 and 16 of w (0x000F000F) or 4 and 20 (0x00F000F0) under
+// the exponent of 1024 (0x6400: 1024 + n, or 1024 + 16 n), less 1024 (or times 1/16 less 64)
+__device__ __forceinline__ u32 nibbles_low(u32 w) {
+    u32 r, h;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(h) : "r"(w));  // (w & mask) | magic
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x64006400u));
+    return r;
+}
+
+__device__ __forceinline__ u32 nibbles_high(u32 w) {
+    u32 r, h;
+    asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(h) : "r"(w));
+    // (1024 + 16 n) / 16 - 64: 1/16 is 0x2C00, -64 0xD400
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x2C002C00u), "r"(0xD400D400u));
+    return r;
+}
+
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 2^e as a float, e in [-126, 127]
+__device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
+
+// x's row into xs as f16, each 64-k chunk scaled by 2^e (its largest |x| into [2^14, 2^15); e in [-100, 100]),
+// 2^-e into inverse[chunk]; zero past COLS up to the chunks' end. A chunk is 16 float4 of consecutive threads
+// (half a warp): its maximum by 4 butterflies. Every trip's loads first, then the conversions.
+#if INT4
+// int4: as below over 128-input chunks, 8 inputs a thread, each group of 8 stored as the pairs (x0, x4), (x1, x5),
+// (x2, x6), (x3, x7) (B's registers for a word's 32-bit quarter: nibbles_low / nibbles_high pair those codes), and
+// the chunk's f32 sum of x (the minimum's share, m sum x) into xsum[chunk]
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum) {
+    float4 v[STAGE_TRIPS][2];
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int o = trip * THREADS + threadIdx.x;  // x[8 o .. 8 o + 7]
+        v[trip][0] = v[trip][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (8 * o < COLS) {  // COLS a multiple of 32
+            v[trip][0] = load_x(x + 8 * o);
+            v[trip][1] = load_x(x + 8 * o + 4);
+        }
+    }
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int o = trip * THREADS + threadIdx.x;
+        const float4 a = v[trip][0], b = v[trip][1];
+        float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                        fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+        float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+#pragma unroll
+        for (int offset = 1; offset < 16; offset *= 2) {
+            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+        }
+        int e = 0;
+        if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
+        const float p = power_of_two(e);
+        if ((QUADS / 2) % THREADS == 0 || o < QUADS / 2) {
+            reinterpret_cast<uint4 *>(xs)[o] = make_uint4(f16x2(a.x * p, b.x * p), f16x2(a.y * p, b.y * p),
+                                                          f16x2(a.z * p, b.z * p), f16x2(a.w * p, b.w * p));
+            if (o % 16 == 0) {
+                inverse[o / 16] = power_of_two(-e);
+                xsum[o / 16] = sum;
+            }
+        }
+    }
+}
+#else
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *) {
+    float4 v[STAGE_TRIPS];
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int q = trip * THREADS + threadIdx.x;
+        v[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (4 * q < COLS) v[trip] = load_x(x + 4 * q);
+    }
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        const int q = trip * THREADS + threadIdx.x;
+        float m = fmaxf(fmaxf(fabsf(v[trip].x), fabsf(v[trip].y)), fmaxf(fabsf(v[trip].z), fabsf(v[trip].w)));
+#pragma unroll
+        for (int offset = 1; offset < 16; offset *= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+        int e = 0;
+        if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
+        const float p = power_of_two(e);
+        if (QUADS % THREADS == 0 || q < QUADS) {
+            reinterpret_cast<uint2 *>(xs)[q] = make_uint2(f16x2(v[trip].x * p, v[trip].y * p),
+                                                          f16x2(v[trip].z * p, v[trip].w * p));
+            if (q % 16 == 0) inverse[q / 16] = power_of_two(-e);
+        }
+    }
+}
+#endif
+
+template <int M>
+__device__ __forceinline__ void gemv(const float *x_all, const int *x_table, const int *pair_slot, const u8 *arena,
+                                     const u8 *store, long long blob_bytes, long long code0,
+                                     long long code1, long long scale0, long long scale1, int first_pair,
+                                     const int *out_table, float *out) {
+    __shared__ __align__(16) u32 xs[QUADS * 2];
+    __shared__ float inverse[STEPS];
+    __shared__ float xsum[INT4 ? STEPS : 1];
+    __shared__ float part[TILES][KSPLIT][M][16];
+#if !EARLY
+    pdl_wait();  // before any global read or write
+#endif
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const int tile = warp / KSPLIT, kw = warp % KSPLIT;
+    const int j = first_pair + blockIdx.y;
+    const int entry = pair_slot[j];
+    const float *x_row = x_all + (long long)(M == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's
+    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
+    const int row0 = (blockIdx.x * TILES + tile) * 16;
+    const int row_a = WHOLE_ROWS ? row0 + g : min(row0 + g, ROWS - 1);
+    const int row_b = WHOLE_ROWS ? row_a + 8 : min(row0 + g + 8, ROWS - 1);
+    // fp8: one 128-row block a tile; int4: (scale, minimum) pairs, each row's own
+    const int scale_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;
+    const u8 *codes[2] = {blob + code0, blob + code1};
+    const float *scales[2] = {reinterpret_cast<const float *>(blob + scale0),
+                              reinterpret_cast<const float *>(blob + scale1)};
+    float total[M][2];
+#pragma unroll
+    for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = 0.f;
+    const int per_pass = KSPLIT * WORDS;
+#pragma unroll
+    for (int first = 0; first < STEPS; first += per_pass) {
+        uint4 word[WORDS][M][2];
+#if INT4
+        float2 param[WORDS][M][2];  // rows g and g + 8: (scale, minimum) of the step's group
+#else
+        float scale[WORDS][M];
+#endif
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) {
+            const int s = first + kw * WORDS + i, k0 = STEP_K * s + VALUES * t;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const bool in = WHOLE_STEPS || (s < STEPS && k0 < COLS);
+                const u8 *at = codes[m] + (INT4 ? k0 / 2 : k0);
+                word[i][m][0] = in ? load_code(at + (long long)row_a * ROW_BYTES) : make_uint4(0, 0, 0, 0);
+                word[i][m][1] = in ? load_code(at + (long long)row_b * ROW_BYTES) : make_uint4(0, 0, 0, 0);
+#if INT4
+                const float2 *pairs = reinterpret_cast<const float2 *>(scales[m]);
+                const bool live = WHOLE_STEPS || s < STEPS;
+                param[i][m][0] = live ? pairs[row_a * SCALE_COLS + s] : make_float2(0.f, 0.f);
+                param[i][m][1] = live ? pairs[row_b * SCALE_COLS + s] : make_float2(0.f, 0.f);
+#else
+                scale[i][m] = WHOLE_STEPS || s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
+#endif
+            }
+        }
+        if (first == 0) {
+#if EARLY
+            pdl_wait();  // only the pair tables and the weights were read before it
+#else
+            SEPARATE();  // x's loads, and the maxima that wait on them, after every code word's load
+#endif
+            stage_x(x_row, xs, inverse, xsum);
+            __syncthreads();  // the code loads above stay above it
+        }
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) {
+            const int s = first + kw * WORDS + i;
+            if (!WHOLE_STEPS && s >= STEPS) break;  // warp-uniform
+#if INT4
+            u32 b[16];  // the lane's 32 x as stage_x pairs them
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const uint4 v = *reinterpret_cast<const uint4 *>(xs + 64 * s + 16 * t + 4 * c);
+                b[4 * c] = v.x, b[4 * c + 1] = v.y, b[4 * c + 2] = v.z, b[4 * c + 3] = v.w;
+            }
+            const float inv = inverse[s], sum_x = xsum[s];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
+                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // quarter q: codes 8q .. 8q + 7; slots 2t, 2t + 1 <- 8q, 8q + 4 and
+                    // 2t + 8, 2t + 9 <- 8q + 1, 8q + 5 (then 8q + 2, 8q + 6 and 8q + 3, 8q + 7, a byte up)
+                    mma(d, nibbles_low(wa[q]), nibbles_low(wb[q]), nibbles_high(wa[q]), nibbles_high(wb[q]), b[4 * q],
+                        b[4 * q + 1]);
+                    mma(d, nibbles_low(wa[q] >> 8), nibbles_low(wb[q] >> 8), nibbles_high(wa[q] >> 8),
+                        nibbles_high(wb[q] >> 8), b[4 * q + 2], b[4 * q + 3]);
+                }
+                const float2 pa = param[i][m][0], pb = param[i][m][1];
+                total[m][0] = fmaf(pa.x * inv, d[0], fmaf(pa.y, sum_x, total[m][0]));
+                total[m][1] = fmaf(pb.x * inv, d[2], fmaf(pb.y, sum_x, total[m][1]));
+            }
+#else
+            const uint4 lo = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t);  // x[k0 .. k0 + 7] as f16x2
+            const uint4 hi = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t + 4);  // x[k0 + 8 .. k0 + 15]
+            const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            const float inv = inverse[s];
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
+                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // slots 2t, 2t + 1 <- codes 4q, 4q + 1; 2t + 8, 2t + 9 <- 4q + 2, 4q + 3
+                    mma(d, e4m3x2(wa[q]), e4m3x2(wb[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wb[q]), b[2 * q], b[2 * q + 1]);
+                const float factor = scale[i][m] * inv;
+                total[m][0] = fmaf(factor, d[0], total[m][0]);
+                total[m][1] = fmaf(factor, d[2], total[m][1]);
+            }
+#endif
+        }
+    }
+    if (t == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            part[tile][kw][m][g] = total[m][0];
+            part[tile][kw][m][g + 8] = total[m][1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < TILES * 16) {
+        const int r_tile = threadIdx.x / 16, r = threadIdx.x % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
+        float sum[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            sum[m] = 0.f;
+#pragma unroll
+            for (int w = 0; w < KSPLIT; ++w) sum[m] += part[r_tile][w][m][r];
+        }
+        if (row < ROWS) {
+            if (M == 2) {
+                out[(long long)j * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[M - 1];
+            } else {
+                out[(long long)out_table[j] * ROWS + row] = sum[0];
+            }
+        }
+    }
+}
+
+// x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /
+// scale*: byte offsets of the matrices' codes and scales in a blob; out: (J, ROWS) h (gate|up) or rows
+// out_table[j] of (P, ROWS) (down). Grid (ceil(ceil(ROWS / 16) / TILES), pairs), THREADS threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *x, const int *x_table, const int *pair_slot, const u8 *arena, const u8 *store, long long blob_bytes,
+      long long code0, long long code1, long long scale0, long long scale1, int first_pair, const int *out_table,
+      float *out) {
+    gemv<MATS>(x, x_table, pair_slot, arena, store, blob_bytes, code0, code1, scale0, scale1, first_pair, out_table,
+               out);
+}

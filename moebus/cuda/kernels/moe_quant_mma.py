@@ -1,0 +1,229 @@
+"""The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session,
+issue 16): moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes``
+says so (MOEBUS_QUANT_MMA names the formats, off by default; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2
+(sm_89+), rows of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7
+instructions a code (e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their
+bytes take at HBM rate (seventeenth session: fp8 gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B; int4 gate|up 11.3,
+bound by its decoding); on mma.sync m16n8k16 an fp8 code costs half a conversion and 1/32 of an mma, an int4 code
+about one instruction (sm_90 SASS: ~2.5 instructions a code a lane with the overheads).
+
+Precision: e4m3 -> f16 and int4 q -> f16 are exact; x (gate|up: the layer's input; down: h) is rounded to f16
+after a power of two a chunk (fp8 64 inputs, int4 128; exact, undone in f32): each x_k within 2^-11 relative (those
+below 2^-28 of their chunk's largest: within 2^-39 of it), products exact, sums in f32. So |got - exact| <= 2^-11
+sum_k |w_k x_k| (int4: |q_k s| for |w_k|, m sum x in f32) + f32 sums; down adds gate|up's error through h
+(tests/cuda/test_moe_quant_mma.py's bound). moe_quant_mma_ref.py: the same arithmetic in numpy. Not the
+numba kernels' bits.
+
+Shapes are compiled in (COLS, ROWS; one cubin each, kept on disk as flash_attention's). A shape of a kernel:
+(TILES, KSPLIT, WORDS, MIN_BLOCKS): 16-row tiles a block, warps a tile splitting K, steps (4 words of a row: fp8 64
+inputs, int4 128) a warp and pass, blocks an SM for the register cap (launch bounds). At b1 (8 pairs) gate|up has
+384 tiles (fp8: 64 KB of codes each: all in registers at once would take 190 KB an SM), down 1,024 (12 KB). sm_90
+(ptxas, A3B): fp8 gate|up (1, 8, 4, 2) 126 registers (2 blocks of 256 threads an SM: 1.45 waves), (1, 16, 2, 2) 64
+with 28 bytes of spills (2 of 512: 1.45 waves, half the words a warp), (1, 8, 2, 3) two passes, 80 with 12 bytes
+of spills (3 an SM: one wave, the second pass's loads issued during the first's products); fp8 down (4, 2, 6, 3)
+80 (256 blocks of 256, one wave), (2, 6, 2, 4) 40 (512 of 384, one wave), (1, 2, 6, 8) 103 (1,024 of 64); int4
+below (INT4_*)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from moebus.cuda.kernels import flash_attention, pdl
+from moebus.cuda.kernels.compat import data_ptr
+from moebus.cuda.kernels.launch import ceil_div
+
+log = logging.getLogger("moebus.cuda")
+SOURCE = Path(__file__).with_suffix(".cu")
+ENV = "MOEBUS_QUANT_MMA"
+
+
+def _formats(value: str) -> frozenset:
+    """MOEBUS_QUANT_MMA: 0 / unset (off), 1 or fp8, int4, all (or fp8,int4): the formats these kernels take."""
+    value = value.strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return frozenset()
+    if value in ("1", "on", "true", "yes"):
+        return frozenset({"fp8"})
+    found = frozenset({"fp8", "int4"} if value == "all" else (v.strip() for v in value.split(",")))
+    if not found <= {"fp8", "int4"}:
+        raise ValueError(f"{ENV}={value!r}: expected 0, 1, fp8, int4 or all")
+    return found
+
+
+FORMATS = _formats(os.environ.get(ENV, "0"))  # off until call A times them
+GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
+# fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
+# 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
+# (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills: not the default until the 48-layer decode shows it);
+# down (4, 2, 6, 3) 8.99, (2, 6, 2, 4) 9.04, (1, 2, 6, 8) 8.86
+GATE_UP_SHAPE = (1, 8, 4, 2)
+DOWN_SHAPE = (1, 2, 6, 8)
+# int4: a step is 128 inputs (one group); gate|up (1, 4, 4, 4) 128 registers, no spill: 384 blocks of 128 threads,
+# 4 an SM, one wave (32 KB of codes a block); (1, 16, 1, 2) 58; (1, 8, 2, 3) spilled 4 bytes; down (4, 2, 3, 3) 80
+# (256 blocks, one wave), (2, 6, 1, 4) 40. H200 (as above; numba 14.08 / 10.75 us): gate|up (1, 4, 4, 4) 10.72,
+# (1, 16, 1, 2) 11.30; down (4, 2, 3, 3) 8.18, (2, 6, 1, 4) 7.97
+INT4_GATE_UP_SHAPE = (1, 4, 4, 4)
+INT4_DOWN_SHAPE = (2, 6, 1, 4)
+# the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
+GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
+DOWN_SWEEP = ((1, 2, 6, 8), (4, 2, 6, 3), (2, 6, 2, 4))
+INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
+INT4_DOWN_SWEEP = ((2, 6, 1, 4), (4, 2, 3, 3))
+VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a row
+
+
+def shapes(fmt: str) -> tuple[tuple, tuple]:
+    """(gate|up shape, down shape) of ``fmt``."""
+    return (GATE_UP_SHAPE, DOWN_SHAPE) if fmt == "fp8" else (INT4_GATE_UP_SHAPE, INT4_DOWN_SHAPE)
+
+
+MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
+
+
+def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
+                    fmt: str = "fp8") -> list[bytes]:
+    """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
+    1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
+    ``fmt`` fp8 or int4."""
+    tiles, ksplit, words, min_blocks = shape
+    if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
+        raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
+    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
+            f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
+            f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
+            f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
+            f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
+            f"-DINT4={int(fmt == 'int4')}".encode()]
+
+
+def source() -> bytes:
+    return SOURCE.read_bytes()
+
+
+@functools.cache
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8"):
+    """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
+    a captured graph's edge into it becomes programmatic, as into the numba kernels."""
+    from moebus.cuda.kernels.attention_decode_tc import _handles
+    from moebus.cuda.kernels.compat import _numba_config, cuda
+
+    gpu = cuda.get_current_device()
+    flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
+    major, minor = gpu.compute_capability
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt)
+    code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
+    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
+    found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
+    pdl.register_waiting(entry.encode(), *_handles(found))
+    return found
+
+
+@functools.cache
+def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8") -> bool:
+    try:
+        _kernel(cols, rows, mats, shape, early, fmt)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
+        log.warning("quantized expert GEMVs on tensor cores unavailable (%s)", exc)
+        return False
+    return True
+
+
+def fits(layout, chunk: int) -> bool:
+    """The shapes these kernels take: fp8 or int4 experts, runs of one pair, rows of whole 16-byte words, matrices'
+    codes at 16-byte offsets, scales at 8-byte ones (int4's (scale, minimum) pairs), a blob of whole 16-byte words."""
+    values = VALUES.get(layout.dtype)
+    offsets = layout.kernel_words()  # 4-byte units
+    return (values is not None and chunk == 1 and layout.hidden % values == 0 and layout.inter % values == 0
+            and all(4 * o % 16 == 0 for o in offsets[:3])
+            and (layout.dtype == "fp8" or all(4 * o % 8 == 0 for o in offsets[3:]))
+            and layout.blob_bytes % 16 == 0)
+
+
+def _gpu_ok() -> bool:
+    """A GPU (not the simulator) with the e4m3 pair conversion (sm_89+; quant_words', cached: asked every layer)."""
+    from moebus.cuda.kernels.quant_words import can_convert_e4m3
+
+    return can_convert_e4m3()
+
+
+def _stream_object(stream) -> bool:
+    return hasattr(stream, "__cuda_stream__") or hasattr(stream, "end_building")  # a cuda.core launch: not 0
+
+
+def takes(layout, chunk: int, arena, store, stream) -> bool:
+    """Whether expert_ffn_quant_cuda runs these kernels: the format in FORMATS, ``fits``, 16-byte aligned blobs, a
+    GPU that converts e4m3 pairs (sm_89+, int4 too), a stream object, both kernels built (a failure warns once: the
+    numba kernels run)."""
+    from moebus.cuda.kernels.moe_quant_round import aligned
+
+    fmt = layout.dtype
+    gate_up, down = shapes(fmt)
+    return (fmt in FORMATS and fits(layout, chunk) and _stream_object(stream) and _gpu_ok() and aligned(arena, store)
+            and _builds(layout.hidden, layout.inter, 2, tuple(gate_up), False, fmt)
+            and _builds(layout.inter, layout.hidden, 1, tuple(down), _early(), fmt))
+
+
+def _early() -> bool:
+    """The down GEMV's pair tables and codes read before its wait: the step's choice for the numba kernels
+    (moe_quant_round.choose_down_early: every expert resident, no loan) and pdl.released_early."""
+    from moebus.cuda.kernels import moe_quant_round
+
+    return bool(moe_quant_round._down_early and pdl.released_early())
+
+
+def grid_x(rows: int, shape: tuple) -> int:
+    """Blocks along the rows: ceil(16-row tiles / TILES)."""
+    return ceil_div(ceil_div(rows, 16), shape[0])
+
+
+def launch(x, pair_token, pair_slot, pair_out, arena, store, layout, h, out, stream, gate_up_shape=None,
+           down_shape=None, early=None) -> None:
+    """h[j] = silu(gate x[pair_token[j]]) * up x[...], then out[pair_out[j]] = down h[j], for every pair j
+    (expert_ffn_quant_ref's results within the module's bound). x (T, D), h (J, I) and out (P, D) float32,
+    C-ordered; arena / store (slots, B) uint8 blobs of ``layout``; ``stream``: a numba stream or a GraphBuilder.
+    The shapes and ``early``: the module's (the bench sweeps them)."""
+    launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, gate_up_shape)
+    launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, down_shape, early)
+
+
+def _pointer(array) -> np.intp:
+    """Any device array's address (__cuda_array_interface__: the host store's mapped view too)."""
+    return np.intp(data_ptr(array))
+
+
+def _blobs(arena, store, layout) -> tuple:
+    return _pointer(arena), _pointer(store), np.int64(layout.blob_bytes)
+
+
+def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, stream, shape=None) -> None:
+    """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
+    shape = tuple(shape or shapes(layout.dtype)[0])
+    code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel, ptr = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype), _pointer
+    num_pairs = pair_slot.shape[0]
+    for first in range(0, num_pairs, MAX_GRID_Y):
+        flash_attention._core_launch(stream, (grid_x(layout.inter, shape), min(MAX_GRID_Y, num_pairs - first)),
+                                     32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
+                                     *_blobs(arena, store, layout), code0, code1, scale0, scale1, np.int32(first),
+                                     ptr(pair_out), ptr(h))
+
+
+def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, shape=None, early=None) -> None:
+    """out[pair_out[j]] = down h[j] for every pair j (``launch``'s second kernel); ``early``: its pair tables and
+    codes read before its wait (None: the step's choice, ``_early``)."""
+    shape = tuple(shape or shapes(layout.dtype)[1])
+    early = _early() if early is None else early
+    _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype), _pointer
+    num_pairs = pair_slot.shape[0]
+    for first in range(0, num_pairs, MAX_GRID_Y):
+        flash_attention._core_launch(stream, (grid_x(layout.hidden, shape), min(MAX_GRID_Y, num_pairs - first)),
+                                     32 * shape[0] * shape[1], kernel, ptr(h), ptr(pair_token), ptr(pair_slot),
+                                     *_blobs(arena, store, layout), code2, code2, scale2, scale2, np.int32(first),
+                                     ptr(pair_out), ptr(out))

@@ -1,0 +1,99 @@
+"""moe_quant_mma.py's kernels' arithmetic in numpy: x staged as f16 after a power of two a chunk, a step's products
+summed exactly (f32 in the mma), scale x 2^-e times that added to the warp's f32 total in the warp's step order, the
+KSPLIT warps' totals in order. Within f32 sums of the GPU's (the GPU tests' tight reference) and within the f16
+bound of moe_quant.expert_ffn_quant_ref (tests/cuda/test_moe_quant_mma.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from moebus.cuda.kernels import moe_quant_mma
+
+
+def staged_ref(x, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(x as the block stages it: f16 values times 2^e a ``chunk``-input chunk (fp8 64, int4 128), zero past its
+    end, (steps, chunk) float64; 2^-e a chunk, float32): the .cu's stage_x."""
+    x = np.asarray(x, np.float32)
+    steps = -(-x.shape[0] // chunk)
+    padded = np.zeros(steps * chunk, np.float32)
+    padded[: x.shape[0]] = x
+    chunks = padded.reshape(steps, chunk)
+    top = np.abs(chunks).max(axis=1)
+    exponent = np.zeros(steps, np.int64)
+    live = top > 0
+    exponent[live] = np.clip(14 - (np.frexp(top[live])[1] - 1), -100, 100)
+    scaled = (chunks * np.ldexp(np.float32(1), exponent)[:, None].astype(np.float32)).astype(np.float16)
+    return scaled.astype(np.float64), np.ldexp(np.float32(1), -exponent).astype(np.float32)
+
+
+def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
+    """One matrix's GEMV as the kernel computes it: codes (R, C) e4m3 (uint8), scales (ceil(R/128), ceil(C/128))
+    float32, x (C,) float32 -> (R,) float32. A step's 64 products summed (exact here, f32 in the mma), scale x
+    2^-e times that added to the warp's f32 total in the warp's step order, the KSPLIT warps' totals in order."""
+    from moebus.common.quant import e4m3_decode
+
+    _, ksplit, words, _ = shape
+    xs, inverse = staged_ref(x)
+    rows, cols = codes.shape
+    steps = xs.shape[0]
+    values = np.zeros((rows, steps * 64), np.float64)
+    values[:, :cols] = e4m3_decode(codes)
+    sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 64), xs).astype(np.float32)
+    factor = scales[np.arange(rows) // 128][:, (64 * np.arange(steps)) // 128] * inverse  # (R, steps) float32
+    total = np.zeros((ksplit, rows), np.float32)
+    for first in range(0, steps, ksplit * words):
+        for warp in range(ksplit):
+            for i in range(words):
+                s = first + warp * words + i
+                if s < steps:
+                    total[warp] += factor[:, s] * sums[:, s]
+    out = np.zeros(rows, np.float32)
+    for warp in range(ksplit):
+        out += total[warp]
+    return out
+
+
+def gemv_int4_ref(x, packed, params, shape: tuple) -> np.ndarray:
+    """gemv_ref for int4: packed (R, C/2) codes (low nibble first), params (R, ceil(C/128), 2) (scale, minimum):
+    a step (128 inputs, one group) adds s 2^-e sum q x16 + m sum x (sum x in float32, as the block's sums)."""
+    from moebus.common.quant import int4_codes
+
+    _, ksplit, words, _ = shape
+    xs, inverse = staged_ref(x, 128)
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    steps = xs.shape[0]
+    values = np.zeros((rows, steps * 128), np.float64)
+    values[:, :cols] = int4_codes(packed, cols)
+    sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 128), xs).astype(np.float32)
+    padded = np.zeros(steps * 128, np.float32)
+    padded[:cols] = np.asarray(x, np.float32)
+    sum_x = padded.reshape(steps, 128).sum(axis=1, dtype=np.float32)
+    total = np.zeros((ksplit, rows), np.float32)
+    for first in range(0, steps, ksplit * words):
+        for warp in range(ksplit):
+            for i in range(words):
+                s = first + warp * words + i
+                if s < steps:
+                    total[warp] += params[:, s, 1] * sum_x[s]
+                    total[warp] += (params[:, s, 0] * inverse[s]) * sums[:, s]
+    out = np.zeros(rows, np.float32)
+    for warp in range(ksplit):
+        out += total[warp]
+    return out
+
+
+def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, down_shape=None):
+    """(h (J, I), out rows (J, D)) of pairs [(token, slot, _)] as the kernels compute them (gemv_ref; silu(g) u in
+    float32): within float32 sums of the GPU's, and within moe_quant_mma's f16 bound of expert_ffn_quant_ref."""
+    gate_up_shape = tuple(gate_up_shape or moe_quant_mma.shapes(layout.dtype)[0])
+    down_shape = tuple(down_shape or moe_quant_mma.shapes(layout.dtype)[1])
+    gemv = gemv_ref if layout.dtype == "fp8" else gemv_int4_ref
+    h, out = [], []
+    for token, slot, _ in pairs:
+        blob = np.asarray(arena[slot] if slot >= 0 else store[-1 - slot])
+        (gate, gate_s), (up, up_s), (down, down_s) = layout.parts(blob)
+        g = gemv(x[token], gate, gate_s, gate_up_shape)
+        u = gemv(x[token], up, up_s, gate_up_shape)
+        with np.errstate(over="ignore"):
+            h.append((g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32))
+        out.append(gemv(h[-1], down, down_s, down_shape))
+    return np.array(h), np.array(out)
