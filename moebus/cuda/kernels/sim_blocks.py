@@ -102,9 +102,11 @@ class BlockManager:
         f, debug = self._f, self._debug
 
         def target():
-            if debug:
-                np.seterr(divide="raise")
-            f(*args)
+            if debug:  # numba's threads set it for themselves; greenlets share the launching thread's state
+                with np.errstate(divide="raise"):
+                    f(*args)
+            else:
+                f(*args)
 
         live = [SimThread(self, target, grid_point, point) for point in np.ndindex(*self._block_dim)]
         while live:
