@@ -205,13 +205,9 @@ def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, 
     """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
     shape = tuple(shape or shapes(layout.dtype)[0])
     code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype), _pointer
-    num_pairs = pair_slot.shape[0]
-    for first in range(0, num_pairs, MAX_GRID_Y):
-        flash_attention._core_launch(stream, (grid_x(layout.inter, shape), min(MAX_GRID_Y, num_pairs - first)),
-                                     32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
-                                     *_blobs(arena, store, layout), code0, code1, scale0, scale1, np.int32(first),
-                                     ptr(pair_out), ptr(h))
+    kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype)
+    _launch_pairs(stream, kernel, layout.inter, shape, x, pair_token, pair_slot, arena, store, layout,
+                  (code0, code1, scale0, scale1), pair_out, h)
 
 
 def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, shape=None, early=None) -> None:
@@ -220,10 +216,16 @@ def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, s
     shape = tuple(shape or shapes(layout.dtype)[1])
     early = _early() if early is None else early
     _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel, ptr = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype), _pointer
-    num_pairs = pair_slot.shape[0]
+    kernel = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype)
+    _launch_pairs(stream, kernel, layout.hidden, shape, h, pair_token, pair_slot, arena, store, layout,
+                  (code2, code2, scale2, scale2), pair_out, out)
+
+
+def _launch_pairs(stream, kernel, rows: int, shape: tuple, x, pair_token, pair_slot, arena, store, layout, offsets,
+                  pair_out, out) -> None:
+    """``kernel`` over every pair, MAX_GRID_Y pairs a launch; ``offsets``: (code0, code1, scale0, scale1)."""
+    ptr, num_pairs = _pointer, pair_slot.shape[0]
     for first in range(0, num_pairs, MAX_GRID_Y):
-        flash_attention._core_launch(stream, (grid_x(layout.hidden, shape), min(MAX_GRID_Y, num_pairs - first)),
-                                     32 * shape[0] * shape[1], kernel, ptr(h), ptr(pair_token), ptr(pair_slot),
-                                     *_blobs(arena, store, layout), code2, code2, scale2, scale2, np.int32(first),
-                                     ptr(pair_out), ptr(out))
+        flash_attention._core_launch(stream, (grid_x(rows, shape), min(MAX_GRID_Y, num_pairs - first)),
+                                     32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
+                                     *_blobs(arena, store, layout), *offsets, np.int32(first), ptr(pair_out), ptr(out))

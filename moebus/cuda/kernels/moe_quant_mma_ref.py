@@ -39,17 +39,7 @@ def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
     values[:, :cols] = e4m3_decode(codes)
     sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 64), xs).astype(np.float32)
     factor = scales[np.arange(rows) // 128][:, (64 * np.arange(steps)) // 128] * inverse  # (R, steps) float32
-    total = np.zeros((ksplit, rows), np.float32)
-    for first in range(0, steps, ksplit * words):
-        for warp in range(ksplit):
-            for i in range(words):
-                s = first + warp * words + i
-                if s < steps:
-                    total[warp] += factor[:, s] * sums[:, s]
-    out = np.zeros(rows, np.float32)
-    for warp in range(ksplit):
-        out += total[warp]
-    return out
+    return _warps_sum(ksplit, words, steps, rows, lambda s: (factor[:, s] * sums[:, s],))
 
 
 def gemv_int4_ref(x, packed, params, shape: tuple) -> np.ndarray:
@@ -67,17 +57,8 @@ def gemv_int4_ref(x, packed, params, shape: tuple) -> np.ndarray:
     padded = np.zeros(steps * 128, np.float32)
     padded[:cols] = np.asarray(x, np.float32)
     sum_x = padded.reshape(steps, 128).sum(axis=1, dtype=np.float32)
-    total = np.zeros((ksplit, rows), np.float32)
-    for first in range(0, steps, ksplit * words):
-        for warp in range(ksplit):
-            for i in range(words):
-                s = first + warp * words + i
-                if s < steps:
-                    total[warp] += params[:, s, 1] * sum_x[s]
-                    total[warp] += (params[:, s, 0] * inverse[s]) * sums[:, s]
-    out = np.zeros(rows, np.float32)
-    for warp in range(ksplit):
-        out += total[warp]
+    out = _warps_sum(ksplit, words, steps, rows,
+                     lambda s: (params[:, s, 1] * sum_x[s], (params[:, s, 0] * inverse[s]) * sums[:, s]))
     return out
 
 
@@ -97,3 +78,20 @@ def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, 
             h.append((g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32))
         out.append(gemv(h[-1], down, down_s, down_shape))
     return np.array(h), np.array(out)
+
+
+def _warps_sum(ksplit: int, words: int, steps: int, rows: int, terms) -> np.ndarray:
+    """The kernels' order of the sums: warp w of a block adds steps first + w words + i (i < words) of each pass,
+    each step's ``terms(s)`` in turn, in float32; then the warps' partials in warp order."""
+    total = np.zeros((ksplit, rows), np.float32)
+    for first in range(0, steps, ksplit * words):
+        for warp in range(ksplit):
+            for i in range(words):
+                s = first + warp * words + i
+                if s < steps:
+                    for term in terms(s):
+                        total[warp] += term
+    out = np.zeros(rows, np.float32)
+    for warp in range(ksplit):
+        out += total[warp]
+    return out
