@@ -57,9 +57,8 @@ def gemv_int4_ref(x, packed, params, shape: tuple) -> np.ndarray:
     padded = np.zeros(steps * 128, np.float32)
     padded[:cols] = np.asarray(x, np.float32)
     sum_x = padded.reshape(steps, 128).sum(axis=1, dtype=np.float32)
-    out = _warps_sum(ksplit, words, steps, rows,
-                     lambda s: (params[:, s, 1] * sum_x[s], (params[:, s, 0] * inverse[s]) * sums[:, s]))
-    return out
+    return _warps_sum(ksplit, words, steps, rows,
+                      lambda s: (params[:, s, 1] * sum_x[s], (params[:, s, 0] * inverse[s]) * sums[:, s]))
 
 
 def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, down_shape=None):
