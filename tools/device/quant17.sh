@@ -22,7 +22,7 @@ if [ "$PHASE" = warm ]; then
     > $OUT/init1.log 2>&1 && touch $W.ok; }
   echo "init 1 layer rc=$? at $(at)"
   ( NUMBA_CACHE_DIR=/tmp/quant17-numba-tests MOEBUS_TEST_GPU=1 timeout $(( $(left) - 8 )) python3 -m pytest -q \
-    -p no:cacheprovider -rf tests/cuda/test_moe_quant_round.py tests/cuda/test_moe_quant_resident.py \
+    -p no:cacheprovider -rf ${TESTS:-tests/cuda/test_moe_quant_round.py tests/cuda/test_moe_quant_resident.py} \
     > $OUT/gpu_tests.txt 2>&1
     echo "gpu tests rc=$? at $(at)" >> $OUT/gpu_tests.txt ) &
   pids=; n=0
