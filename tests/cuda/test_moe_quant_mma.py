@@ -79,7 +79,8 @@ def test_the_kernels_wait_before_reading_what_the_step_wrote(mats, early):
 def test_the_switch_names_the_formats(monkeypatch):
     assert moe_quant_mma._formats("0") == moe_quant_mma._formats("") == frozenset()
     assert moe_quant_mma._formats("1") == moe_quant_mma._formats("fp8") == {"fp8"}
-    assert moe_quant_mma._formats("all") == moe_quant_mma._formats("fp8,int4") == {"fp8", "int4"}
+    assert moe_quant_mma._formats("fp8,int4") == {"fp8", "int4"}
+    assert moe_quant_mma._formats("all") == {"fp8", "int4", "attn"}  # attn: linear_quant_mma.py
     assert moe_quant_mma._formats("int4") == {"int4"}
     with pytest.raises(ValueError):
         moe_quant_mma._formats("bf16")

@@ -29,7 +29,7 @@ from moebus.cuda.kernels.launch import ceil_div, require
 from moebus.cuda.kernels.linear import accumulate
 from moebus.cuda.kernels.loads import can_read_wide
 from moebus.cuda.kernels.moe_ffn import warp_rows
-from moebus.cuda.kernels import linear_quant_fp8
+from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma
 from moebus.cuda.kernels.moe_quant import _x_chunk
 from moebus.cuda.kernels.moe_quant_bf16 import _bf16_bits
 from moebus.cuda.kernels.quant_words import HARDWARE_E4M3_MIN_RUN, decoder, e4m3_at, hardware_e4m3
@@ -203,6 +203,8 @@ def linear_fp8_cuda(x, codes, scales, out, stream=0):
         raise ValueError("x: the FP8 GEMV reads rows of x 16 bytes a lane (C-ordered, 16-byte aligned)")
     if num_tokens == 0 or codes.shape[0] == 0:
         return out
+    if linear_quant_mma.takes(x, codes, scales, stream):  # MOEBUS_QUANT_MMA=attn: one token on tensor cores
+        return linear_quant_mma.launch(x, codes, scales, out, stream)
     if ONE_ROUND and linear_quant_fp8.fits(x, codes, scales):
         return linear_quant_fp8.linear_fp8_one_round(x, codes, scales, out, stream, hardware_e4m3(HARDWARE_E4M3_MIN_RUN))
     chunk = min(MAX_TOKENS, num_tokens)

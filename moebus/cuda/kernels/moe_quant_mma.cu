@@ -57,10 +57,14 @@
 #ifndef SEPARATE
 #define SEPARATE __syncwarp
 #endif
+#ifndef DENSE
+#define DENSE 0         // 1: a dense fp8 projection (linear_quant_mma.py): one x row, one matrix, a scale a row
+#endif                  // and 128 inputs (linear_quant.py's layout), out[row]
 #ifndef INT4
 #define INT4 0          // 1: 4-bit codes (32 a 16-byte word, two a byte, low nibble first; a (scale, minimum) a row
 #endif                  // and 128 inputs: value = q s + m), the x chunk and a step 128 inputs
 #define THREADS (32 * TILES * KSPLIT)
+#define ROW_SCALES (INT4 || DENSE)  // a scale (int4: a pair) per row and 128 inputs
 #define BLOCK 128
 #define VALUES (INT4 ? 32 : 16)               // codes a 16-byte word
 #define STEP_K (4 * VALUES)                   // inputs a step: a lane group's 4 words
@@ -215,32 +219,24 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
 }
 #endif
 
+// The block's rows of M matrices (codes[m]: rows of ROW_BYTES; scales[m]: fp8 experts one per 128 x 128 block,
+// ROW_SCALES one per row and 128 inputs, int4 a (scale, minimum) pair per row and group) times x_row: returns the
+// output row this thread holds (threads < TILES * 16, row < ROWS) with its sums in sum[], else -1.
 template <int M>
-__device__ __forceinline__ void gemv(const float *x_all, const int *x_table, const int *pair_slot, const u8 *arena,
-                                     const u8 *store, long long blob_bytes, long long code0,
-                                     long long code1, long long scale0, long long scale1, int first_pair,
-                                     const int *out_table, float *out) {
+__device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)[2], const float *const (&scales)[2],
+                                    float (&sum)[M]) {
     __shared__ __align__(16) u32 xs[QUADS * 2];
     __shared__ float inverse[STEPS];
     __shared__ float xsum[INT4 ? STEPS : 1];
     __shared__ float part[TILES][KSPLIT][M][16];
-#if !EARLY
-    pdl_wait();  // before any global read or write
-#endif
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int tile = warp / KSPLIT, kw = warp % KSPLIT;
-    const int j = first_pair + blockIdx.y;
-    const int entry = pair_slot[j];
-    const float *x_row = x_all + (long long)(M == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's
-    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
     const int row0 = (blockIdx.x * TILES + tile) * 16;
     const int row_a = WHOLE_ROWS ? row0 + g : min(row0 + g, ROWS - 1);
     const int row_b = WHOLE_ROWS ? row_a + 8 : min(row0 + g + 8, ROWS - 1);
-    // fp8: one 128-row block a tile; int4: (scale, minimum) pairs, each row's own
-    const int scale_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;
-    const u8 *codes[2] = {blob + code0, blob + code1};
-    const float *scales[2] = {reinterpret_cast<const float *>(blob + scale0),
-                              reinterpret_cast<const float *>(blob + scale1)};
+    // a row's first scale: the fp8 experts' 128-row block's (the same for rows g and g + 8: one load), else its own
+    const int block_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;
+    const int scale_a = ROW_SCALES ? row_a * SCALE_COLS : block_row, scale_b = ROW_SCALES ? row_b * SCALE_COLS : block_row;
     float total[M][2];
 #pragma unroll
     for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = 0.f;
@@ -251,24 +247,24 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
 #if INT4
         float2 param[WORDS][M][2];  // rows g and g + 8: (scale, minimum) of the step's group
 #else
-        float scale[WORDS][M];
+        float scale[WORDS][M][2];  // rows g and g + 8 (the fp8 experts' the same: one load)
 #endif
 #pragma unroll
         for (int i = 0; i < WORDS; ++i) {
             const int s = first + kw * WORDS + i, k0 = STEP_K * s + VALUES * t;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const bool in = WHOLE_STEPS || (s < STEPS && k0 < COLS);
+                const bool in = WHOLE_STEPS || (s < STEPS && k0 < COLS), live = WHOLE_STEPS || s < STEPS;
                 const u8 *at = codes[m] + (INT4 ? k0 / 2 : k0);
                 word[i][m][0] = in ? load_code(at + (long long)row_a * ROW_BYTES) : make_uint4(0, 0, 0, 0);
                 word[i][m][1] = in ? load_code(at + (long long)row_b * ROW_BYTES) : make_uint4(0, 0, 0, 0);
 #if INT4
                 const float2 *pairs = reinterpret_cast<const float2 *>(scales[m]);
-                const bool live = WHOLE_STEPS || s < STEPS;
-                param[i][m][0] = live ? pairs[row_a * SCALE_COLS + s] : make_float2(0.f, 0.f);
-                param[i][m][1] = live ? pairs[row_b * SCALE_COLS + s] : make_float2(0.f, 0.f);
+                param[i][m][0] = live ? pairs[scale_a + s] : make_float2(0.f, 0.f);
+                param[i][m][1] = live ? pairs[scale_b + s] : make_float2(0.f, 0.f);
 #else
-                scale[i][m] = WHOLE_STEPS || s < STEPS ? scales[m][scale_row + (64 * s) / BLOCK] : 0.f;
+                scale[i][m][0] = live ? scales[m][scale_a + (64 * s) / BLOCK] : 0.f;
+                scale[i][m][1] = live ? scales[m][scale_b + (64 * s) / BLOCK] : 0.f;
 #endif
             }
         }
@@ -285,6 +281,7 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
         for (int i = 0; i < WORDS; ++i) {
             const int s = first + kw * WORDS + i;
             if (!WHOLE_STEPS && s >= STEPS) break;  // warp-uniform
+            const float inv = inverse[s];
 #if INT4
             u32 b[16];  // the lane's 32 x as stage_x pairs them
 #pragma unroll
@@ -292,42 +289,38 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
                 const uint4 v = *reinterpret_cast<const uint4 *>(xs + 64 * s + 16 * t + 4 * c);
                 b[4 * c] = v.x, b[4 * c + 1] = v.y, b[4 * c + 2] = v.z, b[4 * c + 3] = v.w;
             }
-            const float inv = inverse[s], sum_x = xsum[s];
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
-                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
-                float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {  // quarter q: codes 8q .. 8q + 7; slots 2t, 2t + 1 <- 8q, 8q + 4 and
-                    // 2t + 8, 2t + 9 <- 8q + 1, 8q + 5 (then 8q + 2, 8q + 6 and 8q + 3, 8q + 7, a byte up)
-                    mma(d, nibbles_low(wa[q]), nibbles_low(wb[q]), nibbles_high(wa[q]), nibbles_high(wb[q]), b[4 * q],
-                        b[4 * q + 1]);
-                    mma(d, nibbles_low(wa[q] >> 8), nibbles_low(wb[q] >> 8), nibbles_high(wa[q] >> 8),
-                        nibbles_high(wb[q] >> 8), b[4 * q + 2], b[4 * q + 3]);
-                }
-                const float2 pa = param[i][m][0], pb = param[i][m][1];
-                total[m][0] = fmaf(pa.x * inv, d[0], fmaf(pa.y, sum_x, total[m][0]));
-                total[m][1] = fmaf(pb.x * inv, d[2], fmaf(pb.y, sum_x, total[m][1]));
-            }
+            const float sum_x = xsum[s];
 #else
             const uint4 lo = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t);  // x[k0 .. k0 + 7] as f16x2
             const uint4 hi = *reinterpret_cast<const uint4 *>(xs + 32 * s + 8 * t + 4);  // x[k0 + 8 .. k0 + 15]
             const u32 b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            const float inv = inverse[s];
+#endif
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const u32 wa[4] = {word[i][m][0].x, word[i][m][0].y, word[i][m][0].z, word[i][m][0].w};
-                const u32 wb[4] = {word[i][m][1].x, word[i][m][1].y, word[i][m][1].z, word[i][m][1].w};
+                const uint4 ra = word[i][m][0], rb = word[i][m][1];
+                const u32 wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
                 float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int q = 0; q < 4; ++q)  // slots 2t, 2t + 1 <- codes 4q, 4q + 1; 2t + 8, 2t + 9 <- 4q + 2, 4q + 3
+                for (int q = 0; q < 4; ++q) {
+#if INT4  // quarter q: codes 8q .. 8q + 7; slots 2t, 2t + 1 <- 8q, 8q + 4 and 2t + 8, 2t + 9 <- 8q + 1, 8q + 5
+          // (then 8q + 2, 8q + 6 and 8q + 3, 8q + 7, a byte up)
+                    mma(d, nibbles_low(wa[q]), nibbles_low(wb[q]), nibbles_high(wa[q]), nibbles_high(wb[q]), b[4 * q],
+                        b[4 * q + 1]);
+                    mma(d, nibbles_low(wa[q] >> 8), nibbles_low(wb[q] >> 8), nibbles_high(wa[q] >> 8),
+                        nibbles_high(wb[q] >> 8), b[4 * q + 2], b[4 * q + 3]);
+#else     // slots 2t, 2t + 1 <- codes 4q, 4q + 1; 2t + 8, 2t + 9 <- 4q + 2, 4q + 3
                     mma(d, e4m3x2(wa[q]), e4m3x2(wb[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wb[q]), b[2 * q], b[2 * q + 1]);
-                const float factor = scale[i][m] * inv;
-                total[m][0] = fmaf(factor, d[0], total[m][0]);
-                total[m][1] = fmaf(factor, d[2], total[m][1]);
-            }
 #endif
+                }
+#if INT4
+                const float2 pa = param[i][m][0], pb = param[i][m][1];
+                total[m][0] = fmaf(pa.x * inv, d[0], fmaf(pa.y, sum_x, total[m][0]));
+                total[m][1] = fmaf(pb.x * inv, d[2], fmaf(pb.y, sum_x, total[m][1]));
+#else
+                total[m][0] = fmaf(scale[i][m][0] * inv, d[0], total[m][0]);
+                total[m][1] = fmaf(scale[i][m][1] * inv, d[2], total[m][1]);
+#endif
+            }
         }
     }
     if (t == 0) {
@@ -338,25 +331,32 @@ __device__ __forceinline__ void gemv(const float *x_all, const int *x_table, con
         }
     }
     __syncthreads();
-    if (threadIdx.x < TILES * 16) {
-        const int r_tile = threadIdx.x / 16, r = threadIdx.x % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
-        float sum[M];
+    if (threadIdx.x >= TILES * 16) return -1;
+    const int r_tile = threadIdx.x / 16, r = threadIdx.x % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            sum[m] = 0.f;
+    for (int m = 0; m < M; ++m) {
+        sum[m] = 0.f;
 #pragma unroll
-            for (int w = 0; w < KSPLIT; ++w) sum[m] += part[r_tile][w][m][r];
-        }
-        if (row < ROWS) {
-            if (M == 2) {
-                out[(long long)j * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[M - 1];
-            } else {
-                out[(long long)out_table[j] * ROWS + row] = sum[0];
-            }
-        }
+        for (int w = 0; w < KSPLIT; ++w) sum[m] += part[r_tile][w][m][r];
     }
+    return row < ROWS ? row : -1;
 }
 
+#if DENSE
+// x: (1, COLS) float32; codes (ROWS, COLS) e4m3; scales (ROWS, SCALE_COLS) float32; out (1, ROWS) = x W^T.
+// Grid ceil(ceil(ROWS / 16) / TILES), THREADS threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *x, const u8 *codes, const float *scales, float *out) {
+#if !EARLY
+    pdl_wait();  // before any global read or write (EARLY: the weights before it, x after)
+#endif
+    const u8 *const code[2] = {codes, codes};
+    const float *const scale[2] = {scales, scales};
+    float sum[1];
+    const int row = gemv<1>(x, code, scale, sum);
+    if (row >= 0) out[row] = sum[0];
+}
+#else
 // x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /
 // scale*: byte offsets of the matrices' codes and scales in a blob; out: (J, ROWS) h (gate|up) or rows
 // out_table[j] of (P, ROWS) (down). Grid (ceil(ceil(ROWS / 16) / TILES), pairs), THREADS threads.
@@ -364,6 +364,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 ENTRY(const float *x, const int *x_table, const int *pair_slot, const u8 *arena, const u8 *store, long long blob_bytes,
       long long code0, long long code1, long long scale0, long long scale1, int first_pair, const int *out_table,
       float *out) {
-    gemv<MATS>(x, x_table, pair_slot, arena, store, blob_bytes, code0, code1, scale0, scale1, first_pair, out_table,
-               out);
+#if !EARLY
+    pdl_wait();  // before any global read or write
+#endif
+    const int j = first_pair + blockIdx.y;
+    const int entry = pair_slot[j];
+    const float *x_row = x + (long long)(MATS == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's
+    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
+    const u8 *const codes[2] = {blob + code0, blob + code1};  // down: code1 = code0, scale1 = scale0
+    const float *const scales[2] = {reinterpret_cast<const float *>(blob + scale0),
+                                    reinterpret_cast<const float *>(blob + scale1)};
+    float sum[MATS];
+    const int row = gemv<MATS>(x_row, codes, scales, sum);
+    if (row < 0) return;
+    if (MATS == 2) {
+        out[(long long)j * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[MATS - 1];
+    } else {
+        out[(long long)out_table[j] * ROWS + row] = sum[0];
+    }
 }
+#endif

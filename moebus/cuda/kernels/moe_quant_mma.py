@@ -39,23 +39,25 @@ from moebus.cuda.kernels.launch import ceil_div
 log = logging.getLogger("moebus.cuda")
 SOURCE = Path(__file__).with_suffix(".cu")
 ENV = "MOEBUS_QUANT_MMA"
+NAMES = frozenset({"fp8", "int4", "attn"})  # the experts' formats, the FP8 attention projections
 
 
 def _formats(value: str) -> frozenset:
-    """MOEBUS_QUANT_MMA: 0 / unset (off), 1 or fp8, int4, all (or fp8,int4): the formats these kernels take."""
+    """MOEBUS_QUANT_MMA: 0 / unset (off), 1 or fp8, int4, attn (the FP8 attention projections, linear_quant_mma.py),
+    a comma list of those, all (every one): what these kernels take."""
     value = value.strip().lower()
     if value in ("", "0", "off", "false", "no"):
         return frozenset()
     if value in ("1", "on", "true", "yes"):
         return frozenset({"fp8"})
-    found = frozenset({"fp8", "int4"} if value == "all" else (v.strip() for v in value.split(",")))
-    if not found <= {"fp8", "int4"}:
-        raise ValueError(f"{ENV}={value!r}: expected 0, 1, fp8, int4 or all")
+    found = frozenset(NAMES if value == "all" else (v.strip() for v in value.split(",")))
+    if not found <= NAMES:
+        raise ValueError(f"{ENV}={value!r}: expected 0, 1, fp8, int4, attn, a comma list of them or all")
     return found
 
 
 FORMATS = _formats(os.environ.get(ENV, "0"))  # off until call A times them
-GATE_UP_ENTRY, DOWN_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down"
+GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
 # (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills: not the default until the 48-layer decode shows it);
@@ -85,20 +87,26 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
-                    fmt: str = "fp8") -> list[bytes]:
+                    fmt: str = "fp8", dense: bool = False) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
-    ``fmt`` fp8 or int4."""
+    ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
-    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    if dense and (mats != 1 or fmt != "fp8"):
+        raise ValueError("a dense projection is one fp8 matrix")
+    entry = _entry(mats, dense)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
-            f"-DINT4={int(fmt == 'int4')}".encode()]
+            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode()]
+
+
+def _entry(mats: int, dense: bool = False) -> str:
+    return DENSE_ENTRY if dense else GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
 
 
 def source() -> bytes:
@@ -106,7 +114,7 @@ def source() -> bytes:
 
 
 @functools.cache
-def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8"):
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -115,9 +123,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
-    entry = GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+    entry = _entry(mats, dense)
     name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
@@ -125,11 +133,12 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 
 @functools.cache
-def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8") -> bool:
+def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
+            dense: bool = False) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt)
+        _kernel(cols, rows, mats, shape, early, fmt, dense)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
-        log.warning("quantized expert GEMVs on tensor cores unavailable (%s)", exc)
+        log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False
     return True
 

@@ -25,10 +25,11 @@ def staged_ref(x, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
     return scaled.astype(np.float64), np.ldexp(np.float32(1), -exponent).astype(np.float32)
 
 
-def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
+def gemv_ref(x, codes, scales, shape: tuple, row_scales: bool = False) -> np.ndarray:
     """One matrix's GEMV as the kernel computes it: codes (R, C) e4m3 (uint8), scales (ceil(R/128), ceil(C/128))
-    float32, x (C,) float32 -> (R,) float32. A step's 64 products summed (exact here, f32 in the mma), scale x
-    2^-e times that added to the warp's f32 total in the warp's step order, the KSPLIT warps' totals in order."""
+    float32 (``row_scales``: (R, ceil(C/128)), a dense projection's), x (C,) float32 -> (R,) float32. A step's 64
+    products summed (exact here, f32 in the mma), scale x 2^-e times that added to the warp's f32 total in the warp's
+    step order, the KSPLIT warps' totals in order."""
     from moebus.common.quant import e4m3_decode
 
     _, ksplit, words, _ = shape
@@ -38,7 +39,8 @@ def gemv_ref(x, codes, scales, shape: tuple) -> np.ndarray:
     values = np.zeros((rows, steps * 64), np.float64)
     values[:, :cols] = e4m3_decode(codes)
     sums = np.einsum("rsk,sk->rs", values.reshape(rows, steps, 64), xs).astype(np.float32)
-    factor = scales[np.arange(rows) // 128][:, (64 * np.arange(steps)) // 128] * inverse  # (R, steps) float32
+    per_row = scales if row_scales else scales[np.arange(rows) // 128]
+    factor = per_row[:, (64 * np.arange(steps)) // 128] * inverse  # (R, steps) float32
     return _warps_sum(ksplit, words, steps, rows, lambda s: (factor[:, s] * sums[:, s],))
 
 
@@ -77,6 +79,16 @@ def expert_ffn_mma_ref(x, pairs, arena, layout, store=None, gate_up_shape=None, 
             h.append((g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32))
         out.append(gemv(h[-1], down, down_s, down_shape))
     return np.array(h), np.array(out)
+
+
+def dense_ref(x, codes, scales, shape=None) -> np.ndarray:
+    """linear_quant_mma's kernel in numpy: (1, R) float32 = x (1, C) @ the FP8 weight (codes (R, C), scales (R,
+    ceil(C/128))) ^T as gemv_ref with a scale per row; ``shape``: linear_quant_mma.shape_for's by default."""
+    from moebus.cuda.kernels import linear_quant_mma
+
+    shape = tuple(shape or linear_quant_mma.shape_for(codes.shape[1]))
+    return gemv_ref(np.asarray(x, np.float32)[0], np.asarray(codes), np.asarray(scales, np.float32), shape,
+                    row_scales=True)[None]
 
 
 def _warps_sum(ksplit: int, words: int, steps: int, rows: int, terms) -> np.ndarray:

@@ -1,0 +1,72 @@
+"""The FP8 dense projections of a decode step at batch 1 (the attention's q|k|v and o with ``attention.dtype``
+fp8) on tensor cores (nineteenth session, issue 16): moe_quant_mma.cu's GEMV compiled with DENSE (one x row, one
+matrix, linear_quant.py's scales: a float32 per row and 128 inputs), taken by linear_quant.linear_fp8_cuda before
+linear_quant_fp8.py's numba one-round kernel where ``takes`` says so: MOEBUS_QUANT_MMA names ``attn`` (or ``all``;
+off by default), one token, rows of whole 16-byte words, 16-byte aligned codes, a GPU with cvt.rn.f16x2.e4m3x2
+(sm_89+), a stream object, the kernel built; else the numba kernel, as before.
+
+Why: the numba kernel's true durations in the 48 x 32 A3B step (seventeenth session, PDL off) are q|k|v 5.5 us
+(10.5 MB: 1.9 TB/s) and o 4.8 (8.4 MB: 1.75 TB/s), bound by ~7 instructions a code as the experts' were; the
+experts on tensor cores (mma18) save ~3.1 us a layer, issue 16's 1.5x needs ~3.8.
+
+Precision (moe_quant_mma's): e4m3 -> f16 exact, x rounded to f16 after a power of two a 64-input chunk (exact, undone
+in f32), products exact, sums in f32: |got - exact| <= 1.5 * 2^-11 * sum_k |w_k x_k| (tests/cuda/
+test_linear_quant_mma.py); moe_quant_mma_ref.gemv_ref(..., row_scales=True) is its arithmetic in numpy. Not the
+numba kernel's bits.
+
+PDL: the numba kernel's rule. griddepcontrol.wait before any global read (linear_quant_fp8.LOAD_BEFORE_WAIT, off:
+the weights before it, x after), launch_dependents after it where MOEBUS_PDL_TRIGGER; registered as waiting.
+
+Shapes (TILES, KSPLIT, WORDS, MIN_BLOCKS) by the row's length (COLS), sm_90 ptxas registers, no spills: A3B q|k|v
+(2,048 -> 5,120, 320 tiles of 16 rows) (1, 8, 4, 4) 64 registers (one pass: 8 warps x 4 steps of 64 cover a row;
+4 blocks of 256 an SM: 528 places, one wave), (1, 8, 4, 3) 80, (1, 16, 2, 2) 59 (264 places: 1.2 waves),
+(1, 4, 8, 4) 128; o (4,096 -> 2,048, 128 tiles) (1, 16, 4, 1) 98 (one pass, a block an SM), (1, 32, 2, 1) 59,
+(1, 8, 8, 1) 129, (1, 16, 4, 2) 64. Other lengths: KSPLIT warps of 4 steps over the row (at most 16), one block."""
+from __future__ import annotations
+
+from moebus.cuda.kernels import flash_attention, linear_quant_fp8, moe_quant_mma
+from moebus.cuda.kernels.launch import ceil_div
+
+VALUES = 16  # codes a 16-byte word
+SHAPES = {2048: (1, 8, 4, 4), 4096: (1, 16, 4, 1)}  # by COLS: A3B's q|k|v and o; not timed yet (mma19_bench.py)
+SWEEP = {2048: ((1, 8, 4, 4), (1, 8, 4, 3), (1, 16, 2, 2), (1, 4, 8, 4)),
+         4096: ((1, 16, 4, 1), (1, 32, 2, 1), (1, 8, 8, 1), (1, 16, 4, 2))}  # the bench's, the defaults first
+WORDS, MAX_KSPLIT = 4, 16
+
+
+def shape_for(cols: int) -> tuple:
+    """SHAPES' entry, else KSPLIT warps of WORDS steps (64 inputs) covering the row, at most MAX_KSPLIT."""
+    return tuple(SHAPES.get(cols) or (1, min(MAX_KSPLIT, ceil_div(ceil_div(cols, 64), WORDS)), WORDS, 1))
+
+
+def fits(x, codes, scales) -> bool:
+    """One token, rows of whole 16-byte words, codes 16-byte aligned (x: linear_fp8_cuda checks it)."""
+    from moebus.cuda.kernels.moe_quant_round import aligned
+
+    return x.shape[0] == 1 and codes.shape[1] % VALUES == 0 and codes.shape[0] > 0 and aligned(codes)
+
+
+def takes(x, codes, scales, stream) -> bool:
+    """Whether linear_fp8_cuda runs this kernel (MOEBUS_QUANT_MMA's ``attn``, read at each call)."""
+    num_rows, cols = codes.shape
+    return ("attn" in moe_quant_mma.FORMATS and fits(x, codes, scales) and moe_quant_mma._stream_object(stream)
+            and moe_quant_mma._gpu_ok()
+            and moe_quant_mma._builds(cols, num_rows, 1, shape_for(cols), _early(), "fp8", True))
+
+
+def _early() -> bool:
+    return bool(linear_quant_fp8.LOAD_BEFORE_WAIT)
+
+
+def launch(x, codes, scales, out, stream, shape=None, early=None):
+    """out (1, R) float32 = x (1, C) float32 @ the FP8 weight (codes (R, C) e4m3, scales (R, ceil(C / 128))) ^T;
+    ``stream``: a numba stream or a GraphBuilder; ``shape`` and ``early``: the module's (the bench sweeps them)."""
+    num_rows, cols = codes.shape
+    shape = tuple(shape or shape_for(cols))
+    early = _early() if early is None else early
+    kernel = moe_quant_mma._kernel(cols, num_rows, 1, shape, early, "fp8", True)
+    ptr = moe_quant_mma._pointer
+    flash_attention._core_launch(stream, (moe_quant_mma.grid_x(num_rows, shape), 1), 32 * shape[0] * shape[1],
+                                 kernel, ptr(x), ptr(codes), ptr(scales), ptr(out))
+    return out
+
