@@ -37,7 +37,10 @@ def constant(key: str):
 
 # the quantized GEMVs by their kernel label (quant9_sweep.kernel_table: the first of a name in a layer is v0)
 KERNELS = (("gate|up", "moe_quant_round.quant_one_round v0"), ("down", "moe_quant_round.quant_one_round v1"),
-           ("q|k|v", "linear_quant_fp8.fp8_dense_one_round v0"), ("o", "linear_quant_fp8.fp8_dense_one_round v1"))
+           ("q|k|v", "linear_quant_fp8.fp8_dense_one_round v0"), ("o", "linear_quant_fp8.fp8_dense_one_round v1"),
+           # on tensor cores (MOEBUS_QUANT_MMA; NVRTC names; q|k|v and o share one name: #0 and #1 in a layer)
+           ("gate|up*", "moe_quant_mma_gate_up v0"), ("down*", "moe_quant_mma_down v0"),
+           ("q|k|v*", "linear_quant_mma v0 #0"), ("o*", "linear_quant_mma v0 #1"))
 
 
 def summary(path: str) -> None:

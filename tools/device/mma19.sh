@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 16, nineteenth session (branch mma19): the FP8 attention projections at batch 1 on tensor cores
+# (linear_quant_mma.py, MOEBUS_QUANT_MMA=attn; the experts' moe_quant_mma beside them). lead12_call.sh's convention:
+# PHASE=warm (beside the other branches, BUDGET ~110 s; nothing timed): quant17.sh's warm phase with TESTS = this
+#   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py) and PLAN = quant19_plan.json (a 1-layer a3b
+#   model; QUICK sweeps of the plan compile every kernel the measure phase runs into /tmp/quant17-nc).
+# PHASE=measure (alone, BUDGET ~150 s), or unset (one phase: the tests first, and the decode compiles cold):
+#   (1) the GPU tests, only where the warm phase did not pass them (at most 60 s);
+#   (2) tools/device/mma19_bench.py: A3B q|k|v (2048 -> 5120) and o (4096 -> 2048), 16 layers' weights rotating,
+#       us a launch behind a spin kernel (median of 200, no PDL), the numba one-round kernel against the tensor-core
+#       kernel at its swept shapes, max abs / rel error against the numba output (at most 40 s);
+#   (3) quant17.sh's measure phase: quant17_bench.py on $M48 over quant19_plan.json (bf16; fp8 + fp8 attention:
+#       defaults, mma experts, mma experts + attention, the same with gate|up (1, 8, 2, 3), the same with PDL off;
+#       int4 + fp8 attention: defaults, mma int4 + attention), the time left (~100 s wanted; a cut loses the last).
+# The summary last; details in $OUT (gpu_tests.txt / tests.txt, bench.txt, bench.json, sweep.txt, table.txt).
+source tools/device/setup.sh
+source tools/device/steps.sh
+export MOEBUS_SITE_READY=1  # quant17.sh below sources setup.sh again
+set -o pipefail
+export M48=${M48:-/tmp/m48}  # lead12_call.sh makes it in its warm phase
+PHASE=${PHASE:-one}; BUDGET=${BUDGET:-150}; OUT=${OUT:-/tmp/mma19-out}; mkdir -p $OUT; T0=$(date +%s)
+export TESTS="tests/cuda/test_linear_quant_mma.py tests/cuda/test_moe_quant_mma.py" PLAN=quant19_plan.json
+if [ "$PHASE" = warm ]; then
+  BUDGET=$BUDGET OUT=$OUT bash tools/device/quant17.sh
+  exit 0
+fi
+passed() { grep -qE "[0-9]+ passed" $1 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $1; }
+passed $OUT/gpu_tests.txt || SHOW=4 step tests 20 60 env NUMBA_CACHE_DIR=/tmp/quant17-numba-tests MOEBUS_TEST_GPU=1 \
+  python3 -m pytest -x -q -p no:cacheprovider -rf $TESTS
+NUMBA_CACHE_DIR=/tmp/quant17-nc SHOW=3 step bench 20 40 python3 tools/device/mma19_bench.py --json $OUT/bench.json
+[ $(left) -ge 66 ] && PHASE=measure BUDGET=$(( $(left) - 2 )) OUT=$OUT bash tools/device/quant17.sh > $OUT/decode.txt 2>&1
+echo "== mma19 ($PHASE) at $(at): tests"
+for f in gpu_tests tests; do grep -E "passed|failed|error" $OUT/$f.txt 2>/dev/null | tail -1 | cut -c1-160
+  grep -E "^FAILED|^ERROR" $OUT/$f.txt 2>/dev/null | head -2 | cut -c1-160; done
+sed -n '/== mma19 summary/,$p' $OUT/bench.txt 2>/dev/null | cut -c1-150
+sed -n '/== quant15 summary/,$p' $OUT/decode.txt 2>/dev/null | grep -vE "^gpu tests|^\s*$" | cut -c1-120
+grep -E "skipped|FAILED" $OUT/decode.txt 2>/dev/null | head -3 | cut -c1-150
