@@ -38,9 +38,9 @@ def _with_tokens(original):
 
 def group(label: str) -> str | None:
     """experts / projections / None of a kernel label (quant9_sweep.kernel_table's)."""
-    if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_round.", "grouped_moe.")):
+    if label.startswith(("moe_ffn.", "moe_quant.", "moe_quant_round.", "grouped_moe.", "moe_quant_mma_")):
         return "experts"
-    if label.startswith(("linear.", "linear_quant.", "linear_quant_fp8.", "gemm")):
+    if label.startswith(("linear.", "linear_quant.", "linear_quant_fp8.", "gemm", "linear_quant_mma ")):
         return "proj"
     return None
 
