@@ -19,6 +19,9 @@
 // shared memory in a fixed order. Rows past the matrix are clamped (not stored), k past a row's end reads zero.
 // PDL: griddepcontrol.wait before any global read (EARLY, the down GEMV: after its pair tables and code words,
 // as moe_quant_round.DOWN_LOAD_BEFORE_WAIT), then launch_dependents where PDL_TRIGGER (pdl.trigger_after_wait).
+// DENSE (linear_quant_mma.py, nineteenth session): the same GEMV for an FP8 dense projection at batch 1 (the
+// attention's q|k|v and o): one x row, one matrix (ROWS x COLS codes), a float32 scale per row and 128 inputs
+// (linear_quant.py's layout: rows g and g + 8 each their own), out[row]; the wait first (EARLY: the weights before it).
 // INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
 // holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
 // bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as
@@ -236,7 +239,8 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
     const int row_b = WHOLE_ROWS ? row_a + 8 : min(row0 + g + 8, ROWS - 1);
     // a row's first scale: the fp8 experts' 128-row block's (the same for rows g and g + 8: one load), else its own
     const int block_row = ((WHOLE_ROWS ? row0 : min(row0, ROWS - 1)) / BLOCK) * SCALE_COLS;
-    const int scale_a = ROW_SCALES ? row_a * SCALE_COLS : block_row, scale_b = ROW_SCALES ? row_b * SCALE_COLS : block_row;
+    const int scale_a = ROW_SCALES ? row_a * SCALE_COLS : block_row;
+    const int scale_b = ROW_SCALES ? row_b * SCALE_COLS : block_row;
     float total[M][2];
 #pragma unroll
     for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = 0.f;

@@ -1,10 +1,11 @@
 """The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session,
 issue 16): moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes``
-says so (MOEBUS_QUANT_MMA names the formats, off by default; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2
-(sm_89+), rows of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7
-instructions a code (e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their
-bytes take at HBM rate (seventeenth session: fp8 gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B; int4 gate|up 11.3,
-bound by its decoding); on mma.sync m16n8k16 an fp8 code costs half a conversion and 1/32 of an mma, an int4 code
+says so (MOEBUS_QUANT_MMA names the formats, off by default; ``attn``: the FP8 attention projections on the same
+GEMV, linear_quant_mma.py; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2 (sm_89+), rows of whole 16-byte
+words, a stream object, the kernels built). Why: the numba kernels issue ~7 instructions a code (e4m3 -> f16 ->
+f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their bytes take at HBM rate
+(seventeenth session: fp8 gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B; int4 gate|up 11.3, bound by its
+decoding); on mma.sync m16n8k16 an fp8 code costs half a conversion and 1/32 of an mma, an int4 code
 about one instruction (sm_90 SASS: ~2.5 instructions a code a lane with the overheads).
 
 Precision: e4m3 -> f16 and int4 q -> f16 are exact; x (gate|up: the layer's input; down: h) is rounded to f16
