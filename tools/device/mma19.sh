@@ -10,7 +10,8 @@
 #       us a launch behind a spin kernel (median of 200, no PDL), the numba one-round kernel against the tensor-core
 #       kernel at its swept shapes, max abs / rel error against the numba output (at most 40 s);
 #   (3) quant17.sh's measure phase: quant17_bench.py on $M48 over quant19_plan.json (bf16; fp8 + fp8 attention:
-#       defaults, mma experts, mma experts + attention, the same with gate|up (1, 8, 2, 3), the same with PDL off;
+#       defaults, mma experts, mma experts + attention, the same with PDL off (true durations), with the projections'
+#       weights before the wait (linear_quant_fp8.LOAD_BEFORE_WAIT), with gate|up at (1, 8, 2, 3);
 #       int4 + fp8 attention: defaults, mma int4 + attention; names of at most 18 characters: the summary cuts
 #       them), in the time left (~100 s wanted; a cut loses the last).
 # The summary last; details in $OUT (gpu_tests.txt / tests.txt, bench.txt, bench.json, sweep.txt, table.txt).
