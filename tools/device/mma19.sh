@@ -4,16 +4,19 @@
 # PHASE=warm (beside the other branches, BUDGET ~110 s; nothing timed): quant17.sh's warm phase with TESTS = this
 #   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py) and PLAN = quant19_plan.json (a 1-layer a3b
 #   model; QUICK sweeps of the plan compile every kernel the measure phase runs into /tmp/quant17-nc).
-# PHASE=measure (alone, BUDGET ~150 s), or unset (one phase: the tests first, and the decode compiles cold):
+# PHASE=measure (alone, BUDGET ~185 s), or unset (one phase: the tests first, and the decode compiles cold):
 #   (1) the GPU tests, only where the warm phase did not pass them (at most 60 s);
 #   (2) tools/device/mma19_bench.py: A3B q|k|v (2048 -> 5120) and o (4096 -> 2048), 16 layers' weights rotating,
 #       us a launch behind a spin kernel (median of 200, no PDL), the numba one-round kernel against the tensor-core
-#       kernel at its swept shapes, max abs / rel error against the numba output (at most 40 s);
+#       kernel at its swept shapes, max abs / rel error against the numba output; then the experts' fp8 gate|up
+#       (mma18_bench.py's way): the default and (1, 8, 2, 3), then (1, 8, 2, 3), (1, 4, 4, 4), (1, 2, 4, 8) with the
+#       layout's offsets compiled in (moe_quant_mma.FIXED_OFFSETS) (at most 55 s);
 #   (3) quant17.sh's measure phase: quant17_bench.py on $M48 over quant19_plan.json (bf16; fp8 + fp8 attention:
 #       defaults, mma experts, mma experts + attention, the same with PDL off (true durations), with the projections'
-#       weights before the wait (linear_quant_fp8.LOAD_BEFORE_WAIT), with gate|up at (1, 8, 2, 3);
-#       int4 + fp8 attention: defaults, mma int4 + attention; names of at most 18 characters: the summary cuts
-#       them), in the time left (~100 s wanted; a cut loses the last).
+#       weights before the wait (linear_quant_fp8.LOAD_BEFORE_WAIT), with gate|up at (1, 8, 2, 3), at (1, 4, 4, 4)
+#       with FIXED_OFFSETS; int4 + fp8 attention: defaults, mma int4 + attention; names of at most 18 characters:
+#       the summary cuts them), in the time left (~130 s wanted: 3 loads ~43 s, 10 settings ~8.5 s each; a cut loses the last).
+# BUDGET: ~185 s for everything; at 150 the int4 settings are cut.
 # The summary last; details in $OUT (gpu_tests.txt / tests.txt, bench.txt, bench.json, sweep.txt, table.txt).
 source tools/device/setup.sh
 source tools/device/steps.sh
@@ -29,7 +32,7 @@ fi
 passed() { grep -qE "[0-9]+ passed" $1 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $1; }
 passed $OUT/gpu_tests.txt || SHOW=4 step tests 20 60 env NUMBA_CACHE_DIR=/tmp/quant17-numba-tests MOEBUS_TEST_GPU=1 \
   python3 -m pytest -x -q -p no:cacheprovider -rf $TESTS
-NUMBA_CACHE_DIR=/tmp/quant17-nc SHOW=3 step bench 20 40 python3 tools/device/mma19_bench.py --json $OUT/bench.json
+NUMBA_CACHE_DIR=/tmp/quant17-nc SHOW=3 step bench 20 55 python3 tools/device/mma19_bench.py --json $OUT/bench.json
 [ $(left) -ge 66 ] && PHASE=measure BUDGET=$(( $(left) - 2 )) OUT=$OUT bash tools/device/quant17.sh > $OUT/decode.txt 2>&1
 echo "== mma19 ($PHASE) at $(at): tests"
 for f in gpu_tests tests; do grep -E "passed|failed|error" $OUT/$f.txt 2>/dev/null | tail -1 | cut -c1-160

@@ -5,16 +5,21 @@ layers' worth, 168 + 134 MB, so that L2 holds none between its uses). Timing as 
 the stream while the host queues REPEATS launches with an event between each two (no PDL: true durations), us a
 launch (median, mean). Error: against the numba kernel's output, max abs and max relative to the largest |value|.
 
-    mma19_bench.py [--tiny] [--json PATH]   (--tiny: 256 -> 80 and 512 -> 48, 2 layers, 2 launches; in the simulator
-        only the numba kernel runs, untimed)"""
+Then (--parts gate_up) the experts' fp8 gate|up as mma18_bench.py times it (A3B, 8 pairs, 16 layers' experts): the
+default shape and (1, 8, 2, 3) with the offsets passed at launch, then moe_quant_mma.FIXED_GATE_UP_SWEEP with the
+layout's offsets compiled in (FIXED_OFFSETS: (1, 4, 4, 4) and (1, 2, 4, 8) without spills), each against numba's.
+
+    mma19_bench.py [--tiny] [--json PATH] [--parts dense,gate_up]   (--tiny: 256 -> 80 and 512 -> 48, 2 layers, 2
+        launches; in the simulator only the numba kernels run, untimed)"""
 import argparse
 import sys
 import time
 
 import numpy as np
 
+import mma18_bench
 from mma18_bench import emit, spin_kernel, timed
-from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma
+from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma, moe_quant_mma
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.launch import ceil_div
 from moebus.cuda.kernels.quant_words import HARDWARE_E4M3_MIN_RUN, hardware_e4m3
@@ -104,14 +109,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json", default="")
+    parser.add_argument("--parts", default="dense,gate_up")
     args = parser.parse_args(argv)
     log = open(args.json, "w") if args.json else None
-    projections = (("q|k|v", 256, 80), ("o", 512, 48)) if args.tiny else PROJECTIONS
-    rows = []
-    for name, cols, out_rows in projections:
-        rows += bench(name, cols, out_rows, args.tiny, log)
-    summary(rows)
+    parts = args.parts.split(",")
+    if "dense" in parts:
+        projections = (("q|k|v", 256, 80), ("o", 512, 48)) if args.tiny else PROJECTIONS
+        rows = []
+        for name, cols, out_rows in projections:
+            rows += bench(name, cols, out_rows, args.tiny, log)
+        summary(rows)
+    if "gate_up" in parts:
+        gate_up(args.tiny, log)
     return 0
+
+
+def gate_up(tiny: bool, log) -> None:
+    """mma18_bench's fp8 gate|up rows (no down): the default and (1, 8, 2, 3) as launched today, then
+    FIXED_GATE_UP_SWEEP with FIXED_OFFSETS."""
+    mma18_bench.PAIRS = 2 if tiny else 8
+    mma18_bench.DOWN_SHAPES = ()
+    rows = []
+    for fixed, shapes in ((False, (moe_quant_mma.GATE_UP_SHAPE, (1, 8, 2, 3))),
+                          (True, moe_quant_mma.FIXED_GATE_UP_SWEEP)):
+        moe_quant_mma.FIXED_OFFSETS = fixed
+        mma18_bench.GATE_UP_SHAPES = shapes
+        found = mma18_bench.bench_format("fp8", tiny, log)
+        for r in found:
+            if fixed and r.get("shape"):
+                r["shape"] = "".join(map(str, r["shape"])) + " fixed"
+        rows += [r for r in found if "down" not in r["kernel"] and (not fixed or "numba" not in r["kernel"])]
+    moe_quant_mma.FIXED_OFFSETS = False
+    mma18_bench.summary(rows)
 
 
 if __name__ == "__main__":
