@@ -64,6 +64,13 @@ def test_the_dense_kernel_waits_before_reading_x(early):
     assert (b"griddepcontrol.launch_dependents" in ptx[at:]) == pdl.trigger_after_wait()
 
 
+def test_shapes_by_the_rows_length(monkeypatch):
+    assert linear_quant_mma.shape_for(2048) == (1, 8, 4, 4) and linear_quant_mma.shape_for(4096) == (1, 16, 4, 1)
+    assert linear_quant_mma.shape_for(144) == (1, 1, 4, 1) and linear_quant_mma.shape_for(8192) == (1, 16, 4, 1)
+    monkeypatch.setattr(linear_quant_mma, "SHAPES", {"2048": [1, 16, 2, 2]})  # as a sweep plan's JSON sets it
+    assert linear_quant_mma.shape_for(2048) == (1, 16, 2, 2)
+
+
 def test_the_switch_names_attn():
     assert moe_quant_mma._formats("attn") == {"attn"}
     assert moe_quant_mma._formats("fp8,attn") == {"fp8", "attn"}

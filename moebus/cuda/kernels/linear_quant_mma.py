@@ -35,15 +35,20 @@ WORDS, MAX_KSPLIT = 4, 16
 
 
 def shape_for(cols: int) -> tuple:
-    """SHAPES' entry, else KSPLIT warps of WORDS steps (64 inputs) covering the row, at most MAX_KSPLIT."""
-    return tuple(SHAPES.get(cols) or (1, min(MAX_KSPLIT, ceil_div(ceil_div(cols, 64), WORDS)), WORDS, 1))
+    """SHAPES' entry (its keys ints, or strings: a sweep plan's JSON), else KSPLIT warps of WORDS steps (64 inputs)
+    covering the row, at most MAX_KSPLIT."""
+    found = SHAPES.get(cols) or SHAPES.get(str(cols))
+    return tuple(found or (1, min(MAX_KSPLIT, ceil_div(ceil_div(cols, 64), WORDS)), WORDS, 1))
 
 
 def fits(x, codes, scales) -> bool:
-    """One token, rows of whole 16-byte words, codes 16-byte aligned (x: linear_fp8_cuda checks it)."""
+    """One token, rows of whole 16-byte words, C-ordered codes (16-byte aligned) and scales (x: linear_fp8_cuda
+    checks it)."""
+    from moebus.cuda.kernels.compat import is_contiguous
     from moebus.cuda.kernels.moe_quant_round import aligned
 
-    return x.shape[0] == 1 and codes.shape[1] % VALUES == 0 and codes.shape[0] > 0 and aligned(codes)
+    return (x.shape[0] == 1 and codes.shape[1] % VALUES == 0 and codes.shape[0] > 0 and aligned(codes)
+            and is_contiguous(codes) and is_contiguous(scales))
 
 
 def takes(x, codes, scales, stream) -> bool:
