@@ -23,20 +23,22 @@ source tools/device/steps.sh
 export MOEBUS_SITE_READY=1  # quant17.sh below sources setup.sh again
 set -o pipefail
 export M48=${M48:-/tmp/m48}  # lead12_call.sh makes it in its warm phase
-PHASE=${PHASE:-one}; BUDGET=${BUDGET:-150}; OUT=${OUT:-/tmp/mma19-out}; mkdir -p $OUT; T0=$(date +%s)
+PHASE=${PHASE:-one}; BUDGET=${BUDGET:-185}; OUT=${OUT:-/tmp/mma19-out}; mkdir -p $OUT; T0=$(date +%s)
 export TESTS="tests/cuda/test_linear_quant_mma.py tests/cuda/test_moe_quant_mma.py" PLAN=quant19_plan.json
 if [ "$PHASE" = warm ]; then
-  BUDGET=$BUDGET OUT=$OUT bash tools/device/quant17.sh
+  PHASE=warm BUDGET=$BUDGET OUT=$OUT bash tools/device/quant17.sh
   exit 0
 fi
 passed() { grep -qE "[0-9]+ passed" $1 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $1; }
 passed $OUT/gpu_tests.txt || SHOW=4 step tests 20 60 env NUMBA_CACHE_DIR=/tmp/quant17-numba-tests MOEBUS_TEST_GPU=1 \
   python3 -m pytest -x -q -p no:cacheprovider -rf $TESTS
+mkdir -p /tmp/quant17-nc/moe_quant_mma  # the tests' NVRTC cubins (every swept shape) serve the bench
+cp -n /tmp/quant17-numba-tests/moe_quant_mma/*.cubin /tmp/quant17-nc/moe_quant_mma/ 2>/dev/null
 NUMBA_CACHE_DIR=/tmp/quant17-nc SHOW=3 step bench 20 55 python3 tools/device/mma19_bench.py --json $OUT/bench.json
 [ $(left) -ge 66 ] && PHASE=measure BUDGET=$(( $(left) - 2 )) OUT=$OUT bash tools/device/quant17.sh > $OUT/decode.txt 2>&1
 echo "== mma19 ($PHASE) at $(at): tests"
 for f in gpu_tests tests; do grep -E "passed|failed|error" $OUT/$f.txt 2>/dev/null | tail -1 | cut -c1-160
   grep -E "^FAILED|^ERROR" $OUT/$f.txt 2>/dev/null | head -2 | cut -c1-160; done
-sed -n '/== mma19 summary/,$p' $OUT/bench.txt 2>/dev/null | cut -c1-150
+sed -n '/== mma19 summary/,$p' $OUT/bench.txt 2>/dev/null | grep -v '^{' | cut -c1-150
 sed -n '/== quant15 summary/,$p' $OUT/decode.txt 2>/dev/null | grep -vE "^gpu tests|^\s*$" | cut -c1-120
 grep -E "skipped|FAILED" $OUT/decode.txt 2>/dev/null | head -3 | cut -c1-150
