@@ -2,8 +2,9 @@
 # Issue 16, nineteenth session (branch mma19): the FP8 attention projections at batch 1 on tensor cores
 # (linear_quant_mma.py, MOEBUS_QUANT_MMA=attn; the experts' moe_quant_mma beside them). lead12_call.sh's convention:
 # PHASE=warm (beside the other branches, BUDGET ~110 s; nothing timed): quant17.sh's warm phase with TESTS = this
-#   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py) and PLAN = quant19_plan.json (a 1-layer a3b
-#   model; QUICK sweeps of the plan compile every kernel the measure phase runs into /tmp/quant17-nc).
+#   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py, test_moe_quant_mma_fixed.py) and PLAN =
+#   quant19_plan.json (a 1-layer a3b model; QUICK sweeps of the plan compile every kernel the measure phase runs
+#   into /tmp/quant17-nc).
 # PHASE=measure (alone, BUDGET ~185 s), or unset (one phase: the tests first, and the decode compiles cold):
 #   (1) the GPU tests, only where the warm phase did not pass them (at most 60 s);
 #   (2) tools/device/mma19_bench.py: A3B q|k|v (2048 -> 5120) and o (4096 -> 2048), 16 layers' weights rotating,
@@ -15,7 +16,8 @@
 #       defaults, mma experts, mma experts + attention, the same with PDL off (true durations), with the projections'
 #       weights before the wait (linear_quant_fp8.LOAD_BEFORE_WAIT), with gate|up at (1, 8, 2, 3), at (1, 4, 4, 4)
 #       with FIXED_OFFSETS; int4 + fp8 attention: defaults, mma int4 + attention; names of at most 18 characters:
-#       the summary cuts them), in the time left (~130 s wanted: 3 loads ~43 s, 10 settings ~8.5 s each; a cut loses the last).
+#       the summary cuts them), in the time left (~130 s wanted: 3 loads ~43 s, 10 settings ~8.5 s each; a cut
+#       loses the last).
 # BUDGET: ~185 s for everything; at 150 the int4 settings are cut.
 # The summary last; details in $OUT (gpu_tests.txt / tests.txt, bench.txt, bench.json, sweep.txt, table.txt).
 source tools/device/setup.sh
@@ -24,7 +26,9 @@ export MOEBUS_SITE_READY=1  # quant17.sh below sources setup.sh again
 set -o pipefail
 export M48=${M48:-/tmp/m48}  # lead12_call.sh makes it in its warm phase
 PHASE=${PHASE:-one}; BUDGET=${BUDGET:-185}; OUT=${OUT:-/tmp/mma19-out}; mkdir -p $OUT; T0=$(date +%s)
-export TESTS="tests/cuda/test_linear_quant_mma.py tests/cuda/test_moe_quant_mma.py" PLAN=quant19_plan.json
+T=tests/cuda
+export TESTS="$T/test_linear_quant_mma.py $T/test_moe_quant_mma.py $T/test_moe_quant_mma_fixed.py"
+export PLAN=quant19_plan.json
 if [ "$PHASE" = warm ]; then
   PHASE=warm BUDGET=$BUDGET OUT=$OUT bash tools/device/quant17.sh
   exit 0
@@ -35,7 +39,8 @@ passed $OUT/gpu_tests.txt || SHOW=4 step tests 20 60 env NUMBA_CACHE_DIR=/tmp/qu
 mkdir -p /tmp/quant17-nc/moe_quant_mma  # the tests' NVRTC cubins (every swept shape) serve the bench
 cp -n /tmp/quant17-numba-tests/moe_quant_mma/*.cubin /tmp/quant17-nc/moe_quant_mma/ 2>/dev/null
 NUMBA_CACHE_DIR=/tmp/quant17-nc SHOW=3 step bench 20 55 python3 tools/device/mma19_bench.py --json $OUT/bench.json
-[ $(left) -ge 66 ] && PHASE=measure BUDGET=$(( $(left) - 2 )) OUT=$OUT bash tools/device/quant17.sh > $OUT/decode.txt 2>&1
+[ $(left) -ge 66 ] && PHASE=measure BUDGET=$(( $(left) - 2 )) OUT=$OUT bash tools/device/quant17.sh \
+  > $OUT/decode.txt 2>&1
 echo "== mma19 ($PHASE) at $(at): tests"
 for f in gpu_tests tests; do grep -E "passed|failed|error" $OUT/$f.txt 2>/dev/null | tail -1 | cut -c1-160
   grep -E "^FAILED|^ERROR" $OUT/$f.txt 2>/dev/null | head -2 | cut -c1-160; done
