@@ -6,8 +6,8 @@ the stream while the host queues REPEATS launches with an event between each two
 launch (median, mean). Error: against the numba kernel's output, max abs and max relative to the largest |value|.
 
 Then (--parts gate_up) the experts' fp8 gate|up as mma18_bench.py times it (A3B, 8 pairs, 16 layers' experts): the
-default shape and (1, 8, 2, 3) with the offsets passed at launch, then moe_quant_mma.FIXED_GATE_UP_SWEEP with the
-layout's offsets compiled in (FIXED_OFFSETS: (1, 4, 4, 4) and (1, 2, 4, 8) without spills), each against numba's.
+default shape and (1, 8, 2, 3), each against numba's. (The first call also timed the layout's offsets compiled in,
+FIXED_OFFSETS, removed after it: (1, 8, 2, 3) 11.58 against 11.74 us, (1, 4, 4, 4) 12.03, slower in the decode.)
 
     mma19_bench.py [--tiny] [--json PATH] [--parts dense,gate_up]   (--tiny: 256 -> 80 and 512 -> 48, 2 layers, 2
         launches; in the simulator only the numba kernels run, untimed)"""
@@ -125,22 +125,12 @@ def main(argv=None) -> int:
 
 
 def gate_up(tiny: bool, log) -> None:
-    """mma18_bench's fp8 gate|up rows (no down): the default and (1, 8, 2, 3) as launched today, then
-    FIXED_GATE_UP_SWEEP with FIXED_OFFSETS."""
+    """mma18_bench's fp8 gate|up rows (no down): the default and (1, 8, 2, 3)."""
     mma18_bench.PAIRS = 2 if tiny else 8
     mma18_bench.DOWN_SHAPES = ()
-    rows = []
-    for fixed, shapes in ((False, (moe_quant_mma.GATE_UP_SHAPE, (1, 8, 2, 3))),
-                          (True, moe_quant_mma.FIXED_GATE_UP_SWEEP)):
-        moe_quant_mma.FIXED_OFFSETS = fixed
-        mma18_bench.GATE_UP_SHAPES = shapes
-        found = mma18_bench.bench_format("fp8", tiny, log)
-        for r in found:
-            if fixed and r.get("shape"):
-                r["shape"] = "".join(map(str, r["shape"])) + " fixed"
-        rows += [r for r in found if "down" not in r["kernel"] and (not fixed or "numba" not in r["kernel"])]
-    moe_quant_mma.FIXED_OFFSETS = False
-    mma18_bench.summary(rows)
+    mma18_bench.GATE_UP_SHAPES = (moe_quant_mma.GATE_UP_SHAPE, (1, 8, 2, 3))
+    found = mma18_bench.bench_format("fp8", tiny, log)
+    mma18_bench.summary([r for r in found if "down" not in r["kernel"]])
 
 
 if __name__ == "__main__":

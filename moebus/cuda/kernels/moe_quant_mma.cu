@@ -371,9 +371,6 @@ ENTRY(const float *x, const int *x_table, const int *pair_slot, const u8 *arena,
 #if !EARLY
     pdl_wait();  // before any global read or write
 #endif
-#ifdef CODE0  // the layout's offsets compiled in (moe_quant_mma.FIXED_OFFSETS): the loads at [blob + constant]
-    code0 = CODE0, code1 = CODE1, scale0 = SCALE0, scale1 = SCALE1;
-#endif
     const int j = first_pair + blockIdx.y;
     const int entry = pair_slot[j];
     const float *x_row = x + (long long)(MATS == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's

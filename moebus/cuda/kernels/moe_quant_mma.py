@@ -76,13 +76,6 @@ GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
 DOWN_SWEEP = ((1, 2, 6, 8), (4, 2, 6, 3), (2, 6, 2, 4))
 INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
 INT4_DOWN_SWEEP = ((2, 6, 1, 4), (4, 2, 3, 3))
-# The layout's byte offsets of the matrices compiled in (the loads at [blob + constant], one address register
-# fewer a matrix) instead of read from the launch's arguments. Off: not timed (nineteenth session). sm_90 ptxas, A3B
-# fp8: the defaults' registers unchanged; gate|up (1, 4, 4, 4) 128 registers without spills (8 bytes with the
-# arguments; 384 blocks of 128 threads, 4 an SM: one wave, two passes), (1, 2, 4, 8) 128 (148 bytes of spills
-# without); (1, 8, 2, 3) still spills 4 bytes (12 before the nineteenth session's gemv), down (4, 2, 6, 3) 4 either way
-FIXED_OFFSETS = False
-FIXED_GATE_UP_SWEEP = ((1, 8, 2, 3), (1, 4, 4, 4), (1, 2, 4, 8))  # mma19_bench.py's, with FIXED_OFFSETS
 VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a row
 
 
@@ -95,11 +88,10 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
-                    fmt: str = "fp8", dense: bool = False, offsets: tuple | None = None) -> list[bytes]:
+                    fmt: str = "fp8", dense: bool = False) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
-    ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8); ``offsets``: the
-    matrices' (code0, code1, scale0, scale1) bytes compiled in (FIXED_OFFSETS; ``_fixed``)."""
+    ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
@@ -111,9 +103,7 @@ def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, ea
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
-            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(),
-            *(f"-D{name}={int(value)}LL".encode() for name, value in zip(("CODE0", "CODE1", "SCALE0", "SCALE1"),
-                                                                          offsets or ()))]
+            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode()]
 
 
 def _entry(mats: int, dense: bool = False) -> str:
@@ -125,8 +115,7 @@ def source() -> bytes:
 
 
 @functools.cache
-def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False,
-            offsets: tuple | None = None):
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -135,10 +124,10 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, offsets)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
     entry = _entry(mats, dense)
-    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}{'_fixed' if offsets else ''}"
+    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
@@ -146,9 +135,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 @functools.cache
 def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
-            dense: bool = False, offsets: tuple | None = None) -> bool:
+            dense: bool = False) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt, dense, offsets)
+        _kernel(cols, rows, mats, shape, early, fmt, dense)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False
@@ -186,16 +175,8 @@ def takes(layout, chunk: int, arena, store, stream) -> bool:
     fmt = layout.dtype
     gate_up, down = shapes(fmt)
     return (fmt in FORMATS and fits(layout, chunk) and _stream_object(stream) and _gpu_ok() and aligned(arena, store)
-            and _builds(layout.hidden, layout.inter, 2, tuple(gate_up), False, fmt, False, _fixed(layout, 2))
-            and _builds(layout.inter, layout.hidden, 1, tuple(down), _early(), fmt, False, _fixed(layout, 1)))
-
-
-def _fixed(layout, mats: int) -> tuple | None:
-    """(code0, code1, scale0, scale1) bytes of gate|up (mats 2) or down (1) where FIXED_OFFSETS, else None."""
-    if not FIXED_OFFSETS:
-        return None
-    words = [4 * o for o in layout.kernel_words()]
-    return (words[0], words[1], words[3], words[4]) if mats == 2 else (words[2], words[2], words[5], words[5])
+            and _builds(layout.hidden, layout.inter, 2, tuple(gate_up), False, fmt)
+            and _builds(layout.inter, layout.hidden, 1, tuple(down), _early(), fmt))
 
 
 def _early() -> bool:
@@ -234,7 +215,7 @@ def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, 
     """h[j] = silu(gate x[pair_token[j]]) * up x[pair_token[j]] for every pair j (``launch``'s first kernel)."""
     shape = tuple(shape or shapes(layout.dtype)[0])
     code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype, False, _fixed(layout, 2))
+    kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype)
     _launch_pairs(stream, kernel, layout.inter, shape, x, pair_token, pair_slot, arena, store, layout,
                   (code0, code1, scale0, scale1), pair_out, h)
 
@@ -245,7 +226,7 @@ def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, s
     shape = tuple(shape or shapes(layout.dtype)[1])
     early = _early() if early is None else early
     _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype, False, _fixed(layout, 1))
+    kernel = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype)
     _launch_pairs(stream, kernel, layout.hidden, shape, h, pair_token, pair_slot, arena, store, layout,
                   (code2, code2, scale2, scale2), pair_out, out)
 

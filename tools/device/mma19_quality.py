@@ -1,0 +1,55 @@
+"""The tensor-core GEMVs' fidelity on a TRAINED model (issue 16; nineteenth session): `moebus bench quality`'s
+measure (top-1 agreement and KL against the bf16 model, each step feeding the held-out text's own next token) at
+batch 1 — the only batch the b1 tensor-core kernels take — one prompt at a time, with MOEBUS_QUANT_MMA off and on
+(every format, the projections' weights before the PDL wait), fp8 and int4 experts, FP8 attention projections.
+Counts the tensor-core launches so that a row that never took them says so.
+
+    python3 tools/device/mma19_quality.py MODEL_DIR TEXTS_JSON [PROMPTS] [STEPS]
+
+DEVICE=cpu: a dry run of the plumbing (no tensor cores). MODEL_DIR: tools/train_tiny_moe.py's trained bf16 model; TEXTS_JSON: its held_out_texts.json."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def main() -> int:
+    model, texts_path = sys.argv[1], sys.argv[2]
+    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from moebus.bench import quality
+    from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma, moe_quant_mma
+
+    calls = {"experts": 0, "attn": 0}
+    for mod, key in ((moe_quant_mma, "experts"), (linear_quant_mma, "attn")):
+        real = mod.launch
+
+        def counted(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+        mod.launch = counted
+    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    for dtype in ("fp8", "int4"):
+        for on in (False, True):
+            moe_quant_mma.FORMATS = frozenset({dtype, "attn"} if on else ())
+            linear_quant_fp8.LOAD_BEFORE_WAIT = on
+            calls.update(experts=0, attn=0)
+            agree, kl, n, t0 = [], [], 0, time.time()
+            for text in texts:
+                r = quality.measure(model, dtype, steps, 1, os.environ.get("DEVICE", "cuda"), "fp8", [text], follow_text=True)
+                agree.append(r["top1_agreement"] * r["comparisons"])
+                kl.append(r["mean_kl"] * r["comparisons"])
+                n += r["comparisons"]
+            print(json.dumps({"experts": dtype, "attention": "fp8", "mma": on, "prompts": len(texts), "steps": steps,
+                              "comparisons": n, "top1_agreement": round(float(np.sum(agree) / n), 4),
+                              "mean_kl": float(np.sum(kl) / n), "mma_launches": dict(calls),
+                              "s": round(time.time() - t0, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
