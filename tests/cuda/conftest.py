@@ -23,6 +23,16 @@ def fast_thread_switch():
 
 
 @pytest.fixture
+def exact_quant_kernels(monkeypatch):
+    """The quantized GEMVs on the numba kernels (moe_quant_mma.FORMATS empty: MOEBUS_QUANT_MMA=0), for tests of
+    those kernels' own paths and bits; the tensor-core path, on by default on a GPU, rounds x to f16 and has its
+    own tests against them (test_moe_quant_mma.py, test_linear_quant_mma.py)."""
+    from moebus.cuda.kernels import moe_quant_mma
+
+    monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset())
+
+
+@pytest.fixture
 def rng(request):
     # fresh random inputs per test, reproducible from the test's name
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

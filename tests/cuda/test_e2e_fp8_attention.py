@@ -1,10 +1,14 @@
+
 """attention.dtype fp8 on the cuda device (numba's simulator here) against the cpu device, whose FP8
 projections are the float32 dequantized weights (the FP8 GEMV's reference)."""
 import numpy as np
+import pytest
 
 from moebus.cuda.kernels.linear_quant import Fp8Weight
 from moebus.workers.local import LocalModel
 from tests.cuda.test_e2e import micro_model  # noqa: F401 - the module's fixture
+
+pytestmark = pytest.mark.usefixtures("exact_quant_kernels")  # the exact kernels against the cpu device at 1e-4
 
 
 def test_fp8_attention_matches_the_cpu_device(micro_model):  # noqa: F811

@@ -49,7 +49,7 @@ def test_the_dense_kernel_compiles_for_hopper_without_spills(rows, cols, shape, 
 
 @pytest.mark.parametrize("early", [False, True])
 def test_the_dense_kernel_waits_before_reading_x(early):
-    """griddepcontrol.wait before any global read (early, linear_quant_fp8.LOAD_BEFORE_WAIT: the weights only,
+    """griddepcontrol.wait before any global read (early, linear_quant_mma.LOAD_BEFORE_WAIT: the weights only,
     ld.global.cs, before it; never x), then the trigger where pdl.trigger_after_wait: the numba kernel's rule."""
     _nvrtc()
     from moebus.cuda.kernels import pdl
@@ -81,16 +81,17 @@ def test_the_switch_names_attn():
 
 
 def test_linear_fp8_takes_it_only_with_the_option(rng, monkeypatch):
-    """Off (the default): the numba kernels. attn: one token with a stream object on whole 16-byte words; not two
-    tokens, not the default stream, not rows of 8.5 words; the experts' formats alone leave it off."""
+    """attn (in the default, all): one token with a stream object on whole 16-byte words; not two
+    tokens, not the default stream, not rows of 8.5 words; the experts' formats alone leave it off; off: the numba
+    kernel."""
     monkeypatch.setattr(moe_quant_mma, "_gpu_ok", lambda: True)
     monkeypatch.setattr(moe_quant_mma, "_builds", lambda *a: True)
     stream = type("Stream", (), {"__cuda_stream__": lambda self: (0, 0)})()
     codes, scales = fp8_rows(_weight(rng, 24, 256))
     x1, x2 = device(np.zeros((1, 256), np.float32)), device(np.zeros((2, 256), np.float32))
     codes_d, scales_d = device(codes), device(scales)
-    assert "attn" not in moe_quant_mma.FORMATS  # off by default
-    assert not linear_quant_mma.takes(x1, codes_d, scales_d, stream)
+    assert "attn" in moe_quant_mma.FORMATS  # on by default
+    assert linear_quant_mma.takes(x1, codes_d, scales_d, stream)
     monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8", "int4"}))
     assert not linear_quant_mma.takes(x1, codes_d, scales_d, stream)
     monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"attn"}))

@@ -35,6 +35,9 @@ def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8"):
     return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
 
 
+SPILL_BYTES = {("fp8", 2, (1, 8, 2, 3)): 4}  # (format, matrices, shape): the spill stores ptxas may report
+
+
 @pytest.mark.parametrize("cols, rows, mats, shape, early, fmt", [
     (2048, 768, 2, moe_quant_mma.GATE_UP_SHAPE, False, "fp8"),  # A3B gate|up
     (768, 2048, 1, moe_quant_mma.DOWN_SHAPE, True, "fp8"),  # A3B down, its codes before the wait
@@ -44,6 +47,7 @@ def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8"):
     (768, 2048, 1, moe_quant_mma.INT4_DOWN_SHAPE, True, "int4"),
 ])
 def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, early, fmt):
+    """No spills but the fp8 gate|up default's 4 bytes ((1, 8, 2, 3): a value on L1's stack; the decode's fastest)."""
     _nvrtc()
     entry = moe_quant_mma.GATE_UP_ENTRY if mats == 2 else moe_quant_mma.DOWN_ENTRY
     ptx, _ = _compile(cols, rows, mats, shape, early, "ptx", fmt)
@@ -54,7 +58,9 @@ def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, earl
     if log.strip():
         lines = log.splitlines()
         at = next(i for i, line in enumerate(lines) if f"entry function '{entry}'" in line)
-        assert " 0 bytes spill stores" in lines[at + 2], lines[at + 2]
+        allowed = SPILL_BYTES.get((fmt, mats, tuple(shape)), 0)
+        spilled = int(lines[at + 2].split(" bytes spill stores")[0].rsplit(",", 1)[-1])
+        assert spilled <= allowed, lines[at + 2]
 
 
 @pytest.mark.parametrize("mats, early", [(2, False), (1, False), (1, True)])
@@ -87,14 +93,15 @@ def test_the_switch_names_the_formats(monkeypatch):
 
 
 def test_expert_ffn_takes_them_only_with_the_option(rng, monkeypatch):
-    """MOEBUS_QUANT_MMA off (the default): today's kernels even where the GPU could; fp8: fp8 at batch 1 with a
-    stream object, not int4 (its own format in the switch), runs of two pairs or the default stream."""
+    """MOEBUS_QUANT_MMA on (the default, every format); off: the numba kernels even where the GPU could; fp8: fp8 at
+    batch 1 with a stream object, not int4 (its own format in the switch), runs of two pairs or the default stream."""
     layout = ExpertLayout("fp8", 256, 128)
     arena = device(_arena(rng, layout, 2))
     monkeypatch.setattr(moe_quant_mma, "_gpu_ok", lambda: True)
     monkeypatch.setattr(moe_quant_mma, "_builds", lambda *a: True)
     stream = type("Stream", (), {"__cuda_stream__": lambda self: (0, 0)})()
-    assert not moe_quant_mma.FORMATS  # off by default
+    assert moe_quant_mma.FORMATS == {"fp8", "int4", "attn"}  # on by default
+    monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset())
     assert not moe_quant_mma.takes(layout, 1, arena, arena, stream)
     monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({"fp8"}))
     assert moe_quant_mma.takes(layout, 1, arena, arena, stream)

@@ -12,6 +12,8 @@ from moebus.workers.batch import StepBatch
 from moebus.workers.local import LocalModel
 from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
+pytestmark = pytest.mark.usefixtures("exact_quant_kernels")  # the numba down kernel's early loads
+
 PROMPT = [5, 17, 42, 9, 77]
 
 

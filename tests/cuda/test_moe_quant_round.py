@@ -10,6 +10,8 @@ from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_moe_quant import _arena, _close, _run
 from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
+pytestmark = pytest.mark.usefixtures("exact_quant_kernels")  # the numba one-round kernels
+
 
 @pytest.mark.parametrize("hidden, inter, gate_rows, down_rows, hardware", [
     (256, 128, 2, 8, True),  # rows of whole rounds: 16 / 8 words, 1 / 2 a lane

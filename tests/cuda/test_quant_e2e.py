@@ -7,6 +7,8 @@ from moebus.common import tiny_model
 from moebus.workers.local import LocalModel
 from tests.cuda.test_e2e import MICRO
 
+pytestmark = pytest.mark.usefixtures("exact_quant_kernels")  # the exact kernels against the cpu device at 1e-4
+
 
 @pytest.fixture(scope="module")
 def micro_fp8_model(tmp_path_factory):

@@ -1,8 +1,8 @@
 """The FP8 dense projections of a decode step at batch 1 (the attention's q|k|v and o with ``attention.dtype``
 fp8) on tensor cores (nineteenth session, issue 16): moe_quant_mma.cu's GEMV compiled with DENSE (one x row, one
 matrix, linear_quant.py's scales: a float32 per row and 128 inputs), taken by linear_quant.linear_fp8_cuda before
-linear_quant_fp8.py's numba one-round kernel where ``takes`` says so: MOEBUS_QUANT_MMA names ``attn`` (or ``all``;
-off by default), one token, rows of whole 16-byte words, 16-byte aligned codes, a GPU with cvt.rn.f16x2.e4m3x2
+linear_quant_fp8.py's numba one-round kernel where ``takes`` says so: MOEBUS_QUANT_MMA names ``attn`` (``all``, the
+default, does), one token, rows of whole 16-byte words, 16-byte aligned codes, a GPU with cvt.rn.f16x2.e4m3x2
 (sm_89+), a stream object, the kernel built; else the numba kernel, as before.
 
 Why: the numba kernel's true durations in the 48 x 32 A3B step (seventeenth session, PDL off) are q|k|v 5.5 us
@@ -14,8 +14,11 @@ in f32), products exact, sums in f32: |got - exact| <= 1.5 * 2^-11 * sum_k |w_k 
 test_linear_quant_mma.py); moe_quant_mma_ref.gemv_ref(..., row_scales=True) is its arithmetic in numpy. Not the
 numba kernel's bits.
 
-PDL: the numba kernel's rule. griddepcontrol.wait before any global read (linear_quant_fp8.LOAD_BEFORE_WAIT, off:
-the weights before it, x after), launch_dependents after it where MOEBUS_PDL_TRIGGER; registered as waiting.
+PDL: the weights' codes and scales are loaded before griddepcontrol.wait (LOAD_BEFORE_WAIT, on: a weight never
+changes within a step, so its bytes come from HBM while the kernel before it ends), x after it; launch_dependents after
+the wait where MOEBUS_PDL_TRIGGER; registered as waiting. H200, 48 x 32 b1 decode (nineteenth session, call B): fp8
+experts and projections on tensor cores 477.8 / 476.1 tok/s with the early weights, 450.3 without (call A); the numba
+kernel gains nothing from them (linear_quant_fp8.LOAD_BEFORE_WAIT stays off).
 
 Shapes (TILES, KSPLIT, WORDS, MIN_BLOCKS) by the row's length (COLS), sm_90 ptxas registers, no spills: A3B q|k|v
 (2,048 -> 5,120, 320 tiles of 16 rows) (1, 8, 4, 4) 64 registers (one pass: 8 warps x 4 steps of 64 cover a row;
@@ -24,7 +27,7 @@ Shapes (TILES, KSPLIT, WORDS, MIN_BLOCKS) by the row's length (COLS), sm_90 ptxa
 (1, 8, 8, 1) 129, (1, 16, 4, 2) 64. Other lengths: KSPLIT warps of 4 steps over the row (at most 16), one block."""
 from __future__ import annotations
 
-from moebus.cuda.kernels import flash_attention, linear_quant_fp8, moe_quant_mma
+from moebus.cuda.kernels import flash_attention, moe_quant_mma
 from moebus.cuda.kernels.launch import ceil_div
 
 VALUES = 16  # codes a 16-byte word
@@ -32,6 +35,7 @@ SHAPES = {2048: (1, 8, 4, 4), 4096: (1, 16, 4, 1)}  # by COLS: A3B's q|k|v and o
 SWEEP = {2048: ((1, 8, 4, 4), (1, 8, 4, 3), (1, 16, 2, 2), (1, 4, 8, 4)),
          4096: ((1, 16, 4, 1), (1, 32, 2, 1), (1, 8, 8, 1), (1, 16, 4, 2))}  # the bench's, the defaults first
 WORDS, MAX_KSPLIT = 4, 16
+LOAD_BEFORE_WAIT = True  # the module's docstring (PDL)
 
 
 def shape_for(cols: int) -> tuple:
@@ -60,7 +64,7 @@ def takes(x, codes, scales, stream) -> bool:
 
 
 def _early() -> bool:
-    return bool(linear_quant_fp8.LOAD_BEFORE_WAIT)
+    return bool(LOAD_BEFORE_WAIT)
 
 
 def launch(x, codes, scales, out, stream, shape=None, early=None):

@@ -1,9 +1,9 @@
 """The quantized expert GEMVs of a decode step at batch 1 on tensor cores (moe_quant_mma.cu; eighteenth session,
 issue 16): moe_quant.expert_ffn_quant_cuda takes them instead of moe_quant_round.py's numba kernels where ``takes``
-says so (MOEBUS_QUANT_MMA names the formats, off by default; ``attn``: the FP8 attention projections on the same
-GEMV, linear_quant_mma.py; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2 (sm_89+), rows of whole 16-byte
-words, a stream object, the kernels built). Why: the numba kernels issue ~7 instructions a code (e4m3 -> f16 ->
-f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their bytes take at HBM rate
+says so (MOEBUS_QUANT_MMA names the formats: all by default, 0 for the numba kernels; ``attn``: the FP8 attention
+projections on the same GEMV, linear_quant_mma.py; runs of one pair, a GPU with cvt.rn.f16x2.e4m3x2 (sm_89+), rows
+of whole 16-byte words, a stream object, the kernels built). Why: the numba kernels issue ~7 instructions a code
+(e4m3 -> f16 -> f32 conversions, x from shared memory, FFMA, addressing) and take ~2x what their bytes take at HBM rate
 (seventeenth session: fp8 gate|up 9.6 us a layer, down 8.0, 48 x 32 A3B; int4 gate|up 11.3, bound by its
 decoding); on mma.sync m16n8k16 an fp8 code costs half a conversion and 1/32 of an mma, an int4 code
 about one instruction (sm_90 SASS: ~2.5 instructions a code a lane with the overheads).
@@ -57,13 +57,15 @@ def _formats(value: str) -> frozenset:
     return found
 
 
-FORMATS = _formats(os.environ.get(ENV, "0"))  # off until call A times them
+FORMATS = _formats(os.environ.get(ENV, "all"))  # on: nineteenth session, call B (performance.md: 1.53x / 1.55x bf16)
 GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
-# (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills: not the default until the 48-layer decode shows it);
-# down (4, 2, 6, 3) 8.99, (2, 6, 2, 4) 9.04, (1, 2, 6, 8) 8.86
-GATE_UP_SHAPE = (1, 8, 4, 2)
+# (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills then; 4 since the nineteenth session's gemv<M>: a value
+# in L1's stack); down (4, 2, 6, 3) 8.99, (2, 6, 2, 4) 9.04, (1, 2, 6, 8) 8.86. The 48-layer b1 decode (nineteenth
+# session, call B, with the projections on tensor cores too): gate|up (1, 8, 2, 3) 495.1 tok/s against (1, 8, 4, 2)'s
+# 477.8 / 476.1: the default since
+GATE_UP_SHAPE = (1, 8, 2, 3)
 DOWN_SHAPE = (1, 2, 6, 8)
 # int4: a step is 128 inputs (one group); gate|up (1, 4, 4, 4) 128 registers, no spill: 384 blocks of 128 threads,
 # 4 an SM, one wave (32 KB of codes a block); (1, 16, 1, 2) 58; (1, 8, 2, 3) spilled 4 bytes; down (4, 2, 3, 3) 80
@@ -72,7 +74,7 @@ DOWN_SHAPE = (1, 2, 6, 8)
 INT4_GATE_UP_SHAPE = (1, 4, 4, 4)
 INT4_DOWN_SHAPE = (2, 6, 1, 4)
 # the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
-GATE_UP_SWEEP = ((1, 8, 4, 2), (1, 16, 2, 2), (1, 8, 2, 3))
+GATE_UP_SWEEP = ((1, 8, 2, 3), (1, 8, 4, 2), (1, 16, 2, 2))
 DOWN_SWEEP = ((1, 2, 6, 8), (4, 2, 6, 3), (2, 6, 2, 4))
 INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
 INT4_DOWN_SWEEP = ((2, 6, 1, 4), (4, 2, 3, 3))
