@@ -2,8 +2,8 @@
 # Issue 16, nineteenth session (branch mma19): the FP8 attention projections at batch 1 on tensor cores
 # (linear_quant_mma.py, MOEBUS_QUANT_MMA=attn; the experts' moe_quant_mma beside them). lead12_call.sh's convention:
 # PHASE=warm (beside the other branches, BUDGET ~110 s; nothing timed): quant17.sh's warm phase with TESTS = this
-#   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py) and PLAN =
-#   quant19_plan.json (a 1-layer a3b model; QUICK sweeps of the plan compile every kernel the measure phase runs
+#   branch's GPU tests (test_linear_quant_mma.py, test_moe_quant_mma.py) and PLAN (default quant19b_plan.json;
+#   quant19_plan.json: call A's) (a 1-layer a3b model; QUICK sweeps of the plan compile every kernel the measure phase runs
 #   into /tmp/quant17-nc).
 # PHASE=measure (alone, BUDGET ~185 s), or unset (one phase: the tests first, and the decode compiles cold):
 #   (1) the GPU tests, only where the warm phase did not pass them (at most 60 s);
