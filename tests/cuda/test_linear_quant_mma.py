@@ -14,7 +14,7 @@ from moebus.cuda.kernels.linear_quant import fp8_rows_dequantize, linear_fp8_cud
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_e2e import micro_model  # noqa: F401 - the module's fixture
 from tests.cuda.test_linear_quant import _weight
-from tests.cuda.test_moe_quant_mma import F16_STEP, _nvrtc
+from tests.cuda.test_moe_quant_mma import F16_STEP, _nvrtc, assert_waits_first
 from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
 QKV, O, ODD = (5120, 2048), (2048, 4096), (40, 144)  # (rows, cols): A3B's q|k|v and o; partial tiles, steps, blocks
@@ -52,16 +52,8 @@ def test_the_dense_kernel_waits_before_reading_x(early):
     """griddepcontrol.wait before any global read (early, linear_quant_mma.LOAD_BEFORE_WAIT: the weights only,
     ld.global.cs, before it; never x), then the trigger where pdl.trigger_after_wait: the numba kernel's rule."""
     _nvrtc()
-    from moebus.cuda.kernels import pdl
-
     ptx, _ = _compile(256, 48, linear_quant_mma.shape_for(256), early, "ptx")
-    at = ptx.index(b"griddepcontrol.wait")
-    before = ptx[:at]
-    if early:
-        assert b"ld.global.cs.v4.u32" in before and b"ld.global.v4.f32" not in before and b"st.global" not in before
-    else:
-        assert not any(op in before for op in (b"ld.global", b"st.global", b"atom.")), before[-400:]
-    assert (b"griddepcontrol.launch_dependents" in ptx[at:]) == pdl.trigger_after_wait()
+    assert_waits_first(ptx, early)
 
 
 def test_shapes_by_the_rows_length(monkeypatch):

@@ -68,11 +68,17 @@ def test_the_kernels_wait_before_reading_what_the_step_wrote(mats, early):
     """griddepcontrol.wait before any global read (early: only the pair tables and the codes, ld.global.cs, before
     it; never x or h), then the trigger where pdl.trigger_after_wait: the numba kernels' rule (pdl.py)."""
     _nvrtc()
-    from moebus.cuda.kernels import pdl
-
     cols, rows = (256, 128) if mats == 2 else (128, 256)
     shape = moe_quant_mma.GATE_UP_SHAPE if mats == 2 else moe_quant_mma.DOWN_SHAPE
     ptx, _ = _compile(cols, rows, mats, shape, early, "ptx")
+    assert_waits_first(ptx, early)
+
+
+def assert_waits_first(ptx: bytes, early: bool) -> None:
+    """griddepcontrol.wait before any global read or write; ``early``: only the weights' streamed 16-byte loads
+    (ld.global.cs) before it, never x; then the trigger where pdl.trigger_after_wait."""
+    from moebus.cuda.kernels import pdl
+
     at = ptx.index(b"griddepcontrol.wait")
     before = ptx[:at]
     if early:
