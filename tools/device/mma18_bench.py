@@ -149,12 +149,6 @@ def bench_format(fmt: str, tiny: bool, log) -> list[dict]:
         median, mean = timed([warm[i % layers] for i in range(repeats)], stream, spin, scratch, spin_rounds)
         return {"kernel": f"{fmt} {name}", "shape": shape, "us_median": round(median, 2), "us_mean": round(mean, 2)}
 
-    def error(got, ref):
-        got, ref = got.copy_to_host(), ref.copy_to_host()
-        scale = float(np.abs(ref).max()) or 1.0
-        return {"max_abs": float(np.abs(got - ref).max()), "max_rel": float(np.abs(got - ref).max() / scale),
-                "finite": bool(np.isfinite(got).all())}
-
     rows = []
     emit({"section": "setup", "format": fmt, "hidden": hidden, "inter": inter, "layers": layers, "repeats": repeats,
           "arena_mib": round(arena.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - began, 1),
@@ -184,6 +178,14 @@ def bench_format(fmt: str, tiny: bool, log) -> list[dict]:
             emit(row, log)
             rows.append(row)
     return rows
+
+
+def error(got, ref) -> dict:
+    """A kernel's output against the numba kernel's (device arrays): max abs, max relative to the largest |ref|."""
+    got, ref = got.copy_to_host(), ref.copy_to_host()
+    scale = float(np.abs(ref).max()) or 1.0
+    return {"max_abs": float(np.abs(got - ref).max()), "max_rel": float(np.abs(got - ref).max() / scale),
+            "finite": bool(np.isfinite(got).all())}
 
 
 def summary(rows) -> None:

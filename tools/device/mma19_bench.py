@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import mma18_bench
-from mma18_bench import emit, spin_kernel, timed
+from mma18_bench import emit, error, spin_kernel, timed
 from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma, moe_quant_mma
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.launch import ceil_div
@@ -75,10 +75,7 @@ def bench(name: str, cols: int, rows: int, tiny: bool, log) -> list[dict]:
             row = run("mma", lambda layer: mma(layer, shape), list(shape))
             mma(0, shape)(stream)
             stream.synchronize()
-            got, ref = out_mma.copy_to_host(), out_ref.copy_to_host()
-            scale = float(np.abs(ref).max()) or 1.0
-            row.update(max_abs=float(np.abs(got - ref).max()), max_rel=float(np.abs(got - ref).max() / scale),
-                       finite=bool(np.isfinite(got).all()))
+            row.update(error(out_mma, out_ref))
         except Exception as e:  # noqa: BLE001 - one shape that fails leaves the others
             row = {"kernel": f"{name} mma", "shape": list(shape), "error": f"{type(e).__name__}: {e}"[:300]}
         emit(row, log)
