@@ -14,19 +14,15 @@ from moebus.cuda.kernels.linear_quant import fp8_rows_dequantize, linear_fp8_cud
 from tests.cuda.conftest import device, poisoned
 from tests.cuda.test_e2e import micro_model  # noqa: F401 - the module's fixture
 from tests.cuda.test_linear_quant import _weight
-from tests.cuda.test_moe_quant_mma import F16_STEP, _nvrtc, assert_waits_first
+from tests.cuda.test_moe_quant_mma import F16_STEP, _nvrtc, assert_waits_first, decode_on_and_off, spill_stores
+from tests.cuda.test_moe_quant_mma import _compile as compile_mma
 from tests.cuda.test_quant_e2e import micro_fp8_model  # noqa: F401 - the module's fixture
 
 QKV, O, ODD = (5120, 2048), (2048, 4096), (40, 144)  # (rows, cols): A3B's q|k|v and o; partial tiles, steps, blocks
 
 
 def _compile(cols, rows, shape, early=False, target="cubin"):
-    from moebus.cuda.kernels.flash_attention import nvrtc_compile
-
-    arch = "sm_90" if target == "cubin" else "compute_90"
-    extra = [b"--ptxas-options=-v"] if target == "cubin" else []
-    options = moe_quant_mma.compile_options(arch, cols, rows, 1, shape, early, "fp8", dense=True)
-    return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
+    return compile_mma(cols, rows, 1, shape, early, target, "fp8", dense=True)
 
 
 @pytest.mark.parametrize("rows, cols, shape, early", [
@@ -41,10 +37,7 @@ def test_the_dense_kernel_compiles_for_hopper_without_spills(rows, cols, shape, 
     assert f".entry {entry}".encode() in ptx and b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     cubin, log = _compile(cols, rows, shape, early)
     assert cubin
-    if log.strip():
-        lines = log.splitlines()
-        at = next(i for i, line in enumerate(lines) if f"entry function '{entry}'" in line)
-        assert " 0 bytes spill stores" in lines[at + 2], lines[at + 2]
+    assert spill_stores(log, entry) == 0, log
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -181,35 +174,19 @@ def test_every_swept_shape_matches_its_arithmetic(rng, rows, cols, shape):
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_the_early_kernel_gives_the_same_bits(rng):
-    """The weights read before the wait (linear_quant_fp8.LOAD_BEFORE_WAIT's rule): the same sums in the same order."""
+    """The weights read before the wait (linear_quant_mma.LOAD_BEFORE_WAIT): the same sums in the same order."""
     x, codes, scales = _case(rng, *ODD)
     np.testing.assert_array_equal(_launch(x, codes, scales, early=False), _launch(x, codes, scales, early=True))
-
-
-def _decode_on_and_off(model, experts, formats, monkeypatch):
-    from moebus.workers.local import LocalModel
-
-    prompt = [5, 17, 42, 9, 77]
-    runs, calls = {}, []
-    real = linear_quant_mma.launch
-    monkeypatch.setattr(linear_quant_mma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for on in (False, True):
-        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset(formats if on else ()))
-        runs[on] = LocalModel(model, device="cuda", max_context=32, cache_fraction=0.5, experts_dtype=experts,
-                              attention_dtype="fp8").generate(prompt, 4)
-        assert bool(calls) == on
-    assert runs[True].tokens == runs[False].tokens
-    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_decode_with_the_attention_option_gives_the_same_greedy_tokens(micro_model, monkeypatch):  # noqa: F811
     """bf16 experts, FP8 attention: the decode steps' projections through this kernel (counted) give the tokens of
     the numba kernel, log p close (x in f16)."""
-    _decode_on_and_off(micro_model, "bf16", {"attn"}, monkeypatch)
+    decode_on_and_off(micro_model, "bf16", {"attn"}, linear_quant_mma, monkeypatch, attention="fp8")
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_decode_with_every_option_gives_the_same_greedy_tokens(micro_fp8_model, monkeypatch):  # noqa: F811
     """fp8 experts (half resident) and FP8 attention, MOEBUS_QUANT_MMA=all's set."""
-    _decode_on_and_off(micro_fp8_model, "fp8", moe_quant_mma.NAMES, monkeypatch)
+    decode_on_and_off(micro_fp8_model, "fp8", moe_quant_mma.NAMES, linear_quant_mma, monkeypatch, attention="fp8")

@@ -26,13 +26,22 @@ def _nvrtc():
         pytest.skip(f"NVRTC not installed: {exc}")
 
 
-def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8"):
+def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8", dense=False):
     from moebus.cuda.kernels.flash_attention import nvrtc_compile
 
     arch = "sm_90" if target == "cubin" else "compute_90"
     extra = [b"--ptxas-options=-v"] if target == "cubin" else []
-    options = moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early, fmt)
+    options = moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early, fmt, dense)
     return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
+
+
+def spill_stores(log, entry: str) -> int:
+    """The bytes of spill stores ptxas -v reports for ``entry`` (0 where it printed nothing)."""
+    if not log.strip():
+        return 0
+    lines = log.splitlines()
+    at = next(i for i, line in enumerate(lines) if f"entry function '{entry}'" in line)
+    return int(lines[at + 2].split(" bytes spill stores")[0].rsplit(",", 1)[-1])
 
 
 SPILL_BYTES = {("fp8", 2, (1, 8, 2, 3)): 4}  # (format, matrices, shape): the spill stores ptxas may report
@@ -55,12 +64,7 @@ def test_kernels_compile_for_hopper_without_spills(cols, rows, mats, shape, earl
     assert (b"cvt.rn.f16x2.e4m3x2" in ptx) == (fmt == "fp8")
     cubin, log = _compile(cols, rows, mats, shape, early, fmt=fmt)
     assert cubin
-    if log.strip():
-        lines = log.splitlines()
-        at = next(i for i, line in enumerate(lines) if f"entry function '{entry}'" in line)
-        allowed = SPILL_BYTES.get((fmt, mats, tuple(shape)), 0)
-        spilled = int(lines[at + 2].split(" bytes spill stores")[0].rsplit(",", 1)[-1])
-        assert spilled <= allowed, lines[at + 2]
+    assert spill_stores(log, entry) <= SPILL_BYTES.get((fmt, mats, tuple(shape)), 0), log
 
 
 @pytest.mark.parametrize("mats, early", [(2, False), (1, False), (1, True)])
@@ -294,32 +298,31 @@ def micro_wide_model(tmp_path_factory):
     return init_micro(tmp_path_factory, "micro_wide", moe_intermediate_size=32)
 
 
-def _decode_on_and_off(model, fmt, monkeypatch):
+def decode_on_and_off(model, experts, formats, counted, monkeypatch, attention="bf16"):
+    """A micro model's greedy decode (half its cache resident) with MOEBUS_QUANT_MMA off, then ``formats``: the
+    launches of ``counted`` (a module with ``launch``) happen only with them on; the same tokens, log p close."""
     from moebus.workers.local import LocalModel
 
     prompt = [5, 17, 42, 9, 77]
     runs, calls = {}, []
-    real = moe_quant_mma.launch
-    monkeypatch.setattr(moe_quant_mma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = counted.launch
+    monkeypatch.setattr(counted, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on in (False, True):
-        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset({fmt} if on else ()))
-        runs[on] = LocalModel(model, device="cuda", max_context=32, cache_fraction=0.5,
-                              experts_dtype=fmt).generate(prompt, 4)
+        monkeypatch.setattr(moe_quant_mma, "FORMATS", frozenset(formats if on else ()))
+        runs[on] = LocalModel(model, device="cuda", max_context=32, cache_fraction=0.5, experts_dtype=experts,
+                              attention_dtype=attention).generate(prompt, 4)
         assert bool(calls) == on
-    return runs
+    assert runs[True].tokens == runs[False].tokens
+    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_decode_with_the_option_gives_the_same_greedy_tokens(micro_fp8_model, monkeypatch):  # noqa: F811
     """fp8 experts, half resident (misses read the host store): the decode steps through these kernels (counted)
     give the tokens of the numba kernels, log p close (x and h in f16)."""
-    runs = _decode_on_and_off(micro_fp8_model, "fp8", monkeypatch)
-    assert runs[True].tokens == runs[False].tokens
-    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
+    decode_on_and_off(micro_fp8_model, "fp8", {"fp8"}, moe_quant_mma, monkeypatch)
 
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 def test_int4_decode_with_the_option_gives_the_same_greedy_tokens(micro_wide_model, monkeypatch):
-    runs = _decode_on_and_off(micro_wide_model, "int4", monkeypatch)
-    assert runs[True].tokens == runs[False].tokens
-    np.testing.assert_allclose(runs[True].logprobs, runs[False].logprobs, atol=2e-3)
+    decode_on_and_off(micro_wide_model, "int4", {"int4"}, moe_quant_mma, monkeypatch)
