@@ -345,11 +345,12 @@ class Stage:
                rope_pos=None, tiles=None):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
         (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
-        x, o = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles)
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
+        if cfg.is_moe_layer(i) and route is not None:  # the o projection with the routing (linear_norm_route)
+            x, a = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles, project=False)
+            return self._moe_routed(i, w, x, a, *route)
+        x, o = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles)
         num_tokens, eps = x.shape[0], cfg.rms_norm_eps
-        if cfg.is_moe_layer(i) and route is not None:
-            return self._moe_routed(i, w, x, o, *route)
         x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
             ids, weights = ops.topk_softmax(ops.linear(h, w["router"]), cfg.top_k, cfg.norm_topk_prob)
@@ -365,8 +366,9 @@ class Stage:
         return ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
 
     def _attend(self, n: int, i: int, x, token_slot, token_pos, residual=None, segments=None, rope_pos=None,
-                tiles=None):
-        """A layer's first half: (x with the pending residual added, the attention's output projection)."""
+                tiles=None, project: bool = True):
+        """A layer's first half: (x with the pending residual added, the attention's output projection; without
+        ``project``, the attention's output (T, heads * head_dim) before it)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
@@ -389,22 +391,23 @@ class Stage:
                 k = ops.rope(k, token_pos, self.cos, self.sin)
             ops.kv_store(self.kv.k[n], self.kv.v[n], k, v, token_slot, token_pos)
         a = ops.attention(q, self.kv.k[n], self.kv.v[n], token_slot, token_pos, hd ** -0.5, cfg.sliding_window,
-                          segments=segments, tiles=tiles)
-        return x, ops.linear(a.reshape(num_tokens, heads * hd), w["o"])
+                          segments=segments, tiles=tiles).reshape(num_tokens, heads * hd)
+        return x, ops.linear(a, w["o"]) if project else a
 
     def _prefetch(self):
         """The expert cache's prefetch of the next layer's experts on cuda (workers/prefetch.py), or None."""
         return getattr(self.experts, "prefetch", None) if self.ops.name == "cuda" else None
 
-    def _moe_routed(self, layer: int, w: dict, x, o, placement, expert_ids, prefetch=None):
-        """Decode: residual add, MLP norm, router, top-k and pair tables in one op (norm_route), the
+    def _moe_routed(self, layer: int, w: dict, x, a, placement, expert_ids, prefetch=None):
+        """Decode: the o projection of the attention's output ``a``, then residual add, MLP norm, router,
+        top-k and pair tables (linear_norm_route: norm_route after the projection, or begun inside it), the
         router's choices going through the placement table on the device; experts that are not
         resident are read from the (mapped) host store by the kernels themselves. Returns (x, the
         layer's pending MoE output)."""
         ops, cfg = self.ops, self.cfg
         row = self.experts.store.row_of_layer[layer]
-        x, h, _, weights, pair_token, pair_slot, pair_out = ops.norm_route(
-            x, o, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
+        x, h, _, weights, pair_token, pair_slot, pair_out = ops.linear_norm_route(
+            a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
         layers, store, arena = self.experts.store.layers, self.experts.store.device_blobs, self.experts.array

@@ -184,6 +184,10 @@ def exercise(rng) -> None:
                                 scratch=empty(tokens, experts) if spread else None)  # the router over 8 blocks
     norm_route.ROUTER_IN_FLIGHT = True
     norm_route.ROUTER_EARLY = True
+    for experts in (32, 128):  # the ROUTE entry's end of norm_route (linear_quant_mma.launch_route): ranks, argmaxes
+        norm_route.route_tail_cuda(empty(2048 // 16, experts + 1), f32(1, 2048), np.zeros(2048, np.uint16), 1e-6, 8,
+                                   True, np.zeros((2, experts), np.int32), 1, empty(1, 2048),
+                                   empty(1, 8, dtype=np.int32), empty(1, 8), *(empty(8, dtype=np.int32) for _ in range(3)))
     elementwise.add_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.swiglu_cuda(f32(2, 8), f32(2, 8), empty(2, 8))
     elementwise.fill_cuda(empty(4), 0)

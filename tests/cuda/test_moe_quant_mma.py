@@ -26,12 +26,12 @@ def _nvrtc():
         pytest.skip(f"NVRTC not installed: {exc}")
 
 
-def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8", dense=False):
+def _compile(cols, rows, mats, shape, early=False, target="cubin", fmt="fp8", dense=False, route=0):
     from moebus.cuda.kernels.flash_attention import nvrtc_compile
 
     arch = "sm_90" if target == "cubin" else "compute_90"
     extra = [b"--ptxas-options=-v"] if target == "cubin" else []
-    options = moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early, fmt, dense)
+    options = moe_quant_mma.compile_options(arch, cols, rows, mats, shape, early, fmt, dense, route)
     return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
 
 

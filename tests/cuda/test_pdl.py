@@ -76,8 +76,9 @@ def test_kernels_that_call_the_wait_are_recognised():
 
 # kernels that read before they wait, and why that is safe: moe_ffn's down GEMV reads its pair's slot
 # (the routing's, two kernels back) with PREFETCH_DOWN_BEFORE_WAIT, only where pdl.released_early();
-# norm_route's in-flight kernel reads its router rows and norm weights (weights) with ROUTER_EARLY
-EARLY_READERS = {"expert_down", "inflight_route_rows"}
+# norm_route's in-flight kernel reads its router rows and norm weights (weights) with ROUTER_EARLY, its route_tail
+# the norm weights
+EARLY_READERS = {"expert_down", "inflight_route_rows", "route_tail"}
 
 
 def _is_wait(statement) -> bool:

@@ -122,6 +122,10 @@ class CpuBackend:
 
     route_pairs = staticmethod(routing.route_pairs_ref)
 
+    def linear_norm_route(self, a, weight, x, *rest):
+        """norm_route(x, linear(a, weight), *rest) (on cuda the projection may start the routing: linear_quant_mma)."""
+        return self.norm_route(x, self.linear(a, weight), *rest)
+
     @staticmethod
     def norm_route(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int, ids):
         out = norm_route_ref(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row)

@@ -12,7 +12,7 @@ from moebus.cuda.kernels import (attention, elementwise, embedding, fused, linea
                                  rope, routing, sampling, top_logprobs)
 from moebus.cuda.kernels import penalties, prefill_attention
 from moebus.cuda.kernels import attention_chunk  # a routed step's chunk beside decode rows
-from moebus.cuda.kernels.norm_route import norm_route_cuda  # decode's MLP entry
+from moebus.cuda.kernels.norm_route import norm_route_cuda, route_tail_cuda  # decode's MLP entry
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
@@ -24,7 +24,7 @@ from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the to
 from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
-from moebus.cuda.kernels import linear_quant  # FP8 attention projections (attention.dtype fp8)
+from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections (attention.dtype fp8)
 from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
 
 
@@ -252,6 +252,24 @@ class CudaBackend(split_epilogues.SplitInputOps):
         scratch = self.empty((num_tokens, router.shape[0]))  # the logits, where the router's rows are spread
         return norm_route_cuda(x, y, norm_weight, eps, router, top_k, normalize, table, layer_row, self.route_done,
                                total, h, ids, weights, *pairs, stream=self.stream, scratch=scratch)
+
+    def linear_norm_route(self, a, weight, x, norm_weight, eps: float, router, top_k: int, normalize: bool, table,
+                          layer_row: int, ids):
+        """norm_route(x, linear(a, weight), ...): the routed decode's o projection and MLP entry. With FP8
+        projections on tensor cores and linear_quant_mma.ROUTE, the projection's kernel adds the residual and the
+        router's partial sums and one block ends the routing (route_tail_cuda): two launches for three."""
+        if not (isinstance(weight, linear_quant.Fp8Weight) and linear_quant_mma.takes_route(
+                a, weight.codes, weight.scales, x, norm_weight, router, self.stream)):
+            return self.norm_route(x, self.linear(a, weight), norm_weight, eps, router, top_k, normalize, table,
+                                   layer_row, ids)
+        total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((1, top_k))
+        pairs = [self.empty((top_k,), np.int32) for _ in range(3)]
+        partial = self.empty((x.shape[1] // 16, router.shape[0] + 1))
+        linear_quant_mma.launch_route(a, weight.codes, weight.scales, x, norm_weight, router, total, partial,
+                                      self.stream)
+        route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights, *pairs,
+                        stream=self.stream)
+        return (total, h, ids, weights, *pairs)
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

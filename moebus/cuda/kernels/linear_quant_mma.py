@@ -24,8 +24,20 @@ Shapes (TILES, KSPLIT, WORDS, MIN_BLOCKS) by the row's length (COLS), sm_90 ptxa
 (2,048 -> 5,120, 320 tiles of 16 rows) (1, 8, 4, 4) 64 registers (one pass: 8 warps x 4 steps of 64 cover a row;
 4 blocks of 256 an SM: 528 places, one wave), (1, 8, 4, 3) 80, (1, 16, 2, 2) 59 (264 places: 1.2 waves),
 (1, 4, 8, 4) 128; o (4,096 -> 2,048, 128 tiles) (1, 16, 4, 1) 98 (one pass, a block an SM), (1, 32, 2, 1) 59,
-(1, 8, 8, 1) 129, (1, 16, 4, 2) 64. Other lengths: KSPLIT warps of 4 steps over the row (at most 16), one block."""
+(1, 8, 8, 1) 129, (1, 16, 4, 2) 64. Other lengths: KSPLIT warps of 4 steps over the row (at most 16), one block.
+
+ROUTE (twentieth session, issue 16; off until measured): the o projection of a routed decode step (one token, an MoE
+layer) takes norm_route's start as its end (moe_quant_mma.cu's ROUTE entry, ``launch_route``): the residual add
+(total = x + o, norm_route's bits given the same o), and per 16-row tile the partial sums of the router's logits
+(sum of router[e][i] * norm_weight[i] * total[i] over the tile's rows, bf16 router and norm weight) and of total^2;
+norm_route.route_tail_cuda, one block, sums the tiles in a fixed order, scales the logits by the norm's 1 / rms
+(logit = rms^-1 sum router * weight * total: the same sum as router . h in another order, within f32 rounding)
+and writes h, the top-k and the pairs. Why: norm_route's true duration is 8.1 us a layer at 48 x 32 b1 (twentieth
+session, call A) for a 128 KB router: its blocks each redo the norm, then a counter hands the logits to the last
+block; here the router's 32 bytes a tile and expert ride with the o projection's loads."""
 from __future__ import annotations
+
+import numpy as np
 
 from moebus.cuda.kernels import flash_attention, moe_quant_mma
 from moebus.cuda.kernels.launch import ceil_div
@@ -40,6 +52,7 @@ SWEEP = {2048: ((1, 8, 4, 4), (1, 8, 4, 3), (1, 16, 2, 2), (1, 4, 8, 4)),
          4096: ((1, 16, 4, 1), (1, 32, 2, 1), (1, 8, 8, 1), (1, 16, 4, 2))}  # the bench's, the defaults first
 WORDS, MAX_KSPLIT = 4, 16
 LOAD_BEFORE_WAIT = True  # the module's docstring (PDL)
+ROUTE = False  # the module's docstring (ROUTE): launch_route where takes_route
 
 
 def shape_for(cols: int) -> tuple:
@@ -83,3 +96,33 @@ def launch(x, codes, scales, out, stream, shape=None, early=None):
                                  kernel, ptr(x), ptr(codes), ptr(scales), ptr(out))
     return out
 
+
+
+def takes_route(a, codes, scales, residual, norm_weight, router, stream) -> bool:
+    """Whether the routed decode's o projection runs ``launch_route`` (ROUTE, read at each call): ``takes`` and a
+    one-tile shape for the row, whole tiles of rows, bf16 router (E, R) and norm weight (R,), 16-byte aligned and
+    C-ordered, fewer experts than the block's threads, f32 residual (1, R)."""
+    from moebus.cuda.kernels.compat import is_contiguous
+    from moebus.cuda.kernels.moe_quant_round import aligned
+
+    num_rows, cols = codes.shape
+    shape = shape_for(cols)
+    num_experts = router.shape[0]
+    return (ROUTE and shape[0] == 1 and num_rows % 16 == 0 and 0 < num_experts < 32 * shape[1]
+            and router.dtype == np.uint16 and norm_weight.dtype == np.uint16 and router.shape == (num_experts, num_rows)
+            and norm_weight.shape == (num_rows,) and residual.shape == (1, num_rows) and residual.dtype == np.float32
+            and aligned(router, norm_weight) and is_contiguous(router) and is_contiguous(norm_weight)
+            and takes(a, codes, scales, stream)
+            and moe_quant_mma._builds(cols, num_rows, 1, shape, _early(), "fp8", True, num_experts))
+
+
+def launch_route(a, codes, scales, residual, norm_weight, router, total, partial, stream):
+    """total (1, R) = residual + a @ W^T (the FP8 weight (codes, scales)); partial (R / 16, E + 1) float32: a 16-row
+    tile's sums of router[e][i] * norm_weight[i] * total[i] (e < E) and of total[i]^2 (the module's ROUTE)."""
+    num_rows, cols = codes.shape
+    shape = shape_for(cols)
+    kernel = moe_quant_mma._kernel(cols, num_rows, 1, shape, _early(), "fp8", True, router.shape[0])
+    ptr = moe_quant_mma._pointer
+    flash_attention._core_launch(stream, (num_rows // 16, 1), 32 * shape[0] * shape[1], kernel, ptr(a), ptr(codes),
+                                 ptr(scales), ptr(residual), ptr(norm_weight), ptr(router), ptr(total), ptr(partial))
+    return total, partial

@@ -22,6 +22,12 @@
 // DENSE (linear_quant_mma.py, nineteenth session): the same GEMV for an FP8 dense projection at batch 1 (the
 // attention's q|k|v and o): one x row, one matrix (ROWS x COLS codes), a float32 scale per row and 128 inputs
 // (linear_quant.py's layout: rows g and g + 8 each their own), out[row]; the wait first (EARLY: the weights before it).
+// ROUTE (DENSE, twentieth session; linear_quant_mma.launch_route): the o projection with norm_route's start as its
+// end, for E = ROUTE experts (bf16 router (E, ROWS) and norm weight (ROWS,)): total[row] = residual[row] + out, and
+// a tile's partial[tile][e] = sum over its 16 rows of router[e][row] * (norm_weight[row] * total[row]), and
+// partial[tile][E] = sum of total[row]^2 (in row order); norm_route.route_tail_cuda sums the tiles' partials in a
+// fixed order and ends the routing. The router's 32 bytes of a tile (thread e: expert e) and the norm weight's are
+// weights: loaded with the codes (before the wait with EARLY).
 // INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
 // holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
 // bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as
@@ -66,6 +72,9 @@
 #ifndef INT4
 #define INT4 0          // 1: 4-bit codes (32 a 16-byte word, two a byte, low nibble first; a (scale, minimum) a row
 #endif                  // and 128 inputs: value = q s + m), the x chunk and a step 128 inputs
+#ifndef ROUTE
+#define ROUTE 0         // DENSE: experts E of the routing this projection starts (0: a plain projection)
+#endif
 #define THREADS (32 * TILES * KSPLIT)
 #define ROW_SCALES (INT4 || DENSE)  // a scale (int4: a pair) per row and 128 inputs
 #define BLOCK 128
@@ -346,7 +355,7 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
     return row < ROWS ? row : -1;
 }
 
-#if DENSE
+#if DENSE && !ROUTE
 // x: (1, COLS) float32; codes (ROWS, COLS) e4m3; scales (ROWS, SCALE_COLS) float32; out (1, ROWS) = x W^T.
 // Grid ceil(ceil(ROWS / 16) / TILES), THREADS threads.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -359,6 +368,59 @@ ENTRY(const float *x, const u8 *codes, const float *scales, float *out) {
     float sum[1];
     const int row = gemv<1>(x, code, scale, sum);
     if (row >= 0) out[row] = sum[0];
+}
+#elif DENSE && ROUTE
+__device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// x: (1, COLS) float32 (the attention's output); codes, scales: the o projection's (ROWS, COLS); residual, total:
+// (1, ROWS) float32; norm_weight (ROWS,) and router (ROUTE, ROWS) bf16; partial (tiles, ROUTE + 1) float32.
+// Grid ceil(ROWS / 16) (TILES 1, ROWS a multiple of 16), THREADS (> ROUTE) threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *x, const u8 *codes, const float *scales, const float *residual, const u16 *norm_weight,
+      const u16 *router, float *total, float *partial) {
+    static_assert(TILES == 1 && ROWS % 16 == 0 && ROUTE < THREADS, "a tile a block, whole tiles, a thread an expert");
+#if !EARLY
+    pdl_wait();  // before any global read or write (EARLY: the weights before it, x and the residual after)
+#endif
+    const int e = threadIdx.x, row0 = blockIdx.x * 16;
+    uint4 rw[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};  // router[e][row0 .. row0 + 15]
+    if (e < ROUTE) {
+        const u8 *at = reinterpret_cast<const u8 *>(router + (long long)e * ROWS + row0);
+        rw[0] = load_code(at);
+        rw[1] = load_code(at + 16);
+    }
+    uint4 nw = make_uint4(0, 0, 0, 0);  // norm_weight[row0 .. row0 + 15], by thread 0 .. 15's quarter
+    if (e < 16) nw = load_code(reinterpret_cast<const u8 *>(norm_weight + row0) + 16 * (e / 8));
+    const u8 *const code[2] = {codes, codes};
+    const float *const scale[2] = {scales, scales};
+    float sum[1];
+    const int row = gemv<1>(x, code, scale, sum);  // threads 0 .. 15: rows row0 .. row0 + 15
+    __shared__ float scaled[16], squares[16];  // norm_weight * total, total^2 of the tile's rows
+    if (row >= 0) {
+        const float t = residual[row] + sum[0];  // norm_route's x + y
+        total[row] = t;
+        const u32 words[4] = {nw.x, nw.y, nw.z, nw.w}, w = words[(e % 8) / 2];
+        scaled[e] = (e % 2 ? bf16_high(w) : bf16_low(w)) * t;
+        squares[e] = t * t;
+    }
+    __syncthreads();
+    float *mine = partial + (long long)blockIdx.x * (ROUTE + 1);
+    if (e < ROUTE) {
+        const u32 r[8] = {rw[0].x, rw[0].y, rw[0].z, rw[0].w, rw[1].x, rw[1].y, rw[1].z, rw[1].w};
+        float p = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            p = fmaf(bf16_low(r[i]), scaled[2 * i], p);
+            p = fmaf(bf16_high(r[i]), scaled[2 * i + 1], p);
+        }
+        mine[e] = p;
+    } else if (e == ROUTE) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s += squares[i];
+        mine[ROUTE] = s;
+    }
 }
 #else
 // x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /

@@ -59,6 +59,7 @@ def _formats(value: str) -> frozenset:
 
 FORMATS = _formats(os.environ.get(ENV, "all"))  # on: nineteenth session, call B (performance.md: 1.53x / 1.55x bf16)
 GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
+ROUTE_ENTRY = "linear_quant_mma_route"  # the o projection with norm_route's start (linear_quant_mma.launch_route)
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
 # (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills then; 4 since the nineteenth session's gemv<M>: a value
@@ -90,26 +91,29 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
-                    fmt: str = "fp8", dense: bool = False) -> list[bytes]:
+                    fmt: str = "fp8", dense: bool = False, route: int = 0) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
-    ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8)."""
+    ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8); ``route``: with
+    ``dense``, the experts of the routing it starts (linear_quant_mma.launch_route; 0: none)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
     if dense and (mats != 1 or fmt != "fp8"):
         raise ValueError("a dense projection is one fp8 matrix")
-    entry = _entry(mats, dense)
+    if route and not (dense and tiles == 1 and rows % 16 == 0 and 0 < route < 32 * ksplit):
+        raise ValueError(f"route {route}: a dense projection, a tile a block, whole tiles, fewer experts than threads")
+    entry = _entry(mats, dense, route)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
-            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode()]
+            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(), f"-DROUTE={int(route)}".encode()]
 
 
-def _entry(mats: int, dense: bool = False) -> str:
-    return DENSE_ENTRY if dense else GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+def _entry(mats: int, dense: bool = False, route: int = 0) -> str:
+    return (ROUTE_ENTRY if route else DENSE_ENTRY) if dense else GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
 
 
 def source() -> bytes:
@@ -117,7 +121,8 @@ def source() -> bytes:
 
 
 @functools.cache
-def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False):
+def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False,
+            route: int = 0):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -126,10 +131,10 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
-    entry = _entry(mats, dense)
-    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}"
+    entry = _entry(mats, dense, route)
+    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}"
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
@@ -137,9 +142,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 @functools.cache
 def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
-            dense: bool = False) -> bool:
+            dense: bool = False, route: int = 0) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt, dense)
+        _kernel(cols, rows, mats, shape, early, fmt, dense, route)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False

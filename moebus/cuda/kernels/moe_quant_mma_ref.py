@@ -106,3 +106,18 @@ def _warps_sum(ksplit: int, words: int, steps: int, rows: int, terms) -> np.ndar
     for warp in range(ksplit):
         out += total[warp]
     return out
+
+
+def route_partials_ref(total, norm_weight, router) -> np.ndarray:
+    """The ROUTE entry's partials (R / 16, E + 1) float32 of total (R,) float32, norm_weight (R,) and router (E, R)
+    as float32: a 16-row tile's sum over its rows of router[e][i] * (norm_weight[i] * total[i]) (in row order, f32)
+    and of total[i]^2 (linear_quant_mma.launch_route)."""
+    total = np.asarray(total, np.float32).reshape(-1, 16)
+    scaled = np.asarray(norm_weight, np.float32).reshape(-1, 16) * total
+    router = np.asarray(router, np.float32)
+    tiles, experts = total.shape[0], router.shape[0]
+    out = np.zeros((tiles, experts + 1), np.float32)
+    for r in range(16):  # f32 sums in row order, as the kernel's fmaf chain (within an ulp: fma rounds once)
+        out[:, :experts] += router[:, r::16].T * scaled[:, r : r + 1]
+        out[:, experts] += total[:, r] * total[:, r]
+    return out

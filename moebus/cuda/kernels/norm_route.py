@@ -30,6 +30,7 @@ from moebus.cuda.kernels.pdl import grid_dependency_wait, prefetch_rows
 from moebus.cuda.kernels.fused import add_rmsnorm_ref, normed_store, row_values
 from moebus.cuda.kernels.launch import WEIGHT_DTYPES, ceil_div, require
 from moebus.cuda.kernels.linear import accumulate, linear_ref
+from moebus.cuda.dtypes import to_f32
 from moebus.cuda.kernels.loads import WORD, can_read_wide, chunk_reader, reader_view, storage_of
 from moebus.cuda.kernels.moe import topk_row, topk_softmax_ref
 from moebus.cuda.kernels.routing import (MAX_EXPERTS, MAX_PAIRS, SPREAD_EXPERTS, SPREAD_TOKENS, is_last_block,
@@ -54,6 +55,8 @@ ROUTER_PREFETCH = False
 # lighter fence; the warp partials summed unrolled) were slower, true durations 8.9 and 9.2 us against 8.3,
 # and were removed after that call (git show 533871b:moebus/cuda/kernels/routing.py has warp_tail).
 ROUTER_EARLY = True
+TAIL_PARTS = 8  # route_tail: threads a column of partials (the tiles j, j + 8, ... each, then the 8 in order)
+TAIL_COLUMNS = MAX_EXPERTS + 1  # route_tail: a column an expert, then the squares
 
 
 def norm_route_ref(x, y, norm_weight, eps: float, router, top_k: int, normalize: bool, table, layer_row: int):
@@ -379,3 +382,129 @@ def norm_route_cuda(x, y, norm_weight, eps: float, router, top_k: int, normalize
         dim // 4 if wide else dim, reader_view(h, wide), bool(normalize), table, int(layer_row), done,
         total, h, ids, weights, pair_token, pair_slot, pair_out)
     return total, h, ids, weights, pair_token, pair_slot, pair_out
+
+
+@functools.cache
+def _route_tail_kernel(norm_storage: str, per_lane: int, top_k: int, by_ranks: int, words: int, passes: int,
+                       loads: int):
+    """norm_route's end after the o projection's ROUTE entry (linear_quant_mma.launch_route), one token, one block:
+    the tiles' partials summed in a fixed order (TAIL_PARTS threads a column, each the tiles j, j + TAIL_PARTS, ...,
+    then their sums in order), the norm's 1 / rms from the squares, the logits scaled by it, h = norm_weight * (total
+    * 1 / rms) (fused.normed_store's order), then the in-flight kernel's one-token end (one_token_tail, ranks_tail or
+    topk_row + sort_pairs). Every global read is issued before the first sum: the norm's weights (``words`` words a
+    thread) before the PDL wait (weights, as ROUTER_EARLY), then ``passes`` x ``loads`` partials and the total's
+    words a thread, so the block waits on one round trip to L2 (call B: 6.8 us with the partials read in a loop of
+    dependent loads)."""
+    read_norm, _ = chunk_reader(norm_storage, True)
+    read_row, _ = chunk_reader("f32", True)
+    row_topk = topk_row(per_lane)
+
+    @kernel
+    def route_tail(partial, total, norm_weight, eps, num_words, table, layer_row, normalize, h, ids, weights,
+                   pair_token, pair_slot, pair_out):
+        tid, threads_ = cuda.threadIdx.x, cuda.blockDim.x
+        scale = cuda.local.array((words, 4), float32)
+        for i in range(words):  # weights, which no kernel of the step writes: before the wait
+            read_norm(norm_weight, 0, min(tid + i * threads_, num_words - 1), scale[i])
+        grid_dependency_wait()  # pdl.py: before any read of what the step writes (weights aside, above)
+        tiles, columns = partial.shape
+        num_experts, dim = columns - 1, 4 * num_words
+        parts = cuda.local.array((passes, loads), float32)
+        for q in range(passes):
+            c, j = (tid + q * threads_) // TAIL_PARTS, (tid + q * threads_) % TAIL_PARTS
+            for k in range(loads):
+                tile = j + k * TAIL_PARTS
+                parts[q, k] = partial[min(tile, tiles - 1), min(c, columns - 1)]
+        values = cuda.local.array((words, 4), float32)
+        for i in range(words):
+            read_row(total, 0, min(tid + i * threads_, num_words - 1), values[i])
+        places = cuda.shared.array(MAX_EXPERTS, int32)
+        for e in range(tid, num_experts, threads_):
+            places[e] = table[layer_row, e]
+        sums = cuda.shared.array((TAIL_PARTS, TAIL_COLUMNS), float32)
+        for q in range(passes):
+            c, j = (tid + q * threads_) // TAIL_PARTS, (tid + q * threads_) % TAIL_PARTS
+            part = float32(0.0)
+            for k in range(loads):
+                if j + k * TAIL_PARTS < tiles:
+                    part += parts[q, k]
+            if c < columns:
+                sums[j, c] = part
+        cuda.syncthreads()
+        square_sum = float32(0.0)
+        for j in range(TAIL_PARTS):
+            square_sum += sums[j, num_experts]
+        inv_rms = float32(1.0) / math.sqrt(square_sum / float32(dim) + eps)
+        logits = cuda.shared.array((1, MAX_EXPERTS), float32)
+        for e in range(tid, num_experts, threads_):
+            logit = float32(0.0)
+            for j in range(TAIL_PARTS):
+                logit += sums[j, e]
+            logits[0, e] = logit * inv_rms
+        for i in range(words):
+            word = tid + i * threads_
+            if word < num_words:
+                for c in range(4):
+                    h[0, 4 * word + c] = scale[i, c] * (values[i, c] * inv_rms)  # fused.normed_store's order
+        cuda.syncthreads()  # the logits
+        if by_ranks == ONE_TOKEN_RANKS:
+            one_token_tail(logits, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot,
+                           pair_out)
+            return
+        if by_ranks:
+            ranks_tail(logits, 1, num_experts, top_k, normalize, places, ids, weights, pair_token, pair_slot, pair_out)
+            return
+        if tid < WARP:
+            row_topk(logits, 0, num_experts, top_k, normalize, ids, weights, 0, tid == 0)
+        cuda.syncthreads()  # warp 0's ids written
+        sort_pairs(ids, places, 1, top_k, pair_token, pair_slot, pair_out)
+
+    return route_tail
+
+
+def route_tail_ref(partial, total, norm_weight, eps: float, top_k: int, normalize: bool, table, layer_row: int):
+    """route_tail's arithmetic in numpy: -> (h, ids, weights, pair_token, pair_slot, pair_out) of one token from the
+    ROUTE entry's partials (moe_quant_mma_ref.route_partials_ref) and total (1, D)."""
+    partial = np.asarray(partial, np.float32)
+    tiles, columns = partial.shape
+    sums = np.zeros((TAIL_PARTS, columns), np.float32)
+    for j in range(TAIL_PARTS):
+        for tile in range(j, tiles, TAIL_PARTS):
+            sums[j] += partial[tile]
+    total_sums = np.zeros(columns, np.float32)
+    for j in range(TAIL_PARTS):
+        total_sums += sums[j]
+    dim = total.shape[1]
+    inv_rms = np.float32(1.0) / np.sqrt(total_sums[-1] / np.float32(dim) + np.float32(eps), dtype=np.float32)
+    h = to_f32(norm_weight)[None, :] * (np.asarray(total, np.float32) * inv_rms)
+    ids, weights = topk_softmax_ref(total_sums[None, :-1] * inv_rms, top_k, normalize)
+    return (h.astype(np.float32), ids, weights) + tuple(route_pairs_ref(ids, table, layer_row))
+
+
+def route_tail_cuda(partial, total, norm_weight, eps: float, top_k: int, normalize: bool, table, layer_row: int,
+                    h, ids, weights, pair_token, pair_slot, pair_out, stream=0):
+    """route_tail_ref into device arrays (one block): partial (tiles, E + 1), total and h (1, D) float32, ids and
+    weights (1, top_k), the pair tables (top_k,) int32."""
+    num_experts, dim = partial.shape[1] - 1, total.shape[1]
+    require("partial", partial, np.float32, ndim=2)
+    for name, a in (("total", total), ("h", h)):
+        require(name, a, np.float32, shape=(1, dim))
+    require("norm_weight", norm_weight, WEIGHT_DTYPES, shape=(dim,))
+    require("ids", ids, np.int32, shape=(1, top_k))
+    require("weights", weights, np.float32, shape=(1, top_k))
+    for name, out in (("pair_token", pair_token), ("pair_slot", pair_slot), ("pair_out", pair_out)):
+        require(name, out, np.int32, shape=(top_k,))
+    if not 0 < top_k <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"top_k {top_k} of {num_experts} experts: 1 <= top_k <= experts <= {MAX_EXPERTS}")
+    if table.shape[1] != num_experts or not 0 <= layer_row < table.shape[0]:
+        raise ValueError(f"layer row {layer_row} of a {tuple(table.shape)} table for {num_experts} experts")
+    if dim % 4 or not all(can_read_wide(a) for a in (total, norm_weight)):
+        raise ValueError(f"route_tail reads total and the norm weight 4 values a load: D {dim}")
+    block = threads(ROUTE_THREADS)
+    kernel = _route_tail_kernel(storage_of(norm_weight), ceil_div(num_experts, WARP), int(top_k),
+                                tail_by_ranks(num_experts), ceil_div(dim // 4, block),
+                                ceil_div((num_experts + 1) * TAIL_PARTS, block), ceil_div(partial.shape[0], TAIL_PARTS))
+    kernel[1, block, stream](
+        partial, reader_view(total, True), reader_view(norm_weight, True), np.float32(eps), dim // 4, table,
+        int(layer_row), bool(normalize), h, ids, weights, pair_token, pair_slot, pair_out)
+    return h, ids, weights, pair_token, pair_slot, pair_out
