@@ -102,10 +102,11 @@ def test_the_route_entry_refuses_shapes_it_cannot_take():
 
 
 def test_the_switch_is_read_at_each_call(rng, monkeypatch):
-    """Off (the default until measured): never; in the simulator: never (no NVRTC kernels), whatever the switch."""
+    """Off: never; in the simulator: never (no NVRTC kernels), whatever the switch (on by default)."""
     total, norm_weight, router, _ = _case(rng, 32, 4)
     codes, scales = fp8_rows(_weight(rng, 32, 32))
     args = (np.zeros((1, 32), np.float32), codes, scales, total, norm_weight, router, None)
+    assert linear_quant_mma.ROUTE
     monkeypatch.setattr(linear_quant_mma, "ROUTE", False)
     assert not linear_quant_mma.takes_route(*args)
     if SIMULATOR:

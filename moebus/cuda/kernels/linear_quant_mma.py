@@ -26,7 +26,7 @@ Shapes (TILES, KSPLIT, WORDS, MIN_BLOCKS) by the row's length (COLS), sm_90 ptxa
 (1, 4, 8, 4) 128; o (4,096 -> 2,048, 128 tiles) (1, 16, 4, 1) 98 (one pass, a block an SM), (1, 32, 2, 1) 59,
 (1, 8, 8, 1) 129, (1, 16, 4, 2) 64. Other lengths: KSPLIT warps of 4 steps over the row (at most 16), one block.
 
-ROUTE (twentieth session, issue 16; off until measured): the o projection of a routed decode step (one token, an MoE
+ROUTE (twentieth session, issue 16; on): the o projection of a routed decode step (one token, an MoE
 layer) takes norm_route's start as its end (moe_quant_mma.cu's ROUTE entry, ``launch_route``): the residual add
 (total = x + o, norm_route's bits given the same o), and per 16-row tile the partial sums of the router's logits
 (sum of router[e][i] * norm_weight[i] * total[i] over the tile's rows, bf16 router and norm weight) and of total^2;
@@ -34,7 +34,10 @@ norm_route.route_tail_cuda, one block, sums the tiles in a fixed order, scales t
 (logit = rms^-1 sum router * weight * total: the same sum as router . h in another order, within f32 rounding)
 and writes h, the top-k and the pairs. Why: norm_route's true duration is 8.1 us a layer at 48 x 32 b1 (twentieth
 session, call A) for a 128 KB router: its blocks each redo the norm, then a counter hands the logits to the last
-block; here the router's 32 bytes a tile and expert ride with the o projection's loads."""
+block; here the router's 32 bytes a tile and expert ride with the o projection's loads. H200, 48 x 32 b1, all
+resident (call C): int4 experts + FP8 attention 502.3 / 503.8 -> 541.9 / 540.9 tok/s, fp8 + fp8 495.0 -> 521.9,
+the same greedy ids; true durations o 4.7 -> 5.1 us, norm_route 8.1 -> route_tail 5.7. Only the FP8 projections on
+tensor cores take it (bf16 attention keeps linear + norm_route)."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,14 +48,14 @@ from moebus.cuda.kernels.launch import ceil_div
 VALUES = 16  # codes a 16-byte word
 # by COLS: A3B's q|k|v and o. mma19_bench.py (H200, nineteenth session, call A; a launch alone, no PDL, weights after
 # the wait): q|k|v (1, 8, 4, 4) 8.51 us, (1, 8, 4, 3) and (1, 4, 8, 4) 8.35 (numba 8.26); o (1, 16, 4, 1) 8.16,
-# (1, 8, 8, 1) 7.68 (numba 7.87). The decode timed only these defaults (with the weights before the wait): the others
-# are owed to a decode sweep before they replace them.
+# (1, 8, 8, 1) 7.68 (numba 7.87). In the 48 x 32 b1 decode (twentieth session, call A) o at (1, 8, 8, 1) was slower:
+# int4 experts 495.9 tok/s against the default's 502.9 / 499.5, fp8 488.5 against 493.6: the defaults stay.
 SHAPES = {2048: (1, 8, 4, 4), 4096: (1, 16, 4, 1)}
 SWEEP = {2048: ((1, 8, 4, 4), (1, 8, 4, 3), (1, 16, 2, 2), (1, 4, 8, 4)),
          4096: ((1, 16, 4, 1), (1, 32, 2, 1), (1, 8, 8, 1), (1, 16, 4, 2))}  # the bench's, the defaults first
 WORDS, MAX_KSPLIT = 4, 16
 LOAD_BEFORE_WAIT = True  # the module's docstring (PDL)
-ROUTE = False  # the module's docstring (ROUTE): launch_route where takes_route
+ROUTE = True  # the module's docstring (ROUTE): launch_route where takes_route
 
 
 def shape_for(cols: int) -> tuple:
