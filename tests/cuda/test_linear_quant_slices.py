@@ -18,11 +18,18 @@ MIN_ROWS = 3
 
 
 class ScratchLog:
-    """Wraps a backend's ``empty`` and keeps the bytes of each bf16 (uint16) buffer a step takes."""
+    """Inside a with-block, wraps a backend's ``empty`` and keeps the bytes of each bf16 (uint16)
+    buffer taken."""
 
     def __init__(self, ops):
-        self.inner, self.bf16_bytes = ops.empty, []
-        ops.empty = self
+        self.ops, self.inner, self.bf16_bytes = ops, ops.empty, []
+
+    def __enter__(self):
+        self.ops.empty = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.ops.empty  # the class's method again
 
     def __call__(self, shape, dtype=np.float32):
         if np.dtype(dtype) == np.uint16:
@@ -50,8 +57,9 @@ def test_the_slices_give_the_whole_weights_products(ops, rng, monkeypatch, token
     monkeypatch.setattr(linear_quant_slices, "SLICE_BYTES", slice_rows * cols * 2)
     codes, scales = fp8_rows(_weight(rng, rows, cols))
     x = rng.standard_normal((tokens, cols), dtype=np.float32)
-    scratch = ScratchLog(ops)
-    out = ops.to_host(ops.linear(ops.upload(x), ops.fp8_weight(codes, scales)))
+    weight = ops.fp8_weight(codes, scales)
+    with ScratchLog(ops) as scratch:
+        out = ops.to_host(ops.linear(ops.upload(x), weight))
     np.testing.assert_allclose(out, gemm_linear_ref(x, fp8_to_bf16_ref(codes, scales)), rtol=1e-5, atol=1e-5)
     expected = linear_fp8_ref(x, codes, scales)  # bf16 holds e4m3 times a scale to 8 bits: within 2^-8
     np.testing.assert_allclose(out, expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
