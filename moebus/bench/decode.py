@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
               "experts_dtype": args.experts_dtype, "attention_dtype": args.attention_dtype,
-              "lm_head_dtype": args.lm_head_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
+              "lm_head_dtype": args.lm_head_dtype, "kv_dtype": kv_dtype,
+              "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
               "graphs": any(s.use_graphs for s in model.stages), "launch_ahead": not args.no_launch_ahead,
               "prefetch_slots": sum(s.experts.num_reserved for s in model.stages) // 2}  # 0: none ran
     rows = []

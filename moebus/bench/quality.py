@@ -63,9 +63,9 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
             lm_head_dtype: str = "bf16") -> dict:
     """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts (cut
     from ``texts``), the bf16 model against experts in ``experts_dtype``, attention projections in
-    ``attention_dtype`` and the lm_head in ``lm_head_dtype``. ``follow_text``: each prompt is a text's first FOLLOW_PROMPT tokens and
-    the steps feed the text's own next tokens instead of the bf16 model's greedy ones (a weak model's
-    greedy continuation soon loops; the text does not)."""
+    ``attention_dtype`` and the lm_head in ``lm_head_dtype``. ``follow_text``: each prompt is a text's
+    first FOLLOW_PROMPT tokens and the steps feed the text's own next tokens instead of the bf16
+    model's greedy ones (a weak model's greedy continuation soon loops; the text does not)."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
@@ -103,7 +103,8 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
         ref_logits, test_logits = ref.step(step, want_logits=True).logits, test.step(step, want_logits=True).logits
     agree, kl = np.concatenate(agree), np.concatenate(kl)
     return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "attention_dtype": attention_dtype,
-            "lm_head_dtype": lm_head_dtype, "follow": "text" if follow_text else "greedy", "steps": steps, "prompts": len(prompts),
+            "lm_head_dtype": lm_head_dtype, "follow": "text" if follow_text else "greedy", "steps": steps,
+            "prompts": len(prompts),
             "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
             "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
             "ref_entropy": float(np.mean(entropy)),

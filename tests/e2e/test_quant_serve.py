@@ -1,6 +1,7 @@
 """`moebus serve` with fp8 experts (MOEBUS_EXPERTS__DTYPE), fp8 attention projections
-(MOEBUS_ATTENTION__DTYPE) and an fp8 lm_head (MOEBUS_LM_HEAD__DTYPE): the demo model on two emulated GPUs, through real clients. /v1/vram counts
-slots of the fp8 blob, /v1/cache and /metrics say the dtypes, and the openai SDK gets a completion."""
+(MOEBUS_ATTENTION__DTYPE) and an fp8 lm_head (MOEBUS_LM_HEAD__DTYPE): the demo model on two emulated
+GPUs, through real clients. /v1/vram counts slots of the fp8 blob, /v1/cache and /metrics say the
+dtypes, and the openai SDK gets a completion."""
 from __future__ import annotations
 
 import pytest
