@@ -50,3 +50,34 @@ def hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+def tied_copy(src: Path, dst: Path) -> Path:
+    """``src`` (one safetensors file) with ``tie_word_embeddings``: its lm_head is the embedding table
+    (the stored lm_head.weight is then not read)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return Path(dst)
+
+
+def fp8_lm_head_copy(src: Path, dst: Path) -> Path:
+    """``src`` (one safetensors file, bf16) with only its lm_head stored as FP8 (codes and 128 x 128
+    block scales, a ``quantization_config`` that converts everything): a checkpoint that does not
+    leave the lm_head unconverted."""
+    import json
+    import shutil
+
+    from moebus.common.fp8_checkpoint import Fp8Quantization, fp8_stored
+    from moebus.common.safetensors_io import SafetensorsFile, save_file
+
+    shutil.copytree(src, dst)
+    f = SafetensorsFile(src / "model.safetensors")
+    save_file(fp8_stored({name: f.array(name) for name in f.keys()}, lambda name: name == "lm_head.weight"),
+              dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": Fp8Quantization().as_config()}))
+    return Path(dst)

@@ -30,3 +30,9 @@ def test_cache_mib_holds_the_same_mib_and_more_quantized_experts(tiny_model, cap
 def test_cache_mib_and_cache_frac_exclude_each_other(tiny_model):
     with pytest.raises(SystemExit):
         main(["--model", str(tiny_model), "--cache-mib", "4", "--cache-frac", "0.5", "--no-service"])
+
+
+def test_lm_head_dtype_is_timed_and_reported(tiny_model, capsys):
+    _run(tiny_model, "--lm-head-dtype", "fp8", "--attention-dtype", "fp8")
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (row["lm_head_dtype"], row["attention_dtype"]) == ("fp8", "fp8") and row["tok_s"] > 0

@@ -56,6 +56,16 @@ def test_fp8_attention_quality_run(tmp_path):
     assert r["top1_agreement"] == 1.0 and 0 < r["mean_kl"] < 1e-3
 
 
+def test_fp8_lm_head_quality_run(tmp_path, capsys):
+    """bf16 experts and attention, the lm_head quantized at load: against the bf16 model, close."""
+    model = init_model(tmp_path / "bf16")
+    assert main(["--model", str(model), "--experts-dtype", "bf16", "--lm-head-dtype", "fp8", "--steps", "4",
+                 "--prompts", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["lm_head_dtype"] == "fp8" and row["attention_dtype"] == "bf16" and row["comparisons"] == 8
+    assert row["top1_agreement"] >= 0.75 and 0 < row["mean_kl"] < 1e-2
+
+
 @pytest.mark.parametrize("content, says", [(None, "FileNotFoundError"), (b"not json", "JSONDecodeError"),
                                            (b"\xff\xfe", "UnicodeDecodeError"), (b'"one text"', "a non-empty JSON list"),
                                            (b"[]", "a non-empty JSON list"), (b'["a", 3]', "a non-empty JSON list")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 GPU_KEYS = ("gpu", "ready", "layers", "expert_slots", "expert_cache_mib", "free_mib", "reserve_mib",
             "resident_experts", "hits", "misses", "h2d_bytes", "restarts", "experts_dtype", "expert_slot_bytes",
-            "attention_dtype")
+            "attention_dtype", "lm_head_dtype")
 
 
 def hit_rate(hits, misses) -> float | None:

@@ -106,7 +106,8 @@ def _gpu_families(gpus: list[dict]):
             yield _labelled(GaugeMetricFamily(PREFIX + "gpu_" + key, doc, labels=["gpu"]), values)
         if values and key in TOTALS:
             yield GaugeMetricFamily(PREFIX + key, doc + " All GPUs.", value=sum(v for _, v in values))
-    for key, held in (("experts_dtype", "experts"), ("attention_dtype", "attention projections")):
+    for key, held in (("experts_dtype", "experts"), ("attention_dtype", "attention projections"),
+                      ("lm_head_dtype", "lm_head")):
         dtypes = [(str(g.get("gpu")), g[key]) for g in gpus if isinstance(g.get(key), str)]
         if dtypes:  # an info-style gauge: the dtype is a label
             family = GaugeMetricFamily(PREFIX + "gpu_" + key, f"1 for the dtype the GPU's {held} are held in.",

@@ -162,6 +162,8 @@ def main(argv=None) -> int:
                    help="experts quantized at load (in-process; the service reads MOEBUS_EXPERTS__DTYPE)")
     p.add_argument("--attention-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="q/k/v/o projections (in-process; the service reads MOEBUS_ATTENTION__DTYPE)")
+    p.add_argument("--lm-head-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="the lm_head (in-process; the service reads MOEBUS_LM_HEAD__DTYPE)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="the in-process KV cache's (auto: as the service's, bf16 on cuda, fp32 on cpu)")
     p.add_argument("--peer", choices=["hf"], help="also time the HF transformers peer in this call")
@@ -197,11 +199,14 @@ def main(argv=None) -> int:
     prefetch = {} if args.prefetch_slots is None else {"prefetch_slots": args.prefetch_slots}  # else LocalModel's
     model = LocalModel(model_dir, device=args.device, num_slots=max(batches), cache_fraction=args.cache_frac,
                        max_context=len(prompt) + args.tokens + 8, policy=args.policy, experts_dtype=args.experts_dtype,
-                       kv_dtype=kv_dtype, attention_dtype=args.attention_dtype, **prefetch)
+                       kv_dtype=kv_dtype, attention_dtype=args.attention_dtype,
+                       lm_head_dtype=args.lm_head_dtype, **prefetch)
     cfg, store = model.ckpt.config, model.stages[0].experts.store
     common = {"model": Path(model_dir).name, "device": args.device, "layers": cfg.num_layers,
               "experts": cfg.num_experts, "cache_frac": args.cache_frac or 1.0, "policy": args.policy,
-              "experts_dtype": args.experts_dtype, "attention_dtype": args.attention_dtype, "kv_dtype": kv_dtype, "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
+              "experts_dtype": args.experts_dtype, "attention_dtype": args.attention_dtype,
+              "lm_head_dtype": args.lm_head_dtype, "kv_dtype": kv_dtype,
+              "expert_cache_mib": model.stages[0].experts.arena.mapped_bytes / 2**20,
               "graphs": any(s.use_graphs for s in model.stages), "launch_ahead": not args.no_launch_ahead,
               "prefetch_slots": sum(s.experts.num_reserved for s in model.stages) // 2}  # 0: none ran
     rows = []
@@ -278,7 +283,8 @@ def _print(rows: list[dict], extra: dict, as_json: bool) -> None:
             "hbm_bound_tok_s")
     first = rows[0]
     print(" ".join(f"{k}={first[k]}" for k in ("model", "device", "layers", "experts", "cache_frac", "policy", "graphs", "launch_ahead",
-                                               "experts_dtype", "attention_dtype", "kv_dtype", "expert_cache_mib",
+                                               "experts_dtype", "attention_dtype", "lm_head_dtype", "kv_dtype",
+                                               "expert_cache_mib",
                                                "prefetch_slots")))
     print("  ".join(f"{h:>16}" for h in head))
     for r in rows:

@@ -59,18 +59,19 @@ def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int, texts=HE
 
 
 def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu",
-            attention_dtype: str = "bf16", texts=HELD_OUT, follow_text: bool = False) -> dict:
+            attention_dtype: str = "bf16", texts=HELD_OUT, follow_text: bool = False,
+            lm_head_dtype: str = "bf16") -> dict:
     """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts (cut
-    from ``texts``), the bf16 model against experts in ``experts_dtype`` and attention projections
-    in ``attention_dtype``. ``follow_text``: each prompt is a text's first FOLLOW_PROMPT tokens and
-    the steps feed the text's own next tokens instead of the bf16 model's greedy ones (a weak model's
-    greedy continuation soon loops; the text does not)."""
+    from ``texts``), the bf16 model against experts in ``experts_dtype``, attention projections in
+    ``attention_dtype`` and the lm_head in ``lm_head_dtype``. ``follow_text``: each prompt is a text's
+    first FOLLOW_PROMPT tokens and the steps feed the text's own next tokens instead of the bf16
+    model's greedy ones (a weak model's greedy continuation soon loops; the text does not)."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
-    def load(dtype, attention="bf16"):
+    def load(dtype, attention="bf16", lm_head="bf16"):
         return LocalModel(model_dir, device=device, num_slots=num_prompts, max_context=context, experts_dtype=dtype,
-                          attention_dtype=attention)
+                          attention_dtype=attention, lm_head_dtype=lm_head)
 
     from moebus.common.model_config import load_config
 
@@ -82,7 +83,7 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
         forced = np.array([p[FOLLOW_PROMPT:FOLLOW_PROMPT + steps - 1] for p in prompts], np.int32)
         prompts = [p[:FOLLOW_PROMPT] for p in prompts]
     context = max(len(p) for p in prompts) + steps + 1
-    ref, test = load("bf16"), load(experts_dtype, attention_dtype)
+    ref, test = load("bf16"), load(experts_dtype, attention_dtype, lm_head_dtype)
     slots = np.arange(len(prompts))
     batch = StepBatch(slots=slots, starts=np.zeros(len(prompts)), lengths=[len(p) for p in prompts],
                       tokens=np.concatenate(prompts))
@@ -102,7 +103,8 @@ def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8
         ref_logits, test_logits = ref.step(step, want_logits=True).logits, test.step(step, want_logits=True).logits
     agree, kl = np.concatenate(agree), np.concatenate(kl)
     return {"model": Path(model_dir).name, "experts_dtype": experts_dtype, "attention_dtype": attention_dtype,
-            "follow": "text" if follow_text else "greedy", "steps": steps, "prompts": len(prompts),
+            "lm_head_dtype": lm_head_dtype, "follow": "text" if follow_text else "greedy", "steps": steps,
+            "prompts": len(prompts),
             "comparisons": int(agree.size), "top1_agreement": float(agree.mean()), "mean_kl": float(kl.mean()),
             "p99_kl": float(np.quantile(kl, 0.99)), "max_kl": float(kl.max()),
             "ref_entropy": float(np.mean(entropy)),
@@ -128,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts-dtype", default="fp8,int4", help="fp8, int4 or both, comma separated")
     p.add_argument("--attention-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="the quantized model's q/k/v/o projections (settings attention.dtype)")
+    p.add_argument("--lm-head-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="the quantized model's lm_head (settings lm_head.dtype)")
     p.add_argument("--steps", type=int, default=256, help="decode steps per prompt")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded side by side")
     p.add_argument("--prompt-file", help="a JSON list of prompt texts (default: the bench's own HELD_OUT)")
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
     model_dir = args.model or str(demo_model_dir())
     for dtype in args.experts_dtype.split(","):
         r = measure(model_dir, dtype, args.steps, args.prompts, args.device, args.attention_dtype, texts,
-                    args.follow_text)
+                    args.follow_text, args.lm_head_dtype)
         print(json.dumps(r) if args.json else "  ".join(f"{k}={_fmt(v)}" for k, v in r.items()))
     return 0
 

@@ -4,7 +4,9 @@ grid repeated for each row of a block), what ``cuda/kernels/linear_quant.py`` re
 keeps its own codes and scales; a bf16 one is quantized at load (round to nearest, as the experts).
 
 Per-row scales cost 4 bytes per 128 codes; in exchange q, k and v concatenate into the fused qkv
-projection (``concat_rows``) whatever their row counts, with every weight exactly as stored."""
+projection (``concat_rows``) whatever their row counts, with every weight exactly as stored.
+
+The lm_head the same way (setting ``lm_head.dtype`` fp8, env MOEBUS_LM_HEAD__DTYPE): ``lm_head_fp8``."""
 from __future__ import annotations
 
 import os
@@ -12,10 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from moebus.common.arch import ATTN, LAYER
+from moebus.common.arch import ATTN, GLOBAL, LAYER
+from moebus.common.errors import CheckpointError
 from moebus.common.quant import BLOCK, fp8_quantize
 
 ATTENTION_DTYPES = ("bf16", "fp8")
+LM_HEAD_DTYPES = ("bf16", "fp8")
 PROJECTIONS = ("q", "k", "v", "o")
 QUANTIZE_THREADS = min(8, os.cpu_count() or 1)  # numpy releases the GIL: an A3B layer's 19 M weights in parallel
 ROWS_PER_TASK = 4 * BLOCK  # whole block rows, so the pieces' scales are the whole matrix's
@@ -27,10 +31,14 @@ def row_scales(block_scales: np.ndarray, rows: int) -> np.ndarray:
 
 
 def fp8_rows(w: np.ndarray, pool: ThreadPoolExecutor | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(codes (R, C) uint8, scales (R, G) float32) of a float matrix, on the 128 x 128 block grid;
-    with ``pool``, pieces of ROWS_PER_TASK rows in parallel."""
+    """(codes (R, C) uint8, scales (R, G) float32) of a matrix (float32, or a weight as stored: bf16
+    bits, f16), on the 128 x 128 block grid; with ``pool``, pieces of ROWS_PER_TASK rows in parallel.
+    Each piece is made float32 on its own, so a stored lm_head never has a whole float32 copy (1.2 GB
+    for a 151,936-token vocabulary at hidden 2,048)."""
+    from moebus.cuda.dtypes import to_f32
+
     if pool is None or w.shape[0] <= ROWS_PER_TASK:
-        codes, block_scales = fp8_quantize(w)
+        codes, block_scales = fp8_quantize(to_f32(w))
         return codes, row_scales(block_scales, codes.shape[0])
     pieces = list(pool.map(fp8_rows, [w[r : r + ROWS_PER_TASK] for r in range(0, w.shape[0], ROWS_PER_TASK)]))
     return concat_rows(pieces)
@@ -56,3 +64,27 @@ def attention_fp8(ckpt, layer: int, tensors: dict[str, np.ndarray]) -> dict[str,
             codes, block_scales = stored  # ckpt.attention checked their shape against the config
             out[key] = np.ascontiguousarray(codes), row_scales(block_scales, codes.shape[0])
     return out
+
+
+def fp8_rows_nbytes(rows: int, cols: int) -> int:
+    """Bytes of an FP8 weight (R, C) as fp8_rows makes it: a code a weight, a float32 scale per row
+    and 128 inputs."""
+    return rows * cols + rows * -(-cols // BLOCK) * 4
+
+
+def lm_head_fp8(ckpt) -> tuple[np.ndarray, np.ndarray]:
+    """The lm_head as (codes, scales): an FP8 checkpoint's own codes and block scales where it stores
+    the lm_head so (most leave it unconverted: ``modules_to_not_convert``), else the stored weight
+    quantized at load. A tied lm_head is a quantized copy of the embedding table, which the first
+    stage still reads as stored."""
+    name = GLOBAL["lm_head"]
+    if not ckpt.config.tie_word_embeddings and ckpt.has(name):
+        stored = ckpt.fp8_tensor(name)
+        if stored is not None:
+            codes, block_scales = stored
+            expected = (ckpt.config.vocab_size, ckpt.config.hidden_size)
+            if tuple(codes.shape) != expected:
+                raise CheckpointError(f"{ckpt.dir}: {name} has shape {tuple(codes.shape)}, config implies {expected}")
+            return np.ascontiguousarray(codes), row_scales(block_scales, codes.shape[0])
+    with ThreadPoolExecutor(QUANTIZE_THREADS) as pool:
+        return fp8_rows(ckpt.lm_head(), pool)

@@ -60,6 +60,15 @@ class AttentionSettings(_Section):
     dtype: Literal["bf16", "fp8"] = "bf16"
 
 
+class LmHeadSettings(_Section):
+    """How the lm_head (the unembedding) is held (docs/config.md)."""
+
+    # bf16: as stored; fp8: e4m3 with a scale per row and 128 inputs (quantized at load, a tied head's
+    # copy of the embedding table too): half the VRAM, given to the expert cache, and half the bytes a
+    # decode step's logits read. Env MOEBUS_LM_HEAD__DTYPE.
+    dtype: Literal["bf16", "fp8"] = "bf16"
+
+
 class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -119,6 +128,7 @@ class Settings(BaseSettings):
     vision: VisionSettings = Field(default_factory=VisionSettings)
     experts: ExpertsSettings = Field(default_factory=ExpertsSettings)
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    lm_head: LmHeadSettings = Field(default_factory=LmHeadSettings)
     max_batch: int = Field(8, ge=1)
     max_context: int = Field(2048, ge=16)
     # the KV cache's elements: bf16 halves what decode attention reads at long contexts; fp32 keeps

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moebus.common.fp8_dense import fp8_rows_nbytes
 from moebus.cuda.memory.ledger import MIB, EmulatedGpu
 from moebus.workers.batch import StepBatch
 
@@ -29,8 +30,11 @@ log = logging.getLogger("moebus.worker")
 CUDA_HEADROOM_BYTES = 256 * MIB
 
 
-def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_bytes: int) -> int:
-    """VRAM the stage needs besides experts: its dense weights as stored, plus its KV cache."""
+def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_bytes: int,
+                      lm_head_dtype: str = "bf16") -> int:
+    """VRAM the stage needs besides experts: its dense weights as stored (the lm_head as
+    ``lm_head_dtype`` holds it: fp8 codes and scales are ~half of bf16, left to the experts), plus its
+    KV cache."""
     cfg = ckpt.config
     total = kv_bytes
     for i in layers:
@@ -39,8 +43,15 @@ def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_byt
     if is_first:
         total += ckpt.embedding().nbytes
     if is_last:
-        total += ckpt.final_norm().nbytes + ckpt.lm_head().nbytes
+        total += ckpt.final_norm().nbytes + lm_head_bytes(ckpt, lm_head_dtype)
     return total
+
+
+def lm_head_bytes(ckpt, lm_head_dtype: str) -> int:
+    """The lm_head's bytes on the device: as stored, or as fp8_dense.lm_head_fp8 makes it."""
+    if lm_head_dtype == "fp8":
+        return fp8_rows_nbytes(ckpt.config.vocab_size, ckpt.config.hidden_size)
+    return ckpt.lm_head().nbytes
 
 
 class ScratchBudget:

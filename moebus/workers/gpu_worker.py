@@ -282,7 +282,8 @@ class GpuWorker:
                  "chunks_spanned": stage.chunks_spanned, "chunk_steps": stage.chunk_steps,
                  "chunks_dropped": stage.chunks_dropped,
                  "busy_s": self.busy_s,
-                 "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype}
+                 "dropped_messages": self.link.dropped_messages, "attention_dtype": self.stage.attention_dtype,
+                 "lm_head_dtype": self.stage.lm_head_dtype if self.stage.is_last else None}  # only the last holds it
         kept = self.reserve_figures  # a reserve was just set: the last VRAM request's figures, no driver call
         if kept is not None and time.monotonic() - kept["at"] > RESERVE_KEPT_S:
             kept = self.reserve_figures = None
@@ -377,6 +378,7 @@ def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -
     try:
         stage = Stage(ckpt, layers, backend, num_slots=settings.max_batch, max_context=settings.max_context,
                       kv_dtype=resolve_kv_dtype(settings.kv_dtype, device), attention_dtype=settings.attention.dtype,
+                      lm_head_dtype=settings.lm_head.dtype,
                       experts=lambda st: make_cache(settings, ckpt, st, gpu, label, budget),
                       progress=lambda it: tqdm(it, desc=f"{label}: dense weights", unit="layer"))
     except Exception as e:  # noqa: BLE001 - only running out of device memory is re-read here
@@ -412,7 +414,8 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
     if stage.ops.name == "cpu":  # charge the emulated GPU as VRAM would be charged
         ledger = emulated_gpu(settings, gpu)
         kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
-        ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes), "dense")
+        ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes,
+                                          stage.lm_head_dtype), "dense")
     stage.experts = build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=0, gpu=ledger, preload=False,
                                        experts_dtype=settings.experts.dtype,
                                        progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))

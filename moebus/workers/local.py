@@ -29,17 +29,19 @@ class LocalModel:
     def __init__(self, model_dir, device: str = "cpu", parts: list[int] | int = 1, num_slots: int = 8,
                  max_context: int = 1024, cache_fraction: float | None = None, elastic: bool = False,
                  policy: str = "freq", experts_dtype: str = "bf16", kv_dtype: str = "fp32",
-                 prefetch_slots: int = DEFAULT_SLOTS_PER_LAYER, attention_dtype: str = "bf16"):
+                 prefetch_slots: int = DEFAULT_SLOTS_PER_LAYER, attention_dtype: str = "bf16",
+                 lm_head_dtype: str = "bf16"):
         """``cache_fraction``: each stage's expert cache holds that share of its experts (None: all);
         ``policy``: its eviction and admission policy (eviction.POLICIES); ``experts_dtype``: bf16,
         fp8 or int4 (quantized at load); ``kv_dtype``: the KV cache's, bf16 or fp32 (fp32 here by default:
         the fidelity tests compare in-process logits with transformers' float32); ``prefetch_slots``:
         the next layer's experts copied ahead per layer where the cache is partial (0: none);
-        ``attention_dtype``: the attention projections', bf16 or fp8 (common/fp8_dense.py)."""
+        ``attention_dtype``: the attention projections', bf16 or fp8 (common/fp8_dense.py);
+        ``lm_head_dtype``: the lm_head's, bf16 or fp8 (the same)."""
         self.ckpt = Checkpoint(model_dir)
         self.backend = make_backend(device)
         self.stages = [Stage(self.ckpt, r, self.backend, num_slots, max_context, kv_dtype=kv_dtype,
-                             attention_dtype=attention_dtype,
+                             attention_dtype=attention_dtype, lm_head_dtype=lm_head_dtype,
                              experts=build_expert_cache(self.ckpt, r, self.backend, fraction=cache_fraction,
                                                         elastic=elastic, policy=policy, experts_dtype=experts_dtype,
                                                         prefetch_slots=prefetch_slots))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebus.common.fp8_dense import ATTENTION_DTYPES, attention_fp8, concat_rows
+from moebus.common.fp8_dense import ATTENTION_DTYPES, LM_HEAD_DTYPES, attention_fp8, concat_rows, lm_head_fp8
 from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
 from moebus.cuda.kernels import moe_quant_round
 from moebus.cuda.kernels.attention_chunk import chunk_tiles
@@ -40,13 +40,16 @@ ROUTED_MAX_TOKENS = 64  # steps up to this many tokens route on the device (deco
 
 class Stage:
     def __init__(self, ckpt, layers: range, backend, num_slots: int, max_context: int, experts=None,
-                 progress=iter, use_graphs: bool | None = None, kv_dtype: str = "fp32", attention_dtype: str = "bf16"):
+                 progress=iter, use_graphs: bool | None = None, kv_dtype: str = "fp32", attention_dtype: str = "bf16",
+                 lm_head_dtype: str = "bf16"):
         """``use_graphs``: replay decode steps as CUDA graphs on cuda (None: unless MOEBUS_CUDA_GRAPHS=0);
         ``kv_dtype``: the KV cache's elements, bf16 or fp32 (kv_cache.py); ``attention_dtype``: the
-        q/k/v/o projections', bf16 or fp8 (common/fp8_dense.py)."""
+        q/k/v/o projections', bf16 or fp8 (common/fp8_dense.py); ``lm_head_dtype``: the lm_head's, the same."""
         if attention_dtype not in ATTENTION_DTYPES:
             raise ValueError(f"attention dtype {attention_dtype!r}: choose one of {', '.join(ATTENTION_DTYPES)}")
-        self.attention_dtype = attention_dtype
+        if lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(f"lm_head dtype {lm_head_dtype!r}: choose one of {', '.join(LM_HEAD_DTYPES)}")
+        self.attention_dtype, self.lm_head_dtype = attention_dtype, lm_head_dtype
         cfg = self.cfg = ckpt.config
         if not (0 <= layers.start < layers.stop <= cfg.num_layers):
             raise ValueError(f"layer range {layers} outside the model's {cfg.num_layers} layers")
@@ -61,7 +64,8 @@ class Stage:
             self.embed = backend.table(ckpt.embedding())
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
-            self.lm_head = backend.weight(ckpt.lm_head())
+            self.lm_head = (backend.fp8_weight(*lm_head_fp8(ckpt)) if lm_head_dtype == "fp8"
+                            else backend.weight(ckpt.lm_head()))
         # M-RoPE (Qwen3-VL) rotates by per-axis positions, which the fused qkv kernel does not take
         self.mrope_axes = backend.persist(mrope_axes(cfg.head_dim, cfg.mrope_section)) if cfg.mrope_section else None
         self.fuse_qkv = bool(cfg.qk_norm) and can_fuse_heads(cfg.head_dim) and self.mrope_axes is None

@@ -54,3 +54,15 @@ def test_unknown_key_and_bad_file(tmp_path):
         load_settings(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="vram_reserve_mib"):
         load_settings(vram_reserve_mib=[-1])
+
+
+def test_lm_head_dtype_from_file_and_environment(tmp_path, monkeypatch):
+    assert load_settings().lm_head.dtype == "bf16"
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"lm_head": {"dtype": "fp8"}}))
+    assert load_settings(cfg).lm_head.dtype == "fp8"
+    monkeypatch.setenv("MOEBUS_LM_HEAD__DTYPE", "bf16")
+    assert load_settings(cfg).lm_head.dtype == "bf16"  # the environment over the file
+    monkeypatch.setenv("MOEBUS_LM_HEAD__DTYPE", "int4")
+    with pytest.raises(ConfigError, match=r"'lm_head.dtype'.*'bf16' or 'fp8'.*int4"):
+        load_settings()

@@ -1,6 +1,7 @@
-"""`moebus serve` with fp8 experts (MOEBUS_EXPERTS__DTYPE) and fp8 attention projections
-(MOEBUS_ATTENTION__DTYPE): the demo model on two emulated GPUs, through real clients. /v1/vram counts
-slots of the fp8 blob, /v1/cache and /metrics say the dtypes, and the openai SDK gets a completion."""
+"""`moebus serve` with fp8 experts (MOEBUS_EXPERTS__DTYPE), fp8 attention projections
+(MOEBUS_ATTENTION__DTYPE) and an fp8 lm_head (MOEBUS_LM_HEAD__DTYPE): the demo model on two emulated
+GPUs, through real clients. /v1/vram counts slots of the fp8 blob, /v1/cache and /metrics say the
+dtypes, and the openai SDK gets a completion."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,8 @@ openai = pytest.importorskip("openai")
 def service(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("quant_serve")
     svc = Service(tmp, demo_model, emulated_vram_mib=[48, 44], emulated_vram_dir=str(tmp / "vram"), max_context=256,
-                  env={"MOEBUS_EXPERTS__DTYPE": "fp8", "MOEBUS_ATTENTION__DTYPE": "fp8"})
+                  env={"MOEBUS_EXPERTS__DTYPE": "fp8", "MOEBUS_ATTENTION__DTYPE": "fp8",
+                       "MOEBUS_LM_HEAD__DTYPE": "fp8"})
     try:
         yield svc.wait_ready(timeout_s=180)
     finally:
@@ -46,6 +48,8 @@ def test_fp8_experts_fill_the_cache_in_fp8_slots_and_say_so(service):
     assert [g["expert_slot_bytes"] for g in cache["gpus"]] == [slot_bytes, slot_bytes]
     assert [g["attention_dtype"] for g in cache["gpus"]] == ["fp8", "fp8"]
     assert _dtype_gauges(service, "attention") == {"0": "fp8", "1": "fp8"}
+    assert [g["lm_head_dtype"] for g in cache["gpus"]] == [None, "fp8"]  # the last stage holds the lm_head
+    assert _dtype_gauges(service, "lm_head") == {"1": "fp8"}
 
 
 def test_openai_completion_with_fp8_experts(service):

@@ -50,7 +50,8 @@ def test_an_info_just_after_a_reserve_was_set_asks_the_driver_nothing():
 
     experts = SimpleNamespace(stats=lambda report=None: {"hits": 1, **(report or {"free_mib": 99.0})}, resize=None)
     stage = SimpleNamespace(ops=SimpleNamespace(name="cuda"), experts=experts, chunks_spanned=0, chunk_steps=0,
-                            chunks_dropped=0, attention_dtype="bf16", use_graphs=False, graphs={}, graph_captures=0,
+                            chunks_dropped=0, attention_dtype="bf16", lm_head_dtype="bf16", is_last=True,
+                            use_graphs=False, graphs={}, graph_captures=0,
                             eager_short_steps=0)
     worker = GpuWorker(stage=stage, link=SimpleNamespace(dropped_messages=0), gpu=0)
     calls = []

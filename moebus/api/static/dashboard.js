@@ -8,6 +8,7 @@
     ["expert_slots", "expert slots"], ["expert_cache_mib", "cache MiB"], ["free_mib", "free MiB"],
     ["reserve_mib", "reserve MiB"], ["resident_experts", "resident"], ["hit_rate", "hit rate"],
     ["experts_dtype", "experts dtype"], ["attention_dtype", "attention dtype"],
+    ["lm_head_dtype", "lm_head dtype"],
   ];
   const state = { polls: 0, failures: 0, last: null, round: 0 };
   window.moebusDashboard = state;  // for tests and curious operators

@@ -24,7 +24,8 @@ from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the to
 from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
 from moebus.cuda.kernels import moe_quant  # quantized experts
-from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections (attention.dtype fp8)
+from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections and lm_head (*.dtype fp8)
+from moebus.cuda.kernels import linear_quant_slices  # ... of long steps on tensor cores, a bounded slice at a time
 from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
 
 
@@ -192,11 +193,10 @@ class CudaBackend(split_epilogues.SplitInputOps):
         return linear.linear_cuda(x, weight, out, stream=self.stream)
 
     def _linear_fp8(self, x, weight, out):
-        """Decode: the FP8 GEMV; a step long enough for the tensor cores: the weight as bf16 scratch."""
+        """Decode: the FP8 GEMV; a step long enough for the tensor cores: the weight as bf16 scratch, a
+        bounded slice of rows at a time (an FP8 lm_head is 622 MB as bf16: linear_quant_slices.py)."""
         if self.tensor_cores is not None and x.shape[0] >= self.tensor_cores.min_rows:
-            bf16 = linear_quant.fp8_to_bf16_cuda(weight.codes, weight.scales, self.empty(weight.shape, np.uint16),
-                                                 stream=self.stream)
-            return self.tensor_cores.linear(self, x, bf16, out)
+            return linear_quant_slices.linear_fp8_sliced(self, self.tensor_cores, x, weight, out)
         return linear_quant.linear_fp8_cuda(x, weight.codes, weight.scales, out, stream=self.stream)
 
     def add(self, x, y):

@@ -177,18 +177,20 @@ class TensorCores:
         return split_rows_cuda(x, out, rows, stream=ops.stream)
 
     def matmul_nt(self, ops, parts, first_row: int, num_rows: int, weight_ptr: int, num_out: int, out,
-                  out_row: int = 0, accumulate: bool = False) -> None:
-        """out[out_row : out_row + num_rows] (+)= x @ W^T over the split ``parts`` (rows
-        first_row...), W a row-major (num_out, K) bf16 matrix at ``weight_ptr``; out (., num_out) float32."""
+                  out_row: int = 0, accumulate: bool = False, out_col: int = 0) -> None:
+        """out[out_row : out_row + num_rows, out_col : out_col + num_out] (+)= x @ W^T over the split
+        ``parts`` (rows first_row...), W a row-major (num_out, K) bf16 matrix at ``weight_ptr``; out
+        (., N) float32 (``out_col``: W a slice of a larger weight's rows, linear_quant_slices.py)."""
         _, total_rows, dim_in = parts.shape
         if num_rows == 0:
             return
-        row_bytes, part_bytes = dim_in * 2, total_rows * dim_in * 2
-        c = address(out) + out_row * num_out * 4
+        row_bytes, part_bytes, ldc = dim_in * 2, total_rows * dim_in * 2, out.shape[1]
+        assert out_col + num_out <= ldc, "the product's columns past out's"
+        c = address(out) + (out_row * ldc + out_col) * 4
         for i in range(self.parts):
             b = address(parts) + i * part_bytes + first_row * row_bytes
             self.blas.gemm(ops.stream, OP_T, OP_N, num_out, num_rows, dim_in, weight_ptr, R_16BF, dim_in, b, R_16BF,
-                           dim_in, c, num_out, beta=1.0 if (accumulate or i) else 0.0, compute=COMPUTE_32F)
+                           dim_in, c, ldc, beta=1.0 if (accumulate or i) else 0.0, compute=COMPUTE_32F)
 
     def linear(self, ops, x, weight, out, bias=None):
         """out (T, N) float32 = x (T, K) float32 @ weight (N, K) bf16 ^T (+ bias (N,) bf16)."""

@@ -1,6 +1,6 @@
-"""Dense projections from FP8 weights (the attention's q/k/v/o with ``attention.dtype`` fp8): y = x @
-W^T with W (R, C) held as e4m3 codes and a float32 scale per row and 128 inputs, dequantized in
-registers, so a decode step reads 1 byte a weight instead of bf16's 2.
+"""Dense projections from FP8 weights (the attention's q/k/v/o with ``attention.dtype`` fp8, the lm_head
+with ``lm_head.dtype`` fp8): y = x @ W^T with W (R, C) held as e4m3 codes and a float32 scale per row
+and 128 inputs, dequantized in registers, so a decode step reads 1 byte a weight instead of bf16's 2.
 
 The scales are the checkpoint's 128 x 128 block grid repeated for each row of a block
 (``common/fp8_dense.py``): 4 bytes per 128 codes (3% more bytes than the grid), and then q, k and v
@@ -10,8 +10,8 @@ Decode (up to ``MAX_TOKENS`` tokens a pass, more as a second grid dimension of t
 per ``rows_for`` output rows, a lane loading ``unroll`` 8-byte words of each row (8 codes each, never
 straddling a block: 128 is a multiple of 8) and their scales before the first use, decoding each word
 once for all tokens of the pass (quant_words.decoder) and reading x 16 bytes a load, as the quantized expert GEMVs
-(moe_quant.py). Many tokens (prefill): the weight is dequantized to a bf16 scratch matrix and the
-bf16 path (tensor cores) runs on it (``backends/cuda.py``).
+(moe_quant.py). Many tokens (prefill): the weight is dequantized to bf16 scratch, a bounded slice of
+rows at a time, and the bf16 path (tensor cores) runs on each slice (``linear_quant_slices.py``).
 
 Shapes: T tokens, R rows (outputs), C columns (inputs), G = ceil(C / 128) scale columns."""
 from __future__ import annotations
