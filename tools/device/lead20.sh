@@ -6,6 +6,8 @@
 #       scheduler, launch) -> $OUT/ncu_*.txt;
 #   (2) quant17_bench.py on $M48 over $PLAN (quant20_plan.json: bf16 and each quantized pair with PDL off, i.e. every
 #       kernel's true duration by CUPTI; the o projection at (1, 8, 8, 1); int4 experts with bf16 attention).
+#   LM_PLAN (optional): the plan again with lm_head.dtype fp8 (LM_S s); QMODEL: tools/device/quality20.py on that trained
+#   model (QUALITY_S s, QPROMPTS texts x QSTEPS steps);
 #   TESTS (optional): GPU tests run first (MOEBUS_TEST_GPU=1, at most TESTS_S s, default 150); NO_NCU=1 skips (1).
 # BUDGET ~330 s. The summary last; $OUT/table.txt has every kernel of every setting.
 source tools/device/setup.sh
@@ -37,5 +39,11 @@ tail -1 $OUT/init48.txt
 SHOW=4 step sweep 60 $(( BUDGET - 8 )) python3 tools/device/quant17_bench.py $M48 $PLAN 4
 python3 tools/device/quant9_sweep.py --table $OUT/sweep.txt > $OUT/table.txt 2>&1
 python3 tools/device/quant17_bench.py --summary $OUT/sweep.txt | tee $OUT/summary.txt
+if [ -n "$LM_PLAN" ]; then  # the same sweep with the FP8 lm_head (lm_head.dtype fp8), its own bf16 row first
+  LM_HEAD_DTYPE=fp8 SHOW=2 step sweep_lm 40 ${LM_S:-120} python3 tools/device/quant17_bench.py $M48 tools/device/$LM_PLAN 4
+  python3 tools/device/quant17_bench.py --summary $OUT/sweep_lm.txt | tee $OUT/summary_lm.txt
+fi
+[ -n "$QMODEL" ] && SHOW=8 step quality 30 ${QUALITY_S:-150} python3 tools/device/quality20.py $QMODEL \
+  $QMODEL/held_out_texts.json ${QPROMPTS:-4} ${QSTEPS:-128}
 for f in $OUT/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Compute \(SM\)|Warp Cycles Per Issued|No Eligible|One or More" $f | head -12; done
 echo "lead20 end at $(at)"

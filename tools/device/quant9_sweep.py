@@ -94,7 +94,8 @@ def run_config(model_dir: str, experts: str, attention: str, settings: list, ste
 
     began = time.perf_counter()
     model = LocalModel(model_dir, device=os.environ.get("DEVICE", "cuda"), num_slots=max(BATCHES), max_context=len(PROMPT) + 64 + 16,
-                       kv_dtype="bf16", experts_dtype=experts, attention_dtype=attention)
+                       kv_dtype="bf16", experts_dtype=experts, attention_dtype=attention,
+                       lm_head_dtype=os.environ.get("LM_HEAD_DTYPE", "bf16"))  # lead20.sh's second sweep: fp8
     layers = model.ckpt.config.num_layers
     emit({"section": "load", "experts": experts, "attention": attention, "load_s": time.perf_counter() - began})
     defaults = {key: getattr(*constant(key)) for _, values, *_ in settings for key in values}
