@@ -1,7 +1,7 @@
 """On the GPU: the decode step replayed as CUDA graphs gives the same tokens and logprobs as the
 eager path, and a cache of 25% of the experts (misses read from mapped host memory) the same as all
 resident, and so do steps launched ahead (LocalModel.decode). Usage: graph_check.py MODEL_DIR [--no-cache]
-(--no-cache: without the 25% cache's runs)"""
+(--no-cache: without the 25% cache's runs); EXPERTS_DTYPE, ATTENTION_DTYPE, LM_HEAD_DTYPE: the model's dtypes."""
 import os
 import sys
 
@@ -13,11 +13,13 @@ from decode_tokens import decode_tokens, decode_tokens_ahead  # noqa: E402 - bes
 model_dir = sys.argv[1]
 with_cache = "--no-cache" not in sys.argv[2:]
 prompt = [5, 17, 99, 3, 42, 7, 250, 31, 8]
+# EXPERTS_DTYPE / ATTENTION_DTYPE / LM_HEAD_DTYPE: the model's dtypes (default bf16: as stored)
+DTYPES = {f"{k.lower()}_dtype": os.environ.get(f"{k}_DTYPE", "bf16") for k in ("EXPERTS", "ATTENTION", "LM_HEAD")}
 
 
 def run(graphs: bool, fraction=None, batch=1, tokens=24, ahead=False):
     os.environ["MOEBUS_CUDA_GRAPHS"] = "1" if graphs else "0"
-    model = LocalModel(model_dir, device="cuda", num_slots=batch, max_context=64, cache_fraction=fraction)
+    model = LocalModel(model_dir, device="cuda", num_slots=batch, max_context=64, cache_fraction=fraction, **DTYPES)
     assert all(s.use_graphs == graphs for s in model.stages)
     out_tokens, out_lp, dt = (decode_tokens_ahead if ahead else decode_tokens)(model, prompt, batch, tokens)
     stats = model.stages[0].experts.stats()
