@@ -104,14 +104,16 @@ def launch(x, codes, scales, out, stream, shape=None, early=None):
 def takes_route(a, codes, scales, residual, norm_weight, router, stream) -> bool:
     """Whether the routed decode's o projection runs ``launch_route`` (ROUTE, read at each call): ``takes`` and a
     one-tile shape for the row, whole tiles of rows, bf16 router (E, R) and norm weight (R,), 16-byte aligned and
-    C-ordered, fewer experts than the block's threads, f32 residual (1, R)."""
+    C-ordered, fewer experts than the block's threads and at most routing.MAX_EXPERTS, f32 residual (1, R)."""
     from moebus.cuda.kernels.compat import is_contiguous
     from moebus.cuda.kernels.moe_quant_round import aligned
+    from moebus.cuda.kernels.routing import MAX_EXPERTS
 
     num_rows, cols = codes.shape
     shape = shape_for(cols)
     num_experts = router.shape[0]
     return (ROUTE and shape[0] == 1 and num_rows % 16 == 0 and 0 < num_experts < 32 * shape[1]
+            and num_experts <= MAX_EXPERTS
             and router.dtype == np.uint16 and norm_weight.dtype == np.uint16 and router.shape == (num_experts, num_rows)
             and norm_weight.shape == (num_rows,) and residual.shape == (1, num_rows) and residual.dtype == np.float32
             and aligned(router, norm_weight) and is_contiguous(router) and is_contiguous(norm_weight)
