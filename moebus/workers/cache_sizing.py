@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moebus.common.fp8_dense import fp8_rows_nbytes
+from moebus.common.fp8_dense import PROJECTIONS, fp8_rows_nbytes
 from moebus.cuda.memory.ledger import MIB, EmulatedGpu
 from moebus.workers.batch import StepBatch
 
@@ -31,20 +31,27 @@ CUDA_HEADROOM_BYTES = 256 * MIB
 
 
 def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_bytes: int,
-                      lm_head_dtype: str = "bf16") -> int:
+                      lm_head_dtype: str = "bf16", attention_dtype: str = "bf16") -> int:
     """VRAM the stage needs besides experts: its dense weights as stored (the lm_head as
-    ``lm_head_dtype`` holds it: fp8 codes and scales are ~half of bf16, left to the experts), plus its
-    KV cache."""
+    ``lm_head_dtype`` holds it and the q/k/v/o projections as ``attention_dtype`` does: fp8 codes and
+    scales are ~half of bf16, left to the experts), plus its KV cache."""
     cfg = ckpt.config
     total = kv_bytes
     for i in layers:
-        total += sum(t.nbytes for t in ckpt.attention(i).values())
+        total += attention_bytes(ckpt.attention(i), attention_dtype)
         total += ckpt.router(i).nbytes if cfg.is_moe_layer(i) else sum(t.nbytes for t in ckpt.dense_mlp(i).values())
     if is_first:
         total += ckpt.embedding().nbytes
     if is_last:
         total += ckpt.final_norm().nbytes + lm_head_bytes(ckpt, lm_head_dtype)
     return total
+
+
+def attention_bytes(tensors: dict, attention_dtype: str) -> int:
+    """A layer's attention weights (checkpoint.attention's) on the device: as stored, or with q/k/v/o as
+    fp8_dense.attention_fp8 holds them (codes and a float32 scale per row and 128 inputs)."""
+    return sum(fp8_rows_nbytes(*t.shape) if attention_dtype == "fp8" and name in PROJECTIONS else t.nbytes
+               for name, t in tensors.items())
 
 
 def lm_head_bytes(ckpt, lm_head_dtype: str) -> int:

@@ -415,7 +415,7 @@ def make_cache(settings, ckpt, stage: Stage, gpu: int, label: str, budget: Devic
         ledger = emulated_gpu(settings, gpu)
         kv_bytes = sum(a.nbytes for a in stage.kv.k + stage.kv.v)
         ledger.allocate(stage_dense_bytes(ckpt, stage.layer_range, stage.is_first, stage.is_last, kv_bytes,
-                                          stage.lm_head_dtype), "dense")
+                                          stage.lm_head_dtype, stage.attention_dtype), "dense")
     stage.experts = build_expert_cache(ckpt, stage.layer_range, stage.ops, capacity_bytes=0, gpu=ledger, preload=False,
                                        experts_dtype=settings.experts.dtype,
                                        progress=lambda it: tqdm(it, desc=f"{label}: experts to host store", unit="layer"))

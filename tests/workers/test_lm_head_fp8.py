@@ -48,3 +48,15 @@ def test_the_dense_bytes_count_the_fp8_lm_head(model_dirs):
     assert bf16 - fp8 == 2 * vocab * hidden - fp8_rows_nbytes(vocab, hidden) > 0
     assert fp8_rows_nbytes(vocab, hidden) == vocab * hidden + vocab * -(-hidden // 128) * 4
     assert fp8_rows_nbytes(151_936, 2048) / 2**20 == pytest.approx(306.0, abs=0.1)  # the A3B's: 593.5 MiB bf16
+
+
+def test_the_dense_bytes_count_fp8_attention(model_dirs):
+    """attention.dtype fp8: q, k, v and o as codes and row scales, the norms as stored."""
+    from moebus.common.fp8_dense import PROJECTIONS
+
+    model = LocalModel(model_dirs["init_qwen3"])
+    ckpt, stage = model.ckpt, model.stages[-1]
+    bf16, fp8 = (stage_dense_bytes(ckpt, stage.layer_range, True, True, 0, "bf16", dtype) for dtype in ("bf16", "fp8"))
+    saved = sum(t.nbytes - fp8_rows_nbytes(*t.shape) for i in stage.layer_range
+                for name, t in ckpt.attention(i).items() if name in PROJECTIONS)
+    assert bf16 - fp8 == saved > 0
