@@ -21,7 +21,6 @@ def main() -> int:
     model, texts_path = sys.argv[1], sys.argv[2]
     prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
-    from moebus.bench import quality
     from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma, moe_quant_mma
 
     calls = {"experts": 0, "attn": 0}
@@ -38,17 +37,26 @@ def main() -> int:
             moe_quant_mma.FORMATS = frozenset({dtype, "attn"} if on else ())
             linear_quant_fp8.LOAD_BEFORE_WAIT = on
             calls.update(experts=0, attn=0)
-            agree, kl, n, t0 = [], [], 0, time.time()
-            for text in texts:
-                r = quality.measure(model, dtype, steps, 1, os.environ.get("DEVICE", "cuda"), "fp8", [text], follow_text=True)
-                agree.append(r["top1_agreement"] * r["comparisons"])
-                kl.append(r["mean_kl"] * r["comparisons"])
-                n += r["comparisons"]
+            t0 = time.time()
             print(json.dumps({"experts": dtype, "attention": "fp8", "mma": on, "prompts": len(texts), "steps": steps,
-                              "comparisons": n, "top1_agreement": round(float(np.sum(agree) / n), 4),
-                              "mean_kl": float(np.sum(kl) / n), "mma_launches": dict(calls),
+                              **each_text(model, texts, steps, dtype, "fp8"), "mma_launches": dict(calls),
                               "s": round(time.time() - t0, 1)}), flush=True)
     return 0
+
+
+def each_text(model, texts, steps, experts, attention, lm_head="bf16") -> dict:
+    """bench quality's measure of each text alone (batch 1, following the text), pooled over the texts:
+    comparisons, top1_agreement, mean_kl (also quality20.py's)."""
+    from moebus.bench import quality
+
+    agree, kl, n = [], [], 0
+    for text in texts:
+        r = quality.measure(model, experts, steps, 1, os.environ.get("DEVICE", "cuda"), attention, [text],
+                            follow_text=True, lm_head_dtype=lm_head)
+        agree.append(r["top1_agreement"] * r["comparisons"])
+        kl.append(r["mean_kl"] * r["comparisons"])
+        n += r["comparisons"]
+    return {"comparisons": n, "top1_agreement": round(float(np.sum(agree) / n), 4), "mean_kl": float(np.sum(kl) / n)}
 
 
 if __name__ == "__main__":

@@ -9,11 +9,8 @@ FP8 attention + FP8 lm_head. Counts the ROUTE launches so that a row that never 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-
-import numpy as np
 
 ROWS = (("fp8", "fp8", "bf16", False), ("fp8", "fp8", "bf16", True), ("int4", "fp8", "bf16", False),
         ("int4", "fp8", "bf16", True), ("bf16", "bf16", "fp8", True), ("int4", "fp8", "fp8", True))
@@ -23,8 +20,8 @@ def main() -> int:
     model, texts_path = sys.argv[1], sys.argv[2]
     prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
-    from moebus.bench import quality
     from moebus.cuda.kernels import linear_quant_mma
+    from mma19_quality import each_text  # beside this script
 
     calls = [0]
     real = linear_quant_mma.launch_route
@@ -36,17 +33,10 @@ def main() -> int:
     texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
     for experts, attention, lm_head, route in ROWS:
         linear_quant_mma.ROUTE = route
-        calls[0] = 0
-        agree, kl, n, t0 = [], [], 0, time.time()
-        for text in texts:
-            r = quality.measure(model, experts, steps, 1, os.environ.get("DEVICE", "cuda"), attention, [text],
-                                follow_text=True, lm_head_dtype=lm_head)
-            agree.append(r["top1_agreement"] * r["comparisons"])
-            kl.append(r["mean_kl"] * r["comparisons"])
-            n += r["comparisons"]
+        calls[0], t0 = 0, time.time()
         print(json.dumps({"experts": experts, "attention": attention, "lm_head": lm_head, "route": route,
-                          "prompts": len(texts), "steps": steps, "comparisons": n,
-                          "top1_agreement": round(float(np.sum(agree) / n), 4), "mean_kl": float(np.sum(kl) / n),
+                          "prompts": len(texts), "steps": steps,
+                          **each_text(model, texts, steps, experts, attention, lm_head),
                           "route_launches": calls[0], "s": round(time.time() - t0, 1)}), flush=True)
     return 0
 
