@@ -406,18 +406,29 @@ class Stage:
         """Decode: the o projection of the attention's output ``a``, then residual add, MLP norm, router,
         top-k and pair tables (linear_norm_route: norm_route after the projection, or begun inside it), the
         router's choices going through the placement table on the device; experts that are not
-        resident are read from the (mapped) host store by the kernels themselves. Returns (x, the
-        layer's pending MoE output)."""
+        resident are read from the (mapped) host store by the kernels themselves. Where the backend
+        ``routes_experts`` (cuda: FP8 o projection, quantized experts, no prefetch), the gate|up GEMV
+        ends the routing itself (linear_route_experts). Returns (x, the layer's pending MoE output)."""
         ops, cfg = self.ops, self.cfg
         row = self.experts.store.row_of_layer[layer]
+        store, arena, layout = self.experts.store.device_blobs, self.experts.array, self.experts.store.layout
+        num_tokens = a.shape[0]
+        tiles = self.experts.decode_tiles(num_tokens) and groups_in_decode(ops, self.experts, num_tokens * cfg.top_k,
+                                                                           cfg.num_experts)
+        if not tiles and prefetch is None and ops.routes_experts(a, w["o"], x, w["mlp_norm"], w["router"], cfg.top_k,
+                                                                 arena, store, layout):
+            out = ops.empty((num_tokens * cfg.top_k, cfg.hidden_size), np.float32)  # the gate|up ends the routing
+            x, out, weights = ops.linear_route_experts(a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"],
+                                                       cfg.top_k, cfg.norm_topk_prob, placement, row, expert_ids[row],
+                                                       arena, store, layout, out)
+            return x, ("moe", out, weights)
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.linear_norm_route(
             a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
             expert_ids[row])
         keep = ()  # h while the side branch reads it: the next layer's recycle gives it back
-        layers, store, arena = self.experts.store.layers, self.experts.store.device_blobs, self.experts.array
+        layers = self.experts.store.layers
         next_router = self.layers[layer + 1]["router"] if layers[row + 1:row + 2] == [layer + 1] else None
-        num_pairs = h.shape[0] * cfg.top_k
-        if self.experts.decode_tiles(h.shape[0]) and groups_in_decode(ops, self.experts, num_pairs, cfg.num_experts):
+        if tiles:
             placement_row = placement[row]
             if prefetch is not None:  # this layer's copies in, then the next layer's on the side
                 placement_row, keep = prefetch.around_tiles(ops, row, h, next_router, placement, store, arena)
@@ -429,9 +440,8 @@ class Stage:
         if prefetch is not None:
             keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement, store, arena)
         out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
-        ops.expert_ffn(h, pair_token, pair_slot, pair_out, self.experts.array, cfg.hidden_size,
-                       cfg.moe_intermediate_size, out, store=self.experts.store.device_blobs,
-                       layout=self.experts.store.layout)  # layout: quantized experts (None: bf16)
+        ops.expert_ffn(h, pair_token, pair_slot, pair_out, arena, cfg.hidden_size, cfg.moe_intermediate_size, out,
+                       store=store, layout=layout)  # layout: quantized experts (None: bf16)
         if prefetch is not None:  # the next layer's copies, where they wait for these experts
             prefetch.after_experts(ops)
         return x, ("moe", out, weights) + keep  # combined by the next norm (_residual_norm)

@@ -122,6 +122,11 @@ class CpuBackend:
 
     route_pairs = staticmethod(routing.route_pairs_ref)
 
+    @staticmethod
+    def routes_experts(*_) -> bool:
+        """Never here: on cuda the gate|up GEMV may end the routing (CudaBackend.linear_route_experts)."""
+        return False
+
     def linear_norm_route(self, a, weight, x, *rest):
         """norm_route(x, linear(a, weight), *rest) (on cuda the projection may start the routing: linear_quant_mma)."""
         return self.norm_route(x, self.linear(a, weight), *rest)

@@ -23,7 +23,7 @@ from moebus.cuda.kernels import activations, layernorm, scatter, tiled_linear, v
 from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the tower's 2-D rotary and positions
 from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs, split where they are made
-from moebus.cuda.kernels import moe_quant  # quantized experts
+from moebus.cuda.kernels import moe_quant, moe_quant_mma  # quantized experts (and their GEMVs on tensor cores)
 from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections and lm_head (*.dtype fp8)
 from moebus.cuda.kernels import linear_quant_slices  # ... of long steps on tensor cores, a bounded slice at a time
 from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
@@ -270,6 +270,33 @@ class CudaBackend(split_epilogues.SplitInputOps):
         route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights, *pairs,
                         stream=self.stream)
         return (total, h, ids, weights, *pairs)
+
+    def routes_experts(self, a, weight, x, norm_weight, router, top_k: int, arena, store, layout) -> bool:
+        """Whether ``linear_route_experts`` runs here: one token, the o projection's ROUTE entry
+        (linear_quant_mma.takes_route) and quantized experts whose gate|up ends the routing
+        (moe_quant_mma.takes_routed)."""
+        return (a.shape[0] == 1 and layout is not None and isinstance(weight, linear_quant.Fp8Weight)
+                and moe_quant_mma.takes_routed(layout, router.shape[0], top_k, arena, store, self.stream)
+                and linear_quant_mma.takes_route(a, weight.codes, weight.scales, x, norm_weight, router, self.stream))
+
+    def linear_route_experts(self, a, weight, x, norm_weight, eps: float, router, top_k: int, normalize: bool, table,
+                             layer_row: int, ids, arena, store, layout, out):
+        """linear_norm_route then expert_ffn (where ``routes_experts``) in three launches: the o projection's ROUTE
+        entry, the gate|up GEMV ending the routing in every block (no route_tail kernel), the down GEMV. ``out``
+        (top_k, D) takes the pairs' outputs; returns (x + o, out, the routing weights (1, top_k)); ``ids``
+        (1, top_k) the chosen experts."""
+        total, weights = self.empty(x.shape), self.empty((1, top_k))
+        pairs = [self.empty((top_k,), np.int32) for _ in range(3)]
+        partial = self.empty((x.shape[1] // 16, router.shape[0] + 1))
+        h = self.empty((top_k, layout.inter))
+        linear_quant_mma.launch_route(a, weight.codes, weight.scales, x, norm_weight, router, total, partial,
+                                      self.stream)
+        moe_quant_mma.launch_gate_up_routed(total, partial, norm_weight, eps, table, layer_row, top_k, normalize,
+                                            arena, store, layout, ids, weights, *pairs, h, self.stream)
+        # never the early down GEMV: its pair tables, read before its wait, are the gate|up kernel's own writes (a
+        # down GEMV redoing the routing before its wait to keep its early loads was slower: 511.6 against 529.1 tok/s)
+        moe_quant_mma.launch_down(h, *pairs, arena, store, layout, out, self.stream, early=False)
+        return total, out, weights
 
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):

@@ -28,6 +28,13 @@
 // partial[tile][E] = sum of total[row]^2 (in row order); norm_route.route_tail_cuda sums the tiles' partials in a
 // fixed order and ends the routing. The router's 32 bytes of a tile (thread e: expert e) and the norm weight's are
 // weights: loaded with the codes (before the wait with EARLY).
+// ROUTED (gate|up, twenty-first session; moe_quant_mma.launch_gate_up_routed): the gate|up GEMV that ends the routing
+// the ROUTE entry began, in place of norm_route.route_tail's kernel: every block sums the o projection's tiles'
+// partials (route_tail's order: TAIL_PARTS threads a column, each the tiles j, j + TAIL_PARTS, ..., then the parts in
+// order), takes 1 / rms and the logits, softmax and ranks as routing.one_token_tail (E <= 32 experts, warp 0 a lane
+// an expert), and runs pair blockIdx.y: the place-th chosen expert by id, its slot from the placement row. x is
+// h = norm_weight * (total * 1 / rms), route_tail's h, made while it is staged. Blocks (0, j) write pair j's
+// tables, ids and weight (route_tail's outputs). The norm's weights are loaded before the wait (weights).
 // INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
 // holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
 // bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as
@@ -74,6 +81,9 @@
 #endif                  // and 128 inputs: value = q s + m), the x chunk and a step 128 inputs
 #ifndef ROUTE
 #define ROUTE 0         // DENSE: experts E of the routing this projection starts (0: a plain projection)
+#endif
+#ifndef ROUTED
+#define ROUTED 0        // gate|up: experts E (<= 32) of the routing it ends from the ROUTE entry's partials (0: none)
 #endif
 #define THREADS (32 * TILES * KSPLIT)
 #define ROW_SCALES (INT4 || DENSE)  // a scale (int4: a pair) per row and 128 inputs
@@ -161,6 +171,25 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
 // 2^e as a float, e in [-126, 127]
 __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
 
+// ROUTED: the norm's weights of the x a thread stages (bf16: int4 8 a trip, fp8 4), loaded before the wait, and
+// 1 / rms: x_k staged as w_k * (x_k * inv) (route_tail's h, fused.normed_store's order)
+struct Norm {
+    uint4 w[STAGE_TRIPS];
+    float inv;
+};
+
+__device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ float4 normed(float4 v, u32 lo, u32 hi, float inv) {
+#if ROUTED
+    return make_float4(bf16_low(lo) * (v.x * inv), bf16_high(lo) * (v.y * inv), bf16_low(hi) * (v.z * inv),
+                       bf16_high(hi) * (v.w * inv));
+#else
+    return v;
+#endif
+}
+
 // x's row into xs as f16, each 64-k chunk scaled by 2^e (its largest |x| into [2^14, 2^15); e in [-100, 100]),
 // 2^-e into inverse[chunk]; zero past COLS up to the chunks' end. A chunk is 16 float4 of consecutive threads
 // (half a warp): its maximum by 4 butterflies. Every trip's loads first, then the conversions.
@@ -168,7 +197,7 @@ __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e 
 // int4: as below over 128-input chunks, 8 inputs a thread, each group of 8 stored as the pairs (x0, x4), (x1, x5),
 // (x2, x6), (x3, x7) (B's registers for a word's 32-bit quarter: nibbles_low / nibbles_high pair those codes), and
 // the chunk's f32 sum of x (the minimum's share, m sum x) into xsum[chunk]
-__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum) {
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum, const Norm &norm) {
     float4 v[STAGE_TRIPS][2];
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
@@ -182,7 +211,8 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
         const int o = trip * THREADS + threadIdx.x;
-        const float4 a = v[trip][0], b = v[trip][1];
+        const float4 a = normed(v[trip][0], norm.w[trip].x, norm.w[trip].y, norm.inv);
+        const float4 b = normed(v[trip][1], norm.w[trip].z, norm.w[trip].w, norm.inv);
         float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
         float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
@@ -205,13 +235,13 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
     }
 }
 #else
-__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *) {
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *, const Norm &norm) {
     float4 v[STAGE_TRIPS];
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
         const int q = trip * THREADS + threadIdx.x;
         v[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (4 * q < COLS) v[trip] = load_x(x + 4 * q);
+        if (4 * q < COLS) v[trip] = normed(load_x(x + 4 * q), norm.w[trip].x, norm.w[trip].y, norm.inv);
     }
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
@@ -236,7 +266,7 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
 // output row this thread holds (threads < TILES * 16, row < ROWS) with its sums in sum[], else -1.
 template <int M>
 __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)[2], const float *const (&scales)[2],
-                                    float (&sum)[M]) {
+                                    float (&sum)[M], const Norm &norm = Norm()) {
     __shared__ __align__(16) u32 xs[QUADS * 2];
     __shared__ float inverse[STEPS];
     __shared__ float xsum[INT4 ? STEPS : 1];
@@ -287,7 +317,7 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
 #else
             SEPARATE();  // x's loads, and the maxima that wait on them, after every code word's load
 #endif
-            stage_x(x_row, xs, inverse, xsum);
+            stage_x(x_row, xs, inverse, xsum, norm);
             __syncthreads();  // the code loads above stay above it
         }
 #pragma unroll
@@ -370,8 +400,6 @@ ENTRY(const float *x, const u8 *codes, const float *scales, float *out) {
     if (row >= 0) out[row] = sum[0];
 }
 #elif DENSE && ROUTE
-__device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 // x: (1, COLS) float32 (the attention's output); codes, scales: the o projection's (ROWS, COLS); residual, total:
 // (1, ROWS) float32; norm_weight (ROWS,) and router (ROUTE, ROWS) bf16; partial (tiles, ROUTE + 1) float32.
@@ -421,6 +449,161 @@ ENTRY(const float *x, const u8 *codes, const float *scales, const float *residua
         for (int i = 0; i < 16; ++i) s += squares[i];
         mine[ROUTE] = s;
     }
+}
+#elif ROUTED
+#define TAIL_PARTS 8                                            // norm_route.TAIL_PARTS
+#define ROUTE_TILES (COLS / 16)                                 // the o projection's 16-row tiles
+#define PARTIALS (ROUTE_TILES * (ROUTED + 1))                   // floats of its partials
+#define PARTIAL_TRIPS (((PARTIALS + 3) / 4 + THREADS - 1) / THREADS)  // float4 a thread stages
+#define TAIL_PASSES (((ROUTED + 1) * TAIL_PARTS + THREADS - 1) / THREADS)
+
+__device__ __forceinline__ float warp_max(float v) {  // compat.warp_max's butterfly
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {  // compat.warp_sum's butterfly: every lane the same bits
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    return v;
+}
+
+struct Pair {
+    int entry;  // the pair's placement: a slot, or -1 - a host-store row
+    float inv;  // the norm's 1 / rms
+};
+
+// The routing of one token from the ROUTE entry's partials (partial (ROUTE_TILES, ROUTED + 1), 16-byte aligned):
+// route_tail's sums in its order, 1 / rms, logits, one_token_tail's softmax and ranks; returns pair ``place``'s
+// placement (table_row[expert]) and 1 / rms. ``tables``: this block writes the pair's ids, weights and tables
+// (route_tail's outputs). The partials are staged into shared memory 16 bytes a thread (every load issued before the
+// first use: 6.3 MB of L2 reads over A3B's 384 blocks; a thread a column's tiles, read straight from global memory as
+// route_tail does, was 32 sectors a warp's load).
+__device__ __forceinline__ Pair route_pair(const float *partial, const int *table_row, float eps, int top_k,
+                                           int normalize, int place, bool tables, int *ids, float *weights,
+                                           int *pair_token, int *pair_slot, int *pair_out) {
+    __shared__ __align__(16) float staged[PARTIAL_TRIPS * THREADS * 4];
+    __shared__ float sums[TAIL_PARTS][ROUTED + 1];
+    __shared__ float probs[32], by_rank[32];
+    __shared__ int ranks[32], places[ROUTED];
+    __shared__ Pair chosen_pair;
+    const int tid = threadIdx.x;
+    float4 quads[PARTIAL_TRIPS];
+#pragma unroll
+    for (int trip = 0; trip < PARTIAL_TRIPS; ++trip) {
+        const int q = trip * THREADS + tid;
+        quads[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (4 * q + 3 < PARTIALS) {
+            quads[trip] = *reinterpret_cast<const float4 *>(partial + 4 * q);
+        } else if (4 * q < PARTIALS) {  // the last, partial quad
+            quads[trip].x = partial[4 * q];
+            if (4 * q + 1 < PARTIALS) quads[trip].y = partial[4 * q + 1];
+            if (4 * q + 2 < PARTIALS) quads[trip].z = partial[4 * q + 2];
+        }
+    }
+    const int place_of = tid < ROUTED ? table_row[tid] : 0;
+#pragma unroll
+    for (int trip = 0; trip < PARTIAL_TRIPS; ++trip)
+        reinterpret_cast<float4 *>(staged)[trip * THREADS + tid] = quads[trip];
+    if (tid < ROUTED) places[tid] = place_of;
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < TAIL_PASSES; ++q) {  // column c's part j: the tiles j, j + TAIL_PARTS, ... in order
+        const int c = (tid + q * THREADS) / TAIL_PARTS, j = (tid + q * THREADS) % TAIL_PARTS;
+        if (c <= ROUTED) {
+            float part = 0.f;
+#pragma unroll
+            for (int tile = j; tile < ROUTE_TILES; tile += TAIL_PARTS) part += staged[tile * (ROUTED + 1) + c];
+            sums[j][c] = part;
+        }
+    }
+    __syncthreads();
+    float inv = 0.f;
+    if (tid < 32) {  // route_tail's 1 / rms and logits, then one_token_tail's softmax: warp 0, a lane an expert
+        float square_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < TAIL_PARTS; ++j) square_sum += sums[j][ROUTED];
+        inv = 1.f / sqrtf(square_sum / (float)COLS + eps);
+        float prob = -__int_as_float(0x7F800000);  // -inf: exp gives 0
+        if (tid < ROUTED) {
+            float logit = 0.f;
+#pragma unroll
+            for (int j = 0; j < TAIL_PARTS; ++j) logit += sums[j][tid];
+            prob = logit * inv;
+        }
+        const float peak = warp_max(prob);
+        prob = expf(prob - peak);
+        prob = prob / warp_sum(prob);
+        probs[tid] = prob;
+    }
+    __syncthreads();
+    int rank = ROUTED;
+    if (tid < ROUTED) {  // ranks by descending probability, ties to the lower id
+        const float prob = probs[tid];
+        rank = 0;
+        for (int j = 0; j < ROUTED; ++j) rank += probs[j] > prob || (probs[j] == prob && j < tid);
+        ranks[tid] = rank;
+        if (rank < top_k) by_rank[rank] = prob;
+    }
+    __syncthreads();
+    if (rank < top_k) {  // a chosen expert: its place among the chosen by id
+        int at = 0;
+        for (int j = 0; j < tid; ++j) at += ranks[j] < top_k;
+        if (at == place) {
+            chosen_pair.entry = places[tid];
+            if (tables) {
+                float chosen = 0.f;
+                for (int k = 0; k < top_k; ++k) chosen += by_rank[k];  // in rank order, as topk_row adds them
+                const float prob = probs[tid];
+                ids[rank] = tid;
+                weights[rank] = normalize ? prob / chosen : prob;
+                pair_token[place] = 0;
+                pair_slot[place] = places[tid];
+                pair_out[place] = rank;  // pair t * A + k of token 0
+            }
+        }
+    }
+    if (tid == 0) chosen_pair.inv = inv;
+    __syncthreads();
+    return chosen_pair;
+}
+
+// total: (1, COLS) float32 (the ROUTE entry's residual + o); partial: (COLS / 16, ROUTED + 1) float32, its tiles'
+// sums; norm_weight (COLS,) bf16; table_row: the layer's placement row (ROUTED,) int32 (a slot, or -1 - a host-store
+// row); arena / store, blob_bytes, code* / scale*: as the pairs entry; ids, weights (1, top_k) and the pair tables
+// (top_k,): route_tail's outputs; out (top_k, ROWS): h of pair j. Grid (ceil(ceil(ROWS / 16) / TILES), top_k).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *total, const float *partial, const u16 *norm_weight, float eps, const int *table_row, int top_k,
+      int normalize, const u8 *arena, const u8 *store, long long blob_bytes, long long code0, long long code1,
+      long long scale0, long long scale1, int *ids, float *weights, int *pair_token, int *pair_slot, int *pair_out,
+      float *out) {
+    static_assert(MATS == 2 && !DENSE && ROUTED <= 32 && ROUTED < THREADS && COLS % 16 == 0,
+                  "gate|up, a warp's lanes the experts, a thread an expert, whole tiles of the o projection");
+    const int tid = threadIdx.x;
+    Norm norm;  // the staged x's norm weights: weights, before the wait
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        norm.w[trip] = make_uint4(0, 0, 0, 0);
+        const int at = trip * THREADS + tid;  // int4: x[8 at ..], 16 bytes; fp8: x[4 at ..], 8 bytes
+        if (INT4 && 8 * at < COLS) {
+            norm.w[trip] = load_code(reinterpret_cast<const u8 *>(norm_weight + 8 * at));
+        } else if (!INT4 && 4 * at < COLS) {
+            asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(norm.w[trip].x), "=r"(norm.w[trip].y)
+                         : "l"(norm_weight + 4 * at));
+        }
+    }
+    pdl_wait();
+    const Pair pair = route_pair(partial, table_row, eps, top_k, normalize, blockIdx.y, blockIdx.x == 0, ids, weights,
+                                 pair_token, pair_slot, pair_out);
+    norm.inv = pair.inv;
+    const u8 *blob = pair.entry >= 0 ? arena + pair.entry * blob_bytes : store + (-1 - pair.entry) * blob_bytes;
+    const u8 *const codes[2] = {blob + code0, blob + code1};
+    const float *const scales[2] = {reinterpret_cast<const float *>(blob + scale0),
+                                    reinterpret_cast<const float *>(blob + scale1)};
+    float sum[2];
+    const int row = gemv<2>(total, codes, scales, sum, norm);
+    if (row >= 0) out[(long long)blockIdx.y * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[1];
 }
 #else
 // x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /

@@ -60,6 +60,12 @@ def _formats(value: str) -> frozenset:
 FORMATS = _formats(os.environ.get(ENV, "all"))  # on: nineteenth session, call B (performance.md: 1.53x / 1.55x bf16)
 GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
 ROUTE_ENTRY = "linear_quant_mma_route"  # the o projection with norm_route's start (linear_quant_mma.launch_route)
+ROUTED_ENTRY = "moe_quant_mma_gate_up_routed"  # gate|up ending the routing (launch_gate_up_routed)
+# the routed decode's gate|up ends the routing the o projection's ROUTE entry began (launch_gate_up_routed), in place
+# of norm_route.route_tail's kernel (read at each call: the backend's routes_experts). Off: H200, 48 x 32 A3B, b1
+# (twenty-first session, performance.md): fp8 527.3 against 518.9 tok/s, int4 530.0 / 529.1 against 544.7 / 541.9
+# (its down GEMV can no longer read the pair tables before its wait)
+ROUTED = os.environ.get("MOEBUS_ROUTED_GATE_UP", "0") != "0"
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
 # (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills then; 4 since the nineteenth session's gemv<M>: a value
@@ -91,11 +97,12 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
-                    fmt: str = "fp8", dense: bool = False, route: int = 0) -> list[bytes]:
+                    fmt: str = "fp8", dense: bool = False, route: int = 0, routed: int = 0) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
     ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8); ``route``: with
-    ``dense``, the experts of the routing it starts (linear_quant_mma.launch_route; 0: none)."""
+    ``dense``, the experts of the routing it starts (linear_quant_mma.launch_route; 0: none); ``routed``: gate|up
+    ending the routing of that many experts (launch_gate_up_routed; 0: given pair tables)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
@@ -103,17 +110,24 @@ def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, ea
         raise ValueError("a dense projection is one fp8 matrix")
     if route and not (dense and tiles == 1 and rows % 16 == 0 and 0 < route < 32 * ksplit):
         raise ValueError(f"route {route}: a dense projection, a tile a block, whole tiles, fewer experts than threads")
-    entry = _entry(mats, dense, route)
+    if routed and not (mats == 2 and not dense and cols % 16 == 0 and 0 < routed <= 32
+                       and routed < 32 * tiles * ksplit):
+        raise ValueError(f"routed {routed}: gate|up over whole 16-row tiles of the o projection, 1 to 32 experts, "
+                         "fewer than the block's threads")
+    entry = _entry(mats, dense, route, routed)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
-            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(), f"-DROUTE={int(route)}".encode()]
+            f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(), f"-DROUTE={int(route)}".encode(),
+            f"-DROUTED={int(routed)}".encode()]
 
 
-def _entry(mats: int, dense: bool = False, route: int = 0) -> str:
-    return (ROUTE_ENTRY if route else DENSE_ENTRY) if dense else GATE_UP_ENTRY if mats == 2 else DOWN_ENTRY
+def _entry(mats: int, dense: bool = False, route: int = 0, routed: int = 0) -> str:
+    if dense:
+        return ROUTE_ENTRY if route else DENSE_ENTRY
+    return (ROUTED_ENTRY if routed else GATE_UP_ENTRY) if mats == 2 else DOWN_ENTRY
 
 
 def source() -> bytes:
@@ -122,7 +136,7 @@ def source() -> bytes:
 
 @functools.cache
 def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False,
-            route: int = 0):
+            route: int = 0, routed: int = 0):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -131,10 +145,10 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route, routed)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
-    entry = _entry(mats, dense, route)
-    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}"
+    entry = _entry(mats, dense, route, routed)
+    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}_{int(routed)}"
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
@@ -142,9 +156,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 @functools.cache
 def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
-            dense: bool = False, route: int = 0) -> bool:
+            dense: bool = False, route: int = 0, routed: int = 0) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt, dense, route)
+        _kernel(cols, rows, mats, shape, early, fmt, dense, route, routed)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False
@@ -186,6 +200,15 @@ def takes(layout, chunk: int, arena, store, stream) -> bool:
             and _builds(layout.inter, layout.hidden, 1, tuple(down), _early(), fmt))
 
 
+def takes_routed(layout, num_experts: int, top_k: int, arena, store, stream) -> bool:
+    """Whether the routed decode's gate|up ends the routing (launch_gate_up_routed; ROUTED, read at each call):
+    ``takes`` at batch 1, 1 <= top_k <= experts <= 32 (one_token_tail's warp), the kernel built."""
+    shape = tuple(shapes(layout.dtype)[0]) if layout.dtype in VALUES else ()
+    return (ROUTED and 0 < top_k <= num_experts <= 32 and takes(layout, 1, arena, store, stream)
+            and 32 * shape[0] * shape[1] > num_experts
+            and _builds(layout.hidden, layout.inter, 2, shape, False, layout.dtype, routed=num_experts))
+
+
 def _early() -> bool:
     """The down GEMV's pair tables and codes read before its wait: the step's choice for the numba kernels
     (moe_quant_round.choose_down_early: every expert resident, no loan) and pdl.released_early."""
@@ -225,6 +248,38 @@ def launch_gate_up(x, pair_token, pair_slot, pair_out, arena, store, layout, h, 
     kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype)
     _launch_pairs(stream, kernel, layout.inter, shape, x, pair_token, pair_slot, arena, store, layout,
                   (code0, code1, scale0, scale1), pair_out, h)
+
+
+def launch_gate_up_routed(total, partial, norm_weight, eps: float, table, layer_row: int, top_k: int, normalize: bool,
+                          arena, store, layout, ids, weights, pair_token, pair_slot, pair_out, h, stream,
+                          shape=None) -> None:
+    """norm_route.route_tail_cuda's outputs but h (ids and weights (1, top_k), the pair tables (top_k,)) and
+    h[j] = silu(gate x) * up x of pair j, x = route_tail's h of ``total`` (1, D) and the ROUTE entry's ``partial``
+    (D / 16, E + 1), in one launch: every block ranks the experts itself (the module's ROUTED). ``table``: the
+    placement (layers, E) int32; ``h`` (top_k, I) float32."""
+    shape = tuple(shape or shapes(layout.dtype)[0])
+    num_experts = partial.shape[1] - 1
+    code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype, routed=num_experts)
+    ptr = _pointer
+    flash_attention._core_launch(stream, (grid_x(layout.inter, shape), int(top_k)), 32 * shape[0] * shape[1], kernel,
+                                 ptr(total), _partials(partial), ptr(norm_weight), np.float32(eps),
+                                 _table_row(table, layer_row), np.int32(top_k), np.int32(bool(normalize)),
+                                 *_blobs(arena, store, layout), code0, code1, scale0, scale1, ptr(ids), ptr(weights),
+                                 ptr(pair_token), ptr(pair_slot), ptr(pair_out), ptr(h))
+
+
+def _partials(partial) -> np.intp:
+    """The ROUTE entry's partials, read 16 bytes a thread."""
+    at = _pointer(partial)
+    if at % 16 or not partial.flags["C_CONTIGUOUS"]:
+        raise ValueError("the routed GEMVs read the partials 16 bytes a thread: a C-ordered, 16-byte aligned array")
+    return at
+
+
+def _table_row(table, layer_row: int) -> np.intp:
+    """The address of the placement's row ``layer_row`` (layers, E) int32."""
+    return np.intp(int(_pointer(table)) + int(layer_row) * table.strides[0])
 
 
 def launch_down(h, pair_token, pair_slot, pair_out, arena, store, layout, out, stream, shape=None, early=None) -> None:
