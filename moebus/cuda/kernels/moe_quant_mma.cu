@@ -400,7 +400,6 @@ ENTRY(const float *x, const u8 *codes, const float *scales, float *out) {
     if (row >= 0) out[row] = sum[0];
 }
 #elif DENSE && ROUTE
-
 // x: (1, COLS) float32 (the attention's output); codes, scales: the o projection's (ROWS, COLS); residual, total:
 // (1, ROWS) float32; norm_weight (ROWS,) and router (ROUTE, ROWS) bf16; partial (tiles, ROUTE + 1) float32.
 // Grid ceil(ROWS / 16) (TILES 1, ROWS a multiple of 16), THREADS (> ROUTE) threads.
@@ -477,9 +476,9 @@ struct Pair {
 // The routing of one token from the ROUTE entry's partials (partial (ROUTE_TILES, ROUTED + 1), 16-byte aligned):
 // route_tail's sums in its order, 1 / rms, logits, one_token_tail's softmax and ranks; returns pair ``place``'s
 // placement (table_row[expert]) and 1 / rms. ``tables``: this block writes the pair's ids, weights and tables
-// (route_tail's outputs). The partials are staged into shared memory 16 bytes a thread (every load issued before the
-// first use: 6.3 MB of L2 reads over A3B's 384 blocks; a thread a column's tiles, read straight from global memory as
-// route_tail does, was 32 sectors a warp's load).
+// (route_tail's outputs). The partials are staged into shared memory 16 bytes a thread, every load issued before the
+// first use (6.3 MB of L2 reads over A3B's 384 blocks; call B's first version read a column's tiles a thread as
+// route_tail does, 32 sectors a warp's load, at 530.0 tok/s int4, this one's with the down GEMV as now not timed).
 __device__ __forceinline__ Pair route_pair(const float *partial, const int *table_row, float eps, int top_k,
                                            int normalize, int place, bool tables, int *ids, float *weights,
                                            int *pair_token, int *pair_slot, int *pair_out) {

@@ -273,7 +273,7 @@ def _partials(partial) -> np.intp:
     """The ROUTE entry's partials, read 16 bytes a thread."""
     at = _pointer(partial)
     if at % 16 or not partial.flags["C_CONTIGUOUS"]:
-        raise ValueError("the routed GEMVs read the partials 16 bytes a thread: a C-ordered, 16-byte aligned array")
+        raise ValueError("the routed gate|up reads the partials 16 bytes a thread: a C-ordered, 16-byte aligned array")
     return at
 
 
