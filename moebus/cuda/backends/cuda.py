@@ -262,14 +262,21 @@ class CudaBackend(split_epilogues.SplitInputOps):
                 a, weight.codes, weight.scales, x, norm_weight, router, self.stream)):
             return self.norm_route(x, self.linear(a, weight), norm_weight, eps, router, top_k, normalize, table,
                                    layer_row, ids)
-        total, h, weights = self.empty(x.shape), self.empty(x.shape), self.empty((1, top_k))
+        total, partial, weights, pairs = self._route_start(a, weight, x, norm_weight, router, top_k)
+        h = self.empty(x.shape)
+        route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights, *pairs,
+                        stream=self.stream)
+        return (total, h, ids, weights, *pairs)
+
+    def _route_start(self, a, weight, x, norm_weight, router, top_k: int):
+        """The o projection's ROUTE entry (linear_quant_mma.launch_route) into (total, partial), with the routing's
+        outputs still to write: (total, partial, weights (1, top_k), the three pair tables (top_k,))."""
+        total, weights = self.empty(x.shape), self.empty((1, top_k))
         pairs = [self.empty((top_k,), np.int32) for _ in range(3)]
         partial = self.empty((x.shape[1] // 16, router.shape[0] + 1))
         linear_quant_mma.launch_route(a, weight.codes, weight.scales, x, norm_weight, router, total, partial,
                                       self.stream)
-        route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights, *pairs,
-                        stream=self.stream)
-        return (total, h, ids, weights, *pairs)
+        return total, partial, weights, pairs
 
     def routes_experts(self, a, weight, x, norm_weight, router, top_k: int, arena, store, layout) -> bool:
         """Whether ``linear_route_experts`` runs here: one token, the o projection's ROUTE entry
@@ -285,12 +292,8 @@ class CudaBackend(split_epilogues.SplitInputOps):
         entry, the gate|up GEMV ending the routing in every block (no route_tail kernel), the down GEMV. ``out``
         (top_k, D) takes the pairs' outputs; returns (x + o, out, the routing weights (1, top_k)); ``ids``
         (1, top_k) the chosen experts."""
-        total, weights = self.empty(x.shape), self.empty((1, top_k))
-        pairs = [self.empty((top_k,), np.int32) for _ in range(3)]
-        partial = self.empty((x.shape[1] // 16, router.shape[0] + 1))
+        total, partial, weights, pairs = self._route_start(a, weight, x, norm_weight, router, top_k)
         h = self.empty((top_k, layout.inter))
-        linear_quant_mma.launch_route(a, weight.codes, weight.scales, x, norm_weight, router, total, partial,
-                                      self.stream)
         moe_quant_mma.launch_gate_up_routed(total, partial, norm_weight, eps, table, layer_row, top_k, normalize,
                                             arena, store, layout, ids, weights, *pairs, h, self.stream)
         # never the early down GEMV: its pair tables, read before its wait, are the gate|up kernel's own writes (a

@@ -385,6 +385,22 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
     return row < ROWS ? row : -1;
 }
 
+// An expert's GEMV (gemv) at batch 1: its blob by its placement ``entry`` (a slot of the arena, or -1 - a row of the
+// host store), its matrices' codes and scales at the byte offsets code* / scale* (down: code1 = code0, scale1 =
+// scale0).
+template <int M>
+__device__ __forceinline__ int expert_gemv(const float *x_row, int entry, const u8 *arena, const u8 *store,
+                                           long long blob_bytes, long long code0, long long code1, long long scale0,
+                                           long long scale1, float (&sum)[M], const Norm &norm = Norm()) {
+    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
+    const u8 *const codes[2] = {blob + code0, blob + code1};
+    const float *const scales[2] = {reinterpret_cast<const float *>(blob + scale0),
+                                    reinterpret_cast<const float *>(blob + scale1)};
+    return gemv<M>(x_row, codes, scales, sum, norm);
+}
+
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }  // h of gate|up
+
 #if DENSE && !ROUTE
 // x: (1, COLS) float32; codes (ROWS, COLS) e4m3; scales (ROWS, SCALE_COLS) float32; out (1, ROWS) = x W^T.
 // Grid ceil(ceil(ROWS / 16) / TILES), THREADS threads.
@@ -596,13 +612,10 @@ ENTRY(const float *total, const float *partial, const u16 *norm_weight, float ep
     const Pair pair = route_pair(partial, table_row, eps, top_k, normalize, blockIdx.y, blockIdx.x == 0, ids, weights,
                                  pair_token, pair_slot, pair_out);
     norm.inv = pair.inv;
-    const u8 *blob = pair.entry >= 0 ? arena + pair.entry * blob_bytes : store + (-1 - pair.entry) * blob_bytes;
-    const u8 *const codes[2] = {blob + code0, blob + code1};
-    const float *const scales[2] = {reinterpret_cast<const float *>(blob + scale0),
-                                    reinterpret_cast<const float *>(blob + scale1)};
     float sum[2];
-    const int row = gemv<2>(total, codes, scales, sum, norm);
-    if (row >= 0) out[(long long)blockIdx.y * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[1];
+    const int row = expert_gemv<2>(total, pair.entry, arena, store, blob_bytes, code0, code1, scale0, scale1, sum,
+                                   norm);
+    if (row >= 0) out[(long long)blockIdx.y * ROWS + row] = silu_times(sum[0], sum[1]);
 }
 #else
 // x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /
@@ -618,15 +631,11 @@ ENTRY(const float *x, const int *x_table, const int *pair_slot, const u8 *arena,
     const int j = first_pair + blockIdx.y;
     const int entry = pair_slot[j];
     const float *x_row = x + (long long)(MATS == 2 ? x_table[j] : j) * COLS;  // its index read beside the slot's
-    const u8 *blob = entry >= 0 ? arena + entry * blob_bytes : store + (-1 - entry) * blob_bytes;
-    const u8 *const codes[2] = {blob + code0, blob + code1};  // down: code1 = code0, scale1 = scale0
-    const float *const scales[2] = {reinterpret_cast<const float *>(blob + scale0),
-                                    reinterpret_cast<const float *>(blob + scale1)};
     float sum[MATS];
-    const int row = gemv<MATS>(x_row, codes, scales, sum);
+    const int row = expert_gemv<MATS>(x_row, entry, arena, store, blob_bytes, code0, code1, scale0, scale1, sum);
     if (row < 0) return;
     if (MATS == 2) {
-        out[(long long)j * ROWS + row] = sum[0] / (1.f + expf(-sum[0])) * sum[MATS - 1];
+        out[(long long)j * ROWS + row] = silu_times(sum[0], sum[MATS - 1]);
     } else {
         out[(long long)out_table[j] * ROWS + row] = sum[0];
     }
