@@ -331,16 +331,17 @@ class Stage:
 
     def _residual_norm(self, x, residual, weight):
         """(x + residual, its rmsnorm): the pending residual add fused with the norm after it.
-        ``residual``: None, ("dense", y) or ("moe", y_pair, weights) (the MoE's combine fused too)."""
+        ``residual``: None, ("dense", y), ("moe", y_pair, weights) (the MoE's combine fused too) or ("normed",
+        square): x is whole, ``square`` its 16-row tiles' sums of squares (the down GEMV ended in the combine)."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        if residual is None:
+        if residual is None or residual[0] == "normed":
             return x, ops.rmsnorm(x, weight, eps)
         if residual[0] == "moe":
             return ops.combine_add_rmsnorm(residual[1], residual[2], x, weight, eps)
         return ops.add_rmsnorm(x, residual[1], weight, eps)
 
     def _residual_add(self, x, residual):
-        if residual is None:
+        if residual is None or residual[0] == "normed":
             return x
         y = self.ops.combine(residual[1], residual[2]) if residual[0] == "moe" else residual[1]
         return self.ops.add(x, y)
@@ -376,11 +377,16 @@ class Stage:
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        x, h = self._residual_norm(x, residual, w["attn_norm"])
-        if self.fuse_qkv:
+        if self.fuse_qkv and residual is not None and residual[0] == "normed":  # the projection normalizes x
+            qkv = ops.linear_normed(x, residual[1], w["attn_norm"], eps, w["qkv"])
+            q = ops.qkv_rope_store(qkv, heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot, token_pos, self.cos,
+                                   self.sin, self.kv.k[n], self.kv.v[n])
+        elif self.fuse_qkv:
+            x, h = self._residual_norm(x, residual, w["attn_norm"])
             q = ops.linear_qkv_rope_store(h, w["qkv"], heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
                                           token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
         else:
+            x, h = self._residual_norm(x, residual, w["attn_norm"])
             q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)
             k = ops.linear(h, w["k"]).reshape(num_tokens, kv_heads, hd)
             v = ops.linear(h, w["v"]).reshape(num_tokens, kv_heads, hd)
@@ -408,7 +414,10 @@ class Stage:
         router's choices going through the placement table on the device; experts that are not
         resident are read from the (mapped) host store by the kernels themselves. Where the backend
         ``routes_experts`` (cuda: FP8 o projection, quantized experts, no prefetch), the gate|up GEMV
-        ends the routing itself (linear_route_experts). Returns (x, the layer's pending MoE output)."""
+        ends the routing itself (linear_route_experts); where it ``combines_experts`` (one token, quantized experts),
+        the down GEMV ends in the combine and the residual add (expert_ffn_combine, with the prefetch too: a cache
+        that holds a quarter of the experts gives the bits of one that holds them all). Returns (x, the layer's
+        pending MoE output)."""
         ops, cfg = self.ops, self.cfg
         row = self.experts.store.row_of_layer[layer]
         store, arena, layout = self.experts.store.device_blobs, self.experts.array, self.experts.store.layout
@@ -417,10 +426,13 @@ class Stage:
                                                                            cfg.num_experts)
         if not tiles and prefetch is None and ops.routes_experts(a, w["o"], x, w["mlp_norm"], w["router"], cfg.top_k,
                                                                  arena, store, layout):
+            route = (a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob,
+                     placement, row, expert_ids[row], arena, store, layout)
+            if ops.combines_experts(a, cfg.top_k, arena, store, layout, early=False):  # and the down the combine
+                x, square, _ = ops.linear_route_experts(*route, None)
+                return x, ("normed", square)
             out = ops.empty((num_tokens * cfg.top_k, cfg.hidden_size), np.float32)  # the gate|up ends the routing
-            x, out, weights = ops.linear_route_experts(a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"],
-                                                       cfg.top_k, cfg.norm_topk_prob, placement, row, expert_ids[row],
-                                                       arena, store, layout, out)
+            x, out, weights = ops.linear_route_experts(*route, out)
             return x, ("moe", out, weights)
         x, h, _, weights, pair_token, pair_slot, pair_out = ops.linear_norm_route(
             a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob, placement, row,
@@ -439,12 +451,17 @@ class Stage:
             return x, ("moe", y_pair, weights) + keep
         if prefetch is not None:
             keep = prefetch.around_experts(ops, row, pair_slot, h, next_router, placement, store, arena)
-        out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
-        ops.expert_ffn(h, pair_token, pair_slot, pair_out, arena, cfg.hidden_size, cfg.moe_intermediate_size, out,
-                       store=store, layout=layout)  # layout: quantized experts (None: bf16)
+        if ops.combines_experts(h, cfg.top_k, arena, store, layout):  # the down GEMV ends in the combine
+            x, square = ops.expert_ffn_combine(h, pair_token, pair_slot, pair_out, arena, layout, weights, x, store)
+            pending = ("normed", square)  # the next norm takes 1 / rms from the squares
+        else:
+            out = ops.empty((h.shape[0] * cfg.top_k, cfg.hidden_size), np.float32)
+            ops.expert_ffn(h, pair_token, pair_slot, pair_out, arena, cfg.hidden_size, cfg.moe_intermediate_size, out,
+                           store=store, layout=layout)  # layout: quantized experts (None: bf16)
+            pending = ("moe", out, weights)  # combined by the next norm (_residual_norm)
         if prefetch is not None:  # the next layer's copies, where they wait for these experts
             prefetch.after_experts(ops)
-        return x, ("moe", out, weights) + keep  # combined by the next norm (_residual_norm)
+        return x, pending + keep
 
     def _moe(self, layer: int, w: dict, h):
         """Long steps (prefill): experts grouped on the host, misses copied into the cache first."""

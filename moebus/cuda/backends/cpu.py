@@ -127,6 +127,15 @@ class CpuBackend:
         """Never here: on cuda the gate|up GEMV may end the routing (CudaBackend.linear_route_experts)."""
         return False
 
+    @staticmethod
+    def combines_experts(*_, **__) -> bool:
+        """Never here: on cuda the down GEMV may end in the combine (CudaBackend.expert_ffn_combine)."""
+        return False
+
+    def linear_normed(self, x, square, norm_weight, eps: float, weight):
+        """linear(rmsnorm(x, norm_weight), weight); ``square`` (the tiles' sums of x^2, cuda's) is not needed here."""
+        return self.linear(self.rmsnorm(x, norm_weight, eps), weight)
+
     def linear_norm_route(self, a, weight, x, *rest):
         """norm_route(x, linear(a, weight), *rest) (on cuda the projection may start the routing: linear_quant_mma)."""
         return self.norm_route(x, self.linear(a, weight), *rest)

@@ -291,13 +291,19 @@ class CudaBackend(split_epilogues.SplitInputOps):
         """linear_norm_route then expert_ffn (where ``routes_experts``) in three launches: the o projection's ROUTE
         entry, the gate|up GEMV ending the routing in every block (no route_tail kernel), the down GEMV. ``out``
         (top_k, D) takes the pairs' outputs; returns (x + o, out, the routing weights (1, top_k)); ``ids``
-        (1, top_k) the chosen experts."""
+        (1, top_k) the chosen experts. ``out`` None (where ``combines_experts`` with ``early`` False): the down GEMV
+        ends in the combine; returns (x + o + the combine, the 16-row tiles' sums of its squares, the weights)."""
         total, partial, weights, pairs = self._route_start(a, weight, x, norm_weight, router, top_k)
         h = self.empty((top_k, layout.inter))
         moe_quant_mma.launch_gate_up_routed(total, partial, norm_weight, eps, table, layer_row, top_k, normalize,
                                             arena, store, layout, ids, weights, *pairs, h, self.stream)
         # never the early down GEMV: its pair tables, read before its wait, are the gate|up kernel's own writes (a
         # down GEMV redoing the routing before its wait to keep its early loads was slower: 511.6 against 529.1 tok/s)
+        if out is None:
+            combined, square = self.empty(x.shape), self.empty((x.shape[1] // 16,))
+            moe_quant_mma.launch_down_combine(h, pairs[1], pairs[2], weights, arena, store, layout, total, combined,
+                                              square, self.stream, early=False)
+            return combined, square, weights
         moe_quant_mma.launch_down(h, *pairs, arena, store, layout, out, self.stream, early=False)
         return total, out, weights
 
@@ -310,6 +316,36 @@ class CudaBackend(split_epilogues.SplitInputOps):
                                                    stream=self.stream, store=store)
         return moe_ffn.expert_ffn_cuda(x, pair_token, pair_slot, pair_out, arena, hidden, inter, out, scratch,
                                        stream=self.stream, store=store)
+
+    def combines_experts(self, h, top_k: int, arena, store, layout, early: bool | None = None) -> bool:
+        """Whether ``expert_ffn_combine`` runs here: one token, quantized experts whose down GEMV ends in the combine
+        (moe_quant_mma.takes_combine; ``early``: its tables read before its wait, None: the step's choice;
+        linear_route_experts' down never does)."""
+        return (h.shape[0] == 1 and layout is not None
+                and moe_quant_mma.takes_combine(layout, top_k, arena, store, self.stream, early))
+
+    def expert_ffn_combine(self, h, pair_token, pair_slot, pair_out, arena, layout, weights, x, store=None):
+        """expert_ffn then the combine and the residual add (where ``combines_experts``), in two launches: the gate|up
+        GEMV, the down GEMV ending in the combine. Returns (x + combine, the 16-row tiles' sums of its squares
+        (D / 16,)), from which the next norm takes 1 / rms (linear_normed)."""
+        store = arena if store is None else store
+        scratch = self.empty((pair_slot.shape[0], layout.inter))
+        total, square = self.empty(x.shape), self.empty((x.shape[1] // 16,))
+        moe_quant_mma.launch_gate_up(h, pair_token, pair_slot, pair_out, arena, store, layout, scratch, self.stream)
+        moe_quant_mma.launch_down_combine(scratch, pair_slot, pair_out, weights, arena, store, layout, x, total, square,
+                                          self.stream)
+        return total, square
+
+    def linear_normed(self, x, square, norm_weight, eps: float, weight):
+        """linear(rmsnorm(x, norm_weight), weight), ``square`` the 16-row tiles' sums of x^2 (expert_ffn_combine's):
+        an FP8 projection on tensor cores normalizes x while it stages it (linear_quant_mma.launch_normed), else the
+        two launches."""
+        if isinstance(weight, linear_quant.Fp8Weight) and linear_quant_mma.takes_normed(
+                x, weight.codes, weight.scales, square, norm_weight, self.stream):
+            out = self.empty((x.shape[0], weight.shape[0]))
+            return linear_quant_mma.launch_normed(x, weight.codes, weight.scales, square, norm_weight, eps, out,
+                                                  self.stream)
+        return self.linear(self.rmsnorm(x, norm_weight, eps), weight)
 
     def combine(self, y_pair, weights):
         out = self.empty((weights.shape[0], y_pair.shape[1]))

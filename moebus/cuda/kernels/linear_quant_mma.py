@@ -131,3 +131,30 @@ def launch_route(a, codes, scales, residual, norm_weight, router, total, partial
     flash_attention._core_launch(stream, (num_rows // 16, 1), 32 * shape[0] * shape[1], kernel, ptr(a), ptr(codes),
                                  ptr(scales), ptr(residual), ptr(norm_weight), ptr(router), ptr(total), ptr(partial))
     return total, partial
+
+
+def takes_normed(x, codes, scales, square, norm_weight, stream) -> bool:
+    """Whether ``launch_normed`` runs: ``takes`` (one token), the row's length a multiple of 64 (whole float4 of its
+    16-row tiles' squares), bf16 norm weight (C,) 16-byte aligned, float32 squares (C / 16,) 16-byte aligned, the
+    kernel built."""
+    from moebus.cuda.kernels.compat import data_ptr, is_contiguous
+    from moebus.cuda.kernels.moe_quant_round import aligned
+
+    num_rows, cols = codes.shape
+    return (cols % 64 == 0 and norm_weight.dtype == np.uint16 and norm_weight.shape == (cols,)
+            and square.dtype == np.float32 and square.shape == (cols // 16,) and data_ptr(square) % 16 == 0
+            and aligned(norm_weight) and is_contiguous(norm_weight) and takes(x, codes, scales, stream)
+            and moe_quant_mma._builds(cols, num_rows, 1, shape_for(cols), _early(), "fp8", True, normed=True))
+
+
+def launch_normed(x, codes, scales, square, norm_weight, eps: float, out, stream):
+    """out (1, R) = rmsnorm(x) @ W^T: x (1, C) float32, ``square`` (C / 16,) its 16-row tiles' sums of x^2
+    (moe_quant_mma.launch_down_combine's), the norm as fused.normed_store's, made while x is staged."""
+    num_rows, cols = codes.shape
+    shape = shape_for(cols)
+    kernel = moe_quant_mma._kernel(cols, num_rows, 1, shape, _early(), "fp8", True, normed=True)
+    ptr = moe_quant_mma._pointer
+    flash_attention._core_launch(stream, (moe_quant_mma.grid_x(num_rows, shape), 1), 32 * shape[0] * shape[1],
+                                 kernel, ptr(x), ptr(codes), ptr(scales), ptr(norm_weight), ptr(square),
+                                 np.float32(eps), ptr(out))
+    return out

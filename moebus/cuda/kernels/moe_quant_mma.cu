@@ -85,7 +85,20 @@
 #ifndef ROUTED
 #define ROUTED 0        // gate|up: experts E (<= 32) of the routing it ends from the ROUTE entry's partials (0: none)
 #endif
-#define THREADS (32 * TILES * KSPLIT)
+#ifndef COMBINE
+#define COMBINE 0       // down: the pairs (top_k) of one token a block, combined with the residual (0: a pair a block)
+#endif
+#ifndef NORMED
+#define NORMED 0        // DENSE: x staged as rmsnorm(x) from the COMBINE entry's squares (0: x as it is)
+#endif
+#define GROUPS (COMBINE ? COMBINE : 1)       // warp groups a block, each its own x row and matrix
+#define GTHREADS (32 * TILES * KSPLIT)       // threads a group
+#define THREADS (GTHREADS * GROUPS)
+#if GROUPS > 1
+#define GROUP_TID (threadIdx.x % GTHREADS)   // a thread's place in its group
+#else
+#define GROUP_TID threadIdx.x
+#endif
 #define ROW_SCALES (INT4 || DENSE)  // a scale (int4: a pair) per row and 128 inputs
 #define BLOCK 128
 #define VALUES (INT4 ? 32 : 16)               // codes a 16-byte word
@@ -95,7 +108,7 @@
 #define SCALE_COLS ((COLS + BLOCK - 1) / BLOCK)
 #define QUADS (STEPS * STEP_K / 4)            // float4 of x staged (zero past COLS)
 #define PER_THREAD (INT4 ? 2 : 1)             // float4 a thread stages a trip (a chunk: 16 threads)
-#define STAGE_TRIPS ((QUADS / PER_THREAD + THREADS - 1) / THREADS)
+#define STAGE_TRIPS ((QUADS / PER_THREAD + GTHREADS - 1) / GTHREADS)
 // shapes that need no clamp or bounds test (A3B's): fewer address instructions, the loads at constant offsets
 #define WHOLE_ROWS (ROWS % (16 * TILES) == 0)
 #define WHOLE_STEPS (COLS % STEP_K == 0 && STEPS % (KSPLIT * WORDS) == 0)
@@ -171,24 +184,66 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
 // 2^e as a float, e in [-126, 127]
 __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
 
-// ROUTED: the norm's weights of the x a thread stages (bf16: int4 8 a trip, fp8 4), loaded before the wait, and
-// 1 / rms: x_k staged as w_k * (x_k * inv) (route_tail's h, fused.normed_store's order)
+// ROUTED, NORMED: the norm's weights of the x a thread stages (bf16: int4 8 a trip, fp8 4), loaded before the wait,
+// and 1 / rms: x_k staged as w_k * (x_k * inv) (route_tail's h, fused.normed_store's order). NORMED: 1 / rms from
+// the squares (COLS / 16 tiles' sums of x^2), after the wait.
 struct Norm {
     uint4 w[STAGE_TRIPS];
     float inv;
+    const float *square;
+    float eps;
 };
 
 __device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 __device__ __forceinline__ float4 normed(float4 v, u32 lo, u32 hi, float inv) {
-#if ROUTED
+#if ROUTED || NORMED
     return make_float4(bf16_low(lo) * (v.x * inv), bf16_high(lo) * (v.y * inv), bf16_low(hi) * (v.z * inv),
                        bf16_high(hi) * (v.w * inv));
 #else
     return v;
 #endif
 }
+
+// ROUTED, NORMED: the norm's weights of the x this thread stages (a Norm's w), loaded as weights (evict-first)
+__device__ __forceinline__ Norm load_norm(const u16 *norm_weight) {
+    Norm norm;
+#pragma unroll
+    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
+        norm.w[trip] = make_uint4(0, 0, 0, 0);
+        const int at = trip * GTHREADS + (int)GROUP_TID;  // int4: x[8 at ..], 16 bytes; fp8: x[4 at ..], 8 bytes
+        if (INT4 && 8 * at < COLS) {
+            norm.w[trip] = load_code(reinterpret_cast<const u8 *>(norm_weight + 8 * at));
+        } else if (!INT4 && 4 * at < COLS) {
+            asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(norm.w[trip].x), "=r"(norm.w[trip].y)
+                         : "l"(norm_weight + 4 * at));
+        }
+    }
+    return norm;
+}
+
+#if NORMED
+// NORMED: 1 / rms of x from the squares (COLS / 16 tiles' sums of x^2, the COMBINE entry's): every warp sums them
+// the same way (a lane's float4s in order, then a butterfly), so every thread holds the same bits. rsqrtf (2 ulp):
+// the precise 1 / sqrtf's slow-path call spilled 24 bytes beside the code words in flight; x is then rounded to f16
+__device__ __forceinline__ float rms_inverse(const float *square, float eps) {
+    static_assert(COLS % 64 == 0, "whole float4 of tiles' squares");
+    const int lane = threadIdx.x % 32;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < (COLS / 64 + 31) / 32; ++i) {
+        const int q = lane + 32 * i;
+        if ((COLS / 64) % 32 == 0 || q < COLS / 64) {
+            const float4 v = *reinterpret_cast<const float4 *>(square + 4 * q);
+            s += (v.x + v.y) + (v.z + v.w);
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xFFFFFFFFu, s, offset);
+    return rsqrtf(s / (float)COLS + eps);
+}
+#endif
 
 // x's row into xs as f16, each 64-k chunk scaled by 2^e (its largest |x| into [2^14, 2^15); e in [-100, 100]),
 // 2^-e into inverse[chunk]; zero past COLS up to the chunks' end. A chunk is 16 float4 of consecutive threads
@@ -197,11 +252,12 @@ __device__ __forceinline__ float4 normed(float4 v, u32 lo, u32 hi, float inv) {
 // int4: as below over 128-input chunks, 8 inputs a thread, each group of 8 stored as the pairs (x0, x4), (x1, x5),
 // (x2, x6), (x3, x7) (B's registers for a word's 32-bit quarter: nibbles_low / nibbles_high pair those codes), and
 // the chunk's f32 sum of x (the minimum's share, m sum x) into xsum[chunk]
-__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum, const Norm &norm) {
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *xsum, const Norm &norm,
+                                        float inv) {
     float4 v[STAGE_TRIPS][2];
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
-        const int o = trip * THREADS + threadIdx.x;  // x[8 o .. 8 o + 7]
+        const int o = trip * GTHREADS + GROUP_TID;  // x[8 o .. 8 o + 7]
         v[trip][0] = v[trip][1] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (8 * o < COLS) {  // COLS a multiple of 32
             v[trip][0] = load_x(x + 8 * o);
@@ -210,9 +266,9 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
     }
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
-        const int o = trip * THREADS + threadIdx.x;
-        const float4 a = normed(v[trip][0], norm.w[trip].x, norm.w[trip].y, norm.inv);
-        const float4 b = normed(v[trip][1], norm.w[trip].z, norm.w[trip].w, norm.inv);
+        const int o = trip * GTHREADS + GROUP_TID;
+        const float4 a = normed(v[trip][0], norm.w[trip].x, norm.w[trip].y, inv);
+        const float4 b = normed(v[trip][1], norm.w[trip].z, norm.w[trip].w, inv);
         float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
                         fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
         float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
@@ -224,7 +280,7 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
         int e = 0;
         if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
         const float p = power_of_two(e);
-        if ((QUADS / 2) % THREADS == 0 || o < QUADS / 2) {
+        if ((QUADS / 2) % GTHREADS == 0 || o < QUADS / 2) {
             reinterpret_cast<uint4 *>(xs)[o] = make_uint4(f16x2(a.x * p, b.x * p), f16x2(a.y * p, b.y * p),
                                                           f16x2(a.z * p, b.z * p), f16x2(a.w * p, b.w * p));
             if (o % 16 == 0) {
@@ -235,24 +291,25 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
     }
 }
 #else
-__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *, const Norm &norm) {
+__device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse, float *, const Norm &norm,
+                                        float inv) {
     float4 v[STAGE_TRIPS];
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
-        const int q = trip * THREADS + threadIdx.x;
+        const int q = trip * GTHREADS + GROUP_TID;
         v[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (4 * q < COLS) v[trip] = normed(load_x(x + 4 * q), norm.w[trip].x, norm.w[trip].y, norm.inv);
+        if (4 * q < COLS) v[trip] = normed(load_x(x + 4 * q), norm.w[trip].x, norm.w[trip].y, inv);
     }
 #pragma unroll
     for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
-        const int q = trip * THREADS + threadIdx.x;
+        const int q = trip * GTHREADS + GROUP_TID;
         float m = fmaxf(fmaxf(fabsf(v[trip].x), fabsf(v[trip].y)), fmaxf(fabsf(v[trip].z), fabsf(v[trip].w)));
 #pragma unroll
         for (int offset = 1; offset < 16; offset *= 2) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
         int e = 0;
         if (m > 0.f) e = min(max(14 - (((__float_as_int(m) >> 23) & 0xFF) - 127), -100), 100);
         const float p = power_of_two(e);
-        if (QUADS % THREADS == 0 || q < QUADS) {
+        if (QUADS % GTHREADS == 0 || q < QUADS) {
             reinterpret_cast<uint2 *>(xs)[q] = make_uint2(f16x2(v[trip].x * p, v[trip].y * p),
                                                           f16x2(v[trip].z * p, v[trip].w * p));
             if (q % 16 == 0) inverse[q / 16] = power_of_two(-e);
@@ -264,14 +321,26 @@ __device__ __forceinline__ void stage_x(const float *x, u32 *xs, float *inverse,
 // The block's rows of M matrices (codes[m]: rows of ROW_BYTES; scales[m]: fp8 experts one per 128 x 128 block,
 // ROW_SCALES one per row and 128 inputs, int4 a (scale, minimum) pair per row and group) times x_row: returns the
 // output row this thread holds (threads < TILES * 16, row < ROWS) with its sums in sum[], else -1.
+// COMBINE: each group of the block its own x_row, codes and scales; the sums of group threadIdx.x / (TILES * 16).
 template <int M>
 __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)[2], const float *const (&scales)[2],
                                     float (&sum)[M], const Norm &norm = Norm()) {
+#if GROUPS > 1
+    __shared__ __align__(16) u32 xs_all[GROUPS][QUADS * 2];
+    __shared__ float inverse_all[GROUPS][STEPS];
+    __shared__ float xsum_all[GROUPS][INT4 ? STEPS : 1];
+    __shared__ float part_all[GROUPS][TILES][KSPLIT][M][16];
+    const int group = threadIdx.x / GTHREADS;
+    u32 *xs = xs_all[group];
+    float *inverse = inverse_all[group], *xsum = xsum_all[group];
+    float (*part)[KSPLIT][M][16] = part_all[group];
+#else
     __shared__ __align__(16) u32 xs[QUADS * 2];
     __shared__ float inverse[STEPS];
     __shared__ float xsum[INT4 ? STEPS : 1];
     __shared__ float part[TILES][KSPLIT][M][16];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+#endif
+    const int lane = threadIdx.x % 32, warp = GROUP_TID / 32, g = lane / 4, t = lane % 4;
     const int tile = warp / KSPLIT, kw = warp % KSPLIT;
     const int row0 = (blockIdx.x * TILES + tile) * 16;
     const int row_a = WHOLE_ROWS ? row0 + g : min(row0 + g, ROWS - 1);
@@ -317,7 +386,11 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
 #else
             SEPARATE();  // x's loads, and the maxima that wait on them, after every code word's load
 #endif
-            stage_x(x_row, xs, inverse, xsum, norm);
+#if NORMED
+            stage_x(x_row, xs, inverse, xsum, norm, rms_inverse(norm.square, norm.eps));
+#else
+            stage_x(x_row, xs, inverse, xsum, norm, norm.inv);
+#endif
             __syncthreads();  // the code loads above stay above it
         }
 #pragma unroll
@@ -374,14 +447,22 @@ __device__ __forceinline__ int gemv(const float *x_row, const u8 *const (&codes)
         }
     }
     __syncthreads();
-    if (threadIdx.x >= TILES * 16) return -1;
-    const int r_tile = threadIdx.x / 16, r = threadIdx.x % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
+    if (threadIdx.x >= GROUPS * TILES * 16) return -1;
+#if GROUPS > 1  // the sums of group threadIdx.x / (TILES * 16)
+    const unsigned r_at = threadIdx.x % (TILES * 16);
+    float (*r_part)[KSPLIT][M][16] = part_all[threadIdx.x / (TILES * 16)];
+#else
+    const unsigned r_at = threadIdx.x;
+#define r_part part
+#endif
+    const int r_tile = r_at / 16, r = r_at % 16, row = (blockIdx.x * TILES + r_tile) * 16 + r;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         sum[m] = 0.f;
 #pragma unroll
-        for (int w = 0; w < KSPLIT; ++w) sum[m] += part[r_tile][w][m][r];
+        for (int w = 0; w < KSPLIT; ++w) sum[m] += r_part[r_tile][w][m][r];
     }
+#undef r_part
     return row < ROWS ? row : -1;
 }
 
@@ -401,7 +482,7 @@ __device__ __forceinline__ int expert_gemv(const float *x_row, int entry, const 
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + expf(-g)) * u; }  // h of gate|up
 
-#if DENSE && !ROUTE
+#if DENSE && !ROUTE && !NORMED
 // x: (1, COLS) float32; codes (ROWS, COLS) e4m3; scales (ROWS, SCALE_COLS) float32; out (1, ROWS) = x W^T.
 // Grid ceil(ceil(ROWS / 16) / TILES), THREADS threads.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -413,6 +494,26 @@ ENTRY(const float *x, const u8 *codes, const float *scales, float *out) {
     const float *const scale[2] = {scales, scales};
     float sum[1];
     const int row = gemv<1>(x, code, scale, sum);
+    if (row >= 0) out[row] = sum[0];
+}
+#elif DENSE && NORMED
+// x: (1, COLS) float32 (the residual stream: the COMBINE entry's total); square (COLS / 16,) float32, its 16-row
+// tiles' sums of x^2; norm_weight (COLS,) bf16; codes, scales, out: the DENSE entry's. out = rmsnorm(x) W^T, the
+// norm as fused.normed_store's (w * (x * 1 / rms), 1 / rms = 1 / sqrt(sum x^2 / COLS + eps)) made while x is staged.
+// Grid ceil(ceil(ROWS / 16) / TILES), THREADS threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *x, const u8 *codes, const float *scales, const u16 *norm_weight, const float *square, float eps,
+      float *out) {
+#if !EARLY
+    pdl_wait();  // before any global read or write (EARLY: the weights, the norm's too, before it; x and the squares
+#endif           // after)
+    Norm norm = load_norm(norm_weight);
+    norm.square = square;
+    norm.eps = eps;
+    const u8 *const code[2] = {codes, codes};
+    const float *const scale[2] = {scales, scales};
+    float sum[1];
+    const int row = gemv<1>(x, code, scale, sum, norm);
     if (row >= 0) out[row] = sum[0];
 }
 #elif DENSE && ROUTE
@@ -595,19 +696,7 @@ ENTRY(const float *total, const float *partial, const u16 *norm_weight, float ep
       float *out) {
     static_assert(MATS == 2 && !DENSE && ROUTED <= 32 && ROUTED < THREADS && COLS % 16 == 0,
                   "gate|up, a warp's lanes the experts, a thread an expert, whole tiles of the o projection");
-    const int tid = threadIdx.x;
-    Norm norm;  // the staged x's norm weights: weights, before the wait
-#pragma unroll
-    for (int trip = 0; trip < STAGE_TRIPS; ++trip) {
-        norm.w[trip] = make_uint4(0, 0, 0, 0);
-        const int at = trip * THREADS + tid;  // int4: x[8 at ..], 16 bytes; fp8: x[4 at ..], 8 bytes
-        if (INT4 && 8 * at < COLS) {
-            norm.w[trip] = load_code(reinterpret_cast<const u8 *>(norm_weight + 8 * at));
-        } else if (!INT4 && 4 * at < COLS) {
-            asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(norm.w[trip].x), "=r"(norm.w[trip].y)
-                         : "l"(norm_weight + 4 * at));
-        }
-    }
+    Norm norm = load_norm(norm_weight);  // the staged x's norm weights: weights, before the wait
     pdl_wait();
     const Pair pair = route_pair(partial, table_row, eps, top_k, normalize, blockIdx.y, blockIdx.x == 0, ids, weights,
                                  pair_token, pair_slot, pair_out);
@@ -616,6 +705,47 @@ ENTRY(const float *total, const float *partial, const u16 *norm_weight, float ep
     const int row = expert_gemv<2>(total, pair.entry, arena, store, blob_bytes, code0, code1, scale0, scale1, sum,
                                    norm);
     if (row >= 0) out[(long long)blockIdx.y * ROWS + row] = silu_times(sum[0], sum[1]);
+}
+#elif COMBINE
+// The down GEMV of one token's COMBINE pairs (a group of TILES * KSPLIT warps a pair; the block: a 16-row tile of each)
+// ended by fused.combine_add_rmsnorm's first half: total[row] = residual[row] + the sum over ranks k (in order, fmaf)
+// of weights[k] * y_k[row], and square[tile] = the tile's sum of total^2 (a 16-lane butterfly), from which the next
+// layer's NORMED projection takes 1 / rms. h (COMBINE, COLS) float32: pair j's x row j; pair_slot, pair_out
+// (COMBINE,) int32: pair j's placement and rank; weights (1, COMBINE) float32 by rank; residual, total (1, ROWS);
+// square (ROWS / 16,). EARLY: the tables, weights and residual (written two and three kernels before) and the codes
+// read before the wait, h after it. Grid ROWS / 16, THREADS threads.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+ENTRY(const float *h, const int *pair_slot, const int *pair_out, const float *weights, const u8 *arena, const u8 *store,
+      long long blob_bytes, long long code0, long long scale0, const float *residual, float *total, float *square) {
+    static_assert(MATS == 1 && !DENSE && TILES == 1 && ROWS % 16 == 0 && COMBINE <= 32,
+                  "down, a 16-row tile a block, whole tiles");
+#if !EARLY
+    pdl_wait();  // before any global read or write
+#endif
+    const int tid = threadIdx.x, j = tid / GTHREADS;  // the group's pair
+    const int entry = pair_slot[j];
+    const int rank = tid < COMBINE * 16 ? pair_out[tid / 16] : 0;  // of the pair whose sums this thread takes
+    float mix[COMBINE], before = 0.f;  // threads < 16: the weights by rank, the tile's residual
+#pragma unroll
+    for (int k = 0; k < COMBINE; ++k) mix[k] = tid < 16 ? weights[k] : 0.f;
+    if (tid < 16) before = residual[blockIdx.x * 16 + tid];
+    float sum[1];
+    const int row = expert_gemv<1>(h + (long long)j * COLS, entry, arena, store, blob_bytes, code0, code0, scale0,
+                                   scale0, sum);
+    __shared__ float y[COMBINE][16];  // by rank
+    if (row >= 0) y[rank][tid % 16] = sum[0];
+    __syncthreads();
+    if (tid < 16) {
+        float mixed = 0.f;
+#pragma unroll
+        for (int k = 0; k < COMBINE; ++k) mixed = fmaf(mix[k], y[k][tid], mixed);
+        const float t = before + mixed;
+        total[blockIdx.x * 16 + tid] = t;
+        float s = t * t;
+#pragma unroll
+        for (int offset = 8; offset > 0; offset /= 2) s += __shfl_xor_sync(0x0000FFFFu, s, offset);
+        if (tid == 0) square[blockIdx.x] = s;
+    }
 }
 #else
 // x: (T, COLS) float32, row x_table[j] (gate|up) or j (down: h); arena / store: (slots, blob_bytes) blobs; code* /

@@ -61,11 +61,21 @@ FORMATS = _formats(os.environ.get(ENV, "all"))  # on: nineteenth session, call B
 GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
 ROUTE_ENTRY = "linear_quant_mma_route"  # the o projection with norm_route's start (linear_quant_mma.launch_route)
 ROUTED_ENTRY = "moe_quant_mma_gate_up_routed"  # gate|up ending the routing (launch_gate_up_routed)
+COMBINE_ENTRY = "moe_quant_mma_down_combine"  # one token's down GEMVs ending in the combine (launch_down_combine)
+NORMED_ENTRY = "linear_quant_mma_normed"  # the dense GEMV of rmsnorm(x) (linear_quant_mma.launch_normed)
 # the routed decode's gate|up ends the routing the o projection's ROUTE entry began (launch_gate_up_routed), in place
 # of norm_route.route_tail's kernel (read at each call: the backend's routes_experts). Off: H200, 48 x 32 A3B, b1
 # (twenty-first session, performance.md): fp8 527.3 against 518.9 tok/s, int4 530.0 / 529.1 against 544.7 / 541.9
 # (its down GEMV can no longer read the pair tables before its wait)
 ROUTED = os.environ.get("MOEBUS_ROUTED_GATE_UP", "0") != "0"
+# the routed decode's down GEMV ends in the MoE's combine and the residual add, with the tiles' sums of squares from
+# which the next layer's FP8 q|k|v GEMV normalizes its x (launch_down_combine, linear_quant_mma.launch_normed): the
+# combine_add_rmsnorm kernel leaves the chain (read at each call: the backend's combines_experts)
+COMBINE = os.environ.get("MOEBUS_DOWN_COMBINE", "1") != "0"
+# (TILES, KSPLIT, WORDS, MIN_BLOCKS) of the down GEMV with the combine: a block takes a 16-row tile of every pair
+# (KSPLIT warps a pair, top_k pairs: 32 * KSPLIT * top_k <= 1,024 threads); A3B (768 inputs) int4 6 steps of 128,
+# fp8 12 of 64: one pass
+COMBINE_SHAPES = {"int4": (1, 1, 6, 1), "fp8": (1, 1, 12, 1)}
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,
 # (1, 16, 2, 2) 12.54, (1, 8, 2, 3) 11.65 (12 bytes of spills then; 4 since the nineteenth session's gemv<M>: a value
@@ -97,12 +107,15 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
-                    fmt: str = "fp8", dense: bool = False, route: int = 0, routed: int = 0) -> list[bytes]:
+                    fmt: str = "fp8", dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0,
+                    normed: bool = False) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
     ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8); ``route``: with
     ``dense``, the experts of the routing it starts (linear_quant_mma.launch_route; 0: none); ``routed``: gate|up
-    ending the routing of that many experts (launch_gate_up_routed; 0: given pair tables)."""
+    ending the routing of that many experts (launch_gate_up_routed; 0: given pair tables); ``combine``: down over
+    that many pairs of one token a block, ending in the combine (launch_down_combine); ``normed``: with ``dense``, x
+    normalized while staged (linear_quant_mma.launch_normed)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
@@ -114,20 +127,27 @@ def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, ea
                        and routed < 32 * tiles * ksplit):
         raise ValueError(f"routed {routed}: gate|up over whole 16-row tiles of the o projection, 1 to 32 experts, "
                          "fewer than the block's threads")
-    entry = _entry(mats, dense, route, routed)
+    if combine and not (mats == 1 and not dense and tiles == 1 and rows % 16 == 0 and 0 < combine <= 32
+                        and 32 * ksplit * combine <= 1024):
+        raise ValueError(f"combine {combine}: down, a 16-row tile a block, whole tiles, at most 1,024 threads")
+    if normed and not (dense and not route and cols % 64 == 0):
+        raise ValueError("normed: a plain dense projection over whole float4 of 16-row tiles' squares")
+    entry = _entry(mats, dense, route, routed, combine, normed)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
             f"-DMIN_BLOCKS={int(min_blocks)}".encode(), f"-DEARLY={int(bool(early))}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
             f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(), f"-DROUTE={int(route)}".encode(),
-            f"-DROUTED={int(routed)}".encode()]
+            f"-DROUTED={int(routed)}".encode(), f"-DCOMBINE={int(combine)}".encode(),
+            f"-DNORMED={int(bool(normed))}".encode()]
 
 
-def _entry(mats: int, dense: bool = False, route: int = 0, routed: int = 0) -> str:
+def _entry(mats: int, dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0,
+           normed: bool = False) -> str:
     if dense:
-        return ROUTE_ENTRY if route else DENSE_ENTRY
-    return (ROUTED_ENTRY if routed else GATE_UP_ENTRY) if mats == 2 else DOWN_ENTRY
+        return ROUTE_ENTRY if route else NORMED_ENTRY if normed else DENSE_ENTRY
+    return (ROUTED_ENTRY if routed else GATE_UP_ENTRY) if mats == 2 else COMBINE_ENTRY if combine else DOWN_ENTRY
 
 
 def source() -> bytes:
@@ -136,7 +156,7 @@ def source() -> bytes:
 
 @functools.cache
 def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False,
-            route: int = 0, routed: int = 0):
+            route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -145,10 +165,12 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route, routed)
+    options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route, routed, combine,
+                              normed)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
-    entry = _entry(mats, dense, route, routed)
-    name = f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}_{int(routed)}"
+    entry = _entry(mats, dense, route, routed, combine, normed)
+    name = (f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}_{int(routed)}"
+            f"_{int(combine)}")
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
@@ -156,9 +178,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 @functools.cache
 def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
-            dense: bool = False, route: int = 0, routed: int = 0) -> bool:
+            dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt, dense, route, routed)
+        _kernel(cols, rows, mats, shape, early, fmt, dense, route, routed, combine, normed)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False
@@ -301,3 +323,36 @@ def _launch_pairs(stream, kernel, rows: int, shape: tuple, x, pair_token, pair_s
         flash_attention._core_launch(stream, (grid_x(rows, shape), min(MAX_GRID_Y, num_pairs - first)),
                                      32 * shape[0] * shape[1], kernel, ptr(x), ptr(pair_token), ptr(pair_slot),
                                      *_blobs(arena, store, layout), *offsets, np.int32(first), ptr(pair_out), ptr(out))
+
+
+def combine_shape(fmt: str) -> tuple:
+    return tuple(COMBINE_SHAPES[fmt])
+
+
+def takes_combine(layout, top_k: int, arena, store, stream, early: bool | None = None) -> bool:
+    """Whether the routed decode's down GEMV ends in the combine (launch_down_combine; COMBINE, read at each call):
+    ``takes`` at batch 1, top_k pairs in a block of at most 1,024 threads, hidden rows in whole 16-row tiles and
+    whole float4 of tiles (the NORMED projection's squares), the kernel built with ``early`` (None: the step's)."""
+    if not (COMBINE and layout is not None and layout.dtype in COMBINE_SHAPES and 0 < top_k):
+        return False
+    shape = combine_shape(layout.dtype)
+    early = _early() if early is None else early
+    return (32 * shape[1] * top_k <= 1024 and layout.hidden % 64 == 0 and takes(layout, 1, arena, store, stream)
+            and _builds(layout.inter, layout.hidden, 1, shape, early, layout.dtype, combine=int(top_k)))
+
+
+def launch_down_combine(h, pair_slot, pair_out, weights, arena, store, layout, residual, total, square, stream,
+                        shape=None, early=None) -> None:
+    """total (1, D) = residual + sum over ranks k of weights[0, k] * down h[j] (pair j of rank pair_out[j]: one
+    token's top_k pairs), square (D / 16,) the 16-row tiles' sums of total^2: launch_down then
+    fused.combine_add_rmsnorm's residual add, in one launch. h (top_k, I) float32, its rows 16-byte aligned;
+    ``early``: the tables, weights, residual and codes read before the wait (None: the step's choice, ``_early``)."""
+    shape = tuple(shape or combine_shape(layout.dtype))
+    early = _early() if early is None else early
+    top_k = pair_slot.shape[0]
+    _, _, code2, _, _, scale2 = (np.int64(4 * o) for o in layout.kernel_words())
+    kernel = _kernel(layout.inter, layout.hidden, 1, shape, early, layout.dtype, combine=int(top_k))
+    ptr = _pointer
+    flash_attention._core_launch(stream, (layout.hidden // 16, 1), 32 * shape[1] * top_k, kernel, ptr(h),
+                                 ptr(pair_slot), ptr(pair_out), ptr(weights), *_blobs(arena, store, layout), code2,
+                                 scale2, ptr(residual), ptr(total), ptr(square))

@@ -121,3 +121,37 @@ def route_partials_ref(total, norm_weight, router) -> np.ndarray:
         out[:, :experts] += router[:, r::16].T * scaled[:, r : r + 1]
         out[:, experts] += total[:, r] * total[:, r]
     return out
+
+
+def down_combine_ref(h, pairs, weights, residual, arena, layout, store=None, shape=None):
+    """moe_quant_mma.launch_down_combine's arithmetic: pairs [(slot, rank)] of one token (pair j's x is h[j]), each
+    pair's down GEMV as gemv_ref computes it (``shape``: the COMBINE shape), total = residual + the sum over ranks
+    in order of weights[rank] * y (float32), square = the 16-row tiles' sums of total^2 (float32; the kernel's
+    butterfly adds them in another order: within f32 rounding). Returns (total (1, D), square (D / 16,))."""
+    shape = tuple(shape or moe_quant_mma.combine_shape(layout.dtype))
+    gemv = gemv_ref if layout.dtype == "fp8" else gemv_int4_ref
+    by_rank = {}
+    for j, (slot, rank) in enumerate(pairs):
+        blob = np.asarray(arena[slot] if slot >= 0 else store[-1 - slot])
+        down, down_s = layout.parts(blob)[2]
+        by_rank[rank] = gemv(np.asarray(h[j], np.float32), down, down_s, shape)
+    weights = np.asarray(weights, np.float32).reshape(-1)
+    mixed = np.zeros(layout.hidden, np.float32)
+    for rank in range(len(pairs)):
+        mixed = (mixed + weights[rank] * by_rank[rank]).astype(np.float32)
+    total = (np.asarray(residual, np.float32).reshape(-1) + mixed).astype(np.float32)
+    square = (total.reshape(-1, 16).astype(np.float64) ** 2).sum(axis=1).astype(np.float32)
+    return total[None], square
+
+
+def normed_ref(x, square, norm_weight, eps: float, codes, scales, shape=None) -> np.ndarray:
+    """linear_quant_mma.launch_normed's arithmetic: 1 / rms from the tiles' squares (float32), x staged as
+    norm_weight * (x * 1 / rms) (fused.normed_store's order), then dense_ref. (1, R) float32."""
+    from moebus.cuda.kernels import linear_quant_mma
+
+    x = np.asarray(x, np.float32).reshape(-1)
+    total = np.float32(np.asarray(square, np.float64).sum())
+    inv = np.float32(1) / np.sqrt(total / np.float32(x.shape[0]) + np.float32(eps), dtype=np.float32)
+    h = (np.asarray(norm_weight, np.float32) * (x * inv)).astype(np.float32)
+    shape = tuple(shape or linear_quant_mma.shape_for(codes.shape[1]))
+    return dense_ref(h[None], codes, scales, shape)
