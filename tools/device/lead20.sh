@@ -6,7 +6,7 @@
 #       scheduler, launch) -> $OUT/ncu_*.txt;
 #   (2) quant17_bench.py on $M48 over $PLAN (quant20_plan.json: bf16 and each quantized pair with PDL off, i.e. every
 #       kernel's true duration by CUPTI; the o projection at (1, 8, 8, 1); int4 experts with bf16 attention).
-#   LM_PLAN (optional): the plan again with lm_head.dtype fp8 (LM_S s); QMODEL: tools/device/quality20.py on that trained
+#   LM_PLAN (optional): the plan again with lm_head.dtype fp8 (LM_S s); QMODEL: tools/device/$QSCRIPT (quality20.py) on that trained
 #   model (QUALITY_S s, QPROMPTS texts x QSTEPS steps);
 #   TESTS (optional): GPU tests run first (MOEBUS_TEST_GPU=1, at most TESTS_S s, default 150); NO_NCU=1 skips (1).
 # BUDGET ~330 s. The summary last; $OUT/table.txt has every kernel of every setting.
@@ -43,7 +43,7 @@ if [ -n "$LM_PLAN" ]; then  # the same sweep with the FP8 lm_head (lm_head.dtype
   LM_HEAD_DTYPE=fp8 SHOW=2 step sweep_lm 40 ${LM_S:-120} python3 tools/device/quant17_bench.py $M48 tools/device/$LM_PLAN 4
   python3 tools/device/quant17_bench.py --summary $OUT/sweep_lm.txt | tee $OUT/summary_lm.txt
 fi
-[ -n "$QMODEL" ] && SHOW=8 step quality 30 ${QUALITY_S:-150} python3 tools/device/quality20.py $QMODEL \
+[ -n "$QMODEL" ] && SHOW=8 step quality 30 ${QUALITY_S:-150} python3 tools/device/${QSCRIPT:-quality20.py} $QMODEL \
   $QMODEL/held_out_texts.json ${QPROMPTS:-4} ${QSTEPS:-128}
 for f in $OUT/ncu_*.txt; do echo "== $f"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Compute \(SM\)|Warp Cycles Per Issued|No Eligible|One or More" $f | head -12; done
 echo "lead20 end at $(at)"

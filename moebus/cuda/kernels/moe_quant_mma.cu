@@ -35,6 +35,13 @@
 // an expert), and runs pair blockIdx.y: the place-th chosen expert by id, its slot from the placement row. x is
 // h = norm_weight * (total * 1 / rms), route_tail's h, made while it is staged. Blocks (0, j) write pair j's
 // tables, ids and weight (route_tail's outputs). The norm's weights are loaded before the wait (weights).
+// COMBINE (down, twenty-second session; moe_quant_mma.launch_down_combine): the down GEMVs of one token's COMBINE
+// pairs in one block (a group of TILES * KSPLIT warps a pair, each with its own h row staged; a 16-row tile of each
+// pair's rows), ended by fused.combine_add_rmsnorm's first half: total = residual + the sum over ranks of weight *
+// y, and the tile's sum of total^2, from which the next layer's NORMED projection takes 1 / rms. The combine kernel
+// (3.8 us true a layer at A3B b1) leaves the chain.
+// NORMED (DENSE, twenty-second session; linear_quant_mma.launch_normed): the FP8 projection of rmsnorm(x), 1 / rms
+// from the COMBINE entry's squares (every warp sums them), x staged as w * (x * 1 / rms) as ROUTED stages h.
 // INT4: 32 codes a word (a step of 128 inputs: one (scale, minimum) group of each row): a word's 32-bit quarter q
 // holds codes 8q .. 8q + 7 (byte b: 8q + 2b low nibble, 8q + 2b + 1 high); two mma a quarter take the nibbles at
 // bits {0, 16} / {4, 20} (codes 8q, 8q + 4 / 8q + 1, 8q + 5), then a byte up; x is staged in groups of 8 as

@@ -70,11 +70,16 @@ NORMED_ENTRY = "linear_quant_mma_normed"  # the dense GEMV of rmsnorm(x) (linear
 ROUTED = os.environ.get("MOEBUS_ROUTED_GATE_UP", "0") != "0"
 # the routed decode's down GEMV ends in the MoE's combine and the residual add, with the tiles' sums of squares from
 # which the next layer's FP8 q|k|v GEMV normalizes its x (launch_down_combine, linear_quant_mma.launch_normed): the
-# combine_add_rmsnorm kernel leaves the chain (read at each call: the backend's combines_experts)
+# combine_add_rmsnorm kernel leaves the chain (read at each call: the backend's combines_experts). On: H200, 48 x 32
+# A3B, b1, all resident (twenty-second session, performance.md): int4 + FP8 attention 540.2 / 539.5 -> 580.4 / 581.5
+# tok/s (1.80x bf16), fp8 + fp8 521.8 -> 556.3; true durations down 4.85 + combine 3.80 -> 5.40, q|k|v 5.54 -> 5.74
 COMBINE = os.environ.get("MOEBUS_DOWN_COMBINE", "1") != "0"
 # (TILES, KSPLIT, WORDS, MIN_BLOCKS) of the down GEMV with the combine: a block takes a 16-row tile of every pair
-# (KSPLIT warps a pair, top_k pairs: 32 * KSPLIT * top_k <= 1,024 threads); A3B (768 inputs) int4 6 steps of 128,
-# fp8 12 of 64: one pass
+# (KSPLIT warps a pair, top_k pairs: 32 * KSPLIT * top_k <= 1,024 threads); A3B (768 inputs: int4 6 steps of 128,
+# fp8 12 of 64), one pass, a warp a pair. H200 b1 decode (as above; sm_90 registers): int4 (1, 1, 6, 1) 138
+# registers 580.4 / 581.5 / 587.5 tok/s, (1, 2, 3, 1) 96: 578.9 / 579.1, (1, 3, 2, 1) 74: 567.4 / 568.3,
+# (1, 1, 3, 1) 128 (two passes): 572.4; fp8 (1, 1, 12, 1) 167: 556.3, (1, 1, 6, 1) 164: 554.7, (1, 2, 6, 1) 116:
+# 554.3 / 549.7, (1, 2, 3, 1) 128: 551.4
 COMBINE_SHAPES = {"int4": (1, 1, 6, 1), "fp8": (1, 1, 12, 1)}
 # fp8: (TILES, KSPLIT, WORDS, MIN_BLOCKS); the module's docstring says why. H200, tools/device/mma18_bench.py (A3B,
 # 8 pairs, no L2 reuse, us a launch, median of 200; the numba kernels 12.51 / 11.07): gate|up (1, 8, 4, 2) 12.48,

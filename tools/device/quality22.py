@@ -1,0 +1,50 @@
+"""Issue 16, twenty-second session: fidelity on a TRAINED model (tools/train_tiny_moe.py's) of the down GEMV ending in
+the combine and the q|k|v GEMV normalizing its x (moe_quant_mma.COMBINE, quantized experts and FP8 attention on tensor
+cores): `moebus bench quality`'s measure (top-1 agreement and KL against the bf16 model, each step feeding the held-out
+text's own next token) at batch 1, one prompt at a time, by row: fp8 / int4 experts + FP8 attention with COMBINE off
+and on; int4 + FP8 attention + FP8 lm_head with it on. Counts the COMBINE and NORMED launches, so that a row that
+never took them says so.
+
+    python3 tools/device/quality22.py MODEL_DIR TEXTS_JSON [PROMPTS] [STEPS]"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+ROWS = (("fp8", "fp8", "bf16", False), ("fp8", "fp8", "bf16", True), ("int4", "fp8", "bf16", False),
+        ("int4", "fp8", "bf16", True), ("int4", "fp8", "fp8", True))
+
+
+def main() -> int:
+    model, texts_path = sys.argv[1], sys.argv[2]
+    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from moebus.cuda.kernels import linear_quant_mma, moe_quant_mma
+    from mma19_quality import each_text  # beside this script
+
+    calls = {"combine": 0, "normed": 0}
+
+    def counted(name, real):
+        def launch(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return launch
+
+    moe_quant_mma.launch_down_combine = counted("combine", moe_quant_mma.launch_down_combine)
+    linear_quant_mma.launch_normed = counted("normed", linear_quant_mma.launch_normed)
+    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    for experts, attention, lm_head, combine in ROWS:
+        moe_quant_mma.COMBINE = combine
+        calls.update(combine=0, normed=0)
+        t0 = time.time()
+        print(json.dumps({"experts": experts, "attention": attention, "lm_head": lm_head, "combine": combine,
+                          "prompts": len(texts), "steps": steps,
+                          **each_text(model, texts, steps, experts, attention, lm_head),
+                          "combine_launches": calls["combine"], "normed_launches": calls["normed"],
+                          "s": round(time.time() - t0, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
