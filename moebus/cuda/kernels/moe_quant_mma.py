@@ -92,13 +92,16 @@ DOWN_SHAPE = (1, 2, 6, 8)
 # int4: a step is 128 inputs (one group); gate|up (1, 4, 4, 4) 128 registers, no spill: 384 blocks of 128 threads,
 # 4 an SM, one wave (32 KB of codes a block); (1, 16, 1, 2) 58; (1, 8, 2, 3) spilled 4 bytes; down (4, 2, 3, 3) 80
 # (256 blocks, one wave), (2, 6, 1, 4) 40. H200 (as above; numba 14.08 / 10.75 us): gate|up (1, 4, 4, 4) 10.72,
-# (1, 16, 1, 2) 11.30; down (4, 2, 3, 3) 8.18, (2, 6, 1, 4) 7.97
-INT4_GATE_UP_SHAPE = (1, 4, 4, 4)
+# (1, 16, 1, 2) 11.30; down (4, 2, 3, 3) 8.18, (2, 6, 1, 4) 7.97. In the 48 x 32 b1 decode (twenty-second session,
+# with COMBINE): gate|up (1, 8, 1, 4) (64 registers, two passes of a step a warp: the second pass's words load
+# during the first's products; 4 blocks of 256 an SM) 602.1 / 603.0 / 602.0 tok/s, (1, 4, 2, 4) 597.3 / 597.7,
+# (1, 4, 4, 4) 583.1 / 583.6 / 583.9, (1, 8, 2, 2) 582.5, (1, 2, 8, 4) 555.3: (1, 8, 1, 4) the default since
+INT4_GATE_UP_SHAPE = (1, 8, 1, 4)
 INT4_DOWN_SHAPE = (2, 6, 1, 4)
 # the shapes tools/device/mma18_bench.py times (and the GPU tests check), the defaults first
 GATE_UP_SWEEP = ((1, 8, 2, 3), (1, 8, 4, 2), (1, 16, 2, 2))
 DOWN_SWEEP = ((1, 2, 6, 8), (4, 2, 6, 3), (2, 6, 2, 4))
-INT4_GATE_UP_SWEEP = ((1, 4, 4, 4), (1, 16, 1, 2))
+INT4_GATE_UP_SWEEP = ((1, 8, 1, 4), (1, 4, 4, 4), (1, 16, 1, 2), (1, 4, 2, 4))
 INT4_DOWN_SWEEP = ((2, 6, 1, 4), (4, 2, 3, 3))
 VALUES = {"fp8": 16, "int4": 32}  # codes a 16-byte word; a step is 4 words of a row
 
