@@ -25,7 +25,7 @@ def _compile(fmt, hidden, inter, experts, target="cubin"):
 
     arch = "sm_90" if target == "cubin" else "compute_90"
     extra = [b"--ptxas-options=-v"] if target == "cubin" else []
-    options = moe_quant_mma.compile_options(arch, hidden, inter, 2, moe_quant_mma.shapes(fmt)[0], False, fmt,
+    options = moe_quant_mma.compile_options(arch, hidden, inter, 2, moe_quant_mma.routed_shape(fmt), False, fmt,
                                             routed=experts)
     return nvrtc_compile(moe_quant_mma.source(), options + extra, target=target)
 
@@ -47,11 +47,11 @@ def test_the_routed_entry_compiles_for_hopper_without_spills_and_waits_first(fmt
     assert before.count(b"ld.global") == before.count(b"ld.global.cs"), before[-400:]
     assert (b"griddepcontrol.launch_dependents" in ptx[at:]) == pdl.trigger_after_wait()
     cubin, log = _compile(fmt, hidden, inter, experts)
-    assert cubin and spill_stores(log, entry) <= SPILL_BYTES.get((fmt, 2, moe_quant_mma.shapes(fmt)[0]), 0), log
+    assert cubin and spill_stores(log, entry) <= SPILL_BYTES.get((fmt, 2, moe_quant_mma.routed_shape(fmt)), 0), log
 
 
 def test_the_routed_entry_refuses_what_it_cannot_take():
-    shape = moe_quant_mma.INT4_GATE_UP_SHAPE
+    shape = moe_quant_mma.INT4_ROUTED_SHAPE
     for bad in (dict(mats=1), dict(routed=33), dict(dense=True, fmt="fp8"), dict(cols=2056, fmt="fp8")):
         args = dict(arch="sm_90", cols=2048, rows=768, mats=2, shape=shape, fmt="int4", routed=32) | bad
         with pytest.raises(ValueError):
@@ -111,7 +111,8 @@ def test_the_routed_entry_gives_route_tail_and_gate_up_bits(rng, fmt, hidden, in
                                         d_store, layout, *fused, stream)
     h_normed, two = poisoned((1, hidden)), _outputs(top_k, inter)
     route_tail_cuda(d_partial, d_total, d_norm, 1e-6, top_k, normalize, d_table, 1, h_normed, *two[:5], stream=stream)
-    moe_quant_mma.launch_gate_up(h_normed, two[2], two[3], two[4], d_arena, d_store, layout, two[5], stream)
+    moe_quant_mma.launch_gate_up(h_normed, two[2], two[3], two[4], d_arena, d_store, layout, two[5], stream,
+                                 moe_quant_mma.routed_shape(fmt))  # the same shape: the same sums
     got = [o.copy_to_host(stream=stream) for o in fused]
     want = [o.copy_to_host(stream=stream) for o in two]
     stream.synchronize()
