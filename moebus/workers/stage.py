@@ -301,9 +301,10 @@ class Stage:
         residual = None
         segments = None if routed else _segments(batch)  # a long step's sequences, for its attention
         mark = ops.layer_mark()  # what was taken before (inputs, routing table) lives all step
+        own_keys = routed and batch.num_seqs == batch.num_tokens  # no token reads another's new key (rope_attention)
         for n, i in enumerate(self.layer_range):
             x, residual = self._layer(n, i, x, token_slot, token_pos, route, residual, segments, inputs.get("rope_pos"),
-                                      inputs.get("attn_tiles"))
+                                      inputs.get("attn_tiles"), own_keys)
             if "deepstack" in inputs and i < inputs["deepstack"].shape[0]:  # Qwen3-VL's DeepStack
                 x, residual = add_deepstack(ops, self._residual_add(x, residual), inputs, i), None
             # the rest of the layer's buffers serve the next
@@ -347,14 +348,16 @@ class Stage:
         return self.ops.add(x, y)
 
     def _layer(self, n: int, i: int, x, token_slot, token_pos, route=None, residual=None, segments=None,
-               rope_pos=None, tiles=None):
+               rope_pos=None, tiles=None, own_keys: bool = False):
         """One decoder layer. ``residual``: the previous layer's MLP output, still to be added to x
-        (fused with this layer's first norm, see _residual_norm); returns (x, this layer's)."""
+        (fused with this layer's first norm, see _residual_norm); returns (x, this layer's). ``own_keys``: every
+        token is the only one of its sequence in the step (a decode step; _attend)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         if cfg.is_moe_layer(i) and route is not None:  # the o projection with the routing (linear_norm_route)
-            x, a = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles, project=False)
+            x, a = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles, project=False,
+                                own_keys=own_keys)
             return self._moe_routed(i, w, x, a, *route)
-        x, o = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles)
+        x, o = self._attend(n, i, x, token_slot, token_pos, residual, segments, rope_pos, tiles, own_keys=own_keys)
         num_tokens, eps = x.shape[0], cfg.rms_norm_eps
         x, h = ops.add_rmsnorm(x, o, w["mlp_norm"], eps)
         if cfg.is_moe_layer(i) and can_group_on_device(ops, self.experts, num_tokens):
@@ -371,20 +374,27 @@ class Stage:
         return ops.linear(ops.swiglu(ops.linear(h, w["mlp_gate"]), ops.linear(h, w["mlp_up"])), w["mlp_down"])
 
     def _attend(self, n: int, i: int, x, token_slot, token_pos, residual=None, segments=None, rope_pos=None,
-                tiles=None, project: bool = True):
+                tiles=None, project: bool = True, own_keys: bool = False):
         """A layer's first half: (x with the pending residual added, the attention's output projection; without
-        ``project``, the attention's output (T, heads * head_dim) before it)."""
+        ``project``, the attention's output (T, heads * head_dim) before it). ``own_keys`` (a decode step): the
+        fused q | k | v's norm, RoPE and store may be the attention kernel's prologue (ops.rope_attention)."""
         ops, cfg, w = self.ops, self.cfg, self.layers[i]
         num_tokens = x.shape[0]
         hd, heads, kv_heads, eps = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-        if self.fuse_qkv and residual is not None and residual[0] == "normed":  # the projection normalizes x
-            qkv = ops.linear_normed(x, residual[1], w["attn_norm"], eps, w["qkv"])
-            q = ops.qkv_rope_store(qkv, heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot, token_pos, self.cos,
-                                   self.sin, self.kv.k[n], self.kv.v[n])
-        elif self.fuse_qkv:
-            x, h = self._residual_norm(x, residual, w["attn_norm"])
-            q = ops.linear_qkv_rope_store(h, w["qkv"], heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot,
-                                          token_pos, self.cos, self.sin, self.kv.k[n], self.kv.v[n])
+        if self.fuse_qkv:
+            rope = (heads, kv_heads, w["q_norm"], w["k_norm"], eps, token_slot, token_pos, self.cos, self.sin,
+                    self.kv.k[n], self.kv.v[n])
+            one_kernel = own_keys and segments is None and tiles is None and ops.takes_rope_attention(
+                heads, w["q_norm"], w["k_norm"], self.cos, self.kv.k[n], cfg.sliding_window)
+            if residual is not None and residual[0] == "normed":  # the projection normalizes x
+                qkv = ops.linear_normed(x, residual[1], w["attn_norm"], eps, w["qkv"])
+            else:
+                x, h = self._residual_norm(x, residual, w["attn_norm"])
+                qkv = ops.linear(h, w["qkv"]) if one_kernel else None
+            if one_kernel:  # qkv_rope_store's work as the attention kernel's prologue
+                a = ops.rope_attention(qkv, *rope, hd ** -0.5, cfg.sliding_window).reshape(num_tokens, heads * hd)
+                return x, ops.linear(a, w["o"]) if project else a
+            q = ops.qkv_rope_store(qkv, *rope) if qkv is not None else ops.linear_qkv_rope_store(h, w["qkv"], *rope)
         else:
             x, h = self._residual_norm(x, residual, w["attn_norm"])
             q = ops.linear(h, w["q"]).reshape(num_tokens, heads, hd)

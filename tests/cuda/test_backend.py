@@ -10,7 +10,7 @@ from moebus.cuda.memory.step_pool import StepPool
 
 OPS = ["embedding", "rmsnorm", "add_rmsnorm", "combine_add_rmsnorm", "qkv_rope_store", "linear", "add", "swiglu",
        "rope", "kv_store", "attention", "topk_softmax", "route_pairs", "expert_ffn", "top_logprobs", "combine",
-       "sample", "apply_rules", "token_logprobs"]
+       "sample", "apply_rules", "token_logprobs", "takes_rope_attention", "rope_attention"]
 
 
 def _public(cls):

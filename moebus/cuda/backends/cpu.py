@@ -19,6 +19,7 @@ from moebus.cuda.kernels import mrope, weighted_rows  # Qwen3-VL: M-RoPE, the to
 from moebus.cuda.kernels import patchify  # Qwen3-VL: an image's patches from its bytes
 from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs (split on cuda)
 from moebus.cuda.kernels import moe_quant  # quantized experts
+from moebus.cuda.kernels import rope_attention  # decode's qkv_rope_store + attention (one kernel on cuda)
 from moebus.cuda.kernels.linear_quant import fp8_rows_dequantize  # FP8 attention projections
 from moebus.cuda.kernels.norm_route import norm_route_ref  # decode's MLP entry
 
@@ -95,6 +96,17 @@ class CpuBackend:
     def linear_qkv_rope_store(self, h, weight, *rest):
         """qkv_rope_store(linear(h, weight), *rest) (one launch on cuda: qkv_gemv.py)."""
         return self.qkv_rope_store(self.linear(h, weight), *rest)
+
+    @staticmethod
+    def takes_rope_attention(num_heads: int, q_weight, k_weight, cos, k_cache, window: int) -> bool:
+        """The stage's rope_attention path is for the cuda kernel: here qkv_rope_store then attention."""
+        return False
+
+    @staticmethod
+    def rope_attention(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot, token_pos,
+                       cos, sin, k_cache, v_cache, scale: float, window: int = 0):
+        return rope_attention.rope_attention_ref(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                                 token_pos, cos, sin, k_cache, v_cache, scale, window)
     linear = staticmethod(linear.linear_ref)
     add = staticmethod(elementwise.add_ref)
     swiglu = staticmethod(elementwise.swiglu_ref)

@@ -26,6 +26,7 @@ from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs,
 from moebus.cuda.kernels import moe_quant, moe_quant_mma  # quantized experts (and their GEMVs on tensor cores)
 from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections and lm_head (*.dtype fp8)
 from moebus.cuda.kernels import linear_quant_slices  # ... of long steps on tensor cores, a bounded slice at a time
+from moebus.cuda.kernels import rope_attention  # decode's qkv_rope_store as the attention's prologue
 from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
 
 
@@ -169,6 +170,24 @@ class CudaBackend(split_epilogues.SplitInputOps):
         q = self.empty((qkv.shape[0], num_heads, q_weight.shape[0]))
         return fused.qkv_rope_store_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
                                          token_pos, cos, sin, k_cache, v_cache, q, stream=self.stream)
+
+    def takes_rope_attention(self, num_heads: int, q_weight, k_weight, cos, k_cache, window: int) -> bool:
+        """Whether rope_attention runs as one kernel (rope_attention.takes: the tensor-core decode attention with
+        qkv_rope_store's work as its prologue)."""
+        return rope_attention.takes(num_heads, q_weight, k_weight, cos, k_cache, window, self.stream)
+
+    def rope_attention(self, qkv, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float, token_slot,
+                       token_pos, cos, sin, k_cache, v_cache, scale: float, window: int = 0):
+        """attention(qkv_rope_store(qkv, ...), ...) of a decode step (every token the only one of its sequence):
+        (T, H, hd); one kernel where takes_rope_attention, else the two."""
+        shape = (qkv.shape[0], num_heads, q_weight.shape[0])
+        out, q = self.empty(shape), None
+        if not self.takes_rope_attention(num_heads, q_weight, k_weight, cos, k_cache, window):
+            q = self.empty(shape)
+        scratch = self.empty(attention.attention_scratch_shape(*shape, k_cache.shape[2]))
+        return rope_attention.rope_attention_cuda(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, token_slot,
+                                                  token_pos, cos, sin, k_cache, v_cache, scale, window, out, scratch,
+                                                  stream=self.stream, done=self.attention_done, q_out=q)
 
     def linear_qkv_rope_store(self, h, weight, num_heads: int, num_kv_heads: int, q_weight, k_weight, eps: float,
                               token_slot, token_pos, cos, sin, k_cache, v_cache):

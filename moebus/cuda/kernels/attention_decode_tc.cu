@@ -22,6 +22,15 @@
 // With TC_PDL (attention_decode.TC_PDL, sixteenth session) every block waits first (griddepcontrol.wait, before
 // any global read; PDL_TRIGGER: then releases its dependents, as pdl.grid_dependency_wait does), and the entry
 // is TC_ENTRY (decode_attention_tc_pdl), so a captured graph's edge into it may be programmatic (pdl.py).
+// With ROPE (attention_decode_tc.launch_rope, twenty-third session) the kernel takes the fused q | k | v projection's
+// row instead of q and does fused.qkv_rope_store's work for its (token, kv head) first, as its prologue: a warp a
+// row (the group's q heads, then k, then v), a lane its elements lane + 32 i (fused.head_rope_store's layout and
+// expressions: the squares in i order then an xor butterfly, 1 / sqrtf, w * (x * 1 / rms), x1 c - x2 s and
+// x2 c + x1 s); q into shared memory (float32, as q_out held it), k and v rounded to bf16 (as the cache holds them)
+// into shared memory, from where the last split's block writes them into the caches and its warps take the token's
+// own key and value (never from global memory: this kernel writes that row). qkv_rope_store's kernel (2.8 us true a
+// layer at A3B b1) leaves the decode's chain. EARLY_KV: the position and slot (the step's inputs, copied before the
+// graph) and an L1 prefetch of each lane's first 16 keys' lines before the PDL wait.
 
 #include "flash_attention.cu"
 
@@ -43,6 +52,14 @@
 #ifndef TC_ENTRY
 #define TC_ENTRY decode_attention_tc
 #endif
+#ifndef ROPE
+#define ROPE 0                  // 1: q | k | v from the fused projection, qkv_rope_store's work first (above)
+#endif
+#ifndef EARLY_KV
+#define EARLY_KV 0              // ROPE: the token's place and its first keys' prefetch before the PDL wait
+#endif
+#define ROPE_ROWS ((8 + 2 + DWARPS - 1) / DWARPS)  // rows a warp takes in the prologue (group q heads, k, v)
+#define LANE_ELEMS (HD / 32)    // a row's elements a lane holds in the prologue: lane + 32 i
 #define KEYS 16
 #define MERGE_CHUNK 4           // splits whose values a merging thread loads at once
 #define MERGE_OUTS (8 * HD / (DWARPS * 32))  // outputs a merging thread writes (a group of at most 8)
@@ -115,14 +132,89 @@ __device__ __forceinline__ void merge_in_block(const float *partial, float *out,
     }
 }
 
+__device__ __forceinline__ void prefetch_l1(const void *p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+// The lines of a warp's first 16 keys (from key0) that its lanes read (K: key key0 + 8 nt + g's dims [32 t, 32 t + 32);
+// V: keys key0 + 2 t + {0, 1, 8, 9}'s dims [16 g, 16 g + 16)) into L1: a hint, never a read of their values.
+__device__ __forceinline__ void prefetch_keys(const u16 *k, const u16 *v, long long base, int key0, int end, int g,
+                                              int t) {
+    if (key0 >= end) return;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) prefetch_l1(k + (base + min(key0 + 8 * nt + g, end - 1)) * HD + LANE_DIMS * t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        prefetch_l1(v + (base + min(key0 + 2 * t + (j & 1) + 8 * (j >> 1), end - 1)) * HD + V_DIMS * g);
+}
+
+// ROPE's prologue: fused.qkv_rope_store's work for token t_tok's kv head (its group's q heads, k and v) into q_sh
+// (float32) and new_sh (bf16 bits: k rotated, v), every warp its rows w, w + DWARPS, ... of [group q heads, k, v].
+__device__ __forceinline__ void rope_rows(const float *qkv, const u16 *q_weight, const u16 *k_weight, float eps,
+                                          const float *cos_table, const float *sin_table, int t_tok, int kv_head,
+                                          int heads, int kv_heads, int group, int position, float (*q_sh)[HD],
+                                          u16 (*new_sh)[HD]) {
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    const float *row0 = qkv + (long long)t_tok * (heads + 2 * kv_heads) * HD;
+    float values[ROPE_ROWS][LANE_ELEMS], qw[LANE_ELEMS], kw[LANE_ELEMS], cs[LANE_ELEMS / 2], sn[LANE_ELEMS / 2];
+#pragma unroll
+    for (int r = 0; r < ROPE_ROWS; ++r) {  // every load first
+        const int row = min(w + r * DWARPS, group + 1);
+        const int col = row < group ? kv_head * group + row : (row == group ? heads : heads + kv_heads) + kv_head;
+#pragma unroll
+        for (int i = 0; i < LANE_ELEMS; ++i) values[r][i] = row0[(long long)col * HD + lane + 32 * i];
+    }
+#pragma unroll
+    for (int i = 0; i < LANE_ELEMS; ++i) {
+        qw[i] = bf16_value(q_weight[lane + 32 * i]);
+        kw[i] = bf16_value(k_weight[lane + 32 * i]);
+    }
+#pragma unroll
+    for (int i = 0; i < LANE_ELEMS / 2; ++i) {
+        cs[i] = cos_table[(long long)position * (HD / 2) + lane + 32 * i];
+        sn[i] = sin_table[(long long)position * (HD / 2) + lane + 32 * i];
+    }
+#pragma unroll
+    for (int r = 0; r < ROPE_ROWS; ++r) {
+        const int row = w + r * DWARPS;  // warp-uniform
+        if (row > group + 1) break;
+        if (row == group + 1) {  // v: as the cache holds it
+#pragma unroll
+            for (int i = 0; i < LANE_ELEMS; ++i) new_sh[1][lane + 32 * i] = (u16)bf16_round(values[r][i]);
+            continue;
+        }
+        float square = 0.f;
+#pragma unroll
+        for (int i = 0; i < LANE_ELEMS; ++i) square += values[r][i] * values[r][i];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) square += __shfl_xor_sync(0xFFFFFFFFu, square, offset);
+        const float inv_rms = 1.f / sqrtf(square / (float)HD + eps);
+        const bool is_q = row < group;
+#pragma unroll
+        for (int i = 0; i < LANE_ELEMS; ++i) values[r][i] = (is_q ? qw[i] : kw[i]) * (values[r][i] * inv_rms);
+#pragma unroll
+        for (int i = 0; i < LANE_ELEMS / 2; ++i) {
+            const int d = lane + 32 * i;
+            const float x1 = values[r][i], x2 = values[r][i + LANE_ELEMS / 2];
+            const float a = x1 * cs[i] - x2 * sn[i], b = x2 * cs[i] + x1 * sn[i];
+            if (is_q) {
+                q_sh[row][d] = a;
+                q_sh[row][d + HD / 2] = b;
+            } else {
+                new_sh[0][d] = (u16)bf16_round(a);
+                new_sh[0][d + HD / 2] = (u16)bf16_round(b);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTRY(
     const float *q, const u16 *k, const u16 *v, float *partial, const int *token_slot, const int *token_pos,
     int heads, int kv_heads, int context, int scratch_splits, int decode_splits, int split_positions,
-    float scale_log2, int *done, float *out) {
+    float scale_log2, int *done, float *out, const float *qkv, const u16 *q_weight, const u16 *k_weight, float eps,
+    const float *cos_table, const float *sin_table) {
     static_assert(2 * 8 * MERGE_CAP <= DWARPS * 8 * HD, "the merge's weights and sums live in o_sh");
     __shared__ __align__(16) float o_sh[DWARPS][8][HD];  // a group of at most 8 heads: rows g + 8 of A are zero
     __shared__ float stat_sh[DWARPS][8][2];
-#if TC_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if TC_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !(ROPE && EARLY_KV)
     asm volatile("griddepcontrol.wait;" ::: "memory");  // first in every block, before any global read or write
 #if PDL_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -136,10 +228,36 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTR
     const int first = (int)((long long)split * count / num_splits);
     const int end = (int)((long long)(split + 1) * count / num_splits);
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    const long long base = ((long long)token_slot[t_tok] * kv_heads + kv_head) * context;
+#if ROPE
+    __shared__ __align__(16) float q_sh[8][HD];   // the group's q heads, normalized and rotated
+    __shared__ __align__(16) u16 new_sh[2][HD];   // the token's k (normalized, rotated) and v, bf16
+    const int position = count - 1;               // the token's own key: [first, end) of the last split only
+    prefetch_keys(k, v, base, first + KEYS * w, end, g, t);
+#if EARLY_KV && TC_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the projection's row (above: the step's inputs, a hint)
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
+    rope_rows(qkv, q_weight, k_weight, eps, cos_table, sin_table, t_tok, kv_head, heads, kv_heads, group, position,
+              q_sh, new_sh);
+    __syncthreads();
+    if (split == num_splits - 1 && threadIdx.x < 2 * HD / 8) {  // the token's k and v into the caches
+        const int which = threadIdx.x / (HD / 8), e = 8 * (threadIdx.x % (HD / 8));
+        u16 *cache = const_cast<u16 *>(which ? v : k);
+        *reinterpret_cast<uint4 *>(cache + (base + position) * HD + e) =
+            *reinterpret_cast<const uint4 *>(&new_sh[which][e]);
+    }
+#endif
 
     // Q's fragments: a0/a2 head g (zero past the group), a1/a3 rows g + 8: zero; both split parts
     u32 qh[KSTEPS][4], ql[KSTEPS][4];
+#if ROPE
+    const float *q_row = &q_sh[min(g, group - 1)][LANE_DIMS * t];
+#else
     const float *q_row = q + ((long long)t_tok * heads + kv_head * group + min(g, group - 1)) * HD + LANE_DIMS * t;
+#endif
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
         float4 x = g < group ? *reinterpret_cast<const float4 *>(q_row + 4 * ks) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -147,7 +265,6 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTR
         split_pair(x.z, x.w, qh[ks][2], ql[ks][2]);
         qh[ks][1] = ql[ks][1] = qh[ks][3] = ql[ks][3] = 0u;
     }
-    const long long base = ((long long)token_slot[t_tok] * kv_heads + kv_head) * context;
     float o[DTILES][4];
 #pragma unroll
     for (int dt = 0; dt < DTILES; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -158,15 +275,31 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTR
         uint4 kw[2][LANE_DIMS / 8], vw[4][V_DIMS / 8];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            const u16 *row = k + (base + min(key0 + 8 * nt + g, end - 1)) * HD + LANE_DIMS * t;
+            const int key = min(key0 + 8 * nt + g, end - 1);
+            const u16 *row = k + (base + key) * HD + LANE_DIMS * t;
 #pragma unroll
-            for (int i = 0; i < LANE_DIMS / 8; ++i) kw[nt][i] = load16(row + 8 * i);
+            for (int i = 0; i < LANE_DIMS / 8; ++i) {
+#if ROPE
+                kw[nt][i] = key == position ? *reinterpret_cast<const uint4 *>(&new_sh[0][LANE_DIMS * t + 8 * i])
+                                            : load16(row + 8 * i);
+#else
+                kw[nt][i] = load16(row + 8 * i);
+#endif
+            }
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u16 *row = v + (base + min(key0 + 2 * t + (j & 1) + 8 * (j >> 1), end - 1)) * HD + V_DIMS * g;
+            const int key = min(key0 + 2 * t + (j & 1) + 8 * (j >> 1), end - 1);
+            const u16 *row = v + (base + key) * HD + V_DIMS * g;
 #pragma unroll
-            for (int i = 0; i < V_DIMS / 8; ++i) vw[j][i] = load16(row + 8 * i);
+            for (int i = 0; i < V_DIMS / 8; ++i) {
+#if ROPE
+                vw[j][i] = key == position ? *reinterpret_cast<const uint4 *>(&new_sh[1][V_DIMS * g + 8 * i])
+                                           : load16(row + 8 * i);
+#else
+                vw[j][i] = load16(row + 8 * i);
+#endif
+            }
         }
         float s[2][4];
 #pragma unroll

@@ -18,7 +18,13 @@ not reach). Both: b1 on M48 3.267 -> 3.186 ms a step (sixteenth session, call A)
 the 48 x 32 a3b shapes, attention alone (split + merge): 1k / 4k / 32k 9.7 / 17.6 / 34.2 us (32k: 1.96 TB/s)
 against the numba kernel's 18.0 / 32.0 / 58.1, error 2.2e-11 (tools/device/decode15.sh; the merge then
 loaded 4 splits at a time, now MERGE_APART_SPLITS). Its reference is attention_ref through the merge; the
-simulator keeps the numba kernel."""
+simulator keeps the numba kernel.
+
+``launch_rope`` (twenty-third session; attention.rope_attention_cuda, ROPE_ATTENTION): the same kernel built with
+ROPE takes the fused q | k | v projection's row and does fused.qkv_rope_store's work for its (token, kv head) as its
+prologue (the group's q heads into shared memory, the token's k and v into the caches and its own key from shared
+memory), so the decode's qkv_rope_store kernel leaves the chain; ROPE_EARLY_KV: the token's place read and its
+first keys' lines prefetched before the PDL wait (the step's inputs: copied before the graph launches)."""
 from __future__ import annotations
 
 import functools
@@ -35,6 +41,8 @@ SOURCE = Path(__file__).with_suffix(".cu")
 INCLUDE = b'#include "flash_attention.cu"'
 ENTRY = "decode_attention_tc"
 PDL_ENTRY = "decode_attention_tc_pdl"  # the kernel that waits first (attention_decode.TC_PDL): its own name
+ROPE_ENTRY, ROPE_PDL_ENTRY = "decode_rope_attention_tc", "decode_rope_attention_tc_pdl"  # ROPE's (launch_rope)
+ROPE_EARLY_KV = True  # ROPE: the token's place and its first keys' L1 prefetch before the PDL wait
 HEAD_DIM = 128
 WARPS = 4  # a block's warps (4 or 8), each on its own 16-key tiles
 MIN_BLOCKS = 2  # blocks an SM holds (launch bounds: 198 registers at 4 warps, no spills)
@@ -50,32 +58,41 @@ def source() -> bytes:
     return main.replace(INCLUDE, flash_attention.source(), 1)
 
 
-def compile_options(arch: str, warps: int, min_blocks: int, wait: bool = False) -> list[bytes]:
+def entry_name(wait: bool, rope: bool = False) -> str:
+    return (ROPE_PDL_ENTRY if wait else ROPE_ENTRY) if rope else (PDL_ENTRY if wait else ENTRY)
+
+
+def compile_options(arch: str, warps: int, min_blocks: int, wait: bool = False, rope: bool = False,
+                    early_kv: bool = False) -> list[bytes]:
     """``wait``: every block waits first (griddepcontrol.wait; then releases its dependents where
-    pdl.trigger_after_wait), the entry PDL_ENTRY."""
-    pdl_options = [b"-DTC_PDL=1", f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(),
-                   f"-DTC_ENTRY={PDL_ENTRY}".encode()] if wait else []
+    pdl.trigger_after_wait), the entry PDL_ENTRY. ``rope``: the ROPE build (launch_rope), ``early_kv`` its
+    reads of the step's inputs and prefetch before the wait; its entries ROPE_ENTRY / ROPE_PDL_ENTRY."""
+    pdl_options = [b"-DTC_PDL=1", f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode()] if wait else []
+    rope_options = [b"-DROPE=1", f"-DEARLY_KV={int(bool(early_kv))}".encode()] if rope else []
+    entry = [f"-DTC_ENTRY={entry_name(wait, rope)}".encode()] if wait or rope else []
     return flash_attention.compile_options(HEAD_DIM, False, arch) + [f"-DDWARPS={int(warps)}".encode(),
                                                                     f"-DMIN_BLOCKS_TC={int(min_blocks)}".encode(),
-                                                                    f"-DMERGE_CAP={MERGE_CAP}".encode()] + pdl_options
+                                                                    f"-DMERGE_CAP={MERGE_CAP}".encode()] + \
+        pdl_options + rope_options + entry
 
 
-def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None, wait: bool = False) -> bytes:
+def cubin(arch: str, warps: int, min_blocks: int, cache_dir: str | None, wait: bool = False, rope: bool = False,
+          early_kv: bool = False) -> bytes:
     """The cubin for ``arch``, from ``cache_dir``/attention_decode_tc when compiled before (the name hashes
     the source, the options and NVRTC's version), else NVRTC's, then kept there."""
-    options = compile_options(arch, warps, min_blocks, wait)
+    options = compile_options(arch, warps, min_blocks, wait, rope, early_kv)
     return flash_attention.cached_cubin(source(), options, cache_dir, "attention_decode_tc")
 
 
 @functools.cache
-def _kernel(warps: int, min_blocks: int, wait: bool = False):
+def _kernel(warps: int, min_blocks: int, wait: bool = False, rope: bool = False, early_kv: bool = False):
     from moebus.cuda.kernels.compat import _numba_config, cuda
 
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    code = cubin(f"sm_{major}{minor}", warps, min_blocks, _numba_config.CACHE_DIR, wait)
-    entry = PDL_ENTRY if wait else ENTRY
+    code = cubin(f"sm_{major}{minor}", warps, min_blocks, _numba_config.CACHE_DIR, wait, rope, early_kv)
+    entry = entry_name(wait, rope)
     found = flash_attention._object_code().from_cubin(code, name=f"{entry}_w{warps}").get_kernel(entry)
     if wait:
         pdl.register_waiting(entry.encode(), *_handles(found))
@@ -122,9 +139,9 @@ def _tight_grid() -> bool:
 
 
 @functools.cache
-def _builds(warps: int, min_blocks: int, wait: bool = False) -> bool:
+def _builds(warps: int, min_blocks: int, wait: bool = False, rope: bool = False, early_kv: bool = False) -> bool:
     try:
-        _kernel(warps, min_blocks, wait)
+        _kernel(warps, min_blocks, wait, rope, early_kv)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernel still works
         log.warning("decode attention on tensor cores unavailable (%s)", exc)
         return False
@@ -138,10 +155,34 @@ def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, st
     a GraphBuilder (not 0). With ``done`` (int32 counters at 0, at least T * KVH; left at 0) and ``out``
     (T, H, hd) float32, the splits merged into ``out`` too (merge_splits' bits; no partials where a token
     has one split)."""
+    _launch(q.shape, q, None, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream, decode_splits,
+            split_positions, warps, min_blocks, done, out)
+
+
+def takes_rope(q_weight, k_weight, cos) -> bool:
+    """Whether launch_rope takes these (``takes`` as well): bf16 norm weights of HEAD_DIM, a float32 table of
+    HEAD_DIM / 2 columns, the ROPE build loads."""
+    return (q_weight.dtype == np.uint16 and k_weight.dtype == np.uint16 and q_weight.shape == (HEAD_DIM,)
+            and k_weight.shape == (HEAD_DIM,) and cos.dtype == np.float32 and cos.ndim == 2
+            and cos.shape[1] == HEAD_DIM // 2 and _builds(WARPS, MIN_BLOCKS, _waits(), True, bool(ROPE_EARLY_KV)))
+
+
+def launch_rope(qkv, heads: int, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, token_slot, token_pos,
+                scale: float, scratch, stream, decode_splits: int, split_positions: int, done=None, out=None) -> None:
+    """fused.qkv_rope_store's work (qkv (T, (H + 2 KVH) hd) float32: the fused projection; q_weight, k_weight (hd,)
+    bf16; cos, sin (positions, hd / 2) float32; the token's k and v into the caches) and then ``launch``'s, in one
+    kernel: the q it would have written never leaves the block."""
+    rope = (qkv, q_weight, k_weight, np.float32(eps), cos, sin)
+    _launch((qkv.shape[0], int(heads), HEAD_DIM), None, rope, k_cache, v_cache, token_slot, token_pos, scale, scratch,
+            stream, decode_splits, split_positions, 0, 0, done, out)
+
+
+def _launch(shape, q, rope, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, stream,
+            decode_splits: int, split_positions: int, warps: int, min_blocks: int, done, out) -> None:
     warps, min_blocks = warps or WARPS, min_blocks or MIN_BLOCKS
     if (done is None) != (out is None):
         raise ValueError("the merge in the split kernel takes both the counters and the output")
-    num_tokens, heads, head_dim = q.shape
+    num_tokens, heads, head_dim = shape
     slots, kv_heads, context, _ = k_cache.shape
     if head_dim != HEAD_DIM or heads // kv_heads > 8 or heads % kv_heads or k_cache.dtype != np.uint16:
         raise ValueError(f"the tensor-core decode takes bf16 caches of hd {HEAD_DIM}, up to 8 heads a kv head")
@@ -152,9 +193,17 @@ def launch(q, k_cache, v_cache, token_slot, token_pos, scale: float, scratch, st
         raise ValueError(f"the merge in the split kernel takes a counter a (token, kv head), {MERGE_CAP} splits")
     ptr = flash_attention._pointer
     grid_splits = most_splits if _tight_grid() else scratch.shape[2]  # blocks past a token's splits return at once
-    flash_attention._core_launch(stream, (num_tokens, kv_heads, grid_splits), 32 * warps,
-                                 _kernel(warps, min_blocks, _waits()), ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
+    null = np.intp(0)
+    if rope is None:
+        rope_args = (null, null, null, np.float32(0.0), null, null)
+        kernel = _kernel(warps, min_blocks, _waits())
+    else:
+        qkv, q_weight, k_weight, eps, cos, sin = rope
+        rope_args = (ptr(qkv), ptr(q_weight), ptr(k_weight), np.float32(eps), ptr(cos), ptr(sin))
+        kernel = _kernel(warps, min_blocks, _waits(), True, bool(ROPE_EARLY_KV))
+    flash_attention._core_launch(stream, (num_tokens, kv_heads, grid_splits), 32 * warps, kernel,
+                                 null if q is None else ptr(q), ptr(k_cache), ptr(v_cache), ptr(scratch),
                                  ptr(token_slot), ptr(token_pos), np.int32(heads), np.int32(kv_heads),
                                  np.int32(context), np.int32(scratch.shape[2]), np.int32(decode_splits),
                                  np.int32(split_positions), np.float32(scale * np.log2(np.e)),
-                                 *(np.intp(0) if a is None else ptr(a) for a in (done, out)))  # null: no merge
+                                 *(null if a is None else ptr(a) for a in (done, out)), *rope_args)  # null: no merge
