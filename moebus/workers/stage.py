@@ -434,12 +434,6 @@ class Stage:
         num_tokens = a.shape[0]
         tiles = self.experts.decode_tiles(num_tokens) and groups_in_decode(ops, self.experts, num_tokens * cfg.top_k,
                                                                            cfg.num_experts)
-        if not tiles and prefetch is None and ops.routes_ahead(a, w["o"], x, w["mlp_norm"], w["router"], cfg.top_k,
-                                                               arena, store, layout):  # the gate|up beside route_tail
-            x, square, _ = ops.linear_route_ahead(a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k,
-                                                  cfg.norm_topk_prob, placement, row, expert_ids[row], arena, store,
-                                                  layout)
-            return x, ("normed", square)
         if not tiles and prefetch is None and ops.routes_experts(a, w["o"], x, w["mlp_norm"], w["router"], cfg.top_k,
                                                                  arena, store, layout):
             route = (a, w["o"], x, w["mlp_norm"], cfg.rms_norm_eps, w["router"], cfg.top_k, cfg.norm_topk_prob,

@@ -135,11 +135,6 @@ class CpuBackend:
     route_pairs = staticmethod(routing.route_pairs_ref)
 
     @staticmethod
-    def routes_ahead(*_) -> bool:
-        """Never here: on cuda the gate|up GEMV may route itself beside route_tail (CudaBackend.linear_route_ahead)."""
-        return False
-
-    @staticmethod
     def routes_experts(*_) -> bool:
         """Never here: on cuda the gate|up GEMV may end the routing (CudaBackend.linear_route_experts)."""
         return False

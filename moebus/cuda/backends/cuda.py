@@ -326,32 +326,6 @@ class CudaBackend(split_epilogues.SplitInputOps):
         moe_quant_mma.launch_down(h, *pairs, arena, store, layout, out, self.stream, early=False)
         return total, out, weights
 
-    def routes_ahead(self, a, weight, x, norm_weight, router, top_k: int, arena, store, layout) -> bool:
-        """Whether ``linear_route_ahead`` runs here: one token, the o projection's ROUTE entry, quantized experts whose
-        gate|up routes itself beside route_tail (moe_quant_mma.takes_ahead) and whose down ends in the combine."""
-        early = None if moe_quant_mma.AHEAD == 1 else False  # AHEAD 2 releases the down before route_tail ends
-        return (a.shape[0] == 1 and layout is not None and isinstance(weight, linear_quant.Fp8Weight)
-                and moe_quant_mma.takes_ahead(layout, router.shape[0], top_k, arena, store, self.stream)
-                and linear_quant_mma.takes_route(a, weight.codes, weight.scales, x, norm_weight, router, self.stream)
-                and self.combines_experts(a, top_k, arena, store, layout, early=early))
-
-    def linear_route_ahead(self, a, weight, x, norm_weight, eps: float, router, top_k: int, normalize: bool, table,
-                           layer_row: int, ids, arena, store, layout):
-        """linear_norm_route then expert_ffn_combine (where ``routes_ahead``) in four launches: the o projection's
-        ROUTE entry, route_tail (the pair tables, ids and weights), the gate|up GEMV routing itself beside it (its
-        products before its wait: moe_quant_mma.launch_gate_up_ahead), the down GEMV ending in the combine. Returns
-        (x + o + the combine, the 16-row tiles' sums of its squares, the weights (1, top_k))."""
-        total, partial, weights, pairs = self._route_start(a, weight, x, norm_weight, router, top_k)
-        route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, self.empty(x.shape), ids,
-                        weights, *pairs, stream=self.stream)
-        h = self.empty((top_k, layout.inter))
-        moe_quant_mma.launch_gate_up_ahead(total, partial, norm_weight, eps, table, layer_row, top_k, normalize, arena,
-                                           store, layout, h, self.stream)
-        combined, square = self.empty(x.shape), self.empty((x.shape[1] // 16,))
-        moe_quant_mma.launch_down_combine(h, pairs[1], pairs[2], weights, arena, store, layout, total, combined, square,
-                                          self.stream, early=None if moe_quant_mma.AHEAD == 1 else False)
-        return combined, square, weights
-
     def expert_ffn(self, x, pair_token, pair_slot, pair_out, arena, hidden: int, inter: int, out, store=None,
                    layout=None):
         """``layout``: the experts' quantized layout (fp8 / int4 blobs); None for bf16 blobs."""

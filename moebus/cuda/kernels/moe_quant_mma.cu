@@ -35,10 +35,6 @@
 // an expert), and runs pair blockIdx.y: the place-th chosen expert by id, its slot from the placement row. x is
 // h = norm_weight * (total * 1 / rms), route_tail's h, made while it is staged. Blocks (0, j) write pair j's
 // tables, ids and weight (route_tail's outputs). The norm's weights are loaded before the wait (weights).
-// AHEAD (ROUTED, twenty-third session; moe_quant_mma.launch_gate_up_ahead): route_tail's kernel stays (it writes the
-// tables the down GEMV reads before its wait) and the routed gate|up runs beside it: its routing (the same bits: the
-// same sums in the same order), code loads, x and products before its wait, only its store after; its blocks write no
-// tables. AHEAD 2: the trigger first (the down GEMV then waits before its tables).
 // COMBINE (down, twenty-second session; moe_quant_mma.launch_down_combine): the down GEMVs of one token's COMBINE
 // pairs in one block (a group of TILES * KSPLIT warps a pair, each with its own h row staged; a 16-row tile of each
 // pair's rows), ended by fused.combine_add_rmsnorm's first half: total = residual + the sum over ranks of weight *
@@ -98,9 +94,6 @@
 #endif
 #ifndef COMBINE
 #define COMBINE 0       // down: the pairs (top_k) of one token a block, combined with the residual (0: a pair a block)
-#endif
-#ifndef AHEAD
-#define AHEAD 0         // ROUTED: 1, 2: the routing and the GEMV before the wait, only the store after (2: the trigger first)
 #endif
 #ifndef NORMED
 #define NORMED 0        // DENSE: x staged as rmsnorm(x) from the COMBINE entry's squares (0: x as it is)
@@ -711,26 +704,13 @@ ENTRY(const float *total, const float *partial, const u16 *norm_weight, float ep
     static_assert(MATS == 2 && !DENSE && ROUTED <= 32 && ROUTED < THREADS && COLS % 16 == 0,
                   "gate|up, a warp's lanes the experts, a thread an expert, whole tiles of the o projection");
     Norm norm = load_norm(norm_weight);  // the staged x's norm weights: weights, before the wait
-#if AHEAD == 2 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the down GEMV's blocks resident (not early)
-#endif
-#if !AHEAD
     pdl_wait();
-#endif
-    const Pair pair = route_pair(partial, table_row, eps, top_k, normalize, blockIdx.y, !AHEAD && blockIdx.x == 0, ids,
-                                 weights, pair_token, pair_slot, pair_out);
+    const Pair pair = route_pair(partial, table_row, eps, top_k, normalize, blockIdx.y, blockIdx.x == 0, ids, weights,
+                                 pair_token, pair_slot, pair_out);
     norm.inv = pair.inv;
     float sum[2];
     const int row = expert_gemv<2>(total, pair.entry, arena, store, blob_bytes, code0, code1, scale0, scale1, sum,
                                    norm);
-#if AHEAD && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // AHEAD: all above read what two or more kernels before wrote (the o projection's total and partials, weights);
-    // route_tail's kernel, the one before, writes the pair tables for the down GEMV: the store waits for it only
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#if AHEAD == 1 && PDL_TRIGGER
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-#endif
     if (row >= 0) out[(long long)blockIdx.y * ROWS + row] = silu_times(sum[0], sum[1]);
 }
 #elif COMBINE

@@ -61,7 +61,6 @@ FORMATS = _formats(os.environ.get(ENV, "all"))  # on: nineteenth session, call B
 GATE_UP_ENTRY, DOWN_ENTRY, DENSE_ENTRY = "moe_quant_mma_gate_up", "moe_quant_mma_down", "linear_quant_mma"
 ROUTE_ENTRY = "linear_quant_mma_route"  # the o projection with norm_route's start (linear_quant_mma.launch_route)
 ROUTED_ENTRY = "moe_quant_mma_gate_up_routed"  # gate|up ending the routing (launch_gate_up_routed)
-AHEAD_ENTRY = "moe_quant_mma_gate_up_ahead"  # gate|up routing itself beside route_tail (launch_gate_up_ahead)
 COMBINE_ENTRY = "moe_quant_mma_down_combine"  # one token's down GEMVs ending in the combine (launch_down_combine)
 NORMED_ENTRY = "linear_quant_mma_normed"  # the dense GEMV of rmsnorm(x) (linear_quant_mma.launch_normed)
 # the routed decode's gate|up ends the routing the o projection's ROUTE entry began (launch_gate_up_routed), in place
@@ -69,11 +68,6 @@ NORMED_ENTRY = "linear_quant_mma_normed"  # the dense GEMV of rmsnorm(x) (linear
 # (twenty-first session, performance.md): fp8 527.3 against 518.9 tok/s, int4 530.0 / 529.1 against 544.7 / 541.9
 # (its down GEMV can no longer read the pair tables before its wait)
 ROUTED = os.environ.get("MOEBUS_ROUTED_GATE_UP", "0") != "0"
-# the routed decode's gate|up beside route_tail's kernel (launch_gate_up_ahead, the backend's routes_ahead): its own
-# routing (route_tail's bits), code loads, x and products before its PDL wait, only its store after. 0: off; 1: the
-# trigger after that wait (the down GEMV's tables still read before its wait); 2: the trigger first (the down waits
-# first). Read at each call.
-AHEAD = int(os.environ.get("MOEBUS_GATE_UP_AHEAD", "0"))
 # the routed decode's down GEMV ends in the MoE's combine and the residual add, with the tiles' sums of squares from
 # which the next layer's FP8 q|k|v GEMV normalizes its x (launch_down_combine, linear_quant_mma.launch_normed): the
 # combine_add_rmsnorm kernel leaves the chain (read at each call: the backend's combines_experts). On: H200, 48 x 32
@@ -131,15 +125,14 @@ MAX_GRID_Y = 65535  # pairs a launch (moe_ffn.MAX_GRID_Y)
 
 def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, early: bool = False,
                     fmt: str = "fp8", dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0,
-                    normed: bool = False, ahead: int = 0) -> list[bytes]:
+                    normed: bool = False) -> list[bytes]:
     """NVRTC options of one kernel: rows of ``cols`` codes, ``rows`` of each of ``mats`` matrices (2: gate|up,
     1: down), ``shape`` (TILES, KSPLIT, WORDS, MIN_BLOCKS), ``early``: pair tables and codes read before the wait;
     ``fmt`` fp8 or int4; ``dense``: an FP8 dense projection (linear_quant_mma.py; mats 1, fp8); ``route``: with
     ``dense``, the experts of the routing it starts (linear_quant_mma.launch_route; 0: none); ``routed``: gate|up
     ending the routing of that many experts (launch_gate_up_routed; 0: given pair tables); ``combine``: down over
     that many pairs of one token a block, ending in the combine (launch_down_combine); ``normed``: with ``dense``, x
-    normalized while staged (linear_quant_mma.launch_normed); ``ahead`` (1, 2), with ``routed``: its routing and
-    products before the wait (launch_gate_up_ahead; 2: the trigger first)."""
+    normalized while staged (linear_quant_mma.launch_normed)."""
     tiles, ksplit, words, min_blocks = shape
     if cols % VALUES[fmt] or 32 * tiles * ksplit * min_blocks > 2048:
         raise ValueError(f"rows of {cols} codes, shape {shape}: whole 16-byte words, at most 2048 threads an SM")
@@ -156,9 +149,7 @@ def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, ea
         raise ValueError(f"combine {combine}: down, a 16-row tile a block, whole tiles, at most 1,024 threads")
     if normed and not (dense and not route and cols % 64 == 0):
         raise ValueError("normed: a plain dense projection over whole float4 of 16-row tiles' squares")
-    if ahead not in (0, 1, 2) or (ahead and (not routed or early)):
-        raise ValueError(f"ahead {ahead}: 0, or 1 or 2 with routed (and not early)")
-    entry = _entry(mats, dense, route, routed, combine, normed, ahead)
+    entry = _entry(mats, dense, route, routed, combine, normed)
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DCOLS={int(cols)}".encode(),
             f"-DROWS={int(rows)}".encode(), f"-DMATS={int(mats)}".encode(), f"-DTILES={int(tiles)}".encode(),
             f"-DKSPLIT={int(ksplit)}".encode(), f"-DWORDS={int(words)}".encode(),
@@ -166,15 +157,13 @@ def compile_options(arch: str, cols: int, rows: int, mats: int, shape: tuple, ea
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={entry}".encode(),
             f"-DINT4={int(fmt == 'int4')}".encode(), f"-DDENSE={int(dense)}".encode(), f"-DROUTE={int(route)}".encode(),
             f"-DROUTED={int(routed)}".encode(), f"-DCOMBINE={int(combine)}".encode(),
-            f"-DNORMED={int(bool(normed))}".encode(), f"-DAHEAD={int(ahead)}".encode()]
+            f"-DNORMED={int(bool(normed))}".encode()]
 
 
 def _entry(mats: int, dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0,
-           normed: bool = False, ahead: int = 0) -> str:
+           normed: bool = False) -> str:
     if dense:
         return ROUTE_ENTRY if route else NORMED_ENTRY if normed else DENSE_ENTRY
-    if ahead:
-        return AHEAD_ENTRY
     return (ROUTED_ENTRY if routed else GATE_UP_ENTRY) if mats == 2 else COMBINE_ENTRY if combine else DOWN_ENTRY
 
 
@@ -184,7 +173,7 @@ def source() -> bytes:
 
 @functools.cache
 def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8", dense: bool = False,
-            route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False, ahead: int = 0):
+            route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False):
     """The compiled kernel for this GPU (cuda.core Kernel), registered as waiting first (pdl.register_waiting):
     a captured graph's edge into it becomes programmatic, as into the numba kernels."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
@@ -194,11 +183,11 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
     options = compile_options(f"sm_{major}{minor}", cols, rows, mats, shape, early, fmt, dense, route, routed, combine,
-                              normed, ahead)
+                              normed)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "moe_quant_mma")
-    entry = _entry(mats, dense, route, routed, combine, normed, ahead)
+    entry = _entry(mats, dense, route, routed, combine, normed)
     name = (f"{entry}_{fmt}_{cols}_{rows}_{'_'.join(map(str, shape))}_{int(early)}_{int(route)}_{int(routed)}"
-            f"_{int(combine)}_{int(ahead)}")
+            f"_{int(combine)}")
     found = flash_attention._object_code().from_cubin(code, name=name).get_kernel(entry)
     pdl.register_waiting(entry.encode(), *_handles(found))
     return found
@@ -206,10 +195,9 @@ def _kernel(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, 
 
 @functools.cache
 def _builds(cols: int, rows: int, mats: int, shape: tuple, early: bool = False, fmt: str = "fp8",
-            dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False,
-            ahead: int = 0) -> bool:
+            dense: bool = False, route: int = 0, routed: int = 0, combine: int = 0, normed: bool = False) -> bool:
     try:
-        _kernel(cols, rows, mats, shape, early, fmt, dense, route, routed, combine, normed, ahead)
+        _kernel(cols, rows, mats, shape, early, fmt, dense, route, routed, combine, normed)
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: the numba kernels still work
         log.warning("quantized GEMVs on tensor cores unavailable (%s)", exc)
         return False
@@ -318,32 +306,6 @@ def launch_gate_up_routed(total, partial, norm_weight, eps: float, table, layer_
                                  _table_row(table, layer_row), np.int32(top_k), np.int32(bool(normalize)),
                                  *_blobs(arena, store, layout), code0, code1, scale0, scale1, ptr(ids), ptr(weights),
                                  ptr(pair_token), ptr(pair_slot), ptr(pair_out), ptr(h))
-
-
-def takes_ahead(layout, num_experts: int, top_k: int, arena, store, stream) -> bool:
-    """Whether the routed decode's gate|up runs beside route_tail (launch_gate_up_ahead; AHEAD, read at each call):
-    as takes_routed but for its own switch."""
-    shape = routed_shape(layout.dtype) if layout.dtype in VALUES else ()
-    return (AHEAD in (1, 2) and 0 < top_k <= num_experts <= 32 and takes(layout, 1, arena, store, stream)
-            and 32 * shape[0] * shape[1] > num_experts
-            and _builds(layout.hidden, layout.inter, 2, shape, False, layout.dtype, routed=num_experts, ahead=AHEAD))
-
-
-def launch_gate_up_ahead(total, partial, norm_weight, eps: float, table, layer_row: int, top_k: int, normalize: bool,
-                         arena, store, layout, h, stream, shape=None) -> None:
-    """h[j] = silu(gate x) * up x of pair j (top_k, I) as launch_gate_up_routed computes it, launched after
-    norm_route.route_tail_cuda's kernel (whose tables the down GEMV reads) and running beside it: the routing, code
-    loads, x and products before the PDL wait, only the store after (AHEAD); its blocks write no tables."""
-    shape = tuple(shape or routed_shape(layout.dtype))
-    num_experts = partial.shape[1] - 1
-    code0, code1, _, scale0, scale1, _ = (np.int64(4 * o) for o in layout.kernel_words())
-    kernel = _kernel(layout.hidden, layout.inter, 2, shape, False, layout.dtype, routed=num_experts, ahead=AHEAD)
-    ptr, null = _pointer, np.intp(0)
-    flash_attention._core_launch(stream, (grid_x(layout.inter, shape), int(top_k)), 32 * shape[0] * shape[1], kernel,
-                                 ptr(total), _partials(partial), ptr(norm_weight), np.float32(eps),
-                                 _table_row(table, layer_row), np.int32(top_k), np.int32(bool(normalize)),
-                                 *_blobs(arena, store, layout), code0, code1, scale0, scale1, null, null, null, null,
-                                 null, ptr(h))
 
 
 def _partials(partial) -> np.intp:
