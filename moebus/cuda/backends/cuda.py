@@ -26,6 +26,7 @@ from moebus.cuda.kernels import split_epilogues  # the towers' products' inputs,
 from moebus.cuda.kernels import moe_quant, moe_quant_mma  # quantized experts (and their GEMVs on tensor cores)
 from moebus.cuda.kernels import linear_quant, linear_quant_mma  # FP8 attention projections and lm_head (*.dtype fp8)
 from moebus.cuda.kernels import linear_quant_slices  # ... of long steps on tensor cores, a bounded slice at a time
+from moebus.cuda.kernels import route_end  # the routing's end after the ROUTE entry (CUDA C, route_tail's bits)
 from moebus.cuda.kernels import rope_attention  # decode's qkv_rope_store as the attention's prologue
 from moebus.cuda.kernels import qkv_gemv  # decode's q|k|v projection with qkv_rope_store as its tail (opt-in)
 
@@ -276,15 +277,20 @@ class CudaBackend(split_epilogues.SplitInputOps):
                           layer_row: int, ids):
         """norm_route(x, linear(a, weight), ...): the routed decode's o projection and MLP entry. With FP8
         projections on tensor cores and linear_quant_mma.ROUTE, the projection's kernel adds the residual and the
-        router's partial sums and one block ends the routing (route_tail_cuda): two launches for three."""
+        router's partial sums and one block ends the routing (route_end.launch, or route_tail_cuda where it does not
+        take the step): two launches for three."""
         if not (isinstance(weight, linear_quant.Fp8Weight) and linear_quant_mma.takes_route(
                 a, weight.codes, weight.scales, x, norm_weight, router, self.stream)):
             return self.norm_route(x, self.linear(a, weight), norm_weight, eps, router, top_k, normalize, table,
                                    layer_row, ids)
         total, partial, weights, pairs = self._route_start(a, weight, x, norm_weight, router, top_k)
         h = self.empty(x.shape)
-        route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights, *pairs,
-                        stream=self.stream)
+        if route_end.takes(partial, total, norm_weight, top_k, self.stream):  # route_tail's bits in CUDA C
+            route_end.launch(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights,
+                             *pairs, self.stream)
+        else:
+            route_tail_cuda(partial, total, norm_weight, eps, top_k, normalize, table, layer_row, h, ids, weights,
+                            *pairs, stream=self.stream)
         return (total, h, ids, weights, *pairs)
 
     def _route_start(self, a, weight, x, norm_weight, router, top_k: int):
