@@ -1,7 +1,8 @@
 """On the GPU: the decode step replayed as CUDA graphs gives the same tokens and logprobs as the
 eager path, and a cache of 25% of the experts (misses read from mapped host memory) the same as all
 resident, and so do steps launched ahead (LocalModel.decode). Usage: graph_check.py MODEL_DIR [--no-cache]
-(--no-cache: without the 25% cache's runs); EXPERTS_DTYPE, ATTENTION_DTYPE, LM_HEAD_DTYPE: the model's dtypes."""
+(--no-cache: without the 25% cache's runs); EXPERTS_DTYPE, ATTENTION_DTYPE, LM_HEAD_DTYPE: the model's dtypes;
+KV_DTYPE: the KV cache's (fp32, LocalModel's default; bf16: the tensor-core decode attention's)."""
 import os
 import sys
 
@@ -15,6 +16,7 @@ with_cache = "--no-cache" not in sys.argv[2:]
 prompt = [5, 17, 99, 3, 42, 7, 250, 31, 8]
 # EXPERTS_DTYPE / ATTENTION_DTYPE / LM_HEAD_DTYPE: the model's dtypes (default bf16: as stored)
 DTYPES = {f"{k.lower()}_dtype": os.environ.get(f"{k}_DTYPE", "bf16") for k in ("EXPERTS", "ATTENTION", "LM_HEAD")}
+DTYPES["kv_dtype"] = os.environ.get("KV_DTYPE", "fp32")
 
 
 def run(graphs: bool, fraction=None, batch=1, tokens=24, ahead=False):
