@@ -30,7 +30,7 @@ def run(graphs: bool, fraction=None, batch=1, tokens=24, ahead=False):
 
 
 ok = True
-for batch in (1, 8):
+for batch in map(int, os.environ.get("BATCHES", "1 8").split()):  # BATCHES: the batch sizes checked
     eager = run(False, batch=batch)
     graph = run(True, batch=batch)
     ahead = run(True, batch=batch, ahead=True)  # LocalModel.decode: each step launched before the last is read
