@@ -24,7 +24,7 @@ def test_it_compiles_without_spills_and_reads_only_weights_before_its_wait(exper
     from moebus.cuda.kernels.flash_attention import nvrtc_compile
 
     _nvrtc()
-    source = route_end.SOURCE.read_bytes()
+    source = route_end.source()
     ptx, _ = nvrtc_compile(source, route_end.compile_options("compute_90", experts, dim), target="ptx")
     at = ptx.index(b"griddepcontrol.wait")
     before = ptx[:at]

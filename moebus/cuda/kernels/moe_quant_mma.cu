@@ -574,11 +574,11 @@ ENTRY(const float *x, const u8 *codes, const float *scales, const float *residua
     }
 }
 #elif ROUTED
-#define TAIL_PARTS 8                                            // norm_route.TAIL_PARTS
+#include "route_sums.cuh"
+#define TAIL_PARTS ROUTE_PARTS                                  // norm_route.TAIL_PARTS
 #define ROUTE_TILES (COLS / 16)                                 // the o projection's 16-row tiles
 #define PARTIALS (ROUTE_TILES * (ROUTED + 1))                   // floats of its partials
 #define PARTIAL_TRIPS (((PARTIALS + 3) / 4 + THREADS - 1) / THREADS)  // float4 a thread stages
-#define TAIL_PASSES (((ROUTED + 1) * TAIL_PARTS + THREADS - 1) / THREADS)
 
 __device__ __forceinline__ float warp_max(float v) {  // compat.warp_max's butterfly
 #pragma unroll
@@ -613,34 +613,12 @@ __device__ __forceinline__ Pair route_pair(const float *partial, const int *tabl
     __shared__ Pair chosen_pair;
     const int tid = threadIdx.x;
     float4 quads[PARTIAL_TRIPS];
-#pragma unroll
-    for (int trip = 0; trip < PARTIAL_TRIPS; ++trip) {
-        const int q = trip * THREADS + tid;
-        quads[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (4 * q + 3 < PARTIALS) {
-            quads[trip] = *reinterpret_cast<const float4 *>(partial + 4 * q);
-        } else if (4 * q < PARTIALS) {  // the last, partial quad
-            quads[trip].x = partial[4 * q];
-            if (4 * q + 1 < PARTIALS) quads[trip].y = partial[4 * q + 1];
-            if (4 * q + 2 < PARTIALS) quads[trip].z = partial[4 * q + 2];
-        }
-    }
+    load_partials<PARTIAL_TRIPS, THREADS, PARTIALS>(partial, quads);
     const int place_of = tid < ROUTED ? table_row[tid] : 0;
-#pragma unroll
-    for (int trip = 0; trip < PARTIAL_TRIPS; ++trip)
-        reinterpret_cast<float4 *>(staged)[trip * THREADS + tid] = quads[trip];
+    stage_partials<PARTIAL_TRIPS, THREADS>(staged, quads);
     if (tid < ROUTED) places[tid] = place_of;
     __syncthreads();
-#pragma unroll
-    for (int q = 0; q < TAIL_PASSES; ++q) {  // column c's part j: the tiles j, j + TAIL_PARTS, ... in order
-        const int c = (tid + q * THREADS) / TAIL_PARTS, j = (tid + q * THREADS) % TAIL_PARTS;
-        if (c <= ROUTED) {
-            float part = 0.f;
-#pragma unroll
-            for (int tile = j; tile < ROUTE_TILES; tile += TAIL_PARTS) part += staged[tile * (ROUTED + 1) + c];
-            sums[j][c] = part;
-        }
-    }
+    column_sums<ROUTE_TILES, ROUTED + 1, THREADS>(staged, sums);
     __syncthreads();
     float inv = 0.f;
     if (tid < 32) {  // route_tail's 1 / rms and logits, then one_token_tail's softmax: warp 0, a lane an expert

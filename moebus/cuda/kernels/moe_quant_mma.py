@@ -168,7 +168,10 @@ def _entry(mats: int, dense: bool = False, route: int = 0, routed: int = 0, comb
 
 
 def source() -> bytes:
-    return SOURCE.read_bytes()
+    """The .cu with route_sums.cuh (the ROUTED entry's column sums, route_end's too) in place of its #include."""
+    from moebus.cuda.kernels.route_end import with_route_sums
+
+    return with_route_sums(SOURCE.read_bytes())
 
 
 @functools.cache

@@ -5,7 +5,7 @@
 // chosen experts' ids and weights (1, top_k) by rank, and the pair tables (top_k,) by expert id: pair_token 0,
 // pair_slot the expert's placement (table_row[e]: a slot, or -1 - a host-store row), pair_out its rank.
 // The same bits as route_tail (norm_route.py) by the same expressions in the same order:
-//  - a column's sum: PARTS parts, part j the tiles j, j + PARTS, ... in order from 0, then the parts in order;
+//  - a column's sum: ROUTE_PARTS parts, part j the tiles j, j + ROUTE_PARTS, ... in order from 0, then the parts in order;
 //  - 1 / rms = 1 / sqrtf(sum of squares / DIM + eps), logit = sum * 1 / rms;
 //  - one_token_tail's softmax (warp 0, a lane an expert: the butterflies' maximum, expf, sum, a division), ranks by
 //    descending probability with ties to the lower id, the chosen probabilities summed in rank order;
@@ -30,17 +30,17 @@
 #ifndef ENTRY
 #define ENTRY route_end
 #endif
-#define PARTS 8                                                  // norm_route.TAIL_PARTS
 #define TILES (DIM / 16)
 #define COLUMNS (EXPERTS + 1)                                    // the experts' logits, then the squares
 #define PARTIALS (TILES * COLUMNS)
 #define TRIPS ((PARTIALS + 4 * THREADS - 1) / (4 * THREADS))     // float4 of the partials a thread stages
-#define PASSES ((COLUMNS * PARTS + THREADS - 1) / THREADS)       // (column, part) sums a thread takes
 #define QUADS (DIM / 4)
 #define H_TRIPS ((QUADS + THREADS - 1) / THREADS)                // float4 of h a thread writes
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+
+#include "route_sums.cuh"
 
 __device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
@@ -50,7 +50,7 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
       int normalize, float *h, int *ids, float *weights, int *pair_token, int *pair_slot, int *pair_out) {
     static_assert(EXPERTS <= 32 && DIM % 16 == 0 && THREADS % 32 == 0, "a lane an expert, whole tiles, whole warps");
     __shared__ __align__(16) float staged[TRIPS * THREADS * 4];
-    __shared__ float sums[PARTS][COLUMNS];
+    __shared__ float sums[ROUTE_PARTS][COLUMNS];
     __shared__ float by_rank[32];
     const int tid = threadIdx.x, lane = tid % 32;
     uint2 w[H_TRIPS];  // the norm's weights of this thread's quads of h (4 bf16)
@@ -68,48 +68,27 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
 #endif
 #endif
     float4 quads[TRIPS], t[H_TRIPS];  // every load first: the partials, total, the placement
-#pragma unroll
-    for (int trip = 0; trip < TRIPS; ++trip) {
-        const int q = trip * THREADS + tid;
-        quads[trip] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (4 * q + 3 < PARTIALS) {
-            quads[trip] = *reinterpret_cast<const float4 *>(partial + 4 * q);
-        } else if (4 * q < PARTIALS) {  // the last, partial quad
-            quads[trip].x = partial[4 * q];
-            if (4 * q + 1 < PARTIALS) quads[trip].y = partial[4 * q + 1];
-            if (4 * q + 2 < PARTIALS) quads[trip].z = partial[4 * q + 2];
-        }
-    }
+    load_partials<TRIPS, THREADS, PARTIALS>(partial, quads);
 #pragma unroll
     for (int i = 0; i < H_TRIPS; ++i) {
         const int q = i * THREADS + tid;
         t[i] = q < QUADS ? *reinterpret_cast<const float4 *>(total + 4 * q) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     const int place = tid < EXPERTS ? table_row[tid] : 0;
-#pragma unroll
-    for (int trip = 0; trip < TRIPS; ++trip) reinterpret_cast<float4 *>(staged)[trip * THREADS + tid] = quads[trip];
+    stage_partials<TRIPS, THREADS>(staged, quads);
     __syncthreads();
-#pragma unroll
-    for (int p = 0; p < PASSES; ++p) {  // column c's part j: the tiles j, j + PARTS, ... in order
-        const int c = (tid + p * THREADS) / PARTS, j = (tid + p * THREADS) % PARTS;
-        if (c < COLUMNS) {
-            float part = 0.f;
-#pragma unroll
-            for (int tile = j; tile < TILES; tile += PARTS) part += staged[tile * COLUMNS + c];
-            sums[j][c] = part;
-        }
-    }
+    column_sums<TILES, COLUMNS, THREADS>(staged, sums);
     __syncthreads();
     float square_sum = 0.f;  // every thread the same bits
 #pragma unroll
-    for (int j = 0; j < PARTS; ++j) square_sum += sums[j][EXPERTS];
+    for (int j = 0; j < ROUTE_PARTS; ++j) square_sum += sums[j][EXPERTS];
     const float inv = 1.f / sqrtf(square_sum / (float)DIM + eps);
     if (tid < 32) {  // one_token_tail's softmax and ranks: warp 0, a lane an expert
         float prob = -__int_as_float(0x7F800000);  // -inf: expf gives 0
         if (lane < EXPERTS) {
             float logit = 0.f;
 #pragma unroll
-            for (int j = 0; j < PARTS; ++j) logit += sums[j][lane];
+            for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][lane];
             prob = logit * inv;
         }
         float peak = prob;

@@ -18,10 +18,23 @@ from moebus.cuda.kernels import flash_attention, pdl
 from moebus.cuda.kernels.compat import SIMULATOR
 
 SOURCE = Path(__file__).with_suffix(".cu")
+SUMS = Path(__file__).with_name("route_sums.cuh")  # route_tail's column sums, shared with moe_quant_mma.cu
+INCLUDE = b'#include "route_sums.cuh"'
 ENTRY = "route_end"
 THREADS = 256
 ENABLED = os.environ.get("MOEBUS_ROUTE_END", "1") != "0"
 log = logging.getLogger("moebus.cuda")
+
+
+def with_route_sums(text: bytes) -> bytes:
+    """``text`` (a .cu) with route_sums.cuh in place of its #include (one text, so the cubin's name hashes both)."""
+    if INCLUDE not in text:
+        raise RuntimeError(f"the source lacks {INCLUDE.decode()}")
+    return text.replace(INCLUDE, SUMS.read_bytes(), 1)
+
+
+def source() -> bytes:
+    return with_route_sums(SOURCE.read_bytes())
 
 
 def compile_options(arch: str, experts: int, dim: int, threads: int = THREADS) -> list[bytes]:
@@ -42,7 +55,7 @@ def _kernel(experts: int, dim: int):
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
     options = compile_options(f"sm_{major}{minor}", experts, dim)
-    code = flash_attention.cached_cubin(SOURCE.read_bytes(), options, _numba_config.CACHE_DIR, "route_end")
+    code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "route_end")
     found = flash_attention._object_code().from_cubin(code, name=f"{ENTRY}_{experts}_{dim}").get_kernel(ENTRY)
     pdl.register_waiting(ENTRY.encode(), *_handles(found))
     return found
