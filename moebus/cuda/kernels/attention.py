@@ -164,31 +164,43 @@ def attention_cuda(q, k_cache, v_cache, token_slot, token_pos, scale: float, win
     if num_tokens == 0:
         return out
     context = k_cache.shape[2]
-    scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
-    if scratch is None:
-        scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
-    require("scratch", scratch, np.float32, shape=scratch_shape)
+    scratch = decode_scratch(scratch, num_tokens, num_heads, head_dim, context, stream)
     merge = done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
     if done is not None:
         require("done", done, np.int32, ndim=1)
     window = int(window or 0)
     if (attention_decode.DECODE_TC and attention_decode.WIDE_MERGE and not window
             and attention_decode_tc.takes(storage, head_dim, num_heads // num_kv_heads, stream)):
-        positions = int(attention_decode.TC_SPLIT_POSITIONS)
-        in_split = merge and merges_in_split(context, positions)
-        attention_decode_tc.launch(q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream,
-                                   attention_decode.DECODE_SPLITS, positions, done=done if in_split else None,
-                                   out=out if in_split else None)
-        return out if in_split else _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
+        return tc_decode(lambda splits, positions, counters, merged: attention_decode_tc.launch(
+            q, k_cache, v_cache, token_slot, token_pos, scale, scratch, stream, splits, positions, done=counters,
+            out=merged), merge, done, context, head_dim, token_pos, scratch, out, stream)
     kernel, num_threads = decode_kernel(storage, head_dim, num_heads // num_kv_heads, merge)
     args = (q, words(k_cache), words(v_cache), num_kv_heads, context, token_slot, token_pos, np.float32(scale), window,
             scratch)
-    grid = (num_tokens, num_kv_heads, scratch_shape[2])
+    grid = (num_tokens, num_kv_heads, scratch.shape[2])
     if merge:
         kernel[grid, num_threads, stream](*args, done, out)
         return out
     kernel[grid, num_threads, stream](*args)
     return _merge_apart(head_dim, token_pos, window, scratch, out, stream)
+
+
+def decode_scratch(scratch, num_tokens: int, num_heads: int, head_dim: int, context: int, stream):
+    """The decode's split scratch (attention_scratch_shape, float32): ``scratch`` checked, or allocated where None."""
+    shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
+    if scratch is None:
+        scratch = cuda.device_array(shape, np.float32, stream=stream)
+    require("scratch", scratch, np.float32, shape=shape)
+    return scratch
+
+
+def tc_decode(launch, merge: bool, done, context: int, head_dim: int, token_pos, scratch, out, stream):
+    """The tensor-core split kernel through ``launch(decode_splits, split_positions, done, out)``: given ``merge``
+    (counters) and merges_in_split, it merges itself (done and out passed); else None, None and the merge apart."""
+    positions = int(attention_decode.TC_SPLIT_POSITIONS)
+    in_split = merge and merges_in_split(context, positions)
+    launch(attention_decode.DECODE_SPLITS, positions, done if in_split else None, out if in_split else None)
+    return out if in_split else _merge_apart(head_dim, token_pos, 0, scratch, out, stream, positions)
 
 
 def merges_in_split(context: int, split_positions: int) -> bool:

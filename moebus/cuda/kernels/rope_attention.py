@@ -15,8 +15,7 @@ import os
 import numpy as np
 
 from moebus.cuda.kernels import attention_decode, attention_decode_tc, fused
-from moebus.cuda.kernels.attention import attention_cuda, attention_ref, attention_scratch_shape, merges_in_split, \
-    _merge_apart, require_caches
+from moebus.cuda.kernels.attention import attention_cuda, attention_ref, decode_scratch, require_caches, tc_decode
 from moebus.cuda.kernels.launch import require
 
 ENABLED = os.environ.get("MOEBUS_ROPE_ATTENTION", "1") != "0"
@@ -64,16 +63,9 @@ def rope_attention_cuda(qkv, num_heads: int, num_kv_heads: int, q_weight, k_weig
     if num_tokens == 0:
         return out
     context = k_cache.shape[2]
-    scratch_shape = attention_scratch_shape(num_tokens, num_heads, head_dim, context)
-    if scratch is None:
-        from moebus.cuda.kernels.compat import cuda
-
-        scratch = cuda.device_array(scratch_shape, np.float32, stream=stream)
-    require("scratch", scratch, np.float32, shape=scratch_shape)
-    positions = int(attention_decode.TC_SPLIT_POSITIONS)
-    in_split = (done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
-                and merges_in_split(context, positions))
-    attention_decode_tc.launch_rope(qkv, num_heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, token_slot,
-                                    token_pos, scale, scratch, stream, attention_decode.DECODE_SPLITS, positions,
-                                    done=done if in_split else None, out=out if in_split else None)
-    return out if in_split else _merge_apart(head_dim, token_pos, window, scratch, out, stream, positions)
+    scratch = decode_scratch(scratch, num_tokens, num_heads, head_dim, context, stream)
+    merge = done is not None and attention_decode.MERGE_IN_SPLIT and done.shape[0] >= num_tokens * num_kv_heads
+    return tc_decode(lambda splits, positions, counters, merged: attention_decode_tc.launch_rope(
+        qkv, num_heads, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, token_slot, token_pos, scale, scratch,
+        stream, splits, positions, done=counters, out=merged), merge, done, context, head_dim, token_pos, scratch, out,
+        stream)
