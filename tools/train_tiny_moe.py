@@ -255,6 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-steps", type=int, help="stop after this many steps if the time is not up first")
     p.add_argument("--fp8", help="also write the trained model as an FP8 checkpoint (Qwen's format) here")
     p.add_argument("--check", action="store_true", help="only compare moebus with transformers on --out (and --fp8)")
+    p.add_argument("--head-dim", type=int, default=SHAPES["head_dim"],
+                   help="attention heads' width (128: the tensor-core decode attention's, rope_attention.py)")
     args = p.parse_args(argv)
     if args.check:
         for model_dir, fp8 in [(Path(args.out), False)] + ([(Path(args.fp8), True)] if args.fp8 else []):
@@ -263,7 +265,8 @@ def main(argv=None) -> int:
         return 0
     run(Path(args.out), args.minutes * 60, args.threads, vocab_size=args.vocab, corpus=args.corpus,
         seq_len=args.seq_len, batch_size=args.batch, lr=args.lr, seed=args.seed,
-        fp8=Path(args.fp8) if args.fp8 else None, max_steps=args.max_steps)
+        fp8=Path(args.fp8) if args.fp8 else None, max_steps=args.max_steps,
+        shapes=dict(SHAPES, head_dim=args.head_dim))
     return 0
 
 

@@ -60,18 +60,19 @@ def held_out_prompts(model_dir: str, num_prompts: int, vocab_size: int, texts=HE
 
 def measure(model_dir: str, experts_dtype: str, steps: int, num_prompts: int = 8, device: str = "cpu",
             attention_dtype: str = "bf16", texts=HELD_OUT, follow_text: bool = False,
-            lm_head_dtype: str = "bf16") -> dict:
+            lm_head_dtype: str = "bf16", kv_dtype: str = "fp32") -> dict:
     """Top-1 agreement and mean KL over ``steps`` decode steps of each of ``num_prompts`` prompts (cut
     from ``texts``), the bf16 model against experts in ``experts_dtype``, attention projections in
     ``attention_dtype`` and the lm_head in ``lm_head_dtype``. ``follow_text``: each prompt is a text's
     first FOLLOW_PROMPT tokens and the steps feed the text's own next tokens instead of the bf16
-    model's greedy ones (a weak model's greedy continuation soon loops; the text does not)."""
+    model's greedy ones (a weak model's greedy continuation soon loops; the text does not). ``kv_dtype``: both
+    models' KV caches (fp32: the quantization's effect alone; bf16: the service's default on cuda)."""
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
 
     def load(dtype, attention="bf16", lm_head="bf16"):
         return LocalModel(model_dir, device=device, num_slots=num_prompts, max_context=context, experts_dtype=dtype,
-                          attention_dtype=attention, lm_head_dtype=lm_head)
+                          attention_dtype=attention, lm_head_dtype=lm_head, kv_dtype=kv_dtype)
 
     from moebus.common.model_config import load_config
 

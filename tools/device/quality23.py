@@ -1,0 +1,64 @@
+"""Issue 16, twenty-third session (for the next session's call): fidelity on a TRAINED model with heads of 128
+(`tools/train_tiny_moe.py --head-dim 128`) of the decode attention taking qkv_rope_store's work
+(rope_attention.ENABLED), with bf16 KV caches (the kernel's; the service's default on cuda): `moebus bench quality`'s
+measure (top-1 agreement and KL against the bf16 model, each step feeding the held-out text's own next token) at
+batch 1, one text at a time, by row: fp8 experts (bf16 attention: the issue's FP8 target), fp8 + FP8 attention, int4 +
+FP8 attention, each with it off and on (both models of a row take the same setting, so the pairs of rows say whether
+it moves the quantization's figures). Counts
+the one kernel's launches, so that a row that never took it says so.
+
+    python3 tools/device/quality23.py MODEL_DIR TEXTS_JSON [PROMPTS] [STEPS]"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROWS = (("fp8", "bf16", False), ("fp8", "bf16", True), ("fp8", "fp8", False), ("fp8", "fp8", True),
+        ("int4", "fp8", False), ("int4", "fp8", True))
+
+
+def each_text(model, texts, steps, experts, attention) -> dict:
+    """bench quality's measure of each text alone (batch 1, following the text, bf16 KV), pooled over the texts."""
+    from moebus.bench import quality
+
+    agree, kl, n = [], [], 0
+    for text in texts:
+        r = quality.measure(model, experts, steps, 1, os.environ.get("DEVICE", "cuda"), attention, [text],
+                            follow_text=True, kv_dtype="bf16")
+        agree.append(r["top1_agreement"] * r["comparisons"])
+        kl.append(r["mean_kl"] * r["comparisons"])
+        n += r["comparisons"]
+    return {"comparisons": n, "top1_agreement": round(float(np.sum(agree) / n), 4), "mean_kl": float(np.sum(kl) / n)}
+
+
+def main() -> int:
+    model, texts_path = sys.argv[1], sys.argv[2]
+    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from moebus.cuda.kernels import attention_decode_tc, rope_attention
+
+    calls = [0]
+    real = attention_decode_tc.launch_rope
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    attention_decode_tc.launch_rope = counted
+    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    for experts, attention, on in ROWS:
+        rope_attention.ENABLED = on
+        calls[0] = 0
+        t0 = time.time()
+        print(json.dumps({"experts": experts, "attention": attention, "rope_attention": on, "prompts": len(texts),
+                          "steps": steps, **each_text(model, texts, steps, experts, attention),
+                          "rope_launches": calls[0], "s": round(time.time() - t0, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
