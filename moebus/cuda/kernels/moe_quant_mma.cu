@@ -580,18 +580,6 @@ ENTRY(const float *x, const u8 *codes, const float *scales, const float *residua
 #define PARTIALS (ROUTE_TILES * (ROUTED + 1))                   // floats of its partials
 #define PARTIAL_TRIPS (((PARTIALS + 3) / 4 + THREADS - 1) / THREADS)  // float4 a thread stages
 
-__device__ __forceinline__ float warp_max(float v) {  // compat.warp_max's butterfly
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {  // compat.warp_sum's butterfly: every lane the same bits
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-    return v;
-}
-
 struct Pair {
     int entry;  // the pair's placement: a slot, or -1 - a host-store row
     float inv;  // the norm's 1 / rms
@@ -622,21 +610,8 @@ __device__ __forceinline__ Pair route_pair(const float *partial, const int *tabl
     __syncthreads();
     float inv = 0.f;
     if (tid < 32) {  // route_tail's 1 / rms and logits, then one_token_tail's softmax: warp 0, a lane an expert
-        float square_sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < TAIL_PARTS; ++j) square_sum += sums[j][ROUTED];
-        inv = 1.f / sqrtf(square_sum / (float)COLS + eps);
-        float prob = -__int_as_float(0x7F800000);  // -inf: exp gives 0
-        if (tid < ROUTED) {
-            float logit = 0.f;
-#pragma unroll
-            for (int j = 0; j < TAIL_PARTS; ++j) logit += sums[j][tid];
-            prob = logit * inv;
-        }
-        const float peak = warp_max(prob);
-        prob = expf(prob - peak);
-        prob = prob / warp_sum(prob);
-        probs[tid] = prob;
+        inv = route_inv_rms<ROUTED + 1>(sums, COLS, eps);
+        probs[tid] = expert_prob<ROUTED + 1>(sums, inv, tid);
     }
     __syncthreads();
     int rank = ROUTED;

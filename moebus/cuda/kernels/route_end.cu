@@ -79,26 +79,9 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
     __syncthreads();
     column_sums<TILES, COLUMNS, THREADS>(staged, sums);
     __syncthreads();
-    float square_sum = 0.f;  // every thread the same bits
-#pragma unroll
-    for (int j = 0; j < ROUTE_PARTS; ++j) square_sum += sums[j][EXPERTS];
-    const float inv = 1.f / sqrtf(square_sum / (float)DIM + eps);
+    const float inv = route_inv_rms<COLUMNS>(sums, DIM, eps);  // every thread the same bits
     if (tid < 32) {  // one_token_tail's softmax and ranks: warp 0, a lane an expert
-        float prob = -__int_as_float(0x7F800000);  // -inf: expf gives 0
-        if (lane < EXPERTS) {
-            float logit = 0.f;
-#pragma unroll
-            for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][lane];
-            prob = logit * inv;
-        }
-        float peak = prob;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
-        prob = expf(prob - peak);
-        float total_prob = prob;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) total_prob += __shfl_xor_sync(0xFFFFFFFFu, total_prob, offset);
-        prob = prob / total_prob;
+        const float prob = expert_prob<COLUMNS>(sums, inv, lane);
         int rank = 0;  // descending probability, ties to the lower id
 #pragma unroll
         for (int j = 0; j < EXPERTS; ++j) {

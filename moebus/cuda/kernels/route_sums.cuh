@@ -1,5 +1,5 @@
-// route_tail's column sums of the o projection's ROUTE partials (norm_route.py's order), shared by route_end.cu and
-// moe_quant_mma.cu's ROUTED entry (route_end.with_route_sums puts this text in place of their #include). Template
+// route_tail's column sums of the o projection's ROUTE partials (norm_route.py's order), its 1 / rms and
+// one_token_tail's softmax, shared by route_end.cu and moe_quant_mma.cu's ROUTED entry (route_end.with_route_sums puts this text in place of their #include). Template
 // parameters are named k*: the including files' macros (TILES, THREADS, ...) would replace plain names.
 #define ROUTE_PARTS 8  // norm_route.TAIL_PARTS
 
@@ -41,4 +41,34 @@ __device__ __forceinline__ void column_sums(const float *staged, float (*sums)[k
             sums[j][c] = part;
         }
     }
+}
+
+// 1 / rms from the squares' column (the last of kColumns): route_tail's 1 / sqrtf(sum / dim + eps), the parts in order
+template <int kColumns>
+__device__ __forceinline__ float route_inv_rms(const float (*sums)[kColumns], int dim, float eps) {
+    float square_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PARTS; ++j) square_sum += sums[j][kColumns - 1];
+    return 1.f / sqrtf(square_sum / (float)dim + eps);
+}
+
+// one_token_tail's softmax by one warp, a lane an expert (kColumns - 1 experts, at most 32): the logit (its column's
+// parts in order) times 1 / rms, the butterflies' maximum, expf, the butterflies' sum, a division (0 past the experts)
+template <int kColumns>
+__device__ __forceinline__ float expert_prob(const float (*sums)[kColumns], float inv, int lane) {
+    float prob = -__int_as_float(0x7F800000);  // -inf: expf gives 0
+    if (lane < kColumns - 1) {
+        float logit = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][lane];
+        prob = logit * inv;
+    }
+    float peak = prob;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
+    prob = expf(prob - peak);
+    float total = prob;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
+    return prob / total;
 }
