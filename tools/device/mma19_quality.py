@@ -44,15 +44,15 @@ def main() -> int:
     return 0
 
 
-def each_text(model, texts, steps, experts, attention, lm_head="bf16") -> dict:
-    """bench quality's measure of each text alone (batch 1, following the text), pooled over the texts:
-    comparisons, top1_agreement, mean_kl (also quality20.py's)."""
+def each_text(model, texts, steps, experts, attention, lm_head="bf16", kv_dtype="fp32") -> dict:
+    """bench quality's measure of each text alone (batch 1, following the text; both models' KV caches in
+    ``kv_dtype``), pooled over the texts: comparisons, top1_agreement, mean_kl (also quality20/22/23.py's)."""
     from moebus.bench import quality
 
     agree, kl, n = [], [], 0
     for text in texts:
         r = quality.measure(model, experts, steps, 1, os.environ.get("DEVICE", "cuda"), attention, [text],
-                            follow_text=True, lm_head_dtype=lm_head)
+                            follow_text=True, lm_head_dtype=lm_head, kv_dtype=kv_dtype)
         agree.append(r["top1_agreement"] * r["comparisons"])
         kl.append(r["mean_kl"] * r["comparisons"])
         n += r["comparisons"]

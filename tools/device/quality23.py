@@ -11,28 +11,11 @@ the one kernel's launches, so that a row that never took it says so.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-import numpy as np
-
 ROWS = (("fp8", "bf16", False), ("fp8", "bf16", True), ("fp8", "fp8", False), ("fp8", "fp8", True),
         ("int4", "fp8", False), ("int4", "fp8", True))
-
-
-def each_text(model, texts, steps, experts, attention) -> dict:
-    """bench quality's measure of each text alone (batch 1, following the text, bf16 KV), pooled over the texts."""
-    from moebus.bench import quality
-
-    agree, kl, n = [], [], 0
-    for text in texts:
-        r = quality.measure(model, experts, steps, 1, os.environ.get("DEVICE", "cuda"), attention, [text],
-                            follow_text=True, kv_dtype="bf16")
-        agree.append(r["top1_agreement"] * r["comparisons"])
-        kl.append(r["mean_kl"] * r["comparisons"])
-        n += r["comparisons"]
-    return {"comparisons": n, "top1_agreement": round(float(np.sum(agree) / n), 4), "mean_kl": float(np.sum(kl) / n)}
 
 
 def main() -> int:
@@ -40,6 +23,7 @@ def main() -> int:
     prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
     from moebus.cuda.kernels import attention_decode_tc, rope_attention
+    from mma19_quality import each_text  # beside this script
 
     calls = [0]
     real = attention_decode_tc.launch_rope
@@ -55,7 +39,7 @@ def main() -> int:
         calls[0] = 0
         t0 = time.time()
         print(json.dumps({"experts": experts, "attention": attention, "rope_attention": on, "prompts": len(texts),
-                          "steps": steps, **each_text(model, texts, steps, experts, attention),
+                          "steps": steps, **each_text(model, texts, steps, experts, attention, kv_dtype="bf16"),
                           "rope_launches": calls[0], "s": round(time.time() - t0, 1)}), flush=True)
     return 0
 
