@@ -74,14 +74,15 @@ def _builds(experts: int, dim: int) -> bool:
 def takes(partial, total, norm_weight, top_k: int, stream) -> bool:
     """Whether ``launch`` runs (ENABLED, read at each call): one token, at most 32 experts, whole tiles and quads,
     16-byte aligned C-ordered partials and total, a bf16 norm weight, a GPU and a stream object, the kernel built."""
-    from moebus.cuda.kernels.compat import data_ptr, is_contiguous
+    from moebus.cuda.kernels.compat import is_contiguous
+    from moebus.cuda.kernels.moe_quant_mma import _stream_object
+    from moebus.cuda.kernels.moe_quant_round import aligned
 
     num_experts, dim = partial.shape[1] - 1, total.shape[1]
     return (ENABLED and not SIMULATOR and total.shape[0] == 1 and 0 < top_k <= num_experts <= 32 and dim % 16 == 0
             and partial.shape[0] == dim // 16 and norm_weight.dtype == np.uint16
-            and all(is_contiguous(a) and data_ptr(a) % 16 == 0 for a in (partial, total, norm_weight))
-            and (hasattr(stream, "__cuda_stream__") or hasattr(stream, "end_building"))
-            and _builds(num_experts, dim))
+            and all(map(is_contiguous, (partial, total, norm_weight))) and aligned(partial, total, norm_weight)
+            and _stream_object(stream) and _builds(num_experts, dim))
 
 
 def launch(partial, total, norm_weight, eps: float, top_k: int, normalize: bool, table, layer_row: int, h, ids,
