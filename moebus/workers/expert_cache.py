@@ -488,7 +488,9 @@ class ExpertCache:
             self._grow(None)
         else:
             self.reserve_mib = float(reserve_mib)
+            asked = time.perf_counter()
             free, _ = self.arena.memory_info()
+            self.last_resize["info_s"] = time.perf_counter() - asked
             missing = int(self.reserve_mib * MIB) - free
             if missing > 0:
                 self._shrink_for(missing)
@@ -504,7 +506,9 @@ class ExpertCache:
         kept = self.arena.slots_after_shrink(count)
         self.last_resize["moved"] = self._keep_hottest(kept) if count else 0
         self._take_out_of_service(kept)
+        self.arena.last_release = {}
         self.arena.shrink(count)
+        self.last_resize.update(self.arena.last_release)  # (vmm: sync_s, unmap_s, release_s)
 
     def _keep_hottest(self, first: int) -> int:
         """Before slots from ``first`` leave service: their experts move down (a copy on the device

@@ -58,6 +58,9 @@ LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time 
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
 # beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
 RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
+# A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
+# the handles' release (ExpertCache.last_resize; the last three from VmmArena).
+RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap"), ("release_s", "release"))
 
 
 class GpuWorker:
@@ -248,9 +251,10 @@ class GpuWorker:
         self.keep_reserve_figures(msg, reply)
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
+            parts = "".join(f", {name} {1e3 * split[key]:.1f}" for key, name in RESIZE_PARTS if key in split)
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
-                     "moved down)", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
-                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0))
+                     "moved down%s)", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
+                     1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0), parts)
         return reply
 
     def keep_reserve_figures(self, msg: Vram, reply: VramReply) -> None:

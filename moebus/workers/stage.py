@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebus.common.fp8_dense import ATTENTION_DTYPES, LM_HEAD_DTYPES, attention_fp8, concat_rows, lm_head_fp8
-from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.cuda.backends import passes_capture
 from moebus.cuda.kernels import moe_quant_round
 from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels.fused import can_fuse_heads
@@ -266,7 +266,7 @@ class Stage:
             self.graph_down_early[key] = down_early
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: serve eagerly
             self.graphs.pop(key, None)
-            if is_fatal_device_error(e) or is_out_of_memory(e):
+            if passes_capture(e):
                 raise  # out of memory fails this step only; graphs stay on for the next
             if len(key) > 2:  # a chunk's shape: that shape runs eagerly, decode keeps its graphs
                 log.warning("CUDA graph capture of a %s-token step of %s sequences failed (%s: %s); it runs eagerly",

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from moebus.cuda.backends import is_fatal_device_error, is_out_of_memory
+from moebus.cuda.backends import passes_capture
 from moebus.workers import tower_slices
 from moebus.workers.tower_slices import Pacer, SliceChain, run_slices
 from moebus.workers.tower_outputs import MAX_FLAGS, ReadyOutputs, raise_flag_kernel, ready
@@ -144,7 +144,7 @@ class TowerGraph:
             if not EAGER_FIRST and not self._capture():
                 return None
         except Exception as e:  # noqa: BLE001 - a driver or binding that cannot capture: encode eagerly
-            if is_fatal_device_error(e) or is_out_of_memory(e):
+            if passes_capture(e):
                 raise
             log.warning("CUDA graph capture of the vision tower failed (%s: %s); it encodes eagerly",
                         type(e).__name__, e)
@@ -174,7 +174,7 @@ class TowerGraph:
             self.graph.capture()
             return True
         except Exception as e:  # noqa: BLE001 - as in _graph_outputs: encode eagerly from now on
-            if is_fatal_device_error(e) or is_out_of_memory(e):
+            if passes_capture(e):
                 raise
             log.warning("CUDA graph capture of the vision tower failed (%s: %s); it encodes eagerly",
                         type(e).__name__, e)

@@ -87,3 +87,17 @@ def test_running_out_of_device_memory_fails_the_step_not_the_worker():
     assert not is_fatal_device_error(OutOfMemory("emulated GPU full"))
     assert is_fatal_device_error(CudaAPIError(700, "an illegal memory access was encountered"))
     assert not is_fatal_device_error(ValueError("bad request"))
+
+
+def test_a_capture_refused_falls_back_to_eager_and_other_errors_pass_on():
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    from moebus.cuda.backends import is_capture_error, is_fatal_device_error, passes_capture
+    from moebus.cuda.memory.ledger import OutOfMemory
+
+    implicit = CudaAPIError(906, "cuMemcpyHtoD: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT")
+    assert is_capture_error(implicit) and is_fatal_device_error(implicit)  # (outside a capture's own fallback)
+    assert not passes_capture(implicit) and not passes_capture(RuntimeError("build process invalidated"))
+    assert passes_capture(CudaAPIError(700, "an illegal memory access was encountered"))
+    assert passes_capture(OutOfMemory("emulated GPU full")) and passes_capture(CudaAPIError(2, "out of memory"))
+    assert not is_capture_error(CudaAPIError(700, "x")) and not is_capture_error(ValueError(906))

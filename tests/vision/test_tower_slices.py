@@ -63,14 +63,36 @@ def test_a_sliced_encode_gives_the_unsliced_bits(llava, device, per_slice, pause
 
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
 def test_a_sliced_encode_captured_and_launched_by_slice_gives_the_eager_bits(llava, pause, monkeypatch):
+    from moebus.cuda.kernels import gemm
+
     cfg, weights, px = llava
     (whole,), _ = _encode(cfg, weights, px, "cuda", 0, monkeypatch)
+    gemm._no_rows.cache_clear()  # made first inside the capture, as in a fresh vision worker (H200, 24th session)
     outs, model = _encode(cfg, weights, px, "cuda", 1, monkeypatch, times=2, capture_first=True)
     assert model.graph.enabled, "the capture failed: the tower went eager"
     for out in outs:  # the first encode without an eager run, then a replay of its slices
         np.testing.assert_array_equal(out, whole)
     assert isinstance(model.graph.graph.graph, tower_slices.SliceChain) and model.graph.last_path == "replay"
     assert model.capture_pending() is None
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (MOEBUS_TEST_GPU=1)")
+def test_a_capture_a_synchronous_copy_invalidates_is_ended_and_the_encode_runs_eagerly(llava, pause, monkeypatch):
+    """The twenty-fourth session's H200 run: a constant uploaded (cuda.to_device: a synchronous copy) first inside
+    a slice's capture invalidated it; the builder left the stream capturing and the eager fallback's first
+    synchronize was refused: the vision worker died. Now the capture is ended and the tower encodes eagerly."""
+    import functools
+
+    from moebus.cuda.kernels import gemm
+    from moebus.cuda.kernels.compat import cuda
+
+    cfg, weights, px = llava
+    (whole,), _ = _encode(cfg, weights, px, "cuda", 0, monkeypatch)
+    monkeypatch.setattr(gemm, "_no_rows", functools.cache(lambda: cuda.to_device(np.zeros(1, np.int32))))
+    outs, model = _encode(cfg, weights, px, "cuda", 1, monkeypatch, times=2, capture_first=True)
+    assert not model.graph.enabled and model.graph.last_path == "eager"
+    for out in outs:
+        np.testing.assert_array_equal(out, whole)
 
 
 def test_an_unsliced_encode_has_no_cut(llava, monkeypatch):

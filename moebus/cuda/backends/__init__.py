@@ -35,8 +35,25 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return False
 
 
+# CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) ... CUDA_ERROR_CAPTURED_EVENT / STREAM_CAPTURE_WRONG_THREAD (908): a
+# call a stream capture refused (a synchronous copy in it, say); the capture fails, the context is fine once the
+# capture has ended (graphs.CapturedStep._capture ends it), and the work runs eagerly instead.
+CAPTURE_ERRORS = range(900, 909)
+
+
+def is_capture_error(exc: BaseException) -> bool:
+    """A driver call refused because a stream was capturing (CAPTURE_ERRORS)."""
+    code = getattr(exc, "code", exc.args[0] if exc.args else None)
+    try:
+        return type(exc).__name__ == "CudaAPIError" and int(code) in CAPTURE_ERRORS
+    except (TypeError, ValueError):
+        return False
+
+
 def is_fatal_device_error(exc: BaseException) -> bool:
-    """True for errors after which the device (CUDA context) cannot be trusted any more."""
+    """True for errors after which the device (CUDA context) cannot be trusted any more. (A capture's
+    refusal, is_capture_error, is one too, except where the capture that caused it was ended: the
+    captures' own fallbacks.)"""
     if is_out_of_memory(exc):
         return False
     if isinstance(exc, MemoryError):
@@ -44,3 +61,10 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     module = type(exc).__module__ or ""
     return module.startswith("numba.cuda.cudadrv") or module.startswith("numba_cuda") or \
         type(exc).__name__ in ("CudaAPIError", "CudaSupportError", "CudaDriverError")
+
+
+def passes_capture(exc: BaseException) -> bool:
+    """Whether a failed capture passes ``exc`` on rather than falling back to eager launches: out of memory
+    (the step fails, graphs stay on) or a fatal device error other than the capture's own refusal
+    (is_capture_error: the capture has been ended, the context is fine)."""
+    return is_out_of_memory(exc) or (is_fatal_device_error(exc) and not is_capture_error(exc))

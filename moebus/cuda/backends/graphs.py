@@ -91,14 +91,22 @@ class CapturedStep:
             builder = builder.begin_building("relaxed")  # launches from numba may touch the allocator
         except TypeError:
             builder = builder.begin_building()
-        port, graph = pdl.mode(), None
+        port, graph, failed = pdl.mode(), None, False
         try:
             with self.backend.capturing(builder):
                 outputs = run(self.inputs)
             if port is not None:
                 graph = _captured_graph(builder)
+        except BaseException:
+            failed = True
+            raise
         finally:
-            builder = builder.end_building()
+            try:
+                builder = builder.end_building()
+            except Exception:  # an invalidated capture: the builder may leave the stream capturing
+                end_capture(self.stream)
+                if not failed:
+                    raise  # (else the launch's own error, which invalidated it, is the one to read)
         self.pdl = pdl.make_programmatic(graph, port) if port is not None else None
         return outputs, builder.complete()
 
@@ -186,6 +194,20 @@ def _captured_graph(builder):
     if result[0] != cu.CUresult.CUDA_SUCCESS or result[1] != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
         raise RuntimeError(f"PDL: no capture on the graph builder's stream: {result[:2]}")
     return result[3]
+
+
+def end_capture(stream) -> None:
+    """End a capture still open on ``stream`` (one a failed launch invalidated: the stream refuses
+    every other call until it ends), dropping what it recorded; nothing where none is open."""
+    from cuda.bindings import driver as cu
+
+    handle = _stream_handle(stream)
+    status = cu.cuStreamIsCapturing(handle)
+    if status[0] != cu.CUresult.CUDA_SUCCESS or status[1] == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        return
+    result = cu.cuStreamEndCapture(handle)  # (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, and the capture ended)
+    if result[0] == cu.CUresult.CUDA_SUCCESS and result[1]:
+        cu.cuGraphDestroy(result[1])
 
 
 def _stream_handle(stream) -> int:

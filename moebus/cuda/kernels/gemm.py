@@ -135,7 +135,9 @@ def add_bias_rows_cuda(out, bias, stream=0):
 
 @functools.cache
 def _no_rows():
-    return cuda.to_device(np.zeros(1, np.int32))  # never read: the rows argument when not gathering
+    # never read: the rows argument when not gathering (no copy: to_device's synchronous copy, made first inside a
+    # stream capture — a tower's slice captured before any eager run — would invalidate it)
+    return cuda.device_array(1, np.int32)
 
 
 # -- the products ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class Arena:
         self.max_slots = self.reserved_bytes // slot_bytes
         self.mapped: list[int] = []  # sizes of the mapped segments, in address order (grow/shrink only)
         self._mapped_bytes = 0  # their sum
+        self.last_release: dict = {}  # the last shrink's host time by part, where the arena times it (vmm.py)
 
     # -- subclass hooks ---------------------------------------------------------------------------
     def _map(self, offset: int, size: int) -> None:  # raise OutOfMemory when the memory is not there

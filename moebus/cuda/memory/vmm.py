@@ -7,6 +7,7 @@ pinned host store on a copy stream that overlaps the compute stream."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -139,14 +140,19 @@ class VmmArena(_DeviceSlots, Arena):
     def _unmap_tail(self, offset: int, sizes: list[int]) -> None:
         """One device sync and one cuMemUnmap for the whole tail (a hand-back step releases ~110
         segments of 2 MiB, which took a sync and an unmap each), then each segment's handle released."""
+        started = time.perf_counter()
         cuda.synchronize()  # no kernel or copy may still touch the segments
+        synced = time.perf_counter()
         try:
             _check(self._cu.cuMemUnmap(self._base + offset, sum(sizes)))
         except VmmError:  # a driver that wants one call per mapping
             super()._unmap_tail(offset, sizes)
             return
+        unmapped = time.perf_counter()
         for _ in sizes:
             _check(self._cu.cuMemRelease(self._handles.pop()))
+        self.last_release = {"sync_s": synced - started, "unmap_s": unmapped - synced,
+                             "release_s": time.perf_counter() - unmapped}
 
     def _base_address(self) -> int:
         return self._base
