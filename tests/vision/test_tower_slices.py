@@ -81,14 +81,18 @@ def test_a_capture_a_synchronous_copy_invalidates_is_ended_and_the_encode_runs_e
     """The twenty-fourth session's H200 run: a constant uploaded (cuda.to_device: a synchronous copy) first inside
     a slice's capture invalidated it; the builder left the stream capturing and the eager fallback's first
     synchronize was refused: the vision worker died. Now the capture is ended and the tower encodes eagerly."""
-    import functools
-
-    from moebus.cuda.kernels import gemm
     from moebus.cuda.kernels.compat import cuda
 
     cfg, weights, px = llava
     (whole,), _ = _encode(cfg, weights, px, "cuda", 0, monkeypatch)
-    monkeypatch.setattr(gemm, "_no_rows", functools.cache(lambda: cuda.to_device(np.zeros(1, np.int32))))
+    sliced = VisionModel._slices
+
+    def with_a_synchronous_copy(model, kept, per_slice=0):  # the first slice uploads a constant first
+        slices = sliced(model, kept, per_slice)
+        first = slices[0]
+        return [lambda inputs: (cuda.to_device(np.zeros(1, np.int32)), first(inputs))[1]] + slices[1:]
+
+    monkeypatch.setattr(VisionModel, "_slices", with_a_synchronous_copy)
     outs, model = _encode(cfg, weights, px, "cuda", 1, monkeypatch, times=2, capture_first=True)
     assert not model.graph.enabled and model.graph.last_path == "eager"
     for out in outs:
