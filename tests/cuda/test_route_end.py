@@ -1,8 +1,8 @@
 """The routing's end of one decode token in CUDA C (route_end.cu, in place of norm_route.route_tail's numba kernel):
 compiled by NVRTC for sm_90 without spills, only the norm's weights read before its wait; the options it refuses; the
 switch; on a GPU every output against route_tail_cuda's bit for bit and against route_tail_ref, for A3B's shapes and
-small ones (a partial quad of partials, ties, host-store misses); and a decode through it giving route_tail's tokens
-and log p bit for bit."""
+small ones (a partial quad of partials, ties, host-store misses), a lane an expert (<= 32) and 4 a lane (WIDE: 128,
+Qwen3-30B-A3B's); and a decode through it giving route_tail's tokens and log p bit for bit (32 and 128 experts)."""
 import numpy as np
 import pytest
 
@@ -18,7 +18,7 @@ from tests.cuda.test_down_combine import micro_64_model  # noqa: F401 - the modu
 OUTPUTS = ("h", "ids", "weights", "pair_token", "pair_slot", "pair_out")
 
 
-@pytest.mark.parametrize("experts, dim", [(32, 2048), (5, 144), (128 // 4, 4096)])
+@pytest.mark.parametrize("experts, dim", [(32, 2048), (5, 144), (128 // 4, 4096), (128, 2048), (60, 144)])
 def test_it_compiles_without_spills_and_reads_only_weights_before_its_wait(experts, dim):
     from moebus.cuda.kernels import pdl
     from moebus.cuda.kernels.flash_attention import nvrtc_compile
@@ -35,7 +35,7 @@ def test_it_compiles_without_spills_and_reads_only_weights_before_its_wait(exper
 
 
 def test_it_refuses_what_it_cannot_take():
-    for experts, dim in ((33, 2048), (0, 2048), (32, 2056)):
+    for experts, dim in ((129, 2048), (0, 2048), (32, 2056)):
         with pytest.raises(ValueError):
             route_end.compile_options("sm_90", experts, dim)
 
@@ -65,7 +65,9 @@ def _case(rng, experts, dim, top_k, ties):
 
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
 @pytest.mark.parametrize("experts, dim, top_k, normalize, ties", [
-    (32, 2048, 8, True, False), (32, 2048, 8, False, True), (5, 144, 2, True, False), (4, 64, 4, True, True)])
+    (32, 2048, 8, True, False), (32, 2048, 8, False, True), (5, 144, 2, True, False), (4, 64, 4, True, True),
+    (128, 2048, 8, True, False), (128, 2048, 8, False, True), (64, 4096, 4, True, True), (60, 144, 6, True, True),
+    (33, 64, 32, True, False)])
 def test_it_gives_route_tails_bits(rng, experts, dim, top_k, normalize, ties):
     from moebus.cuda.kernels.compat import cuda
 
@@ -94,12 +96,24 @@ def test_it_gives_route_tails_bits(rng, experts, dim, top_k, normalize, ties):
         np.testing.assert_array_equal(g, w, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def micro_128_experts(tmp_path_factory):
+    """micro_64_model with 128 experts, 8 a token (Qwen3-30B-A3B's) and an o projection of 2048 inputs (32 heads of
+    64: the ROUTE entry's block of 8 warps takes more than 32 experts)."""
+    from tests.cuda.test_e2e import init_micro
+
+    return init_micro(tmp_path_factory, "micro_e128", hidden_size=64, head_dim=64, moe_intermediate_size=32,
+                      num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="NVRTC kernels run on a GPU only")
-def test_decode_with_it_gives_route_tails_tokens_bit_for_bit(micro_64_model, monkeypatch):
+@pytest.mark.parametrize("model", ["micro_64_model", "micro_128_experts"])
+def test_decode_with_it_gives_route_tails_tokens_bit_for_bit(model, request, monkeypatch):
     """int4 experts, FP8 attention (the o projection's ROUTE entry): route_end (counted) or route_tail, the same
     tokens and log p."""
     from moebus.workers.local import LocalModel
 
+    micro_64_model = request.getfixturevalue(model)
     prompt, runs, calls = [5, 17, 42, 9, 77], {}, []
     real = route_end.launch
     monkeypatch.setattr(route_end, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))

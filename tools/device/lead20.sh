@@ -8,6 +8,7 @@
 #       kernel's true duration by CUPTI; the o projection at (1, 8, 8, 1); int4 experts with bf16 attention).
 #   LM_PLAN (optional): the plan again with lm_head.dtype fp8 (LM_S s); QMODEL: tools/device/$QSCRIPT (quality20.py) on that trained
 #   model (QUALITY_S s, QPROMPTS texts x QSTEPS steps);
+#   LAYERS, EXPERTS: the model's (48, 32; the twenty-fourth session: M48=/tmp/m16x128 LAYERS=16 EXPERTS=128);
 #   TESTS (optional): GPU tests run first (MOEBUS_TEST_GPU=1, at most TESTS_S s, default 150); NO_NCU=1 skips (1).
 # BUDGET ~330 s. The summary last; $OUT/table.txt has every kernel of every setting.
 source tools/device/setup.sh
@@ -17,7 +18,7 @@ BUDGET=${BUDGET:-330}; OUT=${OUT:-/tmp/lead20}; mkdir -p $OUT; T0=$(date +%s)
 M48=${M48:-/tmp/m48}; NC=/tmp/quant20-nc; PLAN=tools/device/${PLAN:-quant20_plan.json}
 export NUMBA_CACHE_DIR=$NC
 command -v ncu >/dev/null || export PATH=$PATH:/usr/local/cuda/bin:$(ls -d /opt/nvidia/nsight-compute/*/ 2>/dev/null | tail -1)
-( timeout 150 python3 -m moebus.cli init-model $M48 --preset a3b --layers 48 --experts 32 > $OUT/init48.txt 2>&1
+( timeout 150 python3 -m moebus.cli init-model $M48 --preset a3b --layers ${LAYERS:-48} --experts ${EXPERTS:-32} > $OUT/init48.txt 2>&1
   echo "init48 rc=$? at $(at)" >> $OUT/init48.txt ) &
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
   --section SchedulerStats --section LaunchStats"

@@ -14,10 +14,17 @@
 // the chosen pairs by a ballot, and every warp takes 1 / rms from the sums itself for h (no barrier after the sums).
 // PDL: the norm's weights (weights: no kernel of the step writes them) loaded before griddepcontrol.wait, then the
 // trigger where PDL_TRIGGER; every other read after.
+// More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128): route_tail's topk_row + sort_pairs (a lane
+// the experts lane, lane + 32, ...: the per-lane maximum then the butterflies', expf, the per-lane sum then the
+// butterflies', a division; the top_k by descending probability, ties to the lower id, the chosen summed in rank
+// order) by ranks counted over shuffles in place of top_k rounds of warp argmaxes, the same bits. Its partials
+// (66 KB at 128 experts) are not staged: a thread a (column, part) pair, consecutive threads consecutive columns of one
+// tile row, every load issued before the first sum.
 
 #ifndef EXPERTS
-#define EXPERTS 32      // <= 32: a lane an expert
+#define EXPERTS 32      // <= 32: a lane an expert; up to 128 (WIDE): a lane EXPERTS / 32 of them
 #endif
+#define WIDE (EXPERTS > 32)
 #ifndef DIM
 #define DIM 2048        // the hidden size: a multiple of 16 (the ROUTE entry's tiles)
 #endif
@@ -34,6 +41,10 @@
 #define COLUMNS (EXPERTS + 1)                                    // the experts' logits, then the squares
 #define PARTIALS (TILES * COLUMNS)
 #define TRIPS ((PARTIALS + 4 * THREADS - 1) / (4 * THREADS))     // float4 of the partials a thread stages
+#define PER_LANE ((EXPERTS + 31) / 32)                           // WIDE: the experts a lane ranks
+#define PAIRS (COLUMNS * ROUTE_PARTS)                             // WIDE: (column, part) pairs, a sum each
+#define PASSES ((PAIRS + THREADS - 1) / THREADS)                  // WIDE: the pairs a thread sums
+#define PART_TILES ((TILES + ROUTE_PARTS - 1) / ROUTE_PARTS)      // WIDE: the tiles of a part
 #define QUADS (DIM / 4)
 #define H_TRIPS ((QUADS + THREADS - 1) / THREADS)                // float4 of h a thread writes
 
@@ -45,11 +56,88 @@ typedef unsigned short u16;
 __device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
+#if WIDE
+// WIDE: warp 0's end, route_tail's topk_row + sort_pairs (moe.py, routing.py) for PER_LANE experts a lane: lane l holds
+// experts l, l + 32, ... Probabilities as topk_softmax_row (the lane's maximum then the butterflies', expf of the
+// difference, the lane's sum in order then the butterflies', a division; TAKEN = -1 past the experts); the rank of an
+// expert counts the experts of higher probability or equal and lower id (topk_row's rounds of warp argmaxes choose in
+// that order); by_rank[r] the r-th chosen probability, summed in rank order; the pairs by expert id (sort_pairs'
+// ranks of one token's ids, distinct) placed by ballots.
+__device__ __forceinline__ void wide_tail(const float (*sums)[COLUMNS], float inv, const int *places, int lane,
+                                          int top_k, int normalize, float *by_rank, int *ids, float *weights,
+                                          int *pair_token, int *pair_slot, int *pair_out) {
+    const float neg_inf = -__int_as_float(0x7F800000);
+    float probs[PER_LANE];
+    float peak = neg_inf;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        float logit = 0.f;
+        if (e < EXPERTS) {
+#pragma unroll
+            for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][e];
+        }
+        probs[i] = e < EXPERTS ? __fmul_rn(logit, inv) : neg_inf;  // (no fma with the subtraction below)
+        peak = fmaxf(peak, probs[i]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        probs[i] = expf(probs[i] - peak);  // expf(-inf) = 0 past the experts
+        total += probs[i];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) probs[i] = lane + 32 * i < EXPERTS ? probs[i] / total : -1.f;
+    int rank[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) rank[i] = 0;
+#pragma unroll
+    for (int i2 = 0; i2 < PER_LANE; ++i2) {
+        for (int j = 0; j < 32; ++j) {  // expert j + 32 * i2 against this lane's
+            const float other = __shfl_sync(0xFFFFFFFFu, probs[i2], j);
+            const int e2 = j + 32 * i2;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i)
+                rank[i] += other > probs[i] || (other == probs[i] && e2 < lane + 32 * i);
+        }
+    }
+    bool chosen[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        chosen[i] = lane + 32 * i < EXPERTS && rank[i] < top_k;
+        if (chosen[i]) by_rank[rank[i]] = probs[i];
+    }
+    __syncwarp();
+    int below = 0;  // chosen experts of lower id, lane by lane of earlier rounds
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const unsigned mask = __ballot_sync(0xFFFFFFFFu, chosen[i]);
+        if (chosen[i]) {
+            float chosen_sum = 0.f;
+            for (int k = 0; k < top_k; ++k) chosen_sum += by_rank[k];  // in rank order, as topk_row adds them
+            const int e = lane + 32 * i, at = below + __popc(mask & ((1u << lane) - 1u));
+            ids[rank[i]] = e;
+            weights[rank[i]] = normalize ? probs[i] / chosen_sum : probs[i];
+            pair_token[at] = 0;
+            pair_slot[at] = places[e];
+            pair_out[at] = rank[i];  // pair t * A + k of token 0
+        }
+        below += __popc(mask);
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ENTRY(const float *partial, const float *total, const u16 *norm_weight, float eps, const int *table_row, int top_k,
       int normalize, float *h, int *ids, float *weights, int *pair_token, int *pair_slot, int *pair_out) {
-    static_assert(EXPERTS <= 32 && DIM % 16 == 0 && THREADS % 32 == 0, "a lane an expert, whole tiles, whole warps");
+    static_assert(EXPERTS <= 128 && DIM % 16 == 0 && THREADS % 32 == 0, "4 experts a lane, whole tiles, whole warps");
+#if !WIDE
     __shared__ __align__(16) float staged[TRIPS * THREADS * 4];
+#endif
     __shared__ float sums[ROUTE_PARTS][COLUMNS];
     __shared__ float by_rank[32];
     const int tid = threadIdx.x, lane = tid % 32;
@@ -67,13 +155,44 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 #endif
-    float4 quads[TRIPS], t[H_TRIPS];  // every load first: the partials, total, the placement
+#if WIDE  // every load first: the partials, total, the placement
+    float4 t[H_TRIPS];
+    float parts[PASSES][PART_TILES];  // pair p = tid + pass * THREADS: column p % COLUMNS, part p / COLUMNS
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int p = tid + pass * THREADS, c = p % COLUMNS, j = p / COLUMNS;
+#pragma unroll
+        for (int k = 0; k < PART_TILES; ++k) {
+            const int tile = j + k * ROUTE_PARTS;
+            parts[pass][k] = p < PAIRS && tile < TILES ? partial[tile * COLUMNS + c] : 0.f;
+        }
+    }
+#else
+    float4 quads[TRIPS], t[H_TRIPS];
     load_partials<TRIPS, THREADS, PARTIALS>(partial, quads);
+#endif
 #pragma unroll
     for (int i = 0; i < H_TRIPS; ++i) {
         const int q = i * THREADS + tid;
         t[i] = q < QUADS ? *reinterpret_cast<const float4 *>(total + 4 * q) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#if WIDE
+    __shared__ int places[EXPERTS];
+    if (tid < EXPERTS) places[tid] = table_row[tid];
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {  // route_tail's sum of a part: its tiles in order from 0
+        const int p = tid + pass * THREADS;
+        float part = 0.f;
+#pragma unroll
+        for (int k = 0; k < PART_TILES; ++k)
+            if ((p / COLUMNS) + k * ROUTE_PARTS < TILES) part += parts[pass][k];
+        if (p < PAIRS) sums[p / COLUMNS][p % COLUMNS] = part;
+    }
+    __syncthreads();
+    const float inv = route_inv_rms<COLUMNS>(sums, DIM, eps);  // every thread the same bits
+    if (tid < 32) wide_tail(sums, inv, places, lane, top_k, normalize, by_rank, ids, weights, pair_token, pair_slot,
+                            pair_out);
+#else
     const int place = tid < EXPERTS ? table_row[tid] : 0;
     stage_partials<TRIPS, THREADS>(staged, quads);
     __syncthreads();
@@ -103,6 +222,7 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
             pair_out[at] = rank;  // pair t * A + k of token 0
         }
     }
+#endif
 #pragma unroll
     for (int i = 0; i < H_TRIPS; ++i) {
         const int q = i * THREADS + tid;

@@ -3,7 +3,8 @@ norm_route.route_tail_cuda's numba kernel after the o projection's ROUTE entry (
 same outputs with the same bits (route_tail_ref's arithmetic in route_tail's order), warp 0 ranking the experts by
 shuffles and a ballot where route_tail's one_token_tail goes through shared memory and three block barriers.
 
-``MOEBUS_ROUTE_END`` (default 1; ``0``: route_tail's kernel). Takes at most 32 experts (a lane an expert), a hidden
+``MOEBUS_ROUTE_END`` (default 1; ``0``: route_tail's kernel). Takes at most 128 experts (a lane an expert up to 32,
+route_tail's topk_row + sort_pairs by ranks beyond: Qwen3-30B-A3B's 128) and top_k <= 32, a hidden
 size of whole 16-row tiles and 4-float quads, a bf16 norm weight, a GPU and a stream object; elsewhere route_tail."""
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ INCLUDE = b'#include "route_sums.cuh"'
 ENTRY = "route_end"
 THREADS = 256
 ENABLED = os.environ.get("MOEBUS_ROUTE_END", "1") != "0"
+MAX_EXPERTS = 128  # a lane an expert up to 32, then 4 a lane (route_end.cu's WIDE: Qwen3-30B-A3B's 128)
 log = logging.getLogger("moebus.cuda")
 
 
@@ -38,8 +40,8 @@ def source() -> bytes:
 
 
 def compile_options(arch: str, experts: int, dim: int, threads: int = THREADS) -> list[bytes]:
-    if not (0 < experts <= 32 and dim % 16 == 0 and dim > 0 and threads % 32 == 0):
-        raise ValueError(f"route_end: 1 to 32 experts ({experts}), whole 16-row tiles ({dim}), whole warps")
+    if not (0 < experts <= MAX_EXPERTS and dim % 16 == 0 and dim > 0 and threads % 32 == 0):
+        raise ValueError(f"route_end: 1 to {MAX_EXPERTS} experts ({experts}), whole 16-row tiles ({dim}), whole warps")
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DEXPERTS={int(experts)}".encode(),
             f"-DDIM={int(dim)}".encode(), f"-DTHREADS={int(threads)}".encode(),
             f"-DPDL_TRIGGER={int(pdl.trigger_after_wait())}".encode(), f"-DENTRY={ENTRY}".encode()]
@@ -72,14 +74,16 @@ def _builds(experts: int, dim: int) -> bool:
 
 
 def takes(partial, total, norm_weight, top_k: int, stream) -> bool:
-    """Whether ``launch`` runs (ENABLED, read at each call): one token, at most 32 experts, whole tiles and quads,
-    16-byte aligned C-ordered partials and total, a bf16 norm weight, a GPU and a stream object, the kernel built."""
+    """Whether ``launch`` runs (ENABLED, read at each call): one token, at most MAX_EXPERTS experts and 32 chosen,
+    whole tiles and quads, 16-byte aligned C-ordered partials and total, a bf16 norm weight, a GPU and a stream
+    object, the kernel built."""
     from moebus.cuda.kernels.compat import is_contiguous
     from moebus.cuda.kernels.moe_quant_mma import _stream_object
     from moebus.cuda.kernels.moe_quant_round import aligned
 
     num_experts, dim = partial.shape[1] - 1, total.shape[1]
-    return (ENABLED and not SIMULATOR and total.shape[0] == 1 and 0 < top_k <= num_experts <= 32 and dim % 16 == 0
+    return (ENABLED and not SIMULATOR and total.shape[0] == 1 and 0 < top_k <= min(num_experts, 32)
+            and num_experts <= MAX_EXPERTS and dim % 16 == 0
             and partial.shape[0] == dim // 16 and norm_weight.dtype == np.uint16
             and all(map(is_contiguous, (partial, total, norm_weight))) and aligned(partial, total, norm_weight)
             and _stream_object(stream) and _builds(num_experts, dim))
