@@ -23,6 +23,7 @@ SUMS = Path(__file__).with_name("route_sums.cuh")  # route_tail's column sums, s
 INCLUDE = b'#include "route_sums.cuh"'
 ENTRY = "route_end"
 THREADS = 256
+WIDE_THREADS = 1024  # WIDE (> 32 experts): the partials' (column, part) pairs (1,032 at 128) in one load round a thread
 ENABLED = os.environ.get("MOEBUS_ROUTE_END", "1") != "0"
 MAX_EXPERTS = 128  # a lane an expert up to 32, then 4 a lane (route_end.cu's WIDE: Qwen3-30B-A3B's 128)
 log = logging.getLogger("moebus.cuda")
@@ -39,7 +40,12 @@ def source() -> bytes:
     return with_route_sums(SOURCE.read_bytes())
 
 
-def compile_options(arch: str, experts: int, dim: int, threads: int = THREADS) -> list[bytes]:
+def threads_for(experts: int) -> int:
+    return THREADS if experts <= 32 else WIDE_THREADS
+
+
+def compile_options(arch: str, experts: int, dim: int, threads: int | None = None) -> list[bytes]:
+    threads = threads_for(experts) if threads is None else threads
     if not (0 < experts <= MAX_EXPERTS and dim % 16 == 0 and dim > 0 and threads % 32 == 0):
         raise ValueError(f"route_end: 1 to {MAX_EXPERTS} experts ({experts}), whole 16-row tiles ({dim}), whole warps")
     return [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DEXPERTS={int(experts)}".encode(),
@@ -48,7 +54,7 @@ def compile_options(arch: str, experts: int, dim: int, threads: int = THREADS) -
 
 
 @functools.cache
-def _kernel(experts: int, dim: int):
+def _kernel(experts: int, dim: int, threads: int):
     """The compiled kernel for this GPU, registered as waiting first (its edge in a captured graph programmatic)."""
     from moebus.cuda.kernels.attention_decode_tc import _handles
     from moebus.cuda.kernels.compat import _numba_config, cuda
@@ -56,9 +62,9 @@ def _kernel(experts: int, dim: int):
     gpu = cuda.get_current_device()
     flash_attention._core_device(gpu.id).set_current()  # the primary context, numba's own
     major, minor = gpu.compute_capability
-    options = compile_options(f"sm_{major}{minor}", experts, dim)
+    options = compile_options(f"sm_{major}{minor}", experts, dim, threads)
     code = flash_attention.cached_cubin(source(), options, _numba_config.CACHE_DIR, "route_end")
-    found = flash_attention._object_code().from_cubin(code, name=f"{ENTRY}_{experts}_{dim}").get_kernel(ENTRY)
+    found = flash_attention._object_code().from_cubin(code, name=f"{ENTRY}_{experts}_{dim}_{threads}").get_kernel(ENTRY)
     pdl.register_waiting(ENTRY.encode(), *_handles(found))
     return found
 
@@ -66,7 +72,7 @@ def _kernel(experts: int, dim: int):
 @functools.cache
 def _builds(experts: int, dim: int) -> bool:
     try:
-        _kernel(experts, dim)
+        _kernel(experts, dim, threads_for(experts))
     except Exception as exc:  # noqa: BLE001 - any failure to build or load: route_tail's kernel still works
         log.warning("route_end unavailable (%s): route_tail's kernel ends the routing", exc)
         return False
@@ -96,8 +102,9 @@ def launch(partial, total, norm_weight, eps: float, top_k: int, normalize: bool,
 
     num_experts, dim = partial.shape[1] - 1, total.shape[1]
     ptr = flash_attention._pointer
-    flash_attention._core_launch(stream, (1, 1), THREADS, _kernel(num_experts, dim), ptr(partial), ptr(total),
-                                 ptr(norm_weight), np.float32(eps), _table_row(table, layer_row), np.int32(top_k),
-                                 np.int32(bool(normalize)), ptr(h), ptr(ids), ptr(weights), ptr(pair_token),
-                                 ptr(pair_slot), ptr(pair_out))
+    threads = threads_for(num_experts)
+    flash_attention._core_launch(stream, (1, 1), threads, _kernel(num_experts, dim, threads), ptr(partial),
+                                 ptr(total), ptr(norm_weight), np.float32(eps), _table_row(table, layer_row),
+                                 np.int32(top_k), np.int32(bool(normalize)), ptr(h), ptr(ids), ptr(weights),
+                                 ptr(pair_token), ptr(pair_slot), ptr(pair_out))
     return h, ids, weights, pair_token, pair_slot, pair_out
