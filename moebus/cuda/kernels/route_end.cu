@@ -17,7 +17,8 @@
 // More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128): route_tail's topk_row + sort_pairs (a lane
 // the experts lane, lane + 32, ...: the per-lane maximum then the butterflies', expf, the per-lane sum then the
 // butterflies', a division; the top_k by descending probability, ties to the lower id, the chosen summed in rank
-// order) by ranks counted over shuffles in place of top_k rounds of warp argmaxes, the same bits. Its partials
+// order) by ranks (a thread an expert, against every probability in shared memory) in place of top_k rounds of warp
+// argmaxes, the same bits. Its partials
 // (66 KB at 128 experts) are not staged: a thread a (column, part) pair, consecutive threads consecutive columns of one
 // tile row, every load issued before the first sum.
 
@@ -57,17 +58,12 @@ __device__ __forceinline__ float bf16_low(u32 w) { return __uint_as_float(w << 1
 __device__ __forceinline__ float bf16_high(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 #if WIDE
-// WIDE: warp 0's end, route_tail's topk_row + sort_pairs (moe.py, routing.py) for PER_LANE experts a lane: lane l holds
-// experts l, l + 32, ... Probabilities as topk_softmax_row (the lane's maximum then the butterflies', expf of the
-// difference, the lane's sum in order then the butterflies', a division; TAKEN = -1 past the experts); the rank of an
-// expert counts the experts of higher probability or equal and lower id (topk_row's rounds of warp argmaxes choose in
-// that order); by_rank[r] the r-th chosen probability, summed in rank order; the pairs by expert id (sort_pairs'
-// ranks of one token's ids, distinct) placed by ballots.
-__device__ __forceinline__ void wide_tail(const float (*sums)[COLUMNS], float inv, const int *places, int lane,
-                                          int top_k, int normalize, float *by_rank, int *ids, float *weights,
-                                          int *pair_token, int *pair_slot, int *pair_out) {
+// WIDE: warp 0's softmax as topk_row's (moe.py) for PER_LANE experts a lane (lane l holds experts l, l + 32, ...): the
+// lane's maximum then the butterflies', expf of the difference, the lane's sum in order then the butterflies', a
+// division; into probs[e] (TAKEN = -1 past the experts).
+__device__ __forceinline__ void wide_softmax(const float (*sums)[COLUMNS], float inv, int lane, float *probs) {
     const float neg_inf = -__int_as_float(0x7F800000);
-    float probs[PER_LANE];
+    float p[PER_LANE];
     float peak = neg_inf;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
@@ -77,64 +73,30 @@ __device__ __forceinline__ void wide_tail(const float (*sums)[COLUMNS], float in
 #pragma unroll
             for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][e];
         }
-        probs[i] = e < EXPERTS ? __fmul_rn(logit, inv) : neg_inf;  // (no fma with the subtraction below)
-        peak = fmaxf(peak, probs[i]);
+        p[i] = e < EXPERTS ? __fmul_rn(logit, inv) : neg_inf;  // (no fma with the subtraction below)
+        peak = fmaxf(peak, p[i]);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
     float total = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-        probs[i] = expf(probs[i] - peak);  // expf(-inf) = 0 past the experts
-        total += probs[i];
+        p[i] = expf(p[i] - peak);  // expf(-inf) = 0 past the experts
+        total += p[i];
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) probs[i] = lane + 32 * i < EXPERTS ? probs[i] / total : -1.f;
-    int rank[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) rank[i] = 0;
-#pragma unroll
-    for (int i2 = 0; i2 < PER_LANE; ++i2) {
-        for (int j = 0; j < 32; ++j) {  // expert j + 32 * i2 against this lane's
-            const float other = __shfl_sync(0xFFFFFFFFu, probs[i2], j);
-            const int e2 = j + 32 * i2;
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i)
-                rank[i] += other > probs[i] || (other == probs[i] && e2 < lane + 32 * i);
-        }
-    }
-    bool chosen[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        chosen[i] = lane + 32 * i < EXPERTS && rank[i] < top_k;
-        if (chosen[i]) by_rank[rank[i]] = probs[i];
-    }
-    __syncwarp();
-    int below = 0;  // chosen experts of lower id, lane by lane of earlier rounds
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        const unsigned mask = __ballot_sync(0xFFFFFFFFu, chosen[i]);
-        if (chosen[i]) {
-            float chosen_sum = 0.f;
-            for (int k = 0; k < top_k; ++k) chosen_sum += by_rank[k];  // in rank order, as topk_row adds them
-            const int e = lane + 32 * i, at = below + __popc(mask & ((1u << lane) - 1u));
-            ids[rank[i]] = e;
-            weights[rank[i]] = normalize ? probs[i] / chosen_sum : probs[i];
-            pair_token[at] = 0;
-            pair_slot[at] = places[e];
-            pair_out[at] = rank[i];  // pair t * A + k of token 0
-        }
-        below += __popc(mask);
-    }
+    for (int i = 0; i < PER_LANE; ++i) probs[lane + 32 * i] = lane + 32 * i < EXPERTS ? p[i] / total : -1.f;
 }
 #endif
+
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 ENTRY(const float *partial, const float *total, const u16 *norm_weight, float eps, const int *table_row, int top_k,
       int normalize, float *h, int *ids, float *weights, int *pair_token, int *pair_slot, int *pair_out) {
-    static_assert(EXPERTS <= 128 && DIM % 16 == 0 && THREADS % 32 == 0, "4 experts a lane, whole tiles, whole warps");
+    static_assert(EXPERTS <= 128 && DIM % 16 == 0 && THREADS % 32 == 0 && (!WIDE || THREADS >= 32 * PER_LANE),
+                  "4 experts a lane, whole tiles, whole warps, a thread an expert");
 #if !WIDE
     __shared__ __align__(16) float staged[TRIPS * THREADS * 4];
 #endif
@@ -190,8 +152,41 @@ ENTRY(const float *partial, const float *total, const u16 *norm_weight, float ep
     }
     __syncthreads();
     const float inv = route_inv_rms<COLUMNS>(sums, DIM, eps);  // every thread the same bits
-    if (tid < 32) wide_tail(sums, inv, places, lane, top_k, normalize, by_rank, ids, weights, pair_token, pair_slot,
-                            pair_out);
+    __shared__ __align__(16) float probs[PER_LANE * 32];
+    __shared__ int chosen_in_warp[PER_LANE];
+    if (tid < 32) wide_softmax(sums, inv, lane, probs);
+    __syncthreads();
+    // a thread an expert (warps 0 .. PER_LANE - 1): its rank counts the experts of higher probability or equal and
+    // lower id (topk_row's rounds of warp argmaxes choose in that order); by_rank[r] the r-th chosen probability
+    bool chosen = false;
+    int rank = 0;
+    unsigned mask = 0u;
+    float prob = 0.f;
+    if (tid < PER_LANE * 32) {
+        prob = probs[tid];
+#pragma unroll
+        for (int q = 0; q < PER_LANE * 8; ++q) {
+            const float4 o = reinterpret_cast<const float4 *>(probs)[q];
+            rank += (o.x > prob || (o.x == prob && 4 * q < tid)) + (o.y > prob || (o.y == prob && 4 * q + 1 < tid))
+                  + (o.z > prob || (o.z == prob && 4 * q + 2 < tid)) + (o.w > prob || (o.w == prob && 4 * q + 3 < tid));
+        }
+        chosen = tid < EXPERTS && rank < top_k;
+        if (chosen) by_rank[rank] = prob;
+        mask = __ballot_sync(0xFFFFFFFFu, chosen);
+        if (lane == 0) chosen_in_warp[tid / 32] = __popc(mask);
+    }
+    __syncthreads();
+    if (chosen) {  // the pairs by expert id (sort_pairs' ranks of one token's distinct ids)
+        float chosen_sum = 0.f;
+        for (int k = 0; k < top_k; ++k) chosen_sum += by_rank[k];  // in rank order, as topk_row adds them
+        int at = __popc(mask & ((1u << lane) - 1u));
+        for (int w = 0; w < tid / 32; ++w) at += chosen_in_warp[w];
+        ids[rank] = tid;
+        weights[rank] = normalize ? prob / chosen_sum : prob;
+        pair_token[at] = 0;
+        pair_slot[at] = places[tid];
+        pair_out[at] = rank;  // pair t * A + k of token 0
+    }
 #else
     const int place = tid < EXPERTS ? table_row[tid] : 0;
     stage_partials<TRIPS, THREADS>(staged, quads);
