@@ -46,6 +46,7 @@ def test_the_switch_and_the_simulator(rng, monkeypatch):
     weight = np.zeros(128, np.uint16)
     monkeypatch.setattr(route_end, "ENABLED", False)
     assert not route_end.takes(partial, total, weight, 2, None)
+    assert not route_end.WIDE  # more than 32 experts: off until measured faster than route_tail
     if SIMULATOR:
         monkeypatch.setattr(route_end, "ENABLED", True)
         assert not route_end.takes(partial, total, weight, 2, None)
@@ -68,8 +69,10 @@ def _case(rng, experts, dim, top_k, ties):
     (32, 2048, 8, True, False), (32, 2048, 8, False, True), (5, 144, 2, True, False), (4, 64, 4, True, True),
     (128, 2048, 8, True, False), (128, 2048, 8, False, True), (64, 4096, 4, True, True), (60, 144, 6, True, True),
     (33, 64, 32, True, False)])
-def test_it_gives_route_tails_bits(rng, experts, dim, top_k, normalize, ties):
+def test_it_gives_route_tails_bits(rng, experts, dim, top_k, normalize, ties, monkeypatch):
     from moebus.cuda.kernels.compat import cuda
+
+    monkeypatch.setattr(route_end, "WIDE", True)  # (more than 32 experts: off by default)
 
     total, norm_weight, partial, table = _case(rng, experts, dim, top_k, ties)
     stream = cuda.stream()
@@ -114,6 +117,7 @@ def test_decode_with_it_gives_route_tails_tokens_bit_for_bit(model, request, mon
     from moebus.workers.local import LocalModel
 
     micro_64_model = request.getfixturevalue(model)
+    monkeypatch.setattr(route_end, "WIDE", True)
     prompt, runs, calls = [5, 17, 42, 9, 77], {}, []
     real = route_end.launch
     monkeypatch.setattr(route_end, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))

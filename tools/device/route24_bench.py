@@ -39,7 +39,7 @@ def main(argv) -> int:
         route_end.launch(d[0], d[1], d[2], 1e-6, top_k, True, d[3], 2, *out, stream)
 
     if variant != "route_tail":
-        route_end.WIDE_THREADS = int(variant)
+        route_end.WIDE, route_end.WIDE_THREADS = True, int(variant)
         assert route_end.takes(d[0], d[1], d[2], top_k, stream), "route_end does not take it"
     theirs, ours = outputs(), outputs()
     run_tail(theirs)

@@ -3,9 +3,10 @@ norm_route.route_tail_cuda's numba kernel after the o projection's ROUTE entry (
 same outputs with the same bits (route_tail_ref's arithmetic in route_tail's order), warp 0 ranking the experts by
 shuffles and a ballot where route_tail's one_token_tail goes through shared memory and three block barriers.
 
-``MOEBUS_ROUTE_END`` (default 1; ``0``: route_tail's kernel). Takes at most 128 experts (a lane an expert up to 32,
-route_tail's topk_row + sort_pairs by ranks beyond: Qwen3-30B-A3B's 128) and top_k <= 32, a hidden
-size of whole 16-row tiles and 4-float quads, a bf16 norm weight, a GPU and a stream object; elsewhere route_tail."""
+``MOEBUS_ROUTE_END`` (default 1; ``0``: route_tail's kernel). Takes at most 32 experts (a lane an expert) or, with
+``MOEBUS_ROUTE_END_WIDE=1`` (off: not yet measured faster), 128 (route_tail's topk_row + sort_pairs by ranks:
+Qwen3-30B-A3B's 128), top_k <= 32, a hidden size of whole 16-row tiles and 4-float quads, a bf16 norm weight, a GPU
+and a stream object; elsewhere route_tail."""
 from __future__ import annotations
 
 import functools
@@ -26,6 +27,10 @@ THREADS = 256
 WIDE_THREADS = 1024  # WIDE (> 32 experts): the partials' (column, part) pairs (1,032 at 128) in one load round a thread
 ENABLED = os.environ.get("MOEBUS_ROUTE_END", "1") != "0"
 MAX_EXPERTS = 128  # a lane an expert up to 32, then 4 a lane (route_end.cu's WIDE: Qwen3-30B-A3B's 128)
+# More than 32 experts (route_end.cu's WIDE), off by default: its first form (warp 0 ranking by shuffles) gave
+# route_tail's bits on the H200 but took 10.2 us a layer against route_tail's 9.7 (twenty-fourth session); this form
+# (a thread an expert ranking against shared memory) is not yet run on a GPU. MOEBUS_ROUTE_END_WIDE=1 takes it.
+WIDE = os.environ.get("MOEBUS_ROUTE_END_WIDE", "0") == "1"
 log = logging.getLogger("moebus.cuda")
 
 
@@ -80,16 +85,16 @@ def _builds(experts: int, dim: int) -> bool:
 
 
 def takes(partial, total, norm_weight, top_k: int, stream) -> bool:
-    """Whether ``launch`` runs (ENABLED, read at each call): one token, at most MAX_EXPERTS experts and 32 chosen,
-    whole tiles and quads, 16-byte aligned C-ordered partials and total, a bf16 norm weight, a GPU and a stream
-    object, the kernel built."""
+    """Whether ``launch`` runs (ENABLED and WIDE, read at each call): one token, at most 32 experts (MAX_EXPERTS with
+    WIDE) and 32 chosen, whole tiles and quads, 16-byte aligned C-ordered partials and total, a bf16 norm weight, a
+    GPU and a stream object, the kernel built."""
     from moebus.cuda.kernels.compat import is_contiguous
     from moebus.cuda.kernels.moe_quant_mma import _stream_object
     from moebus.cuda.kernels.moe_quant_round import aligned
 
     num_experts, dim = partial.shape[1] - 1, total.shape[1]
     return (ENABLED and not SIMULATOR and total.shape[0] == 1 and 0 < top_k <= min(num_experts, 32)
-            and num_experts <= MAX_EXPERTS and dim % 16 == 0
+            and num_experts <= (MAX_EXPERTS if WIDE else 32) and dim % 16 == 0
             and partial.shape[0] == dim // 16 and norm_weight.dtype == np.uint16
             and all(map(is_contiguous, (partial, total, norm_weight))) and aligned(partial, total, norm_weight)
             and _stream_object(stream) and _builds(num_experts, dim))
