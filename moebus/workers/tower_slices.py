@@ -1,4 +1,5 @@
-"""A vision tower's forward in slices (issue 20, seventeenth session; off by default, not yet measured on a GPU):
+"""A vision tower's forward in slices (issue 20, seventeenth session; off by default: measured on an H200 in the
+twenty-fourth session, it did not lower the text streams' largest gap while the tower encodes, docs/performance.md):
 LLaVA's tower cut every SLICE_LAYERS encoder layers (vision_model.py), the slices run in turn by
 tower_graph.TowerGraph with a cut between them (``Pacer``: a wait for the GPU, then a pause in which a text
 worker's steps have the GPU alone), eagerly (``run_slices``) and captured as one graph a slice
@@ -8,8 +9,9 @@ from __future__ import annotations
 import os
 import time
 
-# Issue 20 (seventeenth session; off by default, not measured yet): > 0 cuts a tower that can be cut (LLaVA's,
-# vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
+# Issue 20 (seventeenth session; off by default: the H200's cold LLaVA cycle, twenty-fourth session, encode phase's
+# largest gap 12.3-14.1 ms unsliced against 15.5-16.5 sliced, eager or captured by slice): > 0 cuts a tower that
+# can be cut (LLaVA's, vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
 # sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a slice, in a
 # replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
 # time-slices between contexts that both have work (stream priorities act only inside a context), so a text
@@ -22,7 +24,7 @@ SLICE_PAUSE_MS = float(os.environ.get("MOEBUS_TOWER_SLICE_PAUSE_MS", "5"))
 # a lone image keeps its time). Uncut, the slices run back to back (their graphs: one launch each more).
 SLICE_WHEN = os.environ.get("MOEBUS_TOWER_SLICE_WHEN", "always")
 SLICE_BUSY_PERCENT = int(os.environ.get("MOEBUS_TOWER_SLICE_BUSY_PERCENT", "25"))
-# 1 (opt-in; its GPU test passed, its effect not measured): a sliced tower's new shape is not run eagerly at
+# 1 (opt-in; measured, no gain: see SLICE_LAYERS): a sliced tower's new shape is not run eagerly at
 # all: each slice is captured and its graph launched at once, the next slice captured while it runs
 # (DeferredCapture.capture_launching).
 # The GPU then gets each slice's work as one burst, a capture's host time apart (eagerly it gets a kernel at a
