@@ -11,9 +11,9 @@ import time
 
 # Issue 20 (seventeenth session; off by default: the H200's cold LLaVA cycle, twenty-fourth session, encode phase's
 # largest gap 12.3-14.1 ms unsliced against 15.5-16.5 sliced, eager or captured by slice): > 0 cuts a tower that
-# can be cut (LLaVA's, vision_model.py) into slices of this many encoder layers. Each slice's work is waited for, then the worker
-# sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a slice, in a
-# replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
+# can be cut (LLaVA's, vision_model.py) into slices of this many encoder layers. Each slice's work is waited for,
+# then the worker sleeps SLICE_PAUSE_MS before it launches the next: in the eager first encode and, as one graph a
+# slice, in a replay. The vision worker is a CUDA context of its own beside the text worker's; without MPS the GPU
 # time-slices between contexts that both have work (stream priorities act only inside a context), so a text
 # decode step stretches by the tower's work that shares the GPU with it: sliced, by at most about one slice
 # (and the switches its launches cause). The price: SLICE_PAUSE_MS and a sync per cut in the encode's time.
