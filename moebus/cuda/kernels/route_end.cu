@@ -14,13 +14,13 @@
 // the chosen pairs by a ballot, and every warp takes 1 / rms from the sums itself for h (no barrier after the sums).
 // PDL: the norm's weights (weights: no kernel of the step writes them) loaded before griddepcontrol.wait, then the
 // trigger where PDL_TRIGGER; every other read after.
-// More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128): route_tail's topk_row + sort_pairs (a lane
-// the experts lane, lane + 32, ...: the per-lane maximum then the butterflies', expf, the per-lane sum then the
-// butterflies', a division; the top_k by descending probability, ties to the lower id, the chosen summed in rank
-// order) by ranks (a thread an expert, against every probability in shared memory) in place of top_k rounds of warp
-// argmaxes, the same bits. Its partials
-// (66 KB at 128 experts) are not staged: a thread a (column, part) pair, consecutive threads consecutive columns of one
-// tile row, every load issued before the first sum.
+// More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128; route_end.WIDE, off until measured faster):
+// route_tail's topk_row + sort_pairs (a lane the experts lane, lane + 32, ...: the per-lane maximum then the
+// butterflies', expf, the per-lane sum then the butterflies', a division; the top_k by descending probability, ties to
+// the lower id, the chosen summed in rank order) by ranks (a thread an expert, against every probability in shared
+// memory) in place of top_k rounds of warp argmaxes, the same bits. Its partials (66 KB at 128 experts) are not
+// staged: a thread a (column, part) pair, consecutive threads consecutive columns of one tile row, every load issued
+// before the first sum.
 
 #ifndef EXPERTS
 #define EXPERTS 32      // <= 32: a lane an expert; up to 128 (WIDE): a lane EXPERTS / 32 of them
