@@ -18,20 +18,12 @@ import numpy as np
 
 
 def main() -> int:
-    model, texts_path = sys.argv[1], sys.argv[2]
-    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    model, texts, steps = arguments(sys.argv)
     from moebus.cuda.kernels import linear_quant_fp8, linear_quant_mma, moe_quant_mma
 
     calls = {"experts": 0, "attn": 0}
-    for mod, key in ((moe_quant_mma, "experts"), (linear_quant_mma, "attn")):
-        real = mod.launch
-
-        def counted(*a, _real=real, _key=key, **k):
-            calls[_key] += 1
-            return _real(*a, **k)
-        mod.launch = counted
-    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    count_launches(calls, "experts", moe_quant_mma)
+    count_launches(calls, "attn", linear_quant_mma)
     for dtype in ("fp8", "int4"):
         for on in (False, True):
             moe_quant_mma.FORMATS = frozenset({dtype, "attn"} if on else ())
@@ -42,6 +34,26 @@ def main() -> int:
                               **each_text(model, texts, steps, dtype, "fp8"), "mma_launches": dict(calls),
                               "s": round(time.time() - t0, 1)}), flush=True)
     return 0
+
+
+def arguments(argv) -> tuple[str, list, int]:
+    """MODEL_DIR TEXTS_JSON [PROMPTS] [STEPS] -> (MODEL_DIR, the first PROMPTS (4) texts, STEPS (128)); also
+    quality20/22/23.py's."""
+    model, texts_path = argv[1], argv[2]
+    prompts = int(argv[3]) if len(argv) > 3 else 4
+    steps = int(argv[4]) if len(argv) > 4 else 128
+    return model, json.loads(open(texts_path, encoding="utf-8").read())[:prompts], steps
+
+
+def count_launches(calls: dict, key: str, module, name: str = "launch") -> None:
+    """``module.name`` replaced by the same function adding 1 to ``calls[key]`` a call (a row that never took a
+    kernel says so); also quality20/22/23.py's."""
+    real = getattr(module, name)
+
+    def counted(*a, **k):
+        calls[key] += 1
+        return real(*a, **k)
+    setattr(module, name, counted)
 
 
 def each_text(model, texts, steps, experts, attention, lm_head="bf16", kv_dtype="fp32") -> dict:

@@ -17,27 +17,20 @@ ROWS = (("fp8", "fp8", "bf16", False), ("fp8", "fp8", "bf16", True), ("int4", "f
 
 
 def main() -> int:
-    model, texts_path = sys.argv[1], sys.argv[2]
-    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from mma19_quality import arguments, count_launches, each_text  # beside this script
+
+    model, texts, steps = arguments(sys.argv)
     from moebus.cuda.kernels import linear_quant_mma
-    from mma19_quality import each_text  # beside this script
 
-    calls = [0]
-    real = linear_quant_mma.launch_route
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return real(*a, **k)
-    linear_quant_mma.launch_route = counted
-    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    calls = {"route": 0}
+    count_launches(calls, "route", linear_quant_mma, "launch_route")
     for experts, attention, lm_head, route in ROWS:
         linear_quant_mma.ROUTE = route
-        calls[0], t0 = 0, time.time()
+        calls["route"], t0 = 0, time.time()
         print(json.dumps({"experts": experts, "attention": attention, "lm_head": lm_head, "route": route,
                           "prompts": len(texts), "steps": steps,
                           **each_text(model, texts, steps, experts, attention, lm_head),
-                          "route_launches": calls[0], "s": round(time.time() - t0, 1)}), flush=True)
+                          "route_launches": calls["route"], "s": round(time.time() - t0, 1)}), flush=True)
     return 0
 
 

@@ -17,23 +17,14 @@ ROWS = (("fp8", "fp8", "bf16", False), ("fp8", "fp8", "bf16", True), ("int4", "f
 
 
 def main() -> int:
-    model, texts_path = sys.argv[1], sys.argv[2]
-    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from mma19_quality import arguments, count_launches, each_text  # beside this script
+
+    model, texts, steps = arguments(sys.argv)
     from moebus.cuda.kernels import linear_quant_mma, moe_quant_mma
-    from mma19_quality import each_text  # beside this script
 
     calls = {"combine": 0, "normed": 0}
-
-    def counted(name, real):
-        def launch(*a, **k):
-            calls[name] += 1
-            return real(*a, **k)
-        return launch
-
-    moe_quant_mma.launch_down_combine = counted("combine", moe_quant_mma.launch_down_combine)
-    linear_quant_mma.launch_normed = counted("normed", linear_quant_mma.launch_normed)
-    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    count_launches(calls, "combine", moe_quant_mma, "launch_down_combine")
+    count_launches(calls, "normed", linear_quant_mma, "launch_normed")
     for experts, attention, lm_head, combine in ROWS:
         moe_quant_mma.COMBINE = combine
         calls.update(combine=0, normed=0)

@@ -19,28 +19,20 @@ ROWS = (("fp8", "bf16", False), ("fp8", "bf16", True), ("fp8", "fp8", False), ("
 
 
 def main() -> int:
-    model, texts_path = sys.argv[1], sys.argv[2]
-    prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 128
+    from mma19_quality import arguments, count_launches, each_text  # beside this script
+
+    model, texts, steps = arguments(sys.argv)
     from moebus.cuda.kernels import attention_decode_tc, rope_attention
-    from mma19_quality import each_text  # beside this script
 
-    calls = [0]
-    real = attention_decode_tc.launch_rope
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return real(*a, **k)
-
-    attention_decode_tc.launch_rope = counted
-    texts = json.loads(open(texts_path, encoding="utf-8").read())[:prompts]
+    calls = {"rope": 0}
+    count_launches(calls, "rope", attention_decode_tc, "launch_rope")
     for experts, attention, on in ROWS:
         rope_attention.ENABLED = on
-        calls[0] = 0
+        calls["rope"] = 0
         t0 = time.time()
         print(json.dumps({"experts": experts, "attention": attention, "rope_attention": on, "prompts": len(texts),
                           "steps": steps, **each_text(model, texts, steps, experts, attention, kv_dtype="bf16"),
-                          "rope_launches": calls[0], "s": round(time.time() - t0, 1)}), flush=True)
+                          "rope_launches": calls["rope"], "s": round(time.time() - t0, 1)}), flush=True)
     return 0
 
 
