@@ -67,6 +67,13 @@
 #define V_DIMS (HD / 8)         // dims of a value a lane reads for P V (16 at hd 128)
 
 __device__ __forceinline__ uint4 load16(const u16 *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
+// 8 bf16 of a cached key or value row at ``row``; in the ROPE build the token's own row (``key`` its position, which
+// this kernel writes) from ``own`` in shared memory instead (unevaluated otherwise: new_sh is ROPE's)
+#if ROPE
+#define CACHED_OR_OWN(row, key, own) ((key) == position ? *reinterpret_cast<const uint4 *>(own) : load16(row))
+#else
+#define CACHED_OR_OWN(row, key, own) load16(row)
+#endif
 
 // out[t_tok, the group's heads] from the partials of their num_splits splits (the other blocks' through L2:
 // __ldcg, never a line L1 kept), as attention_decode.merger: a warp a head loads every split's max and sum at
@@ -279,12 +286,7 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTR
             const u16 *row = k + (base + key) * HD + LANE_DIMS * t;
 #pragma unroll
             for (int i = 0; i < LANE_DIMS / 8; ++i) {
-#if ROPE
-                kw[nt][i] = key == position ? *reinterpret_cast<const uint4 *>(&new_sh[0][LANE_DIMS * t + 8 * i])
-                                            : load16(row + 8 * i);
-#else
-                kw[nt][i] = load16(row + 8 * i);
-#endif
+                kw[nt][i] = CACHED_OR_OWN(row + 8 * i, key, &new_sh[0][LANE_DIMS * t + 8 * i]);
             }
         }
 #pragma unroll
@@ -293,12 +295,7 @@ extern "C" __global__ void __launch_bounds__(DWARPS * 32, MIN_BLOCKS_TC) TC_ENTR
             const u16 *row = v + (base + key) * HD + V_DIMS * g;
 #pragma unroll
             for (int i = 0; i < V_DIMS / 8; ++i) {
-#if ROPE
-                vw[j][i] = key == position ? *reinterpret_cast<const uint4 *>(&new_sh[1][V_DIMS * g + 8 * i])
-                                           : load16(row + 8 * i);
-#else
-                vw[j][i] = load16(row + 8 * i);
-#endif
+                vw[j][i] = CACHED_OR_OWN(row + 8 * i, key, &new_sh[1][V_DIMS * g + 8 * i]);
             }
         }
         float s[2][4];
