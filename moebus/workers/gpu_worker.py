@@ -137,6 +137,7 @@ class GpuWorker:
 
     def _step(self, msg: Step) -> StepReply:
         started = time.perf_counter()
+        counted = self.cache_counts() if LOG_STEPS else None
         idle_s = self.note_idle(msg.step_id, started)
         launched = self.ahead.pop(msg.step_id, None)  # launched while the step before it ran
         if isinstance(launched, Exception):
@@ -157,14 +158,21 @@ class GpuWorker:
         self.busy_s += compute_s
         if int(np.sum(msg.lengths)) == len(msg.slots):  # one token a sequence: decode
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
-        if LOG_STEPS:
-            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last", self.gpu, msg.step_id,
-                     int(np.sum(msg.lengths)), 1e3 * compute_s, -1.0 if idle_s is None else 1e3 * idle_s)
+        if LOG_STEPS:  # the misses and PCIe bytes: those of the step this call collected (observe), and its admissions
+            misses, h2d = np.subtract(self.cache_counts(), counted)
+            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last; %d misses, %.1f MiB over PCIe",
+                     self.gpu, msg.step_id, int(np.sum(msg.lengths)), 1e3 * compute_s,
+                     -1.0 if idle_s is None else 1e3 * idle_s, misses, h2d / MIB)
         self.last_step_end_s = time.perf_counter()
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
                          pending_rows=out.pending_rows)
+
+    def cache_counts(self) -> tuple[int, int]:
+        """The expert cache's misses and bytes over PCIe so far (0, 0 where every expert is resident)."""
+        experts = self.stage.experts
+        return getattr(experts, "misses", 0), getattr(experts, "h2d_bytes", 0)
 
     def note_idle(self, step_id: int, started: float) -> float | None:
         """The time from the last step's end to this one's start (None: the first step), logged where it

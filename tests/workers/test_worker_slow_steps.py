@@ -71,3 +71,18 @@ def test_an_info_just_after_a_reserve_was_set_asks_the_driver_nothing():
     stage.ops.name = "cpu"  # the emulated ledger costs nothing to ask
     worker.keep_reserve_figures(Vram(reserve_mib=100), reply)
     assert worker.reserve_figures is None
+
+
+def test_the_step_line_counts_the_cache_misses_and_pcie_bytes_between_two_reads():
+    """MOEBUS_LOG_STEPS' line gives a step's misses and MiB over PCIe: the cache's counters read before and
+    after it; a stage whose every expert is resident (no counters) reads 0, 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    experts = SimpleNamespace(misses=3, h2d_bytes=5 << 20)
+    worker = GpuWorker(stage=SimpleNamespace(experts=experts), link=None, gpu=0)
+    before = worker.cache_counts()
+    experts.misses, experts.h2d_bytes = 10, 40 << 20
+    assert tuple(int(v) for v in np.subtract(worker.cache_counts(), before)) == (7, 35 << 20)
+    assert GpuWorker(stage=SimpleNamespace(experts=object()), link=None, gpu=0).cache_counts() == (0, 0)
