@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from moebus.common.errors import ConfigError
 from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
@@ -54,6 +55,30 @@ COPY_FENCE = os.environ.get("MOEBUS_PREFILL_COPY_FENCE", "slot")
 # the prefetch's copies at ~50 (docs/performance.md, tenth session). Measured at 8 tokens only; more
 # tokens keep the tiles (more arithmetic a missed expert). 0: tiles wherever they apply
 MISSES_IN_GEMVS_UP_TO = int(os.environ.get("MOEBUS_DECODE_MISSES_IN_GEMVS_UP_TO", "8"))
+
+
+# A decode step's admissions are copied over the PCIe link while the next steps read their misses over it in
+# place, so a step that misses far more than usual (the text's working set moving on, a cache made smaller
+# for an image) and admits up to its cap as well makes the slowest steps slower twice over (H200, 8 x 128
+# LLaVA at 8 GiB through a cold image: 50 misses and ~25 admissions, 700 MiB and 15 ms a step against ~20 and
+# 6 ms; docs/performance.md, twenty-fifth session). So a step admits at most what keeps its misses plus
+# admissions within ADMISSION_PEAK x the typical step's misses (a running mean over ~32 steps), and at least
+# ADMISSION_FLOOR: the cache keeps adapting, the admissions a shift needs wait for steps with room.
+ADMISSION_FLOOR = 2
+TYPICAL_MISSES_STEPS = 32
+
+
+def admission_peak_from_env(environ=os.environ) -> float:
+    """``MOEBUS_ADMISSION_PEAK`` (default 2; 0: off, only ``max_admissions`` caps a step's admissions): a
+    number >= 0, else a ConfigError naming it, raised where a cache is built (a worker's start)."""
+    text = environ.get("MOEBUS_ADMISSION_PEAK", "2")
+    try:
+        peak = float(text)
+    except ValueError:
+        peak = float("nan")
+    if not 0 <= peak < float("inf"):
+        raise ConfigError(f"MOEBUS_ADMISSION_PEAK must be a number >= 0 (0: off), got {text!r}")
+    return peak
 
 
 class CacheTooSmall(RuntimeError):
@@ -107,6 +132,8 @@ class ExpertCache:
         self.pending: dict[int, int] = {}  # key -> slot: copy in flight, placement still on the host
         # misses copied in per step at most: admission costs PCIe time that the step's reads need too
         self.max_admissions = max_admissions if max_admissions is not None else max(1, arena.max_slots // 16)
+        self.admission_peak = admission_peak_from_env()  # see ADMISSION_FLOOR
+        self.typical_misses: float | None = None  # a decode step's, a running mean (None: no step yet)
         self.min_slots = min_slots
         self.startup_reserve_mib = self.reserve_mib = startup_reserve_mib
         self.slot_key = np.full(arena.max_slots, EMPTY, dtype=np.int64)
@@ -395,18 +422,29 @@ class ExpertCache:
         self.key_hits[keys[resident & (self._flat_placement[keys] >= 0)]] += 1
         missed = keys[~resident]
         self.misses += len(missed)
+        self._note_misses(len(missed))
         self.h2d_bytes += len(missed) * self.store.blob_bytes  # read over PCIe by the kernels
         self.policy.observe(keys)
         self.land_admissions()
         if not self.pending:
-            self._admit([k for k in missed.tolist() if k not in self.key_slot], ops)
+            self._admit([k for k in missed.tolist() if k not in self.key_slot], ops, room=self.link_room(len(missed)))
 
     def observe_prefetch(self, keys: np.ndarray, chosen: np.ndarray) -> None:
         """One routed step's prefetch (bank keys (L, K)) against its choices (before ``observe``)."""
         self.h2d_bytes += self.prefetch.observe(keys, chosen) * self.store.blob_bytes  # wasted copies
 
-    def _admit(self, missed: list[int], ops) -> None:
-        budget = min(self.max_admissions, len(missed))
+    def _note_misses(self, count: int) -> None:
+        typical = self.typical_misses
+        self.typical_misses = float(count) if typical is None else typical + (count - typical) / TYPICAL_MISSES_STEPS
+
+    def link_room(self, misses: int) -> int:
+        """How many experts a decode step that missed ``misses`` may admit (see ADMISSION_FLOOR)."""
+        if not self.admission_peak or self.typical_misses is None:
+            return self.max_admissions
+        return max(ADMISSION_FLOOR, int(self.admission_peak * self.typical_misses) - misses)
+
+    def _admit(self, missed: list[int], ops, room: int) -> None:
+        budget = min(self.max_admissions, len(missed), room)
         if budget == 0:  # (a loan held across steps, spanning_chunk.py: the slots below it; the lent are out of service)
             return
         candidates = self.policy.strongest_first(np.array(missed, np.int64))[:budget].tolist()
