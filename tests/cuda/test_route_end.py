@@ -46,7 +46,7 @@ def test_the_switch_and_the_simulator(rng, monkeypatch):
     weight = np.zeros(128, np.uint16)
     monkeypatch.setattr(route_end, "ENABLED", False)
     assert not route_end.takes(partial, total, weight, 2, None)
-    assert not route_end.WIDE  # more than 32 experts: off until measured faster than route_tail
+    assert route_end.WIDE  # more than 32 experts: on since measured faster than route_tail (6.5 against 13.8 us)
     if SIMULATOR:
         monkeypatch.setattr(route_end, "ENABLED", True)
         assert not route_end.takes(partial, total, weight, 2, None)
@@ -72,7 +72,7 @@ def _case(rng, experts, dim, top_k, ties):
 def test_it_gives_route_tails_bits(rng, experts, dim, top_k, normalize, ties, monkeypatch):
     from moebus.cuda.kernels.compat import cuda
 
-    monkeypatch.setattr(route_end, "WIDE", True)  # (more than 32 experts: off by default)
+    monkeypatch.setattr(route_end, "WIDE", True)  # (more than 32 experts: the default, whatever the environment)
 
     total, norm_weight, partial, table = _case(rng, experts, dim, top_k, ties)
     stream = cuda.stream()

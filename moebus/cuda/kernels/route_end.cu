@@ -14,7 +14,7 @@
 // the chosen pairs by a ballot, and every warp takes 1 / rms from the sums itself for h (no barrier after the sums).
 // PDL: the norm's weights (weights: no kernel of the step writes them) loaded before griddepcontrol.wait, then the
 // trigger where PDL_TRIGGER; every other read after.
-// More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128; route_end.WIDE, off until measured faster):
+// More than 32 experts (WIDE; twenty-fourth session: Qwen3-30B-A3B's 128; route_end.WIDE, on since the twenty-fifth session: 5.4 against route_tail's 10.9 us a layer):
 // route_tail's topk_row + sort_pairs (a lane the experts lane, lane + 32, ...: the per-lane maximum then the
 // butterflies', expf, the per-lane sum then the butterflies', a division; the top_k by descending probability, ties to
 // the lower id, the chosen summed in rank order) by ranks (a thread an expert, against every probability in shared

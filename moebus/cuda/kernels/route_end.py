@@ -4,7 +4,7 @@ same outputs with the same bits (route_tail_ref's arithmetic in route_tail's ord
 shuffles and a ballot where route_tail's one_token_tail goes through shared memory and three block barriers.
 
 ``MOEBUS_ROUTE_END`` (default 1; ``0``: route_tail's kernel). Takes at most 32 experts (a lane an expert) or, with
-``MOEBUS_ROUTE_END_WIDE=1`` (off: not yet measured faster), 128 (route_tail's topk_row + sort_pairs by ranks:
+``MOEBUS_ROUTE_END_WIDE`` (default 1; ``0``: route_tail's kernel above 32 experts), 128 (route_tail's topk_row + sort_pairs by ranks:
 Qwen3-30B-A3B's 128), top_k <= 32, a hidden size of whole 16-row tiles and 4-float quads, a bf16 norm weight, a GPU
 and a stream object; elsewhere route_tail."""
 from __future__ import annotations
@@ -27,10 +27,11 @@ THREADS = 256
 WIDE_THREADS = 1024  # WIDE (> 32 experts): the partials' (column, part) pairs (1,032 at 128) in one load round a thread
 ENABLED = os.environ.get("MOEBUS_ROUTE_END", "1") != "0"
 MAX_EXPERTS = 128  # a lane an expert up to 32, then 4 a lane (route_end.cu's WIDE: Qwen3-30B-A3B's 128)
-# More than 32 experts (route_end.cu's WIDE), off by default: its first form (warp 0 ranking by shuffles) gave
-# route_tail's bits on the H200 but took 10.2 us a layer against route_tail's 9.7 (twenty-fourth session); this form
-# (a thread an expert ranking against shared memory) is not yet run on a GPU. MOEBUS_ROUTE_END_WIDE=1 takes it.
-WIDE = os.environ.get("MOEBUS_ROUTE_END_WIDE", "0") == "1"
+# More than 32 experts (route_end.cu's WIDE): its first form (warp 0 ranking by shuffles) gave route_tail's bits on
+# the H200 but took 10.2 us a layer against route_tail's 9.7 (twenty-fourth session); this form (a thread an expert
+# ranking against shared memory) took 6.5 us against route_tail's 13.8 under Nsight Compute at 128 experts, the same
+# bits (twenty-fifth session). MOEBUS_ROUTE_END_WIDE=0 keeps route_tail's kernel above 32 experts.
+WIDE = os.environ.get("MOEBUS_ROUTE_END_WIDE", "1") != "0"
 log = logging.getLogger("moebus.cuda")
 
 
