@@ -38,7 +38,7 @@ for run in $VIS_RUNS; do
   { echo "=== $tag"; cat $OUT/summary_$tag.txt; } >> $FINAL/summaries.txt 2>&1
 done
 if [ -n "$DECODE" ]; then  # the steady decode at a 25% cache, the peak on and off (in process: no service)
-  for peak in 2 0 2 0; do
+  for peak in ${PEAKS:-2 0}; do
     MOEBUS_ADMISSION_PEAK=$peak timeout 60 python3 -m moebus.cli bench decode --model /tmp/gap-a3b-8x128-vision \
       --device cuda --cache-frac 0.25 --batch 1,8 --tokens 64 --repeats 2 --no-service 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " \
       | awk -v p=$peak '{print "peak " p ": batch " $1 ", " $2 " tok/s, " $3 " ms a step, hit rate " $5 ", " $6 " GB/s"}'
