@@ -529,6 +529,7 @@ class ExpertCache:
             asked = time.perf_counter()
             free, _ = self.arena.memory_info()
             self.last_resize["info_s"] = time.perf_counter() - asked
+            self.last_resize["free_before_mib"] = free / MIB
             missing = int(self.reserve_mib * MIB) - free
             if missing > 0:
                 self._shrink_for(missing)

@@ -86,3 +86,16 @@ def test_the_step_line_counts_the_cache_misses_and_pcie_bytes_between_two_reads(
     experts.misses, experts.h2d_bytes = 10, 40 << 20
     assert tuple(int(v) for v in np.subtract(worker.cache_counts(), before)) == (7, 35 << 20)
     assert GpuWorker(stage=SimpleNamespace(experts=object()), link=None, gpu=0).cache_counts() == (0, 0)
+
+
+def test_a_hand_back_steps_line_says_where_the_room_went():
+    """The VRAM line's tail: free MiB before and after the request and the step scratch pool's MiB (cuda), or
+    nothing where the request set no reserve (a bare VRAM: no free read before)."""
+    from types import SimpleNamespace
+
+    pool = SimpleNamespace(allocated_bytes=96 << 20)
+    worker = GpuWorker(stage=SimpleNamespace(ops=SimpleNamespace(device_pool=pool)), link=None, gpu=0)
+    assert worker.room_figures(12.5, 76.5) == "; free 12.5 -> 76.5 MiB, step pool 96.0 MiB"
+    assert worker.room_figures(None, 76.5) == ""
+    cpu = GpuWorker(stage=SimpleNamespace(ops=SimpleNamespace()), link=None, gpu=0)
+    assert cpu.room_figures(0.0, 64.0) == "; free 0.0 -> 64.0 MiB"
