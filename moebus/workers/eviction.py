@@ -35,18 +35,24 @@ from moebus.common.errors import ConfigError
 POLICIES = ("freq", "lru")
 
 
+def number_from_env(name: str, default: str, meaning: str, environ=os.environ) -> float:
+    """The environment variable ``name`` (``default`` where unset) as a finite number >= 0, else a ConfigError
+    naming it and saying what it is (``meaning``), raised where it is read (a worker's start), not at import."""
+    text = environ.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # nan and inf fail here too
+        raise ConfigError(f"{name} must be a number >= 0 ({meaning}), got {text!r}")
+    return value
+
+
 def admission_margin_from_env(environ=os.environ) -> float:
     """``MOEBUS_ADMISSION_MARGIN`` (default 1; 0: every miss that beats the weakest resident): a
     number >= 0, else a ConfigError naming it, raised where a cache is built (a worker's start), not
     at import."""
-    text = environ.get("MOEBUS_ADMISSION_MARGIN", "1")
-    try:
-        margin = float(text)
-    except ValueError:
-        margin = float("nan")
-    if not margin >= 0 or margin == float("inf"):  # nan and inf fail here too
-        raise ConfigError(f"MOEBUS_ADMISSION_MARGIN must be a number >= 0 (a decayed use count), got {text!r}")
-    return margin
+    return number_from_env("MOEBUS_ADMISSION_MARGIN", "1", "a decayed use count", environ)
 
 
 class LruPolicy:

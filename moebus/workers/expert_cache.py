@@ -38,11 +38,10 @@ import time
 
 import numpy as np
 
-from moebus.common.errors import ConfigError
 from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
-from moebus.workers.eviction import make_policy
+from moebus.workers.eviction import make_policy, number_from_env
 from moebus.workers.placement_upload import PlacementUploads
 
 # a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot
@@ -71,14 +70,7 @@ TYPICAL_MISSES_STEPS = 32
 def admission_peak_from_env(environ=os.environ) -> float:
     """``MOEBUS_ADMISSION_PEAK`` (default 2; 0: off, only ``max_admissions`` caps a step's admissions): a
     number >= 0, else a ConfigError naming it, raised where a cache is built (a worker's start)."""
-    text = environ.get("MOEBUS_ADMISSION_PEAK", "2")
-    try:
-        peak = float(text)
-    except ValueError:
-        peak = float("nan")
-    if not 0 <= peak < float("inf"):
-        raise ConfigError(f"MOEBUS_ADMISSION_PEAK must be a number >= 0 (0: off), got {text!r}")
-    return peak
+    return number_from_env("MOEBUS_ADMISSION_PEAK", "2", "0: off", environ)
 
 
 class CacheTooSmall(RuntimeError):
