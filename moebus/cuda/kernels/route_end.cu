@@ -76,16 +76,14 @@ __device__ __forceinline__ void wide_softmax(const float (*sums)[COLUMNS], float
         p[i] = e < EXPERTS ? __fmul_rn(logit, inv) : neg_inf;  // (no fma with the subtraction below)
         peak = fmaxf(peak, p[i]);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
+    peak = butterfly_max(peak);
     float total = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
         p[i] = expf(p[i] - peak);  // expf(-inf) = 0 past the experts
         total += p[i];
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
+    total = butterfly_sum(total);
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) probs[lane + 32 * i] = lane + 32 * i < EXPERTS ? p[i] / total : -1.f;
 }

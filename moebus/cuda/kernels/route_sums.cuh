@@ -52,6 +52,19 @@ __device__ __forceinline__ float route_inv_rms(const float (*sums)[kColumns], in
     return 1.f / sqrtf(square_sum / (float)dim + eps);
 }
 
+// the butterflies (compat.warp_max / warp_sum's): every lane the same bits
+__device__ __forceinline__ float butterfly_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
+}
+
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    return v;
+}
+
 // one_token_tail's softmax by one warp, a lane an expert (kColumns - 1 experts, at most 32): the logit (its column's
 // parts in order) times 1 / rms, the butterflies' maximum, expf, the butterflies' sum, a division (0 past the experts)
 template <int kColumns>
@@ -63,12 +76,6 @@ __device__ __forceinline__ float expert_prob(const float (*sums)[kColumns], floa
         for (int j = 0; j < ROUTE_PARTS; ++j) logit += sums[j][lane];
         prob = logit * inv;
     }
-    float peak = prob;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) peak = fmaxf(peak, __shfl_xor_sync(0xFFFFFFFFu, peak, offset));
-    prob = expf(prob - peak);
-    float total = prob;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, offset);
-    return prob / total;
+    prob = expf(prob - butterfly_max(prob));
+    return prob / butterfly_sum(prob);
 }
