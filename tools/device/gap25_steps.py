@@ -14,17 +14,12 @@ import argparse
 import gzip
 import re
 import statistics
-from datetime import datetime
 
-STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-SENT = re.compile(r"the image was sent at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+from gap15_gaps import SENT, STAMP, seconds  # beside this script: the log's stamps and the image's send line
+
 SPLIT = re.compile(r"^cold image request (\d+) of (\d+): handback ([\d.]+) ms, start ([\d.]+) ms, encode ([\d.]+) ms")
 STEP = re.compile(r"gpu\d+ step \d+: (\d+) tokens, ([\d.]+) ms, -?[\d.]+ ms after the last(?:; (\d+) misses, ([\d.]+) MiB)?")
 CONTEXT = re.compile(r"vision worker start on gpu\d+: .*context ([\d.]+) s")
-
-
-def seconds(stamp: str) -> float:
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def read(path: str):
