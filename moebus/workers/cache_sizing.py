@@ -219,12 +219,7 @@ def measure_scratch(stage, max_batch: int, max_step_tokens: int) -> ScratchBudge
         per_token_bytes = ScratchBudget(stage.cfg, decode.num_tokens).per_token_bytes
     if stage.ops.name == "cuda":
         stage.ops.begin_step()
-        stage.ops.device_pool.release()  # the warm-up's buffers go back; steps take what they need
-        from numba import cuda
-
-        context = cuda.current_context()
-        if hasattr(context, "deallocations"):  # not in the simulator
-            context.deallocations.clear()  # now, so that the free VRAM read next counts them
+        stage.ops.release_scratch()  # the warm-up's buffers go back (now: the free VRAM read next counts them)
     log.info("step scratch measured: %.2f MiB for %d sequences decoding, %.1f MiB at %d tokens (%.1f KiB a token)",
              decode_bytes / MIB, decode.num_seqs, largest_bytes / MIB, largest.num_tokens, per_token_bytes / 1024)
     return ScratchBudget.measured(decode.num_tokens, decode_bytes, max(1, per_token_bytes))

@@ -160,14 +160,19 @@ class GpuWorker:
             self.note_decode(msg.step_id, len(msg.slots), compute_s)
         if LOG_STEPS:  # the misses and PCIe bytes: those of the step this call collected (observe), and its admissions
             misses, h2d = np.subtract(self.cache_counts(), counted)
-            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last; %d misses, %.1f MiB over PCIe",
+            log.info("gpu%d step %d: %d tokens, %.2f ms, %.2f ms after the last; %d misses, %.1f MiB over PCIe%s",
                      self.gpu, msg.step_id, int(np.sum(msg.lengths)), 1e3 * compute_s,
-                     -1.0 if idle_s is None else 1e3 * idle_s, misses, h2d / MIB)
+                     -1.0 if idle_s is None else 1e3 * idle_s, misses, h2d / MIB, self.pool_figure())
         self.last_step_end_s = time.perf_counter()
         return StepReply(step_id=msg.step_id, generation=self.link.generation, compute_s=compute_s,
                          hidden=out.hidden, tokens=out.tokens,
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
                          pending_rows=out.pending_rows)
+
+    def pool_figure(self) -> str:
+        """The step pool's MiB, for the step line (where a long step grows it: not charged to the cache)."""
+        pool = getattr(self.stage.ops, "device_pool", None)
+        return "" if pool is None else f", step pool {pool.allocated_bytes / MIB:.1f} MiB"
 
     def cache_counts(self) -> tuple[int, int]:
         """The expert cache's misses and bytes over PCIe so far (0, 0 where every expert is resident)."""
@@ -245,13 +250,15 @@ class GpuWorker:
                              error="this worker's expert cache is not elastic")
         started = time.perf_counter()
         spanning_chunk.return_loan(self.stage)  # a resize (or query) needs the cache whole; the chunk lends again
+        # the step pool's idle buffers go back before the free VRAM is read: a long step's (an image's prompt
+        # grew it by ~470 MiB on the H200) would stay charged to the budget, and the regrow to the start-up
+        # size overshoot it by as much, which the next hand-back's first requests then paid for
+        released = 0 if msg.query else self.stage.ops.release_scratch()
         reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
         if not msg.query and self.stage.scratch_choices is not None:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one
             # holds, long steps borrow from the cache again instead of allocating there
             measured, wide = self.stage.scratch_choices
-            if msg.reserve_mib is None and self.stage.scratch.tokens > wide.tokens:  # an image step's, beside
-                getattr(self.stage.ops, "device_pool", None) and self.stage.ops.device_pool.release()
             self.stage.scratch = wide if msg.reserve_mib is None else measured
             if msg.reserve_mib is not None and RESERVE_SCRATCH == "beside":  # the room the reserve leaves
                 spare = int(reply.free_mib * MIB) - int(msg.reserve_mib * MIB) - CUDA_HEADROOM_BYTES
@@ -263,16 +270,18 @@ class GpuWorker:
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
                      "moved down%s)%s", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
                      1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0), parts,
-                     self.room_figures(split.get("free_before_mib"), reply.free_mib))
+                     self.room_figures(split.get("free_before_mib"), reply.free_mib, released))
         return reply
 
-    def room_figures(self, free_before_mib: float | None, free_after_mib: float) -> str:
-        """A hand-back step's free MiB before and after it and the step scratch pool's MiB: where the room a
-        request freed went (the first requests release 2-3x what they ask on the H200: twenty-fifth session)."""
-        if free_before_mib is None:
-            return ""
+    def room_figures(self, free_before_mib: float | None, free_after_mib: float, released_bytes: int) -> str:
+        """A VRAM step's free MiB before and after it, the step pool's MiB and what of it went back first
+        (twenty-fifth session: the pool an image's prompt grew, kept, made the first hand-back requests
+        release 2-3x what they asked)."""
         pool = getattr(getattr(self.stage, "ops", None), "device_pool", None)
-        held = f", step pool {pool.allocated_bytes / MIB:.1f} MiB" if pool is not None else ""
+        held = (f", step pool {pool.allocated_bytes / MIB:.1f} MiB ({released_bytes / MIB:.1f} released first)"
+                if pool is not None else "")
+        if free_before_mib is None:  # a regrow
+            return f";{held[1:]}" if held else ""
         return f"; free {free_before_mib:.1f} -> {free_after_mib:.1f} MiB{held}"
 
     def keep_reserve_figures(self, msg: Vram, reply: VramReply) -> None:
@@ -380,12 +389,7 @@ def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:
     started = time.perf_counter()
     if not spanning_chunk.warm(stage, ROUTED_MAX_TOKENS + 1):
         return
-    stage.ops.device_pool.release()
-    from numba import cuda
-
-    context = cuda.current_context()
-    if hasattr(context, "deallocations"):  # not in the simulator
-        context.deallocations.clear()
+    stage.ops.release_scratch()
     log.info("%s: the spanning chunk's kernels warmed in %.2f s (%d grouped products)", label,
              time.perf_counter() - started, stage.warmed_products)
 

@@ -89,13 +89,15 @@ def test_the_step_line_counts_the_cache_misses_and_pcie_bytes_between_two_reads(
 
 
 def test_a_hand_back_steps_line_says_where_the_room_went():
-    """The VRAM line's tail: free MiB before and after the request and the step scratch pool's MiB (cuda), or
-    nothing where the request set no reserve (a bare VRAM: no free read before)."""
+    """The VRAM line's tail: free MiB before and after the request, the step scratch pool's MiB and what of it
+    went back first (cuda); a bare VRAM (no free read before) gives the pool's figures alone; cpu only the free."""
     from types import SimpleNamespace
 
     pool = SimpleNamespace(allocated_bytes=96 << 20)
     worker = GpuWorker(stage=SimpleNamespace(ops=SimpleNamespace(device_pool=pool)), link=None, gpu=0)
-    assert worker.room_figures(12.5, 76.5) == "; free 12.5 -> 76.5 MiB, step pool 96.0 MiB"
-    assert worker.room_figures(None, 76.5) == ""
+    assert worker.room_figures(12.5, 76.5, 470 << 20) == ("; free 12.5 -> 76.5 MiB, step pool 96.0 MiB "
+                                                          "(470.0 released first)")
+    assert worker.room_figures(None, 76.5, 0) == "; step pool 96.0 MiB (0.0 released first)"
     cpu = GpuWorker(stage=SimpleNamespace(ops=SimpleNamespace()), link=None, gpu=0)
-    assert cpu.room_figures(0.0, 64.0) == "; free 0.0 -> 64.0 MiB"
+    assert cpu.room_figures(0.0, 64.0, 0) == "; free 0.0 -> 64.0 MiB"
+    assert cpu.room_figures(None, 64.0, 0) == ""

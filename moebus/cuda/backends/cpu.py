@@ -76,6 +76,10 @@ class CpuBackend:
     def synchronize(self) -> None:
         pass
 
+    def release_scratch(self) -> int:
+        """Nothing pooled: a step's scratch is numpy's, freed as it goes."""
+        return 0
+
     def borrow(self, region) -> None:
         """Scratch from lent arena memory: activations are host memory here, so nothing to do."""
 

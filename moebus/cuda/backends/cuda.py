@@ -55,6 +55,18 @@ class CudaBackend(split_epilogues.SplitInputOps):
         self.device_pool.recycle()
         self.staging_pool.recycle()
 
+    def release_scratch(self) -> int:
+        """Give the step pool's idle buffers back to the driver now: after the stream's work, with
+        numba's deferred frees flushed, so the free VRAM read next counts them. The last step's own
+        buffers stay (they are valid until the next begin_step()). Returns the bytes dropped."""
+        self.stream.synchronize()
+        before = self.device_pool.allocated_bytes
+        self.device_pool.release()
+        context = cuda.current_context()
+        if hasattr(context, "deallocations"):  # not in the simulator
+            context.deallocations.clear()
+        return before - self.device_pool.allocated_bytes
+
     def layer_mark(self) -> int:
         """Before the first layer: the point that recycle_layer() gives buffers back to."""
         return self.device_pool.mark()
