@@ -172,7 +172,8 @@ class GpuWorker:
     def pool_figure(self) -> str:
         """The step pool's MiB, for the step line (where a long step grows it: not charged to the cache)."""
         pool = getattr(self.stage.ops, "device_pool", None)
-        return "" if pool is None else f", step pool {pool.allocated_bytes / MIB:.1f} MiB"
+        return "" if pool is None else (f", step pool {pool.allocated_bytes / MIB:.1f} MiB "
+                                        f"({pool.beyond_loan_bytes / MIB:.1f} allocated beyond a loan so far)")
 
     def cache_counts(self) -> tuple[int, int]:
         """The expert cache's misses and bytes over PCIe so far (0, 0 where every expert is resident)."""

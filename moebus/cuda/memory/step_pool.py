@@ -52,6 +52,7 @@ class StepPool:
         self._loan_used = 0
         self._loaned: set[int] = set()  # ids of buffers that live in the loan
         self.allocated_bytes = 0  # held by this pool's own buffers (loaned ones live in the arena)
+        self.beyond_loan_bytes = 0  # of those, allocated while a loan was lent and short (not in the budget)
         self.peak_bytes = 0  # the most allocated_bytes has been since reset_peak()
 
     def take(self, shape, dtype):
@@ -69,6 +70,7 @@ class StepPool:
     def _new(self, size: int) -> _Buffer:
         buffer = _Buffer(self._allocate((size,), np.uint8))
         self.allocated_bytes += size
+        self.beyond_loan_bytes += size if self._loan is not None else 0
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         return buffer
 
