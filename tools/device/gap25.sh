@@ -13,6 +13,8 @@
 #   3. per run gap25_steps.py's bins (bins.txt), gap15_gaps.py's summary (summaries.txt).
 # Everything is written under /tmp/g25 and the few files worth keeping copied to $OUT (8 come back).
 #   WARM_S=115 MEASURE_S=125 bash tools/device/gap25.sh
+# Twenty-sixth session: CTX=1 runs ctx26.py first (a context's limits); per run a line with the step pool's MiB
+# allocated beyond a loan by the end and the cache's slots at each vision reserve.
 source tools/device/setup.sh
 FINAL=$OUT; T=/tmp/g25; rm -rf $T; mkdir -p $T/r $T/v
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
@@ -20,6 +22,9 @@ if [ "${ROUTE:-1}" = 1 ]; then
   OUT=$T/r VARIANTS="route_tail 1024 256" TESTS="tests/cuda/test_route_end.py" TESTS_S=110 bash tools/device/route24.sh
   cp $T/r/tests.txt $FINAL/route_tests.txt 2>/dev/null
   echo "== route done at ${SECONDS} s"
+fi
+if [ -n "$CTX" ]; then  # twenty-sixth session: what a CUDA context holds and what its limits give back
+  timeout 60 python3 tools/device/ctx26.py 2>&1 | tail -6
 fi
 export OUT=$T/v
 PHASE=warm BUDGET=${WARM_S:-115} bash tools/device/gap17.sh | tail -6
@@ -36,6 +41,10 @@ for run in $VIS_RUNS; do
   cp $L $FINAL/
   { echo "=== $tag"; timeout 10 python3 tools/device/gap25_steps.py $L --bin-ms 50 --from-ms -150 --until-ms 1000; } >> $FINAL/bins.txt 2>&1
   { echo "=== $tag"; cat $OUT/summary_$tag.txt; } >> $FINAL/summaries.txt 2>&1
+  # twenty-sixth session: the pool beyond the loans (0 expected with the pow2 loan) and the image's slots
+  echo "$tag: $(zcat $L | grep -c 'allocated beyond a loan so far') step lines; last: $(zcat $L \
+    | grep -oE '[0-9.]+ allocated beyond a loan so far' | tail -1); VRAM 1536 slots: $(zcat $L \
+    | grep -oE 'VRAM 1536.0: [0-9]+ expert slots' | awk '{print $3}' | tr '\n' ' ')"
 done
 if [ -n "$DECODE" ]; then  # the steady decode at a 25% cache, the peak on and off (in process: no service)
   for peak in ${PEAKS:-2 0}; do
