@@ -22,6 +22,7 @@ import numpy as np
 
 from moebus.common.fp8_dense import PROJECTIONS, fp8_rows_nbytes
 from moebus.cuda.memory.ledger import MIB, EmulatedGpu
+from moebus.cuda.memory.step_pool import ceil_pow2
 from moebus.workers.batch import StepBatch
 
 log = logging.getLogger("moebus.worker")
@@ -59,10 +60,6 @@ def lm_head_bytes(ckpt, lm_head_dtype: str) -> int:
     if lm_head_dtype == "fp8":
         return fp8_rows_nbytes(ckpt.config.vocab_size, ckpt.config.hidden_size)
     return ckpt.lm_head().nbytes
-
-
-def ceil_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def floor_pow2(n: int) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 
 from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
+from moebus.cuda.memory.step_pool import size_class
 from moebus.workers.qwen3vl_grid import grid_tables
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.tower_outputs import embeds_and_deepstack, views_of_one
@@ -45,10 +46,6 @@ SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "1") !=
 REFERENCE_PIXELS = 1024 * 1024
 
 
-def _pool_bytes(nbytes: int) -> int:
-    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
-
-
 def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
     """Patches of the largest image the memory estimates cover (REFERENCE_PIXELS)."""
     pixels = min(REFERENCE_PIXELS, int(getattr(processor, "max_pixels", REFERENCE_PIXELS)))
@@ -62,14 +59,14 @@ def encode_scratch_bytes(cfg: Qwen3VisionConfig, num_patches: int) -> int:
     cores takes 13 (rows, hidden) results or split inputs, the fused attention's two bf16 planes of
     the keys and values (flash_attention.plane_shapes) and two (rows, intermediate) ones."""
     n, tokens = num_patches, num_patches // cfg.merge_size ** 2
-    hidden, inter = _pool_bytes(n * cfg.hidden_size * 4), _pool_bytes(n * cfg.intermediate_size * 4)
+    hidden, inter = size_class(n * cfg.hidden_size * 4), size_class(n * cfg.intermediate_size * 4)
     padded_keys, padded_dim = -(-n // 64) * 64, -(-cfg.head_dim // 16) * 16
-    planes = _pool_bytes(padded_keys * cfg.num_heads * 2 * max(padded_dim, cfg.head_dim) * 2)
+    planes = size_class(padded_keys * cfg.num_heads * 2 * max(padded_dim, cfg.head_dim) * 2)
     # the patches (made on the device from the bytes, or uploaded), the bytes, rope_pos, indices, weights
-    inputs = _pool_bytes(n * cfg.patch_dim * 4) + _pool_bytes(n * cfg.patch_dim) + 3 * _pool_bytes(n * 4 * 4)
-    kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * _pool_bytes(tokens * cfg.out_hidden_size * 4)
+    inputs = size_class(n * cfg.patch_dim * 4) + size_class(n * cfg.patch_dim) + 3 * size_class(n * 4 * 4)
+    kept = 2 * hidden + (len(cfg.deepstack_layers) + 1) * size_class(tokens * cfg.out_hidden_size * 4)
     block = 13 * hidden + 2 * planes + 2 * inter
-    merger = 3 * _pool_bytes(tokens * cfg.merged_hidden * 4) + hidden
+    merger = 3 * size_class(tokens * cfg.merged_hidden * 4) + hidden
     return inputs + kept + max(block, merger)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
+from moebus.cuda.memory.step_pool import size_class
 from moebus.workers import tower_slices
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.vision_weight_pack import DeviceWeights, HostWeights
@@ -35,10 +36,6 @@ def patches(pixel_values: np.ndarray, patch_size: int, class_row: bool) -> np.nd
     return np.ascontiguousarray(rows.reshape(-1, c * p * p), dtype=np.float32)
 
 
-def _pool_bytes(nbytes: int) -> int:
-    return 1 << max(8, (int(nbytes) - 1).bit_length())  # cuda/memory/step_pool.py's power-of-two size classes
-
-
 def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> int:
     """Qwen3-VL's towers (``cfg.tower == "qwen3_vl"``): workers/qwen3vl_vision.py's bound for the
     largest image ``processor`` makes, up to REFERENCE_PIXELS. LLaVA's: an upper bound of the device memory an encode of ``num_images`` needs beyond the weights on
@@ -50,13 +47,13 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> 
 
         return qwen3vl_vision.encode_scratch_bytes(cfg, qwen3vl_vision.reference_patches(cfg, processor))
     rows = num_images * cfg.num_positions
-    hidden, inter, text = (_pool_bytes(rows * n * 4) for n in (cfg.hidden_size, cfg.intermediate_size,
+    hidden, inter, text = (size_class(rows * n * 4) for n in (cfg.hidden_size, cfg.intermediate_size,
                                                                 cfg.text_hidden_size))
     num_features = len(cfg.feature_layers)
     kept = (1 + len(set(cfg.feature_layers))) * rows * cfg.hidden_size * 4 + rows * 4
-    embed = _pool_bytes(rows * cfg.num_channels * cfg.patch_size ** 2 * 4) + 3 * hidden
+    embed = size_class(rows * cfg.num_channels * cfg.patch_size ** 2 * 4) + 3 * hidden
     layer = 10 * hidden + 2 * inter
-    projector = _pool_bytes(rows * 4) + num_features * (hidden + 2 * text) + 2 * text
+    projector = size_class(rows * 4) + num_features * (hidden + 2 * text) + 2 * text
     return kept + embed + layer + projector
 
 

@@ -18,6 +18,17 @@ MIN_BYTES = 256  # also the alignment every view starts at (wide loads need 8)
 MAX_VIEWS = 16  # views cached per buffer; more shapes than this and the cache starts over
 
 
+def ceil_pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes of the buffer a take of ``nbytes`` gets: the power-of-two class, at least MIN_BYTES. What
+    a scratch estimate counts per buffer (the vision towers' encode scratch; cache_sizing's loan)."""
+    return max(MIN_BYTES, ceil_pow2(nbytes))
+
+
 def _address(array) -> int:
     """Where an array's data starts: a device array, numba's simulator's stand-in, or numpy."""
     interface = getattr(array, "__cuda_array_interface__", None)
@@ -61,7 +72,7 @@ class StepPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return self._allocate(shape, dtype)
-        size = max(MIN_BYTES, 1 << (nbytes - 1).bit_length())
+        size = size_class(nbytes)
         free = self._free[size]
         buffer = free.pop() if free else self._from_loan(size) or self._new(size)
         self._used.append((size, buffer))
