@@ -169,9 +169,13 @@ class GpuWorker:
                          logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
                          pending_rows=out.pending_rows)
 
+    def step_pool(self):
+        """The stage's device step pool (cuda), or None."""
+        return getattr(getattr(self.stage, "ops", None), "device_pool", None)
+
     def pool_figure(self) -> str:
         """The step pool's MiB, for the step line (where a long step grows it: not charged to the cache)."""
-        pool = getattr(self.stage.ops, "device_pool", None)
+        pool = self.step_pool()
         return "" if pool is None else (f", step pool {pool.allocated_bytes / MIB:.1f} MiB "
                                         f"({pool.beyond_loan_bytes / MIB:.1f} allocated beyond a loan so far)")
 
@@ -278,12 +282,10 @@ class GpuWorker:
         """A VRAM step's free MiB before and after it, the step pool's MiB and what of it went back first
         (twenty-fifth session: the pool an image's prompt grew, kept, made the first hand-back requests
         release 2-3x what they asked)."""
-        pool = getattr(getattr(self.stage, "ops", None), "device_pool", None)
-        held = (f", step pool {pool.allocated_bytes / MIB:.1f} MiB ({released_bytes / MIB:.1f} released first)"
-                if pool is not None else "")
-        if free_before_mib is None:  # a regrow
-            return f";{held[1:]}" if held else ""
-        return f"; free {free_before_mib:.1f} -> {free_after_mib:.1f} MiB{held}"
+        parts = [] if free_before_mib is None else [f"free {free_before_mib:.1f} -> {free_after_mib:.1f} MiB"]  # a regrow: none
+        if (pool := self.step_pool()) is not None:
+            parts.append(f"step pool {pool.allocated_bytes / MIB:.1f} MiB ({released_bytes / MIB:.1f} released first)")
+        return "; " + ", ".join(parts) if parts else ""
 
     def keep_reserve_figures(self, msg: Vram, reply: VramReply) -> None:
         """After a VRAM request: while a reserve holds, what INFO gives in place of the driver's figures."""
