@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from moebus.cuda.memory.host_table import mapped_table
 from moebus.cuda.kernels import (attention, elementwise, embedding, linear, moe, moe_ffn, rmsnorm, rope,
                                  sampling)
 from moebus.cuda.kernels.compat import cuda
@@ -198,6 +199,11 @@ def _elementwise_cases(s: dict, t: int) -> list[Case]:
         dt, di, out = _dev(table, stream), _dev(ids, stream), _out((t, d), stream)
         return lambda: embedding.embedding_cuda(dt, di, out, stream=stream), out, lambda: embedding.embedding_ref(table, ids)
 
+    def embed_host(rng, stream):  # the table as a worker keeps it: mapped host memory (memory/host_table.py)
+        table, ids = _shared_bf16((s["vocab"], d), 1.0), rng.integers(0, s["vocab"], t).astype(np.int32)
+        dt, di, out = mapped_table(table), _dev(ids, stream), _out((t, d), stream)
+        return lambda: embedding.embedding_cuda(dt, di, out, stream=stream), out, lambda: embedding.embedding_ref(table, ids)
+
     def rotary(rng, stream):
         cos, sin = rope.rope_tables(hd, 1e6, s["context"])
         x, pos = rng.standard_normal((t, h, hd), dtype=np.float32), rng.integers(0, s["context"], t).astype(np.int32)
@@ -222,7 +228,8 @@ def _elementwise_cases(s: dict, t: int) -> list[Case]:
         dy, dw, out = _dev(y, stream), _dev(w, stream), _out((t, d), stream)
         return lambda: moe.combine_cuda(dy, dw, out, stream=stream), out, lambda: moe.combine_ref(y, w)
 
-    return [_simple("embedding", f"T={t} V={s['vocab']}", embed), _simple("rmsnorm", f"{t}x{d}", rms(t, d)),
+    return [_simple("embedding", f"T={t} V={s['vocab']}", embed),
+            _simple("embedding host", f"T={t} V={s['vocab']}", embed_host), _simple("rmsnorm", f"{t}x{d}", rms(t, d)),
             _simple("rmsnorm q-heads", f"{t * h}x{hd}", rms(t * h, hd)),
             _simple("add", f"{t}x{d}", binary(elementwise.add_cuda, elementwise.add_ref, d)),
             _simple("swiglu", f"{t}x{s['inter']}", binary(elementwise.swiglu_cuda, elementwise.swiglu_ref, s["inter"])),

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from moebus.common.fp8_dense import PROJECTIONS, fp8_rows_nbytes
+from moebus.cuda.memory.host_table import embedding_in_vram
 from moebus.cuda.memory.ledger import MIB, EmulatedGpu
 from moebus.cuda.memory.step_pool import ceil_pow2
 from moebus.workers.batch import StepBatch
@@ -35,13 +36,14 @@ def stage_dense_bytes(ckpt, layers: range, is_first: bool, is_last: bool, kv_byt
                       lm_head_dtype: str = "bf16", attention_dtype: str = "bf16") -> int:
     """VRAM the stage needs besides experts: its dense weights as stored (the lm_head as
     ``lm_head_dtype`` holds it and the q/k/v/o projections as ``attention_dtype`` does: fp8 codes and
-    scales are ~half of bf16, left to the experts), plus its KV cache."""
+    scales are ~half of bf16, left to the experts), plus its KV cache. The token embedding is in host
+    memory unless MOEBUS_EMBEDDING_VRAM=1 (memory/host_table.py)."""
     cfg = ckpt.config
     total = kv_bytes
     for i in layers:
         total += attention_bytes(ckpt.attention(i), attention_dtype)
         total += ckpt.router(i).nbytes if cfg.is_moe_layer(i) else sum(t.nbytes for t in ckpt.dense_mlp(i).values())
-    if is_first:
+    if is_first and embedding_in_vram():
         total += ckpt.embedding().nbytes
     if is_last:
         total += ckpt.final_norm().nbytes + lm_head_bytes(ckpt, lm_head_dtype)

@@ -61,7 +61,7 @@ class Stage:
         self.scratch = None  # a ScratchBudget when activations must fit a VRAM budget (workers)
         self.scratch_choices = None  # (measured, widened) on a GPU with room beside its cache (gpu_worker.py)
         if self.is_first:
-            self.embed = backend.table(ckpt.embedding())
+            self.embed = backend.token_table(ckpt.embedding())
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = (backend.fp8_weight(*lm_head_fp8(ckpt)) if lm_head_dtype == "fp8"

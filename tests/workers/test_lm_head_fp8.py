@@ -60,3 +60,13 @@ def test_the_dense_bytes_count_fp8_attention(model_dirs):
     saved = sum(t.nbytes - fp8_rows_nbytes(*t.shape) for i in stage.layer_range
                 for name, t in ckpt.attention(i).items() if name in PROJECTIONS)
     assert bf16 - fp8 == saved > 0
+
+
+def test_the_dense_bytes_count_the_embedding_only_where_it_is_in_vram(model_dirs, monkeypatch):
+    """The token embedding lives in mapped host memory (cuda/memory/host_table.py): the first stage's
+    emulated VRAM is charged for it only with MOEBUS_EMBEDDING_VRAM=1, as a cuda worker's would be."""
+    model = LocalModel(model_dirs["init_qwen3"])
+    ckpt, stage = model.ckpt, model.stages[0]
+    host = stage_dense_bytes(ckpt, stage.layer_range, True, True, 0)
+    monkeypatch.setenv("MOEBUS_EMBEDDING_VRAM", "1")
+    assert stage_dense_bytes(ckpt, stage.layer_range, True, True, 0) - host == ckpt.embedding().nbytes > 0

@@ -50,6 +50,11 @@ class CpuBackend:
         """A weight read by row (embedding), kept in its stored dtype."""
         return np.asarray(array)
 
+    def token_table(self, array: np.ndarray) -> np.ndarray:
+        """The token embedding: the cpu device's memory is the host's (the emulated GPU is not
+        charged for it: memory/host_table.py)."""
+        return np.asarray(array)
+
     def persist(self, array: np.ndarray) -> np.ndarray:
         """A device copy that lives as long as its owner (rope tables, an arena)."""
         return np.ascontiguousarray(array)

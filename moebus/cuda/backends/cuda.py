@@ -3,7 +3,8 @@ trip except ``to_host``. Same interface and return conventions as ``CpuBackend``
 
 Per-step buffers (op results, ``empty``, ``upload``) come from pools that ``begin_step()`` recycles,
 so a steady decode loop allocates nothing; persistent arrays (``weight``, ``table``, ``persist``,
-``zeros``) are plain device allocations owned by the caller."""
+``zeros``) are plain device allocations owned by the caller; ``token_table`` (the token embedding)
+is pinned host memory mapped into the device."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ from moebus.cuda.kernels.norm_route import norm_route_cuda, route_tail_cuda  # d
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
+from moebus.cuda.memory.host_table import embedding_in_vram, mapped_table
 from moebus.cuda.memory.step_pool import StepPool
 
 ATTENTION_COUNTERS = 1024  # (token, kv head) pairs a decode attention launch merges in its split kernel
@@ -85,8 +87,14 @@ class CudaBackend(split_epilogues.SplitInputOps):
         return linear_quant.Fp8Weight(self.weight(codes), self.weight(scales))
 
     def table(self, array: np.ndarray):
-        """A weight read by row (embedding), kept in its stored dtype."""
+        """A weight read by row (the vision tower's position table), kept in its stored dtype."""
         return self.weight(array)
+
+    def token_table(self, array: np.ndarray):
+        """The token embedding, kept in its stored dtype: in mapped host memory, where the gather
+        reads only its tokens' rows over PCIe, and the VRAM it would take goes to the expert cache
+        (memory/host_table.py). ``MOEBUS_EMBEDDING_VRAM=1``: a device copy instead."""
+        return self.weight(array) if embedding_in_vram() else mapped_table(array)
 
     def persist(self, array: np.ndarray):
         """A device copy that lives as long as its owner (rope tables, an arena)."""
