@@ -17,6 +17,7 @@ from moebus.cuda.kernels.norm_route import norm_route_cuda, route_tail_cuda  # d
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
+from moebus.cuda.memory.context_limits import lower_stack_limit
 from moebus.cuda.memory.host_table import embedding_in_vram, mapped_table
 from moebus.cuda.memory.step_pool import StepPool
 
@@ -39,6 +40,9 @@ class CudaBackend(split_epilogues.SplitInputOps):
     name = "cuda"
 
     def __init__(self):
+        if not SIMULATOR:  # the context is made here: its stack limit before any kernel
+            cuda.current_context()
+            lower_stack_limit()
         self.stream = cuda.stream()  # also the compute stream that the expert copier fences against
         self.device_pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
         # uploads go through pinned staging so the copy is truly async; kept until the next step

@@ -1,0 +1,50 @@
+"""A CUDA context's stack limit, lowered where ``MOEBUS_CUDA_STACK_BYTES`` asks (unset: the driver's).
+
+The driver reserves local memory for every thread the GPU can hold at once: the per-thread stack
+limit (1 KiB by default) x 2,048 threads x 132 SMs on an H200, ~264 MiB of every context (a vision
+worker's context is ~526 MiB of its ~1.46 GiB charge, twenty-sixth session). Our kernels need far
+less (spills and small local arrays). Set low when the context is made, before any kernel: the
+driver raises it at a launch that needs more ("automatically increases the per-thread stack size for
+each kernel launch as needed", and keeps it), so the reservation ends at what the process's largest
+kernel needs — reached during a worker's warm-up, before its cache is sized. Opt-in until measured
+on a GPU (tools/device/ctx26.py, emb27.sh)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+from moebus.common.errors import ConfigError
+
+log = logging.getLogger("moebus.worker")
+CU_LIMIT_STACK_SIZE = 0
+
+
+def stack_bytes_from_env(environ=os.environ) -> int | None:
+    text = environ.get("MOEBUS_CUDA_STACK_BYTES", "")
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) <= 1 << 20:
+        raise ConfigError(f"MOEBUS_CUDA_STACK_BYTES must be a byte count from 1 to 1048576 (each GPU thread's stack "
+                          f"at the context's start; unset: the driver's 1024), got {text!r}")
+    return int(text)
+
+
+def lower_stack_limit(environ=os.environ) -> tuple[int, int] | None:
+    """On the current context (call before any kernel): the stack limit from the environment;
+    returns (bytes before, bytes now), or None where it is unset."""
+    wanted = stack_bytes_from_env(environ)
+    if wanted is None:
+        return None
+    lib = ctypes.CDLL("libcuda.so.1")
+    before, now = ctypes.c_size_t(), ctypes.c_size_t()
+    _check(lib.cuCtxGetLimit(ctypes.byref(before), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
+    _check(lib.cuCtxSetLimit(ctypes.c_int(CU_LIMIT_STACK_SIZE), ctypes.c_size_t(wanted)), "cuCtxSetLimit")
+    _check(lib.cuCtxGetLimit(ctypes.byref(now), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
+    log.info("CUDA stack limit %d B a thread (the driver's %d B; MOEBUS_CUDA_STACK_BYTES)", now.value, before.value)
+    return before.value, now.value
+
+
+def _check(rc: int, call: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{call} failed with CUresult {rc}")

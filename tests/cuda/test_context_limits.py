@@ -1,0 +1,43 @@
+"""MOEBUS_CUDA_STACK_BYTES: read at a cuda backend's start, a clear error for a bad value; on a GPU the
+context's stack limit follows it and a kernel that needs more local memory still runs (the driver
+raises the limit at its launch)."""
+import numpy as np
+import pytest
+
+from moebus.common.errors import ConfigError
+from moebus.cuda.kernels.compat import SIMULATOR, cuda
+from moebus.cuda.memory.context_limits import lower_stack_limit, stack_bytes_from_env
+
+
+def test_the_stack_limit_is_the_drivers_unless_asked():
+    assert stack_bytes_from_env({}) is None and stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": ""}) is None
+    assert lower_stack_limit({}) is None  # nothing asked: the driver is not called
+    assert stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": "256"}) == 256
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "1k", "2097152", "25.5"])
+def test_a_bad_stack_limit_names_the_setting(text):
+    with pytest.raises(ConfigError, match=f"MOEBUS_CUDA_STACK_BYTES must be a byte count .* got '{text}'"):
+        stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": text})
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the driver's limit: a GPU only")
+def test_a_kernel_needing_more_stack_than_the_limit_still_runs():
+    cuda.current_context()
+    before, now = lower_stack_limit({"MOEBUS_CUDA_STACK_BYTES": "64"})
+    assert now <= 256 < before  # lowered (the driver may round up)
+
+    @cuda.jit
+    def reverse_through_local(x, out):
+        scratch = cuda.local.array(200, np.float32)  # 800 B a thread, more than the limit
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            for j in range(200):
+                scratch[j] = x[i, j]
+            for j in range(200):
+                out[i, j] = scratch[199 - j]
+
+    x = np.arange(64 * 200, dtype=np.float32).reshape(64, 200)
+    out = cuda.device_array_like(x)
+    reverse_through_local[1, 64](cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), x[:, ::-1])
