@@ -26,6 +26,7 @@ from moebus.cuda.kernels.attention_chunk import chunk_tiles
 from moebus.cuda.kernels.fused import can_fuse_heads
 from moebus.cuda.kernels.mrope import mrope_axes
 from moebus.cuda.kernels.rope import rope_tables
+from moebus.cuda.memory.host_table import embedding_in_vram
 from moebus.workers import spanning_chunk
 from moebus.workers.batch import StageOutput, StepBatch
 from moebus.workers.kv_cache import KVCache
@@ -61,7 +62,11 @@ class Stage:
         self.scratch = None  # a ScratchBudget when activations must fit a VRAM budget (workers)
         self.scratch_choices = None  # (measured, widened) on a GPU with room beside its cache (gpu_worker.py)
         if self.is_first:
-            self.embed = backend.token_table(ckpt.embedding())
+            table = ckpt.embedding()
+            self.embed = backend.token_table(table)
+            if backend.name == "cuda":
+                where = "VRAM (MOEBUS_EMBEDDING_VRAM=1)" if embedding_in_vram() else "mapped host memory"
+                log.info("token embedding: %.1f MiB in %s", table.nbytes / 2**20, where)
         if self.is_last:
             self.final_norm = backend.weight(ckpt.final_norm())
             self.lm_head = (backend.fp8_weight(*lm_head_fp8(ckpt)) if lm_head_dtype == "fp8"
