@@ -3,7 +3,8 @@
 The driver reserves local memory for every thread the GPU can hold at once: the per-thread stack
 limit (1 KiB by default) x 2,048 threads x 132 SMs on an H200, ~264 MiB of every context (a vision
 worker's context is ~526 MiB of its ~1.46 GiB charge, twenty-sixth session). Our kernels need far
-less (spills and small local arrays). Set low when the context is made, before any kernel: the
+less: none of the 200 numba kernel variants has local-memory traffic (tests/cuda/ptx_check.py), so
+what is left is cuBLAS's and the CUDA C kernels' needs. Set low when the context is made, before any kernel: the
 driver raises it at a launch that needs more ("automatically increases the per-thread stack size for
 each kernel launch as needed", and keeps it), so the reservation ends at what the process's largest
 kernel needs — reached during a worker's warm-up, before its cache is sized. Opt-in until measured
