@@ -29,6 +29,16 @@ def _stage(model_dir, num_slots: int = 6, slots_per_layer: int = 1, kv_slots: in
     return Stage(ckpt, range(2), backend, kv_slots, 32, experts=cache)
 
 
+def _blas():
+    """numpy over the simulator's host memory; cuBLAS on a GPU (HostBlas would read device addresses
+    as host memory there: the segfault these tests ended the H200's pytest with, twenty-second to
+    twenty-sixth sessions)."""
+    from moebus.cuda.kernels.compat import SIMULATOR
+    from moebus.cuda.kernels.gemm_host import HostBlas, cublas_blas
+
+    return HostBlas() if SIMULATOR else cublas_blas()
+
+
 def _decode(stage, slot: int, steps: int = 1, batch: int = 1):
     """Greedy steps of ``batch`` sequences of PROMPT on KV slots slot ... slot + batch - 1."""
     slots = list(range(slot, slot + batch))
@@ -76,9 +86,9 @@ def test_the_plan_from_logits_gives_the_same_tokens_and_logprobs(micro_model, mo
 def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_logprobs(micro_model,  # noqa: F811
                                                                                       monkeypatch):
     """Batch 4 over 4 experts of top-2 (2 pairs an expert): the experts run in tiles (HostBlas stands in
-    for cuBLAS), which plan from the layer's placement row with the prefetched experts at their banks."""
+    for cuBLAS in the simulator), which plan from the layer's placement row with the prefetched experts
+    at their banks."""
     from moebus.cuda.kernels.gemm import TensorCores
-    from moebus.cuda.kernels.gemm_host import HostBlas
     from moebus.workers import expert_cache, moe_prefill, stage as stage_module
 
     monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
@@ -87,7 +97,7 @@ def test_prefetched_experts_in_tiles_on_tensor_cores_give_the_same_tokens_and_lo
     inner = moe_prefill.grouped_moe_placed
     monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: rows.append(a[4]) or inner(*a))
     stage = _stage(micro_model, kv_slots=8)
-    stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
+    stage.ops.tensor_cores = TensorCores(_blas(), min_rows=33, few_rows=2)
     cache = stage.experts
     with_prefetch = _decode(stage, slot=0, steps=2, batch=4)
     assert len(rows) == 6  # the prompts and 2 steps, 2 layers each, in tiles
@@ -103,7 +113,6 @@ def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_mod
     batch 4 (2 pairs an expert, enough for tiles) runs its experts on the GEMV kernels; the prompts'
     step of 12 tokens keeps the tiles."""
     from moebus.cuda.kernels.gemm import TensorCores
-    from moebus.cuda.kernels.gemm_host import HostBlas
     from moebus.workers import moe_prefill, stage as stage_module
 
     monkeypatch.setattr(moe_prefill, "DECODE_PAIRS_PER_EXPERT", 2)
@@ -111,7 +120,7 @@ def test_a_partial_cache_reads_decode_misses_in_the_gemvs_not_in_tiles(micro_mod
     inner = moe_prefill.grouped_moe_placed
     monkeypatch.setattr(stage_module, "grouped_moe_placed", lambda *a: calls.append(a[2].shape[0]) or inner(*a))
     stage = _stage(micro_model, kv_slots=4)
-    stage.ops.tensor_cores = TensorCores(HostBlas(), min_rows=33, few_rows=2)
+    stage.ops.tensor_cores = TensorCores(_blas(), min_rows=33, few_rows=2)
     assert not stage.experts.decode_tiles(4)  # 4 slots for 8 experts
     _decode(stage, slot=0, steps=2, batch=4)
     assert calls == [12, 12] and stage.experts.prefetch.used > 0  # the prompts' 2 layers only

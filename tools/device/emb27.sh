@@ -4,7 +4,8 @@
 # phase of the cold image cycle (541 during the image in the twenty-sixth session). This call measures
 # what that buys and what it costs:
 #   1. the GPU tests of the gather (tests/cuda/test_embedding.py: a mapped table, rows wider than a
-#      block's loads in flight) and bench kernels' embedding against embedding host (T 1..N);
+#      block's loads in flight), the stack limit's, test_prefetch_stage.py's (cuBLAS on a GPU now, not HostBlas: the
+#      segfault since the twenty-second session) and bench kernels' embedding against embedding host (T 1..N);
 #   2. gap25.sh's cycle (ROUTE=0, CTX=1: ctx26.py's context limits first) with runs `vram`
 #      (MOEBUS_EMBEDDING_VRAM=1: as before) and `host`, `host2` (the default): slots through the image,
 #      the largest gaps against the cycle's median, the step pool beyond its loans (the pow2 loan,
@@ -16,7 +17,8 @@
 source tools/device/setup.sh
 FINAL=$OUT
 MOEBUS_TEST_GPU=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short -W ignore \
-  tests/cuda/test_embedding.py tests/cuda/test_bench_kernels.py tests/cuda/test_context_limits.py > $FINAL/emb_tests.txt 2>&1
+  tests/cuda/test_embedding.py tests/cuda/test_bench_kernels.py tests/cuda/test_context_limits.py \
+  tests/cuda/test_prefetch_stage.py > $FINAL/emb_tests.txt 2>&1
 echo "GPU tests rc=$? at ${SECONDS} s: $(tail -1 $FINAL/emb_tests.txt | cut -c1-120)"
 grep -E "^FAILED|Error" $FINAL/emb_tests.txt | head -6
 timeout 120 python3 -m moebus.cli bench kernels --only embedding 2>&1 | grep -E "^embedding" | cut -c1-120
