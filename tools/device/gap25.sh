@@ -14,7 +14,9 @@
 # Everything is written under /tmp/g25 and the few files worth keeping copied to $OUT (8 come back).
 #   WARM_S=115 MEASURE_S=125 bash tools/device/gap25.sh
 # Twenty-sixth session: CTX=1 runs ctx26.py first (a context's limits); per run a line with the step pool's MiB
-# allocated beyond a loan by the end and the cache's slots at each vision reserve.
+# allocated beyond a loan by the end and the cache's slots at each vision reserve. Twenty-seventh: and at ready, where
+# the token embedding is, the stack limits set; the reserve of 1 GiB and more at each vision reserve (the vision
+# worker's footprint, so the reserve, may change with the stack limit).
 source tools/device/setup.sh
 FINAL=$OUT; T=/tmp/g25; rm -rf $T; mkdir -p $T/r $T/v
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
@@ -43,8 +45,10 @@ for run in $VIS_RUNS; do
   { echo "=== $tag"; cat $OUT/summary_$tag.txt; } >> $FINAL/summaries.txt 2>&1
   # twenty-sixth session: the pool beyond the loans (0 expected with the pow2 loan) and the image's slots
   echo "$tag: $(zcat $L | grep -c 'allocated beyond a loan so far') step lines; last: $(zcat $L \
-    | grep -oE '[0-9.]+ allocated beyond a loan so far' | tail -1); VRAM 1536 slots: $(zcat $L \
-    | grep -oE 'VRAM 1536.0: [0-9]+ expert slots' | awk '{print $3}' | tr '\n' ' ')"
+    | grep -oE '[0-9.]+ allocated beyond a loan so far' | tail -1); VRAM >= 1 GiB (MiB: slots): $(zcat $L \
+    | grep -oE 'VRAM [0-9.]+: [0-9]+ expert slots' | awk '$2 + 0 >= 1024 {print $2 " " $3}' | tr '\n' ' '); ready: $(zcat $L \
+    | grep -oE "'expert_slots': [0-9]+" | head -1 | awk '{print $2}') slots; $(zcat $L | grep -oE 'token embedding: .*' \
+    | head -1); $(zcat $L | grep -oE 'CUDA stack limit [0-9]+ B' | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
 done
 if [ -n "$DECODE" ]; then  # the steady decode at a 25% cache, the peak on and off (in process: no service)
   for peak in ${PEAKS:-2 0}; do
