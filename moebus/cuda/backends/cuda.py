@@ -18,7 +18,7 @@ from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.kernels.gemm import make_tensor_cores
 from moebus.cuda.backends.graphs import swapped
 from moebus.cuda.memory.context_limits import lower_stack_limit
-from moebus.cuda.memory.host_table import embedding_in_vram, mapped_table
+from moebus.cuda.memory.host_table import device_view, embedding_in_vram, mapped_empty, mapped_table
 from moebus.cuda.memory.step_pool import StepPool
 
 ATTENTION_COUNTERS = 1024  # (token, kv head) pairs a decode attention launch merges in its split kernel
@@ -142,15 +142,11 @@ class CudaBackend(split_epilogues.SplitInputOps):
     def host_empty(self, shape, dtype):
         """Pinned host memory mapped into the device's address space (the expert host store): copies
         to the arena run at full speed, and kernels can read it in place."""
-        if SIMULATOR:
-            return cuda.pinned_array(shape, dtype=dtype)
-        return cuda.mapped_array(shape, dtype=dtype)
+        return mapped_empty(shape, dtype)
 
     def host_device_view(self, host):
         """A device array over mapped host memory (host_empty), for kernels to read in place."""
-        if SIMULATOR:
-            return host  # simulated kernels take host arrays as they are
-        return cuda.as_cuda_array(host)
+        return device_view(host)
 
     def overwrite(self, target, host: np.ndarray) -> None:
         """Copy ``host`` into the persistent device array ``target`` in stream order (staged, so the
