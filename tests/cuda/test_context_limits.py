@@ -15,7 +15,7 @@ def test_the_stack_limit_is_the_drivers_unless_asked():
     assert stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": "256"}) == 256
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "1k", "2097152", "25.5"])
+@pytest.mark.parametrize("text", ["0", "-1", "1k", "2097152", "25.5", "²", "9" * 40, " 64"])
 def test_a_bad_stack_limit_names_the_setting(text):
     with pytest.raises(ConfigError, match=f"MOEBUS_CUDA_STACK_BYTES must be a byte count .* got '{text}'"):
         stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": text})

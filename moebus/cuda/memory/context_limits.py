@@ -25,7 +25,7 @@ def stack_bytes_from_env(environ=os.environ) -> int | None:
     text = environ.get("MOEBUS_CUDA_STACK_BYTES", "")
     if not text:
         return None
-    if not text.isdigit() or not 0 < int(text) <= 1 << 20:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= 1 << 20:  # '²' is a digit int() refuses
         raise ConfigError(f"MOEBUS_CUDA_STACK_BYTES must be a byte count from 1 to 1048576 (each GPU thread's stack "
                           f"at the context's start; unset: the driver's 1024), got {text!r}")
     return int(text)
