@@ -8,20 +8,37 @@ Traces are (steps, MoE layers, T, A) expert ids:
   reuse reported for Qwen3-30B-A3B (~45% of picks repeat at the next token, ~80% within 8); the
   reuse actually realised is printed beside the hit rates.
 - ``recorded``: the choices of a real decode run of ``--model`` (the demo model by default) on cpu.
+- ``streams``: the same, but the text streams of ``bench vision-cycle`` (their prompts, greedy), one a
+  batch row: the trace that run's decode steps read (twenty-eighth session: replayed at 0.9 through
+  the 8 × 128 A3B LLaVA's 675 slots with ``--landing ahead``, 15.5 misses and 19.3 experts a step;
+  the H200's logs of that cycle, 15.5 and 20.4).
 
-Policies: ``freq`` (default), ``lru`` (both with the cache's admission cap per step) and ``lru-all``
-(LRU admitting every miss at once, as the cache did before misses could be read in place)."""
+Policies: ``freq`` (default; ``freq:D`` with D as its decay a step, ``MOEBUS_CACHE_DECAY`` otherwise),
+``lru`` (both with the cache's admission cap per step) and ``lru-all`` (LRU admitting every miss at
+once, as the cache did before misses could be read in place); ``min`` is no policy but the bound:
+the fewest misses any cache could have, knowing every later step (cache_bound.py).
+
+``--slots N`` sizes the cache in slots (instead of ``--fractions``), ``--shrink-at S --shrink-to M``
+makes it M slots from step S (an image's hand-back: the cache keeps its hottest, as a VRAM reserve
+does), and the figures after S are printed apart. ``--landing ahead`` lands admissions two steps
+later, as on a GPU where each step is launched while the one before runs (workers/overlap.py: the
+copies start after the step in flight); ``now`` (default) lands them at once, as on cpu."""
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 
 import numpy as np
 
+from moebus.bench.cache_bound import min_misses
 from moebus.cuda.memory.arena import HostArena
+from moebus.workers.eviction import FreqPolicy
 from moebus.workers.expert_cache import ExpertCache
 
-BLOB_ELEMS = 1024  # the bytes do not matter here: 2 KiB slots keep the arena small
+# the bytes do not matter here: a page a slot keeps the arena small, and a shrink can give back any count
+BLOB_ELEMS = mmap.PAGESIZE // 2
 
 
 class TraceStore:
@@ -85,6 +102,25 @@ def reuse(trace: np.ndarray) -> tuple[float, float]:
     return next_hits / max(total, 1), within / max(total, 1)
 
 
+def streams_trace(model_dir: str, steps: int, batch: int) -> np.ndarray:
+    """The routing of ``batch`` greedy text streams with bench vision-cycle's prompts, decoding together."""
+    from moebus.bench.vision_gaps import stream_prompt
+    from moebus.workers.batch import StepBatch
+    from moebus.workers.local import LocalModel
+
+    prompts = [stream_prompt(i) for i in range(batch)]
+    model = LocalModel(model_dir, device="cpu", num_slots=batch, max_context=len(prompts[0]) + steps + 8)
+    cache = model.stages[0].experts
+    greedy = {"temperature": [0.0] * batch, "u": np.zeros(batch)}
+    out = model.step(StepBatch(slots=range(batch), starts=[0] * batch, lengths=[len(p) for p in prompts],
+                               tokens=[t for p in prompts for t in p], **greedy))
+    cache.trace = []  # decode steps only
+    for i in range(steps):
+        out = model.step(StepBatch(slots=range(batch), starts=[len(prompts[0]) + i] * batch, lengths=[1] * batch,
+                                   tokens=[int(t) for t in out.tokens], **greedy))
+    return np.stack(cache.trace)
+
+
 def recorded_trace(model_dir: str, steps: int, batch: int) -> np.ndarray:
     from moebus.workers.batch import StepBatch
     from moebus.workers.local import LocalModel
@@ -102,71 +138,191 @@ def recorded_trace(model_dir: str, steps: int, batch: int) -> np.ndarray:
     return np.stack(cache.trace)
 
 
-def replay(trace: np.ndarray, num_experts: int, fraction: float, policy: str) -> dict:
+class LandingAhead:
+    """The copier of a decode with launch-ahead, on the host: the admissions of step t's observe are
+    copied after step t+1 (in flight then) and land at step t+2's observe; step t+3 was launched before
+    that, so step t+4 is the first to read them (``replay`` gives each step the table as it was before
+    the observe of the step before it, as workers/overlap.py launches it)."""
+
+    fences = False
+
+    def __init__(self, arena):
+        self.arena = arena
+        self.age: int | None = None  # steps since the copies in flight started; None: none in flight
+
+    def copy(self, slot: int, blob, after=None) -> bool:
+        self.arena.write(slot, blob)
+        self.age = 0
+        return False
+
+    def step(self) -> None:
+        if self.age is not None:
+            self.age += 1
+
+    def is_done(self) -> bool:
+        return self.age is None or self.age >= 2
+
+    def wait(self) -> None:
+        self.age = None
+
+    sync = wait
+
+    def mark(self) -> None:
+        pass
+
+    def move(self, src: int, dst: int) -> None:
+        self.arena.array[dst] = self.arena.array[src]
+
+
+def make_policy(spec: str, num_keys: int):
+    """``freq``, ``freq:D`` (D: the decay a step), ``lru`` or ``lru-all`` -> (policy, uncapped)."""
+    name, _, decay = spec.partition(":")
+    if name == "freq" and decay:
+        return FreqPolicy(num_keys, decay=float(decay)), False
+    if name == "lru-all":
+        return "lru", True
+    return name, False
+
+
+def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: str, slots: int | None = None,
+           shrink_at: int | None = None, shrink_to: int | None = None, landing: str = "now") -> dict:
+    """Replay ``trace`` through a cache of ``slots`` (or ``fraction`` of the experts); hit rate and experts
+    over PCIe a step after the first 10% of the steps (before ``shrink_at`` where one is given), and with
+    a shrink the same from it on, the slowest 10% of those steps' experts (``after_p90``) too."""
     layers = trace.shape[1]
     store = TraceStore(layers, num_experts)
-    slots = max(trace.shape[3], int(layers * num_experts * fraction))
-    arena = HostArena(store.blob_bytes, store.dtype, [slots * store.blob_bytes])
+    slots = slots or max(trace.shape[3], int(layers * num_experts * fraction))
+    if policy == "min":  # the offline bound: its misses are all it moves (cache_bound.py)
+        counts = min_misses(trace, num_experts, slots, shrink_at, shrink_to)
+        return _summary(np.column_stack([counts, counts[:, 1]]), len(trace) // 10, shrink_at)
+    # one segment a slot (a page each, so a shrink can give any count back)
+    arena = HostArena(store.blob_bytes, store.dtype, [store.blob_bytes] * slots)
     arena.grow()
-    uncapped = policy == "lru-all"
-    cache = ExpertCache(store, arena, policy="lru" if uncapped else policy,
+    chosen_policy, uncapped = make_policy(policy, layers * num_experts)
+    copier = LandingAhead(arena) if landing == "ahead" else None
+    cache = ExpertCache(store, arena, copier=copier, policy=chosen_policy,
                         max_admissions=slots if uncapped else None)
     cache.preload()
     warmup = len(trace) // 10
+    per_step = np.zeros((len(trace), 3), np.int64)  # hits, misses, experts over PCIe
+    launched = None  # landing ahead: the table the next step was launched with (before this step's observe)
     for step, chosen in enumerate(trace):
-        if step == warmup:
-            cache.hits = cache.misses = cache.h2d_bytes = 0
-        cache.observe(chosen)
-    counted = len(trace) - warmup
-    lookups = max(cache.hits + cache.misses, 1)
-    return {"hit_rate": cache.hits / lookups, "h2d_experts_per_step": cache.h2d_bytes / store.blob_bytes / counted}
+        if step == shrink_at and shrink_to is not None and shrink_to < cache.num_slots:
+            # a VRAM request runs between steps, with none in flight: the next step reads the table after it
+            cache._shrink_for((cache.num_slots - shrink_to) * store.blob_bytes)
+            launched = None
+        read = launched
+        if copier is not None:
+            copier.step()
+            launched = cache.placement.copy()  # step + 1 is launched now, before this step's outputs are read
+        before = cache.hits, cache.misses, cache.h2d_bytes // store.blob_bytes
+        cache.observe(chosen, read=read)
+        per_step[step] = np.subtract((cache.hits, cache.misses, cache.h2d_bytes // store.blob_bytes), before)
+    return _summary(per_step, warmup, shrink_at)
+
+
+def _summary(per_step: np.ndarray, warmup: int, shrink_at: int | None) -> dict:
+    """(steps, 3) hits, misses, experts over PCIe -> the figures ``replay`` gives."""
+    end = shrink_at if shrink_at is not None else len(per_step)
+    out = _figures(per_step[warmup:end])
+    if shrink_at is not None:
+        after = per_step[shrink_at:]
+        out.update({f"after_{k}": v for k, v in _figures(after).items()},
+                   after_p90=float(np.percentile(after[:, 2], 90)) if len(after) else 0.0)
+    return out
+
+
+def _figures(rows: np.ndarray) -> dict:
+    lookups = max(int(rows[:, 0].sum() + rows[:, 1].sum()), 1)
+    return {"hit_rate": float(rows[:, 0].sum()) / lookups,
+            "h2d_experts_per_step": float(rows[:, 2].mean()) if len(rows) else 0.0}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moebus bench cache")
-    p.add_argument("--trace", default="synthetic,recorded")
-    p.add_argument("--model", help="model for the recorded trace (default: the embedded demo model)")
+    p.add_argument("--trace", default="synthetic,recorded", help="synthetic, recorded, streams (comma list)")
+    p.add_argument("--model", help="model for the recorded and streams traces (default: the embedded demo model)")
+    p.add_argument("--trace-file", help="recorded / streams: read the trace from this .npy file where it exists, "
+                                        "else record it and write it there (an A3B-sized model takes ~0.7 s a step)")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", default="1,8")
+    p.add_argument("--batch", default="1,8", help="sequences a step (streams: text streams)")
     p.add_argument("--layers", type=int, default=12, help="synthetic: MoE layers")
     p.add_argument("--experts", type=int, default=128, help="synthetic: experts per layer")
     p.add_argument("--top-k", type=int, default=8, help="synthetic: experts per token")
     p.add_argument("--repeat", type=float, default=0.28)
     p.add_argument("--recent", type=float, default=0.22)
     p.add_argument("--fractions", default="0.1,0.25,0.5")
-    p.add_argument("--policies", default="freq,lru,lru-all")
+    p.add_argument("--slots", type=int, help="the cache's slots (in place of --fractions)")
+    p.add_argument("--shrink-at", type=int, help="the step from which the cache holds --shrink-to slots")
+    p.add_argument("--shrink-to", type=int, help="slots from --shrink-at on (an image's hand-back)")
+    p.add_argument("--landing", choices=("now", "ahead"), default="now",
+                   help="admissions land at once (cpu) or two steps later (a GPU launching each step ahead)")
+    p.add_argument("--policies", default="freq,lru,lru-all",
+                   help="freq, freq:DECAY, lru, lru-all, min (the offline bound; comma list)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    fractions = [float(f) for f in args.fractions.split(",")]
+    if (args.shrink_at is None) != (args.shrink_to is None):
+        p.error("--shrink-at and --shrink-to go together")
+    sizes = [None] if args.slots else [float(f) for f in args.fractions.split(",")]
     policies = args.policies.split(",")
+    for pol in policies:
+        name, _, decay = pol.partition(":")
+        if name not in ("freq", "lru", "lru-all", "min") or (decay and (name != "freq" or not _decay_ok(decay))):
+            p.error(f"--policies: {pol!r} is not freq, freq:DECAY (0 < DECAY <= 1), lru, lru-all or min")
+    shrink = {"shrink_at": args.shrink_at, "shrink_to": args.shrink_to, "landing": args.landing}
     for kind in args.trace.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             trace, experts = _trace(kind, args, batch)
             next_share, window_share = reuse(trace)
             print(f"== {kind} trace: {trace.shape[0]} steps, {trace.shape[1]} layers x {experts} experts, batch "
                   f"{batch}, top-{trace.shape[3]}; picks repeating at the next token {next_share:.2f}, "
-                  f"within 8 {window_share:.2f}")
-            print(f"{'fraction':>8}  " + "  ".join(f"{pol:>16}" for pol in policies))
-            for fraction in fractions:
-                rows = {pol: replay(trace, experts, fraction, pol) for pol in policies}
-                print(f"{fraction:>8}  " + "  ".join(
-                    f"{r['hit_rate']:>7.3f} ({r['h2d_experts_per_step']:>5.1f}/st)" for r in rows.values()))
+                  f"within 8 {window_share:.2f}; admissions landing {args.landing}")
+            size_name = "slots" if args.slots else "fraction"
+            print(f"{size_name:>8}  " + "  ".join(f"{pol:>16}" for pol in policies)
+                  + ("" if args.shrink_at is None else f"   (then {args.shrink_to} slots from step {args.shrink_at}: "
+                                                        f"hit rate, experts a step, the slowest 10%'s)"))
+            for fraction in sizes:
+                rows = {pol: replay(trace, experts, fraction, pol, slots=args.slots, **shrink) for pol in policies}
+                line = f"{args.slots or fraction:>8}  " + "  ".join(
+                    f"{r['hit_rate']:>7.3f} ({r['h2d_experts_per_step']:>5.1f}/st)" for r in rows.values())
+                if args.shrink_at is not None:
+                    line += "   then " + "  ".join(f"{r['after_hit_rate']:.3f} ({r['after_h2d_experts_per_step']:.1f}/st, "
+                                                   f"p90 {r['after_p90']:.0f})" for r in rows.values())
+                print(line)
                 if args.json:
                     for pol, r in rows.items():
-                        print(json.dumps({"trace": kind, "batch": batch, "fraction": fraction, "policy": pol, **r}))
+                        print(json.dumps({"trace": kind, "batch": batch, "fraction": fraction, "slots": args.slots,
+                                          "policy": pol, **shrink, **r}))
     print("(hit rate over the steps after the first 10%; in brackets: experts over PCIe per step, misses read in "
           "place plus admissions)")
     return 0
+
+
+def _decay_ok(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
 
 
 def _trace(kind: str, args, batch: int) -> tuple[np.ndarray, int]:
     if kind == "synthetic":
         return synthetic_trace(args.steps, args.layers, args.experts, batch, args.top_k, args.repeat,
                                args.recent), args.experts
-    if kind == "recorded":
+    if kind in ("recorded", "streams"):
         from moebus.common.checkpoint import Checkpoint
         from moebus.common.demo_model import demo_model_dir
 
         model_dir = args.model or str(demo_model_dir())
-        return recorded_trace(model_dir, args.steps, batch), Checkpoint(model_dir).config.num_experts
+        experts = Checkpoint(model_dir).config.num_experts
+        if args.trace_file and os.path.exists(args.trace_file):
+            trace = np.load(args.trace_file)
+            if trace.ndim != 4 or trace.shape[2] != batch:
+                raise SystemExit(f"{args.trace_file}: a trace of shape {trace.shape}, not (steps, layers, {batch}, top-k)")
+            return trace, experts
+        record = streams_trace if kind == "streams" else recorded_trace
+        trace = record(model_dir, args.steps, batch)
+        if args.trace_file:
+            np.save(args.trace_file, trace)
+        return trace, experts
     raise ValueError(f"unknown trace {kind!r}")

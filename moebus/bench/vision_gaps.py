@@ -20,14 +20,19 @@ STEADY_TOKENS = 24  # each stream's tokens in the steady state measured before t
 PHASES = ("queued", "handback", "start", "ready_to_encode", "encode", "prefill", "decode")
 
 
+def stream_prompt(i: int, prompt_tokens: int = 3) -> list[int]:
+    """Text stream ``i``'s prompt ids (greedy from there; ``bench cache --trace streams`` replays them)."""
+    return [5 + i] + [17, 99, 23][: prompt_tokens - 1]
+
+
 class TextStreams:
     """``count`` text streams started at once, each up to ``max_tokens`` tokens or until ``stop``:
     their token arrival times (monotonic s), one list per stream."""
 
     def __init__(self, client, count: int, max_tokens: int, prompt_tokens: int = 3):
         self.times: list[list[float]] = [[] for _ in range(count)]
-        self.streams = [client.generate(prompt_tokens=[5 + i] + [17, 99, 23][: prompt_tokens - 1],
-                                        max_tokens=max_tokens, temperature=0, ignore_eos=True) for i in range(count)]
+        self.streams = [client.generate(prompt_tokens=stream_prompt(i, prompt_tokens), max_tokens=max_tokens,
+                                        temperature=0, ignore_eos=True) for i in range(count)]
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
         for t in self.threads:

@@ -9,6 +9,21 @@ straight from host memory and admission is optional, whether a missed key is wor
   when its count beats the weakest resident's, so a scan of one-off experts never flushes the hot
   set (TinyLFU-style admission); the victim is the resident key with the lowest count.
 
+  ``MOEBUS_CACHE_DECAY`` (default 0.98; 0.9 before the twenty-eighth session): the count's factor a
+  step, a memory of ~50 steps (0.9: ~10). With ~10 steps an expert used a few times a while ago lost
+  to one used twice just now, so the cache kept copying in experts the next steps did not use again,
+  over the link the misses are read over. Replayed through this cache (``moebus bench cache --trace
+  streams --landing ahead``: the two greedy text streams of ``bench vision-cycle`` on its 8 × 128
+  A3B-shaped LLaVA, 675 slots, 541 from token 217 on as through an image), 0.98 moves 15 % fewer
+  experts over PCIe a step before the shrink (15.7 against 18.5) and 17 % fewer after it (28.2
+  against 34.0), its slowest 10 % of steps 25 % fewer (38 against 51), with hit rates a point
+  higher; at 0.9 the replay's 18.5 a step is near the H200's own logs of that cycle (20.4 a step
+  before the image, twenty-sixth session). On ``bench cache``'s synthetic Qwen-like traces and the
+  demo model's, with admissions landing as on a GPU, 0.98 moves 1-13 % fewer experts a step with a
+  hit rate up to 2 points higher; landing at once (cpu), the synthetic batch 1 loses up to 2.7
+  points of hits (recency pays there) for 4-10 % fewer bytes. docs/performance.md, twenty-eighth
+  session. A value outside (0, 1] stops the worker's start with a config error.
+
   ``MOEBUS_ADMISSION_MARGIN`` (default 1): a miss must beat the weakest resident's count by more
   than this to be admitted. A miss's count has just grown by one, so with a margin of 0 and
   near-uniform routing (a randomly initialised model) nearly every miss beats a resident unused for
@@ -45,6 +60,20 @@ def number_from_env(name: str, default: str, meaning: str, environ=os.environ) -
         value = float("nan")
     if not 0 <= value < float("inf"):  # nan and inf fail here too
         raise ConfigError(f"{name} must be a number >= 0 ({meaning}), got {text!r}")
+    return value
+
+
+def cache_decay_from_env(environ=os.environ) -> float:
+    """``MOEBUS_CACHE_DECAY`` (default 0.98): the freq policy's count factor a step, in (0, 1], else a
+    ConfigError naming it, raised where a cache is built (a worker's start), not at import."""
+    text = environ.get("MOEBUS_CACHE_DECAY", "0.98")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # nan fails here too
+        raise ConfigError(f"MOEBUS_CACHE_DECAY must be a number in (0, 1] (the freq policy's use count is "
+                          f"multiplied by it every step), got {text!r}")
     return value
 
 
@@ -100,8 +129,8 @@ class LruPolicy:
 class FreqPolicy:
     name = "freq"
 
-    def __init__(self, num_keys: int, decay: float = 0.9, admission_margin: float | None = None):
-        self.decay = decay
+    def __init__(self, num_keys: int, decay: float | None = None, admission_margin: float | None = None):
+        self.decay = cache_decay_from_env() if decay is None else decay
         self.admission_margin = admission_margin_from_env() if admission_margin is None else admission_margin
         self.score = np.zeros(num_keys, np.float64)  # decayed use count, for every key
         self._resident: dict[int, None] = {}  # insertion order breaks ties: oldest goes first

@@ -42,7 +42,7 @@ def test_a_margin_stops_the_churn_of_uniform_routing():
 
 
 def test_the_margin_applies_to_admissions_not_to_the_shrinks_moves():
-    policy = FreqPolicy(4, admission_margin=1.0)
+    policy = FreqPolicy(4, decay=0.9, admission_margin=1.0)
     policy.observe(np.array([0, 1]))
     policy.observe(np.array([0]))  # scores: key 0 1.9, key 1 0.9
     assert policy.worth_keeping(0, 1) and not policy.worth_admitting(0, 1)

@@ -12,6 +12,13 @@
 #     kernels' `embedding` against `embedding host`; then the steady decode all resident (in process) with the
 #     table in VRAM and in host memory alternating: what a decode row's PCIe read costs a step.
 #   PART=cycle bash tools/device/emb27.sh 2>&1 | tail -40      (carry .whl)
+# Twenty-eighth session (no GPU lent either): the freq policy's decay went from 0.9 to 0.98 (MOEBUS_CACHE_DECAY;
+# `bench cache --trace streams --landing ahead` replays the cycle's streams with 15-17% fewer experts over PCIe a
+# step, the slowest 10% 25% fewer). The cycle's runs are now `before` (the twenty-sixth session's state: the table in
+# VRAM, decay 0.9), `d90` (the table in host memory, decay 0.9), `host` and `host2` (the defaults) and `stack`
+# (MOEBUS_CUDA_STACK_BYTES=64): ~35 s a run, MEASURE_S=185. And
+#   PART=decay (~5 min): the steady decode at a 25% cache (in process), decay 0.9 and 0.98 alternating, batch 1 and
+#     8, on the 8-layer A3B text model: what the decay does where the cache is small and nothing shrinks.
 source tools/device/setup.sh
 FINAL=$OUT
 if [ "$PART" = check ]; then
@@ -32,8 +39,19 @@ if [ "$PART" = check ]; then
   echo "== check done at ${SECONDS} s"
   exit 0
 fi
+if [ "$PART" = decay ]; then
+  M=${M:-/tmp/emb27-a3b-8}
+  [ -f $M/config.json ] || timeout 150 python3 -m moebus.cli init-model $M --preset a3b --layers 8 > /dev/null 2>&1
+  for decay in 0.9 0.98 0.9 0.98; do
+    MOEBUS_CACHE_DECAY=$decay timeout 80 python3 -m moebus.cli bench decode --model $M --device cuda --cache-frac 0.25 \
+      --batch 1,8 --tokens 64 --repeats 2 --no-service 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " \
+      | awk -v d=$decay '{print "decay " d ": batch " $1 ", " $2 " tok/s, " $3 " ms a step, hit rate " $5 ", " $6 " GB/s"}'
+  done
+  echo "== decay done at ${SECONDS} s"
+  exit 0
+fi
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-OUT=$FINAL CTX=1 ROUTE=0 MEASURE_S=${MEASURE_S:-150} \
-  VIS_RUNS="vram:$LOGS,MOEBUS_EMBEDDING_VRAM=1 host:$LOGS host2:$LOGS stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64" \
+OUT=$FINAL CTX=1 ROUTE=0 MEASURE_S=${MEASURE_S:-185} \
+  VIS_RUNS="before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 d90:$LOGS,MOEBUS_CACHE_DECAY=0.9 host:$LOGS host2:$LOGS stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64" \
   bash tools/device/gap25.sh 2>&1 | tail -24
 echo "== emb27 cycle done at ${SECONDS} s"
