@@ -502,9 +502,11 @@ class ExpertCache:
 
     # -- VRAM requests ----------------------------------------------------------------------------
 
-    def resize(self, reserve_mib: float | None, query: bool = False) -> dict:
+    def resize(self, reserve_mib: float | None, query: bool = False, beside=None) -> dict:
         """Apply a reserve (MiB that must be free on the device) or, with None, go back to the full
-        start-up size. Runs between steps: nothing is pinned."""
+        start-up size. Runs between steps: nothing is pinned. ``beside``: where a reserve releases
+        segments, called once their slots are out of service and before they are unmapped (the worker
+        launches the next decode step there, which then runs beside the unmap: see ``_shrink_for``)."""
         assert not self.pinned and self.loaned_from is None, "resize while a step holds experts or a loan"
         self._end_chain()
         started = time.perf_counter()
@@ -524,21 +526,30 @@ class ExpertCache:
             self.last_resize["free_before_mib"] = free / MIB
             missing = int(self.reserve_mib * MIB) - free
             if missing > 0:
-                self._shrink_for(missing)
+                self._shrink_for(missing, beside)
             else:
                 self._grow_within(-missing)
         self.last_resize["segments"] = len(self.arena.mapped) - segments  # < 0: released
         return self.report()
 
-    def _shrink_for(self, missing_bytes: int) -> None:
+    def _shrink_for(self, missing_bytes: int, beside=None) -> None:
         """Release the fewest tail segments that free ``missing_bytes`` (the model must still run:
-        ``min_slots`` stay, enough for one expert group)."""
+        ``min_slots`` stay, enough for one expert group). With ``beside``: once the leaving slots are
+        out of service (the table no longer names them; the moves down are enqueued on the compute
+        stream), an event marks the compute stream's end, ``beside()`` runs (the next decode step is
+        launched: it reads the table as it is now, none of the leaving slots), and the unmap waits for
+        that event only, not for the step."""
         count, _ = self.arena.tail_to_release(missing_bytes, self.min_slots)
         kept = self.arena.slots_after_shrink(count)
         self.last_resize["moved"] = self._keep_hottest(kept) if count else 0
         self._take_out_of_service(kept)
+        after = None
+        if beside is not None and count:
+            fence = self.copier.record_compute() if getattr(self.copier, "fences", False) else None
+            self.last_resize["beside"] = bool(beside())
+            after = None if fence is None else fence.event
         self.arena.last_release = {}
-        self.arena.shrink(count)
+        self.arena.shrink(count, after=after)
         self.last_resize.update(self.arena.last_release)  # (vmm: sync_s, unmap_s, release_s)
 
     def _keep_hottest(self, first: int) -> int:

@@ -58,6 +58,19 @@ LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time 
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
 # beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
 RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
+
+
+def handback_beside_from_env(environ=os.environ) -> bool:
+    """``MOEBUS_HANDBACK_BESIDE_STEP`` (default 0; 1: on): a VRAM reserve that releases segments launches the
+    decode step queued behind it once the leaving slots are out of service, and unmaps them while that step
+    runs (ExpertCache._shrink_for). On the H200 a hand-back request held the GPU idle ~3.5 ms and the step
+    after it then ran unlaunched (~5 ms): the streams' largest gaps of the hand-back, 10.6-11.1 ms against a
+    cycle median of ~6 (twenty-sixth session). Off until a GPU has measured it (tools/device/emb27.sh).
+    Anything but 0 / 1 is a ConfigError naming it, raised at the worker's start."""
+    text = environ.get("MOEBUS_HANDBACK_BESIDE_STEP", "0")
+    if text not in ("0", "1"):
+        raise ConfigError(f"MOEBUS_HANDBACK_BESIDE_STEP must be 0 or 1, got {text!r}")
+    return text == "1"
 # A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
 # the handles' release (ExpertCache.last_resize; the last three from VmmArena).
 RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap"), ("release_s", "release"))
@@ -86,6 +99,8 @@ class GpuWorker:
         self.driver_info_s = 0.0  # the last INFO's driver call (cuMemGetInfo)
         # while a VRAM reserve holds, the sizes and the driver's figures as of the last VRAM request (INFO_AT_RESERVE)
         self.reserve_figures: dict | None = None
+        self.handback_beside = launch_ahead and handback_beside_from_env()
+        self.steps_launched_beside = 0  # decode steps launched within a VRAM request (handback_beside_from_env)
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
@@ -259,7 +274,8 @@ class GpuWorker:
         # grew it by ~470 MiB on the H200) would stay charged to the budget, and the regrow to the start-up
         # size overshoot it by as much, which the next hand-back's first requests then paid for
         released = 0 if msg.query else self.stage.ops.release_scratch()
-        reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query))
+        beside = self.step_beside() if msg.reserve_mib is not None and not msg.query and self.handback_beside else None
+        reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query, beside=beside))
         if not msg.query and self.stage.scratch_choices is not None:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one
             # holds, long steps borrow from the cache again instead of allocating there
@@ -272,11 +288,40 @@ class GpuWorker:
         if not msg.query:  # a hand-back step holds every text stream for this long
             split = getattr(experts, "last_resize", {})
             parts = "".join(f", {name} {1e3 * split[key]:.1f}" for key, name in RESIZE_PARTS if key in split)
+            if split.get("beside"):
+                parts += ", the next step launched beside"
             log.info("gpu%d VRAM %s: %d expert slots, %.1f ms (%.1f waiting for admissions, %+d segments, %d experts "
                      "moved down%s)%s", self.gpu, msg.reserve_mib, reply.expert_slots, 1e3 * (time.perf_counter() - started),
                      1e3 * split.get("admissions_wait_s", 0.0), split.get("segments", 0), split.get("moved", 0), parts,
                      self.room_figures(split.get("free_before_mib"), reply.free_mib, released))
         return reply
+
+    def step_beside(self):
+        """For a reserve: the launch of the decode step queued behind it (the broker sends its next step
+        right after a hand-back request, which takes its ids from the last step here), as a callable the
+        cache calls once the leaving slots are out of service (True: launched); None where the next
+        message is not such a step. The STEP stays in the inbox: the loop answers it in turn, from
+        ``ahead``; an error launching it is its answer."""
+        following = self.link.peek(timeout_s=PEEK_S)
+        if not (isinstance(following, Step) and following.tokens_from is not None
+                and following.tokens_from == self.last_step_id and following.tokens_rows is None
+                and following.held_row is None and following.step_id not in self.ahead
+                and self.last_tokens is not None and len(following.slots) == len(self.last_tokens)):
+            return None
+
+        def launch() -> bool:
+            try:
+                batch = self.batch_of(following, self.tokens_of(following))
+                launched = overlap.launch(self.stage, batch, following.step_id)
+            except Exception as e:  # noqa: BLE001 - reported as the answer to that step
+                launched = e
+            if launched is None:
+                return False  # not a step that launches (no graph for it): it runs in turn, after the unmap
+            self.ahead[following.step_id] = launched
+            self.last_step_id = self.last_tokens = None  # until that step has sampled, as in _step
+            self.steps_launched_beside += not isinstance(launched, Exception)
+            return not isinstance(launched, Exception)
+        return launch
 
     def room_figures(self, free_before_mib: float | None, free_after_mib: float, released_bytes: int) -> str:
         """A VRAM step's free MiB before and after it, the step pool's MiB and what of it went back first
@@ -313,6 +358,7 @@ class GpuWorker:
     def stats(self) -> dict:
         stage = self.stage  # prompt chunks that spanned steps (workers/spanning_chunk.py)
         stats = {"gpu": self.gpu, "steps": self.steps_served, "steps_launched_ahead": self.steps_launched_ahead,
+                 "steps_launched_beside": self.steps_launched_beside,
                  "chunks_spanned": stage.chunks_spanned, "chunk_steps": stage.chunk_steps,
                  "chunks_dropped": stage.chunks_dropped,
                  "busy_s": self.busy_s,

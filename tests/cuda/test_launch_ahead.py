@@ -52,9 +52,9 @@ def prefill_step(rows: int) -> Step:
                 temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
 
 
-def steps_one_at_a_time(model_dir, prefill: Step, rows: int) -> list:
+def steps_one_at_a_time(model_dir, prefill: Step, rows: int, **model_options) -> list:
     """The prefill and NUM_STEPS decode steps on a fresh model, each with the ids sent in full."""
-    model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=64)
+    model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=64, **model_options)
     want = [model.step(StepBatch(slots=prefill.slots, starts=prefill.starts, lengths=prefill.lengths,
                                  tokens=prefill.tokens, temperature=prefill.temperature, u=prefill.u))]
     for i in range(NUM_STEPS):
@@ -141,3 +141,40 @@ def test_local_decode_launches_ahead_and_gives_the_tokens_of_steps_one_at_a_time
         next(first)
     first.close()  # the step launched ahead is collected: the stream is idle, the graph's buffers free
     assert all(launch.is_done() for graph in model.stages[0].graphs.values() for launch in graph.launches or ())
+
+
+def test_a_reserve_that_unmaps_launches_the_next_step_beside_it(tmp_path_factory, monkeypatch):
+    """MOEBUS_HANDBACK_BESIDE_STEP=1: a hand-back request that releases segments of a cache that evicts
+    (VMM segments of 2 MiB, 1.5 MiB experts, half of them cached) launches the step queued behind it once
+    the leaving slots are out of service, and unmaps them while it runs; the tokens are those of steps run
+    one at a time on a cache that holds every expert."""
+    from moebus.common.protocol import Vram
+    from tests.cuda.test_e2e import init_micro
+
+    wide = init_micro(tmp_path_factory, "micro_wide", hidden_size=256, moe_intermediate_size=1024, num_experts=8,
+                      num_experts_per_tok=2)
+    monkeypatch.setenv("MOEBUS_HANDBACK_BESIDE_STEP", "1")
+    rows, link = 2, InboxLink()
+    options = {"cache_fraction": 0.5, "elastic": True, "prefetch_slots": 0}  # the reference runs the same kernels
+    stage = LocalModel(wide, device="cuda", num_slots=2, max_context=64, **options).stages[0]
+    slots_before = stage.experts.num_slots
+    stage.experts.arena.memory_info = lambda: (0, 1 << 34)  # the reserve finds nothing free: it releases segments
+    worker = GpuWorker(stage, link, gpu=0)
+    prefill = prefill_step(rows)
+    got = [worker.step(prefill)]
+    for i in range(NUM_STEPS):
+        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
+        if i == NUM_STEPS // 2:
+            link.inbox.put(Vram(id="~resize-1", reserve_mib=4.0))
+    replies = []
+    while not link.inbox.empty():
+        message = link.inbox.get()
+        reply = worker.handle(message)
+        (got if isinstance(message, Step) else replies).append(reply)
+    assert len(replies) == 1 and replies[0].error is None and replies[0].expert_slots < slots_before
+    assert stage.experts.last_resize.get("beside") is True and worker.steps_launched_beside == 1
+    assert worker.steps_launched_ahead == NUM_STEPS - 2  # launch_next's: all but the first and the one beside
+
+    want = steps_one_at_a_time(wide, prefill, rows, **options)
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+    np.testing.assert_array_equal(np.array([g.logprobs for g in got]), np.array([w.logprobs for w in want]))

@@ -45,8 +45,9 @@ class Arena:
     def _unmap(self, offset: int, size: int) -> None:
         raise NotImplementedError
 
-    def _unmap_tail(self, offset: int, sizes: list[int]) -> None:
-        """Unmap the tail segments of ``sizes`` (address order) that start at ``offset``, last first."""
+    def _unmap_tail(self, offset: int, sizes: list[int], after=None) -> None:
+        """Unmap the tail segments of ``sizes`` (address order) that start at ``offset``, last first.
+        ``after``: an event the device's work on them ends at (see ``shrink``)."""
         end = offset + sum(sizes)
         for size in reversed(sizes):
             end -= size
@@ -85,14 +86,17 @@ class Arena:
             self._mapped_range(start, self._mapped_bytes - start)
         return added
 
-    def shrink(self, num_segments: int) -> int:
-        """Unmap and release ``num_segments`` tail segments. The caller has emptied their slots."""
+    def shrink(self, num_segments: int, after=None) -> int:
+        """Unmap and release ``num_segments`` tail segments. The caller has emptied their slots.
+        ``after``: an event (a device's) after the last work that touches them, where work enqueued
+        since does not (a step launched beside the shrink, expert_cache.py): the unmap waits for it
+        alone instead of for the whole device."""
         count = min(num_segments, len(self.mapped))
         if count <= 0:
             return 0
         tail = self.mapped[len(self.mapped) - count:]
         offset = self._mapped_bytes - sum(tail)
-        self._unmap_tail(offset, tail)
+        self._unmap_tail(offset, tail, after)
         del self.mapped[len(self.mapped) - count:]
         self._mapped_bytes = offset
         return count

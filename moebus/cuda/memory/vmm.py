@@ -137,16 +137,23 @@ class VmmArena(_DeviceSlots, Arena):
         _check(self._cu.cuMemUnmap(self._base + offset, size))
         _check(self._cu.cuMemRelease(self._handles.pop()))
 
-    def _unmap_tail(self, offset: int, sizes: list[int]) -> None:
+    def _unmap_tail(self, offset: int, sizes: list[int], after=None) -> None:
         """One device sync and one cuMemUnmap for the whole tail (a hand-back step releases ~110
-        segments of 2 MiB, which took a sync and an unmap each), then each segment's handle released."""
+        segments of 2 MiB, which took a sync and an unmap each), then each segment's handle released.
+        ``after``: the event after the last work on the segments, waited for in place of the device
+        (a step launched since still runs: it reads none of them). cuMemUnmap and cuMemRelease do not
+        synchronize in all cases (PyTorch's expandable segments wait for their stream before unmapping
+        for that reason), so the wait is ours either way."""
         started = time.perf_counter()
-        cuda.synchronize()  # no kernel or copy may still touch the segments
+        if after is not None:
+            after.synchronize()
+        else:
+            cuda.synchronize()  # no kernel or copy may still touch the segments
         synced = time.perf_counter()
         try:
             _check(self._cu.cuMemUnmap(self._base + offset, sum(sizes)))
         except VmmError:  # a driver that wants one call per mapping
-            super()._unmap_tail(offset, sizes)
+            super()._unmap_tail(offset, sizes, after)
             return
         unmapped = time.perf_counter()
         for _ in sizes:
