@@ -18,9 +18,9 @@ def per_segment_arena(slot_bytes, segments):
     from moebus.cuda.memory import vmm
 
     class PerSegment(vmm.VmmArena):
-        def _unmap_tail(self, offset, sizes):
-            cuda.synchronize()
-            super(vmm.VmmArena, self)._unmap_tail(offset, sizes)
+        def _unmap_tail(self, offset, sizes, after=None):
+            after.synchronize() if after is not None else cuda.synchronize()
+            super(vmm.VmmArena, self)._unmap_tail(offset, sizes, after)
 
         def _mapped_range(self, offset, size):
             for seg_offset, seg_size in self._segments_in(offset, size):
@@ -41,7 +41,11 @@ def test_a_tail_released_at_once_is_free_and_the_head_keeps_its_data(rng, path):
         for slot in range(16):
             arena.write(slot, data[slot])
         free_before = device_memory_info()[0]
-        assert arena.shrink(5) == 5 and arena.num_slots == 6 and arena.mapped_bytes == 6 * MIB
+        from numba import cuda
+
+        written = cuda.event()
+        written.record(0)  # the writes' end: what a shrink with a step launched beside it waits for
+        assert arena.shrink(5, after=written) == 5 and arena.num_slots == 6 and arena.mapped_bytes == 6 * MIB
         assert device_memory_info()[0] - free_before >= 10 * MIB  # back with the driver at once
         assert all((arena.read(slot) == data[slot]).all() for slot in range(6))
         assert arena.grow(3) == 3 and arena.num_slots == 12
