@@ -58,6 +58,9 @@ LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time 
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
 # beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
 RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
+# A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
+# the handles' release (ExpertCache.last_resize; the last three from VmmArena).
+RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap"), ("release_s", "release"))
 
 
 def handback_beside_from_env(environ=os.environ) -> bool:
@@ -71,9 +74,6 @@ def handback_beside_from_env(environ=os.environ) -> bool:
     if text not in ("0", "1"):
         raise ConfigError(f"MOEBUS_HANDBACK_BESIDE_STEP must be 0 or 1, got {text!r}")
     return text == "1"
-# A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
-# the handles' release (ExpertCache.last_resize; the last three from VmmArena).
-RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap"), ("release_s", "release"))
 
 
 class GpuWorker:

@@ -11,10 +11,11 @@ import functools
 
 import numpy as np
 
+from moebus.common.errors import ConfigError
 from moebus.common.vision_config import VisionConfig
 from moebus.cuda.dtypes import to_f32
 from moebus.cuda.memory.step_pool import size_class
-from moebus.workers import tower_slices
+from moebus.workers import tower_slices, tower_stream
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.vision_weight_pack import DeviceWeights, HostWeights
 from moebus.workers.vision_weights import LAYER, PROJECTOR, load_vision_weights  # noqa: F401 (re-exported)
@@ -65,8 +66,9 @@ def make_vision_model(cfg, weights: dict, backend, beside: bool = False):
     are uploaded one by one as before. ``beside``: that copy runs while the caller goes on, until
     ``model.packed.wait()`` (the vision worker's warm-up needs no true values)."""
     packed = None
-    if isinstance(weights, HostWeights) and backend.name == "cuda":
-        packed = DeviceWeights(backend, weights, beside)
+    streamed = cfg.tower != "qwen3_vl" and backend.name == "cuda" and tower_stream.stream_layers_from_env()
+    if isinstance(weights, HostWeights) and backend.name == "cuda" and not streamed:
+        packed = DeviceWeights(backend, weights, beside)  # (streamed: the layers stay on the host, the rest is small)
     if cfg.tower == "qwen3_vl":
         from moebus.workers.qwen3vl_vision import Qwen3VisionModel
 
@@ -88,6 +90,7 @@ class VisionModel:
     """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
 
     def __init__(self, config: VisionConfig, weights: dict, backend, packed: DeviceWeights | None = None):
+        """On cuda with MOEBUS_VISION_STREAM_LAYERS=1 the encoder layers are streamed (tower_stream.py)."""
         self.cfg, self.ops = config, backend
         self.packed = packed
         self._bytes = packed.nbytes if packed is not None else 0
@@ -101,7 +104,17 @@ class VisionModel:
             positions[0] += to_f32(weights["embeddings.class_embedding"])  # cat(class, patches) + positions
         self.positions = self._weight(positions)
         self.pre_norm = [self._weight(weights.get("pre_layrnorm." + k)) for k in ("weight", "bias")]
-        self.layers = [self._layer(weights, i) for i in range(config.num_layers_run)]
+        self.stream = None  # tower_stream.LayerStream, where the encoder layers are streamed
+        if backend.name == "cuda" and tower_stream.stream_layers_from_env():
+            if tower_slices.SLICE_LAYERS > 0:  # a slice's graph cannot wait on a copy another slice's recorded
+                raise ConfigError("MOEBUS_VISION_STREAM_LAYERS=1 does not go with MOEBUS_TOWER_SLICE_LAYERS > 0 "
+                                  "(the tower in slices): set one of them")
+            self.stream = tower_stream.LayerStream([self._host_layer(weights, i) for i in range(config.num_layers_run)],
+                                                   backend)
+            self._bytes += self.stream.device_bytes
+            self.layers = [self.stream.layer(i) for i in range(config.num_layers_run)]
+        else:
+            self.layers = [self._layer(weights, i) for i in range(config.num_layers_run)]
         w1 = weights[PROJECTOR + "linear_1.weight"]
         # linear_1 over concatenated feature layers = the sum of one column block per layer, so the
         # hidden states never need a device concat
@@ -118,8 +131,13 @@ class VisionModel:
         return out
 
     def _layer(self, weights: dict, i: int) -> dict:
+        return {name: self._weight(array) for name, array in self._host_layer(weights, i).items()}
+
+    @staticmethod
+    def _host_layer(weights: dict, i: int) -> dict:
         prefix = LAYER.format(i=i)
-        return {name[len(prefix):]: self._weight(array) for name, array in weights.items() if name.startswith(prefix)}
+        return {name[len(prefix):]: np.ascontiguousarray(array) for name, array in weights.items()
+                if name.startswith(prefix)}
 
     @property
     def device_bytes(self) -> int:
@@ -154,13 +172,21 @@ class VisionModel:
         bounds = list(range(0, n, per_slice)) + [n] if 0 < per_slice < n else [0, n]
         state = {}
 
+        stream = self.stream
+
         def run(first: int, last: int, inputs: dict):
             if first == 0:
+                if stream is not None:  # layers 0 and 1 come up while the embedding runs
+                    stream.begin()
                 state["mark"] = self._embed(inputs, kept)
             for i in range(first, last):
                 # one layer's scratch at a time: the hidden state is carried in kept memory
                 self.ops.recycle_layer(state["mark"], ())
+                if stream is not None:
+                    stream.before(i)
                 self._keep(self._encoder_layer(self.layers[i], kept["x"], kept["num_images"]), kept, i + 1)
+                if stream is not None:  # its slot takes layer i + 2 once this layer's kernels have read it
+                    stream.after(i)
             if last == n:
                 self.ops.recycle_layer(state["mark"], ())
                 features = [self._select(kept[k], kept["select"]) for k in self.cfg.feature_layers]

@@ -14,13 +14,18 @@
 #   PART=cycle bash tools/device/emb27.sh 2>&1 | tail -40      (carry .whl)
 # Twenty-eighth session (no GPU lent either): the freq policy's decay went from 0.9 to 0.98 (MOEBUS_CACHE_DECAY;
 # `bench cache --trace streams --landing ahead` replays the cycle's streams with 15-17% fewer experts over PCIe a
-# step, the slowest 10% 25% fewer), and the hand-back's requests can launch the next step beside their unmap
-# (MOEBUS_HANDBACK_BESIDE_STEP=1, opt-in). The cycle's runs are now, in this order (~35 s a run, MEASURE_S=235):
-# `before` (the twenty-sixth session's state: the table in VRAM, decay 0.9), `host` (the defaults), `beside`
-# (+ MOEBUS_HANDBACK_BESIDE_STEP=1: the VRAM lines end "the next step launched beside"; the hand-back's gaps),
-# `stack` (+ MOEBUS_CUDA_STACK_BYTES=64), `host2` (the defaults again), `d90` (the table in host memory, decay 0.9).
-# PART=check also runs tests/cuda/test_launch_ahead.py (the step beside a reserve: tokens and logprobs against steps
-# one at a time) and tests/cuda/test_vmm_arena.py (a shrink waiting for an event). And
+# step, the slowest 10% 25% fewer); opt-in: the hand-back's requests launch the next step beside their unmap
+# (MOEBUS_HANDBACK_BESIDE_STEP=1) and LLaVA's encoder layers are streamed through two device slots
+# (MOEBUS_VISION_STREAM_LAYERS=1: ~82 more slots while the vision worker lives). Four calls now (~35 s a run):
+#   PART=cycle (~6 min, MEASURE_S=165): `before` (the twenty-sixth session's state: the table in VRAM, decay 0.9),
+#     `host` (the defaults), `host2`, `d90` (the table in host memory, decay 0.9);
+#   PART=cycle2 (~6 min, no ctx26.py): `host3` (the defaults: the reference within the call), `beside` (the VRAM
+#     lines end "the next step launched beside"; the hand-back's gaps), `stream` (the vision worker's footprint and
+#     the reserve at cold start 2, slots through the image, the encode phase's gaps), `stack`
+#     (MOEBUS_CUDA_STACK_BYTES=64), `all` (the three together);
+#   PART=check also runs tests/cuda/test_launch_ahead.py (the step beside a reserve: tokens and logprobs against
+#     steps one at a time), tests/cuda/test_vmm_arena.py (a shrink waiting for an event) and
+#     tests/vision/test_tower_stream.py (the streamed tower's bits, eager and replayed);
 #   PART=decay (~5 min): the steady decode at a 25% cache (in process), decay 0.9 and 0.98 alternating, batch 1 and
 #     8, on the 8-layer A3B text model: what the decay does where the cache is small and nothing shrinks.
 source tools/device/setup.sh
@@ -28,7 +33,8 @@ FINAL=$OUT
 if [ "$PART" = check ]; then
   MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-260} python3 -m pytest -q -p no:cacheprovider -rf --tb=short -W ignore \
     tests/cuda/test_embedding.py tests/cuda/test_context_limits.py tests/cuda/test_prefetch_stage.py \
-    tests/cuda/test_e2e.py tests/cuda/test_launch_ahead.py tests/cuda/test_vmm_arena.py > $FINAL/emb_tests.txt 2>&1
+    tests/cuda/test_e2e.py tests/cuda/test_launch_ahead.py tests/cuda/test_vmm_arena.py tests/vision/test_tower_stream.py \
+    > $FINAL/emb_tests.txt 2>&1
   echo "GPU tests rc=$? at ${SECONDS} s: $(tail -1 $FINAL/emb_tests.txt | cut -c1-120)"
   grep -E "^FAILED|Error|Segmentation" $FINAL/emb_tests.txt | head -6
   timeout 120 python3 -m moebus.cli bench kernels --only embedding 2>&1 | grep -E "^embedding" | cut -c1-120
@@ -55,7 +61,15 @@ if [ "$PART" = decay ]; then
   exit 0
 fi
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-OUT=$FINAL CTX=1 ROUTE=0 MEASURE_S=${MEASURE_S:-235} \
-  VIS_RUNS="before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 host:$LOGS beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64 host2:$LOGS d90:$LOGS,MOEBUS_CACHE_DECAY=0.9" \
+if [ "$PART" = cycle2 ]; then
+  ALL=MOEBUS_HANDBACK_BESIDE_STEP=1,MOEBUS_VISION_STREAM_LAYERS=1,MOEBUS_CUDA_STACK_BYTES=64
+  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-200} \
+    VIS_RUNS="host3:$LOGS beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64 all:$LOGS,$ALL" \
+    bash tools/device/gap25.sh 2>&1 | tail -24
+  echo "== emb27 cycle2 done at ${SECONDS} s"
+  exit 0
+fi
+OUT=$FINAL CTX=1 ROUTE=0 MEASURE_S=${MEASURE_S:-165} \
+  VIS_RUNS="before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 host:$LOGS host2:$LOGS d90:$LOGS,MOEBUS_CACHE_DECAY=0.9" \
   bash tools/device/gap25.sh 2>&1 | tail -24
 echo "== emb27 cycle done at ${SECONDS} s"

@@ -49,6 +49,12 @@ for run in $VIS_RUNS; do
     | grep -oE 'VRAM [0-9.]+: [0-9]+ expert slots' | awk '$2 + 0 >= 1024 {print $2 " " $3}' | tr '\n' ' '); ready: $(zcat $L \
     | grep -oE "'expert_slots': [0-9]+" | head -1 | awk '{print $2}') slots; $(zcat $L | grep -oE 'token embedding: .*' \
     | head -1); $(zcat $L | grep -oE 'CUDA stack limit [0-9]+ B' | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+  # twenty-eighth session: at each vision worker's start, the hand-back's last reserve and its slots (a streamed
+  # tower's reserve falls below 1 GiB), the worker's footprint, what the next hand-back frees
+  echo "$tag starts: $(zcat $L | awk '/ VRAM [0-9.]+: [0-9]+ expert slots/ {for (i = 1; i < NF; i++) if ($i == "VRAM") \
+    {r = $(i + 1); s = $(i + 2)}} /vision worker ready on gpu[0-9]+ \(pid/ {printf "reserve %s %s slots; ", r, s}'); \
+$(zcat $L | grep -oE 'vision worker footprint: [0-9.]+ MiB' | sort | uniq -c | tr -s ' ' | tr '\n' ';') \
+$(zcat $L | grep -oE 'the next hand-back there frees [0-9.]+ MiB' | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
 done
 if [ -n "$DECODE" ]; then  # the steady decode at a 25% cache, the peak on and off (in process: no service)
   for peak in ${PEAKS:-2 0}; do

@@ -1,0 +1,140 @@
+"""A LLaVA tower's encoder layers streamed through two layers' room on the device (issue 20;
+``MOEBUS_VISION_STREAM_LAYERS=1``, off until a GPU has measured it).
+
+The vision worker holds its tower's weights on the GPU while it lives (``idle_s`` after the last
+image): so400m's 803 MiB of its 1,462 MiB on the H200, ~89 A3B experts the text's cache hands back
+for it (twenty-sixth session: 675 slots idle, 541 through the image). Streamed, the encoder layers'
+weights stay in pinned host memory and two device slots take them in turn: before the encode's first
+kernel a side stream copies layers 0 and 1; layer i waits for its copy, and once its kernels are
+enqueued the side stream waits for them and copies layer i + 2 into the slot they read. The device
+then holds two layers (~60 MiB for so400m) and the layers outside them (embeddings, projector).
+
+The cost: each encode reads the layers over PCIe (803 MiB, ~16 ms at the H200's ~50 GB/s) where the
+resident tower computes in ~13.4 ms (its graph, warm): the encode's time becomes about the copy's,
+and the link is shared with the text's misses read in place while it runs. The copies and their
+event waits are captured in the tower's graph like its kernels (tower_graph.py), so a replay streams
+too. Same launches on the same bits: the encode's results equal the resident tower's bit for bit.
+
+In the simulator there are no events: copies there complete when they are enqueued."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from moebus.common.errors import ConfigError
+
+ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
+
+
+def stream_layers_from_env(environ=os.environ) -> bool:
+    """``MOEBUS_VISION_STREAM_LAYERS`` (default 0; 1: stream LLaVA's encoder layers), else a ConfigError
+    naming it, raised where a vision model is made (the vision worker's start)."""
+    text = environ.get("MOEBUS_VISION_STREAM_LAYERS", "0")
+    if text not in ("0", "1"):
+        raise ConfigError(f"MOEBUS_VISION_STREAM_LAYERS must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class LayerStream:
+    """The encoder layers' weights (``layers``: per layer, name -> host array; every layer the same
+    names, shapes and dtypes) in one pinned host buffer, a layer a block, and two device slots."""
+
+    def __init__(self, layers: list[dict], ops):
+        from moebus.cuda.kernels.compat import SIMULATOR, cuda
+
+        if not layers:
+            raise ValueError("no encoder layers to stream")
+        first = layers[0]
+        self.offsets, at = {}, 0
+        for name, array in first.items():
+            self.offsets[name] = at
+            at += _round_up(max(int(array.nbytes), 1))
+        self.block_bytes = _round_up(at)
+        for i, layer in enumerate(layers):
+            if {n: (a.shape, a.dtype) for n, a in layer.items()} != {n: (a.shape, a.dtype) for n, a in first.items()}:
+                raise ValueError(f"encoder layer {i}'s tensors differ from layer 0's: the layers cannot share slots")
+        self.num_layers = len(layers)
+        self.host = cuda.pinned_array(self.num_layers * self.block_bytes, np.uint8)
+        for i, layer in enumerate(layers):
+            base = i * self.block_bytes
+            for name, array in layer.items():
+                raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size] = raw
+        self.device = cuda.device_array(2 * self.block_bytes, np.uint8)
+        self.views = [{name: self._view(slot, name, array) for name, array in first.items()} for slot in (0, 1)]
+        self.ops, self.side = ops, cuda.stream()  # the compute stream is ops.stream, read at each use
+        self.simulated = SIMULATOR
+        make = (lambda: None) if SIMULATOR else (lambda: cuda.event(timing=False))
+        self.copied, self.used = [make(), make()], [make(), make()]
+
+    def _view(self, slot: int, name: str, array):
+        start = slot * self.block_bytes + self.offsets[name]
+        return self.device[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+
+    @property
+    def device_bytes(self) -> int:
+        return int(self.device.size)
+
+    def layer(self, i: int) -> dict:
+        """Layer i's weights as the kernels read them: views of its slot (valid between ``before(i)``
+        and ``after(i)`` in stream order)."""
+        return self.views[i % 2]
+
+    def begin(self) -> None:
+        """Before the encode's first kernel: the side stream waits for the compute stream as it is (the
+        last encode's reads of both slots) and copies layers 0 and 1."""
+        self._fork(self.used[0])
+        for i in range(min(2, self.num_layers)):
+            self._copy(i)
+
+    def before(self, i: int) -> None:
+        """Layer i's kernels wait for its copy."""
+        self._wait(self.copied[i % 2], self.ops.stream)
+
+    def after(self, i: int) -> None:
+        """Once layer i's kernels are enqueued: the side stream waits for them and copies layer i + 2
+        into their slot."""
+        if i + 2 < self.num_layers:
+            self._fork(self.used[i % 2])
+            self._copy(i + 2)
+
+    def _copy(self, i: int) -> None:
+        slot = i % 2
+        target = self.device[slot * self.block_bytes : (slot + 1) * self.block_bytes]
+        target.copy_to_device(self.host[i * self.block_bytes : (i + 1) * self.block_bytes], stream=self.side)
+        self._record(self.copied[slot], self.side)
+
+    def _fork(self, event) -> None:
+        self._record(event, self.ops.stream)
+        self._wait(event, self.side)
+
+    def _record(self, event, stream) -> None:
+        if self.simulated:
+            return
+        from cuda.bindings import driver as cu
+
+        from moebus.cuda.backends.graphs import _stream_handle
+
+        (err,) = cu.cuEventRecord(_handle(event), _stream_handle(stream))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"the tower's layer stream: cuEventRecord {err}")
+
+    def _wait(self, event, stream) -> None:
+        if self.simulated:
+            return
+        from cuda.bindings import driver as cu
+
+        from moebus.cuda.backends.graphs import _stream_handle
+
+        (err,) = cu.cuStreamWaitEvent(_stream_handle(stream), _handle(event), 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"the tower's layer stream: cuStreamWaitEvent {err}")
+
+
+def _handle(event) -> int:
+    return int(getattr(event.handle, "value", event.handle))  # a bindings CUevent, or a ctypes handle

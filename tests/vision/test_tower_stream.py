@@ -1,0 +1,76 @@
+"""LLaVA's encoder layers streamed through two device slots (workers/tower_stream.py,
+MOEBUS_VISION_STREAM_LAYERS=1): the encode gives the resident tower's bits, encode after encode, with
+two layers' weights on the device. On the simulator here (copies complete as they are enqueued); on a
+GPU (MOEBUS_TEST_GPU=1) the side stream's copies, the events between the streams and the graph's replay."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moebus.common.errors import ConfigError  # noqa: E402
+from moebus.common.image_processor import ImageProcessor  # noqa: E402
+from moebus.common.vision_config import load_vision_config  # noqa: E402
+from moebus.cuda.backends import make_backend  # noqa: E402
+from moebus.workers import tower_slices  # noqa: E402
+from moebus.workers.tower_stream import stream_layers_from_env  # noqa: E402
+from moebus.workers.vision_model import VisionModel, load_vision_weights, make_vision_model  # noqa: E402
+from moebus.workers.vision_weight_pack import pack  # noqa: E402
+from tests.vision_models import make_hf_llava, sample_images  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    d = make_hf_llava(tmp_path_factory.mktemp("stream") / "model", tower="siglip", feature_layer=[1, -1],
+                      dtype="bf16")
+    proc = ImageProcessor.from_dir(d)
+    px = np.stack([proc.preprocess(image) for image in sample_images()])
+    return load_vision_config(d), load_vision_weights(d), px
+
+
+def test_a_streamed_encode_gives_the_resident_towers_bits(llava, monkeypatch):
+    cfg, weights, px = llava
+    assert cfg.num_layers_run >= 3  # layer 2 reuses layer 0's slot
+    resident = VisionModel(cfg, weights, make_backend("cuda"))
+    want = [resident.encode(px[i : i + 1]) for i in range(len(px))]
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    streamed = VisionModel(cfg, weights, make_backend("cuda"))
+    assert streamed.stream is not None and resident.stream is None
+    for _ in range(2):  # again: the slots hold the last layers of the encode before (on a GPU: the graph's replay)
+        for i in range(len(px)):
+            np.testing.assert_array_equal(streamed.encode(px[i : i + 1]), want[i])
+
+
+def test_the_device_holds_two_layers(llava, monkeypatch):
+    cfg, weights, _ = llava
+    resident = VisionModel(cfg, weights, make_backend("cuda"))
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    streamed = VisionModel(cfg, weights, make_backend("cuda"))
+    layer_bytes = sum(int(a.nbytes) for a in VisionModel._host_layer(weights, 0).values())
+    assert layer_bytes <= streamed.stream.block_bytes < layer_bytes + 256 * (len(VisionModel._host_layer(weights, 0)) + 1)
+    assert streamed.stream.device_bytes == 2 * streamed.stream.block_bytes
+    assert streamed.stream.host.size == cfg.num_layers_run * streamed.stream.block_bytes
+    # what the worker reports as its weights on the device: every layer fewer two
+    assert resident.device_bytes - streamed.device_bytes >= (cfg.num_layers_run - 2) * layer_bytes - 2 * 256 * 16
+
+
+def test_the_zygotes_packed_weights_are_not_uploaded_whole(llava, monkeypatch):
+    cfg, weights, px = llava
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    model = make_vision_model(cfg, pack(weights), make_backend("cuda"))
+    assert model.packed is None and model.stream is not None
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
+    want = VisionModel(cfg, weights, make_backend("cuda")).encode(px[:1])
+    np.testing.assert_array_equal(model.encode(px[:1]), want)
+
+
+def test_the_cpu_backend_ignores_it_and_bad_values_are_named(llava, monkeypatch):
+    cfg, weights, _ = llava
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    assert VisionModel(cfg, weights, make_backend("cpu")).stream is None  # host memory already
+    assert stream_layers_from_env({}) is False and stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": "1"})
+    for text in ("yes", "2", ""):
+        with pytest.raises(ConfigError, match="MOEBUS_VISION_STREAM_LAYERS must be 0 or 1"):
+            stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": text})
+    monkeypatch.setattr(tower_slices, "SLICE_LAYERS", 1)
+    with pytest.raises(ConfigError, match="does not go with MOEBUS_TOWER_SLICE_LAYERS"):
+        VisionModel(cfg, weights, make_backend("cuda"))
