@@ -104,15 +104,15 @@ class VisionModel:
             positions[0] += to_f32(weights["embeddings.class_embedding"])  # cat(class, patches) + positions
         self.positions = self._weight(positions)
         self.pre_norm = [self._weight(weights.get("pre_layrnorm." + k)) for k in ("weight", "bias")]
-        self.stream = None  # tower_stream.LayerStream, where the encoder layers are streamed
+        self.layer_stream = None  # tower_stream.LayerStream, where the encoder layers are streamed
         if backend.name == "cuda" and tower_stream.stream_layers_from_env():
             if tower_slices.SLICE_LAYERS > 0:  # a slice's graph cannot wait on a copy another slice's recorded
                 raise ConfigError("MOEBUS_VISION_STREAM_LAYERS=1 does not go with MOEBUS_TOWER_SLICE_LAYERS > 0 "
                                   "(the tower in slices): set one of them")
-            self.stream = tower_stream.LayerStream([self._host_layer(weights, i) for i in range(config.num_layers_run)],
-                                                   backend)
-            self._bytes += self.stream.device_bytes
-            self.layers = [self.stream.layer(i) for i in range(config.num_layers_run)]
+            self.layer_stream = tower_stream.LayerStream(
+                [self._host_layer(weights, i) for i in range(config.num_layers_run)], backend)
+            self._bytes += self.layer_stream.device_bytes
+            self.layers = [self.layer_stream.layer(i) for i in range(config.num_layers_run)]
         else:
             self.layers = [self._layer(weights, i) for i in range(config.num_layers_run)]
         w1 = weights[PROJECTOR + "linear_1.weight"]
@@ -171,8 +171,7 @@ class VisionModel:
         n = len(self.layers)
         bounds = list(range(0, n, per_slice)) + [n] if 0 < per_slice < n else [0, n]
         state = {}
-
-        stream = self.stream
+        stream = self.layer_stream
 
         def run(first: int, last: int, inputs: dict):
             if first == 0:

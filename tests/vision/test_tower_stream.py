@@ -34,7 +34,7 @@ def test_a_streamed_encode_gives_the_resident_towers_bits(llava, monkeypatch):
     want = [resident.encode(px[i : i + 1]) for i in range(len(px))]
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
     streamed = VisionModel(cfg, weights, make_backend("cuda"))
-    assert streamed.stream is not None and resident.stream is None
+    assert streamed.layer_stream is not None and resident.layer_stream is None
     for _ in range(2):  # again: the slots hold the last layers of the encode before (on a GPU: the graph's replay)
         for i in range(len(px)):
             np.testing.assert_array_equal(streamed.encode(px[i : i + 1]), want[i])
@@ -46,9 +46,9 @@ def test_the_device_holds_two_layers(llava, monkeypatch):
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
     streamed = VisionModel(cfg, weights, make_backend("cuda"))
     layer_bytes = sum(int(a.nbytes) for a in VisionModel._host_layer(weights, 0).values())
-    assert layer_bytes <= streamed.stream.block_bytes < layer_bytes + 256 * (len(VisionModel._host_layer(weights, 0)) + 1)
-    assert streamed.stream.device_bytes == 2 * streamed.stream.block_bytes
-    assert streamed.stream.host.size == cfg.num_layers_run * streamed.stream.block_bytes
+    assert layer_bytes <= streamed.layer_stream.block_bytes < layer_bytes + 256 * (len(VisionModel._host_layer(weights, 0)) + 1)
+    assert streamed.layer_stream.device_bytes == 2 * streamed.layer_stream.block_bytes
+    assert streamed.layer_stream.host.size == cfg.num_layers_run * streamed.layer_stream.block_bytes
     # what the worker reports as its weights on the device: every layer fewer two
     assert resident.device_bytes - streamed.device_bytes >= (cfg.num_layers_run - 2) * layer_bytes - 2 * 256 * 16
 
@@ -57,7 +57,7 @@ def test_the_zygotes_packed_weights_are_not_uploaded_whole(llava, monkeypatch):
     cfg, weights, px = llava
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
     model = make_vision_model(cfg, pack(weights), make_backend("cuda"))
-    assert model.packed is None and model.stream is not None
+    assert model.packed is None and model.layer_stream is not None
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
     want = VisionModel(cfg, weights, make_backend("cuda")).encode(px[:1])
     np.testing.assert_array_equal(model.encode(px[:1]), want)
@@ -66,7 +66,7 @@ def test_the_zygotes_packed_weights_are_not_uploaded_whole(llava, monkeypatch):
 def test_the_cpu_backend_ignores_it_and_bad_values_are_named(llava, monkeypatch):
     cfg, weights, _ = llava
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
-    assert VisionModel(cfg, weights, make_backend("cpu")).stream is None  # host memory already
+    assert VisionModel(cfg, weights, make_backend("cpu")).layer_stream is None  # host memory already
     assert stream_layers_from_env({}) is False and stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": "1"})
     for text in ("yes", "2", ""):
         with pytest.raises(ConfigError, match="MOEBUS_VISION_STREAM_LAYERS must be 0 or 1"):
