@@ -52,6 +52,22 @@ def prefill_step(rows: int) -> Step:
                 temperature=np.array([0.0, 0.7][:rows], np.float32), u=np.full(rows, 0.3, np.float32))
 
 
+def decode_around_a_reserve(worker, link, prefill: Step, vram) -> tuple[list, list]:
+    """The prefill, then NUM_STEPS decode steps queued with ``vram`` behind the middle one, as the broker's
+    hand-back sends them: (the steps' replies, the VRAM's)."""
+    got = [worker.step(prefill)]
+    for i in range(NUM_STEPS):
+        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, len(prefill.slots)))
+        if i == NUM_STEPS // 2:
+            link.inbox.put(vram)
+    replies = []
+    while not link.inbox.empty():
+        message = link.inbox.get()
+        reply = worker.handle(message)
+        (got if isinstance(message, Step) else replies).append(reply)
+    return got, replies
+
+
 def steps_one_at_a_time(model_dir, prefill: Step, rows: int, **model_options) -> list:
     """The prefill and NUM_STEPS decode steps on a fresh model, each with the ids sent in full."""
     model = LocalModel(model_dir, device="cuda", num_slots=2, max_context=64, **model_options)
@@ -90,16 +106,7 @@ def test_a_vram_request_between_steps_is_applied_between_them(micro_model):
     rows, link = 2, InboxLink()
     worker = GpuWorker(LocalModel(micro_model, device="cuda", num_slots=2, max_context=64).stages[0], link, gpu=0)
     prefill = prefill_step(rows)
-    got = [worker.step(prefill)]
-    for i in range(NUM_STEPS):
-        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
-        if i == NUM_STEPS // 2:
-            link.inbox.put(Vram(id="~resize-1", reserve_mib=0.0))
-    replies = []
-    while not link.inbox.empty():
-        message = link.inbox.get()
-        reply = worker.handle(message)
-        (got if isinstance(message, Step) else replies).append(reply)
+    got, replies = decode_around_a_reserve(worker, link, prefill, Vram(id="~resize-1", reserve_mib=0.0))
     assert len(replies) == 1 and isinstance(replies[0], VramReply) and replies[0].error is None
     assert worker.steps_launched_ahead == NUM_STEPS - 2  # all but the first and the one after the VRAM
 
@@ -161,16 +168,7 @@ def test_a_reserve_that_unmaps_launches_the_next_step_beside_it(tmp_path_factory
     stage.experts.arena.memory_info = lambda: (0, 1 << 34)  # the reserve finds nothing free: it releases segments
     worker = GpuWorker(stage, link, gpu=0)
     prefill = prefill_step(rows)
-    got = [worker.step(prefill)]
-    for i in range(NUM_STEPS):
-        link.inbox.put(decode_step(2 + i, len(PROMPT) + i, rows))
-        if i == NUM_STEPS // 2:
-            link.inbox.put(Vram(id="~resize-1", reserve_mib=4.0))
-    replies = []
-    while not link.inbox.empty():
-        message = link.inbox.get()
-        reply = worker.handle(message)
-        (got if isinstance(message, Step) else replies).append(reply)
+    got, replies = decode_around_a_reserve(worker, link, prefill, Vram(id="~resize-1", reserve_mib=4.0))
     assert len(replies) == 1 and replies[0].error is None and replies[0].expert_slots < slots_before
     assert stage.experts.last_resize.get("beside") is True and worker.steps_launched_beside == 1
     assert worker.steps_launched_ahead == NUM_STEPS - 2  # launch_next's: all but the first and the one beside
