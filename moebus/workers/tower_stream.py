@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from moebus.common.errors import ConfigError
+from moebus.workers.tower_graph import copy_pairs
 
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
 
@@ -60,11 +61,13 @@ class LayerStream:
                 raise ValueError(f"encoder layer {i}'s tensors differ from layer 0's: the layers cannot share slots")
         self.num_layers = len(layers)
         self.host = cuda.pinned_array(self.num_layers * self.block_bytes, np.uint8)
+        pairs = []  # filled by COPY_THREADS threads in slices (so400m: 803 MiB at the worker's start)
         for i, layer in enumerate(layers):
             base = i * self.block_bytes
             for name, array in layer.items():
                 raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size] = raw
+                pairs.append((self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size], raw))
+        copy_pairs(pairs)
         self.device = cuda.device_array(2 * self.block_bytes, np.uint8)
         self.views = [{name: self._view(slot, name, array) for name, array in first.items()} for slot in (0, 1)]
         self.ops, self.side = ops, cuda.stream()  # the compute stream is ops.stream, read at each use
