@@ -5,6 +5,8 @@ the images and expanded, and the prompt's M-RoPE positions and rope offset are c
 (the prompt's own, then index + offset) and the DeepStack rows inside the step. Video is refused."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from moebus.broker.admission import make_sequence
@@ -118,8 +120,11 @@ CONTEXT_MIB = 512  # a CUDA context with numba's modules loaded (the seed measur
 def cuda_vision_mib(cfg, processor) -> int:
     """What the vision GPU's cache hands back for a Qwen3-VL tower on cuda: the context, the tower's
     bf16 weights and one encode's scratch for the reference image (workers/qwen3vl_vision.py)."""
-    from moebus.workers.qwen3vl_vision import encode_scratch_bytes, reference_patches
+    from moebus.workers.qwen3vl_vision import STREAM_SLOTS, encode_scratch_bytes, reference_patches
     from moebus.workers.qwen3vl_weights import weight_bytes
 
-    need = weight_bytes(cfg, 2) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
+    # streamed blocks (workers/tower_stream.py): three on the device. (A value the worker refuses stops its
+    # start with a config error; here it only sizes the reserve.)
+    slots = STREAM_SLOTS if os.environ.get("MOEBUS_VISION_STREAM_LAYERS") == "1" else 0
+    need = weight_bytes(cfg, 2, slots) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
     return CONTEXT_MIB + -(-need // (1 << 20))

@@ -22,6 +22,7 @@ from moebus.common.qwen3vl_config import Qwen3VisionConfig
 from moebus.cuda.kernels.mrope import vision_axes, vision_rope_tables
 from moebus.cuda.memory.step_pool import size_class
 from moebus.workers.qwen3vl_grid import grid_tables
+from moebus.workers import tower_stream
 from moebus.workers.tower_graph import TowerGraph
 from moebus.workers.tower_outputs import embeds_and_deepstack, views_of_one
 from moebus.workers.qwen3vl_weights import BLOCK
@@ -44,6 +45,7 @@ SPLIT_ATTENTION_OUT = os.environ.get("MOEBUS_TOWER_SPLIT_ATTENTION_OUT", "1") !=
 # the image the default vision.vram_mib makes room for (a 1024 x 1024 px image, the processor's
 # max_pixels if smaller): a larger one needs more scratch than the caches handed back
 REFERENCE_PIXELS = 1024 * 1024
+STREAM_SLOTS = 3  # MOEBUS_VISION_STREAM_LAYERS: a block's weights are read by the next block's first norm too
 
 
 def reference_patches(cfg: Qwen3VisionConfig, processor=None) -> int:
@@ -90,7 +92,14 @@ class Qwen3VisionModel:
         self.patch_weight = self._weight(weights["patch_embed.proj.weight"].reshape(d, -1))
         self.patch_bias = self._weight(weights["patch_embed.proj.bias"])
         self.pos_table = self._weight(weights["pos_embed.weight"], table=True)
-        self.blocks = [self._block(weights, i) for i in range(config.depth)]
+        self.layer_stream = None  # tower_stream.LayerStream, where the blocks are streamed (three slots)
+        if backend.name == "cuda" and tower_stream.stream_layers_from_env():
+            self.layer_stream = tower_stream.LayerStream([self._host_block(weights, i) for i in range(config.depth)],
+                                                         backend, slots=STREAM_SLOTS)
+            self._bytes += self.layer_stream.device_bytes
+            self.blocks = [self.layer_stream.layer(i) for i in range(config.depth)]
+        else:
+            self.blocks = [self._block(weights, i) for i in range(config.depth)]
         self.merger = self._merger(weights, "merger.")
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
@@ -116,12 +125,15 @@ class Qwen3VisionModel:
         return out
 
     def _block(self, weights: dict, i: int) -> dict:
+        return {name: self._weight(array) for name, array in self._host_block(weights, i).items()}
+
+    def _host_block(self, weights: dict, i: int) -> dict:
         prefix, d = BLOCK.format(i=i), self.cfg.hidden_size
         w = {name[len(prefix):]: weights[name] for name in weights if name.startswith(prefix)}
         qkv_bias = w["attn.qkv.bias"]  # the fused weight stays: q, k and v in one product (tiled_linears)
         for j, name in enumerate("qkv"):  # each bias where its result is read next (mrope, the v product),
             w[f"attn.{name}.bias"] = qkv_bias[j * d : (j + 1) * d]  # or all three in rope_image_attention
-        return {name: self._weight(array) for name, array in w.items()}
+        return w
 
     def _merger(self, weights: dict, prefix: str) -> dict:
         return {name[len(prefix):]: self._weight(weights[name]) for name in weights if name.startswith(prefix)}
@@ -209,13 +221,20 @@ class Qwen3VisionModel:
         if patches is None:
             patches = ops.pixel_patches(inputs["pixels"], inputs["values"], cfg.patch_size, cfg.merge_size,
                                         cfg.temporal_patch_size)
+        stream = self.layer_stream
+        if stream is not None:  # the first blocks come up while the patches are embedded
+            stream.begin()
         positions = ops.weighted_rows(self.pos_table, inputs["indices"], inputs["weights"])
         x = ops.bias_residual(positions, ops.tiled_linear(patches, self.patch_weight), self.patch_bias)
         features = []
         mark = ops.layer_mark()  # the inputs above live all step; each block's temporaries serve the next
         pending = None  # the last block's (fc2 product, its bias), added to x by the next block's first norm
         for i, block in enumerate(self.blocks):
+            if stream is not None:
+                stream.before(i)
             x, pending = self._encoder_block(block, x, inputs["rope_pos"], pending)
+            if stream is not None:  # block i's first norm added block i - 1's fc2 bias: its slot is free
+                stream.after(i - 1)
             if i in self.deepstack or i == len(self.blocks) - 1 or not self._fuses_residual():
                 x, pending = ops.bias_residual(x, *pending), None
             if i in self.deepstack:

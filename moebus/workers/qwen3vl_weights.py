@@ -52,6 +52,14 @@ def load_qwen3vl_weights(model_dir: str | Path, cfg: Qwen3VisionConfig) -> dict[
     return {name: np.array(ckpt.tensor(prefix + name, shape)) for name, shape in expected_shapes(cfg).items()}
 
 
-def weight_bytes(cfg: Qwen3VisionConfig, itemsize: int = 2) -> int:
-    """Bytes of the tower's weights stored with ``itemsize`` bytes per value."""
-    return itemsize * sum(int(np.prod(shape)) for shape in expected_shapes(cfg).values())
+def weight_bytes(cfg: Qwen3VisionConfig, itemsize: int = 2, streamed_slots: int = 0) -> int:
+    """Bytes of the tower's weights stored with ``itemsize`` bytes per value on its device; with
+    ``streamed_slots`` (MOEBUS_VISION_STREAM_LAYERS: workers/tower_stream.py) the blocks past that
+    many are in host memory (each slot a block, its q, k, v biases apart and its tensors 256-aligned:
+    rounded up here by 4 KiB a block)."""
+    shapes = expected_shapes(cfg)
+    total = itemsize * sum(int(np.prod(shape)) for shape in shapes.values())
+    if not streamed_slots or streamed_slots >= cfg.depth:
+        return total
+    block = itemsize * sum(int(np.prod(shape)) for name, shape in shapes.items() if name.startswith(BLOCK.format(i=0)))
+    return total - (cfg.depth - streamed_slots) * block + streamed_slots * 4096

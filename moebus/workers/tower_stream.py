@@ -1,13 +1,16 @@
-"""A LLaVA tower's encoder layers streamed through two layers' room on the device (issue 20;
-``MOEBUS_VISION_STREAM_LAYERS=1``, off until a GPU has measured it).
+"""A vision tower's encoder layers streamed through a few layers' room on the device (issue 20;
+``MOEBUS_VISION_STREAM_LAYERS=1``, off until a GPU has measured it): LLaVA's through two slots,
+Qwen3-VL's through three.
 
 The vision worker holds its tower's weights on the GPU while it lives (``idle_s`` after the last
 image): so400m's 803 MiB of its 1,462 MiB on the H200, ~89 A3B experts the text's cache hands back
 for it (twenty-sixth session: 675 slots idle, 541 through the image). Streamed, the encoder layers'
-weights stay in pinned host memory and two device slots take them in turn: before the encode's first
-kernel a side stream copies layers 0 and 1; layer i waits for its copy, and once its kernels are
-enqueued the side stream waits for them and copies layer i + 2 into the slot they read. The device
-then holds two layers (~60 MiB for so400m) and the layers outside them (embeddings, projector).
+weights stay in pinned host memory and S device slots take them in turn: before the encode's first
+kernel a side stream copies layers 0 .. S - 1; layer i waits for its copy, and once every kernel that
+reads its weights is enqueued the side stream waits for them and copies layer i + S into that slot.
+The device then holds S layers (~60 MiB for so400m at S = 2) and the weights outside the layers
+(embeddings, projector, Qwen3-VL's mergers). Qwen3-VL's block adds the last block's fc2 bias in its
+first norm, so its slots are released a block late and it needs three to copy one block ahead.
 
 The cost: each encode reads the layers over PCIe (803 MiB, ~16 ms at the H200's ~50 GB/s) where the
 resident tower computes in ~13.4 ms (its graph, warm): the encode's time becomes about the copy's,
@@ -43,9 +46,11 @@ def _round_up(n: int) -> int:
 
 class LayerStream:
     """The encoder layers' weights (``layers``: per layer, name -> host array; every layer the same
-    names, shapes and dtypes) in one pinned host buffer, a layer a block, and two device slots."""
+    names, shapes and dtypes) in one pinned host buffer, a layer a block, and ``slots`` device slots
+    (2: a layer's weights are read by its own kernels only, LLaVA's; 3: also by the next layer's first
+    kernel, Qwen3-VL's, whose block adds the last block's fc2 bias in its first norm)."""
 
-    def __init__(self, layers: list[dict], ops):
+    def __init__(self, layers: list[dict], ops, slots: int = 2):
         from moebus.cuda.kernels.compat import SIMULATOR, cuda
 
         if not layers:
@@ -68,12 +73,14 @@ class LayerStream:
                 raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
                 pairs.append((self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size], raw))
         copy_pairs(pairs)
-        self.device = cuda.device_array(2 * self.block_bytes, np.uint8)
-        self.views = [{name: self._view(slot, name, array) for name, array in first.items()} for slot in (0, 1)]
+        self.slots = min(slots, self.num_layers)
+        self.device = cuda.device_array(self.slots * self.block_bytes, np.uint8)
+        self.views = [{name: self._view(slot, name, array) for name, array in first.items()}
+                      for slot in range(self.slots)]
         self.ops, self.side = ops, cuda.stream()  # the compute stream is ops.stream, read at each use
         self.simulated = SIMULATOR
         make = (lambda: None) if SIMULATOR else (lambda: cuda.event(timing=False))
-        self.copied, self.used = [make(), make()], [make(), make()]
+        self.copied, self.used = [make() for _ in range(self.slots)], [make() for _ in range(self.slots)]
 
     def _view(self, slot: int, name: str, array):
         start = slot * self.block_bytes + self.offsets[name]
@@ -86,28 +93,28 @@ class LayerStream:
     def layer(self, i: int) -> dict:
         """Layer i's weights as the kernels read them: views of its slot (valid between ``before(i)``
         and ``after(i)`` in stream order)."""
-        return self.views[i % 2]
+        return self.views[i % self.slots]
 
     def begin(self) -> None:
         """Before the encode's first kernel: the side stream waits for the compute stream as it is (the
-        last encode's reads of both slots) and copies layers 0 and 1."""
+        last encode's reads of every slot) and copies the first layers, a slot each."""
         self._fork(self.used[0])
-        for i in range(min(2, self.num_layers)):
+        for i in range(self.slots):
             self._copy(i)
 
     def before(self, i: int) -> None:
         """Layer i's kernels wait for its copy."""
-        self._wait(self.copied[i % 2], self.ops.stream)
+        self._wait(self.copied[i % self.slots], self.ops.stream)
 
     def after(self, i: int) -> None:
-        """Once layer i's kernels are enqueued: the side stream waits for them and copies layer i + 2
-        into their slot."""
-        if i + 2 < self.num_layers:
-            self._fork(self.used[i % 2])
-            self._copy(i + 2)
+        """Once every kernel that reads layer i's weights is enqueued: the side stream waits for them and
+        copies layer i + slots into that slot."""
+        if 0 <= i and i + self.slots < self.num_layers:
+            self._fork(self.used[i % self.slots])
+            self._copy(i + self.slots)
 
     def _copy(self, i: int) -> None:
-        slot = i % 2
+        slot = i % self.slots
         target = self.device[slot * self.block_bytes : (slot + 1) * self.block_bytes]
         target.copy_to_device(self.host[i * self.block_bytes : (i + 1) * self.block_bytes], stream=self.side)
         self._record(self.copied[slot], self.side)

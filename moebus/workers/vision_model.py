@@ -66,7 +66,7 @@ def make_vision_model(cfg, weights: dict, backend, beside: bool = False):
     are uploaded one by one as before. ``beside``: that copy runs while the caller goes on, until
     ``model.packed.wait()`` (the vision worker's warm-up needs no true values)."""
     packed = None
-    streamed = cfg.tower != "qwen3_vl" and backend.name == "cuda" and tower_stream.stream_layers_from_env()
+    streamed = backend.name == "cuda" and tower_stream.stream_layers_from_env()
     if isinstance(weights, HostWeights) and backend.name == "cuda" and not streamed:
         packed = DeviceWeights(backend, weights, beside)  # (streamed: the layers stay on the host, the rest is small)
     if cfg.tower == "qwen3_vl":

@@ -74,3 +74,45 @@ def test_the_cpu_backend_ignores_it_and_bad_values_are_named(llava, monkeypatch)
     monkeypatch.setattr(tower_slices, "SLICE_LAYERS", 1)
     with pytest.raises(ConfigError, match="does not go with MOEBUS_TOWER_SLICE_LAYERS"):
         VisionModel(cfg, weights, make_backend("cuda"))
+
+
+def qwen3vl_tower():
+    from moebus.common.qwen3vl_config import parse_qwen3_vision_config
+    from moebus.common.qwen3vl_tiny import qwen3vl_config, vision_tensors
+    from moebus.common.tiny_model import _Random, hf_config
+    from moebus.cuda.dtypes import f32_to_bf16
+
+    raw = qwen3vl_config(hf_config("qwen3_moe", "tiny"), "tiny", {})
+    raw["vision_config"]["depth"] = 6  # more blocks than slots, DeepStack after blocks of every slot
+    raw["vision_config"]["deepstack_visual_indexes"] = [1, 3]
+    cfg = parse_qwen3_vision_config(raw)
+    weights = {k[len("model.visual."):]: f32_to_bf16(v) for k, v in vision_tensors(raw, _Random(3, False)).items()}
+    return cfg, weights
+
+
+def test_qwen3vls_blocks_stream_through_three_slots_with_the_resident_towers_bits(monkeypatch):
+    """A block's first norm adds the last block's fc2 bias: a slot is released a block late, and three
+    slots keep one copy ahead. The simulator runs each copy and kernel as it is enqueued, so a slot
+    overwritten while a later kernel still needed it would show in the bits."""
+    from moebus.workers.qwen3vl_vision import STREAM_SLOTS, Qwen3VisionModel
+    from moebus.workers.qwen3vl_weights import weight_bytes
+
+    cfg, weights = qwen3vl_tower()
+    assert cfg.depth > STREAM_SLOTS and set(cfg.deepstack_layers)
+    grid_h, grid_w = 4, 6
+    patches = [np.random.default_rng(seed).standard_normal((grid_h * grid_w, cfg.patch_dim)).astype(np.float32)
+               for seed in (1, 2)]
+    resident = Qwen3VisionModel(cfg, weights, make_backend("cuda"))
+    want = [resident.encode(p, grid_h, grid_w) for p in patches]
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    streamed = Qwen3VisionModel(cfg, weights, make_backend("cuda"))
+    assert streamed.layer_stream.slots == STREAM_SLOTS and resident.layer_stream is None
+    for _ in range(2):
+        for p, (embeds, deepstack) in zip(patches, want):
+            got_embeds, got_deepstack = streamed.encode(p, grid_h, grid_w)
+            np.testing.assert_array_equal(got_embeds, embeds)
+            np.testing.assert_array_equal(got_deepstack, deepstack)
+    # the broker's reserve for the tower counts three blocks (plus their alignment), not all of them
+    on_device = weight_bytes(cfg, 2, STREAM_SLOTS)
+    assert weight_bytes(cfg, 2) - on_device >= (cfg.depth - STREAM_SLOTS) * 2 * 4 * cfg.hidden_size ** 2
+    assert streamed.device_bytes <= on_device <= resident.device_bytes
