@@ -174,7 +174,7 @@ class LandingAhead:
         self.arena.array[dst] = self.arena.array[src]
 
 
-def make_policy(spec: str, num_keys: int):
+def policy_of(spec: str, num_keys: int):
     """``freq``, ``freq:D`` (D: the decay a step), ``lru`` or ``lru-all`` -> (policy, uncapped)."""
     name, _, decay = spec.partition(":")
     if name == "freq" and decay:
@@ -198,7 +198,7 @@ def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: 
     # one segment a slot (a page each, so a shrink can give any count back)
     arena = HostArena(store.blob_bytes, store.dtype, [store.blob_bytes] * slots)
     arena.grow()
-    chosen_policy, uncapped = make_policy(policy, layers * num_experts)
+    chosen_policy, uncapped = policy_of(policy, layers * num_experts)
     copier = LandingAhead(arena) if landing == "ahead" else None
     cache = ExpertCache(store, arena, copier=copier, policy=chosen_policy,
                         max_admissions=slots if uncapped else None)
