@@ -116,3 +116,26 @@ def test_qwen3vls_blocks_stream_through_three_slots_with_the_resident_towers_bit
     on_device = weight_bytes(cfg, 2, STREAM_SLOTS)
     assert weight_bytes(cfg, 2) - on_device >= (cfg.depth - STREAM_SLOTS) * 2 * 4 * cfg.hidden_size ** 2
     assert streamed.device_bytes <= on_device <= resident.device_bytes
+
+
+def test_the_brokers_reserve_for_a_streamed_qwen3vl_tower_counts_three_blocks(monkeypatch):
+    """Qwen3-VL-30B-A3B's tower (27 blocks of ~30 MiB): the reserve the broker hands back for it falls by
+    the 24 blocks left in host memory."""
+    from moebus.broker.vision_qwen3vl import cuda_vision_mib
+    from moebus.common.qwen3vl_config import parse_qwen3_vision_config
+    from moebus.common.qwen3vl_tiny import qwen3vl_config
+    from moebus.common.tiny_model import hf_config
+    from moebus.workers.qwen3vl_weights import BLOCK, expected_shapes, weight_bytes
+
+    text = hf_config("qwen3_moe", "tiny")
+    text["num_hidden_layers"] = max(text["num_hidden_layers"], 3)
+    cfg = parse_qwen3_vision_config(qwen3vl_config(text, "a3b", {}))
+    block = 2 * sum(int(np.prod(s)) for n, s in expected_shapes(cfg).items() if n.startswith(BLOCK.format(i=0)))
+    assert cfg.depth == 27 and 29 << 20 < block < 32 << 20
+    assert weight_bytes(cfg, 2) - weight_bytes(cfg, 2, 3) == 24 * block - 3 * 4096
+    monkeypatch.delenv("MOEBUS_VISION_STREAM_LAYERS", raising=False)
+    resident = cuda_vision_mib(cfg, None)
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    assert abs((resident - cuda_vision_mib(cfg, None)) - (24 * block - 3 * 4096) / (1 << 20)) <= 1
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "yes")  # the worker refuses it; the broker sizes as resident
+    assert cuda_vision_mib(cfg, None) == resident
