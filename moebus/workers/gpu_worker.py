@@ -99,7 +99,7 @@ class GpuWorker:
         self.driver_info_s = 0.0  # the last INFO's driver call (cuMemGetInfo)
         # while a VRAM reserve holds, the sizes and the driver's figures as of the last VRAM request (INFO_AT_RESERVE)
         self.reserve_figures: dict | None = None
-        self.handback_beside = launch_ahead and handback_beside_from_env()
+        self.handback_beside = handback_beside_from_env() and launch_ahead  # (a bad value refused either way)
         self.steps_launched_beside = 0  # decode steps launched within a VRAM request (handback_beside_from_env)
 
     def serve(self) -> int:
