@@ -17,6 +17,7 @@ from moebus.common.checkpoint import Checkpoint
 from moebus.common import transport
 from moebus.common.protocol import (Info, InfoReply, Ready, Step, StepReply, Vram, VramReply,
                                     WorkerError)
+from moebus.common.env_switches import switch_from_env
 from moebus.common.errors import ConfigError
 from moebus.common import gc_pauses
 from moebus.common.image_steps import image_step_tokens
@@ -70,10 +71,7 @@ def handback_beside_from_env(environ=os.environ) -> bool:
     after it then ran unlaunched (~5 ms): the streams' largest gaps of the hand-back, 10.6-11.1 ms against a
     cycle median of ~6 (twenty-sixth session). Off until a GPU has measured it (tools/device/emb27.sh).
     Anything but 0 / 1 is a ConfigError naming it, raised at the worker's start."""
-    text = environ.get("MOEBUS_HANDBACK_BESIDE_STEP", "0")
-    if text not in ("0", "1"):
-        raise ConfigError(f"MOEBUS_HANDBACK_BESIDE_STEP must be 0 or 1, got {text!r}")
-    return text == "1"
+    return switch_from_env("MOEBUS_HANDBACK_BESIDE_STEP", environ)
 
 
 class GpuWorker:

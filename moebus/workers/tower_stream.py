@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from moebus.common.errors import ConfigError
+from moebus.common.env_switches import switch_from_env
 from moebus.workers.tower_graph import copy_pairs
 
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
@@ -34,10 +34,7 @@ ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
 def stream_layers_from_env(environ=os.environ) -> bool:
     """``MOEBUS_VISION_STREAM_LAYERS`` (default 0; 1: stream LLaVA's encoder layers), else a ConfigError
     naming it, raised where a vision model is made (the vision worker's start)."""
-    text = environ.get("MOEBUS_VISION_STREAM_LAYERS", "0")
-    if text not in ("0", "1"):
-        raise ConfigError(f"MOEBUS_VISION_STREAM_LAYERS must be 0 or 1, got {text!r}")
-    return text == "1"
+    return switch_from_env("MOEBUS_VISION_STREAM_LAYERS", environ)
 
 
 def _round_up(n: int) -> int:
