@@ -92,14 +92,10 @@ class Qwen3VisionModel:
         self.patch_weight = self._weight(weights["patch_embed.proj.weight"].reshape(d, -1))
         self.patch_bias = self._weight(weights["patch_embed.proj.bias"])
         self.pos_table = self._weight(weights["pos_embed.weight"], table=True)
-        self.layer_stream = None  # tower_stream.LayerStream, where the blocks are streamed (three slots)
-        if backend.name == "cuda" and tower_stream.stream_layers_from_env():
-            self.layer_stream = tower_stream.LayerStream([self._host_block(weights, i) for i in range(config.depth)],
-                                                         backend, slots=STREAM_SLOTS)
-            self._bytes += self.layer_stream.device_bytes
-            self.blocks = [self.layer_stream.layer(i) for i in range(config.depth)]
-        else:
-            self.blocks = [self._block(weights, i) for i in range(config.depth)]
+        # tower_stream.LayerStream where the blocks are streamed (three slots), else None
+        self.layer_stream, self.blocks = tower_stream.place_layers(
+            backend, config.depth, lambda i: self._host_block(weights, i), self._weight, STREAM_SLOTS)
+        self._bytes += self.layer_stream.device_bytes if self.layer_stream is not None else 0
         self.merger = self._merger(weights, "merger.")
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")
                           for j, layer in enumerate(config.deepstack_layers)}
@@ -123,9 +119,6 @@ class Qwen3VisionModel:
             out = (self.ops.table if table else self.ops.weight)(array)
             self._bytes += int(out.size) * np.dtype(out.dtype).itemsize
         return out
-
-    def _block(self, weights: dict, i: int) -> dict:
-        return {name: self._weight(array) for name, array in self._host_block(weights, i).items()}
 
     def _host_block(self, weights: dict, i: int) -> dict:
         prefix, d = BLOCK.format(i=i), self.cfg.hidden_size

@@ -37,6 +37,16 @@ def stream_layers_from_env(environ=os.environ) -> bool:
     return switch_from_env("MOEBUS_VISION_STREAM_LAYERS", environ)
 
 
+def place_layers(backend, count: int, host_layer, weight, slots: int = 2):
+    """(the LayerStream or None, each of ``count`` layers' weights as the kernels read them): streamed
+    through ``slots`` where the switch is on (cuda), else each of ``host_layer(i)``'s arrays through
+    ``weight`` (the tower's own upload)."""
+    if backend.name == "cuda" and stream_layers_from_env():
+        stream = LayerStream([host_layer(i) for i in range(count)], backend, slots)
+        return stream, [stream.layer(i) for i in range(count)]
+    return None, [{name: weight(array) for name, array in host_layer(i).items()} for i in range(count)]
+
+
 def _round_up(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 

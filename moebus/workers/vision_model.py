@@ -104,17 +104,14 @@ class VisionModel:
             positions[0] += to_f32(weights["embeddings.class_embedding"])  # cat(class, patches) + positions
         self.positions = self._weight(positions)
         self.pre_norm = [self._weight(weights.get("pre_layrnorm." + k)) for k in ("weight", "bias")]
-        self.layer_stream = None  # tower_stream.LayerStream, where the encoder layers are streamed
-        if backend.name == "cuda" and tower_stream.stream_layers_from_env():
-            if tower_slices.SLICE_LAYERS > 0:  # a slice's graph cannot wait on a copy another slice's recorded
-                raise ConfigError("MOEBUS_VISION_STREAM_LAYERS=1 does not go with MOEBUS_TOWER_SLICE_LAYERS > 0 "
-                                  "(the tower in slices): set one of them")
-            self.layer_stream = tower_stream.LayerStream(
-                [self._host_layer(weights, i) for i in range(config.num_layers_run)], backend)
-            self._bytes += self.layer_stream.device_bytes
-            self.layers = [self.layer_stream.layer(i) for i in range(config.num_layers_run)]
-        else:
-            self.layers = [self._layer(weights, i) for i in range(config.num_layers_run)]
+        if backend.name == "cuda" and tower_stream.stream_layers_from_env() and tower_slices.SLICE_LAYERS > 0:
+            # a slice's graph cannot wait on a copy another slice's recorded
+            raise ConfigError("MOEBUS_VISION_STREAM_LAYERS=1 does not go with MOEBUS_TOWER_SLICE_LAYERS > 0 "
+                              "(the tower in slices): set one of them")
+        # tower_stream.LayerStream where the encoder layers are streamed, else None
+        self.layer_stream, self.layers = tower_stream.place_layers(
+            backend, config.num_layers_run, lambda i: self._host_layer(weights, i), self._weight)
+        self._bytes += self.layer_stream.device_bytes if self.layer_stream is not None else 0
         w1 = weights[PROJECTOR + "linear_1.weight"]
         # linear_1 over concatenated feature layers = the sum of one column block per layer, so the
         # hidden states never need a device concat
@@ -129,9 +126,6 @@ class VisionModel:
         out, nbytes = device_weight(self.ops, self.packed, np.ascontiguousarray(array))
         self._bytes += nbytes
         return out
-
-    def _layer(self, weights: dict, i: int) -> dict:
-        return {name: self._weight(array) for name, array in self._host_layer(weights, i).items()}
 
     @staticmethod
     def _host_layer(weights: dict, i: int) -> dict:
