@@ -34,7 +34,8 @@ import numpy as np
 
 from moebus.bench.cache_bound import min_misses
 from moebus.cuda.memory.arena import HostArena
-from moebus.workers.eviction import FreqPolicy
+from moebus.common.errors import ConfigError
+from moebus.workers.eviction import FreqPolicy, cache_decay_from_env
 from moebus.workers.expert_cache import ExpertCache
 
 # the bytes do not matter here: a page a slot keeps the arena small, and a shrink can give back any count
@@ -299,10 +300,12 @@ def main(argv=None) -> int:
 
 
 def _decay_ok(text: str) -> bool:
+    """Is ``text`` a decay the policy takes (the setting's own check: eviction.cache_decay_from_env)?"""
     try:
-        return 0 < float(text) <= 1
-    except ValueError:
+        cache_decay_from_env({"MOEBUS_CACHE_DECAY": text})
+    except ConfigError:
         return False
+    return True
 
 
 def _trace(kind: str, args, batch: int) -> tuple[np.ndarray, int]:
