@@ -80,10 +80,30 @@ def test_the_cli_replays_a_streams_trace_it_saved(tmp_path):
     (["--policies", "lru:0.9"], "not freq, freq:DECAY"),
     (["--policies", "clock"], "not freq, freq:DECAY"),
     (["--shrink-at", "5"], "--shrink-at and --shrink-to go together"),
+    (["--slots", "0"], "argument --slots: expected a whole number >= 1, got '0'"),
+    (["--slots", "-5"], "argument --slots: expected a whole number >= 1, got '-5'"),
+    (["--slots", "ten"], "argument --slots: expected a whole number >= 1, got 'ten'"),
+    (["--steps", "0"], "argument --steps: expected a whole number >= 1, got '0'"),
+    (["--slots", "10", "--shrink-at", "-1", "--shrink-to", "5"], "argument --shrink-at: expected a whole number >= 0"),
+    (["--slots", "10", "--shrink-at", "5", "--shrink-to", "0"], "argument --shrink-to: expected a whole number >= 1"),
+    (["--slots", "99999999999"], "--slots 99999999999: the trace has 12 layers x 128 experts"),
+    (["--slots", "10", "--shrink-at", "10", "--shrink-to", "5"], "--shrink-at 10: the trace has 10 steps"),
 ])
 def test_bad_options_are_refused_by_name(args, said):
     out = run_cli("--trace", "synthetic", "--steps", "10", *args)
-    assert out.returncode == 2 and said in out.stderr
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_file_that_is_no_trace_is_named_not_unpickled(tmp_path):
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.array([{"a": 1}], dtype=object), allow_pickle=True)  # a pickle: never loaded
+    out = run_cli("--trace", "streams", "--batch", "2", "--trace-file", str(bad))
+    assert out.returncode == 1 and f"{bad}: not a trace this command wrote" in out.stderr
+    assert "Traceback" not in out.stderr
+    garbage = tmp_path / "garbage.npy"
+    garbage.write_bytes(b"\xff\xfe not numpy")
+    out = run_cli("--trace", "streams", "--batch", "2", "--trace-file", str(garbage))
+    assert out.returncode == 1 and f"{garbage}: not a trace this command wrote" in out.stderr
 
 
 def brute_force_min(keys: list[set[int]], slots: int) -> int:

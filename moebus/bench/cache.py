@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="model for the recorded and streams traces (default: the embedded demo model)")
     p.add_argument("--trace-file", help="recorded / streams: read the trace from this .npy file where it exists, "
                                         "else record it and write it there (an A3B-sized model takes ~0.7 s a step)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=_count(1), default=200)
     p.add_argument("--batch", default="1,8", help="sequences a step (streams: text streams)")
     p.add_argument("--layers", type=int, default=12, help="synthetic: MoE layers")
     p.add_argument("--experts", type=int, default=128, help="synthetic: experts per layer")
@@ -253,9 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=float, default=0.28)
     p.add_argument("--recent", type=float, default=0.22)
     p.add_argument("--fractions", default="0.1,0.25,0.5")
-    p.add_argument("--slots", type=int, help="the cache's slots (in place of --fractions)")
-    p.add_argument("--shrink-at", type=int, help="the step from which the cache holds --shrink-to slots")
-    p.add_argument("--shrink-to", type=int, help="slots from --shrink-at on (an image's hand-back)")
+    p.add_argument("--slots", type=_count(1), help="the cache's slots (in place of --fractions)")
+    p.add_argument("--shrink-at", type=_count(0), help="the step from which the cache holds --shrink-to slots")
+    p.add_argument("--shrink-to", type=_count(1), help="slots from --shrink-at on (an image's hand-back)")
     p.add_argument("--landing", choices=("now", "ahead"), default="now",
                    help="admissions land at once (cpu) or two steps later (a GPU launching each step ahead)")
     p.add_argument("--policies", default="freq,lru,lru-all",
@@ -274,6 +274,10 @@ def main(argv=None) -> int:
     for kind in args.trace.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             trace, experts = _trace(kind, args, batch)
+            if args.slots and args.slots > trace.shape[1] * experts:
+                p.error(f"--slots {args.slots}: the trace has {trace.shape[1]} layers x {experts} experts")
+            if args.shrink_at is not None and args.shrink_at >= trace.shape[0]:
+                p.error(f"--shrink-at {args.shrink_at}: the trace has {trace.shape[0]} steps")
             next_share, window_share = reuse(trace)
             print(f"== {kind} trace: {trace.shape[0]} steps, {trace.shape[1]} layers x {experts} experts, batch "
                   f"{batch}, top-{trace.shape[3]}; picks repeating at the next token {next_share:.2f}, "
@@ -299,6 +303,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _count(least: int):
+    """An argparse type: a whole number >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return value
+    return parse
+
+
 def _decay_ok(text: str) -> bool:
     """Is ``text`` a decay the policy takes (the setting's own check: eviction.cache_decay_from_env)?"""
     try:
@@ -319,7 +336,10 @@ def _trace(kind: str, args, batch: int) -> tuple[np.ndarray, int]:
         model_dir = args.model or str(demo_model_dir())
         experts = Checkpoint(model_dir).config.num_experts
         if args.trace_file and os.path.exists(args.trace_file):
-            trace = np.load(args.trace_file)
+            try:
+                trace = np.load(args.trace_file)  # (no pickles: allow_pickle stays off)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"{args.trace_file}: not a trace this command wrote ({e})") from None
             if trace.ndim != 4 or trace.shape[2] != batch:
                 raise SystemExit(f"{args.trace_file}: a trace of shape {trace.shape}, not (steps, layers, {batch}, top-k)")
             return trace, experts
