@@ -28,8 +28,21 @@
 #     tests/vision/test_tower_stream.py (the streamed tower's bits, eager and replayed);
 #   PART=decay (~5 min): the steady decode at a 25% cache (in process), decay 0.9 and 0.98 alternating, batch 1 and
 #     8, on the 8-layer A3B text model: what the decay does where the cache is small and nothing shrinks.
+# Twenty-ninth session (a machine lent after two sessions without; ~1,600 s of device time after two refusals): one
+# cycle call with the runs that decide defaults, then one check call with the decay's steady decode appended:
+#   PART=both (~7 min, MEASURE_S=240): host (the defaults), before, beside, stream, all, host2;
+#   PART=check DECAY=1 (~8 min).
 source tools/device/setup.sh
 FINAL=$OUT
+LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
+if [ "$PART" = both ]; then
+  ALL=MOEBUS_HANDBACK_BESIDE_STEP=1,MOEBUS_VISION_STREAM_LAYERS=1,MOEBUS_CUDA_STACK_BYTES=64
+  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-240} \
+    VIS_RUNS="host:$LOGS before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 all:$LOGS,$ALL host2:$LOGS" \
+    bash tools/device/gap25.sh 2>&1 | tail -30
+  echo "== emb27 both done at ${SECONDS} s"
+  exit 0
+fi
 if [ "$PART" = check ]; then
   MOEBUS_TEST_GPU=1 timeout ${TESTS_S:-260} python3 -m pytest -q -p no:cacheprovider -rf --tb=short -W ignore \
     tests/cuda/test_embedding.py tests/cuda/test_context_limits.py tests/cuda/test_prefetch_stage.py \
@@ -47,7 +60,8 @@ if [ "$PART" = check ]; then
       | awk -v v=$vram '{print "embedding in vram " v ": batch " $1 ", " $2 " tok/s, " $3 " ms a step"}'
   done
   echo "== check done at ${SECONDS} s"
-  exit 0
+  [ -n "$DECAY" ] || exit 0
+  PART=decay
 fi
 if [ "$PART" = decay ]; then
   M=${M:-/tmp/emb27-a3b-8}
