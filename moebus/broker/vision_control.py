@@ -3,7 +3,8 @@ binds and owns in its one loop). Both ways it carries JSON lines, never pickle:
 
     broker -> zygote   {"cmd": "start", "gpu": G}  fork a fresh vision worker on GPU G (worker order)
                        {"cmd": "kill"}   SIGKILL the current one (a hung start, missed heartbeats)
-    zygote -> broker   {"event": "hello", "pid": P, "charge_bytes": B}  weights in host RAM, ready to fork
+    zygote -> broker   {"event": "hello", "pid": P, "charge_bytes": B, "cuda_bytes": C}  weights in host RAM,
+                       ready to fork (B: a worker's charge on cpu; C: LLaVA's weights and scratch on a cuda device)
                        {"event": "started", "pid": P}
                        {"event": "exited", "pid": P, "status": S, "reason": "..."}
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moebus.broker import vision_qwen3vl
+from moebus.broker.vision_qwen3vl import CONTEXT_MIB
 
 log = logging.getLogger("moebus.broker")
 MIB = 1 << 20
@@ -116,10 +117,16 @@ class PlacementMixin:
         """MiB to hand back per GPU for a vision worker on ``gpu`` (default: its current GPU): the
         operator's ``vision.vram_mib``, else on the vision GPU what the last start there measured
         (plus a margin; cuda; LLaVA's warm-up encodes a full image, Qwen3-VL's a small one, so for
-        Qwen3-VL at least the figure from its tower), else the default."""
+        Qwen3-VL at least the figure from its tower); before a LLaVA start was measured there, a
+        context and what the zygote reckons the worker holds (its ``cuda_bytes``: the weights as
+        stored, two layers of them where they are streamed, and an encode's scratch), with the same
+        margin; else the default."""
         gpu = self.gpu if gpu is None else gpu
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
         measured = self.measured_bytes.get(gpu)  # what the last start there really took (cuda)
+        if not measured and not self.processor:  # LLaVA before its first start there: a context, what the zygote reckons
+            cuda_bytes = (self.zygote_info or {}).get("cuda_bytes") or 0
+            measured = CONTEXT_MIB * MIB + cuda_bytes if cuda_bytes else None
         mine = measured_reserve_mib(measured) if measured else None
         if self.processor:  # Qwen3-VL warms up on a small image: a large one's scratch is in its tower figure
             mine = max(mine or 0, vision_qwen3vl.cuda_vision_mib(self.config, self.processor))

@@ -25,7 +25,7 @@ from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
-from moebus.workers import step_watch, tower_graph, tower_slices
+from moebus.workers import step_watch, tower_graph, tower_slices, tower_stream
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
@@ -52,6 +52,29 @@ def charge_bytes(cfg, weights: dict, processor=None) -> int:
     plus the scratch of one tower pass (an upper bound, workers/vision_model.py). What the cpu
     worker charges to the ledger, and the broker's cpu default of vision.vram_mib."""
     return 4 * sum(int(w.size) for w in weights.values()) + encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
+
+
+POSITIONS = "embeddings.position_embedding.weight"
+
+
+def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None = None) -> int:
+    """What a LLaVA worker will hold on a cuda device beyond its context, before any start measured
+    it: the weights in their stored dtype (the backend keeps them so) plus one encode's scratch; with
+    MOEBUS_VISION_STREAM_LAYERS (``streamed`` None: the setting) the encoder layers past the stream's
+    two slots stay in host memory (each slot's tensors 256-aligned: 4 KiB a slot counted for that).
+    The zygote's hello carries it; the broker's first reserve for the tower on cuda comes from it."""
+    from moebus.workers.vision_weights import LAYER
+
+    streamed = tower_stream.stream_layers_from_env() if streamed is None else streamed
+    total = sum(int(w.nbytes) for w in weights.values())
+    if POSITIONS in weights:  # the tower keeps its position table as float32 (vision_model.py)
+        total += 4 * int(weights[POSITIONS].size) - int(weights[POSITIONS].nbytes)
+    if streamed and cfg.tower != "qwen3_vl" and cfg.num_layers_run > 2:
+        kept = (LAYER.format(i=0), LAYER.format(i=1))
+        layers = sum(int(w.nbytes) for name, w in weights.items()
+                     if name.startswith(LAYER.split("{")[0]) and not name.startswith(kept))
+        total += 2 * 4096 - layers
+    return total + encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
 
 
 class VisionWorker:

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from moebus.broker.children import PR_SET_PDEATHSIG
+from moebus.common.errors import ConfigError
 from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
@@ -60,6 +61,10 @@ class Zygote(SpareMixin):
         self.weights = pack(load_vision_weights(model_dir)) if PACK_WEIGHTS else load_vision_weights(model_dir)
         self.forked_at: float | None = None
         self.charge = vision_worker.charge_bytes(self.config, self.weights, self.processor)
+        try:  # (a bad MOEBUS_VISION_STREAM_LAYERS is the worker's start's config error, said there)
+            self.cuda_bytes = vision_worker.cuda_device_bytes(self.config, self.weights, self.processor)
+        except ConfigError:
+            self.cuda_bytes = 0
         self.control_path = control_path
         self.listener: socket.socket | None = None
         self.conn: socket.socket | None = None
@@ -118,7 +123,7 @@ class Zygote(SpareMixin):
         if self.conn is not None:
             self.conn.close()
         self.conn = conn
-        self._emit({"event": "hello", "pid": os.getpid(), "charge_bytes": self.charge})
+        self._emit({"event": "hello", "pid": os.getpid(), "charge_bytes": self.charge, "cuda_bytes": self.cuda_bytes})
 
     def _emit(self, event: dict) -> None:
         if self.conn is not None:

@@ -4,6 +4,7 @@ each GPU and the setting that changes it; on cuda a start's measured footprint s
 hand-back there."""
 from types import SimpleNamespace
 
+from moebus.broker import vision_qwen3vl
 from moebus.broker.vision_placement import (PlacementMixin, default_vram_mib, measured_reserve_mib, place,
                                             short_of)
 
@@ -86,6 +87,21 @@ def test_a_measured_start_sizes_the_next_hand_back_on_its_gpu():
     cpu = Lifecycle(device="cpu")
     cpu.measured_bytes[0] = 1100 * MIB  # never sent on cpu: the ledger's charge is exact there
     assert cpu.reserves(0) == [1729.0]
+
+
+def test_before_a_llava_start_is_measured_the_zygotes_reckoning_sizes_the_reserve(monkeypatch):
+    life = Lifecycle(num_gpus=2)
+    life.zygote_info = {"charge_bytes": 1728 * MIB, "cuda_bytes": 938 * MIB}  # so400m bf16 + an encode's scratch
+    assert life.reserves(0) == [1523.0, 600.0]  # a context (512 MiB) + 938, 5% above: not the 1,700 default
+    life.zygote_info["cuda_bytes"] = 196 * MIB  # its encoder layers streamed (two on the device)
+    assert life.reserves(0) == [772.0, 600.0]
+    life.measured_bytes[0] = 800 * MIB  # a measured start wins
+    assert life.reserves(0) == [864.0, 600.0]
+    life.processor = object()  # Qwen3-VL's reserve comes from its tower (vision_qwen3vl.cuda_vision_mib)
+    life.measured_bytes.clear()
+    life.config = None
+    monkeypatch.setattr(vision_qwen3vl, "cuda_vision_mib", lambda cfg, processor: 999)
+    assert life.reserves(0) == [999.0, 600.0]
 
 
 def test_the_measured_figures_travel_in_info_as_a_list_per_gpu():

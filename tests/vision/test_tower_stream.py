@@ -139,3 +139,21 @@ def test_the_brokers_reserve_for_a_streamed_qwen3vl_tower_counts_three_blocks(mo
     assert abs((resident - cuda_vision_mib(cfg, None)) - (24 * block - 3 * 4096) / (1 << 20)) <= 1
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "yes")  # the worker refuses it; the broker sizes as resident
     assert cuda_vision_mib(cfg, None) == resident
+
+
+def test_the_zygotes_reckoning_of_the_device_bytes_is_what_the_model_holds(llava, monkeypatch):
+    """The broker's first reserve for LLaVA on cuda (broker/vision_placement.py) comes from
+    vision_worker.cuda_device_bytes: the weights the model uploads, streamed or not, plus the scratch."""
+    from moebus.workers.vision_worker import IMAGES_PER_PASS, cuda_device_bytes
+    from moebus.workers.vision_model import encode_scratch_bytes
+
+    cfg, weights, _ = llava
+    scratch = encode_scratch_bytes(cfg, IMAGES_PER_PASS)
+    resident = VisionModel(cfg, weights, make_backend("cuda"))
+    assert cuda_device_bytes(cfg, weights, streamed=False) - scratch == resident.device_bytes
+    streamed_bytes = cuda_device_bytes(cfg, weights, streamed=True) - scratch
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    streamed = VisionModel(cfg, weights, make_backend("cuda"))
+    assert cuda_device_bytes(cfg, weights) - scratch == streamed_bytes  # (None: the setting)
+    # the slots' tensors 256-aligned: at most 4 KiB a slot reckoned above what the stream takes
+    assert 0 <= streamed_bytes - streamed.device_bytes <= 2 * 4096
