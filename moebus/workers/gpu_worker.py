@@ -65,13 +65,14 @@ RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap
 
 
 def handback_beside_from_env(environ=os.environ) -> bool:
-    """``MOEBUS_HANDBACK_BESIDE_STEP`` (default 0; 1: on): a VRAM reserve that releases segments launches the
+    """``MOEBUS_HANDBACK_BESIDE_STEP`` (default 1; 0: off): a VRAM reserve that releases segments launches the
     decode step queued behind it once the leaving slots are out of service, and unmaps them while that step
     runs (ExpertCache._shrink_for). On the H200 a hand-back request held the GPU idle ~3.5 ms and the step
     after it then ran unlaunched (~5 ms): the streams' largest gaps of the hand-back, 10.6-11.1 ms against a
-    cycle median of ~6 (twenty-sixth session). Off until a GPU has measured it (tools/device/emb27.sh).
+    cycle median of ~6 (twenty-sixth session); beside the next step 11.7 ms where the same call's runs
+    without it had 13.3-15.2, and 6.7-9.3 with the tower streamed too (twenty-ninth session, emb27.sh).
     Anything but 0 / 1 is a ConfigError naming it, raised at the worker's start."""
-    return switch_from_env("MOEBUS_HANDBACK_BESIDE_STEP", environ)
+    return switch_from_env("MOEBUS_HANDBACK_BESIDE_STEP", environ, default=True)
 
 
 class GpuWorker:

@@ -94,7 +94,7 @@ class Qwen3VisionModel:
         self.pos_table = self._weight(weights["pos_embed.weight"], table=True)
         # tower_stream.LayerStream where the blocks are streamed (three slots), else None
         self.layer_stream, self.blocks = tower_stream.place_layers(
-            backend, config.depth, lambda i: self._host_block(weights, i), self._weight, STREAM_SLOTS)
+            backend, config.depth, lambda i: self._host_block(weights, i), self._weight, STREAM_SLOTS, config.tower)
         self._bytes += self.layer_stream.device_bytes if self.layer_stream is not None else 0
         self.merger = self._merger(weights, "merger.")
         self.deepstack = {layer: self._merger(weights, f"deepstack_merger_list.{j}.")

@@ -1,6 +1,6 @@
 """A vision tower's encoder layers streamed through a few layers' room on the device (issue 20;
-``MOEBUS_VISION_STREAM_LAYERS=1``, off until a GPU has measured it): LLaVA's through two slots,
-Qwen3-VL's through three.
+``MOEBUS_VISION_STREAM_LAYERS``: on by default for LLaVA's towers since the H200 measured it, twenty-ninth
+session; opt-in for Qwen3-VL's): LLaVA's through two slots, Qwen3-VL's through three.
 
 The vision worker holds its tower's weights on the GPU while it lives (``idle_s`` after the last
 image): so400m's 803 MiB of its 1,462 MiB on the H200, ~89 A3B experts the text's cache hands back
@@ -31,17 +31,24 @@ from moebus.workers.tower_graph import copy_pairs
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
 
 
-def stream_layers_from_env(environ=os.environ) -> bool:
-    """``MOEBUS_VISION_STREAM_LAYERS`` (default 0; 1: stream LLaVA's encoder layers), else a ConfigError
-    naming it, raised where a vision model is made (the vision worker's start)."""
-    return switch_from_env("MOEBUS_VISION_STREAM_LAYERS", environ)
+def stream_layers_from_env(environ=os.environ, tower: str = "siglip") -> bool:
+    """``MOEBUS_VISION_STREAM_LAYERS`` (0 or 1), else a ConfigError naming it, raised where a vision
+    model is made (the vision worker's start). Unset: on for LLaVA's towers (``tower`` "siglip" or
+    "clip"; measured on the H200, twenty-ninth session: ~80 more slots through the image, the largest
+    gaps lower, the cold image's first token within the runs' spread) unless the tower is cut in
+    slices (MOEBUS_TOWER_SLICE_LAYERS > 0: a slice's graph cannot wait on another's copy), off for
+    Qwen3-VL's ("qwen3_vl": its streamed tower is exact on a GPU but not yet timed)."""
+    from moebus.workers import tower_slices
+
+    default = tower != "qwen3_vl" and tower_slices.SLICE_LAYERS == 0
+    return switch_from_env("MOEBUS_VISION_STREAM_LAYERS", environ, default=default)
 
 
-def place_layers(backend, count: int, host_layer, weight, slots: int = 2):
+def place_layers(backend, count: int, host_layer, weight, slots: int = 2, tower: str = "siglip"):
     """(the LayerStream or None, each of ``count`` layers' weights as the kernels read them): streamed
-    through ``slots`` where the switch is on (cuda), else each of ``host_layer(i)``'s arrays through
-    ``weight`` (the tower's own upload)."""
-    if backend.name == "cuda" and stream_layers_from_env():
+    through ``slots`` where the switch is on for ``tower`` (cuda), else each of ``host_layer(i)``'s
+    arrays through ``weight`` (the tower's own upload)."""
+    if backend.name == "cuda" and stream_layers_from_env(tower=tower):
         stream = LayerStream([host_layer(i) for i in range(count)], backend, slots)
         return stream, [stream.layer(i) for i in range(count)]
     return None, [{name: weight(array) for name, array in host_layer(i).items()} for i in range(count)]

@@ -66,7 +66,7 @@ def make_vision_model(cfg, weights: dict, backend, beside: bool = False):
     are uploaded one by one as before. ``beside``: that copy runs while the caller goes on, until
     ``model.packed.wait()`` (the vision worker's warm-up needs no true values)."""
     packed = None
-    streamed = backend.name == "cuda" and tower_stream.stream_layers_from_env()
+    streamed = backend.name == "cuda" and tower_stream.stream_layers_from_env(tower=cfg.tower)
     if isinstance(weights, HostWeights) and backend.name == "cuda" and not streamed:
         packed = DeviceWeights(backend, weights, beside)  # (streamed: the layers stay on the host, the rest is small)
     if cfg.tower == "qwen3_vl":
@@ -90,7 +90,7 @@ class VisionModel:
     """The tower and projector of one LLaVA checkpoint, with their weights on ``backend``."""
 
     def __init__(self, config: VisionConfig, weights: dict, backend, packed: DeviceWeights | None = None):
-        """On cuda with MOEBUS_VISION_STREAM_LAYERS=1 the encoder layers are streamed (tower_stream.py)."""
+        """On cuda the encoder layers are streamed unless MOEBUS_VISION_STREAM_LAYERS=0 (tower_stream.py)."""
         self.cfg, self.ops = config, backend
         self.packed = packed
         self._bytes = packed.nbytes if packed is not None else 0
@@ -104,13 +104,14 @@ class VisionModel:
             positions[0] += to_f32(weights["embeddings.class_embedding"])  # cat(class, patches) + positions
         self.positions = self._weight(positions)
         self.pre_norm = [self._weight(weights.get("pre_layrnorm." + k)) for k in ("weight", "bias")]
-        if backend.name == "cuda" and tower_stream.stream_layers_from_env() and tower_slices.SLICE_LAYERS > 0:
+        if backend.name == "cuda" and tower_stream.stream_layers_from_env(tower=config.tower) and \
+                tower_slices.SLICE_LAYERS > 0:
             # a slice's graph cannot wait on a copy another slice's recorded
             raise ConfigError("MOEBUS_VISION_STREAM_LAYERS=1 does not go with MOEBUS_TOWER_SLICE_LAYERS > 0 "
                               "(the tower in slices): set one of them")
         # tower_stream.LayerStream where the encoder layers are streamed, else None
         self.layer_stream, self.layers = tower_stream.place_layers(
-            backend, config.num_layers_run, lambda i: self._host_layer(weights, i), self._weight)
+            backend, config.num_layers_run, lambda i: self._host_layer(weights, i), self._weight, tower=config.tower)
         self._bytes += self.layer_stream.device_bytes if self.layer_stream is not None else 0
         w1 = weights[PROJECTOR + "linear_1.weight"]
         # linear_1 over concatenated feature layers = the sum of one column block per layer, so the

@@ -65,7 +65,7 @@ def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None 
     The zygote's hello carries it; the broker's first reserve for the tower on cuda comes from it."""
     from moebus.workers.vision_weights import LAYER
 
-    streamed = tower_stream.stream_layers_from_env() if streamed is None else streamed
+    streamed = tower_stream.stream_layers_from_env(tower=cfg.tower) if streamed is None else streamed
     total = sum(int(w.nbytes) for w in weights.values())
     if POSITIONS in weights:  # the tower keeps its position table as float32 (vision_model.py)
         total += 4 * int(weights[POSITIONS].size) - int(weights[POSITIONS].nbytes)

@@ -30,6 +30,7 @@ def llava(tmp_path_factory):
 def test_a_streamed_encode_gives_the_resident_towers_bits(llava, monkeypatch):
     cfg, weights, px = llava
     assert cfg.num_layers_run >= 3  # layer 2 reuses layer 0's slot
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
     resident = VisionModel(cfg, weights, make_backend("cuda"))
     want = [resident.encode(px[i : i + 1]) for i in range(len(px))]
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
@@ -42,8 +43,9 @@ def test_a_streamed_encode_gives_the_resident_towers_bits(llava, monkeypatch):
 
 def test_the_device_holds_two_layers(llava, monkeypatch):
     cfg, weights, _ = llava
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
     resident = VisionModel(cfg, weights, make_backend("cuda"))
-    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    monkeypatch.delenv("MOEBUS_VISION_STREAM_LAYERS")  # LLaVA's default
     streamed = VisionModel(cfg, weights, make_backend("cuda"))
     layer_bytes = sum(int(a.nbytes) for a in VisionModel._host_layer(weights, 0).values())
     assert layer_bytes <= streamed.layer_stream.block_bytes < layer_bytes + 256 * (len(VisionModel._host_layer(weights, 0)) + 1)
@@ -67,13 +69,19 @@ def test_the_cpu_backend_ignores_it_and_bad_values_are_named(llava, monkeypatch)
     cfg, weights, _ = llava
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
     assert VisionModel(cfg, weights, make_backend("cpu")).layer_stream is None  # host memory already
-    assert stream_layers_from_env({}) is False and stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": "1"})
+    assert stream_layers_from_env({}) is True and stream_layers_from_env({}, "clip") is True  # LLaVA's: measured
+    assert stream_layers_from_env({}, "qwen3_vl") is False  # exact on a GPU, not yet timed: opt-in
+    assert stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": "1"}, "qwen3_vl") is True
+    assert stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": "0"}) is False
     for text in ("yes", "2", ""):
         with pytest.raises(ConfigError, match="MOEBUS_VISION_STREAM_LAYERS must be 0 or 1"):
             stream_layers_from_env({"MOEBUS_VISION_STREAM_LAYERS": text})
     monkeypatch.setattr(tower_slices, "SLICE_LAYERS", 1)
     with pytest.raises(ConfigError, match="does not go with MOEBUS_TOWER_SLICE_LAYERS"):
         VisionModel(cfg, weights, make_backend("cuda"))
+    monkeypatch.delenv("MOEBUS_VISION_STREAM_LAYERS")  # unset, a tower in slices is not streamed: no error
+    assert stream_layers_from_env({}) is False
+    assert VisionModel(cfg, weights, make_backend("cuda")).layer_stream is None
 
 
 def qwen3vl_tower():
@@ -149,11 +157,12 @@ def test_the_zygotes_reckoning_of_the_device_bytes_is_what_the_model_holds(llava
 
     cfg, weights, _ = llava
     scratch = encode_scratch_bytes(cfg, IMAGES_PER_PASS)
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
     resident = VisionModel(cfg, weights, make_backend("cuda"))
     assert cuda_device_bytes(cfg, weights, streamed=False) - scratch == resident.device_bytes
     streamed_bytes = cuda_device_bytes(cfg, weights, streamed=True) - scratch
-    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    monkeypatch.delenv("MOEBUS_VISION_STREAM_LAYERS")
     streamed = VisionModel(cfg, weights, make_backend("cuda"))
-    assert cuda_device_bytes(cfg, weights) - scratch == streamed_bytes  # (None: the setting)
+    assert cuda_device_bytes(cfg, weights) - scratch == streamed_bytes  # (None: the setting, on for LLaVA)
     # the slots' tensors 256-aligned: at most 4 KiB a slot reckoned above what the stream takes
     assert 0 <= streamed_bytes - streamed.device_bytes <= 2 * 4096

@@ -101,7 +101,8 @@ def test_no_beside_where_nothing_is_released():
 
 
 def test_the_switch():
-    assert handback_beside_from_env({}) is False
+    assert handback_beside_from_env({}) is True  # the default since the H200 measured it
+    assert handback_beside_from_env({"MOEBUS_HANDBACK_BESIDE_STEP": "0"}) is False
     assert handback_beside_from_env({"MOEBUS_HANDBACK_BESIDE_STEP": "1"}) is True
     for text in ("yes", "2", "", " 1"):
         with pytest.raises(ConfigError, match="MOEBUS_HANDBACK_BESIDE_STEP must be 0 or 1"):
