@@ -24,7 +24,8 @@ from moebus.common.errors import RequestError
 from moebus.common.images import ImageLimits, decode_image
 from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
-from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.cuda.kernels.compat import SIMULATOR, disk_cache_counts
+from moebus.cuda.memory import context_limits
 from moebus.workers import step_watch, tower_graph, tower_slices, tower_stream
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
@@ -123,14 +124,25 @@ class VisionWorker:
         arrays = self.model.encode_reply(pixels)
         done = time.perf_counter()
         self.num_encodes += 1
-        log.log(logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG,
-                "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
+        level = logging.INFO if self.num_encodes <= LOGGED_ENCODES else logging.DEBUG
+        log.log(level, "encode %d: %d image(s), decode and preprocess %.1f ms, tower %.1f ms (%s)%s", self.num_encodes,
                 len(pixels), 1e3 * (preprocessed - started), 1e3 * (done - preprocessed),
                 tower_path(self.model),
                 (f", of it the weights' copy {1e3 * copy_s:.1f} ms" if copy_s else "")
-                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else "") + gated)
+                + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else "") + gated
+                + self._stack_limit(level))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
+
+
+    def _stack_limit(self, level: int) -> str:
+        """Where MOEBUS_CUDA_STACK_BYTES lowered the context's stack limit: the limit now, in the first
+        encodes' lines (the start's footprint is measured before the first encode; a launch that needs
+        more stack raises the limit, and that memory is the worker's too)."""
+        lowered = context_limits.stack_bytes_from_env() is not None
+        if level != logging.INFO or self.device != "cuda" or SIMULATOR or not lowered:
+            return ""
+        return f", CUDA stack limit {context_limits.stack_limit_bytes()} B a thread"
 
 
 def tower_path(model) -> str | None:

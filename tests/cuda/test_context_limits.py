@@ -6,7 +6,7 @@ import pytest
 
 from moebus.common.errors import ConfigError
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
-from moebus.cuda.memory.context_limits import lower_stack_limit, stack_bytes_from_env
+from moebus.cuda.memory.context_limits import lower_stack_limit, stack_bytes_from_env, stack_limit_bytes
 
 
 def test_the_stack_limit_is_the_drivers_unless_asked():
@@ -40,7 +40,9 @@ def test_a_kernel_needing_more_stack_than_the_limit_still_runs():
     x = np.arange(64 * 200, dtype=np.float32).reshape(64, 200)
     out = cuda.device_array_like(x)
     try:
+        assert stack_limit_bytes() == now  # what the vision worker's first encodes log
         reverse_through_local[1, 64](cuda.to_device(x), out)
         np.testing.assert_array_equal(out.copy_to_host(), x[:, ::-1])
+        print(f"stack limit {now} B before the launch, {stack_limit_bytes()} B after it")  # raised, or spilled
     finally:  # the next tests in this process run at the driver's limit again
         lower_stack_limit({"MOEBUS_CUDA_STACK_BYTES": str(before)})

@@ -51,6 +51,9 @@ for run in $VIS_RUNS; do
     | head -1); $(zcat $L | grep -oE 'CUDA stack limit [0-9]+ B' | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
   # twenty-eighth session: at each vision worker's start, the hand-back's last reserve and its slots (a streamed
   # tower's reserve falls below 1 GiB), the worker's footprint, what the next hand-back frees
+  # twenty-ninth session: the bench's own verdicts (until encoded and whole, against the median before / over the cycle)
+  echo "$tag ratios (until encoded before/cycle, whole before/cycle): $(zcat $L | grep -E "^text streams' largest gap" \
+    | grep -oE '[0-9.]+ \(target' | cut -d' ' -f1 | tr '\n' ' ')"
   echo "$tag starts: $(zcat $L | awk '/ VRAM [0-9.]+: [0-9]+ expert slots/ {for (i = 1; i < NF; i++) if ($i == "VRAM") \
     {r = $(i + 1); s = $(i + 2)}} /vision worker ready on gpu[0-9]+ \(pid/ {printf "reserve %s %s slots; ", r, s}'); \
 $(zcat $L | grep -oE 'vision worker footprint: [0-9.]+ MiB' | sort | uniq -c | tr -s ' ' | tr '\n' ';') \

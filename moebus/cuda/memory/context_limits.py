@@ -46,6 +46,15 @@ def lower_stack_limit(environ=os.environ) -> tuple[int, int] | None:
     return before.value, now.value
 
 
+def stack_limit_bytes() -> int:
+    """The current context's stack limit a thread (the driver raises a lowered one at a launch that
+    needs more: the vision worker logs it after its first encodes, where the limit is lowered)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    now = ctypes.c_size_t()
+    _check(lib.cuCtxGetLimit(ctypes.byref(now), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
+    return now.value
+
+
 def _check(rc: int, call: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{call} failed with CUresult {rc}")
