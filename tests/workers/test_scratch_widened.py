@@ -5,6 +5,14 @@ from __future__ import annotations
 from moebus.workers.cache_sizing import ScratchBudget, widened
 
 
+
+class NoLink:
+    generation = "g"
+    dropped_messages = 0
+
+    def peek(self, timeout_s):  # the hand-back beside the next step looks for a step queued: none
+        return None
+
 def test_the_standing_scratch_grows_into_spare_vram_up_to_the_largest_step():
     scratch = ScratchBudget.measured(tokens=8, standing_bytes=1000, per_token_bytes=10)
     wide = widened(scratch, spare_bytes=100_000, max_step_tokens=512)
@@ -25,10 +33,6 @@ def test_a_vram_reserve_takes_long_steps_back_to_the_loan_and_bare_vram_widens_t
 
     monkeypatch.setattr(gpu_worker, "RESERVE_SCRATCH", "measured")
     from moebus.workers.local import LocalModel
-
-    class NoLink:
-        generation = "g"
-        dropped_messages = 0
 
     stage = LocalModel(tiny_model, num_slots=2, max_context=32).stages[0]
     measured = ScratchBudget.measured(tokens=2, standing_bytes=1000, per_token_bytes=10)
@@ -51,10 +55,6 @@ def test_with_reserve_scratch_beside_a_reserve_keeps_long_steps_beside_the_cache
     from moebus.workers import gpu_worker
     from moebus.workers.cache_sizing import CUDA_HEADROOM_BYTES
     from moebus.workers.local import LocalModel
-
-    class NoLink:
-        generation = "g"
-        dropped_messages = 0
 
     monkeypatch.setattr(gpu_worker, "RESERVE_SCRATCH", "beside")
     monkeypatch.setattr(image_steps, "IMAGE_STEP_TOKENS", 0)  # image steps no longer than any prompt's, first
