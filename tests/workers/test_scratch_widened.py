@@ -5,13 +5,13 @@ from __future__ import annotations
 from moebus.workers.cache_sizing import ScratchBudget, widened
 
 
-
 class NoLink:
     generation = "g"
     dropped_messages = 0
 
     def peek(self, timeout_s):  # the hand-back beside the next step looks for a step queued: none
         return None
+
 
 def test_the_standing_scratch_grows_into_spare_vram_up_to_the_largest_step():
     scratch = ScratchBudget.measured(tokens=8, standing_bytes=1000, per_token_bytes=10)
