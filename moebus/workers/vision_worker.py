@@ -139,10 +139,16 @@ class VisionWorker:
         """Where MOEBUS_CUDA_STACK_BYTES lowered the context's stack limit: the limit now, in the first
         encodes' lines (the start's footprint is measured before the first encode; a launch that needs
         more stack raises the limit, and that memory is the worker's too)."""
-        lowered = context_limits.stack_bytes_from_env() is not None
+        lowered = context_limits.stack_bytes_from_env(default=vision_stack_bytes(self.model.cfg)) is not None
         if level != logging.INFO or self.device != "cuda" or SIMULATOR or not lowered:
             return ""
         return f", CUDA stack limit {context_limits.stack_limit_bytes()} B a thread"
+
+
+def vision_stack_bytes(cfg) -> int | None:
+    """The vision worker's stack limit where MOEBUS_CUDA_STACK_BYTES is unset: 64 B for LLaVA's towers
+    (measured), the driver's for Qwen3-VL's (context_limits.py)."""
+    return None if cfg.tower == "qwen3_vl" else context_limits.VISION_STACK_BYTES
 
 
 def tower_path(model) -> str | None:
@@ -318,7 +324,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
-    backend = make_backend(device)
+    backend = make_backend(device, vision_stack_bytes(cfg))
     footprint.context_made(_driver_free(device))
     built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend, beside=UPLOAD_BESIDE)  # (beside: the copy runs on)

@@ -4,9 +4,10 @@ backend's errors are read by the worker (a step that ran out of memory vs a pois
 from __future__ import annotations
 
 
-def make_backend(device: str):
+def make_backend(device: str, stack_bytes: int | None = None):
     """'cpu' or 'cuda'. (The op files hold kernels beside their references, so numba is imported
-    either way; only the cuda backend creates a CUDA context.)"""
+    either way; only the cuda backend creates a CUDA context, whose stack limit is ``stack_bytes``
+    where MOEBUS_CUDA_STACK_BYTES is unset.)"""
     if device == "cpu":
         from moebus.cuda.backends.cpu import CpuBackend
 
@@ -14,7 +15,7 @@ def make_backend(device: str):
     if device == "cuda":
         from moebus.cuda.backends.cuda import CudaBackend
 
-        return CudaBackend()
+        return CudaBackend(stack_bytes)
     raise ValueError(f"unknown device {device!r}")
 
 

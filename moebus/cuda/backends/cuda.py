@@ -39,10 +39,12 @@ class CudaBackend(split_epilogues.SplitInputOps):
 
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self, stack_bytes: int | None = None):
+        """``stack_bytes``: the context's stack limit where MOEBUS_CUDA_STACK_BYTES is unset (None: the
+        driver's; memory/context_limits.py)."""
         if not SIMULATOR:  # the context is made here: its stack limit before any kernel
             cuda.current_context()
-            lower_stack_limit()
+            lower_stack_limit(default=stack_bytes)
         self.stream = cuda.stream()  # also the compute stream that the expert copier fences against
         self.device_pool = StepPool(lambda shape, dtype: cuda.device_array(shape, dtype=dtype))
         # uploads go through pinned staging so the copy is truly async; kept until the next step

@@ -7,8 +7,10 @@ less: none of the 200 numba kernel variants has local-memory traffic (tests/cuda
 what is left is cuBLAS's and the CUDA C kernels' needs. Set low when the context is made, before any kernel: the
 driver raises it at a launch that needs more ("automatically increases the per-thread stack size for
 each kernel launch as needed", and keeps it), so the reservation ends at what the process's largest
-kernel needs — reached during a worker's warm-up, before its cache is sized. Opt-in until measured
-on a GPU (tools/device/ctx26.py, emb27.sh)."""
+kernel needs — reached during a worker's warm-up, before its cache is sized. Unset, a LLaVA vision
+worker sets 64 B (VISION_STACK_BYTES: on the H200 its footprint 606 -> 358 MiB with the tower streamed,
+the limit still 64 B after its encodes, twenty-ninth session); the text workers and Qwen3-VL's vision
+worker keep the driver's (not yet measured there)."""
 from __future__ import annotations
 
 import ctypes
@@ -19,22 +21,24 @@ from moebus.common.errors import ConfigError
 
 log = logging.getLogger("moebus.worker")
 CU_LIMIT_STACK_SIZE = 0
+VISION_STACK_BYTES = 64  # a LLaVA vision worker's limit where MOEBUS_CUDA_STACK_BYTES is unset
 
 
-def stack_bytes_from_env(environ=os.environ) -> int | None:
+def stack_bytes_from_env(environ=os.environ, default: int | None = None) -> int | None:
+    """MOEBUS_CUDA_STACK_BYTES, else ``default`` (None: the driver's)."""
     text = environ.get("MOEBUS_CUDA_STACK_BYTES", "")
     if not text:
-        return None
+        return default
     if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= 1 << 20:  # '²' is a digit int() refuses
         raise ConfigError(f"MOEBUS_CUDA_STACK_BYTES must be a byte count from 1 to 1048576 (each GPU thread's stack "
                           f"at the context's start; unset: the driver's 1024), got {text!r}")
     return int(text)
 
 
-def lower_stack_limit(environ=os.environ) -> tuple[int, int] | None:
-    """On the current context (call before any kernel): the stack limit from the environment;
-    returns (bytes before, bytes now), or None where it is unset."""
-    wanted = stack_bytes_from_env(environ)
+def lower_stack_limit(environ=os.environ, default: int | None = None) -> tuple[int, int] | None:
+    """On the current context (call before any kernel): the stack limit from the environment, else
+    ``default``; returns (bytes before, bytes now), or None where neither asks for one."""
+    wanted = stack_bytes_from_env(environ, default)
     if wanted is None:
         return None
     lib = ctypes.CDLL("libcuda.so.1")
@@ -42,7 +46,8 @@ def lower_stack_limit(environ=os.environ) -> tuple[int, int] | None:
     _check(lib.cuCtxGetLimit(ctypes.byref(before), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
     _check(lib.cuCtxSetLimit(ctypes.c_int(CU_LIMIT_STACK_SIZE), ctypes.c_size_t(wanted)), "cuCtxSetLimit")
     _check(lib.cuCtxGetLimit(ctypes.byref(now), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
-    log.info("CUDA stack limit %d B a thread (the driver's %d B; MOEBUS_CUDA_STACK_BYTES)", now.value, before.value)
+    log.info("CUDA stack limit %d B a thread (the driver's %d B; MOEBUS_CUDA_STACK_BYTES%s)", now.value, before.value,
+             "" if environ.get("MOEBUS_CUDA_STACK_BYTES") else " unset: this worker's default")
     return before.value, now.value
 
 
