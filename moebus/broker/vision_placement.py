@@ -124,7 +124,7 @@ class PlacementMixin:
         gpu = self.gpu if gpu is None else gpu
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
         measured = self.measured_bytes.get(gpu)  # what the last start there really took (cuda)
-        if not measured and not self.processor:  # LLaVA before its first start there: a context, what the zygote reckons
+        if not measured and not self.processor:  # LLaVA's first start there: a context + the zygote's reckoning
             cuda_bytes = (self.zygote_info or {}).get("cuda_bytes") or 0
             measured = CONTEXT_MIB * MIB + cuda_bytes if cuda_bytes else None
         mine = measured_reserve_mib(measured) if measured else None

@@ -134,11 +134,11 @@ class VisionWorker:
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
                            **arrays)
 
-
     def _stack_limit(self, level: int) -> str:
-        """Where MOEBUS_CUDA_STACK_BYTES lowered the context's stack limit: the limit now, in the first
-        encodes' lines (the start's footprint is measured before the first encode; a launch that needs
-        more stack raises the limit, and that memory is the worker's too)."""
+        """Where the context's stack limit was lowered (MOEBUS_CUDA_STACK_BYTES, or a LLaVA worker's
+        default): the limit now, in the first encodes' lines (the start's footprint is measured before
+        the first encode; a launch that needs more stack raises the limit, and that memory is the
+        worker's too)."""
         lowered = context_limits.stack_bytes_from_env(default=vision_stack_bytes(self.model.cfg)) is not None
         if level != logging.INFO or self.device != "cuda" or SIMULATOR or not lowered:
             return ""
