@@ -182,15 +182,21 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     return before_image, during, split, gaps
 
 
-def _warm_encode_s(client, args) -> float | None:
-    encode = client.info()["histograms"]["vision_encode_seconds"]
-    warm = []
+def _warm_encode_s(client, args) -> tuple[float | None, int]:
+    """(the median encode of ``args.repeats`` images after the cold one, how many of them found the
+    vision worker no longer ready: it had stopped after ``idle_s``, so theirs was a new worker's first
+    encode; twenty-ninth session, where a cold request outlasted ``idle_s``)."""
+    info = client.info()
+    encode = info["histograms"]["vision_encode_seconds"]
+    warm, cold = [], 0
     for i in range(args.repeats):
+        cold += info["vision"]["state"] != "ready"
         _chat(client, _image_png(args.image_px, seed=i + 1), max_tokens=1)
-        now = client.info()["histograms"]["vision_encode_seconds"]
+        info = client.info()
+        now = info["histograms"]["vision_encode_seconds"]
         warm.append(now["sum"] - encode["sum"])
         encode = now
-    return statistics.median(warm) if warm else None
+    return (statistics.median(warm) if warm else None), cold
 
 
 def _earlier_cold_starts(client, args) -> list[dict]:
@@ -223,10 +229,10 @@ def _lazy_cycle(args, image: bytes) -> dict:
             idle = _row(client)
             earlier = _earlier_cold_starts(client, args)
             before, during, split, gaps = _cold_request(client, image, args)
-            warm_s = _warm_encode_s(client, args)
+            warm_s, warm_cold = _warm_encode_s(client, args)
             _wait(client, lambda i: i["vision"]["state"] == "cold", args.idle_s + args.timeout_s, "vision unloaded")
             return {"idle": idle, "before_image": before, "during": during, "after": _row(client), "split": split,
-                    "text_gaps": gaps, "warm_encode_s": warm_s, "earlier_splits": earlier}
+                    "text_gaps": gaps, "warm_encode_s": warm_s, "warm_encode_cold": warm_cold, "earlier_splits": earlier}
         finally:
             client.close()
 
@@ -320,7 +326,10 @@ def main(argv=None) -> int:
     if cycle["text_gaps"]:
         _print_gaps(cycle["text_gaps"], split, args.text_streams)
     if cycle["warm_encode_s"] is not None:
-        print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats})")
+        cold = cycle.get("warm_encode_cold", 0)
+        print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats}"
+              + (f"; {cold} of them found the vision worker stopped after idle_s: a new worker's first encode, "
+                 "not a warm one" if cold else "") + ")")
     ok = _print_check(resident, cycle, args.segment_mib or Settings.model_fields["segment_mib"].default)
     print(json.dumps({"resident": resident, **cycle}))
     return 0 if ok else 1

@@ -65,6 +65,9 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     start = result["split"]["steps"]["start"]  # each mark asked the workers for their caches' counters
     assert start["steps"] == 0 or start["misses_per_step"] >= 0 and start["h2d_mib_per_step"] >= 0, start
     assert len(result["earlier_splits"]) == 1 and "cold image request 1 of 2:" in out  # measured: the second
+    # the "warm" encode says when the worker had stopped before it (idle_s 1 here: it may have)
+    assert result["warm_encode_cold"] in (0, 1) and ("found the vision worker stopped" in out) == bool(
+        result["warm_encode_cold"]), out
 
 
 def test_each_gap_is_charged_to_the_phase_that_holds_its_middle():
