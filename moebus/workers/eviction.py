@@ -50,31 +50,29 @@ from moebus.common.errors import ConfigError
 POLICIES = ("freq", "lru")
 
 
-def number_from_env(name: str, default: str, meaning: str, environ=os.environ) -> float:
-    """The environment variable ``name`` (``default`` where unset) as a finite number >= 0, else a ConfigError
-    naming it and saying what it is (``meaning``), raised where it is read (a worker's start), not at import."""
+AT_LEAST_0 = (lambda value: 0 <= value < float("inf"), ">= 0")  # (nan and inf fail the test)
+
+
+def number_from_env(name: str, default: str, meaning: str, environ=os.environ, within=AT_LEAST_0) -> float:
+    """The environment variable ``name`` (``default`` where unset) as a number that passes ``within``'s
+    test (default: finite and >= 0), else a ConfigError naming it, the range (``within``'s words) and
+    what it is (``meaning``), raised where it is read (a worker's start), not at import."""
+    test, words = within
     text = environ.get(name, default)
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 <= value < float("inf"):  # nan and inf fail here too
-        raise ConfigError(f"{name} must be a number >= 0 ({meaning}), got {text!r}")
+    if not test(value):  # every comparison with nan is false: nan fails any test written as one
+        raise ConfigError(f"{name} must be a number {words} ({meaning}), got {text!r}")
     return value
 
 
 def cache_decay_from_env(environ=os.environ) -> float:
     """``MOEBUS_CACHE_DECAY`` (default 0.98): the freq policy's count factor a step, in (0, 1], else a
     ConfigError naming it, raised where a cache is built (a worker's start), not at import."""
-    text = environ.get("MOEBUS_CACHE_DECAY", "0.98")
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:  # nan fails here too
-        raise ConfigError(f"MOEBUS_CACHE_DECAY must be a number in (0, 1] (the freq policy's use count is "
-                          f"multiplied by it every step), got {text!r}")
-    return value
+    return number_from_env("MOEBUS_CACHE_DECAY", "0.98", "the freq policy's use count is multiplied by it every step",
+                           environ, within=(lambda value: 0 < value <= 1, "in (0, 1]"))
 
 
 def admission_margin_from_env(environ=os.environ) -> float:
