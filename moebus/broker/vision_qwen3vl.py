@@ -5,14 +5,12 @@ the images and expanded, and the prompt's M-RoPE positions and rope offset are c
 (the prompt's own, then index + offset) and the DeepStack rows inside the step. Video is refused."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from moebus.broker.admission import make_sequence
 from moebus.broker.vision_groups import image_keys
 from moebus.broker.vision_requests import ImageRequest, _check_parts, check_image_tokens
-from moebus.common.errors import RequestError
+from moebus.common.errors import ConfigError, RequestError
 from moebus.common.images import ImageLimits, check_header
 from moebus.common.protocol import Generate
 from moebus.common.qwen3vl_positions import expand_image_pads, rope_index, step_rope_positions
@@ -122,9 +120,13 @@ def cuda_vision_mib(cfg, processor) -> int:
     bf16 weights and one encode's scratch for the reference image (workers/qwen3vl_vision.py)."""
     from moebus.workers.qwen3vl_vision import STREAM_SLOTS, encode_scratch_bytes, reference_patches
     from moebus.workers.qwen3vl_weights import weight_bytes
+    from moebus.workers.tower_stream import stream_layers_from_env
 
     # streamed blocks (workers/tower_stream.py): three on the device. (A value the worker refuses stops its
-    # start with a config error; here it only sizes the reserve.)
-    slots = STREAM_SLOTS if os.environ.get("MOEBUS_VISION_STREAM_LAYERS") == "1" else 0
+    # start with a config error; here it only sizes the reserve, as resident.)
+    try:
+        slots = STREAM_SLOTS if stream_layers_from_env(tower=cfg.tower) else 0
+    except ConfigError:
+        slots = 0
     need = weight_bytes(cfg, 2, slots) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
     return CONTEXT_MIB + -(-need // (1 << 20))
