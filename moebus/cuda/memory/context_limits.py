@@ -41,14 +41,13 @@ def lower_stack_limit(environ=os.environ, default: int | None = None) -> tuple[i
     wanted = stack_bytes_from_env(environ, default)
     if wanted is None:
         return None
-    lib = ctypes.CDLL("libcuda.so.1")
-    before, now = ctypes.c_size_t(), ctypes.c_size_t()
-    _check(lib.cuCtxGetLimit(ctypes.byref(before), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
-    _check(lib.cuCtxSetLimit(ctypes.c_int(CU_LIMIT_STACK_SIZE), ctypes.c_size_t(wanted)), "cuCtxSetLimit")
-    _check(lib.cuCtxGetLimit(ctypes.byref(now), ctypes.c_int(CU_LIMIT_STACK_SIZE)), "cuCtxGetLimit")
-    log.info("CUDA stack limit %d B a thread (the driver's %d B; MOEBUS_CUDA_STACK_BYTES%s)", now.value, before.value,
+    before = stack_limit_bytes()
+    _check(ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(ctypes.c_int(CU_LIMIT_STACK_SIZE), ctypes.c_size_t(wanted)),
+           "cuCtxSetLimit")
+    now = stack_limit_bytes()
+    log.info("CUDA stack limit %d B a thread (the driver's %d B; MOEBUS_CUDA_STACK_BYTES%s)", now, before,
              "" if environ.get("MOEBUS_CUDA_STACK_BYTES") else " unset: this worker's default")
-    return before.value, now.value
+    return before, now
 
 
 def stack_limit_bytes() -> int:
