@@ -35,12 +35,15 @@
 source tools/device/setup.sh
 FINAL=$OUT
 LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-if [ "$PART" = both ]; then
+if [ "$PART" = both ] || [ "$PART" = cycle2 ]; then  # both: the twenty-ninth session's call; cycle2: the plan before
   ALL=MOEBUS_HANDBACK_BESIDE_STEP=1,MOEBUS_VISION_STREAM_LAYERS=1,MOEBUS_CUDA_STACK_BYTES=64
-  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-240} \
-    VIS_RUNS="host:$LOGS before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 all:$LOGS,$ALL host2:$LOGS" \
-    bash tools/device/gap25.sh 2>&1 | tail -30
-  echo "== emb27 both done at ${SECONDS} s"
+  if [ "$PART" = both ]; then
+    RUNS="host:$LOGS before:$LOGS,MOEBUS_EMBEDDING_VRAM=1,MOEBUS_CACHE_DECAY=0.9 beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 all:$LOGS,$ALL host2:$LOGS"
+  else
+    RUNS="host3:$LOGS beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64 all:$LOGS,$ALL"
+  fi
+  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-240} VIS_RUNS="$RUNS" bash tools/device/gap25.sh 2>&1 | tail -30
+  echo "== emb27 $PART done at ${SECONDS} s"
   exit 0
 fi
 if [ "$PART" = check ]; then
@@ -72,15 +75,6 @@ if [ "$PART" = decay ]; then
       | awk -v d=$decay '{print "decay " d ": batch " $1 ", " $2 " tok/s, " $3 " ms a step, hit rate " $5 ", " $6 " GB/s"}'
   done
   echo "== decay done at ${SECONDS} s"
-  exit 0
-fi
-LOGS=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-if [ "$PART" = cycle2 ]; then
-  ALL=MOEBUS_HANDBACK_BESIDE_STEP=1,MOEBUS_VISION_STREAM_LAYERS=1,MOEBUS_CUDA_STACK_BYTES=64
-  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-200} \
-    VIS_RUNS="host3:$LOGS beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64 all:$LOGS,$ALL" \
-    bash tools/device/gap25.sh 2>&1 | tail -24
-  echo "== emb27 cycle2 done at ${SECONDS} s"
   exit 0
 fi
 OUT=$FINAL CTX=1 ROUTE=0 MEASURE_S=${MEASURE_S:-165} \
