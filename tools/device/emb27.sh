@@ -42,7 +42,8 @@ if [ "$PART" = both ] || [ "$PART" = cycle2 ]; then  # both: the twenty-ninth se
   else
     RUNS="host3:$LOGS beside:$LOGS,MOEBUS_HANDBACK_BESIDE_STEP=1 stream:$LOGS,MOEBUS_VISION_STREAM_LAYERS=1 stack:$LOGS,MOEBUS_CUDA_STACK_BYTES=64 all:$LOGS,$ALL"
   fi
-  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-240} VIS_RUNS="$RUNS" bash tools/device/gap25.sh 2>&1 | tail -30
+  [ "$PART" = both ] && measure=240 || measure=200
+  OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-$measure} VIS_RUNS="$RUNS" bash tools/device/gap25.sh 2>&1 | tail -30
   echo "== emb27 $PART done at ${SECONDS} s"
   exit 0
 fi
