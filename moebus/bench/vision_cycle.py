@@ -9,6 +9,9 @@ the driver's free VRAM per GPU. ``--gpu-memory-mib N`` gives each GPU a VRAM bud
 Text streams decode from before the image until it has answered (bench/vision_gaps.py: each
 stream's own gaps, by phase of the cold start, beside the broker's steps). ``--cold-starts 2``
 measures a cold start as it recurs after ``idle_s`` (the first pays the processes' first-use costs).
+Before their steady window the streams decode ``--control-tokens`` (256) tokens with no image: the
+largest gap there, against the same medians, is the text's own tail (a decode whose experts do not all
+fit misses more in some steps than others), printed beside the cold start's for comparison.
 
 Expected: (b) == (d) > (a) ≈ (c); and the text streams' largest inter-token gap through the cold
 start at most twice their median. ≈ allows, per GPU, one segment's slots either way (the hand-back
@@ -31,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moebus.bench.vision_gaps import (STEADY_TOKENS, WARM_TOKENS, TextStreams, gap_report, print_gap_report,
-                                      steady_cache, steady_steps, worst_ratio)
+from moebus.bench.vision_gaps import (CONTROL_TOKENS, STEADY_TOKENS, WARM_TOKENS, TextStreams, gap_report,
+                                      print_gap_report, steady_cache, steady_steps, worst_ratio)
 from moebus.common.errors import ConfigError
 from moebus.common.settings import Settings, load_settings
 
@@ -149,19 +152,25 @@ def _resident(args) -> dict:
             client.close()
 
 
-def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict, dict | None]:
+def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dict, dict | None, tuple | None]:
     """Text streams in their steady state: (the streams, the steady window, the broker's steps in it,
-    the caches' traffic per step over the next ~0.5 s, between two INFO replies asked for)."""
+    the caches' traffic per step over the next ~0.5 s, between two INFO replies asked for, the image-free
+    window of ``--control-tokens`` before the steady one or None)."""
     # a first round captures every batch size's graph (the image request's decode joins the streams'
     # batch) and fills the cache; then the streams run until stopped, up to what the context allows
     TextStreams(client, args.text_streams + 1, WARM_TOKENS).join()
     max_tokens = args.text_tokens or client.info()["max_context"] - 8
     streams = TextStreams(client, args.text_streams, max_tokens)
     streams.wait_tokens(WARM_TOKENS)
+    control = None
+    if args.control_tokens:  # the text alone, as long as the cold start's window: the image's comparison
+        control = (time.monotonic(), None)
+        streams.wait_tokens(WARM_TOKENS + args.control_tokens)
+        control = (control[0], time.monotonic())
     start, before = time.monotonic(), client.info()
-    streams.wait_tokens(WARM_TOKENS + STEADY_TOKENS)
+    streams.wait_tokens(WARM_TOKENS + args.control_tokens + STEADY_TOKENS)
     end, after = time.monotonic(), client.info()
-    return streams, (start, end), steady_steps(before, after, end - start), steady_cache(client)
+    return streams, (start, end), steady_steps(before, after, end - start), steady_cache(client), control
 
 
 def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
@@ -169,7 +178,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     before it is sent, the row while vision is loaded, the time split, the text streams' gaps)."""
     streams = None
     if args.text_streams:
-        streams, steady, steps, cache = _steady_streams(client, args)
+        streams, steady, steps, cache, control = _steady_streams(client, args)
     before_image = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
     sent = time.monotonic()
     first_s = _chat(client, image, started=sent)
@@ -178,7 +187,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     vision = client.info()["vision"]
     split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
                  measured_mib=vision.get("measured_mib"))
-    gaps = gap_report(streams, steady, sent, split, ended, steps, cache) if streams else {}
+    gaps = gap_report(streams, steady, sent, split, ended, steps, cache, control) if streams else {}
     return before_image, during, split, gaps
 
 
@@ -274,6 +283,12 @@ def _print_gaps(gaps: dict, split: dict, num_streams: int) -> None:
             if ratio is not None:
                 print(f"text streams' largest gap {what} / {median} (worst stream): {ratio:.2f} (target <= 2):",
                       ratio <= 2)
+    for suffix, median in (("", "their median before"), ("_cycle", "their median over the cycle")):
+        ratio = worst_ratio(gaps, "ratio_control" + suffix)  # no target: what the text does alone, for the lines above
+        if ratio is not None:
+            gaps_alone = max(s["control_gaps"] for s in gaps["per_stream"])
+            print(f"text streams' largest gap over {gaps_alone} gaps a stream without an image, before it / {median} "
+                  f"(worst stream): {ratio:.2f} (the text's own tail)")
 
 
 def main(argv=None) -> int:
@@ -294,16 +309,24 @@ def main(argv=None) -> int:
     p.add_argument("--text-streams", type=int, default=4, help="text streams decoding through the cold start")
     p.add_argument("--text-tokens", type=int, help="at most this many tokens a text stream (default: what the context "
                    "allows; they stop when the image request has answered)")
+    p.add_argument("--control-tokens", type=int, default=CONTROL_TOKENS, help="each text stream's tokens in an "
+                   "image-free window before the steady state: their largest gap against the same medians, the text's "
+                   "own tail beside the cold start's (default %(default)s, about the H200's cold start until encoded; "
+                   "0: none)")
     p.add_argument("--skip-resident", action="store_true", help="leave row (a) out (one broker start less)")
     p.add_argument("--cold-starts", type=int, default=1, help="cold images in the lazy run; the last is measured "
                    "with the text streams (2: a cold start as it recurs, the processes' first-use costs paid)")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
-    if args.text_streams and args.text_tokens is not None and args.text_tokens <= WARM_TOKENS + STEADY_TOKENS:
-        p.error(f"--text-tokens {args.text_tokens}: the text streams need more than {WARM_TOKENS + STEADY_TOKENS} "
-                f"tokens ({WARM_TOKENS} to warm, {STEADY_TOKENS} in the steady state before the image is sent) to "
-                "still be decoding through the cold start; leave it out to decode as far as the context allows")
+    if args.control_tokens < 0:
+        p.error(f"--control-tokens {args.control_tokens}: a count of tokens, 0 for no image-free window")
+    ahead = WARM_TOKENS + args.control_tokens + STEADY_TOKENS
+    if args.text_streams and args.text_tokens is not None and args.text_tokens <= ahead:
+        p.error(f"--text-tokens {args.text_tokens}: the text streams need more than {ahead} tokens ({WARM_TOKENS} to "
+                f"warm, {args.control_tokens} without an image (--control-tokens), {STEADY_TOKENS} in the steady state "
+                "before the image is sent) to still be decoding through the cold start; leave it out to decode as far "
+                "as the context allows")
     try:  # the brokers' settings, refused here with the key's name rather than by a broker that cannot start
         load_settings(**_settings(args, lazy=True))
     except ConfigError as e:

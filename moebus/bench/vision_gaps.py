@@ -17,6 +17,10 @@ from moebus.broker.vision_phases import CACHE_KEYS, cache_per_step
 
 WARM_TOKENS = 8  # of each text stream before the steady state is measured (batch sizes captured, experts cached)
 STEADY_TOKENS = 24  # each stream's tokens in the steady state measured before the image is sent
+# each stream's tokens in an image-free window between the warm-up and the steady state (``--control-tokens``): about
+# as many gaps as the H200's cold start holds until encoded (~250 steps), so that the largest of them is the text's own
+# tail, without any image, for the largest gap through the hand-back, start and encode to be read against
+CONTROL_TOKENS = 256
 PHASES = ("queued", "handback", "start", "ready_to_encode", "encode", "prefill", "decode")
 
 
@@ -151,16 +155,18 @@ def steady_cache(client, window_s: float = 0.5, timeout_s: float = 5.0) -> dict 
 
 
 def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, split: dict, ended: float,
-               steps: dict, cache: dict | None = None) -> dict:
-    """Everything the bench prints about the text streams (plain data, for its JSON line too)."""
+               steps: dict, cache: dict | None = None, control: tuple[float, float] | None = None) -> dict:
+    """Everything the bench prints about the text streams (plain data, for its JSON line too). ``control``:
+    the image-free window before the steady one (its largest gap against the same medians: the text's own tail)."""
     start, end = steady
     before = gaps_within(streams.times, start, end)
+    free = gaps_within(streams.times, *control) if control else [[] for _ in streams.times]
     cold = gaps_within(streams.times, sent, ended)
     encoded = sent + sum(split.get(f"{p}_s", 0.0) for p in PHASES[:5])
     until_encoded = gaps_within(streams.times, sent, encoded)
     cycle = gaps_within(streams.times, start, ended)  # the issue's wording: the streams' median over the cycle
     per_stream = []
-    for mine, through, upto, whole in zip(before, cold, until_encoded, cycle):
+    for mine, through, upto, whole, alone in zip(before, cold, until_encoded, cycle, free):
         median = statistics.median(mine) if mine else None
         median_cycle = statistics.median(whole) if whole else None
         per_stream.append({"median_before_ms": 1e3 * median if median else None,
@@ -171,10 +177,15 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
                            "ratio_cold": max(through) / median if through and median else None,
                            "ratio_until_encoded_cycle": max(upto) / median_cycle if upto and median_cycle else None,
                            "ratio_cold_cycle": max(through) / median_cycle if through and median_cycle else None,
+                           "max_control_ms": 1e3 * max(alone) if alone else None,
+                           "ratio_control": max(alone) / median if alone and median else None,
+                           "ratio_control_cycle": max(alone) / median_cycle if alone and median_cycle else None,
+                           "control_gaps": len(alone),
                            "cold_gaps": len(through),
                            "above_2x_cold": sum(g > 2 * median for g in through) if median else None})
     pooled = sum(before, [])
     return {"steady": {**summary_ms(pooled), "broker_steps": steps, "cache": cache}, "per_stream": per_stream,
+            "control": {"seconds": control[1] - control[0], **summary_ms(sum(free, []))} if control else None,
             "by_phase": gaps_by_phase(streams.times, sent, split, ended),
             "covered": streams.ran_until() >= ended - 1e-3,
             "largest": largest_ms(streams.times, sent, 5, phase_bounds(sent, split, ended)),
@@ -209,6 +220,10 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
           f"{ms(steady['median_ms'])} ms (n {steady['n']}, max {ms(steady['max_ms'])}); broker: {steps['steps']} steps, "
           f"one every {ms(steps['interval_ms'])} ms, {ms(steps['step_ms'])} ms plan to tokens, "
           f"{ms(steps['compute_ms'])} ms in the worker")
+    free = report.get("control")
+    if free:
+        print(f"  an image-free window before it ({1e3 * free['seconds']:.0f} ms): each stream's own gap median "
+              f"{ms(free['median_ms'])} ms (n {free['n']}, max {ms(free['max_ms'])})")
     cache = report["steady"].get("cache")
     if cache:
         print(f"  caches while they decode alone: {cache['misses_per_step']:.1f} experts missed a step, "
@@ -228,6 +243,8 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
               f"largest through hand-back, start and encode {ms(s['max_until_encoded_ms'])} ms "
               f"({ms(s['ratio_until_encoded'])}x / {ms(s['ratio_until_encoded_cycle'])}x), through the whole cold start "
               f"to the image's last token {ms(s['max_cold_ms'])} ms ({ms(s['ratio_cold'])}x / {ms(s['ratio_cold_cycle'])}x); "
+              f"over {s['control_gaps']} gaps without an image before it {ms(s['max_control_ms'])} ms "
+              f"({ms(s['ratio_control'])}x / {ms(s['ratio_control_cycle'])}x); "
               f"{s['above_2x_cold']} of its {s['cold_gaps']} gaps there above 2x the median before")
     print("  largest gaps (ms, ended ms after the image was sent):",
           ", ".join(f"{g:.1f} at {t:.0f}" for g, t, *_ in report["largest"]))
@@ -240,7 +257,7 @@ def print_gap_report(report: dict, num_streams: int, broker_steps: dict) -> None
 
 
 def worst_ratio(report: dict, key: str) -> float | None:
-    """The largest per-stream ratio of ``key`` ('ratio_until_encoded' or 'ratio_cold' against the median
-    before the image; the same with '_cycle' against the median over the whole cycle)."""
+    """The largest per-stream ratio of ``key`` ('ratio_until_encoded', 'ratio_cold' or 'ratio_control' against
+    the median before the image; the same with '_cycle' against the median over the whole cycle)."""
     ratios = [s[key] for s in report["per_stream"] if s[key] is not None]
     return max(ratios) if ratios else None

@@ -46,7 +46,7 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     vram = [str(v) for v in VISION_SERVE["emulated_vram_mib"]]
     done = subprocess.run([sys.executable, "-m", "moebus.cli", "bench", "vision-cycle", "--model", str(tiny_llava),
                            "--device", "cpu", "--idle-s", "1", "--repeats", "1", "--text-streams", "2",
-                           "--cold-starts", "2", "--max-context", "256", "--segment-mib",
+                           "--cold-starts", "2", "--max-context", "256", "--control-tokens", "24", "--segment-mib",
                            str(VISION_SERVE["segment_mib"]), "--emulated-vram-mib", *vram, "--timeout-s", "120"],
                           capture_output=True, text=True, env=env, timeout=600)
     out = done.stdout
@@ -61,6 +61,11 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     gaps = result["text_gaps"]  # the text streams through the cold start, each stream's own gaps, by phase
     assert len(gaps["per_stream"]) == 2 and gaps["steady"]["n"] > 0 and gaps["steady"]["broker_steps"]["steps"] > 0
     assert gaps["by_phase"]["handback"]["length_ms"] > 0 and "phase" in out and "stream 1: median before" in out
+    # the image-free window before the steady state: 24 tokens a stream (~24 gaps each, as the 2 ms polls catch
+    # its ends), read against the same medians
+    assert all(16 <= s["control_gaps"] <= 30 and s["ratio_control_cycle"] > 0 for s in gaps["per_stream"]), gaps
+    assert gaps["control"]["n"] == sum(s["control_gaps"] for s in gaps["per_stream"])
+    assert "gaps a stream without an image, before it / their median over the cycle (worst stream)" in out
     assert set(result["split"]["steps"]) >= {"handback", "start", "encode", "prefill"}
     start = result["split"]["steps"]["start"]  # each mark asked the workers for their caches' counters
     assert start["steps"] == 0 or start["misses_per_step"] >= 0 and start["h2d_mib_per_step"] >= 0, start
@@ -116,6 +121,11 @@ def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
     # the gaps through the cold start above 2x the median before: stream 1's 25 ms one alone
     assert [s["above_2x_cold"] for s in report["per_stream"]] == [0, 1]
     assert [s["cold_gaps"] for s in report["per_stream"]] == [9, 7]  # stream 1 late: two fewer gaps end by 0.19
+    assert report["control"] is None and report["per_stream"][0]["ratio_control"] is None  # none asked for
+    # an image-free window (here the steady one itself): its largest gap against the same medians
+    alone = gap_report(streams, (0.0, 0.1), 0.1, split, ended=0.19, steps={"steps": 10}, control=(0.0, 0.1))
+    assert alone["control"]["n"] == 20 and [s["control_gaps"] for s in alone["per_stream"]] == [10, 10]
+    assert [round(s["ratio_control_cycle"], 2) for s in alone["per_stream"]] == [1.0, 1.0]
 
 
 def test_the_broker_steps_of_the_steady_state():

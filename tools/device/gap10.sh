@@ -12,7 +12,8 @@
 #   BUDGET=122 bash tools/device/gap10.sh                   (as run: 109 s on a bare H200)
 #   BUDGET=150 BUDGETS="128 256" bash tools/device/gap10.sh  (owed; BUDGET=115 BUDGETS=128: 128 alone)
 # (eleventh session, tools/device/gap11.sh: SKIP_TESTS=1 leaves the GPU tests out, TAG=x names the logs cycle_*_x.log,
-# FIRST_CAP the first cycle's timeout, 88 s unless set)
+# FIRST_CAP the first cycle's timeout, 88 s unless set; thirtieth: CYCLE_ARGS more of the bench's arguments, one word
+# each, e.g. CYCLE_ARGS=--control-tokens=0 in a gap25.sh run's variables)
 source tools/device/setup.sh
 set -o pipefail
 BUDGET=${BUDGET:-122}
@@ -29,7 +30,7 @@ cycle() {  # name, copy budget MiB, timeout s
   echo "== vision-cycle under 8 GiB, copy budget ${B} MiB a step beside decode (at ${SECONDS} s, timeout ${T} s)"
   MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=$B timeout $T python3 -m moebus.cli bench vision-cycle --device cuda \
     --model $V --gpu-memory-mib ${GPU_MIB:-8192} -v --idle-s 1 --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
-    --timeout-s 90 --skip-resident > $L 2>&1
+    --timeout-s 90 --skip-resident $CYCLE_ARGS > $L 2>&1
   echo "rc=$? (at ${SECONDS} s)"
   grep -vE "^\{" $L | grep -E "^\(|^  |cold image|text streams|warm image|target|largest gap|stream [01]:" | cut -c1-220
   timeout 20 python3 tools/device/gap6_logs.py $L | head -24
