@@ -541,12 +541,16 @@ class ExpertCache:
         that event only, not for the step."""
         count, _ = self.arena.tail_to_release(missing_bytes, self.min_slots)
         kept = self.arena.slots_after_shrink(count)
+        started = time.perf_counter()
         self.last_resize["moved"] = self._keep_hottest(kept) if count else 0
         self._take_out_of_service(kept)
+        self.last_resize["out_of_service_s"] = time.perf_counter() - started  # the moves down and the table
         after = None
         if beside is not None and count:
             fence = self.copier.record_compute() if getattr(self.copier, "fences", False) else None
+            started = time.perf_counter()
             self.last_resize["beside"] = bool(beside())
+            self.last_resize["beside_s"] = time.perf_counter() - started  # the next step's launch
             after = None if fence is None else fence.event
         self.arena.last_release = {}
         self.arena.shrink(count, after=after)

@@ -61,7 +61,9 @@ LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time 
 RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
 # A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
 # the handles' release (ExpertCache.last_resize; the last three from VmmArena).
-RESIZE_PARTS = (("info_s", "free asked"), ("sync_s", "sync"), ("unmap_s", "unmap"), ("release_s", "release"))
+RESIZE_PARTS = (("scratch_s", "step pool"), ("info_s", "free asked"), ("out_of_service_s", "out of service"),
+                ("peek_s", "next step read"), ("beside_s", "its launch"), ("sync_s", "sync"), ("unmap_s", "unmap"),
+                ("release_s", "release"))
 
 
 def handback_beside_from_env(environ=os.environ) -> bool:
@@ -273,7 +275,9 @@ class GpuWorker:
         # grew it by ~470 MiB on the H200) would stay charged to the budget, and the regrow to the start-up
         # size overshoot it by as much, which the next hand-back's first requests then paid for
         released = 0 if msg.query else self.stage.ops.release_scratch()
+        scratch_s = time.perf_counter() - started
         beside = self.step_beside() if msg.reserve_mib is not None and not msg.query and self.handback_beside else None
+        peek_s = time.perf_counter() - started - scratch_s
         reply = VramReply(id=msg.id, **experts.resize(msg.reserve_mib, query=msg.query, beside=beside))
         if not msg.query and self.stage.scratch_choices is not None:
             # the room beside the cache is what a reserve hands out (the vision worker's): while one
@@ -285,7 +289,7 @@ class GpuWorker:
                 self.stage.scratch = widened(measured, spare, image_step_tokens(wide.tokens))
         self.keep_reserve_figures(msg, reply)
         if not msg.query:  # a hand-back step holds every text stream for this long
-            split = getattr(experts, "last_resize", {})
+            split = {**getattr(experts, "last_resize", {}), "scratch_s": scratch_s, "peek_s": peek_s}
             parts = "".join(f", {name} {1e3 * split[key]:.1f}" for key, name in RESIZE_PARTS if key in split)
             if split.get("beside"):
                 parts += ", the next step launched beside"
