@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One H200 (the thirty-first session's plan, written in the thirtieth; issue 20). The thirtieth measured the text's
+# own tail (gap30.sh: the same streams without an image reach 1.97-2.15x the cycle's median, 2.38-2.46x through the
+# cold image until encoded); of the image's ~1-1.5 ms the hand-back's six 64 MiB requests are the largest part: each
+# 4.3-5.6 ms on the worker (30-32 segments of 2 MiB unmapped in 1.3-2.7 ms with the next step beside, ~1 ms idle in
+# 2-MiB-segment timings; 0.6 ms of handle releases; ~2 ms more, now named in the VRAM line), the step after it ~5 ms
+# late. One call (~6.5 min):
+#   1. tools/device/unmap30.py: a 64 MiB shrink idle, beside a ~2 ms kernel, and on a helper thread while the main
+#      thread launches kernels (does cuMemUnmap wait for running kernels? hold the launches?), 2 and 18 MiB segments;
+#   2. gap30.sh's cycle over def, seg18 (MOEBUS_SEGMENT_MIB=18: two 9 MiB slots a segment, 4 segments a request),
+#      one18 (the same, the hand-back in one request: --handback-step-mib=600), then the three again.
+#   bash tools/device/gap31.sh 2>&1 | tail -45      (carry .whl)
+source tools/device/setup.sh
+timeout 90 python3 tools/device/unmap30.py 2>&1 | tail -8
+L=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
+VIS_RUNS=${VIS_RUNS:-"def:$L seg18:$L,MOEBUS_SEGMENT_MIB=18 one18:$L,MOEBUS_SEGMENT_MIB=18,CYCLE_ARGS=--handback-step-mib=600 def2:$L seg18b:$L,MOEBUS_SEGMENT_MIB=18 one18b:$L,MOEBUS_SEGMENT_MIB=18,CYCLE_ARGS=--handback-step-mib=600"} \
+  MEASURE_S=${MEASURE_S:-300} bash tools/device/gap30.sh 2>&1 | tail -26
+for f in $OUT/cycle_budget256_*.log.gz; do  # each run's hand-back requests, by part
+  echo "$(basename $f): $(zcat $f | grep -oE 'VRAM [0-9.]+: [0-9]+ expert slots, [0-9.]+ ms.*release [0-9.]+' \
+    | sed -E 's/waiting for admissions, //' | tail -6 | cut -c1-260 | tr '\n' '|')"
+done
+echo "== gap31 done at ${SECONDS} s"
