@@ -289,6 +289,10 @@ def _print_gaps(gaps: dict, split: dict, num_streams: int) -> None:
             gaps_alone = max(s["control_gaps"] for s in gaps["per_stream"])
             print(f"text streams' largest gap over {gaps_alone} gaps a stream without an image, before it / {median} "
                   f"(worst stream): {ratio:.2f} (the text's own tail)")
+    ratio = worst_ratio(gaps, "ratio_until_encoded_control")
+    if ratio is not None:  # what the image adds to the text's own largest gap
+        print(f"text streams' largest gap through hand-back, start and encode / their largest without an image "
+              f"(worst stream): {ratio:.2f} (the image's own share)")
 
 
 def main(argv=None) -> int:

@@ -181,6 +181,7 @@ def gap_report(streams: TextStreams, steady: tuple[float, float], sent: float, s
                            "ratio_control": max(alone) / median if alone and median else None,
                            "ratio_control_cycle": max(alone) / median_cycle if alone and median_cycle else None,
                            "control_gaps": len(alone),
+                           "ratio_until_encoded_control": max(upto) / max(alone) if upto and alone else None,
                            "cold_gaps": len(through),
                            "above_2x_cold": sum(g > 2 * median for g in through) if median else None})
     pooled = sum(before, [])

@@ -66,6 +66,7 @@ def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
     assert all(16 <= s["control_gaps"] <= 30 and s["ratio_control_cycle"] > 0 for s in gaps["per_stream"]), gaps
     assert gaps["control"]["n"] == sum(s["control_gaps"] for s in gaps["per_stream"])
     assert "gaps a stream without an image, before it / their median over the cycle (worst stream)" in out
+    assert "/ their largest without an image (worst stream)" in out
     assert set(result["split"]["steps"]) >= {"handback", "start", "encode", "prefill"}
     start = result["split"]["steps"]["start"]  # each mark asked the workers for their caches' counters
     assert start["steps"] == 0 or start["misses_per_step"] >= 0 and start["h2d_mib_per_step"] >= 0, start
@@ -126,6 +127,8 @@ def test_the_gaps_are_each_streams_own_and_the_ratio_is_the_worst_streams():
     alone = gap_report(streams, (0.0, 0.1), 0.1, split, ended=0.19, steps={"steps": 10}, control=(0.0, 0.1))
     assert alone["control"]["n"] == 20 and [s["control_gaps"] for s in alone["per_stream"]] == [10, 10]
     assert [round(s["ratio_control_cycle"], 2) for s in alone["per_stream"]] == [1.0, 1.0]
+    # the image's own share: stream 1's 25 ms through the cold start against its 10 ms alone
+    assert [round(s["ratio_until_encoded_control"], 2) for s in alone["per_stream"]] == [1.0, 2.5]
 
 
 def test_the_broker_steps_of_the_steady_state():

@@ -17,8 +17,8 @@ OUT=$FINAL ROUTE=0 MEASURE_S=${MEASURE_S:-300} \
   bash tools/device/gap25.sh 2>&1 | grep -vE "^(===|-150)" | grep -E "ratios|starts|bins|done|rc=|Error|error" | tail -30
 for f in $FINAL/cycle_budget256_*.log.gz; do
   tag=$(basename $f .log.gz); tag=${tag#cycle_budget256_}
-  echo "$tag: $(zcat $f | grep -E "^text streams' largest gap" | grep -oE '(encode|last token|before it) / their median (before|over the cycle) \(worst stream\): [0-9.]+' \
-    | sed -E 's/ \(worst stream\)//; s/their median //' | tr '\n' ';')"
+  echo "$tag: $(zcat $f | grep -E "^text streams' largest gap" | grep -oE '(encode|last token|before it) / their (median (before|over the cycle)|largest without an image) \(worst stream\): [0-9.]+' \
+    | sed -E 's/ \(worst stream\)//; s/their median //; s/their largest without an image/alone/' | tr '\n' ';')"
   echo "$tag: $(zcat $f | grep -E "an image-free window before it|steady state before the image" | sed -E 's/^ *//' | cut -c1-120 | tr '\n' ' ')"
 done
 echo "== gap30 done at ${SECONDS} s"
