@@ -21,14 +21,51 @@ too. Same launches on the same bits: the encode's results equal the resident tow
 In the simulator there are no events: copies there complete when they are enqueued."""
 from __future__ import annotations
 
+import logging
 import os
+import re
+import time
+import weakref
 
 import numpy as np
 
 from moebus.common.env_switches import switch_from_env
+from moebus.common.errors import ConfigError
 from moebus.workers.tower_graph import copy_pairs
 
+log = logging.getLogger("moebus.vision")
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
+PAGE_BYTES = 4096
+# an encoder layer's tensors: LLaVA's "encoder.layers.{i}." (vision_weights.LAYER), Qwen3-VL's "blocks.{i}."
+# (qwen3vl_weights.BLOCK); the zygote's pack puts them layer after layer in this order (packing_order)
+LAYER_NAME = re.compile(r"^(encoder\.layers|blocks)\.(\d+)\.(.+)$")
+HOST_MODES = ("copy", "register")
+
+
+def host_mode_from_env(environ=os.environ) -> str:
+    """``MOEBUS_VISION_STREAM_HOST``: where a streamed tower's layers are read from on the host.
+    "copy" (default): a pinned buffer of their own, filled at the worker's start (so400m: 803 MiB, the
+    start's +0.35-0.45 s on the H200, twenty-ninth session). "register" (not yet measured on a GPU):
+    the zygote's packed weights themselves, registered with the driver read-only (cuMemHostRegister),
+    where they lie layer after layer as the stream's blocks (vision_weight_pack.pack in packing_order:
+    LLaVA's; Qwen3-VL's blocks add views of their fused bias, so theirs are copied), saving the buffer's
+    allocation and fill and its host memory; a copy as before where they do not or the driver refuses."""
+    mode = environ.get("MOEBUS_VISION_STREAM_HOST", "copy")
+    if mode not in HOST_MODES:
+        raise ConfigError(f"MOEBUS_VISION_STREAM_HOST must be one of {', '.join(HOST_MODES)} (got {mode!r})")
+    return mode
+
+
+def packing_order(names) -> list[str]:
+    """``names`` ordered for one host buffer a streamed tower can read in place: every tensor outside
+    the encoder layers first (in the given order), then layer 0's, layer 1's... each layer's by name,
+    so that layer i's tensors are one block at i x the block's size, at the offsets LayerStream gives them."""
+    names = list(names)
+    layered = {name: LAYER_NAME.match(name) for name in names}
+    rest = [name for name in names if layered[name] is None]
+    in_layers = sorted((n for n in names if layered[n] is not None),
+                       key=lambda n: (layered[n].group(1), int(layered[n].group(2)), layered[n].group(3)))
+    return rest + in_layers
 
 
 def stream_layers_from_env(environ=os.environ, tower: str = "siglip") -> bool:
@@ -79,14 +116,26 @@ class LayerStream:
             if {n: (a.shape, a.dtype) for n, a in layer.items()} != {n: (a.shape, a.dtype) for n, a in first.items()}:
                 raise ValueError(f"encoder layer {i}'s tensors differ from layer 0's: the layers cannot share slots")
         self.num_layers = len(layers)
-        self.host = cuda.pinned_array(self.num_layers * self.block_bytes, np.uint8)
-        pairs = []  # filled by COPY_THREADS threads in slices (so400m: 803 MiB at the worker's start)
-        for i, layer in enumerate(layers):
-            base = i * self.block_bytes
-            for name, array in layer.items():
-                raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                pairs.append((self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size], raw))
-        copy_pairs(pairs)
+        started = time.perf_counter()
+        self.host_source = "copy"  # or "packed" (the packed weights read in place), "registered" (and pinned)
+        in_place = _blocks_in_place(layers, self.offsets, self.block_bytes) if host_mode_from_env() == "register" else None
+        if in_place is not None:
+            self.host, self.host_source = in_place, "packed"
+            if not SIMULATOR:
+                self.host_source = "registered" if _register_read_only(self, in_place) else "copy"
+        if self.host_source == "copy":
+            self.host = cuda.pinned_array(self.num_layers * self.block_bytes, np.uint8)
+            pairs = []  # filled by COPY_THREADS threads in slices (so400m: 803 MiB at the worker's start)
+            for i, layer in enumerate(layers):
+                base = i * self.block_bytes
+                for name, array in layer.items():
+                    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                    pairs.append((self.host[base + self.offsets[name] : base + self.offsets[name] + raw.size], raw))
+            copy_pairs(pairs)
+        log.info("the streamed tower's %d layers (%.0f MiB) on the host: %s in %.0f ms", self.num_layers,
+                 self.host.nbytes / (1 << 20), {"copy": "a pinned copy", "packed": "the packed weights in place",
+                                                "registered": "the packed weights registered read-only"}[self.host_source],
+                 1e3 * (time.perf_counter() - started))
         self.slots = min(slots, self.num_layers)
         self.device = cuda.device_array(self.slots * self.block_bytes, np.uint8)
         self.views = [{name: self._view(slot, name, array) for name, array in first.items()}
@@ -158,6 +207,51 @@ class LayerStream:
         (err,) = cu.cuStreamWaitEvent(_stream_handle(stream), _handle(event), 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"the tower's layer stream: cuStreamWaitEvent {err}")
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _blocks_in_place(layers: list[dict], offsets: dict, block_bytes: int) -> np.ndarray | None:
+    """The layers' tensors as one uint8 view where they already lie as the stream's blocks (layer i's
+    tensor ``name`` at i x ``block_bytes`` + ``offsets[name]`` of one buffer, its pages whole within it:
+    the zygote's pack in packing_order), else None."""
+    first_name = next(iter(offsets))
+    first = layers[0][first_name]
+    base = _address(first) - offsets[first_name]
+    for i, layer in enumerate(layers):
+        for name, array in layer.items():
+            if not array.flags.c_contiguous or _address(array) != base + i * block_bytes + offsets[name]:
+                return None
+    root = first
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        return None
+    start, size = base - _address(root), len(layers) * block_bytes
+    lo, hi = start - base % PAGE_BYTES, start + size + (-(base + size) % PAGE_BYTES)  # whole pages, for a registration
+    if lo < 0 or hi > root.nbytes:
+        return None
+    return root.reshape(-1).view(np.uint8)[start : start + size]
+
+
+def _register_read_only(owner, host: np.ndarray) -> bool:
+    """Register ``host``'s pages with the driver read-only (the zygote's pages stay shared; copies from
+    them then run at the link's speed, and a captured graph may hold them), unregistered when ``owner``
+    goes; False where the driver refuses (the caller copies instead)."""
+    from cuda.bindings import driver as cu
+
+    pointer = _address(host)
+    lo = pointer - pointer % PAGE_BYTES
+    size = -(-(pointer + host.nbytes - lo) // PAGE_BYTES) * PAGE_BYTES
+    (err,) = cu.cuMemHostRegister(lo, size, cu.CU_MEMHOSTREGISTER_READ_ONLY)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        log.warning("the streamed tower's packed layers could not be registered with the driver (%s): copied to "
+                    "a pinned buffer instead", err)
+        return False
+    weakref.finalize(owner, cu.cuMemHostUnregister, lo)
+    return True
 
 
 def _handle(event) -> int:

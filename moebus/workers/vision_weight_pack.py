@@ -45,7 +45,12 @@ class HostWeights(dict):
 
 
 def pack(weights: dict) -> HostWeights:
-    """The same tensors (same names, shapes, dtypes and values) as views into one buffer."""
+    """The same tensors (same names, shapes, dtypes and values) as views into one buffer, in
+    tower_stream.packing_order: the encoder layers last, layer after layer, so that a streamed tower
+    may read its layers from this buffer in place (MOEBUS_VISION_STREAM_HOST=register)."""
+    from moebus.workers.tower_stream import packing_order
+
+    weights = {name: weights[name] for name in packing_order(weights)}
     offsets, total = {}, 0
     for name, array in weights.items():
         offsets[name] = total

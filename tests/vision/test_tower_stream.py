@@ -65,6 +65,43 @@ def test_the_zygotes_packed_weights_are_not_uploaded_whole(llava, monkeypatch):
     np.testing.assert_array_equal(model.encode(px[:1]), want)
 
 
+def test_the_packing_order_puts_each_layer_in_one_block_in_numeric_order():
+    from moebus.workers.tower_stream import packing_order
+
+    names = ["encoder.layers.10.b", "post_layernorm.weight", "encoder.layers.2.a", "encoder.layers.2.b",
+             "encoder.layers.10.a", "embeddings.patch_embedding.weight", "blocks.1.x", "blocks.0.x"]
+    assert packing_order(names) == ["post_layernorm.weight", "embeddings.patch_embedding.weight", "blocks.0.x",
+                                    "blocks.1.x", "encoder.layers.2.a", "encoder.layers.2.b", "encoder.layers.10.a",
+                                    "encoder.layers.10.b"]
+
+
+def test_registered_the_layers_are_read_from_the_zygotes_packed_buffer(llava, monkeypatch):
+    """MOEBUS_VISION_STREAM_HOST=register: the packed weights (the zygote's buffer, layer after layer) are
+    the stream's host blocks, no pinned copy of them (on a GPU registered with the driver read-only); the
+    encode still gives the resident tower's bits. Weights that are not one buffer are copied as before."""
+    cfg, weights, px = llava
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
+    want = VisionModel(cfg, weights, make_backend("cuda")).encode(px[:1])
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_HOST", "register")
+    packed = pack(weights)
+    model = make_vision_model(cfg, packed, make_backend("cuda"))
+    stream = model.layer_stream
+    from moebus.cuda.kernels.compat import SIMULATOR
+
+    assert stream.host_source == ("packed" if SIMULATOR else "registered")  # (the simulator: no driver to ask)
+    assert np.shares_memory(stream.host, packed.buffer)
+    assert stream.host.size == cfg.num_layers_run * stream.block_bytes
+    for _ in range(2):
+        np.testing.assert_array_equal(model.encode(px[:1]), want)
+    assert VisionModel(cfg, weights, make_backend("cuda")).layer_stream.host_source == "copy"  # not one buffer
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_HOST", "copy")  # the default
+    assert make_vision_model(cfg, packed, make_backend("cuda")).layer_stream.host_source == "copy"
+    monkeypatch.setenv("MOEBUS_VISION_STREAM_HOST", "pin")
+    with pytest.raises(ConfigError, match="MOEBUS_VISION_STREAM_HOST must be one of copy, register"):
+        make_vision_model(cfg, packed, make_backend("cuda"))
+
+
 def test_the_cpu_backend_ignores_it_and_bad_values_are_named(llava, monkeypatch):
     cfg, weights, _ = llava
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "1")
