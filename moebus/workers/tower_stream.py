@@ -32,10 +32,10 @@ import numpy as np
 from moebus.common.env_switches import switch_from_env
 from moebus.common.errors import ConfigError
 from moebus.workers.tower_graph import copy_pairs
+from moebus.workers.vision_weight_pack import PAGE_BYTES, host_address
 
 log = logging.getLogger("moebus.vision")
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
-PAGE_BYTES = 4096
 # an encoder layer's tensors: LLaVA's "encoder.layers.{i}." (vision_weights.LAYER), Qwen3-VL's "blocks.{i}."
 # (qwen3vl_weights.BLOCK); the zygote's pack puts them layer after layer in this order (packing_order)
 LAYER_NAME = re.compile(r"^(encoder\.layers|blocks)\.(\d+)\.(.+)$")
@@ -209,27 +209,23 @@ class LayerStream:
             raise RuntimeError(f"the tower's layer stream: cuStreamWaitEvent {err}")
 
 
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
-
-
 def _blocks_in_place(layers: list[dict], offsets: dict, block_bytes: int) -> np.ndarray | None:
     """The layers' tensors as one uint8 view where they already lie as the stream's blocks (layer i's
     tensor ``name`` at i x ``block_bytes`` + ``offsets[name]`` of one buffer, its pages whole within it:
     the zygote's pack in packing_order), else None."""
     first_name = next(iter(offsets))
     first = layers[0][first_name]
-    base = _address(first) - offsets[first_name]
+    base = host_address(first) - offsets[first_name]
     for i, layer in enumerate(layers):
         for name, array in layer.items():
-            if not array.flags.c_contiguous or _address(array) != base + i * block_bytes + offsets[name]:
+            if not array.flags.c_contiguous or host_address(array) != base + i * block_bytes + offsets[name]:
                 return None
     root = first
     while isinstance(root.base, np.ndarray):
         root = root.base
     if not root.flags.c_contiguous:
         return None
-    start, size = base - _address(root), len(layers) * block_bytes
+    start, size = base - host_address(root), len(layers) * block_bytes
     lo, hi = start - base % PAGE_BYTES, start + size + (-(base + size) % PAGE_BYTES)  # whole pages, for a registration
     if lo < 0 or hi > root.nbytes:
         return None
@@ -242,7 +238,7 @@ def _register_read_only(owner, host: np.ndarray) -> bool:
     goes; False where the driver refuses (the caller copies instead)."""
     from cuda.bindings import driver as cu
 
-    pointer = _address(host)
+    pointer = host_address(host)
     lo = pointer - pointer % PAGE_BYTES
     size = -(-(pointer + host.nbytes - lo) // PAGE_BYTES) * PAGE_BYTES
     (err,) = cu.cuMemHostRegister(lo, size, cu.CU_MEMHOSTREGISTER_READ_ONLY)

@@ -57,7 +57,7 @@ def pack(weights: dict) -> HostWeights:
         total += -(-max(int(array.nbytes), 1) // ALIGN_BYTES) * ALIGN_BYTES
     total = -(-max(total, 1) // PAGE_BYTES) * PAGE_BYTES
     raw = np.empty(total + PAGE_BYTES, np.uint8)
-    start = -_address(raw) % PAGE_BYTES
+    start = -host_address(raw) % PAGE_BYTES
     buffer = raw[start : start + total]
     views = {}
     for name, array in weights.items():
@@ -68,7 +68,7 @@ def pack(weights: dict) -> HostWeights:
     return HostWeights(views, buffer)
 
 
-def _address(array: np.ndarray) -> int:
+def host_address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
 
@@ -79,7 +79,7 @@ class DeviceWeights:
     def __init__(self, backend, host: HostWeights, beside: bool = False):
         """``beside``: the copy runs on a thread while the caller goes on; ``wait`` before trusting the values."""
         self.host = host.buffer
-        self.base = _address(self.host)
+        self.base = host_address(self.host)
         self._thread, self._error, self._stream = None, None, backend.stream
         if not beside:
             self.device = upload_bytes(backend, self.host)
@@ -120,7 +120,7 @@ class DeviceWeights:
     def view(self, array):
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
             return None
-        start = _address(array) - self.base
+        start = host_address(array) - self.base
         if start < 0 or start + array.nbytes > self.host.nbytes:
             return None
         return self.device[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
@@ -172,7 +172,7 @@ def _copy_registered(host: np.ndarray, device, stream) -> bool:
         return False
     from cuda.bindings import driver as cu
 
-    pointer = _address(host)
+    pointer = host_address(host)
     (err,) = cu.cuMemHostRegister(pointer, host.nbytes, cu.CU_MEMHOSTREGISTER_READ_ONLY)
     if err != cu.CUresult.CUDA_SUCCESS:
         log.warning("the vision weights could not be registered with the driver (%s): pinned chunks instead", err)
