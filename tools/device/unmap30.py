@@ -111,7 +111,7 @@ def case_thread(arena, count, out, cycles, stream):
 
 
 def main() -> None:
-    cuda.current_context()
+    print(f"device: {cuda.get_current_device().name}")
     stream = cuda.stream()
     out = cuda.device_array(132, np.int32)
     cycles = 100_000
@@ -129,10 +129,13 @@ def main() -> None:
         print(f"{what:<24} beside: shrink {statistics.median(beside):.2f} / {max(beside):.2f} ms (a ~2 ms kernel "
               "launched after the event it waits for)")
         times, alone, during = case_thread(arena, count, out, cycles, stream)
+        if not during:  # the helper ended before the main thread launched anything
+            during = [(0.0, 0.0)]
         print(f"{what:<24} thread: shrink {statistics.median(times):.2f} / {max(times):.2f} ms; the main thread's "
               f"launch call max {max(a for a, _ in alone):.2f} ms alone, {max(a for a, _ in during):.2f} beside the "
               f"shrinks; kernel-to-kernel max {max(b for _, b in alone[1:]):.2f} alone, "
-              f"{max(b for _, b in during[1:]):.2f} beside (median {statistics.median(b for _, b in during):.2f})")
+              f"{max(b for _, b in during):.2f} beside (median {statistics.median(b for _, b in during):.2f}, "
+              f"{len(during)} kernels)")
         arena.close()
 
 
