@@ -164,9 +164,9 @@ def _steady_streams(client, args) -> tuple[TextStreams, tuple[float, float], dic
     streams.wait_tokens(WARM_TOKENS)
     control = None
     if args.control_tokens:  # the text alone, as long as the cold start's window: the image's comparison
-        control = (time.monotonic(), None)
+        began = time.monotonic()
         streams.wait_tokens(WARM_TOKENS + args.control_tokens)
-        control = (control[0], time.monotonic())
+        control = (began, time.monotonic())
     start, before = time.monotonic(), client.info()
     streams.wait_tokens(WARM_TOKENS + args.control_tokens + STEADY_TOKENS)
     end, after = time.monotonic(), client.info()

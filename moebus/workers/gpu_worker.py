@@ -59,9 +59,11 @@ LOG_STEPS = os.environ.get("MOEBUS_LOG_STEPS", "0") == "1"  # every step's time 
 # tokens, or an image step's (common/image_steps.py), take their buffers from what the device has free
 # beyond the reserve and headroom, if it has; the pool's buffers beyond the wide scratch go when it ends)
 RESERVE_SCRATCH = os.environ.get("MOEBUS_RESERVE_SCRATCH", "beside")
-# A hand-back step's host time by part in its log line (ms): cuMemGetInfo, the sync before the unmap, the unmap,
-# the handles' release (ExpertCache.last_resize; the last three from VmmArena).
-RESIZE_PARTS = (("scratch_s", "step pool"), ("info_s", "free asked"), ("out_of_service_s", "out of service"),
+# A hand-back step's host time by part in its log line (ms): a spanning chunk's loan returned and the step pool's
+# idle buffers released, cuMemGetInfo, the moves down and the table (out of service), reading the next step and
+# launching it beside, the sync before the unmap, the unmap, the handles' release (ExpertCache.last_resize; the
+# last three from VmmArena).
+RESIZE_PARTS = (("scratch_s", "loan and step pool"), ("info_s", "free asked"), ("out_of_service_s", "out of service"),
                 ("peek_s", "next step read"), ("beside_s", "its launch"), ("sync_s", "sync"), ("unmap_s", "unmap"),
                 ("release_s", "release"))
 
