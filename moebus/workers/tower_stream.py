@@ -32,7 +32,7 @@ import numpy as np
 from moebus.common.env_switches import switch_from_env
 from moebus.common.errors import ConfigError
 from moebus.workers.tower_graph import copy_pairs
-from moebus.workers.vision_weight_pack import PAGE_BYTES, host_address
+from moebus.workers.vision_weight_pack import PAGE_BYTES, host_address, register_read_only
 
 log = logging.getLogger("moebus.vision")
 ALIGN_BYTES = 256  # each tensor's start in a slot (wide loads, cuBLAS)
@@ -233,20 +233,16 @@ def _blocks_in_place(layers: list[dict], offsets: dict, block_bytes: int) -> np.
 
 
 def _register_read_only(owner, host: np.ndarray) -> bool:
-    """Register ``host``'s pages with the driver read-only (the zygote's pages stay shared; copies from
-    them then run at the link's speed, and a captured graph may hold them), unregistered when ``owner``
-    goes; False where the driver refuses (the caller copies instead)."""
+    """Register ``host`` with the driver read-only (vision_weight_pack.register_read_only), unregistered when
+    ``owner`` goes; False where the driver refuses (the caller copies instead)."""
     from cuda.bindings import driver as cu
 
-    pointer = host_address(host)
-    lo = pointer - pointer % PAGE_BYTES
-    size = -(-(pointer + host.nbytes - lo) // PAGE_BYTES) * PAGE_BYTES
-    (err,) = cu.cuMemHostRegister(lo, size, cu.CU_MEMHOSTREGISTER_READ_ONLY)
-    if err != cu.CUresult.CUDA_SUCCESS:
+    registered, err = register_read_only(host)
+    if registered is None:
         log.warning("the streamed tower's packed layers could not be registered with the driver (%s): copied to "
                     "a pinned buffer instead", err)
         return False
-    weakref.finalize(owner, cu.cuMemHostUnregister, lo)
+    weakref.finalize(owner, cu.cuMemHostUnregister, registered)
     return True
 
 

@@ -172,14 +172,26 @@ def _copy_registered(host: np.ndarray, device, stream) -> bool:
         return False
     from cuda.bindings import driver as cu
 
-    pointer = host_address(host)
-    (err,) = cu.cuMemHostRegister(pointer, host.nbytes, cu.CU_MEMHOSTREGISTER_READ_ONLY)
-    if err != cu.CUresult.CUDA_SUCCESS:
+    registered, err = register_read_only(host)
+    if registered is None:
         log.warning("the vision weights could not be registered with the driver (%s): pinned chunks instead", err)
         return False
     try:
         device.copy_to_device(host, stream=stream)
         stream.synchronize()
     finally:
-        cu.cuMemHostUnregister(pointer)
+        cu.cuMemHostUnregister(registered)
     return True
+
+
+def register_read_only(host: np.ndarray):
+    """``host``'s pages registered with the driver read-only (pages shared with the zygote stay shared; a
+    copy from them runs at the link's speed, a captured graph may hold them): (the registered base, for
+    cuMemHostUnregister, None) or (None, the driver's error)."""
+    from cuda.bindings import driver as cu
+
+    pointer = host_address(host)
+    base = pointer - pointer % PAGE_BYTES
+    size = -(-(pointer + host.nbytes - base) // PAGE_BYTES) * PAGE_BYTES
+    (err,) = cu.cuMemHostRegister(base, size, cu.CU_MEMHOSTREGISTER_READ_ONLY)
+    return (base, None) if err == cu.CUresult.CUDA_SUCCESS else (None, err)
