@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moebus.broker import vision_qwen3vl
-from moebus.broker.vision_qwen3vl import CONTEXT_MIB
+from moebus.cuda.memory.context_limits import vision_context_mib
 
 log = logging.getLogger("moebus.broker")
 MIB = 1 << 20
@@ -120,13 +120,14 @@ class PlacementMixin:
         Qwen3-VL at least the figure from its tower); before a LLaVA start was measured there, a
         context and what the zygote reckons the worker holds (its ``cuda_bytes``: the weights as
         stored, two layers of them where they are streamed, and an encode's scratch), with the same
-        margin; else the default."""
+        margin (the context as reckoned for the worker's stack limit: cuda/memory/context_limits.py,
+        284 MiB at a LLaVA worker's 64 B); else the default."""
         gpu = self.gpu if gpu is None else gpu
         charge = (self.zygote_info or {}).get("charge_bytes", 0)
         measured = self.measured_bytes.get(gpu)  # what the last start there really took (cuda)
         if not measured and not self.processor:  # LLaVA's first start there: a context + the zygote's reckoning
             cuda_bytes = (self.zygote_info or {}).get("cuda_bytes") or 0
-            measured = CONTEXT_MIB * MIB + cuda_bytes if cuda_bytes else None
+            measured = vision_context_mib(self.config.tower) * MIB + cuda_bytes if cuda_bytes else None
         mine = measured_reserve_mib(measured) if measured else None
         if self.processor:  # Qwen3-VL warms up on a small image: a large one's scratch is in its tower figure
             mine = max(mine or 0, vision_qwen3vl.cuda_vision_mib(self.config, self.processor))

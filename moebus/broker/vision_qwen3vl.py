@@ -14,6 +14,7 @@ from moebus.common.errors import ConfigError, RequestError
 from moebus.common.images import ImageLimits, check_header
 from moebus.common.protocol import Generate
 from moebus.common.qwen3vl_positions import expand_image_pads, rope_index, step_rope_positions
+from moebus.cuda.memory.context_limits import vision_context_mib
 
 VIDEO_PARTS = ("video", "video_url", "input_video")
 
@@ -112,9 +113,6 @@ def step_qwen3vl(seqs, starts, lengths, first_layer: int = 0) -> dict:
     return out
 
 
-CONTEXT_MIB = 512  # a CUDA context with numba's modules loaded (the seed measured ~0.5 GiB)
-
-
 def cuda_vision_mib(cfg, processor) -> int:
     """What the vision GPU's cache hands back for a Qwen3-VL tower on cuda: the context, the tower's
     bf16 weights and one encode's scratch for the reference image (workers/qwen3vl_vision.py)."""
@@ -129,4 +127,4 @@ def cuda_vision_mib(cfg, processor) -> int:
     except ConfigError:
         slots = 0
     need = weight_bytes(cfg, 2, slots) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
-    return CONTEXT_MIB + -(-need // (1 << 20))
+    return vision_context_mib(cfg.tower) + -(-need // (1 << 20))

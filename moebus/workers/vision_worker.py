@@ -146,9 +146,8 @@ class VisionWorker:
 
 
 def vision_stack_bytes(cfg) -> int | None:
-    """The vision worker's stack limit where MOEBUS_CUDA_STACK_BYTES is unset: 64 B for LLaVA's towers
-    (measured), the driver's for Qwen3-VL's (context_limits.py)."""
-    return None if cfg.tower == "qwen3_vl" else context_limits.VISION_STACK_BYTES
+    """The vision worker's stack limit where MOEBUS_CUDA_STACK_BYTES is unset (context_limits.py)."""
+    return context_limits.vision_stack_bytes(cfg.tower)
 
 
 def tower_path(model) -> str | None:

@@ -71,6 +71,7 @@ class Lifecycle(PlacementMixin):
         self.settings = SimpleNamespace(device=device)
         self.vision = SimpleNamespace(gpu="auto", vram_mib=vram_mib)
         self.num_gpus, self.placement, self.processor = num_gpus, None, None
+        self.config = SimpleNamespace(tower="siglip")
         self.zygote_info = {"charge_bytes": 1728 * MIB}
         self.measured_bytes = {}
 
@@ -90,10 +91,16 @@ def test_a_measured_start_sizes_the_next_hand_back_on_its_gpu():
 
 
 def test_before_a_llava_start_is_measured_the_zygotes_reckoning_sizes_the_reserve(monkeypatch):
+    monkeypatch.delenv("MOEBUS_CUDA_STACK_BYTES", raising=False)
     life = Lifecycle(num_gpus=2)
     life.zygote_info = {"charge_bytes": 1728 * MIB, "cuda_bytes": 938 * MIB}  # so400m bf16 + an encode's scratch
-    assert life.reserves(0) == [1523.0, 600.0]  # a context (512 MiB) + 938, 5% above: not the 1,700 default
+    # a context at the worker's 64 B stack limit (284 MiB; the H200 measured 277.6) + 938 + 64: not the 1,700
+    assert life.reserves(0) == [1286.0, 600.0]
     life.zygote_info["cuda_bytes"] = 196 * MIB  # its encoder layers streamed (two on the device)
+    assert life.reserves(0) == [544.0, 600.0]  # the H200's measured start then reserved 552 (the first said 780)
+    monkeypatch.setenv("MOEBUS_CUDA_STACK_BYTES", "1024")  # the driver's limit: a 512 MiB context, as the seed's
+    assert life.reserves(0) == [772.0, 600.0]
+    monkeypatch.setenv("MOEBUS_CUDA_STACK_BYTES", "64k")  # refused at the worker's start; here the driver's
     assert life.reserves(0) == [772.0, 600.0]
     life.measured_bytes[0] = 800 * MIB  # a measured start wins
     assert life.reserves(0) == [864.0, 600.0]

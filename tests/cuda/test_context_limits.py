@@ -6,8 +6,8 @@ import pytest
 
 from moebus.common.errors import ConfigError
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
-from moebus.cuda.memory.context_limits import (VISION_STACK_BYTES, lower_stack_limit, stack_bytes_from_env,
-                                               stack_limit_bytes)
+from moebus.cuda.memory.context_limits import (VISION_STACK_BYTES, context_mib, lower_stack_limit,
+                                               stack_bytes_from_env, stack_limit_bytes, vision_context_mib)
 
 
 def test_the_stack_limit_is_the_drivers_unless_asked():
@@ -28,6 +28,17 @@ def test_a_llava_vision_worker_lowers_it_unless_told_otherwise():
     assert vision_stack_bytes(SimpleNamespace(tower="qwen3_vl")) is None
     assert stack_bytes_from_env({}, default=64) == 64
     assert stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": "1024"}, default=64) == 1024  # the setting wins
+
+
+def test_a_context_not_yet_measured_is_reckoned_by_its_stack_limit():
+    """The broker's first reserve for a vision worker: 512 MiB with the driver's limit (the seed's ~0.5 GiB,
+    the H200's 526); at 64 B the H200 measured 277.6 MiB, reckoned for up to 160 SMs as 284."""
+    assert context_mib(None) == 512 == context_mib(1024) == context_mib(1 << 20)
+    assert context_mib(64) == 284 and 277.6 <= context_mib(64) < 300
+    assert context_mib(1) == 265 and context_mib(256) == 264 + 80
+    assert vision_context_mib("siglip", {}) == 284 and vision_context_mib("clip", {"MOEBUS_CUDA_STACK_BYTES": "512"}) == 424
+    assert vision_context_mib("qwen3_vl", {}) == 512 and vision_context_mib("qwen3_vl", {"MOEBUS_CUDA_STACK_BYTES": "64"}) == 284
+    assert vision_context_mib("siglip", {"MOEBUS_CUDA_STACK_BYTES": "x"}) == 512  # (the worker refuses it at its start)
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "1k", "2097152", "25.5", "²", "9" * 40, " 64"])

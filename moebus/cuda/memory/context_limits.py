@@ -22,6 +22,14 @@ from moebus.common.errors import ConfigError
 log = logging.getLogger("moebus.worker")
 CU_LIMIT_STACK_SIZE = 0
 VISION_STACK_BYTES = 64  # a LLaVA vision worker's limit where MOEBUS_CUDA_STACK_BYTES is unset
+# A context's size before one was measured on a GPU (the broker's first reserve for a vision worker): 512 MiB with
+# the driver's stack limit (the seed's ~0.5 GiB; the H200's 526 in the twenty-sixth session); with a lowered limit,
+# what is left without the local memory (the H200 at 64 B: 277.6 MiB, of it 64 B x 2,048 x 132 SMs = 16.5)
+# plus that limit's local memory on a GPU of up to CONTEXT_SMS_BOUND SMs (H100 / H200 132, B200 148).
+CONTEXT_MIB = 512
+CONTEXT_BASE_MIB = 264
+CONTEXT_SMS_BOUND = 160
+THREADS_PER_SM = 2048
 
 
 def stack_bytes_from_env(environ=os.environ, default: int | None = None) -> int | None:
@@ -33,6 +41,32 @@ def stack_bytes_from_env(environ=os.environ, default: int | None = None) -> int 
         raise ConfigError(f"MOEBUS_CUDA_STACK_BYTES must be a byte count from 1 to 1048576 (each GPU thread's stack "
                           f"at the context's start; unset: the driver's 1024), got {text!r}")
     return int(text)
+
+
+def context_mib(stack_bytes: int | None) -> int:
+    """The MiB a context takes before any was measured, its stack limit ``stack_bytes`` a thread
+    (None: the driver's): 512 with the driver's; with a lowered one 264 plus that limit's local
+    memory on up to 160 SMs (284 at 64 B, where the H200 measured 277.6), never more than 512."""
+    if stack_bytes is None:
+        return CONTEXT_MIB
+    local = stack_bytes * THREADS_PER_SM * CONTEXT_SMS_BOUND
+    return min(CONTEXT_MIB, CONTEXT_BASE_MIB + -(-local // (1 << 20)))
+
+
+def vision_stack_bytes(tower: str) -> int | None:
+    """A vision worker's stack limit where MOEBUS_CUDA_STACK_BYTES is unset: 64 B for LLaVA's towers
+    (measured), the driver's for Qwen3-VL's."""
+    return None if tower == "qwen3_vl" else VISION_STACK_BYTES
+
+
+def vision_context_mib(tower: str, environ=os.environ) -> int:
+    """``context_mib`` of a vision worker of ``tower`` under this environment's MOEBUS_CUDA_STACK_BYTES
+    (a value the worker will refuse at its start counts as the driver's here: it only sizes a reserve)."""
+    try:
+        stack = stack_bytes_from_env(environ, default=vision_stack_bytes(tower))
+    except ConfigError:
+        stack = None
+    return context_mib(stack)
 
 
 def lower_stack_limit(environ=os.environ, default: int | None = None) -> tuple[int, int] | None:
