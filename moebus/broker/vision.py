@@ -85,6 +85,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.placement: Placement | None = None  # where the next start goes (vision_placement.py)
         self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
         self.measured_bytes: dict[int, int] = {}  # gpu -> what the last start there took (cuda; reserves())
+        self.worker_gpu = 0  # the running vision worker's GPU (its VISION_READY's)
         self.handback: Handback | None = None  # the hand-back or regrow in progress, in steps (vision_handback.py)
         self.held_reserves: list[float | None] | None = None  # what the last hand-back asked; the regrow starts there
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request

@@ -50,10 +50,10 @@ class EncodeMixin:
         self.stats.observe("vision_start_seconds", now - self.last_cycle.get("began_s", now))
         log.info("vision worker ready on gpu%d (pid %d, %.1f MiB on the device, start %.2f s)", msg.gpu, msg.pid,
                  msg.device_bytes / MIB, now - self.last_cycle.get("began_s", now))
-        if msg.measured_bytes:  # the next hand-back on that GPU frees this (and a margin), not the default
-            self.measured_bytes[msg.gpu] = msg.measured_bytes
-            log.info("vision worker's start took %.1f MiB of gpu%d (the driver's count): the next hand-back "
-                     "there frees %s MiB", msg.measured_bytes / MIB, msg.gpu, self.reserves(msg.gpu)[msg.gpu])
+        self.worker_gpu = msg.gpu
+        # the next hand-back on that GPU frees this (and a margin), not the default
+        self.record_measured(msg.gpu, msg.measured_bytes, "start")  # (without a warm-up: its first encode's
+        # scratch reckoned, until that encode's reply measures it)
 
     def _send_encode(self, req: ImageRequest, now: float) -> None:
         self.encode_id = next(self.encode_ids)
@@ -64,6 +64,7 @@ class EncodeMixin:
         self.hooks.send(Encode(encode_id=self.encode_id, request_id=req.seq.id, images=req.images))
 
     def _on_encoded(self, msg: EncodeReply, now: float) -> None:
+        self.record_measured(self.worker_gpu, msg.measured_bytes, "start and first encode")  # (cancelled or not)
         req = self.encoding
         if req is None or msg.encode_id != self.encode_id:
             return  # its request was cancelled meanwhile

@@ -135,6 +135,16 @@ class PlacementMixin:
         values = [float(v) for v in values[: self.num_gpus]]
         return values + [None] * (self.num_gpus - len(values))
 
+    def record_measured(self, gpu: int, measured_bytes: int, what: str) -> None:
+        """A vision worker on ``gpu`` said what it holds there as the driver counts it (``what``: its
+        start, or its first encode where the start reckoned that encode's scratch): the next hand-back
+        there frees that and a margin. 0 (not measured, or cpu) changes nothing."""
+        if not measured_bytes:
+            return
+        self.measured_bytes[gpu] = measured_bytes
+        log.info("vision worker's %s took %.1f MiB of gpu%d (the driver's count): the next hand-back there frees "
+                 "%s MiB", what, measured_bytes / MIB, gpu, self.reserves(gpu)[gpu])
+
     def measured_mib(self) -> list[float | None]:
         """Per GPU (worker order), what the last vision start there measured (None: none yet). A list,
         as every per-GPU figure in INFO: the wire's maps take string keys only."""

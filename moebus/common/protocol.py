@@ -537,13 +537,17 @@ class EncodeReply(Message):
     """``embeds`` (N * num_image_tokens, D) float32, the images' rows in order; or ``error`` (an
     image the worker could not decode: ``image`` is its index) and no embeds. Qwen3-VL's DeepStack
     features for the same rows: ``embeds`` (1 + L, rows, D) float32, the embeddings and then the L
-    features stacked (what its vision worker sends), or ``deepstack`` (L, rows, D) beside 2-D embeds."""
+    features stacked (what its vision worker sends), or ``deepstack`` (L, rows, D) beside 2-D embeds.
+    ``measured_bytes``: on cuda, the first encode of a worker that started without a warm-up says what
+    the worker holds on its GPU after it as the driver counts it (its VISION_READY's figure reckoned
+    that encode's scratch); 0: not measured."""
 
     TYPE = b"ENCODE_REPLY"
     TENSORS = ("embeds", "deepstack")
     encode_id: Int64
     generation: ShortText
     compute_s: Seconds = 0.0
+    measured_bytes: Annotated[int, Field(ge=0, le=MAX_INT64)] = 0  # cuda, a lazy worker's first encode (below)
     embeds: np.ndarray | None = None
     deepstack: np.ndarray | None = None
     error: str | None = None

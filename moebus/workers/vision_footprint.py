@@ -72,15 +72,16 @@ class Nvml:
 
 class StartFootprint:
     """Read before the context (``StartFootprint()``), then ``context_made()`` once it exists and
-    ``done()`` after the warm-up: ``total_bytes`` (None: unknown) and its parts for the log.
+    ``done()`` after the warm-up: ``total_bytes`` (None: unknown) and its parts for the log; a start
+    without a warm-up reads once more after its first encode (``after_first_encode``).
     ``read=False`` (a spare worker, forked ahead: vision_zygote.py) opens NVML (and cuInit) now and
     reads the used bytes only at ``read_before()``, once the hand-back has shrunk the caches."""
 
     def __init__(self, device: str, make_nvml=None, read: bool = True):
         self.device = device
         self.nvml = None
-        self.before_used = self.context_free = self.weights_free = self.after_free = None
-        self.total_bytes = self.context_bytes = None
+        self.before_used = self.context_free = self.weights_free = self.after_free = self.after_used = None
+        self.total_bytes = self.context_bytes = self.encode_bytes = None
         if device != "cuda":
             return
         try:
@@ -110,23 +111,51 @@ class StartFootprint:
         """The driver's free bytes once the weights are up (the rest is the warm-up's)."""
         self.weights_free = free_bytes
 
-    def done(self, free_bytes: int | None) -> int | None:
-        """After the warm-up (numba's deferred frees flushed): the footprint in bytes, or None."""
+    def done(self, free_bytes: int | None, keep: bool = False) -> int | None:
+        """After the warm-up (numba's deferred frees flushed): the footprint in bytes, or None.
+        ``keep``: NVML stays open for ``after_first_encode`` (a start without a warm-up)."""
         if self.nvml is None:
             return None
         try:
             used = self.nvml.used_bytes()
         except Exception as e:  # noqa: BLE001
             log.info("vision worker footprint not measured (NVML: %s)", e)
+            self.close()
             return None
-        finally:
-            self.nvml.close()
-            self.nvml = None
+        if not keep:
+            self.close()
+        self.after_used = used
         self.total_bytes = max(0, used - self.before_used)
         self.after_free = free_bytes
         if self.context_free is not None and free_bytes is not None:
             self.context_bytes = max(0, self.total_bytes - max(0, self.context_free - free_bytes))
         return self.total_bytes
+
+    def after_first_encode(self, close: bool = True) -> int | None:
+        """After the first encode of a start without a warm-up (``done(keep=True)``): the footprint
+        with what that encode and the loads beside it took (its scratch and step pool, cuBLAS's
+        workspace, the modules its kernels loaded), as the driver counts it; None where unknown.
+        The device's other memory does not fall meanwhile (the caches moved before the start; a text
+        worker's step taking buffers beside the reserve only adds), so this errs on the large side.
+        ``close`` False: NVML stays open (its shutdown is not on the encode's reply path) until ``close()``."""
+        if self.nvml is None or self.total_bytes is None:
+            return None
+        try:
+            used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001
+            log.info("vision worker footprint after its first encode not measured (NVML: %s)", e)
+            self.close()
+            return None
+        if close:
+            self.close()
+        self.encode_bytes = max(0, used - self.after_used)
+        self.total_bytes += self.encode_bytes
+        return self.total_bytes
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
+            self.nvml = None
 
     def describe(self, weights_bytes: int) -> str:
         """The footprint and, where the driver's free bytes were read, its parts: the context, the

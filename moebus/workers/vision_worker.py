@@ -80,8 +80,10 @@ def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None 
 
 class VisionWorker:
     def __init__(self, model: VisionModel, processor, link: BrokerLink, limits: ImageLimits, beside=None,
-                 device: str = "cpu"):
-        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load or a lazy "auto"), or None."""
+                 device: str = "cpu", footprint=None, reckoned_bytes: int = 0):
+        """``beside``: a vision_preload.LoadBeside still running (MOEBUS_VISION_WARM_UP=load or a lazy "auto"), or None.
+        ``footprint``: the start's vision_footprint.StartFootprint, NVML still open, where VISION_READY's figure
+        reckoned the first encode's scratch (``reckoned_bytes``): that encode's reply says what it measured."""
         self.model = model
         self.beside = beside
         self.processor = processor
@@ -90,11 +92,16 @@ class VisionWorker:
         self.num_encodes = 0
         self.device = device
         self.gate = SliceGate(device) if tower_slices.SLICE_LAYERS > 0 and tower_slices.SLICE_WHEN == "busy" else None
+        self.footprint, self.reckoned_bytes = footprint, reckoned_bytes
 
     def serve(self) -> int:
         """The worker loop (workers/loop.py). Returns the process exit status."""
         when = None if self.device == "cuda" else "reply"  # (no graphs elsewhere: nothing waits for NVML)
-        return serve(CaptureAfterReply(self.link, self.model, when=when), self.handle, self.failure)
+        try:
+            return serve(CaptureAfterReply(self.link, self.model, when=when), self.handle, self.failure)
+        finally:
+            if self.footprint is not None:
+                self.footprint.close()
 
     def failure(self, message, text: str, fatal: bool) -> WorkerError:
         return WorkerError(generation=self.link.generation, message=text, step_id=getattr(message, "encode_id", None),
@@ -132,7 +139,22 @@ class VisionWorker:
                 + (f", before it the preload beside {1e3 * warm_s:.1f} ms" if warm_s is not None else "") + gated
                 + self._stack_limit(level))
         return EncodeReply(encode_id=msg.encode_id, generation=self.link.generation, compute_s=done - started,
-                           **arrays)
+                           measured_bytes=self._measured_after_first_encode(), **arrays)
+
+    def _measured_after_first_encode(self) -> int:
+        """The footprint after the first encode where the start reckoned its scratch (the driver's count,
+        NVML), logged beside that reckoning; 0 for every other encode, or where NVML cannot be read."""
+        footprint = self.footprint
+        if footprint is None or footprint.total_bytes is None or footprint.encode_bytes is not None:
+            return 0
+        total = footprint.after_first_encode(close=False)
+        if total is None:
+            return 0
+        log.info("vision worker footprint after its first encode: %.1f MiB on the device (the start's %.1f MiB and "
+                 "%.1f MiB more since, where the start reckoned %.1f MiB of scratch)", total / (1 << 20),
+                 (total - footprint.encode_bytes) / (1 << 20), footprint.encode_bytes / (1 << 20),
+                 self.reckoned_bytes / (1 << 20))
+        return total
 
     def _stack_limit(self, level: int) -> str:
         """Where the context's stack limit was lowered (MOEBUS_CUDA_STACK_BYTES, or a LLaVA worker's
@@ -337,9 +359,10 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     warmed = time.perf_counter()
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
     waited = model.packed.wait() if warm and getattr(model, "packed", None) is not None else 0.0
-    measured = footprint.done(_driver_free(device, flush=True))
-    if measured and not warm:  # the first encode's scratch comes after VISION_READY: reckoned, as on cpu
-        measured += encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
+    measured = footprint.done(_driver_free(device, flush=True), keep=not warm)
+    reckoned = encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor) if measured and not warm else 0
+    measured = (measured + reckoned) if measured else measured  # the first encode's scratch comes after
+    # VISION_READY: reckoned, as on cpu, until that encode's reply says what it took (VisionWorker.encode)
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
              "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s), then the weights' copy "
@@ -369,6 +392,6 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
              step_watch.compiled_names())
     try:
         return VisionWorker(model, processor, link, ImageLimits.from_settings(settings.vision), beside,
-                            device).serve()
+                            device, footprint=footprint if reckoned else None, reckoned_bytes=reckoned).serve()
     finally:
         link.close()

@@ -111,6 +111,20 @@ def test_before_a_llava_start_is_measured_the_zygotes_reckoning_sizes_the_reserv
     assert life.reserves(0) == [999.0, 600.0]
 
 
+def test_a_first_encodes_measure_replaces_the_starts_reckoned_scratch():
+    """A lazy start reckons its first encode's scratch in VISION_READY (the H200: 358 MiB measured + 128
+    reckoned = 486); that encode's reply says what the worker then holds, and the next hand-back frees that."""
+    life = Lifecycle(num_gpus=2)
+    life.record_measured(0, 486 * MIB, "start")
+    assert life.reserves(0)[0] == 550.0
+    life.record_measured(0, 0, "start and first encode")  # not measured (cpu, no NVML, a later encode)
+    assert life.reserves(0)[0] == 550.0
+    life.record_measured(0, 401 * MIB, "start and first encode")
+    assert life.reserves(0) == [465.0, 600.0] and life.measured_mib() == [401.0, None]
+    life.record_measured(0, 700 * MIB, "start and first encode")  # more than reckoned: the budget holds it
+    assert life.reserves(0)[0] == 764.0
+
+
 def test_the_measured_figures_travel_in_info_as_a_list_per_gpu():
     life = Lifecycle(num_gpus=2)
     life.measured_bytes[1] = int(1735.6 * MIB)

@@ -76,6 +76,7 @@ SAMPLES = [
                   num_image_tokens=4, hidden_size=8, start_s=0.2),
     p.Encode(encode_id=2, request_id="r4", images=[np.frombuffer(b"abc", np.uint8)]),
     p.EncodeReply(encode_id=2, generation="v", compute_s=0.1, embeds=np.ones((4, 8), np.float32)),
+    p.EncodeReply(encode_id=4, generation="v", embeds=np.ones((4, 8), np.float32), measured_bytes=421 << 20),
     p.EncodeReply(encode_id=3, generation="v", error="image 1 is not an image", image=1),
 ]
 

@@ -23,4 +23,22 @@ def test_the_footprint_counts_what_was_allocated_between_the_readings():
     total = footprint.done(device_memory_info()[0])
     assert 256 * MIB <= total <= 256 * MIB + 64 * MIB, total / MIB
     assert footprint.context_bytes is not None and footprint.context_bytes <= 64 * MIB  # no new context here
+    assert footprint.nvml is None and footprint.after_first_encode() is None  # closed: a warmed-up start's
     del held
+
+
+def test_a_start_without_warm_up_reads_again_after_its_first_encode():
+    """What a lazy vision worker's first encode reply says: the start's footprint and what came since."""
+    from numba import cuda
+
+    cuda.current_context().deallocations.clear()
+    footprint = StartFootprint("cuda")
+    held = cuda.device_array(64 * MIB, dtype="uint8")
+    start = footprint.done(None, keep=True)
+    assert footprint.nvml is not None and 64 * MIB <= start <= 128 * MIB, start / MIB
+    scratch = cuda.device_array(128 * MIB, dtype="uint8")  # the first encode's scratch
+    total = footprint.after_first_encode(close=False)
+    assert 128 * MIB <= footprint.encode_bytes <= 160 * MIB and total == start + footprint.encode_bytes
+    footprint.close()
+    assert footprint.nvml is None
+    del held, scratch

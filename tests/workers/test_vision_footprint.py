@@ -14,7 +14,8 @@ def test_a_uuid_is_spelled_as_nvml_spells_it():
 def test_cpu_measures_nothing():
     footprint = StartFootprint("cpu")
     footprint.context_made(None)
-    assert footprint.done(None) is None and footprint.describe(1 << 20) == "not measured"
+    assert footprint.done(None, keep=True) is None and footprint.describe(1 << 20) == "not measured"
+    assert footprint.after_first_encode() is None and footprint.encode_bytes is None
 
 
 def test_without_nvml_the_footprint_is_unknown_and_the_start_goes_on():
@@ -33,4 +34,5 @@ def test_without_nvml_the_footprint_is_unknown_and_the_start_goes_on():
     footprint = StartFootprint("cuda", make_nvml=no_such_gpu)
     assert footprint.nvml is None
     footprint.context_made(1 << 30)
-    assert footprint.done(1 << 29) is None and footprint.total_bytes is None
+    assert footprint.done(1 << 29, keep=True) is None and footprint.total_bytes is None
+    assert footprint.after_first_encode() is None

@@ -13,10 +13,15 @@
 #      reg (MOEBUS_VISION_STREAM_HOST=register: no 803 MiB pinned buffer allocated and filled at the vision
 #      worker's start, twenty-ninth session's +0.35-0.45 s), one18 (18 MiB segments, the hand-back in one request:
 #      --handback-step-mib=600), then def, seg18, reg again.
-#   bash tools/device/gap31.sh 2>&1 | tail -50      (carry .whl)
+#   4. (added in the thirty-first session, which had no device) each run's vision footprints: the start's, and the
+#      lazy start's first encode's (its ENCODE_REPLY's measured_bytes, where VISION_READY reckoned 128 MiB of scratch),
+#      the reserves they give; the first start's reserve is now reckoned with a 284 MiB context at the 64 B stack
+#      limit (544 MiB where it said 780); tests/cuda/test_vision_footprint.py runs the NVML reading itself.
+#   bash tools/device/gap31.sh 2>&1 | tail -60      (carry .whl)
 source tools/device/setup.sh
 timeout 90 python3 tools/device/unmap30.py 2>&1 | tail -8
-MOEBUS_TEST_GPU=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/vision/test_tower_stream.py 2>&1 | tail -3
+MOEBUS_TEST_GPU=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/vision/test_tower_stream.py \
+  tests/cuda/test_vision_footprint.py 2>&1 | tail -3
 L=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
 VIS_RUNS=${VIS_RUNS:-"def:$L seg18:$L,MOEBUS_SEGMENT_MIB=18 reg:$L,MOEBUS_VISION_STREAM_HOST=register one18:$L,MOEBUS_SEGMENT_MIB=18,CYCLE_ARGS=--handback-step-mib=600 def2:$L seg18b:$L,MOEBUS_SEGMENT_MIB=18 reg2:$L,MOEBUS_VISION_STREAM_HOST=register"} \
   MEASURE_S=${MEASURE_S:-280} bash tools/device/gap30.sh 2>&1 | tail -30
@@ -27,5 +32,9 @@ done
 for f in $OUT/cycle_budget256_*.log.gz; do  # each run's hand-back requests, by part
   echo "$(basename $f): $(zcat $f | grep -oE 'VRAM [0-9.]+: [0-9]+ expert slots, [0-9.]+ ms.*release [0-9.]+' \
     | sed -E 's/waiting for admissions, //' | tail -6 | cut -c1-260 | tr '\n' '|')"
+done
+for f in $OUT/cycle_budget256_*.log.gz; do  # the footprints and the reserves they gave (the first start's reckoned)
+  echo "$(basename $f): $(zcat $f | grep -oE "footprint after its first encode: [0-9.]+ MiB.*|s (start|start and first encode) took [0-9.]+ MiB of gpu0.*frees [0-9.]+ MiB" \
+    | cut -c1-200 | tr '\n' ';')"
 done
 echo "== gap31 done at ${SECONDS} s"
