@@ -66,6 +66,20 @@ class Nvml:
         """The share of the last sample period (1/6 to 1 s) in which a kernel ran on the GPU, any context's."""
         return int(self.pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
 
+    def _read(self, when: str, keep: bool) -> int | None:
+        """NVML's used bytes of the device now (None: unknown, and NVML closed); ``keep``: NVML stays open."""
+        if self.nvml is None:
+            return None
+        try:
+            used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001 - the figure stays unknown, the worker goes on
+            log.info("vision worker footprint%s not measured (NVML: %s)", when, e)
+            self.close()
+            return None
+        if not keep:
+            self.close()
+        return used
+
     def close(self) -> None:
         self.pynvml.nvmlShutdown()
 
@@ -114,16 +128,9 @@ class StartFootprint:
     def done(self, free_bytes: int | None, keep: bool = False) -> int | None:
         """After the warm-up (numba's deferred frees flushed): the footprint in bytes, or None.
         ``keep``: NVML stays open for ``after_first_encode`` (a start without a warm-up)."""
-        if self.nvml is None:
+        used = self._read("", keep)
+        if used is None:
             return None
-        try:
-            used = self.nvml.used_bytes()
-        except Exception as e:  # noqa: BLE001
-            log.info("vision worker footprint not measured (NVML: %s)", e)
-            self.close()
-            return None
-        if not keep:
-            self.close()
         self.after_used = used
         self.total_bytes = max(0, used - self.before_used)
         self.after_free = free_bytes
@@ -138,19 +145,26 @@ class StartFootprint:
         The device's other memory does not fall meanwhile (the caches moved before the start; a text
         worker's step taking buffers beside the reserve only adds), so this errs on the large side.
         ``close`` False: NVML stays open (its shutdown is not on the encode's reply path) until ``close()``."""
-        if self.nvml is None or self.total_bytes is None:
+        used = self._read(" after its first encode", keep=not close) if self.total_bytes is not None else None
+        if used is None:
             return None
-        try:
-            used = self.nvml.used_bytes()
-        except Exception as e:  # noqa: BLE001
-            log.info("vision worker footprint after its first encode not measured (NVML: %s)", e)
-            self.close()
-            return None
-        if close:
-            self.close()
         self.encode_bytes = max(0, used - self.after_used)
         self.total_bytes += self.encode_bytes
         return self.total_bytes
+
+    def _read(self, when: str, keep: bool) -> int | None:
+        """NVML's used bytes of the device now (None: unknown, and NVML closed); ``keep``: NVML stays open."""
+        if self.nvml is None:
+            return None
+        try:
+            used = self.nvml.used_bytes()
+        except Exception as e:  # noqa: BLE001 - the figure stays unknown, the worker goes on
+            log.info("vision worker footprint%s not measured (NVML: %s)", when, e)
+            self.close()
+            return None
+        if not keep:
+            self.close()
+        return used
 
     def close(self) -> None:
         if self.nvml is not None:
