@@ -26,6 +26,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +39,7 @@ from moebus.bench.vision_gaps import (CONTROL_TOKENS, STEADY_TOKENS, WARM_TOKENS
                                       print_gap_report, steady_cache, steady_steps, worst_ratio)
 from moebus.common.errors import ConfigError
 from moebus.common.settings import Settings, load_settings
+from moebus.cuda.memory.arena import SEGMENT_SLOTS
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -63,9 +65,21 @@ def _row(client) -> dict:
 
 
 def slots_per_segment(row: dict, segment_mib: float) -> list[int]:
-    """How many slots one segment holds on each GPU (the cache's MiB per slot from the workers)."""
+    """How many slots one segment holds on each GPU (the cache's MiB per slot from the workers; 0: the
+    segments follow the slot, workers/experts.SEGMENT_SLOTS)."""
+    if not segment_mib:
+        return [SEGMENT_SLOTS] * len(row["slots"])
     return [max(1, -(-int(segment_mib * slots) // int(mib))) if mib else 1
             for slots, mib in zip(row["slots"], row["cache_mib"])]
+
+
+def effective_segment_mib(flag: int | None, environ=os.environ) -> int:
+    """The segment size the bench's broker runs with: MOEBUS_SEGMENT_MIB over ``--segment-mib`` (the environment
+    wins over a config file: settings.load_settings) over the default."""
+    text = environ.get("MOEBUS_SEGMENT_MIB", "")
+    if text.isascii() and text.isdigit():
+        return int(text)
+    return flag if flag is not None else Settings.model_fields["segment_mib"].default
 
 
 def grown_slots(idle: dict, before: dict) -> list[int]:
@@ -127,7 +141,7 @@ def _settings(args, lazy: bool) -> dict:
     settings = {"vision": {"lazy": lazy, "idle_s": args.idle_s}}
     if args.emulated_vram_mib:
         settings["emulated_vram_mib"] = args.emulated_vram_mib
-    if args.segment_mib:
+    if args.segment_mib is not None:  # (0: two slots a segment)
         settings["segment_mib"] = args.segment_mib
     if args.max_context:
         settings["max_context"] = args.max_context
@@ -302,7 +316,7 @@ def main(argv=None) -> int:
     p.add_argument("--idle-s", type=float, default=2.0)
     p.add_argument("--image-px", type=int, default=384, help="side of the test image (it is resized anyway)")
     p.add_argument("--emulated-vram-mib", type=float, nargs="*", help="cpu: the emulated GPUs' sizes")
-    p.add_argument("--segment-mib", type=int)
+    p.add_argument("--segment-mib", type=int, help="segment_mib (0: two expert slots a segment)")
     p.add_argument("--gpu-memory-mib", type=float, nargs="*",
                    help="cuda: each GPU's VRAM budget (gpu_memory_mib), e.g. 8192 on an H200")
     p.add_argument("--max-context", type=int)
@@ -357,6 +371,6 @@ def main(argv=None) -> int:
         print(f"warm image encode: {1e3 * cycle['warm_encode_s']:.1f} ms (median of {args.repeats}"
               + (f"; {cold} of them found the vision worker stopped after idle_s: a new worker's first encode, "
                  "not a warm one" if cold else "") + ")")
-    ok = _print_check(resident, cycle, args.segment_mib or Settings.model_fields["segment_mib"].default)
+    ok = _print_check(resident, cycle, effective_segment_mib(args.segment_mib))
     print(json.dumps({"resident": resident, **cycle}))
     return 0 if ok else 1

@@ -3,12 +3,18 @@ cache cannot hold every expert, the prefetch's banks. Without a capacity, the ar
 expert of the stage (no eviction ever happens)."""
 from __future__ import annotations
 
-from moebus.cuda.memory.arena import HostArena, plan_segments
+from moebus.cuda.memory.arena import SEGMENT_SLOTS, HostArena, plan_segments
 from moebus.workers.expert_cache import ExpertCache
 from moebus.workers.host_store import HostStore
 from moebus.workers.prefetch import BANKS, DEFAULT_SLOTS_PER_LAYER, PREDICTED_PER_TOKEN, Prefetch
 
 DEFAULT_SEGMENT_BYTES = 2 << 20
+
+
+def segment_bytes_for(segment_bytes: int, slot_bytes: int) -> int:
+    """The arena's segment size: ``segment_bytes``, or where it is 0 SEGMENT_SLOTS slots rounded up to
+    whole 2 MiB granules (18 MiB for bf16 A3B experts of 9 MiB; 2 MiB for the demo's of 192 KiB)."""
+    return segment_bytes or _round_up(SEGMENT_SLOTS * slot_bytes)
 
 
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,
@@ -19,8 +25,9 @@ def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None 
     """``capacity_bytes``: the arena's start-up size (None: room for every expert of the stage);
     ``fraction``: instead, that share of the stage's experts (tests and benchmarks).
     ``gpu``: the emulated GPU's ledger on cpu. ``elastic``: segments of ``segment_bytes`` that VRAM
-    requests can release (else one segment). ``policy``: eviction.POLICIES. ``preload``: fill the
-    cache before serving (every layer its share), so the first steps do not run at PCIe speed.
+    requests can release (else one segment; 0: two slots a segment, ``segment_bytes_for``).
+    ``policy``: eviction.POLICIES. ``preload``: fill the cache before serving (every layer its share),
+    so the first steps do not run at PCIe speed.
     ``store``: the stage's host store when one is built already (a second cache over the same experts).
     ``experts_dtype``: bf16, fp8 or int4 (settings ``experts.dtype``): the blobs the store pins and a
     slot holds, so the same capacity holds ~2x (fp8) or ~3.5x (int4) the experts. ``prefetch_slots``:
@@ -34,7 +41,7 @@ def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None 
     total = min(capacity_bytes, store.total_bytes) if capacity_bytes is not None else store.total_bytes
     total = max(total, store.blob_bytes * ckpt.config.top_k)
     if elastic:
-        segments = plan_segments(_round_up(total), segment_bytes)
+        segments = plan_segments(_round_up(total), segment_bytes_for(segment_bytes, store.blob_bytes))
     else:  # one segment; VRAM is mapped in 2 MiB granules, host memory need not be
         segments = [_round_up(total) if on_cuda else total]
     if on_cuda:
