@@ -66,20 +66,6 @@ class Nvml:
         """The share of the last sample period (1/6 to 1 s) in which a kernel ran on the GPU, any context's."""
         return int(self.pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
 
-    def _read(self, when: str, keep: bool) -> int | None:
-        """NVML's used bytes of the device now (None: unknown, and NVML closed); ``keep``: NVML stays open."""
-        if self.nvml is None:
-            return None
-        try:
-            used = self.nvml.used_bytes()
-        except Exception as e:  # noqa: BLE001 - the figure stays unknown, the worker goes on
-            log.info("vision worker footprint%s not measured (NVML: %s)", when, e)
-            self.close()
-            return None
-        if not keep:
-            self.close()
-        return used
-
     def close(self) -> None:
         self.pynvml.nvmlShutdown()
 
