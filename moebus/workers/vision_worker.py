@@ -360,9 +360,13 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
     waited = model.packed.wait() if warm and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True), keep=not warm)
+    # the first encode's scratch comes after VISION_READY: reckoned, as on cpu, until that encode's reply says
+    # what the worker then holds (VisionWorker.encode)
     reckoned = encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor) if measured and not warm else 0
-    measured = (measured + reckoned) if measured else measured  # the first encode's scratch comes after
-    # VISION_READY: reckoned, as on cpu, until that encode's reply says what it took (VisionWorker.encode)
+    if reckoned:
+        measured += reckoned
+    else:
+        footprint.close()  # (nothing to read after the first encode)
     # each part of the start shares the GPU with the text workers' steps: which one costs them a gap
     log.info("vision worker start on gpu%d: fork %.3f s, NVML (cuInit, used bytes) %.3f s, context %.3f s, "
              "backend %.3f s, weights %.3f s, first kernel %.3f s, warm-up %.3f s (%s), then the weights' copy "
