@@ -26,7 +26,8 @@ from moebus.broker.vision_encodes import READY, STARTING, EncodeMixin
 from moebus.broker.vision_groups import ImageGroups
 from moebus.broker.vision_handback import Handback, regrow_plan
 from moebus.broker.vision_phases import PhaseSteps, cold_start_split
-from moebus.broker.vision_placement import Placement, PlacementMixin, default_vram_mib, short_of  # noqa: F401
+from moebus.broker.vision_placement import (Placement, PlacementMixin, default_vram_mib, margin_mib_from_env,  # noqa: F401
+                                            short_of)
 from moebus.broker.vision_requests import (ImageRequest, admit_image_request, admit_text_request,  # noqa: F401
                                            has_images, step_embeds)
 from moebus.common.errors import ServerBusy
@@ -86,6 +87,7 @@ class VisionLifecycle(PlacementMixin, EncodeMixin):
         self.handback_free_mib: float | None = None  # free on the vision GPU after the last hand-back
         self.measured_bytes: dict[int, int] = {}  # gpu -> what the last start there took (cuda; reserves())
         self.worker_gpu = 0  # the running vision worker's GPU (its VISION_READY's)
+        self.margin_mib = margin_mib_from_env()  # above a measured footprint (vision_placement.py)
         self.handback: Handback | None = None  # the hand-back or regrow in progress, in steps (vision_handback.py)
         self.held_reserves: list[float | None] | None = None  # what the last hand-back asked; the regrow starts there
         Image.init()  # Pillow's format plugins, loaded now rather than inside the first image request

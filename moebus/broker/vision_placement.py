@@ -12,10 +12,12 @@ answers image requests with it at once instead of failing a start."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from moebus.broker import vision_qwen3vl
+from moebus.common.env_switches import number_from_env
 from moebus.cuda.memory.context_limits import vision_context_mib
 
 log = logging.getLogger("moebus.broker")
@@ -55,11 +57,23 @@ MEASURED_MARGIN_MIB = 64  # above a start's measured footprint: what the next st
 MEASURED_MARGIN_SHARE = 0.05  # (the driver's rounding, a larger image's scratch), the larger of the two
 
 
-def measured_reserve_mib(measured_bytes: int) -> int:
+def margin_mib_from_env(environ=os.environ) -> float:
+    """``MOEBUS_VISION_RESERVE_MARGIN_MIB`` (default 64): the least MiB a reserve adds to a measured footprint
+    (5% of it where that is more). Every MiB of it is a MiB of experts the vision GPU's cache hands back
+    through each image (replayed on the cpu, the slots the image takes explain its share of the text streams'
+    largest gap: docs/performance.md, thirty-first session); what the next start may take beyond the last
+    one's measure comes out of the room beside the reserve. A number >= 0, else a ConfigError naming it, at
+    the broker's start."""
+    return number_from_env("MOEBUS_VISION_RESERVE_MARGIN_MIB", str(MEASURED_MARGIN_MIB),
+                           "MiB a vision reserve adds to a measured footprint", environ)
+
+
+def measured_reserve_mib(measured_bytes: int, margin_mib: float = MEASURED_MARGIN_MIB) -> int:
     """The reserve for a vision worker whose last start on that GPU took ``measured_bytes`` (the
-    driver's count, context included: workers/vision_footprint.py), in whole MiB with a margin."""
+    driver's count, context included: workers/vision_footprint.py), in whole MiB with a margin of
+    ``margin_mib`` or 5%, the larger."""
     mib = measured_bytes / MIB
-    return int(-(-(mib + max(MEASURED_MARGIN_MIB, MEASURED_MARGIN_SHARE * mib)) // 1))
+    return int(-(-(mib + max(margin_mib, MEASURED_MARGIN_SHARE * mib)) // 1))
 
 
 def memory_setting(device: str) -> str:
@@ -105,6 +119,7 @@ class PlacementMixin:
     placement: Placement | None
     hooks: object
     measured_bytes: dict  # gpu -> what the last vision start there took (VISION_READY's measured_bytes)
+    margin_mib: float  # margin_mib_from_env()
 
     @property
     def gpu(self) -> int:
@@ -128,7 +143,7 @@ class PlacementMixin:
         if not measured and not self.processor:  # LLaVA's first start there: a context + the zygote's reckoning
             cuda_bytes = (self.zygote_info or {}).get("cuda_bytes") or 0
             measured = vision_context_mib(self.config.tower) * MIB + cuda_bytes if cuda_bytes else None
-        mine = measured_reserve_mib(measured) if measured else None
+        mine = measured_reserve_mib(measured, self.margin_mib) if measured else None
         if self.processor:  # Qwen3-VL warms up on a small image: a large one's scratch is in its tower figure
             mine = max(mine or 0, vision_qwen3vl.cuda_vision_mib(self.config, self.processor))
         values = self.vision.vram_mib or default_vram_mib(self.settings.device, self.num_gpus, gpu, charge, mine)

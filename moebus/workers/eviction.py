@@ -45,27 +45,9 @@ from typing import Callable
 
 import numpy as np
 
-from moebus.common.errors import ConfigError
+from moebus.common.env_switches import number_from_env
 
 POLICIES = ("freq", "lru")
-
-
-AT_LEAST_0 = (lambda value: 0 <= value < float("inf"), ">= 0")  # (nan and inf fail the test)
-
-
-def number_from_env(name: str, default: str, meaning: str, environ=os.environ, within=AT_LEAST_0) -> float:
-    """The environment variable ``name`` (``default`` where unset) as a number that passes ``within``'s
-    test (default: finite and >= 0), else a ConfigError naming it, the range (``within``'s words) and
-    what it is (``meaning``), raised where it is read (a worker's start), not at import."""
-    test, words = within
-    text = environ.get(name, default)
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not test(value):  # every comparison with nan is false: nan fails any test written as one
-        raise ConfigError(f"{name} must be a number {words} ({meaning}), got {text!r}")
-    return value
 
 
 def cache_decay_from_env(environ=os.environ) -> float:

@@ -38,10 +38,11 @@ import time
 
 import numpy as np
 
+from moebus.common.env_switches import number_from_env
 from moebus.cuda.memory.ledger import MIB
 from moebus.cuda.kernels.routing import host_placement
 from moebus.workers.copy_chain import EMPTY, Chain, copy_runs
-from moebus.workers.eviction import make_policy, number_from_env
+from moebus.workers.eviction import make_policy
 from moebus.workers.placement_upload import PlacementUploads
 
 # a prefill's copies: "slot" (per-slot fences, farthest-next-use victims), "slot-policy" (per-slot

@@ -4,11 +4,13 @@ each GPU and the setting that changes it; on cuda a start's measured footprint s
 hand-back there."""
 from types import SimpleNamespace
 
-from moebus.broker import vision_qwen3vl
-from moebus.broker.vision_placement import (PlacementMixin, default_vram_mib, measured_reserve_mib, place,
-                                            short_of)
+import pytest
 
+from moebus.broker import vision_qwen3vl
+from moebus.broker.vision_placement import (MEASURED_MARGIN_MIB, PlacementMixin, default_vram_mib, margin_mib_from_env,
+                                            measured_reserve_mib, place, short_of)
 from moebus.common import wire
+from moebus.common.errors import ConfigError
 from moebus.common.protocol import InfoReply
 
 MIB = 1 << 20
@@ -72,6 +74,7 @@ class Lifecycle(PlacementMixin):
         self.vision = SimpleNamespace(gpu="auto", vram_mib=vram_mib)
         self.num_gpus, self.placement, self.processor = num_gpus, None, None
         self.config = SimpleNamespace(tower="siglip")
+        self.margin_mib = MEASURED_MARGIN_MIB
         self.zygote_info = {"charge_bytes": 1728 * MIB}
         self.measured_bytes = {}
 
@@ -123,6 +126,20 @@ def test_a_first_encodes_measure_replaces_the_starts_reckoned_scratch():
     assert life.reserves(0) == [465.0, 600.0] and life.measured_mib() == [401.0, None]
     life.record_measured(0, 700 * MIB, "start and first encode")  # more than reckoned: the budget holds it
     assert life.reserves(0)[0] == 764.0
+
+
+def test_the_margin_above_a_measured_footprint_is_a_setting():
+    assert margin_mib_from_env({}) == 64 == MEASURED_MARGIN_MIB
+    assert margin_mib_from_env({"MOEBUS_VISION_RESERVE_MARGIN_MIB": "16"}) == 16.0
+    assert measured_reserve_mib(486 * MIB, 16) == 511  # 5% of 486 (24.3) is the larger
+    assert measured_reserve_mib(200 * MIB, 16) == 216 and measured_reserve_mib(200 * MIB, 0) == 210
+    life = Lifecycle()
+    life.margin_mib = 16.0
+    life.record_measured(0, 401 * MIB, "start and first encode")
+    assert life.reserves(0) == [422.0]
+    for text in ("-1", "x", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"MOEBUS_VISION_RESERVE_MARGIN_MIB must be a number >= 0 .*{text!r}"):
+            margin_mib_from_env({"MOEBUS_VISION_RESERVE_MARGIN_MIB": text})
 
 
 def test_the_measured_figures_travel_in_info_as_a_list_per_gpu():

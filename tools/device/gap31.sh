@@ -13,7 +13,9 @@
 #      reg (MOEBUS_VISION_STREAM_HOST=register: no 803 MiB pinned buffer allocated and filled at the vision
 #      worker's start, twenty-ninth session's +0.35-0.45 s), one18 (18 MiB segments, the hand-back in one request:
 #      --handback-step-mib=600), then def, seg18, reg again.
-#      The second seg18 is `slot` (MOEBUS_SEGMENT_MIB=0, thirty-first session: two slots a segment, 18 MiB here).
+#      The second seg18 is `slot` (MOEBUS_SEGMENT_MIB=0, thirty-first session: two slots a segment, 18 MiB here);
+#      the second reg is `m16` (MOEBUS_VISION_RESERVE_MARGIN_MIB=16: the reserve 5% above the measured footprint,
+#      not 64 MiB: ~4 more slots through the image; the cpu replay says the slots are most of the image's share).
 #   4. (added in the thirty-first session, which had no device) each run's vision footprints: the start's, and the
 #      lazy start's first encode's (its ENCODE_REPLY's measured_bytes, where VISION_READY reckoned 128 MiB of scratch),
 #      the reserves they give; the first start's reserve is now reckoned with a 284 MiB context at the 64 B stack
@@ -24,7 +26,7 @@ timeout 90 python3 tools/device/unmap30.py 2>&1 | tail -8
 MOEBUS_TEST_GPU=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/vision/test_tower_stream.py \
   tests/cuda/test_vision_footprint.py 2>&1 | tail -3
 L=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
-VIS_RUNS=${VIS_RUNS:-"def:$L seg18:$L,MOEBUS_SEGMENT_MIB=18 reg:$L,MOEBUS_VISION_STREAM_HOST=register one18:$L,MOEBUS_SEGMENT_MIB=18,CYCLE_ARGS=--handback-step-mib=600 def2:$L slot:$L,MOEBUS_SEGMENT_MIB=0 reg2:$L,MOEBUS_VISION_STREAM_HOST=register"} \
+VIS_RUNS=${VIS_RUNS:-"def:$L seg18:$L,MOEBUS_SEGMENT_MIB=18 reg:$L,MOEBUS_VISION_STREAM_HOST=register one18:$L,MOEBUS_SEGMENT_MIB=18,CYCLE_ARGS=--handback-step-mib=600 def2:$L slot:$L,MOEBUS_SEGMENT_MIB=0 m16:$L,MOEBUS_VISION_RESERVE_MARGIN_MIB=16"} \
   MEASURE_S=${MEASURE_S:-280} bash tools/device/gap30.sh 2>&1 | tail -30
 for f in $OUT/cycle_budget256_*.log.gz; do  # the streamed tower's host blocks and each cold start's start phase
   echo "$(basename $f): $(zcat $f | grep -oE "the streamed tower's [0-9]+ layers .*" | sort | uniq -c | tr -s ' ' | tr '\n' ';') \
