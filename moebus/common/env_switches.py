@@ -20,7 +20,7 @@ AT_LEAST_0 = (lambda value: 0 <= value < float("inf"), ">= 0")  # (nan and inf f
 def number_from_env(name: str, default: str, meaning: str, environ=os.environ, within=AT_LEAST_0) -> float:
     """The environment variable ``name`` (``default`` where unset) as a number that passes ``within``'s
     test (default: finite and >= 0), else a ConfigError naming it, the range (``within``'s words) and
-    what it is (``meaning``), raised where it is read (a worker's start), not at import."""
+    what it is (``meaning``), raised where it is read (a worker's or the broker's start), not at import."""
     test, words = within
     text = environ.get(name, default)
     try:
