@@ -20,9 +20,11 @@
 #      lazy start's first encode's (its ENCODE_REPLY's measured_bytes, where VISION_READY reckoned 128 MiB of scratch),
 #      the reserves they give; the first start's reserve is now reckoned with a 284 MiB context at the 64 B stack
 #      limit (544 MiB where it said 780); tests/cuda/test_vision_footprint.py runs the NVML reading itself.
+#      tools/device/ctx31.py: what a fresh context's limits hold (printf FIFO, malloc heap, device runtime), the SMs.
 #   bash tools/device/gap31.sh 2>&1 | tail -60      (carry .whl)
 source tools/device/setup.sh
 timeout 90 python3 tools/device/unmap30.py 2>&1 | tail -8
+timeout 60 python3 tools/device/ctx31.py 2>&1 | tail -9
 MOEBUS_TEST_GPU=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/vision/test_tower_stream.py \
   tests/cuda/test_vision_footprint.py 2>&1 | tail -3
 L=MOEBUS_LOG_STEPS=1,MOEBUS_LOG_GC_MS=2
