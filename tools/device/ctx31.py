@@ -3,7 +3,8 @@ vision worker's is (a LLaVA vision worker's context is 277.6 MiB at its 64 B sta
 hands back through every image). Lowers, in turn, the stack (64 B), the printf FIFO, the malloc heap, the device
 runtime's pending launches and sync depth, and prints the driver's free MiB after each (a limit whose memory is
 only taken at a first use frees nothing here); then one numba kernel. Also the SMs and threads an SM, which
-context_limits.context_mib bounds (2,048 x 160).   python3 tools/device/ctx31.py"""
+context_limits.context_mib bounds (2,048 x 160). Replaces ctx26.py (the twenty-sixth session's, whose output no
+call kept; gap25.sh's CTX=1 runs this now).   python3 tools/device/ctx31.py"""
 import ctypes
 
 from numba import cuda

@@ -2,7 +2,7 @@
 # One H200 (twenty-seventh session's plan; issue 20). The token embedding in mapped host memory
 # (cuda/memory/host_table.py) gives its VRAM to the expert cache: A3B's 593.5 MiB, ~65 slots at every
 # phase of the cold image cycle (541 during the image in the twenty-sixth session). Two calls:
-#   PART=cycle (~6 min): gap25.sh's cycle (ROUTE=0, CTX=1: ctx26.py's context limits first) over runs `vram`
+#   PART=cycle (~6 min): gap25.sh's cycle (ROUTE=0, CTX=1: ctx26.py's (now ctx31.py's) context limits first) over runs `vram`
 #     (MOEBUS_EMBEDDING_VRAM=1: as before), `host`, `host2` (the default) and `stack` (MOEBUS_CUDA_STACK_BYTES=64 in
 #     every worker: cuda/memory/context_limits.py): slots through the image, the largest gaps against the cycle's
 #     median (target <= 2x), the step pool beyond its loans (the pow2 loan, twenty-sixth session, first measured here);
@@ -19,7 +19,7 @@
 # (MOEBUS_VISION_STREAM_LAYERS=1: ~82 more slots while the vision worker lives). Four calls now (~35 s a run):
 #   PART=cycle (~6 min, MEASURE_S=165): `before` (the twenty-sixth session's state: the table in VRAM, decay 0.9),
 #     `host` (the defaults), `host2`, `d90` (the table in host memory, decay 0.9);
-#   PART=cycle2 (~6 min, no ctx26.py): `host3` (the defaults: the reference within the call), `beside` (the VRAM
+#   PART=cycle2 (~6 min, no ctx26.py, now ctx31.py): `host3` (the defaults: the reference within the call), `beside` (the VRAM
 #     lines end "the next step launched beside"; the hand-back's gaps), `stream` (the vision worker's footprint and
 #     the reserve at cold start 2, slots through the image, the encode phase's gaps), `stack`
 #     (MOEBUS_CUDA_STACK_BYTES=64), `all` (the three together);

@@ -13,7 +13,7 @@
 #   3. per run gap25_steps.py's bins (bins.txt), gap15_gaps.py's summary (summaries.txt).
 # Everything is written under /tmp/g25 and the few files worth keeping copied to $OUT (8 come back).
 #   WARM_S=115 MEASURE_S=125 bash tools/device/gap25.sh
-# Twenty-sixth session: CTX=1 runs ctx26.py first (a context's limits); per run a line with the step pool's MiB
+# Twenty-sixth session: CTX=1 runs ctx26.py (now ctx31.py) first (a context's limits); per run a line with the step pool's MiB
 # allocated beyond a loan by the end and the cache's slots at each vision reserve. Twenty-seventh: and at ready, where
 # the token embedding is, the stack limits set; the reserve of 1 GiB and more at each vision reserve (the vision
 # worker's footprint, so the reserve, may change with the stack limit).
@@ -26,7 +26,7 @@ if [ "${ROUTE:-1}" = 1 ]; then
   echo "== route done at ${SECONDS} s"
 fi
 if [ -n "$CTX" ]; then  # twenty-sixth session: what a CUDA context holds and what its limits give back
-  timeout 60 python3 tools/device/ctx26.py 2>&1 | tail -6
+  timeout 60 python3 tools/device/ctx31.py 2>&1 | tail -9  # (ctx26.py's successor, thirty-first session)
 fi
 export OUT=$T/v
 PHASE=warm BUDGET=${WARM_S:-115} bash tools/device/gap17.sh | tail -6
