@@ -34,7 +34,8 @@ def test_an_elastic_cache_of_slot_sized_segments_shrinks_and_regrows_whole_ones(
     ckpt = Checkpoint(demo_model)
     cache = build_expert_cache(ckpt, range(2), CpuBackend(), capacity_bytes=8 * MIB, elastic=True, gpu=gpu,
                                segment_bytes=0, preload=False)
-    assert set(cache.arena.startup_segments) == {2 * MIB}  # two 192 KiB slots: one granule
+    # two 192 KiB slots: one granule (0 taken as is would have planned segments of no bytes: a division by zero)
+    assert set(cache.arena.startup_segments) == {2 * MIB}
     full = cache.report()
     shrunk = cache.resize(full["free_mib"] + 4)
     assert shrunk["expert_cache_mib"] == 4 and gpu.memory_info()[0] >= (full["free_mib"] + 4) * MIB
