@@ -4,7 +4,7 @@
 # cold image until encoded); of the image's ~1-1.5 ms the hand-back's six 64 MiB requests are the largest part: each
 # 4.3-5.6 ms on the worker (30-32 segments of 2 MiB unmapped in 1.3-2.7 ms with the next step beside, ~1 ms idle in
 # 2-MiB-segment timings; 0.6 ms of handle releases; ~2 ms more, now named in the VRAM line), the step after it ~5 ms
-# late. One call (~8 min):
+# late. One call (~8.5 min):
 #   1. tools/device/unmap30.py: a 64 MiB shrink idle, beside a ~2 ms kernel, and on a helper thread while the main
 #      thread launches kernels (does cuMemUnmap wait for running kernels? hold the launches?), 2 and 18 MiB segments;
 #   2. the streamed tower's GPU tests (tests/vision/test_tower_stream.py: MOEBUS_VISION_STREAM_HOST=register reads
@@ -12,9 +12,9 @@
 #   3. gap30.sh's cycle over def, seg18 (MOEBUS_SEGMENT_MIB=18: two 9 MiB slots a segment, 4 segments a request),
 #      reg (MOEBUS_VISION_STREAM_HOST=register: no 803 MiB pinned buffer allocated and filled at the vision
 #      worker's start, twenty-ninth session's +0.35-0.45 s), one18 (18 MiB segments, the hand-back in one request:
-#      --handback-step-mib=600), then def, seg18, reg again.
-#      The second seg18 is `slot` (MOEBUS_SEGMENT_MIB=0, thirty-first session: two slots a segment, 18 MiB here);
-#      the second reg is `m16` (MOEBUS_VISION_RESERVE_MARGIN_MIB=16: the reserve 5% above the measured footprint,
+#      --handback-step-mib=600), then def2, slot and m16 (thirty-first session; they replace the second seg18 and reg):
+#      `slot` (MOEBUS_SEGMENT_MIB=0, thirty-first session: two slots a segment, 18 MiB here);
+#      `m16` (MOEBUS_VISION_RESERVE_MARGIN_MIB=16: the reserve 5% above the measured footprint,
 #      not 64 MiB: ~4 more slots through the image; the cpu replay says the slots are most of the image's share).
 #   4. (added in the thirty-first session, which had no device) each run's vision footprints: the start's, and the
 #      lazy start's first encode's (its ENCODE_REPLY's measured_bytes, where VISION_READY reckoned 128 MiB of scratch),
