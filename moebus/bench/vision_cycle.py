@@ -26,6 +26,7 @@ import argparse
 import io
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -39,7 +40,10 @@ from moebus.bench.vision_gaps import (CONTROL_TOKENS, STEADY_TOKENS, WARM_TOKENS
                                       print_gap_report, steady_cache, steady_steps, worst_ratio)
 from moebus.common.errors import ConfigError
 from moebus.common.settings import Settings, load_settings
-from moebus.cuda.memory.arena import SEGMENT_SLOTS
+from moebus.cuda.memory.arena import GRANULARITY, SEGMENT_SLOTS
+
+
+GRANULE_MIB = GRANULARITY >> 20
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -66,11 +70,16 @@ def _row(client) -> dict:
 
 def slots_per_segment(row: dict, segment_mib: float) -> list[int]:
     """How many slots one segment holds on each GPU (the cache's MiB per slot from the workers; 0: the
-    segments follow the slot, workers/experts.SEGMENT_SLOTS)."""
-    if not segment_mib:
-        return [SEGMENT_SLOTS] * len(row["slots"])
-    return [max(1, -(-int(segment_mib * slots) // int(mib))) if mib else 1
-            for slots, mib in zip(row["slots"], row["cache_mib"])]
+    segments follow the slot, SEGMENT_SLOTS slots in whole 2 MiB granules, workers/experts.segment_bytes_for)."""
+    counts = []
+    for slots, mib in zip(row["slots"], row["cache_mib"]):
+        if not mib or not slots:
+            counts.append(1)
+            continue
+        # (the cache's MiB is what is mapped, a little over its slots: granules to two places absorb that)
+        segment = segment_mib or GRANULE_MIB * math.ceil(round(SEGMENT_SLOTS * mib / slots / GRANULE_MIB, 2))
+        counts.append(max(1, math.ceil(segment * slots / mib)))
+    return counts
 
 
 def effective_segment_mib(flag: int | None, environ=os.environ) -> int:

@@ -43,8 +43,10 @@ def test_an_elastic_cache_of_slot_sized_segments_shrinks_and_regrows_whole_ones(
 
 
 def test_the_bench_compares_within_two_slots_where_segments_follow_the_slot(monkeypatch):
-    row = {"slots": [753], "cache_mib": [6778.0]}
+    row = {"slots": [753], "cache_mib": [6778.0]}  # 9 MiB slots: 18 MiB segments
     assert slots_per_segment(row, 0) == [2] and slots_per_segment(row, 18) == [2] and slots_per_segment(row, 2) == [1]
+    demo = {"slots": [64, 0], "cache_mib": [12.0, 0.0]}  # 192 KiB slots: a 2 MiB granule holds 11 (rounded up)
+    assert slots_per_segment(demo, 0) == [11, 1] == slots_per_segment(demo, 2)
     monkeypatch.delenv("MOEBUS_SEGMENT_MIB", raising=False)
     assert effective_segment_mib(None) == 2 and effective_segment_mib(0) == 0 and effective_segment_mib(18) == 18
     monkeypatch.setenv("MOEBUS_SEGMENT_MIB", "18")  # the environment wins over the bench's config file
