@@ -40,10 +40,10 @@ from moebus.bench.vision_gaps import (CONTROL_TOKENS, STEADY_TOKENS, WARM_TOKENS
                                       print_gap_report, steady_cache, steady_steps, worst_ratio)
 from moebus.common.errors import ConfigError
 from moebus.common.settings import Settings, load_settings
-from moebus.cuda.memory.arena import GRANULARITY, SEGMENT_SLOTS
+from moebus.cuda.memory.arena import segment_bytes_for
 
 
-GRANULE_MIB = GRANULARITY >> 20
+MIB = 1 << 20
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -70,24 +70,23 @@ def _row(client) -> dict:
 
 def slots_per_segment(row: dict, segment_mib: float) -> list[int]:
     """How many slots one segment holds on each GPU (the cache's MiB per slot from the workers; 0: the
-    segments follow the slot, SEGMENT_SLOTS slots in whole 2 MiB granules, workers/experts.segment_bytes_for)."""
+    segments follow the slot, cuda/memory/arena.segment_bytes_for)."""
     counts = []
     for slots, mib in zip(row["slots"], row["cache_mib"]):
         if not mib or not slots:
             counts.append(1)
             continue
-        # (the cache's MiB is what is mapped, a little over its slots: granules to two places absorb that)
-        segment = segment_mib or GRANULE_MIB * math.ceil(round(SEGMENT_SLOTS * mib / slots / GRANULE_MIB, 2))
+        # (the cache's MiB is what is mapped, a little over its slots: a slot's MiB to two places absorbs that)
+        segment = segment_mib or segment_bytes_for(0, int(round(mib / slots, 2) * MIB)) / MIB
         counts.append(max(1, math.ceil(segment * slots / mib)))
     return counts
 
 
-def effective_segment_mib(flag: int | None, environ=os.environ) -> int:
-    """The segment size the bench's broker runs with: MOEBUS_SEGMENT_MIB over ``--segment-mib`` (the environment
-    wins over a config file: settings.load_settings) over the default."""
-    text = environ.get("MOEBUS_SEGMENT_MIB", "")
-    if text.isascii() and text.isdigit():
-        return int(text)
+def effective_segment_mib(flag: int | None) -> int:
+    """The segment size the bench's broker runs with: MOEBUS_SEGMENT_MIB (the settings' own reading) over
+    ``--segment-mib`` (the environment wins over a config file: settings.load_settings) over the default."""
+    if "MOEBUS_SEGMENT_MIB" in os.environ:
+        return load_settings().segment_mib
     return flag if flag is not None else Settings.model_fields["segment_mib"].default
 
 

@@ -3,18 +3,12 @@ cache cannot hold every expert, the prefetch's banks. Without a capacity, the ar
 expert of the stage (no eviction ever happens)."""
 from __future__ import annotations
 
-from moebus.cuda.memory.arena import SEGMENT_SLOTS, HostArena, plan_segments
+from moebus.cuda.memory.arena import HostArena, plan_segments, segment_bytes_for
 from moebus.workers.expert_cache import ExpertCache
 from moebus.workers.host_store import HostStore
 from moebus.workers.prefetch import BANKS, DEFAULT_SLOTS_PER_LAYER, PREDICTED_PER_TOKEN, Prefetch
 
 DEFAULT_SEGMENT_BYTES = 2 << 20
-
-
-def segment_bytes_for(segment_bytes: int, slot_bytes: int) -> int:
-    """The arena's segment size: ``segment_bytes``, or where it is 0 SEGMENT_SLOTS slots rounded up to
-    whole 2 MiB granules (18 MiB for bf16 A3B experts of 9 MiB; 2 MiB for the demo's of 192 KiB)."""
-    return segment_bytes or _round_up(SEGMENT_SLOTS * slot_bytes)
 
 
 def build_expert_cache(ckpt, layers: range, backend, capacity_bytes: int | None = None,

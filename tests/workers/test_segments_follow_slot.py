@@ -10,7 +10,8 @@ from moebus.common.errors import ConfigError
 from moebus.common.settings import load_settings
 from moebus.cuda.backends.cpu import CpuBackend
 from moebus.cuda.memory.ledger import MIB, EmulatedGpu
-from moebus.workers.experts import build_expert_cache, segment_bytes_for
+from moebus.cuda.memory.arena import segment_bytes_for
+from moebus.workers.experts import build_expert_cache
 
 
 def test_two_slots_a_segment_in_whole_granules():

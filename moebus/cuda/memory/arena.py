@@ -24,6 +24,12 @@ GRANULARITY = 2 * MIB  # CUDA's physical allocation granularity; the cpu arena k
 SEGMENT_SLOTS = 2
 
 
+def segment_bytes_for(segment_bytes: int, slot_bytes: int) -> int:
+    """The arena's segment size: ``segment_bytes``, or where it is 0 SEGMENT_SLOTS slots rounded up to
+    whole granules (18 MiB for bf16 A3B experts of 9 MiB; 2 MiB for the demo's of 192 KiB)."""
+    return segment_bytes or -(-SEGMENT_SLOTS * slot_bytes // GRANULARITY) * GRANULARITY
+
+
 def plan_segments(total_bytes: int, segment_bytes: int) -> list[int]:
     """Whole segments, then a short tail segment for the rest (in whole granules)."""
     full, rest = divmod(total_bytes, segment_bytes)
