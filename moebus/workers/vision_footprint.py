@@ -124,14 +124,14 @@ class StartFootprint:
             self.context_bytes = max(0, self.total_bytes - max(0, self.context_free - free_bytes))
         return self.total_bytes
 
-    def after_first_encode(self, close: bool = True) -> int | None:
+    def after_first_encode(self) -> int | None:
         """After the first encode of a start without a warm-up (``done(keep=True)``): the footprint
         with what that encode and the loads beside it took (its scratch and step pool, cuBLAS's
         workspace, the modules its kernels loaded), as the driver counts it; None where unknown.
         The device's other memory does not fall meanwhile (the caches moved before the start; a text
         worker's step taking buffers beside the reserve only adds), so this errs on the large side.
-        ``close`` False: NVML stays open (its shutdown is not on the encode's reply path) until ``close()``."""
-        used = self._read(" after its first encode", keep=not close) if self.total_bytes is not None else None
+        NVML stays open (its shutdown is not on the encode's reply path) until ``close()``."""
+        used = self._read(" after its first encode", keep=True) if self.total_bytes is not None else None
         if used is None:
             return None
         self.encode_bytes = max(0, used - self.after_used)

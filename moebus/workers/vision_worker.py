@@ -147,7 +147,7 @@ class VisionWorker:
         footprint = self.footprint
         if footprint is None or footprint.total_bytes is None or footprint.encode_bytes is not None:
             return 0
-        total = footprint.after_first_encode(close=False)
+        total = footprint.after_first_encode()
         if total is None:
             return 0
         log.info("vision worker footprint after its first encode: %.1f MiB on the device (the start's %.1f MiB and "

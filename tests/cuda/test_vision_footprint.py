@@ -37,7 +37,7 @@ def test_a_start_without_warm_up_reads_again_after_its_first_encode():
     start = footprint.done(None, keep=True)
     assert footprint.nvml is not None and 64 * MIB <= start <= 128 * MIB, start / MIB
     scratch = cuda.device_array(128 * MIB, dtype="uint8")  # the first encode's scratch
-    total = footprint.after_first_encode(close=False)
+    total = footprint.after_first_encode()
     assert 128 * MIB <= footprint.encode_bytes <= 160 * MIB and total == start + footprint.encode_bytes
     footprint.close()
     assert footprint.nvml is None

@@ -19,7 +19,7 @@
 # (MOEBUS_VISION_STREAM_LAYERS=1: ~82 more slots while the vision worker lives). Four calls now (~35 s a run):
 #   PART=cycle (~6 min, MEASURE_S=165): `before` (the twenty-sixth session's state: the table in VRAM, decay 0.9),
 #     `host` (the defaults), `host2`, `d90` (the table in host memory, decay 0.9);
-#   PART=cycle2 (~6 min, no ctx26.py, now ctx31.py): `host3` (the defaults: the reference within the call), `beside` (the VRAM
+#   PART=cycle2 (~6 min, no ctx26.py (now ctx31.py)): `host3` (the defaults: the reference within the call), `beside` (the VRAM
 #     lines end "the next step launched beside"; the hand-back's gaps), `stream` (the vision worker's footprint and
 #     the reserve at cold start 2, slots through the image, the encode phase's gaps), `stack`
 #     (MOEBUS_CUDA_STACK_BYTES=64), `all` (the three together);
