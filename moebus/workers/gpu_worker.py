@@ -23,6 +23,7 @@ from moebus.common import gc_pauses
 from moebus.common.image_steps import image_step_tokens
 from moebus.cuda.backends import is_out_of_memory, make_backend
 from moebus.cuda.kernels.compat import disk_cache_counts
+from moebus.cuda.memory.arena import GRANULARITY
 from moebus.cuda.memory.ledger import MIB
 from moebus.workers import chunk_rows, overlap, spanning_chunk, step_trace, step_watch
 from moebus.workers.batch import StepBatch, logit_rules_of, masks_of
@@ -451,6 +452,9 @@ def warm_spanning_chunk(stage: Stage, settings, label: str) -> None:
 def load_stage(settings, model_dir: str, gpu: int, layers: range, device: str) -> Stage:
     """The stage on its device. A checkpoint the loader refuses raises CheckpointError; a stage that
     does not fit its GPU raises ConfigError: neither start can succeed by trying again."""
+    if device == "cuda" and settings.segment_mib % (GRANULARITY // MIB):
+        raise ConfigError(f"segment_mib {settings.segment_mib}: on cuda a segment is whole 2 MiB granules (the "
+                          f"driver's allocation granularity); use an even number of MiB, or 0 (two slots a segment)")
     ckpt = Checkpoint(model_dir)
     backend = make_backend(device)
     budget = cuda_budget(settings, gpu) if device == "cuda" else None  # after the context, before the weights

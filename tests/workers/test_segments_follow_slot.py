@@ -30,6 +30,17 @@ def test_the_setting_takes_0_and_refuses_a_negative(monkeypatch):
         load_settings()
 
 
+def test_a_cuda_worker_refuses_an_odd_segment_size_before_it_loads_anything(monkeypatch):
+    """cuMemCreate takes whole 2 MiB granules: 3 MiB would fail inside the arena with a driver-side
+    ValueError after the dense weights loaded; the worker's start says which setting at once (the cpu
+    arena's emulated segments take any whole MiB, which the cpu tests use)."""
+    from moebus.workers.gpu_worker import load_stage
+
+    monkeypatch.setenv("MOEBUS_SEGMENT_MIB", "3")
+    with pytest.raises(ConfigError, match="segment_mib 3: on cuda .* even number of MiB, or 0"):
+        load_stage(load_settings(), "/nonexistent", 0, range(2), "cuda")
+
+
 def test_an_elastic_cache_of_slot_sized_segments_shrinks_and_regrows_whole_ones(tmp_path, demo_model):
     gpu = EmulatedGpu(tmp_path / "gpu0", capacity_mib=16)
     ckpt = Checkpoint(demo_model)
