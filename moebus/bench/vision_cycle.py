@@ -368,8 +368,9 @@ def main(argv=None) -> int:
         print(f"{what}:", ", ".join(f"{k[:-2]} {1e3 * split[k]:.1f} ms" for k in
                                     ("handback_s", "start_s", "encode_s", "prefill_s", "first_token_s") if k in split),
               f"({split.get('handback_requests', '-')} hand-back requests)")
-        if any(m is not None for m in split.get("measured_mib") or []):  # cuda: the start's footprint
-            print(f"  the vision worker's start took {split['measured_mib']} MiB (driver's count); the next hand-back "
+        if any(m is not None for m in split.get("measured_mib") or []):  # cuda: read after the image's reply
+            print(f"  the vision worker's start and first encode took {split['measured_mib']} MiB (driver's count); "
+                  f"the next hand-back "
                   f"frees {split.get('vram_mib')} MiB")
     split = cycle["split"]
     if cycle["text_gaps"]:
