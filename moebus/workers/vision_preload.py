@@ -11,7 +11,11 @@ context (``load_cached_kernels``: read from the cache, never compiled; a variant
 is left to its first launch, as before). "Defined so far" is the kernels defined at module level (the zygote
 imports their modules): a kernel made by a factory (layernorm's, the vision attention's, per storage or head
 size) exists only once the tower first asks for it, so it still loads in the encode. A failure is logged and
-leaves the rest to the encode."""
+leaves the rest to the encode.
+
+Each part's device memory is logged too (the driver's free bytes before and after it, device-wide): a lazy
+start's first encode took 244 MiB more than the start on the H100 (thirty-second session) where its arrays are
+reckoned at 128; what cuBLAS's start and the modules loaded beside it hold is the rest's first suspect."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +26,7 @@ import time
 import numpy as np
 
 log = logging.getLogger("moebus.vision")
+MIB = 1 << 20
 
 
 def start_cublas(backend) -> bool:
@@ -93,9 +98,10 @@ class LoadBeside:
 
     SWITCH_S = 0.001
 
-    def __init__(self, backend, device: str):
-        self.backend, self.device = backend, device
-        self.seconds, self.parts = None, {}
+    def __init__(self, backend, device: str, free_bytes=None):
+        """``free_bytes``: a callable giving the driver's free bytes of the device (None: not logged)."""
+        self.backend, self.device, self.free_bytes = backend, device, free_bytes
+        self.seconds, self.parts, self.taken = None, {}, {}
         self._switch_s = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_s, self.SWITCH_S))
         self._thread = threading.Thread(target=self._run, name="vision-preload", daemon=True)
@@ -108,15 +114,36 @@ class LoadBeside:
                 from numba import cuda
 
                 cuda.current_context()  # (the primary context, current on this thread too)
+                free = self._free()
                 begun = time.perf_counter()
                 if start_cublas(self.backend):
                     self.parts["cuBLAS"] = time.perf_counter() - begun
+                    free = self._taken("cuBLAS", free)
                 begun = time.perf_counter()
                 loaded, failed = load_cached_kernels()
-                self.parts[f"{loaded} kernels ({failed} failed)"] = time.perf_counter() - begun
+                name = f"{loaded} kernels ({failed} failed)"
+                self.parts[name] = time.perf_counter() - begun
+                self._taken(name, free)
         except Exception as e:  # noqa: BLE001 - the encode loads what is missing
             log.warning("vision preload failed (%s: %s)", type(e).__name__, e)
         self.seconds = time.perf_counter() - started
+
+    def _free(self) -> int | None:
+        try:
+            return self.free_bytes() if self.free_bytes is not None else None
+        except Exception as e:  # noqa: BLE001 - a figure for the log only
+            log.debug("vision preload: free bytes not read (%s)", e)
+            return None
+
+    def _taken(self, name: str, free_before: int | None) -> int | None:
+        """Records the device memory the part ``name`` took (free before it less free now); the free now."""
+        free = self._free()
+        if free is not None and free_before is not None:
+            self.taken[name] = free_before - free
+        return free
+
+    def _mib(self, name: str) -> str:
+        return f" +{self.taken[name] / MIB:.1f} MiB" if name in self.taken else ""
 
     def wait(self) -> float:
         """Seconds spent waiting for it."""
@@ -124,5 +151,5 @@ class LoadBeside:
         self._thread.join()
         sys.setswitchinterval(self._switch_s)
         log.info("vision preload beside: %.1f ms (%s)", 1e3 * (self.seconds or 0.0),
-                 ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in self.parts.items()) or "nothing")
+                 ", ".join(f"{name} {1e3 * s:.1f} ms{self._mib(name)}" for name, s in self.parts.items()) or "nothing")
         return time.perf_counter() - started

@@ -385,7 +385,8 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
                            num_image_tokens=cfg.num_image_tokens, hidden_size=cfg.text_hidden_size,
                            start_s=time.perf_counter() - started))
     # (after VISION_READY has gone: it runs while the ENCODE comes and its image is decoded)
-    beside = LoadBeside(backend, device) if WARM_UP_MODE in ("load", "auto") and not warm else None
+    beside = (LoadBeside(backend, device, lambda: _driver_free(device))
+              if WARM_UP_MODE in ("load", "auto") and not warm else None)
     log.info("vision worker ready on gpu%d (%s): %.1f MiB, started in %.2f s", gpu, device,
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":

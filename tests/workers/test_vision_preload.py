@@ -4,6 +4,7 @@ sensitive; read from the cache, never compiled; each bound, then added), that a 
 the others go on, and that LoadBeside's thread is joined by ``wait`` with the GIL's switch interval given
 back. On a GPU the cycle of tools/device/vl13.sh measures it."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -134,3 +135,18 @@ def test_the_real_dispatchers_cached_variants_load_without_a_compile(tmp_path):
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert (report["loaded"], report["failed"], report["nvvm"], report["again"]) == (1, 0, 0, [0, 0])
     assert report["overloads"] == ["add_flat"]
+
+
+def test_each_part_s_device_memory_is_the_driver_s_free_bytes_before_less_after(caplog):
+    frees = iter([1000 << 20, 962 << 20])
+    beside = LoadBeside(backend=None, device="cpu", free_bytes=lambda: next(frees))
+    beside.wait()
+    free = beside._taken("cuBLAS", beside._free())  # (what _run does around a part on cuda)
+    assert beside.taken == {"cuBLAS": 38 << 20} and free == 962 << 20
+    beside.parts["cuBLAS"] = 0.044
+    with caplog.at_level(logging.INFO, logger="moebus.vision"):
+        beside.wait()
+    assert "cuBLAS 44.0 ms +38.0 MiB" in caplog.text
+    unread = LoadBeside(backend=None, device="cpu", free_bytes=lambda: 1 / 0)  # a failed read logs no figure
+    unread.wait()
+    assert unread._taken("cuBLAS", unread._free()) is None and unread.taken == {}
