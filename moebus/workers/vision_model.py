@@ -58,6 +58,21 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> 
     return kept + embed + layer + projector
 
 
+# A first encode on cuda holds more than its arrays: cuBLAS's start (its handle, the 32 MiB workspace gemm_host.py
+# gives it, its first modules) and the kernels' modules loaded for it. On the H100 (thirty-second session) a lazy
+# start's first encode took 244.0 MiB more than the start, twice to the 0.1 MiB, of which encode_scratch_bytes
+# reckoned 128.4 for so400m: 115.6 the rest. Until a first encode was measured on a GPU the reckonings count it
+# (before, the first image's hand-back was ~50 MiB short of what the worker then held, over a gpu_memory_mib
+# budget unnoticed).
+FIRST_ENCODE_LOADS_BYTES = 116 * (1 << 20)
+
+
+def first_encode_bytes(cfg: VisionConfig, num_images: int, processor=None) -> int:
+    """What a vision worker's first encode of ``num_images`` adds on a cuda device, reckoned: its
+    arrays (encode_scratch_bytes, an upper bound) and the loads beside them (FIRST_ENCODE_LOADS_BYTES)."""
+    return encode_scratch_bytes(cfg, num_images, processor) + FIRST_ENCODE_LOADS_BYTES
+
+
 def make_vision_model(cfg, weights: dict, backend, beside: bool = False):
     """The vision model of a config: LLaVA's VisionModel or Qwen3-VL's Qwen3VisionModel, which
     share ``encode_reply``, ``warm_up``, ``capture_pending`` and ``device_bytes`` (what the vision

@@ -31,7 +31,7 @@ from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
 from moebus.workers.loop import serve
 from moebus.workers.vision_footprint import Nvml, StartFootprint, cuda_device_uuid
-from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, make_vision_model
+from moebus.workers.vision_model import VisionModel, encode_scratch_bytes, first_encode_bytes, make_vision_model
 from moebus.workers.vision_preload import LoadBeside
 from moebus.workers.vision_weight_pack import UPLOAD_BESIDE
 
@@ -60,7 +60,8 @@ POSITIONS = "embeddings.position_embedding.weight"
 
 def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None = None) -> int:
     """What a LLaVA worker will hold on a cuda device beyond its context, before any start measured
-    it: the weights in their stored dtype (the backend keeps them so) plus one encode's scratch; with
+    it: the weights in their stored dtype (the backend keeps them so) plus a first encode's scratch and
+    loads (first_encode_bytes); with
     MOEBUS_VISION_STREAM_LAYERS (``streamed`` None: the setting) the encoder layers past the stream's
     two slots stay in host memory (each slot's tensors 256-aligned: 4 KiB a slot counted for that).
     The zygote's hello carries it; the broker's first reserve for the tower on cuda comes from it."""
@@ -75,7 +76,7 @@ def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None 
         layers = sum(int(w.nbytes) for name, w in weights.items()
                      if name.startswith(LAYER.split("{")[0]) and not name.startswith(kept))
         total += 2 * 4096 - layers
-    return total + encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor)
+    return total + first_encode_bytes(cfg, IMAGES_PER_PASS, processor)
 
 
 class VisionWorker:
@@ -151,7 +152,7 @@ class VisionWorker:
         if total is None:
             return 0
         log.info("vision worker footprint after its first encode: %.1f MiB on the device (the start's %.1f MiB and "
-                 "%.1f MiB more since, where the start reckoned %.1f MiB of scratch)", total / (1 << 20),
+                 "%.1f MiB more since, where the start reckoned %.1f MiB of scratch and loads)", total / (1 << 20),
                  (total - footprint.encode_bytes) / (1 << 20), footprint.encode_bytes / (1 << 20),
                  self.reckoned_bytes / (1 << 20))
         return total
@@ -360,9 +361,9 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     # (no warm-up: the first encode waits for the copy, after its image's decode and preprocess)
     waited = model.packed.wait() if warm and getattr(model, "packed", None) is not None else 0.0
     measured = footprint.done(_driver_free(device, flush=True), keep=not warm)
-    # the first encode's scratch comes after VISION_READY: reckoned, as on cpu, until that encode's reply says
-    # what the worker then holds (VisionWorker.encode)
-    reckoned = encode_scratch_bytes(cfg, IMAGES_PER_PASS, processor) if measured and not warm else 0
+    # the first encode's scratch and loads come after VISION_READY: reckoned until that encode's reply says what
+    # the worker then holds (VisionWorker.encode)
+    reckoned = first_encode_bytes(cfg, IMAGES_PER_PASS, processor) if measured and not warm else 0
     if reckoned:
         measured += reckoned
     else:
@@ -391,7 +392,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
              model.device_bytes / (1 << 20), time.perf_counter() - started)
     if device == "cuda":
         log.info("vision worker footprint: %s%s", footprint.describe(model.device_bytes),
-                 f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch reckoned (no warm-up)"
+                 f"; reported {measured / (1 << 20):.1f} MiB with one encode's scratch and loads reckoned (no warm-up)"
                  if measured and not warm else "")
     log.info("vision worker kernels: %d loaded from the disk cache, %d compiled%s", *disk_cache_counts(),
              step_watch.compiled_names())

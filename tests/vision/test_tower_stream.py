@@ -188,12 +188,13 @@ def test_the_brokers_reserve_for_a_streamed_qwen3vl_tower_counts_three_blocks(mo
 
 def test_the_zygotes_reckoning_of_the_device_bytes_is_what_the_model_holds(llava, monkeypatch):
     """The broker's first reserve for LLaVA on cuda (broker/vision_placement.py) comes from
-    vision_worker.cuda_device_bytes: the weights the model uploads, streamed or not, plus the scratch."""
+    vision_worker.cuda_device_bytes: the weights the model uploads, streamed or not, plus the first encode's
+    scratch and loads."""
     from moebus.workers.vision_worker import IMAGES_PER_PASS, cuda_device_bytes
-    from moebus.workers.vision_model import encode_scratch_bytes
+    from moebus.workers.vision_model import first_encode_bytes
 
     cfg, weights, _ = llava
-    scratch = encode_scratch_bytes(cfg, IMAGES_PER_PASS)
+    scratch = first_encode_bytes(cfg, IMAGES_PER_PASS)
     monkeypatch.setenv("MOEBUS_VISION_STREAM_LAYERS", "0")
     resident = VisionModel(cfg, weights, make_backend("cuda"))
     assert cuda_device_bytes(cfg, weights, streamed=False) - scratch == resident.device_bytes
