@@ -53,12 +53,15 @@ def default_vram_mib(device: str, num_gpus: int, vision_gpu: int, charge_bytes: 
     return [need if g == vision_gpu else 0 for g in range(num_gpus)]
 
 
-MEASURED_MARGIN_MIB = 64  # above a start's measured footprint: what the next start may take more
+# above a start's measured footprint: what the next start may take more. 16 since the thirty-second session, where
+# the H100's two lazy starts' footprints after their first encode agreed within 2 MiB (601.6, 603.6; 244.0 MiB each
+# since the start): the 5% share (~30 MiB there) is then the larger; 64 before.
+MEASURED_MARGIN_MIB = 16
 MEASURED_MARGIN_SHARE = 0.05  # (the driver's rounding, a larger image's scratch), the larger of the two
 
 
 def margin_mib_from_env(environ=os.environ) -> float:
-    """``MOEBUS_VISION_RESERVE_MARGIN_MIB`` (default 64): the least MiB a reserve adds to a measured footprint
+    """``MOEBUS_VISION_RESERVE_MARGIN_MIB`` (default 16): the least MiB a reserve adds to a measured footprint
     (5% of it where that is more). Every MiB of it is a MiB of experts the vision GPU's cache hands back
     through each image (replayed on the cpu, the slots the image takes explain its share of the text streams'
     largest gap: docs/performance.md, thirty-first session); what the next start may take beyond the last

@@ -124,7 +124,7 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # the same as a share of each GPU's total
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
-    segment_mib: int = Field(2, ge=0)  # 0: two expert slots a segment, in whole 2 MiB granules (workers/experts.py)
+    segment_mib: int = Field(0, ge=0)  # 0: two expert slots a segment, in whole 2 MiB granules (cuda/memory/arena.py)
     vision: VisionSettings = Field(default_factory=VisionSettings)
     experts: ExpertsSettings = Field(default_factory=ExpertsSettings)
     attention: AttentionSettings = Field(default_factory=AttentionSettings)

@@ -81,11 +81,11 @@ class Lifecycle(PlacementMixin):
 
 def test_a_measured_start_sizes_the_next_hand_back_on_its_gpu():
     assert measured_reserve_mib(1433 * MIB) == 1505  # 5% above
-    assert measured_reserve_mib(500 * MIB) == 564  # at least 64 MiB above
+    assert measured_reserve_mib(200 * MIB) == 216  # at least 16 MiB above (MEASURED_MARGIN_MIB)
     life = Lifecycle(num_gpus=2)
     assert life.reserves(0) == [1700.0, 600.0]  # nothing measured yet: the default
     life.measured_bytes[0] = 1100 * MIB
-    assert life.reserves(0) == [1164.0, 600.0] and life._need_mib(0) == 1164.0
+    assert life.reserves(0) == [1155.0, 600.0] and life._need_mib(0) == 1155.0
     assert life.reserves(1) == [600.0, 1700.0]  # measured on gpu0 only
     assert Lifecycle(vram_mib=[2000]).reserves(0) == [2000.0]  # the operator's setting wins
     cpu = Lifecycle(device="cpu")
@@ -97,16 +97,17 @@ def test_before_a_llava_start_is_measured_the_zygotes_reckoning_sizes_the_reserv
     monkeypatch.delenv("MOEBUS_CUDA_STACK_BYTES", raising=False)
     life = Lifecycle(num_gpus=2)
     life.zygote_info = {"charge_bytes": 1728 * MIB, "cuda_bytes": 938 * MIB}  # so400m bf16 + an encode's scratch
-    # a context at the worker's 64 B stack limit (284 MiB; the H200 measured 277.6) + 938 + 64: not the 1,700
-    assert life.reserves(0) == [1286.0, 600.0]
-    life.zygote_info["cuda_bytes"] = 196 * MIB  # its encoder layers streamed (two on the device)
-    assert life.reserves(0) == [544.0, 600.0]  # the H200's measured start then reserved 552 (the first said 780)
+    # a context at the worker's 64 B stack limit (284 MiB; the H200 measured 277.6) + 938 + 5%: not the 1,700
+    assert life.reserves(0) == [1284.0, 600.0]
+    # its encoder layers streamed (two on the device), the first encode's 128 MiB of arrays and 116 of loads
+    life.zygote_info["cuda_bytes"] = 312 * MIB
+    assert life.reserves(0) == [626.0, 600.0]  # the H100's starts measured 602-604 after their first encode: 632
     monkeypatch.setenv("MOEBUS_CUDA_STACK_BYTES", "1024")  # the driver's limit: a 512 MiB context, as the seed's
-    assert life.reserves(0) == [772.0, 600.0]
+    assert life.reserves(0) == [866.0, 600.0]
     monkeypatch.setenv("MOEBUS_CUDA_STACK_BYTES", "64k")  # refused at the worker's start; here the driver's
-    assert life.reserves(0) == [772.0, 600.0]
+    assert life.reserves(0) == [866.0, 600.0]
     life.measured_bytes[0] = 800 * MIB  # a measured start wins
-    assert life.reserves(0) == [864.0, 600.0]
+    assert life.reserves(0) == [840.0, 600.0]
     life.processor = object()  # Qwen3-VL's reserve comes from its tower (vision_qwen3vl.cuda_vision_mib)
     life.measured_bytes.clear()
     life.config = None
@@ -116,8 +117,10 @@ def test_before_a_llava_start_is_measured_the_zygotes_reckoning_sizes_the_reserv
 
 def test_a_first_encodes_measure_replaces_the_starts_reckoned_scratch():
     """A lazy start reckons its first encode's scratch in VISION_READY (the H200: 358 MiB measured + 128
-    reckoned = 486); that encode's reply says what the worker then holds, and the next hand-back frees that."""
+    reckoned = 486); that encode's reply says what the worker then holds, and the next hand-back frees that
+    (with the margin before the thirty-second session's default: 64 MiB or 5%)."""
     life = Lifecycle(num_gpus=2)
+    life.margin_mib = 64.0
     life.record_measured(0, 486 * MIB, "start")
     assert life.reserves(0)[0] == 550.0
     life.record_measured(0, 0, "start and first encode")  # not measured (cpu, no NVML, a later encode)
@@ -129,7 +132,7 @@ def test_a_first_encodes_measure_replaces_the_starts_reckoned_scratch():
 
 
 def test_the_margin_above_a_measured_footprint_is_a_setting():
-    assert margin_mib_from_env({}) == 64 == MEASURED_MARGIN_MIB
+    assert margin_mib_from_env({}) == 16 == MEASURED_MARGIN_MIB
     assert margin_mib_from_env({"MOEBUS_VISION_RESERVE_MARGIN_MIB": "16"}) == 16.0
     assert measured_reserve_mib(486 * MIB, 16) == 511  # 5% of 486 (24.3) is the larger
     assert measured_reserve_mib(200 * MIB, 16) == 216 and measured_reserve_mib(200 * MIB, 0) == 210

@@ -60,6 +60,6 @@ def test_the_bench_compares_within_two_slots_where_segments_follow_the_slot(monk
     demo = {"slots": [64, 0], "cache_mib": [12.0, 0.0]}  # 192 KiB slots: a 2 MiB granule holds 11 (rounded up)
     assert slots_per_segment(demo, 0) == [11, 1] == slots_per_segment(demo, 2)
     monkeypatch.delenv("MOEBUS_SEGMENT_MIB", raising=False)
-    assert effective_segment_mib(None) == 2 and effective_segment_mib(0) == 0 and effective_segment_mib(18) == 18
+    assert effective_segment_mib(None) == 0 == effective_segment_mib(0) and effective_segment_mib(18) == 18
     monkeypatch.setenv("MOEBUS_SEGMENT_MIB", "18")  # the environment wins over the bench's config file
     assert effective_segment_mib(None) == 18 == effective_segment_mib(2)

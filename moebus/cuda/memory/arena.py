@@ -19,8 +19,9 @@ GRANULARITY = 2 * MIB  # CUDA's physical allocation granularity; the cpu arena k
 # settings segment_mib 0: a segment holds this many slots (in whole 2 MiB granules). A shrink unmaps and releases
 # one physical allocation a segment, and their cost grows with their count, not their bytes: on the H200 a 64 MiB
 # hand-back request of 2 MiB segments unmapped 30-32 of them in 1.3-2.7 ms and released them in 0.6 (thirtieth
-# session), where one 16 MiB run of the twenty-fifth took 1.3-1.7 ms a request against 2.3-3.5. Not the default
-# until a GPU call has timed it (tools/device/gap31.sh's seg18: two 9 MiB A3B slots).
+# session), where one 16 MiB run of the twenty-fifth took 1.3-1.7 ms a request against 2.3-3.5. The default since
+# the thirty-second session: two 9 MiB A3B slots a segment made each 64 MiB request of the cold image's hand-back
+# 3.5-3.8 ms on the H100 (unmap 0.3-0.5, release 0.2), 2 MiB segments 4.9-6.7 (unmap 1.7-2.9, release 0.5-0.8).
 SEGMENT_SLOTS = 2
 
 
