@@ -7,7 +7,7 @@ context_limits.context_mib bounds (2,048 x 160). Replaces ctx26.py (the twenty-s
 call kept; gap25.sh's CTX=1 runs this now).   python3 tools/device/ctx31.py"""
 import ctypes
 
-from numba import cuda
+from moebus.cuda.kernels.compat import cuda  # (numba-cuda 0.68 under numpy 2.5 needs compat's np.row_stack first)
 
 MIB = 1 << 20
 LIMITS = {"stack": (0, 64), "printf fifo": (1, 0), "malloc heap": (2, 0), "sync depth": (3, 0),
