@@ -370,8 +370,7 @@ def main(argv=None) -> int:
               f"({split.get('handback_requests', '-')} hand-back requests)")
         if any(m is not None for m in split.get("measured_mib") or []):  # cuda: read after the image's reply
             print(f"  the vision worker's start and first encode took {split['measured_mib']} MiB (driver's count); "
-                  f"the next hand-back "
-                  f"frees {split.get('vram_mib')} MiB")
+                  f"the next hand-back frees {split.get('vram_mib')} MiB")
     split = cycle["split"]
     if cycle["text_gaps"]:
         _print_gaps(cycle["text_gaps"], split, args.text_streams)
