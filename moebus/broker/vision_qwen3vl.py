@@ -115,8 +115,10 @@ def step_qwen3vl(seqs, starts, lengths, first_layer: int = 0) -> dict:
 
 def cuda_vision_mib(cfg, processor) -> int:
     """What the vision GPU's cache hands back for a Qwen3-VL tower on cuda: the context, the tower's
-    bf16 weights and one encode's scratch for the reference image (workers/qwen3vl_vision.py)."""
+    bf16 weights, one encode's scratch for the reference image (workers/qwen3vl_vision.py) and what a
+    first encode loads beside it (vision_model.FIRST_ENCODE_LOADS_BYTES: cuBLAS's start, the modules)."""
     from moebus.workers.qwen3vl_vision import STREAM_SLOTS, encode_scratch_bytes, reference_patches
+    from moebus.workers.vision_model import FIRST_ENCODE_LOADS_BYTES
     from moebus.workers.qwen3vl_weights import weight_bytes
     from moebus.workers.tower_stream import stream_layers_from_env
 
@@ -126,5 +128,6 @@ def cuda_vision_mib(cfg, processor) -> int:
         slots = STREAM_SLOTS if stream_layers_from_env(tower=cfg.tower) else 0
     except ConfigError:
         slots = 0
-    need = weight_bytes(cfg, 2, slots) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
+    need = (weight_bytes(cfg, 2, slots) + encode_scratch_bytes(cfg, reference_patches(cfg, processor))
+            + FIRST_ENCODE_LOADS_BYTES)
     return vision_context_mib(cfg.tower) + -(-need // (1 << 20))
