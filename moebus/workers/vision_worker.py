@@ -26,6 +26,7 @@ from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import SIMULATOR, disk_cache_counts
 from moebus.cuda.memory import context_limits
+from moebus.cuda.memory.context_limits import vision_stack_bytes
 from moebus.workers import step_watch, tower_graph, tower_slices, tower_stream
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
@@ -162,15 +163,10 @@ class VisionWorker:
         default): the limit now, in the first encodes' lines (the start's footprint is measured before
         the first encode; a launch that needs more stack raises the limit, and that memory is the
         worker's too)."""
-        lowered = context_limits.stack_bytes_from_env(default=vision_stack_bytes(self.model.cfg)) is not None
+        lowered = context_limits.stack_bytes_from_env(default=vision_stack_bytes(self.model.cfg.tower)) is not None
         if level != logging.INFO or self.device != "cuda" or SIMULATOR or not lowered:
             return ""
         return f", CUDA stack limit {context_limits.stack_limit_bytes()} B a thread"
-
-
-def vision_stack_bytes(cfg) -> int | None:
-    """The vision worker's stack limit where MOEBUS_CUDA_STACK_BYTES is unset (context_limits.py)."""
-    return context_limits.vision_stack_bytes(cfg.tower)
 
 
 def tower_path(model) -> str | None:
@@ -346,7 +342,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
-    backend = make_backend(device, vision_stack_bytes(cfg))
+    backend = make_backend(device, vision_stack_bytes(cfg.tower))
     footprint.context_made(_driver_free(device))
     built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend, beside=UPLOAD_BESIDE)  # (beside: the copy runs on)

@@ -7,7 +7,8 @@ import pytest
 from moebus.common.errors import ConfigError
 from moebus.cuda.kernels.compat import SIMULATOR, cuda
 from moebus.cuda.memory.context_limits import (VISION_STACK_BYTES, context_mib, lower_stack_limit,
-                                               stack_bytes_from_env, stack_limit_bytes, vision_context_mib)
+                                               stack_bytes_from_env, stack_limit_bytes, vision_context_mib,
+                                               vision_stack_bytes)
 
 
 def test_the_stack_limit_is_the_drivers_unless_asked():
@@ -19,13 +20,9 @@ def test_the_stack_limit_is_the_drivers_unless_asked():
 def test_a_llava_vision_worker_lowers_it_unless_told_otherwise():
     """Unset, a LLaVA vision worker's context takes 64 B a thread (measured on the H200: 248 MiB less
     footprint, the limit still 64 B after its encodes); Qwen3-VL's and the text workers' the driver's."""
-    from types import SimpleNamespace
-
-    from moebus.workers.vision_worker import vision_stack_bytes
-
-    assert vision_stack_bytes(SimpleNamespace(tower="siglip")) == 64 == VISION_STACK_BYTES
-    assert vision_stack_bytes(SimpleNamespace(tower="clip")) == 64
-    assert vision_stack_bytes(SimpleNamespace(tower="qwen3_vl")) is None
+    assert vision_stack_bytes("siglip") == 64 == VISION_STACK_BYTES
+    assert vision_stack_bytes("clip") == 64
+    assert vision_stack_bytes("qwen3_vl") is None
     assert stack_bytes_from_env({}, default=64) == 64
     assert stack_bytes_from_env({"MOEBUS_CUDA_STACK_BYTES": "1024"}, default=64) == 1024  # the setting wins
 
