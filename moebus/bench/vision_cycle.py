@@ -77,7 +77,7 @@ def slots_per_segment(row: dict, segment_mib: float) -> list[int]:
             counts.append(1)
             continue
         # (the cache's MiB is what is mapped, a little over its slots: a slot's MiB to two places absorbs that)
-        segment = segment_mib or segment_bytes_for(0, int(round(mib / slots, 2) * MIB)) / MIB
+        segment = segment_bytes_for(int(segment_mib * MIB), int(round(mib / slots, 2) * MIB)) / MIB
         counts.append(max(1, math.ceil(segment * slots / mib)))
     return counts
 
