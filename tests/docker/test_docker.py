@@ -122,9 +122,9 @@ def test_image_install_steps_then_the_container_command_answers_a_chat(tmp_path)
     key_file = tmp_path / "api_key.txt"
     key_file.write_text("sk-from-a-secret-file\n")
     port, frontend = free_port(), free_port()
-    # on cpu the emulated GPUs of `make serve` (56 MiB) take the default context and segments, not
-    # the 4096 tokens and 64 MiB segments that the image's config sets for a real GPU
-    env.update(MOEBUS_DEVICE="cpu", MOEBUS_MAX_CONTEXT="2048", MOEBUS_SEGMENT_MIB="2",
+    # on cpu the emulated GPUs of `make serve` (56 MiB) take the default context, not the 4096 tokens
+    # that the image's config sets for a real GPU
+    env.update(MOEBUS_DEVICE="cpu", MOEBUS_MAX_CONTEXT="2048",
                MOEBUS_API__HOST="127.0.0.1", MOEBUS_API__PORT=str(port),
                MOEBUS_BROKER__FRONTEND=f"tcp://127.0.0.1:{frontend}", MOEBUS_API_KEY_FILE=str(key_file))
     log = tmp_path / "container.log"
