@@ -63,9 +63,8 @@ def encode_scratch_bytes(cfg: VisionConfig, num_images: int, processor=None) -> 
 # start's first encode took 244.0 MiB more than the start, twice to the 0.1 MiB, of which encode_scratch_bytes
 # reckoned 128.4 for so400m: 115.6 the rest; the H200 (thirty-third) measured the same 244.0, of it cuBLAS's start
 # 98.0 (70.0 at MOEBUS_CUBLAS_WORKSPACE_MB=4), the preload's kernels 0.0. Until a first encode was measured on a
-# GPU the reckonings count it
-# (before, the first image's hand-back was ~50 MiB short of what the worker then held, over a gpu_memory_mib
-# budget unnoticed).
+# GPU the reckonings count it (before, the first image's hand-back was ~50 MiB short of what the worker then held,
+# over a gpu_memory_mib budget unnoticed).
 FIRST_ENCODE_LOADS_BYTES = 116 * (1 << 20)
 
 

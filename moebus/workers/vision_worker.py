@@ -26,7 +26,6 @@ from moebus.common.protocol import Encode, EncodeReply, VisionReady, WorkerError
 from moebus.cuda.backends import make_backend
 from moebus.cuda.kernels.compat import SIMULATOR, disk_cache_counts
 from moebus.cuda.memory import context_limits
-from moebus.cuda.memory.context_limits import vision_stack_bytes
 from moebus.workers import step_watch, tower_graph, tower_slices, tower_stream
 from moebus.workers.cache_sizing import emulated_gpu
 from moebus.workers.link import BrokerLink
@@ -62,9 +61,9 @@ POSITIONS = "embeddings.position_embedding.weight"
 def cuda_device_bytes(cfg, weights: dict, processor=None, streamed: bool | None = None) -> int:
     """What a LLaVA worker will hold on a cuda device beyond its context, before any start measured
     it: the weights in their stored dtype (the backend keeps them so) plus a first encode's scratch and
-    loads (first_encode_bytes); with
-    MOEBUS_VISION_STREAM_LAYERS (``streamed`` None: the setting) the encoder layers past the stream's
-    two slots stay in host memory (each slot's tensors 256-aligned: 4 KiB a slot counted for that).
+    loads (first_encode_bytes); with MOEBUS_VISION_STREAM_LAYERS (``streamed`` None: the setting) the
+    encoder layers past the stream's two slots stay in host memory (each slot's tensors 256-aligned:
+    4 KiB a slot counted for that).
     The zygote's hello carries it; the broker's first reserve for the tower on cuda comes from it."""
     from moebus.workers.vision_weights import LAYER
 
@@ -163,7 +162,8 @@ class VisionWorker:
         default): the limit now, in the first encodes' lines (the start's footprint is measured before
         the first encode; a launch that needs more stack raises the limit, and that memory is the
         worker's too)."""
-        lowered = context_limits.stack_bytes_from_env(default=vision_stack_bytes(self.model.cfg.tower)) is not None
+        default = context_limits.vision_stack_bytes(self.model.cfg.tower)
+        lowered = context_limits.stack_bytes_from_env(default=default) is not None
         if level != logging.INFO or self.device != "cuda" or SIMULATOR or not lowered:
             return ""
         return f", CUDA stack limit {context_limits.stack_limit_bytes()} B a thread"
@@ -342,7 +342,7 @@ def run_vision_worker(settings, cfg, weights: dict, processor, connect: str, dev
     read = time.perf_counter()
     _context(device)
     contexted = time.perf_counter()
-    backend = make_backend(device, vision_stack_bytes(cfg.tower))
+    backend = make_backend(device, context_limits.vision_stack_bytes(cfg.tower))
     footprint.context_made(_driver_free(device))
     built = time.perf_counter()
     model = make_vision_model(cfg, weights, backend, beside=UPLOAD_BESIDE)  # (beside: the copy runs on)
