@@ -13,6 +13,7 @@ import zmq
 
 from moebus.broker.broker import Broker
 from moebus.broker.children import Child, python_argv
+from moebus.broker.mps import vision_client_env
 from moebus.broker.worker_pool import WorkerPool
 from moebus.common.demo_model import demo_model_dir
 from moebus.common.errors import ConfigError
@@ -126,4 +127,6 @@ def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> 
     # the zygote makes no context; each forked worker sees only the GPU the broker placed it on
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, settings.gpus))} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
+    if settings.device == "cuda":
+        env.update(vision_client_env())  # under an MPS server: after the text workers' kernels, if asked
     return Child("vision zygote", argv, env, error_file=settings_file.parent / "vision-zygote.start-error")
