@@ -21,7 +21,7 @@ START_ERROR_ENV = "MOEBUS_START_ERROR_FILE"
 MAX_START_ERROR_BYTES = 8192
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -53,7 +53,7 @@ class Child:
             self.error_file.unlink(missing_ok=True)
             env[START_ERROR_ENV] = str(self.error_file)
         self.is_ready, self.start_error = False, None
-        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=die_with_parent)
         self.started_s = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 

@@ -13,7 +13,7 @@ import zmq
 
 from moebus.broker.broker import Broker
 from moebus.broker.children import Child, python_argv
-from moebus.broker.mps import vision_client_env
+from moebus.broker.mps import MpsDaemon, vision_client_env
 from moebus.broker.worker_pool import WorkerPool
 from moebus.common.demo_model import demo_model_dir
 from moebus.common.errors import ConfigError
@@ -59,26 +59,33 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     device = resolve_device(settings.device)
     config = load_config(model_dir)
     ranges = layer_ranges(settings, config.num_layers, device)
+    _check_mps(settings, device, spawn_workers)
     run_dir = Path(tempfile.mkdtemp(prefix="moebus-"))
     settings = settings.model_copy(update={"model": model_dir, "device": device, "broker": _own_keys(settings.broker),
                                            "emulated_vram_dir": settings.emulated_vram_dir or str(run_dir / "vram")})
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(settings.model_dump(mode="json"), indent=2))
     backend = settings.broker.backend.format(run_dir=run_dir)
-    remote = set(settings.broker.remote_gpus)  # these stages' workers join from elsewhere
-    children = [_worker_child(settings, settings_file, i, r, backend) if spawn_workers and i not in remote else None
-                for i, r in enumerate(ranges)]
-    extra = [Child("api", python_argv("api", "--config", str(settings_file)),
-                   error_file=run_dir / "api.start-error")] if serve_api else []
-    log.info("model %s on %s: %s", model_dir, device, ", ".join(f"gpu{i} layers {r.start}-{r.stop - 1}"
-                                                                   for i, r in enumerate(ranges)))
-    pool = WorkerPool(ranges, children, settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
-    vision = _vision_lifecycle(settings, settings_file, run_dir, len(ranges), backend)
+    mps = MpsDaemon(run_dir) if settings.mps else None  # (a missing daemon is refused before run_dir)
     try:
+        if mps is not None:
+            mps.start()
+        clients = mps.env if mps else {}
+        remote = set(settings.broker.remote_gpus)  # these stages' workers join from elsewhere
+        children = [_worker_child(settings, settings_file, i, r, backend, clients)
+                    if spawn_workers and i not in remote else None for i, r in enumerate(ranges)]
+        extra = [Child("api", python_argv("api", "--config", str(settings_file)),
+                       error_file=run_dir / "api.start-error")] if serve_api else []
+        log.info("model %s on %s: %s", model_dir, device, ", ".join(f"gpu{i} layers {r.start}-{r.stop - 1}"
+                                                                       for i, r in enumerate(ranges)))
+        pool = WorkerPool(ranges, children, settings.broker.heartbeat_s, settings.broker.heartbeat_liveness)
+        vision = _vision_lifecycle(settings, settings_file, run_dir, len(ranges), backend, clients)
         broker = Broker(settings, config, TextTokenizer(model_dir, config.eos_token_ids), pool,
                         model_name=Path(model_dir).name, backend_address=backend, children=extra, vision=vision)
         status = broker.run()
     finally:
+        if mps is not None:
+            mps.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
     if broker.fatal_error:  # the cli prints it last, as the reason of the exit
         raise ConfigError(broker.fatal_error)
@@ -95,16 +102,31 @@ def _own_keys(broker):
     return broker.model_copy(update={"curve_client_public_key": public, "curve_client_secret_key": secret})
 
 
-def _worker_child(settings, settings_file: Path, index: int, layers: range, backend: str) -> Child:
+def _check_mps(settings, device: str, spawn_workers: bool) -> None:
+    """``mps: true`` refused where it cannot apply, before anything is started."""
+    if not settings.mps:
+        return
+    if device != "cuda":
+        raise ConfigError(f"config key 'mps': true needs device cuda (NVIDIA's Multi-Process Service), not {device}")
+    if not spawn_workers:
+        raise ConfigError("config key 'mps': true starts an MPS daemon for the workers this broker starts; "
+                          "with --no-spawn start one for your workers yourself")
+    MpsDaemon.find_binary()
+
+
+def _worker_child(settings, settings_file: Path, index: int, layers: range, backend: str,
+                  clients: dict | None = None) -> Child:
     argv = python_argv("worker", "--gpu", str(index), "--layers", f"{layers.start}:{layers.stop}",
                        "--connect", backend, "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device)
     env = {"CUDA_VISIBLE_DEVICES": str(settings.gpus[index])} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, gpu_role(index)))  # a restart loads, not compiles
+    env.update(clients or {})  # the MPS daemon's pipes (mps: true)
     return Child(f"gpu{index} worker", argv, env, error_file=settings_file.parent / f"gpu{index}.start-error")
 
 
-def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: int, backend: str):
+def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: int, backend: str,
+                      clients: dict | None = None):
     """None for a model without a vision tower; else a factory of the broker's VisionLifecycle with
     the zygote as its child process (spawned at boot, it forks each vision worker)."""
     from moebus.broker.vision import VisionLifecycle
@@ -117,16 +139,16 @@ def _vision_lifecycle(settings, settings_file: Path, run_dir: Path, num_gpus: in
     if gpu != "auto" and gpu >= num_gpus:
         raise ConfigError(f"config key 'vision.gpu': {gpu} but there are {num_gpus} GPU(s)")
     control = str(run_dir / "vision-zygote.sock")
-    zygote = _zygote_child(settings, settings_file, backend, control)
+    zygote = _zygote_child(settings, settings_file, backend, control, clients)
     return lambda hooks, stats: VisionLifecycle(settings, vision_config, num_gpus, zygote, control, hooks, stats)
 
 
-def _zygote_child(settings, settings_file: Path, backend: str, control: str) -> Child:
+def _zygote_child(settings, settings_file: Path, backend: str, control: str, clients: dict | None = None) -> Child:
     argv = python_argv("vision-zygote", "--config", str(settings_file), "--model", settings.model,
                        "--device", settings.device, "--connect", backend, "--control", control)
     # the zygote makes no context; each forked worker sees only the GPU the broker placed it on
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, settings.gpus))} if settings.device == "cuda" else {}
     env.update(kernel_cache_env(settings.kernel_cache_dir, VISION_ROLE))  # its forked workers inherit it
-    if settings.device == "cuda":
-        env.update(vision_client_env())  # under an MPS server: after the text workers' kernels, if asked
+    if settings.device == "cuda":  # under an MPS server (ours or the host's): after the text workers' kernels
+        env.update(vision_client_env(settings.vision), **(clients or {}))
     return Child("vision zygote", argv, env, error_file=settings_file.parent / "vision-zygote.start-error")

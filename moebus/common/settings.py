@@ -39,6 +39,10 @@ class VisionSettings(_Section):
     allowed_url_prefixes: list[str] = Field(default_factory=list)  # http(s) URLs the api may fetch; none by default
     fetch_timeout_s: float = Field(10.0, gt=0)  # one connect or read of such a fetch
     fetch_deadline_s: float = Field(30.0, gt=0)  # the whole fetch, however the server trickles its bytes
+    # under an MPS server (mps: true, or one of your own): the vision worker's kernels after the text
+    # workers' (below_normal), or at their priority (normal); and its share of the SMs (None: all)
+    mps_priority: Literal["normal", "below_normal"] = "below_normal"
+    mps_sm_percent: int | None = Field(None, ge=1, le=100)
 
 
 class ExpertsSettings(_Section):
@@ -124,6 +128,9 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # the same as a share of each GPU's total
     vram_elastic: bool = True
     vram_reserve_mib: list[int] = Field(default_factory=list)
+    # cuda: run the workers as clients of a private MPS server (docs/vision.md): the vision worker's
+    # kernels share the SMs with the text's steps instead of taking the GPU in time slices
+    mps: bool = False
     segment_mib: int = Field(0, ge=0)  # 0: two expert slots a segment, in whole 2 MiB granules (cuda/memory/arena.py)
     vision: VisionSettings = Field(default_factory=VisionSettings)
     experts: ExpertsSettings = Field(default_factory=ExpertsSettings)

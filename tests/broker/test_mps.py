@@ -1,43 +1,50 @@
-"""The vision worker's MPS client variables: what the zygote's environment gets, and the refusals."""
-import re
-
+"""``mps``: the vision worker's MPS client variables, which processes get the daemon's pipes, and the
+starts refused where a private MPS daemon cannot apply (its own run is tests/cuda/test_mps_daemon.py)."""
 import pytest
 
 from moebus.broker import launch
 from moebus.broker.mps import vision_client_env
 from moebus.common.errors import ConfigError
-from moebus.common.settings import Settings
+from moebus.common.settings import Settings, VisionSettings, load_settings
+
+PIPES = {"CUDA_MPS_PIPE_DIRECTORY": "/run/x/mps-pipe", "CUDA_MPS_LOG_DIRECTORY": "/run/x/mps-log"}
 
 
-def test_nothing_is_asked_by_default():
-    assert vision_client_env({}) == {}
+def test_the_vision_worker_asks_to_come_after_the_text_by_default():
+    assert vision_client_env(VisionSettings()) == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
+    env = vision_client_env(VisionSettings(mps_priority="normal", mps_sm_percent=40))
+    assert env == {"CUDA_MPS_CLIENT_PRIORITY": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
 
 
-def test_the_priority_and_the_share_map_to_cudas_variables():
-    env = vision_client_env({"MOEBUS_VISION_MPS_PRIORITY": "1", "MOEBUS_VISION_MPS_THREAD_PERCENT": "40"})
-    assert env == {"CUDA_MPS_CLIENT_PRIORITY": "1", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+@pytest.mark.parametrize("key, value", [("MOEBUS_VISION__MPS_PRIORITY", "low"),
+                                        ("MOEBUS_VISION__MPS_SM_PERCENT", "0"),
+                                        ("MOEBUS_VISION__MPS_SM_PERCENT", "101")])
+def test_a_value_out_of_range_is_refused_by_its_key(monkeypatch, key, value):
+    monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="config key 'vision.mps_"):
+        load_settings()
 
 
-@pytest.mark.parametrize("name, value, words", [
-    ("MOEBUS_VISION_MPS_PRIORITY", "2", "0 (normal) or 1"),
-    ("MOEBUS_VISION_MPS_PRIORITY", "low", "0 (normal) or 1"),
-    ("MOEBUS_VISION_MPS_THREAD_PERCENT", "0", "a number from 1 to 100, whole"),
-    ("MOEBUS_VISION_MPS_THREAD_PERCENT", "101", "a number from 1 to 100, whole"),
-    ("MOEBUS_VISION_MPS_THREAD_PERCENT", "40.5", "a number from 1 to 100, whole"),
-    ("MOEBUS_VISION_MPS_THREAD_PERCENT", "nan", "a number from 1 to 100, whole"),
-])
-def test_a_value_out_of_range_is_refused_by_name(name, value, words):
-    with pytest.raises(ConfigError, match=re.escape(f"{name} must be {words}")):
-        vision_client_env({name: value})
-
-
-def test_only_the_zygote_of_a_cuda_service_gets_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEBUS_VISION_MPS_PRIORITY", "1")
+def test_the_workers_get_the_pipes_and_only_the_zygote_the_priority(tmp_path):
     settings_file = tmp_path / "settings.json"
-    cuda = Settings(kernel_cache_dir=str(tmp_path), model=str(tmp_path), device="cuda", gpus=[0])
-    zygote = launch._zygote_child(cuda, settings_file, "ipc://b", str(tmp_path / "control.sock"))
-    worker = launch._worker_child(cuda, settings_file, 0, range(0, 1), "ipc://b")
+    cuda = Settings(kernel_cache_dir=str(tmp_path), model=str(tmp_path), device="cuda", gpus=[0], mps=True)
+    zygote = launch._zygote_child(cuda, settings_file, "ipc://b", str(tmp_path / "control.sock"), PIPES)
+    worker = launch._worker_child(cuda, settings_file, 0, range(0, 1), "ipc://b", PIPES)
     assert zygote.env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     assert "CUDA_MPS_CLIENT_PRIORITY" not in worker.env  # the text workers keep the normal priority
+    assert all(zygote.env[k] == worker.env[k] == v for k, v in PIPES.items())
     cpu = Settings(kernel_cache_dir=str(tmp_path), model=str(tmp_path), device="cpu")
     assert "CUDA_MPS_CLIENT_PRIORITY" not in launch._zygote_child(cpu, settings_file, "ipc://b", "c").env
+
+
+def test_mps_is_refused_on_the_cpu_before_anything_starts():
+    with pytest.raises(ConfigError, match="'mps': true needs device cuda"):
+        launch.run_broker(Settings(device="cpu", mps=True))
+
+
+def test_mps_without_nvidias_control_program_says_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-cuda-mps-control on it
+    with pytest.raises(ConfigError, match="needs NVIDIA's nvidia-cuda-mps-control .* on PATH"):
+        launch._check_mps(Settings(mps=True), "cuda", spawn_workers=True)
+    with pytest.raises(ConfigError, match="--no-spawn"):
+        launch._check_mps(Settings(mps=True), "cuda", spawn_workers=False)
