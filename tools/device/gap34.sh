@@ -22,8 +22,10 @@ PHASE=warm BUDGET=${WARM_S:-118} bash tools/device/gap17.sh | tail -3
 echo "== warm done at ${SECONDS} s"
 VIS_RUNS=${DEF_RUNS:-"def:$L"} PHASE=measure BUDGET=${DEF_S:-50} bash tools/device/vis17.sh > $OUT/vis_def.txt 2>&1
 echo "== def done at ${SECONDS} s"
-P=MOEBUS_VISION_MPS_PRIORITY=1
-MPS_RUNS=${MPS_RUNS:-"mps:$L mpsp:$L,$P mpsp40:$L,$P,MOEBUS_VISION_MPS_THREAD_PERCENT=40 mpsp2:$L,$P"}
+# (run as MOEBUS_VISION_MPS_PRIORITY=1 and MOEBUS_VISION_MPS_THREAD_PERCENT=40, priority normal unless set; since
+# then settings: vision.mps_priority, below_normal by default on every cuda service, and vision.mps_sm_percent)
+N=MOEBUS_VISION__MPS_PRIORITY=normal
+MPS_RUNS=${MPS_RUNS:-"mps:$L,$N mpsp:$L mpsp40:$L,MOEBUS_VISION__MPS_SM_PERCENT=40 mpsp2:$L"}
 if [ -n "$MPS" ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
