@@ -8,7 +8,8 @@ the processes' kernels share the SMs, and a client may ask to be served after th
 (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). The driver reads both when the process makes its context, so
 they go into the vision zygote's environment, which each forked vision worker inherits; the text
 workers keep the normal priority and every SM. On an H100 (thirty-fourth session) the cold image's
-encode phase then gave the text streams a largest gap of 7.1-7.7 ms against 8.5-11.2 time-sliced.
+encode phase then gave the text streams a largest gap of 6.8-7.7 ms (nine runs) against 8.4-11.2
+time-sliced (four).
 
 ``mps: true`` starts ``nvidia-cuda-mps-control -f`` as a child of the broker (it dies with it) with its
 pipe and log directories in the run directory: only this service's processes reach it, other programs
