@@ -164,6 +164,7 @@ def test_settings_the_brokers_would_refuse_are_refused_before_any_broker(capsys)
         err = capsys.readouterr().err
         assert ended.value.code == 2 and ("vision.handback_step_mib" in err or "max_batch" in err), err
     args = SimpleNamespace(idle_s=1.0, emulated_vram_mib=None, segment_mib=None, max_context=None,
-                           gpu_memory_mib=None, handback_step_mib=64.0, max_batch=3)
+                           gpu_memory_mib=None, handback_step_mib=64.0, max_batch=3, mps=False)
     assert _settings(args, lazy=True) == {"vision": {"lazy": True, "idle_s": 1.0, "handback_step_mib": 64.0},
                                           "max_batch": 3}
+    assert _settings(SimpleNamespace(**{**vars(args), "mps": True}), lazy=True)["mps"] is True  # --mps
