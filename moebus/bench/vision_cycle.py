@@ -330,8 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-mib", type=float, nargs="*",
                    help="cuda: each GPU's VRAM budget (gpu_memory_mib), e.g. 8192 on an H200")
     p.add_argument("--max-context", type=int)
-    p.add_argument("--mps", action="store_true", help="cuda: the workers as clients of a private MPS server (mps: true; "
-                   "the vision worker's kernels after the text's)")
+    p.add_argument("--mps", action="store_true", help="cuda: the workers as clients of a private MPS server "
+                   "(mps: true; the vision worker's kernels after the text's)")
     p.add_argument("--handback-step-mib", type=float, help="vision.handback_step_mib (default: the setting's)")
     p.add_argument("--max-batch", type=int, help="max_batch (default: the setting's); the decode graphs captured at "
                    "a worker's start are one per batch size up to it (fewer: a shorter start on a cold kernel cache)")
