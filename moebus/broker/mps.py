@@ -86,8 +86,10 @@ class MpsDaemon:
             except subprocess.TimeoutExpired:
                 pass
             time.sleep(0.1)
+        status = self.proc.poll()
         self.stop()
-        raise ConfigError(f"config key 'mps': the MPS control daemon did not start within {timeout_s:.0f} s "
+        why = f"it exited with status {status}" if status is not None else f"no answer within {timeout_s:.0f} s"
+        raise ConfigError(f"config key 'mps': the MPS control daemon did not start: {why} "
                           f"({self._log_tail() or 'no output'})")
 
     def _log_tail(self) -> str:

@@ -48,3 +48,20 @@ def test_mps_without_nvidias_control_program_says_what_is_missing(tmp_path, monk
         launch._check_mps(Settings(mps=True), "cuda", spawn_workers=True)
     with pytest.raises(ConfigError, match="--no-spawn"):
         launch._check_mps(Settings(mps=True), "cuda", spawn_workers=False)
+
+
+def test_a_daemon_that_cannot_start_ends_the_start_with_its_own_words(tmp_path, monkeypatch):
+    # the real control program cannot be made to fail on demand: a program of that name that exits at once
+    # (as it does where no driver is loaded) stands in for its failure, and only for that
+    from moebus.broker.mps import MpsDaemon
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\necho 'cannot find a CUDA driver' >&2\nexit 1\n")
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    daemon = MpsDaemon(tmp_path / "run")
+    with pytest.raises(ConfigError, match="did not start: it exited with status 1 .*cannot find a CUDA driver"):
+        daemon.start()
+    assert daemon.proc is None  # nothing left running
