@@ -59,14 +59,14 @@ def run_broker(settings, serve_api: bool = False, spawn_workers: bool = True) ->
     device = resolve_device(settings.device)
     config = load_config(model_dir)
     ranges = layer_ranges(settings, config.num_layers, device)
-    _check_mps(settings, device, spawn_workers)
+    mps_control = _mps_control(settings, device, spawn_workers)
     run_dir = Path(tempfile.mkdtemp(prefix="moebus-"))
     settings = settings.model_copy(update={"model": model_dir, "device": device, "broker": _own_keys(settings.broker),
                                            "emulated_vram_dir": settings.emulated_vram_dir or str(run_dir / "vram")})
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(settings.model_dump(mode="json"), indent=2))
     backend = settings.broker.backend.format(run_dir=run_dir)
-    mps = MpsDaemon(run_dir) if settings.mps else None  # (a missing daemon is refused before run_dir)
+    mps = MpsDaemon(run_dir, mps_control) if mps_control else None
     try:
         if mps is not None:
             mps.start()
@@ -102,16 +102,17 @@ def _own_keys(broker):
     return broker.model_copy(update={"curve_client_public_key": public, "curve_client_secret_key": secret})
 
 
-def _check_mps(settings, device: str, spawn_workers: bool) -> None:
-    """``mps: true`` refused where it cannot apply, before anything is started."""
+def _mps_control(settings, device: str, spawn_workers: bool) -> str | None:
+    """The MPS control program's path where ``mps: true`` (None where not asked); refused where it
+    cannot apply, before anything is started."""
     if not settings.mps:
-        return
+        return None
     if device != "cuda":
         raise ConfigError(f"config key 'mps': true needs device cuda (NVIDIA's Multi-Process Service), not {device}")
     if not spawn_workers:
         raise ConfigError("config key 'mps': true starts an MPS daemon for the workers this broker starts; "
                           "with --no-spawn start one for your workers yourself")
-    MpsDaemon.find_binary()
+    return MpsDaemon.find_binary()
 
 
 def _worker_child(settings, settings_file: Path, index: int, layers: range, backend: str,

@@ -45,8 +45,9 @@ def vision_client_env(vision) -> dict[str, str]:
 class MpsDaemon:
     """One service's MPS control daemon. ``env``: what each worker's environment gets to be its client."""
 
-    def __init__(self, run_dir: Path):
-        self.binary = self.find_binary()
+    def __init__(self, run_dir: Path, binary: str):
+        """``binary``: the control program (find_binary's)."""
+        self.binary = binary
         self.pipe_dir, self.log_dir = run_dir / "mps-pipe", run_dir / "mps-log"
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
         self.proc: subprocess.Popen | None = None

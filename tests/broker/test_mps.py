@@ -45,9 +45,9 @@ def test_mps_is_refused_on_the_cpu_before_anything_starts():
 def test_mps_without_nvidias_control_program_says_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-cuda-mps-control on it
     with pytest.raises(ConfigError, match="needs NVIDIA's nvidia-cuda-mps-control .* on PATH"):
-        launch._check_mps(Settings(mps=True), "cuda", spawn_workers=True)
+        launch._mps_control(Settings(mps=True), "cuda", spawn_workers=True)
     with pytest.raises(ConfigError, match="--no-spawn"):
-        launch._check_mps(Settings(mps=True), "cuda", spawn_workers=False)
+        launch._mps_control(Settings(mps=True), "cuda", spawn_workers=False)
 
 
 def test_a_daemon_that_cannot_start_ends_the_start_with_its_own_words(tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_a_daemon_that_cannot_start_ends_the_start_with_its_own_words(tmp_path, 
     control.write_text("#!/bin/sh\necho 'cannot find a CUDA driver' >&2\nexit 1\n")
     control.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
-    daemon = MpsDaemon(tmp_path / "run")
+    daemon = MpsDaemon(tmp_path / "run", MpsDaemon.find_binary())
     with pytest.raises(ConfigError, match="did not start: it exited with status 1 .*cannot find a CUDA driver"):
         daemon.start()
     assert daemon.proc is None  # nothing left running

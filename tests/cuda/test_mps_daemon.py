@@ -25,7 +25,7 @@ def _client(env: dict) -> subprocess.CompletedProcess:
 
 
 def test_a_worker_given_the_pipes_is_a_client_of_the_private_server(tmp_path):
-    daemon = MpsDaemon(tmp_path)
+    daemon = MpsDaemon(tmp_path, MpsDaemon.find_binary())
     daemon.start()
     try:
         assert daemon._ask("get_server_list").stdout.strip() == ""  # no client yet: no server
