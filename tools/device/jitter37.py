@@ -30,6 +30,16 @@ def read_all(src, out):
 
 
 @cuda.jit
+def read_window(src, start, count, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    acc = 0
+    for j in range(start + i, start + count, stride):
+        acc += src[j]
+    out[i] = acc
+
+
+@cuda.jit
 def tiny(out):
     out[0] += 1
 
@@ -111,22 +121,26 @@ def api_loop(seconds: float, mib: float) -> None:
                                                            for a, b in zip(was, ctxt)))
 
 
-def mapped_loop(seconds: float, mib: float) -> None:
+def mapped_loop(seconds: float, mib: float, total_mib: float = 0.0) -> None:
     """Mapped reads of ``mib`` MiB (as decode reads its misses) for ``seconds``: the reads over twice the median
-    listed with their wall-clock time (to set beside another process's pinning windows)."""
+    listed with their wall-clock time (to set beside another process's pinning windows). ``total_mib``: the
+    mapped buffer's size (default ``mib``), each read a window of it after the last one's, as misses fall over
+    a host store of GiBs."""
     n = int(mib * 2**20) // 8
+    total = max(n, int(total_mib * 2**20) // 8)
     stream = cuda.stream()
-    mapped = cuda.mapped_array(n, np.int64)
+    mapped = cuda.mapped_array(total, np.int64)
     mapped[:] = 1
     blocks, threads = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1) * 8, 256
     out = cuda.device_array(blocks * threads, np.int64)
-    read_all[blocks, threads, stream](mapped, out)
+    read_window[blocks, threads, stream](mapped, 0, n, out)
     stream.synchronize()
-    ms, at, end = [], [], time.perf_counter() + seconds
+    ms, at, end, start = [], [], time.perf_counter() + seconds, 0
     while time.perf_counter() < end:
-        ms += timed_events(stream, 1, lambda: read_all[blocks, threads, stream](mapped, out))
+        ms += timed_events(stream, 1, lambda: read_window[blocks, threads, stream](mapped, start, n, out))
         at.append(time.time())
-    report(f"mapped read {mib:.0f} MiB over {seconds:.0f} s", ms)
+        start = start + n if start + 2 * n <= total else 0
+    report(f"mapped read {mib:.0f} MiB (of {total * 8 / 2**20:.0f}) over {seconds:.0f} s", ms)
     med = float(np.median(ms))
     print("reads over 2x the median (ms@wall clock):", " ".join(f"{m:.2f}@{t:.3f}" for m, t in zip(ms, at) if m > 2 * med)[:3000])
 
@@ -161,6 +175,7 @@ def main() -> None:
     ap.add_argument("--host-s", type=float, default=5.0)
     ap.add_argument("--api-s", type=float, default=0.0, help="only the host-side loop, this many seconds")
     ap.add_argument("--mapped-s", type=float, default=0.0, help="only mapped reads, this many seconds")
+    ap.add_argument("--total-mib", type=float, default=0.0, help="--mapped-s's buffer (default --mib)")
     ap.add_argument("--pin-mib", type=float, default=0.0, help="only pin this many MiB --pin-count times")
     ap.add_argument("--pin-count", type=int, default=5)
     ap.add_argument("--pin-every-s", type=float, default=2.0)
@@ -169,7 +184,7 @@ def main() -> None:
         pinner(args.pin_mib, args.pin_count, args.pin_every_s)
         return
     if args.mapped_s > 0:
-        mapped_loop(args.mapped_s, args.mib)
+        mapped_loop(args.mapped_s, args.mib, args.total_mib)
         return
     if args.api_s > 0:
         api_loop(args.api_s, args.mib)
