@@ -11,7 +11,6 @@ every open stream with an error event and the process ``STOP_GRACE_S`` later; a 
 dies is told so by the kernel (SIGTERM) and stops the same way."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,20 +19,13 @@ import threading
 
 from moebus.api.app import create_app
 from moebus.common.errors import ConfigError
+from moebus.common.parent_death import signal_on_parent_death
 
 log = logging.getLogger("moebus.api")
-PR_SET_PDEATHSIG = 1
 SPARE_THREADS = 16  # beyond the streams the broker can hold: /health, /metrics, refusals
 CHANNEL_TIMEOUT_S = 60  # a connection that sends nothing for this long is closed (slow or idle clients)
 STOP_GRACE_S = 1.5  # after SIGTERM: open streams end with an error event within a tick (0.5 s), then exit
 HARD_STOP_S = 5.0  # after the grace: a process that has still not exited (a thread that never returns) ends anyway
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def app_threads(settings) -> int:
@@ -126,7 +118,7 @@ def _prefork(settings, sock: socket.socket) -> int:
     for _ in range(settings.api.workers):
         pid = os.fork()
         if pid == 0:  # the child: no ZeroMQ socket exists yet (the app makes its client on first use)
-            _die_with_parent()
+            signal_on_parent_death(signal.SIGTERM)
             os._exit(_serve(settings, sock))
         pids.append(pid)
     sock.close()

@@ -6,7 +6,6 @@ A child that cannot start (a setting or a checkpoint it refuses) says why in the
 ``start_error`` and ends the whole start, instead of restarting a child that can never be ready."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -15,17 +14,15 @@ import sys
 import time
 from pathlib import Path
 
+from moebus.common.parent_death import signal_on_parent_death
+
 log = logging.getLogger("moebus.broker")
-PR_SET_PDEATHSIG = 1
 START_ERROR_ENV = "MOEBUS_START_ERROR_FILE"
 MAX_START_ERROR_BYTES = 8192
 
 
 def die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    signal_on_parent_death(signal.SIGTERM)
     os.setpgrp()  # a Ctrl-C in the terminal reaches the parent only; the parent stops the children
 
 

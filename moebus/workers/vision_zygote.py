@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from moebus.broker.children import PR_SET_PDEATHSIG
+from moebus.common.parent_death import signal_on_parent_death
 from moebus.common.errors import ConfigError
 from moebus.common.image_processor import load_image_processor
 from moebus.common.vision_config import load_vision_config
@@ -221,7 +221,7 @@ class Zygote(SpareMixin):
             for sig in (signal.SIGTERM, signal.SIGCHLD):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            _die_with_parent()
+            signal_on_parent_death(signal.SIGKILL)
             if self.device == "cuda":
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpus[gpu])
             go = None if go_fd is None else spare_go(go_fd)
@@ -293,15 +293,6 @@ def _drain(fd: int) -> None:
         while os.read(fd, 512):
             pass
     except BlockingIOError:
-        pass
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
         pass
 
 
