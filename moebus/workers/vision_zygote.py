@@ -26,9 +26,9 @@ import time
 import traceback
 from pathlib import Path
 
-from moebus.common.parent_death import signal_on_parent_death
 from moebus.common.errors import ConfigError
 from moebus.common.image_processor import load_image_processor
+from moebus.common.parent_death import signal_on_parent_death
 from moebus.common.vision_config import load_vision_config
 from moebus.workers import vision_worker
 from moebus.workers.vision_model import load_vision_weights

@@ -18,7 +18,8 @@ pid = os.fork()
 if pid == 0:
     if sys.argv[2] == "ask":
         assert signal_on_parent_death()
-    open(sys.argv[1], "w").write(str(os.getpid()))
+    open(sys.argv[1] + ".part", "w").write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".part", sys.argv[1])  # whole when it appears
     time.sleep(60)
     os._exit(0)
 time.sleep(60)
@@ -37,7 +38,7 @@ def _child_of_a_killed_parent(tmp_path, ask: str) -> int:
     pid_file = tmp_path / f"child-{ask}"
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file), ask])
     deadline = time.monotonic() + 30
-    while not (pid_file.exists() and pid_file.read_text()):
+    while not pid_file.exists():
         assert time.monotonic() < deadline, "the child never wrote its pid"
         time.sleep(0.02)
     child = int(pid_file.read_text())
