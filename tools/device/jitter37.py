@@ -8,7 +8,11 @@ at work. Are those outliers the link's, the GPU's or the host's? Each part alone
 - the host: a Python loop reading the clock, its largest step (descheduling).
 
 Each prints the median, p99, p99.9, the largest and how many exceed 3x and 5x the median.
-    python3 tools/device/jitter37.py [--mib 108] [--reps 2000]"""
+    python3 tools/device/jitter37.py [--mib 108] [--reps 2000]
+Other modes, one at a time: ``--api-s S`` a step's host side for S seconds beside a thread that wakes every 3 ms;
+``--mapped-s S [--total-mib M]`` mapped reads for S seconds (windows walking an M MiB buffer), the slow ones with
+their wall-clock time; ``--pin-mib M`` another process's pinning of M MiB, its windows' wall-clock times
+(tools/device/pin39.sh runs one beside the others)."""
 from __future__ import annotations
 
 import argparse
@@ -107,7 +111,8 @@ def api_loop(seconds: float, mib: float) -> None:
         walls.append((time.perf_counter() - t) * 1e3)
         if walls[-1] > SLOW_MS:
             slow.append((time.time(), walls[-1]))
-    print("iterations over %.0f ms (wall clock, ms): %s" % (SLOW_MS, " ".join(f"{w:.3f}@{t:.3f}" for t, w in slow[:60])))
+    listed = " ".join(f"{w:.3f}@{t:.3f}" for t, w in slow[:60])
+    print(f"iterations over {SLOW_MS:.0f} ms (ms@wall clock): {listed}")
     stop.set()
     thread.join()
     report(f"host side of a step ({mib:.0f} MiB copy beside a tiny kernel) over {seconds:.0f} s", walls)
@@ -142,7 +147,8 @@ def mapped_loop(seconds: float, mib: float, total_mib: float = 0.0) -> None:
         start = start + n if start + 2 * n <= total else 0
     report(f"mapped read {mib:.0f} MiB (of {total * 8 / 2**20:.0f}) over {seconds:.0f} s", ms)
     med = float(np.median(ms))
-    print("reads over 2x the median (ms@wall clock):", " ".join(f"{m:.2f}@{t:.3f}" for m, t in zip(ms, at) if m > 2 * med)[:3000])
+    listed = " ".join(f"{m:.2f}@{t:.3f}" for m, t in zip(ms, at) if m > 2 * med)
+    print("reads over 2x the median (ms@wall clock):", listed[:3000])
 
 
 SLOW_MS = 3.0  # an api_loop iteration over this is listed with its wall-clock time
@@ -205,6 +211,8 @@ def main() -> None:
     ms = timed_events(stream, args.reps // 2, lambda: dev.copy_to_device(pinned, stream=stream))
     report(f"copy H2D {args.mib:.0f} MiB ({args.mib * 2**20 / 1e6 / np.median(ms):.1f} GB/s at the median)", ms)
     one = cuda.device_array(1, np.int64)
+    tiny[1, 1, stream](one)  # compiled and loaded before the timed loop
+    stream.synchronize()
     walls = []
     for _ in range(args.reps * 2):
         t = time.perf_counter()
