@@ -57,6 +57,28 @@ def test_landing_ahead_makes_an_admission_visible_two_steps_later():
     assert ahead == {"hit_rate": 3 / 8, "h2d_experts_per_step": 6 / 8}  # 5 misses, 1 copy
 
 
+def test_the_routings_own_tail_is_the_largest_modelled_step_of_a_window_over_the_median():
+    per_step = np.zeros((20, 3), np.int64)  # hits, misses, experts over PCIe
+    per_step[:, 1] = 10
+    per_step[:, 2] = 10  # 10 misses a step, no admissions: 1 + 0.5 * 10 = 6 ms
+    per_step[12] = (0, 22, 24)  # 22 misses and 2 admissions: 1 + 11 + 2 = 14 ms
+    model = (1.0, 0.5, 1.0)
+    assert list(bench_cache.step_ms(per_step, model)[11:13]) == [6.0, 14.0]
+    whole = bench_cache.tail_ratios(per_step, model, window=8, warmup=2, shrink_at=None)
+    assert whole["step_ms_median"] == 6.0
+    # windows of 8 from step 2, 2 apart: those holding step 12 (starting at 2+6, 2+8) see 14 / 6, the others 1
+    assert whole["tail_max"] == 14 / 6 and whole["tail_min"] == 1.0
+    shrunk = bench_cache.tail_ratios(per_step, model, window=8, warmup=2, shrink_at=13)
+    assert shrunk == {"step_ms_median": 6.0, "tail_after_shrink": 1.0}  # the window from step 13 misses step 12
+    assert bench_cache.tail_ratios(per_step, model, 8, 2, shrink_at=10)["tail_after_shrink"] == 14 / 6
+
+    rng = np.random.default_rng(1)  # a smaller cache: more misses a step, their spread a smaller share
+    trace = rng.integers(0, 32, (200, 2, 2, 4)).astype(np.int32)
+    small, large = (bench_cache.replay(trace, 32, None, "freq", slots=n, landing="ahead", step_model=(1.0, 0.2, 0.2),
+                                       window=64) for n in (8, 56))
+    assert small["step_ms_median"] > large["step_ms_median"] and small["tail_max"] < large["tail_max"]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moebus.cli", "bench", "cache", *args], capture_output=True,
                           text=True, timeout=300)
@@ -73,6 +95,9 @@ def test_the_cli_replays_a_streams_trace_it_saved(tmp_path):
     assert "then 120 slots from step 15" in first.stdout and "freq:0.9" in first.stdout
     again = run_cli(*args)  # read back, not recorded again: the same figures
     assert again.returncode == 0 and again.stdout == first.stdout
+    tail = run_cli(*args, "--step-model", "1.39,0.165,0.22", "--window", "10")
+    assert tail.returncode == 0, tail.stderr
+    assert "    tail: freq:0.9 " in tail.stdout and "the largest of 10 steps over the median" in tail.stdout
 
 
 @pytest.mark.parametrize("args, said", [
@@ -88,6 +113,12 @@ def test_the_cli_replays_a_streams_trace_it_saved(tmp_path):
     (["--slots", "10", "--shrink-at", "5", "--shrink-to", "0"], "argument --shrink-to: expected a whole number >= 1"),
     (["--slots", "99999999999"], "--slots 99999999999: the trace has 12 layers x 128 experts"),
     (["--slots", "10", "--shrink-at", "10", "--shrink-to", "5"], "--shrink-at 10: the trace has 10 steps"),
+    (["--step-model", "1,2"], "argument --step-model: expected three ms"),
+    (["--step-model", "1,0,1"], "argument --step-model: expected three ms"),
+    (["--step-model", "1,0.2,-1"], "argument --step-model: expected three ms"),
+    (["--step-model", "a,b,c"], "argument --step-model: expected three ms"),
+    (["--step-model", "1,nan,1"], "argument --step-model: expected three ms"),
+    (["--window", "0"], "argument --window: expected a whole number >= 1, got '0'"),
 ])
 def test_bad_options_are_refused_by_name(args, said):
     out = run_cli("--trace", "synthetic", "--steps", "10", *args)

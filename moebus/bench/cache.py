@@ -22,7 +22,14 @@ the fewest misses any cache could have, knowing every later step (cache_bound.py
 makes it M slots from step S (an image's hand-back: the cache keeps its hottest, as a VRAM reserve
 does), and the figures after S are printed apart. ``--landing ahead`` lands admissions two steps
 later, as on a GPU where each step is launched while the one before runs (workers/overlap.py: the
-copies start after the step in flight); ``now`` (default) lands them at once, as on cpu."""
+copies start after the step in flight); ``now`` (default) lands them at once, as on cpu.
+
+``--step-model MS,MS,MS`` models each step's ms from its misses and admissions (a fixed part, each miss
+read in place, each admission copied in: fitted to the GPU worker's step lines, tools/device/resid41.py)
+and prints the routing's own tail, the largest step of ``--window`` steps (256: a cold image's start)
+over the median: what ``bench vision-cycle``'s gap ratio would be with no machine beside the routing
+(thirty-sixth session: 1.65-1.91 at 753 slots, 1.32-1.44 at 298: a step that reads more experts over
+PCIe varies less for its size)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +47,8 @@ from moebus.workers.expert_cache import ExpertCache
 
 # the bytes do not matter here: a page a slot keeps the arena small, and a shrink can give back any count
 BLOB_ELEMS = mmap.PAGESIZE // 2
+# --window: about the decode steps a cold image's start holds until encoded (bench vision-cycle's --control-tokens)
+WINDOW_STEPS = 256
 
 
 class TraceStore:
@@ -186,16 +195,28 @@ def policy_of(spec: str, num_keys: int):
 
 
 def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: str, slots: int | None = None,
-           shrink_at: int | None = None, shrink_to: int | None = None, landing: str = "now") -> dict:
+           shrink_at: int | None = None, shrink_to: int | None = None, landing: str = "now",
+           step_model: tuple[float, float, float] | None = None, window: int = WINDOW_STEPS) -> dict:
     """Replay ``trace`` through a cache of ``slots`` (or ``fraction`` of the experts); hit rate and experts
     over PCIe a step after the first 10% of the steps (before ``shrink_at`` where one is given), and with
-    a shrink the same from it on, the slowest 10% of those steps' experts (``after_p90``) too."""
+    a shrink the same from it on, the slowest 10% of those steps' experts (``after_p90``) too. With a
+    ``step_model`` the routing's own tail as well (``tail_ratios``)."""
+    per_step = replay_steps(trace, num_experts, fraction, policy, slots, shrink_at, shrink_to, landing)
+    out = _summary(per_step, len(trace) // 10, shrink_at)
+    if step_model is not None:
+        out.update(tail_ratios(per_step, step_model, window, len(trace) // 10, shrink_at))
+    return out
+
+
+def replay_steps(trace: np.ndarray, num_experts: int, fraction: float | None, policy: str, slots: int | None = None,
+                 shrink_at: int | None = None, shrink_to: int | None = None, landing: str = "now") -> np.ndarray:
+    """(steps, 3): each step's hits, misses and experts over PCIe (misses read in place plus admissions)."""
     layers = trace.shape[1]
     store = TraceStore(layers, num_experts)
     slots = slots or max(trace.shape[3], int(layers * num_experts * fraction))
     if policy == "min":  # the offline bound: its misses are all it moves (cache_bound.py)
         counts = min_misses(trace, num_experts, slots, shrink_at, shrink_to)
-        return _summary(np.column_stack([counts, counts[:, 1]]), len(trace) // 10, shrink_at)
+        return np.column_stack([counts, counts[:, 1]])
     # one segment a slot (a page each, so a shrink can give any count back)
     arena = HostArena(store.blob_bytes, store.dtype, [store.blob_bytes] * slots)
     arena.grow()
@@ -204,7 +225,6 @@ def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: 
     cache = ExpertCache(store, arena, copier=copier, policy=chosen_policy,
                         max_admissions=slots if uncapped else None)
     cache.preload()
-    warmup = len(trace) // 10
     per_step = np.zeros((len(trace), 3), np.int64)  # hits, misses, experts over PCIe
     launched = None  # landing ahead: the table the next step was launched with (before this step's observe)
     for step, chosen in enumerate(trace):
@@ -219,7 +239,32 @@ def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: 
         before = cache.hits, cache.misses, cache.h2d_bytes // store.blob_bytes
         cache.observe(chosen, read=read)
         per_step[step] = np.subtract((cache.hits, cache.misses, cache.h2d_bytes // store.blob_bytes), before)
-    return _summary(per_step, warmup, shrink_at)
+    return per_step
+
+
+def step_ms(per_step: np.ndarray, model: tuple[float, float, float]) -> np.ndarray:
+    """Each step's modelled ms: a fixed part, plus each miss read in place, plus each admission copied in."""
+    fixed, per_miss, per_admission = model
+    return fixed + per_miss * per_step[:, 1] + per_admission * (per_step[:, 2] - per_step[:, 1])
+
+
+def tail_ratios(per_step: np.ndarray, model: tuple[float, float, float], window: int, warmup: int,
+                shrink_at: int | None) -> dict:
+    """The routing's own tail, as ``bench vision-cycle`` measures a cold image's gaps: the largest modelled
+    step of a ``window`` of steps over the median of every step after the warm-up. Without a shrink, over
+    windows a quarter-window apart (``tail_min`` / ``tail_median`` / ``tail_max``); with one, the window from
+    ``shrink_at`` on (``tail_after_shrink``: the steps an image's cold start holds, at the smaller cache)."""
+    ms = step_ms(per_step, model)[warmup:]
+    median = float(np.median(ms))
+    out = {"step_ms_median": median}
+    if shrink_at is not None:
+        start = max(shrink_at - warmup, 0)
+        out["tail_after_shrink"] = float(ms[start:start + window].max()) / median
+        return out
+    starts = range(0, max(len(ms) - window, 0) + 1, max(window // 4, 1))
+    ratios = [float(ms[i:i + window].max()) / median for i in starts]
+    out.update(tail_min=min(ratios), tail_median=float(np.median(ratios)), tail_max=max(ratios))
+    return out
 
 
 def _summary(per_step: np.ndarray, warmup: int, shrink_at: int | None) -> dict:
@@ -260,6 +305,12 @@ def main(argv=None) -> int:
                    help="admissions land at once (cpu) or two steps later (a GPU launching each step ahead)")
     p.add_argument("--policies", default="freq,lru,lru-all",
                    help="freq, freq:DECAY, lru, lru-all, min (the offline bound; comma list)")
+    p.add_argument("--step-model", type=_step_model, metavar="MS,MS,MS",
+                   help="each step's ms as a fixed part, per miss read in place, per admission copied in (the "
+                        "H100's 8 x 128 A3B: 1.39,0.165,0.22): print the routing's own tail, the largest step of a "
+                        "--window over the median, as bench vision-cycle's gap ratios")
+    p.add_argument("--window", type=_count(1), default=WINDOW_STEPS,
+                   help=f"steps a window for --step-model (default {WINDOW_STEPS}: a cold image's start)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if (args.shrink_at is None) != (args.shrink_to is None):
@@ -271,6 +322,7 @@ def main(argv=None) -> int:
         if name not in ("freq", "lru", "lru-all", "min") or (decay and (name != "freq" or not _decay_ok(decay))):
             p.error(f"--policies: {pol!r} is not freq, freq:DECAY (0 < DECAY <= 1), lru, lru-all or min")
     shrink = {"shrink_at": args.shrink_at, "shrink_to": args.shrink_to, "landing": args.landing}
+    tail = {"step_model": args.step_model, "window": args.window}
     for kind in args.trace.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             trace, experts = _trace(kind, args, batch)
@@ -287,17 +339,25 @@ def main(argv=None) -> int:
                   + ("" if args.shrink_at is None else f"   (then {args.shrink_to} slots from step {args.shrink_at}: "
                                                         f"hit rate, experts a step, the slowest 10%'s)"))
             for fraction in sizes:
-                rows = {pol: replay(trace, experts, fraction, pol, slots=args.slots, **shrink) for pol in policies}
+                rows = {pol: replay(trace, experts, fraction, pol, slots=args.slots, **shrink, **tail)
+                        for pol in policies}
                 line = f"{args.slots or fraction:>8}  " + "  ".join(
                     f"{r['hit_rate']:>7.3f} ({r['h2d_experts_per_step']:>5.1f}/st)" for r in rows.values())
                 if args.shrink_at is not None:
                     line += "   then " + "  ".join(f"{r['after_hit_rate']:.3f} ({r['after_h2d_experts_per_step']:.1f}/st, "
                                                    f"p90 {r['after_p90']:.0f})" for r in rows.values())
                 print(line)
+                if args.step_model:
+                    print(_tail_line(rows, args))
                 if args.json:
                     for pol, r in rows.items():
                         print(json.dumps({"trace": kind, "batch": batch, "fraction": fraction, "slots": args.slots,
                                           "policy": pol, **shrink, **r}))
+    if args.step_model:
+        print("(the routing's own tail: each step's ms modelled from its misses and admissions, the largest of "
+              f"{args.window} steps over the median of every step after the first 10%"
+              + ("; windows a quarter apart: median (min-max))" if args.shrink_at is None else
+                 f", the window from step {args.shrink_at}: the smaller cache's steps)"))
     print("(hit rate over the steps after the first 10%; in brackets: experts over PCIe per step, misses read in "
           "place plus admissions)")
     return 0
@@ -314,6 +374,27 @@ def _count(least: int):
             raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
         return value
     return parse
+
+
+def _tail_line(rows: dict, args) -> str:
+    if args.shrink_at is not None:
+        figures = (f"{pol} {r['tail_after_shrink']:.2f}" for pol, r in rows.items())
+    else:
+        figures = (f"{pol} {r['tail_median']:.2f} ({r['tail_min']:.2f}-{r['tail_max']:.2f})" for pol, r in rows.items())
+    return "    tail: " + "  ".join(figures) + "   (step ms median: " + "  ".join(
+        f"{r['step_ms_median']:.2f}" for r in rows.values()) + ")"
+
+
+def _step_model(text: str) -> tuple[float, float, float]:
+    """An argparse type: three ms, none negative, the per-miss one above 0."""
+    try:
+        model = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        model = ()
+    if len(model) != 3 or min(model) < 0 or model[1] <= 0 or not all(np.isfinite(model)):
+        raise argparse.ArgumentTypeError(f"expected three ms, a fixed part, per miss and per admission "
+                                         f"(e.g. 1.39,0.165,0.22), got {text!r}")
+    return model
 
 
 def _decay_ok(text: str) -> bool:
