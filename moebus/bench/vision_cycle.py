@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,8 @@ from moebus.cuda.memory.arena import segment_bytes_for
 
 
 MIB = 1 << 20
+WATCH_S = 0.05  # row (c)'s watch: the broker's INFO while the cold image runs (no worker is asked; the row holds
+# from the vision worker's start until it stops, idle_s after its encode at the earliest)
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -66,6 +69,48 @@ def _row(client) -> dict:
     gpus = client.info().get("gpus") or []
     return {"slots": list(reply["expert_slots"]), "cache_mib": list(reply["expert_cache_mib"]),
             "free_mib": list(reply["free_mib"]), "device_free_mib": [g.get("device_free_mib") for g in gpus]}
+
+
+def row_of_info(info: dict) -> dict | None:
+    """A row from the broker's INFO alone: each worker's last VRAM reply (slots, cache MiB, free MiB in its
+    budget) and its last INFO's driver figure; None where a worker has answered no VRAM request yet."""
+    gpus = info.get("gpus") or []
+    if not gpus or any("expert_slots" not in g for g in gpus):
+        return None
+    return {"slots": [int(g["expert_slots"]) for g in gpus],
+            "cache_mib": [float(g["expert_cache_mib"]) for g in gpus],
+            "free_mib": [float(g["free_mib"]) for g in gpus],
+            "device_free_mib": [g.get("device_free_mib") for g in gpus]}
+
+
+class VisionStartWatch:
+    """Row (c) as the caches stand when the cold image's vision worker is ready (its hand-back done), read
+    from the broker's INFO every WATCH_S while the request runs, so no worker is asked while the text
+    streams' gaps are measured. Where the image's prefill outlasts ``idle_s`` the vision worker stops and
+    the caches regrow before the request answers (thirty-sixth session: at a 4096 MiB budget, a 1.4 s
+    prefill against ``--idle-s 1``), and a row read after the answer is partly (d)'s."""
+
+    def __init__(self, client):
+        self.client = client
+        self.row: dict | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="vision-start-watch", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            info = self.client.info()
+            if info.get("vision_loaded"):
+                self.row = row_of_info(info)
+                return
+            self._done.wait(WATCH_S)
 
 
 def slots_per_segment(row: dict, segment_mib: float) -> list[int]:
@@ -205,10 +250,15 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
         streams, steady, steps, cache, control = _steady_streams(client, args)
     before_image = _row(client)  # what the worker took beside its cache since (b) is not free for the hand-back
     sent = time.monotonic()
-    first_s = _chat(client, image, started=sent)
+    with VisionStartWatch(client) as watch:
+        first_s = _chat(client, image, started=sent)
     ended = streams.stop() if streams else None
-    during = _row(client)  # before idle_s can pass
     vision = client.info()["vision"]
+    if vision["state"] == "ready" or watch.row is None:
+        during = _row(client)  # the vision worker still loaded: the workers' own figures, after its first encode
+    else:  # it stopped before the answer (the image's prefill outlasted idle_s): the caches as its start left them
+        during = dict(watch.row, read_at="at the vision worker's start, from the broker's INFO: it had stopped "
+                                         "before the image's answer (the prefill outlasted idle_s)")
     split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
                  measured_mib=vision.get("measured_mib"))
     gaps = gap_report(streams, steady, sent, split, ended, steps, cache, control) if streams else {}
@@ -280,6 +330,8 @@ def _print_rows(rows: list[tuple[str, dict | None]]) -> None:
         per_gpu = "  ".join(f"{s}/{m:g}/{f:g}/{'-' if d is None else f'{d:g}'}" for s, m, f, d in
                             zip(row["slots"], row["cache_mib"], row["free_mib"], row["device_free_mib"]))
         print(f"{name:<36} {sum(row['slots']):>12} {sum(row['cache_mib']):>10.1f}   {per_gpu}")
+        if row.get("read_at"):
+            print(f"{'':<36} (read {row['read_at']})")
 
 
 def _print_check(resident: dict | None, cycle: dict, segment_mib: int) -> bool:

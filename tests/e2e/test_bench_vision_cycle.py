@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from moebus.bench.vision_cycle import cycle_ok, grown_slots, slots_per_segment
+from moebus.bench.vision_cycle import VisionStartWatch, cycle_ok, grown_slots, row_of_info, slots_per_segment
 from tests.e2e.vision_helpers import VISION_SERVE
 
 
@@ -39,6 +40,42 @@ def test_below_a_the_check_allows_what_the_worker_took_beside_its_cache():
     assert not cycle_ok([488], [657], [490], [657], [1], grown)  # above (a): one segment only
     moved = dict(before, cache_mib=[5911.0])  # a cache that changed meanwhile: no claim
     assert grown_slots(idle, moved) == [0]
+
+
+def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
+    """Thirty-sixth session: at a 4096 MiB budget the image's prefill (1.4 s) outlasted --idle-s 1, the vision
+    worker stopped and the caches began to regrow before the answer, and (c), read after it, showed 260 slots
+    against (a)'s 254: the check printed False. The watch reads (c) from the broker's INFO (each worker's last
+    VRAM reply: no worker is asked while the text's gaps are measured) as soon as the vision worker is ready."""
+    gpus = [{"gpu": 0, "expert_slots": 254, "expert_cache_mib": 2286.0, "free_mib": 634.0, "reserve_mib": 634.0,
+             "device_free_mib": 76426.6}, {"gpu": 1, "expert_slots": 120, "expert_cache_mib": 1080.0,
+                                           "free_mib": 0.0, "reserve_mib": 0.0}]
+    assert row_of_info({"gpus": gpus}) == {"slots": [254, 120], "cache_mib": [2286.0, 1080.0],
+                                           "free_mib": [634.0, 0.0], "device_free_mib": [76426.6, None]}
+    assert row_of_info({"gpus": [{"gpu": 0, "ready": True}]}) is None  # no VRAM reply yet
+    assert row_of_info({}) is None
+
+    class Broker:  # the broker's INFO through a cold start: cold, hand-back done and the worker ready, regrowing
+        def __init__(self):
+            self.replies = [{"vision_loaded": 0, "gpus": gpus}] * 3 + [{"vision_loaded": 1, "gpus": gpus}]
+            self.replies.append({"vision_loaded": 0, "gpus": [dict(gpus[0], expert_slots=298), gpus[1]]})
+            self.asked = 0
+
+        def info(self):
+            self.asked += 1
+            return self.replies[min(self.asked, len(self.replies)) - 1]
+
+    broker = Broker()
+    with VisionStartWatch(broker) as watch:
+        deadline = time.monotonic() + 5
+        while watch.row is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert watch.row["slots"] == [254, 120] and broker.asked == 4  # read once, at the first ready reply
+    idle = Broker()
+    idle.replies = idle.replies[:1]  # a request that answered before the worker was ready: no row
+    with VisionStartWatch(idle) as watch:
+        time.sleep(0.1)
+    assert watch.row is None and idle.asked >= 2
 
 
 def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
