@@ -3,7 +3,8 @@ device. Resident expert slots summed over GPUs (a) with vision resident (``visio
 (b) lazy with vision idle, (c) during an image request, (d) ``idle_s`` after it; and the cold image
 request's time split: hand-back, start, encode, prefill (to the first token), first token at the
 client; then the warm encode. Each row also gives the caches' MiB (from the workers) and, on cuda,
-the driver's free VRAM per GPU. ``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings
+the driver's free VRAM per GPU. (c) is read after the image's answer, or, where the vision worker
+stopped before it (a prefill longer than ``idle_s``), as the broker saw the caches at its start. ``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings
 ``gpu_memory_mib``), so a large GPU shows the situation where not every expert fits.
 
 Text streams decode from before the image until it has answered (bench/vision_gaps.py: each
