@@ -380,7 +380,8 @@ def _tail_line(rows: dict, args) -> str:
     if args.shrink_at is not None:
         figures = (f"{pol} {r['tail_after_shrink']:.2f}" for pol, r in rows.items())
     else:
-        figures = (f"{pol} {r['tail_median']:.2f} ({r['tail_min']:.2f}-{r['tail_max']:.2f})" for pol, r in rows.items())
+        figures = (f"{pol} {r['tail_median']:.2f} ({r['tail_min']:.2f}-{r['tail_max']:.2f})"
+                   for pol, r in rows.items())
     return "    tail: " + "  ".join(figures) + "   (step ms median: " + "  ".join(
         f"{r['step_ms_median']:.2f}" for r in rows.values()) + ")"
 

@@ -4,8 +4,9 @@ device. Resident expert slots summed over GPUs (a) with vision resident (``visio
 request's time split: hand-back, start, encode, prefill (to the first token), first token at the
 client; then the warm encode. Each row also gives the caches' MiB (from the workers) and, on cuda,
 the driver's free VRAM per GPU. (c) is read after the image's answer, or, where the vision worker
-stopped before it (a prefill longer than ``idle_s``), as the broker saw the caches at its start. ``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings
-``gpu_memory_mib``), so a large GPU shows the situation where not every expert fits.
+stopped before it (a prefill longer than ``idle_s``), as the broker saw the caches at its start.
+``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings ``gpu_memory_mib``), so a large GPU
+shows the situation where not every expert fits.
 
 Text streams decode from before the image until it has answered (bench/vision_gaps.py: each
 stream's own gaps, by phase of the cold start, beside the broker's steps). ``--cold-starts 2``
@@ -107,7 +108,10 @@ class VisionStartWatch:
 
     def _watch(self) -> None:
         while not self._done.is_set():
-            info = self.client.info()
+            try:
+                info = self.client.info()
+            except Exception:  # noqa: BLE001 - a broker that does not answer: (c) is read after the answer instead
+                return
             if info.get("vision_loaded"):
                 self.row = row_of_info(info)
                 return
