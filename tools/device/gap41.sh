@@ -8,7 +8,8 @@
 # (~6 min): gap17.sh's warm phase, then the cycle (8 x 128 A3B LLaVA so400m, 2 text streams, cold start 2 of 2,
 # every step logged) at 4096 MiB with its resident row (full), then --skip-resident at 4096 (n4k), 8192 (def),
 # 4096, 4096 (RUNS="tag:MiB[:VAR=v,...] ..."); per run the bench's lines, gap15_gaps.py's summary and resid41.py
-# (the steps against their misses). IDLE_S: the bench's --idle-s (1).
+# (the steps against their misses). IDLE_S: the bench's --idle-s (1); RUN_CAP: a run's timeout (70 s; a fresh
+# machine's first `full` run, its vision kernels compiled in the resident phase, needs ~100).
 #   bash tools/device/gap41.sh 2>&1 | tail -60      (carry .whl)
 source tools/device/setup.sh
 FINAL=$OUT; export OUT=/tmp/g41; rm -rf $OUT; mkdir -p $OUT
@@ -23,7 +24,7 @@ for run in ${RUNS:-full:4096 n4k:4096 def:8192 n4k2:4096 n4k3:4096}; do
   [ $left -lt 40 ] && { echo "$tag not run: ${left} s left"; continue; }
   skip=--skip-resident; [ $tag = full ] && skip=
   env ${vars//,/ } MOEBUS_LOG_STEPS=1 MOEBUS_LOG_GC_MS=2 MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 \
-    timeout $((left < 70 ? left : 70)) python3 -m moebus.cli bench vision-cycle --device cuda --model $V \
+    timeout $((left < ${RUN_CAP:-70} ? left : ${RUN_CAP:-70})) python3 -m moebus.cli bench vision-cycle --device cuda --model $V \
     --gpu-memory-mib $mib -v --idle-s ${IDLE_S:-1} --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
     --timeout-s 60 $skip > $L 2>&1
   echo "=== $tag ($mib MiB${vars:+, $vars}) rc=$? at ${SECONDS} s"
