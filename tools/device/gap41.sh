@@ -24,7 +24,8 @@ for run in ${RUNS:-full:4096 n4k:4096 def:8192 n4k2:4096 n4k3:4096}; do
   [ $left -lt 40 ] && { echo "$tag not run: ${left} s left"; continue; }
   skip=--skip-resident; [ $tag = full ] && skip=
   env ${vars//,/ } MOEBUS_LOG_STEPS=1 MOEBUS_LOG_GC_MS=2 MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 \
-    timeout $((left < ${RUN_CAP:-70} ? left : ${RUN_CAP:-70})) python3 -m moebus.cli bench vision-cycle --device cuda --model $V \
+    timeout $((left < ${RUN_CAP:-70} ? left : ${RUN_CAP:-70})) \
+    python3 -m moebus.cli bench vision-cycle --device cuda --model $V \
     --gpu-memory-mib $mib -v --idle-s ${IDLE_S:-1} --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
     --timeout-s 60 $skip > $L 2>&1
   echo "=== $tag ($mib MiB${vars:+, $vars}) rc=$? at ${SECONDS} s"
