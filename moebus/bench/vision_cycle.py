@@ -4,7 +4,7 @@ device. Resident expert slots summed over GPUs (a) with vision resident (``visio
 request's time split: hand-back, start, encode, prefill (to the first token), first token at the
 client; then the warm encode. Each row also gives the caches' MiB (from the workers) and, on cuda,
 the driver's free VRAM per GPU. (c) is read after the image's answer, or, where the vision worker
-stopped before it (a prefill longer than ``idle_s``), as the broker saw the caches at its start.
+stopped before it (a prefill longer than ``idle_s``), as the broker saw the caches at the hand-back's end.
 ``--gpu-memory-mib N`` gives each GPU a VRAM budget (settings ``gpu_memory_mib``), so a large GPU
 shows the situation where not every expert fits.
 
@@ -47,8 +47,9 @@ from moebus.cuda.memory.arena import segment_bytes_for
 
 
 MIB = 1 << 20
-WATCH_S = 0.05  # row (c)'s watch: the broker's INFO while the cold image runs (no worker is asked; the row holds
-# from the vision worker's start until it stops, idle_s after its encode at the earliest)
+WATCH_S = 0.02  # row (c)'s watch: the broker's INFO while the cold image runs (no worker is asked; the row holds
+# from the hand-back's end, through the vision worker's start, until it stops idle_s after its encode at the earliest)
+HANDED_BACK = ("starting", "ready")  # the broker's vision states after the hand-back's last VRAM reply
 
 
 def _image_png(size: int, seed: int) -> bytes:
@@ -86,9 +87,9 @@ def row_of_info(info: dict) -> dict | None:
 
 
 class VisionStartWatch:
-    """Row (c) as the caches stand when the cold image's vision worker is ready (its hand-back done), read
-    from the broker's INFO every WATCH_S while the request runs, so no worker is asked while the text
-    streams' gaps are measured. Where the image's prefill outlasts ``idle_s`` the vision worker stops and
+    """Row (c) as the caches stand once the cold image's hand-back is done (the vision worker starting or
+    ready), read from the broker's INFO every WATCH_S while the request runs, so no worker is asked while
+    the text streams' gaps are measured. Where the image's prefill outlasts ``idle_s`` the vision worker stops and
     the caches regrow before the request answers (thirty-sixth session: at a 4096 MiB budget, a 1.4 s
     prefill against ``--idle-s 1``), and a row read after the answer is partly (d)'s."""
 
@@ -112,7 +113,7 @@ class VisionStartWatch:
                 info = self.client.info()
             except Exception:  # noqa: BLE001 - a broker that does not answer: (c) is read after the answer instead
                 return
-            if info.get("vision_loaded"):
+            if (info.get("vision") or {}).get("state") in HANDED_BACK:
                 self.row = row_of_info(info)
                 return
             self._done.wait(WATCH_S)
@@ -262,8 +263,8 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     if vision["state"] == "ready" or watch.row is None:
         during = _row(client)  # the vision worker still loaded: the workers' own figures, after its first encode
     else:  # it stopped before the answer (the image's prefill outlasted idle_s): the caches as its start left them
-        during = dict(watch.row, read_at="at the vision worker's start, from the broker's INFO: it had stopped "
-                                         "before the image's answer (the prefill outlasted idle_s)")
+        during = dict(watch.row, read_at="at the hand-back's end, from the broker's INFO: the vision worker had "
+                                         "stopped before the image's answer (the prefill outlasted idle_s)")
     split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],
                  measured_mib=vision.get("measured_mib"))
     gaps = gap_report(streams, steady, sent, split, ended, steps, cache, control) if streams else {}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from moebus.bench.vision_cycle import VisionStartWatch, cycle_ok, grown_slots, row_of_info, slots_per_segment
-from tests.e2e.vision_helpers import VISION_SERVE
+from tests.e2e.vision_helpers import VISION_SERVE, served_vision
 
 
 def test_the_check_allows_one_segment_between_a_and_c():
@@ -46,7 +46,7 @@ def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
     """Thirty-sixth session: at a 4096 MiB budget the image's prefill (1.4 s) outlasted --idle-s 1, the vision
     worker stopped and the caches began to regrow before the answer, and (c), read after it, showed 260 slots
     against (a)'s 254: the check printed False. The watch reads (c) from the broker's INFO (each worker's last
-    VRAM reply: no worker is asked while the text's gaps are measured) as soon as the vision worker is ready."""
+    VRAM reply: no worker is asked while the text's gaps are measured) as soon as the hand-back is done."""
     gpus = [{"gpu": 0, "expert_slots": 254, "expert_cache_mib": 2286.0, "free_mib": 634.0, "reserve_mib": 634.0,
              "device_free_mib": 76426.6}, {"gpu": 1, "expert_slots": 120, "expert_cache_mib": 1080.0,
                                            "free_mib": 0.0, "reserve_mib": 0.0}]
@@ -55,10 +55,12 @@ def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
     assert row_of_info({"gpus": [{"gpu": 0, "ready": True}]}) is None  # no VRAM reply yet
     assert row_of_info({}) is None
 
-    class Broker:  # the broker's INFO through a cold start: cold, hand-back done and the worker ready, regrowing
+    class Broker:  # the broker's INFO through a cold start: cold, handing back, the worker starting, regrowing
         def __init__(self):
-            self.replies = [{"vision_loaded": 0, "gpus": gpus}] * 3 + [{"vision_loaded": 1, "gpus": gpus}]
-            self.replies.append({"vision_loaded": 0, "gpus": [dict(gpus[0], expert_slots=298), gpus[1]]})
+            before = [dict(gpus[0], expert_slots=298), gpus[1]]
+            self.replies = [{"vision": {"state": state}, "gpus": before} for state in ("cold", "handing_back")]
+            self.replies += [{"vision": {"state": "starting"}, "gpus": gpus}, {"vision": {"state": "regrowing"},
+                                                                                 "gpus": before}]
             self.asked = 0
 
         def info(self):
@@ -70,12 +72,29 @@ def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
         deadline = time.monotonic() + 5
         while watch.row is None and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert watch.row["slots"] == [254, 120] and broker.asked == 4  # read once, at the first ready reply
+    assert watch.row["slots"] == [254, 120] and broker.asked == 3  # read once, at the hand-back's end
     idle = Broker()
     idle.replies = idle.replies[:1]  # a request that answered before the worker was ready: no row
     with VisionStartWatch(idle) as watch:
         time.sleep(0.1)
     assert watch.row is None and idle.asked >= 2
+
+
+def test_the_watch_reads_the_caches_as_the_vision_workers_start_left_them(tmp_path, tiny_llava):
+    """Against a real broker: the watch's row, read from the broker's INFO while the cold image runs, is the
+    workers' own answer to a VRAM query after it (the vision worker still loaded: idle_s 1 s): gpu0 handed
+    segments back, gpu1 kept its cache."""
+    from moebus.bench.vision_cycle import _chat, _image_png
+
+    with served_vision(tmp_path, tiny_llava) as (_svc, client):
+        before = client.vram(query=True)["expert_slots"]
+        with VisionStartWatch(client) as watch:
+            _chat(client, _image_png(64, seed=0))
+        assert client.info()["vision"]["state"] == "ready"
+        after = client.vram(query=True)
+    assert watch.row is not None and watch.row["slots"] == after["expert_slots"]
+    assert watch.row["cache_mib"] == after["expert_cache_mib"]
+    assert watch.row["slots"][0] < before[0] and watch.row["slots"][1] == before[1]
 
 
 def test_the_bench_prints_the_four_rows_on_cpu(tmp_path, tiny_llava):
