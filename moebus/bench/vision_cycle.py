@@ -262,7 +262,7 @@ def _cold_request(client, image: bytes, args) -> tuple[dict, dict, dict, dict]:
     vision = client.info()["vision"]
     if vision["state"] == "ready" or watch.row is None:
         during = _row(client)  # the vision worker still loaded: the workers' own figures, after its first encode
-    else:  # it stopped before the answer (the image's prefill outlasted idle_s): the caches as its start left them
+    else:  # it stopped before the answer (the image's prefill outlasted idle_s): the caches as the hand-back left them
         during = dict(watch.row, read_at="at the hand-back's end, from the broker's INFO: the vision worker had "
                                          "stopped before the image's answer (the prefill outlasted idle_s)")
     split = dict(vision["last_cold_start"], first_token_s=first_s, vram_mib=vision["vram_mib"],

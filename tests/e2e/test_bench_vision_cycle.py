@@ -42,7 +42,7 @@ def test_below_a_the_check_allows_what_the_worker_took_beside_its_cache():
     assert grown_slots(idle, moved) == [0]
 
 
-def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
+def test_row_c_comes_from_the_brokers_info_at_the_hand_backs_end():
     """Thirty-sixth session: at a 4096 MiB budget the image's prefill (1.4 s) outlasted --idle-s 1, the vision
     worker stopped and the caches began to regrow before the answer, and (c), read after it, showed 260 slots
     against (a)'s 254: the check printed False. The watch reads (c) from the broker's INFO (each worker's last
@@ -74,19 +74,19 @@ def test_row_c_comes_from_the_brokers_info_at_the_vision_workers_start():
             time.sleep(0.01)
     assert watch.row["slots"] == [254, 120] and broker.asked == 3  # read once, at the hand-back's end
     idle = Broker()
-    idle.replies = idle.replies[:1]  # a request that answered before the worker was ready: no row
+    idle.replies = idle.replies[:1]  # a request that answered before the hand-back ended: no row
     with VisionStartWatch(idle) as watch:
         time.sleep(0.1)
     assert watch.row is None and idle.asked >= 2
 
 
-def test_the_watch_reads_the_caches_as_the_vision_workers_start_left_them(tmp_path, tiny_llava):
+def test_the_watch_reads_the_caches_as_the_hand_back_left_them(tmp_path, tiny_llava):
     """Against a real broker: the watch's row, read from the broker's INFO while the cold image runs, is the
-    workers' own answer to a VRAM query after it (the vision worker still loaded: idle_s 1 s): gpu0 handed
+    workers' own answer to a VRAM query after it (the vision worker still loaded: idle_s 30 s): gpu0 handed
     segments back, gpu1 kept its cache."""
     from moebus.bench.vision_cycle import _chat, _image_png
 
-    with served_vision(tmp_path, tiny_llava) as (_svc, client):
+    with served_vision(tmp_path, tiny_llava, idle_s=30.0) as (_svc, client):
         before = client.vram(query=True)["expert_slots"]
         with VisionStartWatch(client) as watch:
             _chat(client, _image_png(64, seed=0))
