@@ -202,9 +202,10 @@ def replay(trace: np.ndarray, num_experts: int, fraction: float | None, policy: 
     a shrink the same from it on, the slowest 10% of those steps' experts (``after_p90``) too. With a
     ``step_model`` the routing's own tail as well (``tail_ratios``)."""
     per_step = replay_steps(trace, num_experts, fraction, policy, slots, shrink_at, shrink_to, landing)
-    out = _summary(per_step, len(trace) // 10, shrink_at)
+    warmup = len(trace) // 10
+    out = _summary(per_step, warmup, shrink_at)
     if step_model is not None:
-        out.update(tail_ratios(per_step, step_model, window, len(trace) // 10, shrink_at))
+        out.update(tail_ratios(per_step, step_model, window, warmup, shrink_at))
     return out
 
 

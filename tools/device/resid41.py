@@ -11,17 +11,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import re
-from datetime import datetime
 
 import numpy as np
+from gap15_gaps import SENT, seconds  # beside this script: the image's send line, the log's stamps
 
-SENT = re.compile(r"the image was sent at (\S+ \S+)")
 STEP = re.compile(r"^(\S+ \S+) .*step \d+: 2 tokens, ([\d.]+) ms, ([-\d.]+) ms after the last; (\d+) misses, "
                   r"([\d.]+) MiB")
-
-
-def seconds(stamp: str) -> float:
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def main() -> None:
