@@ -22,7 +22,7 @@ for run in ${RUNS:-full:4096 n4k:4096 def:8192 n4k2:4096 n4k3:4096}; do
   tag=${run%%:*}; mib=${run#*:}; vars=; [ "${mib#*:}" != "$mib" ] && { vars=${mib#*:}; mib=${mib%%:*}; }
   left=$((BUDGET - SECONDS)); L=$OUT/cycle_budget256_$tag.log
   [ $left -lt 40 ] && { echo "$tag not run: ${left} s left"; continue; }
-  skip=--skip-resident; [ $tag = full ] && skip=
+  skip=--skip-resident; case $tag in full*) skip= ;; esac
   env ${vars//,/ } MOEBUS_LOG_STEPS=1 MOEBUS_LOG_GC_MS=2 MOEBUS_MAX_PREFILL_COPY_MIB_BESIDE_DECODE=256 \
     timeout $((left < ${RUN_CAP:-70} ? left : ${RUN_CAP:-70})) \
     python3 -m moebus.cli bench vision-cycle --device cuda --model $V \
