@@ -6,10 +6,11 @@
 # step at 1.6-2.0x the cycle's median at 753 slots (--gpu-memory-mib 8192: the image's 45 slots are +4 misses a step
 # there) and at 1.3-1.6x at ~300 slots (4096: a step reads ~4x the experts, their spread a smaller share). One call
 # (~6 min): gap17.sh's warm phase, then the cycle (8 x 128 A3B LLaVA so400m, 2 text streams, cold start 2 of 2,
-# every step logged) at 4096 MiB with its resident row (full), then --skip-resident at 4096 (n4k), 8192 (def),
-# 4096, 4096 (RUNS="tag:MiB[:VAR=v,...] ..."; a tag beginning full reads the resident row); per run the bench's lines, gap15_gaps.py's summary and resid41.py
-# (the steps against their misses). IDLE_S: the bench's --idle-s (1); RUN_CAP: a run's timeout (70 s; a fresh
-# machine's first `full` run, its vision kernels compiled in the resident phase, needs ~100).
+# every step logged) at 4096 MiB with its resident row (full), then --skip-resident at 4096 (n4k), 8192 (def), 4096,
+# 4096 (RUNS="tag:MiB[:VAR=v,...] ..."; a tag beginning full reads the resident row); per run the bench's lines,
+# gap15_gaps.py's summary and resid41.py (the steps against their misses). IDLE_S: the bench's --idle-s (1); RUN_CAP: a
+# run's timeout (70 s; a fresh machine's first `full` run, its vision kernels compiled in the resident phase, needs
+# ~100).
 #   bash tools/device/gap41.sh 2>&1 | tail -60      (carry .whl)
 source tools/device/setup.sh
 FINAL=$OUT; export OUT=/tmp/g41; rm -rf $OUT; mkdir -p $OUT
