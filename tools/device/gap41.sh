@@ -30,7 +30,7 @@ for run in ${RUNS:-full:4096 n4k:4096 def:8192 n4k2:4096 n4k3:4096}; do
     --gpu-memory-mib $mib -v --idle-s ${IDLE_S:-1} --repeats 1 --text-streams 2 --cold-starts 2 --max-batch 4 \
     --timeout-s 60 $skip > $L 2>&1
   echo "=== $tag ($mib MiB${vars:+, $vars}) rc=$? at ${SECONDS} s"
-  grep -vE "^\{" $L | grep -E "^\(|^  \(|^ *\([a-d]\)|over the cycle|own share|own tail" | cut -c1-230
+  grep -vE "^\{" $L | grep -E "^\(|^  \(|^ *\([a-d]\)|^ +\(read |over the cycle|own share|own tail" | cut -c1-230
   timeout 10 python3 tools/device/gap15_gaps.py $L --summary $tag 2>&1 | head -2 | cut -c1-250
   timeout 10 python3 tools/device/resid41.py $L 2>&1 | cut -c1-250
   grep -E "Traceback|ERROR|CUDA_ERROR" $L | grep -v NOT_READY | head -3 | cut -c1-200
