@@ -1,7 +1,8 @@
 """The docs are kept true by this test: every settings key is in docs/config.md with its default,
 its environment form and its unit; every exported metric, every HTTP endpoint and every CLI flag is
 in the docs (metrics and endpoints in docs/, endpoints and commands also on the README's command
-lines). A failure lists exactly what is missing, one line each."""
+lines), and every ``MOEBUS_*`` environment variable the code reads is named in docs/ or the README. A failure
+lists exactly what is missing, one line each."""
 from __future__ import annotations
 
 import json
@@ -117,6 +118,25 @@ def test_every_exported_metric_is_in_the_docs():
     missing = sorted(n for n in exported_metrics() if not re.search(rf"`{re.escape(n)}(\{{|`)", text))
     if missing:
         pytest.fail(report([f"docs/: metric `{n}`" for n in missing]), pytrace=False)
+
+
+# -- environment knobs ---------------------------------------------------------------------------
+
+def environment_knobs() -> set[str]:
+    """Every ``MOEBUS_<NAME>`` spelled out in the package's source (a settings key's environment form is one too)."""
+    names = set()
+    for path in (ROOT / "moebus").rglob("*.py"):
+        names |= set(re.findall(r"\bMOEBUS_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    return names
+
+
+def test_every_environment_knob_is_in_the_docs():
+    text = docs_text() + ROOT.joinpath("README.md").read_text()
+    found = environment_knobs()
+    assert len(found) > 50  # the scan reads the package
+    missing = sorted(n for n in found if not re.search(rf"\b{n}\b", text))
+    if missing:
+        pytest.fail(report([f"docs/ or README: environment variable `{n}`" for n in missing]), pytrace=False)
 
 
 # -- HTTP endpoints ------------------------------------------------------------------------------
